@@ -1,0 +1,131 @@
+"""Dynamo-compatible block hashing: position-independent local hashes and rolling sequence hashes.
+
+Local hash of a block = XXH3-64 (seed 1337, optionally mixed with a LoRA name and a cache namespace)
+over its tokens as little-endian u32 values; a trailing partial block has no hash. The sequence hash
+chains them so that equal values mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+
+import xxhash
+
+from kvemu.errors import InvalidArgument
+
+__all__ = [
+    "BASE_SEED",
+    "U64_MASK",
+    "block_seed",
+    "local_block_hashes",
+    "sequence_hashes",
+    "extend_sequence_hashes",
+    "mm_hash_from_identifier",
+    "to_u64",
+]
+
+BASE_SEED = 1337
+U64_MASK = (1 << 64) - 1
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_pair = struct.Struct("<QQ").pack
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def to_u64(value: int) -> int:
+    """Reinterpret a signed or unsigned 64-bit integer as u64 (two's complement), as wire hashes need."""
+    return value & U64_MASK
+
+
+def block_seed(lora_name: str | None = None, cache_namespace: str | None = None) -> int:
+    """Seed for local hashes of one request: 1337, plus the LoRA and namespace mixes (empty = absent)."""
+    seed = BASE_SEED
+    if lora_name:
+        seed = (seed + _xxh3(lora_name.encode(), 0)) & U64_MASK
+    if cache_namespace:
+        seed = (seed + _xxh3(cache_namespace.encode(), 1)) & U64_MASK
+    return seed
+
+
+def mm_hash_from_identifier(identifier: str) -> int:
+    """Map a multimodal object identifier to its u64 hash (64 hex chars: first 16; else XXH3 seed 0)."""
+    if len(identifier) == 64:
+        try:
+            return int(identifier[:16], 16)
+        except ValueError:
+            pass
+    return _xxh3(identifier.encode(), 0)
+
+
+def _token_bytes(tokens: Sequence[int], count: int) -> bytes:
+    try:
+        buf = array("I", tokens[:count] if len(tokens) != count else tokens)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidArgument(f"tokens: every token id must be an integer in [0, 2**32): {exc}") from None
+    if buf.itemsize != 4:  # pragma: no cover - exotic platforms
+        buf = array("L", buf)
+    if _BIG_ENDIAN:  # pragma: no cover
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def local_block_hashes(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+    seed: int | None = None,
+    block_mm_hashes: Mapping[int, Iterable[int]] | None = None,
+    eagle: bool = False,
+) -> list[int]:
+    """Local (chunk) hashes of the full blocks of ``tokens``.
+
+    ``block_mm_hashes`` maps a block index to the u64 hashes of the multimodal objects in it; they are
+    appended (sorted ascending, little-endian u64) to that block's token bytes. ``eagle`` hashes windows
+    of ``block_size + 1`` tokens with stride ``block_size``.
+    """
+    if block_size <= 0:
+        raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
+    if seed is None:
+        seed = block_seed(lora_name, cache_namespace)
+    if eagle:
+        n = max(0, (len(tokens) - 1) // block_size)
+        window = block_size + 1
+        data = _token_bytes(tokens, n * block_size + 1 if n else 0)
+        step = block_size * 4
+        width = window * 4
+        out = [_xxh3(data[i * step : i * step + width], seed) for i in range(n)]
+    else:
+        n = len(tokens) // block_size
+        data = _token_bytes(tokens, n * block_size)
+        step = block_size * 4
+        out = [_xxh3(data[i : i + step], seed) for i in range(0, n * step, step)]
+    if block_mm_hashes:
+        for idx, mm in block_mm_hashes.items():
+            if 0 <= idx < n:
+                lo = idx * block_size * 4
+                width = (block_size + 1) * 4 if eagle else block_size * 4
+                extra = b"".join(struct.pack("<Q", to_u64(h)) for h in sorted(to_u64(h) for h in mm))
+                if extra:
+                    out[idx] = _xxh3(data[lo : lo + width] + extra, seed)
+    return out
+
+
+def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
+    """Rolling sequence hashes: ``seq[0] = local[0]``, ``seq[i] = XXH3(le(seq[i-1]) || le(local[i]), 1337)``."""
+    return extend_sequence_hashes(None, local_hashes)
+
+
+def extend_sequence_hashes(parent: int | None, local_hashes: Sequence[int]) -> list[int]:
+    """Sequence hashes of ``local_hashes`` continuing a chain whose last sequence hash is ``parent``."""
+    out: list[int] = []
+    append = out.append
+    prev = parent
+    for h in local_hashes:
+        prev = h if prev is None else _xxh3(_pack_pair(prev, h), BASE_SEED)
+        append(prev)
+    return out
