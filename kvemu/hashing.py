@@ -62,13 +62,15 @@ def mm_hash_from_identifier(identifier: str) -> int:
 
 def _token_bytes(tokens: Sequence[int], count: int) -> bytes:
     try:
-        buf = array("I", tokens[:count] if len(tokens) != count else tokens)
+        buf = array("I", tokens)  # every token is validated, also those of a trailing partial block
     except (OverflowError, TypeError) as exc:
         raise InvalidArgument(f"tokens: every token id must be an integer in [0, 2**32): {exc}") from None
     if buf.itemsize != 4:  # pragma: no cover - exotic platforms
         buf = array("L", buf)
     if _BIG_ENDIAN:  # pragma: no cover
         buf.byteswap()
+    if len(buf) != count:
+        del buf[count:]
     return buf.tobytes()
 
 

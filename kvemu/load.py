@@ -1,0 +1,211 @@
+"""Active-load tracking per ``(worker, dp_rank)``: booked requests, their prefill tokens and active blocks.
+
+Blocks are the router's sequence hashes of each request's prompt blocks, reference-counted so that a
+prefix shared by live requests counts once. Because sequence hashes name whole prefixes, a rank's active
+set is prefix-closed, which lets a projection find a request's already-active blocks by binary search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from kvemu.errors import BookingFailed, InvalidArgument
+from kvemu.index import WorkerKey
+
+__all__ = ["RankLoad", "LoadTracker", "LoadProjection", "active_prefix_len"]
+
+
+def active_prefix_len(refs: dict[int, int], seq_hashes: Sequence[int]) -> int:
+    """Length of the longest prefix of ``seq_hashes`` present in ``refs`` (prefix-closed set)."""
+    lo, hi = 0, len(seq_hashes)
+    if not refs or not hi or seq_hashes[0] not in refs:
+        return 0
+    if seq_hashes[hi - 1] in refs:
+        return hi
+    lo = 1
+    hi -= 1
+    while lo < hi:  # invariant: seq[lo-1] present, seq[hi] absent
+        mid = (lo + hi) >> 1
+        if seq_hashes[mid] in refs:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+class _Booking:
+    __slots__ = ("key", "blocks", "prefill_tokens", "output_weight", "created_ns")
+
+    def __init__(self, key: WorkerKey, blocks: list[int], prefill_tokens: int, created_ns: int) -> None:
+        self.key = key
+        self.blocks = blocks
+        self.prefill_tokens = prefill_tokens
+        self.output_weight = 0.0
+        self.created_ns = created_ns
+
+
+class RankLoad:
+    """Load of one rank: live requests, prefill backlog and reference-counted active blocks."""
+
+    __slots__ = ("block_refs", "active_prefill_tokens", "active_requests", "output_blocks", "prefilling")
+
+    def __init__(self) -> None:
+        self.block_refs: dict[int, int] = {}
+        self.active_prefill_tokens = 0
+        self.active_requests = 0
+        self.output_blocks = 0.0
+        self.prefilling = 0
+
+    @property
+    def active_decode_blocks(self) -> float:
+        """Distinct active prompt blocks plus (weighted) output blocks."""
+        return len(self.block_refs) + self.output_blocks
+
+
+class LoadProjection(NamedTuple):
+    """A rank's load if a candidate request were added to it (Dynamo's ``WorkerLoadProjection``)."""
+
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: float
+    additional_active_blocks: int
+    active_requests: int
+
+    @property
+    def potential_decode_blocks(self) -> float:
+        """Active decode blocks after adding the request's blocks that are not active yet."""
+        return self.active_decode_blocks + self.additional_active_blocks
+
+
+class LoadTracker:
+    """Bookings of routed requests on ranks; the router books after a dispatch is accepted."""
+
+    def __init__(self) -> None:
+        self._ranks: dict[WorkerKey, RankLoad] = {}
+        self._bookings: dict[str, _Booking] = {}
+
+    def rank(self, key: WorkerKey) -> RankLoad | None:
+        """The rank's load, or ``None`` if nothing was ever booked on it."""
+        return self._ranks.get(key)
+
+    def ranks(self) -> dict[WorkerKey, RankLoad]:
+        """Live view of all rank loads (do not mutate)."""
+        return self._ranks
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._bookings
+
+    def __len__(self) -> int:
+        return len(self._bookings)
+
+    def booked_rank(self, request_id: str) -> WorkerKey | None:
+        """Where a request is booked, or ``None``."""
+        b = self._bookings.get(request_id)
+        return None if b is None else b.key
+
+    def add(
+        self,
+        request_id: str,
+        key: WorkerKey,
+        block_ids: Sequence[int],
+        prefill_tokens: int,
+        *,
+        now_ns: int = 0,
+    ) -> None:
+        """Book a request on a rank: acquire its prompt blocks and register its effective prefill tokens.
+
+        A request id may hold one booking; a second raises ``BookingFailed`` and changes nothing.
+        """
+        if request_id in self._bookings:
+            raise BookingFailed(f"request {request_id!r} is already booked on {self._bookings[request_id].key}")
+        if prefill_tokens < 0:
+            raise InvalidArgument(f"request {request_id!r}: prefill_tokens must be >= 0, got {prefill_tokens}")
+        load = self._ranks.get(key)
+        if load is None:
+            load = self._ranks[key] = RankLoad()
+        blocks = list(block_ids)
+        refs = load.block_refs
+        for h in blocks:
+            refs[h] = refs.get(h, 0) + 1
+        load.active_requests += 1
+        if prefill_tokens:
+            load.active_prefill_tokens += prefill_tokens
+            load.prefilling += 1
+        self._bookings[request_id] = _Booking(key, blocks, prefill_tokens, now_ns)
+
+    def mark_prefill_completed(self, request_id: str) -> bool:
+        """Drop the request's prefill tokens (first token seen); its blocks stay active. False if unknown."""
+        b = self._bookings.get(request_id)
+        if b is None or not b.prefill_tokens:
+            return False
+        load = self._ranks[b.key]
+        load.active_prefill_tokens -= b.prefill_tokens
+        load.prefilling -= 1
+        b.prefill_tokens = 0
+        return True
+
+    def add_output_block(self, request_id: str, weight: float = 1.0) -> bool:
+        """Count one more generated block (optionally fractional) for the request. False if unknown."""
+        b = self._bookings.get(request_id)
+        if b is None:
+            return False
+        b.output_weight += weight
+        self._ranks[b.key].output_blocks += weight
+        return True
+
+    def free(self, request_id: str) -> WorkerKey | None:
+        """Release everything the request holds; returns its rank, or ``None`` if it was not booked."""
+        b = self._bookings.pop(request_id, None)
+        if b is None:
+            return None
+        load = self._ranks[b.key]
+        refs = load.block_refs
+        for h in b.blocks:
+            c = refs[h] - 1
+            if c:
+                refs[h] = c
+            else:
+                del refs[h]
+        if b.prefill_tokens:
+            load.active_prefill_tokens -= b.prefill_tokens
+            load.prefilling -= 1
+        load.active_requests -= 1
+        load.output_blocks = load.output_blocks - b.output_weight if load.active_requests else 0.0
+        return b.key
+
+    def drop_worker(self, worker_id: int) -> list[str]:
+        """Free every booking on any rank of ``worker_id``; returns the freed request ids (sorted)."""
+        ids = sorted(r for r, b in self._bookings.items() if b.key[0] == worker_id)
+        for r in ids:
+            self.free(r)
+        for key in [k for k in self._ranks if k[0] == worker_id]:
+            del self._ranks[key]
+        return ids
+
+    def expire(self, now_ns: int, horizon_ns: int) -> list[str]:
+        """Force-free bookings older than ``horizon_ns`` (stale requests); returns their ids, sorted."""
+        ids = sorted(r for r, b in self._bookings.items() if now_ns - b.created_ns > horizon_ns)
+        for r in ids:
+            self.free(r)
+        return ids
+
+    def project(self, key: WorkerKey, seq_hashes: Sequence[int]) -> LoadProjection:
+        """The rank's load if a request with these prompt sequence hashes were added to it."""
+        load = self._ranks.get(key)
+        if load is None:
+            return LoadProjection(key[0], key[1], 0, 0.0, len(seq_hashes), 0)
+        shared = active_prefix_len(load.block_refs, seq_hashes)
+        return LoadProjection(
+            key[0],
+            key[1],
+            load.active_prefill_tokens,
+            load.active_decode_blocks,
+            len(seq_hashes) - shared,
+            load.active_requests,
+        )
+
+    def potential_loads(self, keys: Iterable[WorkerKey], seq_hashes: Sequence[int]) -> list[LoadProjection]:
+        """``project`` for each key, in the given order."""
+        return [self.project(k, seq_hashes) for k in keys]

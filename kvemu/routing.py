@@ -1,0 +1,228 @@
+"""``RoutingCore``: the sans-IO routing policy a router actor or an external simulation host drives.
+
+It owns the registry, the prefix index (KV-event fed, or approximate), the load tracker, the
+selector and a seeded random generator, and is told the time through its clock. The lifecycle is
+``prepare`` → ``eligibility().….build()`` → ``select`` → (dispatch accepted) ``book`` →
+``prefill_complete`` → ``free``. Selection never changes state; booking is the host's decision.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from kvemu.approx import ApproxIndex
+from kvemu.clock import Clock, ManualClock
+from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
+from kvemu.eligibility import Candidates, EligibilityBuilder
+from kvemu.errors import InvalidArgument
+from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
+from kvemu.index import PrefixIndex, WorkerKey
+from kvemu.load import LoadProjection, LoadTracker
+from kvemu.policy import CustomPolicy, PolicyContext
+from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS, WorkerRegistry, WorkerSpec
+from kvemu.selector import DefaultWorkerSelector, Selection, TierHits, evaluate, taint_factors
+
+__all__ = ["PreparedRequest", "RoutingCore"]
+
+
+class PreparedRequest(NamedTuple):
+    """A request reduced to what routing needs: its block hashes, length and effective config."""
+
+    isl: int
+    local_hashes: list[int]
+    seq_hashes: list[int]
+    config: RouterConfig
+    request_id: str | None = None
+    session_id: str | None = None
+    preferred_taints: Mapping[str, float] | None = None
+    tiers: TierHits | None = None
+
+
+class RoutingCore:
+    """Registry + index + load + selector for one worker pool (aggregated, prefill or decode)."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        config: RouterConfig | None = None,
+        clock: Clock | None = None,
+        seed: int = 0,
+        busy: BusyThresholds | None = None,
+        policy: CustomPolicy | None = None,
+        pool: str = "aggregated",
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.config = config or RouterConfig()
+        self.clock = clock or ManualClock()
+        self.rng = random.Random(seed)
+        self.busy = busy or BusyThresholds()
+        self.policy = policy
+        self.pool = pool
+        self.registry = WorkerRegistry()
+        self.load = LoadTracker()
+        self.selector = DefaultWorkerSelector()
+        self.approx: ApproxIndex | None = None
+        if self.config.use_kv_events:
+            self.index = PrefixIndex()
+        else:
+            self.approx = ApproxIndex(
+                self.clock,
+                ttl_secs=self.config.router_ttl_secs,
+                max_tree_size=self.config.router_max_tree_size,
+                prune_target_ratio=self.config.router_prune_target_ratio,
+            )
+            self.index = self.approx.index
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, spec: WorkerSpec) -> None:
+        """Register a worker; its block size, if announced, must equal the router's."""
+        if spec.block_size is not None and spec.block_size != self.block_size:
+            raise InvalidArgument(
+                f"worker {spec.worker_id} announces block_size {spec.block_size} but the router uses "
+                f"{self.block_size}; prefix matching would silently find nothing"
+            )
+        self.registry.add(spec)
+
+    def remove_worker(self, worker_id: int) -> list[str]:
+        """Forget a worker everywhere; returns the request ids whose bookings were dropped."""
+        self.registry.remove(worker_id)
+        if self.approx is not None:
+            self.approx.remove_worker(worker_id)
+        else:
+            self.index.remove_worker(worker_id)
+        return self.load.drop_worker(worker_id)
+
+    # ------------------------------------------------------------------ requests
+
+    def prepare(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        local_hashes: Sequence[int] | None = None,
+        isl: int | None = None,
+        lora_name: str | None = None,
+        cache_namespace: str | None = None,
+        overrides: RouterOverrides | None = None,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        preferred_taints: Mapping[str, float] | None = None,
+        tiers: TierHits | None = None,
+    ) -> PreparedRequest:
+        """Hash a request once: local hashes for the index, sequence hashes for load tracking."""
+        if local_hashes is None:
+            if tokens is None:
+                raise InvalidArgument("prepare needs tokens or local_hashes")
+            if not tokens:
+                raise InvalidArgument("tokens: the prompt is empty")
+            seed = block_seed(lora_name, cache_namespace)
+            locs = local_block_hashes(tokens, self.block_size, seed=seed)
+            if isl is None:
+                isl = len(tokens)
+        else:
+            locs = list(local_hashes)
+            if isl is None:
+                isl = len(locs) * self.block_size
+        if isl < 0:
+            raise InvalidArgument(f"isl must be >= 0, got {isl}")
+        return PreparedRequest(
+            isl,
+            locs,
+            sequence_hashes(locs),
+            self.config.with_overrides(overrides),
+            request_id,
+            session_id,
+            preferred_taints,
+            tiers,
+        )
+
+    def eligibility(self) -> EligibilityBuilder:
+        """A fresh builder bound to this core's registry and busy thresholds."""
+        return EligibilityBuilder(self.registry, self._is_overloaded if self.busy.enabled else None)
+
+    def overlaps(self, request: PreparedRequest) -> dict[WorkerKey, int]:
+        """Cached prefix depth per rank for the request."""
+        if self.approx is not None:
+            return self.approx.find_matches(request.local_hashes)
+        return self.index.find_matches(request.local_hashes)
+
+    def select(self, request: PreparedRequest, candidates: Candidates | None = None) -> Selection:
+        """Score the candidates and pick one; changes no state (the generator aside)."""
+        if candidates is None:
+            candidates = self.eligibility().build()
+        config = request.config
+        custom = self.policy is not None and candidates.pinned is None
+        ranks = candidates.ranks if custom else candidates.for_default_selector()
+        taint = None
+        if request.preferred_taints:
+            taint = taint_factors(
+                ranks, request.preferred_taints, {s.worker_id: s.taints for s in self.registry.specs()}
+            )
+        evaluation = evaluate(
+            ranks,
+            isl=request.isl,
+            block_size=self.block_size,
+            overlaps=self.overlaps(request),
+            seq_hashes=request.seq_hashes,
+            load=self.load,
+            config=config,
+            tiers=request.tiers,
+            taint_factor=taint,
+            decode_pool=self.pool == "decode",
+        )
+        if custom:
+            target = candidates.affinity_target if candidates.affinity_ranks else None
+            ctx = PolicyContext(
+                request.isl, self.block_size, request.request_id, request.session_id, target, candidates.pinned
+            )
+            return self.policy.select(ctx, candidates, evaluation, self.rng)  # type: ignore[union-attr]
+        return self.selector.select(candidates, evaluation, config, self.rng)
+
+    def book(self, request_id: str, selection: Selection, request: PreparedRequest) -> None:
+        """Book the request's load on the selected rank (call once the worker accepted the dispatch)."""
+        config = request.config
+        blocks: Sequence[int] = ()
+        if config.router_track_active_blocks:
+            blocks = request.seq_hashes
+            if not config.router_assume_kv_reuse:
+                blocks = [self.rng.getrandbits(64) for _ in blocks]
+        prefill = selection.prefill_tokens if config.router_track_prefill_tokens else 0
+        self.load.add(request_id, selection.key, blocks, prefill, now_ns=self.clock.now_ns())
+        if self.approx is not None:
+            self.approx.record(selection.worker_id, selection.dp_rank, request.local_hashes, request.seq_hashes)
+
+    def prefill_complete(self, request_id: str) -> bool:
+        """The request's first token arrived: its prefill no longer loads the rank."""
+        return self.load.mark_prefill_completed(request_id)
+
+    def free(self, request_id: str) -> WorkerKey | None:
+        """The request finished (or failed): release its load; returns the rank it was on."""
+        return self.load.free(request_id)
+
+    def potential_loads(self, request: PreparedRequest, ranks: Sequence[WorkerKey] | None = None) -> list[LoadProjection]:
+        """Each rank's load if the request were added (Dynamo's ``get_potential_loads``)."""
+        keys = self.registry.rank_keys() if ranks is None else ranks
+        return self.load.potential_loads(keys, request.seq_hashes)
+
+    def _is_overloaded(self, key: WorkerKey) -> bool:
+        rl = self.load.rank(key)
+        if rl is None:
+            return False
+        busy = self.busy
+        p = rl.active_prefill_tokens
+        if busy.active_prefill_tokens is not None and p > busy.active_prefill_tokens:
+            return True
+        spec = self.registry.get(key[0])
+        if busy.active_prefill_tokens_frac is not None:
+            cap = (spec.max_num_batched_tokens if spec else None) or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if p > busy.active_prefill_tokens_frac * cap:
+                return True
+        if busy.active_decode_blocks_frac is not None and spec is not None and spec.total_kv_blocks:
+            if rl.active_decode_blocks > busy.active_decode_blocks_frac * spec.total_kv_blocks:
+                return True
+        return False

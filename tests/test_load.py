@@ -1,0 +1,128 @@
+"""Active-load tracking: booking lifecycle, dedup of shared blocks, projections, and a model check."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvemu.errors import BookingFailed, InvalidArgument
+from kvemu.hashing import sequence_hashes
+from kvemu.load import LoadTracker, active_prefix_len
+
+
+def test_lifecycle_add_prefill_complete_free():
+    t = LoadTracker()
+    t.add("r1", (1, 0), [10, 11, 12], 100)
+    t.add("r2", (1, 0), [10, 11, 13], 40)  # shares two blocks with r1
+    rl = t.rank((1, 0))
+    assert rl.active_prefill_tokens == 140 and rl.active_decode_blocks == 4 and rl.active_requests == 2
+    assert t.mark_prefill_completed("r1") is True
+    assert t.mark_prefill_completed("r1") is False  # only once
+    assert rl.active_prefill_tokens == 40 and rl.active_decode_blocks == 4
+    assert t.free("r2") == (1, 0)
+    assert rl.active_prefill_tokens == 0 and rl.active_decode_blocks == 3 and rl.active_requests == 1
+    assert t.free("r2") is None
+    t.free("r1")
+    assert rl.active_decode_blocks == 0 and rl.active_requests == 0 and len(t) == 0
+
+
+def test_double_booking_is_rejected_without_change():
+    t = LoadTracker()
+    t.add("r1", (1, 0), [1], 5)
+    with pytest.raises(BookingFailed, match="'r1' is already booked on \\(1, 0\\)"):
+        t.add("r1", (2, 0), [2], 5)
+    assert t.rank((2, 0)) is None and t.rank((1, 0)).active_prefill_tokens == 5
+    with pytest.raises(InvalidArgument, match="prefill_tokens"):
+        t.add("r9", (1, 0), [], -1)
+
+
+def test_projection_counts_only_blocks_not_already_active():
+    seqs = sequence_hashes(list(range(100, 110)))
+    t = LoadTracker()
+    t.add("r1", (1, 0), seqs[:4], 0)
+    p = t.project((1, 0), seqs)
+    assert (p.active_decode_blocks, p.additional_active_blocks, p.potential_decode_blocks) == (4, 6, 10)
+    empty = t.project((2, 0), seqs)
+    assert empty.additional_active_blocks == 10 and empty.active_requests == 0
+    assert [x.dp_rank for x in t.potential_loads([(1, 0), (1, 1)], seqs)] == [0, 1]
+
+
+def test_output_blocks_weigh_decode_and_are_released():
+    t = LoadTracker()
+    t.add("r1", (1, 0), [1, 2], 0)
+    t.add_output_block("r1")
+    t.add_output_block("r1", 0.5)
+    assert t.rank((1, 0)).active_decode_blocks == pytest.approx(3.5)
+    t.free("r1")
+    assert t.rank((1, 0)).active_decode_blocks == 0
+
+
+def test_expire_and_drop_worker():
+    t = LoadTracker()
+    t.add("old", (1, 0), [1], 5, now_ns=0)
+    t.add("new", (1, 1), [1], 5, now_ns=900)
+    t.add("other", (2, 0), [1], 5, now_ns=0)
+    assert t.expire(now_ns=1000, horizon_ns=500) == ["old", "other"]
+    assert t.drop_worker(1) == ["new"]
+    assert t.rank((1, 1)) is None and len(t) == 0
+
+
+@pytest.mark.parametrize("present", range(0, 9))
+def test_active_prefix_len(present):
+    seqs = list(range(8))
+    refs = {s: 1 for s in seqs[:present]}
+    assert active_prefix_len(refs, seqs) == min(present, 8)
+
+
+class LoadMachine(RuleBasedStateMachine):
+    """LoadTracker against a model that recomputes everything from the list of live bookings."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = LoadTracker()
+        self.live: dict[str, tuple[tuple[int, int], list[int], int]] = {}
+        self.n = 0
+        self.prompts = [sequence_hashes([p % 3, p % 5, p, p + 1, p + 2]) for p in range(6)]
+
+    @rule(rank=st.sampled_from([(1, 0), (1, 1), (2, 0)]), p=st.integers(0, 5), cut=st.integers(1, 5),
+          prefill=st.integers(0, 300))
+    def add(self, rank, p, cut, prefill):
+        rid = f"r{self.n}"
+        self.n += 1
+        blocks = self.prompts[p][:cut]
+        self.t.add(rid, rank, blocks, prefill)
+        self.live[rid] = (rank, blocks, prefill)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def prefill_done(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        rank, blocks, prefill = self.live[rid]
+        assert self.t.mark_prefill_completed(rid) is (prefill > 0)
+        self.live[rid] = (rank, blocks, 0)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        assert self.t.free(rid) == self.live.pop(rid)[0]
+
+    @invariant()
+    def loads_match_model(self):
+        for rank in [(1, 0), (1, 1), (2, 0)]:
+            mine = [v for v in self.live.values() if v[0] == rank]
+            distinct = {b for v in mine for b in v[1]}
+            rl = self.t.rank(rank)
+            if rl is None:
+                assert not mine
+                continue
+            assert rl.active_requests == len(mine)
+            assert rl.active_prefill_tokens == sum(v[2] for v in mine)
+            assert rl.active_decode_blocks == len(distinct)
+            for prompt in self.prompts:
+                expected = sum(1 for b in prompt if b not in distinct)
+                assert self.t.project(rank, prompt).additional_active_blocks == expected
+
+
+TestLoadMachine = LoadMachine.TestCase
+TestLoadMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
