@@ -17,6 +17,7 @@ from kvemu.clock import Clock, ManualClock
 from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
 from kvemu.eligibility import Candidates, EligibilityBuilder
 from kvemu.errors import InvalidArgument
+from kvemu.events import RouterEvent, StorageTier, apply_event
 from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
@@ -67,6 +68,8 @@ class RoutingCore:
         self.load = LoadTracker()
         self.selector = DefaultWorkerSelector()
         self.approx: ApproxIndex | None = None
+        self.tier_indexes: dict[StorageTier, PrefixIndex] = {}
+        """Lower-tier (host, disk, external) prefix indexes, created by the first event for a tier."""
         if self.config.use_kv_events:
             self.index = PrefixIndex()
         else:
@@ -92,11 +95,49 @@ class RoutingCore:
     def remove_worker(self, worker_id: int) -> list[str]:
         """Forget a worker everywhere; returns the request ids whose bookings were dropped."""
         self.registry.remove(worker_id)
+        for tier_index in self.tier_indexes.values():
+            tier_index.remove_worker(worker_id)
         if self.approx is not None:
             self.approx.remove_worker(worker_id)
         else:
             self.index.remove_worker(worker_id)
         return self.load.drop_worker(worker_id)
+
+    def apply_event(self, event: RouterEvent) -> None:
+        """Apply a KV event to the index of its tier; raises ``KvCacheEventError`` on a bad event."""
+        if event.tier is StorageTier.DEVICE:
+            if self.approx is not None:
+                raise InvalidArgument(
+                    f"KV event from worker {event.worker_id}: this router runs without KV events "
+                    "(use_kv_events=False) and learns from its own routing decisions"
+                )
+            apply_event(self.index, event)
+            return
+        tier_index = self.tier_indexes.get(event.tier)
+        if tier_index is None:
+            tier_index = self.tier_indexes[event.tier] = PrefixIndex()
+        apply_event(tier_index, event)
+
+    def tier_hits(self, request: PreparedRequest, device: dict[WorkerKey, int]) -> TierHits | None:
+        """Lower-tier extension hits per rank: blocks cached beyond what the faster tiers already hold."""
+        if not self.tier_indexes:
+            return None
+        locs = request.local_hashes
+        host = self.tier_indexes.get(StorageTier.HOST_PINNED)
+        host_depth = host.find_matches(locs) if host is not None else {}
+        slow: dict[WorkerKey, int] = {}
+        for tier in (StorageTier.DISK, StorageTier.EXTERNAL):
+            tier_index = self.tier_indexes.get(tier)
+            if tier_index is not None:
+                for key, depth in tier_index.find_matches(locs).items():
+                    slow[key] = max(slow.get(key, 0), depth)
+        host_ext = {k: d - device.get(k, 0) for k, d in host_depth.items() if d > device.get(k, 0)}
+        disk_ext: dict[WorkerKey, int] = {}
+        for key, depth in slow.items():
+            ahead = max(device.get(key, 0), host_depth.get(key, 0))
+            if depth > ahead:
+                disk_ext[key] = depth - ahead
+        return TierHits(host=host_ext, disk=disk_ext)
 
     # ------------------------------------------------------------------ requests
 
@@ -163,15 +204,17 @@ class RoutingCore:
             taint = taint_factors(
                 ranks, request.preferred_taints, {s.worker_id: s.taints for s in self.registry.specs()}
             )
+        overlaps = self.overlaps(request)
+        tiers = request.tiers if request.tiers is not None else self.tier_hits(request, overlaps)
         evaluation = evaluate(
             ranks,
             isl=request.isl,
             block_size=self.block_size,
-            overlaps=self.overlaps(request),
+            overlaps=overlaps,
             seq_hashes=request.seq_hashes,
             load=self.load,
             config=config,
-            tiers=request.tiers,
+            tiers=tiers,
             taint_factor=taint,
             decode_pool=self.pool == "decode",
         )

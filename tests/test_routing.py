@@ -117,3 +117,39 @@ def test_worker_spec_validation_names_fields():
         WorkerSpec(worker_id=1, total_kv_blocks=0)
     with pytest.raises(InvalidArgument, match="block_size must be a positive integer"):
         RoutingCore(block_size=0)
+
+
+def stored(worker, req, n, *, rank=0, tier=None, parent=None, start=0):
+    from kvemu.events import BlocksStored, RouterEvent, StorageTier, StoredBlock
+
+    blocks = [StoredBlock(e, loc) for e, loc in zip(req.seq_hashes[start:n], req.local_hashes[start:n])]
+    return RouterEvent(worker_id=worker, dp_rank=rank, data=BlocksStored(blocks, parent),
+                       tier=tier or StorageTier.DEVICE)
+
+
+def test_events_feed_device_and_lower_tier_indexes():
+    from kvemu.events import AllCleared, BlocksRemoved, RouterEvent, StorageTier
+
+    core = make(workers=2, dp=1)
+    req = core.prepare(list(range(40)))  # 10 blocks
+    core.apply_event(stored(1, req, 2))
+    core.apply_event(stored(1, req, 6, tier=StorageTier.HOST_PINNED))
+    core.apply_event(stored(1, req, 9, tier=StorageTier.DISK))
+    core.apply_event(stored(2, req, 3, tier=StorageTier.EXTERNAL))
+    tiers = core.tier_hits(req, core.overlaps(req))
+    assert core.overlaps(req) == {(1, 0): 2}
+    assert tiers.host == {(1, 0): 4} and tiers.disk == {(1, 0): 3, (2, 0): 3}
+    sel = core.select(req)
+    # worker 1: effective overlap 2 + 0.75*4 + 0.25*3 = 5.75 blocks
+    assert sel.key == (1, 0) and sel.effective_overlap_blocks == 5.75 and sel.cached_tokens == 23
+    core.apply_event(RouterEvent(worker_id=1, data=BlocksRemoved([req.seq_hashes[1]])))
+    assert core.overlaps(req) == {(1, 0): 1}
+    core.apply_event(RouterEvent(worker_id=1, data=AllCleared(), tier=StorageTier.HOST_PINNED))
+    assert core.tier_hits(req, {}).host == {}
+
+
+def test_events_rejected_in_approximate_mode():
+    core = make(workers=1, dp=1, config=RouterConfig(use_kv_events=False))
+    req = core.prepare(list(range(8)))
+    with pytest.raises(InvalidArgument, match="use_kv_events=False"):
+        core.apply_event(stored(1, req, 2))
