@@ -47,6 +47,17 @@ class _Seg:
         self.parent = parent
 
 
+def _common_run(a: list[int], start: int, b: list[int], i: int) -> int:
+    """How many items of ``a[start:]`` and ``b[i:]`` are equal before the first difference."""
+    limit = min(len(a) - start, len(b) - i)
+    if a[start : start + limit] == b[i : i + limit]:
+        return limit
+    m = 0
+    while a[start + m] == b[i + m]:
+        m += 1
+    return m
+
+
 class PrefixIndex:
     """Prefix index of cached blocks per ``(worker_id, dp_rank)``; synchronous and I/O-free."""
 
@@ -106,6 +117,18 @@ class PrefixIndex:
         for s in active:
             scores[keys[s]] = pos  # type: ignore[index]
         return scores
+
+    def path_sequence_hashes(self, local_hashes: Sequence[int], depth: int) -> list[int]:
+        """Sequence hashes of the first ``depth`` blocks of a query that ``find_matches`` matched that deep."""
+        out: list[int] = []
+        seg = self._root
+        pos = 0
+        while pos < depth:
+            seg = seg.children[local_hashes[pos]]
+            take = depth - pos
+            out.extend(seg.seqs if take >= len(seg.seqs) else seg.seqs[:take])
+            pos += len(seg.seqs)
+        return out
 
     def tree_size(self, worker_id: int, dp_rank: int = 0) -> int:
         """Number of blocks the rank holds (0 for an unknown rank)."""
@@ -169,6 +192,10 @@ class PrefixIndex:
         Rejected whole, with nothing changed: unknown parent (``ParentBlockNotFound``), repeated
         hashes or a hash the rank already holds at another position (``InvalidBlockSequence``).
         """
+        if type(local_hashes) is not list:
+            local_hashes = list(local_hashes)
+        if type(block_hashes) is not list:
+            block_hashes = list(block_hashes)
         n = len(block_hashes)
         if len(local_hashes) != n:
             raise InvalidArgument(
@@ -201,14 +228,16 @@ class PrefixIndex:
     def remove(self, worker_id: int, block_hashes: Iterable[int], *, dp_rank: int = 0) -> None:
         """Apply a ``BlockRemoved``: drop each block and, for this rank, all its descendants.
 
-        Unknown hashes do not stop the batch; afterwards ``BlockNotFound`` lists them.
+        Hashes the rank did not hold when the event arrived do not stop the batch; afterwards
+        ``BlockNotFound`` lists them (a block dropped by an earlier cascade of the same event is fine).
         """
         slot = self._slot_of.get((worker_id, dp_rank))
-        missing: list[int] = []
         if slot is None:
             missing = list(block_hashes)
         else:
             lk = self._lookup[slot]
+            missing = []
+            shallowest: dict[int, tuple[int, int]] = {}  # id(segment) -> (offset, sequence hash)
             blocks = self._blocks
             for ext in block_hashes:
                 seq = lk.get(ext)  # type: ignore[union-attr]
@@ -217,9 +246,11 @@ class PrefixIndex:
                     continue
                 seg = blocks[seq]
                 off = seg.seqs.index(seq)
-                if off:
-                    seg = self._split(seg, off)
-                self._drop_subtree(slot, seg)
+                best = shallowest.get(id(seg))
+                if best is None or off < best[0]:
+                    shallowest[id(seg)] = (off, seq)
+            for _, seq in shallowest.values():
+                self._cut(slot, seq)
         if missing:
             raise BlockNotFound(
                 f"worker {worker_id} rank {dp_rank}: {len(missing)} removed block(s) not held, first {missing[0]}; "
@@ -343,40 +374,48 @@ class PrefixIndex:
         elif xext:
             xext.pop(seq, None)
 
-    def _store(self, slot: int, seg: _Seg, off: int, locs: Sequence[int], exts: Sequence[int]) -> None:
+    def _store(self, slot: int, seg: _Seg, off: int, locs: list[int], exts: list[int]) -> None:
+        """Walk the chain from (``seg``, ``off``) a run of matching blocks at a time, then append the rest."""
         n = len(exts)
         i = 0
         while i < n:
-            loc = locs[i]
             if off + 1 < len(seg.locs):
-                if seg.locs[off + 1] == loc:
-                    off += 1
-                    self._map(slot, seg, off, exts[i])
-                    i += 1
+                m = _common_run(seg.locs, off + 1, locs, i)
+                if m:  # blocks the rank already holds: a re-store
+                    self._map_run(slot, seg, off + 1, exts, i, m, joined=False)
+                    off += m
+                    i += m
                     continue
                 self._split(seg, off + 1)
-            child = seg.children.get(loc)
+            child = seg.children.get(locs[i])
             if child is None:
                 self._append_new(slot, seg, locs[i:], exts[i:])
                 return
+            m = _common_run(child.locs, 0, locs, i)
             if slot in child.workers:
-                seg, off = child, 0
-                self._map(slot, seg, 0, exts[i])
-                i += 1
+                self._map_run(slot, child, 0, exts, i, m, joined=False)
+                seg, off = child, m - 1
+                i += m
                 continue
-            clocs = child.locs
-            m, limit = 1, min(len(clocs), n - i)
-            while m < limit and clocs[m] == locs[i + m]:
-                m += 1
-            if m < len(clocs):
+            if m < len(child.locs):
                 self._split(child, m)
             child.workers.add(slot)
-            for j in range(m):
-                self._map(slot, child, j, exts[i + j])
+            self._map_run(slot, child, 0, exts, i, m, joined=True)
             i += m
             self._try_merge(seg)
             seg = child if child.parent is not None else seg  # absorbed into ``seg`` by the merge
             off = len(seg.locs) - 1
+
+    def _map_run(self, slot: int, seg: _Seg, start: int, exts: list[int], i: int, m: int, *, joined: bool) -> None:
+        """Map ``exts[i:i+m]`` onto blocks ``seg[start:start+m]`` for ``slot``; one bulk update when canonical."""
+        part = exts[i : i + m]
+        if not self._xext[slot] and part == seg.exts[start : start + m]:
+            if joined:
+                self._lookup[slot].update(zip(part, seg.seqs[start : start + m]))  # type: ignore[union-attr]
+                self._size += m
+            return  # a re-store under the canonical hashes is already mapped
+        for j in range(m):
+            self._map(slot, seg, start + j, exts[i + j])
 
     def _append_new(self, slot: int, seg: _Seg, locs: Sequence[int], exts: Sequence[int]) -> None:
         """Add blocks that exist nowhere yet below the end of ``seg``, held by ``slot`` alone."""
@@ -423,21 +462,67 @@ class PrefixIndex:
                 c.parent = seg
             child.parent = None
 
-    def _drop_subtree(self, slot: int, top: _Seg) -> None:
-        """Remove ``slot`` from ``top`` and every descendant it holds; detach what nobody holds."""
+    def _cut(self, slot: int, seq: int) -> None:
+        """Remove block ``seq`` and all its descendants from ``slot`` (no-op if already gone)."""
+        seg = self._blocks.get(seq)
+        if seg is None or slot not in seg.workers:
+            return  # dropped by an earlier cascade of the same event
+        off = seg.seqs.index(seq)
+        if len(seg.workers) == 1:
+            self._truncate(slot, seg, off)
+            return
+        if off:
+            seg = self._split(seg, off)
+        self._drop_subtree(slot, seg)
+
+    def _unmap(self, slot: int, seg: _Seg, start: int) -> None:
+        """Forget ``slot``'s external hashes for blocks ``seg[start:]``."""
         lk = self._lookup[slot]
         xext = self._xext[slot]
+        if not xext:  # every hash is the canonical one, and maps to exactly this block
+            exts = seg.exts if not start else seg.exts[start:]
+            for ext in exts:
+                del lk[ext]  # type: ignore[union-attr]
+            self._size -= len(exts)
+            return
+        for i in range(start, len(seg.seqs)):
+            seq = seg.seqs[i]
+            ext = xext.pop(seq, seg.exts[i])
+            if lk.get(ext) == seq:  # type: ignore[union-attr]
+                del lk[ext]  # type: ignore[union-attr]
+                self._size -= 1
+
+    def _truncate(self, slot: int, seg: _Seg, off: int) -> None:
+        """Cut ``seg[off:]`` and its subtree, all held by ``slot`` alone, without splitting."""
+        blocks = self._blocks
+        stack = list(seg.children.values())
+        while stack:
+            child = stack.pop()
+            self._unmap(slot, child, 0)
+            for s in child.seqs:
+                del blocks[s]
+            stack.extend(child.children.values())
+            child.parent = None
+        self._unmap(slot, seg, off)
+        seg.children = {}
+        if off:
+            for s in seg.seqs[off:]:
+                del blocks[s]
+            del seg.locs[off:], seg.seqs[off:], seg.exts[off:]
+            return
+        parent = seg.parent
+        self._detach(seg)
+        self._try_merge(parent)  # type: ignore[arg-type]
+
+    def _drop_subtree(self, slot: int, top: _Seg) -> None:
+        """Remove ``slot`` from ``top`` and every descendant it holds; detach what nobody holds."""
         visited: list[_Seg] = []
         stack = [top]
         while stack:
             seg = stack.pop()
             visited.append(seg)
             seg.workers.discard(slot)
-            for i, seq in enumerate(seg.seqs):
-                ext = xext.pop(seq, seg.exts[i]) if xext else seg.exts[i]
-                if lk.get(ext) == seq:  # type: ignore[union-attr]
-                    del lk[ext]  # type: ignore[union-attr]
-                    self._size -= 1
+            self._unmap(slot, seg, 0)
             stack.extend(c for c in seg.children.values() if slot in c.workers)
         parent = top.parent
         if not top.workers:

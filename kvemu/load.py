@@ -48,9 +48,11 @@ class _Booking:
 class RankLoad:
     """Load of one rank: live requests, prefill backlog and reference-counted active blocks."""
 
-    __slots__ = ("block_refs", "active_prefill_tokens", "active_requests", "output_blocks", "prefilling")
+    __slots__ = ("block_refs", "active_prefill_tokens", "active_requests", "output_blocks", "prefilling", "bit")
 
-    def __init__(self) -> None:
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        """This rank's bit in the tracker's block → holders masks."""
         self.block_refs: dict[int, int] = {}
         self.active_prefill_tokens = 0
         self.active_requests = 0
@@ -85,6 +87,9 @@ class LoadTracker:
     def __init__(self) -> None:
         self._ranks: dict[WorkerKey, RankLoad] = {}
         self._bookings: dict[str, _Booking] = {}
+        self._holders: dict[int, int] = {}  # active block -> bitmask of the ranks holding it
+        self._bit_keys: dict[int, WorkerKey] = {}  # bit -> rank
+        self._free_bits: list[int] = []
 
     def rank(self, key: WorkerKey) -> RankLoad | None:
         """The rank's load, or ``None`` if nothing was ever booked on it."""
@@ -124,11 +129,19 @@ class LoadTracker:
             raise InvalidArgument(f"request {request_id!r}: prefill_tokens must be >= 0, got {prefill_tokens}")
         load = self._ranks.get(key)
         if load is None:
-            load = self._ranks[key] = RankLoad()
+            load = self._ranks[key] = RankLoad(self._free_bits.pop() if self._free_bits else 1 << len(self._ranks))
+            self._bit_keys[load.bit] = key
         blocks = list(block_ids)
         refs = load.block_refs
+        holders = self._holders
+        bit = load.bit
         for h in blocks:
-            refs[h] = refs.get(h, 0) + 1
+            c = refs.get(h)
+            if c:
+                refs[h] = c + 1
+            else:
+                refs[h] = 1
+                holders[h] = holders.get(h, 0) | bit
         load.active_requests += 1
         if prefill_tokens:
             load.active_prefill_tokens += prefill_tokens
@@ -162,12 +175,19 @@ class LoadTracker:
             return None
         load = self._ranks[b.key]
         refs = load.block_refs
+        holders = self._holders
+        bit = load.bit
         for h in b.blocks:
             c = refs[h] - 1
             if c:
                 refs[h] = c
             else:
                 del refs[h]
+                mask = holders[h] ^ bit
+                if mask:
+                    holders[h] = mask
+                else:
+                    del holders[h]
         if b.prefill_tokens:
             load.active_prefill_tokens -= b.prefill_tokens
             load.prefilling -= 1
@@ -181,8 +201,44 @@ class LoadTracker:
         for r in ids:
             self.free(r)
         for key in [k for k in self._ranks if k[0] == worker_id]:
-            del self._ranks[key]
+            load = self._ranks.pop(key)
+            del self._bit_keys[load.bit]
+            self._free_bits.append(load.bit)
         return ids
+
+    def active_prefixes(self, seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """For every rank, how many leading blocks of the request are already active there (0 omitted).
+
+        One walk along the request for all ranks: the set of ranks holding block ``i`` only shrinks
+        with ``i``, so ranks are settled whenever the holder mask changes.
+        """
+        holders = self._holders
+        n = len(seq_hashes)
+        if not n or not holders:
+            return {}
+        active = holders.get(seq_hashes[0], 0)
+        if not active:
+            return {}
+        keys = self._bit_keys
+        out: dict[WorkerKey, int] = {}
+        i = 1
+        while i < n:
+            mask = holders.get(seq_hashes[i], 0) & active
+            if mask != active:
+                gone = active & ~mask
+                while gone:
+                    low = gone & -gone
+                    out[keys[low]] = i
+                    gone ^= low
+                active = mask
+                if not active:
+                    return out
+            i += 1
+        while active:
+            low = active & -active
+            out[keys[low]] = n
+            active ^= low
+        return out
 
     def expire(self, now_ns: int, horizon_ns: int) -> list[str]:
         """Force-free bookings older than ``horizon_ns`` (stale requests); returns their ids, sorted."""

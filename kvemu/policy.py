@@ -141,7 +141,7 @@ class CustomPolicy:
 
     def select(self, ctx: PolicyContext, candidates: Candidates, evaluation: Evaluation, rng: random.Random) -> Selection:
         """Run the pipeline over the evaluated candidates; raises ``NoEndpoints`` if filters reject all."""
-        ev = evaluation
+        ev = evaluation.with_detail()
         rows = [
             WorkerRow(
                 k[0],

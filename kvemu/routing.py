@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
+from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait
 from kvemu.approx import ApproxIndex
 from kvemu.clock import Clock, ManualClock
 from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
 from kvemu.eligibility import Candidates, EligibilityBuilder
 from kvemu.errors import InvalidArgument
 from kvemu.events import RouterEvent, StorageTier, apply_event
-from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
+from kvemu.hashing import block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext
@@ -28,17 +28,47 @@ from kvemu.selector import DefaultWorkerSelector, Selection, TierHits, evaluate,
 __all__ = ["PreparedRequest", "RoutingCore"]
 
 
-class PreparedRequest(NamedTuple):
-    """A request reduced to what routing needs: its block hashes, length and effective config."""
+class PreparedRequest:
+    """A request reduced to what routing needs: its block hashes, length and effective config.
 
-    isl: int
-    local_hashes: list[int]
-    seq_hashes: list[int]
-    config: RouterConfig
-    request_id: str | None = None
-    session_id: str | None = None
-    preferred_taints: Mapping[str, float] | None = None
-    tiers: TierHits | None = None
+    Sequence hashes are computed on first use; ``RoutingCore.select`` takes the matched prefix's from
+    the index (the index stores exactly these values) and hashes only the rest.
+    """
+
+    __slots__ = ("isl", "local_hashes", "_seqs", "config", "request_id", "session_id", "preferred_taints", "tiers")
+
+    def __init__(
+        self,
+        isl: int,
+        local_hashes: list[int],
+        config: RouterConfig,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        preferred_taints: Mapping[str, float] | None = None,
+        tiers: TierHits | None = None,
+    ) -> None:
+        self.isl = isl
+        self.local_hashes = local_hashes
+        self._seqs: list[int] | None = None
+        self.config = config
+        self.request_id = request_id
+        self.session_id = session_id
+        self.preferred_taints = preferred_taints
+        self.tiers = tiers
+
+    @property
+    def seq_hashes(self) -> list[int]:
+        """Rolling sequence hashes of the prompt blocks (the router's active-block ids)."""
+        if self._seqs is None:
+            self._seqs = sequence_hashes(self.local_hashes)
+        return self._seqs
+
+    def _seed_prefix(self, prefix: list[int]) -> None:
+        if self._seqs is None and prefix:
+            self._seqs = prefix + extend_sequence_hashes(prefix[-1], self.local_hashes[len(prefix) :])
+
+    def __repr__(self) -> str:
+        return f"PreparedRequest(isl={self.isl}, blocks={len(self.local_hashes)}, request_id={self.request_id!r})"
 
 
 class RoutingCore:
@@ -174,7 +204,6 @@ class RoutingCore:
         return PreparedRequest(
             isl,
             locs,
-            sequence_hashes(locs),
             self.config.with_overrides(overrides),
             request_id,
             session_id,
@@ -205,6 +234,8 @@ class RoutingCore:
                 ranks, request.preferred_taints, {s.worker_id: s.taints for s in self.registry.specs()}
             )
         overlaps = self.overlaps(request)
+        if overlaps and request._seqs is None:
+            request._seed_prefix(self.index.path_sequence_hashes(request.local_hashes, max(overlaps.values())))
         tiers = request.tiers if request.tiers is not None else self.tier_hits(request, overlaps)
         evaluation = evaluate(
             ranks,
@@ -217,6 +248,7 @@ class RoutingCore:
             tiers=tiers,
             taint_factor=taint,
             decode_pool=self.pool == "decode",
+            detail=False,
         )
         if custom:
             target = candidates.affinity_target if candidates.affinity_ranks else None
@@ -225,6 +257,44 @@ class RoutingCore:
             )
             return self.policy.select(ctx, candidates, evaluation, self.rng)  # type: ignore[union-attr]
         return self.selector.select(candidates, evaluation, config, self.rng)
+
+    def select_with_affinity(
+        self,
+        request: PreparedRequest,
+        builder: EligibilityBuilder,
+        affinity: SessionAffinity,
+        session: str,
+    ) -> tuple[Selection, Hold] | Wait:
+        """Acquire the session's affinity, narrow eligibility to its target, select.
+
+        Returns ``Wait`` while another request initializes the session. Otherwise the host dispatches
+        ``selection`` and then calls ``affinity.commit(hold, selection.key)`` if the worker accepted it,
+        or ``affinity.drop(hold)`` if not. When a hard binding's target is no longer eligible, the
+        binding is invalidated here and this request re-initializes it on its new rank; in soft mode
+        the commit simply moves the binding.
+        """
+        pin = builder.pinned
+        result = affinity.try_acquire(session, pin)
+        if isinstance(result, Wait):
+            return result
+        hold = result
+        try:
+            if hold.kind == "bound":
+                candidates = builder.affinity(hold.target).build()
+                if not candidates.affinity_ranks and affinity.mode is AffinityMode.HARD:
+                    affinity.drop(hold)
+                    affinity.invalidate(session, hold.revision)
+                    retry = affinity.try_acquire(session, pin)
+                    if isinstance(retry, Wait):  # pragma: no cover - the slot was just freed
+                        return retry
+                    hold = retry
+                    candidates = builder.affinity(None).build()
+            else:
+                candidates = builder.build()
+            return self.select(request, candidates), hold
+        except BaseException:
+            affinity.drop(hold)
+            raise
 
     def book(self, request_id: str, selection: Selection, request: PreparedRequest) -> None:
         """Book the request's load on the selected rank (call once the worker accepted the dispatch)."""

@@ -16,7 +16,7 @@ from kvemu.config import RouterConfig
 from kvemu.eligibility import Candidates
 from kvemu.errors import NoEndpoints
 from kvemu.index import WorkerKey
-from kvemu.load import LoadTracker, active_prefix_len
+from kvemu.load import LoadTracker
 
 __all__ = [
     "TierHits",
@@ -40,18 +40,38 @@ class TierHits(NamedTuple):
 
 
 class Evaluation(NamedTuple):
-    """Per-candidate inputs and costs, aligned with ``ranks``."""
+    """Per-candidate costs aligned with ``ranks``; the other columns only when evaluated with ``detail``."""
 
     ranks: tuple[WorkerKey, ...]
     costs: list[float]
-    overlap_blocks: list[int]
-    effective_overlap_blocks: list[float]
-    cached_tokens: list[int]
-    active_prefill_tokens: list[int]
-    potential_decode_blocks: list[float]
-    active_requests: list[int]
     isl: int
     required_blocks: int
+    overlap_blocks: list[int] | None = None
+    effective_overlap_blocks: list[float] | None = None
+    cached_tokens: list[int] | None = None
+    active_prefill_tokens: list[int] | None = None
+    potential_decode_blocks: list[float] | None = None
+    active_requests: list[int] | None = None
+    inputs: dict | None = None
+    """The keyword arguments it was computed from (to evaluate single rows in detail)."""
+
+    def with_detail(self) -> Evaluation:
+        """This evaluation with every column filled (recomputed now, from the same inputs)."""
+        if self.overlap_blocks is not None or self.inputs is None:
+            return self
+        return evaluate(self.ranks, **self.inputs, detail=True)
+
+    def row(self, i: int) -> Evaluation:
+        """A one-rank evaluation of row ``i`` with every column (recomputed now, same inputs)."""
+        if self.overlap_blocks is not None or self.inputs is None:
+            return self if len(self.ranks) == 1 else _slice(self, i)
+        return evaluate((self.ranks[i],), **self.inputs, detail=True)
+
+
+def _slice(ev: Evaluation, i: int) -> Evaluation:
+    cols = (ev.overlap_blocks, ev.effective_overlap_blocks, ev.cached_tokens, ev.active_prefill_tokens,
+            ev.potential_decode_blocks, ev.active_requests)
+    return Evaluation((ev.ranks[i],), [ev.costs[i]], ev.isl, ev.required_blocks, *([c[i]] for c in cols))  # type: ignore[index]
 
 
 class Selection(NamedTuple):
@@ -89,8 +109,15 @@ def evaluate(
     tiers: TierHits | None = None,
     taint_factor: Mapping[WorkerKey, float] | None = None,
     decode_pool: bool = False,
+    p_min: int | None = None,
+    active: Mapping[WorkerKey, int] | None = None,
+    detail: bool = True,
 ) -> Evaluation:
-    """Cost of every candidate rank (lower is better), by the formula of Dynamo's default selector."""
+    """Cost of every candidate rank (lower is better), by the formula of Dynamo's default selector.
+
+    This is the only place the formula lives. ``detail=False`` (the router's hot path) fills only the
+    costs; ``Evaluation.row`` recomputes one rank's full detail from the same inputs.
+    """
     ranks = tuple(ranks)
     bs = block_size
     required = -(-isl // bs)
@@ -101,73 +128,80 @@ def evaluate(
     req_weight = config.decode_active_request_weight
     hw, dw, sm = config.host_cache_hit_weight, config.disk_cache_hit_weight, config.shared_cache_multiplier
     track_blocks = config.router_track_active_blocks
-    reuse = config.router_assume_kv_reuse
     n_blocks = len(seq_hashes) if track_blocks else 0
     loads = load.ranks()
+    if active is None:
+        active = load.active_prefixes(seq_hashes) if n_blocks and config.router_assume_kv_reuse else {}
     host = disk = shared = None
     if tiers is not None:
         host, disk, shared = tiers.host or None, tiers.disk or None, tiers.shared or None
-    p_min = 0
+    use_tiers = host is not None or disk is not None or shared is not None
     use_decay = track_prefill and decay > 0
-    if use_decay:
+    if use_decay and p_min is None:
         p_min = min((loads[k].active_prefill_tokens if k in loads else 0) for k in ranks)
     decode_special = decode_pool and not track_prefill and credit > 0
 
     costs: list[float] = []
-    ovl: list[int] = []
-    eff: list[float] = []
-    cached_l: list[int] = []
-    pre: list[int] = []
-    dec: list[float] = []
-    reqs: list[int] = []
+    append = costs.append
+    if detail:
+        ovl: list[int] = []
+        eff: list[float] = []
+        cached_l: list[int] = []
+        pre: list[int] = []
+        dec: list[float] = []
+        reqs: list[int] = []
     for key in ranks:
         d = overlaps.get(key, 0)
         rl = loads.get(key)
         if rl is None:
-            p = 0
-            active_dec = 0.0
-            additional = n_blocks
-            nreq = 0
+            p = nreq = 0
+            decode_blocks = float(n_blocks)
         else:
             p = rl.active_prefill_tokens
-            active_dec = rl.active_decode_blocks if track_blocks else 0.0
-            additional = n_blocks - (active_prefix_len(rl.block_refs, seq_hashes) if reuse and n_blocks else 0)
             nreq = rl.active_requests
-        e = float(d)
+            decode_blocks = n_blocks - active.get(key, 0)
+            if track_blocks:
+                decode_blocks += len(rl.block_refs) + rl.output_blocks
         ocredit = credit * d
-        if use_decay and p > p_min:
-            ocredit /= 1.0 + decay * ((p - p_min) / bs) / max(1, required)
-        if host is not None or disk is not None or shared is not None:
+        if use_decay and p > p_min:  # type: ignore[operator]
+            ocredit /= 1.0 + decay * ((p - p_min) / bs) / max(1, required)  # type: ignore[operator]
+        e = d
+        if use_tiers:
             h = host.get(key, 0) if host is not None else 0
             k = disk.get(key, 0) if disk is not None else 0
-            s = shared.get(key, 0) if shared is not None else 0
-            e += hw * h + dw * k
-            ocredit += hw * h + dw * k + sm * s
-        cached = max(0, round(e * bs))
+            e = d + hw * h + dw * k
+            ocredit += hw * h + dw * k + (sm * shared.get(key, 0) if shared is not None else 0)
+        cached = max(0, round(e * bs)) if use_tiers else d * bs
         if not track_prefill:
             raw = 0
         elif rl is None:
             raw = isl
         else:
-            raw = p + (isl - min(cached, isl)) + cached
-        decode_blocks = active_dec + additional
+            raw = p + (isl - cached if cached < isl else 0) + cached
         if decode_special:
-            cost = max(0.0, decode_blocks - ocredit)
+            cost = decode_blocks - ocredit
+            if cost < 0:
+                cost = 0.0
         else:
             adjusted = raw / bs - ocredit
-            cost = (scale * adjusted if adjusted > 0 else 0.0) + decode_blocks
+            cost = scale * adjusted + decode_blocks if adjusted > 0 else decode_blocks
         if nreq and req_weight:
             cost += req_weight * nreq
         if taint_factor is not None:
             cost *= taint_factor.get(key, 1.0)
-        costs.append(cost)
-        ovl.append(d)
-        eff.append(e)
-        cached_l.append(cached)
-        pre.append(p)
-        dec.append(decode_blocks)
-        reqs.append(nreq)
-    return Evaluation(ranks, costs, ovl, eff, cached_l, pre, dec, reqs, isl, required)
+        append(cost)
+        if detail:
+            ovl.append(d)
+            eff.append(float(e))
+            cached_l.append(cached)
+            pre.append(p)
+            dec.append(decode_blocks)
+            reqs.append(nreq)
+    inputs = dict(isl=isl, block_size=bs, overlaps=overlaps, seq_hashes=seq_hashes, load=load, config=config,
+                  tiers=tiers, taint_factor=taint_factor, decode_pool=decode_pool, p_min=p_min, active=active)
+    if not detail:
+        return Evaluation(ranks, costs, isl, required, inputs=inputs)
+    return Evaluation(ranks, costs, isl, required, ovl, eff, cached_l, pre, dec, reqs, inputs)
 
 
 def taint_factors(
@@ -183,18 +217,13 @@ def taint_factors(
 
 
 def pick_argmin(costs: Sequence[float], rng: random.Random) -> int:
-    """Index of the lowest cost; exact ties are broken uniformly at random (reservoir sampling)."""
-    best = math.inf
-    choice = 0
-    ties = 0
-    for i, c in enumerate(costs):
-        if c < best:
-            best, choice, ties = c, i, 1
-        elif c == best:
-            ties += 1
-            if rng.randrange(ties) == 0:
-                choice = i
-    return choice
+    """Index of the lowest cost; exact ties are broken uniformly at random (one draw, only on a tie)."""
+    best = min(costs)
+    first = costs.index(best)
+    ties = [i for i in range(first, len(costs)) if costs[i] == best]
+    if len(ties) == 1:
+        return first
+    return ties[rng.randrange(len(ties))]
 
 
 def pick_softmax(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
@@ -251,20 +280,21 @@ class DefaultWorkerSelector:
 
 
 def selection_at(ev: Evaluation, i: int, reason: str) -> Selection:
-    """The ``Selection`` for row ``i`` of an evaluation."""
-    wid, rank = ev.ranks[i]
-    cached = ev.cached_tokens[i]
+    """The ``Selection`` for row ``i`` of an evaluation (its detail is computed now)."""
+    row = ev.row(i)
+    wid, rank = row.ranks[0]
+    cached = row.cached_tokens[0]  # type: ignore[index]
     isl = ev.isl
     return Selection(
         wid,
         rank,
         ev.costs[i],
-        ev.overlap_blocks[i],
-        ev.effective_overlap_blocks[i],
+        row.overlap_blocks[0],  # type: ignore[index]
+        row.effective_overlap_blocks[0],  # type: ignore[index]
         cached,
         ev.required_blocks,
         isl - min(cached, isl),
-        ev.potential_decode_blocks[i],
+        row.potential_decode_blocks[0],  # type: ignore[index]
         reason,
         ev,
     )

@@ -37,12 +37,8 @@ class ModelIndex:
 
     def remove(self, key, exts) -> str | None:
         lk = self.lookup.get(key, {})
-        missing = False
-        for e in exts:
-            if e not in lk:
-                missing = True
-                continue
-            p = lk[e]
+        missing = any(e not in lk for e in exts)
+        for p in [lk[e] for e in exts if e in lk]:
             n = len(p)
             for path in list(self.holders):
                 if path[:n] == p:
