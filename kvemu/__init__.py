@@ -1,0 +1,109 @@
+"""kvemu: an emulator of KV-cache-aware LLM serving clusters.
+
+The names exported here are the public, stable embedding API (see ``docs/embedding.md``); anything
+imported from a submodule and not listed here may change.
+"""
+
+from kvemu.affinity import AffinityEvent, AffinityMode, Hold, Lease, SessionAffinity, Wait, sibling_group_key
+from kvemu.approx import ApproxIndex
+from kvemu.clock import MAX_TIME_NS, Clock, ManualClock, WallClock, ns_to_seconds, seconds_to_ns
+from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
+from kvemu.eligibility import AffinityTarget, Candidates, EligibilityBuilder, Ineligible
+from kvemu.errors import (
+    AllEligibleWorkersOverloaded,
+    BlockNotFound,
+    BookingFailed,
+    DuplicateWorker,
+    InvalidArgument,
+    InvalidBlockSequence,
+    KvCacheEventError,
+    KvemuError,
+    NoEndpoints,
+    ParentBlockNotFound,
+    PinnedWorkerNotAllowed,
+    PinnedWorkerOverloaded,
+    ResourceExhausted,
+    SchedulerError,
+    UnknownWorker,
+)
+from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier, StoredBlock
+from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
+from kvemu.index import PrefixIndex, WorkerKey
+from kvemu.load import LoadProjection, LoadTracker
+from kvemu.policy import CustomPolicy, PolicyContext, WorkerRow, random_policy, round_robin_policy
+from kvemu.queue import DoNotQueue, PolicyQueue, QueueClass, QueueEntry, QueueLimits, QueueRejected
+from kvemu.registry import WorkerRegistry, WorkerSpec
+from kvemu.routing import PreparedRequest, RoutingCore
+from kvemu.selector import Selection, TierHits
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AffinityEvent",
+    "AffinityMode",
+    "AffinityTarget",
+    "AllCleared",
+    "AllEligibleWorkersOverloaded",
+    "ApproxIndex",
+    "BlockNotFound",
+    "BlocksRemoved",
+    "BlocksStored",
+    "BookingFailed",
+    "BusyThresholds",
+    "Candidates",
+    "Clock",
+    "CustomPolicy",
+    "DoNotQueue",
+    "DuplicateWorker",
+    "EligibilityBuilder",
+    "Hold",
+    "Ineligible",
+    "InvalidArgument",
+    "InvalidBlockSequence",
+    "KvCacheEventError",
+    "KvemuError",
+    "Lease",
+    "LoadProjection",
+    "LoadTracker",
+    "MAX_TIME_NS",
+    "ManualClock",
+    "NoEndpoints",
+    "ParentBlockNotFound",
+    "PinnedWorkerNotAllowed",
+    "PinnedWorkerOverloaded",
+    "PolicyContext",
+    "PolicyQueue",
+    "PrefixIndex",
+    "PreparedRequest",
+    "QueueClass",
+    "QueueEntry",
+    "QueueLimits",
+    "QueueRejected",
+    "ResourceExhausted",
+    "RouterConfig",
+    "RouterEvent",
+    "RouterOverrides",
+    "RoutingCore",
+    "SchedulerError",
+    "Selection",
+    "SessionAffinity",
+    "StorageTier",
+    "StoredBlock",
+    "TierHits",
+    "UnknownWorker",
+    "Wait",
+    "WallClock",
+    "WorkerKey",
+    "WorkerRegistry",
+    "WorkerRow",
+    "WorkerSpec",
+    "block_seed",
+    "local_block_hashes",
+    "ns_to_seconds",
+    "random_policy",
+    "round_robin_policy",
+    "seconds_to_ns",
+    "sequence_hashes",
+    "sibling_group_key",
+    "__version__",
+]

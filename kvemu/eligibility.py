@@ -120,6 +120,11 @@ class EligibilityBuilder:
             self._pin = AffinityTarget(worker_id, dp_rank)
         return self
 
+    @property
+    def pinned(self) -> AffinityTarget | None:
+        """The explicit pin set on this builder, if any."""
+        return self._pin
+
     def affinity(self, target: AffinityTarget | tuple[int, int | None] | None) -> EligibilityBuilder:
         """A session/sibling affinity target; it narrows candidates only if eligible at ``build()``."""
         self._target = None if target is None else AffinityTarget(*target)
