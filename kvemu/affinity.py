@@ -84,12 +84,14 @@ class Wait(NamedTuple):
 class Hold:
     """The result of a successful ``try_acquire``: commit it after dispatch, or drop it."""
 
-    __slots__ = ("session", "revision", "kind", "target", "requested", "open")
+    __slots__ = ("session", "revision", "version", "kind", "target", "requested", "open")
 
     def __init__(self, session: str, revision: int, kind: str, target: AffinityTarget | None,
-                 requested: AffinityTarget | None) -> None:
+                 requested: AffinityTarget | None, version: int = 0) -> None:
         self.session = session
         self.revision = revision
+        self.version = version
+        """The binding's version when acquired (bumped whenever a soft binding moves)."""
         self.kind = kind
         """``initialize`` (this request picks the worker) or ``bound`` (route to ``target``)."""
         self.target = target
@@ -223,7 +225,7 @@ class SessionAffinity:
             )
         e.leases += 1
         self.stats.hits += 1
-        return Hold(session, e.revision, "bound", e.target, requested)
+        return Hold(session, e.revision, "bound", e.target, requested, e.version)
 
     def commit(self, hold: Hold, dispatched_target: AffinityTarget | tuple) -> Lease:
         """Record where the request was dispatched; call only after the worker accepted it."""
@@ -338,10 +340,12 @@ class SessionAffinity:
         self._release_one(lease.session, e, self.clock.now_ns())
         return True
 
-    def invalidate(self, session: str, revision: int | None = None) -> bool:
-        """Remove the session's entry if it still has ``revision`` (any revision when ``None``)."""
+    def invalidate(self, session: str, revision: int | None = None, version: int | None = None) -> bool:
+        """Remove the session's entry if it still has ``revision`` and ``version`` (``None`` = any)."""
         e = self._table.get(session)
         if e is None or (revision is not None and e.revision != revision):
+            return False
+        if version is not None and e.version != version:
             return False
         self._remove(session, e, "invalidated", self.clock.now_ns())
         self.stats.invalidations += 1

@@ -283,7 +283,7 @@ class RoutingCore:
                 candidates = builder.affinity(hold.target).build()
                 if not candidates.affinity_ranks and affinity.mode is AffinityMode.HARD:
                     affinity.drop(hold)
-                    affinity.invalidate(session, hold.revision)
+                    affinity.invalidate(session, hold.revision, hold.version)
                     retry = affinity.try_acquire(session, pin)
                     if isinstance(retry, Wait):  # pragma: no cover - the slot was just freed
                         return retry

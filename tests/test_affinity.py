@@ -190,7 +190,8 @@ def test_invalidate_is_revision_checked():
     bind(t, "s")
     hold = t.try_acquire("s")
     assert t.invalidate("s", revision=hold.revision + 1) is False
-    assert t.invalidate("s", revision=hold.revision) is True
+    assert t.invalidate("s", revision=hold.revision, version=hold.version + 1) is False
+    assert t.invalidate("s", revision=hold.revision, version=hold.version) is True
     assert t.commit(hold, (1, 0)).bound is False  # binding vanished: detached lease
 
 
