@@ -1,0 +1,1 @@
+"""Wire formats: vLLM's KV-event batches over ZeroMQ."""

@@ -1,0 +1,345 @@
+"""vLLM KV-event payloads: byte-exact encoding per vLLM version, tolerant decoding of any of them.
+
+A ``VllmProfile`` fixes what one vLLM release puts on the wire: array or map events (maps from 0.24),
+the field list of each event, whether the batch carries the DP rank (from 0.10) and the shape of
+replay replies (topic frame from 0.26). Encoders are msgspec structs built from those field tables,
+so the bytes are what that release's own structs produce. The decoder accepts array or map batches
+and events, a missing rank, extra trailing fields, signed or unsigned or bytes hashes, and Eagle
+token pairs; anything else raises ``WireDecodeError`` with the bytes that failed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvemu.errors import InvalidArgument, KvemuError
+from kvemu.hashing import U64_MASK
+from kvemu.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KVEventBatch
+
+__all__ = [
+    "VllmProfile",
+    "PROFILES",
+    "DEFAULT_VLLM_VERSION",
+    "profile_for",
+    "WireDecodeError",
+    "encode_batch",
+    "decode_batch",
+    "STORED_FIELDS",
+    "REMOVED_FIELDS",
+]
+
+DEFAULT_VLLM_VERSION = "0.33"
+
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
+"""Every ``BlockStored`` field ever sent, in wire order (each release sends a prefix of this list)."""
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+STORED_REQUIRED = 7  # block_hashes .. lora_name have no default (nil is still sent in map form)
+REMOVED_REQUIRED = 2
+
+
+class WireDecodeError(KvemuError, ValueError):
+    """A payload that no vLLM version would produce; carries where it came from and its first bytes."""
+
+    def __init__(self, reason: str, payload: bytes, *, endpoint: str | None = None, seq: int | None = None) -> None:
+        self.reason = reason
+        self.endpoint = endpoint
+        self.seq = seq
+        self.head = bytes(payload[:32])
+        where = f" from {endpoint}" if endpoint else ""
+        at = f" seq {seq}" if seq is not None else ""
+        super().__init__(f"undecodable KV event batch{where}{at}: {reason}; first bytes {self.head.hex()}")
+
+
+class VllmProfile(NamedTuple):
+    """What one vLLM release sends."""
+
+    version: tuple[int, int]
+    stored_fields: int
+    """How many of ``STORED_FIELDS`` it sends."""
+    removed_fields: int
+    map_events: bool
+    has_dp_rank: bool
+    replay_topic: bool
+    """Replay replies carry the topic frame (``[id, "", topic, seq, payload]``), from 0.26."""
+
+    @property
+    def name(self) -> str:
+        """``"0.33"``-style version string."""
+        return f"{self.version[0]}.{self.version[1]}"
+
+
+PROFILES: dict[tuple[int, int], VllmProfile] = {
+    p.version: p
+    for p in (
+        VllmProfile((0, 9), 5, 1, False, False, False),
+        VllmProfile((0, 10), 5, 1, False, True, False),
+        VllmProfile((0, 11), 6, 2, False, True, False),
+        VllmProfile((0, 16), 7, 2, False, True, False),
+        VllmProfile((0, 20), 9, 3, False, True, False),
+        VllmProfile((0, 22), 11, 3, False, True, False),
+        VllmProfile((0, 24), 11, 3, True, True, False),
+        VllmProfile((0, 26), 12, 4, True, True, True),
+        VllmProfile((0, 30), 14, 5, True, True, True),
+        VllmProfile((0, 33), 15, 5, True, True, True),
+    )
+}
+"""The release where each wire change appeared; releases in between send what the previous one did."""
+
+
+def profile_for(version: str | tuple[int, int] = DEFAULT_VLLM_VERSION) -> VllmProfile:
+    """The wire profile of a vLLM version (``"0.25.1"`` → the 0.24 profile)."""
+    if isinstance(version, str):
+        try:
+            parts = tuple(int(x) for x in version.split(".")[:2])
+        except ValueError:
+            raise InvalidArgument(f"vllm_version must look like '0.33', got {version!r}") from None
+        key = (parts + (0,))[:2]
+    else:
+        key = tuple(version)[:2]
+    eligible = [v for v in PROFILES if v <= key]
+    if not eligible:
+        raise InvalidArgument(f"vllm_version {version!r} is older than 0.9, the first release with KV events")
+    return PROFILES[max(eligible)]
+
+
+# ---------------------------------------------------------------------------------- encoding
+
+
+@functools.cache
+def _structs(profile: VllmProfile) -> tuple[type, type, type, type]:
+    """msgspec struct classes laid out exactly as that release's own ``kv_events.py`` declares them."""
+    array = not profile.map_events
+    opts = dict(tag=True, omit_defaults=True, array_like=array, gc=False)
+
+    def fields(names: Sequence[str], required: int) -> list[tuple]:
+        return [(n, Any) if i < required else (n, Any, None) for i, n in enumerate(names)]
+
+    stored = msgspec.defstruct(
+        "BlockStored", fields(STORED_FIELDS[: profile.stored_fields], STORED_REQUIRED), **opts
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved", fields(REMOVED_FIELDS[: profile.removed_fields], REMOVED_REQUIRED), **opts
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], **opts)
+    batch_fields: list[tuple] = [("ts", float), ("events", list)]
+    if profile.has_dp_rank:
+        batch_fields.append(("data_parallel_rank", Any, None))
+    batch = msgspec.defstruct("KVEventBatch", batch_fields, array_like=True, omit_defaults=True, gc=False)
+    return batch, stored, removed, cleared
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_batch(batch: KVEventBatch, profile: VllmProfile | None = None) -> bytes:
+    """The msgpack payload vLLM ``profile.version`` would send for ``batch``."""
+    profile = profile or profile_for()
+    batch_cls, stored_cls, removed_cls, cleared_cls = _structs(profile)
+    ns, nr = profile.stored_fields, profile.removed_fields
+    out = []
+    for ev in batch.events:
+        t = type(ev)
+        if t is BlockStored:
+            out.append(stored_cls(*(getattr(ev, f) for f in STORED_FIELDS[:ns])))
+        elif t is BlockRemoved:
+            out.append(removed_cls(*(getattr(ev, f) for f in REMOVED_FIELDS[:nr])))
+        elif t is AllBlocksCleared:
+            out.append(cleared_cls())
+        else:
+            raise InvalidArgument(f"cannot encode {t.__name__} as a vLLM KV event")
+    ts = float(batch.ts)  # vLLM stamps time.time(): always a msgpack float64
+    if profile.has_dp_rank:
+        return _encoder.encode(batch_cls(ts, out, batch.data_parallel_rank))
+    return _encoder.encode(batch_cls(ts, out))
+
+
+# ---------------------------------------------------------------------------------- decoding
+
+
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: Any = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: int | None = None
+
+
+class _MapStored(_ArrayStored, array_like=False, tag="BlockStored"):
+    pass
+
+
+class _MapRemoved(_ArrayRemoved, array_like=False, tag="BlockRemoved"):
+    pass
+
+
+class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _MapEventsBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: int | None = None
+
+
+_fast_decoders = (
+    msgspec.msgpack.Decoder(_MapEventsBatch),
+    msgspec.msgpack.Decoder(_ArrayBatch),
+)
+_generic = msgspec.msgpack.Decoder()
+
+
+def _u64(h: Any) -> int:
+    if type(h) is int:
+        return h & U64_MASK
+    if isinstance(h, (bytes, bytearray)):
+        return int.from_bytes(h, "big") & U64_MASK  # vLLM's int form: low 64 bits of the digest
+    raise TypeError(f"block hash {h!r} is neither an integer nor bytes")
+
+
+def _tokens(raw: Any) -> list[int]:
+    if raw and isinstance(raw[0], (list, tuple)):  # Eagle bigrams
+        return [int(p[0]) for p in raw] + [int(raw[-1][1])]
+    return [int(t) for t in raw]
+
+
+def _from_typed(ev: Any) -> KvEvent:
+    t = type(ev)
+    if t is _MapStored or t is _ArrayStored:
+        hashes = ev.block_hashes
+        return BlockStored(
+            block_hashes=hashes if all(0 <= h <= U64_MASK for h in hashes) else [h & U64_MASK for h in hashes],
+            parent_block_hash=None if ev.parent_block_hash is None else ev.parent_block_hash & U64_MASK,
+            token_ids=ev.token_ids,
+            block_size=ev.block_size,
+            lora_id=ev.lora_id,
+            medium=ev.medium,
+            lora_name=ev.lora_name,
+            extra_keys=ev.extra_keys,
+            group_idx=ev.group_idx,
+            kv_cache_spec_kind=ev.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
+            locality=ev.locality,
+            ownership=ev.ownership,
+            session_id=ev.session_id,
+            lookahead_token_ids=ev.lookahead_token_ids,
+        )
+    if t is _MapRemoved or t is _ArrayRemoved:
+        return BlockRemoved(
+            block_hashes=[h & U64_MASK for h in ev.block_hashes],
+            medium=ev.medium,
+            group_idx=ev.group_idx,
+            locality=ev.locality,
+            ownership=ev.ownership,
+        )
+    return AllBlocksCleared()
+
+
+def _event_from_generic(raw: Any) -> KvEvent:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        get = raw.get
+    elif isinstance(raw, (list, tuple)) and raw:
+        tag = raw[0]
+        fields = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
+        values = dict(zip(fields, raw[1:]))
+        get = values.get
+    else:
+        raise TypeError(f"event is neither a tagged array nor a tagged map: {raw!r:.60}")
+    if tag == "BlockStored":
+        parent = get("parent_block_hash")
+        kwargs = {f: get(f) for f in STORED_FIELDS[4:]}
+        return BlockStored(
+            block_hashes=[_u64(h) for h in get("block_hashes")],
+            parent_block_hash=None if parent is None else _u64(parent),
+            token_ids=_tokens(get("token_ids") or []),
+            block_size=int(get("block_size")),
+            **kwargs,
+        )
+    if tag == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=[_u64(h) for h in get("block_hashes")],
+            **{f: get(f) for f in REMOVED_FIELDS[1:]},
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise TypeError(f"unknown event type {tag!r}")
+
+
+def _batch_from_generic(raw: Any) -> KVEventBatch:
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, (list, tuple)) and len(raw) >= 2:
+        ts, events = raw[0], raw[1]
+        rank = raw[2] if len(raw) > 2 else None
+    else:
+        raise TypeError("batch is neither [ts, events, rank] nor a map")
+    if not isinstance(events, (list, tuple)):
+        raise TypeError("batch events is not a list")
+    if rank is not None and not isinstance(rank, int):
+        raise TypeError(f"data_parallel_rank {rank!r} is not an integer")
+    return KVEventBatch(ts=float(ts), events=[_event_from_generic(e) for e in events], data_parallel_rank=rank)
+
+
+def decode_batch(payload: bytes, *, endpoint: str | None = None, seq: int | None = None) -> KVEventBatch:
+    """Decode a payload of any vLLM version (or a peer emitter); ``WireDecodeError`` if impossible."""
+    for decoder in _fast_decoders:
+        try:
+            raw = decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        return KVEventBatch(
+            ts=raw.ts, events=[_from_typed(e) for e in raw.events], data_parallel_rank=raw.data_parallel_rank
+        )
+    try:
+        return _batch_from_generic(_generic.decode(payload))
+    except (msgspec.DecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise WireDecodeError(str(exc), payload, endpoint=endpoint, seq=seq) from None

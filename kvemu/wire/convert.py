@@ -1,0 +1,138 @@
+"""From vLLM wire events to the router's event model, with Dynamo's conversion rules.
+
+Local hashes are recomputed from each block's ``token_ids`` (with the LoRA seed and multimodal keys),
+the engine's block hash becomes the external hash, non-main KV groups are dropped and ``medium`` picks
+the storage tier. A block-size mismatch is a loud, typed error — never a silent zero-match.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvemu.errors import KvCacheEventError
+from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier, StoredBlock
+from kvemu.hashing import local_block_hashes, mm_hash_from_identifier
+from kvemu.wire.kv_events import BlockRemoved, BlockStored, KvEvent
+
+__all__ = ["BlockSizeMismatch", "MissingTokens", "medium_to_tier", "convert_event", "MAIN_GROUP_KINDS"]
+
+MAIN_GROUP_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+_TIERS = {
+    "GPU": StorageTier.DEVICE,
+    "DEVICE": StorageTier.DEVICE,
+    "CPU": StorageTier.HOST_PINNED,
+    "CPU_PINNED": StorageTier.HOST_PINNED,
+    "CPU_TIER1": StorageTier.HOST_PINNED,
+    "CPU_TIER2": StorageTier.DISK,
+    "DISK": StorageTier.DISK,
+    "NVME": StorageTier.DISK,
+    "STORAGE": StorageTier.DISK,
+    "EXTERNAL": StorageTier.EXTERNAL,
+    "NETWORK": StorageTier.EXTERNAL,
+    "REMOTE": StorageTier.EXTERNAL,
+    "SHARED": StorageTier.EXTERNAL,
+}
+
+
+class BlockSizeMismatch(KvCacheEventError):
+    """The engine's block size differs from the router's: its blocks can never match a query."""
+
+
+class MissingTokens(KvCacheEventError):
+    """A stored event lacks the token ids of its blocks, so their local hashes cannot be computed."""
+
+
+def medium_to_tier(medium: str | None) -> StorageTier:
+    """Dynamo's medium → tier mapping (unknown or absent media count as device)."""
+    if medium is None:
+        return StorageTier.DEVICE
+    return _TIERS.get(medium.upper(), StorageTier.DEVICE)
+
+
+def _is_main_group(ev: BlockStored | BlockRemoved) -> bool:
+    kind = getattr(ev, "kv_cache_spec_kind", None)
+    if kind is not None:
+        return kind in MAIN_GROUP_KINDS
+    return not ev.group_idx
+
+
+def _mm_hashes(extra_keys: Any, n_blocks: int) -> dict[int, list[int]] | None:
+    """Multimodal hashes per block: 64-hex identifiers (optionally paired with an offset) in extra_keys."""
+    if not extra_keys:
+        return None
+    out: dict[int, list[int]] = {}
+    for i, keys in enumerate(extra_keys[:n_blocks]):
+        if not keys:
+            continue
+        found = []
+        for key in keys if isinstance(keys, (list, tuple)) else (keys,):
+            ident = key[0] if isinstance(key, (list, tuple)) and key else key
+            if isinstance(ident, str) and len(ident) == 64:
+                try:
+                    int(ident, 16)
+                except ValueError:
+                    continue
+                found.append(mm_hash_from_identifier(ident))
+        if found:
+            out[i] = found
+    return out or None
+
+
+def convert_event(
+    ev: KvEvent,
+    *,
+    worker_id: int,
+    dp_rank: int,
+    block_size: int,
+    event_id: int = 0,
+    eagle: bool = False,
+) -> RouterEvent | None:
+    """The router event for one wire event, or ``None`` when Dynamo would drop it (non-main group,
+    repeated hashes). Raises ``BlockSizeMismatch`` / ``MissingTokens`` for stores it cannot use."""
+    t = type(ev)
+    if t is BlockStored:
+        if not _is_main_group(ev):  # type: ignore[arg-type]
+            return None
+        hashes = ev.block_hashes  # type: ignore[union-attr]
+        n = len(hashes)
+        parent = ev.parent_block_hash  # type: ignore[union-attr]
+        if len(set(hashes)) != n or (parent is not None and parent in hashes):
+            return None
+        if ev.block_size != block_size:  # type: ignore[union-attr]
+            raise BlockSizeMismatch(
+                f"worker {worker_id} rank {dp_rank} sent blocks of {ev.block_size} tokens but the router "  # type: ignore[union-attr]
+                f"uses block_size {block_size}; its {n} blocks were not indexed (configure both the same)"
+            )
+        tokens = ev.token_ids  # type: ignore[union-attr]
+        needed = n * block_size + (1 if eagle else 0)
+        if len(tokens) < needed:
+            raise MissingTokens(
+                f"worker {worker_id} rank {dp_rank}: stored event has {len(tokens)} token ids for {n} blocks "
+                f"of {block_size}; enable token ids in KV events"
+            )
+        locs = local_block_hashes(
+            tokens if len(tokens) == needed else tokens[:needed],
+            block_size,
+            lora_name=ev.lora_name,  # type: ignore[union-attr]
+            block_mm_hashes=_mm_hashes(ev.extra_keys, n),  # type: ignore[union-attr]
+            eagle=eagle,
+        )
+        return RouterEvent(
+            worker_id=worker_id,
+            dp_rank=dp_rank,
+            data=BlocksStored([StoredBlock(h, loc) for h, loc in zip(hashes, locs)], parent),
+            tier=medium_to_tier(ev.medium),  # type: ignore[union-attr]
+            event_id=event_id,
+        )
+    if t is BlockRemoved:
+        if not _is_main_group(ev):  # type: ignore[arg-type]
+            return None
+        return RouterEvent(
+            worker_id=worker_id,
+            dp_rank=dp_rank,
+            data=BlocksRemoved(list(ev.block_hashes)),  # type: ignore[union-attr]
+            tier=medium_to_tier(ev.medium),  # type: ignore[union-attr]
+            event_id=event_id,
+        )
+    return RouterEvent(worker_id=worker_id, dp_rank=dp_rank, data=AllCleared(), event_id=event_id)

@@ -1,0 +1,170 @@
+"""KV-event publisher for one DP rank, speaking vLLM's ZeroMQ protocol.
+
+Live frames are ``[topic, seq (8-byte big-endian, from 0), payload]`` on a publishing socket; the last
+``buffer_steps`` payloads stay in a replay buffer served by an optional ROUTER socket. Publishing
+never blocks the engine: a batch that the socket cannot take right now (a subscriber is at its high
+water mark) is counted as dropped for live delivery but stays replayable, so consumers see a gap and
+recover it — instead of the reference engine's blocking queue that can stall every DP rank.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import zmq
+
+from kvemu.errors import InvalidArgument
+from kvemu.wire.codec import VllmProfile, encode_batch, profile_for
+from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
+from kvemu.wire.kv_events import KVEventBatch
+
+__all__ = ["KvEventPublisher", "PublisherStats"]
+
+
+class PublisherStats:
+    """Counters of one publisher."""
+
+    __slots__ = ("published", "dropped", "replay_requests", "replayed_batches")
+
+    def __init__(self) -> None:
+        self.published = self.dropped = self.replay_requests = self.replayed_batches = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class KvEventPublisher:
+    """Publishes ``KVEventBatch``es of one DP rank in the wire format of a chosen vLLM version."""
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        *,
+        replay_endpoint: str | None = None,
+        dp_rank: int = 0,
+        topic: str = "",
+        vllm_version: str = "0.33",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        bind: bool | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if buffer_steps < 1 or hwm < 0:
+            raise InvalidArgument(f"buffer_steps must be >= 1 and hwm >= 0, got {buffer_steps}, {hwm}")
+        self.profile: VllmProfile = profile_for(vllm_version)
+        self.dp_rank = dp_rank
+        self.topic = topic.encode()
+        self.stats = PublisherStats()
+        self._ctx = context or zmq.Context.instance()
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.drop_next = 0
+        """Fault injection: this many coming batches are buffered for replay but not sent live."""
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.SNDHWM, hwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)  # full → EAGAIN (counted) rather than a silent drop
+        pub.setsockopt(zmq.LINGER, 0)
+        live = offset_endpoint(endpoint, dp_rank)
+        if should_bind(live) if bind is None else bind:
+            pub.bind(live)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            pub.connect(live)
+            self.endpoint = live
+        self._pub = pub
+        self._router: zmq.Socket | None = None
+        self.replay_endpoint: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        if replay_endpoint is not None:
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(offset_endpoint(replay_endpoint, dp_rank))
+            self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._router = router
+            self._thread = threading.Thread(target=self._serve_replay, name=f"kv-replay-dp{dp_rank}", daemon=True)
+            self._thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will carry."""
+        return self._seq
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        """Send a batch (stamping this rank if it has none); False if only the replay buffer got it."""
+        if self._closed:
+            raise InvalidArgument("publish on a closed KvEventPublisher")
+        if batch.data_parallel_rank is None:
+            batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)
+        return self.publish_payload(encode_batch(batch, self.profile))
+
+    def publish_payload(self, payload: bytes) -> bool:
+        """Send an already encoded payload with the next sequence number."""
+        seq = self._seq
+        self._seq = seq + 1
+        with self._lock:
+            self._buffer.append((seq, payload))
+        if self.drop_next:
+            self.drop_next -= 1
+            self.stats.dropped += 1
+            return False
+        try:
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.stats.dropped += 1
+            return False
+        self.stats.published += 1
+        return True
+
+    def close(self, drain_timeout_s: float = 1.0) -> None:
+        """Stop serving replays and close the sockets, giving queued live frames up to the timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(drain_timeout_s, 0.5))
+        self._pub.setsockopt(zmq.LINGER, int(drain_timeout_s * 1000))
+        self._pub.close()
+
+    def __enter__(self) -> KvEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _serve_replay(self) -> None:
+        router = self._router
+        assert router is not None
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(50):
+                    continue
+                while True:
+                    try:
+                        frames = router.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._answer(router, frames)
+        finally:
+            router.close(linger=0)
+
+    def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            return  # vLLM logs and ignores malformed requests
+        identity, start = frames[0], int.from_bytes(frames[2], "big")
+        self.stats.replay_requests += 1
+        with self._lock:
+            batches = [(s, p) for s, p in self._buffer if s >= start]
+        topic = [self.topic] if self.profile.replay_topic else []
+        for seq, payload in batches:
+            router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+        router.send_multipart([identity, b"", *([b""] if self.profile.replay_topic else []), SEQ_END, b""])
+        self.stats.replayed_batches += len(batches)
