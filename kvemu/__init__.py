@@ -26,7 +26,7 @@ from kvemu.errors import (
     SchedulerError,
     UnknownWorker,
 )
-from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier, StoredBlock
+from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
@@ -88,7 +88,6 @@ __all__ = [
     "Selection",
     "SessionAffinity",
     "StorageTier",
-    "StoredBlock",
     "TierHits",
     "UnknownWorker",
     "Wait",

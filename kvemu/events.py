@@ -12,7 +12,7 @@ import msgspec
 
 from kvemu.index import PrefixIndex
 
-__all__ = ["StorageTier", "StoredBlock", "BlocksStored", "BlocksRemoved", "AllCleared", "RouterEvent", "apply_event"]
+__all__ = ["StorageTier", "BlocksStored", "BlocksRemoved", "AllCleared", "RouterEvent", "apply_event"]
 
 
 class StorageTier(enum.Enum):
@@ -24,17 +24,15 @@ class StorageTier(enum.Enum):
     EXTERNAL = "external"
 
 
-class StoredBlock(msgspec.Struct, frozen=True, array_like=True):
-    """One stored block: the engine's external hash and the router's local hash of its tokens."""
-
-    block_hash: int
-    tokens_hash: int
-
-
 class BlocksStored(msgspec.Struct, frozen=True, tag="stored"):
-    """A chain of blocks; block k's parent is block k-1, block 0's is ``parent_hash`` (None = root)."""
+    """A chain of blocks; block k's parent is block k-1, block 0's is ``parent_hash`` (None = root).
 
-    blocks: list[StoredBlock]
+    ``block_hashes`` are the engine's (external) hashes, ``local_hashes`` the router's hashes of each
+    block's tokens, position by position.
+    """
+
+    block_hashes: list[int]
+    local_hashes: list[int]
     parent_hash: int | None = None
 
 
@@ -62,13 +60,8 @@ def apply_event(index: PrefixIndex, event: RouterEvent) -> None:
     """Apply ``event`` to ``index`` (its tier is the caller's concern); raises ``KvCacheEventError``."""
     data = event.data
     if type(data) is BlocksStored:
-        blocks = data.blocks
         index.store(
-            event.worker_id,
-            [b.tokens_hash for b in blocks],
-            [b.block_hash for b in blocks],
-            parent_hash=data.parent_hash,
-            dp_rank=event.dp_rank,
+            event.worker_id, data.local_hashes, data.block_hashes, parent_hash=data.parent_hash, dp_rank=event.dp_rank
         )
     elif type(data) is BlocksRemoved:
         index.remove(event.worker_id, data.block_hashes, dp_rank=event.dp_rank)

@@ -18,7 +18,6 @@ from kvemu import (
     RouterEvent,
     RoutingCore,
     SessionAffinity,
-    StoredBlock,
     Wait,
     WorkerSpec,
     seconds_to_ns,
@@ -37,8 +36,7 @@ def cluster(workers=3, dp=2, **kw):
 
 
 def cache(core, worker, rank, req, n):
-    blocks = [StoredBlock(e, loc) for e, loc in zip(req.seq_hashes[:n], req.local_hashes[:n])]
-    core.apply_event(RouterEvent(worker_id=worker, dp_rank=rank, data=BlocksStored(blocks)))
+    core.apply_event(RouterEvent(worker_id=worker, dp_rank=rank, data=BlocksStored(req.seq_hashes[:n], req.local_hashes[:n])))
 
 
 def serve(core, affinity, session, tokens, request_id, builder=None):

@@ -120,10 +120,10 @@ def test_worker_spec_validation_names_fields():
 
 
 def stored(worker, req, n, *, rank=0, tier=None, parent=None, start=0):
-    from kvemu.events import BlocksStored, RouterEvent, StorageTier, StoredBlock
+    from kvemu.events import BlocksStored, RouterEvent, StorageTier
 
-    blocks = [StoredBlock(e, loc) for e, loc in zip(req.seq_hashes[start:n], req.local_hashes[start:n])]
-    return RouterEvent(worker_id=worker, dp_rank=rank, data=BlocksStored(blocks, parent),
+    data = BlocksStored(req.seq_hashes[start:n], req.local_hashes[start:n], parent)
+    return RouterEvent(worker_id=worker, dp_rank=rank, data=data,
                        tier=tier or StorageTier.DEVICE)
 
 

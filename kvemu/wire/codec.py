@@ -149,6 +149,7 @@ def _structs(profile: VllmProfile) -> tuple[type, type, type, type]:
 
 
 _encoder = msgspec.msgpack.Encoder()
+_astuple = msgspec.structs.astuple
 
 
 def encode_batch(batch: KVEventBatch, profile: VllmProfile | None = None) -> bytes:
@@ -159,10 +160,10 @@ def encode_batch(batch: KVEventBatch, profile: VllmProfile | None = None) -> byt
     out = []
     for ev in batch.events:
         t = type(ev)
-        if t is BlockStored:
-            out.append(stored_cls(*(getattr(ev, f) for f in STORED_FIELDS[:ns])))
+        if t is BlockStored:  # the neutral structs list their fields in wire order
+            out.append(stored_cls(*_astuple(ev)[:ns]))
         elif t is BlockRemoved:
-            out.append(removed_cls(*(getattr(ev, f) for f in REMOVED_FIELDS[:nr])))
+            out.append(removed_cls(*_astuple(ev)[:nr]))
         elif t is AllBlocksCleared:
             out.append(cleared_cls())
         else:
@@ -212,26 +213,8 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class _MapStored(_ArrayStored, array_like=False, tag="BlockStored"):
-    pass
-
-
-class _MapRemoved(_ArrayRemoved, array_like=False, tag="BlockRemoved"):
-    pass
-
-
-class _MapCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-class _MapEventsBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_MapStored | _MapRemoved | _MapCleared]
-    data_parallel_rank: int | None = None
-
-
 _fast_decoders = (
-    msgspec.msgpack.Decoder(_MapEventsBatch),
+    msgspec.msgpack.Decoder(KVEventBatch),  # map events (≥ 0.24) decode straight into the neutral structs
     msgspec.msgpack.Decoder(_ArrayBatch),
 )
 _generic = msgspec.msgpack.Decoder()
@@ -252,35 +235,25 @@ def _tokens(raw: Any) -> list[int]:
 
 
 def _from_typed(ev: Any) -> KvEvent:
+    """A neutral event from a decoded one (array-form classes are rebuilt; hashes made u64)."""
     t = type(ev)
-    if t is _MapStored or t is _ArrayStored:
+    if t is _ArrayStored or t is _ArrayRemoved:
+        ev = (BlockStored if t is _ArrayStored else BlockRemoved)(**msgspec.structs.asdict(ev))
+    elif t is _ArrayCleared:
+        return AllBlocksCleared()
+    t = type(ev)
+    if t is BlockStored:
         hashes = ev.block_hashes
-        return BlockStored(
-            block_hashes=hashes if all(0 <= h <= U64_MASK for h in hashes) else [h & U64_MASK for h in hashes],
-            parent_block_hash=None if ev.parent_block_hash is None else ev.parent_block_hash & U64_MASK,
-            token_ids=ev.token_ids,
-            block_size=ev.block_size,
-            lora_id=ev.lora_id,
-            medium=ev.medium,
-            lora_name=ev.lora_name,
-            extra_keys=ev.extra_keys,
-            group_idx=ev.group_idx,
-            kv_cache_spec_kind=ev.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
-            locality=ev.locality,
-            ownership=ev.ownership,
-            session_id=ev.session_id,
-            lookahead_token_ids=ev.lookahead_token_ids,
-        )
-    if t is _MapRemoved or t is _ArrayRemoved:
-        return BlockRemoved(
-            block_hashes=[h & U64_MASK for h in ev.block_hashes],
-            medium=ev.medium,
-            group_idx=ev.group_idx,
-            locality=ev.locality,
-            ownership=ev.ownership,
-        )
-    return AllBlocksCleared()
+        parent = ev.parent_block_hash
+        if (hashes and min(hashes) < 0) or (parent is not None and parent < 0):
+            ev = msgspec.structs.replace(
+                ev,
+                block_hashes=[h & U64_MASK for h in hashes],
+                parent_block_hash=None if parent is None else parent & U64_MASK,
+            )
+    elif t is BlockRemoved and ev.block_hashes and min(ev.block_hashes) < 0:
+        ev = msgspec.structs.replace(ev, block_hashes=[h & U64_MASK for h in ev.block_hashes])
+    return ev
 
 
 def _event_from_generic(raw: Any) -> KvEvent:
@@ -336,9 +309,16 @@ def decode_batch(payload: bytes, *, endpoint: str | None = None, seq: int | None
             raw = decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
-        return KVEventBatch(
-            ts=raw.ts, events=[_from_typed(e) for e in raw.events], data_parallel_rank=raw.data_parallel_rank
-        )
+        events = raw.events
+        if type(raw) is KVEventBatch:
+            for e in events:
+                if type(e) is not AllBlocksCleared and e.block_hashes and min(e.block_hashes) < 0 or (
+                    type(e) is BlockStored and e.parent_block_hash is not None and e.parent_block_hash < 0
+                ):
+                    break
+            else:
+                return raw
+        return KVEventBatch(ts=raw.ts, events=[_from_typed(e) for e in events], data_parallel_rank=raw.data_parallel_rank)
     try:
         return _batch_from_generic(_generic.decode(payload))
     except (msgspec.DecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvemu.errors import KvCacheEventError
-from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier, StoredBlock
+from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import local_block_hashes, mm_hash_from_identifier
 from kvemu.wire.kv_events import BlockRemoved, BlockStored, KvEvent
 
@@ -121,7 +121,7 @@ def convert_event(
         return RouterEvent(
             worker_id=worker_id,
             dp_rank=dp_rank,
-            data=BlocksStored([StoredBlock(h, loc) for h, loc in zip(hashes, locs)], parent),
+            data=BlocksStored(hashes, locs, parent),
             tier=medium_to_tier(ev.medium),  # type: ignore[union-attr]
             event_id=event_id,
         )

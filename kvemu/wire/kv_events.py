@@ -1,7 +1,8 @@
 """Version-neutral KV events as vLLM emits them (the payload of one ZeroMQ message).
 
 These are what engines produce and decoders return; ``kvemu.wire.codec`` turns them into the exact
-bytes of a given vLLM version and back. Block hashes are u64 integers (signed values are
+bytes of a given vLLM version and back. Fields are declared in wire order and events are tagged by
+class name, so a map-form payload (vLLM ≥ 0.24) decodes straight into them. Block hashes are u64 integers (signed values are
 reinterpreted); ``token_ids`` are the tokens of exactly the blocks in the event.
 """
 
@@ -14,7 +15,7 @@ __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KVEven
 MEDIUM_GPU = "GPU"
 
 
-class BlockStored(msgspec.Struct, frozen=True, kw_only=True):
+class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """New full blocks of one request; block k's parent is block k-1, block 0's is ``parent_block_hash``."""
 
     block_hashes: list[int]
@@ -34,7 +35,7 @@ class BlockStored(msgspec.Struct, frozen=True, kw_only=True):
     lookahead_token_ids: list[int] | None = None
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True):
+class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """Evicted blocks (vLLM sends one event per evicted block)."""
 
     block_hashes: list[int]
@@ -44,14 +45,14 @@ class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True):
     ownership: str | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True):
+class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """The engine reset its prefix cache."""
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True):
+class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """All events of one engine step, stamped with wall time (``ts``, float seconds) and the DP rank."""
 
     ts: float

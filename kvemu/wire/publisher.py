@@ -21,6 +21,10 @@ from kvemu.wire.kv_events import KVEventBatch
 
 __all__ = ["KvEventPublisher", "PublisherStats"]
 
+_send = zmq.backend.Socket.send  # the Cython send: a fraction of send_multipart's Python overhead
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE)
+
 
 class PublisherStats:
     """Counters of one publisher."""
@@ -60,7 +64,6 @@ class KvEventPublisher:
         self._ctx = context or zmq.Context.instance()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._lock = threading.Lock()
         self._closed = False
         self.drop_next = 0
         """Fault injection: this many coming batches are buffered for replay but not sent live."""
@@ -107,17 +110,19 @@ class KvEventPublisher:
         """Send an already encoded payload with the next sequence number."""
         seq = self._seq
         self._seq = seq + 1
-        with self._lock:
-            self._buffer.append((seq, payload))
+        self._buffer.append((seq, payload))  # deque appends are atomic; the replay thread copies it whole
         if self.drop_next:
             self.drop_next -= 1
             self.stats.dropped += 1
             return False
+        pub = self._pub
         try:
-            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False)
+            _send(pub, self.topic, _MORE_NOBLOCK)  # a multipart message is admitted whole at its first part
         except zmq.Again:
             self.stats.dropped += 1
             return False
+        _send(pub, seq.to_bytes(8, "big"), _MORE)
+        _send(pub, payload, 0)
         self.stats.published += 1
         return True
 
@@ -161,8 +166,7 @@ class KvEventPublisher:
             return  # vLLM logs and ignores malformed requests
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         self.stats.replay_requests += 1
-        with self._lock:
-            batches = [(s, p) for s, p in self._buffer if s >= start]
+        batches = [(s, p) for s, p in list(self._buffer) if s >= start]
         topic = [self.topic] if self.profile.replay_topic else []
         for seq, payload in batches:
             router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
