@@ -1,0 +1,84 @@
+"""Lifecycle hooks: how reports, traces and simulation hosts observe kvemu without reaching inside.
+
+Actors emit one ``HookEvent`` per lifecycle step; observers are plain callables registered on a
+``Hooks`` hub. Kinds: ``request_arrived``, ``routed``, ``dispatch_accepted``, ``dispatch_rejected``,
+``first_token``, ``tokens``, ``completed``, ``failed``, ``worker_added``, ``worker_removed``,
+``worker_fenced``, ``affinity_bound``/``_rebound``/``_released``/``_expired``/``_invalidated``,
+``queued``, ``kv_gap``, ``kv_replay``, ``kv_lost``, ``kv_restart``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["HookEvent", "Hooks", "KINDS"]
+
+KINDS = frozenset(
+    {
+        "request_arrived",
+        "routed",
+        "dispatch_accepted",
+        "dispatch_rejected",
+        "first_token",
+        "tokens",
+        "completed",
+        "failed",
+        "worker_added",
+        "worker_removed",
+        "worker_fenced",
+        "affinity_bound",
+        "affinity_rebound",
+        "affinity_released",
+        "affinity_expired",
+        "affinity_invalidated",
+        "queued",
+        "kv_gap",
+        "kv_replay",
+        "kv_lost",
+        "kv_restart",
+    }
+)
+
+
+class HookEvent(NamedTuple):
+    """One lifecycle step: what happened, when (ns on the emitting actor's clock), and its details."""
+
+    kind: str
+    time_ns: int
+    request_id: str | None = None
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    data: dict[str, Any] | None = None
+
+
+Observer = Callable[[HookEvent], None]
+
+
+class Hooks:
+    """Observers by kind; ``emit`` calls them in registration order. Cheap when nobody listens."""
+
+    def __init__(self) -> None:
+        self._by_kind: dict[str, list[Observer]] = {}
+        self._all: list[Observer] = []
+
+    def subscribe(self, observer: Observer, *kinds: str) -> None:
+        """Call ``observer`` for these kinds (all kinds when none are given)."""
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
+            raise ValueError(f"unknown hook kinds {unknown}; known: {sorted(KINDS)}")
+        if not kinds:
+            self._all.append(observer)
+        for k in kinds:
+            self._by_kind.setdefault(k, []).append(observer)
+
+    def wants(self, kind: str) -> bool:
+        """Whether anyone listens to ``kind`` (lets emitters skip building details)."""
+        return bool(self._all) or kind in self._by_kind
+
+    def emit(self, event: HookEvent) -> None:
+        """Deliver ``event`` to its observers."""
+        for observer in self._by_kind.get(event.kind, ()):
+            observer(event)
+        for observer in self._all:
+            observer(event)

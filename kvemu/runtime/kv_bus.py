@@ -1,0 +1,106 @@
+"""KV events on in-memory transports: per-rank sequence numbers, replay buffers and an event lag.
+
+A ``MemoryKvPublisher`` encodes batches in a vLLM version's wire format exactly like the ZeroMQ
+publisher, keeps the last ``buffer_steps`` for replay, and delivers ``(seq, payload)`` to the bus's
+subscriber after ``lag_ns``. Chaos can drop deliveries (they stay replayable) or change the lag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from kvemu.clock import NS_PER_S
+from kvemu.errors import InvalidArgument
+from kvemu.wire.codec import encode_batch, profile_for
+from kvemu.wire.kv_events import KVEventBatch
+
+__all__ = ["MemoryKvBus", "MemoryKvPublisher"]
+
+Deliver = Callable[[int, int, int, bytes], None]
+"""``deliver(worker_id, dp_rank, seq, payload)``: the router's intake."""
+
+
+class MemoryKvPublisher:
+    """One rank's publisher on a ``MemoryKvBus`` (same interface as ``KvEventPublisher.publish``)."""
+
+    def __init__(self, bus: MemoryKvBus, worker_id: int, dp_rank: int, vllm_version: str, buffer_steps: int) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.profile = profile_for(vllm_version)
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.drop_next = 0
+        """Fault injection: this many coming batches are buffered for replay but not delivered."""
+        self.published = 0
+        self.dropped = 0
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        """Encode, buffer and deliver one batch; False if it was dropped (still replayable)."""
+        if batch.data_parallel_rank is None:
+            batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)
+        payload = encode_batch(batch, self.profile)
+        seq = self._seq
+        self._seq = seq + 1
+        self._buffer.append((seq, payload))
+        if self.drop_next:
+            self.drop_next -= 1
+            self.dropped += 1
+            return False
+        self.published += 1
+        self.bus._deliver(self.worker_id, self.dp_rank, seq, payload)
+        return True
+
+    def replay(self, start: int) -> Iterator[tuple[int, bytes]]:
+        """Buffered batches with ``seq >= start``, in order."""
+        return iter([(s, p) for s, p in self._buffer if s >= start])
+
+    def restart(self) -> None:
+        """Simulate an engine restart: the sequence starts again at 0 and the buffer is empty."""
+        self._seq = 0
+        self._buffer.clear()
+
+
+class MemoryKvBus:
+    """Connects the in-memory publishers of all workers to one router intake."""
+
+    def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000) -> None:
+        if lag_ns < 0:
+            raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}")
+        self.lag_ns = lag_ns
+        self.vllm_version = vllm_version
+        self.buffer_steps = buffer_steps
+        self._intake: Deliver | None = None
+        self._publishers: dict[tuple[int, int], MemoryKvPublisher] = {}
+
+    def connect(self, intake: Deliver) -> None:
+        """Where delivered batches go (the router)."""
+        self._intake = intake
+
+    def publisher(self, worker_id: int, dp_rank: int) -> MemoryKvPublisher:
+        """The publisher of one rank (created on first use)."""
+        key = (worker_id, dp_rank)
+        pub = self._publishers.get(key)
+        if pub is None:
+            pub = self._publishers[key] = MemoryKvPublisher(self, worker_id, dp_rank, self.vllm_version, self.buffer_steps)
+        return pub
+
+    def replay(self, worker_id: int, dp_rank: int) -> Callable[[int], Iterator[tuple[int, bytes]]]:
+        """The replay function of one rank's stream, for the router's ``EventStream``."""
+        return lambda start: self.publisher(worker_id, dp_rank).replay(start)
+
+    def forget(self, worker_id: int) -> None:
+        """Drop a removed worker's publishers (a re-added worker starts at sequence 0)."""
+        for key in [k for k in self._publishers if k[0] == worker_id]:
+            del self._publishers[key]
+
+    def _deliver(self, worker_id: int, dp_rank: int, seq: int, payload: bytes) -> None:
+        intake = self._intake
+        if intake is None:
+            return
+        if self.lag_ns:
+            asyncio.get_running_loop().call_later(self.lag_ns / NS_PER_S, intake, worker_id, dp_rank, seq, payload)
+        else:
+            intake(worker_id, dp_rank, seq, payload)

@@ -1,0 +1,171 @@
+"""The messages actors exchange, as msgspec structs: identical bytes on ZeroMQ and in memory.
+
+Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``RegisterAck``, ``Heartbeat``,
+``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Deregister``, and, on
+in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvemu.config import RouterOverrides
+
+__all__ = [
+    "ClientRequest",
+    "Register",
+    "RegisterAck",
+    "Heartbeat",
+    "Dispatch",
+    "DispatchAck",
+    "TokenBatch",
+    "Finished",
+    "RequestFailed",
+    "Deregister",
+    "KvBatch",
+    "WorkerMessage",
+    "RouterMessage",
+    "encode",
+    "decode_worker_message",
+    "decode_router_message",
+    "decode_client_request",
+]
+
+_OPTS = dict(frozen=True, kw_only=True, tag=True, omit_defaults=True, forbid_unknown_fields=True)
+
+
+class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """One inference request as a client (or the load generator) submits it."""
+
+    request_id: str
+    tokens: list[int]
+    max_tokens: int = 16
+    session_id: str | None = None
+    """Session affinity key (multi-turn conversations)."""
+    parent_session_id: str | None = None
+    """Sub-agent requests of one parent share a sibling-group binding."""
+    worker_id: int | None = None
+    """Explicit pin; never rewritten by affinity."""
+    dp_rank: int | None = None
+    allowed_worker_ids: list[int] | None = None
+    router_overrides: RouterOverrides | None = None
+    priority: int = 0
+    """Strict priority tier in the router queue (higher first)."""
+    do_not_queue: bool = False
+    lora_name: str | None = None
+
+
+class Register(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A worker announces itself and its ranks."""
+
+    worker_id: int
+    dp_size: int = 1
+    dp_start: int = 0
+    block_size: int = 64
+    total_kv_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    worker_type: str = "aggregated"
+    taints: list[str] = []
+    kv_endpoints: list[str] = []
+    """One KV-event endpoint per rank (live mode); empty when events travel in ``KvBatch`` messages."""
+    kv_replay_endpoints: list[str] = []
+
+
+class RegisterAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """The router's answer to ``Register``."""
+
+    worker_id: int
+    accepted: bool
+    reason: str | None = None
+
+
+class Heartbeat(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A worker is alive."""
+
+    worker_id: int
+
+
+class Deregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A worker leaves (graceful shutdown)."""
+
+    worker_id: int
+    reason: str = "shutdown"
+
+
+class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """Run this request on this rank."""
+
+    request_id: str
+    dp_rank: int
+    tokens: list[int]
+    max_tokens: int
+
+
+class DispatchAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """The worker accepted the dispatch, or rejected it with a reason."""
+
+    request_id: str
+    accepted: bool
+    reason: str | None = None
+
+
+class TokenBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """Tokens produced since the last message for this request, with their engine times."""
+
+    request_id: str
+    times_ns: list[int]
+
+
+class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """The request completed; ``times_ns`` are its last tokens, ``cached_tokens`` its prefix hit."""
+
+    request_id: str
+    times_ns: list[int]
+    cached_tokens: int = 0
+    dp_rank: int = 0
+
+
+class RequestFailed(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """The worker could not finish the request."""
+
+    request_id: str
+    reason: str
+
+
+class KvBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A vLLM-encoded KV-event payload of one rank (in-memory transports only)."""
+
+    dp_rank: int
+    seq: int
+    payload: bytes
+
+
+WorkerMessage = Register | Heartbeat | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
+"""What workers send to the router."""
+RouterMessage = RegisterAck | Dispatch
+"""What the router sends to workers."""
+
+_encoder = msgspec.msgpack.Encoder()
+_worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_router_decoder = msgspec.msgpack.Decoder(RouterMessage)
+_client_decoder = msgspec.msgpack.Decoder(ClientRequest)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """The wire bytes of any message."""
+    return _encoder.encode(msg)
+
+
+def decode_worker_message(data: bytes) -> WorkerMessage:
+    """Decode what a worker sent; ``msgspec.DecodeError``/``ValidationError`` if malformed."""
+    return _worker_decoder.decode(data)
+
+
+def decode_router_message(data: bytes) -> RouterMessage:
+    """Decode what the router sent."""
+    return _router_decoder.decode(data)
+
+
+def decode_client_request(data: bytes) -> ClientRequest:
+    """Decode a client request."""
+    return _client_decoder.decode(data)
