@@ -1,0 +1,102 @@
+"""Builds per-request records and counters from the router's lifecycle hooks (and nothing else).
+
+The report writer reads only what this recorder collected, so reports, traces and external hosts all
+consume kvemu through the same hook API.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import msgspec
+
+from kvemu.runtime.hooks import HookEvent, Hooks
+
+__all__ = ["RequestRecord", "Recorder"]
+
+
+class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """Everything known about one request, in scenario nanoseconds (one line of requests.jsonl)."""
+
+    request_id: str
+    session_id: str | None = None
+    parent_session_id: str | None = None
+    arrival_ns: int = 0
+    isl: int = 0
+    max_tokens: int = 0
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    attempts: int = 0
+    queued_ns: int | None = None
+    dispatch_ns: int | None = None
+    routing_reason: str | None = None
+    predicted_overlap_blocks: int | None = None
+    """The router's overlap (device prefix depth) for the chosen rank when it routed."""
+    best_overlap_blocks: int | None = None
+    """The deepest overlap any rank had at that moment."""
+    engine_cached_tokens: int | None = None
+    """Prompt tokens the engine actually found cached at admission (the physical-cache check)."""
+    first_token_ns: int | None = None
+    token_times_ns: list[int] = []
+    completion_ns: int | None = None
+    failure: str | None = None
+
+
+class Recorder:
+    """A hook observer collecting ``RequestRecord``s, counters and worker events."""
+
+    def __init__(self, hooks: Hooks, *, block_size: int) -> None:
+        self.block_size = block_size
+        self.records: dict[str, RequestRecord] = {}
+        self.counters: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+        self.worker_events: list[dict[str, Any]] = []
+        self.kv_events: list[dict[str, Any]] = []
+        hooks.subscribe(self._on_event)
+
+    def _on_event(self, ev: HookEvent) -> None:
+        kind = ev.kind
+        self.counters[kind] += 1
+        rid = ev.request_id
+        if rid is None:
+            if kind.startswith("worker_"):
+                self.worker_events.append({"kind": kind, "time_ns": ev.time_ns, "worker_id": ev.worker_id,
+                                           **(ev.data or {})})
+            elif kind.startswith("kv_"):
+                self.kv_events.append({"kind": kind, "time_ns": ev.time_ns, "worker_id": ev.worker_id,
+                                       "dp_rank": ev.dp_rank, **(ev.data or {})})
+            return
+        rec = self.records.get(rid)
+        data = ev.data or {}
+        if kind == "request_arrived":
+            if rec is not None:
+                return  # a duplicate id: the first record stays
+            self.records[rid] = RequestRecord(
+                request_id=rid, session_id=data.get("session_id"), parent_session_id=data.get("parent_session_id"),
+                arrival_ns=ev.time_ns, isl=data.get("isl", 0), max_tokens=data.get("max_tokens", 0),
+            )
+            return
+        if rec is None:
+            return
+        if kind == "routed":
+            rec.attempts = data.get("attempt", 0) + 1
+            rec.worker_id, rec.dp_rank = ev.worker_id, ev.dp_rank
+            rec.routing_reason = data.get("reason")
+            rec.predicted_overlap_blocks = data.get("overlap_blocks")
+            rec.best_overlap_blocks = data.get("best_overlap_blocks")
+        elif kind == "dispatch_accepted":
+            rec.dispatch_ns = ev.time_ns
+        elif kind == "queued":
+            rec.queued_ns = ev.time_ns
+        elif kind == "first_token":
+            rec.first_token_ns = data.get("time_ns", ev.time_ns)
+        elif kind == "tokens":
+            rec.token_times_ns.extend(data.get("times_ns", ()))
+        elif kind == "completed":
+            rec.completion_ns = rec.token_times_ns[-1] if rec.token_times_ns else ev.time_ns
+            rec.engine_cached_tokens = data.get("cached_tokens")
+        elif kind == "failed":
+            rec.failure = data.get("reason", "unknown")
+            rec.completion_ns = None
+            self.failures[rec.failure.split(":")[0]] += 1
