@@ -1,0 +1,178 @@
+"""Workloads as sessions of turns: loaded from a Mooncake trace or generated synthetically.
+
+A ``Session`` starts at an absolute scenario time; each later turn starts ``delay_ns`` after the previous
+turn of the same session completed (closed loop), and may spawn sibling sub-agent requests. Everything
+random comes from one ``random.Random(seed)``, so a scenario and a seed fix the workload exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from kvemu.clock import NS_PER_MS, NS_PER_S
+
+from harness.scenario import Distribution, Scenario, ScenarioError, SyntheticWorkload, TraceWorkload, resolve
+
+__all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "expand_hash_ids", "sample"]
+
+
+class Turn(NamedTuple):
+    """One request of a session (trace turns keep their hash ids and expand them only when sent)."""
+
+    tokens: list[int] | None
+    max_tokens: int
+    delay_ns: int = 0
+    """Wait after the previous turn of the session completed (0 for the first turn)."""
+    output_token_ids: list[int] | None = None
+    """The reply's token ids, so that later turns that quote it hit the engine's cache."""
+    sub_agents: tuple[tuple[list[int], int], ...] = ()
+    """Sibling requests ``(tokens, max_tokens)`` started when this turn completes."""
+    worker_id: int | None = None
+    hash_ids: tuple[int, ...] | None = None
+    input_length: int = 0
+    trace_block_size: int = 0
+
+    def prompt(self) -> list[int]:
+        """The prompt's token ids."""
+        if self.tokens is not None:
+            return self.tokens
+        return expand_hash_ids(self.hash_ids or (), self.input_length, self.trace_block_size)
+
+
+class Session(NamedTuple):
+    """Turns that run one after another, starting at ``start_ns``."""
+
+    session_id: str
+    start_ns: int
+    turns: list[Turn]
+    sticky: bool = False
+    """Whether its requests carry the session id (affinity); trace rows without one do not."""
+
+
+def expand_hash_ids(hash_ids: list[int], input_length: int, block: int) -> list[int]:
+    """Trace tokens: each hash id repeated ``block`` times, cut to ``input_length`` (clamped to the ids)."""
+    n = min(input_length, len(hash_ids) * block)
+    out: list[int] = []
+    for h in hash_ids:
+        out += [h & 0xFFFFFFFF] * block
+        if len(out) >= n:
+            break
+    del out[n:]
+    return out
+
+
+def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None) -> list[Session]:
+    """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone)."""
+    sessions: dict[str, Session] = {}
+    order: list[str] = []
+    speed = workload.arrival_speedup_ratio
+    block = workload.trace_block_size
+    last_ts = 0.0
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if max_requests is not None and lineno > max_requests:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+                hash_ids = [int(h) for h in row["hash_ids"]]
+                isl = int(row["input_length"])
+                osl = max(1, int(row["output_length"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ScenarioError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from None
+            if min(isl, len(hash_ids) * block) < 1:
+                raise ScenarioError(f"{path}:{lineno}: empty prompt (input_length {isl}, {len(hash_ids)} hash ids)")
+            turn = Turn(None, osl, 0, hash_ids=tuple(hash_ids), input_length=isl, trace_block_size=block)
+            sid = row.get("session_id")
+            if "timestamp" in row:
+                last_ts = float(row["timestamp"])
+            delay_ms = float(row.get("delay", 0.0))
+            if sid is not None and str(sid) in sessions:
+                sessions[str(sid)].turns.append(turn._replace(delay_ns=round(delay_ms * NS_PER_MS / speed)))
+                continue
+            start_ms = last_ts if "timestamp" in row else last_ts + delay_ms
+            key = str(sid) if sid is not None else f"trace-{lineno}"
+            sessions[key] = Session(key, round(start_ms * NS_PER_MS / speed), [turn], sid is not None)
+            order.append(key)
+    return sorted((sessions[k] for k in order), key=lambda s: s.start_ns)
+
+
+def sample(dist: Distribution, rng: random.Random) -> int:
+    """A draw clamped to [low, high]."""
+    if dist.kind == "constant":
+        value = dist.mean
+    elif dist.kind == "uniform":
+        value = rng.randint(dist.low, dist.high)
+    elif dist.kind == "normal":
+        value = rng.gauss(dist.mean, dist.std)
+    else:
+        sigma = math.sqrt(math.log(1 + (dist.std / dist.mean) ** 2)) if dist.mean > 0 else 0.0
+        value = rng.lognormvariate(math.log(max(dist.mean, 1e-9)) - sigma**2 / 2, sigma)
+    return int(min(max(round(value), dist.low, 1), dist.high))
+
+
+def synthesize(w: SyntheticWorkload, *, seed: int, duration_s: float, workers: int,
+               max_sessions: int | None = None) -> list[Session]:
+    """Sessions arriving over ``duration_s`` (Poisson or constant rate), growing their conversation."""
+    rng = random.Random(seed)
+    vocab = w.vocab_size
+    prefixes = [[rng.randrange(vocab) for _ in range(w.system_prefix_tokens)] for _ in range(max(1, w.num_prefix_groups))]
+    sessions: list[Session] = []
+    t = 0.0
+    n = 0
+    while True:
+        t += rng.expovariate(w.rate_rps) if w.arrival == "poisson" else 1.0 / w.rate_rps
+        if t > duration_s or (max_sessions is not None and n >= max_sessions):
+            break
+        sid = f"s{n}"
+        n += 1
+        history = list(prefixes[rng.randrange(len(prefixes))])
+        pin = rng.randrange(workers) if w.pin_fraction and rng.random() < w.pin_fraction else None
+        turns: list[Turn] = []
+        for k in range(w.turns):
+            history += [rng.randrange(vocab) for _ in range(sample(w.isl, rng))]
+            osl = sample(w.osl, rng)
+            reply = [rng.randrange(vocab) for _ in range(osl)]
+            subs = tuple(
+                (history + [rng.randrange(vocab) for _ in range(sample(w.isl, rng) // 2 + 1)], sample(w.osl, rng))
+                for _ in range(w.sub_agents)
+            )
+            delay = 0 if k == 0 else round(rng.expovariate(1.0 / w.think_time_s) * NS_PER_S) if w.think_time_s else 0
+            turns.append(Turn(list(history), osl, delay, reply, subs, pin))
+            history += reply
+        sessions.append(Session(sid, round(t * NS_PER_S), turns, True))
+    return sessions
+
+
+def build_sessions(scenario: Scenario) -> list[Session]:
+    """The scenario's sessions, cut to ``run.duration_s`` / ``run.max_requests`` as configured."""
+    w = scenario.workload
+    run = scenario.run
+    if isinstance(w, TraceWorkload):
+        sessions = load_trace(w, resolve(scenario, w.trace), run.max_requests)
+        if run.duration_s is not None:
+            limit = round(run.duration_s * NS_PER_S)
+            sessions = [s for s in sessions if s.start_ns <= limit]
+        return sessions
+    duration = run.duration_s if run.duration_s is not None else 60.0
+    sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers)
+    if run.max_requests is not None:
+        sessions = list(_cut(sessions, run.max_requests))
+    return sessions
+
+
+def _cut(sessions: list[Session], limit: int) -> Iterator[Session]:
+    left = limit
+    for s in sessions:
+        if left <= 0:
+            return
+        turns = s.turns[:left]
+        left -= len(turns)
+        yield s._replace(turns=turns)
