@@ -461,9 +461,7 @@ def test_malformed_frames_are_counted_and_survived(net):
     assert depth(core, tokens) == {(5, 0): 1}
 
 
-# Payloads that decode_batch accepts with wrongly typed fields, or that make it raise something other
-# than WireDecodeError (see test_wire_codec.py): the subscriber's poll() then raises out of the consumer
-# loop instead of counting the batch. xfail(strict) pins the bug; fixing it flips these tests.
+# Payloads that used to escape the consumer loop: each must be counted, and the next batch applied.
 CRASHERS = {
     "deep-nesting": (b"\x91" * 5000 + b"\xc0", RecursionError),
     "medium-int": (msgspec.msgpack.encode([1.0, [["BlockRemoved", [1], 5]], 0]), AttributeError),
@@ -471,14 +469,14 @@ CRASHERS = {
         [1.0, [["BlockStored", [1], None, [1] * BS, BS, None, "GPU", 7]], 0]), AttributeError),
     "token-negative": (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [-1] * BS, BS]], 0]),
                        kvemu.InvalidArgument),
+    "token-over-u32": (msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [2**32] * BS, BS]], 0]),
+                       kvemu.InvalidArgument),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CRASHERS))
 def test_payloads_that_crash_the_consumer(net, name, request):
-    payload, exc = CRASHERS[name]
-    request.applymarker(pytest.mark.xfail(strict=True, raises=exc, reason=(
-        "BUG: an exception other than WireDecodeError/KvCacheEventError escapes KvEventSubscriber.poll()")))
+    payload, _ = CRASHERS[name]
     core = new_core((5, 1))
     sub = net.subscriber(core.apply_event)
     pub = net.publisher()

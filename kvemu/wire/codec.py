@@ -185,7 +185,7 @@ class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False)
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
-    extra_keys: Any = None
+    extra_keys: list | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -257,34 +257,34 @@ def _from_typed(ev: Any) -> KvEvent:
 
 
 def _event_from_generic(raw: Any) -> KvEvent:
+    """Normalise one event of any form (hashes to u64, Eagle pairs to tokens), then type-check it."""
     if isinstance(raw, dict):
         tag = raw.get("type")
-        get = raw.get
+        fields = dict(raw)
     elif isinstance(raw, (list, tuple)) and raw:
         tag = raw[0]
-        fields = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
-        values = dict(zip(fields, raw[1:]))
-        get = values.get
+        names = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS if tag == "BlockRemoved" else ()
+        fields = dict(zip(names, raw[1:]))
     else:
         raise TypeError(f"event is neither a tagged array nor a tagged map: {raw!r:.60}")
-    if tag == "BlockStored":
-        parent = get("parent_block_hash")
-        kwargs = {f: get(f) for f in STORED_FIELDS[4:]}
-        return BlockStored(
-            block_hashes=[_u64(h) for h in get("block_hashes")],
-            parent_block_hash=None if parent is None else _u64(parent),
-            token_ids=_tokens(get("token_ids") or []),
-            block_size=int(get("block_size")),
-            **kwargs,
-        )
-    if tag == "BlockRemoved":
-        return BlockRemoved(
-            block_hashes=[_u64(h) for h in get("block_hashes")],
-            **{f: get(f) for f in REMOVED_FIELDS[1:]},
-        )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise TypeError(f"unknown event type {tag!r}")
+    if tag not in ("BlockStored", "BlockRemoved"):
+        raise TypeError(f"unknown event type {tag!r}")
+    fields.pop("type", None)
+    hashes = fields.get("block_hashes")
+    if not isinstance(hashes, (list, tuple)):
+        raise TypeError(f"{tag}.block_hashes must be a list, got {type(hashes).__name__}")
+    fields["block_hashes"] = [_u64(h) for h in hashes]
+    if tag == "BlockStored":
+        parent = fields.get("parent_block_hash")
+        fields["parent_block_hash"] = None if parent is None else _u64(parent)
+        tokens = fields.get("token_ids")
+        if isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple)):
+            fields["token_ids"] = _tokens(tokens)
+    known = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
+    cls = BlockStored if tag == "BlockStored" else BlockRemoved
+    return msgspec.convert({k: v for k, v in fields.items() if k in known}, cls, strict=True)
 
 
 def _batch_from_generic(raw: Any) -> KVEventBatch:
@@ -295,9 +295,11 @@ def _batch_from_generic(raw: Any) -> KVEventBatch:
         rank = raw[2] if len(raw) > 2 else None
     else:
         raise TypeError("batch is neither [ts, events, rank] nor a map")
+    if type(ts) not in (float, int):
+        raise TypeError(f"batch ts must be a number, got {type(ts).__name__}")
     if not isinstance(events, (list, tuple)):
         raise TypeError("batch events is not a list")
-    if rank is not None and not isinstance(rank, int):
+    if rank is not None and type(rank) is not int:
         raise TypeError(f"data_parallel_rank {rank!r} is not an integer")
     return KVEventBatch(ts=float(ts), events=[_event_from_generic(e) for e in events], data_parallel_rank=rank)
 
@@ -307,7 +309,7 @@ def decode_batch(payload: bytes, *, endpoint: str | None = None, seq: int | None
     for decoder in _fast_decoders:
         try:
             raw = decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             continue
         events = raw.events
         if type(raw) is KVEventBatch:
@@ -321,5 +323,6 @@ def decode_batch(payload: bytes, *, endpoint: str | None = None, seq: int | None
         return KVEventBatch(ts=raw.ts, events=[_from_typed(e) for e in events], data_parallel_rank=raw.data_parallel_rank)
     try:
         return _batch_from_generic(_generic.decode(payload))
-    except (msgspec.DecodeError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError, KeyError, IndexError,
+            AttributeError, OverflowError, RecursionError) as exc:
         raise WireDecodeError(str(exc), payload, endpoint=endpoint, seq=seq) from None

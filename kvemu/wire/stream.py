@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from kvemu.errors import KvCacheEventError
+from kvemu.errors import KvemuError
 from kvemu.events import AllCleared, RouterEvent
 from kvemu.wire.codec import WireDecodeError, decode_batch
 from kvemu.wire.convert import BlockSizeMismatch, convert_event
@@ -108,7 +108,7 @@ class EventStream:
             if seq < got:
                 continue
             if seq >= until:
-                break
+                continue
             if seq > got:
                 self._lost(got, seq)
             self.apply(seq, payload)
@@ -150,8 +150,12 @@ class EventStream:
                 if stats.block_size_mismatches <= 3:
                     log.error("%s", exc)
                 continue
-            except KvCacheEventError:
+            except KvemuError:  # unknown parent, missing block, out-of-range token ids...
                 stats.apply_errors += 1
+                continue
+            except Exception:  # noqa: BLE001 - a malformed event must never stop the stream
+                stats.apply_errors += 1
+                log.exception("worker %s rank %s: event could not be applied", self.worker_id, self.dp_rank)
                 continue
             t = type(ev)
             if t is BlockStored:
