@@ -1,0 +1,690 @@
+"""The report of ``kvemu run``: summary.json, requests.jsonl, report.md and plots, from plain data.
+
+Everything here is a pure function of a ``RunData`` (records from the hook ``Recorder``, periodic samples
+of the router's view, counters); nothing reads an actor. The same ``RunData`` gives byte-identical
+``summary.json``, ``requests.jsonl`` and ``report.md`` (and identical plots on the same matplotlib).
+
+Metric definitions (only completed requests, i.e. with a completion time and no failure, enter the
+latency statistics):
+
+* ``ttft`` = first token − arrival; ``e2e_latency`` = completion − arrival;
+* ``ttst`` = second token − first token (token timestamps), requests with ≥ 2 tokens;
+* ``tpot`` = (completion − first token) / (output tokens − 1), requests with ≥ 2 tokens;
+* ``itl``  = every gap between consecutive token timestamps, pooled over all requests;
+* ``output_token_throughput_per_user`` = (output tokens − 1) / (completion − first token), tok/s,
+  requests with ≥ 2 tokens and a positive decode time;
+* percentiles interpolate linearly between the closest ranks (numpy's default, Hyndman-Fan type 7),
+  ``median`` is p50, ``std`` is the population standard deviation; an empty set gives ``null``.
+
+Output tokens are the recorded token timestamps of a request. Floats are rounded to 6 significant
+digits; NaN and infinities never appear (they become ``null``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from harness.recorder import RequestRecord
+
+__all__ = [
+    "Sample",
+    "RunData",
+    "LATENCY_METRICS",
+    "STATS",
+    "PLOTS",
+    "summarize",
+    "dumps_summary",
+    "percentile",
+    "write_report",
+    "write_requests",
+    "render_markdown",
+    "write_plots",
+]
+
+NS_PER_MS = 1_000_000
+NS_PER_S = 1_000_000_000
+SIGNIFICANT_DIGITS = 6
+
+LATENCY_METRICS = ("ttft", "ttst", "tpot", "itl", "e2e_latency", "output_token_throughput_per_user")
+"""Per-request metrics; all in ms except the per-user throughput (tok/s)."""
+STATS = ("mean", "min", "max", "median", "p75", "p90", "p95", "p99", "std")
+PLOTS = ("ttft_cdf.png", "e2e_cdf.png", "active_requests.png", "kv_usage.png", "cache_reuse.png")
+
+KV_COUNTERS = ("batches", "events", "blocks_stored", "blocks_removed", "gaps", "replays", "replayed_batches",
+               "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors", "restarts")
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """One periodic sample of the router's view of one rank."""
+
+    time_ns: int
+    worker_id: int
+    dp_rank: int
+    active_requests: int
+    kv_blocks: int
+
+
+class RunData(msgspec.Struct, kw_only=True):
+    """Everything a report is made of (plain data; built by the runner from the recorder and samplers)."""
+
+    records: list[RequestRecord] = []
+    """Per-request records, sorted by arrival (re-sorted by arrival then id where order matters)."""
+    scenario_name: str = "scenario"
+    mode: str = "virtual"
+    seed: int = 0
+    wall_time_ns: int = 0
+    partial: bool = False
+    """The run was interrupted (Ctrl-C, drain timeout...): the numbers cover only what finished."""
+    block_size: int = 16
+    ranks: list[tuple[int, int]] = []
+    """Every (worker_id, dp_rank) of the cluster, so ranks that served nothing still show."""
+    samples: list[Sample] = []
+    kv_stats: dict[int, dict[str, int]] = {}
+    """Per worker KV-event counters (batches, events, blocks_stored, gaps, lost_batches...)."""
+    affinity: dict[str, int] | None = None
+    counters: dict[str, int] = {}
+    """Hook counts by kind (``queued``, ``dispatch_rejected``...)."""
+    failures: dict[str, int] = {}
+    """Failed requests by reason."""
+    worker_events: list[dict[str, Any]] = []
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of already sorted values, linear interpolation between ranks."""
+    n = len(sorted_values)
+    if n == 0:
+        raise ValueError("percentile of an empty set")
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    frac = pos - lo
+    a, b = float(sorted_values[lo]), float(sorted_values[hi])
+    return a + (b - a) * frac if frac else a
+
+
+def _stats(values: Any, scale: float = 1.0) -> dict[str, float | None]:
+    """mean/min/max/median/p75/p90/p95/p99/std of ``values`` divided by ``scale`` (None when empty).
+
+    numpy (a matplotlib dependency) does the arithmetic: float64, pairwise sums, deterministic for a given
+    input; the percentiles use ``percentile`` above on the sorted array.
+    """
+    import numpy as np
+
+    s = np.sort(np.asarray(values, dtype=np.float64))
+    if s.size == 0:
+        return dict.fromkeys(STATS)
+    out = {
+        "mean": float(s.mean()),
+        "min": float(s[0]),
+        "max": float(s[-1]),
+        "median": percentile(s, 50),
+        "p75": percentile(s, 75),
+        "p90": percentile(s, 90),
+        "p95": percentile(s, 95),
+        "p99": percentile(s, 99),
+        "std": float(s.std()),
+    }
+    return {k: v / scale for k, v in out.items()}
+
+
+def _round(value: Any) -> Any:
+    """Round floats to ``SIGNIFICANT_DIGITS`` (recursively); NaN/inf become None; keys become strings."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        r = float(f"{value:.{SIGNIFICANT_DIGITS}g}")
+        return 0.0 if r == 0 else r  # no "-0.0"
+    if isinstance(value, dict):
+        return {str(k): _round(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_round(v) for v in value]
+    if isinstance(value, numbers.Integral):  # numpy scalars and the like
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return _round(float(value))
+    raise TypeError(f"cannot put {type(value).__name__} in a summary")
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+def _completed(rec: RequestRecord) -> bool:
+    return rec.completion_ns is not None and rec.failure is None
+
+
+def _first_token(rec: RequestRecord) -> int | None:
+    if rec.first_token_ns is not None:
+        return rec.first_token_ns
+    return rec.token_times_ns[0] if rec.token_times_ns else None
+
+
+def _sorted_records(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    return sorted(records, key=lambda r: (r.arrival_ns, r.request_id))
+
+
+def _all_ranks(data: RunData) -> list[tuple[int, int]]:
+    ranks = {(int(w), int(r)) for w, r in data.ranks}
+    ranks.update((r.worker_id, r.dp_rank or 0) for r in data.records if r.worker_id is not None)
+    ranks.update((s.worker_id, s.dp_rank) for s in data.samples)
+    return sorted(ranks)
+
+
+# ---------------------------------------------------------------------------------- summary
+
+
+def _pooled_gaps(series: list[list[int]]) -> Any:
+    """Every gap between consecutive values of each list, pooled (a numpy int64 array)."""
+    import numpy as np
+
+    series = [s for s in series if len(s) >= 2]
+    if not series:
+        return np.zeros(0, dtype=np.int64)
+    total = sum(len(s) for s in series)
+    flat = np.fromiter(chain.from_iterable(series), dtype=np.int64, count=total)
+    gaps = np.diff(flat)
+    ends = np.cumsum([len(s) for s in series])[:-1] - 1  # the gap from one list's end to the next's start
+    return np.delete(gaps, ends)
+
+
+def _latency_values(done: list[RequestRecord]) -> dict[str, Any]:
+    ttft: list[int] = []
+    ttst: list[int] = []
+    tpot: list[float] = []
+    e2e: list[int] = []
+    per_user: list[float] = []
+    for rec in done:
+        completion = rec.completion_ns
+        assert completion is not None
+        e2e.append(completion - rec.arrival_ns)
+        first = _first_token(rec)
+        if first is not None:
+            ttft.append(first - rec.arrival_ns)
+        times = rec.token_times_ns
+        n = len(times)
+        if n >= 2:
+            ttst.append(times[1] - times[0])
+            if first is not None:
+                decode = completion - first
+                tpot.append(decode / (n - 1))
+                if decode > 0:
+                    per_user.append((n - 1) * NS_PER_S / decode)
+    itl = _pooled_gaps([rec.token_times_ns for rec in done])
+    return {"ttft": ttft, "ttst": ttst, "tpot": tpot, "itl": itl, "e2e_latency": e2e,
+            "output_token_throughput_per_user": per_user}
+
+
+def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
+    bs = data.block_size
+    predicted_total = engine_total = 0
+    diffs: list[int] = []
+    over = under = 0
+    for rec in done:
+        if rec.predicted_overlap_blocks is None:
+            continue
+        predicted = min(rec.predicted_overlap_blocks * bs, rec.isl)
+        engine = rec.engine_cached_tokens or 0
+        predicted_total += predicted
+        engine_total += engine
+        diffs.append(abs(predicted - engine))
+        over += predicted > engine
+        under += predicted < engine
+    routed = [r for r in records if r.attempts > 0]
+    selection = best = 0
+    for rec in records:
+        if rec.predicted_overlap_blocks is not None and rec.best_overlap_blocks is not None:
+            selection += rec.predicted_overlap_blocks
+            best += rec.best_overlap_blocks
+    reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
+    return {
+        "requests_compared": len(diffs),
+        "predicted_cached_tokens": predicted_total,
+        "engine_cached_tokens": engine_total,
+        "engine_to_predicted_ratio": _ratio(engine_total, predicted_total),
+        "mean_abs_diff_tokens": _mean(diffs),
+        "overestimated_requests": over,
+        "underestimated_requests": under,
+        "selection_overlap_blocks": selection,
+        "best_overlap_blocks": best,
+        "selection_to_best_ratio": _ratio(selection, best),
+        "reasons": dict(sorted(reasons.items())),
+        "routed_requests": len(routed),
+        "mean_attempts": _mean([r.attempts for r in routed]),
+        "max_attempts": max((r.attempts for r in routed), default=0),
+        "retried_requests": sum(r.attempts > 1 for r in routed),
+        "dispatch_rejections": int(data.counters.get("dispatch_rejected", 0)),
+    }
+
+
+def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any]]:
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for key in _all_ranks(data):
+        rows[key] = {"worker_id": key[0], "dp_rank": key[1], "requests": 0, "completed_requests": 0,
+                     "failed_requests": 0, "input_tokens": 0, "output_tokens": 0, "_cached": 0, "_isl_done": 0}
+    for rec in records:
+        if rec.worker_id is None:
+            continue
+        row = rows[(rec.worker_id, rec.dp_rank or 0)]
+        row["requests"] += 1
+        row["input_tokens"] += rec.isl
+        row["output_tokens"] += len(rec.token_times_ns)
+        if _completed(rec):
+            row["completed_requests"] += 1
+            row["_cached"] += rec.engine_cached_tokens or 0
+            row["_isl_done"] += rec.isl
+        elif rec.failure is not None:
+            row["failed_requests"] += 1
+    active: dict[tuple[int, int], list[int]] = defaultdict(list)
+    blocks: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for s in data.samples:
+        active[(s.worker_id, s.dp_rank)].append(s.active_requests)
+        blocks[(s.worker_id, s.dp_rank)].append(s.kv_blocks)
+    out = []
+    for key, row in rows.items():
+        row["prefix_cache_reused_ratio"] = _ratio(row.pop("_cached"), row.pop("_isl_done"))
+        a, b = active.get(key, []), blocks.get(key, [])
+        row["mean_active_requests"] = _mean(a)
+        row["max_active_requests"] = max(a) if a else None
+        row["mean_kv_blocks"] = _mean(b)
+        row["max_kv_blocks"] = max(b) if b else None
+        out.append(row)
+    return out
+
+
+def _queue(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
+    queued = [r for r in records if r.queued_ns is not None]
+    waits = sorted(r.dispatch_ns - r.queued_ns for r in queued
+                   if r.dispatch_ns is not None and r.queued_ns is not None and r.dispatch_ns >= r.queued_ns)
+    return {
+        "queued_requests": len(queued),
+        "queued_events": int(data.counters.get("queued", 0)),
+        "dispatched_after_queue": len(waits),
+        "mean_queue_wait_ms": _mean(waits) / NS_PER_MS if waits else None,
+        "p99_queue_wait_ms": percentile(waits, 99) / NS_PER_MS if waits else None,
+        "max_queue_wait_ms": waits[-1] / NS_PER_MS if waits else None,
+    }
+
+
+def _kv_events(data: RunData) -> dict[str, Any]:
+    per_worker = []
+    totals: Counter[str] = Counter(dict.fromkeys(KV_COUNTERS, 0))
+    for worker_id in sorted(data.kv_stats):
+        counters = {k: int(v) for k, v in sorted(data.kv_stats[worker_id].items())}
+        totals.update(counters)
+        per_worker.append({"worker_id": int(worker_id), **counters})
+    return {"per_worker": per_worker, "totals": dict(sorted(totals.items()))}
+
+
+def summarize(data: RunData) -> dict[str, Any]:
+    """The content of summary.json: the reference's replay keys at top level, kvemu's own under ``kvemu``."""
+    records = _sorted_records(data.records)
+    done = [r for r in records if _completed(r)]
+    total_in = sum(r.isl for r in done)
+    total_out = sum(len(r.token_times_ns) for r in done)
+    cached = sum(r.engine_cached_tokens or 0 for r in done)
+    duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var]
+                   if done else None)
+    duration_s = duration_ns / NS_PER_S if duration_ns else None
+
+    def rate(x: int) -> float | None:
+        return x / duration_s if duration_s else None
+
+    summary: dict[str, Any] = {
+        "num_requests": len(records),
+        "completed_requests": len(done),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "duration_ms": duration_ns / NS_PER_MS if duration_ns is not None else None,
+        "wall_time_ms": data.wall_time_ns / NS_PER_MS,
+        "request_throughput_rps": rate(len(done)),
+        "input_throughput_tok_s": rate(total_in),
+        "output_throughput_tok_s": rate(total_out),
+        "total_throughput_tok_s": rate(total_in + total_out),
+        "prefix_cache_reused_ratio": _ratio(cached, total_in),
+        "partial": bool(data.partial),
+    }
+    for name, values in _latency_values(done).items():
+        per_user = name == "output_token_throughput_per_user"
+        stats = _stats(values, 1.0 if per_user else NS_PER_MS)
+        for stat, value in stats.items():
+            summary[f"{stat}_{name}" if per_user else f"{stat}_{name}_ms"] = value
+    failed = [r for r in records if r.failure is not None]
+    by_reason = Counter({str(k): int(v) for k, v in data.failures.items()})
+    if not by_reason:  # a hand-built RunData without the recorder's counters: derive them
+        by_reason = Counter(r.failure.split(":")[0] for r in failed if r.failure)
+    summary["kvemu"] = {
+        "scenario": data.scenario_name,
+        "mode": data.mode,
+        "seed": data.seed,
+        "partial": bool(data.partial),
+        "block_size": data.block_size,
+        "failed_requests": len(failed),
+        "unfinished_requests": len(records) - len(done) - len(failed),
+        "failed_requests_by_reason": dict(sorted(by_reason.items())),
+        "per_rank": _per_rank(data, records),
+        "routing": _routing(data, records, done),
+        "affinity": dict(sorted(data.affinity.items())) if data.affinity is not None else None,
+        "queue": _queue(data, records),
+        "kv_events": _kv_events(data),
+        "hook_counts": dict(sorted((str(k), int(v)) for k, v in data.counters.items())),
+        "worker_events": dict(sorted(Counter(str(e.get("kind")) for e in data.worker_events).items())),
+    }
+    return _round(summary)
+
+
+def dumps_summary(summary: dict[str, Any]) -> str:
+    """summary.json text: sorted keys, 2-space indent, strict JSON (no NaN), trailing newline."""
+    return json.dumps(summary, sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+
+# ---------------------------------------------------------------------------------- requests.jsonl
+
+
+def write_requests(records: Iterable[RequestRecord], path: Path) -> int:
+    """Write one msgspec-encoded record per line (field order of ``RequestRecord``), by arrival then id."""
+    ordered = _sorted_records(records)
+    path.write_bytes(msgspec.json.Encoder().encode_lines(ordered))
+    return len(ordered)
+
+
+# ---------------------------------------------------------------------------------- report.md
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}{unit}"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.3g}{unit}"
+        return f"{value:,.2f}{unit}" if abs(value) < 1e6 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str] = PLOTS) -> str:
+    """report.md: what ran, the headline numbers, per-rank, routing truth, affinity, queue, KV events."""
+    k = summary["kvemu"]
+    s = summary
+    out: list[str] = [f"# kvemu run: {k['scenario']}", ""]
+    if k["partial"]:
+        out += ["> **PARTIAL RUN — this report covers only what finished before the run was interrupted.**",
+                "> Requests still in flight are counted as unfinished; throughputs and latencies are incomplete.",
+                ""]
+    ranks = k["per_rank"]
+    workers = sorted({r["worker_id"] for r in ranks})
+    out += ["## What ran", "",
+            f"- scenario `{k['scenario']}`, mode `{k['mode']}`, seed {k['seed']}",
+            f"- {len(workers)} workers, {len(ranks)} ranks, router block size {k['block_size']}",
+            f"- scenario time {_fmt(s['duration_ms'], ' ms')} (first arrival → last completion), "
+            f"wall time {_fmt(s['wall_time_ms'], ' ms')}",
+            ""]
+    out += ["## Headline", ""]
+    out += _table(["metric", "value"], [
+        ("requests", _fmt(s["num_requests"])),
+        ("completed", _fmt(s["completed_requests"])),
+        ("failed", _fmt(k["failed_requests"])),
+        ("unfinished", _fmt(k["unfinished_requests"])),
+        ("request throughput", _fmt(s["request_throughput_rps"], " req/s")),
+        ("output throughput", _fmt(s["output_throughput_tok_s"], " tok/s")),
+        ("total throughput", _fmt(s["total_throughput_tok_s"], " tok/s")),
+        ("prefix cache reuse (engine)", _pct(s["prefix_cache_reused_ratio"])),
+    ])
+    out += [""]
+    out += _table(["latency (ms)", "mean", "p50", "p90", "p99", "max"], [
+        (label, *(_fmt(s[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99", "max")))
+        for label, name in (("TTFT", "ttft"), ("TTST", "ttst"), ("TPOT", "tpot"), ("ITL", "itl"),
+                            ("E2E", "e2e_latency"))
+    ])
+    out += ["", f"Per-user output speed: mean {_fmt(s['mean_output_token_throughput_per_user'], ' tok/s')}, "
+                f"p50 {_fmt(s['median_output_token_throughput_per_user'], ' tok/s')}.", ""]
+    out += ["## Per rank", ""]
+    out += _table(["worker", "rank", "requests", "completed", "failed", "input tok", "output tok", "cache reuse",
+                   "mean active", "max active", "max KV blocks"],
+                  [(r["worker_id"], r["dp_rank"], _fmt(r["requests"]), _fmt(r["completed_requests"]),
+                    _fmt(r["failed_requests"]), _fmt(r["input_tokens"]), _fmt(r["output_tokens"]),
+                    _pct(r["prefix_cache_reused_ratio"]), _fmt(r["mean_active_requests"]),
+                    _fmt(r["max_active_requests"]), _fmt(r["max_kv_blocks"])) for r in ranks])
+    idle = [f"{r['worker_id']}/{r['dp_rank']}" for r in ranks if r["requests"] == 0]
+    if idle:
+        out += ["", f"Ranks that served no request: {', '.join(idle)}."]
+    rt = k["routing"]
+    out += ["", "## Routing truth: predicted vs engine-found cache", "",
+            "The router predicts a cached prefix from its (possibly stale) view of KV events; the engine reports "
+            "the prefix it actually found at admission, so the gap measures how wrong the router's view was.", ""]
+    out += _table(["figure", "value"], [
+        ("requests compared (completed, routed)", _fmt(rt["requests_compared"])),
+        ("predicted cached tokens", _fmt(rt["predicted_cached_tokens"])),
+        ("engine cached tokens", _fmt(rt["engine_cached_tokens"])),
+        ("engine / predicted", _pct(rt["engine_to_predicted_ratio"])),
+        ("mean absolute difference per request", _fmt(rt["mean_abs_diff_tokens"], " tok")),
+        ("requests where the router overestimated", _fmt(rt["overestimated_requests"])),
+        ("requests where the router underestimated", _fmt(rt["underestimated_requests"])),
+        ("overlap of chosen rank / best overlap (blocks)",
+         f"{_fmt(rt['selection_overlap_blocks'])} / {_fmt(rt['best_overlap_blocks'])} "
+         f"({_pct(rt['selection_to_best_ratio'])})"),
+        ("mean attempts", _fmt(rt["mean_attempts"])),
+        ("retried requests", _fmt(rt["retried_requests"])),
+        ("dispatch rejections", _fmt(rt["dispatch_rejections"])),
+    ])
+    if rt["reasons"]:
+        out += ["", "Routing reasons: " + ", ".join(f"`{r}` {n}" for r, n in rt["reasons"].items()) + "."]
+    out += ["", "## Session affinity", ""]
+    if k["affinity"] is None:
+        out += ["Affinity was off."]
+    else:
+        out += _table(["counter", "value"], [(name, _fmt(v)) for name, v in k["affinity"].items()])
+    q = k["queue"]
+    out += ["", "## Policy queue", ""]
+    if not q["queued_requests"] and not q["queued_events"]:
+        out += ["No request was queued."]
+    else:
+        out += [f"{_fmt(q['queued_requests'])} requests queued ({_fmt(q['queued_events'])} queue events); wait "
+                f"before dispatch: mean {_fmt(q['mean_queue_wait_ms'], ' ms')}, "
+                f"p99 {_fmt(q['p99_queue_wait_ms'], ' ms')}, max {_fmt(q['max_queue_wait_ms'], ' ms')}."]
+    kv = k["kv_events"]
+    out += ["", "## KV events", ""]
+    if not kv["per_worker"]:
+        out += ["No KV-event counters were recorded."]
+    else:
+        cols = list(KV_COUNTERS) + sorted({c for w in kv["per_worker"] for c in w} - set(KV_COUNTERS) - {"worker_id"})
+        out += _table(["worker", *cols], [(w["worker_id"], *(_fmt(w.get(c, 0)) for c in cols))
+                                         for w in kv["per_worker"]]
+                      + [("**total**", *(_fmt(kv["totals"].get(c, 0)) for c in cols))])
+    out += ["", "## Failures", ""]
+    if not k["failed_requests_by_reason"]:
+        out += ["No request failed."]
+    else:
+        out += _table(["reason", "requests"], list(k["failed_requests_by_reason"].items()))
+    if data.worker_events:
+        out += ["", "## Worker events", ""]
+        shown = sorted(data.worker_events, key=lambda e: (e.get("time_ns") or 0, str(e.get("kind"))))
+        out += _table(["time (s)", "event", "worker"],
+                      [(f"{(e.get('time_ns') or 0) / NS_PER_S:.3f}", e.get("kind"), e.get("worker_id"))
+                       for e in shown[:50]])
+        if len(shown) > 50:
+            out += ["", f"… and {len(shown) - 50} more."]
+    if plots:
+        out += ["", "## Plots", ""]
+        out += [f"- [{name}]({name})" for name in plots]
+        out += [""] + [f"![{name.removesuffix('.png')}]({name})" for name in plots]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------- plots
+
+_FIGSIZE = (8.0, 4.5)
+_DPI = 100
+_MAX_POINTS = 2000
+_MAX_SERIES_POINTS = 800
+_MAX_LEGEND = 16
+
+
+def _decimate(xs: list[float], ys: list[float], limit: int = _MAX_POINTS) -> tuple[list[float], list[float]]:
+    """Every k-th point (and the last) so that at most about ``limit`` remain: plenty for an 800 px plot."""
+    n = len(xs)
+    if n <= limit:
+        return xs, ys
+    step = math.ceil(n / limit)
+    idx = list(range(0, n, step))
+    if idx[-1] != n - 1:
+        idx.append(n - 1)
+    return [xs[i] for i in idx], [ys[i] for i in idx]
+
+
+def _save(fig: Any, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.savefig(path, format="png", dpi=_DPI, metadata={"Software": None})
+
+
+def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=_FIGSIZE, dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _no_data(ax: Any) -> None:
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+
+
+def _cdf(values_ms: list[float], title: str, xlabel: str, path: Path) -> None:
+    fig, ax = _figure(title, xlabel, "fraction of completed requests")
+    if values_ms:
+        xs = sorted(values_ms)
+        n = len(xs)
+        ys = [(i + 1) / n for i in range(n)]
+        xs, ys = _decimate(xs, ys)
+        xs, ys = [xs[0], *xs], [0.0, *ys]  # the step up from 0 at the smallest value
+        ax.step(xs, ys, where="post")
+        ax.set_ylim(0, 1.02)
+    else:
+        _no_data(ax)
+    _save(fig, path)
+
+
+def _per_rank_series(data: RunData, field: str, title: str, ylabel: str, path: Path) -> None:
+    fig, ax = _figure(title, "scenario time (s)", ylabel)
+    series: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for s in sorted(data.samples, key=lambda s: (s.worker_id, s.dp_rank, s.time_ns)):
+        xs, ys = series.setdefault((s.worker_id, s.dp_rank), ([], []))
+        xs.append(s.time_ns / NS_PER_S)
+        ys.append(getattr(s, field))
+    if series:
+        for (w, r), (xs, ys) in sorted(series.items()):
+            xs, ys = _decimate(xs, ys, _MAX_SERIES_POINTS)
+            ax.step(xs, ys, where="post", label=f"w{w}/r{r}", linewidth=1)
+        if len(series) <= _MAX_LEGEND:
+            ax.legend(loc="upper right", fontsize="small", ncols=2 if len(series) > 8 else 1)
+    else:
+        _no_data(ax)
+    _save(fig, path)
+
+
+def _cache_reuse(done: list[RequestRecord], path: Path) -> None:
+    fig, ax = _figure("Prefix cache reuse (engine-found cached tokens / prompt tokens)",
+                      "completion time (s)", "reused fraction")
+    ordered = sorted(done, key=lambda r: (r.completion_ns, r.request_id))
+    if ordered:
+        window = max(1, min(200, len(ordered) // 20))
+        xs: list[float] = []
+        rolling: list[float] = []
+        cumulative: list[float] = []
+        win_c = win_i = tot_c = tot_i = 0
+        for i, rec in enumerate(ordered):
+            c, n = rec.engine_cached_tokens or 0, rec.isl
+            win_c += c
+            win_i += n
+            tot_c += c
+            tot_i += n
+            if i >= window:
+                old = ordered[i - window]
+                win_c -= old.engine_cached_tokens or 0
+                win_i -= old.isl
+            xs.append(rec.completion_ns / NS_PER_S)  # type: ignore[operator]
+            rolling.append(win_c / win_i if win_i else 0.0)
+            cumulative.append(tot_c / tot_i if tot_i else 0.0)
+        x1, y1 = _decimate(xs, rolling)
+        x2, y2 = _decimate(xs, cumulative)
+        ax.plot(x1, y1, linewidth=1, label=f"rolling, last {window} completions")
+        ax.plot(x2, y2, linewidth=1.5, linestyle="--", label="cumulative")
+        ax.set_ylim(0, 1.02)
+        ax.legend(loc="lower right", fontsize="small")
+    else:
+        _no_data(ax)
+    _save(fig, path)
+
+
+def write_plots(data: RunData, outdir: Path) -> list[str]:
+    """Write the PNG plots (fixed size and dpi, default style, no timestamps); returns their file names."""
+    records = _sorted_records(data.records)
+    done = [r for r in records if _completed(r)]
+    ttft = [(f - r.arrival_ns) / NS_PER_MS for r in done if (f := _first_token(r)) is not None]
+    e2e = [(r.completion_ns - r.arrival_ns) / NS_PER_MS for r in done]  # type: ignore[operator]
+    import matplotlib.style
+
+    with matplotlib.style.context("default"):
+        _cdf(ttft, "TTFT CDF", "time to first token (ms)", outdir / "ttft_cdf.png")
+        _cdf(e2e, "End-to-end latency CDF", "end-to-end latency (ms)", outdir / "e2e_cdf.png")
+        _per_rank_series(data, "active_requests", "Active requests per rank (router's view)", "active requests",
+                         outdir / "active_requests.png")
+        _per_rank_series(data, "kv_blocks", "KV blocks per rank (router's view)", "KV blocks",
+                         outdir / "kv_usage.png")
+        _cache_reuse(done, outdir / "cache_reuse.png")
+    return list(PLOTS)
+
+
+# ---------------------------------------------------------------------------------- all of it
+
+
+def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
+    """Write summary.json, requests.jsonl, report.md and the plots into ``outdir``; return the summary."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(data)
+    (outdir / "summary.json").write_text(dumps_summary(summary))
+    write_requests(data.records, outdir / "requests.jsonl")
+    plots = write_plots(data, outdir)
+    (outdir / "report.md").write_text(render_markdown(summary, data, plots))
+    return summary
