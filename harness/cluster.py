@@ -1,0 +1,240 @@
+"""The composition root: one router and its workers, wired for a mode.
+
+The mode only chooses the clock, the loop and the transports; the router, worker and engine code is
+the same. Virtual: a ``ManualClock`` driven by the virtual loop, in-memory links and an in-memory KV
+bus. Live: the wall clock on uvloop, ZeroMQ links on 127.0.0.1 and real KV-event publishers and
+subscribers per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from kvemu.affinity import SessionAffinity
+from kvemu.clock import NS_PER_MS, Clock, ManualClock
+from kvemu.config import RouterConfig
+from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
+from kvemu.queue import PolicyQueue, QueueClass
+from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from kvemu.routing import RoutingCore
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.kv_bus import MemoryKvBus
+from kvemu.runtime.messages import Register
+from kvemu.runtime.router import Router, RouterSettings
+from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
+from kvemu.wire.publisher import KvEventPublisher
+from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+from workers.actor import WorkerActor
+from workers.config import EngineConfig
+from workers.worker import MockWorker
+
+from harness.scenario import ClusterSpec, RouterSpec, Scenario
+
+__all__ = ["Cluster", "make_policy", "engine_config", "build_router", "cluster"]
+
+
+def make_policy(name: str) -> CustomPolicy | None:
+    """The router's selection policy from its scenario name (``None`` = Dynamo's default selector)."""
+    if name == "kv":
+        return None
+    if name == "round_robin":
+        return round_robin_policy()
+    if name == "random":
+        return random_policy()
+    module, _, attr = name.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    policy = factory()
+    if not isinstance(policy, CustomPolicy):
+        raise TypeError(f"router.policy {name!r} returned {type(policy).__name__}, not a CustomPolicy")
+    return policy
+
+
+def engine_config(spec: ClusterSpec) -> EngineConfig:
+    """The engine configuration of every rank."""
+    e = spec.engine
+    return EngineConfig(
+        num_gpu_blocks=e.num_gpu_blocks, block_size=e.block_size, max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens, enable_prefix_caching=e.enable_prefix_caching,
+        enable_chunked_prefill=e.enable_chunked_prefill, speedup_ratio=e.speedup_ratio,
+        decode_speedup_ratio=e.decode_speedup_ratio, preemption_mode=e.preemption_mode,
+        eviction_policy=e.eviction, dp_size=spec.dp_size,
+    )
+
+
+def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
+                 kv_replay: Any = None, on_worker_added: Any = None, on_worker_removed: Any = None) -> Router:
+    """A router actor configured from its scenario section."""
+    config = RouterConfig(
+        overlap_score_credit=spec.overlap_score_credit, overlap_score_credit_decay=spec.overlap_score_credit_decay,
+        prefill_load_scale=spec.prefill_load_scale, decode_active_request_weight=spec.decode_active_request_weight,
+        router_temperature=spec.router_temperature, use_kv_events=spec.use_kv_events,
+        router_track_active_blocks=spec.router_track_active_blocks, router_assume_kv_reuse=spec.router_assume_kv_reuse,
+        router_track_prefill_tokens=spec.router_track_prefill_tokens, router_ttl_secs=spec.router_ttl_secs,
+    )
+    core = RoutingCore(block_size=block_size, config=config, clock=clock,
+                       seed=spec.seed if spec.seed is not None else seed, policy=make_policy(spec.policy))
+    affinity = None
+    if spec.affinity.enabled:
+        affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
+    queue = None
+    q = spec.queue
+    if q.threshold is not None or q.threshold_frac is not None:
+        def prefill(key: tuple[int, int]) -> int:
+            rl = core.load.rank(key)
+            return rl.active_prefill_tokens if rl is not None else 0
+
+        def capacity(key: tuple[int, int]) -> int:
+            w = core.registry.get(key[0])
+            return (w.max_num_batched_tokens if w else None) or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+        queue = PolicyQueue(classes=[QueueClass(busy_threshold=q.threshold, busy_threshold_frac=q.threshold_frac,
+                                                policy=q.policy)], prefill_tokens=prefill, batched_capacity=capacity)
+    settings = RouterSettings(retry_limit=spec.retry_limit, heartbeat_timeout_s=spec.heartbeat_timeout_s)
+    return Router(core=core, end=end, clock=clock, hooks=hooks, settings=settings, affinity=affinity, queue=queue,
+                  kv_replay=kv_replay, on_worker_added=on_worker_added, on_worker_removed=on_worker_removed)
+
+
+class Cluster:
+    """A running router with its workers (use ``cluster(...)`` to build and start one)."""
+
+    def __init__(self, scenario: Scenario, clock: Clock, hooks: Hooks) -> None:
+        self.scenario = scenario
+        self.clock = clock
+        self.hooks = hooks
+        self.router: Router
+        self.workers: dict[int, WorkerActor] = {}
+        self.bus: MemoryKvBus | None = None
+        self.net: MemoryNetwork | None = None
+        self._tg: anyio.abc.TaskGroup
+        self._scopes: dict[int, anyio.CancelScope] = {}
+        self._publishers: dict[int, list[KvEventPublisher]] = {}
+        self._next_id = 0
+
+    @property
+    def mode(self) -> str:
+        """``virtual`` or ``live``."""
+        return self.scenario.run.mode
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """Every (worker, rank) registered now."""
+        return list(self.router.core.registry.rank_keys())
+
+    async def add_worker(self) -> int:
+        """Start one more worker and wait until the router registered it; returns its id."""
+        wid = self._next_id
+        self._next_id += 1
+        spec = self.scenario.cluster
+        mock = MockWorker(engine_config(spec), worker_id=wid)
+        if self.mode == "virtual":
+            assert self.net is not None and self.bus is not None
+            end = self.net.worker_end(wid)
+            pubs: list[Any] = [self.bus.publisher(wid, r) for r in range(spec.dp_size)]
+            actor = WorkerActor(mock, end, self.clock, pubs, mode="virtual",
+                                heartbeat_interval_s=spec.heartbeat_interval_s, worker_type=spec.worker_type)
+        else:
+            end = ZmqWorkerEnd(self.router.end.endpoint, wid)  # type: ignore[attr-defined]
+            pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
+                                     vllm_version=spec.kv_events_version) for r in range(spec.dp_size)]
+            self._publishers[wid] = pubs
+            actor = WorkerActor(mock, end, self.clock, pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
+                                kv_endpoints=[p.endpoint for p in pubs],
+                                kv_replay_endpoints=[p.replay_endpoint or "" for p in pubs],
+                                worker_type=spec.worker_type)
+        self.workers[wid] = actor
+        scope = anyio.CancelScope()
+        self._scopes[wid] = scope
+
+        async def serve() -> None:
+            with scope:
+                await actor.run()
+
+        self._tg.start_soon(serve)
+        with anyio.fail_after(30):
+            while wid not in self.router.workers:
+                await anyio.sleep(0.001 if self.mode == "live" else 0.0001)
+        return wid
+
+    async def remove_worker(self, worker_id: int, *, graceful: bool = True) -> None:
+        """Stop a worker: gracefully (drain, deregister) or abruptly (the router notices the silence)."""
+        actor = self.workers.get(worker_id)
+        if actor is None:
+            raise ValueError(f"worker {worker_id} is not running")
+        if graceful:
+            await actor.shutdown()
+        self._scopes[worker_id].cancel()
+        del self.workers[worker_id]
+        await actor.end.aclose()
+        for pub in self._publishers.pop(worker_id, []):
+            pub.close(drain_timeout_s=0)
+
+
+@contextlib.asynccontextmanager
+async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterator[Cluster]:
+    """Start a router and ``scenario.cluster.workers`` workers on the running loop; stop them on exit."""
+    c = Cluster(scenario, clock, hooks)
+    spec = scenario.cluster
+    rspec = scenario.router
+    block_size = spec.engine.block_size
+    subscriber: KvEventSubscriber | None = None
+    if scenario.run.mode == "virtual":
+        assert isinstance(clock, ManualClock)
+        c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS))
+        c.bus = MemoryKvBus(lag_ns=round(rspec.kv_event_lag_ms * NS_PER_MS), vllm_version=spec.kv_events_version)
+        c.router = build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed,
+                                end=c.net.router_end(), hooks=hooks, kv_replay=c.bus.replay,
+                                on_worker_removed=c.bus.forget)
+        c.bus.connect(c.router.kv_intake)
+    else:
+        assert not clock.is_virtual
+
+        def added(msg: Register) -> None:
+            assert subscriber is not None
+            for r, endpoint in enumerate(msg.kv_endpoints):
+                replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
+                subscriber.add(StreamSpec(msg.worker_id, msg.dp_start + r, endpoint, replay or None))
+
+        def removed(worker_id: int) -> None:
+            assert subscriber is not None
+            subscriber.remove_worker(worker_id)
+
+        end = ZmqRouterEnd("tcp://127.0.0.1:0")
+        c.router = build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=end,
+                                hooks=hooks, on_worker_added=added, on_worker_removed=removed)
+        subscriber = KvEventSubscriber(c.router._apply_kv, block_size=block_size, observer=c.router._kv_observer)
+        subscriber.stats = c.router.kv_stats
+    async with anyio.create_task_group() as tg:
+        c._tg = tg
+        await tg.start(c.router.serve)
+        if subscriber is not None:
+            tg.start_soon(_pump, subscriber)
+        for _ in range(spec.workers):
+            await c.add_worker()
+        try:
+            yield c
+        finally:
+            tg.cancel_scope.cancel()
+    if subscriber is not None:
+        subscriber.close()
+    for wid in list(c._publishers):
+        for pub in c._publishers.pop(wid):
+            pub.close(drain_timeout_s=0)
+    await c.router.end.aclose()
+
+
+async def _pump(subscriber: KvEventSubscriber) -> None:
+    """Feed KV events from ZeroMQ into the router: poll without blocking, back off while idle."""
+    idle = 0.0
+    while True:
+        if subscriber.poll(0):
+            idle = 0.0
+            await anyio.sleep(0)
+        else:
+            idle = min(0.002, idle + 0.0002)
+            await anyio.sleep(idle)
+
+

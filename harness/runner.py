@@ -1,0 +1,179 @@
+"""Run a scenario: start the cluster for its mode, play the sessions, sample, apply chaos, report.
+
+Scenario time starts at 0 in both modes (live runs subtract the start of the wall clock), so reports
+of the two modes read the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock, WallClock
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.loop import run_live, run_virtual
+from kvemu.runtime.messages import ClientRequest
+from kvemu.tuning import tune_gc
+
+from harness.cluster import Cluster, cluster
+from harness.recorder import Recorder
+from harness.report import RunData, Sample, write_report
+from harness.scenario import ChaosEvent, Scenario
+from harness.workload import Session, Turn, build_sessions
+
+__all__ = ["run_scenario", "RunOutcome", "Progress"]
+
+Progress = Callable[[int, int, int], None]
+"""``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
+
+
+class RunOutcome:
+    """A finished (or interrupted) run: its data and, once written, its summary."""
+
+    def __init__(self, data: RunData, recorder: Recorder) -> None:
+        self.data = data
+        self.recorder = recorder
+        self.summary: dict[str, Any] | None = None
+
+
+class _ShiftedClock:
+    """Wall time measured from the run's start (live mode), so both modes start at 0."""
+
+    is_virtual = False
+
+    def __init__(self, base: WallClock) -> None:
+        self._base = base
+        self._t0 = base.now_ns()
+
+    def now_ns(self) -> int:
+        return self._base.now_ns() - self._t0
+
+
+def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None) -> RunOutcome:
+    """Run ``scenario`` to the end (or until interrupted) and write its report to ``outdir``."""
+    sessions = build_sessions(scenario)
+    total = sum(len(s.turns) * (1 + max((len(t.sub_agents) for t in s.turns), default=0)) for s in sessions)
+    hooks = Hooks()
+    recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
+    state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
+    wall0 = time.perf_counter_ns()
+    tune_gc()
+    clock: Clock = ManualClock() if scenario.run.mode == "virtual" else WallClock()
+    main = _main(scenario, sessions, clock, hooks, recorder, state, progress, total)
+    try:
+        if isinstance(clock, ManualClock):
+            run_virtual(lambda: main, clock)
+        else:
+            run_live(lambda: main)
+    except KeyboardInterrupt:
+        state["partial"] = True
+    data = RunData(
+        records=sorted(recorder.records.values(), key=lambda r: (r.arrival_ns, r.request_id)),
+        scenario_name=scenario.name, mode=scenario.run.mode, seed=scenario.run.seed,
+        wall_time_ns=time.perf_counter_ns() - wall0, partial=state["partial"],
+        block_size=scenario.cluster.engine.block_size, ranks=sorted(state["ranks"]), samples=state["samples"],
+        kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
+        failures=dict(recorder.failures), worker_events=recorder.worker_events,
+    )
+    outcome = RunOutcome(data, recorder)
+    if outdir is not None:
+        outcome.summary = write_report(data, outdir)
+    return outcome
+
+
+async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks: Hooks, recorder: Recorder,
+                state: dict[str, Any], progress: Progress | None, total: int) -> None:
+    run_clock: Clock = clock if scenario.run.mode == "virtual" else _ShiftedClock(clock)  # type: ignore[arg-type]
+    async with cluster(scenario, run_clock, hooks) as c:
+        state["ranks"].update(c.ranks())
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_sample, c, state, recorder, progress, total, run_clock)
+                for ev in scenario.chaos:
+                    tg.start_soon(_chaos, c, ev, state)
+                with anyio.move_on_after(_drain_deadline_s(scenario, sessions)) as scope:
+                    async with anyio.create_task_group() as sessions_tg:
+                        for s in sessions:
+                            sessions_tg.start_soon(_play, c, s, run_clock)
+                if scope.cancelled_caught:
+                    state["partial"] = True
+                _take_sample(c, state, run_clock)
+                tg.cancel_scope.cancel()
+        finally:
+            state["kv_stats"] = {w: s.as_dict() for w, s in sorted(c.router.kv_stats.items())}
+            if c.router.affinity is not None:
+                state["affinity"] = c.router.affinity.stats.as_dict()
+            state["ranks"].update(c.ranks())
+
+
+def _drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
+    last = max((s.start_ns for s in sessions), default=0) / NS_PER_S
+    return last + scenario.run.drain_timeout_s
+
+
+async def _play(c: Cluster, session: Session, clock: Clock) -> None:
+    """One session: wait for its start, then each turn after the previous one (and its sub-agents) ended."""
+    delay = session.start_ns - clock.now_ns()
+    if delay > 0:
+        await anyio.sleep(delay / NS_PER_S)
+    for k, turn in enumerate(session.turns):
+        if turn.delay_ns:
+            await anyio.sleep(turn.delay_ns / NS_PER_S)
+        rid = f"{session.session_id}-t{k}"
+        await c.router.handle(_request(rid, turn, session.session_id if session.sticky else None, None))
+        if turn.sub_agents:
+            async with anyio.create_task_group() as tg:
+                for j, (tokens, osl) in enumerate(turn.sub_agents):
+                    sub = Turn(tokens, osl, worker_id=turn.worker_id)
+                    tg.start_soon(c.router.handle, _request(f"{rid}-a{j}", sub, None, session.session_id))
+
+
+def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -> ClientRequest:
+    return ClientRequest(request_id=rid, tokens=turn.prompt(), max_tokens=turn.max_tokens, session_id=session_id,
+                         parent_session_id=parent, worker_id=turn.worker_id)
+
+
+def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:
+    core = c.router.core
+    now = clock.now_ns()
+    samples: list[Sample] = state["samples"]
+    for key in c.ranks():
+        state["ranks"].add(key)
+        rl = core.load.rank(key)
+        samples.append(Sample(now, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+
+
+async def _sample(c: Cluster, state: dict[str, Any], recorder: Recorder, progress: Progress | None, total: int,
+                  clock: Clock) -> None:
+    interval = 1.0 if c.mode == "virtual" else 0.25
+    last_wall = 0.0
+    while True:
+        _take_sample(c, state, clock)
+        if progress is not None and time.monotonic() - last_wall > 0.1:
+            last_wall = time.monotonic()
+            done = recorder.counters["completed"] + recorder.counters["failed"]
+            progress(clock.now_ns(), done, total)
+        await anyio.sleep(interval)
+
+
+async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
+    await anyio.sleep(ev.at_s)
+    if ev.action == "add_worker":
+        await c.add_worker()
+    elif ev.action == "remove_worker":
+        target = ev.worker if ev.worker is not None else min(c.workers)
+        await c.remove_worker(target, graceful=ev.graceful)
+    elif ev.action in ("drop_kv_events", "delay_kv_events"):
+        if c.bus is not None:
+            if ev.action == "drop_kv_events" and ev.worker is not None:
+                c.bus.publisher(ev.worker, ev.dp_rank).drop_next += ev.count
+            else:
+                c.bus.lag_ns = round(ev.lag_ms * NS_PER_MS)
+    elif ev.action == "slow_worker" and ev.worker in c.workers:
+        c.workers[ev.worker].slowdown = ev.factor
+    else:
+        raise NotImplementedError(f"chaos action {ev.action!r} lands with the multi-process issue")

@@ -1,0 +1,257 @@
+"""The worker actor: a ``MockWorker`` (one engine core per DP rank) behind a router link.
+
+It registers, heartbeats, accepts or rejects dispatches, drives its cores and publishes each rank's
+KV events. On virtual time it fast-forwards: it sleeps until the cores' next visible event or the next
+message, then ``advance_to``\\ s the cores. On wall time each rank runs one forward pass at a time with
+a real sleep for its duration and streams the tokens each pass produced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import anyio
+import msgspec
+
+from kvemu.clock import NS_PER_S, Clock
+from kvemu.runtime.messages import (
+    Deregister,
+    Dispatch,
+    DispatchAck,
+    Finished,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    TokenBatch,
+    decode_router_message,
+    encode,
+)
+from kvemu.runtime.transport import WorkerEnd
+from kvemu.wire.kv_events import KVEventBatch
+from workers.engine import AdvanceResult, EngineCore, StepResult
+from workers.request import Request, RequestRecord
+from workers.worker import MockWorker
+
+__all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
+
+log = logging.getLogger("kvemu.worker")
+
+
+class KvPublisher(Protocol):
+    """Anything that publishes one rank's KV-event batches (ZeroMQ or in-memory)."""
+
+    def publish(self, batch: KVEventBatch) -> bool: ...
+
+
+class WorkerRejected(RuntimeError):
+    """The router refused this worker's registration."""
+
+
+class WorkerActor:
+    """Serves dispatches from one router with a ``MockWorker``."""
+
+    def __init__(
+        self,
+        worker: MockWorker,
+        end: WorkerEnd,
+        clock: Clock,
+        publishers: Sequence[KvPublisher],
+        *,
+        mode: Literal["virtual", "live"],
+        heartbeat_interval_s: float = 1.0,
+        kv_endpoints: Sequence[str] = (),
+        kv_replay_endpoints: Sequence[str] = (),
+        worker_type: str = "aggregated",
+        taints: Sequence[str] = (),
+    ) -> None:
+        if len(publishers) != len(worker.cores):
+            raise ValueError(f"worker {worker.worker_id}: {len(publishers)} KV publishers for {len(worker.cores)} ranks")
+        self.worker = worker
+        self.end = end
+        self.clock = clock
+        self.publishers = list(publishers)
+        self.mode = mode
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.register_msg = Register(
+            worker_id=worker.worker_id,
+            dp_size=len(worker.cores),
+            dp_start=worker.dp_start_rank,
+            block_size=worker.config.block_size,
+            total_kv_blocks=worker.config.num_gpu_blocks,
+            max_num_batched_tokens=worker.config.max_num_batched_tokens,
+            worker_type=worker_type,
+            taints=list(taints),
+            kv_endpoints=list(kv_endpoints),
+            kv_replay_endpoints=list(kv_replay_endpoints),
+        )
+        self.registered = anyio.Event()
+        self.stopped = False
+        self.slowdown = 1.0
+        """Chaos: pass durations are multiplied by this on wall time."""
+        self._wakes: dict[int, anyio.Event] = {}  # per rank on wall time; -1 for the virtual driver
+        self._records: dict[str, RequestRecord] = {}
+        self._sent: dict[str, int] = {}
+
+    @property
+    def worker_id(self) -> int:
+        """The worker's id."""
+        return self.worker.worker_id
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Register, then serve until cancelled (``WorkerRejected`` if the router refuses us)."""
+        self.end.send_nowait(encode(self.register_msg))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._receive_loop, tg)
+            await self.registered.wait()
+            task_status.started()
+            tg.start_soon(self._heartbeat)
+            if self.mode == "virtual":
+                tg.start_soon(self._drive_virtual)
+            else:
+                for core in self.worker.cores:
+                    tg.start_soon(self._drive_live, core)
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Refuse new work, let accepted requests finish (up to ``grace_s``), then deregister."""
+        self.worker.begin_shutdown()
+        with anyio.move_on_after(grace_s):
+            while not self.worker.idle:
+                await anyio.sleep(0.01)
+        self.end.send_nowait(encode(Deregister(worker_id=self.worker_id)))
+        self.stopped = True
+
+    # ------------------------------------------------------------------ messages
+
+    async def _receive_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            try:
+                data = await self.end.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            try:
+                msg = decode_router_message(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("worker %s: undecodable message from the router: %s", self.worker_id, exc)
+                continue
+            if type(msg) is Dispatch:
+                self._on_dispatch(msg)
+            elif type(msg) is RegisterAck:
+                if not msg.accepted:
+                    raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")
+                self.registered.set()
+
+    def _on_dispatch(self, msg: Dispatch) -> None:
+        now = self.clock.now_ns()
+        if self.mode == "virtual":
+            self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
+        req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=msg.max_tokens,
+                      arrival_ns=self._arrival(msg.dp_rank, now))
+        outcome = self.worker.dispatch(req, msg.dp_rank)
+        if outcome.accepted:
+            self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
+            self._sent[msg.request_id] = 0
+            self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=True)))
+            wake = self._wakes.get(-1 if self.mode == "virtual" else msg.dp_rank)
+            if wake is not None:
+                wake.set()
+        else:
+            reason = outcome.reason.value if outcome.reason is not None else "rejected"
+            self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=False,
+                                                    reason=f"{reason}: {outcome.message}")))
+
+    def _engine_now(self) -> int:
+        return max(core.now_ns for core in self.worker.cores)
+
+    def _arrival(self, dp_rank: int, now: int) -> int:
+        try:
+            core = self.worker.core(dp_rank)
+        except Exception:  # noqa: BLE001 - an unknown rank is rejected by dispatch itself
+            return now
+        return max(now, core.now_ns)
+
+    async def _heartbeat(self) -> None:
+        msg = encode(Heartbeat(worker_id=self.worker_id))
+        while not self.stopped:
+            self.end.send_nowait(msg)
+            await anyio.sleep(self.heartbeat_interval_s)
+
+    # ------------------------------------------------------------------ virtual time
+
+    async def _drive_virtual(self) -> None:
+        worker = self.worker
+        clock = self.clock
+        while True:
+            now = clock.now_ns()
+            self._emit_advance(worker.advance_to(max(now, self._engine_now())))
+            nxt = worker.next_event_ns()
+            wake = self._wakes[-1] = anyio.Event()
+            if nxt is None:
+                await wake.wait()
+                continue
+            with anyio.move_on_after(max(0, nxt - clock.now_ns()) / NS_PER_S):
+                await wake.wait()
+
+    def _emit_advance(self, results: list[AdvanceResult]) -> None:
+        send = self.end.send_nowait
+        for core, res in zip(self.worker.cores, results):
+            pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
+            for pe in res.events:
+                pub.publish(pe.batch())
+            for rid, t in res.first_tokens:
+                if self._sent.get(rid) == 0:
+                    self._sent[rid] = 1
+                    send(encode(TokenBatch(request_id=rid, times_ns=[t])))
+            for rec in res.completed:
+                self._finish(rec)
+
+    def _finish(self, rec: RequestRecord) -> None:
+        sent = self._sent.pop(rec.request_id, 0)
+        self._records.pop(rec.request_id, None)
+        self.end.send_nowait(encode(Finished(
+            request_id=rec.request_id, times_ns=rec.token_times[sent:], cached_tokens=rec.cached_tokens or 0,
+            dp_rank=rec.dp_rank,
+        )))
+
+    # ------------------------------------------------------------------ wall time
+
+    async def _drive_live(self, core: EngineCore) -> None:
+        pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
+        clock = self.clock
+        while True:
+            now = max(clock.now_ns(), core.busy_until_ns, core.now_ns)
+            res = core.step(now)
+            if res.idle:
+                wake = self._wakes[core.dp_rank] = anyio.Event()
+                if core.num_unfinished == 0:
+                    await wake.wait()
+                else:  # waiting requests that cannot start yet: look again shortly
+                    with anyio.move_on_after(0.001):
+                        await wake.wait()
+                continue
+            duration = res.duration_ns * self.slowdown
+            if duration:
+                await anyio.sleep(duration / NS_PER_S)
+            else:
+                await anyio.sleep(0)  # let the loop breathe between zero-length passes
+            self._emit_step(core, res, pub)
+
+    def _emit_step(self, core: EngineCore, res: StepResult, pub: KvPublisher) -> None:
+        batch = res.kv_batch
+        if batch is not None:
+            pub.publish(batch)
+        done = {rec.request_id for rec in res.completed}
+        send = self.end.send_nowait
+        for rid in res.tokens:
+            if rid in done:
+                continue
+            rec = self._records.get(rid)
+            if rec is None:
+                continue
+            sent = self._sent.get(rid, 0)
+            if len(rec.token_times) > sent:
+                send(encode(TokenBatch(request_id=rid, times_ns=rec.token_times[sent:])))
+                self._sent[rid] = len(rec.token_times)
+        for rec in res.completed:
+            self._finish(rec)
