@@ -1,39 +1,127 @@
-"""The ``kvemu`` command line."""
+"""The ``kvemu`` command line: run, validate, compare, demo."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
+    run.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                     help="override a scenario value, e.g. --set cluster.workers=8 (repeatable)")
+    run.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
+    run.add_argument("--seed", type=int, help="override run.seed")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from harness.scenario import default_scenario_text, load_scenario, parse_scenario
+
+    overrides = list(getattr(args, "overrides", []) or [])
+    if getattr(args, "mode", None):
+        overrides.append(f"run.mode={args.mode}")
+    if getattr(args, "seed", None) is not None:
+        overrides.append(f"run.seed={args.seed}")
+    if args.scenario:
+        return load_scenario(args.scenario, overrides)
+    return parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides, source="<built-in quickstart>")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from harness.runner import run_scenario
+    from harness.scenario import ScenarioError
+
+    console = Console(stderr=True)
+    try:
+        scenario = _load(args)
+    except ScenarioError as exc:
+        console.print(f"[red]invalid scenario[/red]: {exc}")
+        return 2
+    outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
+    console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed {scenario.run.seed}) "
+                  f"on {scenario.cluster.workers} workers × {scenario.cluster.dp_size} DP ranks")
+    last = {"t": 0, "done": 0}
+    with Progress(TextColumn("[bold]{task.fields[clock]}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
+                  disable=args.quiet or not console.is_terminal) as bar:
+        task = bar.add_task("run", total=None, clock="t=0s", rate="")
+
+        def progress(now_ns: int, done: int, total: int) -> None:
+            dt = (now_ns - last["t"]) / 1e9
+            rate = (done - last["done"]) / dt if dt > 0 else 0.0
+            last.update(t=now_ns, done=done)
+            bar.update(task, completed=done, total=total, clock=f"t={now_ns / 1e9:,.0f}s", rate=f"{rate:.1f} req/s")
+
+        outcome = run_scenario(scenario, outdir, progress=progress)
+    summary = outcome.summary or {}
+    partial = " [yellow](PARTIAL: interrupted)[/yellow]" if outcome.data.partial else ""
+    console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
+                  f"{partial}; report in {outdir}/report.md")
+    return 130 if outcome.data.partial else 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from harness.scenario import ScenarioError
+    from harness.workload import build_sessions
+
+    try:
+        scenario = _load(args)
+        sessions = build_sessions(scenario)
+    except ScenarioError as exc:
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 2
+    turns = sum(len(s.turns) for s in sessions)
+    print(f"ok: {scenario.name}: {scenario.cluster.workers} workers × {scenario.cluster.dp_size} ranks, "
+          f"{len(sessions)} sessions, {turns} turns, {scenario.run.mode} mode")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvemu`` console script."""
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="route a few multi-turn sessions on virtual time and show the decisions")
+    _add_run(sub)
+    validate = sub.add_parser("validate", help="check a scenario without running it")
+    validate.add_argument("scenario", nargs="?")
+    validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    compare = sub.add_parser("compare", help="print two reports' summaries side by side with deltas")
+    compare.add_argument("a")
+    compare.add_argument("b")
+    demo = sub.add_parser("demo", help="route a few multi-turn sessions with the policy core alone")
     demo.add_argument("--workers", type=int, default=4)
     demo.add_argument("--dp-size", type=int, default=2)
     demo.add_argument("--sessions", type=int, default=6)
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from harness.demo import run_demo
+    if args.command == "run":
+        try:
+            return _run(args)
+        except KeyboardInterrupt:  # pragma: no cover - the runner turns Ctrl-C into a partial report
+            return 130
+    if args.command == "validate":
+        return _validate(args)
+    if args.command == "compare":
+        from harness.compare import main as compare_main
 
-        for name in ("workers", "dp_size", "sessions", "turns"):
-            if getattr(args, name) < 1:
-                parser.error(f"--{name.replace('_', '-')} must be >= 1")
-        run_demo(
-            sys.stdout,
-            workers=args.workers,
-            dp_size=args.dp_size,
-            sessions=args.sessions,
-            turns=args.turns,
-            seed=args.seed,
-        )
+        return compare_main([args.a, args.b])
+    from harness.demo import run_demo
+
+    for name in ("workers", "dp_size", "sessions", "turns"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    run_demo(sys.stdout, workers=args.workers, dp_size=args.dp_size, sessions=args.sessions, turns=args.turns,
+             seed=args.seed)
     return 0
 
 
