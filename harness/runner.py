@@ -7,14 +7,14 @@ of the two modes read the same way.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock, WallClock
-from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.runtime.messages import ClientRequest
 from kvemu.tuning import tune_gc
@@ -53,12 +53,18 @@ class _ShiftedClock:
         return self._base.now_ns() - self._t0
 
 
-def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None) -> RunOutcome:
-    """Run ``scenario`` to the end (or until interrupted) and write its report to ``outdir``."""
+def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None,
+                 observers: Sequence[Callable[[HookEvent], None]] = ()) -> RunOutcome:
+    """Run ``scenario`` to the end (or until interrupted) and write its report to ``outdir``.
+
+    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling).
+    """
     sessions = build_sessions(scenario)
     total = sum(len(s.turns) * (1 + max((len(t.sub_agents) for t in s.turns), default=0)) for s in sessions)
     hooks = Hooks()
     recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
+    for observer in observers:
+        hooks.subscribe(observer)
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
     wall0 = time.perf_counter_ns()
     tune_gc()

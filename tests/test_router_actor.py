@@ -172,7 +172,8 @@ def test_rejected_dispatch_reselects_another_worker():
 
 
 def test_retries_exhausted_fails_with_reason():
-    clock, router, ws, events = cluster([dict(worker_id=1, reject=True)], settings=RouterSettings(retry_limit=2))
+    workers = [dict(worker_id=w, reject=True) for w in (1, 2, 3, 4)]
+    clock, router, ws, events = cluster(workers, settings=RouterSettings(retry_limit=2))
 
     async def body():
         return await router.handle(req("a"))
@@ -180,6 +181,18 @@ def test_retries_exhausted_fails_with_reason():
     res = run(clock, router, ws, body)
     assert res.failure == "retries_exhausted" and res.attempts == 3
     assert kinds(events, "a")[-1] == "failed"
+    tried = [e.worker_id for e in events if e.kind == "dispatch_rejected"]
+    assert len(tried) == len(set(tried)) == 3  # a rank that refused is not asked again
+
+
+def test_every_rank_refusing_ends_with_no_endpoints():
+    clock, router, ws, events = cluster([dict(worker_id=1, reject=True)])
+
+    async def body():
+        return await router.handle(req("a"))
+
+    res = run(clock, router, ws, body)
+    assert res.failure.startswith("no_endpoints") and res.attempts == 2
 
 
 def test_pin_and_allow_list_errors_are_reasons_not_crashes():

@@ -19,6 +19,7 @@ from kvemu.clock import NS_PER_S, Clock
 from kvemu.runtime.messages import (
     Deregister,
     Dispatch,
+    Draining,
     DispatchAck,
     Finished,
     Heartbeat,
@@ -116,6 +117,7 @@ class WorkerActor:
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Refuse new work, let accepted requests finish (up to ``grace_s``), then deregister."""
         self.worker.begin_shutdown()
+        self.end.send_nowait(encode(Draining(worker_id=self.worker_id)))
         with anyio.move_on_after(grace_s):
             while not self.worker.idle:
                 await anyio.sleep(0.01)

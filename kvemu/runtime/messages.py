@@ -1,7 +1,8 @@
 """The messages actors exchange, as msgspec structs: identical bytes on ZeroMQ and in memory.
 
 Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``RegisterAck``, ``Heartbeat``,
-``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Deregister``, and, on
+``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Draining``,
+``Deregister``, and, on
 in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
 """
 
@@ -21,6 +22,7 @@ __all__ = [
     "TokenBatch",
     "Finished",
     "RequestFailed",
+    "Draining",
     "Deregister",
     "KvBatch",
     "WorkerMessage",
@@ -85,6 +87,12 @@ class Heartbeat(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     worker_id: int
 
 
+class Draining(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A worker stops taking new requests and finishes what it has (graceful shutdown begins)."""
+
+    worker_id: int
+
+
 class Deregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """A worker leaves (graceful shutdown)."""
 
@@ -140,7 +148,7 @@ class KvBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     payload: bytes
 
 
-WorkerMessage = Register | Heartbeat | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
+WorkerMessage = Register | Heartbeat | Draining | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
 """What workers send to the router."""
 RouterMessage = RegisterAck | Dispatch
 """What the router sends to workers."""

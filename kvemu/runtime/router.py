@@ -30,6 +30,7 @@ from kvemu.runtime.messages import (
     Deregister,
     Dispatch,
     DispatchAck,
+    Draining,
     Finished,
     Heartbeat,
     KvBatch,
@@ -206,6 +207,8 @@ class Router:
             self._on_failed(msg)  # type: ignore[arg-type]
         elif t is Register:
             self._on_register(peer, msg)  # type: ignore[arg-type]
+        elif t is Draining:
+            self.drain_worker(msg.worker_id)  # type: ignore[union-attr]
         elif t is Deregister:
             self.remove_worker(msg.worker_id, reason=f"deregistered: {msg.reason}")  # type: ignore[union-attr]
 
@@ -250,6 +253,15 @@ class Router:
         self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
         self.registered.set()
         self._capacity_changed()
+
+    def drain_worker(self, worker_id: int) -> None:
+        """Stop routing to a worker that is shutting down; its requests in flight finish normally."""
+        if worker_id not in self.workers or self.core.registry.is_fenced(worker_id):
+            return
+        self.core.registry.fence(worker_id)
+        if self.affinity is not None:
+            self.affinity.invalidate_worker(worker_id)
+        self._emit("worker_fenced", worker_id=worker_id, data={"reason": "draining"})
 
     def remove_worker(self, worker_id: int, *, reason: str) -> None:
         """Forget a worker: index, load, bindings; its in-flight requests are retried or failed."""
@@ -328,11 +340,12 @@ class Router:
             return result
         flight = _Flight(req.request_id)
         self._flights[req.request_id] = flight
+        refused: list[tuple[int, int]] = []
         try:
             for attempt in range(self.settings.retry_limit + 1):
                 result.attempts = attempt + 1
                 try:
-                    await self._attempt(req, prepared, flight, attempt)
+                    await self._attempt(req, prepared, flight, attempt, refused)
                 except _Retry:
                     flight = self._flights[req.request_id] = _Flight(req.request_id)
                     continue
@@ -361,9 +374,12 @@ class Router:
         finally:
             self._flights.pop(req.request_id, None)
 
-    async def _attempt(self, req: ClientRequest, prepared: Any, flight: _Flight, attempt: int) -> None:
+    async def _attempt(self, req: ClientRequest, prepared: Any, flight: _Flight, attempt: int,
+                       refused: list[tuple[int, int]]) -> None:
         core = self.core
         builder = core.eligibility()
+        for w, r in refused:  # ranks that already turned this request away
+            builder.set_available(w, False, dp_rank=r)
         if req.allowed_worker_ids is not None:
             builder.allow(req.allowed_worker_ids)
         if req.worker_id is not None or req.dp_rank is not None:
@@ -409,8 +425,11 @@ class Router:
         if not accepted:
             reason = flight.failure or "dispatch_timeout"
             state.flights.pop(req.request_id, None)
+            refused.append((wid, rank))
             if hold is not None:
                 affinity.drop(hold)  # type: ignore[union-attr]
+                if hold.kind == "bound":  # the bound rank refused: let the session re-bind
+                    affinity.invalidate(hold.session, hold.revision, hold.version)  # type: ignore[union-attr]
             self._emit("dispatch_rejected", req.request_id, wid, rank, data={"reason": reason})
             raise _Retry
         if hold is not None:
@@ -430,6 +449,7 @@ class Router:
                 state.flights.pop(req.request_id, None)
             self._capacity_changed()
         if flight.failure == "worker_lost" and not flight.first_seen:
+            refused.append((wid, rank))
             raise _Retry  # nothing was streamed yet: run it elsewhere
 
     async def _maybe_queue(self, req: ClientRequest, builder: Any, prepared: Any) -> None:
