@@ -86,6 +86,38 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _process(args: argparse.Namespace) -> int:
+    from harness.scenario import ScenarioError
+
+    if args.command == "loadgen" and args.config_path and not args.scenario:
+        args.scenario = args.config_path
+    try:
+        scenario = _load(args)
+    except ScenarioError as exc:
+        print(f"invalid scenario: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "router":
+        from harness.processes import router_main
+
+        return router_main(scenario, args.listen, args.grace)
+    if args.command == "worker":
+        from harness.processes import worker_main
+
+        return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
+                           kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace)
+    outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
+    if args.command == "loadgen":
+        from harness.processes import loadgen_main
+
+        summary = loadgen_main(scenario, args.router, outdir, args.expect_workers)
+        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
+              f"report in {outdir}/report.md", file=sys.stderr)
+        return 0 if not summary.get("partial") else 130
+    from harness.up import up_main
+
+    return up_main(args.scenario or "", list(args.overrides), scenario, outdir)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvemu`` console script."""
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
@@ -97,6 +129,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     compare = sub.add_parser("compare", help="print two reports' summaries side by side with deltas")
     compare.add_argument("a")
     compare.add_argument("b")
+    router = sub.add_parser("router", help="run a router process (workers and load generators connect to it)")
+    router.add_argument("--listen", default="tcp://127.0.0.1:5555", help="ROUTER endpoint for workers and clients")
+    router.add_argument("--config", dest="scenario", help="scenario YAML for the router and engine settings")
+    router.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    router.add_argument("--grace", type=float, default=10.0, help="seconds to drain requests on SIGTERM")
+    worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
+    worker.add_argument("--router", required=True, help="the router's --listen endpoint")
+    worker.add_argument("--worker-id", type=int, help="default: random")
+    worker.add_argument("--dp-size", type=int, help="default: the scenario's cluster.dp_size")
+    worker.add_argument("--kv-events", default="tcp://127.0.0.1:0",
+                        help="PUB endpoint of rank 0 (rank r uses port + r; port 0 = pick one per rank)")
+    worker.add_argument("--kv-replay", default="tcp://127.0.0.1:0", help="replay ROUTER endpoint ('' to disable)")
+    worker.add_argument("--config", dest="scenario")
+    worker.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    worker.add_argument("--grace", type=float, default=10.0)
+    loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
+    loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
+    loadgen.add_argument("--router", required=True)
+    loadgen.add_argument("-o", "--outdir")
+    loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
+    loadgen.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
+    up.add_argument("scenario", nargs="?")
+    up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    up.add_argument("-o", "--outdir")
     demo = sub.add_parser("demo", help="route a few multi-turn sessions with the policy core alone")
     demo.add_argument("--workers", type=int, default=4)
     demo.add_argument("--dp-size", type=int, default=2)
@@ -111,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "validate":
         return _validate(args)
+    if args.command in ("router", "worker", "loadgen", "up"):
+        return _process(args)
     if args.command == "compare":
         from harness.compare import main as compare_main
 

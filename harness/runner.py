@@ -7,7 +7,7 @@ of the two modes read the same way.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,15 @@ from harness.report import RunData, Sample, write_report
 from harness.scenario import ChaosEvent, Scenario
 from harness.workload import Session, Turn, build_sessions
 
-__all__ = ["run_scenario", "RunOutcome", "Progress"]
+__all__ = ["run_scenario", "RunOutcome", "Progress", "play_session", "drain_deadline_s", "count_requests"]
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
+
+
+def count_requests(sessions: list[Session]) -> int:
+    """How many requests the sessions will send (turns and their sub-agents)."""
+    return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
 
 
 class RunOutcome:
@@ -60,7 +65,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling).
     """
     sessions = build_sessions(scenario)
-    total = sum(len(s.turns) * (1 + max((len(t.sub_agents) for t in s.turns), default=0)) for s in sessions)
+    total = count_requests(sessions)
     hooks = Hooks()
     recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
     for observer in observers:
@@ -101,10 +106,10 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 tg.start_soon(_sample, c, state, recorder, progress, total, run_clock)
                 for ev in scenario.chaos:
                     tg.start_soon(_chaos, c, ev, state)
-                with anyio.move_on_after(_drain_deadline_s(scenario, sessions)) as scope:
+                with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
                     async with anyio.create_task_group() as sessions_tg:
                         for s in sessions:
-                            sessions_tg.start_soon(_play, c, s, run_clock)
+                            sessions_tg.start_soon(play_session, c.router.handle, s, run_clock)
                 if scope.cancelled_caught:
                     state["partial"] = True
                 _take_sample(c, state, run_clock)
@@ -116,12 +121,16 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
             state["ranks"].update(c.ranks())
 
 
-def _drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
+def drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
     last = max((s.start_ns for s in sessions), default=0) / NS_PER_S
     return last + scenario.run.drain_timeout_s
 
 
-async def _play(c: Cluster, session: Session, clock: Clock) -> None:
+Submit = Callable[[ClientRequest], Awaitable[Any]]
+"""Runs one request to its end (``Router.handle`` in process, or a client of a router process)."""
+
+
+async def play_session(submit: Submit, session: Session, clock: Clock) -> None:
     """One session: wait for its start, then each turn after the previous one (and its sub-agents) ended."""
     delay = session.start_ns - clock.now_ns()
     if delay > 0:
@@ -130,12 +139,12 @@ async def _play(c: Cluster, session: Session, clock: Clock) -> None:
         if turn.delay_ns:
             await anyio.sleep(turn.delay_ns / NS_PER_S)
         rid = f"{session.session_id}-t{k}"
-        await c.router.handle(_request(rid, turn, session.session_id if session.sticky else None, None))
+        await submit(_request(rid, turn, session.session_id if session.sticky else None, None))
         if turn.sub_agents:
             async with anyio.create_task_group() as tg:
                 for j, (tokens, osl) in enumerate(turn.sub_agents):
                     sub = Turn(tokens, osl, worker_id=turn.worker_id)
-                    tg.start_soon(c.router.handle, _request(f"{rid}-a{j}", sub, None, session.session_id))
+                    tg.start_soon(submit, _request(f"{rid}-a{j}", sub, None, session.session_id))
 
 
 def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -> ClientRequest:

@@ -1,0 +1,381 @@
+"""kvemu as a real distributed system: router, worker and load-generator processes over ZeroMQ.
+
+One ROUTER socket on the router's ``--listen`` address serves both workers (2-frame messages:
+identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
+and get back each request's ``RequestRecord`` when it ends; ``StatsQuery`` returns the router's view
+(ranks, per-rank load and cache, KV-event and affinity counters). Every process logs one JSON line when
+it starts, with its endpoints, and shuts down cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvemu.clock import WallClock
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.loop import run_live
+from kvemu.runtime.messages import ClientRequest
+from kvemu.runtime.transport import ZmqWorkerEnd
+from kvemu.tuning import tune_gc
+from kvemu.wire.publisher import KvEventPublisher
+from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+from workers.actor import WorkerActor
+from workers.worker import MockWorker
+
+from harness.cluster import _pump, build_router, engine_config
+from harness.recorder import Recorder, RequestRecord
+from harness.report import RunData, Sample, write_report
+from harness.runner import count_requests, drain_deadline_s, play_session
+from harness.scenario import Scenario
+from harness.workload import build_sessions
+
+__all__ = ["StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start"]
+
+CLIENT = b"C"
+
+
+class StatsQuery(msgspec.Struct, tag=True, frozen=True):
+    """Ask the router for its current view."""
+
+
+class Stats(msgspec.Struct, tag=True, kw_only=True):
+    """The router's view: ranks, per-rank load/cache, counters (one reply to ``StatsQuery``)."""
+
+    now_ns: int
+    workers: list[int]
+    ranks: list[tuple[int, int]]
+    samples: list[Sample]
+    kv_stats: dict[int, dict[str, int]]
+    affinity: dict[str, int] | None = None
+    counters: dict[str, int] = {}
+    worker_events: list[dict[str, Any]] = []
+
+
+class RecordReply(msgspec.Struct, tag=True, kw_only=True):
+    """A finished request's record."""
+
+    record: RequestRecord
+
+
+ClientMessage = ClientRequest | StatsQuery
+ReplyMessage = RecordReply | Stats
+_encode = msgspec.msgpack.Encoder().encode
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
+
+
+def log_start(role: str, **endpoints: Any) -> None:
+    """The one structured line every process prints when it starts."""
+    print(json.dumps({"event": "started", "role": role, "pid": os.getpid(), **endpoints}), flush=True)
+
+
+# ---------------------------------------------------------------------------------- router
+
+
+class _SharedRouterEnd:
+    """Worker traffic for the router actor; client traffic for the gateway (same ROUTER socket)."""
+
+    def __init__(self, endpoint: str) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(endpoint)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock = sock
+        self.clients_tx, self.clients_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](float("inf"))
+
+    async def receive(self) -> tuple[bytes, bytes]:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) == 2:
+                return frames[0], frames[1]
+            if len(frames) == 3 and frames[1] == CLIENT:
+                self.clients_tx.send_nowait((frames[0], frames[2]))
+
+    def send_nowait(self, peer: bytes, data: bytes) -> None:
+        self.sock.send_multipart([peer, data]).add_done_callback(_quiet)
+
+    def reply(self, peer: bytes, data: bytes) -> None:
+        self.sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)
+
+    async def aclose(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _quiet(fut: Any) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a vanished peer: nothing to do
+
+
+async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None:
+    clock = WallClock()
+    hooks = Hooks()
+    recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
+    end = _SharedRouterEnd(listen)
+    subscriber: KvEventSubscriber | None = None
+
+    def added(msg: Any) -> None:
+        assert subscriber is not None
+        for r, endpoint in enumerate(msg.kv_endpoints):
+            replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
+            subscriber.add(StreamSpec(msg.worker_id, msg.dp_start + r, endpoint, replay or None))
+
+    def removed(worker_id: int) -> None:
+        assert subscriber is not None
+        subscriber.remove_worker(worker_id)
+
+    router = build_router(scenario.router, block_size=scenario.cluster.engine.block_size, clock=clock,
+                          seed=scenario.run.seed, end=end, hooks=hooks, on_worker_added=added,
+                          on_worker_removed=removed)
+    subscriber = KvEventSubscriber(router._apply_kv, block_size=scenario.cluster.engine.block_size,
+                                   observer=router._kv_observer)
+    subscriber.stats = router.kv_stats
+    log_start("router", listen=end.endpoint)
+    in_flight: set[str] = set()
+
+    async def handle(peer: bytes, req: ClientRequest) -> None:
+        in_flight.add(req.request_id)
+        try:
+            await router.handle(req)
+        finally:
+            in_flight.discard(req.request_id)
+            rec = recorder.records.pop(req.request_id, None)
+            if rec is not None:
+                end.reply(peer, _encode(RecordReply(record=rec)))
+
+    def stats() -> Stats:
+        core = router.core
+        ranks = list(core.registry.rank_keys())
+        now = clock.now_ns()
+        samples = []
+        for key in ranks:
+            rl = core.load.rank(key)
+            samples.append(Sample(now, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+        return Stats(now_ns=now, workers=sorted(router.workers), ranks=ranks, samples=samples,
+                     kv_stats={w: s.as_dict() for w, s in sorted(router.kv_stats.items())},
+                     affinity=router.affinity.stats.as_dict() if router.affinity else None,
+                     counters=dict(recorder.counters), worker_events=recorder.worker_events)
+
+    async def gateway(tg: anyio.abc.TaskGroup) -> None:
+        async for peer, data in end.clients_rx:
+            try:
+                msg = _client_decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
+                continue
+            if type(msg) is StatsQuery:
+                end.reply(peer, _encode(stats()))
+            else:
+                tg.start_soon(handle, peer, msg)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(router.serve)
+        tg.start_soon(_pump, subscriber)
+        tg.start_soon(gateway, tg)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        # drain: requests in flight get up to grace_s to finish, then fail with a reason
+        with anyio.move_on_after(grace_s):
+            while in_flight:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    subscriber.close()
+    await end.aclose()
+
+
+def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0) -> int:
+    """``kvemu router``: serve until SIGTERM."""
+    tune_gc()
+    run_live(lambda: _serve_router(scenario, listen, grace_s))
+    return 0
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size: int, kv_events: str,
+                        kv_replay: str | None, grace_s: float) -> None:
+    spec = scenario.cluster
+    cfg = msgspec.structs.replace(engine_config(spec), dp_size=dp_size)
+    mock = MockWorker(cfg, worker_id=worker_id)
+    pubs = [KvEventPublisher(kv_events, replay_endpoint=kv_replay, dp_rank=r, bind=True,
+                             vllm_version=spec.kv_events_version) for r in range(dp_size)]
+    end = ZmqWorkerEnd(router, worker_id)
+    actor = WorkerActor(mock, end, WallClock(), pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
+                        kv_endpoints=[_reachable(p.endpoint) for p in pubs],
+                        kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
+                        worker_type=spec.worker_type)
+    log_start("worker", worker_id=worker_id, router=router, kv_events=[p.endpoint for p in pubs],
+              kv_replay=[p.replay_endpoint for p in pubs])
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(actor.run)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            await actor.shutdown(grace_s)
+            await anyio.sleep(0.05)  # let the deregistration leave
+            tg.cancel_scope.cancel()
+    finally:
+        for p in pubs:
+            p.close(drain_timeout_s=0.2)
+        await end.aclose()
+
+
+def _reachable(endpoint: str) -> str:
+    """A bound wildcard endpoint as a peer can connect to it."""
+    return endpoint.replace("0.0.0.0", "127.0.0.1").replace("tcp://*", "tcp://127.0.0.1")
+
+
+def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_size: int | None,
+                kv_events: str, kv_replay: str | None, grace_s: float = 10.0) -> int:
+    """``kvemu worker``: serve one router until SIGTERM."""
+    tune_gc()
+    wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
+    run_live(lambda: _serve_worker(scenario, router, wid, dp_size or scenario.cluster.dp_size, kv_events,
+                                   kv_replay, grace_s))
+    return 0
+
+
+# ---------------------------------------------------------------------------------- load generator
+
+
+class _RouterClient:
+    """A DEALER to the router: submit requests, await their records, query stats."""
+
+    def __init__(self, router: str) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(router)
+        self.sock = sock
+        self.records: dict[str, RequestRecord] = {}
+        self._waiting: dict[str, anyio.Event] = {}
+        self._stats: list[Stats] = []
+        self._stats_event = anyio.Event()
+
+    async def listen(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 2 or frames[0] != CLIENT:
+                continue
+            msg = _reply_decoder.decode(frames[1])
+            if type(msg) is RecordReply:
+                rid = msg.record.request_id
+                self.records[rid] = msg.record
+                ev = self._waiting.pop(rid, None)
+                if ev is not None:
+                    ev.set()
+            else:
+                self._stats.append(msg)  # type: ignore[arg-type]
+                self._stats_event.set()
+
+    async def submit(self, req: ClientRequest) -> RequestRecord | None:
+        ev = self._waiting[req.request_id] = anyio.Event()
+        await self.sock.send_multipart([CLIENT, _encode(req)])
+        await ev.wait()
+        return self.records.get(req.request_id)
+
+    async def stats(self, timeout_s: float = 10.0) -> Stats:
+        self._stats_event = anyio.Event()
+        await self.sock.send_multipart([CLIENT, _encode(StatsQuery())])
+        with anyio.fail_after(timeout_s):
+            await self._stats_event.wait()
+        return self._stats[-1]
+
+
+async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None) -> dict[str, Any]:
+    sessions = build_sessions(scenario)
+    client = _RouterClient(router)
+    wall0 = time.perf_counter_ns()
+    samples: list[Sample] = []
+    partial = False
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.listen)
+        with anyio.fail_after(60):  # the router and the expected workers are up
+            while True:
+                st = await client.stats(timeout_s=2)
+                if expect_workers is None or len(st.workers) >= expect_workers:
+                    break
+                await anyio.sleep(0.1)
+        t0 = st.now_ns
+        log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
+
+        async def sampler() -> None:
+            while True:
+                s = await client.stats()
+                samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
+                await anyio.sleep(0.25)
+
+        tg.start_soon(sampler)
+        clock = _Since(t0, st.now_ns)
+        with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
+            async with anyio.create_task_group() as play:
+                for s in sessions:
+                    play.start_soon(play_session, client.submit, s, clock)
+        partial = scope.cancelled_caught
+        final = await client.stats()
+        tg.cancel_scope.cancel()
+    records = [_shift(r, t0) for r in client.records.values()]
+    data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
+                   mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0, partial=partial,
+                   block_size=scenario.cluster.engine.block_size, ranks=final.ranks, samples=samples,
+                   kv_stats=final.kv_stats, affinity=final.affinity, counters=final.counters,
+                   failures=_failures(records), worker_events=final.worker_events)
+    return write_report(data, outdir)
+
+
+class _Since:
+    """The router's clock as seen from the load generator: ns since the run started (t0)."""
+
+    is_virtual = False
+
+    def __init__(self, t0: int, router_now: int) -> None:
+        self._offset = time.monotonic_ns() - (router_now - t0)
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns() - self._offset
+
+
+def _shift(rec: RequestRecord, t0: int) -> RequestRecord:
+    def s(v: int | None) -> int | None:
+        return None if v is None else v - t0
+
+    return msgspec.structs.replace(
+        rec, arrival_ns=rec.arrival_ns - t0, queued_ns=s(rec.queued_ns), dispatch_ns=s(rec.dispatch_ns),
+        first_token_ns=s(rec.first_token_ns), token_times_ns=[t - t0 for t in rec.token_times_ns],
+        completion_ns=s(rec.completion_ns),
+    )
+
+
+def _failures(records: list[RequestRecord]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        if r.failure:
+            key = r.failure.split(":")[0]
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None) -> dict[str, Any]:
+    """``kvemu loadgen``: play the scenario's workload against a router process and write the report."""
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers))
+

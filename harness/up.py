@@ -1,0 +1,136 @@
+"""``kvemu up``: a router, its workers and a load generator as child processes on 127.0.0.1.
+
+It waits for each process's start line, runs the workload, collects the report and stops everything.
+Children die with their parent (Linux parent-death signal) and are terminated on Ctrl-C, on a child
+crash and on exit, so ``kvemu up`` never leaves an orphan. Scenario chaos applies to worker processes:
+``remove_worker`` sends SIGTERM (graceful) or SIGKILL, ``add_worker`` starts one more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.scenario import Scenario
+
+__all__ = ["up_main", "Children"]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Children:
+    """Child processes started with their JSON start line captured."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.info: dict[str, dict[str, Any]] = {}
+
+    def start(self, name: str, args: list[str], timeout_s: float = 30.0) -> dict[str, Any]:
+        """Start ``python -m harness.cli ARGS`` and wait for its start line."""
+        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        self.procs[name] = proc
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout_s)
+        if not line or not line[0].strip():
+            code = proc.poll()
+            raise RuntimeError(f"{name} did not start (exit code {code}); see its stderr above")
+        info = json.loads(line[0])
+        self.info[name] = info
+        threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
+        return info
+
+    @staticmethod
+    def _drain(proc: subprocess.Popen) -> None:
+        for _ in proc.stdout:  # type: ignore[union-attr]
+            pass
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send a signal to one child."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    def crashed(self) -> str | None:
+        """The name of a child that exited with an error, if any."""
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL) and not name.startswith("gone-"):
+                return f"{name} exited with code {code}"
+        return None
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM everyone, then SIGKILL whoever is still there after ``grace_s``."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path) -> int:
+    """Run the whole stack as processes; returns the load generator's exit code."""
+    sets = [x for o in overrides for x in ("--set", o)]
+    config = ["--config", scenario_path, *sets] if scenario_path else sets
+    kids = Children()
+    started = time.monotonic()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *config])["listen"]
+        next_id = 0
+
+        def add_worker() -> None:
+            nonlocal next_id
+            kids.start(f"worker-{next_id}", ["worker", "--router", router, "--worker-id", str(next_id),
+                                             "--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
+                                             *config])
+            next_id += 1
+
+        for _ in range(scenario.cluster.workers):
+            add_worker()
+        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router, "-o", str(outdir),
+                                    "--expect-workers", str(scenario.cluster.workers), *config],
+                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        kids.procs["loadgen"] = loadgen
+        chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
+        t0 = time.monotonic()
+        while loadgen.poll() is None:
+            now = time.monotonic() - t0
+            while chaos and chaos[0].at_s <= now:
+                ev = chaos.pop(0)
+                if ev.action == "add_worker":
+                    add_worker()
+                elif ev.action == "remove_worker":
+                    name = f"worker-{ev.worker if ev.worker is not None else 0}"
+                    kids.signal(name, signal.SIGTERM if ev.graceful else signal.SIGKILL)
+                    kids.procs[f"gone-{name}"] = kids.procs.pop(name)
+            problem = kids.crashed()
+            if problem:
+                print(f"kvemu up: {problem}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        code = loadgen.returncode
+        print(f"kvemu up: done in {time.monotonic() - started:.1f} s; report in {outdir}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        kids.stop_all()
