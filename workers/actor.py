@@ -89,6 +89,7 @@ class WorkerActor:
         )
         self.registered = anyio.Event()
         self.stopped = False
+        self.register_timeout_s = 30.0
         self.slowdown = 1.0
         """Chaos: pass durations are multiplied by this on wall time."""
         self._wakes: dict[int, anyio.Event] = {}  # per rank on wall time; -1 for the virtual driver
@@ -105,7 +106,11 @@ class WorkerActor:
         self.end.send_nowait(encode(self.register_msg))
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._receive_loop, tg)
-            await self.registered.wait()
+            with anyio.move_on_after(self.register_timeout_s):
+                await self.registered.wait()
+            if not self.registered.is_set():
+                raise WorkerRejected(f"worker {self.worker_id}: no answer from the router within "
+                                     f"{self.register_timeout_s} s; check its address")
             task_status.started()
             tg.start_soon(self._heartbeat)
             if self.mode == "virtual":

@@ -41,7 +41,7 @@ from kvemu.runtime.messages import (
     decode_worker_message,
     encode,
 )
-from kvemu.runtime.transport import RouterEnd, peer_id
+from kvemu.runtime.transport import RouterEnd
 from kvemu.wire.stream import EventStream, Replay, WorkerEventStats
 
 __all__ = ["RouterSettings", "RequestResult", "Router"]
@@ -102,10 +102,11 @@ class _Flight:
 
 
 class _WorkerState:
-    __slots__ = ("spec", "last_seen_ns", "flights")
+    __slots__ = ("spec", "peer", "last_seen_ns", "flights")
 
-    def __init__(self, spec: WorkerSpec, now_ns: int) -> None:
+    def __init__(self, spec: WorkerSpec, peer: bytes, now_ns: int) -> None:
         self.spec = spec
+        self.peer = peer
         self.last_seen_ns = now_ns
         self.flights: dict[str, None] = {}
 
@@ -144,6 +145,7 @@ class Router:
         if affinity is not None:
             affinity.observer = self._affinity_event
         self.workers: dict[int, _WorkerState] = {}
+        self._peers: dict[bytes, int] = {}  # transport identity -> worker id
         self.kv_streams: dict[tuple[int, int], EventStream] = {}
         self.kv_stats: dict[int, WorkerEventStats] = {}
         self._flights: dict[str, _Flight] = {}
@@ -192,7 +194,7 @@ class Router:
         if t is TokenBatch:
             self._on_tokens(msg)  # type: ignore[arg-type]
         elif t is KvBatch:
-            wid = _worker_of(peer)
+            wid = self._peers.get(peer)
             if wid is not None:
                 self.kv_intake(wid, msg.dp_rank, msg.seq, msg.payload)  # type: ignore[union-attr]
         elif t is Finished:
@@ -216,8 +218,8 @@ class Router:
 
     def _on_register(self, peer: bytes, msg: Register) -> None:
         reason = None
-        if peer != peer_id(msg.worker_id):
-            reason = f"worker id {msg.worker_id} does not match the connection identity {peer!r}"
+        if peer in self._peers:
+            reason = f"this connection already registered worker {self._peers[peer]}"
         elif msg.worker_id in self.workers:
             reason = f"worker id {msg.worker_id} is already registered"
         elif msg.block_size != self.core.block_size:
@@ -240,7 +242,8 @@ class Router:
             log.warning("registration refused: %s", reason)
             return
         assert spec is not None
-        self.workers[msg.worker_id] = _WorkerState(spec, self._now())
+        self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now())
+        self._peers[peer] = msg.worker_id
         stats = self.kv_stats.setdefault(msg.worker_id, WorkerEventStats())
         for rank in spec.ranks:
             replay = self._kv_replay(msg.worker_id, rank) if self._kv_replay else None
@@ -268,6 +271,7 @@ class Router:
         state = self.workers.pop(worker_id, None)
         if state is None:
             return
+        self._peers.pop(state.peer, None)
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)
         for key in [k for k in self.kv_streams if k[0] == worker_id]:
@@ -416,7 +420,7 @@ class Router:
             raise _Retry
         flight.key = (wid, rank)
         state.flights[req.request_id] = None
-        self._send(peer_id(wid), Dispatch(request_id=req.request_id, dp_rank=rank, tokens=req.tokens,
+        self._send(state.peer, Dispatch(request_id=req.request_id, dp_rank=rank, tokens=req.tokens,
                                           max_tokens=req.max_tokens))
         accepted = False
         with anyio.move_on_after(self.settings.dispatch_timeout_s):
@@ -531,13 +535,6 @@ class Router:
 
     def _send(self, peer: bytes, msg: msgspec.Struct) -> None:
         self.end.send_nowait(peer, encode(msg))
-
-
-def _worker_of(peer: bytes) -> int | None:
-    try:
-        return int(peer)
-    except ValueError:
-        return None
 
 
 def _affinity_key(req: ClientRequest) -> str | None:

@@ -9,6 +9,7 @@ one link keep their order.
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Protocol
 
 import anyio
@@ -172,7 +173,8 @@ class ZmqWorkerEnd:
     def __init__(self, endpoint: str, worker_id: int, context: zmq.asyncio.Context | None = None) -> None:
         self._ctx = context or zmq.asyncio.Context.instance()
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, peer_id(worker_id))
+        # unique per connection: a second worker claiming the same id is refused by the router, not lost
+        sock.setsockopt(zmq.IDENTITY, peer_id(worker_id) + b"-" + uuid.uuid4().hex[:12].encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)

@@ -1,0 +1,179 @@
+"""kvemu as processes: kvemu up end to end, kill -9 chaos, SIGTERM drain, no orphans, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvemu import ManualClock, RoutingCore
+from kvemu.runtime.loop import run_virtual
+from kvemu.runtime.messages import ClientRequest
+from kvemu.runtime.router import Router
+from kvemu.runtime.transport import MemoryNetwork
+
+from harness.up import Children
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--set", "cluster.engine.speedup_ratio=20", "--set", "cluster.engine.decode_speedup_ratio=20",
+        "--set", "cluster.engine.block_size=16", "--set", "cluster.engine.num_gpu_blocks=2048"]
+
+
+def kvemu(*args, timeout=120, check=True):
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=check)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/status").read_text().count("State:\tZ")
+
+
+def small(tmp_path, extra=()):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("""
+name: procs
+cluster: {workers: 2, dp_size: 2}
+router: {policy: kv, affinity: {enabled: true, ttl_secs: 30}, heartbeat_timeout_s: 1.5}
+workload: {kind: synthetic, rate_rps: 15, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
+           isl: {kind: constant, mean: 96}, osl: {kind: constant, mean: 8}}
+run: {mode: live, seed: 4, duration_s: 2}
+""" + "".join(extra))
+    return scenario
+
+
+def test_up_runs_the_stack_and_leaves_no_process_behind(tmp_path):
+    out = tmp_path / "out"
+    before = set(_children_of_tests())
+    res = kvemu("up", str(small(tmp_path)), *FAST, "-o", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_requests"] > 0 and summary["completed_requests"] == summary["num_requests"]
+    ranks = {(r["worker_id"], r["dp_rank"]) for r in summary["kvemu"]["per_rank"] if r["requests"]}
+    assert {w for w, _ in ranks} == {0, 1}
+    time.sleep(0.2)
+    assert set(_children_of_tests()) <= before  # router, workers and loadgen are all gone
+
+
+def _children_of_tests():
+    me = os.getpid()
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
+    return [int(line.split()[0]) for line in out if "harness.cli" in line and int(line.split()[1]) != me]
+
+
+def test_kill_9_of_a_worker_loses_nothing_silently(tmp_path):
+    out = tmp_path / "out"
+    scenario = small(tmp_path, ["chaos:\n  - {at_s: 1.0, action: remove_worker, worker: 1, graceful: false}\n"])
+    res = kvemu("up", str(scenario), *FAST, "--set", "run.duration_s=3", "-o", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(records) == summary["num_requests"] > 0
+    for r in records:
+        assert (r["completion_ns"] is not None and r["failure"] is None) or r["failure"], r
+        assert r["failure"] in (None, "worker_lost"), r["failure"]
+    assert summary["kvemu"]["worker_events"]  # the router noticed the silence
+    late = [r for r in records if r["arrival_ns"] > 2.6e9 and r["failure"] is None]
+    assert late and all(r["worker_id"] == 0 for r in late)  # sessions re-bound to the live worker
+
+
+def test_sigterm_drains_a_worker_gracefully(tmp_path):
+    scenario = small(tmp_path)
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario), *FAST])
+        worker = kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario),
+                                   *FAST])
+        assert worker["role"] == "worker" and len(worker["kv_events"]) == 2 and worker["kv_replay"][0]
+        kids.start("w1", ["worker", "--router", router["listen"], "--worker-id", "1", "--config", str(scenario), *FAST])
+        out = tmp_path / "out"
+        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
+                                    "--expect-workers", "2", "-o", str(out), str(scenario), *FAST], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        kids.signal("w0", signal.SIGTERM)
+        assert kids.procs["w0"].wait(15) == 0  # drained and deregistered
+        assert loadgen.wait(60) == 0, loadgen.stderr.read()[-2000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["completed_requests"] == summary["num_requests"]  # nothing was dropped
+    finally:
+        kids.stop_all()
+    for proc in kids.procs.values():
+        assert proc.poll() is not None
+
+
+def test_duplicate_worker_id_is_refused_and_changes_nothing(tmp_path):
+    scenario = small(tmp_path)
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
+        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "7", "--config", str(scenario)])
+        dup = subprocess.run([sys.executable, "-m", "harness.cli", "worker", "--router", router["listen"],
+                              "--worker-id", "7", "--config", str(scenario)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=30)
+        assert dup.returncode != 0 and "worker id 7 is already registered" in dup.stderr
+        assert kids.procs["w0"].poll() is None  # the first one is untouched
+    finally:
+        kids.stop_all()
+
+
+def test_invalid_scenario_for_a_process_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster:\n  workers: -1\n")
+    res = kvemu("router", "--config", str(bad), check=False)
+    assert res.returncode == 2 and "cluster.workers (line 2)" in res.stderr
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(st.binary(max_size=200),
+                 st.builds(lambda o: msgspec.msgpack.encode(o),
+                           st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8),
+                                        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
+                                        max_leaves=12)),
+                 st.builds(lambda t, v: msgspec.msgpack.encode({"type": t, "worker_id": v, "request_id": v,
+                                                                 "times_ns": v, "accepted": v}),
+                           st.sampled_from(["Register", "Heartbeat", "DispatchAck", "TokenBatch", "Finished",
+                                            "RequestFailed", "KvBatch", "Deregister", "Draining"]),
+                           st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=4), st.none(),
+                                     st.lists(st.integers(-2**63, 2**64 - 1), max_size=3)))))
+def test_router_never_crashes_on_malformed_worker_messages(data):
+    clock = ManualClock()
+    net = MemoryNetwork()
+    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
+    router._on_message(b"1", data)  # must not raise
+    router._on_message(b"not-a-worker", data)
+    assert router.workers == {} or all(isinstance(w, int) for w in router.workers)
+
+
+def test_malformed_client_requests_fail_with_reasons_and_change_nothing():
+    clock = ManualClock()
+    net = MemoryNetwork()
+    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
+
+    async def main():
+        cases = {
+            "empty": ClientRequest(request_id="a", tokens=[], max_tokens=1),
+            "neg": ClientRequest(request_id="b", tokens=[1, 2, 3, 4], max_tokens=-3),
+            "pin": ClientRequest(request_id="c", tokens=[1, 2, 3, 4], worker_id=99),
+            "long": ClientRequest(request_id="d", tokens=[1, 2, 3, 4], session_id="x" * 300),
+            "token": ClientRequest(request_id="e", tokens=[1, -2, 3, 4]),
+        }
+        return {k: (await router.handle(v)).failure for k, v in cases.items()}
+
+    failures = run_virtual(main, clock)
+    assert failures["empty"].startswith("invalid_request: tokens: the prompt is empty")
+    assert failures["neg"].startswith("invalid_request: max_tokens must be >= 1")
+    assert failures["pin"].startswith("no_endpoints")
+    assert failures["long"].startswith("invalid_request: session_id is longer than 256 bytes")
+    assert failures["token"].startswith("invalid_request: tokens: every token id")
+    assert len(router.core.load) == 0 and router.core.index.current_size == 0
