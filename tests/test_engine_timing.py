@@ -1,0 +1,115 @@
+"""Timing model: polynomial values, speedup scaling, integer nanoseconds, mixed passes, pluggable models."""
+
+import pytest
+
+from kvemu.errors import InvalidArgument
+from workers.config import EngineConfig
+from workers.engine import EngineCore
+from workers.request import Request
+from workers.timing import PassTimer, PolynomialTiming
+
+
+def test_prefill_polynomial_values():
+    m = PolynomialTiming()
+    assert m.prefill_ms(0) == 0.0
+    assert m.prefill_ms(1000) == pytest.approx(4.209989e-07 * 1e6 + 15.18344 + 16.50142)
+    assert m.prefill_ms(8192) == pytest.approx(4.209989e-07 * 8192**2 + 1.518344e-02 * 8192 + 16.50142)
+    assert m.prefill_ms(1) == pytest.approx(16.51660, abs=1e-4)
+
+
+def test_decode_polynomial_values_and_floor():
+    m = PolynomialTiming()
+    assert m.decode_ms(0, 1000) == pytest.approx(5.74)
+    assert m.decode_ms(500, 1000) == pytest.approx(-25.74 * 0.25 + 54.01 * 0.5 + 5.74)
+    assert m.decode_ms(1000, 1000) == pytest.approx(-25.74 + 54.01 + 5.74)
+    assert m.decode_ms(3000, 1000) == 1.0  # p = 3 would go negative: floored at 1 ms
+
+
+def test_pass_timer_uses_active_blocks_and_rounds_to_ns():
+    cfg = EngineConfig(num_gpu_blocks=100, block_size=16)
+    t = PassTimer(cfg)
+    assert t.decode_ns(50) == round((-25.74 * 0.25 + 54.01 * 0.5 + 5.74) * 1e6)
+    assert t.prefill_ns(100) == round(PolynomialTiming().prefill_ms(100) * 1e6)
+    assert isinstance(t.pass_ns(100, 3, 50), int)
+    # a mixed pass lasts prefill time + decode time
+    assert t.pass_ns(100, 3, 50) == t.prefill_ns(100) + t.decode_ns(50)
+    assert t.pass_ns(0, 3, 50) == t.decode_ns(50)
+    assert t.pass_ns(100, 0, 50) == t.prefill_ns(100)
+    assert t.pass_ns(0, 0, 50) == 0
+
+
+def test_speedup_ratios_divide_durations():
+    base = PassTimer(EngineConfig(num_gpu_blocks=100, block_size=16))
+    fast = PassTimer(EngineConfig(num_gpu_blocks=100, block_size=16, speedup_ratio=2.0, decode_speedup_ratio=4.0))
+    assert fast.prefill_ns(1000) == round(PolynomialTiming().prefill_ms(1000) * 1e6 / 2)
+    # decode is divided by speedup_ratio * decode_speedup_ratio (the reference's effective ratio)
+    assert fast.decode_ns(10) == round(PolynomialTiming().decode_ms(160, 1600) * 1e6 / 8)
+    assert base.decode_ns(10) == round(PolynomialTiming().decode_ms(160, 1600) * 1e6)
+
+
+@pytest.mark.parametrize(("speedup", "decode_speedup"), [(0, 1), (0, 0), (1, 0)])
+def test_zero_ratio_means_no_delay_for_the_parts_it_scales(speedup, decode_speedup):
+    t = PassTimer(EngineConfig(speedup_ratio=speedup, decode_speedup_ratio=decode_speedup))
+    assert t.decode_ns(100) == 0
+    assert t.prefill_ns(5000) == (0 if speedup == 0 else round(PolynomialTiming().prefill_ms(5000) * 1e6))
+
+
+def test_engine_first_token_after_prefill_time_and_decode_steps():
+    cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=256)
+    eng = EngineCore(cfg)
+    rec = eng.add_request(Request(request_id="a", token_ids=list(range(10)), max_tokens=3, arrival_ns=1000))
+    timer = PassTimer(cfg)
+    r1 = eng.step(1000)
+    assert r1.prefill_tokens == 10 and r1.decodes == 0
+    assert r1.end_ns == 1000 + timer.prefill_ns(10)
+    assert rec.first_token_ns == r1.end_ns and rec.cached_tokens == 0
+    r2 = eng.step(r1.end_ns)
+    # the request holds three blocks (two full, one partial) while it decodes
+    assert r2.decodes == 1 and r2.duration_ns == timer.decode_ns(3)
+    r3 = eng.step(r2.end_ns)
+    assert rec.token_times == [r1.end_ns, r2.end_ns, r3.end_ns] and rec.completed_ns == r3.end_ns
+
+
+def test_mixed_pass_duration_is_prefill_plus_decode():
+    cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=256)
+    eng = EngineCore(cfg)
+    eng.add_request(Request(request_id="a", token_ids=list(range(10)), max_tokens=5, arrival_ns=0))
+    first = eng.step(0)
+    eng.add_request(Request(request_id="b", token_ids=list(range(100, 120)), max_tokens=2, arrival_ns=first.end_ns))
+    mixed = eng.step(first.end_ns)
+    assert mixed.prefill_tokens == 20 and mixed.decodes == 1
+    timer = PassTimer(cfg)
+    assert mixed.duration_ns == timer.prefill_ns(20) + timer.decode_ns(eng.pool.num_active_blocks)
+
+
+class Flat:
+    """A custom timing model: 2 ms per prefill pass, 1 ms per decode pass."""
+
+    def prefill_ms(self, new_tokens: int) -> float:
+        return 2.0 if new_tokens else 0.0
+
+    def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int) -> float:
+        return 1.0
+
+
+def test_timing_model_is_pluggable():
+    eng = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4), timing=Flat())
+    rec = eng.add_request(Request(request_id="a", token_ids=[1, 2, 3], max_tokens=4, arrival_ns=0))
+    eng.advance_to(10**9)
+    assert rec.token_times == [2_000_000, 3_000_000, 4_000_000, 5_000_000]
+
+
+class Broken:
+    def prefill_ms(self, new_tokens: int) -> float:
+        return -1.0
+
+    def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int) -> float:
+        return float("nan")
+
+
+def test_timing_model_results_are_validated():
+    t = PassTimer(EngineConfig(), Broken())
+    with pytest.raises(InvalidArgument, match="prefill_ms must return a finite number >= 0"):
+        t.prefill_ns(10)
+    with pytest.raises(InvalidArgument, match="decode_ms must return a finite number >= 0"):
+        t.decode_ns(10)

@@ -1,0 +1,104 @@
+"""Forward-pass timing: the reference mocker's polynomial model, pluggable, in integer nanoseconds.
+
+A pass that holds prefill chunks and decodes lasts prefill time + decode time: the reference mocker
+runs the two phases of a step one after the other, and a mixed batch does strictly more work than
+either part alone, so taking the max would make piggy-backed decodes free.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from kvemu.errors import InvalidArgument
+from workers.config import EngineConfig
+
+__all__ = ["TimingModel", "PolynomialTiming", "PassTimer", "NS_PER_MS"]
+
+NS_PER_MS = 1_000_000
+
+
+@runtime_checkable
+class TimingModel(Protocol):
+    """Unscaled forward-pass latencies in milliseconds (speedup ratios are applied by ``PassTimer``)."""
+
+    def prefill_ms(self, new_tokens: int) -> float:
+        """Latency of computing ``new_tokens`` uncached prompt tokens in one pass (0 tokens -> 0 ms)."""
+        ...
+
+    def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int) -> float:
+        """Latency of one decode step for the batch, given KV tokens in use out of the pool's capacity."""
+        ...
+
+
+class PolynomialTiming:
+    """Reference polynomial: prefill quadratic in new tokens, decode quadratic in KV occupancy."""
+
+    __slots__ = ()
+
+    def prefill_ms(self, new_tokens: int) -> float:
+        """``4.209989e-07*T^2 + 1.518344e-02*T + 16.50142`` ms for T > 0 new tokens, else 0."""
+        if new_tokens <= 0:
+            return 0.0
+        t = float(new_tokens)
+        return 4.209989e-07 * t * t + 1.518344e-02 * t + 16.50142
+
+    def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int) -> float:
+        """``-25.74*p^2 + 54.01*p + 5.74`` ms with ``p = active/total``, floored at 1 ms."""
+        p = active_kv_tokens / total_kv_tokens
+        return max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
+
+    def __repr__(self) -> str:
+        return "PolynomialTiming()"
+
+
+def _to_ns(ms: float, scale: float, what: str) -> int:
+    if not (ms >= 0 and ms != float("inf")):
+        raise InvalidArgument(f"timing model {what} must return a finite number >= 0, got {ms!r}")
+    return round(ms * scale)
+
+
+class PassTimer:
+    """Turns a pass's composition into an integer-nanosecond duration for one engine configuration.
+
+    Prefill time is divided by ``speedup_ratio``; decode time by ``speedup_ratio * decode_speedup_ratio``
+    (the reference mocker's effective decode ratio). A ratio of 0 makes that part last 0 ns.
+    Decode durations depend only on the number of active blocks, so they are memoised.
+    """
+
+    __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache")
+
+    def __init__(self, config: EngineConfig, model: TimingModel | None = None) -> None:
+        self.model: TimingModel = model if model is not None else PolynomialTiming()
+        self.block_size = config.block_size
+        self.total_kv_tokens = config.capacity_tokens
+        prefill_ratio = config.speedup_ratio
+        decode_ratio = config.speedup_ratio * config.decode_speedup_ratio
+        # nanoseconds per unscaled millisecond; 0 means the part takes no time at all
+        self._prefill_scale = NS_PER_MS / prefill_ratio if prefill_ratio > 0 else 0.0
+        self._decode_scale = NS_PER_MS / decode_ratio if decode_ratio > 0 else 0.0
+        self._decode_cache: dict[int, int] = {}
+
+    def prefill_ns(self, new_tokens: int) -> int:
+        """Scaled duration of the prefill part of a pass computing ``new_tokens`` uncached tokens."""
+        if new_tokens <= 0 or not self._prefill_scale:
+            return 0
+        return _to_ns(self.model.prefill_ms(new_tokens), self._prefill_scale, "prefill_ms")
+
+    def decode_ns(self, active_blocks: int) -> int:
+        """Scaled duration of the decode part of a pass when ``active_blocks`` blocks are in use."""
+        cached = self._decode_cache.get(active_blocks)
+        if cached is None:
+            if not self._decode_scale:
+                cached = 0
+            else:
+                ms = self.model.decode_ms(active_blocks * self.block_size, self.total_kv_tokens)
+                cached = _to_ns(ms, self._decode_scale, "decode_ms")
+            self._decode_cache[active_blocks] = cached
+        return cached
+
+    def pass_ns(self, prefill_tokens: int, decodes: int, active_blocks: int) -> int:
+        """Duration of a pass: prefill part (if any new tokens) + decode part (if any decodes)."""
+        total = self.prefill_ns(prefill_tokens) if prefill_tokens else 0
+        if decodes:
+            total += self.decode_ns(active_blocks)
+        return total
