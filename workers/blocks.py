@@ -1,0 +1,339 @@
+"""KV block manager of one DP rank: a fixed pool of blocks, prefix reuse, eviction and a KV event log.
+
+A block is *free* (holds nothing reusable), *partial* (held by one running sequence, still filling,
+not shared), *active* (a full block referenced by >= 1 running sequence; ref-counted) or *inactive*
+(a full block nobody references, kept for prefix reuse and evicted on demand). Full blocks are
+identified by their rolling sequence hash (the external block hash of the KV events), so a pool never
+holds two full blocks with the same hash: a block that fills up with content already cached is
+released and the cached one referenced instead ("dedupe").
+
+Only the count of free and partial blocks matters; physical block ids are not modelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from itertools import islice
+from typing import Protocol
+
+from kvemu.errors import InvalidArgument
+from workers.config import EvictionPolicyName
+
+__all__ = ["BlockPool", "TokenSource", "STORED", "REMOVED", "CLEARED"]
+
+# Compact KV log entries (materialised into vLLM-style structs by ``workers.events``):
+#   (STORED, block_hashes, parent_hash_or_None, token_source, first_block_index)
+#   (REMOVED, block_hashes)     one BlockRemoved per hash when materialised, as vLLM sends them
+#   (CLEARED,)
+STORED = 0
+REMOVED = 1
+CLEARED = 2
+
+
+class TokenSource(Protocol):
+    """Anything that can give the token ids of a range of its positions (a sequence being computed)."""
+
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """Token ids at positions ``lo .. hi-1``."""
+        ...
+
+
+class BlockPool:
+    """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens with prefix reuse and eviction.
+
+    ``eviction="lru"`` evicts the least recently released inactive block; ``"lineage"`` evicts the least
+    recently released inactive block that has no cached child (leaves before shared parents).
+    Every store, eviction and reset is appended to ``log`` in order; the owner drains it.
+    """
+
+    __slots__ = (
+        "num_blocks",
+        "block_size",
+        "eviction",
+        "free",
+        "active",
+        "inactive",
+        "log",
+        "_tick",
+        "_parent",
+        "_children",
+        "_leaves",
+        "_order",
+        "_order_base",
+        "_head",
+        "version",
+    )
+
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicyName = "lru") -> None:
+        if num_blocks < 1:
+            raise InvalidArgument(f"num_gpu_blocks must be >= 1, got {num_blocks!r}")
+        if block_size < 1:
+            raise InvalidArgument(f"block_size must be >= 1, got {block_size!r}")
+        if eviction not in ("lru", "lineage"):
+            raise InvalidArgument(f"eviction_policy must be 'lru' or 'lineage', got {eviction!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.eviction = eviction
+        self.free = num_blocks
+        self.active: dict[int, int] = {}
+        """Active full blocks: sequence hash -> reference count (>= 1)."""
+        self.inactive: dict[int, int] = {}
+        """Inactive full blocks: sequence hash -> release tick (a counter bumped per released block)."""
+        self.log: list[tuple] = []
+        self._tick = 0
+        # LRU queue: hashes in release order; _order[i] was released with tick _order_base + i. Entries
+        # of blocks reactivated (or released again later) are stale and skipped. A list with a head
+        # index, not the dict's own order: popping the front of a dict leaves dummies that every later
+        # scan from the front walks over.
+        self._order: list[int] = []
+        self._order_base = 1
+        self._head = 0
+        # lineage bookkeeping (only maintained for eviction="lineage")
+        self._parent: dict[int, int | None] = {}
+        self._children: dict[int, int] = {}
+        self._leaves: list[tuple[int, int]] = []
+        self.version = 0
+        """Bumped by every mutation, so an owner can tell that nothing changed between two instants."""
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_active_blocks(self) -> int:
+        """Blocks in use by running sequences (active full blocks + partial blocks)."""
+        return self.num_blocks - self.free - len(self.inactive)
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation may take: free ones plus evictable inactive ones."""
+        return self.free + len(self.inactive)
+
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether a full block with this sequence hash is in the pool (active or inactive)."""
+        return block_hash in self.active or block_hash in self.inactive
+
+    def cached_hashes(self) -> set[int]:
+        """Sequence hashes of every cached full block (for checks; not used to decide anything)."""
+        return set(self.active) | set(self.inactive)
+
+    def match_prefix(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
+        """Length of the cached prefix of ``hashes[:limit]`` and how many of those blocks are inactive."""
+        active = self.active
+        inactive = self.inactive
+        n = 0
+        n_inactive = 0
+        for h in islice(hashes, limit):
+            if h in active:
+                n += 1
+            elif h in inactive:
+                n += 1
+                n_inactive += 1
+            else:
+                break
+        return n, n_inactive
+
+    # ---------------------------------------------------------------- mutations
+
+    def take_hits(self, hashes: Sequence[int], n: int) -> None:
+        """Reference the first ``n`` blocks of ``hashes`` (all cached), reactivating inactive ones."""
+        self.version += 1
+        active = self.active
+        inactive = self.inactive
+        for h in islice(hashes, n):
+            refs = active.get(h)
+            if refs is not None:
+                active[h] = refs + 1
+            else:
+                del inactive[h]  # KeyError here means the caller skipped match_prefix
+                active[h] = 1
+
+    def allocate(self, n: int) -> None:
+        """Take ``n`` blocks as partial blocks, from the free ones first, then by eviction."""
+        if n <= 0:
+            return
+        if n > self.free + len(self.inactive):
+            raise InvalidArgument(f"allocate: {n} blocks requested, only {self.available} available")
+        self.version += 1
+        take = n if n <= self.free else self.free
+        self.free -= take
+        if n > take:
+            self._evict(n - take)
+
+    def _evict(self, n: int) -> None:
+        inactive = self.inactive
+        log = self.log
+        if self.eviction == "lru":
+            order = self._order
+            head = self._head
+            base = self._order_base + head
+            victims: list[int] = []
+            while n:
+                span = order[head : head + n]
+                ticks = list(map(inactive.get, span))
+                expected = list(range(base, base + len(span)))
+                if ticks == expected:  # no stale entry in the way
+                    victims += span
+                    head += len(span)
+                    base += len(span)
+                    n -= len(span)
+                    continue
+                for h, got, want in zip(span, ticks, expected):
+                    head += 1
+                    base += 1
+                    if got == want:
+                        victims.append(h)
+                        n -= 1
+                        if not n:
+                            break
+            deque(map(inactive.__delitem__, victims), maxlen=0)
+            log.append((REMOVED, victims))
+            if head > 4096 and head * 2 > len(order):
+                del order[:head]
+                self._order_base += head
+                head = 0
+            self._head = head
+            return
+        leaves = self._leaves
+        children = self._children
+        parent_of = self._parent
+        for _ in range(n):
+            while True:
+                tick, h = heapq.heappop(leaves)
+                if inactive.get(h) == tick and not children.get(h):
+                    break
+            del inactive[h]
+            log.append((REMOVED, [h]))
+            parent = parent_of.pop(h)
+            children.pop(h, None)
+            if parent is not None and parent in parent_of:
+                left = children[parent] - 1
+                if left:
+                    children[parent] = left
+                else:
+                    del children[parent]
+                    ptick = inactive.get(parent)
+                    if ptick is not None:
+                        heapq.heappush(leaves, (ptick, parent))
+
+    def promote(self, hashes: Sequence[int], lo: int, hi: int, source: TokenSource) -> int:
+        """Blocks ``lo .. hi-1`` of a sequence (partial until now) became full; returns blocks released.
+
+        A block whose hash is new becomes active (logged as stored, consecutive ones in one entry);
+        a block whose hash is already cached is released and the cached block referenced instead.
+        """
+        if lo >= hi:
+            return 0
+        self.version += 1
+        active = self.active
+        inactive = self.inactive
+        lineage = self.eviction == "lineage"
+        span = hashes[lo:hi]
+        if not lineage and active.keys().isdisjoint(span) and inactive.keys().isdisjoint(span):
+            active.update(dict.fromkeys(span, 1))
+            self.log.append((STORED, span, hashes[lo - 1] if lo else None, source, lo))
+            return 0
+        released = 0
+        run_start = -1
+        log = self.log
+        for i in range(lo, hi):
+            h = hashes[i]
+            refs = active.get(h)
+            if refs is not None or h in inactive:
+                if refs is not None:
+                    active[h] = refs + 1
+                else:
+                    del inactive[h]
+                    active[h] = 1
+                released += 1
+                if run_start >= 0:
+                    log.append((STORED, hashes[run_start:i], hashes[run_start - 1] if run_start else None, source, run_start))
+                    run_start = -1
+                continue
+            active[h] = 1
+            if lineage:
+                parent = hashes[i - 1] if i else None
+                self._parent[h] = parent
+                if parent is not None and parent in self._parent:
+                    self._children[parent] = self._children.get(parent, 0) + 1
+            if run_start < 0:
+                run_start = i
+        if run_start >= 0:
+            log.append((STORED, hashes[run_start:hi], hashes[run_start - 1] if run_start else None, source, run_start))
+        self.free += released
+        return released
+
+    def release(self, hashes: Sequence[int], n_full: int, n_partial: int) -> None:
+        """A sequence drops its ``n_full`` full blocks (``hashes[:n_full]``) and ``n_partial`` partial ones.
+
+        Full blocks are released tail first, so under LRU a sequence's last blocks are evicted before
+        its prefix, which other requests are more likely to share.
+        """
+        self.version += 1
+        self.free += n_partial
+        if n_full <= 0:
+            return
+        active = self.active
+        inactive = self.inactive
+        lineage = self.eviction == "lineage"
+        tick = self._tick
+        if not lineage:
+            held = hashes[n_full - 1 :: -1]  # tail first
+            if sum(map(active.__getitem__, held)) == n_full:  # nobody else holds any of them
+                deque(map(active.__delitem__, held), maxlen=0)
+                inactive.update(zip(held, range(tick + 1, tick + 1 + n_full)))
+                self._order += held
+                self._tick = tick + n_full
+                return
+        order = self._order
+        for i in range(n_full - 1, -1, -1):
+            h = hashes[i]
+            refs = active[h]
+            if refs > 1:
+                active[h] = refs - 1
+                continue
+            del active[h]
+            tick += 1
+            inactive[h] = tick
+            if lineage:
+                if not self._children.get(h):
+                    heapq.heappush(self._leaves, (tick, h))
+            else:
+                order.append(h)
+        self._tick = tick
+
+    def reset(self) -> bool:
+        """Drop every inactive block and log ``CLEARED``; refused (False, nothing changed) while blocks are in use."""
+        if self.num_active_blocks:
+            return False
+        self.version += 1
+        self.free = self.num_blocks
+        self.inactive.clear()
+        self._parent.clear()
+        self._children.clear()
+        self._leaves.clear()
+        self._order.clear()
+        self._head = 0
+        self._order_base = self._tick + 1
+        self.log.append((CLEARED,))
+        return True
+
+    def check(self) -> None:
+        """Assert the pool's internal invariants (tests and debugging)."""
+        assert self.free >= 0, self.free
+        assert self.num_active_blocks >= len(self.active), (self.num_active_blocks, len(self.active))
+        assert self.active.keys().isdisjoint(self.inactive.keys())
+        assert all(r >= 1 for r in self.active.values())
+        if self.eviction == "lineage":
+            assert set(self._parent) == self.cached_hashes()
+            counts: dict[int, int] = {}
+            for parent in self._parent.values():
+                if parent is not None and parent in self._parent:
+                    counts[parent] = counts.get(parent, 0) + 1
+            assert counts == self._children, (counts, self._children)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(blocks={self.num_blocks}, free={self.free}, active={len(self.active)}, "
+            f"inactive={len(self.inactive)}, partial={self.num_active_blocks - len(self.active)})"
+        )

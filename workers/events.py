@@ -1,0 +1,82 @@
+"""KV event output of an engine core: per-pass compact logs, turned into vLLM-style event batches on demand.
+
+The block pool logs stores, evictions and resets as small tuples; building the wire structs (and the
+token id lists of stored blocks) is deferred until a consumer asks, so fast-forwarding through hours of
+virtual time does not pay for events nobody reads. Materialising is deterministic and repeatable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvemu.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
+from workers.blocks import CLEARED, REMOVED, STORED
+
+__all__ = ["PassEvents", "materialize_events", "materialize_batches", "NS_PER_S"]
+
+NS_PER_S = 1_000_000_000
+
+
+class PassEvents:
+    """The KV log entries of one pass (or reset) of one rank, stamped with the virtual time they become visible."""
+
+    __slots__ = ("ts_ns", "dp_rank", "entries", "block_size")
+
+    def __init__(self, ts_ns: int, dp_rank: int, entries: list[tuple], block_size: int) -> None:
+        self.ts_ns = ts_ns
+        self.dp_rank = dp_rank
+        self.entries = entries
+        self.block_size = block_size
+
+    def batch(self) -> KVEventBatch:
+        """This pass's events as one ``KVEventBatch`` (``ts`` in float seconds of virtual time)."""
+        return KVEventBatch(
+            ts=self.ts_ns / NS_PER_S,
+            events=materialize_events(self.entries, self.block_size),
+            data_parallel_rank=self.dp_rank,
+        )
+
+    def block_counts(self) -> tuple[int, int]:
+        """(blocks stored, blocks removed) in this pass, without materialising anything."""
+        stored = removed = 0
+        for e in self.entries:
+            if e[0] == STORED:
+                stored += len(e[1])
+            elif e[0] == REMOVED:
+                removed += len(e[1])
+        return stored, removed
+
+    def __repr__(self) -> str:
+        return f"PassEvents(ts_ns={self.ts_ns}, dp_rank={self.dp_rank}, entries={len(self.entries)})"
+
+
+def materialize_events(entries: Iterable[tuple], block_size: int) -> list[KvEvent]:
+    """Wire structs for compact log entries: one ``BlockStored`` per stored run, one ``BlockRemoved`` per block."""
+    out: list[KvEvent] = []
+    append = out.append
+    for e in entries:
+        kind = e[0]
+        if kind == REMOVED:
+            out += [BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU) for h in e[1]]
+        elif kind == STORED:
+            _, hashes, parent, source, first = e
+            lo = first * block_size
+            append(
+                BlockStored(
+                    block_hashes=list(hashes),
+                    parent_block_hash=parent,
+                    token_ids=source.token_slice(lo, lo + len(hashes) * block_size),
+                    block_size=block_size,
+                    medium=MEDIUM_GPU,
+                )
+            )
+        elif kind == CLEARED:
+            append(AllBlocksCleared())
+        else:  # pragma: no cover - the pool only writes the three kinds
+            raise AssertionError(f"unknown KV log entry {e!r}")
+    return out
+
+
+def materialize_batches(passes: Sequence[PassEvents]) -> list[KVEventBatch]:
+    """One ``KVEventBatch`` per pass that logged anything, in order."""
+    return [p.batch() for p in passes]
