@@ -1,0 +1,35 @@
+"""Mock engines: per-DP-rank engine cores (KV block pool, vLLM-flavour scheduler, timing) that are told the time.
+
+Depends on ``kvemu`` only. The names exported here are the workers' public API.
+"""
+
+from workers.admission import RejectReason, RequestRejected
+from workers.blocks import BlockPool
+from workers.config import EngineConfig
+from workers.engine import AdvanceResult, EngineCore, StepResult
+from workers.events import PassEvents
+from workers.request import Request, RequestRecord
+from workers.timing import PassTimer, PolynomialTiming, TimingModel
+from workers.trace import HashIdTokens, expand_hash_ids, mooncake_request
+from workers.worker import Dispatch, MockWorker
+
+__all__ = [
+    "AdvanceResult",
+    "BlockPool",
+    "Dispatch",
+    "EngineConfig",
+    "EngineCore",
+    "HashIdTokens",
+    "MockWorker",
+    "PassEvents",
+    "PassTimer",
+    "PolynomialTiming",
+    "RejectReason",
+    "Request",
+    "RequestRecord",
+    "RequestRejected",
+    "StepResult",
+    "TimingModel",
+    "expand_hash_ids",
+    "mooncake_request",
+]

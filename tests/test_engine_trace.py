@@ -1,0 +1,79 @@
+"""Trace requests: hash_ids expansion, clamping, lazy token sequences and their fast block hashes."""
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvemu.errors import InvalidArgument
+from kvemu.hashing import local_block_hashes
+from workers.config import EngineConfig
+from workers.engine import EngineCore
+from workers.trace import HashIdTokens, clamped_input_length, expand_hash_ids, iter_jsonl, mooncake_request
+
+
+def test_expansion_repeats_each_id_and_truncates():
+    assert expand_hash_ids([7, 8], 5, trace_block_size=3) == [7, 7, 7, 8, 8]
+    assert expand_hash_ids([7, 8], 6, trace_block_size=3) == [7, 7, 7, 8, 8, 8]
+    assert expand_hash_ids([7, 8], 0, trace_block_size=3) == []
+    assert len(expand_hash_ids([1, 2, 3], 1200)) == 1200  # default trace block size 512
+
+
+def test_input_length_is_clamped_to_what_the_hash_ids_describe():
+    assert clamped_input_length([1, 2], 5000, 512) == 1024
+    assert expand_hash_ids([4, 5], 5000, trace_block_size=2) == [4, 4, 5, 5]
+    assert expand_hash_ids([], 10) == []
+
+
+@pytest.mark.parametrize(("kw", "field"), [({"input_length": -1}, "input_length"), ({"trace_block_size": 0}, "trace_block_size")])
+def test_bad_trace_values_are_rejected(kw, field):
+    args = {"hash_ids": [1], "input_length": 4, "trace_block_size": 2, **kw}
+    with pytest.raises(InvalidArgument, match=field):
+        expand_hash_ids(**args)
+
+
+@given(
+    ids=st.lists(st.integers(0, 2**32 - 1), max_size=6),
+    length=st.integers(0, 80),
+    tbs=st.sampled_from([1, 4, 8, 12]),
+    bs=st.sampled_from([1, 2, 3, 4, 8]),
+)
+def test_lazy_tokens_equal_the_expansion_and_hash_identically(ids, length, tbs, bs):
+    lazy = HashIdTokens(ids, length, tbs)
+    full = expand_hash_ids(ids, length, tbs)
+    assert len(lazy) == len(full) and lazy.to_list() == full and list(lazy) == full and lazy == full
+    assert lazy[3:17] == full[3:17] and lazy[::2] == full[::2]
+    if full:
+        assert lazy[0] == full[0] and lazy[-1] == full[-1]
+    assert lazy.local_block_hashes(bs) == local_block_hashes(full, bs)
+
+
+def test_lazy_tokens_index_errors_and_validation():
+    lazy = HashIdTokens([1, 2], 3, 2)
+    with pytest.raises(IndexError):
+        lazy[3]
+    assert HashIdTokens([1, 2**32], 4, 2).check_u32() is False
+    with pytest.raises(InvalidArgument, match="token id"):
+        HashIdTokens([-1], 4, 4).local_block_hashes(2)
+
+
+def test_mooncake_record_becomes_a_request(tmp_path):
+    rec = {"timestamp": 1500, "input_length": 700, "output_length": 12, "hash_ids": [3, 4]}
+    r = mooncake_request(rec, request_id="m1")
+    assert r.arrival_ns == 1_500_000_000 and r.max_tokens == 12 and len(r.token_ids) == 700
+    assert r.token_ids == expand_hash_ids([3, 4], 700)
+    assert mooncake_request(rec, request_id="m2", arrival_ns=7).arrival_ns == 7
+    with pytest.raises(InvalidArgument, match="missing field 'hash_ids'"):
+        mooncake_request({"timestamp": 0, "input_length": 1, "output_length": 1}, request_id="bad")
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({**rec, "timestamp": i}) for i in range(5)) + "\n")
+    assert [x["timestamp"] for x in iter_jsonl(str(path), 3)] == [0, 1, 2]
+
+
+def test_trace_requests_share_prefix_blocks_in_the_engine():
+    eng = EngineCore(EngineConfig(num_gpu_blocks=256, block_size=64))
+    a = eng.add_request(mooncake_request({"timestamp": 0, "input_length": 1500, "output_length": 2, "hash_ids": [0, 1, 2]}, request_id="a"))
+    b = eng.add_request(mooncake_request({"timestamp": 1000, "input_length": 1400, "output_length": 2, "hash_ids": [0, 1, 9]}, request_id="b"))
+    eng.advance_to(10**11)
+    assert a.done and b.done and a.cached_tokens == 0 and b.cached_tokens == 1024

@@ -1,0 +1,591 @@
+"""One DP rank's mock engine core: scheduler + KV block pool + timing, told the time (sans-IO).
+
+Time model: a forward pass that starts at ``s`` ends at ``s + duration``; everything it produces
+(tokens, first tokens, completions, KV events, freed slots) is stamped with its end. The next pass
+starts when the previous one ends, or when work arrives at an idle engine. A pass that starts at ``s``
+includes every request whose arrival time is ``<= s``.
+
+Two drivers, identical results:
+
+* ``step(now_ns)`` starts one pass at ``now_ns`` and returns it, finished (the readable reference);
+* ``advance_to(t_ns)`` runs every pass that starts before ``t_ns`` and ends by ``t_ns`` (a pass that
+  straddles ``t_ns`` stays in flight; a pass starting exactly at ``t_ns`` is not started, so requests
+  arriving at ``t_ns`` may still be added and join it). Runs of pure decode passes are computed in
+  one go: between two block events the batch and the pass duration do not change.
+"""
+
+from __future__ import annotations
+
+import heapq
+from kvemu.clock import MAX_TIME_NS
+from kvemu.errors import InvalidArgument
+from kvemu.wire.kv_events import KVEventBatch
+from workers.admission import RejectReason, RequestRejected, check_request
+from workers.blocks import BlockPool
+from workers.config import EngineConfig
+from workers.events import PassEvents
+from workers.request import Request, RequestRecord
+from workers.scheduler import Schedule, Scheduler
+from workers.sequence import RUNNING, SeqState
+from workers.timing import PassTimer, TimingModel
+
+__all__ = ["EngineCore", "StepResult", "AdvanceResult"]
+
+
+class StepResult:
+    """One forward pass: its timing, what it produced (all stamped ``end_ns``) and its KV events."""
+
+    __slots__ = (
+        "start_ns",
+        "end_ns",
+        "prefill_tokens",
+        "decodes",
+        "tokens",
+        "first_tokens",
+        "completed",
+        "admitted",
+        "preempted",
+        "events",
+    )
+
+    def __init__(self, start_ns: int, end_ns: int) -> None:
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.prefill_tokens = 0
+        self.decodes = 0
+        self.tokens: list[str] = []
+        """Ids of the requests that received one token in this pass (stamped ``end_ns``)."""
+        self.first_tokens: list[str] = []
+        self.completed: list[RequestRecord] = []
+        self.admitted: list[str] = []
+        self.preempted: list[str] = []
+        self.events: PassEvents | None = None
+
+    @property
+    def duration_ns(self) -> int:
+        """Length of the pass (0 for an idle step or when the speedup ratio is 0)."""
+        return self.end_ns - self.start_ns
+
+    @property
+    def idle(self) -> bool:
+        """True when nothing was scheduled (no request had work at ``start_ns``)."""
+        return not self.tokens and not self.admitted and not self.preempted and not self.prefill_tokens
+
+    @property
+    def kv_batch(self) -> KVEventBatch | None:
+        """The pass's KV events as one batch (None if it logged none)."""
+        return self.events.batch() if self.events is not None else None
+
+    def __repr__(self) -> str:
+        return (
+            f"StepResult({self.start_ns}->{self.end_ns}, prefill={self.prefill_tokens}, decodes={self.decodes}, "
+            f"first={self.first_tokens}, done={[r.request_id for r in self.completed]}, preempted={self.preempted})"
+        )
+
+
+class AdvanceResult:
+    """Everything externally visible that happened during one ``advance_to`` call, in time order."""
+
+    __slots__ = ("passes", "first_tokens", "completed", "admitted", "preempted", "events")
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.first_tokens: list[tuple[str, int]] = []
+        self.completed: list[RequestRecord] = []
+        self.admitted: list[tuple[str, int]] = []
+        """(request id, pass start) for every admission, including re-admissions after preemption."""
+        self.preempted: list[tuple[str, int]] = []
+        """(request id, pass end) for every preemption."""
+        self.events: list[PassEvents] = []
+
+    @property
+    def kv_batches(self) -> list[KVEventBatch]:
+        """One KV event batch per pass that logged events (materialised now)."""
+        return [p.batch() for p in self.events]
+
+    def __repr__(self) -> str:
+        return (
+            f"AdvanceResult(passes={self.passes}, first_tokens={len(self.first_tokens)}, "
+            f"completed={len(self.completed)}, preempted={len(self.preempted)}, event_batches={len(self.events)})"
+        )
+
+
+class _Pass:
+    """A scheduled pass whose end effects are not applied yet."""
+
+    __slots__ = ("start", "end", "sched", "version")
+
+    def __init__(self, start: int, end: int, sched: Schedule, version: int) -> None:
+        self.start = start
+        self.end = end
+        self.sched = sched
+        self.version = version
+
+
+class EngineCore:
+    """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
+
+    def __init__(self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None) -> None:
+        self.config = config if config is not None else EngineConfig()
+        if not isinstance(dp_rank, int) or dp_rank < 0:
+            raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}")
+        self.dp_rank = dp_rank
+        cfg = self.config
+        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy)
+        self.timer = PassTimer(cfg, timing)
+        self.scheduler = Scheduler(cfg, self.pool)
+        self._block_size = cfg.block_size
+        self._caching = cfg.enable_prefix_caching
+        self._record_times = cfg.record_token_times
+        self._seqs: dict[str, SeqState] = {}
+        self._order = 0
+        self._now = 0
+        self._free_at = 0
+        self._inflight: _Pass | None = None
+        self._steady = False
+        self.passes = 0
+        """Forward passes completed so far."""
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def now_ns(self) -> int:
+        """The time the engine was last advanced or stepped to."""
+        return self._now
+
+    @property
+    def busy_until_ns(self) -> int:
+        """End of the last completed pass (or of the pass in flight)."""
+        return self._inflight.end if self._inflight is not None else self._free_at
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding blocks (decoding or in prefill)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Accepted requests not running (arrived or not yet arrived)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.future)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Accepted requests that have not completed."""
+        return len(self._seqs)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether an unfinished request with this id is on this rank."""
+        return request_id in self._seqs
+
+    def record(self, request_id: str) -> RequestRecord:
+        """The live record of an unfinished request."""
+        try:
+            return self._seqs[request_id].record
+        except KeyError:
+            raise InvalidArgument(f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}") from None
+
+    def next_pass_start_ns(self) -> int | None:
+        """When the next pass would start given the requests known now (None: nothing to do)."""
+        if self._inflight is not None:
+            return self._inflight.end
+        return self._next_start()
+
+    def _next_start(self) -> int | None:
+        sch = self.scheduler
+        if sch.running or sch.waiting:
+            return self._free_at
+        if sch.future:
+            a = sch.future[0][0]
+            return a if a > self._free_at else self._free_at
+        return None
+
+    # ------------------------------------------------------------- admission
+
+    def add_request(self, req: Request) -> RequestRecord:
+        """Accept a request (it joins the first pass starting at or after its arrival); returns its live record.
+
+        Raises ``RequestRejected`` (nothing changed) for malformed or duplicate requests.
+        """
+        if req.request_id in self._seqs:
+            raise RequestRejected(
+                RejectReason.DUPLICATE_REQUEST_ID,
+                f"request_id: {req.request_id!r} is already on rank {self.dp_rank}",
+                field="request_id",
+            )
+        cfg = self.config
+        has_fast_path = req.seq_hashes is None and hasattr(req.token_ids, "local_block_hashes")
+        check_request(req, cfg, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path)
+        arrival = self._now if req.arrival_ns is None else req.arrival_ns
+        record = RequestRecord(req.request_id, self.dp_rank, arrival, len(req.token_ids), req.max_tokens)
+        try:
+            seq = SeqState(req, record, cfg.block_size, self._order)
+        except InvalidArgument as exc:  # hashing validates every token id
+            raise RequestRejected(RejectReason.MALFORMED, f"token_ids: {exc}", field="token_ids") from None
+        self._order += 1
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+        return record
+
+    # ------------------------------------------------------------ stepwise
+
+    def step(self, now_ns: int) -> StepResult:
+        """Run one forward pass starting at ``now_ns`` and return it, finished (idle if nothing to do)."""
+        if self._inflight is not None:
+            raise InvalidArgument(
+                f"now_ns: a pass started by advance_to is in flight until {self._inflight.end}; advance_to it first"
+            )
+        if not isinstance(now_ns, int) or now_ns < self._free_at or now_ns < self._now:
+            raise InvalidArgument(
+                f"now_ns must be an integer >= the end of the previous pass ({max(self._free_at, self._now)}), got {now_ns!r}"
+            )
+        self._now = now_ns
+        p = self._plan(now_ns)
+        res = StepResult(now_ns, p.end)
+        res.prefill_tokens = p.sched.prefill_tokens
+        res.decodes = p.sched.decodes
+        if not p.sched:
+            self._free_at = max(self._free_at, now_ns)
+            return res
+        self._finish(p, None, res)
+        return res
+
+    def _plan(self, start: int) -> _Pass:
+        version = self.pool.version
+        sched = self.scheduler.schedule(start)
+        duration = self.timer.pass_ns(sched.prefill_tokens, sched.decodes, self.pool.num_active_blocks)
+        return _Pass(start, start + duration, sched, version)
+
+    def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
+        """Apply the end of a pass: computed tokens, filled blocks, sampled tokens, completions."""
+        end = p.end
+        sched = p.sched
+        pool = self.pool
+        bs = self._block_size
+        caching = self._caching
+        record_times = self._record_times
+        completed: list[SeqState] = []
+        first: list[SeqState] = []
+        sampled: list[SeqState] = []
+        for seq, n in sched.entries.items():
+            seq.computed += n
+            if caching:
+                nf = seq.computed // bs
+                if nf > seq.n_full:
+                    pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
+                    seq.n_full = nf
+            if seq.computed == seq.prompt_len + seq.n_out:  # the pass produced a token for this request
+                seq.n_out += 1
+                rec = seq.record
+                rec.output_tokens += 1
+                if record_times:
+                    rec.token_times.append(end)
+                sampled.append(seq)
+                if seq.prefilling:
+                    seq.prefilling = False
+                    if rec.first_token_ns is None:
+                        rec.first_token_ns = end
+                        first.append(seq)
+                if seq.n_out == seq.max_tokens:
+                    completed.append(seq)
+        for seq in completed:
+            self.scheduler.complete(seq)
+            seq.record.completed_ns = end
+            del self._seqs[seq.rid]
+        events = None
+        if pool.log:
+            events = PassEvents(end, self.dp_rank, pool.log, bs)
+            pool.log = []
+        self._free_at = end
+        self.passes += 1
+        running = self.scheduler.running
+        self._steady = bool(
+            sched.entries
+            and not completed
+            and not first
+            and not sched.admitted
+            and not sched.preempted
+            and sched.prefill_tokens == 0
+            and len(sched.entries) == len(running)
+            and (not self.scheduler.waiting or pool.version == p.version)
+        )
+        if out is not None:
+            out.passes += 1
+            start = p.start
+            for seq in sched.admitted:
+                out.admitted.append((seq.rid, start))
+            for seq in sched.preempted:
+                out.preempted.append((seq.rid, end))
+            for seq in first:
+                out.first_tokens.append((seq.rid, end))
+            for seq in completed:
+                out.completed.append(seq.record)
+            if events is not None:
+                out.events.append(events)
+        if res is not None:
+            res.tokens = [s.rid for s in sampled]
+            res.first_tokens = [s.rid for s in first]
+            res.completed = [s.record for s in completed]
+            res.admitted = [s.rid for s in sched.admitted]
+            res.preempted = [s.rid for s in sched.preempted]
+            res.events = events
+
+    # --------------------------------------------------------- fast-forward
+
+    def advance_to(self, t_ns: int) -> AdvanceResult:
+        """Run every pass that starts before ``t_ns`` and ends by it; return what became visible."""
+        if not isinstance(t_ns, int) or t_ns < self._now or t_ns > MAX_TIME_NS:
+            raise InvalidArgument(f"t_ns must be an integer in [{self._now}, {MAX_TIME_NS}], got {t_ns!r}")
+        out = AdvanceResult()
+        while True:
+            fl = self._inflight
+            if fl is not None:
+                if fl.end > t_ns:
+                    break
+                self._inflight = None
+                self._finish(fl, out, None)
+                continue
+            s = self._next_start()
+            if s is None or s >= t_ns:
+                break
+            if self._steady and s == self._free_at and self._decode_run(s, t_ns, out):
+                continue
+            p = self._plan(s)
+            if not p.sched:  # pragma: no cover - admission of an idle engine always succeeds
+                raise AssertionError(f"rank {self.dp_rank}: empty pass at {s} with work pending")
+            if p.end > t_ns:
+                self._inflight = p
+                break
+            self._finish(p, out, None)
+        self._now = t_ns
+        return out
+
+    def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
+        """Commit a run of pure decode passes from ``s`` (the batch is fixed; only block events occur).
+
+        Stops before the first pass that would complete a request, need a preemption, start at or after
+        the next arrival or at/after ``t_ns``, or end after ``t_ns``. When arrived requests are waiting,
+        it also stops before any block event (a cache change could make one admissible). Returns the
+        number of passes committed.
+        """
+        running = self.scheduler.running
+        bs = self._block_size
+        caching = self._caching
+        j_stop = MAX_TIME_NS
+        heap: list[tuple[int, int, int]] = []
+        for pos, seq in enumerate(running):
+            jc = seq.max_tokens - seq.n_out
+            if jc < j_stop:
+                j_stop = jc
+            heap.append((seq.n_alloc * bs - seq.computed + 1, 0, pos))  # first pass needing a new block
+            if caching:
+                heap.append((bs - seq.computed % bs, 1, pos))  # first pass filling a block
+        if j_stop <= 1:
+            return 0
+        heapq.heapify(heap)
+        quiet_only = bool(self.scheduler.waiting)
+        arrival = self.scheduler.next_arrival_ns()
+        if arrival is None:
+            arrival = MAX_TIME_NS + 1
+        pool = self.pool
+        timer = self.timer
+        log_rank = self.dp_rank
+        d = timer.decode_ns(pool.num_active_blocks)
+        stamps: list[int] = []
+        j = 0
+        T = s
+        while True:
+            jn = heap[0][0] if heap else j_stop
+            if jn > j_stop:
+                jn = j_stop
+            # plain passes j+1 .. jn-1: same batch, same duration d
+            cnt = jn - 1 - j
+            if cnt > 0:
+                room = t_ns - T if t_ns - T < arrival - T else arrival - T
+                if room <= 0:
+                    break
+                if d:
+                    by_end = (t_ns - T) // d
+                    by_arrival = (arrival - T + d - 1) // d
+                    fit = by_end if by_end < by_arrival else by_arrival
+                    if fit < cnt:
+                        cnt = fit
+                if cnt > 0:
+                    if d:
+                        stamps.extend(range(T + d, T + cnt * d + 1, d))
+                    else:
+                        stamps.extend([T] * cnt)
+                    T += cnt * d
+                    j += cnt
+                if j < jn - 1:
+                    break
+            if jn >= j_stop or quiet_only:
+                break
+            if T >= t_ns or T >= arrival:
+                break
+            needs: list[SeqState] = []
+            fills: list[SeqState] = []
+            while heap and heap[0][0] == jn:
+                _, kind, pos = heapq.heappop(heap)
+                (fills if kind else needs).append(running[pos])
+                heapq.heappush(heap, (jn + bs, kind, pos))
+            m = len(needs)
+            if m > pool.available:
+                break
+            d2 = timer.decode_ns(pool.num_active_blocks + m)
+            if T + d2 > t_ns:
+                break
+            for seq in needs:
+                pool.allocate(1)
+                seq.n_alloc += 1
+            for seq in fills:
+                nf = seq.n_full
+                pool.promote(seq.ensure_hashes(nf + 1), nf, nf + 1, seq)
+                seq.n_full = nf + 1
+            T += d2
+            j = jn
+            stamps.append(T)
+            if pool.log:
+                out.events.append(PassEvents(T, log_rank, pool.log, bs))
+                pool.log = []
+            d = timer.decode_ns(pool.num_active_blocks)
+        if j:
+            record_times = self._record_times
+            for seq in running:
+                seq.computed += j
+                seq.n_out += j
+                rec = seq.record
+                rec.output_tokens += j
+                if record_times:
+                    rec.token_times.extend(stamps)
+            self._free_at = T
+            self.passes += j
+            out.passes += j
+        return j
+
+    # ------------------------------------------------------------- horizon
+
+    def next_event_ns(self) -> int | None:
+        """Earliest time to advance to for something externally visible to happen (None: nothing pending).
+
+        Visible: a first token, a completion, a KV event, a preemption or a freed slot. Nothing visible
+        happens before the returned time and ``advance_to`` it always makes progress. It is exact while
+        only decodes run (until a pass that would preempt, or the next arrival, where it stops at that
+        pass's start + 1) and for a pass in flight; before a pass that admits or prefills it is that
+        pass's start + 1 (advancing there starts it). A pass is only started by advancing past its start,
+        so a zero-duration pass at ``t`` is reported as ``t + 1`` (its effects are stamped ``t``). Adding a
+        request can make the answer earlier: ask again after ``add_request``.
+        """
+        fl = self._inflight
+        if fl is not None:
+            if not self._pass_quiet(fl):
+                return fl.end if fl.end > fl.start else fl.start + 1
+            return self._quiet_horizon(fl.end, 1, fl.start)
+        s = self._next_start()
+        if s is None:
+            return None
+        sch = self.scheduler
+        if s == self._free_at and (
+            self._steady or (sch.running and not sch.waiting and not any(q.prefilling for q in sch.running))
+        ):
+            return self._quiet_horizon(s, 0, s)  # the next passes decode the same batch
+        return s + 1
+
+    def _pass_quiet(self, p: _Pass) -> bool:
+        """Whether an in-flight pass will finish with no visible effect and leave a decode run behind."""
+        sched = p.sched
+        if sched.admitted or sched.preempted or sched.prefill_tokens or self.pool.log:
+            return False
+        if len(sched.entries) != len(self.scheduler.running):
+            return False
+        if self.scheduler.waiting and self.pool.version != p.version:
+            return False
+        bs = self._block_size
+        for seq in sched.entries:
+            if seq.n_out + 1 >= seq.max_tokens:
+                return False
+            if self._caching and (seq.computed + 1) % bs == 0:
+                return False
+        return True
+
+    def _quiet_horizon(self, s: int, offset: int, started: int) -> int:
+        """First visible pass end of a decode run from ``s``, each request already ``offset`` passes ahead.
+
+        Fills (block stores; a dedupe is counted too, conservatively), completions and block needs that
+        exceed the free blocks (eviction or preemption) are visible; a pass starting at or after the next
+        arrival may admit it, so the horizon stops just after that pass starts.
+        """
+        bs = self._block_size
+        j_vis = MAX_TIME_NS
+        firsts: list[int] = []
+        for seq in self.scheduler.running:
+            c = seq.computed + offset
+            jc = seq.max_tokens - seq.n_out - offset
+            if jc < j_vis:
+                j_vis = jc
+            if self._caching and bs - c % bs < j_vis:
+                j_vis = bs - c % bs
+            firsts.append(seq.n_alloc * bs - c + 1)
+        counts: dict[int, int] = {}
+        for k in firsts:
+            for jn in range(k, j_vis + 1, bs):
+                counts[jn] = counts.get(jn, 0) + 1
+        arrival = self.scheduler.next_arrival_ns()
+        timer = self.timer
+        free = self.pool.free
+        evictable = len(self.pool.inactive)
+        active = self.pool.num_active_blocks
+        floor = started + 1
+        T = s  # start of pass j + 1
+        j = 0
+        for jn in sorted(counts.keys() | {j_vis}):
+            d = timer.decode_ns(active)
+            if arrival is not None and T + (jn - 1 - j) * d >= arrival:
+                first_after = T + (-(-(arrival - T) // d)) * d if d and arrival > T else T
+                return max(first_after + 1, floor)
+            T += (jn - 1 - j) * d
+            m = counts.get(jn, 0)
+            if m > free + evictable:  # this pass preempts: its duration is not known before it starts
+                return max(T + 1, floor)
+            if jn == j_vis or m > free:  # the first visible pass, or one that evicts
+                return max(T + timer.decode_ns(active + m), floor)
+            free -= m
+            active += m
+            T += timer.decode_ns(active)
+            j = jn
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # --------------------------------------------------------------- misc
+
+    def reset_prefix_cache(self, now_ns: int) -> PassEvents | None:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``); refused (None) while requests hold blocks."""
+        if self._inflight is not None or self.scheduler.running:
+            return None
+        if not self.pool.reset():
+            return None
+        self._steady = False
+        entries = self.pool.log
+        self.pool.log = []
+        return PassEvents(max(now_ns, self._free_at), self.dp_rank, entries, self._block_size)
+
+    def check_invariants(self) -> None:
+        """Assert pool/scheduler consistency (tests): block accounting, holdings, statuses."""
+        pool = self.pool
+        pool.check()
+        partial = 0
+        refs: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            assert seq.status == RUNNING, seq
+            assert 0 <= seq.n_full <= seq.n_alloc, seq
+            assert seq.computed <= seq.n_alloc * self._block_size, seq
+            partial += seq.n_alloc - seq.n_full
+            for h in seq.hashes[: seq.n_full]:
+                refs[h] = refs.get(h, 0) + 1
+        assert refs == pool.active, "active block refcounts must equal the running sequences' holdings"
+        assert pool.free + partial + len(pool.active) + len(pool.inactive) == pool.num_blocks, pool
+
+    def __repr__(self) -> str:
+        return (
+            f"EngineCore(rank={self.dp_rank}, now={self._now}, running={self.num_running}, "
+            f"waiting={self.num_waiting}, {self.pool!r})"
+        )
+

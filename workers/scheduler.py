@@ -1,0 +1,199 @@
+"""vLLM-flavour scheduler of one engine core: who runs in the next forward pass and with how many tokens.
+
+Per pass, with one token budget (``max_num_batched_tokens``): running requests that decode get one
+token each, then running requests still in (chunked) prefill get the next chunk, then waiting requests
+are admitted in queue order while the budget, ``max_num_seqs`` and free blocks allow. Admission costs
+the uncached prompt tokens only (prefix hits are free). When a running request needs a block and none
+can be freed by eviction, running requests are preempted (LIFO: the latest admitted; FIFO: the earliest)
+and recomputed later; a pass that preempted admits nothing, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from workers.blocks import BlockPool
+from workers.config import EngineConfig
+from workers.sequence import FINISHED, RUNNING, WAITING, SeqState
+
+__all__ = ["Scheduler", "Schedule"]
+
+
+class Schedule:
+    """The decisions of one pass: tokens per request (in scheduling order), admissions, preemptions."""
+
+    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes")
+
+    def __init__(self) -> None:
+        self.entries: dict[SeqState, int] = {}
+        self.admitted: list[SeqState] = []
+        self.preempted: list[SeqState] = []
+        self.prefill_tokens = 0
+        self.decodes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.entries or self.preempted)
+
+
+class Scheduler:
+    """Waiting queue (priority, then arrival, then submission order), running list (admission order)."""
+
+    __slots__ = (
+        "pool",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "prefix_caching",
+        "chunked_prefill",
+        "lifo",
+        "future",
+        "waiting",
+        "running",
+    )
+
+    def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefix_caching = config.enable_prefix_caching
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.lifo = config.preemption_mode == "lifo"
+        self.future: list[tuple[int, int, SeqState]] = []
+        """Accepted requests whose arrival time is still ahead: heap of (arrival_ns, order, seq)."""
+        self.waiting: list[tuple[int, int, int, SeqState]] = []
+        """Arrived requests not running: heap of (priority, arrival_ns, order, seq)."""
+        self.running: list[SeqState] = []
+
+    def add(self, seq: SeqState) -> None:
+        """Queue an accepted request; it becomes schedulable at its arrival time."""
+        heapq.heappush(self.future, (seq.record.arrival_ns, seq.order, seq))
+
+    def next_arrival_ns(self) -> int | None:
+        """Arrival time of the earliest request that has not arrived yet."""
+        return self.future[0][0] if self.future else None
+
+    def release_arrivals(self, now_ns: int) -> None:
+        """Move requests that have arrived by ``now_ns`` into the waiting queue."""
+        future = self.future
+        while future and future[0][0] <= now_ns:
+            arrival, order, seq = heapq.heappop(future)
+            seq.status = WAITING
+            heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
+
+    def schedule(self, now_ns: int) -> Schedule:
+        """Decide the pass starting at ``now_ns``; blocks are allocated (and evicted) as decided."""
+        self.release_arrivals(now_ns)
+        sched = Schedule()
+        entries = sched.entries
+        budget = self.max_num_batched_tokens
+        bs = self.block_size
+        pool = self.pool
+        running = self.running
+        for decoding in (True, False):
+            for seq in list(running):
+                if seq.status != RUNNING or seq.prefilling == decoding:
+                    continue
+                if budget <= 0:
+                    break
+                n = seq.prompt_len + seq.n_out - seq.computed
+                if n > budget:
+                    n = budget
+                need = -(-(seq.computed + n) // bs) - seq.n_alloc
+                if need > pool.available:
+                    budget += self._preempt_until(seq, need, sched)
+                    if seq.status != RUNNING:
+                        continue
+                if need > 0:
+                    pool.allocate(need)
+                    seq.n_alloc += need
+                entries[seq] = n
+                budget -= n
+                if decoding:
+                    sched.decodes += 1
+                else:
+                    sched.prefill_tokens += n
+        if not sched.preempted:
+            self._admit(now_ns, budget, sched)
+        return sched
+
+    def _preempt_until(self, seq: SeqState, need: int, sched: Schedule) -> int:
+        """Preempt victims until ``need`` blocks are available or ``seq`` itself was preempted; returns budget freed."""
+        pool = self.pool
+        running = self.running
+        freed = 0
+        while need > pool.available:
+            victim = running[-1] if self.lifo else running[0]
+            was_prefilling = victim.prefilling
+            self.preempt(victim)
+            sched.preempted.append(victim)
+            n = sched.entries.pop(victim, None)
+            if n is not None:
+                freed += n
+                if was_prefilling:
+                    sched.prefill_tokens -= n
+                else:
+                    sched.decodes -= 1
+            if victim is seq:
+                break
+        return freed
+
+    def preempt(self, seq: SeqState) -> None:
+        """Drop a running request's blocks and queue it again to be recomputed (its tokens are kept)."""
+        self.running.remove(seq)
+        self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
+        seq.computed = 0
+        seq.n_alloc = 0
+        seq.n_full = 0
+        seq.prefilling = True
+        seq.status = WAITING
+        seq.record.preemptions += 1
+        heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, seq.order, seq))
+
+    def _admit(self, now_ns: int, budget: int, sched: Schedule) -> None:
+        waiting = self.waiting
+        running = self.running
+        pool = self.pool
+        bs = self.block_size
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0][3]
+            total = seq.prompt_len + seq.n_out
+            if self.prefix_caching:
+                limit = (total - 1) // bs  # the last prompt token is always computed (it yields logits)
+                hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(limit), limit)
+            else:
+                hits = inactive_hits = 0
+            cached = hits * bs
+            n = total - cached
+            if n > budget:
+                if not self.chunked_prefill:
+                    break
+                n = budget
+            need = -(-(cached + n) // bs) - hits
+            if need > pool.available - inactive_hits:
+                break
+            heapq.heappop(waiting)
+            if hits:
+                pool.take_hits(seq.hashes, hits)
+            pool.allocate(need)
+            seq.computed = cached
+            seq.n_full = hits
+            seq.n_alloc = hits + need
+            seq.status = RUNNING
+            running.append(seq)
+            rec = seq.record
+            if rec.admitted_ns is None:
+                rec.admitted_ns = now_ns
+                rec.cached_tokens = cached
+            sched.entries[seq] = n
+            sched.admitted.append(seq)
+            sched.prefill_tokens += n
+            budget -= n
+
+    def complete(self, seq: SeqState) -> None:
+        """A running request produced its last token: release its blocks (cached ones stay reusable)."""
+        self.running.remove(seq)
+        self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
+        seq.n_alloc = 0
+        seq.n_full = 0
+        seq.status = FINISHED

@@ -1,0 +1,129 @@
+"""Engine-side state of one request: tokens, block hashes, progress through prefill and decode."""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+
+import xxhash
+
+from kvemu.hashing import BASE_SEED, extend_sequence_hashes, local_block_hashes, sequence_hashes
+from workers.request import Request, RequestRecord
+
+__all__ = ["SeqState", "FUTURE", "WAITING", "RUNNING", "FINISHED"]
+
+FUTURE = 0  # accepted, arrival time not reached yet
+WAITING = 1
+RUNNING = 2
+FINISHED = 3
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_pair = struct.Struct("<QQ").pack
+if sys.byteorder != "little" or array("I").itemsize != 4:  # pragma: no cover - exotic platforms
+    raise ImportError("workers.sequence assumes a little-endian platform with 4-byte array('I')")
+
+
+
+class SeqState:
+    """A request inside an engine core.
+
+    Positions ``0 .. prompt_len-1`` are the prompt, then the generated tokens. ``computed`` tokens have
+    their KV in the pool; the sequence holds ``n_alloc`` blocks, the first ``n_full`` of which are full
+    and identified by ``hashes[:n_full]``; the others are partial (mutable, never shared).
+    """
+
+    __slots__ = (
+        "req",
+        "rid",
+        "record",
+        "prompt",
+        "prompt_len",
+        "max_tokens",
+        "block_size",
+        "hashes",
+        "n_out",
+        "computed",
+        "n_alloc",
+        "n_full",
+        "prefilling",
+        "status",
+        "order",
+        "_out_ids",
+        "_out_base",
+    )
+
+    def __init__(self, req: Request, record: RequestRecord, block_size: int, order: int) -> None:
+        self.req = req
+        self.rid = req.request_id
+        self.record = record
+        self.prompt = req.token_ids
+        self.prompt_len = len(req.token_ids)
+        self.max_tokens = req.max_tokens
+        self.block_size = block_size
+        if req.seq_hashes is not None:
+            self.hashes = list(req.seq_hashes)
+        else:
+            fast = getattr(req.token_ids, "local_block_hashes", None)  # e.g. trace tokens, never expanded
+            local = fast(block_size) if fast is not None else local_block_hashes(req.token_ids, block_size)
+            self.hashes = sequence_hashes(local)
+        self.n_out = 0
+        self.computed = 0
+        self.n_alloc = 0
+        self.n_full = 0
+        self.prefilling = True
+        self.status = FUTURE
+        self.order = order
+        self._out_ids = req.output_token_ids
+        # below 2**31, so base + i stays a valid u32 token id for any output length that fits a pool
+        self._out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), 0) & 0x7FFFFFFF
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens so far."""
+        return self.prompt_len + self.n_out
+
+    def output_token(self, i: int) -> int:
+        """The ``i``-th generated token id (given by the request, else ``base + i`` with a per-request base)."""
+        ids = self._out_ids
+        if ids is not None and i < len(ids):
+            return ids[i]
+        return self._out_base + i
+
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """Token ids at positions ``lo .. hi-1`` (prompt, then generated tokens)."""
+        p = self.prompt_len
+        if hi <= p:
+            return list(self.prompt[lo:hi])
+        out = list(self.prompt[lo:p]) if lo < p else []
+        i = max(lo, p) - p  # first output index wanted
+        j = hi - p
+        ids = self._out_ids
+        if ids is not None and i < len(ids):
+            given = list(ids[i:j])
+            out += given
+            i += len(given)
+        if i < j:
+            base = self._out_base
+            out += range(base + i, base + j)
+        return out
+
+    def ensure_hashes(self, n_blocks: int) -> list[int]:
+        """Extend ``hashes`` to cover the first ``n_blocks`` full blocks (whose tokens must all be known)."""
+        hashes = self.hashes
+        have = len(hashes)
+        if have < n_blocks:
+            bs = self.block_size
+            if n_blocks == have + 1:  # the common case while decoding: one block filled up
+                local = _xxh3(array("I", self.token_slice(have * bs, n_blocks * bs)).tobytes(), BASE_SEED)
+                hashes.append(_xxh3(_pack_pair(hashes[-1], local), BASE_SEED) if have else local)
+            else:
+                local_hashes = local_block_hashes(self.token_slice(have * bs, n_blocks * bs), bs)
+                hashes.extend(extend_sequence_hashes(hashes[-1] if have else None, local_hashes))
+        return hashes
+
+    def __repr__(self) -> str:
+        return (
+            f"SeqState({self.rid!r}, status={self.status}, computed={self.computed}/{self.num_tokens}, "
+            f"out={self.n_out}/{self.max_tokens}, blocks={self.n_full}+{self.n_alloc - self.n_full})"
+        )

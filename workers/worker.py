@@ -1,0 +1,134 @@
+"""A mock worker: ``dp_size`` independent engine cores (one per data-parallel rank) behind one dispatch point."""
+
+from __future__ import annotations
+
+from kvemu.errors import InvalidArgument
+from workers.admission import RejectReason, RequestRejected
+from workers.config import EngineConfig
+from workers.engine import AdvanceResult, EngineCore
+from workers.request import Request, RequestRecord
+from workers.timing import TimingModel
+
+__all__ = ["MockWorker", "Dispatch"]
+
+
+class Dispatch:
+    """Outcome of dispatching one request: accepted (with its live record) or rejected with a typed reason."""
+
+    __slots__ = ("accepted", "reason", "message", "field", "record", "dp_rank")
+
+    def __init__(
+        self,
+        accepted: bool,
+        *,
+        dp_rank: int,
+        reason: RejectReason | None = None,
+        message: str = "",
+        field: str | None = None,
+        record: RequestRecord | None = None,
+    ) -> None:
+        self.accepted = accepted
+        self.dp_rank = dp_rank
+        self.reason = reason
+        self.message = message
+        self.field = field
+        self.record = record
+
+    def raise_if_rejected(self) -> RequestRecord:
+        """The record if accepted, else ``RequestRejected`` with the same reason and message."""
+        if not self.accepted:
+            assert self.reason is not None
+            raise RequestRejected(self.reason, self.message, field=self.field)
+        assert self.record is not None
+        return self.record
+
+    def __repr__(self) -> str:
+        if self.accepted:
+            return f"Dispatch(accepted, rank={self.dp_rank})"
+        return f"Dispatch(rejected={self.reason.value if self.reason else None}, rank={self.dp_rank}, {self.message!r})"
+
+
+class MockWorker:
+    """Holds one ``EngineCore`` per DP rank in ``[dp_start_rank, dp_start_rank + dp_size)``; ranks share nothing."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        worker_id: int = 0,
+        dp_start_rank: int = 0,
+        timing: TimingModel | None = None,
+    ) -> None:
+        self.config = config if config is not None else EngineConfig()
+        if not isinstance(worker_id, int) or worker_id < 0:
+            raise InvalidArgument(f"worker_id must be an integer >= 0, got {worker_id!r}")
+        if not isinstance(dp_start_rank, int) or dp_start_rank < 0:
+            raise InvalidArgument(f"dp_start_rank must be an integer >= 0, got {dp_start_rank!r}")
+        self.worker_id = worker_id
+        self.dp_start_rank = dp_start_rank
+        self.cores = [
+            EngineCore(self.config, dp_rank=dp_start_rank + i, timing=timing) for i in range(self.config.dp_size)
+        ]
+        self._shutting_down = False
+
+    @property
+    def dp_ranks(self) -> range:
+        """The DP ranks this worker serves."""
+        return range(self.dp_start_rank, self.dp_start_rank + len(self.cores))
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether new dispatches are refused (requests already accepted still run to completion)."""
+        return self._shutting_down
+
+    def begin_shutdown(self) -> None:
+        """Refuse every later dispatch with ``SHUTTING_DOWN``; accepted requests keep running (drain)."""
+        self._shutting_down = True
+
+    def core(self, dp_rank: int) -> EngineCore:
+        """The engine core of one DP rank."""
+        i = dp_rank - self.dp_start_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else -1
+        if not 0 <= i < len(self.cores):
+            raise InvalidArgument(f"dp_rank {dp_rank!r} does not exist on worker {self.worker_id} (ranks {self.dp_ranks})")
+        return self.cores[i]
+
+    def dispatch(self, request: Request, dp_rank: int = 0) -> Dispatch:
+        """Accept ``request`` on ``dp_rank`` or reject it with a typed reason (nothing changes on rejection)."""
+        if self._shutting_down:
+            return Dispatch(
+                False,
+                dp_rank=dp_rank,
+                reason=RejectReason.SHUTTING_DOWN,
+                message=f"worker {self.worker_id} is shutting down",
+            )
+        i = dp_rank - self.dp_start_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else -1
+        if not 0 <= i < len(self.cores):
+            return Dispatch(
+                False,
+                dp_rank=dp_rank,
+                reason=RejectReason.UNKNOWN_DP_RANK,
+                message=f"dp_rank: {dp_rank!r} does not exist on worker {self.worker_id} (ranks {self.dp_ranks})",
+                field="dp_rank",
+            )
+        try:
+            record = self.cores[i].add_request(request)
+        except RequestRejected as exc:
+            return Dispatch(False, dp_rank=dp_rank, reason=exc.reason, message=str(exc), field=exc.field)
+        return Dispatch(True, dp_rank=dp_rank, record=record)
+
+    def advance_to(self, t_ns: int) -> list[AdvanceResult]:
+        """Advance every rank to ``t_ns``; one result per rank, in rank order."""
+        return [core.advance_to(t_ns) for core in self.cores]
+
+    def next_event_ns(self) -> int | None:
+        """Earliest ``next_event_ns`` over the ranks (None if no rank has work)."""
+        times = [t for t in (core.next_event_ns() for core in self.cores) if t is not None]
+        return min(times) if times else None
+
+    @property
+    def idle(self) -> bool:
+        """No rank holds an unfinished request."""
+        return all(core.num_unfinished == 0 for core in self.cores)
+
+    def __repr__(self) -> str:
+        return f"MockWorker(id={self.worker_id}, ranks={self.dp_ranks}, shutting_down={self._shutting_down})"
