@@ -29,6 +29,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
     dp_rank: int | None = None
     attempts: int = 0
     queued_ns: int | None = None
+    routed_ns: int | None = None
+    """When the router chose the rank (request in → routed is the routing overhead)."""
     dispatch_ns: int | None = None
     routing_reason: str | None = None
     predicted_overlap_blocks: int | None = None
@@ -80,6 +82,7 @@ class Recorder:
         if rec is None:
             return
         if kind == "routed":
+            rec.routed_ns = ev.time_ns
             rec.attempts = data.get("attempt", 0) + 1
             rec.worker_id, rec.dp_rank = ev.worker_id, ev.dp_rank
             rec.routing_reason = data.get("reason")
