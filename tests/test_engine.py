@@ -250,7 +250,8 @@ def test_preempted_request_reuses_its_cached_blocks_on_recompute():
 def test_events_round_trip_through_msgpack_and_the_wire_codec():
     eng = EngineCore(small(num_gpu_blocks=12))
     for i in range(5):
-        eng.add_request(req(f"r{i}", [i % 2] * 12 + list(range(i * 50, i * 50 + 10)), max_tokens=6, arrival_ns=i * 10**7))
+        prompt = [i % 2] * 12 + list(range(i * 50, i * 50 + 10))
+        eng.add_request(req(f"r{i}", prompt, max_tokens=6, arrival_ns=i * 10**7))
     steps = run_steps(eng)
     batches = [s.kv_batch for s in steps if s.kv_batch is not None]
     kinds = {type(e) for b in batches for e in b.events}
@@ -270,7 +271,8 @@ def test_ledger_matches_pool_under_eviction_pressure():
     eng = EngineCore(small(num_gpu_blocks=10, max_num_batched_tokens=16))
     led = Ledger()
     for i in range(12):
-        eng.add_request(req(f"r{i}", [7] * (4 * (i % 3)) + list(range(i * 30, i * 30 + 9)), max_tokens=5, arrival_ns=i * 3 * 10**7))
+        prompt = [7] * (4 * (i % 3)) + list(range(i * 30, i * 30 + 9))
+        eng.add_request(req(f"r{i}", prompt, max_tokens=5, arrival_ns=i * 3 * 10**7))
     run_steps(eng, led)
     assert led.removed > 0 and led.stored - led.removed == len(eng.pool.cached_hashes())
 

@@ -26,7 +26,9 @@ def test_input_length_is_clamped_to_what_the_hash_ids_describe():
     assert expand_hash_ids([], 10) == []
 
 
-@pytest.mark.parametrize(("kw", "field"), [({"input_length": -1}, "input_length"), ({"trace_block_size": 0}, "trace_block_size")])
+@pytest.mark.parametrize(
+    ("kw", "field"), [({"input_length": -1}, "input_length"), ({"trace_block_size": 0}, "trace_block_size")]
+)
 def test_bad_trace_values_are_rejected(kw, field):
     args = {"hash_ids": [1], "input_length": 4, "trace_block_size": 2, **kw}
     with pytest.raises(InvalidArgument, match=field):
@@ -73,7 +75,9 @@ def test_mooncake_record_becomes_a_request(tmp_path):
 
 def test_trace_requests_share_prefix_blocks_in_the_engine():
     eng = EngineCore(EngineConfig(num_gpu_blocks=256, block_size=64))
-    a = eng.add_request(mooncake_request({"timestamp": 0, "input_length": 1500, "output_length": 2, "hash_ids": [0, 1, 2]}, request_id="a"))
-    b = eng.add_request(mooncake_request({"timestamp": 1000, "input_length": 1400, "output_length": 2, "hash_ids": [0, 1, 9]}, request_id="b"))
+    rec_a = {"timestamp": 0, "input_length": 1500, "output_length": 2, "hash_ids": [0, 1, 2]}
+    rec_b = {"timestamp": 1000, "input_length": 1400, "output_length": 2, "hash_ids": [0, 1, 9]}
+    a = eng.add_request(mooncake_request(rec_a, request_id="a"))
+    b = eng.add_request(mooncake_request(rec_b, request_id="b"))
     eng.advance_to(10**11)
     assert a.done and b.done and a.cached_tokens == 0 and b.cached_tokens == 1024

@@ -1,5 +1,7 @@
 """Worker dispatch: accepted requests run; rejected ones carry a typed reason naming the field, and change nothing."""
 
+import re
+
 import pytest
 
 from kvemu.errors import KvemuError
@@ -42,7 +44,7 @@ def test_malformed_requests_are_rejected_naming_the_field(kw, field, text):
     d = w.dispatch(make(**kw), dp_rank=1)
     assert not d.accepted and d.reason is RejectReason.MALFORMED and d.field == field
     assert d.message.startswith(f"{field}: ")
-    assert text and __import__("re").search(text, d.message)
+    assert re.search(text, d.message)
     with pytest.raises(RequestRejected) as exc:
         d.raise_if_rejected()
     assert isinstance(exc.value, KvemuError) and exc.value.reason is RejectReason.MALFORMED
@@ -50,7 +52,10 @@ def test_malformed_requests_are_rejected_naming_the_field(kw, field, text):
 
 
 def test_too_long_without_chunked_prefill_is_rejected():
-    eng = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=False))
+    cfg = EngineConfig(
+        num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=False
+    )
+    eng = EngineCore(cfg)
     with pytest.raises(RequestRejected, match="exceed max_num_batched_tokens") as exc:
         eng.add_request(make(token_ids=list(range(30)), max_tokens=4))
     assert exc.value.field == "token_ids"

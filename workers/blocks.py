@@ -7,7 +7,14 @@ identified by their rolling sequence hash (the external block hash of the KV eve
 holds two full blocks with the same hash: a block that fills up with content already cached is
 released and the cached one referenced instead ("dedupe").
 
-Only the count of free and partial blocks matters; physical block ids are not modelled.
+Only the count of free and partial blocks matters; physical block ids are not modelled. (vLLM keeps
+such a duplicate physical block until its request ends; releasing it at once differs only in the
+capacity of that rare window and keeps one block per hash, which is what the router sees.)
+
+Eviction: sequences always hold a prefix of their chain and release it tail first (as vLLM's free
+queue does), so a parent is always released after its children and plain LRU already evicts leaves
+before their parents. ``lineage`` additionally checks the leaf property explicitly; with this release
+order both policies choose the same victims.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
+from operator import eq
 from typing import Protocol
 
 from kvemu.errors import InvalidArgument
@@ -152,9 +160,13 @@ class BlockPool:
         """Take ``n`` blocks as partial blocks, from the free ones first, then by eviction."""
         if n <= 0:
             return
-        if n > self.free + len(self.inactive):
-            raise InvalidArgument(f"allocate: {n} blocks requested, only {self.available} available")
         self.version += 1
+        if n <= self.free:
+            self.free -= n
+            return
+        if n > self.free + len(self.inactive):
+            self.version -= 1
+            raise InvalidArgument(f"allocate: {n} blocks requested, only {self.available} available")
         take = n if n <= self.free else self.free
         self.free -= take
         if n > take:
@@ -166,26 +178,23 @@ class BlockPool:
         if self.eviction == "lru":
             order = self._order
             head = self._head
-            base = self._order_base + head
+            tick = self._order_base + head  # release tick of order[head]
             victims: list[int] = []
+            get = inactive.get
             while n:
                 span = order[head : head + n]
-                ticks = list(map(inactive.get, span))
-                expected = list(range(base, base + len(span)))
-                if ticks == expected:  # no stale entry in the way
-                    victims += span
-                    head += len(span)
-                    base += len(span)
-                    n -= len(span)
-                    continue
-                for h, got, want in zip(span, ticks, expected):
-                    head += 1
-                    base += 1
-                    if got == want:
-                        victims.append(h)
-                        n -= 1
-                        if not n:
-                            break
+                valid = list(map(eq, map(get, span), range(tick, tick + len(span))))
+                try:
+                    k = valid.index(False)  # the first stale entry (a block reactivated since)
+                except ValueError:
+                    k = len(span)
+                if k:
+                    victims += span[:k] if k < len(span) else span
+                    n -= k
+                if k < len(span):
+                    k += 1  # skip the stale entry
+                head += k
+                tick += k
             deque(map(inactive.__delitem__, victims), maxlen=0)
             log.append((REMOVED, victims))
             if head > 4096 and head * 2 > len(order):
@@ -247,7 +256,8 @@ class BlockPool:
                     active[h] = 1
                 released += 1
                 if run_start >= 0:
-                    log.append((STORED, hashes[run_start:i], hashes[run_start - 1] if run_start else None, source, run_start))
+                    parent = hashes[run_start - 1] if run_start else None
+                    log.append((STORED, hashes[run_start:i], parent, source, run_start))
                     run_start = -1
                 continue
             active[h] = 1
@@ -262,6 +272,16 @@ class BlockPool:
             log.append((STORED, hashes[run_start:hi], hashes[run_start - 1] if run_start else None, source, run_start))
         self.free += released
         return released
+
+    def promote_one(self, hashes: Sequence[int], i: int, source: TokenSource) -> int:
+        """``promote(hashes, i, i + 1, source)``, with a short path for the usual new block."""
+        h = hashes[i]
+        if self.eviction == "lineage" or h in self.active or h in self.inactive:
+            return self.promote(hashes, i, i + 1, source)
+        self.version += 1
+        self.active[h] = 1
+        self.log.append((STORED, [h], hashes[i - 1] if i else None, source, i))
+        return 0
 
     def release(self, hashes: Sequence[int], n_full: int, n_partial: int) -> None:
         """A sequence drops its ``n_full`` full blocks (``hashes[:n_full]``) and ``n_partial`` partial ones.

@@ -5,18 +5,29 @@ Time model: a forward pass that starts at ``s`` ends at ``s + duration``; everyt
 starts when the previous one ends, or when work arrives at an idle engine. A pass that starts at ``s``
 includes every request whose arrival time is ``<= s``.
 
+What a pass computes (vLLM flavour): each scheduled request computes ``n`` tokens of KV; when its KV
+catches up with all its tokens, the pass samples one new token for it (the first one ends its
+prefill). Blocks that fill up are cached at the end of the pass (``BlockStored``); blocks are taken,
+and evicted (``BlockRemoved``), when the pass is scheduled; all of a pass's events share one batch
+stamped with its end. Duration = prefill time of the pass's uncached tokens + decode time if it
+decodes anything, the decode part a function of the blocks in use (``num_active_blocks *
+block_size`` KV tokens out of the pool's capacity), so it only changes when a block is taken or
+given back.
+
 Two drivers, identical results:
 
 * ``step(now_ns)`` starts one pass at ``now_ns`` and returns it, finished (the readable reference);
 * ``advance_to(t_ns)`` runs every pass that starts before ``t_ns`` and ends by ``t_ns`` (a pass that
   straddles ``t_ns`` stays in flight; a pass starting exactly at ``t_ns`` is not started, so requests
   arriving at ``t_ns`` may still be added and join it). Runs of pure decode passes are computed in
-  one go: between two block events the batch and the pass duration do not change.
+  one go: between two block events the batch and the pass duration do not change, so a stretch of
+  passes is one multiplication, and block events inside a run are applied without re-scheduling.
 """
 
 from __future__ import annotations
 
 import heapq
+
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
 from kvemu.wire.kv_events import KVEventBatch
@@ -125,7 +136,9 @@ class _Pass:
 class EngineCore:
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
-    def __init__(self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
+    ) -> None:
         self.config = config if config is not None else EngineConfig()
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}")
@@ -182,7 +195,9 @@ class EngineCore:
         try:
             return self._seqs[request_id].record
         except KeyError:
-            raise InvalidArgument(f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}") from None
+            raise InvalidArgument(
+                f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}"
+            ) from None
 
     def next_pass_start_ns(self) -> int | None:
         """When the next pass would start given the requests known now (None: nothing to do)."""
@@ -236,7 +251,8 @@ class EngineCore:
             )
         if not isinstance(now_ns, int) or now_ns < self._free_at or now_ns < self._now:
             raise InvalidArgument(
-                f"now_ns must be an integer >= the end of the previous pass ({max(self._free_at, self._now)}), got {now_ns!r}"
+                f"now_ns must be an integer >= the end of the previous pass "
+                f"({max(self._free_at, self._now)}), got {now_ns!r}"
             )
         self._now = now_ns
         p = self._plan(now_ns)
@@ -381,6 +397,11 @@ class EngineCore:
                 heap.append((bs - seq.computed % bs, 1, pos))  # first pass filling a block
         if j_stop <= 1:
             return 0
+        if caching and not self.scheduler.waiting:
+            for seq in running:  # hash every block this run may fill in one go (a cache of known tokens)
+                first_fill = bs - seq.computed % bs
+                if first_fill < j_stop:
+                    seq.ensure_hashes(seq.n_full + (j_stop - 1 - first_fill) // bs + 1)
         heapq.heapify(heap)
         quiet_only = bool(self.scheduler.waiting)
         arrival = self.scheduler.next_arrival_ns()
@@ -439,7 +460,7 @@ class EngineCore:
                 seq.n_alloc += 1
             for seq in fills:
                 nf = seq.n_full
-                pool.promote(seq.ensure_hashes(nf + 1), nf, nf + 1, seq)
+                pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq)
                 seq.n_full = nf + 1
             T += d2
             j = jn

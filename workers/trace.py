@@ -39,13 +39,17 @@ def _check_trace(hash_ids: Sequence[int], input_length: int, trace_block_size: i
         raise InvalidArgument(f"input_length must be an integer >= 0, got {input_length!r}")
 
 
-def clamped_input_length(hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) -> int:
+def clamped_input_length(
+    hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE
+) -> int:
     """``input_length`` clamped to what the hash ids can describe (``len(hash_ids) * trace_block_size``)."""
     _check_trace(hash_ids, input_length, trace_block_size)
     return min(input_length, len(hash_ids) * trace_block_size)
 
 
-def expand_hash_ids(hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) -> list[int]:
+def expand_hash_ids(
+    hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE
+) -> list[int]:
     """Prompt token ids of a trace request: each hash id repeated ``trace_block_size`` times, truncated."""
     n = clamped_input_length(hash_ids, input_length, trace_block_size)
     out: list[int] = []
@@ -66,7 +70,9 @@ class HashIdTokens(Sequence[int]):
 
     __slots__ = ("hash_ids", "trace_block_size", "_len")
 
-    def __init__(self, hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) -> None:
+    def __init__(
+        self, hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE
+    ) -> None:
         self._len = clamped_input_length(hash_ids, input_length, trace_block_size)
         used = -(-self._len // trace_block_size)
         self.hash_ids = tuple(islice(hash_ids, used))

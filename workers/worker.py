@@ -89,7 +89,9 @@ class MockWorker:
         """The engine core of one DP rank."""
         i = dp_rank - self.dp_start_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else -1
         if not 0 <= i < len(self.cores):
-            raise InvalidArgument(f"dp_rank {dp_rank!r} does not exist on worker {self.worker_id} (ranks {self.dp_ranks})")
+            raise InvalidArgument(
+                f"dp_rank {dp_rank!r} does not exist on worker {self.worker_id} (ranks {self.dp_ranks})"
+            )
         return self.cores[i]
 
     def dispatch(self, request: Request, dp_rank: int = 0) -> Dispatch:
