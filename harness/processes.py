@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -269,8 +270,7 @@ class _RouterClient:
         self.sock = sock
         self.records: dict[str, RequestRecord] = {}
         self._waiting: dict[str, anyio.Event] = {}
-        self._stats: list[Stats] = []
-        self._stats_event = anyio.Event()
+        self._stats_waiters: deque[tuple[anyio.Event, list[Stats]]] = deque()  # replies come back in order
 
     async def listen(self) -> None:
         while True:
@@ -284,9 +284,10 @@ class _RouterClient:
                 ev = self._waiting.pop(rid, None)
                 if ev is not None:
                     ev.set()
-            else:
-                self._stats.append(msg)  # type: ignore[arg-type]
-                self._stats_event.set()
+            elif self._stats_waiters:
+                event, box = self._stats_waiters.popleft()
+                box.append(msg)  # type: ignore[arg-type]
+                event.set()
 
     async def submit(self, req: ClientRequest) -> RequestRecord | None:
         ev = self._waiting[req.request_id] = anyio.Event()
@@ -294,12 +295,13 @@ class _RouterClient:
         await ev.wait()
         return self.records.get(req.request_id)
 
-    async def stats(self, timeout_s: float = 10.0) -> Stats:
-        self._stats_event = anyio.Event()
+    async def stats(self, timeout_s: float = 30.0) -> Stats:
+        event, box = anyio.Event(), []
+        self._stats_waiters.append((event, box))
         await self.sock.send_multipart([CLIENT, _encode(StatsQuery())])
         with anyio.fail_after(timeout_s):
-            await self._stats_event.wait()
-        return self._stats[-1]
+            await event.wait()
+        return box[0]
 
 
 async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None) -> dict[str, Any]:
@@ -321,7 +323,10 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
 
         async def sampler() -> None:
             while True:
-                s = await client.stats()
+                try:
+                    s = await client.stats()
+                except TimeoutError:  # a saturated router: skip this sample
+                    continue
                 samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                 await anyio.sleep(0.25)
 
@@ -360,7 +365,8 @@ def _shift(rec: RequestRecord, t0: int) -> RequestRecord:
         return None if v is None else v - t0
 
     return msgspec.structs.replace(
-        rec, arrival_ns=rec.arrival_ns - t0, queued_ns=s(rec.queued_ns), dispatch_ns=s(rec.dispatch_ns),
+        rec, arrival_ns=rec.arrival_ns - t0, queued_ns=s(rec.queued_ns), routed_ns=s(rec.routed_ns),
+        dispatch_ns=s(rec.dispatch_ns),
         first_token_ns=s(rec.first_token_ns), token_times_ns=[t - t0 for t in rec.token_times_ns],
         completion_ns=s(rec.completion_ns),
     )

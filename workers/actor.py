@@ -90,6 +90,9 @@ class WorkerActor:
         self.registered = anyio.Event()
         self.stopped = False
         self.register_timeout_s = 30.0
+        self.stream_interval_ns = 2_000_000
+        """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
+        self._flushed_at: dict[str, int] = {}
         self.slowdown = 1.0
         """Chaos: pass durations are multiplied by this on wall time."""
         self._wakes: dict[int, anyio.Event] = {}  # per rank on wall time; -1 for the virtual driver
@@ -214,6 +217,7 @@ class WorkerActor:
                 self._finish(rec)
 
     def _finish(self, rec: RequestRecord) -> None:
+        self._flushed_at.pop(rec.request_id, None)
         sent = self._sent.pop(rec.request_id, 0)
         self._records.pop(rec.request_id, None)
         self.end.send_nowait(encode(Finished(
@@ -250,6 +254,9 @@ class WorkerActor:
             pub.publish(batch)
         done = {rec.request_id for rec in res.completed}
         send = self.end.send_nowait
+        now = res.end_ns
+        interval = self.stream_interval_ns
+        flushed = self._flushed_at
         for rid in res.tokens:
             if rid in done:
                 continue
@@ -257,8 +264,10 @@ class WorkerActor:
             if rec is None:
                 continue
             sent = self._sent.get(rid, 0)
-            if len(rec.token_times) > sent:
+            # the first token goes at once; later ones are coalesced (zero-length passes come in bursts)
+            if len(rec.token_times) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
                 send(encode(TokenBatch(request_id=rid, times_ns=rec.token_times[sent:])))
                 self._sent[rid] = len(rec.token_times)
+                flushed[rid] = now
         for rec in res.completed:
             self._finish(rec)
