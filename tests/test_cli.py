@@ -1,0 +1,156 @@
+"""The ``kvemu`` command line as a user runs it: separate processes, exit codes, files and printed output."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_script = Path(sys.executable).with_name("kvemu")
+KVEMU = [str(_script)] if _script.exists() else ([shutil.which("kvemu")] if shutil.which("kvemu")
+                                                   else [sys.executable, "-m", "harness.cli"])
+
+TINY = ["--set", "run.duration_s=4", "--set", "cluster.workers=2", "--set", "cluster.engine.num_gpu_blocks=256",
+        "--set", "workload.isl.mean=256", "--set", "workload.osl.mean=16", "--set", "workload.osl.std=4"]
+
+
+def kvemu(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVEMU, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """The built-in quickstart, shortened with --set, run with two policies (report dirs a/ and b/)."""
+    d = tmp_path_factory.mktemp("cli")
+    a = kvemu("run", *TINY, "-o", "a", "--quiet", cwd=d)
+    b = kvemu("run", *TINY, "--set", "router.policy=round_robin", "--seed", "9", "-o", "b", "--quiet", cwd=d)
+    return d, a, b
+
+
+# ------------------------------------------------------------------------------------------ validate
+
+
+def test_validate_an_example():
+    proc = kvemu("validate", str(ROOT / "examples" / "quickstart.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: quickstart: 4 workers × 2 ranks, ")
+    assert "virtual mode" in proc.stdout
+
+
+def test_validate_the_built_in_default_with_overrides(tmp_path):
+    proc = kvemu("validate", "--set", "cluster.workers=7", "--set", "run.duration_s=10", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "7 workers" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        ("cluster:\n  workers: 2\n  wrokers: 3\n", [], "cluster.wrokers (line 3): unknown key"),
+        ("cluster:\n  workers: two\n", [], "cluster.workers (line 2): Expected `int`, got `str`"),
+        ("run:\n  duration_s: -5\n", [], "run.duration_s (line 2): must be > 0"),
+        ("name: x\n", ["--set", "router.policy=fastest"], "router.policy"),
+        ("workload:\n  kind: trace\n  trace: nowhere.jsonl\n", [], "workload.trace (line 3): file not found"),
+    ],
+)
+def test_validate_an_invalid_scenario_exits_2_naming_the_key(tmp_path, text, overrides, expected):
+    (tmp_path / "bad.yaml").write_text(text)
+    proc = kvemu("validate", "bad.yaml", *overrides, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("invalid: bad.yaml: ")
+    assert expected in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_validate_reports_the_line_of_a_bad_trace_row(tmp_path):
+    good = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]})
+    (tmp_path / "t.jsonl").write_text(f"{good}\n{good}\n{{oops\n")
+    (tmp_path / "s.yaml").write_text("workload:\n  trace: t.jsonl\n")
+    proc = kvemu("validate", "s.yaml", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "t.jsonl:3: not a Mooncake trace row" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------- run
+
+
+def test_run_with_overrides_writes_the_report(two_runs):
+    d, a, _ = two_runs
+    assert a.returncode == 0, a.stderr
+    assert "kvemu: running quickstart (virtual time, seed 7) on 2 workers × 2 DP ranks" in a.stderr
+    assert "requests completed; report in a/report.md" in a.stderr
+    out = d / "a"
+    for name in ("summary.json", "requests.jsonl", "report.md", "ttft_cdf.png", "e2e_cdf.png"):
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed_requests"] == summary["num_requests"] > 0
+    assert {r["worker_id"] for r in summary["kvemu"]["per_rank"]} == {0, 1}
+    assert summary["kvemu"]["seed"] == 7 and summary["kvemu"]["scenario"] == "quickstart"
+    assert len((out / "requests.jsonl").read_text().splitlines()) == summary["num_requests"]
+
+
+def test_run_seed_and_policy_overrides_take_effect(two_runs):
+    d, _, b = two_runs
+    assert b.returncode == 0, b.stderr
+    summary = json.loads((d / "b" / "summary.json").read_text())
+    assert summary["kvemu"]["seed"] == 9
+    assert set(summary["kvemu"]["routing"]["reasons"]) == {"policy"}  # round robin, not the cost argmin
+
+
+def test_run_an_invalid_scenario_exits_2_and_writes_nothing(tmp_path):
+    proc = kvemu("run", "--set", "cluster.workers=0", "-o", "out", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "invalid scenario" in proc.stderr and "cluster.workers" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------- compare
+
+
+def test_compare_prints_deltas(two_runs):
+    d, a, b = two_runs
+    assert a.returncode == b.returncode == 0
+    proc = kvemu("compare", "a", "b", cwd=d)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "A: a (scenario quickstart, mode virtual, seed 7)"
+    assert lines[1] == "B: b (scenario quickstart, mode virtual, seed 9)"
+    header = lines[3].split()
+    assert header == ["metric", "A", "B", "delta", "delta", "%"]
+    rows = {line.split()[0]: line.split() for line in lines[5:]}
+    sa = json.loads((d / "a" / "summary.json").read_text())
+    sb = json.loads((d / "b" / "summary.json").read_text())
+    ttft = rows["mean_ttft_ms"]
+    assert float(ttft[1]) == pytest.approx(sa["mean_ttft_ms"], rel=1e-5)
+    assert float(ttft[2]) == pytest.approx(sb["mean_ttft_ms"], rel=1e-5)
+    assert float(ttft[3]) == pytest.approx(sb["mean_ttft_ms"] - sa["mean_ttft_ms"], rel=1e-4, abs=1e-6)
+    assert ttft[4].endswith("%")
+    assert "prefix_cache_reused_ratio" in rows and "num_requests" in rows
+    assert "kvemu" not in rows  # only the numeric top-level keys
+
+
+def test_compare_a_missing_report_exits_2(tmp_path):
+    proc = kvemu("compare", "nope-a", "nope-b", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no summary.json in nope-a" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- demo
+
+
+def test_demo():
+    proc = kvemu("demo", "--workers", "3", "--dp-size", "2", "--sessions", "4", "--turns", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "12 requests routed on 3 workers x 2 DP ranks" in proc.stdout
+    assert "prefix blocks found cached at routing time" in proc.stdout
+    assert proc.stdout == kvemu("demo", "--workers", "3", "--dp-size", "2", "--sessions", "4", "--turns", "3").stdout
+
+
+def test_usage_errors_exit_2():
+    assert kvemu("demo", "--workers", "0").returncode == 2
+    none = kvemu()
+    assert none.returncode == 2 and "usage: kvemu" in none.stderr
