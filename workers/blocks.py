@@ -23,7 +23,6 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
-from operator import eq
 from typing import Protocol
 
 from kvemu.errors import InvalidArgument
@@ -54,6 +53,10 @@ class BlockPool:
     ``eviction="lru"`` evicts the least recently released inactive block; ``"lineage"`` evicts the least
     recently released inactive block that has no cached child (leaves before shared parents).
     Every store, eviction and reset is appended to ``log`` in order; the owner drains it.
+
+    One dict holds every cached full block: ``cached[hash] > 0`` is an active block's reference count,
+    ``cached[hash] = -tick < 0`` marks an inactive block released at ``tick`` (a counter bumped per
+    released block), so a lookup, a release or a reactivation is one dict operation.
     """
 
     __slots__ = (
@@ -61,17 +64,17 @@ class BlockPool:
         "block_size",
         "eviction",
         "free",
-        "active",
-        "inactive",
+        "cached",
+        "num_inactive",
         "log",
+        "version",
         "_tick",
-        "_parent",
-        "_children",
-        "_leaves",
         "_order",
         "_order_base",
         "_head",
-        "version",
+        "_parent",
+        "_children",
+        "_leaves",
     )
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicyName = "lru") -> None:
@@ -85,60 +88,66 @@ class BlockPool:
         self.block_size = block_size
         self.eviction = eviction
         self.free = num_blocks
-        self.active: dict[int, int] = {}
-        """Active full blocks: sequence hash -> reference count (>= 1)."""
-        self.inactive: dict[int, int] = {}
-        """Inactive full blocks: sequence hash -> release tick (a counter bumped per released block)."""
+        self.cached: dict[int, int] = {}
+        """Sequence hash -> reference count (active, > 0) or minus the release tick (inactive, < 0)."""
+        self.num_inactive = 0
         self.log: list[tuple] = []
+        self.version = 0
+        """Bumped by every mutation, so an owner can tell that nothing changed between two instants."""
         self._tick = 0
-        # LRU queue: hashes in release order; _order[i] was released with tick _order_base + i. Entries
-        # of blocks reactivated (or released again later) are stale and skipped. A list with a head
-        # index, not the dict's own order: popping the front of a dict leaves dummies that every later
-        # scan from the front walks over.
-        self._order: list[int] = []
+        # LRU queue: hashes in release order; _order[i] was released with tick _order_base + i, and is
+        # None once that block is referenced again. A list with a head index, not the dict's own
+        # order: popping the front of a dict leaves dummies that every later scan walks over.
+        self._order: list[int | None] = []
         self._order_base = 1
         self._head = 0
         # lineage bookkeeping (only maintained for eviction="lineage")
         self._parent: dict[int, int | None] = {}
         self._children: dict[int, int] = {}
         self._leaves: list[tuple[int, int]] = []
-        self.version = 0
-        """Bumped by every mutation, so an owner can tell that nothing changed between two instants."""
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_active_blocks(self) -> int:
         """Blocks in use by running sequences (active full blocks + partial blocks)."""
-        return self.num_blocks - self.free - len(self.inactive)
+        return self.num_blocks - self.free - self.num_inactive
 
     @property
     def available(self) -> int:
         """Blocks an allocation may take: free ones plus evictable inactive ones."""
-        return self.free + len(self.inactive)
+        return self.free + self.num_inactive
+
+    @property
+    def active(self) -> dict[int, int]:
+        """Active full blocks: sequence hash -> reference count (a copy, for checks and tests)."""
+        return {h: v for h, v in self.cached.items() if v > 0}
+
+    @property
+    def inactive(self) -> dict[int, int]:
+        """Inactive full blocks: sequence hash -> release tick (a copy, for checks and tests)."""
+        return {h: -v for h, v in self.cached.items() if v < 0}
 
     def is_cached(self, block_hash: int) -> bool:
         """Whether a full block with this sequence hash is in the pool (active or inactive)."""
-        return block_hash in self.active or block_hash in self.inactive
+        return block_hash in self.cached
 
     def cached_hashes(self) -> set[int]:
         """Sequence hashes of every cached full block (for checks; not used to decide anything)."""
-        return set(self.active) | set(self.inactive)
+        return set(self.cached)
 
     def match_prefix(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
         """Length of the cached prefix of ``hashes[:limit]`` and how many of those blocks are inactive."""
-        active = self.active
-        inactive = self.inactive
+        get = self.cached.get
         n = 0
         n_inactive = 0
         for h in islice(hashes, limit):
-            if h in active:
-                n += 1
-            elif h in inactive:
-                n += 1
-                n_inactive += 1
-            else:
+            v = get(h)
+            if v is None:
                 break
+            n += 1
+            if v < 0:
+                n_inactive += 1
         return n, n_inactive
 
     # ---------------------------------------------------------------- mutations
@@ -146,15 +155,20 @@ class BlockPool:
     def take_hits(self, hashes: Sequence[int], n: int) -> None:
         """Reference the first ``n`` blocks of ``hashes`` (all cached), reactivating inactive ones."""
         self.version += 1
-        active = self.active
-        inactive = self.inactive
+        cached = self.cached
         for h in islice(hashes, n):
-            refs = active.get(h)
-            if refs is not None:
-                active[h] = refs + 1
+            v = cached[h]  # KeyError here means the caller skipped match_prefix
+            if v > 0:
+                cached[h] = v + 1
             else:
-                del inactive[h]  # KeyError here means the caller skipped match_prefix
-                active[h] = 1
+                self._reactivate(h, v)
+
+    def _reactivate(self, h: int, v: int) -> None:
+        """An inactive block (marked ``v = -tick``) is referenced again: it leaves the LRU queue."""
+        self.cached[h] = 1
+        self.num_inactive -= 1
+        if self.eviction == "lru":
+            self._order[-v - self._order_base] = None
 
     def allocate(self, n: int) -> None:
         """Take ``n`` blocks as partial blocks, from the free ones first, then by eviction."""
@@ -164,39 +178,30 @@ class BlockPool:
         if n <= self.free:
             self.free -= n
             return
-        if n > self.free + len(self.inactive):
+        if n > self.free + self.num_inactive:
             self.version -= 1
             raise InvalidArgument(f"allocate: {n} blocks requested, only {self.available} available")
-        take = n if n <= self.free else self.free
-        self.free -= take
-        if n > take:
-            self._evict(n - take)
+        n -= self.free
+        self.free = 0
+        self._evict(n)
 
     def _evict(self, n: int) -> None:
-        inactive = self.inactive
-        log = self.log
+        cached = self.cached
+        get = cached.get
+        self.num_inactive -= n
         if self.eviction == "lru":
             order = self._order
             head = self._head
-            tick = self._order_base + head  # release tick of order[head]
             victims: list[int] = []
-            get = inactive.get
-            while n:
+            while n:  # the oldest releases first; entries of blocks reactivated since are None
                 span = order[head : head + n]
-                valid = list(map(eq, map(get, span), range(tick, tick + len(span))))
-                try:
-                    k = valid.index(False)  # the first stale entry (a block reactivated since)
-                except ValueError:
-                    k = len(span)
-                if k:
-                    victims += span[:k] if k < len(span) else span
-                    n -= k
-                if k < len(span):
-                    k += 1  # skip the stale entry
-                head += k
-                tick += k
-            deque(map(inactive.__delitem__, victims), maxlen=0)
-            log.append((REMOVED, victims))
+                head += len(span)
+                if None in span:
+                    span = [h for h in span if h is not None]
+                victims += span
+                n -= len(span)
+            deque(map(cached.__delitem__, victims), maxlen=0)
+            self.log.append((REMOVED, victims))
             if head > 4096 and head * 2 > len(order):
                 del order[:head]
                 self._order_base += head
@@ -206,12 +211,13 @@ class BlockPool:
         leaves = self._leaves
         children = self._children
         parent_of = self._parent
+        log = self.log
         for _ in range(n):
             while True:
                 tick, h = heapq.heappop(leaves)
-                if inactive.get(h) == tick and not children.get(h):
+                if get(h) == -tick and not children.get(h):
                     break
-            del inactive[h]
+            del cached[h]
             log.append((REMOVED, [h]))
             parent = parent_of.pop(h)
             children.pop(h, None)
@@ -221,25 +227,24 @@ class BlockPool:
                     children[parent] = left
                 else:
                     del children[parent]
-                    ptick = inactive.get(parent)
-                    if ptick is not None:
-                        heapq.heappush(leaves, (ptick, parent))
+                    v = get(parent)
+                    if v is not None and v < 0:
+                        heapq.heappush(leaves, (-v, parent))
 
     def promote(self, hashes: Sequence[int], lo: int, hi: int, source: TokenSource) -> int:
         """Blocks ``lo .. hi-1`` of a sequence (partial until now) became full; returns blocks released.
 
         A block whose hash is new becomes active (logged as stored, consecutive ones in one entry);
-        a block whose hash is already cached is released and the cached block referenced instead.
+        a block whose hash is already cached is released and the cached one referenced instead.
         """
         if lo >= hi:
             return 0
         self.version += 1
-        active = self.active
-        inactive = self.inactive
+        cached = self.cached
         lineage = self.eviction == "lineage"
         span = hashes[lo:hi]
-        if not lineage and active.keys().isdisjoint(span) and inactive.keys().isdisjoint(span):
-            active.update(dict.fromkeys(span, 1))
+        if not lineage and cached.keys().isdisjoint(span):
+            cached.update(dict.fromkeys(span, 1))
             self.log.append((STORED, span, hashes[lo - 1] if lo else None, source, lo))
             return 0
         released = 0
@@ -247,20 +252,19 @@ class BlockPool:
         log = self.log
         for i in range(lo, hi):
             h = hashes[i]
-            refs = active.get(h)
-            if refs is not None or h in inactive:
-                if refs is not None:
-                    active[h] = refs + 1
+            v = cached.get(h)
+            if v is not None:
+                if v > 0:
+                    cached[h] = v + 1
                 else:
-                    del inactive[h]
-                    active[h] = 1
+                    self._reactivate(h, v)
                 released += 1
                 if run_start >= 0:
                     parent = hashes[run_start - 1] if run_start else None
                     log.append((STORED, hashes[run_start:i], parent, source, run_start))
                     run_start = -1
                 continue
-            active[h] = 1
+            cached[h] = 1
             if lineage:
                 parent = hashes[i - 1] if i else None
                 self._parent[h] = parent
@@ -276,10 +280,10 @@ class BlockPool:
     def promote_one(self, hashes: Sequence[int], i: int, source: TokenSource) -> int:
         """``promote(hashes, i, i + 1, source)``, with a short path for the usual new block."""
         h = hashes[i]
-        if self.eviction == "lineage" or h in self.active or h in self.inactive:
+        if h in self.cached or self.eviction == "lineage":
             return self.promote(hashes, i, i + 1, source)
         self.version += 1
-        self.active[h] = 1
+        self.cached[h] = 1
         self.log.append((STORED, [h], hashes[i - 1] if i else None, source, i))
         return 0
 
@@ -293,28 +297,26 @@ class BlockPool:
         self.free += n_partial
         if n_full <= 0:
             return
-        active = self.active
-        inactive = self.inactive
-        lineage = self.eviction == "lineage"
+        cached = self.cached
         tick = self._tick
-        if not lineage:
-            held = hashes[n_full - 1 :: -1]  # tail first
-            if sum(map(active.__getitem__, held)) == n_full:  # nobody else holds any of them
-                deque(map(active.__delitem__, held), maxlen=0)
-                inactive.update(zip(held, range(tick + 1, tick + 1 + n_full)))
-                self._order += held
-                self._tick = tick + n_full
-                return
+        held = hashes[n_full - 1 :: -1]  # tail first
+        if self.eviction == "lru" and sum(map(cached.__getitem__, held)) == n_full:
+            # nobody else holds any of them: all go inactive, marked with consecutive ticks
+            cached.update(zip(held, range(-tick - 1, -tick - 1 - n_full, -1)))
+            self._order += held
+            self._tick = tick + n_full
+            self.num_inactive += n_full
+            return
+        lineage = self.eviction == "lineage"
         order = self._order
-        for i in range(n_full - 1, -1, -1):
-            h = hashes[i]
-            refs = active[h]
-            if refs > 1:
-                active[h] = refs - 1
+        for h in held:
+            v = cached[h]
+            if v > 1:
+                cached[h] = v - 1
                 continue
-            del active[h]
             tick += 1
-            inactive[h] = tick
+            cached[h] = -tick
+            self.num_inactive += 1
             if lineage:
                 if not self._children.get(h):
                     heapq.heappush(self._leaves, (tick, h))
@@ -328,7 +330,8 @@ class BlockPool:
             return False
         self.version += 1
         self.free = self.num_blocks
-        self.inactive.clear()
+        self.cached.clear()
+        self.num_inactive = 0
         self._parent.clear()
         self._children.clear()
         self._leaves.clear()
@@ -341,9 +344,9 @@ class BlockPool:
     def check(self) -> None:
         """Assert the pool's internal invariants (tests and debugging)."""
         assert self.free >= 0, self.free
-        assert self.num_active_blocks >= len(self.active), (self.num_active_blocks, len(self.active))
-        assert self.active.keys().isdisjoint(self.inactive.keys())
-        assert all(r >= 1 for r in self.active.values())
+        assert self.num_inactive == sum(1 for v in self.cached.values() if v < 0)
+        assert 0 not in self.cached.values()
+        assert self.num_active_blocks >= len(self.cached) - self.num_inactive
         if self.eviction == "lineage":
             assert set(self._parent) == self.cached_hashes()
             counts: dict[int, int] = {}
@@ -351,9 +354,16 @@ class BlockPool:
                 if parent is not None and parent in self._parent:
                     counts[parent] = counts.get(parent, 0) + 1
             assert counts == self._children, (counts, self._children)
+        else:
+            live = [h for h in self._order[self._head :] if h is not None]
+            assert len(live) == self.num_inactive, "LRU queue out of step with the inactive blocks"
+            for h, v in self.cached.items():
+                if v < 0:
+                    assert self._order[-v - self._order_base] == h, "LRU queue lost a block"
 
     def __repr__(self) -> str:
+        n_active = len(self.cached) - self.num_inactive
         return (
-            f"BlockPool(blocks={self.num_blocks}, free={self.free}, active={len(self.active)}, "
-            f"inactive={len(self.inactive)}, partial={self.num_active_blocks - len(self.active)})"
+            f"BlockPool(blocks={self.num_blocks}, free={self.free}, active={n_active}, "
+            f"inactive={self.num_inactive}, partial={self.num_active_blocks - n_active})"
         )

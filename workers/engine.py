@@ -382,47 +382,49 @@ class EngineCore:
         the next arrival or at/after ``t_ns``, or end after ``t_ns``. When arrived requests are waiting,
         it also stops before any block event (a cache change could make one admissible). Returns the
         number of passes committed.
+
+        Between passes every decoding request holds ``ceil(computed / block_size)`` blocks, so its first
+        block need and its first block fill both fall within the next ``block_size`` passes and then
+        recur every ``block_size`` passes: one sorted period of events describes the whole run.
         """
         running = self.scheduler.running
         bs = self._block_size
         caching = self._caching
-        j_stop = MAX_TIME_NS
-        heap: list[tuple[int, int, int]] = []
-        for pos, seq in enumerate(running):
-            jc = seq.max_tokens - seq.n_out
-            if jc < j_stop:
-                j_stop = jc
-            heap.append((seq.n_alloc * bs - seq.computed + 1, 0, pos))  # first pass needing a new block
-            if caching:
-                heap.append((bs - seq.computed % bs, 1, pos))  # first pass filling a block
+        j_stop = min(seq.max_tokens - seq.n_out for seq in running)  # the first completing pass
         if j_stop <= 1:
             return 0
-        if caching and not self.scheduler.waiting:
-            for seq in running:  # hash every block this run may fill in one go (a cache of known tokens)
-                first_fill = bs - seq.computed % bs
-                if first_fill < j_stop:
-                    seq.ensure_hashes(seq.n_full + (j_stop - 1 - first_fill) // bs + 1)
-        heapq.heapify(heap)
         quiet_only = bool(self.scheduler.waiting)
+        period: list[tuple[int, int, int]] = []  # (first pass index in 1..bs, 0 need / 1 fill, position)
+        for pos, seq in enumerate(running):
+            c = seq.computed
+            period.append((seq.n_alloc * bs - c + 1, 0, pos))
+            if caching:
+                first_fill = bs - c % bs
+                period.append((first_fill, 1, pos))
+                if first_fill < j_stop and not quiet_only:  # hash every block the run may fill, at once
+                    seq.ensure_hashes(seq.n_full + (j_stop - 1 - first_fill) // bs + 1)
+        period.sort()
+        n_ev = len(period)
         arrival = self.scheduler.next_arrival_ns()
         if arrival is None:
             arrival = MAX_TIME_NS + 1
         pool = self.pool
-        timer = self.timer
-        log_rank = self.dp_rank
-        d = timer.decode_ns(pool.num_active_blocks)
+        decode_ns = self.timer.decode_ns
+        rank = self.dp_rank
+        active = pool.num_active_blocks
+        d = decode_ns(active)
         stamps: list[int] = []
-        j = 0
-        T = s
+        j = 0  # passes committed
+        T = s  # start of pass j + 1
+        idx = 0  # next entry of the period ...
+        base = 0  # ... which happens at pass period[idx][0] + base
         while True:
-            jn = heap[0][0] if heap else j_stop
+            jn = period[idx][0] + base
             if jn > j_stop:
                 jn = j_stop
-            # plain passes j+1 .. jn-1: same batch, same duration d
-            cnt = jn - 1 - j
+            cnt = jn - 1 - j  # plain passes j+1 .. jn-1: same batch, same duration d
             if cnt > 0:
-                room = t_ns - T if t_ns - T < arrival - T else arrival - T
-                if room <= 0:
+                if T >= t_ns or T >= arrival:
                     break
                 if d:
                     by_end = (t_ns - T) // d
@@ -431,44 +433,50 @@ class EngineCore:
                     if fit < cnt:
                         cnt = fit
                 if cnt > 0:
-                    if d:
-                        stamps.extend(range(T + d, T + cnt * d + 1, d))
-                    else:
-                        stamps.extend([T] * cnt)
+                    stamps += range(T + d, T + cnt * d + 1, d) if d else [T] * cnt
                     T += cnt * d
                     j += cnt
                 if j < jn - 1:
                     break
-            if jn >= j_stop or quiet_only:
+            if jn >= j_stop or quiet_only or T >= t_ns or T >= arrival:
                 break
-            if T >= t_ns or T >= arrival:
-                break
-            needs: list[SeqState] = []
-            fills: list[SeqState] = []
-            while heap and heap[0][0] == jn:
-                _, kind, pos = heapq.heappop(heap)
-                (fills if kind else needs).append(running[pos])
-                heapq.heappush(heap, (jn + bs, kind, pos))
+            needs: list[int] = []
+            fills: list[int] = []
+            nxt, nbase = idx, base
+            while period[nxt][0] + nbase == jn:
+                if period[nxt][1]:
+                    fills.append(period[nxt][2])
+                else:
+                    needs.append(period[nxt][2])
+                nxt += 1
+                if nxt == n_ev:
+                    nxt = 0
+                    nbase += bs
             m = len(needs)
-            if m > pool.available:
+            if m > pool.free + pool.num_inactive:
+                break  # a preemption: the scheduler's business
+            d = decode_ns(active + m)
+            if T + d > t_ns:
                 break
-            d2 = timer.decode_ns(pool.num_active_blocks + m)
-            if T + d2 > t_ns:
-                break
-            for seq in needs:
-                pool.allocate(1)
-                seq.n_alloc += 1
-            for seq in fills:
+            idx, base = nxt, nbase
+            if m:
+                pool.allocate(m)  # the same victims, in the same order, as one block per request
+                active += m
+                for pos in needs:
+                    running[pos].n_alloc += 1
+            for pos in fills:
+                seq = running[pos]
                 nf = seq.n_full
-                pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq)
+                if pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq):
+                    active = pool.num_active_blocks  # deduplicated: its partial block went back
                 seq.n_full = nf + 1
-            T += d2
+            T += d
             j = jn
             stamps.append(T)
             if pool.log:
-                out.events.append(PassEvents(T, log_rank, pool.log, bs))
+                out.events.append(PassEvents(T, rank, pool.log, bs))
                 pool.log = []
-            d = timer.decode_ns(pool.num_active_blocks)
+            d = decode_ns(active)
         if j:
             record_times = self._record_times
             for seq in running:
@@ -477,7 +485,7 @@ class EngineCore:
                 rec = seq.record
                 rec.output_tokens += j
                 if record_times:
-                    rec.token_times.extend(stamps)
+                    rec.token_times += stamps
             self._free_at = T
             self.passes += j
             out.passes += j
@@ -553,7 +561,7 @@ class EngineCore:
         arrival = self.scheduler.next_arrival_ns()
         timer = self.timer
         free = self.pool.free
-        evictable = len(self.pool.inactive)
+        evictable = self.pool.num_inactive
         active = self.pool.num_active_blocks
         floor = started + 1
         T = s  # start of pass j + 1
@@ -602,7 +610,7 @@ class EngineCore:
             for h in seq.hashes[: seq.n_full]:
                 refs[h] = refs.get(h, 0) + 1
         assert refs == pool.active, "active block refcounts must equal the running sequences' holdings"
-        assert pool.free + partial + len(pool.active) + len(pool.inactive) == pool.num_blocks, pool
+        assert pool.free + partial + len(pool.cached) == pool.num_blocks, pool
 
     def __repr__(self) -> str:
         return (
