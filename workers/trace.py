@@ -68,7 +68,7 @@ class HashIdTokens(Sequence[int]):
     without expanding them when ``block_size`` divides ``trace_block_size`` (every block is one repeated id).
     """
 
-    __slots__ = ("hash_ids", "trace_block_size", "_len")
+    __slots__ = ("hash_ids", "trace_block_size", "_len", "_u32")
 
     def __init__(
         self, hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE
@@ -77,6 +77,7 @@ class HashIdTokens(Sequence[int]):
         used = -(-self._len // trace_block_size)
         self.hash_ids = tuple(islice(hash_ids, used))
         self.trace_block_size = trace_block_size
+        self._u32 = all(type(h) is int and 0 <= h < _U32_LIMIT for h in self.hash_ids)
 
     def __len__(self) -> int:
         return self._len
@@ -119,7 +120,7 @@ class HashIdTokens(Sequence[int]):
 
     def check_u32(self) -> bool:
         """Whether every token id (hash id in use) is an integer in ``[0, 2**32)``."""
-        return all(type(h) is int and 0 <= h < _U32_LIMIT for h in self.hash_ids)
+        return self._u32
 
     def local_block_hashes(self, block_size: int) -> list[int]:
         """Local block hashes (seed 1337), equal to ``kvemu.hashing.local_block_hashes(self.to_list(), block_size)``."""
