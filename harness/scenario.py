@@ -63,6 +63,14 @@ class EngineSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     preemption_mode: Literal["lifo", "fifo"] = "lifo"
     eviction: Literal["lru", "lineage"] = "lru"
 
+    def __post_init__(self) -> None:
+        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _check(value >= 1, f"cluster.engine.{name}", f"must be >= 1, got {value}")
+        for name in ("speedup_ratio", "decode_speedup_ratio"):
+            value = getattr(self, name)
+            _check(value >= 0 and math.isfinite(value), f"cluster.engine.{name}", f"must be a finite number >= 0, got {value}")
+
 
 class ClusterSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """The workers."""

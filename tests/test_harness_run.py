@@ -248,10 +248,6 @@ def test_kv_routing_reuses_at_least_as_much_prefix_as_round_robin(tmp_path):
     assert kv["kvemu"]["routing"]["selection_to_best_ratio"] >= rr["kvemu"]["routing"]["selection_to_best_ratio"]
 
 
-@pytest.mark.xfail(reason="bug (reported): the router books a request's load only after the worker acknowledged "
-                          "the dispatch, so requests arriving at the same instant are all scored against the same "
-                          "load and pile onto the rank with the cached prefix (Dynamo books at selection)",
-                   strict=False)
 def test_kv_routing_sees_the_load_of_earlier_requests_of_the_same_instant(tmp_path):
     rows = [{"timestamp": 0, "input_length": 128, "output_length": 4, "hash_ids": [1, 2, 3, 4]}]
     rows += [{"timestamp": 1000, "input_length": 128, "output_length": 4, "hash_ids": [1, 2, 3, 100 + i]}

@@ -95,8 +95,6 @@ def test_out_of_range_values_name_the_key_path_and_line(text, key, line, expecte
     assert expected in msg
 
 
-@pytest.mark.xfail(reason="bug (reported): EngineSpec has no range checks; 0 GPU blocks passes validation and "
-                          "`kvemu run` then fails inside the cluster with a traceback", strict=False)
 def test_engine_values_are_range_checked_at_validation():
     msg = error_of("cluster:\n  engine:\n    num_gpu_blocks: 0\n")
     assert "cluster.engine.num_gpu_blocks (line 3)" in msg

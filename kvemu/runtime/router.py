@@ -1,8 +1,8 @@
 """The router actor: the request lifecycle around the sans-IO policy core, on any clock and transport.
 
 client request → hashes → eligibility (availability, allow-list, pins, affinity) → policy queue if every
-eligible rank is busy → select → affinity acquire → dispatch → worker accepts → commit the binding and
-book the load → tokens stream back → first token marks prefill complete → completion frees the load and
+eligible rank is busy → select → affinity acquire → book the load → dispatch → worker accepts → commit
+the binding (a refusal frees the load and drops the hold) → tokens stream back → first token marks prefill complete → completion frees the load and
 releases the lease. A rejected dispatch drops the hold and re-selects, up to ``retry_limit``. Workers
 register and heartbeat; a missed heartbeat window removes the worker (fence, forget its cache, invalidate
 its bindings, retry or fail its requests). Everything observable is emitted through ``Hooks``.
@@ -420,6 +420,9 @@ class Router:
             raise _Retry
         flight.key = (wid, rank)
         state.flights[req.request_id] = None
+        # book now, so that requests routed while this one awaits its acknowledgement see its load;
+        # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
+        core.book(req.request_id, selection, prepared)
         self._send(state.peer, Dispatch(request_id=req.request_id, dp_rank=rank, tokens=req.tokens,
                                           max_tokens=req.max_tokens))
         accepted = False
@@ -428,6 +431,8 @@ class Router:
             accepted = flight.failure is None
         if not accepted:
             reason = flight.failure or "dispatch_timeout"
+            core.free(req.request_id)
+            self._capacity_changed()
             state.flights.pop(req.request_id, None)
             refused.append((wid, rank))
             if hold is not None:
@@ -441,7 +446,6 @@ class Router:
                 flight.lease = affinity.commit(hold, selection.key)  # type: ignore[union-attr]
             except InvalidArgument as exc:  # hard binding moved meanwhile: keep serving, unbound
                 log.info("affinity commit for %s: %s", req.request_id, exc)
-        core.book(req.request_id, selection, prepared)
         self._emit("dispatch_accepted", req.request_id, wid, rank)
         try:
             await flight.done.wait()
