@@ -52,13 +52,12 @@ def check_tokens_u32(tokens: Sequence[int], field: str) -> None:
 
 
 def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_tokens: bool) -> None:
-    """Reject a malformed request: empty prompt, ``max_tokens < 1``, arrival in the past, or too long to ever fit.
+    """Reject a malformed request (empty prompt, ``max_tokens < 1``, arrival in the past, too long to ever fit).
 
-    "Too long" means its KV (prompt + max_tokens - 1 tokens; the last token's KV is never computed)
-    exceeds the rank's pool, or, with chunked prefill off, exceeds ``max_num_batched_tokens`` (a
-    preempted request re-prefills everything it has so far in one pass). Token ids are range-checked
-    here only when ``check_tokens`` (otherwise hashing them checks them).
+    Token ids are range-checked here only when ``check_tokens`` (otherwise hashing them checks them).
     """
+    # "Too long": its KV (prompt + max_tokens - 1 tokens; the last token's KV is never computed) exceeds
+    # the pool, or, without chunked prefill, one pass's budget (a preempted request re-prefills all it has).
     if not isinstance(req.request_id, str) or not req.request_id:
         raise _malformed("request_id", f"must be a non-empty string, got {req.request_id!r}")
     mt = req.max_tokens

@@ -11,6 +11,10 @@ Only the count of free and partial blocks matters; physical block ids are not mo
 such a duplicate physical block until its request ends; releasing it at once differs only in the
 capacity of that rare window and keeps one block per hash, which is what the router sees.)
 
+One dict holds every cached full block: ``cached[hash] > 0`` is an active block's reference count and
+``cached[hash] = -tick < 0`` marks an inactive block released at ``tick`` (a counter bumped per released
+block), so a lookup, a release or a reactivation is one dict operation.
+
 Eviction: sequences always hold a prefix of their chain and release it tail first (as vLLM's free
 queue does), so a parent is always released after its children and plain LRU already evicts leaves
 before their parents. ``lineage`` additionally checks the leaf property explicitly; with this release
@@ -48,15 +52,9 @@ class TokenSource(Protocol):
 
 
 class BlockPool:
-    """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens with prefix reuse and eviction.
+    """Fixed pool of KV blocks with prefix reuse; evicts the least recently released (``lineage``: leaf) block.
 
-    ``eviction="lru"`` evicts the least recently released inactive block; ``"lineage"`` evicts the least
-    recently released inactive block that has no cached child (leaves before shared parents).
     Every store, eviction and reset is appended to ``log`` in order; the owner drains it.
-
-    One dict holds every cached full block: ``cached[hash] > 0`` is an active block's reference count,
-    ``cached[hash] = -tick < 0`` marks an inactive block released at ``tick`` (a counter bumped per
-    released block), so a lookup, a release or a reactivation is one dict operation.
     """
 
     __slots__ = (
@@ -232,10 +230,9 @@ class BlockPool:
                         heapq.heappush(leaves, (-v, parent))
 
     def promote(self, hashes: Sequence[int], lo: int, hi: int, source: TokenSource) -> int:
-        """Blocks ``lo .. hi-1`` of a sequence (partial until now) became full; returns blocks released.
+        """Blocks ``lo .. hi-1`` of a sequence became full: new ones are stored (logged), cached ones deduplicated.
 
-        A block whose hash is new becomes active (logged as stored, consecutive ones in one entry);
-        a block whose hash is already cached is released and the cached one referenced instead.
+        Returns how many partial blocks went back to the free pool (their content was already cached).
         """
         if lo >= hi:
             return 0
@@ -290,8 +287,7 @@ class BlockPool:
     def release(self, hashes: Sequence[int], n_full: int, n_partial: int) -> None:
         """A sequence drops its ``n_full`` full blocks (``hashes[:n_full]``) and ``n_partial`` partial ones.
 
-        Full blocks are released tail first, so under LRU a sequence's last blocks are evicted before
-        its prefix, which other requests are more likely to share.
+        Tail first, so under LRU its last blocks go before its prefix, which others are likelier to share.
         """
         self.version += 1
         self.free += n_partial

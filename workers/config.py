@@ -1,4 +1,10 @@
-"""Mock engine configuration: the reference mocker's vLLM-flavour defaults, validated at construction."""
+"""Mock engine configuration: the reference mocker's vLLM-flavour defaults, validated at construction.
+
+``speedup_ratio`` divides every pass duration and ``decode_speedup_ratio`` additionally divides the
+decode part, as the reference mocker does. A ratio of 0 is allowed and means "no engine delay": every
+duration that ratio applies to is 0 ns, so passes take no virtual time and a live worker never sleeps;
+live benchmarks use it to measure the system around the engines.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +34,7 @@ def _ratio(name: str, value: object) -> None:
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One DP rank's engine knobs (names and defaults of the reference mocker, vLLM flavour).
 
-    ``speedup_ratio`` divides every pass duration and ``decode_speedup_ratio`` additionally divides the
-    decode part, as the reference mocker does; a ratio of 0 means "no engine delay" (every duration
-    that ratio applies to is 0 ns), which live benchmarks use to measure the surrounding system.
+    A speedup ratio of 0 means no engine delay (see the module docstring); live benchmarks use it.
     """
 
     num_gpu_blocks: int = 16384

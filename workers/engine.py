@@ -22,6 +22,12 @@ Two drivers, identical results:
   arriving at ``t_ns`` may still be added and join it). Runs of pure decode passes are computed in
   one go: between two block events the batch and the pass duration do not change, so a stretch of
   passes is one multiplication, and block events inside a run are applied without re-scheduling.
+
+``next_event_ns()`` tells a host how far it can jump: the next first token, completion, KV event,
+preemption or freed slot. It is exact while only decodes run and for a pass in flight; before a pass
+that would admit, prefill or preempt (or that starts at or after the next arrival) it is that pass's
+start + 1, since advancing past its start starts it. So a zero-duration pass at ``t`` is reported as
+``t + 1``, its effects stamped ``t``.
 """
 
 from __future__ import annotations
@@ -376,17 +382,14 @@ class EngineCore:
         return out
 
     def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
-        """Commit a run of pure decode passes from ``s`` (the batch is fixed; only block events occur).
+        """Commit a run of pure decode passes from ``s`` as a whole; returns how many passes it committed.
 
-        Stops before the first pass that would complete a request, need a preemption, start at or after
-        the next arrival or at/after ``t_ns``, or end after ``t_ns``. When arrived requests are waiting,
-        it also stops before any block event (a cache change could make one admissible). Returns the
-        number of passes committed.
-
-        Between passes every decoding request holds ``ceil(computed / block_size)`` blocks, so its first
-        block need and its first block fill both fall within the next ``block_size`` passes and then
-        recur every ``block_size`` passes: one sorted period of events describes the whole run.
+        Stops before a pass that would complete a request, preempt, start at/after the next arrival or ``t_ns``.
         """
+        # With arrived requests waiting it also stops before any block event (a cache change could make
+        # one admissible). Between passes a decoding request holds ceil(computed / block_size) blocks, so
+        # its first block need and first block fill fall within the next block_size passes and recur
+        # every block_size passes: one sorted period of events describes the whole run.
         running = self.scheduler.running
         bs = self._block_size
         caching = self._caching
@@ -494,15 +497,9 @@ class EngineCore:
     # ------------------------------------------------------------- horizon
 
     def next_event_ns(self) -> int | None:
-        """Earliest time to advance to for something externally visible to happen (None: nothing pending).
+        """When to advance to for the next externally visible change (None: nothing pending); see the module doc.
 
-        Visible: a first token, a completion, a KV event, a preemption or a freed slot. Nothing visible
-        happens before the returned time and ``advance_to`` it always makes progress. It is exact while
-        only decodes run (until a pass that would preempt, or the next arrival, where it stops at that
-        pass's start + 1) and for a pass in flight; before a pass that admits or prefills it is that
-        pass's start + 1 (advancing there starts it). A pass is only started by advancing past its start,
-        so a zero-duration pass at ``t`` is reported as ``t + 1`` (its effects are stamped ``t``). Adding a
-        request can make the answer earlier: ask again after ``add_request``.
+        Nothing visible happens before it and ``advance_to`` it always makes progress; ask again after ``add_request``.
         """
         fl = self._inflight
         if fl is not None:
@@ -537,12 +534,9 @@ class EngineCore:
         return True
 
     def _quiet_horizon(self, s: int, offset: int, started: int) -> int:
-        """First visible pass end of a decode run from ``s``, each request already ``offset`` passes ahead.
-
-        Fills (block stores; a dedupe is counted too, conservatively), completions and block needs that
-        exceed the free blocks (eviction or preemption) are visible; a pass starting at or after the next
-        arrival may admit it, so the horizon stops just after that pass starts.
-        """
+        """First visible pass end of a decode run from ``s``, each request already ``offset`` passes ahead."""
+        # Visible: fills (stores; a dedupe counts too, conservatively), completions, block needs beyond the
+        # free blocks (eviction or preemption). A pass starting at/after the next arrival may admit it.
         bs = self._block_size
         j_vis = MAX_TIME_NS
         firsts: list[int] = []

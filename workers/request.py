@@ -10,31 +10,30 @@ __all__ = ["Request", "RequestRecord"]
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
-    """One generation request: prompt token ids, a fixed number of output tokens and its arrival time.
+    """One generation request: prompt token ids, exactly ``max_tokens`` output tokens (no EOS), arrival time.
 
-    The engine ignores EOS: it produces exactly ``max_tokens`` tokens. ``output_token_ids`` fixes the
-    generated ids (default: a deterministic per-request sequence); they matter only for the hashes of
-    blocks filled by generated tokens. ``seq_hashes`` may carry the prompt's sequence hashes computed
-    with the engine's block size (e.g. ``RoutingCore.prepare(...).seq_hashes``) to skip rehashing; they
-    are trusted, only their count is checked. Validation happens when a worker accepts the request.
+    Validated when a worker or engine core accepts it, not when it is built.
     """
 
     request_id: str
     token_ids: Sequence[int]
     max_tokens: int
-    arrival_ns: int = 0
+    arrival_ns: int | None = 0
+    """Virtual arrival time; None means "now" (the engine's current time when it is added)."""
     priority: int = 0
     """Lower values are scheduled first; equal priorities are first come, first served."""
     output_token_ids: Sequence[int] | None = None
+    """Ids of the generated tokens (default: a deterministic per-request sequence); they only matter for
+    the hashes of blocks that generated tokens fill."""
     seq_hashes: Sequence[int] | None = None
+    """The prompt's sequence hashes at the engine's block size (e.g. ``RoutingCore.prepare(...).seq_hashes``),
+    to skip rehashing; trusted, only their count is checked."""
 
 
 class RequestRecord:
-    """What happened to one request on one rank; all times are virtual nanoseconds.
+    """What happened to one request on one rank, in virtual nanoseconds; updated live by the engine.
 
-    ``cached_tokens`` is the prompt prefix found in the rank's cache at first admission (the prefix hit);
-    ``token_times`` holds every output token's timestamp (a token is stamped at the end of the forward
-    pass that produced it) unless the engine was configured not to record them.
+    ``cached_tokens``: prompt prefix found cached at first admission; ``token_times``: each token's pass end.
     """
 
     __slots__ = (

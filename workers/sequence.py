@@ -26,11 +26,9 @@ if sys.byteorder != "little" or array("I").itemsize != 4:  # pragma: no cover - 
 
 
 class SeqState:
-    """A request inside an engine core.
+    """A request inside an engine core: positions ``0 .. prompt_len-1`` are the prompt, then generated tokens.
 
-    Positions ``0 .. prompt_len-1`` are the prompt, then the generated tokens. ``computed`` tokens have
-    their KV in the pool; the sequence holds ``n_alloc`` blocks, the first ``n_full`` of which are full
-    and identified by ``hashes[:n_full]``; the others are partial (mutable, never shared).
+    ``computed`` tokens have KV; of its ``n_alloc`` blocks the first ``n_full`` are full (``hashes[:n_full]``).
     """
 
     __slots__ = (

@@ -60,10 +60,9 @@ def _to_ns(ms: float, scale: float, what: str) -> int:
 class PassTimer:
     """Turns a pass's composition into an integer-nanosecond duration for one engine configuration.
 
-    Prefill time is divided by ``speedup_ratio``; decode time by ``speedup_ratio * decode_speedup_ratio``
-    (the reference mocker's effective decode ratio). A ratio of 0 makes that part last 0 ns.
-    Decode durations depend only on the number of active blocks, so they are memoised.
+    Prefill time / ``speedup_ratio``, decode time / (``speedup_ratio * decode_speedup_ratio``); ratio 0: 0 ns.
     """
+    # Decode durations depend only on the number of active blocks, so they are memoised.
 
     __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache")
 

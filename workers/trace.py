@@ -62,10 +62,9 @@ def expand_hash_ids(
 
 
 class HashIdTokens(Sequence[int]):
-    """The expanded prompt of a trace request, computed on demand instead of held as a list.
+    """The expanded prompt of a trace request as a lazy sequence equal to ``expand_hash_ids(...)``.
 
-    Behaves as the list ``expand_hash_ids(...)`` (same length, items, slices), and hashes its blocks
-    without expanding them when ``block_size`` divides ``trace_block_size`` (every block is one repeated id).
+    Hashes its blocks without expanding them when ``block_size`` divides ``trace_block_size``.
     """
 
     __slots__ = ("hash_ids", "trace_block_size", "_len", "_u32")
@@ -161,10 +160,9 @@ def mooncake_request(
     trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE,
     priority: int = 0,
 ) -> Request:
-    """A ``Request`` from one Mooncake trace record (``hash_ids``, ``input_length``, ``output_length``).
+    """A ``Request`` from one Mooncake trace record; arrival defaults to its ``timestamp`` (ms) in ns.
 
-    ``arrival_ns`` defaults to the record's ``timestamp`` (milliseconds) converted to nanoseconds;
-    multi-turn ``delay`` records need the caller to resolve their absolute time.
+    Multi-turn ``delay`` records need the caller to resolve their absolute time.
     """
     try:
         hash_ids = record["hash_ids"]
