@@ -24,11 +24,9 @@ from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
-from kvemu.runtime.messages import Register
 from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
-from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 from workers.actor import WorkerActor
 from workers.config import EngineConfig
 from workers.worker import MockWorker
@@ -67,7 +65,7 @@ def engine_config(spec: ClusterSpec) -> EngineConfig:
 
 
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
-                 kv_replay: Any = None, on_worker_added: Any = None, on_worker_removed: Any = None) -> Router:
+                 kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None) -> Router:
     """A router actor configured from its scenario section."""
     config = RouterConfig(
         overlap_score_credit=spec.overlap_score_credit, overlap_score_credit_decay=spec.overlap_score_credit_decay,
@@ -96,7 +94,7 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                                                 policy=q.policy)], prefill_tokens=prefill, batched_capacity=capacity)
     settings = RouterSettings(retry_limit=spec.retry_limit, heartbeat_timeout_s=spec.heartbeat_timeout_s)
     return Router(core=core, end=end, clock=clock, hooks=hooks, settings=settings, affinity=affinity, queue=queue,
-                  kv_replay=kv_replay, on_worker_added=on_worker_added, on_worker_removed=on_worker_removed)
+                  kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
 
 
 class Cluster:
@@ -180,7 +178,6 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     spec = scenario.cluster
     rspec = scenario.router
     block_size = spec.engine.block_size
-    subscriber: KvEventSubscriber | None = None
     if scenario.run.mode == "virtual":
         assert isinstance(clock, ManualClock)
         c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS))
@@ -191,50 +188,18 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
         c.bus.connect(c.router.kv_intake)
     else:
         assert not clock.is_virtual
-
-        def added(msg: Register) -> None:
-            assert subscriber is not None
-            for r, endpoint in enumerate(msg.kv_endpoints):
-                replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
-                subscriber.add(StreamSpec(msg.worker_id, msg.dp_start + r, endpoint, replay or None))
-
-        def removed(worker_id: int) -> None:
-            assert subscriber is not None
-            subscriber.remove_worker(worker_id)
-
-        end = ZmqRouterEnd("tcp://127.0.0.1:0")
-        c.router = build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=end,
-                                hooks=hooks, on_worker_added=added, on_worker_removed=removed)
-        subscriber = KvEventSubscriber(c.router._apply_kv, block_size=block_size, observer=c.router._kv_observer)
-        subscriber.stats = c.router.kv_stats
+        c.router = build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed,
+                                end=ZmqRouterEnd("tcp://127.0.0.1:0"), hooks=hooks, zmq_kv_events=True)
     async with anyio.create_task_group() as tg:
         c._tg = tg
         await tg.start(c.router.serve)
-        if subscriber is not None:
-            tg.start_soon(_pump, subscriber)
         for _ in range(spec.workers):
             await c.add_worker()
         try:
             yield c
         finally:
             tg.cancel_scope.cancel()
-    if subscriber is not None:
-        subscriber.close()
     for wid in list(c._publishers):
         for pub in c._publishers.pop(wid):
             pub.close(drain_timeout_s=0)
     await c.router.end.aclose()
-
-
-async def _pump(subscriber: KvEventSubscriber) -> None:
-    """Feed KV events from ZeroMQ into the router: poll without blocking, back off while idle."""
-    idle = 0.0
-    while True:
-        if subscriber.poll(0):
-            idle = 0.0
-            await anyio.sleep(0)
-        else:
-            idle = min(0.002, idle + 0.0002)
-            await anyio.sleep(idle)
-
-

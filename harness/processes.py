@@ -22,20 +22,18 @@ from typing import Any
 import anyio
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kvemu.clock import WallClock
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.runtime.messages import ClientRequest
-from kvemu.runtime.transport import ZmqWorkerEnd
+from kvemu.runtime.transport import ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
 from kvemu.wire.publisher import KvEventPublisher
-from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 from workers.actor import WorkerActor
 from workers.worker import MockWorker
 
-from harness.cluster import _pump, build_router, engine_config
+from harness.cluster import build_router, engine_config
 from harness.recorder import Recorder, RequestRecord
 from harness.report import RunData, Sample, write_report
 from harness.runner import count_requests, drain_deadline_s, play_session
@@ -89,12 +87,7 @@ class _SharedRouterEnd:
     """Worker traffic for the router actor; client traffic for the gateway (same ROUTER socket)."""
 
     def __init__(self, endpoint: str) -> None:
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = message_socket(zmq.ROUTER)
         sock.bind(endpoint)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
@@ -128,24 +121,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
     hooks = Hooks()
     recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
     end = _SharedRouterEnd(listen)
-    subscriber: KvEventSubscriber | None = None
-
-    def added(msg: Any) -> None:
-        assert subscriber is not None
-        for r, endpoint in enumerate(msg.kv_endpoints):
-            replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
-            subscriber.add(StreamSpec(msg.worker_id, msg.dp_start + r, endpoint, replay or None))
-
-    def removed(worker_id: int) -> None:
-        assert subscriber is not None
-        subscriber.remove_worker(worker_id)
-
     router = build_router(scenario.router, block_size=scenario.cluster.engine.block_size, clock=clock,
-                          seed=scenario.run.seed, end=end, hooks=hooks, on_worker_added=added,
-                          on_worker_removed=removed)
-    subscriber = KvEventSubscriber(router._apply_kv, block_size=scenario.cluster.engine.block_size,
-                                   observer=router._kv_observer)
-    subscriber.stats = router.kv_stats
+                          seed=scenario.run.seed, end=end, hooks=hooks, zmq_kv_events=True)
     log_start("router", listen=end.endpoint)
     in_flight: set[str] = set()
 
@@ -186,7 +163,6 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
 
     async with anyio.create_task_group() as tg:
         await tg.start(router.serve)
-        tg.start_soon(_pump, subscriber)
         tg.start_soon(gateway, tg)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
@@ -196,7 +172,6 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
             while in_flight:
                 await anyio.sleep(0.01)
         tg.cancel_scope.cancel()
-    subscriber.close()
     await end.aclose()
 
 
@@ -261,11 +236,7 @@ class _RouterClient:
     """A DEALER to the router: submit requests, await their records, query stats."""
 
     def __init__(self, router: str) -> None:
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = message_socket(zmq.DEALER)
         sock.connect(router)
         self.sock = sock
         self.records: dict[str, RequestRecord] = {}

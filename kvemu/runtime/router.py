@@ -43,6 +43,7 @@ from kvemu.runtime.messages import (
 )
 from kvemu.runtime.transport import RouterEnd
 from kvemu.wire.stream import EventStream, Replay, WorkerEventStats
+from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
 __all__ = ["RouterSettings", "RequestResult", "Router"]
 
@@ -129,6 +130,7 @@ class Router:
         affinity: SessionAffinity | None = None,
         queue: PolicyQueue | None = None,
         kv_replay: Callable[[int, int], Replay | None] | None = None,
+        zmq_kv_events: bool = False,
         on_worker_added: Callable[[Register], None] | None = None,
         on_worker_removed: Callable[[int], None] | None = None,
     ) -> None:
@@ -152,6 +154,13 @@ class Router:
         self._waiting: dict[str, anyio.Event] = {}
         self._capacity = anyio.Event()
         self.registered = anyio.Event()
+        self.kv_subscriber: KvEventSubscriber | None = None
+        """With ``zmq_kv_events``: subscribes to the endpoints workers announce when they register."""
+        if zmq_kv_events:
+            self.kv_subscriber = KvEventSubscriber(self._apply_kv, block_size=core.block_size,
+                                                   observer=self._kv_observer,
+                                                   replay_on_connect=self.settings.kv_replay_on_connect)
+            self.kv_subscriber.stats = self.kv_stats
 
     # ------------------------------------------------------------------ serving
 
@@ -159,6 +168,8 @@ class Router:
         """Receive worker messages and watch heartbeats until cancelled."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watchdog)
+            if self.kv_subscriber is not None:
+                tg.start_soon(self._pump_kv_events, self.kv_subscriber)
             task_status.started()
             while True:
                 try:
@@ -167,6 +178,20 @@ class Router:
                     break
                 self._on_message(peer, data)
             tg.cancel_scope.cancel()
+
+    async def _pump_kv_events(self, subscriber: KvEventSubscriber) -> None:
+        """Feed ZeroMQ KV events into the index: poll without blocking, back off while idle."""
+        idle = 0.0
+        try:
+            while True:
+                if subscriber.poll(0):
+                    idle = 0.0
+                    await anyio.sleep(0)
+                else:
+                    idle = min(0.002, idle + 0.0002)
+                    await anyio.sleep(idle)
+        finally:
+            subscriber.close()
 
     async def wait_for_workers(self, count: int, timeout_s: float = 30.0) -> None:
         """Return once ``count`` workers are registered (``TimeoutError`` otherwise)."""
@@ -251,6 +276,10 @@ class Router:
                 msg.worker_id, rank, sink=self._apply_kv, block_size=self.core.block_size, stats=stats,
                 replay=replay, replay_on_connect=self.settings.kv_replay_on_connect, observer=self._kv_observer,
             )
+        if self.kv_subscriber is not None:
+            for r, endpoint in enumerate(msg.kv_endpoints):
+                replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
+                self.kv_subscriber.add(StreamSpec(msg.worker_id, msg.dp_start + r, endpoint, replay or None))
         if self._on_worker_added is not None:
             self._on_worker_added(msg)
         self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
@@ -284,6 +313,8 @@ class Router:
                 flight.failure = "worker_lost"
                 flight.ack.set()
                 flight.done.set()
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.remove_worker(worker_id)
         if self._on_worker_removed is not None:
             self._on_worker_removed(worker_id)
         self._emit("worker_removed", worker_id=worker_id, data={"reason": reason})

@@ -20,7 +20,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 
-__all__ = ["RouterEnd", "WorkerEnd", "MemoryNetwork", "ZmqRouterEnd", "ZmqWorkerEnd", "peer_id"]
+__all__ = ["RouterEnd", "WorkerEnd", "MemoryNetwork", "ZmqRouterEnd", "ZmqWorkerEnd", "peer_id", "message_socket"]
 
 
 def peer_id(worker_id: int) -> bytes:
@@ -131,6 +131,17 @@ class MemoryNetwork:
         return _MemoryWorkerEnd(self, peer, rx)
 
 
+def message_socket(kind: int, context: zmq.asyncio.Context | None = None) -> zmq.asyncio.Socket:
+    """An asyncio ZeroMQ socket for actor messages: no linger, unbounded queues (nothing is dropped)."""
+    sock = (context or zmq.asyncio.Context.instance()).socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of vanishing
+    return sock
+
+
 def _ignore_unroutable(fut: object) -> None:
     if not fut.cancelled():  # type: ignore[attr-defined]
         exc = fut.exception()  # type: ignore[attr-defined]
@@ -142,12 +153,7 @@ class ZmqRouterEnd:
     """The router's end on a ROUTER socket (bound); workers connect DEALERs with their identity."""
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None) -> None:
-        self._ctx = context or zmq.asyncio.Context.instance()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of vanishing
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = message_socket(zmq.ROUTER, context)
         sock.bind(endpoint)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -171,13 +177,9 @@ class ZmqWorkerEnd:
     """A worker's DEALER connected to the router."""
 
     def __init__(self, endpoint: str, worker_id: int, context: zmq.asyncio.Context | None = None) -> None:
-        self._ctx = context or zmq.asyncio.Context.instance()
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = message_socket(zmq.DEALER, context)
         # unique per connection: a second worker claiming the same id is refused by the router, not lost
         sock.setsockopt(zmq.IDENTITY, peer_id(worker_id) + b"-" + uuid.uuid4().hex[:12].encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(endpoint)
         self._sock = sock
 
