@@ -18,7 +18,8 @@ Prints, one per line (``figure name: value unit``):
                                                                     hashed the prompt can do)
   plus passes and virtual seconds per wall second, and the run's reuse and latency figures next to
   Dynamo 1.6.1's round-robin replay of the same trace on 16 workers (../shared/traces/README.md).
-Each rate is the best of several rounds (CPU time of this process). Run: python -m bench.engine [--quick]
+Each rate is the best of several rounds (CPU time of this process), with the garbage-collector tuning
+the harness applies to its hosts (``kvemu.tuning.tune_gc``). Run: python -m bench.engine [--quick]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import msgspec
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.hashing import sequence_hashes
+from kvemu.tuning import tune_gc
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.request import Request
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="smaller workload, fewer rounds (< 10 s)")
     ap.add_argument("--requests", type=int, default=None, help="requests in the fast-forward stream")
     args = ap.parse_args(argv)
+    tune_gc()  # as the harness does for its hosts: millions of long-lived objects, collected in batches
     n_ff = args.requests or (1500 if args.quick else 12031)
     n_step = 60 if args.quick else 200
     rounds = 2 if args.quick else 3
