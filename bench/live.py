@@ -13,25 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SCENARIO = """
-name: bench-live
-cluster:
-  workers: 4
-  dp_size: 2
-  engine: {{speedup_ratio: 0, decode_speedup_ratio: 0, block_size: 16, num_gpu_blocks: 65536, max_num_seqs: 1024}}
-router: {{policy: kv}}
-workload:
-  kind: synthetic
-  arrival: constant
-  rate_rps: {rate}
-  turns: 1
-  isl: {{kind: constant, mean: 128}}
-  osl: {{kind: constant, mean: 16}}
-  system_prefix_tokens: 0
-  num_prefix_groups: 1
-run: {{mode: live, seed: 0, duration_s: {seconds}, drain_timeout_s: 60}}
-"""
-
+from bench.runtime import live_scenario
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,7 +23,7 @@ def main() -> None:
     seconds = 2.0 if args.quick else 6.0
     with tempfile.TemporaryDirectory() as tmp:
         scenario = Path(tmp) / "live.yaml"
-        scenario.write_text(SCENARIO.format(rate=args.rate, seconds=seconds))
+        scenario.write_text(live_scenario(workers=4, dp_size=2, rate=args.rate, seconds=seconds))
         out = Path(tmp) / "out"
         subprocess.run([sys.executable, "-m", "harness.cli", "up", str(scenario), "-o", str(out)], check=True,
                        timeout=300, stdout=subprocess.DEVNULL)

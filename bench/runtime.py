@@ -42,13 +42,13 @@ run: {{mode: virtual, seed: 0, max_requests: {requests}}}
     return len(records) / wall, span, done
 
 
-def live(seconds: float, rate: float) -> tuple[float, list[float], int, int]:
-    """(completed per second, routing overheads in µs, completed, failed) for a live 2×2 cluster."""
-    text = f"""
+def live_scenario(*, workers: int, dp_size: int, rate: float, seconds: float) -> str:
+    """The live benchmark workload: no engine delay, 128-token prompts, 16 output tokens, constant rate."""
+    return f"""
 name: bench-live
 cluster:
-  workers: 2
-  dp_size: 2
+  workers: {workers}
+  dp_size: {dp_size}
   engine: {{speedup_ratio: 0, decode_speedup_ratio: 0, block_size: 16, num_gpu_blocks: 65536, max_num_seqs: 1024}}
 router: {{policy: kv}}
 workload:
@@ -60,8 +60,13 @@ workload:
   osl: {{kind: constant, mean: 16}}
   system_prefix_tokens: 0
   num_prefix_groups: 1
-run: {{mode: live, seed: 0, duration_s: {seconds}}}
+run: {{mode: live, seed: 0, duration_s: {seconds}, drain_timeout_s: 60}}
 """
+
+
+def live(seconds: float, rate: float) -> tuple[float, list[float], int, int]:
+    """(completed per second, routing overheads in µs, completed, failed) for a live 2×2 cluster."""
+    text = live_scenario(workers=2, dp_size=2, rate=rate, seconds=seconds)
     scenario = parse_scenario(text)
     arrived: dict[str, int] = {}
     overheads: list[float] = []
