@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
+from kvemu.wire.kv_events import BlockRemoved, BlockStored
 from workers.config import EngineConfig
 from workers.engine import AdvanceResult, EngineCore
 from workers.request import Request
@@ -79,6 +80,7 @@ def stepwise(cfg, reqs):
     for r in reqs:
         eng.add_request(r)
     done, batches, firsts, preempted = [], [], [], []
+    announced: set[int] = set()
     while (s := eng.next_pass_start_ns()) is not None:
         res = eng.step(s)
         eng.check_invariants()
@@ -87,7 +89,17 @@ def stepwise(cfg, reqs):
         firsts += [(rid, res.end_ns) for rid in res.first_tokens]
         preempted += [(rid, res.end_ns) for rid in res.preempted]
         if res.events is not None:
-            batches.append(res.kv_batch)
+            batch = res.kv_batch
+            batches.append(batch)
+            for ev in batch.events:  # stores are new blocks; removals name cached ones
+                if isinstance(ev, BlockStored):
+                    assert announced.isdisjoint(ev.block_hashes)
+                    announced.update(ev.block_hashes)
+                else:
+                    assert isinstance(ev, BlockRemoved) and ev.block_hashes[0] in announced
+                    announced.discard(ev.block_hashes[0])
+        # blocks announced minus blocks removed == what the pool caches, after every pass
+        assert announced == eng.pool.cached_hashes()
     assert len(done) == len(reqs)
     return summary(done), batches, firsts, preempted, eng.passes
 
