@@ -188,7 +188,9 @@ async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
                 c.bus.publisher(ev.worker, ev.dp_rank).drop_next += ev.count
             else:
                 c.bus.lag_ns = round(ev.lag_ms * NS_PER_MS)
+    elif ev.action == "kill_rank" and ev.worker in c.workers:
+        c.workers[ev.worker].kill_rank(ev.dp_rank)
     elif ev.action == "slow_worker" and ev.worker in c.workers:
-        c.workers[ev.worker].slowdown = ev.factor
+        c.workers[ev.worker].slow_down(ev.factor)
     else:
         raise NotImplementedError(f"chaos action {ev.action!r} lands with the multi-process issue")

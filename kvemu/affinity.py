@@ -351,9 +351,11 @@ class SessionAffinity:
         self.stats.invalidations += 1
         return True
 
-    def invalidate_worker(self, worker_id: int) -> list[str]:
-        """Drop every binding to ``worker_id`` (all ranks); returns the sessions, in binding order."""
+    def invalidate_worker(self, worker_id: int, dp_rank: int | None = None) -> list[str]:
+        """Drop every binding to ``worker_id`` (or only those naming ``dp_rank``); returns the sessions."""
         sessions = list(self._by_worker.get(worker_id, ()))
+        if dp_rank is not None:
+            sessions = [s for s in sessions if self._table[s].target.dp_rank == dp_rank]  # type: ignore[union-attr]
         now = self.clock.now_ns()
         for s in sessions:
             self._remove(s, self._table[s], "invalidated", now)

@@ -84,6 +84,27 @@ def test_dropped_kv_events_are_repaired_by_replay():
 
 def test_slow_worker_and_kv_lag_still_complete_everything():
     out, expected = run("  - {at_s: 1, action: slow_worker, worker: 0, factor: 3}\n"
-                        "  - {at_s: 1, action: delay_kv_events, lag_ms: 200}\n")
+                        "  - {at_s: 1, action: delay_kv_events, lag_ms: 200}\n", ["router.policy=round_robin"])
     check_invariants(out, expected)
     assert not out.data.failures
+    base, _ = run("  []\n", ["router.policy=round_robin"])
+
+    def mean_itl(o, worker):
+        gaps = [b - a for r in o.data.records if r.worker_id == worker and r.arrival_ns > 2e9
+                for a, b in zip(r.token_times_ns, r.token_times_ns[1:])]
+        return sum(gaps) / len(gaps)
+
+    assert mean_itl(out, 0) > 2.5 * mean_itl(base, 0)  # the slowed worker really is slower
+    assert mean_itl(out, 1) < 1.2 * mean_itl(base, 1)  # the others are not
+
+
+def test_kill_one_dp_rank():
+    out, expected = run("  - {at_s: 3, action: kill_rank, worker: 1, dp_rank: 1}\n")
+    check_invariants(out, expected)
+    assert set(out.data.failures) <= {"rank_lost"}
+    fenced = [e for e in out.data.worker_events if e["kind"] == "worker_fenced"]
+    assert fenced and fenced[0]["worker_id"] == 1 and fenced[0]["reason"] == "rank_down"
+    t = fenced[0]["time_ns"]
+    later = [r for r in out.data.records if r.routed_ns is not None and r.routed_ns > t]
+    assert later and all((r.worker_id, r.dp_rank) != (1, 1) for r in later)
+    assert any(r.worker_id == 1 and r.dp_rank == 0 for r in later)  # the other rank keeps serving

@@ -20,6 +20,8 @@ from kvemu.runtime.messages import (
     Deregister,
     Dispatch,
     Draining,
+    RankDown,
+    RequestFailed,
     DispatchAck,
     Finished,
     Heartbeat,
@@ -93,11 +95,33 @@ class WorkerActor:
         self.stream_interval_ns = 2_000_000
         """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
         self._flushed_at: dict[str, int] = {}
-        self.slowdown = 1.0
-        """Chaos: pass durations are multiplied by this on wall time."""
+        self.dead_ranks: set[int] = set()
+
         self._wakes: dict[int, anyio.Event] = {}  # per rank on wall time; -1 for the virtual driver
         self._records: dict[str, RequestRecord] = {}
         self._sent: dict[str, int] = {}
+
+    def kill_rank(self, dp_rank: int) -> list[str]:
+        """Chaos: one rank dies. Its requests fail (``rank_lost``), its cache is gone, it takes no more work."""
+        core = self.worker.core(dp_rank)
+        i = self.worker.cores.index(core)
+        self.worker.cores[i] = EngineCore(core.config, dp_rank=dp_rank)  # an empty, idle stand-in
+        self.dead_ranks.add(dp_rank)
+        lost = sorted(rid for rid, rec in self._records.items() if rec.dp_rank == dp_rank)
+        for rid in lost:
+            self._records.pop(rid, None)
+            self._sent.pop(rid, None)
+            self._flushed_at.pop(rid, None)
+            self.end.send_nowait(encode(RequestFailed(request_id=rid, reason="rank_lost")))
+        self.end.send_nowait(encode(RankDown(worker_id=self.worker_id, dp_rank=dp_rank)))
+        return lost
+
+    def slow_down(self, factor: float) -> None:
+        """Chaos: every later forward pass of every rank takes ``factor`` times as long."""
+        for core in self.worker.cores:
+            core.timer.set_slowdown(factor)
+        for wake in self._wakes.values():
+            wake.set()  # re-plan the horizon with the new durations
 
     @property
     def worker_id(self) -> int:
@@ -153,6 +177,10 @@ class WorkerActor:
                 self.registered.set()
 
     def _on_dispatch(self, msg: Dispatch) -> None:
+        if msg.dp_rank in self.dead_ranks:
+            self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=False,
+                                                    reason=f"rank_down: rank {msg.dp_rank} is dead")))
+            return
         now = self.clock.now_ns()
         if self.mode == "virtual":
             self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
@@ -241,7 +269,7 @@ class WorkerActor:
                     with anyio.move_on_after(0.001):
                         await wake.wait()
                 continue
-            duration = res.duration_ns * self.slowdown
+            duration = res.duration_ns
             if duration:
                 await anyio.sleep(duration / NS_PER_S)
             else:

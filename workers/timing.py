@@ -64,7 +64,8 @@ class PassTimer:
     """
     # Decode durations depend only on the number of active blocks, so they are memoised.
 
-    __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache")
+    __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache",
+                 "slowdown")
 
     def __init__(self, config: EngineConfig, model: TimingModel | None = None) -> None:
         self.model: TimingModel = model if model is not None else PolynomialTiming()
@@ -76,6 +77,16 @@ class PassTimer:
         self._prefill_scale = NS_PER_MS / prefill_ratio if prefill_ratio > 0 else 0.0
         self._decode_scale = NS_PER_MS / decode_ratio if decode_ratio > 0 else 0.0
         self._decode_cache: dict[int, int] = {}
+        self.slowdown = 1.0
+
+    def set_slowdown(self, factor: float) -> None:
+        """Multiply every later pass duration by ``factor`` (chaos: a slow or throttled GPU)."""
+        if not factor > 0:
+            raise ValueError(f"slowdown factor must be > 0, got {factor!r}")
+        self._prefill_scale *= factor / self.slowdown
+        self._decode_scale *= factor / self.slowdown
+        self.slowdown = factor
+        self._decode_cache.clear()
 
     def prefill_ns(self, new_tokens: int) -> int:
         """Scaled duration of the prefill part of a pass computing ``new_tokens`` uncached tokens."""

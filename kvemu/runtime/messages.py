@@ -2,7 +2,7 @@
 
 Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``RegisterAck``, ``Heartbeat``,
 ``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Draining``,
-``Deregister``, and, on
+``RankDown``, ``Deregister``, and, on
 in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
 """
 
@@ -23,6 +23,7 @@ __all__ = [
     "Finished",
     "RequestFailed",
     "Draining",
+    "RankDown",
     "Deregister",
     "KvBatch",
     "WorkerMessage",
@@ -93,6 +94,13 @@ class Draining(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     worker_id: int
 
 
+class RankDown(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """One DP rank of a worker died: its requests failed, its cache is gone, it takes no more work."""
+
+    worker_id: int
+    dp_rank: int
+
+
 class Deregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """A worker leaves (graceful shutdown)."""
 
@@ -148,7 +156,7 @@ class KvBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     payload: bytes
 
 
-WorkerMessage = Register | Heartbeat | Draining | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
+WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
 """What workers send to the router."""
 RouterMessage = RegisterAck | Dispatch
 """What the router sends to workers."""

@@ -34,6 +34,7 @@ from kvemu.runtime.messages import (
     Finished,
     Heartbeat,
     KvBatch,
+    RankDown,
     Register,
     RegisterAck,
     RequestFailed,
@@ -148,6 +149,7 @@ class Router:
             affinity.observer = self._affinity_event
         self.workers: dict[int, _WorkerState] = {}
         self._peers: dict[bytes, int] = {}  # transport identity -> worker id
+        self._down_ranks: set[tuple[int, int]] = set()
         self.kv_streams: dict[tuple[int, int], EventStream] = {}
         self.kv_stats: dict[int, WorkerEventStats] = {}
         self._flights: dict[str, _Flight] = {}
@@ -236,6 +238,8 @@ class Router:
             self._on_register(peer, msg)  # type: ignore[arg-type]
         elif t is Draining:
             self.drain_worker(msg.worker_id)  # type: ignore[union-attr]
+        elif t is RankDown:
+            self.rank_down(msg.worker_id, msg.dp_rank)  # type: ignore[union-attr]
         elif t is Deregister:
             self.remove_worker(msg.worker_id, reason=f"deregistered: {msg.reason}")  # type: ignore[union-attr]
 
@@ -295,12 +299,24 @@ class Router:
             self.affinity.invalidate_worker(worker_id)
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": "draining"})
 
+    def rank_down(self, worker_id: int, dp_rank: int) -> None:
+        """One rank died: forget its cache and its session bindings, route nothing more to it."""
+        if worker_id not in self.workers or (worker_id, dp_rank) in self._down_ranks:
+            return
+        self._down_ranks.add((worker_id, dp_rank))
+        self.core.index.clear(worker_id, dp_rank)
+        if self.affinity is not None:
+            self.affinity.invalidate_worker(worker_id, dp_rank)
+        self._emit("worker_fenced", worker_id=worker_id, dp_rank=dp_rank, data={"reason": "rank_down"})
+        self._capacity_changed()
+
     def remove_worker(self, worker_id: int, *, reason: str) -> None:
         """Forget a worker: index, load, bindings; its in-flight requests are retried or failed."""
         state = self.workers.pop(worker_id, None)
         if state is None:
             return
         self._peers.pop(state.peer, None)
+        self._down_ranks = {k for k in self._down_ranks if k[0] != worker_id}
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)
         for key in [k for k in self.kv_streams if k[0] == worker_id]:
@@ -414,6 +430,8 @@ class Router:
         core = self.core
         builder = core.eligibility()
         for w, r in refused:  # ranks that already turned this request away
+            builder.set_available(w, False, dp_rank=r)
+        for w, r in self._down_ranks:
             builder.set_available(w, False, dp_rank=r)
         if req.allowed_worker_ids is not None:
             builder.allow(req.allowed_worker_ids)
