@@ -112,11 +112,43 @@ class Cluster:
         self._scopes: dict[int, anyio.CancelScope] = {}
         self._publishers: dict[int, list[KvEventPublisher]] = {}
         self._next_id = 0
+        self._make_router: Any = None
+        self._router_scope = anyio.CancelScope()
 
     @property
     def mode(self) -> str:
         """``virtual`` or ``live``."""
         return self.scenario.run.mode
+
+    async def handle(self, req: Any) -> Any:
+        """Submit a request to the current router (the router may be restarted meanwhile)."""
+        return await self.router.handle(req)
+
+    async def restart_router(self) -> None:
+        """Chaos: the router process dies and a new one starts on the same address.
+
+        Requests it held end with ``router_restart``; workers register again when the new router
+        hears from them, and it rebuilds its index from their KV-event replay buffers.
+        """
+        old = self.router
+        old.stop()
+        self._router_scope.cancel()
+        self.router = self._make_router()
+        if self.bus is not None:
+            self.bus.connect(self.router.kv_intake)
+        await self._start_router()
+
+    async def _start_router(self) -> None:
+        scope = anyio.CancelScope()
+        self._router_scope = scope
+        started = anyio.Event()
+
+        async def serve() -> None:
+            with scope:
+                await self.router.serve(task_status=_Started(started))
+
+        self._tg.start_soon(serve)
+        await started.wait()
 
     def ranks(self) -> list[tuple[int, int]]:
         """Every (worker, rank) registered now."""
@@ -171,6 +203,16 @@ class Cluster:
             pub.close(drain_timeout_s=0)
 
 
+class _Started:
+    """A task status that sets an event (to await a task's readiness outside ``TaskGroup.start``)."""
+
+    def __init__(self, event: anyio.Event) -> None:
+        self._event = event
+
+    def started(self, value: object = None) -> None:
+        self._event.set()
+
+
 @contextlib.asynccontextmanager
 async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterator[Cluster]:
     """Start a router and ``scenario.cluster.workers`` workers on the running loop; stop them on exit."""
@@ -180,19 +222,27 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     block_size = spec.engine.block_size
     if scenario.run.mode == "virtual":
         assert isinstance(clock, ManualClock)
-        c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS))
-        c.bus = MemoryKvBus(lag_ns=round(rspec.kv_event_lag_ms * NS_PER_MS), vllm_version=spec.kv_events_version)
-        c.router = build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed,
-                                end=c.net.router_end(), hooks=hooks, kv_replay=c.bus.replay,
-                                on_worker_removed=c.bus.forget)
-        c.bus.connect(c.router.kv_intake)
+        net = c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS))
+        bus = c.bus = MemoryKvBus(lag_ns=round(rspec.kv_event_lag_ms * NS_PER_MS), vllm_version=spec.kv_events_version)
+        end = net.router_end()
+
+        def make() -> Router:
+            return build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=end,
+                                hooks=hooks, kv_replay=bus.replay, on_worker_removed=bus.forget)
     else:
         assert not clock.is_virtual
-        c.router = build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed,
-                                end=ZmqRouterEnd("tcp://127.0.0.1:0"), hooks=hooks, zmq_kv_events=True)
+        zmq_end = ZmqRouterEnd("tcp://127.0.0.1:0")
+
+        def make() -> Router:
+            return build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=zmq_end,
+                                hooks=hooks, zmq_kv_events=True)
+    c._make_router = make
+    c.router = make()
+    if c.bus is not None:
+        c.bus.connect(c.router.kv_intake)
     async with anyio.create_task_group() as tg:
         c._tg = tg
-        await tg.start(c.router.serve)
+        await c._start_router()
         for _ in range(spec.workers):
             await c.add_worker()
         try:

@@ -109,7 +109,7 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
                     async with anyio.create_task_group() as sessions_tg:
                         for s in sessions:
-                            sessions_tg.start_soon(play_session, c.router.handle, s, run_clock)
+                            sessions_tg.start_soon(play_session, c.handle, s, run_clock)
                 if scope.cancelled_caught:
                     state["partial"] = True
                 _take_sample(c, state, run_clock)
@@ -188,6 +188,8 @@ async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
                 c.bus.publisher(ev.worker, ev.dp_rank).drop_next += ev.count
             else:
                 c.bus.lag_ns = round(ev.lag_ms * NS_PER_MS)
+    elif ev.action == "restart_router":
+        await c.restart_router()
     elif ev.action == "kill_rank" and ev.worker in c.workers:
         c.workers[ev.worker].kill_rank(ev.dp_rank)
     elif ev.action == "slow_worker" and ev.worker in c.workers:

@@ -108,3 +108,16 @@ def test_kill_one_dp_rank():
     later = [r for r in out.data.records if r.routed_ns is not None and r.routed_ns > t]
     assert later and all((r.worker_id, r.dp_rank) != (1, 1) for r in later)
     assert any(r.worker_id == 1 and r.dp_rank == 0 for r in later)  # the other rank keeps serving
+
+
+def test_router_restart_rebuilds_its_index_from_replay_and_keeps_serving():
+    out, expected = run("  - {at_s: 4, action: restart_router}\n")
+    check_invariants(out, expected)
+    assert set(out.data.failures) <= {"router_restart"}
+    records = out.data.records
+    after = [r for r in records if r.arrival_ns > 4.5e9]
+    assert after and all(r.failure is None for r in after)
+    # the new router knew the workers' caches at once: it predicted cache hits the engines confirmed
+    hits = [r for r in after if r.predicted_overlap_blocks]
+    assert hits and sum(r.engine_cached_tokens or 0 for r in hits) > 0
+    assert sum(s["replayed_batches"] for s in out.data.kv_stats.values()) > 0

@@ -21,6 +21,7 @@ from kvemu.runtime.messages import (
     Dispatch,
     Draining,
     RankDown,
+    Reregister,
     RequestFailed,
     DispatchAck,
     Finished,
@@ -171,6 +172,8 @@ class WorkerActor:
                 continue
             if type(msg) is Dispatch:
                 self._on_dispatch(msg)
+            elif type(msg) is Reregister:  # the router restarted and lost us
+                self.end.send_nowait(encode(self.register_msg))
             elif type(msg) is RegisterAck:
                 if not msg.accepted:
                     raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")

@@ -16,6 +16,7 @@ __all__ = [
     "ClientRequest",
     "Register",
     "RegisterAck",
+    "Reregister",
     "Heartbeat",
     "Dispatch",
     "DispatchAck",
@@ -80,6 +81,10 @@ class RegisterAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     worker_id: int
     accepted: bool
     reason: str | None = None
+
+
+class Reregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """The router does not know this worker (it restarted): send ``Register`` again."""
 
 
 class Heartbeat(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -158,7 +163,7 @@ class KvBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
 
 WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
 """What workers send to the router."""
-RouterMessage = RegisterAck | Dispatch
+RouterMessage = RegisterAck | Reregister | Dispatch
 """What the router sends to workers."""
 
 _encoder = msgspec.msgpack.Encoder()

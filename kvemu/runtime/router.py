@@ -37,6 +37,7 @@ from kvemu.runtime.messages import (
     RankDown,
     Register,
     RegisterAck,
+    Reregister,
     RequestFailed,
     TokenBatch,
     decode_worker_message,
@@ -60,6 +61,9 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """No acknowledgement within this time counts as a rejection."""
     heartbeat_timeout_s: float = 5.0
     """A worker silent for this long is removed."""
+    startup_grace_s: float = 5.0
+    """A router that has no worker yet lets requests wait this long after it started (a fresh or
+    restarted router whose workers are still registering) instead of failing them at once."""
     kv_replay_on_connect: bool = True
 
     def __post_init__(self) -> None:
@@ -150,6 +154,9 @@ class Router:
         self.workers: dict[int, _WorkerState] = {}
         self._peers: dict[bytes, int] = {}  # transport identity -> worker id
         self._down_ranks: set[tuple[int, int]] = set()
+        self._asked: set[bytes] = set()  # unknown peers already asked to register again
+        self.stopped = False
+        self.started_ns = clock.now_ns()
         self.kv_streams: dict[tuple[int, int], EventStream] = {}
         self.kv_stats: dict[int, WorkerEventStats] = {}
         self._flights: dict[str, _Flight] = {}
@@ -199,7 +206,8 @@ class Router:
         """Return once ``count`` workers are registered (``TimeoutError`` otherwise)."""
         with anyio.fail_after(timeout_s):
             while len(self.workers) < count:
-                self.registered = anyio.Event()
+                if self.registered.is_set():
+                    self.registered = anyio.Event()
                 await self.registered.wait()
 
     def _now(self) -> int:
@@ -218,6 +226,12 @@ class Router:
             log.warning("undecodable message from %r: %s", peer, exc)
             return
         t = type(msg)
+        if peer not in self._peers and t is not Register:
+            if peer not in self._asked and t is not KvBatch:  # a worker of a previous router: re-register
+                self._asked.add(peer)
+                self.end.send_nowait(peer, encode(Reregister()))
+            if t is not Heartbeat and t is not Deregister:
+                return
         if t is TokenBatch:
             self._on_tokens(msg)  # type: ignore[arg-type]
         elif t is KvBatch:
@@ -273,6 +287,7 @@ class Router:
         assert spec is not None
         self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now())
         self._peers[peer] = msg.worker_id
+        self._asked.discard(peer)
         stats = self.kv_stats.setdefault(msg.worker_id, WorkerEventStats())
         for rank in spec.ranks:
             replay = self._kv_replay(msg.worker_id, rank) if self._kv_replay else None
@@ -280,6 +295,10 @@ class Router:
                 msg.worker_id, rank, sink=self._apply_kv, block_size=self.core.block_size, stats=stats,
                 replay=replay, replay_on_connect=self.settings.kv_replay_on_connect, observer=self._kv_observer,
             )
+        for rank in spec.ranks:  # rebuild what this worker caches from its publishers' replay buffers
+            stream = self.kv_streams.get((msg.worker_id, rank))
+            if stream is not None and self.settings.kv_replay_on_connect:
+                stream.sync()
         if self.kv_subscriber is not None:
             for r, endpoint in enumerate(msg.kv_endpoints):
                 replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
@@ -289,6 +308,21 @@ class Router:
         self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
         self.registered.set()
         self._capacity_changed()
+
+    def stop(self, reason: str = "router_restart") -> None:
+        """This router instance goes away: every request it holds ends with ``reason``."""
+        self.stopped = True
+        for flight in list(self._flights.values()):
+            if not flight.done.is_set():
+                flight.failure = reason
+                flight.ack.set()
+                flight.done.set()
+        if self.queue is not None:
+            for entry in [self.queue.remove(rid) for rid in list(self.queue._entries)]:
+                entry.payload.set()  # type: ignore[union-attr]
+        if self.affinity is not None:
+            for session in list(self.affinity._table):
+                self.affinity.invalidate(session)  # wakes requests waiting for an initializer
 
     def drain_worker(self, worker_id: int) -> None:
         """Stop routing to a worker that is shutting down; its requests in flight finish normally."""
@@ -389,6 +423,10 @@ class Router:
             result.failure = f"invalid_request: {exc}"
             self._emit("failed", req.request_id, data={"reason": result.failure})
             return result
+        grace_ns = round(self.settings.startup_grace_s * NS_PER_S) - (self._now() - self.started_ns)
+        if not self.workers and grace_ns > 0:
+            with anyio.move_on_after(grace_ns / NS_PER_S):
+                await self.wait_for_workers(1, timeout_s=grace_ns / NS_PER_S + 1)
         flight = _Flight(req.request_id)
         self._flights[req.request_id] = flight
         refused: list[tuple[int, int]] = []
@@ -398,6 +436,9 @@ class Router:
                 try:
                     await self._attempt(req, prepared, flight, attempt, refused)
                 except _Retry:
+                    if self.stopped:
+                        result.failure = flight.failure or "router_restart"
+                        break
                     flight = self._flights[req.request_id] = _Flight(req.request_id)
                     continue
                 except SchedulerError as exc:
@@ -450,6 +491,9 @@ class Router:
                 settled = anyio.Event()
                 affinity.on_settled(got, settled.set)
                 await settled.wait()
+                if self.stopped:
+                    flight.failure = "router_restart"
+                    raise _Retry
         else:
             selection = core.select(prepared, builder.build())
         wid, rank = selection.worker_id, selection.dp_rank
@@ -527,6 +571,8 @@ class Router:
             self._emit("queued", req.request_id, data={"depth": len(queue)})
             self._release_queue()
             await event.wait()
+            if self.stopped:
+                raise _Retry
             return
 
     def _capacity_changed(self) -> None:

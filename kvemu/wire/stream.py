@@ -98,6 +98,26 @@ class EventStream:
         self.apply(seq, payload)
         self.expected = seq + 1
 
+    def sync(self) -> int:
+        """Replay everything the publisher still buffers from where this stream stands (a new or
+        restarted router rebuilding its view); returns the batches applied."""
+        if self.replay is None:
+            return 0
+        start = self.expected or 0
+        applied = 0
+        for seq, payload in self.replay(start):
+            if seq < start:
+                continue
+            if seq > start and self.expected is not None:
+                self._lost(start, seq)
+            self.apply(seq, payload)
+            self.stats.replayed_batches += 1
+            applied += 1
+            start = self.expected = seq + 1
+        if applied:
+            self.stats.replays += 1
+        return applied
+
     def _recover(self, start: int, until: int) -> None:
         if self.replay is None:
             self._lost(start, until)
