@@ -164,23 +164,23 @@ def main(argv: list[str] | None = None) -> None:
     prompt = sum(r.prompt_tokens for r in completed)
     cached = sum(r.cached_tokens or 0 for r in completed)
 
-    print(f"stepwise forward passes: {passes / t_step:,.0f} per s")
-    print(f"fast-forward simulated requests: {len(reqs) / t_ff:,.0f} per s")
-    print(f"fast-forward simulated requests with KV event batches: {len(reqs) / t_ffm:,.0f} per s")
-    print(f"fast-forward simulated requests, prompts pre-hashed: {len(reqs) / t_pre:,.0f} per s")
-    print(f"fast-forward forward passes: {eng.passes / t_ff:,.0f} per s")
-    print(f"fast-forward virtual time: {sim_ns / 1e9 / t_ff:,.0f} simulated s per s")
-    print(f"fast-forward cost per request: {t_ff / len(reqs) * 1e6:,.0f} us")
-    print(f"simulated span: {sim_ns / 1e9:,.1f} s")
-    print(f"forward passes: {eng.passes:,} passes")
-    print(f"KV event batches: {batches:,} batches")
+    print(f"stepwise forward passes: {passes / t_step:.0f} per s")
+    print(f"fast-forward simulated requests: {len(reqs) / t_ff:.0f} per s")
+    print(f"fast-forward simulated requests with KV event batches: {len(reqs) / t_ffm:.0f} per s")
+    print(f"fast-forward simulated requests, prompts pre-hashed: {len(reqs) / t_pre:.0f} per s")
+    print(f"fast-forward forward passes: {eng.passes / t_ff:.0f} per s")
+    print(f"fast-forward virtual time: {sim_ns / 1e9 / t_ff:.0f} simulated s per s")
+    print(f"fast-forward cost per request: {t_ff / len(reqs) * 1e6:.0f} us")
+    print(f"simulated span: {sim_ns / 1e9:.1f} s")
+    print(f"forward passes: {eng.passes} passes")
+    print(f"KV event batches: {batches} batches")
     # reference: Dynamo 1.6.1 replaying the whole trace round robin on 16 workers (../shared/traces/README.md);
     # comparable when the whole stream (all 16 shares) is run
     print(f"prefix reuse: {cached / prompt:.3f} ratio (reference: 0.073)")
-    print(f"mean TTFT: {sum(ttft) / len(ttft):,.1f} ms (reference: 241)")
-    print(f"p99 TTFT: {pct(ttft, 0.99):,.1f} ms (reference: 1,756)")
-    print(f"mean ITL: {gaps_ns / n_gaps / 1e6:,.2f} ms (reference: 6.67)")
-    print(f"mean E2E: {sum(e2e) / len(e2e):,.1f} ms (reference: 2,519)")
+    print(f"mean TTFT: {sum(ttft) / len(ttft):.1f} ms (reference: 241)")
+    print(f"p99 TTFT: {pct(ttft, 0.99):.1f} ms (reference: 1,756)")
+    print(f"mean ITL: {gaps_ns / n_gaps / 1e6:.2f} ms (reference: 6.67)")
+    print(f"mean E2E: {sum(e2e) / len(e2e):.1f} ms (reference: 2,519)")
 
 
 if __name__ == "__main__":
