@@ -261,7 +261,7 @@ class WorkerActor:
     async def _drive_live(self, core: EngineCore) -> None:
         pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
         clock = self.clock
-        while True:
+        while core.dp_rank not in self.dead_ranks:
             now = max(clock.now_ns(), core.busy_until_ns, core.now_ns)
             res = core.step(now)
             if res.idle:
