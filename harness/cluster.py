@@ -111,6 +111,8 @@ class Cluster:
         self._tg: anyio.abc.TaskGroup
         self._scopes: dict[int, anyio.CancelScope] = {}
         self._publishers: dict[int, list[KvEventPublisher]] = {}
+        self.kv_publishers: dict[int, list[Any]] = {}
+        """Per worker, one publisher per rank (chaos sets ``drop_next`` and, live, ``lag_ns`` on them)."""
         self._next_id = 0
         self._make_router: Any = None
         self._router_scope = anyio.CancelScope()
@@ -164,6 +166,7 @@ class Cluster:
             assert self.net is not None and self.bus is not None
             end = self.net.worker_end(wid)
             pubs: list[Any] = [self.bus.publisher(wid, r) for r in range(spec.dp_size)]
+            self.kv_publishers[wid] = pubs
             actor = WorkerActor(mock, end, self.clock, pubs, mode="virtual",
                                 heartbeat_interval_s=spec.heartbeat_interval_s, worker_type=spec.worker_type)
         else:
@@ -171,7 +174,8 @@ class Cluster:
             pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
                                      vllm_version=spec.kv_events_version) for r in range(spec.dp_size)]
             self._publishers[wid] = pubs
-            actor = WorkerActor(mock, end, self.clock, pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
+            self.kv_publishers[wid] = [_LaggedPublisher(p) for p in pubs]
+            actor = WorkerActor(mock, end, self.clock, self.kv_publishers[wid], mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
                                 kv_endpoints=[p.endpoint for p in pubs],
                                 kv_replay_endpoints=[p.replay_endpoint or "" for p in pubs],
                                 worker_type=spec.worker_type)
@@ -201,6 +205,30 @@ class Cluster:
         await actor.end.aclose()
         for pub in self._publishers.pop(worker_id, []):
             pub.close(drain_timeout_s=0)
+
+
+class _LaggedPublisher:
+    """A live publisher whose batches can be held back (chaos: KV events arrive late)."""
+
+    def __init__(self, pub: KvEventPublisher) -> None:
+        self.pub = pub
+        self.lag_ns = 0
+
+    @property
+    def drop_next(self) -> int:
+        return self.pub.drop_next
+
+    @drop_next.setter
+    def drop_next(self, value: int) -> None:
+        self.pub.drop_next = value
+
+    def publish(self, batch: Any) -> bool:
+        if not self.lag_ns:
+            return self.pub.publish(batch)
+        import asyncio
+
+        asyncio.get_running_loop().call_later(self.lag_ns / 1e9, self.pub.publish, batch)
+        return True
 
 
 class _Started:

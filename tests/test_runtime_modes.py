@@ -94,3 +94,29 @@ run: {mode: live, seed: 3, duration_s: 2.5}
     assert sum(s["batches"] for s in stats.values()) > 0
     assert sum(s["lost_batches"] + s["decode_errors"] for s in stats.values()) == 0
     assert any(r.engine_cached_tokens for r in records)  # prefix reuse through real KV events
+
+
+def test_live_faults_drop_and_delay_kv_events_are_repaired():
+    text = """
+name: live-chaos
+cluster:
+  workers: 2
+  dp_size: 1
+  engine: {block_size: 16, num_gpu_blocks: 2048, speedup_ratio: 10, decode_speedup_ratio: 10}
+router: {policy: kv}
+workload: {kind: synthetic, rate_rps: 20, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
+           isl: {kind: constant, mean: 96}, osl: {kind: constant, mean: 8}}
+run: {mode: live, seed: 3, duration_s: 2.5}
+chaos:
+  - {at_s: 0.5, action: drop_kv_events, worker: 0, dp_rank: 0, count: 3}
+  - {at_s: 0.5, action: drop_kv_events, worker: 1, dp_rank: 0, count: 3}
+  - {at_s: 1.0, action: delay_kv_events, lag_ms: 50}
+"""
+    from harness.runner import run_scenario
+
+    out = run_scenario(parse_scenario(text))
+    assert out.data.records and all(r.failure is None for r in out.data.records)
+    stats = out.data.kv_stats
+    assert sum(s["gaps"] for s in stats.values()) >= 1
+    assert sum(s["replayed_batches"] for s in stats.values()) >= 3
+    assert sum(s["lost_batches"] for s in stats.values()) == 0
