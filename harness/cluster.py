@@ -8,6 +8,7 @@ subscribers per rank.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 from collections.abc import AsyncIterator
@@ -16,7 +17,7 @@ from typing import Any
 import anyio
 
 from kvemu.affinity import SessionAffinity
-from kvemu.clock import NS_PER_MS, Clock, ManualClock
+from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
 from kvemu.config import RouterConfig
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.queue import PolicyQueue, QueueClass
@@ -225,9 +226,7 @@ class _LaggedPublisher:
     def publish(self, batch: Any) -> bool:
         if not self.lag_ns:
             return self.pub.publish(batch)
-        import asyncio
-
-        asyncio.get_running_loop().call_later(self.lag_ns / 1e9, self.pub.publish, batch)
+        asyncio.get_running_loop().call_later(self.lag_ns / NS_PER_S, self.pub.publish, batch)
         return True
 
 

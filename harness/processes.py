@@ -27,7 +27,7 @@ from kvemu.clock import WallClock
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.runtime.messages import ClientRequest
-from kvemu.runtime.transport import ZmqWorkerEnd, message_socket
+from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor import WorkerActor
@@ -83,32 +83,23 @@ def log_start(role: str, **endpoints: Any) -> None:
 # ---------------------------------------------------------------------------------- router
 
 
-class _SharedRouterEnd:
+class _SharedRouterEnd(ZmqRouterEnd):
     """Worker traffic for the router actor; client traffic for the gateway (same ROUTER socket)."""
 
     def __init__(self, endpoint: str) -> None:
-        sock = message_socket(zmq.ROUTER)
-        sock.bind(endpoint)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.sock = sock
+        super().__init__(endpoint)
         self.clients_tx, self.clients_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](float("inf"))
 
     async def receive(self) -> tuple[bytes, bytes]:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await self._sock.recv_multipart()
             if len(frames) == 2:
                 return frames[0], frames[1]
             if len(frames) == 3 and frames[1] == CLIENT:
                 self.clients_tx.send_nowait((frames[0], frames[2]))
 
-    def send_nowait(self, peer: bytes, data: bytes) -> None:
-        self.sock.send_multipart([peer, data]).add_done_callback(_quiet)
-
     def reply(self, peer: bytes, data: bytes) -> None:
-        self.sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)
-
-    async def aclose(self) -> None:
-        self.sock.close(linger=0)
+        self._sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)
 
 
 def _quiet(fut: Any) -> None:

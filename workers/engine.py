@@ -32,7 +32,6 @@ start + 1, since advancing past its start starts it. So a zero-duration pass at 
 
 from __future__ import annotations
 
-import heapq
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument

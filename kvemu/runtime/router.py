@@ -19,7 +19,7 @@ import msgspec
 
 from kvemu.affinity import AffinityEvent, Hold, SessionAffinity, Wait, sibling_group_key
 from kvemu.clock import NS_PER_S, Clock
-from kvemu.errors import InvalidArgument, KvemuError, NoEndpoints, SchedulerError
+from kvemu.errors import InvalidArgument, KvemuError, SchedulerError
 from kvemu.events import RouterEvent
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.registry import WorkerSpec
@@ -160,8 +160,6 @@ class Router:
         self.kv_streams: dict[tuple[int, int], EventStream] = {}
         self.kv_stats: dict[int, WorkerEventStats] = {}
         self._flights: dict[str, _Flight] = {}
-        self._waiting: dict[str, anyio.Event] = {}
-        self._capacity = anyio.Event()
         self.registered = anyio.Event()
         self.kv_subscriber: KvEventSubscriber | None = None
         """With ``zmq_kv_events``: subscribes to the endpoints workers announce when they register."""

@@ -8,6 +8,7 @@ one link keep their order.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from typing import Protocol
@@ -64,8 +65,6 @@ class _Delay:
         if not self.delay_s:
             stream.send_nowait(item)
             return
-        import asyncio
-
         asyncio.get_running_loop().call_later(self.delay_s, _deliver, stream, item)
 
 
