@@ -497,7 +497,7 @@ class Router:
         wid, rank = selection.worker_id, selection.dp_rank
         if self.hooks.wants("routed"):
             ev = selection.evaluation
-            overlaps = core.overlaps(prepared)
+            overlaps = ev.inputs["overlaps"] if ev.inputs is not None else core.overlaps(prepared)
             self._emit("routed", req.request_id, wid, rank, data={
                 "attempt": attempt, "reason": selection.reason, "cost": selection.cost,
                 "overlap_blocks": selection.overlap_blocks,
@@ -544,8 +544,7 @@ class Router:
             core.free(req.request_id)
             if flight.lease is not None and affinity is not None:
                 affinity.release(flight.lease)
-            if state is not None:
-                state.flights.pop(req.request_id, None)
+            state.flights.pop(req.request_id, None)
             self._capacity_changed()
         if flight.failure == "worker_lost" and not flight.first_seen:
             refused.append((wid, rank))
