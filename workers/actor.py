@@ -97,6 +97,7 @@ class WorkerActor:
         """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
         self._flushed_at: dict[str, int] = {}
         self.dead_ranks: set[int] = set()
+        self._last_sent_ns = -(1 << 62)
 
         self._wakes: dict[int, anyio.Event] = {}  # per rank on wall time; -1 for the virtual driver
         self._records: dict[str, RequestRecord] = {}
@@ -113,8 +114,8 @@ class WorkerActor:
             self._records.pop(rid, None)
             self._sent.pop(rid, None)
             self._flushed_at.pop(rid, None)
-            self.end.send_nowait(encode(RequestFailed(request_id=rid, reason="rank_lost")))
-        self.end.send_nowait(encode(RankDown(worker_id=self.worker_id, dp_rank=dp_rank)))
+            self._send(encode(RequestFailed(request_id=rid, reason="rank_lost")))
+        self._send(encode(RankDown(worker_id=self.worker_id, dp_rank=dp_rank)))
         return lost
 
     def slow_down(self, factor: float) -> None:
@@ -131,7 +132,7 @@ class WorkerActor:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Register, then serve until cancelled (``WorkerRejected`` if the router refuses us)."""
-        self.end.send_nowait(encode(self.register_msg))
+        self._send(encode(self.register_msg))
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._receive_loop, tg)
             with anyio.move_on_after(self.register_timeout_s):
@@ -150,11 +151,11 @@ class WorkerActor:
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Refuse new work, let accepted requests finish (up to ``grace_s``), then deregister."""
         self.worker.begin_shutdown()
-        self.end.send_nowait(encode(Draining(worker_id=self.worker_id)))
+        self._send(encode(Draining(worker_id=self.worker_id)))
         with anyio.move_on_after(grace_s):
             while not self.worker.idle:
                 await anyio.sleep(0.01)
-        self.end.send_nowait(encode(Deregister(worker_id=self.worker_id)))
+        self._send(encode(Deregister(worker_id=self.worker_id)))
         self.stopped = True
 
     # ------------------------------------------------------------------ messages
@@ -173,7 +174,7 @@ class WorkerActor:
             if type(msg) is Dispatch:
                 self._on_dispatch(msg)
             elif type(msg) is Reregister:  # the router restarted and lost us
-                self.end.send_nowait(encode(self.register_msg))
+                self._send(encode(self.register_msg))
             elif type(msg) is RegisterAck:
                 if not msg.accepted:
                     raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")
@@ -181,7 +182,7 @@ class WorkerActor:
 
     def _on_dispatch(self, msg: Dispatch) -> None:
         if msg.dp_rank in self.dead_ranks:
-            self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=False,
+            self._send(encode(DispatchAck(request_id=msg.request_id, accepted=False,
                                                     reason=f"rank_down: rank {msg.dp_rank} is dead")))
             return
         now = self.clock.now_ns()
@@ -193,13 +194,13 @@ class WorkerActor:
         if outcome.accepted:
             self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
             self._sent[msg.request_id] = 0
-            self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=True)))
+            self._send(encode(DispatchAck(request_id=msg.request_id, accepted=True)))
             wake = self._wakes.get(-1 if self.mode == "virtual" else msg.dp_rank)
             if wake is not None:
                 wake.set()
         else:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
-            self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=False,
+            self._send(encode(DispatchAck(request_id=msg.request_id, accepted=False,
                                                     reason=f"{reason}: {outcome.message}")))
 
     def _engine_now(self) -> int:
@@ -212,10 +213,17 @@ class WorkerActor:
             return now
         return max(now, core.now_ns)
 
+    def _send(self, data: bytes) -> None:
+        self._last_sent_ns = self.clock.now_ns()
+        self.end.send_nowait(data)
+
     async def _heartbeat(self) -> None:
+        """Prove liveness when nothing else did: any message counts, so a busy worker sends none."""
         msg = encode(Heartbeat(worker_id=self.worker_id))
+        interval_ns = round(self.heartbeat_interval_s * NS_PER_S)
         while not self.stopped:
-            self.end.send_nowait(msg)
+            if self.clock.now_ns() - self._last_sent_ns >= interval_ns:
+                self._send(msg)
             await anyio.sleep(self.heartbeat_interval_s)
 
     # ------------------------------------------------------------------ virtual time
@@ -235,7 +243,7 @@ class WorkerActor:
                 await wake.wait()
 
     def _emit_advance(self, results: list[AdvanceResult]) -> None:
-        send = self.end.send_nowait
+        send = self._send
         for core, res in zip(self.worker.cores, results):
             pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
             for pe in res.events:
@@ -251,7 +259,7 @@ class WorkerActor:
         self._flushed_at.pop(rec.request_id, None)
         sent = self._sent.pop(rec.request_id, 0)
         self._records.pop(rec.request_id, None)
-        self.end.send_nowait(encode(Finished(
+        self._send(encode(Finished(
             request_id=rec.request_id, times_ns=rec.token_times[sent:], cached_tokens=rec.cached_tokens or 0,
             dp_rank=rec.dp_rank,
         )))
@@ -284,7 +292,7 @@ class WorkerActor:
         if batch is not None:
             pub.publish(batch)
         done = {rec.request_id for rec in res.completed}
-        send = self.end.send_nowait
+        send = self._send
         now = res.end_ns
         interval = self.stream_interval_ns
         flushed = self._flushed_at

@@ -224,36 +224,36 @@ class Router:
             log.warning("undecodable message from %r: %s", peer, exc)
             return
         t = type(msg)
-        if peer not in self._peers and t is not Register:
+        wid = self._peers.get(peer)
+        if wid is not None:  # every message proves the worker alive, not only heartbeats
+            self.workers[wid].last_seen_ns = self._now()
+        elif t is not Register:
             if peer not in self._asked and t is not KvBatch:  # a worker of a previous router: re-register
                 self._asked.add(peer)
                 self.end.send_nowait(peer, encode(Reregister()))
-            if t is not Heartbeat and t is not Deregister:
-                return
+            return
         if t is TokenBatch:
             self._on_tokens(msg)  # type: ignore[arg-type]
         elif t is KvBatch:
-            wid = self._peers.get(peer)
-            if wid is not None:
-                self.kv_intake(wid, msg.dp_rank, msg.seq, msg.payload)  # type: ignore[union-attr]
+            self.kv_intake(wid, msg.dp_rank, msg.seq, msg.payload)  # type: ignore[arg-type,union-attr]
         elif t is Finished:
             self._on_finished(msg)  # type: ignore[arg-type]
         elif t is DispatchAck:
             self._on_ack(msg)  # type: ignore[arg-type]
-        elif t is Heartbeat:
-            w = self.workers.get(msg.worker_id)  # type: ignore[union-attr]
-            if w is not None:
-                w.last_seen_ns = self._now()
         elif t is RequestFailed:
             self._on_failed(msg)  # type: ignore[arg-type]
         elif t is Register:
             self._on_register(peer, msg)  # type: ignore[arg-type]
+        elif t is Heartbeat:
+            pass  # liveness was noted above
+        elif msg.worker_id != wid:  # type: ignore[union-attr]
+            log.warning("peer %r (worker %s) spoke for worker %s; ignored", peer, wid, msg.worker_id)  # type: ignore[union-attr]
         elif t is Draining:
-            self.drain_worker(msg.worker_id)  # type: ignore[union-attr]
+            self.drain_worker(wid)
         elif t is RankDown:
-            self.rank_down(msg.worker_id, msg.dp_rank)  # type: ignore[union-attr]
+            self.rank_down(wid, msg.dp_rank)  # type: ignore[union-attr]
         elif t is Deregister:
-            self.remove_worker(msg.worker_id, reason=f"deregistered: {msg.reason}")  # type: ignore[union-attr]
+            self.remove_worker(wid, reason=f"deregistered: {msg.reason}")  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ workers
 
