@@ -47,6 +47,11 @@ class _Seg:
         self.parent = parent
 
 
+def _offset(seqs: list[int], seq: int) -> int:
+    """Position of ``seq`` in a run; engines evict from the leaf end, so look there first."""
+    return len(seqs) - 1 if seqs[-1] == seq else seqs.index(seq)
+
+
 def _common_run(a: list[int], start: int, b: list[int], i: int) -> int:
     """How many items of ``a[start:]`` and ``b[i:]`` are equal before the first difference."""
     limit = min(len(a) - start, len(b) - i)
@@ -245,7 +250,7 @@ class PrefixIndex:
                     missing.append(ext)
                     continue
                 seg = blocks[seq]
-                off = seg.seqs.index(seq)
+                off = _offset(seg.seqs, seq)
                 best = shallowest.get(id(seg))
                 if best is None or off < best[0]:
                     shallowest[id(seg)] = (off, seq)
@@ -467,7 +472,7 @@ class PrefixIndex:
         seg = self._blocks.get(seq)
         if seg is None or slot not in seg.workers:
             return  # dropped by an earlier cascade of the same event
-        off = seg.seqs.index(seq)
+        off = _offset(seg.seqs, seq)
         if len(seg.workers) == 1:
             self._truncate(slot, seg, off)
             return
