@@ -168,7 +168,7 @@ def encode_batch(batch: KVEventBatch, profile: VllmProfile | None = None) -> byt
             out.append(cleared_cls())
         else:
             raise InvalidArgument(f"cannot encode {t.__name__} as a vLLM KV event")
-    ts = float(batch.ts)  # vLLM stamps time.time(): always a msgpack float64
+    ts = float(batch.ts)  # vLLM stamps wall-clock seconds: always a msgpack float64
     if profile.has_dp_rank:
         return _encoder.encode(batch_cls(ts, out, batch.data_parallel_rank))
     return _encoder.encode(batch_cls(ts, out))
