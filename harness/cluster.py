@@ -55,14 +55,7 @@ def make_policy(name: str) -> CustomPolicy | None:
 
 def engine_config(spec: ClusterSpec) -> EngineConfig:
     """The engine configuration of every rank."""
-    e = spec.engine
-    return EngineConfig(
-        num_gpu_blocks=e.num_gpu_blocks, block_size=e.block_size, max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens, enable_prefix_caching=e.enable_prefix_caching,
-        enable_chunked_prefill=e.enable_chunked_prefill, speedup_ratio=e.speedup_ratio,
-        decode_speedup_ratio=e.decode_speedup_ratio, preemption_mode=e.preemption_mode,
-        eviction_policy=e.eviction, dp_size=spec.dp_size,
-    )
+    return spec.engine.config(spec.dp_size)
 
 
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,

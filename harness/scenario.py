@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from kvemu.errors import InvalidArgument, KvemuError
+from workers.config import EngineConfig
 
 __all__ = [
     "EngineSpec",
@@ -48,28 +49,36 @@ def _check(cond: bool, path: str, message: str) -> None:
         raise ScenarioError(f"{path}: {message}")
 
 
-class EngineSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """Mock engine settings, per DP rank (Dynamo mocker defaults)."""
+_ENGINE = EngineConfig()  # the single source of the engine's defaults and range checks
 
-    num_gpu_blocks: int = 16384
-    block_size: int = 64
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    speedup_ratio: float = 1.0
+
+class EngineSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """Mock engine settings, per DP rank (Dynamo mocker defaults, taken from ``EngineConfig``)."""
+
+    num_gpu_blocks: int = _ENGINE.num_gpu_blocks
+    block_size: int = _ENGINE.block_size
+    max_num_seqs: int = _ENGINE.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
+    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
+    enable_chunked_prefill: bool = _ENGINE.enable_chunked_prefill
+    speedup_ratio: float = _ENGINE.speedup_ratio
     """Prefill durations are divided by this; 0 means no engine delay at all."""
-    decode_speedup_ratio: float = 1.0
-    preemption_mode: Literal["lifo", "fifo"] = "lifo"
-    eviction: Literal["lru", "lineage"] = "lru"
+    decode_speedup_ratio: float = _ENGINE.decode_speedup_ratio
+    preemption_mode: Literal["lifo", "fifo"] = _ENGINE.preemption_mode
+    eviction: Literal["lru", "lineage"] = _ENGINE.eviction_policy
 
     def __post_init__(self) -> None:
-        for name in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            _check(value >= 1, f"cluster.engine.{name}", f"must be >= 1, got {value}")
-        for name in ("speedup_ratio", "decode_speedup_ratio"):
-            value = getattr(self, name)
-            _check(value >= 0 and math.isfinite(value), f"cluster.engine.{name}", f"must be a finite number >= 0, got {value}")
+        try:
+            self.config(dp_size=1)
+        except InvalidArgument as exc:  # its message starts with the field name
+            field, _, rest = str(exc).partition(" ")
+            raise ScenarioError(f"cluster.engine.{field}: {rest}") from None
+
+    def config(self, dp_size: int) -> EngineConfig:
+        """The engine configuration of every rank of a worker with ``dp_size`` ranks."""
+        fields = msgspec.structs.asdict(self)
+        fields["eviction_policy"] = fields.pop("eviction")
+        return EngineConfig(dp_size=dp_size, **fields)
 
 
 class ClusterSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
