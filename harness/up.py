@@ -4,13 +4,19 @@ It waits for each process's start line, runs the workload, collects the report a
 Children die with their parent (Linux parent-death signal) and are terminated on Ctrl-C, on a child
 crash and on exit, so ``kvemu up`` never leaves an orphan. Scenario chaos applies to worker processes:
 ``remove_worker`` sends SIGTERM (graceful) or SIGKILL, ``add_worker`` starts one more.
+
+Children run ``python -P -m harness.cli``: ``-P`` (Python 3.11) keeps the working directory off their import
+path, so a project with its own ``harness/``, ``workers/`` or ``kvemu/`` folder cannot shadow kvemu's packages
+(``python -m`` would put it first). ``cli_command`` and ``cli_env`` build that for any other launcher.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import signal
+import site
 import subprocess
 import sys
 import threading
@@ -20,7 +26,32 @@ from typing import Any
 
 from harness.scenario import Scenario
 
-__all__ = ["up_main", "Children"]
+__all__ = ["up_main", "Children", "cli_command", "cli_env"]
+
+
+def cli_command(*args: str) -> list[str]:
+    """The command line of a ``kvemu ARGS`` child process; run it with ``env=cli_env()``."""
+    return [sys.executable, "-P", "-m", "harness.cli", *args]
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a child process: this one, with the directory this process imported kvemu from first
+    on ``PYTHONPATH`` when that is not a site-packages directory (an editable install or a source checkout), so
+    children run the same kvemu as their parent even when ``-P`` leaves the checkout off their path."""
+    import harness
+    import kvemu
+    import workers
+
+    sites = [*getattr(site, "getsitepackages", list)(), getattr(site, "getusersitepackages", str)()]
+    sites_real = {os.path.realpath(d) for d in sites if d}
+    roots = [os.path.dirname(os.path.dirname(os.path.realpath(m.__file__)))
+             for m in (harness, workers, kvemu) if m.__file__]
+    env = dict(os.environ)
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [r for r in dict.fromkeys(roots) if r not in sites_real and r not in path]
+    if extra:
+        env["PYTHONPATH"] = os.pathsep.join([*extra, *path])
+    return env
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -38,8 +69,8 @@ class Children:
         self.info: dict[str, dict[str, Any]] = {}
 
     def start(self, name: str, args: list[str], timeout_s: float = 30.0) -> dict[str, Any]:
-        """Start ``python -m harness.cli ARGS`` and wait for its start line."""
-        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE, text=True,
+        """Start ``python -P -m harness.cli ARGS`` and wait for its start line."""
+        proc = subprocess.Popen(cli_command(*args), env=cli_env(), stdout=subprocess.PIPE, text=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.procs[name] = proc
         line: list[str] = []
@@ -106,9 +137,9 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
 
         for _ in range(scenario.cluster.workers):
             add_worker()
-        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router, "-o", str(outdir),
-                                    "--expect-workers", str(scenario.cluster.workers), *config],
-                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir),
+                                               "--expect-workers", str(scenario.cluster.workers), *config),
+                                   env=cli_env(), preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
         chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
         t0 = time.monotonic()
