@@ -2,7 +2,7 @@
 
 One ROUTER socket on the router's ``--listen`` address serves both workers (2-frame messages:
 identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
-and get back each request's ``RequestRecord`` when it ends; ``StatsQuery`` returns the router's view
+and get back each request's ``kvemu.RequestRecord`` when it ends; ``StatsQuery`` returns the router's view
 (ranks, per-rank load and cache, KV-event and affinity counters). Every process logs one JSON line when
 it starts, with its endpoints, and shuts down cleanly on SIGTERM.
 """
@@ -24,6 +24,7 @@ import msgspec
 import zmq
 
 from kvemu.clock import WallClock
+from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.runtime.messages import ClientRequest
@@ -34,7 +35,7 @@ from workers.actor import WorkerActor
 from workers.worker import MockWorker
 
 from harness.cluster import build_router, engine_config
-from harness.recorder import Recorder, RequestRecord
+from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
 from harness.runner import count_requests, drain_deadline_s, play_session
 from harness.scenario import Scenario
@@ -63,7 +64,7 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
 
 
 class RecordReply(msgspec.Struct, tag=True, kw_only=True):
-    """A finished request's record."""
+    """A finished request's record, as the router's hook recorder built it."""
 
     record: RequestRecord
 
@@ -328,7 +329,7 @@ def _shift(rec: RequestRecord, t0: int) -> RequestRecord:
 
     return msgspec.structs.replace(
         rec, arrival_ns=rec.arrival_ns - t0, queued_ns=s(rec.queued_ns), routed_ns=s(rec.routed_ns),
-        dispatch_ns=s(rec.dispatch_ns),
+        dispatch_ns=s(rec.dispatch_ns), admitted_ns=s(rec.admitted_ns),
         first_token_ns=s(rec.first_token_ns), token_times_ns=[t - t0 for t in rec.token_times_ns],
         completion_ns=s(rec.completion_ns),
     )

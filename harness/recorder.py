@@ -1,4 +1,4 @@
-"""Builds per-request records and counters from the router's lifecycle hooks (and nothing else).
+"""Builds per-request records (``kvemu.RequestRecord``) and counters from the router's lifecycle hooks only.
 
 The report writer reads only what this recorder collected, so reports, traces and external hosts all
 consume kvemu through the same hook API.
@@ -9,40 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import msgspec
-
+from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import HookEvent, Hooks
 
-__all__ = ["RequestRecord", "Recorder"]
-
-
-class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=False):
-    """Everything known about one request, in scenario nanoseconds (one line of requests.jsonl)."""
-
-    request_id: str
-    session_id: str | None = None
-    parent_session_id: str | None = None
-    arrival_ns: int = 0
-    isl: int = 0
-    max_tokens: int = 0
-    worker_id: int | None = None
-    dp_rank: int | None = None
-    attempts: int = 0
-    queued_ns: int | None = None
-    routed_ns: int | None = None
-    """When the router chose the rank (request in → routed is the routing overhead)."""
-    dispatch_ns: int | None = None
-    routing_reason: str | None = None
-    predicted_overlap_blocks: int | None = None
-    """The router's overlap (device prefix depth) for the chosen rank when it routed."""
-    best_overlap_blocks: int | None = None
-    """The deepest overlap any rank had at that moment."""
-    engine_cached_tokens: int | None = None
-    """Prompt tokens the engine actually found cached at admission (the physical-cache check)."""
-    first_token_ns: int | None = None
-    token_times_ns: list[int] = []
-    completion_ns: int | None = None
-    failure: str | None = None
+__all__ = ["Recorder"]
 
 
 class Recorder:
@@ -99,6 +69,9 @@ class Recorder:
         elif kind == "completed":
             rec.completion_ns = rec.token_times_ns[-1] if rec.token_times_ns else ev.time_ns
             rec.engine_cached_tokens = data.get("cached_tokens")
+            rec.output_tokens = data.get("output_tokens", len(rec.token_times_ns))
+            rec.admitted_ns = data.get("admitted_ns")
+            rec.preemptions = data.get("preemptions", 0)
         elif kind == "failed":
             rec.failure = data.get("reason", "unknown")
             rec.completion_ns = None

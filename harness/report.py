@@ -13,8 +13,9 @@ latency statistics):
 * ``itl``  = every gap between consecutive token timestamps, pooled over all requests;
 * ``output_token_throughput_per_user`` = (output tokens − 1) / (completion − first token), tok/s,
   requests with ≥ 2 tokens and a positive decode time;
-* percentiles interpolate linearly between the closest ranks (numpy's default, Hyndman-Fan type 7),
-  ``median`` is p50, ``std`` is the population standard deviation; an empty set gives ``null``.
+* percentiles are ``harness.stats.percentile``: the value at the rounded rank, as Dynamo's replay report
+  computes them (no interpolation); ``median`` is p50, ``std`` is the population standard deviation; an
+  empty set gives ``null``.
 
 Output tokens are the recorded token timestamps of a request. Floats are rounded to 6 significant
 digits; NaN and infinities never appear (they become ``null``).
@@ -33,7 +34,8 @@ from typing import Any
 
 import msgspec
 
-from harness.recorder import RequestRecord
+from kvemu.records import RequestRecord
+from harness.stats import percentile
 
 __all__ = [
     "Sample",
@@ -43,7 +45,6 @@ __all__ = [
     "PLOTS",
     "summarize",
     "dumps_summary",
-    "percentile",
     "write_report",
     "write_requests",
     "render_markdown",
@@ -101,24 +102,11 @@ class RunData(msgspec.Struct, kw_only=True):
 # ---------------------------------------------------------------------------------- statistics
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of already sorted values, linear interpolation between ranks."""
-    n = len(sorted_values)
-    if n == 0:
-        raise ValueError("percentile of an empty set")
-    pos = (n - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, n - 1)
-    frac = pos - lo
-    a, b = float(sorted_values[lo]), float(sorted_values[hi])
-    return a + (b - a) * frac if frac else a
-
-
 def _stats(values: Any, scale: float = 1.0) -> dict[str, float | None]:
     """mean/min/max/median/p75/p90/p95/p99/std of ``values`` divided by ``scale`` (None when empty).
 
     numpy (a matplotlib dependency) does the arithmetic: float64, pairwise sums, deterministic for a given
-    input; the percentiles use ``percentile`` above on the sorted array.
+    input; the percentiles use ``harness.stats.percentile`` on the sorted array.
     """
     import numpy as np
 
@@ -165,10 +153,6 @@ def _ratio(num: float, den: float) -> float | None:
 
 def _mean(values: list[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
-
-
-def _completed(rec: RequestRecord) -> bool:
-    return rec.completion_ns is not None and rec.failure is None
 
 
 def _first_token(rec: RequestRecord) -> int | None:
@@ -286,7 +270,7 @@ def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any
         row["requests"] += 1
         row["input_tokens"] += rec.isl
         row["output_tokens"] += len(rec.token_times_ns)
-        if _completed(rec):
+        if rec.done:
             row["completed_requests"] += 1
             row["_cached"] += rec.engine_cached_tokens or 0
             row["_isl_done"] += rec.isl
@@ -336,7 +320,7 @@ def _kv_events(data: RunData) -> dict[str, Any]:
 def summarize(data: RunData) -> dict[str, Any]:
     """The content of summary.json: the reference's replay keys at top level, kvemu's own under ``kvemu``."""
     records = _sorted_records(data.records)
-    done = [r for r in records if _completed(r)]
+    done = [r for r in records if r.done]
     total_in = sum(r.isl for r in done)
     total_out = sum(len(r.token_times_ns) for r in done)
     cached = sum(r.engine_cached_tokens or 0 for r in done)
@@ -659,7 +643,7 @@ def _cache_reuse(done: list[RequestRecord], path: Path) -> None:
 def write_plots(data: RunData, outdir: Path) -> list[str]:
     """Write the PNG plots (fixed size and dpi, default style, no timestamps); returns their file names."""
     records = _sorted_records(data.records)
-    done = [r for r in records if _completed(r)]
+    done = [r for r in records if r.done]
     ttft = [(f - r.arrival_ns) / NS_PER_MS for r in done if (f := _first_token(r)) is not None]
     e2e = [(r.completion_ns - r.arrival_ns) / NS_PER_MS for r in done]  # type: ignore[operator]
     import matplotlib.style

@@ -32,6 +32,7 @@ from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext, WorkerRow, random_policy, round_robin_policy
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueClass, QueueEntry, QueueLimits, QueueRejected
+from kvemu.records import RequestRecord
 from kvemu.registry import WorkerRegistry, WorkerSpec
 from kvemu.routing import PreparedRequest, RoutingCore
 from kvemu.selector import Selection, TierHits
@@ -79,6 +80,7 @@ __all__ = [
     "QueueEntry",
     "QueueLimits",
     "QueueRejected",
+    "RequestRecord",
     "ResourceExhausted",
     "RouterConfig",
     "RouterEvent",

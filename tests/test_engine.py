@@ -86,7 +86,7 @@ def test_prefix_hit_on_a_finished_request_skips_cached_blocks():
     b = req("b", [*range(32), 900, 901, 902, 903, 904], max_tokens=2, arrival_ns=eng.busy_until_ns)
     rb = eng.add_request(b)
     first = eng.step(eng.next_pass_start_ns())
-    assert rb.cached_tokens == 32 and first.prefill_tokens == 5
+    assert rb.engine_cached_tokens == 32 and first.prefill_tokens == 5
     (stored,) = [e for e in first.kv_batch.events if isinstance(e, BlockStored)]
     a_hashes = sequence_hashes(local_block_hashes(list(range(40)), 4))
     b_hashes = sequence_hashes(local_block_hashes(list(b.token_ids), 4))
@@ -104,7 +104,7 @@ def test_identical_prompt_recomputes_only_the_last_block():
     run_steps(eng)
     rb = eng.add_request(req("b", range(40), max_tokens=1, arrival_ns=eng.busy_until_ns))
     r = eng.step(eng.next_pass_start_ns())
-    assert rb.cached_tokens == 36 and r.prefill_tokens == 4  # the last prompt token must be computed
+    assert rb.engine_cached_tokens == 36 and r.prefill_tokens == 4  # the last prompt token must be computed
     assert r.kv_batch is None  # the recomputed block exists already: no event
 
 
@@ -114,7 +114,7 @@ def test_active_prefix_is_shared_with_a_running_request():
     eng.step(0)
     rb = eng.add_request(req("b", [*range(16), 77, 78], max_tokens=2, arrival_ns=eng.busy_until_ns))
     eng.step(eng.busy_until_ns)
-    assert rb.cached_tokens == 16 and ra.cached_tokens == 0
+    assert rb.engine_cached_tokens == 16 and ra.engine_cached_tokens == 0
     a_hashes = sequence_hashes(local_block_hashes(list(range(24)), 4))
     assert all(eng.pool.active[h] == 2 for h in a_hashes[:4])
 
@@ -125,7 +125,7 @@ def test_prefix_caching_disabled_never_hits_nor_emits():
     eng.add_request(req("b", range(40), max_tokens=2, arrival_ns=10**9))
     steps = run_steps(eng)
     done = {r.request_id: r for s in steps for r in s.completed}
-    assert done["b"].cached_tokens == 0
+    assert done["b"].engine_cached_tokens == 0
     assert all(s.kv_batch is None for s in steps)
     assert eng.pool.free == eng.pool.num_blocks and not eng.pool.cached_hashes()
 
@@ -139,7 +139,7 @@ def test_decode_blocks_hash_the_generated_tokens():
     follow = [*range(8), *outs[:4], 1, 2, 3]
     rb = eng.add_request(req("b", follow, max_tokens=1, arrival_ns=eng.busy_until_ns))
     eng.step(eng.next_pass_start_ns())
-    assert rb.cached_tokens == 12
+    assert rb.engine_cached_tokens == 12
 
 
 # ------------------------------------------------------------------------------- chunked prefill
@@ -152,7 +152,7 @@ def test_chunked_prefill_splits_a_prompt_across_passes():
     assert [s.prefill_tokens for s in steps[:4]] == [32, 32, 32, 4]
     assert [len(s.kv_batch.events[0].block_hashes) for s in steps[:4]] == [8, 8, 8, 1]
     assert rec.first_token_ns == steps[3].end_ns and steps[2].first_tokens == []
-    assert rec.token_times == [steps[3].end_ns, steps[4].end_ns]
+    assert rec.token_times_ns == [steps[3].end_ns, steps[4].end_ns]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
@@ -221,9 +221,9 @@ def test_preemption_recomputes_without_losing_or_duplicating_tokens(mode):
     preempted = [rid for s in steps for rid in s.preempted]
     assert preempted and set(preempted) == {victim}
     for rec in done.values():
-        assert rec.output_tokens == 14 and len(rec.token_times) == 14
-        assert rec.token_times == sorted(set(rec.token_times))  # one token per pass, never twice
-        assert rec.completed_ns == rec.token_times[-1]
+        assert rec.output_tokens == 14 and len(rec.token_times_ns) == 14
+        assert rec.token_times_ns == sorted(set(rec.token_times_ns))  # one token per pass, never twice
+        assert rec.completion_ns == rec.token_times_ns[-1]
     # every pass gave each request at most one token, and the victim got none while it was out
     per_pass = [s.tokens for s in steps]
     assert all(len(t) == len(set(t)) for t in per_pass)
@@ -292,7 +292,7 @@ def test_record_token_times_can_be_turned_off():
     eng = EngineCore(small(record_token_times=False))
     rec = eng.add_request(req("a", range(8), max_tokens=50))
     eng.advance_to(MAX_TIME_NS)
-    assert rec.token_times == [] and rec.output_tokens == 50 and rec.completed_ns > rec.first_token_ns
+    assert rec.token_times_ns == [] and rec.output_tokens == 50 and rec.completion_ns > rec.first_token_ns
 
 
 # ------------------------------------------------------------------------------------- DP ranks
@@ -307,7 +307,7 @@ def test_dp_ranks_share_no_blocks_and_tag_their_events():
     rb = w.dispatch(req("b", prompt, max_tokens=3, arrival_ns=10**10), dp_rank=5).raise_if_rejected()
     rc = w.dispatch(req("c", prompt, max_tokens=3, arrival_ns=10**10), dp_rank=4).raise_if_rejected()
     results = w.advance_to(2 * 10**10)
-    assert rb.cached_tokens == 0 and rc.cached_tokens == 36
+    assert rb.engine_cached_tokens == 0 and rc.engine_cached_tokens == 36
     r4, r5 = results
     assert all(b.data_parallel_rank == 5 for b in r5.kv_batches) and r5.kv_batches
     assert all(b.data_parallel_rank == 4 for b in r4.kv_batches)

@@ -65,11 +65,11 @@ def summary(records) -> dict:
             r.arrival_ns,
             r.admitted_ns,
             r.first_token_ns,
-            r.completed_ns,
-            r.cached_tokens,
+            r.completion_ns,
+            r.engine_cached_tokens,
             r.output_tokens,
             r.preemptions,
-            tuple(r.token_times),
+            tuple(r.token_times_ns),
         )
         for r in records
     }
@@ -216,15 +216,15 @@ def test_next_event_is_exact_during_a_decode_run():
     assert not quiet.events and quiet.passes == 11
     out = eng.advance_to(t_store)
     assert len(out.events) == 1 and out.events[0].ts_ns == t_store
-    assert rec.token_times[-1] == t_store and rec.output_tokens == 13
+    assert rec.token_times_ns[-1] == t_store and rec.output_tokens == 13
     # from here on every reported time is exactly a store (blocks 2 at 48 tokens) or the completion
     seen = []
     while (t := eng.next_event_ns()) is not None:
         out = eng.advance_to(t)
-        kinds = [("store", e.ts_ns) for e in out.events] + [("done", r.completed_ns) for r in out.completed]
+        kinds = [("store", e.ts_ns) for e in out.events] + [("done", r.completion_ns) for r in out.completed]
         assert kinds and all(ts == t for _, ts in kinds)
         seen += [k for k, _ in kinds]
-    assert seen == ["store", "done"] and rec.output_tokens == 40 and rec.completed_ns == rec.token_times[-1]
+    assert seen == ["store", "done"] and rec.output_tokens == 40 and rec.completion_ns == rec.token_times_ns[-1]
 
 
 def test_zero_duration_passes_are_reported_one_nanosecond_later():
@@ -232,7 +232,7 @@ def test_zero_duration_passes_are_reported_one_nanosecond_later():
     rec = eng.add_request(Request(request_id="a", token_ids=list(range(6)), max_tokens=3, arrival_ns=500))
     assert eng.next_event_ns() == 501
     out = eng.advance_to(501)
-    assert rec.token_times == [500, 500, 500] and [r.request_id for r in out.completed] == ["a"]
+    assert rec.token_times_ns == [500, 500, 500] and [r.request_id for r in out.completed] == ["a"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -62,12 +62,12 @@ def test_engine_first_token_after_prefill_time_and_decode_steps():
     r1 = eng.step(1000)
     assert r1.prefill_tokens == 10 and r1.decodes == 0
     assert r1.end_ns == 1000 + timer.prefill_ns(10)
-    assert rec.first_token_ns == r1.end_ns and rec.cached_tokens == 0
+    assert rec.first_token_ns == r1.end_ns and rec.engine_cached_tokens == 0
     r2 = eng.step(r1.end_ns)
     # the request holds three blocks (two full, one partial) while it decodes
     assert r2.decodes == 1 and r2.duration_ns == timer.decode_ns(3)
     r3 = eng.step(r2.end_ns)
-    assert rec.token_times == [r1.end_ns, r2.end_ns, r3.end_ns] and rec.completed_ns == r3.end_ns
+    assert rec.token_times_ns == [r1.end_ns, r2.end_ns, r3.end_ns] and rec.completion_ns == r3.end_ns
 
 
 def test_mixed_pass_duration_is_prefill_plus_decode():
@@ -96,7 +96,7 @@ def test_timing_model_is_pluggable():
     eng = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4), timing=Flat())
     rec = eng.add_request(Request(request_id="a", token_ids=[1, 2, 3], max_tokens=4, arrival_ns=0))
     eng.advance_to(10**9)
-    assert rec.token_times == [2_000_000, 3_000_000, 4_000_000, 5_000_000]
+    assert rec.token_times_ns == [2_000_000, 3_000_000, 4_000_000, 5_000_000]
 
 
 class Broken:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from harness.compare import compare, main as compare_main
-from harness.recorder import RequestRecord
-from harness.report import PLOTS, RunData, Sample, percentile, summarize, write_report
+from kvemu import RequestRecord
+from harness.report import PLOTS, RunData, Sample, summarize, write_report
+from harness.stats import percentile
 
 MS = 1_000_000
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -70,15 +71,17 @@ def r6(x: float) -> float:
     return float(f"{x:.6g}")
 
 
-def test_percentile_is_linear_interpolation_like_numpy():
-    np = pytest.importorskip("numpy")
+def test_summary_percentiles_are_the_shared_rounded_rank_definition():
+    """Every summary percentile is ``harness.stats.percentile`` (Dynamo's rounded rank), never interpolated."""
     rng = random.Random(3)
     for n in (1, 2, 3, 10, 101):
-        values = sorted(rng.uniform(0, 100) for _ in range(n))
-        for q in (0, 50, 75, 90, 95, 99, 100):
-            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
-    assert percentile([50, 100, 200], 75) == 150
-    assert percentile([50, 100, 200], 99) == pytest.approx(198)
+        ttfts = [rng.uniform(1, 100) for _ in range(n)]
+        records = [rec(f"r{i}", 0, 10, 1, 0, [t]) for i, t in enumerate(ttfts)]
+        s = summarize(sample_run(records=records))
+        exact = sorted(int(t * MS) / MS for t in ttfts)  # rec() truncates to whole ns
+        for key, q in (("median", 50), ("p75", 75), ("p90", 90), ("p95", 95), ("p99", 99)):
+            assert s[f"{key}_ttft_ms"] == r6(percentile(exact, q))
+            assert s[f"{key}_ttft_ms"] in {r6(v) for v in exact}  # always one of the observed values
 
 
 def test_latency_metrics_are_exact():
@@ -86,10 +89,11 @@ def test_latency_metrics_are_exact():
     ttft = [50, 100, 200]
     assert s["mean_ttft_ms"] == r6(350 / 3)
     assert (s["min_ttft_ms"], s["max_ttft_ms"], s["median_ttft_ms"]) == (50, 200, 100)
-    assert (s["p75_ttft_ms"], s["p90_ttft_ms"], s["p95_ttft_ms"], s["p99_ttft_ms"]) == (150, 180, 190, 198)
+    # rounded rank over 3 values: ranks 1.5, 1.8, 1.9, 1.98 all round to the largest
+    assert (s["p75_ttft_ms"], s["p90_ttft_ms"], s["p95_ttft_ms"], s["p99_ttft_ms"]) == (200, 200, 200, 200)
     assert s["std_ttft_ms"] == r6(statistics.pstdev(ttft))
     # second token - first token, requests with >= 2 tokens
-    assert (s["mean_ttst_ms"], s["min_ttst_ms"], s["max_ttst_ms"], s["p90_ttst_ms"]) == (25, 10, 40, 37)
+    assert (s["mean_ttst_ms"], s["min_ttst_ms"], s["max_ttst_ms"], s["p90_ttst_ms"]) == (25, 10, 40, 40)
     # (completion - first token) / (tokens - 1)
     assert (s["mean_tpot_ms"], s["min_tpot_ms"], s["max_tpot_ms"]) == (27.5, 15, 40)
     # every gap pooled over requests: 10 20 | 40 40 40
@@ -154,7 +158,7 @@ def test_queue_affinity_and_kv_sections():
     k = summarize(sample_run())["kvemu"]
     q = k["queue"]
     assert (q["queued_requests"], q["queued_events"], q["mean_queue_wait_ms"]) == (2, 2, 12.5)
-    assert q["p99_queue_wait_ms"] == r6(5 + 15 * 0.99) and q["max_queue_wait_ms"] == 20
+    assert q["p99_queue_wait_ms"] == 20 and q["max_queue_wait_ms"] == 20  # waits 5, 20: rank 0.99 -> 1
     assert k["affinity"]["binds"] == 2 and list(k["affinity"]) == sorted(k["affinity"])
     kv = k["kv_events"]
     assert [w["worker_id"] for w in kv["per_worker"]] == [1, 2]

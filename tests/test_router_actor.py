@@ -137,7 +137,7 @@ def test_accepted_request_streams_and_completes():
     assert res.failure is None and res.output_tokens == 3 and res.attempts == 1
     assert kinds(events, "a") == ["request_arrived", "routed", "dispatch_accepted", "first_token", "tokens",
                                   "tokens", "completed"]
-    assert res.finished_ns - res.first_token_ns == 20_000_000  # 10 ms per token, virtual time
+    assert res.completion_ns - res.first_token_ns == 20_000_000  # 10 ms per token, virtual time
     assert len(router.core.load) == 0  # freed
 
 

@@ -8,7 +8,7 @@ from workers.blocks import BlockPool
 from workers.config import EngineConfig
 from workers.engine import AdvanceResult, EngineCore, StepResult
 from workers.events import PassEvents
-from workers.request import Request, RequestRecord
+from workers.request import Request
 from workers.timing import PassTimer, PolynomialTiming, TimingModel
 from workers.trace import HashIdTokens, expand_hash_ids, mooncake_request
 from workers.worker import Dispatch, MockWorker
@@ -26,7 +26,6 @@ __all__ = [
     "PolynomialTiming",
     "RejectReason",
     "Request",
-    "RequestRecord",
     "RequestRejected",
     "StepResult",
     "TimingModel",

@@ -16,6 +16,7 @@ import anyio
 import msgspec
 
 from kvemu.clock import NS_PER_S, Clock
+from kvemu.records import RequestRecord
 from kvemu.runtime.messages import (
     Deregister,
     Dispatch,
@@ -35,7 +36,7 @@ from kvemu.runtime.messages import (
 from kvemu.runtime.transport import WorkerEnd
 from kvemu.wire.kv_events import KVEventBatch
 from workers.engine import AdvanceResult, EngineCore, StepResult
-from workers.request import Request, RequestRecord
+from workers.request import Request
 from workers.worker import MockWorker
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
@@ -260,8 +261,8 @@ class WorkerActor:
         sent = self._sent.pop(rec.request_id, 0)
         self._records.pop(rec.request_id, None)
         self._send(encode(Finished(
-            request_id=rec.request_id, times_ns=rec.token_times[sent:], cached_tokens=rec.cached_tokens or 0,
-            dp_rank=rec.dp_rank,
+            request_id=rec.request_id, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
+            cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
         )))
 
     # ------------------------------------------------------------------ wall time
@@ -304,9 +305,9 @@ class WorkerActor:
                 continue
             sent = self._sent.get(rid, 0)
             # the first token goes at once; later ones are coalesced (zero-length passes come in bursts)
-            if len(rec.token_times) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
-                send(encode(TokenBatch(request_id=rid, times_ns=rec.token_times[sent:])))
-                self._sent[rid] = len(rec.token_times)
+            if len(rec.token_times_ns) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
+                send(encode(TokenBatch(request_id=rid, times_ns=rec.token_times_ns[sent:])))
+                self._sent[rid] = len(rec.token_times_ns)
                 flushed[rid] = now
         for rec in res.completed:
             self._finish(rec)

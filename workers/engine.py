@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
+from kvemu.records import RequestRecord
 from kvemu.wire.kv_events import KVEventBatch
 from workers.admission import RejectReason, RequestRejected, check_request
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
 from workers.events import PassEvents
-from workers.request import Request, RequestRecord
+from workers.request import Request
 from workers.scheduler import Schedule, Scheduler
 from workers.sequence import RUNNING, SeqState
 from workers.timing import PassTimer, TimingModel
@@ -236,7 +237,10 @@ class EngineCore:
         has_fast_path = req.seq_hashes is None and hasattr(req.token_ids, "local_block_hashes")
         check_request(req, cfg, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path)
         arrival = self._now if req.arrival_ns is None else req.arrival_ns
-        record = RequestRecord(req.request_id, self.dp_rank, arrival, len(req.token_ids), req.max_tokens)
+        record = RequestRecord(
+            request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival, isl=len(req.token_ids),
+            max_tokens=req.max_tokens,
+        )
         try:
             seq = SeqState(req, record, cfg.block_size, self._order)
         except InvalidArgument as exc:  # hashing validates every token id
@@ -299,7 +303,7 @@ class EngineCore:
                 rec = seq.record
                 rec.output_tokens += 1
                 if record_times:
-                    rec.token_times.append(end)
+                    rec.token_times_ns.append(end)
                 sampled.append(seq)
                 if seq.prefilling:
                     seq.prefilling = False
@@ -310,7 +314,7 @@ class EngineCore:
                     completed.append(seq)
         for seq in completed:
             self.scheduler.complete(seq)
-            seq.record.completed_ns = end
+            seq.record.completion_ns = end
             del self._seqs[seq.rid]
         events = None
         if pool.log:
@@ -487,7 +491,7 @@ class EngineCore:
                 rec = seq.record
                 rec.output_tokens += j
                 if record_times:
-                    rec.token_times += stamps
+                    rec.token_times_ns.extend(stamps)
             self._free_at = T
             self.passes += j
             out.passes += j

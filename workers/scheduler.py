@@ -184,7 +184,7 @@ class Scheduler:
             rec = seq.record
             if rec.admitted_ns is None:
                 rec.admitted_ns = now_ns
-                rec.cached_tokens = cached
+                rec.engine_cached_tokens = cached
             sched.entries[seq] = n
             sched.admitted.append(seq)
             sched.prefill_tokens += n

@@ -9,7 +9,8 @@ from array import array
 import xxhash
 
 from kvemu.hashing import BASE_SEED, extend_sequence_hashes, local_block_hashes, sequence_hashes
-from workers.request import Request, RequestRecord
+from kvemu.records import RequestRecord
+from workers.request import Request
 
 __all__ = ["SeqState", "FUTURE", "WAITING", "RUNNING", "FINISHED"]
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from kvemu.errors import InvalidArgument
+from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
 from workers.engine import AdvanceResult, EngineCore
-from workers.request import Request, RequestRecord
+from workers.request import Request
 from workers.timing import TimingModel
 
 __all__ = ["MockWorker", "Dispatch"]
@@ -116,6 +117,7 @@ class MockWorker:
             record = self.cores[i].add_request(request)
         except RequestRejected as exc:
             return Dispatch(False, dp_rank=dp_rank, reason=exc.reason, message=str(exc), field=exc.field)
+        record.worker_id = self.worker_id
         return Dispatch(True, dp_rank=dp_rank, record=record)
 
     def advance_to(self, t_ns: int) -> list[AdvanceResult]:

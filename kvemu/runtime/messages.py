@@ -138,12 +138,15 @@ class TokenBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
 
 
 class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
-    """The request completed; ``times_ns`` are its last tokens, ``cached_tokens`` its prefix hit."""
+    """The request completed; ``times_ns`` are its last tokens, the rest the engine's facts of its record."""
 
     request_id: str
     times_ns: list[int]
     cached_tokens: int = 0
+    """The prefix the engine found cached (``RequestRecord.engine_cached_tokens``)."""
     dp_rank: int = 0
+    admitted_ns: int | None = None
+    preemptions: int = 0
 
 
 class RequestFailed(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]

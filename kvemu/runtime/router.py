@@ -22,6 +22,7 @@ from kvemu.clock import NS_PER_S, Clock
 from kvemu.errors import InvalidArgument, KvemuError, SchedulerError
 from kvemu.events import RouterEvent
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
+from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import HookEvent, Hooks
@@ -47,7 +48,7 @@ from kvemu.runtime.transport import RouterEnd
 from kvemu.wire.stream import EventStream, Replay, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
-__all__ = ["RouterSettings", "RequestResult", "Router"]
+__all__ = ["RouterSettings", "Router"]
 
 log = logging.getLogger("kvemu.router")
 
@@ -74,37 +75,23 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
-class RequestResult(msgspec.Struct, kw_only=True):
-    """What the client gets back: where the request ran and how it ended."""
-
-    request_id: str
-    worker_id: int | None = None
-    dp_rank: int | None = None
-    output_tokens: int = 0
-    first_token_ns: int | None = None
-    finished_ns: int | None = None
-    failure: str | None = None
-    attempts: int = 0
-
-
 class _Flight:
-    """An admitted request between dispatch and completion."""
+    """One attempt of a request, from routing to completion; it writes the engine's facts into ``record``."""
 
-    __slots__ = ("request_id", "key", "ack", "done", "tokens", "lease", "first_seen", "failure", "finished_ns",
-                 "first_token_ns", "cached_tokens")
+    __slots__ = ("request_id", "record", "key", "ack", "done", "lease", "failure")
 
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+    def __init__(self, record: RequestRecord) -> None:
+        self.request_id = record.request_id
+        self.record = record
         self.key: tuple[int, int] | None = None
         self.ack: anyio.Event = anyio.Event()
         self.done: anyio.Event = anyio.Event()
-        self.tokens = 0
         self.lease: Any = None
-        self.first_seen = False
         self.failure: str | None = None
-        self.finished_ns: int | None = None
-        self.first_token_ns: int | None = None
-        self.cached_tokens = 0
+        """Why this attempt ended without completing (the request may still be retried)."""
+        # a new attempt starts over on another rank (retries happen only before any token came back)
+        record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
+        record.preemptions = record.output_tokens = 0
 
 
 class _WorkerState:
@@ -399,9 +386,15 @@ class Router:
 
     # ------------------------------------------------------------------ requests
 
-    async def handle(self, req: ClientRequest) -> RequestResult:
-        """Run one request to completion or failure (it never raises for routing failures)."""
-        result = RequestResult(request_id=req.request_id)
+    async def handle(self, req: ClientRequest) -> RequestRecord:
+        """Run one request to completion or failure and return its record (it never raises for routing failures).
+
+        The record holds what the router sees; ``best_overlap_blocks`` and ``token_times_ns`` are left to hook
+        observers (the harness recorder), which would otherwise cost every request.
+        """
+        result = RequestRecord(request_id=req.request_id, session_id=req.session_id,
+                               parent_session_id=req.parent_session_id, arrival_ns=self._now(),
+                               isl=len(req.tokens), max_tokens=req.max_tokens)
         if req.request_id in self._flights:
             result.failure = "duplicate_request_id"
             self._emit("failed", req.request_id, data={"reason": result.failure})
@@ -425,7 +418,7 @@ class Router:
         if not self.workers and grace_ns > 0:
             with anyio.move_on_after(grace_ns / NS_PER_S):
                 await self.wait_for_workers(1, timeout_s=grace_ns / NS_PER_S + 1)
-        flight = _Flight(req.request_id)
+        flight = _Flight(result)
         self._flights[req.request_id] = flight
         refused: list[tuple[int, int]] = []
         try:
@@ -437,7 +430,7 @@ class Router:
                     if self.stopped:
                         result.failure = flight.failure or "router_restart"
                         break
-                    flight = self._flights[req.request_id] = _Flight(req.request_id)
+                    flight = self._flights[req.request_id] = _Flight(result)
                     continue
                 except SchedulerError as exc:
                     result.failure = _reason(exc)
@@ -450,15 +443,12 @@ class Router:
                 result.failure = "retries_exhausted"
             if result.failure is None and flight.failure is not None:
                 result.failure = flight.failure
-            if flight.key is not None:
-                result.worker_id, result.dp_rank = flight.key
-            result.output_tokens = flight.tokens
-            result.first_token_ns = flight.first_token_ns
-            result.finished_ns = flight.finished_ns
             if result.failure is None:
-                self._emit("completed", req.request_id, *(flight.key or (None, None)),
-                           data={"output_tokens": flight.tokens, "cached_tokens": flight.cached_tokens})
+                self._emit("completed", req.request_id, *(flight.key or (None, None)), data={
+                    "output_tokens": result.output_tokens, "cached_tokens": result.engine_cached_tokens or 0,
+                    "admitted_ns": result.admitted_ns, "preemptions": result.preemptions})
             else:
+                result.completion_ns = None
                 self._emit("failed", req.request_id, *(flight.key or (None, None)), data={"reason": result.failure})
             return result
         finally:
@@ -476,7 +466,7 @@ class Router:
             builder.allow(req.allowed_worker_ids)
         if req.worker_id is not None or req.dp_rank is not None:
             builder.pin(req.worker_id, req.dp_rank)
-        await self._maybe_queue(req, builder, prepared)
+        await self._maybe_queue(req, builder, prepared, flight.record)
         hold: Hold | None = None
         affinity = self.affinity
         key = _affinity_key(req)
@@ -495,6 +485,9 @@ class Router:
         else:
             selection = core.select(prepared, builder.build())
         wid, rank = selection.worker_id, selection.dp_rank
+        record = flight.record
+        record.worker_id, record.dp_rank, record.routed_ns = wid, rank, self._now()
+        record.routing_reason, record.predicted_overlap_blocks = selection.reason, selection.overlap_blocks
         if self.hooks.wants("routed"):
             ev = selection.evaluation
             overlaps = ev.inputs["overlaps"] if ev.inputs is not None else core.overlaps(prepared)
@@ -537,6 +530,7 @@ class Router:
                 flight.lease = affinity.commit(hold, selection.key)  # type: ignore[union-attr]
             except InvalidArgument as exc:  # hard binding moved meanwhile: keep serving, unbound
                 log.info("affinity commit for %s: %s", req.request_id, exc)
+        record.dispatch_ns = self._now()
         self._emit("dispatch_accepted", req.request_id, wid, rank)
         try:
             await flight.done.wait()
@@ -546,11 +540,11 @@ class Router:
                 affinity.release(flight.lease)
             state.flights.pop(req.request_id, None)
             self._capacity_changed()
-        if flight.failure == "worker_lost" and not flight.first_seen:
+        if flight.failure == "worker_lost" and record.first_token_ns is None:
             refused.append((wid, rank))
             raise _Retry  # nothing was streamed yet: run it elsewhere
 
-    async def _maybe_queue(self, req: ClientRequest, builder: Any, prepared: Any) -> None:
+    async def _maybe_queue(self, req: ClientRequest, builder: Any, prepared: Any, record: RequestRecord) -> None:
         queue = self.queue
         if queue is None:
             return
@@ -565,6 +559,7 @@ class Router:
                            payload=event),
                 num_workers=len(self.workers), do_not_queue=req.do_not_queue, now_ns=self._now(),
             )
+            record.queued_ns = self._now()
             self._emit("queued", req.request_id, data={"depth": len(queue)})
             self._release_queue()
             await event.wait()
@@ -599,14 +594,14 @@ class Router:
         self._note_tokens(flight, msg.times_ns)
 
     def _note_tokens(self, flight: _Flight, times: list[int]) -> None:
-        if not flight.first_seen:
-            flight.first_seen = True
-            flight.first_token_ns = times[0]
+        record = flight.record
+        if record.first_token_ns is None:
+            record.first_token_ns = times[0]
             self.core.prefill_complete(flight.request_id)
             key = flight.key or (None, None)
             self._emit("first_token", flight.request_id, *key, data={"time_ns": times[0]})
             self._capacity_changed()
-        flight.tokens += len(times)
+        record.output_tokens += len(times)
         if self.hooks.wants("tokens"):
             key = flight.key or (None, None)
             self._emit("tokens", flight.request_id, *key, data={"times_ns": times})
@@ -617,8 +612,10 @@ class Router:
             return
         if msg.times_ns:
             self._note_tokens(flight, msg.times_ns)
-        flight.cached_tokens = msg.cached_tokens
-        flight.finished_ns = msg.times_ns[-1] if msg.times_ns else self._now()
+        record = flight.record
+        record.engine_cached_tokens = msg.cached_tokens
+        record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
+        record.completion_ns = msg.times_ns[-1] if msg.times_ns else self._now()
         flight.done.set()
 
     def _on_failed(self, msg: RequestFailed) -> None:

@@ -1,0 +1,66 @@
+"""The one record of what happened to a request: kept by the engine, returned by the router, written to requests.jsonl.
+
+Each producer fills the facts it knows and leaves the others at their defaults: an engine core (the
+engine facts, on its hot path), the router actor (``Router.handle``'s result) and the harness recorder
+(one line of ``requests.jsonl``, built from lifecycle hooks). Times are nanoseconds on the producer's
+clock (virtual or wall; the report shifts them to scenario time).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["RequestRecord"]
+
+
+class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=True):
+    """Everything known about one request's life; the field order is the column order of requests.jsonl.
+
+    ``gc=False`` (not tracked by the cyclic GC: cheaper to create and to keep millions of) is safe
+    because no field can refer back to a record: strings, integers and one list of integers.
+    """
+
+    request_id: str
+    session_id: str | None = None
+    parent_session_id: str | None = None
+    arrival_ns: int = 0
+    """When the request arrived (at the router; at the engine for an engine's own record)."""
+    isl: int = 0
+    """Input sequence length: prompt tokens."""
+    max_tokens: int = 0
+    """Output tokens requested (the mock engine produces exactly this many)."""
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    attempts: int = 0
+    """Routing attempts (1 + re-selections after rejected dispatches or lost workers)."""
+    queued_ns: int | None = None
+    """When it entered the router's policy queue (None: never queued)."""
+    routed_ns: int | None = None
+    """When the router chose the rank (arrival → routed is the routing overhead)."""
+    dispatch_ns: int | None = None
+    """When the worker accepted the dispatch."""
+    routing_reason: str | None = None
+    predicted_overlap_blocks: int | None = None
+    """The router's overlap (device prefix depth) for the chosen rank when it routed."""
+    best_overlap_blocks: int | None = None
+    """The deepest overlap any rank had at that moment."""
+    admitted_ns: int | None = None
+    """When the engine first scheduled it (start of that pass)."""
+    engine_cached_tokens: int | None = None
+    """Prompt tokens the engine actually found cached at first admission (the physical-cache check)."""
+    preemptions: int = 0
+    """Times the engine preempted it (its blocks taken back; recomputed on re-admission)."""
+    first_token_ns: int | None = None
+    output_tokens: int = 0
+    """Output tokens produced so far."""
+    token_times_ns: list[int] = []
+    """Each output token's time (the end of the pass that produced it); empty if the engine does not record them."""
+    completion_ns: int | None = None
+    """When the last token was produced (None while running and for failed requests)."""
+    failure: str | None = None
+    """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the request completed: every requested token produced, no failure."""
+        return self.completion_ns is not None and self.failure is None

@@ -1,0 +1,89 @@
+"""One record of a request's life: the engine keeps it, the router returns it, the recorder writes it."""
+
+import gc
+
+import anyio
+import msgspec
+
+from kvemu import ManualClock, RequestRecord
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.loop import run_virtual
+from kvemu.runtime.messages import ClientRequest
+from workers import EngineConfig, MockWorker, Request
+
+from harness.cluster import cluster
+from harness.recorder import Recorder
+from harness.scenario import parse_scenario
+
+SCENARIO = """
+name: records
+cluster:
+  workers: 2
+  dp_size: 2
+  engine: {block_size: 16, num_gpu_blocks: 24, max_num_seqs: 8, speedup_ratio: 20, decode_speedup_ratio: 20}
+router: {policy: kv, affinity: {enabled: true, ttl_secs: 30}}
+run: {mode: virtual, seed: 5}
+"""
+
+ROUTER_LEAVES_TO_HOOKS = {"best_overlap_blocks", "token_times_ns"}
+"""Facts only hook observers collect (computing them for every request would cost the router)."""
+
+
+def test_gc_untracked_is_safe_no_field_can_hold_an_object():
+    """``gc=False`` is safe only while no field can refer back to a record: scalars and lists of ints only."""
+    scalars = (msgspec.inspect.StrType, msgspec.inspect.IntType, msgspec.inspect.NoneType)
+    for field in msgspec.inspect.type_info(RequestRecord).fields:
+        t = field.type
+        kinds = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
+        for k in kinds:
+            assert isinstance(k, scalars) or (
+                isinstance(k, msgspec.inspect.ListType) and isinstance(k.item_type, msgspec.inspect.IntType)
+            ), (field.name, k)
+    rec = RequestRecord(request_id="r", token_times_ns=[1, 2])
+    assert not gc.is_tracked(rec) and rec.token_times_ns == [1, 2]
+    assert RequestRecord(request_id="a").token_times_ns is not RequestRecord(request_id="b").token_times_ns
+
+
+def test_engine_keeps_the_record_and_the_worker_names_itself():
+    worker = MockWorker(EngineConfig(block_size=4, num_gpu_blocks=16), worker_id=7)
+    rec = worker.dispatch(Request(request_id="a", token_ids=list(range(10)), max_tokens=3)).raise_if_rejected()
+    assert type(rec) is RequestRecord
+    assert (rec.worker_id, rec.dp_rank, rec.isl, rec.max_tokens, rec.output_tokens) == (7, 0, 10, 3, 0)
+    while not rec.done:
+        worker.advance_to(worker.next_event_ns())
+    assert rec.output_tokens == 3 and rec.completion_ns == rec.token_times_ns[-1] and rec.admitted_ns == 0
+    assert rec.engine_cached_tokens == 0 and rec.preemptions == 0 and rec.failure is None
+
+
+def test_router_result_and_recorder_line_agree_field_by_field():
+    scenario = parse_scenario(SCENARIO)
+    hooks = Hooks()
+    recorder = Recorder(hooks, block_size=16)
+    clock = ManualClock()
+    shared = list(range(1000, 1064))
+    results: dict[str, RequestRecord] = {}
+
+    async def main():
+        async with cluster(scenario, clock, hooks) as c:
+
+            async def one(i: int) -> None:
+                await anyio.sleep(i * 0.0003)
+                req = ClientRequest(request_id=f"r{i}", tokens=shared + [i] * (16 + 40 * (i % 4)), max_tokens=40,
+                                    session_id=f"s{i % 3}")
+                results[req.request_id] = await c.router.handle(req)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(24):
+                    tg.start_soon(one, i)
+
+    run_virtual(main, clock)
+    assert len(results) == 24 and all(type(r) is RequestRecord and r.done for r in results.values())
+    assert any(r.engine_cached_tokens for r in results.values())
+    assert any(r.preemptions for r in results.values())  # 24 blocks a rank: the engines preempt
+    for rid, res in results.items():
+        line = recorder.records[rid]
+        assert line.output_tokens == len(line.token_times_ns) == 40
+        assert line.admitted_ns is not None and line.dispatch_ns <= line.admitted_ns <= line.first_token_ns
+        for name in RequestRecord.__struct_fields__:
+            if name not in ROUTER_LEAVES_TO_HOOKS:
+                assert getattr(res, name) == getattr(line, name), (rid, name)
