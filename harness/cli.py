@@ -30,12 +30,19 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if getattr(args, "seed", None) is not None:
         overrides.append(f"run.seed={args.seed}")
     if args.scenario:
-        return load_scenario(args.scenario, overrides)
-    return parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides, source="<built-in quickstart>")
+        scenario = load_scenario(args.scenario, overrides)
+    else:
+        scenario = parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides,
+                                  source="<built-in quickstart>")
+    from harness.cluster import make_policy
+
+    make_policy(scenario.router.policy)  # a custom policy must import before anything starts
+    return scenario
 
 
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from harness.runner import run_scenario
@@ -45,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         scenario = _load(args)
     except ScenarioError as exc:
-        console.print(f"[red]invalid scenario[/red]: {exc}")
+        console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
     console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed {scenario.run.seed}) "

@@ -18,10 +18,7 @@ import anyio
 
 from kvemu.affinity import SessionAffinity
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
-from kvemu.config import RouterConfig
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
-from kvemu.queue import PolicyQueue, QueueClass
-from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
@@ -32,13 +29,17 @@ from workers.actor import WorkerActor
 from workers.config import EngineConfig
 from workers.worker import MockWorker
 
-from harness.scenario import ClusterSpec, RouterSpec, Scenario
+from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 
 __all__ = ["Cluster", "make_policy", "engine_config", "build_router", "cluster"]
 
 
 def make_policy(name: str) -> CustomPolicy | None:
-    """The router's selection policy from its scenario name (``None`` = Dynamo's default selector)."""
+    """The router's selection policy from its scenario name (``None`` = Dynamo's default selector).
+
+    A ``module:callable`` that cannot be imported or does not return a ``CustomPolicy`` is a
+    ``ScenarioError`` naming ``router.policy`` (``kvemu validate`` calls this too).
+    """
     if name == "kv":
         return None
     if name == "round_robin":
@@ -46,10 +47,15 @@ def make_policy(name: str) -> CustomPolicy | None:
     if name == "random":
         return random_policy()
     module, _, attr = name.partition(":")
-    factory = getattr(importlib.import_module(module), attr)
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise ScenarioError(f"router.policy: cannot import module {module!r} ({exc}); is it on PYTHONPATH?") from None
+    except AttributeError:
+        raise ScenarioError(f"router.policy: module {module!r} has no {attr!r}") from None
     policy = factory()
     if not isinstance(policy, CustomPolicy):
-        raise TypeError(f"router.policy {name!r} returned {type(policy).__name__}, not a CustomPolicy")
+        raise ScenarioError(f"router.policy: {name!r} returned {type(policy).__name__}, not a CustomPolicy")
     return policy
 
 
@@ -61,33 +67,14 @@ def engine_config(spec: ClusterSpec) -> EngineConfig:
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
                  kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None) -> Router:
     """A router actor configured from its scenario section."""
-    config = RouterConfig(
-        overlap_score_credit=spec.overlap_score_credit, overlap_score_credit_decay=spec.overlap_score_credit_decay,
-        prefill_load_scale=spec.prefill_load_scale, decode_active_request_weight=spec.decode_active_request_weight,
-        router_temperature=spec.router_temperature, use_kv_events=spec.use_kv_events,
-        router_track_active_blocks=spec.router_track_active_blocks, router_assume_kv_reuse=spec.router_assume_kv_reuse,
-        router_track_prefill_tokens=spec.router_track_prefill_tokens, router_ttl_secs=spec.router_ttl_secs,
-    )
-    core = RoutingCore(block_size=block_size, config=config, clock=clock,
+    core = RoutingCore(block_size=block_size, config=spec.config(), clock=clock,
                        seed=spec.seed if spec.seed is not None else seed, policy=make_policy(spec.policy))
     affinity = None
     if spec.affinity.enabled:
         affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
-    queue = None
-    q = spec.queue
-    if q.threshold is not None or q.threshold_frac is not None:
-        def prefill(key: tuple[int, int]) -> int:
-            rl = core.load.rank(key)
-            return rl.active_prefill_tokens if rl is not None else 0
-
-        def capacity(key: tuple[int, int]) -> int:
-            w = core.registry.get(key[0])
-            return (w.max_num_batched_tokens if w else None) or DEFAULT_MAX_NUM_BATCHED_TOKENS
-
-        queue = PolicyQueue(classes=[QueueClass(busy_threshold=q.threshold, busy_threshold_frac=q.threshold_frac,
-                                                policy=q.policy)], prefill_tokens=prefill, batched_capacity=capacity)
     settings = RouterSettings(retry_limit=spec.retry_limit, heartbeat_timeout_s=spec.heartbeat_timeout_s)
-    return Router(core=core, end=end, clock=clock, hooks=hooks, settings=settings, affinity=affinity, queue=queue,
+    return Router(core=core, end=end, clock=clock, hooks=hooks, settings=settings, affinity=affinity,
+                  queue=core.policy_queue(),
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
 
 

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import math
 import re
+from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
+from msgspec import Meta
 
+from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument, KvemuError
+from kvemu.validation import check_struct
+from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
 from workers.config import EngineConfig
 
 __all__ = [
     "EngineSpec",
     "ClusterSpec",
     "AffinitySpec",
-    "QueueSpec",
     "RouterSpec",
     "Distribution",
     "SyntheticWorkload",
@@ -39,202 +43,167 @@ __all__ = [
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
 
+Count = Annotated[int, Meta(ge=1)]
+Index = Annotated[int, Meta(ge=0)]
+NonNeg = Annotated[float, Meta(ge=0)]
+Positive = Annotated[float, Meta(gt=0)]
+
 
 class ScenarioError(KvemuError, ValueError):
     """An invalid scenario; the message names the key path (and line, when known)."""
 
 
-def _check(cond: bool, path: str, message: str) -> None:
-    if not cond:
-        raise ScenarioError(f"{path}: {message}")
-
-
-_ENGINE = EngineConfig()  # the single source of the engine's defaults and range checks
-
-
-class EngineSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """Mock engine settings, per DP rank (Dynamo mocker defaults, taken from ``EngineConfig``)."""
-
-    num_gpu_blocks: int = _ENGINE.num_gpu_blocks
-    block_size: int = _ENGINE.block_size
-    max_num_seqs: int = _ENGINE.max_num_seqs
-    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
-    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
-    enable_chunked_prefill: bool = _ENGINE.enable_chunked_prefill
-    speedup_ratio: float = _ENGINE.speedup_ratio
-    """Prefill durations are divided by this; 0 means no engine delay at all."""
-    decode_speedup_ratio: float = _ENGINE.decode_speedup_ratio
-    preemption_mode: Literal["lifo", "fifo"] = _ENGINE.preemption_mode
-    eviction: Literal["lru", "lineage"] = _ENGINE.eviction_policy
+class _Section(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """A scenario section: its declared bounds also hold when it is built in Python (and floats are finite)."""
 
     def __post_init__(self) -> None:
-        try:
-            self.config(dp_size=1)
-        except InvalidArgument as exc:  # its message starts with the field name
-            field, _, rest = str(exc).partition(" ")
-            raise ScenarioError(f"cluster.engine.{field}: {rest}") from None
+        check_struct(self)
+
+
+class _EngineSection(_Section, **_STRUCT):  # type: ignore[call-arg]
+    def __post_init__(self) -> None:
+        self.config(dp_size=1)  # EngineConfig's own checks, cross-field ones included
 
     def config(self, dp_size: int) -> EngineConfig:
         """The engine configuration of every rank of a worker with ``dp_size`` ranks."""
-        fields = msgspec.structs.asdict(self)
-        fields["eviction_policy"] = fields.pop("eviction")
-        return EngineConfig(dp_size=dp_size, **fields)
+        return EngineConfig(dp_size=dp_size, **msgspec.structs.asdict(self))
 
 
-class ClusterSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+EngineSpec = msgspec.defstruct(
+    "EngineSpec",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(EngineConfig) if f.name != "dp_size"],
+    bases=(_EngineSection,), module=__name__, **_STRUCT,
+)
+"""Mock engine settings per DP rank: every ``EngineConfig`` knob, same names, defaults and bounds, except
+``dp_size``, which is ``cluster.dp_size``."""
+
+
+class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     """The workers."""
 
-    workers: int = 4
-    dp_size: int = 1
+    workers: Count = 4
+    dp_size: Count = 1
     worker_type: Literal["aggregated", "prefill", "decode"] = "aggregated"
-    engine: EngineSpec = EngineSpec()
-    kv_events_version: str = "0.33"
+    engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
+    kv_events_version: str = DEFAULT_VLLM_VERSION
     """vLLM version whose KV-event wire format the workers speak."""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: Positive = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.workers >= 1, "cluster.workers", f"must be >= 1, got {self.workers}")
-        _check(self.dp_size >= 1, "cluster.dp_size", f"must be >= 1, got {self.dp_size}")
-        _check(self.heartbeat_interval_s > 0, "cluster.heartbeat_interval_s", "must be > 0")
+        check_struct(self)
+        try:
+            profile_for(self.kv_events_version)
+        except InvalidArgument as exc:
+            raise InvalidArgument(str(exc), field="kv_events_version") from None
 
 
-class AffinitySpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class AffinitySpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     """Session affinity (requests with a ``session_id`` or a parent session)."""
 
     enabled: bool = False
-    ttl_secs: float = 300.0
+    ttl_secs: Positive = 300.0
     mode: Literal["hard", "soft"] = "hard"
 
 
-class QueueSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """The router's policy queue; off unless a threshold is set."""
-
-    threshold: float | None = None
-    """Busy when a rank's active prefill tokens exceed this."""
-    threshold_frac: float | None = None
-    """Busy when they exceed this fraction of ``max_num_batched_tokens``."""
-    policy: Literal["fcfs", "lcfs", "wspt"] = "fcfs"
-
-
-class RouterSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
-    """Routing policy and every KvRouterConfig-style knob."""
+class RouterSpec(RouterConfig, **_STRUCT):  # type: ignore[call-arg]
+    """Every ``RouterConfig`` knob (same names, defaults and bounds), plus how the harness runs the router."""
 
     policy: str = "kv"
     """``kv`` (default selector), ``round_robin``, ``random``, or ``module:callable`` returning a CustomPolicy."""
-    overlap_score_credit: float = 1.0
-    overlap_score_credit_decay: float = 0.0
-    prefill_load_scale: float = 1.0
-    decode_active_request_weight: float = 0.0
-    router_temperature: float = 0.0
-    use_kv_events: bool = True
-    router_track_active_blocks: bool = True
-    router_assume_kv_reuse: bool = True
-    router_track_prefill_tokens: bool = True
-    router_ttl_secs: float = 120.0
-    kv_event_lag_ms: float = 0.0
+    kv_event_lag_ms: NonNeg = 0.0
     """Delay of the router's view of KV events (virtual mode)."""
-    network_latency_ms: float = 0.0
+    network_latency_ms: NonNeg = 0.0
     """One-way delivery latency between router and workers (virtual mode)."""
-    retry_limit: int = 3
-    heartbeat_timeout_s: float = 5.0
+    retry_limit: Index = 3
+    heartbeat_timeout_s: Positive = 5.0
     seed: int | None = None
     """Seed of the router's tie-breaking generator (default: the run seed)."""
     affinity: AffinitySpec = AffinitySpec()
-    queue: QueueSpec = QueueSpec()
 
     def __post_init__(self) -> None:
-        _check(self.policy in ("kv", "round_robin", "random") or ":" in self.policy, "router.policy",
-               f"must be kv, round_robin, random or module:callable, got {self.policy!r}")
-        for name in ("kv_event_lag_ms", "network_latency_ms"):
-            _check(getattr(self, name) >= 0, f"router.{name}", "must be >= 0")
-        _check(self.retry_limit >= 0, "router.retry_limit", "must be >= 0")
+        check_struct(self)
+        if self.policy not in ("kv", "round_robin", "random") and not re.fullmatch(r"[\w.]+:\w+", self.policy):
+            raise InvalidArgument(f"policy must be kv, round_robin, random or module:callable, got {self.policy!r}",
+                                  field="policy")
+
+    def config(self) -> RouterConfig:
+        """The ``RouterConfig`` part of this section."""
+        return RouterConfig(**{name: getattr(self, name) for name in RouterConfig.__struct_fields__})
 
 
-class Distribution(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class Distribution(_Section, **_STRUCT):  # type: ignore[call-arg]
     """A positive integer distribution: ``constant``, ``uniform`` [low, high], ``normal`` or ``lognormal``."""
 
     kind: Literal["constant", "uniform", "normal", "lognormal"] = "constant"
-    mean: float = 512
-    std: float = 0.0
-    low: int = 1
-    high: int = 1 << 20
+    mean: NonNeg = 512
+    std: NonNeg = 0.0
+    low: Count = 1
+    high: Count = 1 << 20
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if self.low > self.high:
+            raise InvalidArgument(f"low ({self.low}) must be <= high ({self.high})", field="low")
 
 
-class SyntheticWorkload(msgspec.Struct, tag="synthetic", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
+class SyntheticWorkload(_Section, tag="synthetic", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
     """Generated traffic: sessions of several turns, shared prefixes, sub-agents, pins."""
 
     arrival: Literal["poisson", "constant"] = "poisson"
-    rate_rps: float = 4.0
+    rate_rps: Positive = 4.0
     """New sessions per second."""
     isl: Distribution = Distribution(mean=1024, std=256, kind="normal", low=64, high=8192)
     """Tokens added to the conversation per turn (the first turn's prompt)."""
     osl: Distribution = Distribution(mean=128, std=32, kind="normal", low=8, high=2048)
-    turns: int = 3
-    think_time_s: float = 2.0
-    system_prefix_tokens: int = 512
-    num_prefix_groups: int = 4
+    turns: Count = 3
+    think_time_s: NonNeg = 2.0
+    system_prefix_tokens: Index = 512
+    num_prefix_groups: Count = 4
     """Distinct system prompts; each session draws one."""
-    sub_agents: int = 0
+    sub_agents: Index = 0
     """Sibling sub-agent requests per turn, sharing the parent session's sibling-group affinity."""
-    pin_fraction: float = 0.0
+    pin_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.0
     """Fraction of sessions whose requests pin an explicit worker."""
-    vocab_size: int = 32000
-
-    def __post_init__(self) -> None:
-        _check(self.rate_rps > 0 and math.isfinite(self.rate_rps), "workload.rate_rps", "must be > 0")
-        _check(self.turns >= 1, "workload.turns", "must be >= 1")
-        _check(0 <= self.pin_fraction <= 1, "workload.pin_fraction", "must be in [0, 1]")
-        _check(self.sub_agents >= 0, "workload.sub_agents", "must be >= 0")
+    vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)] = 32000
 
 
-class TraceWorkload(msgspec.Struct, tag="trace", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
+class TraceWorkload(_Section, tag="trace", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
     """Replay of a Mooncake-format JSONL trace (``timestamp`` or ``delay``, ``hash_ids``...)."""
 
     trace: str
     """Path of the JSONL file, relative to the scenario file unless absolute."""
     format: Literal["mooncake"] = "mooncake"
-    trace_block_size: int = 512
-    arrival_speedup_ratio: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check(self.trace_block_size >= 1, "workload.trace_block_size", "must be >= 1")
-        _check(self.arrival_speedup_ratio > 0, "workload.arrival_speedup_ratio", "must be > 0")
+    trace_block_size: Count = 512
+    arrival_speedup_ratio: Positive = 1.0
 
 
-class RunSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class RunSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     """How to run: mode, seed, and when to stop."""
 
     mode: Literal["virtual", "live"] = "virtual"
     seed: int = 0
-    duration_s: float | None = None
+    duration_s: Positive | None = None
     """Stop arrivals after this much scenario time, then drain."""
-    max_requests: int | None = None
-    drain_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        _check(self.duration_s is None or self.duration_s > 0, "run.duration_s", "must be > 0")
-        _check(self.max_requests is None or self.max_requests >= 1, "run.max_requests", "must be >= 1")
+    max_requests: Count | None = None
+    """Stop after this many requests (trace rows or synthetic turns)."""
+    drain_timeout_s: Positive = 600.0
 
 
-class ChaosEvent(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]
     """One scheduled fault."""
 
-    at_s: float
+    at_s: NonNeg
     action: Literal["remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
                     "slow_worker", "restart_router"]
-    worker: int | None = None
+    worker: Index | None = None
     """Target worker id (``remove_worker``, ``kill_rank``, ``drop_kv_events``, ``slow_worker``)."""
-    dp_rank: int = 0
+    dp_rank: Index = 0
     graceful: bool = True
-    count: int = 1
+    count: Count = 1
     """Batches to drop (``drop_kv_events``)."""
-    lag_ms: float = 0.0
-    factor: float = 1.0
+    lag_ms: NonNeg = 0.0
+    factor: Positive = 1.0
     """Slowdown factor (``slow_worker``): durations are multiplied by it."""
-
-    def __post_init__(self) -> None:
-        _check(self.at_s >= 0, "chaos.at_s", "must be >= 0")
-        _check(self.factor > 0, "chaos.factor", "must be > 0")
 
 
 class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
@@ -273,6 +242,18 @@ def _line_of(text: str, path: list[str | int]) -> int | None:
         else:
             return line
     return line
+
+
+def _value_at(data: Any, path: list[str | int]) -> tuple[bool, Any]:
+    """``(True, value)`` at ``path`` in raw scenario data, or ``(False, None)`` where it does not exist."""
+    for part in path:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
+            data = data[part]
+        else:
+            return False, None
+    return True, data
 
 
 def _parse_path(where: str) -> list[str | int]:
@@ -330,16 +311,19 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     except msgspec.ValidationError as exc:
         message, _, where = str(exc).partition(" - at `")
         key = where.rstrip("`").removeprefix("$.").removeprefix("$")
-        checked = re.match(r"^([a-z_]+(?:\.[a-z_]+|\[\d+\])*): (.*)$", message)
+        cause = exc.__cause__
         unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
-        if checked:  # one of our own range checks: it names the field itself
-            named, message = checked.group(1), checked.group(2)
-            plain = re.sub(r"\[\d+\]", "", key)
-            key = key + named[len(plain):] if key and named.startswith(plain) else named
+        if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
+            key = f"{key}.{cause.field}" if key else cause.field
         elif unknown:
             key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
             message = "unknown key (check its spelling and section)"
-        line = _line_of(text, _parse_path(key))
+        parts = _parse_path(key)
+        if not isinstance(cause, InvalidArgument) and not unknown:
+            found, value = _value_at(raw, parts)
+            if found and not isinstance(value, (dict, list)):
+                message = f"{message}, got {value!r}"
+        line = _line_of(text, parts)
         at = f" (line {line})" if line else ""
         raise ScenarioError(f"{source}: {key or '(top level)'}{at}: {message}") from None
     except InvalidArgument as exc:
@@ -370,5 +354,5 @@ def resolve(scenario: Scenario, path: str) -> Path:
 
 
 def default_scenario_text() -> str:
-    """The built-in default scenario (also ``examples/quickstart.yaml``)."""
-    return (Path(__file__).parent / "quickstart.yaml").read_text()
+    """The built-in default scenario (also ``examples/quickstart.yaml``), shipped as package data."""
+    return resources.files("harness").joinpath("quickstart.yaml").read_text(encoding="utf-8")

@@ -2,67 +2,62 @@
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
+from kvemu.validation import check_struct
 
 __all__ = ["RouterConfig", "RouterOverrides", "BusyThresholds", "QueuePolicyName"]
 
 QueuePolicyName = Literal["fcfs", "lcfs", "wspt"]
+"""Ordering inside a queue class: first come first served, last come first served, or Smith's rule."""
 
-
-def _finite_nonneg(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise InvalidArgument(f"{name} must be a finite number >= 0, got {value!r}")
+NonNeg = Annotated[float, Meta(ge=0)]
+Fraction = Annotated[float, Meta(gt=0, le=1)]
+Positive = Annotated[float, Meta(gt=0)]
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Cost-model and tracking knobs of the KV router (Dynamo ``KvRouterConfig`` names and defaults)."""
+    """Cost-model, tracking and queue knobs of the KV router (Dynamo ``KvRouterConfig`` names and defaults).
 
-    overlap_score_credit: float = 1.0
-    overlap_score_credit_decay: float = 0.0
-    prefill_load_scale: float = 1.0
-    decode_active_request_weight: float = 0.0
-    host_cache_hit_weight: float = 0.75
-    disk_cache_hit_weight: float = 0.25
-    shared_cache_multiplier: float = 0.0
-    router_temperature: float = 0.0
+    Each knob's range is declared here once (``msgspec.Meta``): scenario files and Python construction
+    check the same bounds.
+    """
+
+    overlap_score_credit: NonNeg = 1.0
+    overlap_score_credit_decay: NonNeg = 0.0
+    prefill_load_scale: NonNeg = 1.0
+    decode_active_request_weight: NonNeg = 0.0
+    host_cache_hit_weight: NonNeg = 0.75
+    """Credit per host-tier extension block."""
+    disk_cache_hit_weight: NonNeg = 0.25
+    """Credit per disk/external-tier extension block."""
+    shared_cache_multiplier: NonNeg = 0.0
+    router_temperature: NonNeg = 0.0
+    """Softmax temperature over normalised costs; 0 picks the cheapest rank."""
     use_kv_events: bool = True
+    """False: no KV events; the router predicts caches from its own routing (approximate index)."""
     router_track_active_blocks: bool = True
     router_track_output_blocks: bool = False
+    """Count a generated block on the rank each time a response crosses a block boundary."""
     router_assume_kv_reuse: bool = True
     router_track_prefill_tokens: bool = True
-    router_ttl_secs: float = 120.0
-    router_max_tree_size: int = 2**20
-    router_prune_target_ratio: float = 0.8
-    router_queue_threshold: float | None = None
+    router_ttl_secs: Positive = 120.0
+    """How long the approximate index keeps a predicted block."""
+    router_max_tree_size: Annotated[int, Meta(ge=1)] = 2**20
+    """Approximate index: prune when it holds more (block, rank) entries than this..."""
+    router_prune_target_ratio: Fraction = 0.8
+    """...down to this fraction of ``router_max_tree_size``."""
+    router_queue_threshold: NonNeg | None = None
+    """Queue requests while every eligible rank's active prefill tokens exceed this fraction of its
+    ``max_num_batched_tokens``; None admits every request at once."""
     router_queue_policy: QueuePolicyName = "fcfs"
 
     def __post_init__(self) -> None:
-        for name in (
-            "overlap_score_credit",
-            "overlap_score_credit_decay",
-            "prefill_load_scale",
-            "decode_active_request_weight",
-            "host_cache_hit_weight",
-            "disk_cache_hit_weight",
-            "shared_cache_multiplier",
-            "router_temperature",
-        ):
-            _finite_nonneg(name, getattr(self, name))
-        if not (math.isfinite(self.router_ttl_secs) and self.router_ttl_secs > 0):
-            raise InvalidArgument(f"router_ttl_secs must be a finite number > 0, got {self.router_ttl_secs!r}")
-        if self.router_max_tree_size < 1:
-            raise InvalidArgument(f"router_max_tree_size must be >= 1, got {self.router_max_tree_size!r}")
-        if not 0 < self.router_prune_target_ratio <= 1:
-            raise InvalidArgument(
-                f"router_prune_target_ratio must be in (0, 1], got {self.router_prune_target_ratio!r}"
-            )
-        if self.router_queue_threshold is not None:
-            _finite_nonneg("router_queue_threshold", self.router_queue_threshold)
+        check_struct(self)
 
     def with_overrides(self, overrides: RouterOverrides | None) -> RouterConfig:
         """This config with a request's overrides applied (the legacy weight translated as Dynamo does)."""
@@ -90,25 +85,19 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class RouterOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-request ``router_config_override`` fields; ``None`` keeps the router's value."""
 
-    overlap_score_credit: float | None = None
-    prefill_load_scale: float | None = None
-    router_temperature: float | None = None
+    overlap_score_credit: NonNeg | None = None
+    prefill_load_scale: NonNeg | None = None
+    router_temperature: NonNeg | None = None
     assume_kv_reuse: bool | None = None
     track_prefill_tokens: bool | None = None
-    shared_cache_multiplier: float | None = None
-    overlap_score_weight: float | None = None
+    shared_cache_multiplier: NonNeg | None = None
+    overlap_score_weight: NonNeg | None = None
 
     def __post_init__(self) -> None:
-        for name in (
-            "overlap_score_credit",
-            "prefill_load_scale",
-            "router_temperature",
-            "shared_cache_multiplier",
-            "overlap_score_weight",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                _finite_nonneg(f"router_config_override.{name}", value)
+        try:
+            check_struct(self)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"router_config_override.{exc}", field=exc.field) from None
 
 
 class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -117,18 +106,18 @@ class BusyThresholds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     A rank is overloaded when any configured threshold is exceeded (OR semantics).
     """
 
-    active_decode_blocks_frac: float | None = None
+    active_decode_blocks_frac: NonNeg | None = None
     """Fraction of the rank's KV capacity (``total_kv_blocks``) in active decode blocks."""
-    active_prefill_tokens: int | None = None
+    active_prefill_tokens: Annotated[int, Meta(ge=0)] | None = None
     """Absolute active prefill tokens."""
-    active_prefill_tokens_frac: float | None = None
+    active_prefill_tokens_frac: NonNeg | None = None
     """Fraction of the rank's ``max_num_batched_tokens`` in active prefill tokens."""
 
     def __post_init__(self) -> None:
-        for name in ("active_decode_blocks_frac", "active_prefill_tokens", "active_prefill_tokens_frac"):
-            value = getattr(self, name)
-            if value is not None:
-                _finite_nonneg(f"busy_thresholds.{name}", value)
+        try:
+            check_struct(self)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"busy_thresholds.{exc}", field=exc.field) from None
 
     @property
     def enabled(self) -> bool:

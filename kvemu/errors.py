@@ -26,7 +26,14 @@ class KvemuError(Exception):
 
 
 class InvalidArgument(KvemuError, ValueError):
-    """A caller passed a value that is out of range or inconsistent; nothing was changed."""
+    """A caller passed a value that is out of range or inconsistent; nothing was changed.
+
+    ``field`` names the offending field when one field is at fault (scenario errors use it for the key path).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ResourceExhausted(KvemuError):

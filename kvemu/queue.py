@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.clock import NS_PER_S
+from kvemu.config import NonNeg, QueuePolicyName
 from kvemu.errors import InvalidArgument, KvemuError
 from kvemu.index import WorkerKey
+from kvemu.validation import check_struct
 
 __all__ = [
     "QueuePolicy",
@@ -29,7 +32,7 @@ __all__ = [
     "DoNotQueue",
 ]
 
-QueuePolicy = Literal["fcfs", "lcfs", "wspt"]
+QueuePolicy = QueuePolicyName
 
 
 class QueueRejected(KvemuError):
@@ -44,22 +47,18 @@ class QueueClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """One policy class: its busy thresholds, ordering and DRR quantum (in uncached tokens)."""
 
     name: str = "default"
-    busy_threshold: float | None = None
+    busy_threshold: NonNeg | None = None
     """Busy when active prefill tokens > this (absolute)."""
-    busy_threshold_frac: float | None = None
+    busy_threshold_frac: NonNeg | None = None
     """Busy when active prefill tokens > this × the rank's ``max_num_batched_tokens``."""
     policy: QueuePolicy = "fcfs"
-    quantum: int = 8192
+    quantum: Annotated[int, Meta(ge=1)] = 8192
 
     def __post_init__(self) -> None:
-        for name in ("busy_threshold", "busy_threshold_frac"):
-            v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise InvalidArgument(f"queue class {self.name!r}: {name} must be >= 0, got {v!r}")
-        if self.policy not in ("fcfs", "lcfs", "wspt"):
-            raise InvalidArgument(f"queue class {self.name!r}: policy must be fcfs, lcfs or wspt, got {self.policy!r}")
-        if self.quantum < 1:
-            raise InvalidArgument(f"queue class {self.name!r}: quantum must be >= 1, got {self.quantum!r}")
+        try:
+            check_struct(self)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"queue class {self.name!r}: {exc}", field=exc.field) from None
 
     @property
     def enabled(self) -> bool:

@@ -22,6 +22,7 @@ from kvemu.hashing import block_seed, extend_sequence_hashes, local_block_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext
+from kvemu.queue import PolicyQueue, QueueClass
 from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS, WorkerRegistry, WorkerSpec
 from kvemu.selector import DefaultWorkerSelector, Selection, TierHits, evaluate, taint_factors
 
@@ -316,6 +317,34 @@ class RoutingCore:
     def free(self, request_id: str) -> WorkerKey | None:
         """The request finished (or failed): release its load; returns the rank it was on."""
         return self.load.free(request_id)
+
+    def note_output(self, request_id: str, isl: int, before: int, after: int) -> None:
+        """The response grew from ``before`` to ``after`` tokens: with ``router_track_output_blocks`` each
+        block boundary the sequence (prompt + output) crossed adds one active block on the booked rank."""
+        if self.config.router_track_output_blocks:
+            for _ in range((isl + after) // self.block_size - (isl + before) // self.block_size):
+                self.load.add_output_block(request_id)
+
+    def policy_queue(self) -> PolicyQueue | None:
+        """The queue ``router_queue_threshold`` asks for, or None when it is unset (requests never wait).
+
+        One class: a rank is busy while its active prefill tokens exceed that fraction of its
+        ``max_num_batched_tokens``; waiting requests are ordered by ``router_queue_policy``.
+        """
+        cfg = self.config
+        if cfg.router_queue_threshold is None:
+            return None
+
+        def prefill(key: WorkerKey) -> int:
+            rl = self.load.rank(key)
+            return rl.active_prefill_tokens if rl is not None else 0
+
+        def capacity(key: WorkerKey) -> int:
+            w = self.registry.get(key[0])
+            return (w.max_num_batched_tokens if w else None) or DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+        cls = QueueClass(busy_threshold_frac=cfg.router_queue_threshold, policy=cfg.router_queue_policy)
+        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity)
 
     def potential_loads(self, request: PreparedRequest, ranks: Sequence[WorkerKey] | None = None) -> list[LoadProjection]:
         """Each rank's load if the request were added (Dynamo's ``get_potential_loads``)."""

@@ -41,6 +41,22 @@ def test_validate_an_example():
     assert "virtual mode" in proc.stdout
 
 
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ("nosuchmodule_kvemu:make", "router.policy: cannot import module 'nosuchmodule_kvemu'"),
+        ("json:nosuch", "router.policy: module 'json' has no 'nosuch'"),
+        ("json:JSONDecoder", "returned JSONDecoder, not a CustomPolicy"),
+    ],
+)
+def test_validate_and_run_reject_a_custom_policy_that_cannot_be_built(tmp_path, policy, message):
+    for command in ("validate", "run"):
+        proc = kvemu(command, "--set", f"router.policy={policy}", "-o", "out", cwd=tmp_path) if command == "run" \
+            else kvemu(command, "--set", f"router.policy={policy}", cwd=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr, (command, proc.stderr)
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
 def test_validate_the_built_in_default_with_overrides(tmp_path):
     proc = kvemu("validate", "--set", "cluster.workers=7", "--set", "run.duration_s=10", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -52,7 +68,7 @@ def test_validate_the_built_in_default_with_overrides(tmp_path):
     [
         ("cluster:\n  workers: 2\n  wrokers: 3\n", [], "cluster.wrokers (line 3): unknown key"),
         ("cluster:\n  workers: two\n", [], "cluster.workers (line 2): Expected `int`, got `str`"),
-        ("run:\n  duration_s: -5\n", [], "run.duration_s (line 2): must be > 0"),
+        ("run:\n  duration_s: -5\n", [], "run.duration_s (line 2): Expected `float` > 0.0, got -5"),
         ("name: x\n", ["--set", "router.policy=fastest"], "router.policy"),
         ("workload:\n  kind: trace\n  trace: nowhere.jsonl\n", [], "workload.trace (line 3): file not found"),
     ],
@@ -72,7 +88,7 @@ def test_validate_reports_the_line_of_a_bad_trace_row(tmp_path):
     (tmp_path / "s.yaml").write_text("workload:\n  trace: t.jsonl\n")
     proc = kvemu("validate", "s.yaml", cwd=tmp_path)
     assert proc.returncode == 2
-    assert "t.jsonl:3: not a Mooncake trace row" in proc.stderr
+    assert "t.jsonl:3: not JSON" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------- run

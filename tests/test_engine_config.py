@@ -30,14 +30,14 @@ def test_defaults_are_the_reference_mocker_defaults():
     ],
 )
 def test_counts_must_be_positive_integers(field, value):
-    with pytest.raises(InvalidArgument, match=f"^{field} must be an integer >= 1"):
+    with pytest.raises(InvalidArgument, match=f"^{field} must be (an integer|>= 1)"):
         EngineConfig(**{field: value})
 
 
 @pytest.mark.parametrize("field", ["speedup_ratio", "decode_speedup_ratio"])
 @pytest.mark.parametrize("value", [-0.5, float("nan"), float("inf"), "2"])
 def test_ratios_must_be_finite_and_non_negative(field, value):
-    with pytest.raises(InvalidArgument, match=f"^{field} must be a finite number >= 0"):
+    with pytest.raises(InvalidArgument, match=f"^{field} must be (a number|a finite number|>= 0)"):
         EngineConfig(**{field: value})
 
 
@@ -54,9 +54,9 @@ def test_budget_must_cover_one_decode_per_running_request():
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("preemption_mode", "random", "preemption_mode must be 'lifo' or 'fifo'"),
-        ("eviction_policy", "mru", "eviction_policy must be 'lru' or 'lineage'"),
-        ("enable_prefix_caching", 1, "enable_prefix_caching must be a bool"),
+        ("preemption_mode", "random", "preemption_mode must be 'fifo' or 'lifo', got 'random'"),
+        ("eviction_policy", "mru", "eviction_policy must be 'lineage' or 'lru', got 'mru'"),
+        ("enable_prefix_caching", 1, "enable_prefix_caching must be a bool, got 1"),
     ],
 )
 def test_choices_are_checked(field, value, message):

@@ -76,17 +76,25 @@ def test_wrong_types_name_the_key_path_and_line(text, key, line, expected):
 @pytest.mark.parametrize(
     ("text", "key", "line", "expected"),
     [
-        ("cluster:\n  workers: 0\n", "cluster.workers", 2, "must be >= 1, got 0"),
-        ("cluster:\n  workers: 2\n  dp_size: -1\n", "cluster.dp_size", 3, "must be >= 1"),
-        ("workload:\n  kind: synthetic\n  rate_rps: -1\n", "workload.rate_rps", 3, "must be > 0"),
-        ("workload:\n  turns: 0\n", "workload.turns", 2, "must be >= 1"),
-        ("workload:\n  pin_fraction: 1.5\n", "workload.pin_fraction", 2, "must be in [0, 1]"),
-        ("run:\n  duration_s: 0\n", "run.duration_s", 2, "must be > 0"),
-        ("run:\n  max_requests: 0\n", "run.max_requests", 2, "must be >= 1"),
+        ("cluster:\n  workers: 0\n", "cluster.workers", 2, "Expected `int` >= 1, got 0"),
+        ("cluster:\n  workers: 2\n  dp_size: -1\n", "cluster.dp_size", 3, "Expected `int` >= 1, got -1"),
+        ("workload:\n  kind: synthetic\n  rate_rps: -1\n", "workload.rate_rps", 3, "Expected `float` > 0.0, got -1"),
+        ("workload:\n  turns: 0\n", "workload.turns", 2, "Expected `int` >= 1, got 0"),
+        ("workload:\n  pin_fraction: 1.5\n", "workload.pin_fraction", 2, "Expected `float` <= 1.0, got 1.5"),
+        ("run:\n  duration_s: 0\n", "run.duration_s", 2, "Expected `float` > 0.0, got 0"),
+        ("run:\n  max_requests: 0\n", "run.max_requests", 2, "Expected `int` >= 1, got 0"),
         ("router:\n  policy: fastest\n", "router.policy", 2, "got 'fastest'"),
-        ("router:\n  network_latency_ms: -2\n", "router.network_latency_ms", 2, "must be >= 0"),
+        ("router:\n  network_latency_ms: -2\n", "router.network_latency_ms", 2, "Expected `float` >= 0.0, got -2"),
         ("chaos:\n  - at_s: 1\n    action: add_worker\n  - at_s: -1\n    action: add_worker\n", "chaos[1].at_s", 4,
-         "must be >= 0"),
+         "Expected `float` >= 0.0, got -1"),
+        ("router:\n  router_ttl_secs: .inf\n", "router.router_ttl_secs", 2, "must be a finite number, got inf"),
+        ("router:\n  router_prune_target_ratio: 1.5\n", "router.router_prune_target_ratio", 2,
+         "Expected `float` <= 1.0, got 1.5"),
+        ("router:\n  router_queue_policy: sjf\n", "router.router_queue_policy", 2, "Invalid enum value 'sjf'"),
+        ("cluster:\n  engine:\n    max_num_seqs: 16\n    max_num_batched_tokens: 8\n",
+         "cluster.engine.max_num_batched_tokens", 4, "(8) must be >= max_num_seqs (16)"),
+        ("workload:\n  isl: {low: 9, high: 3}\n", "workload.isl.low", 2, "low (9) must be <= high (3)"),
+        ("cluster:\n  kv_events_version: '0.2'\n", "cluster.kv_events_version", 2, "older than 0.9"),
     ],
 )
 def test_out_of_range_values_name_the_key_path_and_line(text, key, line, expected):
@@ -152,14 +160,14 @@ def test_overrides_replace_nested_values_parsed_as_yaml_scalars():
 
 
 def test_overrides_create_missing_sections_and_later_ones_win():
-    scenario = parse_scenario("name: x\n", overrides=["router.queue.threshold=100", "run.duration_s=5",
+    scenario = parse_scenario("name: x\n", overrides=["router.affinity.ttl_secs=100", "run.duration_s=5",
                                                       "run.duration_s=7"])
-    assert scenario.router.queue.threshold == 100
+    assert scenario.router.affinity.ttl_secs == 100
     assert scenario.run.duration_s == 7
 
 
 def test_overrides_are_validated_like_the_file():
-    assert "cluster.workers (line 2): must be >= 1, got 0" in error_of("cluster:\n  workers: 4\n",
+    assert "cluster.workers (line 2): Expected `int` >= 1, got 0" in error_of("cluster:\n  workers: 4\n",
                                                                        overrides=["cluster.workers=0"])
     msg = error_of("name: x\n", overrides=["cluster.wrokers=3"])
     assert "cluster.wrokers" in msg and "unknown key" in msg

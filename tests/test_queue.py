@@ -149,7 +149,7 @@ def test_unknown_class_and_bad_specs_name_the_field():
     q, _ = make()
     with pytest.raises(InvalidArgument, match="unknown queue class 'gold'; known: default"):
         q.should_queue(RANKS, "gold")
-    with pytest.raises(InvalidArgument, match="policy must be fcfs, lcfs or wspt"):
+    with pytest.raises(InvalidArgument, match="policy must be .fcfs. or .lcfs. or .wspt."):
         QueueClass(policy="sjf")
     with pytest.raises(InvalidArgument, match="defined twice"):
         PolicyQueue(classes=[QueueClass(), QueueClass()], prefill_tokens=lambda k: 0)

@@ -183,7 +183,11 @@ def test_same_seed_same_choices():
 
 
 def test_invalid_config_names_the_field():
-    with pytest.raises(ValueError, match="overlap_score_credit must be a finite number >= 0"):
+    with pytest.raises(ValueError, match=r"^overlap_score_credit must be >= 0, got -1$"):
         RouterConfig(overlap_score_credit=-1)
+    with pytest.raises(ValueError, match=r"^router_ttl_secs must be a finite number, got inf$"):
+        RouterConfig(router_ttl_secs=float("inf"))
+    with pytest.raises(ValueError, match=r"^router_queue_policy must be 'fcfs' or 'lcfs' or 'wspt'"):
+        RouterConfig(router_queue_policy="sjf")
     with pytest.raises(ValueError, match="router_config_override.router_temperature"):
         RouterOverrides(router_temperature=float("nan"))

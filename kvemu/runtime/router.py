@@ -601,7 +601,9 @@ class Router:
             key = flight.key or (None, None)
             self._emit("first_token", flight.request_id, *key, data={"time_ns": times[0]})
             self._capacity_changed()
-        record.output_tokens += len(times)
+        before = record.output_tokens
+        record.output_tokens = after = before + len(times)
+        self.core.note_output(flight.request_id, record.isl, before, after)
         if self.hooks.wants("tokens"):
             key = flight.key or (None, None)
             self._emit("tokens", flight.request_id, *key, data={"times_ns": times})
