@@ -7,7 +7,6 @@ random comes from one ``random.Random(seed)``, so a scenario and a seed fix the 
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections.abc import Iterator
@@ -15,10 +14,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvemu.clock import NS_PER_MS, NS_PER_S
+from kvemu.errors import InvalidArgument
+from workers.trace import expand_hash_ids, read_mooncake
 
 from harness.scenario import Distribution, Scenario, ScenarioError, SyntheticWorkload, TraceWorkload, resolve
 
-__all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "expand_hash_ids", "sample"]
+__all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
 
 
 class Turn(NamedTuple):
@@ -54,53 +55,38 @@ class Session(NamedTuple):
     """Whether its requests carry the session id (affinity); trace rows without one do not."""
 
 
-def expand_hash_ids(hash_ids: list[int], input_length: int, block: int) -> list[int]:
-    """Trace tokens: each hash id repeated ``block`` times, cut to ``input_length`` (clamped to the ids)."""
-    n = min(input_length, len(hash_ids) * block)
-    out: list[int] = []
-    for h in hash_ids:
-        out += [h & 0xFFFFFFFF] * block
-        if len(out) >= n:
-            break
-    del out[n:]
-    return out
-
-
 def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None) -> list[Session]:
-    """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone)."""
+    """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone).
+
+    ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field.
+    """
     sessions: dict[str, Session] = {}
     order: list[str] = []
     speed = workload.arrival_speedup_ratio
     block = workload.trace_block_size
     last_ts = 0.0
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            if max_requests is not None and lineno > max_requests:
-                break
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-                hash_ids = [int(h) for h in row["hash_ids"]]
-                isl = int(row["input_length"])
-                osl = max(1, int(row["output_length"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ScenarioError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from None
-            if min(isl, len(hash_ids) * block) < 1:
-                raise ScenarioError(f"{path}:{lineno}: empty prompt (input_length {isl}, {len(hash_ids)} hash ids)")
-            turn = Turn(None, osl, 0, hash_ids=tuple(hash_ids), input_length=isl, trace_block_size=block)
-            sid = row.get("session_id")
-            if "timestamp" in row:
-                last_ts = float(row["timestamp"])
-            delay_ms = float(row.get("delay", 0.0))
-            if sid is not None and str(sid) in sessions:
-                sessions[str(sid)].turns.append(turn._replace(delay_ns=round(delay_ms * NS_PER_MS / speed)))
-                continue
-            start_ms = last_ts if "timestamp" in row else last_ts + delay_ms
-            key = str(sid) if sid is not None else f"trace-{lineno}"
-            sessions[key] = Session(key, round(start_ms * NS_PER_MS / speed), [turn], sid is not None)
-            order.append(key)
+    rows = read_mooncake(path, max_requests, block)
+    while True:
+        try:
+            item = next(rows, None)
+        except InvalidArgument as exc:
+            raise ScenarioError(str(exc)) from None
+        if item is None:
+            break
+        lineno, row = item
+        turn = Turn(None, row.output_length, 0, hash_ids=row.hash_ids, input_length=row.input_length,
+                    trace_block_size=block)
+        sid = row.session_id
+        delay_ms = row.delay or 0.0
+        if row.timestamp is not None:
+            last_ts = row.timestamp
+        if sid is not None and sid in sessions:
+            sessions[sid].turns.append(turn._replace(delay_ns=round(delay_ms * NS_PER_MS / speed)))
+            continue
+        start_ms = last_ts if row.timestamp is not None else last_ts + delay_ms
+        key = sid if sid is not None else f"trace-{lineno}"
+        sessions[key] = Session(key, round(start_ms * NS_PER_MS / speed), [turn], sid is not None)
+        order.append(key)
     return sorted((sessions[k] for k in order), key=lambda s: s.start_ns)
 
 

@@ -10,7 +10,14 @@ from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes
 from workers.config import EngineConfig
 from workers.engine import EngineCore
-from workers.trace import HashIdTokens, clamped_input_length, expand_hash_ids, iter_jsonl, mooncake_request
+from workers.trace import (
+    HashIdTokens,
+    clamped_input_length,
+    expand_hash_ids,
+    mooncake_request,
+    mooncake_row,
+    read_mooncake,
+)
 
 
 def test_expansion_repeats_each_id_and_truncates():
@@ -55,9 +62,8 @@ def test_lazy_tokens_index_errors_and_validation():
     lazy = HashIdTokens([1, 2], 3, 2)
     with pytest.raises(IndexError):
         lazy[3]
-    assert HashIdTokens([1, 2**32], 4, 2).check_u32() is False
-    with pytest.raises(InvalidArgument, match="token id"):
-        HashIdTokens([-1], 4, 4).local_block_hashes(2)
+    with pytest.raises(InvalidArgument, match=r"hash_ids\[0\]"):
+        HashIdTokens([-1], 4, 4)
 
 
 def test_mooncake_record_becomes_a_request(tmp_path):
@@ -69,8 +75,43 @@ def test_mooncake_record_becomes_a_request(tmp_path):
     with pytest.raises(InvalidArgument, match="missing field 'hash_ids'"):
         mooncake_request({"timestamp": 0, "input_length": 1, "output_length": 1}, request_id="bad")
     path = tmp_path / "t.jsonl"
-    path.write_text("\n".join(json.dumps({**rec, "timestamp": i}) for i in range(5)) + "\n")
-    assert [x["timestamp"] for x in iter_jsonl(str(path), 3)] == [0, 1, 2]
+    path.write_text("\n\n".join(json.dumps({**rec, "timestamp": i}) for i in range(5)) + "\n")
+    assert [(n, r.timestamp) for n, r in read_mooncake(path, 3)] == [(1, 0), (3, 1), (5, 2)]  # blank lines not counted
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "text"),
+    [
+        ({"input_length": 4, "output_length": 1}, "hash_ids", "missing field 'hash_ids'"),
+        ({"hash_ids": [1, -1], "input_length": 4, "output_length": 1}, "hash_ids", r"hash_ids\[1\] must be an integer in \[0, 2\*\*64\)"),
+        ({"hash_ids": [2**64], "input_length": 4, "output_length": 1}, "hash_ids", "2\\*\\*64"),
+        ({"hash_ids": [1.5], "input_length": 4, "output_length": 1}, "hash_ids", "hash_ids\\[0\\]"),
+        ({"hash_ids": "12", "input_length": 4, "output_length": 1}, "hash_ids", "list of integers"),
+        ({"hash_ids": [1], "input_length": 0, "output_length": 1}, "input_length", "empty prompt"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": -1}, "output_length", "integer >= 0"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": 1, "timestamp": -3}, "timestamp", ">= 0"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": 1, "output_token_ids": [2**32]}, "output_token_ids", "2\\*\\*32"),
+    ],
+)
+def test_bad_trace_rows_are_rejected_naming_the_field(row, field, text):
+    with pytest.raises(InvalidArgument, match=text) as exc:
+        mooncake_row(row)
+    assert exc.value.field == field
+
+
+def test_bad_lines_name_the_file_and_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"hash_ids": [1], "input_length": 4, "output_length": 1}\n\n{not json\n')
+    with pytest.raises(InvalidArgument, match=r"t.jsonl:3: not JSON"):
+        list(read_mooncake(path))
+
+
+def test_hash_ids_are_u64_and_tokens_their_low_32_bits():
+    big = 2**40 + 7
+    assert expand_hash_ids([big], 3, 2) == [7, 7]  # clamped to one block of 2
+    lazy = HashIdTokens([big, 2**32], 4, 2)
+    assert lazy.to_list() == [7, 7, 0, 0] and lazy.check_u32()
+    assert lazy.local_block_hashes(2) == local_block_hashes([7, 7, 0, 0], 2)
 
 
 def test_trace_requests_share_prefix_blocks_in_the_engine():
@@ -80,4 +121,4 @@ def test_trace_requests_share_prefix_blocks_in_the_engine():
     a = eng.add_request(mooncake_request(rec_a, request_id="a"))
     b = eng.add_request(mooncake_request(rec_b, request_id="b"))
     eng.advance_to(10**11)
-    assert a.done and b.done and a.cached_tokens == 0 and b.cached_tokens == 1024
+    assert a.done and b.done and a.engine_cached_tokens == 0 and b.engine_cached_tokens == 1024

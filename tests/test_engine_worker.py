@@ -30,7 +30,6 @@ def make(**kw) -> Request:
         ({"token_ids": [1, -1]}, "token_ids", r"\[0, 2\*\*32\)"),
         ({"token_ids": [1, 2**32]}, "token_ids", r"\[0, 2\*\*32\)"),
         ({"token_ids": [1, "x"]}, "token_ids", r"\[0, 2\*\*32\)"),
-        ({"token_ids": HashIdTokens([1, -5], 8, 4)}, "token_ids", r"\[0, 2\*\*32\)"),
         ({"token_ids": [1] * 60, "max_tokens": 6}, "token_ids", "can never fit in the pool of 16 blocks x 4 tokens"),
         ({"request_id": ""}, "request_id", "non-empty string"),
         ({"arrival_ns": -1}, "arrival_ns", "must be an integer >= the engine's current time 0"),

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from harness.scenario import ScenarioError, TraceWorkload, parse_scenario
-from harness.workload import Turn, build_sessions, expand_hash_ids, load_trace
+from harness.workload import Turn, build_sessions, load_trace
+from workers.trace import expand_hash_ids
 
 MS = 1_000_000
 
@@ -118,7 +119,7 @@ def test_output_length_and_turn_fields(tmp_path):
 @pytest.mark.parametrize(
     ("bad", "what"),
     [
-        ("{not json", "not a Mooncake trace row"),
+        ("{not json", "not JSON"),
         (json.dumps({"timestamp": 0, "input_length": 8, "output_length": 1}), "hash_ids"),
         (json.dumps({"timestamp": 0, "output_length": 1, "hash_ids": [1]}), "input_length"),
         (json.dumps({"timestamp": 0, "input_length": "many", "output_length": 1, "hash_ids": [1]}),

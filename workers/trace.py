@@ -1,17 +1,20 @@
-"""Mooncake-style traces: prompt tokens synthesised from ``hash_ids``, and trace records turned into requests.
+"""Mooncake-style traces, read in one place: rows validated, prompt tokens synthesised from ``hash_ids``.
 
 A trace block of ``trace_block_size`` tokens (default 512) is the token ``hash_id`` repeated; the prompt
 is the concatenation, truncated to ``input_length``, which is first clamped to
-``len(hash_ids) * trace_block_size``. Equal hash ids therefore mean equal prompt blocks.
+``len(hash_ids) * trace_block_size``. Equal hash ids therefore mean equal prompt blocks. Hash ids are
+unsigned 64-bit integers and a token is the id's low 32 bits, as in the reference's replay.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
-from typing import Any, overload
+from pathlib import Path
+from typing import Any, NamedTuple, overload
 
 import xxhash
 
@@ -21,22 +24,107 @@ from workers.request import Request
 
 __all__ = [
     "DEFAULT_TRACE_BLOCK_SIZE",
+    "MooncakeRow",
+    "mooncake_row",
+    "read_mooncake",
     "clamped_input_length",
     "expand_hash_ids",
     "HashIdTokens",
     "mooncake_request",
-    "iter_jsonl",
 ]
 
 DEFAULT_TRACE_BLOCK_SIZE = 512
-_U32_LIMIT = 1 << 32
+_U32_MASK = (1 << 32) - 1
+_U64_LIMIT = 1 << 64
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
 
 
 def _check_trace(hash_ids: Sequence[int], input_length: int, trace_block_size: int) -> None:
-    if not isinstance(trace_block_size, int) or trace_block_size < 1:
-        raise InvalidArgument(f"trace_block_size must be an integer >= 1, got {trace_block_size!r}")
-    if not isinstance(input_length, int) or isinstance(input_length, bool) or input_length < 0:
-        raise InvalidArgument(f"input_length must be an integer >= 0, got {input_length!r}")
+    if not _is_int(trace_block_size) or trace_block_size < 1:
+        raise InvalidArgument(f"trace_block_size must be an integer >= 1, got {trace_block_size!r}",
+                              field="trace_block_size")
+    if not _is_int(input_length) or input_length < 0:
+        raise InvalidArgument(f"input_length must be an integer >= 0, got {input_length!r}", field="input_length")
+    for i, h in enumerate(hash_ids):
+        if not _is_int(h) or not 0 <= h < _U64_LIMIT:
+            raise InvalidArgument(f"hash_ids[{i}] must be an integer in [0, 2**64), got {h!r}", field="hash_ids")
+
+
+class MooncakeRow(NamedTuple):
+    """One validated trace row (``timestamp``/``delay`` in ms; ``None`` where the row has none).
+
+    ``output_length`` is at least 1: a request always produces one token, even where the trace says 0.
+    """
+
+    hash_ids: tuple[int, ...]
+    input_length: int
+    output_length: int
+    timestamp: float | None = None
+    delay: float | None = None
+    session_id: str | None = None
+    output_token_ids: list[int] | None = None
+
+
+def _number(row: Mapping[str, Any], key: str) -> float | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{key} must be a finite number >= 0 (ms), got {value!r}", field=key)
+    return float(value)
+
+
+def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) -> MooncakeRow:
+    """Validate one decoded trace row; ``InvalidArgument`` names the field (nothing else reads raw rows)."""
+    if not isinstance(row, Mapping):
+        raise InvalidArgument(f"a trace row must be a JSON object, got {type(row).__name__}")
+    for key in ("hash_ids", "input_length", "output_length"):
+        if key not in row:
+            raise InvalidArgument(f"missing field {key!r}", field=key)
+    hash_ids, input_length, output_length = row["hash_ids"], row["input_length"], row["output_length"]
+    if not isinstance(hash_ids, (list, tuple)):
+        raise InvalidArgument(f"hash_ids must be a list of integers, got {type(hash_ids).__name__}", field="hash_ids")
+    _check_trace(hash_ids, input_length, trace_block_size)
+    if min(input_length, len(hash_ids) * trace_block_size) < 1:
+        raise InvalidArgument(f"empty prompt (input_length {input_length}, {len(hash_ids)} hash ids)",
+                              field="input_length")
+    if not _is_int(output_length) or output_length < 0:
+        raise InvalidArgument(f"output_length must be an integer >= 0, got {output_length!r}", field="output_length")
+    sid = row.get("session_id")
+    out_ids = row.get("output_token_ids")
+    if out_ids is not None and not (isinstance(out_ids, (list, tuple)) and all(_is_int(t) and 0 <= t <= _U32_MASK for t in out_ids)):
+        raise InvalidArgument("output_token_ids must be a list of integers in [0, 2**32)", field="output_token_ids")
+    return MooncakeRow(tuple(hash_ids), input_length, max(1, output_length), _number(row, "timestamp"), _number(row, "delay"),
+                       None if sid is None else str(sid), out_ids)
+
+
+def read_mooncake(path: str | Path, limit: int | None = None,
+                  trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) -> Iterator[tuple[int, MooncakeRow]]:
+    """``(line number, row)`` for the first ``limit`` rows (blank lines skipped, not counted), read lazily.
+
+    A bad line raises ``InvalidArgument`` naming the file, the line and the field.
+    """
+    if limit is not None and limit <= 0:
+        return
+    n = 0
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = mooncake_row(json.loads(line), trace_block_size)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgument(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{path}:{lineno}: not a Mooncake trace row: {exc}", field=exc.field) from None
+            yield lineno, row
+            n += 1
+            if limit is not None and n >= limit:
+                return
 
 
 def clamped_input_length(
@@ -55,9 +143,9 @@ def expand_hash_ids(
     out: list[int] = []
     full, rest = divmod(n, trace_block_size)
     for h in islice(hash_ids, full):
-        out += [h] * trace_block_size
+        out += [h & _U32_MASK] * trace_block_size
     if rest:
-        out += [hash_ids[full]] * rest
+        out += [hash_ids[full] & _U32_MASK] * rest
     return out
 
 
@@ -67,16 +155,16 @@ class HashIdTokens(Sequence[int]):
     Hashes its blocks without expanding them when ``block_size`` divides ``trace_block_size``.
     """
 
-    __slots__ = ("hash_ids", "trace_block_size", "_len", "_u32")
+    __slots__ = ("hash_ids", "trace_block_size", "_len")
 
     def __init__(
         self, hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE
     ) -> None:
         self._len = clamped_input_length(hash_ids, input_length, trace_block_size)
         used = -(-self._len // trace_block_size)
-        self.hash_ids = tuple(islice(hash_ids, used))
+        self.hash_ids = tuple(h & _U32_MASK for h in islice(hash_ids, used))
+        """The token of each used trace block (the id's low 32 bits)."""
         self.trace_block_size = trace_block_size
-        self._u32 = all(type(h) is int and 0 <= h < _U32_LIMIT for h in self.hash_ids)
 
     def __len__(self) -> int:
         return self._len
@@ -118,8 +206,8 @@ class HashIdTokens(Sequence[int]):
         return self._range(0, self._len)
 
     def check_u32(self) -> bool:
-        """Whether every token id (hash id in use) is an integer in ``[0, 2**32)``."""
-        return self._u32
+        """Always true: every token is a hash id's low 32 bits (admission asks before scanning tokens)."""
+        return True
 
     def local_block_hashes(self, block_size: int) -> list[int]:
         """Local block hashes (seed 1337), equal to ``kvemu.hashing.local_block_hashes(self.to_list(), block_size)``."""
@@ -128,8 +216,6 @@ class HashIdTokens(Sequence[int]):
         tbs = self.trace_block_size
         if tbs % block_size:
             return local_block_hashes(self.to_list(), block_size)
-        if not self.check_u32():
-            raise InvalidArgument("tokens: every token id must be an integer in [0, 2**32)")
         per = tbs // block_size
         n_blocks = self._len // block_size
         out: list[int] = []
@@ -153,44 +239,31 @@ class HashIdTokens(Sequence[int]):
 
 
 def mooncake_request(
-    record: Mapping[str, Any],
+    record: MooncakeRow | Mapping[str, Any],
     *,
     request_id: str,
     arrival_ns: int | None = None,
     trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE,
     priority: int = 0,
 ) -> Request:
-    """A ``Request`` from one Mooncake trace record; arrival defaults to its ``timestamp`` (ms) in ns.
+    """A ``Request`` from one trace row (validated first if raw); arrival defaults to its ``timestamp`` (ms) in ns.
 
     Multi-turn ``delay`` records need the caller to resolve their absolute time.
     """
-    try:
-        hash_ids = record["hash_ids"]
-        input_length = record["input_length"]
-        output_length = record["output_length"]
-    except KeyError as exc:
-        raise InvalidArgument(f"trace record {request_id!r}: missing field {exc.args[0]!r}") from None
+    if not isinstance(record, MooncakeRow):
+        try:
+            record = mooncake_row(record, trace_block_size)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"trace record {request_id!r}: {exc}", field=exc.field) from None
     if arrival_ns is None:
-        ts = record.get("timestamp")
-        if ts is None:
+        if record.timestamp is None:
             raise InvalidArgument(f"trace record {request_id!r}: no timestamp and no arrival_ns given")
-        arrival_ns = round(ts * 1_000_000)
-    tokens = HashIdTokens(hash_ids, input_length, trace_block_size)
-    out_ids = record.get("output_token_ids")
+        arrival_ns = round(record.timestamp * 1_000_000)
     return Request(
         request_id=request_id,
-        token_ids=tokens,
-        max_tokens=output_length,
+        token_ids=HashIdTokens(record.hash_ids, record.input_length, trace_block_size),
+        max_tokens=record.output_length,
         arrival_ns=arrival_ns,
         priority=priority,
-        output_token_ids=out_ids,
+        output_token_ids=record.output_token_ids,
     )
-
-
-def iter_jsonl(path: str, limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """The first ``limit`` (all if None) JSON objects of a JSONL trace file, read lazily."""
-    with open(path, encoding="utf-8") as fh:
-        for line in islice(fh, limit):
-            line = line.strip()
-            if line:
-                yield json.loads(line)
