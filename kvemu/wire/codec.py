@@ -34,25 +34,10 @@ __all__ = [
 
 DEFAULT_VLLM_VERSION = "0.33"
 
-STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-    "lookahead_token_ids",
-)
-"""Every ``BlockStored`` field ever sent, in wire order (each release sends a prefix of this list)."""
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+STORED_FIELDS: tuple[str, ...] = BlockStored.__struct_fields__
+"""Every ``BlockStored`` field ever sent, in wire order (each release sends a prefix of this list); the
+neutral struct in ``kv_events`` is the one definition."""
+REMOVED_FIELDS: tuple[str, ...] = BlockRemoved.__struct_fields__
 STORED_REQUIRED = 7  # block_hashes .. lora_name have no default (nil is still sent in map form)
 REMOVED_REQUIRED = 2
 
