@@ -28,6 +28,7 @@ import argparse
 import gc
 import os
 import random
+import sys
 import time
 
 import msgspec
@@ -38,7 +39,9 @@ from kvemu.tuning import tune_gc
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.request import Request
-from workers.trace import iter_jsonl, mooncake_request
+from workers.trace import mooncake_request, read_mooncake
+
+from harness.stats import percentile
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 SHARES = 16  # the reference replays this trace on 16 workers
@@ -47,7 +50,8 @@ SHARES = 16  # the reference replays this trace on 16 workers
 def load_records(n: int) -> tuple[list[dict], str]:
     """First ``n`` requests of the per-worker round-robin shares of the trace, or a synthetic stream."""
     if os.path.exists(TRACE):
-        every = list(iter_jsonl(TRACE, n * SHARES if n * SHARES < 12031 * 2 else None))
+        limit = n * SHARES if n * SHARES < 12031 * 2 else None
+        every = [row._asdict() for _, row in read_mooncake(TRACE, limit)]
         span = max(r["timestamp"] for r in every) + 1000
         recs: list[dict] = []
         for p in range(SHARES):
@@ -131,11 +135,6 @@ def best(fn, rounds: int) -> tuple[float, object]:
     return best_t, result
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller workload, fewer rounds (< 10 s)")
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds = 2 if args.quick else 3
 
     recs, source = load_records(n_ff)
-    print(f"workload: {source}")
+    print(f"# workload: {source}", file=sys.stderr, flush=True)  # a note, not a figure
     reqs = make_requests(recs)
     pre = make_requests(recs, prehash=True)
 
@@ -156,13 +155,13 @@ def main(argv: list[str] | None = None) -> None:
     t_pre, _ = best(lambda: run_fast_forward(pre, False), rounds)
     t_step, passes = best(lambda: run_stepwise(reqs[:n_step]), rounds)
 
-    sim_ns = max(r.completed_ns for r in completed)
+    sim_ns = max(r.completion_ns for r in completed)
     ttft = [(r.first_token_ns - r.arrival_ns) / 1e6 for r in completed]
-    e2e = [(r.completed_ns - r.arrival_ns) / 1e6 for r in completed]
-    gaps_ns = sum(r.completed_ns - r.first_token_ns for r in completed)  # every inter-token gap, summed
+    e2e = [(r.completion_ns - r.arrival_ns) / 1e6 for r in completed]
+    gaps_ns = sum(r.completion_ns - r.first_token_ns for r in completed)  # every inter-token gap, summed
     n_gaps = sum(r.output_tokens - 1 for r in completed)
-    prompt = sum(r.prompt_tokens for r in completed)
-    cached = sum(r.cached_tokens or 0 for r in completed)
+    prompt = sum(r.isl for r in completed)
+    cached = sum(r.engine_cached_tokens or 0 for r in completed)
 
     print(f"stepwise forward passes: {passes / t_step:.0f} per s")
     print(f"fast-forward simulated requests: {len(reqs) / t_ff:.0f} per s")
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     # comparable when the whole stream (all 16 shares) is run
     print(f"prefix reuse: {cached / prompt:.3f} ratio (reference: 0.073)")
     print(f"mean TTFT: {sum(ttft) / len(ttft):.1f} ms (reference: 241)")
-    print(f"p99 TTFT: {pct(ttft, 0.99):.1f} ms (reference: 1,756)")
+    print(f"p99 TTFT: {percentile(sorted(ttft), 99):.1f} ms (reference: 1,756)")
     print(f"mean ITL: {gaps_ns / n_gaps / 1e6:.2f} ms (reference: 6.67)")
     print(f"mean E2E: {sum(e2e) / len(e2e):.1f} ms (reference: 2,519)")
 

@@ -23,6 +23,11 @@ report files here). ``--quick`` replays the first 1,000 requests on both sides (
 for kvemu, the first 1,000 rows copied to a temporary file for the reference). The trace path comes
 from the scenario; ``--trace PATH`` overrides it (``--set workload.trace=PATH``).
 
+Percentiles on both sides are the rounded-rank definition of Dynamo's replay report
+(``harness.stats.percentile``), so p50/p99 compare like for like. The exit status is 0 when every run
+completed all its requests, 1 when one did not (or produced no TTFT), 2 without a trace; a missed
+fidelity target is reported, not an error (the wall-time one depends on the machine).
+
 Run: python -m bench.replay [--quick] [--trace PATH] [--max-requests N] [--policy round_robin|kv ...]
 """
 
@@ -238,7 +243,22 @@ def main(argv: list[str] | None = None) -> int:
         for text, ok in targets:
             note(f"{'met   ' if ok else 'MISSED'} {text}")
         print(f"fidelity targets met: {sum(ok for _, ok in targets)} of {len(targets)}", flush=True)
-    return 0
+
+    problems = [problem for side, runs in (("kvemu", ours), ("reference", ref)) for policy, (summary, _) in runs.items()
+                if (problem := incomplete(f"{side} {policy}", summary))]
+    for p in problems:
+        print(f"bench.replay: FAILED: {p}", file=sys.stderr, flush=True)
+    return 1 if problems else 0
+
+
+def incomplete(run: str, summary: dict[str, Any]) -> str | None:
+    """Why a run's summary shows a broken replay (not every request completed, no TTFT), or None."""
+    total, done = summary.get("num_requests"), summary.get("completed_requests")
+    if not done or done != total:
+        return f"{run}: {done} of {total} requests completed"
+    if summary.get("mean_ttft_ms") is None:
+        return f"{run}: no TTFT in the summary"
+    return None
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ Prints, one per line:
   live completed requests: N per s            (2 workers × 2 DP ranks, speedup 0, 128-token prompts, 16 tokens)
   live routing overhead p50: N us             (request in → dispatch out)
   live routing overhead p99: N us
+Percentiles are ``harness.stats.percentile``. Exits 1 when a virtual or live request did not complete.
 Run: python -m bench.runtime [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from kvemu.runtime.hooks import HookEvent
 
 from harness.runner import run_scenario
 from harness.scenario import parse_scenario
+from harness.stats import percentile
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -88,27 +91,33 @@ def live(seconds: float, rate: float) -> tuple[float, list[float], int, int]:
     return len(done) / ((last - first) / 1e9), sorted(overheads), len(done), len(records) - len(done)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    """Print the figures; 0 when every request completed, 1 otherwise."""
+    parser = argparse.ArgumentParser(prog="python -m bench.runtime", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    problems = []
     if TRACE.is_file():
-        rate, span, done = virtual(200 if args.quick else 2000)
-        print(f"virtual simulated requests: {rate:.0f} per s")
-        print(f"virtual scenario time: {span:.0f} s")
-        print(f"virtual completed: {done} requests")
+        requests = 200 if args.quick else 2000
+        rate, span, done = virtual(requests)
+        print(f"virtual simulated requests: {rate:.0f} per s", flush=True)
+        print(f"virtual scenario time: {span:.0f} s", flush=True)
+        print(f"virtual completed: {done} requests", flush=True)
+        if done != requests:
+            problems.append(f"virtual: {done} of {requests} requests completed")
     else:
-        print(f"virtual simulated requests: skipped (no trace at {TRACE})")
+        print(f"# virtual: skipped (no trace at {TRACE})", file=sys.stderr, flush=True)
     rps, overheads, done, failed = live(2.0 if args.quick else 5.0, 500 if args.quick else 2500)
-    print(f"live completed requests: {rps:.0f} per s")
-    print(f"live completed: {done} requests, failed: {failed}")
-    print(f"live routing overhead p50: {_pct(overheads, 50):.0f} us")
-    print(f"live routing overhead p99: {_pct(overheads, 99):.0f} us")
+    print(f"live completed requests: {rps:.0f} per s", flush=True)
+    print(f"live completed: {done} requests, failed: {failed}", flush=True)
+    print(f"live routing overhead p50: {percentile(overheads, 50):.0f} us", flush=True)
+    print(f"live routing overhead p99: {percentile(overheads, 99):.0f} us", flush=True)
+    if failed:
+        problems.append(f"live: {failed} of {done + failed} requests failed")
+    for p in problems:
+        print(f"bench.runtime: FAILED: {p}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
