@@ -25,17 +25,17 @@ def test_decode_polynomial_values_and_floor():
     assert m.decode_ms(3000, 1000) == 1.0  # p = 3 would go negative: floored at 1 ms
 
 
-def test_pass_timer_uses_active_blocks_and_rounds_to_ns():
+def test_pass_timer_uses_decode_kv_tokens_and_rounds_to_ns():
     cfg = EngineConfig(num_gpu_blocks=100, block_size=16)
     t = PassTimer(cfg)
-    assert t.decode_ns(50) == round((-25.74 * 0.25 + 54.01 * 0.5 + 5.74) * 1e6)
+    assert t.decode_ns(800) == round((-25.74 * 0.25 + 54.01 * 0.5 + 5.74) * 1e6)  # 800 of 1600 KV tokens
     assert t.prefill_ns(100) == round(PolynomialTiming().prefill_ms(100) * 1e6)
-    assert isinstance(t.pass_ns(100, 3, 50), int)
+    assert isinstance(t.pass_ns(100, 3, 800), int)
     # a mixed pass lasts prefill time + decode time
-    assert t.pass_ns(100, 3, 50) == t.prefill_ns(100) + t.decode_ns(50)
-    assert t.pass_ns(0, 3, 50) == t.decode_ns(50)
-    assert t.pass_ns(100, 0, 50) == t.prefill_ns(100)
-    assert t.pass_ns(0, 0, 50) == 0
+    assert t.pass_ns(100, 3, 800) == t.prefill_ns(100) + t.decode_ns(800)
+    assert t.pass_ns(0, 3, 800) == t.decode_ns(800)
+    assert t.pass_ns(100, 0, 800) == t.prefill_ns(100)
+    assert t.pass_ns(0, 0, 800) == 0
 
 
 def test_speedup_ratios_divide_durations():
@@ -43,8 +43,8 @@ def test_speedup_ratios_divide_durations():
     fast = PassTimer(EngineConfig(num_gpu_blocks=100, block_size=16, speedup_ratio=2.0, decode_speedup_ratio=4.0))
     assert fast.prefill_ns(1000) == round(PolynomialTiming().prefill_ms(1000) * 1e6 / 2)
     # decode is divided by speedup_ratio * decode_speedup_ratio (the reference's effective ratio)
-    assert fast.decode_ns(10) == round(PolynomialTiming().decode_ms(160, 1600) * 1e6 / 8)
-    assert base.decode_ns(10) == round(PolynomialTiming().decode_ms(160, 1600) * 1e6)
+    assert fast.decode_ns(160) == round(PolynomialTiming().decode_ms(160, 1600) * 1e6 / 8)
+    assert base.decode_ns(160) == round(PolynomialTiming().decode_ms(160, 1600) * 1e6)
 
 
 @pytest.mark.parametrize(("speedup", "decode_speedup"), [(0, 1), (0, 0), (1, 0)])
@@ -64,8 +64,8 @@ def test_engine_first_token_after_prefill_time_and_decode_steps():
     assert r1.end_ns == 1000 + timer.prefill_ns(10)
     assert rec.first_token_ns == r1.end_ns and rec.engine_cached_tokens == 0
     r2 = eng.step(r1.end_ns)
-    # the request holds three blocks (two full, one partial) while it decodes
-    assert r2.decodes == 1 and r2.duration_ns == timer.decode_ns(3)
+    # the decode pass computes the KV of its 11th token: 10 prompt + 1 output tokens (not 3 blocks x 4)
+    assert r2.decodes == 1 and r2.duration_ns == timer.decode_ns(11)
     r3 = eng.step(r2.end_ns)
     assert rec.token_times_ns == [r1.end_ns, r2.end_ns, r3.end_ns] and rec.completion_ns == r3.end_ns
 
@@ -79,7 +79,25 @@ def test_mixed_pass_duration_is_prefill_plus_decode():
     mixed = eng.step(first.end_ns)
     assert mixed.prefill_tokens == 20 and mixed.decodes == 1
     timer = PassTimer(cfg)
-    assert mixed.duration_ns == timer.prefill_ns(20) + timer.decode_ns(eng.pool.num_active_blocks)
+    # the decode part counts the decoding request's 11 KV tokens, not the prompt being prefilled
+    assert mixed.duration_ns == timer.prefill_ns(20) + timer.decode_ns(11)
+
+
+def test_decode_time_counts_every_request_context_even_over_a_shared_prefix():
+    # as the reference mocker: two requests sharing a cached prefix decode as slowly as two disjoint ones
+    cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=256)
+    durations = []
+    for second in (list(range(8)) + [50, 51], list(range(100, 110))):  # shares 2 blocks with "a", or nothing
+        eng = EngineCore(cfg)
+        eng.add_request(Request(request_id="a", token_ids=list(range(10)), max_tokens=9, arrival_ns=0))
+        first = eng.step(0)
+        rec = eng.add_request(Request(request_id="b", token_ids=second, max_tokens=9, arrival_ns=first.end_ns))
+        mixed = eng.step(first.end_ns)  # a decodes, b prefills
+        both = eng.step(mixed.end_ns)
+        assert both.decodes == 2 and both.prefill_tokens == 0
+        assert rec.engine_cached_tokens == (8 if second[0] == 0 else 0)
+        durations.append(both.duration_ns)
+    assert durations[0] == durations[1] == PassTimer(cfg).decode_ns(12 + 11)
 
 
 class Flat:

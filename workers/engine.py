@@ -10,9 +10,9 @@ catches up with all its tokens, the pass samples one new token for it (the first
 prefill). Blocks that fill up are cached at the end of the pass (``BlockStored``); blocks are taken,
 and evicted (``BlockRemoved``), when the pass is scheduled; all of a pass's events share one batch
 stamped with its end. Duration = prefill time of the pass's uncached tokens + decode time if it
-decodes anything, the decode part a function of the blocks in use (``num_active_blocks *
-block_size`` KV tokens out of the pool's capacity), so it only changes when a block is taken or
-given back.
+decodes anything, the decode part a function of the KV tokens of the requests decoding in the pass
+(their context lengths summed, out of the pool's capacity; see ``workers/timing.py``), as in the
+reference mocker.
 
 Two drivers, identical results:
 
@@ -20,8 +20,8 @@ Two drivers, identical results:
 * ``advance_to(t_ns)`` runs every pass that starts before ``t_ns`` and ends by ``t_ns`` (a pass that
   straddles ``t_ns`` stays in flight; a pass starting exactly at ``t_ns`` is not started, so requests
   arriving at ``t_ns`` may still be added and join it). Runs of pure decode passes are computed in
-  one go: between two block events the batch and the pass duration do not change, so a stretch of
-  passes is one multiplication, and block events inside a run are applied without re-scheduling.
+  one go: the batch does not change and each pass's decode KV tokens grow by the batch size, so a
+  stretch of passes needs no scheduling, and block events inside a run are applied without re-scheduling.
 
 ``next_event_ns()`` tells a host how far it can jump: the next first token, completion, KV event,
 preemption or freed slot. It is exact while only decodes run and for a pass in flight; before a pass
@@ -32,6 +32,9 @@ start + 1, since advancing past its start starts it. So a zero-duration pass at 
 
 from __future__ import annotations
 
+
+from bisect import bisect_left, bisect_right
+from itertools import accumulate
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
@@ -277,7 +280,10 @@ class EngineCore:
     def _plan(self, start: int) -> _Pass:
         version = self.pool.version
         sched = self.scheduler.schedule(start)
-        duration = self.timer.pass_ns(sched.prefill_tokens, sched.decodes, self.pool.num_active_blocks)
+        decode_kv = 0  # the KV tokens of the requests decoding in this pass, the one being computed included
+        if sched.decodes:
+            decode_kv = sum(seq.computed + n for seq, n in sched.entries.items() if not seq.prefilling)
+        duration = self.timer.pass_ns(sched.prefill_tokens, sched.decodes, decode_kv)
         return _Pass(start, start + duration, sched, version)
 
     def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
@@ -416,9 +422,10 @@ class EngineCore:
             arrival = MAX_TIME_NS + 1
         pool = self.pool
         decode_ns = self.timer.decode_ns
+        decode_series = self.timer.decode_series_ns
         rank = self.dp_rank
-        active = pool.num_active_blocks
-        d = decode_ns(active)
+        n_run = len(running)
+        kv = sum(seq.computed for seq in running) + n_run  # decode KV tokens of pass 1; pass j + 1: + j * n_run
         stamps: list[int] = []
         j = 0  # passes committed
         T = s  # start of pass j + 1
@@ -428,21 +435,18 @@ class EngineCore:
             jn = period[idx][0] + base
             if jn > j_stop:
                 jn = j_stop
-            cnt = jn - 1 - j  # plain passes j+1 .. jn-1: same batch, same duration d
-            if cnt > 0:
+            if jn - 1 > j:  # plain passes j+1 .. jn-1: the same batch, no block event
                 if T >= t_ns or T >= arrival:
                     break
-                if d:
-                    by_end = (t_ns - T) // d
-                    by_arrival = (arrival - T + d - 1) // d
-                    fit = by_end if by_end < by_arrival else by_arrival
-                    if fit < cnt:
-                        cnt = fit
-                if cnt > 0:
-                    stamps += range(T + d, T + cnt * d + 1, d) if d else [T] * cnt
-                    T += cnt * d
-                    j += cnt
-                if j < jn - 1:
+                cnt = jn - 1 - j
+                ends = list(accumulate(decode_series(kv + j * n_run, n_run, cnt), initial=T))
+                # pass i in 1..cnt runs from ends[i - 1] to ends[i]: it must end by t_ns and start before arrival
+                fit = min(bisect_right(ends, t_ns, 1) - 1, bisect_left(ends, arrival, 0, cnt))
+                if fit > 0:
+                    stamps += ends[1 : fit + 1]
+                    T = ends[fit]
+                    j += fit
+                if fit < cnt:
                     break
             if jn >= j_stop or quiet_only or T >= t_ns or T >= arrival:
                 break
@@ -461,20 +465,18 @@ class EngineCore:
             m = len(needs)
             if m > pool.free + pool.num_inactive:
                 break  # a preemption: the scheduler's business
-            d = decode_ns(active + m)
+            d = decode_ns(kv + j * n_run)
             if T + d > t_ns:
                 break
             idx, base = nxt, nbase
             if m:
                 pool.allocate(m)  # the same victims, in the same order, as one block per request
-                active += m
                 for pos in needs:
                     running[pos].n_alloc += 1
             for pos in fills:
                 seq = running[pos]
                 nf = seq.n_full
-                if pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq):
-                    active = pool.num_active_blocks  # deduplicated: its partial block went back
+                pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq)
                 seq.n_full = nf + 1
             T += d
             j = jn
@@ -482,7 +484,6 @@ class EngineCore:
             if pool.log:
                 out.events.append(PassEvents(T, rank, pool.log, bs))
                 pool.log = []
-            d = decode_ns(active)
         if j:
             record_times = self._record_times
             for seq in running:
@@ -559,24 +560,25 @@ class EngineCore:
         timer = self.timer
         free = self.pool.free
         evictable = self.pool.num_inactive
-        active = self.pool.num_active_blocks
+        running = self.scheduler.running
+        n_run = len(running)
+        kv = sum(seq.computed for seq in running) + (offset + 1) * n_run  # decode KV tokens of pass 1 from s
         floor = started + 1
-        T = s  # start of pass j + 1
+        ends = [s]  # ends[k]: the end of pass k from s, i.e. the start of pass k + 1 (extended as needed)
         j = 0
         for jn in sorted(counts.keys() | {j_vis}):
-            d = timer.decode_ns(active)
-            if arrival is not None and T + (jn - 1 - j) * d >= arrival:
-                first_after = T + (-(-(arrival - T) // d)) * d if d and arrival > T else T
-                return max(first_after + 1, floor)
-            T += (jn - 1 - j) * d
+            n = len(ends)
+            if n <= jn:
+                series = timer.decode_series_ns(kv + (n - 1) * n_run, n_run, jn + 1 - n)
+                ends += list(accumulate(series, initial=ends[-1]))[1:]
+            if arrival is not None and ends[jn - 1] >= arrival:  # one of passes j+1 .. jn starts at/after it
+                return max(ends[bisect_left(ends, arrival, j, jn - 1)] + 1, floor)
             m = counts.get(jn, 0)
             if m > free + evictable:  # this pass preempts: its duration is not known before it starts
-                return max(T + 1, floor)
+                return max(ends[jn - 1] + 1, floor)
             if jn == j_vis or m > free:  # the first visible pass, or one that evicts
-                return max(T + timer.decode_ns(active + m), floor)
+                return max(ends[jn], floor)
             free -= m
-            active += m
-            T += timer.decode_ns(active)
             j = jn
         raise AssertionError("unreachable")  # pragma: no cover
 

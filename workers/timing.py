@@ -3,6 +3,13 @@
 A pass that holds prefill chunks and decodes lasts prefill time + decode time: the reference mocker
 runs the two phases of a step one after the other, and a mixed batch does strictly more work than
 either part alone, so taking the max would make piggy-backed decodes free.
+
+The decode part's KV occupancy is the summed context length of the requests *decoding* in the pass
+(prompt + output tokens, the token being computed included), as the reference mocker measures it: a
+prefix shared by several requests counts once per request, partial blocks count by their tokens, and
+the prompts of requests still in prefill do not count. (Measured against ai-dynamo-runtime 1.6.1: a
+single 1,000-token request decodes its second token in exactly the time of 1,001 KV tokens; two
+requests sharing a 512-token prefix decode as fast as two disjoint ones.)
 """
 
 from __future__ import annotations
@@ -47,8 +54,17 @@ class PolynomialTiming:
         p = active_kv_tokens / total_kv_tokens
         return max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
 
+    def decode_ms_series(self, first: int, step: int, count: int, total_kv_tokens: int) -> list[float]:
+        """``[decode_ms(first + i * step, total_kv_tokens) for i in range(count)]``, equal bit for bit."""
+        actives = range(first, first + count * step, step) if step else [first] * count
+        ps = [a / total_kv_tokens for a in actives]
+        return [v if (v := -25.74 * p * p + 54.01 * p + 5.74) > 1.0 else 1.0 for p in ps]
+
     def __repr__(self) -> str:
         return "PolynomialTiming()"
+
+
+_DECODE_MEMO = 1 << 16
 
 
 def _to_ns(ms: float, scale: float, what: str) -> int:
@@ -62,7 +78,7 @@ class PassTimer:
 
     Prefill time / ``speedup_ratio``, decode time / (``speedup_ratio * decode_speedup_ratio``); ratio 0: 0 ns.
     """
-    # Decode durations depend only on the number of active blocks, so they are memoised.
+    # Decode durations depend only on the decode KV tokens, so they are memoised (the memo is bounded).
 
     __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache",
                  "slowdown")
@@ -94,21 +110,46 @@ class PassTimer:
             return 0
         return _to_ns(self.model.prefill_ms(new_tokens), self._prefill_scale, "prefill_ms")
 
-    def decode_ns(self, active_blocks: int) -> int:
-        """Scaled duration of the decode part of a pass when ``active_blocks`` blocks are in use."""
-        cached = self._decode_cache.get(active_blocks)
+    def decode_ns(self, decode_kv_tokens: int) -> int:
+        """Scaled duration of the decode part of a pass whose decoding requests hold ``decode_kv_tokens``."""
+        cache = self._decode_cache
+        cached = cache.get(decode_kv_tokens)
         if cached is None:
             if not self._decode_scale:
                 cached = 0
             else:
-                ms = self.model.decode_ms(active_blocks * self.block_size, self.total_kv_tokens)
+                ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens)
                 cached = _to_ns(ms, self._decode_scale, "decode_ms")
-            self._decode_cache[active_blocks] = cached
+            if len(cache) >= _DECODE_MEMO:
+                cache.clear()
+            cache[decode_kv_tokens] = cached
         return cached
 
-    def pass_ns(self, prefill_tokens: int, decodes: int, active_blocks: int) -> int:
+    def decode_series_ns(self, first_kv_tokens: int, step: int, count: int) -> list[int]:
+        """Decode durations of ``count`` consecutive passes with ``first_kv_tokens``, ``+ step``, ... KV tokens.
+
+        Element ``i`` equals ``decode_ns(first_kv_tokens + i * step)`` (a decode run: the batch grows by one
+        token per request and pass); computed without the memo, whose entries such a run would not reuse.
+        """
+        scale = self._decode_scale
+        if not scale or count <= 0:
+            return [0] * count
+        total = self.total_kv_tokens
+        series = getattr(self.model, "decode_ms_series", None)
+        if series is not None:
+            out = series(first_kv_tokens, step, count, total)
+        else:
+            decode_ms = self.model.decode_ms
+            out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]
+        total_ms = sum(out)
+        if not (total_ms >= 0 and total_ms != float("inf")) or min(out) < 0:  # a NaN, an inf or a negative
+            for ms in out:
+                _to_ns(ms, scale, "decode_ms")  # raises, naming the model's bad value
+        return [round(ms * scale) for ms in out]
+
+    def pass_ns(self, prefill_tokens: int, decodes: int, decode_kv_tokens: int) -> int:
         """Duration of a pass: prefill part (if any new tokens) + decode part (if any decodes)."""
         total = self.prefill_ns(prefill_tokens) if prefill_tokens else 0
         if decodes:
-            total += self.decode_ns(active_blocks)
+            total += self.decode_ns(decode_kv_tokens)
         return total
