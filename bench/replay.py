@@ -42,6 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import reference
+
 os.environ.setdefault("DYN_LOG", "warn")  # the reference logs every KV routing decision at INFO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +63,6 @@ ROUND_ROBIN_TARGETS = ("mean ttft", "p50 ttft", "mean e2e", "mean itl", "prefix-
 """Round robin: kvemu within 5 % of the reference."""
 KV_TARGETS = ("mean ttft", "p50 ttft", "mean e2e", "mean itl", "prefix-cache reuse ratio")
 """KV routing: the improvement over round robin has the reference's sign and is within ±20 % of its size."""
-REFERENCE_MODE = {"round_robin": "round_robin", "kv": "kv_router"}
 
 
 def emit(name: str, value: float | None, unit: str, digits: int = 1) -> None:
@@ -98,29 +99,11 @@ def run_kvemu(policy: str, trace: Path | None, max_requests: int | None) -> tupl
     return summarize(outcome.data), wall
 
 
-def reference_replay() -> tuple[str, Callable[..., Any]] | None:
-    """Dynamo's offline trace replay entry point, or None when ai-dynamo-runtime is not installed."""
-    try:
-        from dynamo.replay.api import run_trace_replay  # type: ignore[import-not-found]
-
-        return "dynamo.replay.api.run_trace_replay", run_trace_replay
-    except ImportError:
-        pass
-    try:
-        from dynamo._core import run_mocker_trace_replay  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return "dynamo._core.run_mocker_trace_replay", run_mocker_trace_replay
-
-
 def run_reference(replay: Callable[..., Any], policy: str, trace: Path) -> tuple[dict[str, Any], float]:
     """The reference's offline replay of ``trace`` on 16 workers: (summary, wall seconds)."""
     t0 = time.perf_counter()
-    result = replay([str(trace)], num_workers=16, trace_block_size=512, replay_mode="offline",
-                    router_mode=REFERENCE_MODE[policy])
-    wall = time.perf_counter() - t0
-    summary = result.summary if hasattr(result, "summary") else result
-    return dict(summary), wall
+    summary = reference.run_reference(replay, trace, policy)
+    return summary, time.perf_counter() - t0
 
 
 def scenario_trace(trace: Path | None) -> Path:
@@ -129,17 +112,6 @@ def scenario_trace(trace: Path | None) -> Path:
 
     scenario = load_scenario(SCENARIO, [f"workload.trace={trace}"] if trace is not None else [])
     return resolve(scenario, scenario.workload.trace).resolve()  # type: ignore[union-attr]
-
-
-def head(trace: Path, rows: int, directory: str) -> Path:
-    """The first ``rows`` lines of the trace, copied to a temporary file (the reference has no row limit)."""
-    out = Path(directory) / f"first-{rows}.jsonl"
-    with trace.open() as src, out.open("w") as dst:
-        for i, line in enumerate(src):
-            if i >= rows:
-                break
-            dst.write(line)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -175,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     note(f"scenario {SCENARIO.relative_to(ROOT)}, trace {trace}"
          + (f", first {limit:,} requests" if limit else ", all requests"))
-    ref_entry = None if args.no_reference else reference_replay()
+    ref_entry = None if args.no_reference else reference.replay_entry()
     if ref_entry is None:
         print("reference: not installed", flush=True)
     else:
@@ -184,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ours: dict[str, tuple[dict[str, Any], float]] = {}
     ref: dict[str, tuple[dict[str, Any], float]] = {}
     with tempfile.TemporaryDirectory(prefix="kvemu-bench-replay-") as tmp:
-        ref_trace = head(trace, limit, tmp) if limit else trace
+        ref_trace = reference.trace_head(trace, limit, tmp) if limit else trace
         for policy in policies:
             if ref_entry is not None:
                 note(f"reference {policy} ...")

@@ -46,15 +46,18 @@ from kvemu.hashing import local_block_hashes, mm_hash_from_identifier, sequence_
 from kvemu.index import PrefixIndex
 from index_model import ModelIndex
 
-core = pytest.importorskip(
-    "dynamo._core",
-    reason="differential tests need the reference binding: pip install ai-dynamo-runtime==1.6.1 (x86-64 Linux)",
-    exc_type=ImportError,  # also skip when the wheel is present but its native library cannot load
-)
-RadixTree = core.RadixTree
-compute_block_hash_for_seq = core.compute_block_hash_for_seq
-
 pytestmark = pytest.mark.reference
+
+# Bound from the ``dynamo_core`` fixture (tests/conftest.py) before the first test of this module runs:
+# without the binding every test skips, or fails under KVEMU_REQUIRE_REFERENCE=1.
+RadixTree = compute_block_hash_for_seq = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_binding(dynamo_core):
+    global RadixTree, compute_block_hash_for_seq
+    RadixTree = dynamo_core.RadixTree
+    compute_block_hash_for_seq = dynamo_core.compute_block_hash_for_seq
 
 ERRORS = (ParentBlockNotFound, BlockNotFound, InvalidBlockSequence)
 

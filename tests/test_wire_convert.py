@@ -274,9 +274,8 @@ def test_mm_keys_beyond_the_event_blocks_are_ignored():
 
 
 @pytest.mark.reference
-def test_mm_hashes_match_the_reference_binding():
-    core = pytest.importorskip("dynamo._core", exc_type=ImportError,
-                               reason="needs ai-dynamo-runtime==1.6.1 (x86-64 Linux)")
+def test_mm_hashes_match_the_reference_binding(dynamo_core):
+    core = dynamo_core
     ev = stored(extra_keys=[None, [[HEX_A, 0]], [HEX_B, HEX_A], None], lora_name="x")
     infos = [None, {"mm_objects": [{"mm_hash": _mm(HEX_A), "offsets": [[0, 1]]}]},
              {"mm_objects": [{"mm_hash": _mm(HEX_B), "offsets": [[0, 1]]},

@@ -644,9 +644,8 @@ async def _dynamo_overlaps(svc, tokens) -> dict[tuple[int, int], int]:
 
 @pytest.mark.reference
 @pytest.mark.parametrize("versions", [("0.33", "0.33"), ("0.22", "0.22"), ("0.25", "0.10")], ids="-".join)
-def test_dynamo_selection_service_agrees_with_kvemu(net, versions):
-    dynamo = pytest.importorskip("dynamo._core", exc_type=ImportError,
-                                 reason="needs the reference binding: pip install ai-dynamo-runtime==1.6.1")
+def test_dynamo_selection_service_agrees_with_kvemu(net, versions, dynamo_core):
+    dynamo = dynamo_core
     core = new_core((5, 2))
     sub = net.subscriber(core.apply_event)
     pubs = {r: net.publisher(dp_rank=r, vllm_version=v) for r, v in enumerate(versions)}

@@ -1,0 +1,50 @@
+"""Dynamo's offline trace replay as a comparison point (bench.replay and the fidelity tests use it).
+
+The reference is ``ai-dynamo-runtime`` (1.6.1), an optional dependency: ``replay_entry`` returns None
+when it is not installed. Its replay has no row limit, so a slice of a trace is copied to a file first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["REFERENCE_MODE", "replay_entry", "run_reference", "trace_head"]
+
+REFERENCE_MODE = {"round_robin": "round_robin", "kv": "kv_router"}
+"""kvemu's ``router.policy`` → the reference's ``router_mode``."""
+
+
+def replay_entry() -> tuple[str, Callable[..., Any]] | None:
+    """(name, function) of the reference's offline trace replay, or None when it is not installed."""
+    try:
+        from dynamo.replay.api import run_trace_replay  # type: ignore[import-not-found]
+
+        return "dynamo.replay.api.run_trace_replay", run_trace_replay
+    except ImportError:
+        pass
+    try:
+        from dynamo._core import run_mocker_trace_replay  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return "dynamo._core.run_mocker_trace_replay", run_mocker_trace_replay
+
+
+def run_reference(replay: Callable[..., Any], trace: Path, policy: str, *, workers: int = 16,
+                  trace_block_size: int = 512) -> dict[str, Any]:
+    """The reference's summary of an offline replay of ``trace`` (default engine arguments)."""
+    result = replay([str(trace)], num_workers=workers, trace_block_size=trace_block_size, replay_mode="offline",
+                    router_mode=REFERENCE_MODE[policy])
+    return dict(result.summary if hasattr(result, "summary") else result)
+
+
+def trace_head(trace: Path, rows: int, directory: Path | str) -> Path:
+    """The first ``rows`` lines of ``trace``, copied to a file in ``directory``."""
+    out = Path(directory) / f"first-{rows}.jsonl"
+    with trace.open() as src, out.open("w") as dst:
+        for i, line in enumerate(src):
+            if i >= rows:
+                break
+            dst.write(line)
+    return out

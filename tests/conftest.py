@@ -1,0 +1,106 @@
+"""Shared test plumbing: access to the reference binding (``ai-dynamo-runtime``) for ``reference`` tests.
+
+Tests marked ``reference`` compare kvemu with Dynamo's own implementation. They get the binding from the
+``dynamo_core`` fixture (never by importing it themselves). Without ``KVEMU_REQUIRE_REFERENCE`` a
+missing or broken binding skips them with the reason; with ``KVEMU_REQUIRE_REFERENCE=1`` (CI sets it)
+it is a test failure saying how to install the binding, and so is *any* skip of a ``reference`` test
+(a missing trace, a ``pytest.skip`` or ``importorskip`` added later), so that a CI run cannot pass
+with the differential tests silently switched off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+from types import ModuleType
+from typing import NoReturn
+
+import pytest
+
+REQUIRE_ENV = "KVEMU_REQUIRE_REFERENCE"
+REFERENCE_DIST = "ai-dynamo-runtime"
+REFERENCE_VERSION = "1.6.1"
+INSTALL_HINT = (
+    f"install it with: pip install '{REFERENCE_DIST}=={REFERENCE_VERSION}' "
+    "(x86-64 Linux wheel; it is part of the dev extras: pip install -e '.[dev]')"
+)
+
+
+def reference_required() -> bool:
+    """Whether ``KVEMU_REQUIRE_REFERENCE`` asks for the reference tests to run (1/true/yes/on)."""
+    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def reference_unavailable(reason: str) -> NoReturn:
+    """Skip the calling test, or fail it when the reference is required; ``reason`` says what is missing."""
+    if reference_required():
+        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
+
+
+def import_reference(name: str = "dynamo._core") -> ModuleType:
+    """Import a module of the reference binding, or skip / fail (see ``reference_unavailable``)."""
+    os.environ.setdefault("DYN_LOG", "warn")  # the binding logs every routing decision at INFO otherwise
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:  # not installed, or installed but its native library does not load
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    if error is not None:  # outside the except block: the report shows this reason, not a chained traceback
+        reference_unavailable(f"the reference binding cannot be imported ({name}: {error}); " + INSTALL_HINT)
+    try:
+        version = importlib.metadata.version(REFERENCE_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        version = None  # importable without distribution metadata (a source tree on sys.path): accept it
+    if version is not None and version != REFERENCE_VERSION:
+        reference_unavailable(f"{REFERENCE_DIST} {version} is installed where the reference tests pin the "
+                              f"behaviour of {REFERENCE_VERSION}; " + INSTALL_HINT)
+    return module
+
+
+@pytest.fixture(scope="session")
+def dynamo_core() -> ModuleType:
+    """``dynamo._core`` of ``ai-dynamo-runtime==1.6.1`` (skips, or fails under ``KVEMU_REQUIRE_REFERENCE=1``)."""
+    return import_reference("dynamo._core")
+
+
+# ------------------------------------------------------------------ the safety net under the variable
+
+
+def _skip_reason(longrepr: object) -> str:
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, lineno, "Skipped: reason")
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """Under ``KVEMU_REQUIRE_REFERENCE=1``, a skipped ``reference`` test is reported as failed."""
+    report: pytest.TestReport = yield
+    if (report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("reference") is not None
+            and reference_required()):
+        report.outcome = "failed"
+        report.longrepr = (f"{REQUIRE_ENV}=1: the reference test {item.nodeid} was skipped, which counts as a "
+                           f"failure: {_skip_reason(report.longrepr)}")
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    """Under the variable, a test module with ``reference`` tests may not skip itself while being collected.
+
+    (A module-level ``pytest.importorskip`` would otherwise hide all its tests before any mark is seen.)
+    """
+    report: pytest.CollectReport = yield
+    if report.skipped and isinstance(collector, pytest.Module) and reference_required():
+        try:
+            source = collector.path.read_text(encoding="utf-8")
+        except OSError:
+            source = ""
+        if "mark.reference" in source:
+            report.outcome = "failed"
+            report.longrepr = (f"{REQUIRE_ENV}=1: the module {collector.nodeid}, which has reference tests, "
+                               f"skipped itself while being collected: {_skip_reason(report.longrepr)}")
+    return report
