@@ -7,7 +7,6 @@ runs on an invalid scenario. ``--set key.path=value`` overrides are applied befo
 
 from __future__ import annotations
 
-import math
 import re
 from importlib import resources
 from pathlib import Path

@@ -12,8 +12,6 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 CONFTEST = Path(__file__).with_name("conftest.py")
 INSTALL = "pip install 'ai-dynamo-runtime==1.6.1'"

@@ -5,7 +5,6 @@ import math
 import random
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 
