@@ -3,6 +3,10 @@
 Every field is typed (msgspec) and documented with its default. Loading rejects unknown keys, wrong
 types, out-of-range values and missing files with an error naming the key path and its line; nothing
 runs on an invalid scenario. ``--set key.path=value`` overrides are applied before validation.
+
+Knobs are defined once: ``router`` is ``kvemu.RouterConfig`` plus how the harness runs the router, and
+``cluster.engine`` is derived field by field from ``workers.EngineConfig``; their bounds are the configs'
+``msgspec.Meta`` constraints, so a scenario and a Python caller are held to the same ranges.
 """
 
 from __future__ import annotations
