@@ -22,7 +22,7 @@ from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
-from kvemu.runtime.router import Router, RouterSettings
+from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor import WorkerActor
@@ -72,8 +72,7 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
     affinity = None
     if spec.affinity.enabled:
         affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
-    settings = RouterSettings(retry_limit=spec.retry_limit, heartbeat_timeout_s=spec.heartbeat_timeout_s)
-    return Router(core=core, end=end, clock=clock, hooks=hooks, settings=settings, affinity=affinity,
+    return Router(core=core, end=end, clock=clock, hooks=hooks, settings=spec.settings(), affinity=affinity,
                   queue=core.policy_queue(),
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
 

@@ -4,9 +4,10 @@ Every field is typed (msgspec) and documented with its default. Loading rejects 
 types, out-of-range values and missing files with an error naming the key path and its line; nothing
 runs on an invalid scenario. ``--set key.path=value`` overrides are applied before validation.
 
-Knobs are defined once: ``router`` is ``kvemu.RouterConfig`` plus how the harness runs the router, and
-``cluster.engine`` is derived field by field from ``workers.EngineConfig``; their bounds are the configs'
-``msgspec.Meta`` constraints, so a scenario and a Python caller are held to the same ranges.
+Knobs are defined once: ``router`` takes every field of ``kvemu.RouterConfig`` and of
+``kvemu.runtime.router.RouterSettings`` plus how the harness runs the router, and ``cluster.engine`` every
+field of ``workers.EngineConfig``; their bounds are the configs' ``msgspec.Meta`` constraints, so a scenario
+and a Python caller are held to the same ranges.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from msgspec import Meta
 
 from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument, KvemuError
+from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
 from workers.config import EngineConfig
@@ -108,8 +110,16 @@ class AffinitySpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     mode: Literal["hard", "soft"] = "hard"
 
 
-class RouterSpec(RouterConfig, **_STRUCT):  # type: ignore[call-arg]
-    """Every ``RouterConfig`` knob (same names, defaults and bounds), plus how the harness runs the router."""
+_RouterKnobs = msgspec.defstruct(
+    "_RouterKnobs",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(RouterSettings)],
+    bases=(RouterConfig,), module=__name__, **_STRUCT,
+)
+"""Every ``RouterConfig`` and ``RouterSettings`` knob: same names, defaults and bounds."""
+
+
+class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc,call-arg]
+    """The router: every ``RouterConfig`` and ``RouterSettings`` knob, plus how the harness runs it."""
 
     policy: str = "kv"
     """``kv`` (default selector), ``round_robin``, ``random``, or ``module:callable`` returning a CustomPolicy."""
@@ -117,8 +127,6 @@ class RouterSpec(RouterConfig, **_STRUCT):  # type: ignore[call-arg]
     """Delay of the router's view of KV events (virtual mode)."""
     network_latency_ms: NonNeg = 0.0
     """One-way delivery latency between router and workers (virtual mode)."""
-    retry_limit: Index = 3
-    heartbeat_timeout_s: Positive = 5.0
     seed: int | None = None
     """Seed of the router's tie-breaking generator (default: the run seed)."""
     affinity: AffinitySpec = AffinitySpec()
@@ -132,6 +140,10 @@ class RouterSpec(RouterConfig, **_STRUCT):  # type: ignore[call-arg]
     def config(self) -> RouterConfig:
         """The ``RouterConfig`` part of this section."""
         return RouterConfig(**{name: getattr(self, name) for name in RouterConfig.__struct_fields__})
+
+    def settings(self) -> RouterSettings:
+        """The ``RouterSettings`` part of this section."""
+        return RouterSettings(**{name: getattr(self, name) for name in RouterSettings.__struct_fields__})
 
 
 class Distribution(_Section, **_STRUCT):  # type: ignore[call-arg]

@@ -1,7 +1,7 @@
 """Every router and engine knob is defined once, can be set from scenario YAML, and reaches the component.
 
-The tables below name a valid non-default value for every field of ``RouterConfig`` and ``EngineConfig``;
-a knob added to either config without an entry here fails ``test_every_knob_is_walked``.
+The tables below name a valid non-default value for every field of ``RouterConfig``, ``RouterSettings``
+and ``EngineConfig``; a knob added to any of them without an entry here fails ``test_every_knob_is_walked``.
 """
 
 import anyio
@@ -16,6 +16,7 @@ from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.messages import ClientRequest
+from kvemu.runtime.router import RouterSettings
 from workers.config import EngineConfig
 
 from harness.cluster import cluster
@@ -40,6 +41,14 @@ ROUTER_VALUES = {
     "router_prune_target_ratio": 0.5,
     "router_queue_threshold": 0.75,
     "router_queue_policy": "wspt",
+}
+
+SETTINGS_VALUES = {
+    "retry_limit": 1,
+    "dispatch_timeout_s": 2.5,
+    "heartbeat_timeout_s": 7.0,
+    "startup_grace_s": 0.5,
+    "kv_replay_on_connect": False,
 }
 
 ENGINE_VALUES = {
@@ -72,8 +81,10 @@ def started(text: str):
 
 def test_every_knob_is_walked():
     assert list(ROUTER_VALUES) == list(RouterConfig.__struct_fields__)
+    assert list(SETTINGS_VALUES) == list(RouterSettings.__struct_fields__)
     assert list(ENGINE_VALUES) == list(EngineConfig.__struct_fields__)
-    for config, values in ((RouterConfig(), ROUTER_VALUES), (EngineConfig(), ENGINE_VALUES)):
+    for config, values in ((RouterConfig(), ROUTER_VALUES), (RouterSettings(), SETTINGS_VALUES),
+                           (EngineConfig(), ENGINE_VALUES)):
         for name, value in values.items():
             assert getattr(config, name) != value, f"{name}: pick a non-default test value"
 
@@ -84,6 +95,13 @@ def test_router_knob_is_set_from_yaml_and_reaches_the_router(name):
     router, _ = started(f"cluster: {{workers: 1}}\nrouter:\n  {name}: {yaml.safe_dump(value).split(chr(10))[0]}\n")
     assert getattr(router.core.config, name) == value
     assert msgspec.structs.replace(RouterConfig(), **{name: value}) == router.core.config
+
+
+@pytest.mark.parametrize("name", list(SETTINGS_VALUES))
+def test_router_runtime_knob_is_set_from_yaml_and_reaches_the_router(name):
+    value = SETTINGS_VALUES[name]
+    router, _ = started(f"cluster: {{workers: 1}}\nrouter:\n  {name}: {yaml.safe_dump(value).split(chr(10))[0]}\n")
+    assert router.settings == msgspec.structs.replace(RouterSettings(), **{name: value})
 
 
 @pytest.mark.parametrize("name", list(ENGINE_VALUES))

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import msgspec
+from msgspec import Meta
 
 from kvemu.affinity import AffinityEvent, Hold, SessionAffinity, Wait, sibling_group_key
 from kvemu.clock import NS_PER_S, Clock
@@ -45,6 +46,7 @@ from kvemu.runtime.messages import (
     encode,
 )
 from kvemu.runtime.transport import RouterEnd
+from kvemu.validation import check_struct
 from kvemu.wire.stream import EventStream, Replay, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
@@ -54,25 +56,22 @@ log = logging.getLogger("kvemu.router")
 
 
 class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Runtime knobs of the router actor (the policy knobs live in ``RouterConfig``)."""
+    """Runtime knobs of the router actor (the policy knobs live in ``RouterConfig``); bounds declared once."""
 
-    retry_limit: int = 3
+    retry_limit: Annotated[int, Meta(ge=0)] = 3
     """Re-selections after rejected dispatches or lost workers before a request fails."""
-    dispatch_timeout_s: float = 10.0
+    dispatch_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
     """No acknowledgement within this time counts as a rejection."""
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
     """A worker silent for this long is removed."""
-    startup_grace_s: float = 5.0
+    startup_grace_s: Annotated[float, Meta(ge=0)] = 5.0
     """A router that has no worker yet lets requests wait this long after it started (a fresh or
     restarted router whose workers are still registering) instead of failing them at once."""
     kv_replay_on_connect: bool = True
+    """Ask a newly registered worker's ranks to replay their buffered KV events."""
 
     def __post_init__(self) -> None:
-        if self.retry_limit < 0:
-            raise InvalidArgument(f"retry_limit must be >= 0, got {self.retry_limit}")
-        for name in ("dispatch_timeout_s", "heartbeat_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgument(f"{name} must be > 0, got {getattr(self, name)!r}")
+        check_struct(self)
 
 
 class _Flight:
