@@ -39,7 +39,7 @@ from kvemu.tuning import tune_gc
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.request import Request
-from workers.trace import mooncake_request, read_mooncake
+from workers.trace import MooncakeRow, mooncake_request, read_mooncake
 
 from harness.stats import percentile
 
@@ -47,16 +47,16 @@ TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", 
 SHARES = 16  # the reference replays this trace on 16 workers
 
 
-def load_records(n: int) -> tuple[list[dict], str]:
+def load_records(n: int) -> tuple[list[MooncakeRow | dict], str]:
     """First ``n`` requests of the per-worker round-robin shares of the trace, or a synthetic stream."""
     if os.path.exists(TRACE):
         limit = n * SHARES if n * SHARES < 12031 * 2 else None
-        every = [row._asdict() for _, row in read_mooncake(TRACE, limit)]
-        span = max(r["timestamp"] for r in every) + 1000
-        recs: list[dict] = []
+        every = [row for _, row in read_mooncake(TRACE, limit)]
+        span = max(r.timestamp or 0.0 for r in every) + 1000
+        recs: list[MooncakeRow | dict] = []
         for p in range(SHARES):
             for r in every[p::SHARES]:
-                recs.append(dict(r, timestamp=r["timestamp"] + p * span))
+                recs.append(r._replace(timestamp=(r.timestamp or 0.0) + p * span))
                 if len(recs) == n:
                     break
             if len(recs) == n:
@@ -83,7 +83,7 @@ def load_records(n: int) -> tuple[list[dict], str]:
     return recs, "synthetic Mooncake-like stream (%d requests)" % n
 
 
-def make_requests(recs: list[dict], prehash: bool = False) -> list[Request]:
+def make_requests(recs: list[MooncakeRow | dict], prehash: bool = False) -> list[Request]:
     reqs = [mooncake_request(r, request_id=f"r{i}") for i, r in enumerate(recs)]
     if prehash:
         bs = EngineConfig().block_size

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 
 from kvemu.records import RequestRecord
+
 from harness.stats import percentile
 
 __all__ = [
