@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from kvemu import ManualClock, RoutingCore
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import ClientRequest
+from kvemu.runtime.messages import ClientRequest, decode_worker_message
 from kvemu.runtime.router import Router
-from kvemu.runtime.transport import MemoryNetwork
+from kvemu.runtime.transport import MemoryNetwork, decode_or_log
 
 from harness.up import Children
 
@@ -150,8 +150,10 @@ def test_router_never_crashes_on_malformed_worker_messages(data):
     clock = ManualClock()
     net = MemoryNetwork()
     router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
-    router._on_message(b"1", data)  # must not raise
-    router._on_message(b"not-a-worker", data)
+    msg = decode_or_log(decode_worker_message, data, "fuzz")  # what every transport does first
+    if msg is not None:
+        router.on_message(b"1", msg)  # must not raise
+        router.on_message(b"not-a-worker", msg)
     assert router.workers == {} or all(isinstance(w, int) for w in router.workers)
 
 

@@ -17,8 +17,6 @@ from kvemu.runtime.messages import (
     Register,
     RegisterAck,
     TokenBatch,
-    decode_router_message,
-    encode,
 )
 from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork
@@ -44,30 +42,31 @@ class ScriptedWorker:
         self.silent = False
 
     async def run(self, clock):
-        self.end.send_nowait(encode(Register(worker_id=self.id, dp_size=self.dp_size, block_size=self.block_size)))
+        self.end.send_nowait(Register(worker_id=self.id, dp_size=self.dp_size, block_size=self.block_size))
         async with anyio.create_task_group() as tg:
             if self.heartbeat:
                 tg.start_soon(self._beat)
-            while True:
-                msg = decode_router_message(await self.end.receive())
+
+            def on_message(msg):
                 if isinstance(msg, RegisterAck):
                     self.ack = msg
                     if not msg.accepted:
                         tg.cancel_scope.cancel()
-                        return
-                    continue
+                    return
                 self.dispatched.append(msg)
                 if self.silent:
-                    continue
+                    return
                 if self.reject:
-                    self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=False, reason="busy")))
-                    continue
-                self.end.send_nowait(encode(DispatchAck(request_id=msg.request_id, accepted=True)))
+                    self.end.send_nowait(DispatchAck(request_id=msg.request_id, accepted=False, reason="busy"))
+                    return
+                self.end.send_nowait(DispatchAck(request_id=msg.request_id, accepted=True))
                 tg.start_soon(self._serve, msg, clock)
+
+            await self.end.serve(on_message)
 
     async def _beat(self):
         while not self.silent:
-            self.end.send_nowait(encode(Heartbeat(worker_id=self.id)))
+            self.end.send_nowait(Heartbeat(worker_id=self.id))
             await anyio.sleep(1)
 
     async def _serve(self, msg, clock):
@@ -85,8 +84,8 @@ class ScriptedWorker:
                 return
             times.append(clock.now_ns())
             if len(times) == 1:
-                self.end.send_nowait(encode(TokenBatch(request_id=msg.request_id, times_ns=times[:1])))
-        self.end.send_nowait(encode(Finished(request_id=msg.request_id, times_ns=times[1:], dp_rank=msg.dp_rank)))
+                self.end.send_nowait(TokenBatch(request_id=msg.request_id, times_ns=times[:1]))
+        self.end.send_nowait(Finished(request_id=msg.request_id, times_ns=times[1:], dp_rank=msg.dp_rank))
 
 
 def cluster(workers, *, affinity=False, queue=None, settings=None):

@@ -29,9 +29,8 @@ from kvemu.runtime.messages import (
     Heartbeat,
     Register,
     RegisterAck,
+    RouterMessage,
     TokenBatch,
-    decode_router_message,
-    encode,
 )
 from kvemu.runtime.transport import WorkerEnd
 from kvemu.wire.kv_events import KVEventBatch
@@ -115,8 +114,8 @@ class WorkerActor:
             self._records.pop(rid, None)
             self._sent.pop(rid, None)
             self._flushed_at.pop(rid, None)
-            self._send(encode(RequestFailed(request_id=rid, reason="rank_lost")))
-        self._send(encode(RankDown(worker_id=self.worker_id, dp_rank=dp_rank)))
+            self._send(RequestFailed(request_id=rid, reason="rank_lost"))
+        self._send(RankDown(worker_id=self.worker_id, dp_rank=dp_rank))
         return lost
 
     def slow_down(self, factor: float) -> None:
@@ -133,9 +132,9 @@ class WorkerActor:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Register, then serve until cancelled (``WorkerRejected`` if the router refuses us)."""
-        self._send(encode(self.register_msg))
+        self._send(self.register_msg)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._receive_loop, tg)
+            tg.start_soon(self.end.serve, self.on_message)
             with anyio.move_on_after(self.register_timeout_s):
                 await self.registered.wait()
             if not self.registered.is_set():
@@ -152,39 +151,31 @@ class WorkerActor:
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Refuse new work, let accepted requests finish (up to ``grace_s``), then deregister."""
         self.worker.begin_shutdown()
-        self._send(encode(Draining(worker_id=self.worker_id)))
+        self._send(Draining(worker_id=self.worker_id))
         with anyio.move_on_after(grace_s):
             while not self.worker.idle:
                 await anyio.sleep(0.01)
-        self._send(encode(Deregister(worker_id=self.worker_id)))
+        self._send(Deregister(worker_id=self.worker_id))
         self.stopped = True
 
     # ------------------------------------------------------------------ messages
 
-    async def _receive_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        while True:
-            try:
-                data = await self.end.receive()
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            try:
-                msg = decode_router_message(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("worker %s: undecodable message from the router: %s", self.worker_id, exc)
-                continue
-            if type(msg) is Dispatch:
-                self._on_dispatch(msg)
-            elif type(msg) is Reregister:  # the router restarted and lost us
-                self._send(encode(self.register_msg))
-            elif type(msg) is RegisterAck:
-                if not msg.accepted:
-                    raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")
-                self.registered.set()
+    def on_message(self, msg: RouterMessage) -> None:
+        """Handle one message from the router (the transport's handler)."""
+        t = type(msg)
+        if t is Dispatch:
+            self._on_dispatch(msg)  # type: ignore[arg-type]
+        elif t is Reregister:  # the router restarted and lost us
+            self._send(self.register_msg)
+        elif t is RegisterAck:
+            if not msg.accepted:  # type: ignore[union-attr]
+                raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")  # type: ignore[union-attr]
+            self.registered.set()
 
     def _on_dispatch(self, msg: Dispatch) -> None:
         if msg.dp_rank in self.dead_ranks:
-            self._send(encode(DispatchAck(request_id=msg.request_id, accepted=False,
-                                                    reason=f"rank_down: rank {msg.dp_rank} is dead")))
+            self._send(DispatchAck(request_id=msg.request_id, accepted=False,
+                                                    reason=f"rank_down: rank {msg.dp_rank} is dead"))
             return
         now = self.clock.now_ns()
         if self.mode == "virtual":
@@ -195,14 +186,14 @@ class WorkerActor:
         if outcome.accepted:
             self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
             self._sent[msg.request_id] = 0
-            self._send(encode(DispatchAck(request_id=msg.request_id, accepted=True)))
+            self._send(DispatchAck(request_id=msg.request_id, accepted=True))
             wake = self._wakes.get(-1 if self.mode == "virtual" else msg.dp_rank)
             if wake is not None:
                 wake.set()
         else:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
-            self._send(encode(DispatchAck(request_id=msg.request_id, accepted=False,
-                                                    reason=f"{reason}: {outcome.message}")))
+            self._send(DispatchAck(request_id=msg.request_id, accepted=False,
+                                                    reason=f"{reason}: {outcome.message}"))
 
     def _engine_now(self) -> int:
         return max(core.now_ns for core in self.worker.cores)
@@ -214,13 +205,13 @@ class WorkerActor:
             return now
         return max(now, core.now_ns)
 
-    def _send(self, data: bytes) -> None:
+    def _send(self, msg: msgspec.Struct) -> None:
         self._last_sent_ns = self.clock.now_ns()
-        self.end.send_nowait(data)
+        self.end.send_nowait(msg)
 
     async def _heartbeat(self) -> None:
         """Prove liveness when nothing else did: any message counts, so a busy worker sends none."""
-        msg = encode(Heartbeat(worker_id=self.worker_id))
+        msg = Heartbeat(worker_id=self.worker_id)
         interval_ns = round(self.heartbeat_interval_s * NS_PER_S)
         while not self.stopped:
             if self.clock.now_ns() - self._last_sent_ns >= interval_ns:
@@ -252,7 +243,7 @@ class WorkerActor:
             for rid, t in res.first_tokens:
                 if self._sent.get(rid) == 0:
                     self._sent[rid] = 1
-                    send(encode(TokenBatch(request_id=rid, times_ns=[t])))
+                    send(TokenBatch(request_id=rid, times_ns=[t]))
             for rec in res.completed:
                 self._finish(rec)
 
@@ -260,10 +251,10 @@ class WorkerActor:
         self._flushed_at.pop(rec.request_id, None)
         sent = self._sent.pop(rec.request_id, 0)
         self._records.pop(rec.request_id, None)
-        self._send(encode(Finished(
+        self._send(Finished(
             request_id=rec.request_id, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
             cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
-        )))
+        ))
 
     # ------------------------------------------------------------------ wall time
 
@@ -306,7 +297,7 @@ class WorkerActor:
             sent = self._sent.get(rid, 0)
             # the first token goes at once; later ones are coalesced (zero-length passes come in bursts)
             if len(rec.token_times_ns) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
-                send(encode(TokenBatch(request_id=rid, times_ns=rec.token_times_ns[sent:])))
+                send(TokenBatch(request_id=rid, times_ns=rec.token_times_ns[sent:]))
                 self._sent[rid] = len(rec.token_times_ns)
                 flushed[rid] = now
         for rec in res.completed:

@@ -42,8 +42,7 @@ from kvemu.runtime.messages import (
     Reregister,
     RequestFailed,
     TokenBatch,
-    decode_worker_message,
-    encode,
+    WorkerMessage,
 )
 from kvemu.runtime.transport import RouterEnd
 from kvemu.validation import check_struct
@@ -164,12 +163,7 @@ class Router:
             if self.kv_subscriber is not None:
                 tg.start_soon(self._pump_kv_events, self.kv_subscriber)
             task_status.started()
-            while True:
-                try:
-                    peer, data = await self.end.receive()
-                except (anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
-                self._on_message(peer, data)
+            await self.end.serve(self.on_message)
             tg.cancel_scope.cancel()
 
     async def _pump_kv_events(self, subscriber: KvEventSubscriber) -> None:
@@ -203,12 +197,8 @@ class Router:
         if hooks.wants(kind):
             hooks.emit(HookEvent(kind, self._now(), request_id, worker_id, dp_rank, data))
 
-    def _on_message(self, peer: bytes, data: bytes) -> None:
-        try:
-            msg = decode_worker_message(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("undecodable message from %r: %s", peer, exc)
-            return
+    def on_message(self, peer: bytes, msg: WorkerMessage) -> None:
+        """Handle one worker message (the transport's handler; it never raises for a peer's mistakes)."""
         t = type(msg)
         wid = self._peers.get(peer)
         if wid is not None:  # every message proves the worker alive, not only heartbeats
@@ -216,7 +206,7 @@ class Router:
         elif t is not Register:
             if peer not in self._asked and t is not KvBatch:  # a worker of a previous router: re-register
                 self._asked.add(peer)
-                self.end.send_nowait(peer, encode(Reregister()))
+                self.end.send_nowait(peer, Reregister())
             return
         if t is TokenBatch:
             self._on_tokens(msg)  # type: ignore[arg-type]
@@ -628,7 +618,7 @@ class Router:
         flight.done.set()
 
     def _send(self, peer: bytes, msg: msgspec.Struct) -> None:
-        self.end.send_nowait(peer, encode(msg))
+        self.end.send_nowait(peer, msg)
 
 
 def _affinity_key(req: ClientRequest) -> str | None:

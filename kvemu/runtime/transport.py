@@ -1,27 +1,49 @@
 """Transports between the router and its workers: in-memory (virtual or live) and ZeroMQ (live).
 
-The router end receives ``(peer, bytes)`` from every worker and sends to one peer; a worker end sends
-and receives bytes. Both carry the msgspec-encoded messages of ``kvemu.runtime.messages``, so actors
-cannot tell the transports apart. In-memory delivery may be delayed by a fixed latency; messages on
-one link keep their order.
+Actors hand a transport message *objects* (``kvemu.runtime.messages``) and are handed message
+objects: each end's ``serve(handler)`` calls the actor's synchronous handler once per message, in
+the order the link delivered them. ZeroMQ ends encode to msgpack bytes and decode (dropping what is
+undecodable, with a log line). In-memory links schedule the receiver's handler directly at the
+delivery instant with the object itself, after an optional fixed one-way latency; with
+``wire_check=True`` every message is encoded and decoded on the way, exactly as ZeroMQ would carry it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
+import logging
 import uuid
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import anyio
+import msgspec
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
+from kvemu.runtime.messages import RouterMessage, WorkerMessage, decode_router_message, decode_worker_message, encode
 
-__all__ = ["RouterEnd", "WorkerEnd", "MemoryNetwork", "ZmqRouterEnd", "ZmqWorkerEnd", "peer_id", "message_socket"]
+__all__ = [
+    "RouterEnd",
+    "WorkerEnd",
+    "RouterHandler",
+    "WorkerHandler",
+    "MemoryNetwork",
+    "ZmqRouterEnd",
+    "ZmqWorkerEnd",
+    "peer_id",
+    "message_socket",
+    "decode_or_log",
+]
+
+log = logging.getLogger("kvemu.transport")
+
+RouterHandler = Callable[[bytes, WorkerMessage], None]
+"""The router actor's handler: ``handler(peer, message)``."""
+WorkerHandler = Callable[[RouterMessage], None]
+"""A worker actor's handler: ``handler(message)``."""
 
 
 def peer_id(worker_id: int) -> bytes:
@@ -29,12 +51,23 @@ def peer_id(worker_id: int) -> bytes:
     return str(worker_id).encode()
 
 
+def decode_or_log(decode: Callable[[bytes], Any], data: bytes, source: object) -> Any:
+    """``decode(data)``, or ``None`` (logged) when the bytes are not a valid message."""
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("undecodable message from %r: %s", source, exc)
+        return None
+
+
 class RouterEnd(Protocol):
-    """The router's side: one inbox for every worker, one send per peer."""
+    """The router's side: one handler for every worker's messages, one send per peer."""
 
-    async def receive(self) -> tuple[bytes, bytes]: ...
+    async def serve(self, handler: RouterHandler) -> None:
+        """Call ``handler`` for every message until the end is closed (or the caller is cancelled)."""
+        ...
 
-    def send_nowait(self, peer: bytes, data: bytes) -> None:
+    def send_nowait(self, peer: bytes, msg: msgspec.Struct) -> None:
         """Queue a message for one worker; never blocks (messages to a vanished peer are dropped)."""
         ...
 
@@ -44,90 +77,158 @@ class RouterEnd(Protocol):
 class WorkerEnd(Protocol):
     """A worker's side of its link to the router."""
 
-    async def receive(self) -> bytes: ...
+    async def serve(self, handler: WorkerHandler) -> None:
+        """Call ``handler`` for every message from the router until closed (or cancelled)."""
+        ...
 
-    def send_nowait(self, data: bytes) -> None:
+    def send_nowait(self, msg: msgspec.Struct) -> None:
         """Queue a message for the router; never blocks."""
         ...
 
     async def aclose(self) -> None: ...
 
 
-class _Delay:
-    """Deliver into a stream after a fixed delay, preserving order (loop timers fire FIFO)."""
+# ------------------------------------------------------------------------------------- in memory
 
-    __slots__ = ("delay_s",)
 
-    def __init__(self, latency_ns: int) -> None:
-        self.delay_s = latency_ns / NS_PER_S
+class _Inbox:
+    """Where one receiver's messages are delivered: its handler once it serves, a backlog before.
 
-    def put(self, stream: MemoryObjectSendStream, item: object) -> None:
-        if not self.delay_s:
-            stream.send_nowait(item)
+    A handler that raises ends the receiver's ``serve`` with that exception (as a receive loop would),
+    and the inbox takes no more messages.
+    """
+
+    __slots__ = ("handler", "backlog", "closed", "error", "_wake")
+
+    def __init__(self) -> None:
+        self.handler: Callable[..., None] | None = None
+        self.backlog: list[tuple] = []
+        self.closed = False
+        self.error: BaseException | None = None
+        self._wake: anyio.Event | None = None
+
+    def deliver(self, *args: Any) -> None:
+        if self.closed or self.error is not None:
+            return  # the receiver is gone: dropped, as on a network
+        handler = self.handler
+        if handler is None:
+            self.backlog.append(args)
             return
-        asyncio.get_running_loop().call_later(self.delay_s, _deliver, stream, item)
+        try:
+            handler(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by serve() in the receiver's task
+            self.error = exc
+            if self._wake is not None:
+                self._wake.set()
+
+    async def serve(self, handler: Callable[..., None]) -> None:
+        if self.closed:
+            return
+        self.handler = handler
+        self._wake = wake = anyio.Event()
+        backlog, self.backlog = self.backlog, []
+        for args in backlog:
+            self.deliver(*args)
+        try:
+            await wake.wait()
+        finally:
+            self.handler = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def close(self) -> None:
+        self.closed = True
+        self.backlog.clear()
+        if self._wake is not None:
+            self._wake.set()
 
 
-def _deliver(stream: MemoryObjectSendStream, item: object) -> None:
-    try:
-        stream.send_nowait(item)
-    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-        pass  # the receiver is gone (a removed worker): the message is dropped, as on a network
+class _Link:
+    """One direction of in-memory delivery: at once (next loop turn) or after a fixed latency, in order."""
+
+    __slots__ = ("delay_s", "wire_check", "decode")
+
+    def __init__(self, latency_ns: int, wire_check: bool, decode: Callable[[bytes], Any]) -> None:
+        self.delay_s = latency_ns / NS_PER_S
+        self.wire_check = wire_check
+        self.decode = decode
+
+    def put(self, inbox: _Inbox, *args: Any) -> None:
+        if self.wire_check:  # what ZeroMQ would carry: the message must survive its own encoding
+            *head, msg = args
+            msg = decode_or_log(self.decode, encode(msg), "in-memory link")
+            if msg is None:
+                return
+            args = (*head, msg)
+        loop = asyncio.get_running_loop()
+        if self.delay_s:
+            loop.call_later(self.delay_s, inbox.deliver, *args)
+        else:
+            loop.call_soon(inbox.deliver, *args)
 
 
 class _MemoryRouterEnd:
     def __init__(self, net: MemoryNetwork) -> None:
         self._net = net
 
-    async def receive(self) -> tuple[bytes, bytes]:
-        return await self._net._router_rx.receive()
+    async def serve(self, handler: RouterHandler) -> None:
+        await self._net._router_inbox.serve(handler)
 
-    def send_nowait(self, peer: bytes, data: bytes) -> None:
-        tx = self._net._worker_tx.get(peer)
-        if tx is not None:
-            self._net._delay.put(tx, data)
+    def send_nowait(self, peer: bytes, msg: msgspec.Struct) -> None:
+        inbox = self._net._worker_inboxes.get(peer)
+        if inbox is not None:
+            self._net._to_worker.put(inbox, msg)
 
     async def aclose(self) -> None:
-        await self._net._router_rx.aclose()
+        self._net._router_inbox.close()
 
 
 class _MemoryWorkerEnd:
-    def __init__(self, net: MemoryNetwork, peer: bytes, rx: MemoryObjectReceiveStream) -> None:
+    def __init__(self, net: MemoryNetwork, peer: bytes, inbox: _Inbox) -> None:
         self._net = net
         self._peer = peer
-        self._rx = rx
+        self._inbox = inbox
 
-    async def receive(self) -> bytes:
-        return await self._rx.receive()
+    async def serve(self, handler: WorkerHandler) -> None:
+        await self._inbox.serve(handler)
 
-    def send_nowait(self, data: bytes) -> None:
-        self._net._delay.put(self._net._router_tx, (self._peer, data))
+    def send_nowait(self, msg: msgspec.Struct) -> None:
+        self._net._to_router.put(self._net._router_inbox, self._peer, msg)
 
     async def aclose(self) -> None:
-        self._net._worker_tx.pop(self._peer, None)
-        await self._rx.aclose()
+        if self._net._worker_inboxes.get(self._peer) is self._inbox:
+            del self._net._worker_inboxes[self._peer]
+        self._inbox.close()
 
 
 class MemoryNetwork:
-    """In-process links with an optional one-way latency; works on wall and on virtual time."""
+    """In-process links with an optional one-way latency; works on wall and on virtual time.
 
-    def __init__(self, latency_ns: int = 0) -> None:
+    Messages travel as objects; ``wire_check=True`` encodes and decodes each one on the way.
+    """
+
+    def __init__(self, latency_ns: int = 0, *, wire_check: bool = False) -> None:
         if latency_ns < 0:
             raise InvalidArgument(f"latency_ns must be >= 0, got {latency_ns}")
-        self._delay = _Delay(latency_ns)
-        self._router_tx, self._router_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](math.inf)
-        self._worker_tx: dict[bytes, MemoryObjectSendStream] = {}
+        self.wire_check = wire_check
+        self._to_router = _Link(latency_ns, wire_check, decode_worker_message)
+        self._to_worker = _Link(latency_ns, wire_check, decode_router_message)
+        self._router_inbox = _Inbox()
+        self._worker_inboxes: dict[bytes, _Inbox] = {}
 
     def router_end(self) -> RouterEnd:
-        """The router's end (one per network)."""
+        """The router's end (one per network; a restarted router serves the same end)."""
         return _MemoryRouterEnd(self)
 
     def worker_end(self, worker_id: int) -> WorkerEnd:
         """A new worker's end; its identity is ``peer_id(worker_id)``."""
         peer = peer_id(worker_id)
-        tx, rx = anyio.create_memory_object_stream[bytes](math.inf)
-        self._worker_tx[peer] = tx
-        return _MemoryWorkerEnd(self, peer, rx)
+        inbox = self._worker_inboxes[peer] = _Inbox()
+        return _MemoryWorkerEnd(self, peer, inbox)
+
+
+# ------------------------------------------------------------------------------------- ZeroMQ
 
 
 def message_socket(kind: int, context: zmq.asyncio.Context | None = None) -> zmq.asyncio.Socket:
@@ -158,14 +259,25 @@ class ZmqRouterEnd:
         self._sock = sock
 
     async def receive(self) -> tuple[bytes, bytes]:
+        """The next ``(peer, payload)`` of a worker (frames of other shapes are skipped)."""
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) == 2:
                 return frames[0], frames[1]
 
-    def send_nowait(self, peer: bytes, data: bytes) -> None:
+    async def serve(self, handler: RouterHandler) -> None:
+        while True:
+            try:
+                peer, data = await self.receive()
+            except zmq.ZMQError:
+                return  # the socket was closed
+            msg = decode_or_log(decode_worker_message, data, peer)
+            if msg is not None:
+                handler(peer, msg)
+
+    def send_nowait(self, peer: bytes, msg: msgspec.Struct) -> None:
         # zmq.asyncio sends at once when the socket can take it and otherwise queues in order
-        fut = self._sock.send_multipart([peer, data])
+        fut = self._sock.send_multipart([peer, encode(msg)])
         fut.add_done_callback(_ignore_unroutable)
 
     async def aclose(self) -> None:
@@ -182,11 +294,18 @@ class ZmqWorkerEnd:
         sock.connect(endpoint)
         self._sock = sock
 
-    async def receive(self) -> bytes:
-        return await self._sock.recv()
+    async def serve(self, handler: WorkerHandler) -> None:
+        while True:
+            try:
+                data = await self._sock.recv()
+            except zmq.ZMQError:
+                return  # the socket was closed
+            msg = decode_or_log(decode_router_message, data, "router")
+            if msg is not None:
+                handler(msg)
 
-    def send_nowait(self, data: bytes) -> None:
-        self._sock.send(data)
+    def send_nowait(self, msg: msgspec.Struct) -> None:
+        self._sock.send(encode(msg))
 
     async def aclose(self) -> None:
         self._sock.close(linger=0)
