@@ -1,32 +1,41 @@
-"""Fidelity and speed of kvemu's virtual replay of the Mooncake trace, against Dynamo's offline replay.
+"""Fidelity, speed and memory of kvemu's virtual replay of the Mooncake trace, against Dynamo's offline replay.
 
 Runs ``examples/mooncake-3600s.yaml`` (16 workers, dp_size 1, Dynamo mocker default engine arguments,
 ``trace_block_size`` 512) in kvemu's virtual mode with ``router.policy`` round_robin and kv, and, where
-``ai-dynamo-runtime`` is installed, the same trace through Dynamo's offline replay in the same process
+``ai-dynamo-runtime`` is installed, the same trace through Dynamo's offline replay
 (``dynamo.replay.api.run_trace_replay`` where the wheel ships it, else ``dynamo._core.run_mocker_trace_replay``;
 ``num_workers=16, trace_block_size=512``, default engine arguments, ``replay_mode="offline"``,
 ``router_mode`` "round_robin" and "kv_router").
 
-Every figure is printed on stdout as ``figure name: value unit``:
+Each run (one side, one policy) is a child process of its own (``python -m bench.replay --child SIDE ...``,
+which writes its summary, wall seconds and peak RSS to a JSON file), so that no run's time or memory is
+charged to another. Every figure is printed on stdout as ``figure name: value unit``:
 
 * ``kvemu round_robin mean ttft: 241.6 ms`` / ``reference round_robin mean ttft: ...`` for mean, p50 and
-  p99 TTFT, mean E2E, mean ITL, the prefix-cache reuse ratio and the wall time of each run;
+  p99 TTFT, mean E2E, mean ITL, the prefix-cache reuse ratio, the wall time and the peak RSS of each run
+  (``kvemu round_robin peak rss: 123.4 MB``);
 * ``round_robin mean ttft ratio vs reference: 1.00x`` (kvemu / reference) per figure and policy;
 * ``kvemu kv improvement over round_robin mean ttft: -20.3 %`` (and the reference's), per figure;
-* ``round_robin wall time ratio vs reference: N.NNx`` (kvemu / reference: lower is faster for kvemu);
-* ``fidelity targets met: N of M`` (round robin within 5 % of the reference for mean/p50 TTFT, mean E2E,
-  mean ITL and reuse; KV routing's improvement over round robin within ±20 % of the reference's, same
-  direction; kvemu's wall time no slower than the reference's), each target listed on stderr.
+* ``round_robin wall time ratio vs reference: N.NNx`` and ``round_robin peak rss ratio vs reference: N.NNx``
+  (kvemu / reference: lower is faster, or smaller, for kvemu);
+* ``fidelity targets met: N of M`` (round robin within 5 % of the reference for mean/p50/p99 TTFT, mean
+  E2E, mean ITL and reuse; KV routing's improvement over round robin within ±20 % of the reference's, same
+  direction, for the same figures; per policy, kvemu's wall time no slower and its peak RSS no larger than
+  the reference's), each target listed on stderr.
 
-Wall time is measured around the whole call on both sides (trace loading included; kvemu writes no
-report files here). ``--quick`` replays the first 1,000 requests on both sides (``run.max_requests``
-for kvemu, the first 1,000 rows copied to a temporary file for the reference). The trace path comes
-from the scenario; ``--trace PATH`` overrides it (``--set workload.trace=PATH``).
+Wall time is measured inside the child around the whole call on both sides (trace loading included;
+kvemu writes no report files here). Peak RSS is the child's own high-water mark (``VmHWM`` of
+``/proc/self/status``; ``ru_maxrss`` where there is none), read after its run, in MB of 2^20 bytes; it
+covers the interpreter and the imports each side needs. ``--quick`` replays the first 1,000 requests on
+both sides (``run.max_requests`` for kvemu, the first 1,000 rows copied to a temporary file for the
+reference, outside its timing). The trace path comes from the scenario; ``--trace PATH`` overrides it
+(``--set workload.trace=PATH``).
 
 Percentiles on both sides are the rounded-rank definition of Dynamo's replay report
 (``harness.stats.percentile``), so p50/p99 compare like for like. The exit status is 0 when every run
-completed all its requests, 1 when one did not (or produced no TTFT), 2 without a trace; a missed
-fidelity target is reported, not an error (the wall-time one depends on the machine).
+completed all its requests, 1 when one did not (or produced no TTFT) or its child process failed (the
+run is named and the child's stderr shown), 2 without a trace; a missed fidelity target is reported, not
+an error (the wall-time and memory ones depend on the machine).
 
 Run: python -m bench.replay [--quick] [--trace PATH] [--max-requests N] [--policy round_robin|kv ...]
 """
@@ -34,11 +43,16 @@ Run: python -m bench.replay [--quick] [--trace PATH] [--max-requests N] [--polic
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +63,7 @@ os.environ.setdefault("DYN_LOG", "warn")  # the reference logs every KV routing 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "examples" / "mooncake-3600s.yaml"
 QUICK_REQUESTS = 1000
+SIDES = ("kvemu", "reference")
 
 FIGURES: list[tuple[str, str, str, float]] = [
     # (label, summary key, unit, scale applied to the summary value)
@@ -59,10 +74,24 @@ FIGURES: list[tuple[str, str, str, float]] = [
     ("mean itl", "mean_itl_ms", "ms", 1.0),
     ("prefix-cache reuse ratio", "prefix_cache_reused_ratio", "", 1.0),
 ]
-ROUND_ROBIN_TARGETS = ("mean ttft", "p50 ttft", "mean e2e", "mean itl", "prefix-cache reuse ratio")
+ROUND_ROBIN_TARGETS = ("mean ttft", "p50 ttft", "p99 ttft", "mean e2e", "mean itl", "prefix-cache reuse ratio")
 """Round robin: kvemu within 5 % of the reference."""
-KV_TARGETS = ("mean ttft", "p50 ttft", "mean e2e", "mean itl", "prefix-cache reuse ratio")
+KV_TARGETS = ("mean ttft", "p50 ttft", "p99 ttft", "mean e2e", "mean itl", "prefix-cache reuse ratio")
 """KV routing: the improvement over round robin has the reference's sign and is within ±20 % of its size."""
+COSTS: list[tuple[str, str, str, int, str]] = [
+    # (label, Run attribute, unit, digits, the target: kvemu's ... the reference's)
+    ("wall time", "wall_s", "s", 2, "no slower than"),
+    ("peak rss", "peak_rss_mb", "MB", 1, "no larger than"),
+]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one run's child process reported."""
+
+    summary: dict[str, Any]
+    wall_s: float
+    peak_rss_mb: float
 
 
 def emit(name: str, value: float | None, unit: str, digits: int = 1) -> None:
@@ -78,7 +107,7 @@ def digits_for(unit: str) -> int:
     return 2 if unit == "ms" else 4
 
 
-# --------------------------------------------------------------------------------------- the runs
+# ------------------------------------------------------------------------- the runs (in the child)
 
 
 def run_kvemu(policy: str, trace: Path | None, max_requests: int | None) -> tuple[dict[str, Any], float]:
@@ -106,6 +135,60 @@ def run_reference(replay: Callable[..., Any], policy: str, trace: Path) -> tuple
     return summary, time.perf_counter() - t0
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set size, in MB (2^20 bytes).
+
+    ``VmHWM`` where /proc has it: unlike ``ru_maxrss``, which Linux carries over ``exec`` from the process
+    that forked it, it counts this process only.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024
+
+
+def child(side: str, policy: str, trace: Path, max_requests: int | None, out: Path) -> None:
+    """One run in this process; its summary, wall seconds and peak RSS go to ``out`` as JSON."""
+    if side == "kvemu":
+        summary, wall = run_kvemu(policy, trace, max_requests)
+    else:
+        entry = reference.replay_entry()
+        if entry is None:
+            raise SystemExit("bench.replay: the reference (ai-dynamo-runtime) cannot be imported")
+        summary, wall = run_reference(entry[1], policy, trace)
+    out.write_text(json.dumps({"summary": summary, "wall_s": wall, "peak_rss_mb": peak_rss_mb()}))
+
+
+# ------------------------------------------------------------------------ the runs (in the parent)
+
+
+def spawn(side: str, policy: str, trace: Path, max_requests: int | None, directory: Path | str) -> Run | str:
+    """``side``'s replay of ``policy`` in a child process: what it reported, or why it failed.
+
+    The child's stdout and stderr are passed on to stderr (stdout carries only the figures).
+    """
+    out = Path(directory) / f"{side}-{policy}.json"
+    cmd = [sys.executable, "-m", "bench.replay", "--child", side, "--child-out", str(out), "--policy", policy,
+           "--trace", str(trace)]
+    if max_requests is not None:
+        cmd += ["--max-requests", str(max_requests)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode == 0 and out.is_file():
+        sys.stderr.write(proc.stdout + proc.stderr)
+        sys.stderr.flush()
+        data = json.loads(out.read_text())
+        return Run(data["summary"], float(data["wall_s"]), float(data["peak_rss_mb"]))
+    rc = proc.returncode
+    status = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}" if rc else "no result written"
+    output = textwrap.indent((proc.stderr + proc.stdout).strip() or "(nothing)", "    ")
+    return f"{side} {policy}: its child process failed ({status}); its stderr and stdout:\n{output}"
+
+
 def scenario_trace(trace: Path | None) -> Path:
     """The trace the example replays (after ``--trace``), resolved."""
     from harness.scenario import load_scenario, resolve
@@ -129,6 +212,11 @@ def improvement(base: float | None, other: float | None) -> float | None:
     return 100.0 * (other - base) / abs(base)
 
 
+def kv_improvement(runs: dict[str, Run], key: str, scale: float) -> float | None:
+    """KV routing's improvement over round robin on one side (both policies must have run)."""
+    return improvement(value(runs["round_robin"].summary, key, scale), value(runs["kv"].summary, key, scale))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"replay the first {QUICK_REQUESTS:,} requests only")
@@ -137,7 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", action="append", choices=("round_robin", "kv"),
                     help="policies to run (default: both)")
     ap.add_argument("--no-reference", action="store_true", help="skip Dynamo's replay even when installed")
+    ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)  # one run, in a child process
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)  # where that child writes its result
     args = ap.parse_args(argv)
+    if args.child:
+        if args.child_out is None or args.trace is None or len(args.policy or ()) != 1:
+            ap.error("--child needs --child-out, --trace and one --policy")
+        child(args.child, args.policy[0], args.trace, args.max_requests, args.child_out)
+        return 0
+
     limit = args.max_requests if args.max_requests is not None else (QUICK_REQUESTS if args.quick else None)
     policies = args.policy or ["round_robin", "kv"]
     trace = scenario_trace(args.trace)
@@ -151,73 +247,78 @@ def main(argv: list[str] | None = None) -> int:
     if ref_entry is None:
         print("reference: not installed", flush=True)
     else:
-        note(f"reference: {ref_entry[0]} (ai-dynamo-runtime), same process")
+        note(f"reference: {ref_entry[0]} (ai-dynamo-runtime), one child process per run")
 
-    ours: dict[str, tuple[dict[str, Any], float]] = {}
-    ref: dict[str, tuple[dict[str, Any], float]] = {}
+    runs: dict[str, dict[str, Run]] = {side: {} for side in SIDES}  # side -> policy -> run
+    problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvemu-bench-replay-") as tmp:
-        ref_trace = reference.trace_head(trace, limit, tmp) if limit else trace
+        inputs = {"kvemu": (trace, limit)}  # side -> (trace, max_requests)
+        if ref_entry is not None:
+            inputs["reference"] = (reference.trace_head(trace, limit, tmp) if limit else trace, None)
         for policy in policies:
-            if ref_entry is not None:
-                note(f"reference {policy} ...")
-                ref[policy] = run_reference(ref_entry[1], policy, ref_trace)
-            note(f"kvemu {policy} ...")
-            ours[policy] = run_kvemu(policy, args.trace, limit)
+            for side, (side_trace, max_requests) in inputs.items():
+                note(f"{side} {policy} ...")
+                result = spawn(side, policy, side_trace, max_requests, tmp)
+                if isinstance(result, str):
+                    note(f"{side} {policy} failed")
+                    problems.append(result)
+                else:
+                    runs[side][policy] = result
+    ours, ref = runs["kvemu"], runs["reference"]
 
     # side by side
     for policy in policies:
-        for side, runs in (("kvemu", ours), ("reference", ref)):
-            if policy not in runs:
+        for side in SIDES:
+            if policy not in runs[side]:
                 continue
-            summary, wall = runs[policy]
+            run = runs[side][policy]
             for label, key, unit, scale in FIGURES:
-                emit(f"{side} {policy} {label}", value(summary, key, scale), unit, digits_for(unit))
-            emit(f"{side} {policy} requests completed", summary.get("completed_requests"), "", 0)
-            emit(f"{side} {policy} wall time", wall, "s", 2)
+                emit(f"{side} {policy} {label}", value(run.summary, key, scale), unit, digits_for(unit))
+            emit(f"{side} {policy} requests completed", run.summary.get("completed_requests"), "", 0)
+            for label, attr, unit, digits, _ in COSTS:
+                emit(f"{side} {policy} {label}", getattr(run, attr), unit, digits)
 
     # kvemu / reference
     targets: list[tuple[str, bool]] = []
     for policy in policies:
-        if policy not in ref:
+        if policy not in ours or policy not in ref:
             continue
         for label, key, unit, scale in FIGURES:
-            a, b = value(ours[policy][0], key, scale), value(ref[policy][0], key, scale)
+            a, b = value(ours[policy].summary, key, scale), value(ref[policy].summary, key, scale)
             if a is None or b is None or b == 0:
                 continue
             print(f"{policy} {label} ratio vs reference: {a / b:.2f}x", flush=True)
             if policy == "round_robin" and label in ROUND_ROBIN_TARGETS:
                 targets.append((f"round_robin {label} within 5 % of the reference ({a / b - 1:+.1%})",
                                 abs(a / b - 1) <= 0.05))
-        ratio = ours[policy][1] / ref[policy][1]
-        print(f"{policy} wall time ratio vs reference: {ratio:.2f}x", flush=True)
-        targets.append((f"{policy} wall time no slower than the reference ({ratio:.2f}x)", ratio <= 1.0))
+        for label, attr, _, _, target in COSTS:
+            ratio = getattr(ours[policy], attr) / getattr(ref[policy], attr)
+            print(f"{policy} {label} ratio vs reference: {ratio:.2f}x", flush=True)
+            targets.append((f"{policy} {label} {target} the reference ({ratio:.2f}x)", ratio <= 1.0))
 
     # KV routing vs round robin, on each side
-    if {"round_robin", "kv"} <= set(policies):
-        for side, runs in (("kvemu", ours), ("reference", ref)):
-            if not {"round_robin", "kv"} <= set(runs):
+    both = {"round_robin", "kv"}
+    for side in SIDES:
+        if both <= set(runs[side]):
+            for label, key, unit, scale in FIGURES:
+                emit(f"{side} kv improvement over round_robin {label}", kv_improvement(runs[side], key, scale), "%")
+    if both <= set(ours) and both <= set(ref):
+        for label, key, unit, scale in FIGURES:
+            if label not in KV_TARGETS:
                 continue
-            for label, key, unit, scale in FIGURES:
-                imp = improvement(value(runs["round_robin"][0], key, scale), value(runs["kv"][0], key, scale))
-                emit(f"{side} kv improvement over round_robin {label}", imp, "%")
-        if ref:
-            for label, key, unit, scale in FIGURES:
-                if label not in KV_TARGETS:
-                    continue
-                ok_ = improvement(value(ours["round_robin"][0], key, scale), value(ours["kv"][0], key, scale))
-                rf = improvement(value(ref["round_robin"][0], key, scale), value(ref["kv"][0], key, scale))
-                if ok_ is None or rf is None:
-                    continue
-                same = (ok_ > 0) == (rf > 0) and rf != 0 and abs(ok_ / rf - 1) <= 0.20
-                targets.append((f"kv improvement over round_robin {label}: kvemu {ok_:+.1f} % vs reference "
-                                f"{rf:+.1f} % (same sign, within ±20 %)", same))
+            ok_, rf = kv_improvement(ours, key, scale), kv_improvement(ref, key, scale)
+            if ok_ is None or rf is None:
+                continue
+            same = (ok_ > 0) == (rf > 0) and rf != 0 and abs(ok_ / rf - 1) <= 0.20
+            targets.append((f"kv improvement over round_robin {label}: kvemu {ok_:+.1f} % vs reference "
+                            f"{rf:+.1f} % (same sign, within ±20 %)", same))
     if targets:
         for text, ok in targets:
             note(f"{'met   ' if ok else 'MISSED'} {text}")
         print(f"fidelity targets met: {sum(ok for _, ok in targets)} of {len(targets)}", flush=True)
 
-    problems = [problem for side, runs in (("kvemu", ours), ("reference", ref)) for policy, (summary, _) in runs.items()
-                if (problem := incomplete(f"{side} {policy}", summary))]
+    problems += [problem for side in SIDES for policy, run in runs[side].items()
+                 if (problem := incomplete(f"{side} {policy}", run.summary))]
     for p in problems:
         print(f"bench.replay: FAILED: {p}", file=sys.stderr, flush=True)
     return 1 if problems else 0
