@@ -1,8 +1,9 @@
 """The composition root: one router and its workers, wired for a mode.
 
 The mode only chooses the clock, the loop and the transports; the router, worker and engine code is
-the same. Virtual: a ``ManualClock`` driven by the virtual loop, in-memory links and an in-memory KV
-bus. Live: the wall clock on uvloop, ZeroMQ links on 127.0.0.1 and real KV-event publishers and
+the same. Virtual: a ``ManualClock`` driven by the virtual loop, in-memory links carrying message
+objects and an in-memory KV bus carrying router-model batches (``cluster.kv_wire_check`` makes both
+carry the live bytes). Live: the wall clock on uvloop, ZeroMQ links on 127.0.0.1 and real KV-event publishers and
 subscribers per rank.
 """
 
@@ -228,8 +229,9 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     block_size = spec.engine.block_size
     if scenario.run.mode == "virtual":
         assert isinstance(clock, ManualClock)
-        net = c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS))
-        bus = c.bus = MemoryKvBus(lag_ns=round(rspec.kv_event_lag_ms * NS_PER_MS), vllm_version=spec.kv_events_version)
+        net = c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS), wire_check=spec.kv_wire_check)
+        bus = c.bus = MemoryKvBus(lag_ns=round(rspec.kv_event_lag_ms * NS_PER_MS), vllm_version=spec.kv_events_version,
+                                  wire_check=spec.kv_wire_check)
         end = net.router_end()
 
         def make() -> Router:

@@ -93,6 +93,9 @@ class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     kv_events_version: str = DEFAULT_VLLM_VERSION
     """vLLM version whose KV-event wire format the workers speak."""
     heartbeat_interval_s: Positive = 1.0
+    kv_wire_check: bool = False
+    """Virtual mode: carry every actor message and KV-event batch as the bytes live mode sends
+    (encoded and decoded on the way) instead of as objects. Same report, slower; proves the codecs."""
 
     def __post_init__(self) -> None:
         check_struct(self)

@@ -2,17 +2,31 @@
 
 A ``RouterEvent`` says that one ``(worker, dp_rank)`` stored a chain of blocks, removed blocks, or
 cleared everything, in one storage tier. ``apply_event`` applies it to a ``PrefixIndex``.
+An ``EventBatch`` is one engine pass's events already in this model (local hashes computed by the
+engine, no token ids): what in-memory KV buses carry in virtual time instead of vLLM bytes.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import msgspec
 
 from kvemu.index import PrefixIndex
+from kvemu.wire.kv_events import KVEventBatch
 
-__all__ = ["StorageTier", "BlocksStored", "BlocksRemoved", "AllCleared", "RouterEvent", "apply_event"]
+__all__ = [
+    "StorageTier",
+    "BlocksStored",
+    "BlocksRemoved",
+    "AllCleared",
+    "RouterEvent",
+    "EventBatch",
+    "EngineEvents",
+    "apply_event",
+    "wire_event_count",
+]
 
 
 class StorageTier(enum.Enum):
@@ -54,6 +68,39 @@ class RouterEvent(msgspec.Struct, frozen=True, kw_only=True):
     dp_rank: int = 0
     tier: StorageTier = StorageTier.DEVICE
     event_id: int = 0
+
+
+EventData = BlocksStored | BlocksRemoved | AllCleared
+
+
+class EventBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's KV events of one engine pass, in the router's model (device tier).
+
+    A ``BlocksRemoved`` here stands for one vLLM ``BlockRemoved`` event per hash, as engines send
+    them; counters count it that way, so a batch reads the same as its wire form.
+    """
+
+    ts_ns: int
+    dp_rank: int
+    block_size: int
+    events: list[EventData]
+
+
+class EngineEvents(Protocol):
+    """What an engine hands its KV publisher: one pass's events, in either form on demand."""
+
+    def batch(self) -> KVEventBatch:
+        """The vLLM wire structs (with token ids), for encoders."""
+        ...
+
+    def router_batch(self) -> EventBatch:
+        """The router's model (local hashes, no token ids), for in-memory delivery."""
+        ...
+
+
+def wire_event_count(data: EventData) -> int:
+    """How many vLLM events ``data`` stands for (one per removed block)."""
+    return len(data.block_hashes) if type(data) is BlocksRemoved else 1
 
 
 def apply_event(index: PrefixIndex, event: RouterEvent) -> None:

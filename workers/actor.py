@@ -16,6 +16,7 @@ import anyio
 import msgspec
 
 from kvemu.clock import NS_PER_S, Clock
+from kvemu.events import EngineEvents
 from kvemu.records import RequestRecord
 from kvemu.runtime.messages import (
     Deregister,
@@ -44,9 +45,9 @@ log = logging.getLogger("kvemu.worker")
 
 
 class KvPublisher(Protocol):
-    """Anything that publishes one rank's KV-event batches (ZeroMQ or in-memory)."""
+    """Anything that publishes one rank's KV-event batches (ZeroMQ or in-memory), in the form it carries."""
 
-    def publish(self, batch: KVEventBatch) -> bool: ...
+    def publish(self, batch: KVEventBatch | EngineEvents) -> bool: ...
 
 
 class WorkerRejected(RuntimeError):
@@ -239,7 +240,7 @@ class WorkerActor:
         for core, res in zip(self.worker.cores, results):
             pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
             for pe in res.events:
-                pub.publish(pe.batch())
+                pub.publish(pe)
             for rid, t in res.first_tokens:
                 if self._sent.get(rid) == 0:
                     self._sent[rid] = 1

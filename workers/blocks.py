@@ -44,10 +44,14 @@ CLEARED = 2
 
 
 class TokenSource(Protocol):
-    """Anything that can give the token ids of a range of its positions (a sequence being computed)."""
+    """A sequence being computed: the token ids of its positions and the local hashes of its blocks."""
 
     def token_slice(self, lo: int, hi: int) -> list[int]:
         """Token ids at positions ``lo .. hi-1``."""
+        ...
+
+    def local_hashes(self, lo: int, hi: int) -> list[int]:
+        """Local hashes of full blocks ``lo .. hi-1``."""
         ...
 
 

@@ -1,18 +1,20 @@
-"""KV event output of an engine core: per-pass compact logs, turned into vLLM-style event batches on demand.
+"""KV event output of an engine core: per-pass compact logs, turned into event batches on demand.
 
-The block pool logs stores, evictions and resets as small tuples; building the wire structs (and the
-token id lists of stored blocks) is deferred until a consumer asks, so fast-forwarding through hours of
-virtual time does not pay for events nobody reads. Materialising is deterministic and repeatable.
+The block pool logs stores, evictions and resets as small tuples; building the vLLM wire structs (with
+the token id lists of stored blocks), or the router-model ``EventBatch`` that in-memory buses carry, is
+deferred until a consumer asks, so fast-forwarding through hours of virtual time does not pay for events
+nobody reads. Materialising is deterministic and repeatable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
 from kvemu.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
 from workers.blocks import CLEARED, REMOVED, STORED
 
-__all__ = ["PassEvents", "materialize_events", "materialize_batches", "NS_PER_S"]
+__all__ = ["PassEvents", "materialize_events", "materialize_batches", "router_events", "NS_PER_S"]
 
 NS_PER_S = 1_000_000_000
 
@@ -35,6 +37,11 @@ class PassEvents:
             events=materialize_events(self.entries, self.block_size),
             data_parallel_rank=self.dp_rank,
         )
+
+    def router_batch(self) -> EventBatch:
+        """This pass's events in the router's model: a stored run with its local hashes, a removal run as one event."""
+        return EventBatch(ts_ns=self.ts_ns, dp_rank=self.dp_rank, block_size=self.block_size,
+                          events=router_events(self.entries))
 
     def block_counts(self) -> tuple[int, int]:
         """(blocks stored, blocks removed) in this pass, without materialising anything."""
@@ -72,6 +79,24 @@ def materialize_events(entries: Iterable[tuple], block_size: int) -> list[KvEven
             )
         elif kind == CLEARED:
             append(AllBlocksCleared())
+        else:  # pragma: no cover - the pool only writes the three kinds
+            raise AssertionError(f"unknown KV log entry {e!r}")
+    return out
+
+
+def router_events(entries: Iterable[tuple]) -> list[EventData]:
+    """Router-model events for compact log entries (no token ids: the engine knows its local hashes)."""
+    out: list[EventData] = []
+    append = out.append
+    for e in entries:
+        kind = e[0]
+        if kind == REMOVED:
+            append(BlocksRemoved(list(e[1])))
+        elif kind == STORED:
+            _, hashes, parent, source, first = e
+            append(BlocksStored(list(hashes), source.local_hashes(first, first + len(hashes)), parent))
+        elif kind == CLEARED:
+            append(AllCleared())
         else:  # pragma: no cover - the pool only writes the three kinds
             raise AssertionError(f"unknown KV log entry {e!r}")
     return out

@@ -41,6 +41,7 @@ class SeqState:
         "max_tokens",
         "block_size",
         "hashes",
+        "block_locals",
         "n_out",
         "computed",
         "n_alloc",
@@ -60,12 +61,17 @@ class SeqState:
         self.prompt_len = len(req.token_ids)
         self.max_tokens = req.max_tokens
         self.block_size = block_size
+        self.block_locals: list[int] | None
+        """Local (token) hash of each block in ``hashes``, kept for KV events; None when the request
+        brought its sequence hashes (they are then recomputed from tokens on demand)."""
         if req.seq_hashes is not None:
             self.hashes = list(req.seq_hashes)
+            self.block_locals = None
         else:
             fast = getattr(req.token_ids, "local_block_hashes", None)  # e.g. trace tokens, never expanded
             local = fast(block_size) if fast is not None else local_block_hashes(req.token_ids, block_size)
             self.hashes = sequence_hashes(local)
+            self.block_locals = local
         self.n_out = 0
         self.computed = 0
         self.n_alloc = 0
@@ -113,13 +119,26 @@ class SeqState:
         have = len(hashes)
         if have < n_blocks:
             bs = self.block_size
+            locals_ = self.block_locals
             if n_blocks == have + 1:  # the common case while decoding: one block filled up
                 local = _xxh3(array("I", self.token_slice(have * bs, n_blocks * bs)).tobytes(), BASE_SEED)
                 hashes.append(_xxh3(_pack_pair(hashes[-1], local), BASE_SEED) if have else local)
+                if locals_ is not None:
+                    locals_.append(local)
             else:
                 local_hashes = local_block_hashes(self.token_slice(have * bs, n_blocks * bs), bs)
                 hashes.extend(extend_sequence_hashes(hashes[-1] if have else None, local_hashes))
+                if locals_ is not None:
+                    locals_ += local_hashes
         return hashes
+
+    def local_hashes(self, lo: int, hi: int) -> list[int]:
+        """Local hashes of full blocks ``lo .. hi-1`` (already in ``hashes``)."""
+        locals_ = self.block_locals
+        if locals_ is not None and len(locals_) >= hi:
+            return locals_[lo:hi]
+        bs = self.block_size
+        return local_block_hashes(self.token_slice(lo * bs, hi * bs), bs)
 
     def __repr__(self) -> str:
         return (

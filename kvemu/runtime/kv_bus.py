@@ -1,8 +1,10 @@
 """KV events on in-memory transports: per-rank sequence numbers, replay buffers and an event lag.
 
-A ``MemoryKvPublisher`` encodes batches in a vLLM version's wire format exactly like the ZeroMQ
-publisher, keeps the last ``buffer_steps`` for replay, and delivers ``(seq, payload)`` to the bus's
-subscriber after ``lag_ns``. Chaos can drop deliveries (they stay replayable) or change the lag.
+A ``MemoryKvPublisher`` numbers batches like the ZeroMQ publisher, keeps the last ``buffer_steps`` for
+replay, and delivers ``(seq, payload)`` to the bus's subscriber after ``lag_ns``. The payload is the
+engine's batch in the router's model (``EventBatch``: no token ids, no encoding), or, with
+``wire_check=True``, the exact bytes of the bus's vLLM version, as a ZeroMQ publisher would send them.
+Chaos can drop deliveries (they stay replayable) or change the lag.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from collections.abc import Callable, Iterator
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
+from kvemu.events import EngineEvents
 from kvemu.wire.codec import encode_batch, profile_for
 from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.stream import Payload
 
 __all__ = ["MemoryKvBus", "MemoryKvPublisher"]
 
-Deliver = Callable[[int, int, int, bytes], None]
+Deliver = Callable[[int, int, int, Payload], None]
 """``deliver(worker_id, dp_rank, seq, payload)``: the router's intake."""
 
 
@@ -31,17 +35,23 @@ class MemoryKvPublisher:
         self.dp_rank = dp_rank
         self.profile = profile_for(vllm_version)
         self._seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, Payload]] = deque(maxlen=buffer_steps)
         self.drop_next = 0
         """Fault injection: this many coming batches are buffered for replay but not delivered."""
         self.published = 0
         self.dropped = 0
 
-    def publish(self, batch: KVEventBatch) -> bool:
-        """Encode, buffer and deliver one batch; False if it was dropped (still replayable)."""
-        if batch.data_parallel_rank is None:
-            batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)
-        payload = encode_batch(batch, self.profile)
+    def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
+        """Buffer and deliver one batch; False if it was dropped (still replayable)."""
+        payload: Payload
+        if type(batch) is not KVEventBatch and not self.bus.wire_check:
+            payload = batch.router_batch()  # type: ignore[union-attr]
+        else:
+            if type(batch) is not KVEventBatch:
+                batch = batch.batch()  # type: ignore[union-attr]
+            if batch.data_parallel_rank is None:  # type: ignore[union-attr]
+                batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)  # type: ignore[union-attr]
+            payload = encode_batch(batch, self.profile)  # type: ignore[arg-type]
         seq = self._seq
         self._seq = seq + 1
         self._buffer.append((seq, payload))
@@ -53,7 +63,7 @@ class MemoryKvPublisher:
         self.bus._deliver(self.worker_id, self.dp_rank, seq, payload)
         return True
 
-    def replay(self, start: int) -> Iterator[tuple[int, bytes]]:
+    def replay(self, start: int) -> Iterator[tuple[int, Payload]]:
         """Buffered batches with ``seq >= start``, in order."""
         return iter([(s, p) for s, p in self._buffer if s >= start])
 
@@ -66,10 +76,13 @@ class MemoryKvPublisher:
 class MemoryKvBus:
     """Connects the in-memory publishers of all workers to one router intake."""
 
-    def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000) -> None:
+    def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000,
+                 wire_check: bool = False) -> None:
         if lag_ns < 0:
             raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}")
         self.lag_ns = lag_ns
+        self.wire_check = wire_check
+        """Carry engine batches as vLLM bytes (encoded and decoded) instead of router-model structs."""
         self.vllm_version = vllm_version
         self.buffer_steps = buffer_steps
         self._intake: Deliver | None = None
@@ -87,7 +100,7 @@ class MemoryKvBus:
             pub = self._publishers[key] = MemoryKvPublisher(self, worker_id, dp_rank, self.vllm_version, self.buffer_steps)
         return pub
 
-    def replay(self, worker_id: int, dp_rank: int) -> Callable[[int], Iterator[tuple[int, bytes]]]:
+    def replay(self, worker_id: int, dp_rank: int) -> Callable[[int], Iterator[tuple[int, Payload]]]:
         """The replay function of one rank's stream, for the router's ``EventStream``."""
         return lambda start: self.publisher(worker_id, dp_rank).replay(start)
 
@@ -96,7 +109,7 @@ class MemoryKvBus:
         for key in [k for k in self._publishers if k[0] == worker_id]:
             del self._publishers[key]
 
-    def _deliver(self, worker_id: int, dp_rank: int, seq: int, payload: bytes) -> None:
+    def _deliver(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
         intake = self._intake
         if intake is None:
             return

@@ -46,7 +46,7 @@ from kvemu.runtime.messages import (
 )
 from kvemu.runtime.transport import RouterEnd
 from kvemu.validation import check_struct
-from kvemu.wire.stream import EventStream, Replay, WorkerEventStats
+from kvemu.wire.stream import EventStream, Payload, Replay, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
 __all__ = ["RouterSettings", "Router"]
@@ -355,7 +355,7 @@ class Router:
 
     # ------------------------------------------------------------------ KV events
 
-    def kv_intake(self, worker_id: int, dp_rank: int, seq: int, payload: bytes) -> None:
+    def kv_intake(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
         """A KV-event batch from an in-memory transport."""
         stream = self.kv_streams.get((worker_id, dp_rank))
         if stream is not None:

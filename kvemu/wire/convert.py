@@ -14,7 +14,7 @@ from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, S
 from kvemu.hashing import local_block_hashes, mm_hash_from_identifier
 from kvemu.wire.kv_events import BlockRemoved, BlockStored, KvEvent
 
-__all__ = ["BlockSizeMismatch", "MissingTokens", "medium_to_tier", "convert_event", "MAIN_GROUP_KINDS"]
+__all__ = ["BlockSizeMismatch", "MissingTokens", "medium_to_tier", "convert_event", "is_chain", "MAIN_GROUP_KINDS"]
 
 MAIN_GROUP_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
@@ -79,6 +79,11 @@ def _mm_hashes(extra_keys: Any, n_blocks: int) -> dict[int, list[int]] | None:
     return out or None
 
 
+def is_chain(hashes: list[int], parent: int | None) -> bool:
+    """A stored run Dynamo indexes: no hash repeated, the parent not among them."""
+    return len(set(hashes)) == len(hashes) and (parent is None or parent not in hashes)
+
+
 def convert_event(
     ev: KvEvent,
     *,
@@ -97,7 +102,7 @@ def convert_event(
         hashes = ev.block_hashes  # type: ignore[union-attr]
         n = len(hashes)
         parent = ev.parent_block_hash  # type: ignore[union-attr]
-        if len(set(hashes)) != n or (parent is not None and parent in hashes):
+        if not is_chain(hashes, parent):
             return None
         if ev.block_size != block_size:  # type: ignore[union-attr]
             raise BlockSizeMismatch(

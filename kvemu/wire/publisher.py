@@ -15,6 +15,7 @@ from collections import deque
 import zmq
 
 from kvemu.errors import InvalidArgument
+from kvemu.events import EngineEvents
 from kvemu.wire.codec import VllmProfile, encode_batch, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.wire.kv_events import KVEventBatch
@@ -98,10 +99,12 @@ class KvEventPublisher:
         """The sequence number the next batch will carry."""
         return self._seq
 
-    def publish(self, batch: KVEventBatch) -> bool:
+    def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Send a batch (stamping this rank if it has none); False if only the replay buffer got it."""
         if self._closed:
             raise InvalidArgument("publish on a closed KvEventPublisher")
+        if type(batch) is not KVEventBatch:
+            batch = batch.batch()  # type: ignore[union-attr]
         if batch.data_parallel_rank is None:
             batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)
         return self.publish_payload(encode_batch(batch, self.profile))

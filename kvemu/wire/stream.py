@@ -10,19 +10,30 @@ The transport (ZeroMQ sockets, or in-memory links in virtual time) supplies fram
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from kvemu.errors import KvemuError
-from kvemu.events import AllCleared, RouterEvent
+from kvemu.events import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatch,
+    EventData,
+    RouterEvent,
+    StorageTier,
+    wire_event_count,
+)
 from kvemu.wire.codec import WireDecodeError, decode_batch
-from kvemu.wire.convert import BlockSizeMismatch, convert_event
-from kvemu.wire.kv_events import BlockRemoved, BlockStored
+from kvemu.wire.convert import BlockSizeMismatch, convert_event, is_chain
+from kvemu.wire.kv_events import KVEventBatch
 
-__all__ = ["WorkerEventStats", "EventStream", "Replay"]
+__all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload"]
 
 log = logging.getLogger("kvemu.wire")
 
-Replay = Callable[[int], Iterable[tuple[int, bytes]]]
+Payload = bytes | KVEventBatch | EventBatch
+"""One batch as a transport carries it: vLLM bytes, decoded vLLM structs, or the router's model."""
+Replay = Callable[[int], Iterable[tuple[int, Payload]]]
 """``replay(start)`` yields buffered ``(seq, payload)`` with ``seq >= start``, in order (maybe none)."""
 
 
@@ -76,7 +87,7 @@ class EventStream:
         self.expected: int | None = None
         self.event_id = 0
 
-    def receive(self, seq: int, payload: bytes) -> None:
+    def receive(self, seq: int, payload: Payload) -> None:
         """Handle the live batch ``seq``, recovering whatever came before it that was missed."""
         expected = self.expected
         if expected is None:
@@ -143,17 +154,50 @@ class EventStream:
         log.warning("worker %s rank %s: KV-event batches %d..%d lost", self.worker_id, self.dp_rank, start, until - 1)
         self._notify("lost", {"from": start, "to": until})
 
-    def apply(self, seq: int, payload: bytes) -> None:
-        """Decode one batch and hand its events to the sink (the batch's own rank wins)."""
+    def apply(self, seq: int, payload: Payload) -> None:
+        """Decode one batch and hand its events to the sink (the batch's own rank wins).
+
+        Consecutive removals of one tier reach the sink as one ``BlocksRemoved`` (the index cuts a
+        run of blocks in one operation); counters still count one event per removed block.
+        """
         stats = self.stats
-        try:
-            batch = decode_batch(payload, endpoint=self.endpoint, seq=seq)
-        except WireDecodeError as exc:
-            stats.decode_errors += 1
-            log.warning("%s", exc)
-            return
+        t = type(payload)
+        if t is EventBatch:
+            rank = payload.dp_rank  # type: ignore[union-attr]
+            items = self._model_items(payload)  # type: ignore[arg-type]
+        else:
+            if t is KVEventBatch:
+                batch = payload
+            else:
+                try:
+                    batch = decode_batch(payload, endpoint=self.endpoint, seq=seq)  # type: ignore[arg-type]
+                except WireDecodeError as exc:
+                    stats.decode_errors += 1
+                    log.warning("%s", exc)
+                    return
+            rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else self.dp_rank  # type: ignore[union-attr]
+            items = self._wire_items(batch, rank)  # type: ignore[arg-type]
         stats.batches += 1
-        rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else self.dp_rank
+        removed: list[int] = []
+        removed_tier = StorageTier.DEVICE
+        for data, tier in items:
+            if type(data) is BlocksRemoved:
+                if removed and tier is not removed_tier:
+                    self._sink(rank, BlocksRemoved(removed), removed_tier)
+                    removed = []
+                removed += data.block_hashes
+                removed_tier = tier
+                continue
+            if removed:
+                self._sink(rank, BlocksRemoved(removed), removed_tier)
+                removed = []
+            self._sink(rank, data, tier)
+        if removed:
+            self._sink(rank, BlocksRemoved(removed), removed_tier)
+
+    def _wire_items(self, batch: KVEventBatch, rank: int) -> Iterator[tuple[EventData, StorageTier]]:
+        """The router events of a vLLM batch, converted with Dynamo's rules (drops and errors counted)."""
+        stats = self.stats
         for ev in batch.events:
             stats.events += 1
             self.event_id += 1
@@ -162,28 +206,60 @@ class EventStream:
                     ev, worker_id=self.worker_id, dp_rank=rank, block_size=self.block_size,
                     event_id=self.event_id, eagle=self.eagle,
                 )
-                if converted is None:
-                    continue
-                self.sink(converted)
             except BlockSizeMismatch as exc:
-                stats.block_size_mismatches += 1
-                if stats.block_size_mismatches <= 3:
-                    log.error("%s", exc)
+                self._mismatch(exc)
                 continue
-            except KvemuError:  # unknown parent, missing block, out-of-range token ids...
+            except KvemuError:  # missing token ids, out-of-range token ids...
                 stats.apply_errors += 1
                 continue
             except Exception:  # noqa: BLE001 - a malformed event must never stop the stream
                 stats.apply_errors += 1
-                log.exception("worker %s rank %s: event could not be applied", self.worker_id, self.dp_rank)
+                log.exception("worker %s rank %s: event could not be converted", self.worker_id, rank)
                 continue
-            t = type(ev)
-            if t is BlockStored:
-                stats.blocks_stored += len(ev.block_hashes)  # type: ignore[union-attr]
-            elif t is BlockRemoved:
-                stats.blocks_removed += len(ev.block_hashes)  # type: ignore[union-attr]
-            else:
-                stats.clears += 1
+            if converted is not None:
+                yield converted.data, converted.tier
+
+    def _model_items(self, batch: EventBatch) -> Iterator[tuple[EventData, StorageTier]]:
+        """The events of a router-model batch, under the same rules as converted wire events."""
+        stats = self.stats
+        for data in batch.events:
+            n = wire_event_count(data)
+            stats.events += n
+            self.event_id += n
+            if type(data) is BlocksStored:
+                if batch.block_size != self.block_size:
+                    self._mismatch(BlockSizeMismatch(
+                        f"worker {self.worker_id} rank {batch.dp_rank} sent blocks of {batch.block_size} tokens but "
+                        f"the router uses block_size {self.block_size}; its {len(data.block_hashes)} blocks were "
+                        "not indexed (configure both the same)"))
+                    continue
+                if self.eagle or not is_chain(data.block_hashes, data.parent_hash):
+                    continue
+            yield data, StorageTier.DEVICE
+
+    def _mismatch(self, exc: BlockSizeMismatch) -> None:
+        self.stats.block_size_mismatches += 1
+        if self.stats.block_size_mismatches <= 3:
+            log.error("%s", exc)
+
+    def _sink(self, rank: int, data: EventData, tier: StorageTier) -> None:
+        stats = self.stats
+        try:
+            self.sink(RouterEvent(worker_id=self.worker_id, dp_rank=rank, data=data, tier=tier, event_id=self.event_id))
+        except KvemuError:  # unknown parent, removed blocks not held...
+            stats.apply_errors += 1
+            return
+        except Exception:  # noqa: BLE001 - a malformed event must never stop the stream
+            stats.apply_errors += 1
+            log.exception("worker %s rank %s: event could not be applied", self.worker_id, rank)
+            return
+        t = type(data)
+        if t is BlocksStored:
+            stats.blocks_stored += len(data.block_hashes)  # type: ignore[union-attr]
+        elif t is BlocksRemoved:
+            stats.blocks_removed += len(data.block_hashes)  # type: ignore[union-attr]
+        else:
+            stats.clears += 1
 
     def _notify(self, kind: str, details: dict) -> None:
         if self.observer is not None:
