@@ -1,16 +1,18 @@
 """Event loops for the two modes: uvloop on wall time, and a deterministic loop on virtual time.
 
-The virtual loop is a plain ``asyncio.SelectorEventLoop`` whose ``time()`` reads a ``ManualClock`` and
-whose selector, whenever nothing is ready to run, jumps the clock to the earliest timer instead of
-waiting. Everything built on loop timers — ``anyio.sleep``, timeouts, task groups, memory streams —
-then runs unchanged in virtual time. Timers due at the same instant fire in the order they were set.
+The virtual loop is an ``asyncio.SelectorEventLoop`` whose ``time()`` reads a ``ManualClock``. Its
+timers live in a heap of ``(when_ns, order, handle)`` tuples: integer nanoseconds (no float drift),
+ordered by C tuple comparison (no Python ``__lt__``), same-instant timers in the order they were set.
+Whenever no callback is ready it jumps the clock to the earliest timer instead of waiting, so
+everything built on loop timers (``anyio.sleep``, timeouts, task groups, events) runs unchanged in
+virtual time. Real file descriptors are polled without blocking every ``POLL_EVERY`` iterations and
+before declaring a deadlock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
-import itertools
 import selectors
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -21,48 +23,12 @@ __all__ = ["VirtualDeadlock", "VirtualEventLoop", "run_virtual", "run_live", "ne
 
 T = TypeVar("T")
 
+POLL_EVERY = 1024
+"""Iterations between non-blocking polls of real file descriptors (signals wake the loop directly)."""
+
 
 class VirtualDeadlock(RuntimeError):
     """Nothing is ready, no timer is set and no I/O is pending: virtual time would stop forever."""
-
-
-class _VirtualSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
-    """Polls real file descriptors without blocking; advances the clock instead of sleeping."""
-
-    def __init__(self, clock: ManualClock) -> None:
-        super().__init__()
-        self.clock = clock
-
-    def select(self, timeout: float | None = None) -> list:
-        ready = super().select(0)
-        if ready or timeout == 0:
-            return ready
-        if timeout is None:
-            raise VirtualDeadlock(
-                "virtual time deadlock: no callback is ready and no timer is set "
-                "(a task awaits something that nothing will ever deliver)"
-            )
-        self.clock.advance(max(1, round(timeout * NS_PER_S)))
-        return []
-
-
-class _OrderedTimerHandle(asyncio.TimerHandle):
-    """A timer that, among timers due at the same instant, fires in creation order."""
-
-    __slots__ = ("_order",)
-
-    def __init__(self, when: float, callback: Callable, args: tuple, loop: asyncio.AbstractEventLoop,
-                 context: Any, order: int) -> None:
-        super().__init__(when, callback, args, loop, context)
-        self._order = order
-
-    def __lt__(self, other: object) -> bool:
-        if isinstance(other, _OrderedTimerHandle) and self._when == other._when:
-            return self._order < other._order
-        return super().__lt__(other)  # type: ignore[operator]
-
-    def __le__(self, other: object) -> bool:
-        return self == other or self.__lt__(other)
 
 
 class VirtualEventLoop(asyncio.SelectorEventLoop):
@@ -70,23 +36,94 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, clock: ManualClock | None = None) -> None:
         self.clock = clock or ManualClock()
-        super().__init__(_VirtualSelector(self.clock))
+        super().__init__(selectors.DefaultSelector())
         self._clock_resolution = 1e-9
-        self._timer_order = itertools.count()
+        self._timers: list[tuple[int, int, asyncio.TimerHandle]] = []
+        self._timer_order = 0
+        self._cancelled_timers = 0
+        self._polls = 0
 
     def time(self) -> float:
         """Virtual seconds since the clock's epoch."""
-        return self.clock.now_ns() / NS_PER_S
+        return self.clock._now / NS_PER_S
 
     def call_at(self, when: float, callback: Callable, *args: Any, context: Any = None) -> asyncio.TimerHandle:
-        """Schedule ``callback`` at virtual time ``when``; same-instant timers keep their order."""
+        """Schedule ``callback`` at virtual time ``when`` (seconds); same-instant timers keep their order."""
         if when is None:
             raise TypeError("when cannot be None")
+        when_ns = round(when * NS_PER_S)
+        if when_ns / NS_PER_S < when:  # fire when time() >= when holds, as callers (anyio deadlines) check
+            when_ns += 1
+        return self.call_at_ns(when_ns, callback, *args, context=context)
+
+    def call_later(self, delay: float, callback: Callable, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        """Schedule ``callback`` ``delay`` seconds from now (exactly, in nanoseconds)."""
+        if delay is None:
+            raise TypeError("delay must not be None")
+        return self.call_at_ns(self.clock._now + round(delay * NS_PER_S), callback, *args, context=context)
+
+    def call_at_ns(self, when_ns: int, callback: Callable, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        """Schedule ``callback`` at virtual time ``when_ns`` (integer nanoseconds)."""
         self._check_closed()  # type: ignore[attr-defined]
-        timer = _OrderedTimerHandle(when, callback, args, self, context, next(self._timer_order))
-        heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]
+        timer = asyncio.TimerHandle(when_ns / NS_PER_S, callback, args, self, context)
+        order = self._timer_order = self._timer_order + 1
+        heapq.heappush(self._timers, (when_ns, order, timer))
         timer._scheduled = True  # type: ignore[attr-defined]
         return timer
+
+    def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
+        if handle._scheduled:  # type: ignore[attr-defined]
+            self._cancelled_timers += 1
+
+    def _run_once(self) -> None:
+        timers = self._timers
+        ready = self._ready  # type: ignore[attr-defined]
+        if self._cancelled_timers > 256 and self._cancelled_timers * 2 > len(timers):
+            self._compact_timers()
+        while timers and timers[0][2]._cancelled:  # type: ignore[attr-defined]
+            heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+            self._cancelled_timers -= 1
+        self._polls += 1
+        if self._polls >= POLL_EVERY or not (ready or timers or self._stopping):  # type: ignore[attr-defined]
+            self._polls = 0
+            self._process_events(self._selector.select(0))  # type: ignore[attr-defined]
+        clock = self.clock
+        if not ready and not self._stopping:  # type: ignore[attr-defined]
+            if not timers:
+                raise VirtualDeadlock(
+                    "virtual time deadlock: no callback is ready and no timer is set "
+                    "(a task awaits something that nothing will ever deliver)"
+                )
+            if timers[0][0] > clock._now:
+                clock.advance_to(timers[0][0])
+        now = clock._now
+        while timers and timers[0][0] <= now:
+            timer = heapq.heappop(timers)[2]
+            timer._scheduled = False  # type: ignore[attr-defined]
+            if timer._cancelled:  # type: ignore[attr-defined]
+                self._cancelled_timers -= 1
+            else:
+                ready.append(timer)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
+
+    def _compact_timers(self) -> None:
+        live = []
+        for entry in self._timers:
+            if entry[2]._cancelled:  # type: ignore[attr-defined]
+                entry[2]._scheduled = False  # type: ignore[attr-defined]
+            else:
+                live.append(entry)
+        heapq.heapify(live)
+        self._timers = live
+        self._cancelled_timers = 0
+
+    def close(self) -> None:
+        """Close the loop and drop its timers."""
+        self._timers.clear()
+        super().close()
 
 
 def run_virtual(main: Callable[[], Awaitable[T]], clock: ManualClock | None = None) -> T:
