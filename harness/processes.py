@@ -27,7 +27,7 @@ from kvemu.clock import WallClock
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
-from kvemu.runtime.messages import ClientRequest
+from kvemu.runtime.messages import ClientRequest, encode
 from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
 from kvemu.wire.publisher import KvEventPublisher
@@ -71,7 +71,7 @@ class RecordReply(msgspec.Struct, tag=True, kw_only=True):
 
 ClientMessage = ClientRequest | StatsQuery
 ReplyMessage = RecordReply | Stats
-_encode = msgspec.msgpack.Encoder().encode
+_encode = encode  # lazy trace prompts travel as lists
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 

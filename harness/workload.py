@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from kvemu.clock import NS_PER_MS, NS_PER_S
 from kvemu.errors import InvalidArgument
-from workers.trace import expand_hash_ids, read_mooncake
+from workers.trace import HashIdTokens, read_mooncake
 
 from harness.scenario import Distribution, Scenario, ScenarioError, SyntheticWorkload, TraceWorkload, resolve
 
@@ -38,11 +38,12 @@ class Turn(NamedTuple):
     input_length: int = 0
     trace_block_size: int = 0
 
-    def prompt(self) -> list[int]:
-        """The prompt's token ids."""
+    def prompt(self) -> Sequence[int]:
+        """The prompt's token ids (a trace prompt stays a lazy ``HashIdTokens``: it hashes its blocks
+        once per trace block instead of per token, and is encoded as a list where bytes are needed)."""
         if self.tokens is not None:
             return self.tokens
-        return expand_hash_ids(self.hash_ids or (), self.input_length, self.trace_block_size)
+        return HashIdTokens(self.hash_ids or (), self.input_length, self.trace_block_size)
 
 
 class Session(NamedTuple):

@@ -11,6 +11,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 import xxhash
 
@@ -25,6 +26,7 @@ __all__ = [
     "extend_sequence_hashes",
     "mm_hash_from_identifier",
     "to_u64",
+    "SelfHashingTokens",
 ]
 
 BASE_SEED = 1337
@@ -33,6 +35,19 @@ U64_MASK = (1 << 64) - 1
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
 _BIG_ENDIAN = sys.byteorder == "big"
+
+
+@runtime_checkable
+class SelfHashingTokens(Protocol):
+    """A lazy prompt (e.g. a trace row's) that hashes its own blocks without being expanded.
+
+    ``local_block_hashes(block_size)`` must equal ``local_block_hashes(list(self), block_size)`` with the
+    base seed; routers and engines use it instead of hashing token by token.
+    """
+
+    def __len__(self) -> int: ...
+
+    def local_block_hashes(self, block_size: int) -> list[int]: ...
 
 
 def to_u64(value: int) -> int:

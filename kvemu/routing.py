@@ -18,7 +18,7 @@ from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
 from kvemu.eligibility import Candidates, EligibilityBuilder
 from kvemu.errors import InvalidArgument
 from kvemu.events import RouterEvent, StorageTier, apply_event
-from kvemu.hashing import block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
+from kvemu.hashing import BASE_SEED, block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext
@@ -193,7 +193,11 @@ class RoutingCore:
             if not tokens:
                 raise InvalidArgument("tokens: the prompt is empty")
             seed = block_seed(lora_name, cache_namespace)
-            locs = local_block_hashes(tokens, self.block_size, seed=seed)
+            own = getattr(tokens, "local_block_hashes", None)  # SelfHashingTokens
+            if own is not None and seed == BASE_SEED:
+                locs = own(self.block_size)
+            else:
+                locs = local_block_hashes(tokens, self.block_size, seed=seed)
             if isl is None:
                 isl = len(tokens)
         else:

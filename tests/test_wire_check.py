@@ -66,3 +66,30 @@ def test_objects_and_wire_bytes_give_identical_reports_under_chaos(tmp_path, ver
                                                                             "replayed_batches", "restarts")}
     assert all(totals.values()), totals
     assert set(kv["failed_requests_by_reason"]) == {"rank_lost", "router_restart", "worker_lost"}
+
+
+def test_lazy_trace_prompts_and_their_wire_lists_give_identical_reports(tmp_path):
+    """Trace prompts stay ``HashIdTokens`` in process (hashed per trace block); on the wire they are lists."""
+    rows = []
+    for i in range(80):
+        shared = [1, 2, 3] if i % 2 else [7, 8]
+        rows.append({"timestamp": i * 40, "input_length": 64 * (len(shared) + 2) - 5, "output_length": 6 + i % 5,
+                     "hash_ids": shared + [100 + i, 2**40 + i]})
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = f"""
+name: lazy-prompts
+cluster: {{workers: 3, engine: {{block_size: 16, num_gpu_blocks: 96}}}}
+router: {{policy: kv, heartbeat_timeout_s: 2}}
+workload: {{kind: trace, trace: {trace}, trace_block_size: 64}}
+run: {{mode: virtual, seed: 3}}
+chaos:
+  - {{at_s: 1, action: remove_worker, worker: 2, graceful: false}}
+"""
+    objects = _report(tmp_path, text, wire_check=False)
+    wire = _report(tmp_path, text, wire_check=True)
+    assert _without_wall_time(objects["summary.json"]) == _without_wall_time(wire["summary.json"])
+    assert objects["requests.jsonl"] == wire["requests.jsonl"]
+    summary = json.loads(objects["summary.json"])
+    assert summary["completed_requests"] + summary["kvemu"]["failed_requests"] == len(rows)
+    assert summary["prefix_cache_reused_ratio"] > 0.2  # the shared trace blocks were found in the index

@@ -8,6 +8,8 @@ in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from kvemu.config import RouterOverrides
@@ -43,6 +45,7 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
 
     request_id: str
     tokens: list[int]
+    """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt), on the wire a list."""
     max_tokens: int = 16
     session_id: str | None = None
     """Session affinity key (multi-turn conversations)."""
@@ -169,7 +172,13 @@ WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | Dispat
 RouterMessage = RegisterAck | Reregister | Dispatch
 """What the router sends to workers."""
 
-_encoder = msgspec.msgpack.Encoder()
+def _enc_hook(obj: object) -> object:
+    if isinstance(obj, Sequence):  # a lazy token sequence (e.g. a trace prompt) travels as a list
+        return list(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 _client_decoder = msgspec.msgpack.Decoder(ClientRequest)
