@@ -34,6 +34,7 @@ from kvemu.runtime.messages import (
     TokenBatch,
 )
 from kvemu.runtime.transport import WorkerEnd
+from kvemu.runtime.wakeup import Wakeup
 from kvemu.wire.kv_events import KVEventBatch
 from workers.engine import AdvanceResult, EngineCore, StepResult
 from workers.request import Request
@@ -100,7 +101,8 @@ class WorkerActor:
         self.dead_ranks: set[int] = set()
         self._last_sent_ns = -(1 << 62)
 
-        self._wakes: dict[int, anyio.Event] = {}  # per rank on wall time; -1 for the virtual driver
+        self._wakes: dict[int, anyio.Event] = {}  # per rank, on wall time
+        self._driver = Wakeup(self._advance_virtual)  # on virtual time
         self._records: dict[str, RequestRecord] = {}
         self._sent: dict[str, int] = {}
 
@@ -125,6 +127,7 @@ class WorkerActor:
             core.timer.set_slowdown(factor)
         for wake in self._wakes.values():
             wake.set()  # re-plan the horizon with the new durations
+        self._driver.poke()
 
     @property
     def worker_id(self) -> int:
@@ -144,7 +147,7 @@ class WorkerActor:
             task_status.started()
             tg.start_soon(self._heartbeat)
             if self.mode == "virtual":
-                tg.start_soon(self._drive_virtual)
+                tg.start_soon(self._driver.run)
             else:
                 for core in self.worker.cores:
                     tg.start_soon(self._drive_live, core)
@@ -188,8 +191,9 @@ class WorkerActor:
             self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
             self._sent[msg.request_id] = 0
             self._send(DispatchAck(request_id=msg.request_id, accepted=True))
-            wake = self._wakes.get(-1 if self.mode == "virtual" else msg.dp_rank)
-            if wake is not None:
+            if self.mode == "virtual":
+                self._driver.poke()
+            elif (wake := self._wakes.get(msg.dp_rank)) is not None:
                 wake.set()
         else:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
@@ -221,19 +225,12 @@ class WorkerActor:
 
     # ------------------------------------------------------------------ virtual time
 
-    async def _drive_virtual(self) -> None:
-        worker = self.worker
-        clock = self.clock
-        while True:
-            now = clock.now_ns()
-            self._emit_advance(worker.advance_to(max(now, self._engine_now())))
-            nxt = worker.next_event_ns()
-            wake = self._wakes[-1] = anyio.Event()
-            if nxt is None:
-                await wake.wait()
-                continue
-            with anyio.move_on_after(max(0, nxt - clock.now_ns()) / NS_PER_S):
-                await wake.wait()
+    def _advance_virtual(self) -> int | None:
+        """Advance every core to now, publish what became visible; the next instant anything will."""
+        now = self.clock.now_ns()
+        self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
+        nxt = self.worker.next_event_ns()
+        return None if nxt is None else max(nxt, self.clock.now_ns())
 
     def _emit_advance(self, results: list[AdvanceResult]) -> None:
         send = self._send

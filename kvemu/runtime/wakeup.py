@@ -1,0 +1,77 @@
+"""A re-armable timer that drives a sans-IO core from the event loop, without a task per step.
+
+``step()`` advances the core to the loop's time and returns the instant (ns) it next needs to run, or
+``None``; ``poke()`` asks for a step soon (new input changed the plan). The owner's task awaits
+``run()``, which re-raises anything ``step`` raised, so a failing core fails its actor as a receive
+loop would, instead of vanishing into the loop's exception handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import anyio
+
+from kvemu.clock import NS_PER_S
+
+__all__ = ["Wakeup"]
+
+
+class Wakeup:
+    """Calls ``step`` at the instants it asks for, and soon after every ``poke``."""
+
+    __slots__ = ("_step", "_loop", "_handle", "_soon", "_error", "_failed")
+
+    def __init__(self, step: Callable[[], int | None]) -> None:
+        self._step = step
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handle: asyncio.Handle | None = None
+        self._soon = False
+        self._error: BaseException | None = None
+        self._failed: anyio.Event | None = None
+
+    async def run(self) -> None:
+        """Step now, then keep stepping until cancelled (re-raising whatever a step raised)."""
+        self._loop = asyncio.get_running_loop()
+        self._failed = anyio.Event()
+        self.poke()
+        try:
+            await self._failed.wait()
+        finally:
+            self._cancel()
+            self._loop = None
+        assert self._error is not None
+        raise self._error
+
+    def poke(self) -> None:
+        """Step on the next loop turn (no-op before ``run`` or while one is already due)."""
+        if self._loop is None or self._soon:
+            return
+        self._cancel()
+        self._soon = True
+        self._handle = self._loop.call_soon(self._fire)
+
+    def _cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._soon = False
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._soon = False
+        try:
+            when_ns = self._step()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by run() in the owner's task
+            self._error = exc
+            assert self._failed is not None
+            self._failed.set()
+            return
+        if when_ns is None or self._loop is None:
+            return
+        call_at_ns = getattr(self._loop, "call_at_ns", None)
+        if call_at_ns is not None:  # the virtual loop: exact nanoseconds
+            self._handle = call_at_ns(when_ns, self._fire)
+        else:
+            self._handle = self._loop.call_at(when_ns / NS_PER_S, self._fire)
