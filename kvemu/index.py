@@ -242,7 +242,7 @@ class PrefixIndex:
         else:
             lk = self._lookup[slot]
             missing = []
-            shallowest: dict[int, tuple[int, int]] = {}  # id(segment) -> (offset, sequence hash)
+            hit: dict[int, tuple[_Seg, set[int]]] = {}  # id(segment) -> (segment, its removed blocks)
             blocks = self._blocks
             for ext in block_hashes:
                 seq = lk.get(ext)  # type: ignore[union-attr]
@@ -250,12 +250,16 @@ class PrefixIndex:
                     missing.append(ext)
                     continue
                 seg = blocks[seq]
-                off = _offset(seg.seqs, seq)
-                best = shallowest.get(id(seg))
-                if best is None or off < best[0]:
-                    shallowest[id(seg)] = (off, seq)
-            for _, seq in shallowest.values():
-                self._cut(slot, seq)
+                entry = hit.get(id(seg))
+                if entry is None:
+                    hit[id(seg)] = (seg, {seq})
+                else:
+                    entry[1].add(seq)
+            for seg, seqs in hit.values():  # cut each segment once, at its shallowest removed block
+                # (one scan of the run, not one per removed block; a segment an earlier cut dropped is a no-op)
+                first = next(iter(seqs)) if len(seqs) == 1 else next((s for s in seg.seqs if s in seqs), None)
+                if first is not None:
+                    self._cut(slot, first)
         if missing:
             raise BlockNotFound(
                 f"worker {worker_id} rank {dp_rank}: {len(missing)} removed block(s) not held, first {missing[0]}; "
