@@ -223,15 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if requests <= 0:
         ap.error("--requests must be positive")
 
-    from harness.scenario import ScenarioError
-
-    try:
-        trace: Path | str = scenario_trace(args.trace)
-    except ScenarioError as exc:  # the scenario refuses a trace path that is not a file
-        if "workload.trace" not in str(exc) or "file not found" not in str(exc):
-            raise
-        trace = str(exc).rsplit("file not found: ", 1)[-1]
-    if not Path(trace).is_file():
+    trace = scenario_trace(args.trace)
+    if not trace.is_file():
         print(f"bench.profile: trace not found: {trace} (get conversation_trace.jsonl from the Mooncake "
               "repository, FAST25-release/traces/, and pass --trace PATH)", file=sys.stderr)
         return 2

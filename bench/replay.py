@@ -190,11 +190,14 @@ def spawn(side: str, policy: str, trace: Path, max_requests: int | None, directo
 
 
 def scenario_trace(trace: Path | None) -> Path:
-    """The trace the example replays (after ``--trace``), resolved."""
-    from harness.scenario import load_scenario, resolve
+    """The trace the example replays (``--trace`` if given), resolved; it may not exist (checked by callers,
+    before loading the scenario, which would refuse a missing file)."""
+    if trace is not None:
+        return trace.resolve()
+    import yaml
 
-    scenario = load_scenario(SCENARIO, [f"workload.trace={trace}"] if trace is not None else [])
-    return resolve(scenario, scenario.workload.trace).resolve()  # type: ignore[union-attr]
+    declared = yaml.safe_load(SCENARIO.read_text())["workload"]["trace"]
+    return (SCENARIO.parent / declared).resolve()
 
 
 # ------------------------------------------------------------------------------------------ output
