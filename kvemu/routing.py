@@ -8,8 +8,9 @@ selector and a seeded random generator, and is told the time through its clock. 
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait
 from kvemu.approx import ApproxIndex
@@ -36,7 +37,8 @@ class PreparedRequest:
     the index (the index stores exactly these values) and hashes only the rest.
     """
 
-    __slots__ = ("isl", "local_hashes", "_seqs", "config", "request_id", "session_id", "preferred_taints", "tiers")
+    __slots__ = ("isl", "local_hashes", "_seqs", "config", "request_id", "session_id", "preferred_taints", "tiers",
+                 "seq_source")
 
     def __init__(
         self,
@@ -56,16 +58,19 @@ class PreparedRequest:
         self.session_id = session_id
         self.preferred_taints = preferred_taints
         self.tiers = tiers
+        self.seq_source: Callable[[], list[int]] | None = None
+        """Where the prompt's sequence hashes come from when it hashes itself (shared with the engine)."""
 
     @property
     def seq_hashes(self) -> list[int]:
         """Rolling sequence hashes of the prompt blocks (the router's active-block ids)."""
         if self._seqs is None:
-            self._seqs = sequence_hashes(self.local_hashes)
+            source = self.seq_source
+            self._seqs = source() if source is not None else sequence_hashes(self.local_hashes)
         return self._seqs
 
     def _seed_prefix(self, prefix: list[int]) -> None:
-        if self._seqs is None and prefix:
+        if self._seqs is None and prefix and self.seq_source is None:
             self._seqs = prefix + extend_sequence_hashes(prefix[-1], self.local_hashes[len(prefix) :])
 
     def __repr__(self) -> str:
@@ -187,6 +192,7 @@ class RoutingCore:
         tiers: TierHits | None = None,
     ) -> PreparedRequest:
         """Hash a request once: local hashes for the index, sequence hashes for load tracking."""
+        seq_source = None
         if local_hashes is None:
             if tokens is None:
                 raise InvalidArgument("prepare needs tokens or local_hashes")
@@ -196,6 +202,7 @@ class RoutingCore:
             own = getattr(tokens, "local_block_hashes", None)  # SelfHashingTokens
             if own is not None and seed == BASE_SEED:
                 locs = own(self.block_size)
+                seq_source = functools.partial(tokens.sequence_hashes, self.block_size)  # type: ignore[union-attr]
             else:
                 locs = local_block_hashes(tokens, self.block_size, seed=seed)
             if isl is None:
@@ -206,7 +213,7 @@ class RoutingCore:
                 isl = len(locs) * self.block_size
         if isl < 0:
             raise InvalidArgument(f"isl must be >= 0, got {isl}")
-        return PreparedRequest(
+        prepared = PreparedRequest(
             isl,
             locs,
             self.config.with_overrides(overrides),
@@ -215,6 +222,8 @@ class RoutingCore:
             preferred_taints,
             tiers,
         )
+        prepared.seq_source = seq_source
+        return prepared
 
     def eligibility(self) -> EligibilityBuilder:
         """A fresh builder bound to this core's registry and busy thresholds."""

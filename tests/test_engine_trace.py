@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
-from kvemu.hashing import local_block_hashes
+from kvemu.hashing import local_block_hashes, sequence_hashes
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.trace import (
@@ -56,6 +56,28 @@ def test_lazy_tokens_equal_the_expansion_and_hash_identically(ids, length, tbs, 
     if full:
         assert lazy[0] == full[0] and lazy[-1] == full[-1]
     assert lazy.local_block_hashes(bs) == local_block_hashes(full, bs)
+    assert lazy.sequence_hashes(bs) == sequence_hashes(local_block_hashes(full, bs))
+    other = 1 if bs != 1 else 2  # the memo follows the block size asked for
+    assert lazy.sequence_hashes(other) == sequence_hashes(local_block_hashes(full, other))
+    assert lazy.local_block_hashes(bs) == local_block_hashes(full, bs)
+
+
+def test_a_trace_prompt_is_hashed_once_for_router_and_engine():
+    """The router's load tracking and the engine's cache use the same memoized sequence hashes."""
+    from kvemu import RoutingCore
+    from workers.engine import EngineCore
+    from workers.config import EngineConfig
+    from workers.request import Request
+
+    lazy = HashIdTokens([5, 6, 7], 40, 16)
+    prepared = RoutingCore(block_size=4).prepare(lazy)
+    assert prepared.seq_hashes is lazy.sequence_hashes(4)  # shared, not recomputed
+    assert prepared.seq_hashes == sequence_hashes(local_block_hashes(lazy.to_list(), 4))
+    core = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4))
+    core.add_request(Request(request_id="r", token_ids=lazy, max_tokens=2, arrival_ns=0))
+    core.advance_to(10**9)
+    assert core.check_invariants() is None
+    assert lazy.sequence_hashes(4) == sequence_hashes(local_block_hashes(lazy.to_list(), 4))  # not mutated
 
 
 def test_lazy_tokens_index_errors_and_validation():

@@ -68,10 +68,14 @@ class SeqState:
             self.hashes = list(req.seq_hashes)
             self.block_locals = None
         else:
-            fast = getattr(req.token_ids, "local_block_hashes", None)  # e.g. trace tokens, never expanded
-            local = fast(block_size) if fast is not None else local_block_hashes(req.token_ids, block_size)
-            self.hashes = sequence_hashes(local)
-            self.block_locals = local
+            prompt = req.token_ids
+            if hasattr(prompt, "sequence_hashes"):  # SelfHashingTokens (trace prompts): hashed once per process
+                self.hashes = list(prompt.sequence_hashes(block_size))
+                self.block_locals = list(prompt.local_block_hashes(block_size))
+            else:
+                local = local_block_hashes(prompt, block_size)
+                self.hashes = sequence_hashes(local)
+                self.block_locals = local
         self.n_out = 0
         self.computed = 0
         self.n_alloc = 0

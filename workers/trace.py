@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, overload
 import xxhash
 
 from kvemu.errors import InvalidArgument
-from kvemu.hashing import BASE_SEED, local_block_hashes
+from kvemu.hashing import BASE_SEED, local_block_hashes, sequence_hashes
 from workers.request import Request
 
 __all__ = [
@@ -155,7 +155,7 @@ class HashIdTokens(Sequence[int]):
     Hashes its blocks without expanding them when ``block_size`` divides ``trace_block_size``.
     """
 
-    __slots__ = ("hash_ids", "trace_block_size", "_len")
+    __slots__ = ("hash_ids", "trace_block_size", "_len", "_memo")
 
     def __init__(
         self, hash_ids: Sequence[int], input_length: int, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE
@@ -165,6 +165,7 @@ class HashIdTokens(Sequence[int]):
         self.hash_ids = tuple(h & _U32_MASK for h in islice(hash_ids, used))
         """The token of each used trace block (the id's low 32 bits)."""
         self.trace_block_size = trace_block_size
+        self._memo: tuple[int, list[int], list[int]] | None = None  # (block_size, local, sequence hashes)
 
     def __len__(self) -> int:
         return self._len
@@ -210,7 +211,28 @@ class HashIdTokens(Sequence[int]):
         return True
 
     def local_block_hashes(self, block_size: int) -> list[int]:
-        """Local block hashes (seed 1337), equal to ``kvemu.hashing.local_block_hashes(self.to_list(), block_size)``."""
+        """Local block hashes (seed 1337), equal to ``kvemu.hashing.local_block_hashes(self.to_list(), block_size)``.
+
+        Memoized with ``sequence_hashes`` (do not mutate the list)."""
+        memo = self._memo
+        if memo is not None and memo[0] == block_size:
+            return memo[1]
+        return self._hash(block_size)[1]
+
+    def sequence_hashes(self, block_size: int) -> list[int]:
+        """Sequence hashes of the full blocks, memoized per block size so that a router and an engine in
+        one process hash a prompt once (do not mutate the list)."""
+        memo = self._memo
+        if memo is not None and memo[0] == block_size:
+            return memo[2]
+        return self._hash(block_size)[2]
+
+    def _hash(self, block_size: int) -> tuple[int, list[int], list[int]]:
+        local = self._local_block_hashes(block_size)
+        memo = self._memo = (block_size, local, sequence_hashes(local))
+        return memo
+
+    def _local_block_hashes(self, block_size: int) -> list[int]:
         if block_size < 1:
             raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
         tbs = self.trace_block_size
