@@ -7,6 +7,7 @@ set is prefix-closed, which lets a projection find a request's already-active bl
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -135,13 +136,22 @@ class LoadTracker:
         refs = load.block_refs
         holders = self._holders
         bit = load.bit
-        for h in blocks:
-            c = refs.get(h)
-            if c:
-                refs[h] = c + 1
+        fresh = dict.fromkeys(blocks, 1)
+        if len(fresh) == len(blocks) and refs.keys().isdisjoint(fresh):  # no block active here yet: in bulk
+            refs.update(fresh)
+            if holders.keys().isdisjoint(fresh):
+                holders.update(dict.fromkeys(blocks, bit))
             else:
-                refs[h] = 1
-                holders[h] = holders.get(h, 0) | bit
+                for h in blocks:
+                    holders[h] = holders.get(h, 0) | bit
+        else:
+            for h in blocks:
+                c = refs.get(h)
+                if c:
+                    refs[h] = c + 1
+                else:
+                    refs[h] = 1
+                    holders[h] = holders.get(h, 0) | bit
         load.active_requests += 1
         if prefill_tokens:
             load.active_prefill_tokens += prefill_tokens
@@ -177,17 +187,30 @@ class LoadTracker:
         refs = load.block_refs
         holders = self._holders
         bit = load.bit
-        for h in b.blocks:
-            c = refs[h] - 1
-            if c:
-                refs[h] = c
+        blocks = b.blocks
+        if list(map(refs.__getitem__, blocks)).count(1) == len(blocks):  # nobody else holds any: in bulk
+            deque(map(refs.__delitem__, blocks), maxlen=0)
+            if list(map(holders.__getitem__, blocks)).count(bit) == len(blocks):
+                deque(map(holders.__delitem__, blocks), maxlen=0)
             else:
-                del refs[h]
-                mask = holders[h] ^ bit
-                if mask:
-                    holders[h] = mask
+                for h in blocks:
+                    mask = holders[h] ^ bit
+                    if mask:
+                        holders[h] = mask
+                    else:
+                        del holders[h]
+        else:
+            for h in blocks:
+                c = refs[h] - 1
+                if c:
+                    refs[h] = c
                 else:
-                    del holders[h]
+                    del refs[h]
+                    mask = holders[h] ^ bit
+                    if mask:
+                        holders[h] = mask
+                    else:
+                        del holders[h]
         if b.prefill_tokens:
             load.active_prefill_tokens -= b.prefill_tokens
             load.prefilling -= 1

@@ -126,3 +126,19 @@ class LoadMachine(RuleBasedStateMachine):
 
 TestLoadMachine = LoadMachine.TestCase
 TestLoadMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_bulk_and_per_block_bookkeeping_agree_with_repeats_and_sharing():
+    """Fresh blocks are booked and freed in bulk; repeated ids and blocks shared across ranks still count right."""
+    t = LoadTracker()
+    t.add("a", (1, 0), [7, 7, 8], 0)  # a repeated id: counted twice
+    t.add("b", (2, 0), [8, 9], 0)  # 8 is active on another rank too
+    t.add("c", (1, 0), [10, 11], 0)  # fresh everywhere: the bulk path
+    assert t.rank((1, 0)).block_refs == {7: 2, 8: 1, 10: 1, 11: 1}
+    assert t.active_prefixes([8, 9]) == {(1, 0): 1, (2, 0): 2}
+    t.free("a")
+    t.free("c")
+    assert t.rank((1, 0)).block_refs == {}
+    assert t.active_prefixes([8, 9]) == {(2, 0): 2}
+    t.free("b")
+    assert t._holders == {}
