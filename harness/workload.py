@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from itertools import repeat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -110,7 +111,7 @@ def synthesize(w: SyntheticWorkload, *, seed: int, duration_s: float, workers: i
     """Sessions arriving over ``duration_s`` (Poisson or constant rate), growing their conversation."""
     rng = random.Random(seed)
     vocab = w.vocab_size
-    prefixes = [[rng.randrange(vocab) for _ in range(w.system_prefix_tokens)] for _ in range(max(1, w.num_prefix_groups))]
+    prefixes = [_tokens(rng, vocab, w.system_prefix_tokens) for _ in range(max(1, w.num_prefix_groups))]
     sessions: list[Session] = []
     t = 0.0
     n = 0
@@ -124,11 +125,11 @@ def synthesize(w: SyntheticWorkload, *, seed: int, duration_s: float, workers: i
         pin = rng.randrange(workers) if w.pin_fraction and rng.random() < w.pin_fraction else None
         turns: list[Turn] = []
         for k in range(w.turns):
-            history += [rng.randrange(vocab) for _ in range(sample(w.isl, rng))]
+            history += _tokens(rng, vocab, sample(w.isl, rng))
             osl = sample(w.osl, rng)
-            reply = [rng.randrange(vocab) for _ in range(osl)]
+            reply = _tokens(rng, vocab, osl)
             subs = tuple(
-                (history + [rng.randrange(vocab) for _ in range(sample(w.isl, rng) // 2 + 1)], sample(w.osl, rng))
+                (history + _tokens(rng, vocab, sample(w.isl, rng) // 2 + 1), sample(w.osl, rng))
                 for _ in range(w.sub_agents)
             )
             delay = 0 if k == 0 else round(rng.expovariate(1.0 / w.think_time_s) * NS_PER_S) if w.think_time_s else 0
@@ -136,6 +137,16 @@ def synthesize(w: SyntheticWorkload, *, seed: int, duration_s: float, workers: i
             history += reply
         sessions.append(Session(sid, round(t * NS_PER_S), turns, True))
     return sessions
+
+
+def _tokens(rng: random.Random, vocab: int, count: int) -> list[int]:
+    """``count`` uniform token ids below ``vocab``: the values ``[rng.randrange(vocab) for ...]`` gives
+    (rejection sampling on ``getrandbits``), drawn without a Python call per token."""
+    k = vocab.bit_length()
+    out = [r for r in map(rng.getrandbits, repeat(k, count)) if r < vocab]
+    while len(out) < count:
+        out += [r for r in map(rng.getrandbits, repeat(k, count - len(out))) if r < vocab]
+    return out
 
 
 def build_sessions(scenario: Scenario) -> list[Session]:

@@ -259,3 +259,16 @@ def test_kv_routing_sees_the_load_of_earlier_requests_of_the_same_instant(tmp_pa
     assert len(burst) == 12
     # the first burst request goes to the rank holding the prefix; its booked load must steer later ones away
     assert max(burst.count(w) for w in set(burst)) <= 8, burst
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 3, 1000, 32000, 2**17 + 1])
+def test_synthetic_tokens_are_the_randrange_stream_drawn_in_bulk(vocab):
+    """Same values and same generator state as one ``randrange`` per token: seeds keep their workloads."""
+    import random
+
+    from harness.workload import _tokens
+
+    a, b = random.Random(5), random.Random(5)
+    for count in (0, 1, 7, 500):
+        assert _tokens(a, vocab, count) == [b.randrange(vocab) for _ in range(count)]
+    assert a.random() == b.random()
