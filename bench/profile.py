@@ -38,7 +38,7 @@ from collections import defaultdict
 from pathlib import Path, PurePath
 from typing import Any
 
-from bench.replay import ROOT, SCENARIO, incomplete, scenario_trace
+from bench.replay import ROOT, SCENARIO, existing_trace, incomplete
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (layer, file patterns): "dir/" matches any file under a folder of that name, "dir/file.py" that file
@@ -223,10 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if requests <= 0:
         ap.error("--requests must be positive")
 
-    trace = scenario_trace(args.trace)
-    if not trace.is_file():
-        print(f"bench.profile: trace not found: {trace} (get conversation_trace.jsonl from the Mooncake "
-              "repository, FAST25-release/traces/, and pass --trace PATH)", file=sys.stderr)
+    trace = existing_trace("bench.profile", args.trace)
+    if trace is None:
         return 2
     note(f"scenario {SCENARIO.relative_to(ROOT)}, trace {trace}, policy {args.policy}, "
          f"first {requests:,} requests")

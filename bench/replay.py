@@ -200,6 +200,16 @@ def scenario_trace(trace: Path | None) -> Path:
     return (SCENARIO.parent / declared).resolve()
 
 
+def existing_trace(prog: str, trace: Path | None) -> Path | None:
+    """``scenario_trace(trace)`` if it is a file; else ``None`` after telling the user where to get it."""
+    path = scenario_trace(trace)
+    if path.is_file():
+        return path
+    print(f"{prog}: trace not found: {path} (get conversation_trace.jsonl from the Mooncake repository, "
+          "FAST25-release/traces/, and pass --trace PATH)", file=sys.stderr)
+    return None
+
+
 # ------------------------------------------------------------------------------------------ output
 
 
@@ -239,10 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
     limit = args.max_requests if args.max_requests is not None else (QUICK_REQUESTS if args.quick else None)
     policies = args.policy or ["round_robin", "kv"]
-    trace = scenario_trace(args.trace)
-    if not trace.is_file():
-        print(f"bench.replay: trace not found: {trace} (get conversation_trace.jsonl from the Mooncake repository, "
-              "FAST25-release/traces/, and pass --trace PATH)", file=sys.stderr)
+    trace = existing_trace("bench.replay", args.trace)
+    if trace is None:
         return 2
     note(f"scenario {SCENARIO.relative_to(ROOT)}, trace {trace}"
          + (f", first {limit:,} requests" if limit else ", all requests"))
