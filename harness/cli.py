@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from harness.runner import Progress as ProgressCallback
 
 __all__ = ["main"]
 
@@ -40,11 +47,34 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return scenario
 
 
+@contextlib.contextmanager
+def _progress_bar(console: Console, enabled: bool) -> Iterator[ProgressCallback | None]:
+    """A progress bar on ``console`` and its ``run_scenario`` callback; None (and no rich.progress) if disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    last = {"t": 0, "done": 0}
+    with Progress(TextColumn("[bold]{task.fields[clock]}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} requests"), TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("run", total=None, clock="t=0s", rate="")
+
+        def progress(now_ns: int, done: int, total: int) -> None:
+            dt = (now_ns - last["t"]) / 1e9
+            rate = (done - last["done"]) / dt if dt > 0 else 0.0
+            last.update(t=now_ns, done=done)
+            bar.update(task, completed=done, total=total, clock=f"t={now_ns / 1e9:,.0f}s", rate=f"{rate:.1f} req/s")
+
+        yield progress
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from harness.plots import background_renderer
     from harness.runner import run_scenario
     from harness.scenario import ScenarioError
 
@@ -57,18 +87,8 @@ def _run(args: argparse.Namespace) -> int:
     outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
     console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed {scenario.run.seed}) "
                   f"on {scenario.cluster.workers} workers × {scenario.cluster.dp_size} DP ranks")
-    last = {"t": 0, "done": 0}
-    with Progress(TextColumn("[bold]{task.fields[clock]}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
-                  disable=args.quiet or not console.is_terminal) as bar:
-        task = bar.add_task("run", total=None, clock="t=0s", rate="")
-
-        def progress(now_ns: int, done: int, total: int) -> None:
-            dt = (now_ns - last["t"]) / 1e9
-            rate = (done - last["done"]) / dt if dt > 0 else 0.0
-            last.update(t=now_ns, done=done)
-            bar.update(task, completed=done, total=total, clock=f"t={now_ns / 1e9:,.0f}s", rate=f"{rate:.1f} req/s")
-
+    # the plots' child process imports matplotlib while the scenario runs
+    with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
         outcome = run_scenario(scenario, outdir, progress=progress)
     summary = outcome.summary or {}
     partial = " [yellow](PARTIAL: interrupted)[/yellow]" if outcome.data.partial else ""

@@ -1,5 +1,8 @@
 """The report of ``kvemu run``: summary.json, requests.jsonl, report.md and plots, from plain data.
 
+The plots are drawn by ``harness.plots``; this module imports neither matplotlib nor numpy until a report
+is written.
+
 Everything here is a pure function of a ``RunData`` (records from the hook ``Recorder``, periodic samples
 of the router's view, counters); nothing reads an actor. The same ``RunData`` gives byte-identical
 ``summary.json``, ``requests.jsonl`` and ``report.md`` (and identical plots on the same matplotlib).
@@ -36,6 +39,7 @@ import msgspec
 
 from kvemu.records import RequestRecord
 
+from harness.plots import PLOTS, start_plots, write_plots
 from harness.stats import percentile
 
 __all__ = [
@@ -59,7 +63,6 @@ SIGNIFICANT_DIGITS = 6
 LATENCY_METRICS = ("ttft", "ttst", "tpot", "itl", "e2e_latency", "output_token_throughput_per_user")
 """Per-request metrics; all in ms except the per-user throughput (tok/s)."""
 STATS = ("mean", "min", "max", "median", "p75", "p90", "p95", "p99", "std")
-PLOTS = ("ttft_cdf.png", "e2e_cdf.png", "active_requests.png", "kv_usage.png", "cache_reuse.png")
 
 KV_COUNTERS = ("batches", "events", "blocks_stored", "blocks_removed", "gaps", "replays", "replayed_batches",
                "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors", "restarts")
@@ -530,136 +533,6 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     return "\n".join(out) + "\n"
 
 
-# ---------------------------------------------------------------------------------- plots
-
-_FIGSIZE = (8.0, 4.5)
-_DPI = 100
-_MAX_POINTS = 2000
-_MAX_SERIES_POINTS = 800
-_MAX_LEGEND = 16
-
-
-def _decimate(xs: list[float], ys: list[float], limit: int = _MAX_POINTS) -> tuple[list[float], list[float]]:
-    """Every k-th point (and the last) so that at most about ``limit`` remain: plenty for an 800 px plot."""
-    n = len(xs)
-    if n <= limit:
-        return xs, ys
-    step = math.ceil(n / limit)
-    idx = list(range(0, n, step))
-    if idx[-1] != n - 1:
-        idx.append(n - 1)
-    return [xs[i] for i in idx], [ys[i] for i in idx]
-
-
-def _save(fig: Any, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    fig.savefig(path, format="png", dpi=_DPI, metadata={"Software": None})
-
-
-def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=_FIGSIZE, dpi=_DPI, layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
-
-
-def _no_data(ax: Any) -> None:
-    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-
-
-def _cdf(values_ms: list[float], title: str, xlabel: str, path: Path) -> None:
-    fig, ax = _figure(title, xlabel, "fraction of completed requests")
-    if values_ms:
-        xs = sorted(values_ms)
-        n = len(xs)
-        ys = [(i + 1) / n for i in range(n)]
-        xs, ys = _decimate(xs, ys)
-        xs, ys = [xs[0], *xs], [0.0, *ys]  # the step up from 0 at the smallest value
-        ax.step(xs, ys, where="post")
-        ax.set_ylim(0, 1.02)
-    else:
-        _no_data(ax)
-    _save(fig, path)
-
-
-def _per_rank_series(data: RunData, field: str, title: str, ylabel: str, path: Path) -> None:
-    fig, ax = _figure(title, "scenario time (s)", ylabel)
-    series: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
-    for s in sorted(data.samples, key=lambda s: (s.worker_id, s.dp_rank, s.time_ns)):
-        xs, ys = series.setdefault((s.worker_id, s.dp_rank), ([], []))
-        xs.append(s.time_ns / NS_PER_S)
-        ys.append(getattr(s, field))
-    if series:
-        for (w, r), (xs, ys) in sorted(series.items()):
-            xs, ys = _decimate(xs, ys, _MAX_SERIES_POINTS)
-            ax.step(xs, ys, where="post", label=f"w{w}/r{r}", linewidth=1)
-        if len(series) <= _MAX_LEGEND:
-            ax.legend(loc="upper right", fontsize="small", ncols=2 if len(series) > 8 else 1)
-    else:
-        _no_data(ax)
-    _save(fig, path)
-
-
-def _cache_reuse(done: list[RequestRecord], path: Path) -> None:
-    fig, ax = _figure("Prefix cache reuse (engine-found cached tokens / prompt tokens)",
-                      "completion time (s)", "reused fraction")
-    ordered = sorted(done, key=lambda r: (r.completion_ns, r.request_id))
-    if ordered:
-        window = max(1, min(200, len(ordered) // 20))
-        xs: list[float] = []
-        rolling: list[float] = []
-        cumulative: list[float] = []
-        win_c = win_i = tot_c = tot_i = 0
-        for i, rec in enumerate(ordered):
-            c, n = rec.engine_cached_tokens or 0, rec.isl
-            win_c += c
-            win_i += n
-            tot_c += c
-            tot_i += n
-            if i >= window:
-                old = ordered[i - window]
-                win_c -= old.engine_cached_tokens or 0
-                win_i -= old.isl
-            xs.append(rec.completion_ns / NS_PER_S)  # type: ignore[operator]
-            rolling.append(win_c / win_i if win_i else 0.0)
-            cumulative.append(tot_c / tot_i if tot_i else 0.0)
-        x1, y1 = _decimate(xs, rolling)
-        x2, y2 = _decimate(xs, cumulative)
-        ax.plot(x1, y1, linewidth=1, label=f"rolling, last {window} completions")
-        ax.plot(x2, y2, linewidth=1.5, linestyle="--", label="cumulative")
-        ax.set_ylim(0, 1.02)
-        ax.legend(loc="lower right", fontsize="small")
-    else:
-        _no_data(ax)
-    _save(fig, path)
-
-
-def write_plots(data: RunData, outdir: Path) -> list[str]:
-    """Write the PNG plots (fixed size and dpi, default style, no timestamps); returns their file names."""
-    records = _sorted_records(data.records)
-    done = [r for r in records if r.done]
-    ttft = [(f - r.arrival_ns) / NS_PER_MS for r in done if (f := _first_token(r)) is not None]
-    e2e = [(r.completion_ns - r.arrival_ns) / NS_PER_MS for r in done]  # type: ignore[operator]
-    import matplotlib.style
-
-    with matplotlib.style.context("default"):
-        _cdf(ttft, "TTFT CDF", "time to first token (ms)", outdir / "ttft_cdf.png")
-        _cdf(e2e, "End-to-end latency CDF", "end-to-end latency (ms)", outdir / "e2e_cdf.png")
-        _per_rank_series(data, "active_requests", "Active requests per rank (router's view)", "active requests",
-                         outdir / "active_requests.png")
-        _per_rank_series(data, "kv_blocks", "KV blocks per rank (router's view)", "KV blocks",
-                         outdir / "kv_usage.png")
-        _cache_reuse(done, outdir / "cache_reuse.png")
-    return list(PLOTS)
-
-
 # ---------------------------------------------------------------------------------- all of it
 
 
@@ -667,9 +540,10 @@ def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
     """Write summary.json, requests.jsonl, report.md and the plots into ``outdir``; return the summary."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
+    finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
     summary = summarize(data)
     (outdir / "summary.json").write_text(dumps_summary(summary))
     write_requests(data.records, outdir / "requests.jsonl")
-    plots = write_plots(data, outdir)
+    plots = finish_plots()
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))
     return summary
