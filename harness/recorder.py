@@ -6,6 +6,7 @@ consume kvemu through the same hook API.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from typing import Any
 
@@ -47,6 +48,7 @@ class Recorder:
             self.records[rid] = RequestRecord(
                 request_id=rid, session_id=data.get("session_id"), parent_session_id=data.get("parent_session_id"),
                 arrival_ns=ev.time_ns, isl=data.get("isl", 0), max_tokens=data.get("max_tokens", 0),
+                token_times_ns=array("q"),  # 8 bytes a token, not a 32-byte int object and a list slot
             )
             return
         if rec is None:

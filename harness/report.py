@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from kvemu.records import RequestRecord
+from kvemu.records import RequestRecord, sequences_as_lists
 
 from harness.plots import PLOTS, start_plots, write_plots
 from harness.stats import percentile
@@ -389,7 +389,7 @@ def dumps_summary(summary: dict[str, Any]) -> str:
 def write_requests(records: Iterable[RequestRecord], path: Path) -> int:
     """Write one msgspec-encoded record per line (field order of ``RequestRecord``), by arrival then id."""
     ordered = _sorted_records(records)
-    path.write_bytes(msgspec.json.Encoder().encode_lines(ordered))
+    path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
     return len(ordered)
 
 

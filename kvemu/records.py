@@ -8,9 +8,19 @@ clock (virtual or wall; the report shifts them to scenario time).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
-__all__ = ["RequestRecord"]
+__all__ = ["RequestRecord", "sequences_as_lists"]
+
+
+def sequences_as_lists(obj: object) -> object:
+    """msgspec ``enc_hook``: compact or lazy sequences of ints (token times in an ``array('q')``, a trace
+    prompt) are encoded as the lists their fields declare."""
+    if isinstance(obj, Sequence):
+        return list(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
 class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=True):
@@ -54,7 +64,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     output_tokens: int = 0
     """Output tokens produced so far."""
     token_times_ns: list[int] = []
-    """Each output token's time (the end of the pass that produced it); empty if the engine does not record them."""
+    """Each output token's time (the end of the pass that produced it); empty if the engine does not record them.
+    Any sequence of ints in process (the harness recorder keeps an ``array('q')``, 8 bytes a token)."""
     completion_ns: int | None = None
     """When the last token was produced (None while running and for failed requests)."""
     failure: str | None = None

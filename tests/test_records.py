@@ -1,11 +1,13 @@
 """One record of a request's life: the engine keeps it, the router returns it, the recorder writes it."""
 
 import gc
+from array import array
 
 import anyio
 import msgspec
 
 from kvemu import ManualClock, RequestRecord
+from kvemu.records import sequences_as_lists
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.messages import ClientRequest
@@ -87,3 +89,7 @@ def test_router_result_and_recorder_line_agree_field_by_field():
         for name in RequestRecord.__struct_fields__:
             if name not in ROUTER_LEAVES_TO_HOOKS:
                 assert getattr(res, name) == getattr(line, name), (rid, name)
+        # token times are kept compact (8 bytes each) and still written as the list the field declares
+        assert isinstance(line.token_times_ns, array) and line.token_times_ns.typecode == "q"
+        assert msgspec.json.decode(msgspec.json.encode(line, enc_hook=sequences_as_lists),
+                                   type=RequestRecord).token_times_ns == list(line.token_times_ns)

@@ -8,11 +8,10 @@ in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import msgspec
 
 from kvemu.config import RouterOverrides
+from kvemu.records import sequences_as_lists
 
 __all__ = [
     "ClientRequest",
@@ -172,13 +171,7 @@ WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | Dispat
 RouterMessage = RegisterAck | Reregister | Dispatch
 """What the router sends to workers."""
 
-def _enc_hook(obj: object) -> object:
-    if isinstance(obj, Sequence):  # a lazy token sequence (e.g. a trace prompt) travels as a list
-        return list(obj)
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_encoder = msgspec.msgpack.Encoder(enc_hook=sequences_as_lists)  # lazy prompts, compact token times
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 _client_decoder = msgspec.msgpack.Decoder(ClientRequest)
