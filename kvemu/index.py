@@ -11,6 +11,7 @@ past unknown hashes and cascades to the rank's descendants of the removed block;
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -256,10 +257,7 @@ class PrefixIndex:
                 else:
                     entry[1].add(seq)
             for seg, seqs in hit.values():  # cut each segment once, at its shallowest removed block
-                # (one scan of the run, not one per removed block; a segment an earlier cut dropped is a no-op)
-                first = next(iter(seqs)) if len(seqs) == 1 else next((s for s in seg.seqs if s in seqs), None)
-                if first is not None:
-                    self._cut(slot, first)
+                self._cut_first(slot, seg, seqs)
         if missing:
             raise BlockNotFound(
                 f"worker {worker_id} rank {dp_rank}: {len(missing)} removed block(s) not held, first {missing[0]}; "
@@ -471,6 +469,24 @@ class PrefixIndex:
                 c.parent = seg
             child.parent = None
 
+    def _cut_first(self, slot: int, seg: _Seg, seqs: set[int]) -> None:
+        """``_cut`` at the shallowest of ``seqs`` in ``seg`` (a no-op if an earlier cut dropped the segment).
+
+        Engines evict leaf first, so the removed blocks are usually the run's tail: checked in bulk before
+        scanning the run once."""
+        if len(seqs) == 1:
+            first = next(iter(seqs))
+        else:
+            run = seg.seqs
+            tail = run[-len(seqs):] if len(seqs) <= len(run) else None
+            if tail is not None and seqs.issuperset(tail):
+                first = tail[0]
+            else:
+                first = next((s for s in run if s in seqs), None)
+                if first is None:
+                    return
+        self._cut(slot, first)
+
     def _cut(self, slot: int, seq: int) -> None:
         """Remove block ``seq`` and all its descendants from ``slot`` (no-op if already gone)."""
         seg = self._blocks.get(seq)
@@ -490,8 +506,7 @@ class PrefixIndex:
         xext = self._xext[slot]
         if not xext:  # every hash is the canonical one, and maps to exactly this block
             exts = seg.exts if not start else seg.exts[start:]
-            for ext in exts:
-                del lk[ext]  # type: ignore[union-attr]
+            deque(map(lk.__delitem__, exts), maxlen=0)  # type: ignore[union-attr]
             self._size -= len(exts)
             return
         for i in range(start, len(seg.seqs)):
@@ -508,15 +523,13 @@ class PrefixIndex:
         while stack:
             child = stack.pop()
             self._unmap(slot, child, 0)
-            for s in child.seqs:
-                del blocks[s]
+            deque(map(blocks.__delitem__, child.seqs), maxlen=0)
             stack.extend(child.children.values())
             child.parent = None
         self._unmap(slot, seg, off)
         seg.children = {}
         if off:
-            for s in seg.seqs[off:]:
-                del blocks[s]
+            deque(map(blocks.__delitem__, seg.seqs[off:]), maxlen=0)
             del seg.locs[off:], seg.seqs[off:], seg.exts[off:]
             return
         parent = seg.parent
