@@ -1,6 +1,8 @@
 """Timing model: polynomial values, speedup scaling, integer nanoseconds, mixed passes, pluggable models."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from workers.config import EngineConfig
@@ -131,3 +133,21 @@ def test_timing_model_results_are_validated():
         t.prefill_ns(10)
     with pytest.raises(InvalidArgument, match="decode_ms must return a finite number >= 0"):
         t.decode_ns(10)
+
+
+@given(first=st.integers(0, 2_000_000), step=st.integers(0, 64), count=st.integers(0, 70),
+       speedup=st.sampled_from([1.0, 2.0, 3.7]), decode_speedup=st.sampled_from([1.0, 2.5]),
+       slowdown=st.sampled_from([1.0, 1.5, 4.0]))
+def test_a_decode_series_equals_its_passes_one_by_one(first, step, count, speedup, decode_speedup, slowdown):
+    """Fast-forward's run of decode durations (fused for the polynomial, generic for any model) is exactly
+    the per-pass ``decode_ns`` stepping uses, slowdowns included."""
+    cfg = EngineConfig(num_gpu_blocks=1000, block_size=16, speedup_ratio=speedup, decode_speedup_ratio=decode_speedup)
+
+    class Generic:  # no series methods: the per-pass fallback
+        prefill_ms = PolynomialTiming.prefill_ms
+        decode_ms = PolynomialTiming.decode_ms
+
+    for model in (PolynomialTiming(), Generic()):
+        t = PassTimer(cfg, model)  # type: ignore[arg-type]
+        t.set_slowdown(slowdown)
+        assert t.decode_series_ns(first, step, count) == [t.decode_ns(first + i * step) for i in range(count)]

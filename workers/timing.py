@@ -60,6 +60,13 @@ class PolynomialTiming:
         ps = [a / total_kv_tokens for a in actives]
         return [v if (v := -25.74 * p * p + 54.01 * p + 5.74) > 1.0 else 1.0 for p in ps]
 
+    def decode_ns_series(self, first: int, step: int, count: int, total_kv_tokens: int, scale: float) -> list[int]:
+        """``[round(decode_ms(...) * scale) ...]`` of ``decode_ms_series`` in one pass (always finite, >= 1 ms)."""
+        t = total_kv_tokens
+        actives = range(first, first + count * step, step) if step else [first] * count
+        return [round((v if (v := -25.74 * (p := a / t) * p + 54.01 * p + 5.74) > 1.0 else 1.0) * scale)
+                for a in actives]
+
     def __repr__(self) -> str:
         return "PolynomialTiming()"
 
@@ -135,6 +142,9 @@ class PassTimer:
         if not scale or count <= 0:
             return [0] * count
         total = self.total_kv_tokens
+        fused = getattr(self.model, "decode_ns_series", None)
+        if fused is not None:  # the model's own series, already scaled and rounded: nothing to check
+            return fused(first_kv_tokens, step, count, total, scale)
         series = getattr(self.model, "decode_ms_series", None)
         if series is not None:
             out = series(first_kv_tokens, step, count, total)
