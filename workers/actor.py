@@ -1,14 +1,13 @@
 """The worker actor: a ``MockWorker`` (one engine core per DP rank) behind a router link.
 
 It registers, heartbeats, accepts or rejects dispatches, drives its cores and publishes each rank's
-KV events. On virtual time it fast-forwards: it sleeps until the cores' next visible event or the next
-message, then ``advance_to``\\ s the cores. On wall time each rank runs one forward pass at a time with
-a real sleep for its duration and streams the tokens each pass produced.
+KV events. On virtual time it fast-forwards: one timer callback (``Wakeup``) ``advance_to``\\ s the
+cores at their next visible event, and a dispatch makes it re-plan. On wall time each rank runs one
+forward pass at a time with a real sleep for its duration and streams the tokens each pass produced.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
@@ -41,8 +40,6 @@ from workers.request import Request
 from workers.worker import MockWorker
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
-
-log = logging.getLogger("kvemu.worker")
 
 
 class KvPublisher(Protocol):
