@@ -1,0 +1,113 @@
+"""In-memory delivery on virtual time: handlers called in order at the delivery instant, errors not lost."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from kvemu.clock import ManualClock
+from kvemu.runtime.loop import run_virtual
+from kvemu.runtime.messages import Dispatch, Heartbeat, RegisterAck
+from kvemu.runtime.transport import MemoryNetwork, peer_id
+from kvemu.runtime.wakeup import Wakeup
+
+
+@pytest.mark.parametrize("wire_check", [False, True])
+def test_messages_arrive_in_order_after_the_latency_also_those_sent_before_serving(wire_check):
+    clock = ManualClock()
+    net = MemoryNetwork(latency_ns=2_000_000, wire_check=wire_check)
+    router, worker = net.router_end(), net.worker_end(7)
+    got: list[tuple[int, object]] = []
+
+    async def main() -> None:
+        for i in range(3):  # before the router serves: kept, then delivered in order
+            worker.send_nowait(Heartbeat(worker_id=i))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.serve, lambda peer, msg: got.append((clock.now_ns(), peer, msg)))
+            tg.start_soon(worker.serve, lambda msg: got.append((clock.now_ns(), None, msg)))
+            await anyio.sleep(0.001)
+            router.send_nowait(peer_id(7), Dispatch(request_id="r", dp_rank=0, tokens=[1, 2], max_tokens=3))
+            router.send_nowait(peer_id(99), RegisterAck(worker_id=99, accepted=True))  # nobody: dropped
+            await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    run_virtual(main, clock)
+    assert [m.worker_id for t, p, m in got[:3]] == [0, 1, 2]
+    assert all(t == 2_000_000 and p == b"7" for t, p, _ in got[:3])
+    assert got[3][0] == 3_000_000 and got[3][2] == Dispatch(request_id="r", dp_rank=0, tokens=[1, 2], max_tokens=3)
+    assert len(got) == 4
+
+
+def test_a_handler_that_raises_ends_its_serve_with_that_error():
+    clock = ManualClock()
+    net = MemoryNetwork()
+    router, worker = net.router_end(), net.worker_end(1)
+
+    def handler(msg: object) -> None:
+        raise RuntimeError("registration refused")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(worker.serve, handler)
+            await anyio.sleep(0)
+            router.send_nowait(peer_id(1), RegisterAck(worker_id=1, accepted=False))
+            await anyio.sleep(1)
+
+    with pytest.raises(ExceptionGroup) as info:
+        run_virtual(main, clock)
+    assert info.group_contains(RuntimeError, match="registration refused")
+
+
+def test_a_closed_end_stops_serving_and_drops_what_comes_later():
+    clock = ManualClock()
+    net = MemoryNetwork()
+    router, worker = net.router_end(), net.worker_end(3)
+    got: list[object] = []
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker.serve, got.append)
+                await anyio.sleep(0)
+                await worker.aclose()  # serve returns
+        router.send_nowait(peer_id(3), RegisterAck(worker_id=3, accepted=True))
+        await anyio.sleep(0.1)
+
+    run_virtual(main, clock)
+    assert got == []
+
+
+def test_wakeup_steps_at_the_instants_asked_and_soon_after_a_poke():
+    clock = ManualClock()
+    seen: list[int] = []
+    plan = iter([5_000, None, 9_000, None])
+
+    def step() -> int | None:
+        seen.append(clock.now_ns())
+        return next(plan)
+
+    wake = Wakeup(step)
+
+    async def main() -> None:
+        wake.poke()  # before run: nothing to do yet
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wake.run)
+            await anyio.sleep(0.000_007)  # steps at 0 and 5 us; then nothing asked
+            wake.poke()
+            wake.poke()  # one step for both pokes
+            await anyio.sleep(0.000_010)
+            tg.cancel_scope.cancel()
+
+    run_virtual(main, clock)
+    assert seen == [0, 5_000, 7_000, 9_000]
+
+
+def test_wakeup_reraises_a_failing_step_in_its_owners_task():
+    def step() -> int | None:
+        raise ValueError("engine invariant broken")
+
+    async def main() -> None:
+        await Wakeup(step).run()
+
+    with pytest.raises(ValueError, match="engine invariant broken"):
+        run_virtual(main, ManualClock())
