@@ -86,7 +86,7 @@ def test_wakeup_steps_at_the_instants_asked_and_soon_after_a_poke():
         seen.append(clock.now_ns())
         return next(plan)
 
-    wake = Wakeup(step)
+    wake = Wakeup(step, clock.now_ns)
 
     async def main() -> None:
         wake.poke()  # before run: nothing to do yet
@@ -107,7 +107,43 @@ def test_wakeup_reraises_a_failing_step_in_its_owners_task():
         raise ValueError("engine invariant broken")
 
     async def main() -> None:
-        await Wakeup(step).run()
+        await Wakeup(step, lambda: 0).run()
 
     with pytest.raises(ValueError, match="engine invariant broken"):
         run_virtual(main, ManualClock())
+
+
+def test_a_worker_heartbeats_on_its_ticks_only_when_nothing_else_was_sent():
+    """Ticks every interval from the start; a tick sends only if the worker was quiet for an interval."""
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.runtime.messages import Heartbeat as Beat
+    from kvemu.runtime.messages import Register
+    from workers import EngineConfig, MockWorker
+    from workers.actor import WorkerActor
+
+    clock = ManualClock()
+    net = MemoryNetwork()
+    router = net.router_end()
+    bus = MemoryKvBus()
+    actor = WorkerActor(MockWorker(EngineConfig(num_gpu_blocks=64, block_size=16), worker_id=4), net.worker_end(4),
+                        clock, [bus.publisher(4, 0)], mode="virtual", heartbeat_interval_s=1.0)
+    beats: list[int] = []
+
+    def on_message(peer: bytes, msg: object) -> None:
+        if isinstance(msg, Register):
+            router.send_nowait(peer, RegisterAck(worker_id=4, accepted=True))
+        elif isinstance(msg, Beat):
+            beats.append(clock.now_ns())
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.serve, on_message)
+            await tg.start(actor.run)
+            await anyio.sleep(2.5)
+            actor._send(Beat(worker_id=4))  # any message proves liveness: the tick at 3 s stays silent
+            await anyio.sleep(3.0)
+            tg.cancel_scope.cancel()
+
+    run_virtual(main, clock)
+    s = 1_000_000_000
+    assert beats == [1 * s, 2 * s, 2_500_000_000, 4 * s, 5 * s]

@@ -99,7 +99,9 @@ class WorkerActor:
         self._last_sent_ns = -(1 << 62)
 
         self._wakes: dict[int, anyio.Event] = {}  # per rank, on wall time
-        self._driver = Wakeup(self._advance_virtual)  # on virtual time
+        self._driver = Wakeup(self._advance_virtual, clock.now_ns)  # on virtual time
+        self._beats = Wakeup(self._heartbeat, clock.now_ns)
+        self._beat_t0 = 0
         self._records: dict[str, RequestRecord] = {}
         self._sent: dict[str, int] = {}
 
@@ -142,7 +144,8 @@ class WorkerActor:
                 raise WorkerRejected(f"worker {self.worker_id}: no answer from the router within "
                                      f"{self.register_timeout_s} s; check its address")
             task_status.started()
-            tg.start_soon(self._heartbeat)
+            self._beat_t0 = self.clock.now_ns()
+            tg.start_soon(self._beats.run)
             if self.mode == "virtual":
                 tg.start_soon(self._driver.run)
             else:
@@ -211,14 +214,19 @@ class WorkerActor:
         self._last_sent_ns = self.clock.now_ns()
         self.end.send_nowait(msg)
 
-    async def _heartbeat(self) -> None:
-        """Prove liveness when nothing else did: any message counts, so a busy worker sends none."""
-        msg = Heartbeat(worker_id=self.worker_id)
-        interval_ns = round(self.heartbeat_interval_s * NS_PER_S)
-        while not self.stopped:
-            if self.clock.now_ns() - self._last_sent_ns >= interval_ns:
-                self._send(msg)
-            await anyio.sleep(self.heartbeat_interval_s)
+    def _heartbeat(self) -> int | None:
+        """Prove liveness when nothing else did: any message counts, so a busy worker sends none.
+
+        Checks on ticks every ``heartbeat_interval_s`` from the start; returns the first tick at which a
+        heartbeat can be due (ticks before it would find a recent message and do nothing)."""
+        if self.stopped:
+            return None
+        now = self.clock.now_ns()
+        interval = round(self.heartbeat_interval_s * NS_PER_S)
+        if now - self._last_sent_ns >= interval:
+            self._send(Heartbeat(worker_id=self.worker_id))
+        due = max(self._last_sent_ns + interval, now + 1)
+        return self._beat_t0 + -(-(due - self._beat_t0) // interval) * interval
 
     # ------------------------------------------------------------------ virtual time
 

@@ -1,9 +1,10 @@
 """A re-armable timer that drives a sans-IO core from the event loop, without a task per step.
 
-``step()`` advances the core to the loop's time and returns the instant (ns) it next needs to run, or
-``None``; ``poke()`` asks for a step soon (new input changed the plan). The owner's task awaits
-``run()``, which re-raises anything ``step`` raised, so a failing core fails its actor as a receive
-loop would, instead of vanishing into the loop's exception handler.
+``step()`` advances the core to the clock's time and returns the instant (ns, on that clock) it next
+needs to run, or ``None``; ``poke()`` asks for a step soon (new input changed the plan). The owner's
+task awaits ``run()``, which re-raises anything ``step`` raised, so a failing core fails its actor as a
+receive loop would, instead of vanishing into the loop's exception handler. On the virtual loop the
+instant is exact (``call_at_ns``); on any other loop it becomes a delay from the clock's now.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ __all__ = ["Wakeup"]
 class Wakeup:
     """Calls ``step`` at the instants it asks for, and soon after every ``poke``."""
 
-    __slots__ = ("_step", "_loop", "_handle", "_soon", "_error", "_failed")
+    __slots__ = ("_step", "_now", "_loop", "_handle", "_soon", "_error", "_failed")
 
-    def __init__(self, step: Callable[[], int | None]) -> None:
+    def __init__(self, step: Callable[[], int | None], now_ns: Callable[[], int]) -> None:
         self._step = step
+        self._now = now_ns
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.Handle | None = None
         self._soon = False
@@ -71,7 +73,7 @@ class Wakeup:
         if when_ns is None or self._loop is None:
             return
         call_at_ns = getattr(self._loop, "call_at_ns", None)
-        if call_at_ns is not None:  # the virtual loop: exact nanoseconds
+        if call_at_ns is not None:  # the virtual loop: its clock is the step's clock, exact nanoseconds
             self._handle = call_at_ns(when_ns, self._fire)
         else:
-            self._handle = self._loop.call_at(when_ns / NS_PER_S, self._fire)
+            self._handle = self._loop.call_later(max(0, when_ns - self._now()) / NS_PER_S, self._fire)
