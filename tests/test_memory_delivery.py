@@ -147,3 +147,38 @@ def test_a_worker_heartbeats_on_its_ticks_only_when_nothing_else_was_sent():
     run_virtual(main, clock)
     s = 1_000_000_000
     assert beats == [1 * s, 2 * s, 2_500_000_000, 4 * s, 5 * s]
+
+
+def test_heartbeats_also_tick_on_wall_time():
+    """Live mode: the same timer on uvloop, scheduled as delays from the worker's clock."""
+    from kvemu.clock import WallClock
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.runtime.loop import run_live
+    from kvemu.runtime.messages import Heartbeat as Beat
+    from kvemu.runtime.messages import Register
+    from workers import EngineConfig, MockWorker
+    from workers.actor import WorkerActor
+
+    clock = WallClock()
+    net = MemoryNetwork()
+    router = net.router_end()
+    actor = WorkerActor(MockWorker(EngineConfig(num_gpu_blocks=64, block_size=16), worker_id=2), net.worker_end(2),
+                        clock, [MemoryKvBus().publisher(2, 0)], mode="live", heartbeat_interval_s=0.1)
+    beats: list[int] = []
+
+    def on_message(peer: bytes, msg: object) -> None:
+        if isinstance(msg, Register):
+            router.send_nowait(peer, RegisterAck(worker_id=2, accepted=True))
+        elif isinstance(msg, Beat):
+            beats.append(clock.now_ns())
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.serve, on_message)
+            await tg.start(actor.run)
+            await anyio.sleep(0.65)
+            tg.cancel_scope.cancel()
+
+    run_live(main)
+    assert 3 <= len(beats) <= 7
+    assert all(b - a >= 80_000_000 for a, b in zip(beats, beats[1:]))  # one per tick, not a burst
