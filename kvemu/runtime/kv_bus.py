@@ -10,14 +10,15 @@ engine's batch in the router's model (``EventBatch``: no token ids, no encoding)
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable, Iterator
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
-from kvemu.wire.codec import encode_batch, profile_for
+from kvemu.wire.codec import profile_for
 from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.publisher import PublisherStats
+from kvemu.wire.replay_log import ReplayLog, wire_payload
 from kvemu.wire.stream import Payload
 
 __all__ = ["MemoryKvBus", "MemoryKvPublisher"]
@@ -34,12 +35,17 @@ class MemoryKvPublisher:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.profile = profile_for(vllm_version)
-        self._seq = 0
-        self._buffer: deque[tuple[int, Payload]] = deque(maxlen=buffer_steps)
-        self.drop_next = 0
+        self._log: ReplayLog[Payload] = ReplayLog(buffer_steps)
+        self.stats = PublisherStats()
+
+    @property
+    def drop_next(self) -> int:
         """Fault injection: this many coming batches are buffered for replay but not delivered."""
-        self.published = 0
-        self.dropped = 0
+        return self._log.drop_next
+
+    @drop_next.setter
+    def drop_next(self, count: int) -> None:
+        self._log.drop_next = count
 
     def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Buffer and deliver one batch; False if it was dropped (still replayable)."""
@@ -47,30 +53,25 @@ class MemoryKvPublisher:
         if type(batch) is not KVEventBatch and not self.bus.wire_check:
             payload = batch.router_batch()  # type: ignore[union-attr]
         else:
-            if type(batch) is not KVEventBatch:
-                batch = batch.batch()  # type: ignore[union-attr]
-            if batch.data_parallel_rank is None:  # type: ignore[union-attr]
-                batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)  # type: ignore[union-attr]
-            payload = encode_batch(batch, self.profile)  # type: ignore[arg-type]
-        seq = self._seq
-        self._seq = seq + 1
-        self._buffer.append((seq, payload))
-        if self.drop_next:
-            self.drop_next -= 1
-            self.dropped += 1
+            payload = wire_payload(batch, self.dp_rank, self.profile)
+        seq, live = self._log.append(payload)
+        if not live:
+            self.stats.dropped += 1
             return False
-        self.published += 1
+        self.stats.published += 1
         self.bus._deliver(self.worker_id, self.dp_rank, seq, payload)
         return True
 
     def replay(self, start: int) -> Iterator[tuple[int, Payload]]:
         """Buffered batches with ``seq >= start``, in order."""
-        return iter([(s, p) for s, p in self._buffer if s >= start])
+        self.stats.replay_requests += 1
+        batches = self._log.since(start)
+        self.stats.replayed_batches += len(batches)
+        return iter(batches)
 
     def restart(self) -> None:
         """Simulate an engine restart: the sequence starts again at 0 and the buffer is empty."""
-        self._seq = 0
-        self._buffer.clear()
+        self._log.restart()
 
 
 class MemoryKvBus:

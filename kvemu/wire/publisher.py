@@ -10,15 +10,15 @@ recover it — instead of the reference engine's blocking queue that can stall e
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 import zmq
 
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
-from kvemu.wire.codec import VllmProfile, encode_batch, profile_for
+from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.replay_log import ReplayLog, wire_payload
 
 __all__ = ["KvEventPublisher", "PublisherStats"]
 
@@ -56,18 +56,15 @@ class KvEventPublisher:
         bind: bool | None = None,
         context: zmq.Context | None = None,
     ) -> None:
-        if buffer_steps < 1 or hwm < 0:
-            raise InvalidArgument(f"buffer_steps must be >= 1 and hwm >= 0, got {buffer_steps}, {hwm}")
+        if hwm < 0:
+            raise InvalidArgument(f"hwm must be >= 0, got {hwm}")
         self.profile: VllmProfile = profile_for(vllm_version)
         self.dp_rank = dp_rank
         self.topic = topic.encode()
         self.stats = PublisherStats()
         self._ctx = context or zmq.Context.instance()
-        self._seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._log: ReplayLog[bytes] = ReplayLog(buffer_steps)
         self._closed = False
-        self.drop_next = 0
-        """Fault injection: this many coming batches are buffered for replay but not sent live."""
         pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # full → EAGAIN (counted) rather than a silent drop
@@ -97,25 +94,27 @@ class KvEventPublisher:
     @property
     def next_seq(self) -> int:
         """The sequence number the next batch will carry."""
-        return self._seq
+        return self._log.next_seq
+
+    @property
+    def drop_next(self) -> int:
+        """Fault injection: this many coming batches are buffered for replay but not sent live."""
+        return self._log.drop_next
+
+    @drop_next.setter
+    def drop_next(self, count: int) -> None:
+        self._log.drop_next = count
 
     def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Send a batch (stamping this rank if it has none); False if only the replay buffer got it."""
         if self._closed:
             raise InvalidArgument("publish on a closed KvEventPublisher")
-        if type(batch) is not KVEventBatch:
-            batch = batch.batch()  # type: ignore[union-attr]
-        if batch.data_parallel_rank is None:
-            batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=self.dp_rank)
-        return self.publish_payload(encode_batch(batch, self.profile))
+        return self.publish_payload(wire_payload(batch, self.dp_rank, self.profile))
 
     def publish_payload(self, payload: bytes) -> bool:
         """Send an already encoded payload with the next sequence number."""
-        seq = self._seq
-        self._seq = seq + 1
-        self._buffer.append((seq, payload))  # deque appends are atomic; the replay thread copies it whole
-        if self.drop_next:
-            self.drop_next -= 1
+        seq, live = self._log.append(payload)
+        if not live:
             self.stats.dropped += 1
             return False
         pub = self._pub
@@ -169,7 +168,7 @@ class KvEventPublisher:
             return  # vLLM logs and ignores malformed requests
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         self.stats.replay_requests += 1
-        batches = [(s, p) for s, p in list(self._buffer) if s >= start]
+        batches = self._log.since(start)
         topic = [self.topic] if self.profile.replay_topic else []
         for seq, payload in batches:
             router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
