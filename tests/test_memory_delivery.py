@@ -113,38 +113,46 @@ def test_wakeup_reraises_a_failing_step_in_its_owners_task():
         run_virtual(main, ManualClock())
 
 
-def test_a_worker_heartbeats_on_its_ticks_only_when_nothing_else_was_sent():
-    """Ticks every interval from the start; a tick sends only if the worker was quiet for an interval."""
+def _beating_worker(clock, mode: str, interval_s: float):
+    """A registered worker actor with no traffic and a router end that records its heartbeats' times."""
     from kvemu.runtime.kv_bus import MemoryKvBus
-    from kvemu.runtime.messages import Heartbeat as Beat
     from kvemu.runtime.messages import Register
     from workers import EngineConfig, MockWorker
     from workers.actor import WorkerActor
 
-    clock = ManualClock()
     net = MemoryNetwork()
     router = net.router_end()
-    bus = MemoryKvBus()
     actor = WorkerActor(MockWorker(EngineConfig(num_gpu_blocks=64, block_size=16), worker_id=4), net.worker_end(4),
-                        clock, [bus.publisher(4, 0)], mode="virtual", heartbeat_interval_s=1.0)
+                        clock, [MemoryKvBus().publisher(4, 0)], mode=mode, heartbeat_interval_s=interval_s)
     beats: list[int] = []
 
     def on_message(peer: bytes, msg: object) -> None:
         if isinstance(msg, Register):
             router.send_nowait(peer, RegisterAck(worker_id=4, accepted=True))
-        elif isinstance(msg, Beat):
+        elif isinstance(msg, Heartbeat):
             beats.append(clock.now_ns())
 
-    async def main() -> None:
+    async def run(body) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(router.serve, on_message)
             await tg.start(actor.run)
-            await anyio.sleep(2.5)
-            actor._send(Beat(worker_id=4))  # any message proves liveness: the tick at 3 s stays silent
-            await anyio.sleep(3.0)
+            await body(actor)
             tg.cancel_scope.cancel()
 
-    run_virtual(main, clock)
+    return run, beats
+
+
+def test_a_worker_heartbeats_on_its_ticks_only_when_nothing_else_was_sent():
+    """Ticks every interval from the start; a tick sends only if the worker was quiet for an interval."""
+    clock = ManualClock()
+    run, beats = _beating_worker(clock, "virtual", 1.0)
+
+    async def body(actor) -> None:
+        await anyio.sleep(2.5)
+        actor._send(Heartbeat(worker_id=4))  # any message proves liveness: the tick at 3 s stays silent
+        await anyio.sleep(3.0)
+
+    run_virtual(lambda: run(body), clock)
     s = 1_000_000_000
     assert beats == [1 * s, 2 * s, 2_500_000_000, 4 * s, 5 * s]
 
@@ -152,33 +160,13 @@ def test_a_worker_heartbeats_on_its_ticks_only_when_nothing_else_was_sent():
 def test_heartbeats_also_tick_on_wall_time():
     """Live mode: the same timer on uvloop, scheduled as delays from the worker's clock."""
     from kvemu.clock import WallClock
-    from kvemu.runtime.kv_bus import MemoryKvBus
     from kvemu.runtime.loop import run_live
-    from kvemu.runtime.messages import Heartbeat as Beat
-    from kvemu.runtime.messages import Register
-    from workers import EngineConfig, MockWorker
-    from workers.actor import WorkerActor
 
-    clock = WallClock()
-    net = MemoryNetwork()
-    router = net.router_end()
-    actor = WorkerActor(MockWorker(EngineConfig(num_gpu_blocks=64, block_size=16), worker_id=2), net.worker_end(2),
-                        clock, [MemoryKvBus().publisher(2, 0)], mode="live", heartbeat_interval_s=0.1)
-    beats: list[int] = []
+    run, beats = _beating_worker(WallClock(), "live", 0.1)
 
-    def on_message(peer: bytes, msg: object) -> None:
-        if isinstance(msg, Register):
-            router.send_nowait(peer, RegisterAck(worker_id=2, accepted=True))
-        elif isinstance(msg, Beat):
-            beats.append(clock.now_ns())
+    async def body(actor) -> None:
+        await anyio.sleep(0.65)
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(router.serve, on_message)
-            await tg.start(actor.run)
-            await anyio.sleep(0.65)
-            tg.cancel_scope.cancel()
-
-    run_live(main)
+    run_live(lambda: run(body))
     assert 3 <= len(beats) <= 7
     assert all(b - a >= 80_000_000 for a, b in zip(beats, beats[1:]))  # one per tick, not a burst

@@ -18,7 +18,7 @@ from kvemu.events import EngineEvents
 from kvemu.wire.codec import profile_for
 from kvemu.wire.kv_events import KVEventBatch
 from kvemu.wire.publisher import PublisherStats
-from kvemu.wire.replay_log import ReplayLog, wire_payload
+from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 from kvemu.wire.stream import Payload
 
 __all__ = ["MemoryKvBus", "MemoryKvPublisher"]
@@ -27,7 +27,7 @@ Deliver = Callable[[int, int, int, Payload], None]
 """``deliver(worker_id, dp_rank, seq, payload)``: the router's intake."""
 
 
-class MemoryKvPublisher:
+class MemoryKvPublisher(LoggedPublisher):
     """One rank's publisher on a ``MemoryKvBus`` (same interface as ``KvEventPublisher.publish``)."""
 
     def __init__(self, bus: MemoryKvBus, worker_id: int, dp_rank: int, vllm_version: str, buffer_steps: int) -> None:
@@ -37,15 +37,6 @@ class MemoryKvPublisher:
         self.profile = profile_for(vllm_version)
         self._log: ReplayLog[Payload] = ReplayLog(buffer_steps)
         self.stats = PublisherStats()
-
-    @property
-    def drop_next(self) -> int:
-        """Fault injection: this many coming batches are buffered for replay but not delivered."""
-        return self._log.drop_next
-
-    @drop_next.setter
-    def drop_next(self, count: int) -> None:
-        self._log.drop_next = count
 
     def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Buffer and deliver one batch; False if it was dropped (still replayable)."""

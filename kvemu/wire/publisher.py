@@ -18,7 +18,7 @@ from kvemu.events import EngineEvents
 from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.wire.kv_events import KVEventBatch
-from kvemu.wire.replay_log import ReplayLog, wire_payload
+from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 
 __all__ = ["KvEventPublisher", "PublisherStats"]
 
@@ -40,7 +40,7 @@ class PublisherStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-class KvEventPublisher:
+class KvEventPublisher(LoggedPublisher):
     """Publishes ``KVEventBatch``es of one DP rank in the wire format of a chosen vLLM version."""
 
     def __init__(
@@ -90,20 +90,6 @@ class KvEventPublisher:
             self._router = router
             self._thread = threading.Thread(target=self._serve_replay, name=f"kv-replay-dp{dp_rank}", daemon=True)
             self._thread.start()
-
-    @property
-    def next_seq(self) -> int:
-        """The sequence number the next batch will carry."""
-        return self._log.next_seq
-
-    @property
-    def drop_next(self) -> int:
-        """Fault injection: this many coming batches are buffered for replay but not sent live."""
-        return self._log.drop_next
-
-    @drop_next.setter
-    def drop_next(self, count: int) -> None:
-        self._log.drop_next = count
 
     def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Send a batch (stamping this rank if it has none); False if only the replay buffer got it."""

@@ -15,7 +15,7 @@ from kvemu.events import EngineEvents
 from kvemu.wire.codec import VllmProfile, encode_batch
 from kvemu.wire.kv_events import KVEventBatch
 
-__all__ = ["ReplayLog", "wire_payload"]
+__all__ = ["ReplayLog", "LoggedPublisher", "wire_payload"]
 
 P = TypeVar("P")
 
@@ -56,6 +56,26 @@ class ReplayLog(Generic[P]):
         """An engine restart: the sequence starts again at 0 and the buffer is empty."""
         self._seq = 0
         self._buffer.clear()
+
+
+class LoggedPublisher:
+    """Base of the KV publishers: what they expose of their ``ReplayLog``."""
+
+    _log: ReplayLog
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will carry."""
+        return self._log.next_seq
+
+    @property
+    def drop_next(self) -> int:
+        """Fault injection: this many coming batches are buffered for replay but not sent live."""
+        return self._log.drop_next
+
+    @drop_next.setter
+    def drop_next(self, count: int) -> None:
+        self._log.drop_next = count
 
 
 def wire_payload(batch: KVEventBatch | EngineEvents, dp_rank: int, profile: VllmProfile) -> bytes:
