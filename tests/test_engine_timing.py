@@ -151,3 +151,17 @@ def test_a_decode_series_equals_its_passes_one_by_one(first, step, count, speedu
         t = PassTimer(cfg, model)  # type: ignore[arg-type]
         t.set_slowdown(slowdown)
         assert t.decode_series_ns(first, step, count) == [t.decode_ns(first + i * step) for i in range(count)]
+
+
+@given(calls=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30), st.sampled_from([1, 2, 3, 4, 0])), max_size=30),
+       slow_at=st.integers(0, 30))
+def test_the_kept_decode_run_returns_what_a_fresh_computation_would(calls, slow_at):
+    """Slices of the kept run, continuations of it and fresh runs all equal the per-pass durations,
+    also across a slowdown (which drops the kept run)."""
+    t = PassTimer(EngineConfig(num_gpu_blocks=1000, block_size=16, speedup_ratio=1.5))
+    base = 50_000
+    for n, (offset, count, step) in enumerate(calls):
+        if n == slow_at:
+            t.set_slowdown(2.0)
+        first = base + offset * max(step, 1)
+        assert t.decode_series_ns(first, step, count) == [t.decode_ns(first + i * step) for i in range(count)]

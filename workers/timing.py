@@ -72,6 +72,8 @@ class PolynomialTiming:
 
 
 _DECODE_MEMO = 1 << 16
+_RUN_MAX = 1 << 14
+"""Longest decode run kept for reuse (passes)."""
 
 
 def _to_ns(ms: float, scale: float, what: str) -> int:
@@ -88,7 +90,7 @@ class PassTimer:
     # Decode durations depend only on the decode KV tokens, so they are memoised (the memo is bounded).
 
     __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache",
-                 "slowdown")
+                 "_run", "slowdown")
 
     def __init__(self, config: EngineConfig, model: TimingModel | None = None) -> None:
         self.model: TimingModel = model if model is not None else PolynomialTiming()
@@ -100,6 +102,7 @@ class PassTimer:
         self._prefill_scale = NS_PER_MS / prefill_ratio if prefill_ratio > 0 else 0.0
         self._decode_scale = NS_PER_MS / decode_ratio if decode_ratio > 0 else 0.0
         self._decode_cache: dict[int, int] = {}
+        self._run: tuple[int, int, list[int]] | None = None  # (first KV tokens, step, durations)
         self.slowdown = 1.0
 
     def set_slowdown(self, factor: float) -> None:
@@ -110,6 +113,7 @@ class PassTimer:
         self._decode_scale *= factor / self.slowdown
         self.slowdown = factor
         self._decode_cache.clear()
+        self._run = None
 
     def prefill_ns(self, new_tokens: int) -> int:
         """Scaled duration of the prefill part of a pass computing ``new_tokens`` uncached tokens."""
@@ -136,8 +140,24 @@ class PassTimer:
         """Decode durations of ``count`` consecutive passes with ``first_kv_tokens``, ``+ step``, ... KV tokens.
 
         Element ``i`` equals ``decode_ns(first_kv_tokens + i * step)`` (a decode run: the batch grows by one
-        token per request and pass); computed without the memo, whose entries such a run would not reuse.
+        token per request and pass). The last run computed is kept: an engine asks for the same passes
+        twice, once to find its next visible event and once to commit them.
         """
+        run = self._run
+        if run is not None and step == run[1] and step:
+            i, r = divmod(first_kv_tokens - run[0], step)
+            values = run[2]
+            if not r and 0 <= i and i + count <= len(values):
+                return values[i : i + count]
+            if not r and i == len(values) and i + count <= _RUN_MAX:  # it continues the kept run
+                more = self._series(first_kv_tokens, step, count)
+                values += more
+                return more
+        out = self._series(first_kv_tokens, step, count)
+        self._run = (first_kv_tokens, step, out[:]) if step and count <= _RUN_MAX else None
+        return out
+
+    def _series(self, first_kv_tokens: int, step: int, count: int) -> list[int]:
         scale = self._decode_scale
         if not scale or count <= 0:
             return [0] * count
