@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import anyio
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
