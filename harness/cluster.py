@@ -3,8 +3,8 @@
 The mode only chooses the clock, the loop and the transports; the router, worker and engine code is
 the same. Virtual: a ``ManualClock`` driven by the virtual loop, in-memory links carrying message
 objects and an in-memory KV bus carrying router-model batches (``cluster.kv_wire_check`` makes both
-carry the live bytes). Live: the wall clock on uvloop, ZeroMQ links on 127.0.0.1 and real KV-event publishers and
-subscribers per rank.
+carry the live bytes). Live: the wall clock on uvloop, ZeroMQ links on 127.0.0.1 and real KV-event
+publishers and subscribers per rank.
 """
 
 from __future__ import annotations

@@ -71,7 +71,6 @@ class RecordReply(msgspec.Struct, tag=True, kw_only=True):
 
 ClientMessage = ClientRequest | StatsQuery
 ReplyMessage = RecordReply | Stats
-_encode = encode  # lazy trace prompts travel as lists
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 
@@ -126,7 +125,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
             in_flight.discard(req.request_id)
             rec = recorder.records.pop(req.request_id, None)
             if rec is not None:
-                end.reply(peer, _encode(RecordReply(record=rec)))
+                end.reply(peer, encode(RecordReply(record=rec)))
 
     def stats() -> Stats:
         core = router.core
@@ -149,7 +148,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
                 print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
                 continue
             if type(msg) is StatsQuery:
-                end.reply(peer, _encode(stats()))
+                end.reply(peer, encode(stats()))
             else:
                 tg.start_soon(handle, peer, msg)
 
@@ -254,14 +253,14 @@ class _RouterClient:
 
     async def submit(self, req: ClientRequest) -> RequestRecord | None:
         ev = self._waiting[req.request_id] = anyio.Event()
-        await self.sock.send_multipart([CLIENT, _encode(req)])
+        await self.sock.send_multipart([CLIENT, encode(req)])
         await ev.wait()
         return self.records.get(req.request_id)
 
     async def stats(self, timeout_s: float = 30.0) -> Stats:
         event, box = anyio.Event(), []
         self._stats_waiters.append((event, box))
-        await self.sock.send_multipart([CLIENT, _encode(StatsQuery())])
+        await self.sock.send_multipart([CLIENT, encode(StatsQuery())])
         with anyio.fail_after(timeout_s):
             await event.wait()
         return box[0]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import random
-from itertools import repeat
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple
 

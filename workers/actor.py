@@ -179,7 +179,7 @@ class WorkerActor:
     def _on_dispatch(self, msg: Dispatch) -> None:
         if msg.dp_rank in self.dead_ranks:
             self._send(DispatchAck(request_id=msg.request_id, accepted=False,
-                                                    reason=f"rank_down: rank {msg.dp_rank} is dead"))
+                                   reason=f"rank_down: rank {msg.dp_rank} is dead"))
             return
         now = self.clock.now_ns()
         if self.mode == "virtual":
@@ -197,8 +197,7 @@ class WorkerActor:
                 wake.set()
         else:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
-            self._send(DispatchAck(request_id=msg.request_id, accepted=False,
-                                                    reason=f"{reason}: {outcome.message}"))
+            self._send(DispatchAck(request_id=msg.request_id, accepted=False, reason=f"{reason}: {outcome.message}"))
 
     def _engine_now(self) -> int:
         return max(core.now_ns for core in self.worker.cores)

@@ -54,14 +54,9 @@ class PolynomialTiming:
         p = active_kv_tokens / total_kv_tokens
         return max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
 
-    def decode_ms_series(self, first: int, step: int, count: int, total_kv_tokens: int) -> list[float]:
-        """``[decode_ms(first + i * step, total_kv_tokens) for i in range(count)]``, equal bit for bit."""
-        actives = range(first, first + count * step, step) if step else [first] * count
-        ps = [a / total_kv_tokens for a in actives]
-        return [v if (v := -25.74 * p * p + 54.01 * p + 5.74) > 1.0 else 1.0 for p in ps]
-
     def decode_ns_series(self, first: int, step: int, count: int, total_kv_tokens: int, scale: float) -> list[int]:
-        """``[round(decode_ms(...) * scale) ...]`` of ``decode_ms_series`` in one pass (always finite, >= 1 ms)."""
+        """``[round(decode_ms(first + i * step, total_kv_tokens) * scale) for i in range(count)]`` in one
+        pass, equal bit for bit (always finite and >= 1 ms, so nothing to check)."""
         t = total_kv_tokens
         actives = range(first, first + count * step, step) if step else [first] * count
         return [round((v if (v := -25.74 * (p := a / t) * p + 54.01 * p + 5.74) > 1.0 else 1.0) * scale)
@@ -165,12 +160,8 @@ class PassTimer:
         fused = getattr(self.model, "decode_ns_series", None)
         if fused is not None:  # the model's own series, already scaled and rounded: nothing to check
             return fused(first_kv_tokens, step, count, total, scale)
-        series = getattr(self.model, "decode_ms_series", None)
-        if series is not None:
-            out = series(first_kv_tokens, step, count, total)
-        else:
-            decode_ms = self.model.decode_ms
-            out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]
+        decode_ms = self.model.decode_ms
+        out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]
         total_ms = sum(out)
         if not (total_ms >= 0 and total_ms != float("inf")) or min(out) < 0:  # a NaN, an inf or a negative
             for ms in out:

@@ -4,7 +4,8 @@ A ``MemoryKvPublisher`` numbers batches like the ZeroMQ publisher, keeps the las
 replay, and delivers ``(seq, payload)`` to the bus's subscriber after ``lag_ns``. The payload is the
 engine's batch in the router's model (``EventBatch``: no token ids, no encoding), or, with
 ``wire_check=True``, the exact bytes of the bus's vLLM version, as a ZeroMQ publisher would send them
-(a ready-made ``KVEventBatch`` always travels as its bytes). Chaos can drop deliveries (they stay replayable) or change the lag.
+(a ready-made ``KVEventBatch`` always travels as its bytes). Chaos can drop deliveries (they stay
+replayable) or change the lag.
 """
 
 from __future__ import annotations

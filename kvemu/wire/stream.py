@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from kvemu.errors import KvemuError
 from kvemu.events import (
@@ -25,11 +26,14 @@ from kvemu.events import (
 )
 from kvemu.wire.codec import WireDecodeError, decode_batch
 from kvemu.wire.convert import BlockSizeMismatch, convert_event, is_chain
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.kv_events import KvEvent, KVEventBatch
 
 __all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload"]
 
 log = logging.getLogger("kvemu.wire")
+
+_FAILED = object()
+"""What ``EventStream._counted`` returns for a call that raised."""
 
 Payload = bytes | KVEventBatch | EventBatch
 """One batch as a transport carries it: vLLM bytes, decoded vLLM structs, or the router's model."""
@@ -179,47 +183,36 @@ class EventStream:
             items = self._wire_items(batch, rank)  # type: ignore[arg-type]
         stats.batches += 1
         removed: list[int] = []
-        removed_tier = StorageTier.DEVICE
-        for data, tier in items:
+        removed_tier, removed_id = StorageTier.DEVICE, 0
+        for data, tier, event_id in items:
             if type(data) is BlocksRemoved:
                 if removed and tier is not removed_tier:
-                    self._sink(rank, BlocksRemoved(removed), removed_tier)
+                    self._sink(rank, BlocksRemoved(removed), removed_tier, removed_id)
                     removed = []
                 removed += data.block_hashes
-                removed_tier = tier
+                removed_tier, removed_id = tier, event_id
                 continue
             if removed:
-                self._sink(rank, BlocksRemoved(removed), removed_tier)
+                self._sink(rank, BlocksRemoved(removed), removed_tier, removed_id)
                 removed = []
-            self._sink(rank, data, tier)
+            self._sink(rank, data, tier, event_id)
         if removed:
-            self._sink(rank, BlocksRemoved(removed), removed_tier)
+            self._sink(rank, BlocksRemoved(removed), removed_tier, removed_id)
 
-    def _wire_items(self, batch: KVEventBatch, rank: int) -> Iterator[tuple[EventData, StorageTier]]:
+    def _wire_items(self, batch: KVEventBatch, rank: int) -> Iterator[tuple[EventData, StorageTier, int]]:
         """The router events of a vLLM batch, converted with Dynamo's rules (drops and errors counted)."""
-        stats = self.stats
         for ev in batch.events:
-            stats.events += 1
+            self.stats.events += 1
             self.event_id += 1
-            try:
-                converted = convert_event(
-                    ev, worker_id=self.worker_id, dp_rank=rank, block_size=self.block_size,
-                    event_id=self.event_id, eagle=self.eagle,
-                )
-            except BlockSizeMismatch as exc:
-                self._mismatch(exc)
-                continue
-            except KvemuError:  # missing token ids, out-of-range token ids...
-                stats.apply_errors += 1
-                continue
-            except Exception:  # noqa: BLE001 - a malformed event must never stop the stream
-                stats.apply_errors += 1
-                log.exception("worker %s rank %s: event could not be converted", self.worker_id, rank)
-                continue
-            if converted is not None:
-                yield converted.data, converted.tier
+            converted = self._counted("converted", rank, self._convert, (ev, rank))
+            if converted is not None and converted is not _FAILED:
+                yield converted.data, converted.tier, self.event_id  # type: ignore[union-attr]
 
-    def _model_items(self, batch: EventBatch) -> Iterator[tuple[EventData, StorageTier]]:
+    def _convert(self, ev: KvEvent, rank: int) -> RouterEvent | None:
+        return convert_event(ev, worker_id=self.worker_id, dp_rank=rank, block_size=self.block_size,
+                             event_id=self.event_id, eagle=self.eagle)
+
+    def _model_items(self, batch: EventBatch) -> Iterator[tuple[EventData, StorageTier, int]]:
         """The events of a router-model batch, under the same rules as converted wire events."""
         stats = self.stats
         for data in batch.events:
@@ -235,24 +228,32 @@ class EventStream:
                     continue
                 if self.eagle or not is_chain(data.block_hashes, data.parent_hash):
                     continue
-            yield data, StorageTier.DEVICE
+            yield data, StorageTier.DEVICE, self.event_id
 
     def _mismatch(self, exc: BlockSizeMismatch) -> None:
         self.stats.block_size_mismatches += 1
         if self.stats.block_size_mismatches <= 3:
             log.error("%s", exc)
 
-    def _sink(self, rank: int, data: EventData, tier: StorageTier) -> None:
-        stats = self.stats
+    def _counted(self, what: str, rank: int, fn: Callable[..., Any], args: tuple) -> Any:
+        """``fn(*args)``, or ``_FAILED`` with the failure counted (and logged if unexpected): a malformed
+        event must never stop the stream."""
         try:
-            self.sink(RouterEvent(worker_id=self.worker_id, dp_rank=rank, data=data, tier=tier, event_id=self.event_id))
-        except KvemuError:  # unknown parent, removed blocks not held...
-            stats.apply_errors += 1
+            return fn(*args)
+        except BlockSizeMismatch as exc:
+            self._mismatch(exc)
+        except KvemuError:  # missing token ids, unknown parent, removed blocks not held...
+            self.stats.apply_errors += 1
+        except Exception:  # noqa: BLE001
+            self.stats.apply_errors += 1
+            log.exception("worker %s rank %s: event could not be %s", self.worker_id, rank, what)
+        return _FAILED
+
+    def _sink(self, rank: int, data: EventData, tier: StorageTier, event_id: int) -> None:
+        event = RouterEvent(worker_id=self.worker_id, dp_rank=rank, data=data, tier=tier, event_id=event_id)
+        if self._counted("applied", rank, self.sink, (event,)) is _FAILED:
             return
-        except Exception:  # noqa: BLE001 - a malformed event must never stop the stream
-            stats.apply_errors += 1
-            log.exception("worker %s rank %s: event could not be applied", self.worker_id, rank)
-            return
+        stats = self.stats
         t = type(data)
         if t is BlocksStored:
             stats.blocks_stored += len(data.block_hashes)  # type: ignore[union-attr]
