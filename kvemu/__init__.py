@@ -29,6 +29,7 @@ from kvemu.errors import (
 from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
+from kvemu.lifecycle import Flight, Lifecycle, LifecycleSettings
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext, WorkerRow, random_policy, round_robin_policy
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueClass, QueueEntry, QueueLimits, QueueRejected
@@ -56,6 +57,7 @@ __all__ = [
     "CustomPolicy",
     "DoNotQueue",
     "DuplicateWorker",
+    "Flight",
     "EligibilityBuilder",
     "Hold",
     "Ineligible",
@@ -64,6 +66,8 @@ __all__ = [
     "KvCacheEventError",
     "KvemuError",
     "Lease",
+    "Lifecycle",
+    "LifecycleSettings",
     "LoadProjection",
     "LoadTracker",
     "MAX_TIME_NS",

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -169,7 +170,11 @@ def test_malformed_client_requests_fail_with_reasons_and_change_nothing():
             "long": ClientRequest(request_id="d", tokens=[1, 2, 3, 4], session_id="x" * 300),
             "token": ClientRequest(request_id="e", tokens=[1, -2, 3, 4]),
         }
-        return {k: (await router.handle(v)).failure for k, v in cases.items()}
+        async with anyio.create_task_group() as tg:
+            await tg.start(router.serve)
+            out = {k: (await router.handle(v)).failure for k, v in cases.items()}
+            tg.cancel_scope.cancel()
+        return out
 
     failures = run_virtual(main, clock)
     assert failures["empty"].startswith("invalid_request: tokens: the prompt is empty")

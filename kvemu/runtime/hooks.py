@@ -76,6 +76,12 @@ class Hooks:
         """Whether anyone listens to ``kind`` (lets emitters skip building details)."""
         return bool(self._all) or kind in self._by_kind
 
+    def note(self, kind: str, time_ns: int, request_id: str | None = None, worker_id: int | None = None,
+             dp_rank: int | None = None, data: dict[str, Any] | None = None) -> None:
+        """Emit a ``HookEvent`` of ``kind`` if anyone listens (the event is built only then)."""
+        if self._all or kind in self._by_kind:
+            self.emit(HookEvent(kind, time_ns, request_id, worker_id, dp_rank, data))
+
     def emit(self, event: HookEvent) -> None:
         """Deliver ``event`` to its observers."""
         for observer in self._by_kind.get(event.kind, ()):

@@ -1,36 +1,35 @@
-"""The router actor: the request lifecycle around the sans-IO policy core, on any clock and transport.
+"""The router actor: the I/O shell around the request ``Lifecycle`` and the routing core, on any clock and transport.
 
-client request → hashes → eligibility (availability, allow-list, pins, affinity) → policy queue if every
-eligible rank is busy → select → affinity acquire → book the load → dispatch → worker accepts → commit
-the binding (a refusal frees the load and drops the hold) → tokens stream back → first token marks prefill complete → completion frees the load and
-releases the lease. A rejected dispatch drops the hold and re-selects, up to ``retry_limit``. Workers
-register and heartbeat; a missed heartbeat window removes the worker (fence, forget its cache, invalidate
-its bindings, retry or fail its requests). Everything observable is emitted through ``Hooks``.
+It turns worker messages into lifecycle inputs (from the worker each request was dispatched to only),
+drives the lifecycle's deadlines with a ``Wakeup``, registers workers, watches their heartbeats (a missed
+window removes the worker: fence, forget its cache, invalidate its bindings, retry or fail its requests)
+and feeds KV events into the index. ``handle`` awaits one request's end. Everything observable is
+emitted through ``Hooks``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 
 import anyio
 import msgspec
 from msgspec import Meta
 
-from kvemu.affinity import AffinityEvent, Hold, SessionAffinity, Wait, sibling_group_key
+from kvemu.affinity import AffinityEvent, SessionAffinity
 from kvemu.clock import NS_PER_S, Clock
-from kvemu.errors import InvalidArgument, KvemuError, SchedulerError
+from kvemu.errors import KvemuError
 from kvemu.events import RouterEvent
-from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
+from kvemu.lifecycle import Lifecycle, LifecycleSettings
+from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
-from kvemu.runtime.hooks import HookEvent, Hooks
+from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.messages import (
     ClientRequest,
     Deregister,
-    Dispatch,
     DispatchAck,
     Draining,
     Finished,
@@ -45,6 +44,7 @@ from kvemu.runtime.messages import (
     WorkerMessage,
 )
 from kvemu.runtime.transport import RouterEnd
+from kvemu.runtime.wakeup import Wakeup
 from kvemu.validation import check_struct
 from kvemu.wire.stream import EventStream, Payload, Replay, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
@@ -73,37 +73,13 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         check_struct(self)
 
 
-class _Flight:
-    """One attempt of a request, from routing to completion; it writes the engine's facts into ``record``."""
-
-    __slots__ = ("request_id", "record", "key", "ack", "done", "lease", "failure")
-
-    def __init__(self, record: RequestRecord) -> None:
-        self.request_id = record.request_id
-        self.record = record
-        self.key: tuple[int, int] | None = None
-        self.ack: anyio.Event = anyio.Event()
-        self.done: anyio.Event = anyio.Event()
-        self.lease: Any = None
-        self.failure: str | None = None
-        """Why this attempt ended without completing (the request may still be retried)."""
-        # a new attempt starts over on another rank (retries happen only before any token came back)
-        record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
-        record.preemptions = record.output_tokens = 0
-
-
 class _WorkerState:
-    __slots__ = ("spec", "peer", "last_seen_ns", "flights")
+    __slots__ = ("spec", "peer", "last_seen_ns")
 
     def __init__(self, spec: WorkerSpec, peer: bytes, now_ns: int) -> None:
         self.spec = spec
         self.peer = peer
         self.last_seen_ns = now_ns
-        self.flights: dict[str, None] = {}
-
-
-class _Retry(Exception):
-    """This attempt did not get the request admitted; try another rank."""
 
 
 class Router:
@@ -130,7 +106,6 @@ class Router:
         self.hooks = hooks or Hooks()
         self.settings = settings or RouterSettings()
         self.affinity = affinity
-        self.queue = queue
         self._kv_replay = kv_replay
         self._on_worker_added = on_worker_added
         self._on_worker_removed = on_worker_removed
@@ -141,10 +116,19 @@ class Router:
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
         self.stopped = False
+        self.serving = False
+        """Whether ``serve`` runs (``handle`` needs it)."""
         self.started_ns = clock.now_ns()
         self.kv_streams: dict[tuple[int, int], EventStream] = {}
         self.kv_stats: dict[int, WorkerEventStats] = {}
-        self._flights: dict[str, _Flight] = {}
+        self._timers = Wakeup(self._on_time, clock.now_ns)
+        self.lifecycle = Lifecycle(
+            core, send=self._dispatch, clock=clock, hooks=self.hooks, affinity=affinity, queue=queue,
+            settings=LifecycleSettings(self.settings.retry_limit, self.settings.dispatch_timeout_s,
+                                       self.settings.startup_grace_s),
+            unavailable=self._down_ranks, on_deadline=lambda _at: self._timers.poke(),
+        )
+        """Every request from arrival to its end (the sans-IO state machine this actor drives)."""
         self.registered = anyio.Event()
         self.kv_subscriber: KvEventSubscriber | None = None
         """With ``zmq_kv_events``: subscribes to the endpoints workers announce when they register."""
@@ -154,16 +138,30 @@ class Router:
                                                    replay_on_connect=self.settings.kv_replay_on_connect)
             self.kv_subscriber.stats = self.kv_stats
 
+    @property
+    def queue(self) -> PolicyQueue | None:
+        """The policy queue requests wait in while every eligible rank is busy (the lifecycle's)."""
+        return self.lifecycle.queue
+
+    @queue.setter
+    def queue(self, queue: PolicyQueue | None) -> None:
+        self.lifecycle.queue = queue
+
     # ------------------------------------------------------------------ serving
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive worker messages and watch heartbeats until cancelled."""
+        self.serving = True
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watchdog)
+            tg.start_soon(self._timers.run)
             if self.kv_subscriber is not None:
                 tg.start_soon(self._pump_kv_events, self.kv_subscriber)
             task_status.started()
-            await self.end.serve(self.on_message)
+            try:
+                await self.end.serve(self.on_message)
+            finally:
+                self.serving = False
             tg.cancel_scope.cancel()
 
     async def _pump_kv_events(self, subscriber: KvEventSubscriber) -> None:
@@ -193,9 +191,14 @@ class Router:
 
     def _emit(self, kind: str, request_id: str | None = None, worker_id: int | None = None,
               dp_rank: int | None = None, data: dict | None = None) -> None:
-        hooks = self.hooks
-        if hooks.wants(kind):
-            hooks.emit(HookEvent(kind, self._now(), request_id, worker_id, dp_rank, data))
+        self.hooks.note(kind, self._now(), request_id, worker_id, dp_rank, data)
+
+    def _on_time(self) -> int | None:
+        self.lifecycle.poll(self._now())
+        return self.lifecycle.next_deadline_ns()
+
+    def _dispatch(self, worker_id: int, msg: msgspec.Struct) -> None:
+        self._send(self.workers[worker_id].peer, msg)
 
     def on_message(self, peer: bytes, msg: WorkerMessage) -> None:
         """Handle one worker message (the transport's handler; it never raises for a peer's mistakes)."""
@@ -209,15 +212,15 @@ class Router:
                 self.end.send_nowait(peer, Reregister())
             return
         if t is TokenBatch:
-            self._on_tokens(msg)  # type: ignore[arg-type]
+            self.lifecycle.on_tokens(wid, msg)  # type: ignore[arg-type]
         elif t is KvBatch:
             self.kv_intake(wid, msg.dp_rank, msg.seq, msg.payload)  # type: ignore[arg-type,union-attr]
         elif t is Finished:
-            self._on_finished(msg)  # type: ignore[arg-type]
+            self.lifecycle.on_finished(wid, msg)  # type: ignore[arg-type]
         elif t is DispatchAck:
-            self._on_ack(msg)  # type: ignore[arg-type]
+            self.lifecycle.on_ack(wid, msg)  # type: ignore[arg-type]
         elif t is RequestFailed:
-            self._on_failed(msg)  # type: ignore[arg-type]
+            self.lifecycle.on_failed(wid, msg)  # type: ignore[arg-type]
         elif t is Register:
             self._on_register(peer, msg)  # type: ignore[arg-type]
         elif t is Heartbeat:
@@ -281,19 +284,12 @@ class Router:
             self._on_worker_added(msg)
         self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
         self.registered.set()
-        self._capacity_changed()
+        self.lifecycle.worker_added()
 
     def stop(self, reason: str = "router_restart") -> None:
         """This router instance goes away: every request it holds ends with ``reason``."""
         self.stopped = True
-        for flight in list(self._flights.values()):
-            if not flight.done.is_set():
-                flight.failure = reason
-                flight.ack.set()
-                flight.done.set()
-        if self.queue is not None:
-            for entry in [self.queue.remove(rid) for rid in list(self.queue._entries)]:
-                entry.payload.set()  # type: ignore[union-attr]
+        self.lifecycle.stop(reason)
         if self.affinity is not None:
             for session in list(self.affinity._table):
                 self.affinity.invalidate(session)  # wakes requests waiting for an initializer
@@ -316,7 +312,7 @@ class Router:
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id, dp_rank)
         self._emit("worker_fenced", worker_id=worker_id, dp_rank=dp_rank, data={"reason": "rank_down"})
-        self._capacity_changed()
+        self.lifecycle.capacity_changed()
 
     def remove_worker(self, worker_id: int, *, reason: str) -> None:
         """Forget a worker: index, load, bindings; its in-flight requests are retried or failed."""
@@ -324,25 +320,19 @@ class Router:
         if state is None:
             return
         self._peers.pop(state.peer, None)
-        self._down_ranks = {k for k in self._down_ranks if k[0] != worker_id}
+        self._down_ranks.difference_update([k for k in self._down_ranks if k[0] == worker_id])
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)
         for key in [k for k in self.kv_streams if k[0] == worker_id]:
             del self.kv_streams[key]
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
-        for request_id in list(state.flights):
-            flight = self._flights.get(request_id)
-            if flight is not None and not flight.done.is_set():
-                flight.failure = "worker_lost"
-                flight.ack.set()
-                flight.done.set()
         if self.kv_subscriber is not None:
             self.kv_subscriber.remove_worker(worker_id)
         if self._on_worker_removed is not None:
             self._on_worker_removed(worker_id)
         self._emit("worker_removed", worker_id=worker_id, data={"reason": reason})
-        self._capacity_changed()
+        self.lifecycle.worker_lost(worker_id)
 
     async def _watchdog(self) -> None:
         timeout_ns = round(self.settings.heartbeat_timeout_s * NS_PER_S)
@@ -381,265 +371,13 @@ class Router:
         The record holds what the router sees; ``best_overlap_blocks`` and ``token_times_ns`` are left to hook
         observers (the harness recorder), which would otherwise cost every request.
         """
-        result = RequestRecord(request_id=req.request_id, session_id=req.session_id,
-                               parent_session_id=req.parent_session_id, arrival_ns=self._now(),
-                               isl=len(req.tokens), max_tokens=req.max_tokens)
-        if req.request_id in self._flights:
-            result.failure = "duplicate_request_id"
-            self._emit("failed", req.request_id, data={"reason": result.failure})
-            return result
-        self._emit("request_arrived", req.request_id, data={
-            "isl": len(req.tokens), "max_tokens": req.max_tokens, "session_id": req.session_id,
-            "parent_session_id": req.parent_session_id})
-        try:
-            reason = _validate(req)
-            if reason is not None:
-                raise InvalidArgument(reason)
-            prepared = self.core.prepare(
-                req.tokens, request_id=req.request_id, session_id=req.session_id, lora_name=req.lora_name,
-                overrides=req.router_overrides,
-            )
-        except KvemuError as exc:
-            result.failure = f"invalid_request: {exc}"
-            self._emit("failed", req.request_id, data={"reason": result.failure})
-            return result
-        grace_ns = round(self.settings.startup_grace_s * NS_PER_S) - (self._now() - self.started_ns)
-        if not self.workers and grace_ns > 0:
-            with anyio.move_on_after(grace_ns / NS_PER_S):
-                await self.wait_for_workers(1, timeout_s=grace_ns / NS_PER_S + 1)
-        flight = _Flight(result)
-        self._flights[req.request_id] = flight
-        refused: list[tuple[int, int]] = []
-        try:
-            for attempt in range(self.settings.retry_limit + 1):
-                result.attempts = attempt + 1
-                try:
-                    await self._attempt(req, prepared, flight, attempt, refused)
-                except _Retry:
-                    if self.stopped:
-                        result.failure = flight.failure or "router_restart"
-                        break
-                    flight = self._flights[req.request_id] = _Flight(result)
-                    continue
-                except SchedulerError as exc:
-                    result.failure = _reason(exc)
-                    break
-                except (QueueRejected, DoNotQueue) as exc:
-                    result.failure = _reason(exc)
-                    break
-                break
-            else:
-                result.failure = "retries_exhausted"
-            if result.failure is None and flight.failure is not None:
-                result.failure = flight.failure
-            if result.failure is None:
-                self._emit("completed", req.request_id, *(flight.key or (None, None)), data={
-                    "output_tokens": result.output_tokens, "cached_tokens": result.engine_cached_tokens or 0,
-                    "admitted_ns": result.admitted_ns, "preemptions": result.preemptions})
-            else:
-                result.completion_ns = None
-                self._emit("failed", req.request_id, *(flight.key or (None, None)), data={"reason": result.failure})
-            return result
-        finally:
-            self._flights.pop(req.request_id, None)
-
-    async def _attempt(self, req: ClientRequest, prepared: Any, flight: _Flight, attempt: int,
-                       refused: list[tuple[int, int]]) -> None:
-        core = self.core
-        builder = core.eligibility()
-        for w, r in refused:  # ranks that already turned this request away
-            builder.set_available(w, False, dp_rank=r)
-        for w, r in self._down_ranks:
-            builder.set_available(w, False, dp_rank=r)
-        if req.allowed_worker_ids is not None:
-            builder.allow(req.allowed_worker_ids)
-        if req.worker_id is not None or req.dp_rank is not None:
-            builder.pin(req.worker_id, req.dp_rank)
-        await self._maybe_queue(req, builder, prepared, flight.record)
-        hold: Hold | None = None
-        affinity = self.affinity
-        key = _affinity_key(req)
-        if affinity is not None and key is not None:
-            while True:
-                got = core.select_with_affinity(prepared, builder, affinity, key)
-                if not isinstance(got, Wait):
-                    selection, hold = got
-                    break
-                settled = anyio.Event()
-                affinity.on_settled(got, settled.set)
-                await settled.wait()
-                if self.stopped:
-                    flight.failure = "router_restart"
-                    raise _Retry
-        else:
-            selection = core.select(prepared, builder.build())
-        wid, rank = selection.worker_id, selection.dp_rank
-        record = flight.record
-        record.worker_id, record.dp_rank, record.routed_ns = wid, rank, self._now()
-        record.routing_reason, record.predicted_overlap_blocks = selection.reason, selection.overlap_blocks
-        if self.hooks.wants("routed"):
-            ev = selection.evaluation
-            overlaps = ev.inputs["overlaps"] if ev.inputs is not None else core.overlaps(prepared)
-            self._emit("routed", req.request_id, wid, rank, data={
-                "attempt": attempt, "reason": selection.reason, "cost": selection.cost,
-                "overlap_blocks": selection.overlap_blocks,
-                "best_overlap_blocks": max(overlaps.values(), default=0),
-                "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
-            })
-        state = self.workers.get(wid)
-        if state is None:  # pragma: no cover - selection only returns registered workers
-            if hold is not None:
-                affinity.drop(hold)  # type: ignore[union-attr]
-            raise _Retry
-        flight.key = (wid, rank)
-        state.flights[req.request_id] = None
-        # book now, so that requests routed while this one awaits its acknowledgement see its load;
-        # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
-        core.book(req.request_id, selection, prepared)
-        self._send(state.peer, Dispatch(request_id=req.request_id, dp_rank=rank, tokens=req.tokens,
-                                          max_tokens=req.max_tokens))
-        accepted = False
-        with anyio.move_on_after(self.settings.dispatch_timeout_s):
-            await flight.ack.wait()
-            accepted = flight.failure is None
-        if not accepted:
-            reason = flight.failure or "dispatch_timeout"
-            core.free(req.request_id)
-            self._capacity_changed()
-            state.flights.pop(req.request_id, None)
-            refused.append((wid, rank))
-            if hold is not None:
-                affinity.drop(hold)  # type: ignore[union-attr]
-                if hold.kind == "bound":  # the bound rank refused: let the session re-bind
-                    affinity.invalidate(hold.session, hold.revision, hold.version)  # type: ignore[union-attr]
-            self._emit("dispatch_rejected", req.request_id, wid, rank, data={"reason": reason})
-            raise _Retry
-        if hold is not None:
-            try:
-                flight.lease = affinity.commit(hold, selection.key)  # type: ignore[union-attr]
-            except InvalidArgument as exc:  # hard binding moved meanwhile: keep serving, unbound
-                log.info("affinity commit for %s: %s", req.request_id, exc)
-        record.dispatch_ns = self._now()
-        self._emit("dispatch_accepted", req.request_id, wid, rank)
-        try:
-            await flight.done.wait()
-        finally:
-            core.free(req.request_id)
-            if flight.lease is not None and affinity is not None:
-                affinity.release(flight.lease)
-            state.flights.pop(req.request_id, None)
-            self._capacity_changed()
-        if flight.failure == "worker_lost" and record.first_token_ns is None:
-            refused.append((wid, rank))
-            raise _Retry  # nothing was streamed yet: run it elsewhere
-
-    async def _maybe_queue(self, req: ClientRequest, builder: Any, prepared: Any, record: RequestRecord) -> None:
-        queue = self.queue
-        if queue is None:
-            return
-        while True:
-            candidates = builder.build()
-            if not queue.should_queue(candidates.ranks):
-                return
-            event = anyio.Event()
-            queue.push(
-                QueueEntry(req.request_id, ranks=candidates.ranks, arrival_ns=self._now(), isl=prepared.isl,
-                           tier=req.priority, pin=candidates.ranks[0] if candidates.pinned and len(candidates.ranks) == 1 else None,
-                           payload=event),
-                num_workers=len(self.workers), do_not_queue=req.do_not_queue, now_ns=self._now(),
-            )
-            record.queued_ns = self._now()
-            self._emit("queued", req.request_id, data={"depth": len(queue)})
-            self._release_queue()
-            await event.wait()
-            if self.stopped:
-                raise _Retry
-            return
-
-    def _capacity_changed(self) -> None:
-        if self.queue is not None:
-            self._release_queue()
-
-    def _release_queue(self) -> None:
-        queue = self.queue
-        assert queue is not None
-        while (entry := queue.pop_ready()) is not None:
-            entry.payload.set()  # type: ignore[union-attr]
-
-    # ------------------------------------------------------------------ worker → router streaming
-
-    def _on_ack(self, msg: DispatchAck) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None:
-            return
-        if not msg.accepted:
-            flight.failure = msg.reason or "rejected"
-        flight.ack.set()
-
-    def _on_tokens(self, msg: TokenBatch) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None or not msg.times_ns:
-            return
-        self._note_tokens(flight, msg.times_ns)
-
-    def _note_tokens(self, flight: _Flight, times: list[int]) -> None:
-        record = flight.record
-        if record.first_token_ns is None:
-            record.first_token_ns = times[0]
-            self.core.prefill_complete(flight.request_id)
-            key = flight.key or (None, None)
-            self._emit("first_token", flight.request_id, *key, data={"time_ns": times[0]})
-            self._capacity_changed()
-        before = record.output_tokens
-        record.output_tokens = after = before + len(times)
-        self.core.note_output(flight.request_id, record.isl, before, after)
-        if self.hooks.wants("tokens"):
-            key = flight.key or (None, None)
-            self._emit("tokens", flight.request_id, *key, data={"times_ns": times})
-
-    def _on_finished(self, msg: Finished) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None:
-            return
-        if msg.times_ns:
-            self._note_tokens(flight, msg.times_ns)
-        record = flight.record
-        record.engine_cached_tokens = msg.cached_tokens
-        record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
-        record.completion_ns = msg.times_ns[-1] if msg.times_ns else self._now()
-        flight.done.set()
-
-    def _on_failed(self, msg: RequestFailed) -> None:
-        flight = self._flights.get(msg.request_id)
-        if flight is None:
-            return
-        flight.failure = msg.reason
-        flight.ack.set()
-        flight.done.set()
+        if not self.serving:
+            raise RuntimeError("Router.handle needs Router.serve running: it delivers the workers' replies and the "
+                               "request deadlines")
+        ended = anyio.Event()
+        record = self.lifecycle.submit(req, lambda _record: ended.set())
+        await ended.wait()
+        return record
 
     def _send(self, peer: bytes, msg: msgspec.Struct) -> None:
         self.end.send_nowait(peer, msg)
-
-
-def _affinity_key(req: ClientRequest) -> str | None:
-    if req.parent_session_id is not None:
-        return sibling_group_key(req.parent_session_id)
-    return req.session_id
-
-
-def _reason(exc: Exception) -> str:
-    name = type(exc).__name__
-    snake = "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
-    return f"{snake}: {exc}"
-
-
-def _validate(req: ClientRequest) -> str | None:
-    if not req.tokens:
-        return "tokens: the prompt is empty"
-    if req.max_tokens < 1:
-        return f"max_tokens must be >= 1, got {req.max_tokens}"
-    for name in ("session_id", "parent_session_id"):
-        value = getattr(req, name)
-        if value is not None and len(value.encode()) > 256:
-            return f"{name} is longer than 256 bytes"
-    return None

@@ -1,0 +1,550 @@
+"""The router's request lifecycle as one explicit, sans-IO state machine.
+
+A request moves through these stages::
+
+    submit ─► (waiting for workers) ─► attempt ─► (queued) ─► (waiting for affinity) ─► DISPATCHED ─► RUNNING ─► end
+                                         ▲                                                 │  refused,   │  worker lost
+                                         └──── retry (refused rank excluded) ◄─────────────┘  timed out  │  before a token
+
+``DISPATCHED``: selected, load booked, ``Dispatch`` sent, affinity hold open. The worker's acceptance
+commits the hold into a lease; a refusal, a timeout or a lost worker frees the load, drops the hold and
+re-selects elsewhere, up to ``retry_limit``. ``RUNNING`` ends with ``Finished`` or ``RequestFailed``,
+which free the load and release the lease. Every request ends exactly once, completed or failed with a
+reason, and ``on_end`` receives its record.
+
+The machine does no I/O and reads no clock of its own: it is told messages (``on_ack``, ``on_tokens``,
+``on_finished``, ``on_failed``, with the worker they came from), worker changes (``worker_added``,
+``worker_lost``) and time (``poll``; ``next_deadline_ns`` says when it next needs to be polled). It sends
+through the ``send`` callable it is given. The router actor is one host; a simulation host can drive it
+directly. A transition that frees capacity or settles an affinity binding wakes other requests; those
+continue after the current call's own transition, in the order they were woken (as tasks would).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvemu.affinity import Hold, SessionAffinity, Wait, sibling_group_key
+from kvemu.clock import NS_PER_S, Clock
+from kvemu.errors import InvalidArgument, KvemuError, SchedulerError
+from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
+from kvemu.records import RequestRecord
+from kvemu.routing import PreparedRequest, RoutingCore
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.messages import ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
+
+__all__ = ["Lifecycle", "LifecycleSettings", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
+           "ENDED"]
+
+WAITING, QUEUED, AFFINITY, DISPATCHED, RUNNING, ENDED = "waiting", "queued", "affinity", "dispatched", "running", "ended"
+"""Stages: waiting for a first worker, in the policy queue, waiting for a session's binding to settle,
+dispatched (awaiting the worker's acknowledgement), running on a worker, ended."""
+
+log = logging.getLogger("kvemu.lifecycle")
+
+Send = Callable[[int, Dispatch], None]
+"""Delivers a dispatch to a worker (by worker id)."""
+
+
+class LifecycleSettings:
+    """The lifecycle's knobs (``RouterSettings`` carries them for the router actor)."""
+
+    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns")
+
+    def __init__(self, retry_limit: int = 3, dispatch_timeout_s: float = 10.0, startup_grace_s: float = 5.0) -> None:
+        self.retry_limit = retry_limit
+        self.dispatch_timeout_ns = round(dispatch_timeout_s * NS_PER_S)
+        self.startup_grace_ns = round(startup_grace_s * NS_PER_S)
+
+
+class Flight:
+    """One request on its way: the client's request, its record, and where the current attempt stands."""
+
+    __slots__ = ("request_id", "req", "record", "prepared", "on_end", "stage", "attempt", "token", "refused",
+                 "builder", "key", "hold", "lease", "failure")
+
+    def __init__(self, req: ClientRequest, record: RequestRecord, prepared: PreparedRequest,
+                 on_end: Callable[[RequestRecord], None]) -> None:
+        self.request_id = req.request_id
+        self.req = req
+        self.record = record
+        self.prepared = prepared
+        self.on_end = on_end
+        self.stage = WAITING
+        self.attempt = 0
+        self.token = 0
+        """Changes at every step that invalidates pending timers and wake-ups."""
+        self.refused: list[tuple[int, int]] = []
+        """Ranks that turned this request away (or were lost under it): excluded from later attempts."""
+        self.builder: Any = None
+        self.key: tuple[int, int] | None = None
+        self.hold: Hold | None = None
+        self.lease: Any = None
+        self.failure: str | None = None
+        """Why the current attempt ended without completing (it may still be retried)."""
+
+    def __repr__(self) -> str:
+        return f"Flight({self.request_id!r}, {self.stage}, attempt={self.attempt}, key={self.key})"
+
+
+class Lifecycle:
+    """Every request of one pool from arrival to its end; see the module doc."""
+
+    def __init__(
+        self,
+        core: RoutingCore,
+        *,
+        send: Send,
+        clock: Clock,
+        hooks: Hooks | None = None,
+        settings: LifecycleSettings | None = None,
+        affinity: SessionAffinity | None = None,
+        queue: PolicyQueue | None = None,
+        unavailable: set[tuple[int, int]] | None = None,
+        on_deadline: Callable[[int], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.clock = clock
+        self.hooks = hooks or Hooks()
+        self.settings = settings or LifecycleSettings()
+        self.affinity = affinity
+        self.queue = queue
+        self.unavailable = unavailable if unavailable is not None else set()
+        """Ranks no attempt may choose (ranks that went down); the host shares and updates the set."""
+        self.on_deadline = on_deadline
+        """Told the instant of a deadline earlier than any pending one (a host arms its timer)."""
+        self._send = send
+        self.flights: dict[str, Flight] = {}
+        self._by_worker: dict[int, dict[str, None]] = {}
+        self._timeouts: deque[tuple[int, Flight, int]] = deque()  # (deadline, flight, token), in deadline order
+        self._waiting: list[Flight] = []  # for a first worker
+        self._grace_end_ns = clock.now_ns() + self.settings.startup_grace_ns
+        self._ready: deque[Callable[[], None]] = deque()
+        self._running = False
+        self.stopped: str | None = None
+        """Why this lifecycle stopped taking requests (``stop``), or None."""
+
+    # ------------------------------------------------------------------ inputs
+
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord:
+        """Start a request; ``on_end`` gets its record when it ends (maybe before this returns)."""
+        now = self.clock.now_ns()
+        rid = req.request_id
+        record = RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
+                               arrival_ns=now, isl=len(req.tokens), max_tokens=req.max_tokens)
+        hooks = self.hooks
+        if rid in self.flights or self.stopped:
+            record.failure = "duplicate_request_id" if rid in self.flights else self.stopped
+            hooks.note("failed", now, rid, data={"reason": record.failure})
+            on_end(record)
+            return record
+        if hooks.wants("request_arrived"):
+            hooks.note("request_arrived", now, rid, data={
+                "isl": len(req.tokens), "max_tokens": req.max_tokens, "session_id": req.session_id,
+                "parent_session_id": req.parent_session_id})
+        try:
+            reason = _validate(req)
+            if reason is not None:
+                raise InvalidArgument(reason)
+            prepared = self.core.prepare(req.tokens, request_id=rid, session_id=req.session_id,
+                                         lora_name=req.lora_name, overrides=req.router_overrides)
+        except KvemuError as exc:
+            record.failure = f"invalid_request: {exc}"
+            hooks.note("failed", now, rid, data={"reason": record.failure})
+            on_end(record)
+            return record
+        flight = self.flights[rid] = Flight(req, record, prepared, on_end)
+        if not len(self.core.registry) and now < self._grace_end_ns:
+            self._waiting.append(flight)
+            if len(self._waiting) == 1 and self.on_deadline is not None:
+                self.on_deadline(self._grace_end_ns)
+        else:
+            self._run(self._attempt, flight)
+        return record
+
+    def on_ack(self, worker_id: int, msg: DispatchAck) -> None:
+        """The worker accepted or refused a dispatch (ignored unless it is the one dispatched to)."""
+        f = self._dispatched_to(worker_id, msg.request_id)
+        if f is not None and f.stage == DISPATCHED:
+            if msg.accepted:
+                self._run(self._accepted, f)
+            else:
+                f.failure = msg.reason or "rejected"
+                self._run(self._refused, f)
+
+    def on_tokens(self, worker_id: int, msg: TokenBatch) -> None:
+        """Output tokens streamed back."""
+        f = self._dispatched_to(worker_id, msg.request_id)
+        if f is not None and msg.times_ns:
+            self._run(self._tokens, f, msg.times_ns)
+
+    def on_finished(self, worker_id: int, msg: Finished) -> None:
+        """The engine completed the request."""
+        f = self._dispatched_to(worker_id, msg.request_id)
+        if f is not None:
+            self._run(self._finished, f, msg)
+
+    def on_failed(self, worker_id: int, msg: RequestFailed) -> None:
+        """The worker gave up on the request (before or after accepting it)."""
+        f = self._dispatched_to(worker_id, msg.request_id)
+        if f is None:
+            return
+        f.failure = msg.reason
+        self._run(self._refused if f.stage == DISPATCHED else self._done, f)
+
+    def worker_added(self) -> None:
+        """A worker registered: requests waiting for a first worker go on; the queue may move."""
+        self._run(self._capacity_changed)
+        if self._waiting:
+            self._run(self._release_waiting)
+
+    def worker_lost(self, worker_id: int) -> None:
+        """A worker is gone: its dispatched requests re-select; running ones that streamed nothing too."""
+        ids = self._by_worker.pop(worker_id, None)
+        if ids:
+            for rid in ids:
+                f = self.flights.get(rid)
+                if f is not None and f.stage in (DISPATCHED, RUNNING):
+                    f.failure = "worker_lost"
+                    self._ready.append(self._wake(self._refused if f.stage == DISPATCHED else self._done, f))
+        self._run(self._capacity_changed)
+
+    def capacity_changed(self) -> None:
+        """Something outside the lifecycle changed the candidates (a rank went down): the queue may move."""
+        self._run(self._capacity_changed)
+
+    def poll(self, now_ns: int) -> None:
+        """Handle every deadline due by ``now_ns`` (dispatch timeouts, the end of the startup grace)."""
+        timeouts = self._timeouts
+        while timeouts and timeouts[0][0] <= now_ns:
+            _, f, token = timeouts.popleft()
+            if f.token == token and f.stage == DISPATCHED:
+                f.failure = "dispatch_timeout"
+                self._ready.append(self._wake(self._refused, f))
+        if self._waiting and now_ns >= self._grace_end_ns:
+            self._ready.append(self._release_waiting)
+        self._run(_nothing)
+
+    def next_deadline_ns(self) -> int | None:
+        """When ``poll`` next has something to do (None: no deadline pending)."""
+        timeouts = self._timeouts
+        while timeouts and (timeouts[0][1].token != timeouts[0][2] or timeouts[0][1].stage != DISPATCHED):
+            timeouts.popleft()  # acknowledged meanwhile
+        t = timeouts[0][0] if timeouts else None
+        if self._waiting and (t is None or self._grace_end_ns < t):
+            t = self._grace_end_ns
+        return t
+
+    def stop(self, reason: str) -> None:
+        """Take no more requests; every request still open ends with ``reason``."""
+        self.stopped = reason
+        for f in list(self.flights.values()):
+            if f.stage == ENDED:
+                continue
+            f.failure = reason
+            if f.stage == DISPATCHED:
+                self._ready.append(self._wake(self._refused, f))
+            elif f.stage == RUNNING:
+                self._ready.append(self._wake(self._done, f))
+            else:
+                if f.stage == QUEUED and self.queue is not None:
+                    self.queue.remove(f.request_id)
+                f.token += 1
+                self._ready.append(self._wake(self._end, f))
+        self._waiting.clear()
+        self._run(_nothing)
+
+    # ------------------------------------------------------------------ running transitions
+
+    def _run(self, step: Callable[..., None], *args: Any) -> None:
+        """Run one transition, then every transition it woke, in order (re-entrant calls only queue)."""
+        if self._running:
+            self._ready.append(lambda: step(*args))
+            return
+        self._running = True
+        try:
+            step(*args)
+            ready = self._ready
+            while ready:
+                ready.popleft()()
+        finally:
+            self._running = False
+
+    def _wake(self, step: Callable[[Flight], None], f: Flight) -> Callable[[], None]:
+        """``step(f)`` later, unless ``f`` moved on meanwhile."""
+        token = f.token
+
+        def resume() -> None:
+            if f.token == token and f.stage != ENDED:
+                step(f)
+        return resume
+
+    def _dispatched_to(self, worker_id: int, request_id: str) -> Flight | None:
+        f = self.flights.get(request_id)
+        if f is None or f.key is None or f.key[0] != worker_id or f.stage not in (DISPATCHED, RUNNING):
+            return None  # not this peer's request (late, stale or spoofed)
+        return f
+
+    def _release_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for f in waiting:
+            if f.stage == WAITING:
+                self._attempt(f)
+
+    def _attempt(self, f: Flight) -> None:
+        """Start attempt ``f.attempt`` (or fail the request once the retries are used up)."""
+        if self.stopped:
+            self._end(f, f.failure or self.stopped)
+            return
+        if f.attempt > self.settings.retry_limit:
+            self._end(f, "retries_exhausted")
+            return
+        f.token += 1
+        f.failure = None
+        f.key = f.hold = f.lease = None
+        record = f.record
+        record.attempts = f.attempt + 1
+        # a new attempt starts over on another rank (retries happen only before any token came back)
+        record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
+        record.preemptions = record.output_tokens = 0
+        req = f.req
+        builder = f.builder = self.core.eligibility()
+        for w, r in f.refused:
+            builder.set_available(w, False, dp_rank=r)
+        for w, r in self.unavailable:
+            builder.set_available(w, False, dp_rank=r)
+        if req.allowed_worker_ids is not None:
+            builder.allow(req.allowed_worker_ids)
+        if req.worker_id is not None or req.dp_rank is not None:
+            builder.pin(req.worker_id, req.dp_rank)
+        queue = self.queue
+        if queue is not None:
+            try:
+                candidates = builder.build()
+                if queue.should_queue(candidates.ranks):
+                    now = self.clock.now_ns()
+                    pin = candidates.ranks[0] if candidates.pinned and len(candidates.ranks) == 1 else None
+                    queue.push(QueueEntry(f.request_id, ranks=candidates.ranks, arrival_ns=now, isl=f.prepared.isl,
+                                          tier=req.priority, pin=pin, payload=f),
+                               num_workers=len(self.core.registry), do_not_queue=req.do_not_queue, now_ns=now)
+                    f.stage = QUEUED
+                    record.queued_ns = now
+                    self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)})
+                    self._release_queue()
+                    return
+            except (SchedulerError, QueueRejected, DoNotQueue) as exc:
+                self._end(f, _reason(exc))
+                return
+        self._select(f)
+
+    def _select(self, f: Flight) -> None:
+        core = self.core
+        affinity = self.affinity
+        key = _affinity_key(f.req)
+        hold = None
+        try:
+            if affinity is not None and key is not None:
+                got = core.select_with_affinity(f.prepared, f.builder, affinity, key)
+                if isinstance(got, Wait):
+                    f.stage = AFFINITY
+                    affinity.on_settled(got, lambda: self._ready.append(self._wake(self._settled, f)))
+                    return
+                selection, hold = got
+            else:
+                selection = core.select(f.prepared, f.builder.build())
+        except (SchedulerError, QueueRejected, DoNotQueue) as exc:
+            self._end(f, _reason(exc))
+            return
+        wid, rank = selection.worker_id, selection.dp_rank
+        now = self.clock.now_ns()
+        record = f.record
+        record.worker_id, record.dp_rank, record.routed_ns = wid, rank, now
+        record.routing_reason, record.predicted_overlap_blocks = selection.reason, selection.overlap_blocks
+        hooks = self.hooks
+        if hooks.wants("routed"):
+            ev = selection.evaluation
+            overlaps = ev.inputs["overlaps"] if ev.inputs is not None else core.overlaps(f.prepared)
+            hooks.note("routed", now, f.request_id, wid, rank, data={
+                "attempt": f.attempt, "reason": selection.reason, "cost": selection.cost,
+                "overlap_blocks": selection.overlap_blocks,
+                "best_overlap_blocks": max(overlaps.values(), default=0),
+                "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
+            })
+        f.key = (wid, rank)
+        f.hold = hold
+        f.stage = DISPATCHED
+        self._by_worker.setdefault(wid, {})[f.request_id] = None
+        # book now, so that requests routed while this one awaits its acknowledgement see its load;
+        # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
+        core.book(f.request_id, selection, f.prepared)
+        deadline = now + self.settings.dispatch_timeout_ns
+        timeouts = self._timeouts
+        if timeouts and deadline < timeouts[-1][0]:  # a clock that went back: keep the deque in order
+            timeouts = self._timeouts = deque(sorted(timeouts, key=lambda t: t[0]))
+        timeouts.append((deadline, f, f.token))
+        if timeouts[0][1] is f and self.on_deadline is not None:
+            self.on_deadline(deadline)
+        req = f.req
+        self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens))
+
+    def _settled(self, f: Flight) -> None:
+        if self.stopped:
+            self._end(f, self.stopped)
+        elif f.stage == AFFINITY:
+            self._select(f)
+
+    def _release_queue(self) -> None:
+        queue = self.queue
+        assert queue is not None
+        while (entry := queue.pop_ready()) is not None:
+            self._ready.append(self._wake(self._dequeued, entry.payload))  # type: ignore[arg-type]
+
+    def _dequeued(self, f: Flight) -> None:
+        if f.stage == QUEUED:
+            self._select(f)
+
+    def _capacity_changed(self) -> None:
+        if self.queue is not None:
+            self._release_queue()
+
+    def _accepted(self, f: Flight) -> None:
+        f.stage = RUNNING
+        f.token += 1
+        hold = f.hold
+        if hold is not None:
+            f.hold = None
+            try:
+                f.lease = self.affinity.commit(hold, f.key)  # type: ignore[union-attr,arg-type]
+            except InvalidArgument as exc:  # hard binding moved meanwhile: keep serving, unbound
+                log.info("affinity commit for %s: %s", f.request_id, exc)
+        now = self.clock.now_ns()
+        f.record.dispatch_ns = now
+        self.hooks.note("dispatch_accepted", now, f.request_id, *f.key)  # type: ignore[misc]
+
+    def _refused(self, f: Flight) -> None:
+        """The dispatch did not get the request admitted: free what it booked and try another rank."""
+        f.token += 1
+        reason = f.failure or "rejected"
+        wid, rank = f.key  # type: ignore[misc]
+        self.core.free(f.request_id)
+        self._capacity_changed()
+        self._forget(f)
+        f.refused.append((wid, rank))
+        hold, affinity = f.hold, self.affinity
+        if hold is not None and affinity is not None:
+            f.hold = None
+            affinity.drop(hold)
+            if hold.kind == "bound":  # the bound rank refused: let the session re-bind
+                affinity.invalidate(hold.session, hold.revision, hold.version)
+        self.hooks.note("dispatch_rejected", self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason})
+        self._retry(f)
+
+    def _retry(self, f: Flight) -> None:
+        if self.stopped:
+            self._end(f, f.failure or self.stopped)
+            return
+        f.key = None
+        f.attempt += 1
+        self._attempt(f)
+
+    def _tokens(self, f: Flight, times: list[int]) -> None:
+        if f.stage == DISPATCHED:  # tokens before the acknowledgement: it was accepted
+            self._accepted(f)
+        record = f.record
+        core = self.core
+        if record.first_token_ns is None:
+            record.first_token_ns = times[0]
+            core.prefill_complete(f.request_id)
+            self.hooks.note("first_token", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
+                            data={"time_ns": times[0]})
+            self._capacity_changed()
+        before = record.output_tokens
+        record.output_tokens = after = before + len(times)
+        core.note_output(f.request_id, record.isl, before, after)
+        if self.hooks.wants("tokens"):
+            self.hooks.note("tokens", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
+                            data={"times_ns": times})
+
+    def _finished(self, f: Flight, msg: Finished) -> None:
+        if msg.times_ns:
+            self._tokens(f, msg.times_ns)
+        elif f.stage == DISPATCHED:
+            self._accepted(f)
+        record = f.record
+        record.engine_cached_tokens = msg.cached_tokens
+        record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
+        record.completion_ns = msg.times_ns[-1] if msg.times_ns else self.clock.now_ns()
+        self._done(f)
+
+    def _done(self, f: Flight) -> None:
+        """The running attempt ended: free its load and lease; retry a lost one that streamed nothing."""
+        f.token += 1
+        self.core.free(f.request_id)
+        if f.lease is not None and self.affinity is not None:
+            self.affinity.release(f.lease)
+            f.lease = None
+        self._forget(f)
+        self._capacity_changed()
+        if f.failure == "worker_lost" and f.record.first_token_ns is None:
+            f.refused.append(f.key)  # type: ignore[arg-type]
+            self._retry(f)  # nothing was streamed yet: run it elsewhere
+            return
+        self._end(f, f.failure)
+
+    def _forget(self, f: Flight) -> None:
+        ids = self._by_worker.get(f.key[0])  # type: ignore[index]
+        if ids is not None:
+            ids.pop(f.request_id, None)
+
+    def _end(self, f: Flight, failure: str | None = None) -> None:
+        if f.stage == ENDED:
+            return
+        if f.stage == QUEUED and self.queue is not None:
+            self.queue.remove(f.request_id)
+        f.stage = ENDED
+        f.token += 1
+        record = f.record
+        record.failure = failure
+        now = self.clock.now_ns()
+        key = f.key or (None, None)
+        if failure is None:
+            if self.hooks.wants("completed"):
+                self.hooks.note("completed", now, f.request_id, *key, data={
+                    "output_tokens": record.output_tokens, "cached_tokens": record.engine_cached_tokens or 0,
+                    "admitted_ns": record.admitted_ns, "preemptions": record.preemptions})
+        else:
+            record.completion_ns = None
+            self.hooks.note("failed", now, f.request_id, *key, data={"reason": failure})
+        del self.flights[f.request_id]
+        f.on_end(record)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _affinity_key(req: ClientRequest) -> str | None:
+    if req.parent_session_id is not None:
+        return sibling_group_key(req.parent_session_id)
+    return req.session_id
+
+
+def _reason(exc: Exception) -> str:
+    name = type(exc).__name__
+    snake = "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    return f"{snake}: {exc}"
+
+
+def _validate(req: ClientRequest) -> str | None:
+    if not req.tokens:
+        return "tokens: the prompt is empty"
+    if req.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {req.max_tokens}"
+    for name in ("session_id", "parent_session_id"):
+        value = getattr(req, name)
+        if value is not None and len(value.encode()) > 256:
+            return f"{name} is longer than 256 bytes"
+    return None

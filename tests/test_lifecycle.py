@@ -1,0 +1,254 @@
+"""The request lifecycle driven directly, as a simulation host drives it: no event loop, no transport."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvemu import ManualClock, RoutingCore, SessionAffinity
+from kvemu.lifecycle import DISPATCHED, RUNNING, Lifecycle, LifecycleSettings
+from kvemu.registry import WorkerSpec
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.messages import ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
+
+MS = 1_000_000
+
+
+class Host:
+    """A minimal host: a manual clock, a routing core with some workers, a log of sends and ends."""
+
+    def __init__(self, workers=(1, 2), *, grace_s=0.0, timeout_s=1.0, retry_limit=3, affinity=False):
+        self.clock = ManualClock()
+        self.core = RoutingCore(block_size=4, clock=self.clock)
+        for w in workers:
+            self.core.add_worker(WorkerSpec(worker_id=w))
+        self.sent: list[tuple[int, Dispatch]] = []
+        self.ended: dict[str, object] = {}
+        self.deadlines: list[int] = []
+        self.hooks = Hooks()
+        self.events = []
+        self.hooks.subscribe(self.events.append)
+        self.affinity = SessionAffinity(self.clock, ttl_secs=60) if affinity else None
+        self.lc = Lifecycle(self.core, send=lambda w, m: self.sent.append((w, m)), clock=self.clock, hooks=self.hooks,
+                            settings=LifecycleSettings(retry_limit, timeout_s, grace_s), affinity=self.affinity,
+                            on_deadline=self.deadlines.append)
+
+    def submit(self, rid, tokens=(1, 2, 3, 4, 5, 6, 7, 8), **kw):
+        def on_end(record):
+            assert rid not in self.ended, f"{rid} ended twice"
+            self.ended[rid] = record
+        return self.lc.submit(ClientRequest(request_id=rid, tokens=list(tokens), max_tokens=2, **kw), on_end)
+
+    def last(self, rid):
+        return next((w, m) for w, m in reversed(self.sent) if m.request_id == rid)
+
+    def advance(self, ns):
+        self.clock.advance(ns)
+        self.lc.poll(self.clock.now_ns())
+
+    def complete(self, rid, worker=None):
+        w, _ = self.last(rid)
+        w = worker if worker is not None else w
+        now = self.clock.now_ns()
+        self.lc.on_ack(w, DispatchAck(request_id=rid, accepted=True))
+        self.lc.on_tokens(w, TokenBatch(request_id=rid, times_ns=[now + 1]))
+        self.lc.on_finished(w, Finished(request_id=rid, times_ns=[now + 2], cached_tokens=0, admitted_ns=now))
+
+
+def test_dispatch_accept_stream_finish_frees_everything():
+    h = Host()
+    rec = h.submit("a")
+    (w, msg), = h.sent
+    assert msg.request_id == "a" and h.lc.flights["a"].stage == DISPATCHED
+    assert h.core.load.booked_rank("a") == (w, 0)  # booked before the acknowledgement
+    h.complete("a")
+    assert h.ended["a"] is rec and rec.failure is None and rec.output_tokens == 2 and rec.attempts == 1
+    assert len(h.core.load) == 0 and not h.lc.flights
+    assert [e.kind for e in h.events] == ["request_arrived", "routed", "dispatch_accepted", "first_token", "tokens",
+                                          "tokens", "completed"]
+
+
+def test_refusals_exclude_the_rank_and_retries_run_out():
+    h = Host(workers=(1, 2), retry_limit=1)
+    h.submit("a")
+    first, _ = h.sent[0]
+    h.lc.on_ack(first, DispatchAck(request_id="a", accepted=False, reason="busy"))
+    second, _ = h.sent[1]
+    assert second != first and h.core.load.booked_rank("a") == (second, 0)
+    h.lc.on_ack(second, DispatchAck(request_id="a", accepted=False, reason="busy"))
+    rec = h.ended["a"]
+    assert rec.failure == "retries_exhausted" and rec.attempts == 2 and len(h.core.load) == 0
+    assert len(h.sent) == 2
+
+
+def test_dispatch_timeout_is_a_deadline_the_host_polls():
+    h = Host(workers=(1,), timeout_s=1.0, retry_limit=0)
+    h.submit("a")
+    assert h.lc.next_deadline_ns() == 1_000 * MS and h.deadlines == [1_000 * MS]
+    h.advance(999 * MS)
+    assert "a" not in h.ended
+    h.advance(1 * MS)
+    assert h.ended["a"].failure == "retries_exhausted" and len(h.core.load) == 0
+    assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == ["dispatch_timeout"]
+    assert h.lc.next_deadline_ns() is None
+
+
+def test_an_acknowledged_dispatch_leaves_no_deadline_behind():
+    h = Host(workers=(1,))
+    h.submit("a")
+    h.lc.on_ack(1, DispatchAck(request_id="a", accepted=True))
+    assert h.lc.next_deadline_ns() is None
+    h.advance(5_000 * MS)
+    assert h.lc.flights["a"].stage == RUNNING
+
+
+def test_replies_from_another_worker_are_ignored():
+    h = Host(workers=(1, 2))
+    h.submit("a")
+    w, _ = h.sent[0]
+    other = 3 - w
+    h.lc.on_failed(other, RequestFailed(request_id="a", reason="spoofed"))
+    h.lc.on_ack(other, DispatchAck(request_id="a", accepted=False))
+    h.lc.on_finished(other, Finished(request_id="a", times_ns=[5], cached_tokens=0, admitted_ns=0))
+    assert "a" not in h.ended and h.lc.flights["a"].stage == DISPATCHED and len(h.sent) == 1
+    h.complete("a")
+    assert h.ended["a"].failure is None
+
+
+def test_a_lost_worker_reruns_what_streamed_nothing_and_fails_what_did():
+    h = Host(workers=(1, 2))
+    h.submit("a")
+    h.submit("b", tokens=range(100, 108))
+    by = {m.request_id: w for w, m in h.sent}
+    assert by["a"] != by["b"]
+    h.lc.on_ack(by["b"], DispatchAck(request_id="b", accepted=True))
+    h.lc.on_tokens(by["b"], TokenBatch(request_id="b", times_ns=[1]))
+    lost = by["b"]
+    h.core.remove_worker(lost)
+    h.lc.worker_lost(lost)
+    assert h.ended["b"].failure == "worker_lost"
+    h.core.remove_worker(by["a"])
+    h.lc.worker_lost(by["a"])
+    assert h.ended["a"].failure.startswith("no_endpoints")  # retried, but nobody is left
+    assert len(h.core.load) == 0 and not h.lc.flights
+
+
+def test_startup_grace_waits_for_a_first_worker_then_gives_up():
+    h = Host(workers=(), grace_s=2.0)
+    h.submit("a")
+    assert h.sent == [] and h.deadlines == [2_000 * MS]
+    h.core.add_worker(WorkerSpec(worker_id=7))
+    h.lc.worker_added()
+    assert h.sent[0][0] == 7
+    h2 = Host(workers=(), grace_s=2.0)
+    h2.submit("a")
+    h2.advance(2_000 * MS)
+    assert h2.ended["a"].failure.startswith("no_endpoints")
+
+
+def test_stop_ends_every_stage_with_the_reason():
+    h = Host(workers=(1,), grace_s=0)
+    h.submit("a")
+    h.submit("b", tokens=range(50, 58))
+    h.lc.on_ack(1, DispatchAck(request_id="b", accepted=True))
+    h.lc.stop("router_restart")
+    assert {r: rec.failure for r, rec in h.ended.items()} == {"a": "router_restart", "b": "router_restart"}
+    assert len(h.core.load) == 0
+    assert h.submit("c").failure == "router_restart"
+
+
+def test_a_session_binding_is_committed_only_after_acceptance():
+    h = Host(workers=(1, 2), affinity=True)
+    h.submit("a", session_id="s")
+    assert h.affinity.query_target("s") is None  # held, not bound
+    h.submit("b", session_id="s", tokens=range(9, 17))  # waits for the first turn's binding
+    assert len(h.sent) == 1
+    w, _ = h.sent[0]
+    h.lc.on_ack(w, DispatchAck(request_id="a", accepted=True))
+    assert h.affinity.query_target("s").worker_id == w
+    assert [x for x, m in h.sent if m.request_id == "b"] == [w]  # the waiter followed the binding
+    h.complete("a")
+    h.complete("b")
+    assert h.ended["a"].failure is None and h.ended["b"].failure is None
+    assert h.affinity.active_leases("s") == 0
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """Random interleavings of replies, losses, timeouts and stops: each request ends once, nothing leaks."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = Host(workers=(1, 2, 3), timeout_s=1.0, retry_limit=2, affinity=True)
+        self.n = 0
+        self.alive = {1, 2, 3}
+
+    def _open(self, stage):
+        return sorted(r for r, f in self.h.lc.flights.items() if f.stage == stage)
+
+    @rule(session=st.sampled_from([None, "s", "t"]))
+    def submit(self, session):
+        self.n += 1
+        self.h.submit(f"r{self.n}", tokens=range(self.n, self.n + 8), session_id=session)
+
+    @precondition(lambda self: self._open(DISPATCHED))
+    @rule(data=st.data(), accept=st.booleans(), wrong=st.booleans())
+    def ack(self, data, accept, wrong):
+        rid = data.draw(st.sampled_from(self._open(DISPATCHED)))
+        w = self.h.lc.flights[rid].key[0] + (10 if wrong else 0)
+        self.h.lc.on_ack(w, DispatchAck(request_id=rid, accepted=accept, reason=None if accept else "busy"))
+
+    @precondition(lambda self: self._open(RUNNING))
+    @rule(data=st.data(), how=st.sampled_from(["tokens", "finish", "fail"]))
+    def reply(self, data, how):
+        rid = data.draw(st.sampled_from(self._open(RUNNING)))
+        w = self.h.lc.flights[rid].key[0]
+        t = self.h.clock.now_ns()
+        if how == "tokens":
+            self.h.lc.on_tokens(w, TokenBatch(request_id=rid, times_ns=[t]))
+        elif how == "finish":
+            self.h.lc.on_finished(w, Finished(request_id=rid, times_ns=[t], cached_tokens=0, admitted_ns=t))
+        else:
+            self.h.lc.on_failed(w, RequestFailed(request_id=rid, reason="engine_error"))
+
+    @precondition(lambda self: len(self.alive) > 1)
+    @rule(data=st.data())
+    def lose_worker(self, data):
+        w = data.draw(st.sampled_from(sorted(self.alive)))
+        self.alive.discard(w)
+        self.h.core.remove_worker(w)
+        if self.h.affinity is not None:
+            self.h.affinity.invalidate_worker(w)
+        self.h.lc.worker_lost(w)
+
+    @rule(ms=st.integers(0, 1500))
+    def time_passes(self, ms):
+        self.h.advance(ms * MS)
+
+    @invariant()
+    def every_request_is_open_or_ended_once(self):
+        open_ = set(self.h.lc.flights)
+        assert not open_ & set(self.h.ended)
+        assert open_ | set(self.h.ended) == {f"r{i}" for i in range(1, self.n + 1)}
+        booked = {r for r in open_ if self.h.lc.flights[r].stage in (DISPATCHED, RUNNING)}
+        assert {r for r in booked if self.h.core.load.booked_rank(r) is not None} == booked
+        assert len(self.h.core.load) == len(booked)
+
+    def teardown(self):
+        self.h.lc.stop("test_over")
+        assert not self.h.lc.flights and len(self.h.core.load) == 0
+        for s in ("s", "t"):
+            assert self.h.affinity.active_leases(s) == 0
+
+
+TestLifecycleMachine = LifecycleMachine.TestCase
+TestLifecycleMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("reason", ["busy", None])
+def test_refusal_reason_is_reported(reason):
+    h = Host(workers=(1,), retry_limit=0)
+    h.submit("a")
+    h.lc.on_ack(1, DispatchAck(request_id="a", accepted=False, reason=reason))
+    assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == [reason or "rejected"]
