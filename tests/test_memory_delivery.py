@@ -102,6 +102,30 @@ def test_wakeup_steps_at_the_instants_asked_and_soon_after_a_poke():
     assert seen == [0, 5_000, 7_000, 9_000]
 
 
+def test_wakeup_arm_keeps_the_earlier_instant():
+    clock = ManualClock()
+    seen: list[int] = []
+
+    def step() -> int | None:
+        seen.append(clock.now_ns())
+        return 50_000 if clock.now_ns() < 50_000 else None  # the step's own plan: a step at 50 us
+
+    wake = Wakeup(step, clock.now_ns)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wake.run)
+            await anyio.sleep(0.000_001)  # stepped at 0: armed at 50 us
+            wake.arm(20_000)  # earlier: moves the timer
+            wake.arm(30_000)  # later than the pending 20 us: no change
+            wake.arm(None)
+            await anyio.sleep(0.000_100)
+            tg.cancel_scope.cancel()
+
+    run_virtual(main, clock)
+    assert seen == [0, 20_000, 50_000]
+
+
 def test_wakeup_reraises_a_failing_step_in_its_owners_task():
     def step() -> int | None:
         raise ValueError("engine invariant broken")

@@ -191,8 +191,8 @@ class WorkerActor:
             self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
             self._sent[msg.request_id] = 0
             self._send(DispatchAck(request_id=msg.request_id, accepted=True))
-            if self.mode == "virtual":
-                self._driver.poke()
+            if self.mode == "virtual":  # the engine is at now already: arm its next instant (>= now + 1)
+                self._driver.arm(self.worker.next_event_ns())
             elif (wake := self._wakes.get(msg.dp_rank)) is not None:
                 wake.set()
         else:

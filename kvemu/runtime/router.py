@@ -126,7 +126,7 @@ class Router:
             core, send=self._dispatch, clock=clock, hooks=self.hooks, affinity=affinity, queue=queue,
             settings=LifecycleSettings(self.settings.retry_limit, self.settings.dispatch_timeout_s,
                                        self.settings.startup_grace_s),
-            unavailable=self._down_ranks, on_deadline=lambda _at: self._timers.poke(),
+            unavailable=self._down_ranks, on_deadline=self._timers.arm,
         )
         """Every request from arrival to its end (the sans-IO state machine this actor drives)."""
         self.registered = anyio.Event()
