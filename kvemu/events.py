@@ -48,6 +48,9 @@ class BlocksStored(msgspec.Struct, frozen=True, tag="stored"):
     block_hashes: list[int]
     local_hashes: list[int]
     parent_hash: int | None = None
+    sequence_hashed: bool = False
+    """``block_hashes`` are kvemu's rolling sequence hashes of ``local_hashes`` (``kvemu.hashing``), as
+    kvemu's own engines hash, so the index takes them as the blocks' identities instead of hashing again."""
 
 
 class BlocksRemoved(msgspec.Struct, frozen=True, tag="removed"):
@@ -107,9 +110,8 @@ def apply_event(index: PrefixIndex, event: RouterEvent) -> None:
     """Apply ``event`` to ``index`` (its tier is the caller's concern); raises ``KvCacheEventError``."""
     data = event.data
     if type(data) is BlocksStored:
-        index.store(
-            event.worker_id, data.local_hashes, data.block_hashes, parent_hash=data.parent_hash, dp_rank=event.dp_rank
-        )
+        index.store(event.worker_id, data.local_hashes, data.block_hashes, parent_hash=data.parent_hash,
+                    dp_rank=event.dp_rank, sequence_hashed=data.sequence_hashed)
     elif type(data) is BlocksRemoved:
         index.remove(event.worker_id, data.block_hashes, dp_rank=event.dp_rank)
     else:

@@ -192,11 +192,14 @@ class PrefixIndex:
         *,
         parent_hash: int | None = None,
         dp_rank: int = 0,
+        sequence_hashed: bool = False,
     ) -> None:
         """Apply a ``BlockStored``: a chain of blocks under ``parent_hash`` (``None`` = root).
 
         Rejected whole, with nothing changed: unknown parent (``ParentBlockNotFound``), repeated
         hashes or a hash the rank already holds at another position (``InvalidBlockSequence``).
+        ``sequence_hashed``: the block hashes are ``kvemu.hashing`` sequence hashes of the local hashes
+        (the index's own block identities), so new blocks are not hashed again; the first is checked.
         """
         if type(local_hashes) is not list:
             local_hashes = list(local_hashes)
@@ -229,7 +232,7 @@ class PrefixIndex:
             self._check_restore(slot, seg, off, local_hashes, block_hashes)  # type: ignore[arg-type]
         if slot is None:
             slot = self._new_slot(key)
-        self._store(slot, seg, off, local_hashes, block_hashes)
+        self._store(slot, seg, off, local_hashes, block_hashes, sequence_hashed)
 
     def remove(self, worker_id: int, block_hashes: Iterable[int], *, dp_rank: int = 0) -> None:
         """Apply a ``BlockRemoved``: drop each block and, for this rank, all its descendants.
@@ -381,7 +384,7 @@ class PrefixIndex:
         elif xext:
             xext.pop(seq, None)
 
-    def _store(self, slot: int, seg: _Seg, off: int, locs: list[int], exts: list[int]) -> None:
+    def _store(self, slot: int, seg: _Seg, off: int, locs: list[int], exts: list[int], hashed: bool = False) -> None:
         """Walk the chain from (``seg``, ``off``) a run of matching blocks at a time, then append the rest."""
         n = len(exts)
         i = 0
@@ -396,7 +399,7 @@ class PrefixIndex:
                 self._split(seg, off + 1)
             child = seg.children.get(locs[i])
             if child is None:
-                self._append_new(slot, seg, locs[i:], exts[i:])
+                self._append_new(slot, seg, locs[i:], exts[i:], hashed)
                 return
             m = _common_run(child.locs, 0, locs, i)
             if slot in child.workers:
@@ -424,11 +427,14 @@ class PrefixIndex:
         for j in range(m):
             self._map(slot, seg, start + j, exts[i + j])
 
-    def _append_new(self, slot: int, seg: _Seg, locs: Sequence[int], exts: Sequence[int]) -> None:
+    def _append_new(self, slot: int, seg: _Seg, locs: Sequence[int], exts: Sequence[int], hashed: bool = False) -> None:
         """Add blocks that exist nowhere yet below the end of ``seg``, held by ``slot`` alone."""
         parent_seq = seg.seqs[-1] if seg.seqs else None
-        seqs = extend_sequence_hashes(parent_seq, locs)
         exts = list(exts)
+        if hashed and extend_sequence_hashes(parent_seq, locs[:1])[0] == exts[0]:
+            seqs = exts[:]  # the engine's hashes are the identities this chain would get
+        else:
+            seqs = extend_sequence_hashes(parent_seq, locs)
         if seg is not self._root and not seg.children and len(seg.workers) == 1:
             seg.locs.extend(locs)
             seg.seqs.extend(seqs)

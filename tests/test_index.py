@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -12,6 +12,7 @@ from kvemu.errors import (
     InvalidArgument,
     InvalidBlockSequence,
     KvCacheEventError,
+    KvemuError,
     ParentBlockNotFound,
 )
 from kvemu.hashing import sequence_hashes
@@ -575,3 +576,24 @@ def test_model_errors_are_kv_event_errors():
     # the names the model returns are exactly these classes, which share one base
     for cls in ERRORS:
         assert issubclass(cls, KvCacheEventError)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 5), min_size=1, max_size=6)), max_size=8),
+       st.booleans())
+def test_sequence_hashed_stores_build_the_same_index(ops, lie):
+    """Engines that hash like kvemu skip the index's re-hashing; same result, and a false claim is caught."""
+    hashed, plain = PrefixIndex(), PrefixIndex()
+    for worker, tail in ops:
+        locs = list(tail)
+        seqs = sequence_hashes(locs)
+        exts = [s ^ 0xFFFF for s in seqs] if lie else seqs
+        for index, flag in ((hashed, True), (plain, False)):
+            try:
+                index.store(worker, locs, exts, sequence_hashed=flag)
+            except KvemuError:
+                pass
+    for index in (hashed, plain):
+        index.check_invariants()
+    assert hashed.dump() == plain.dump()
+    assert hashed._blocks.keys() == plain._blocks.keys()

@@ -94,7 +94,7 @@ def router_events(entries: Iterable[tuple]) -> list[EventData]:
             append(BlocksRemoved(list(e[1])))
         elif kind == STORED:
             _, hashes, parent, source, first = e
-            append(BlocksStored(list(hashes), source.local_hashes(first, first + len(hashes)), parent))
+            append(BlocksStored(list(hashes), source.local_hashes(first, first + len(hashes)), parent, True))
         elif kind == CLEARED:
             append(AllCleared())
         else:  # pragma: no cover - the pool only writes the three kinds
