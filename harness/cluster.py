@@ -9,7 +9,6 @@ publishers and subscribers per rank.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from typing import Any
 import anyio
 
 from kvemu.affinity import SessionAffinity
-from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
+from kvemu.clock import NS_PER_MS, Clock, ManualClock
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
@@ -93,7 +92,9 @@ class Cluster:
         self._scopes: dict[int, anyio.CancelScope] = {}
         self._publishers: dict[int, list[KvEventPublisher]] = {}
         self.kv_publishers: dict[int, list[Any]] = {}
-        """Per worker, one publisher per rank (chaos sets ``drop_next`` and, live, ``lag_ns`` on them)."""
+        """Per worker, one publisher per rank (chaos sets ``drop_next`` and ``lag_ns`` on them)."""
+        self.kv_lag_ns = round(scenario.router.kv_event_lag_ms * NS_PER_MS)
+        """How late every publisher publishes (``router.kv_event_lag_ms``; chaos changes it)."""
         self._next_id = 0
         self._make_router: Any = None
         self._router_scope = anyio.CancelScope()
@@ -106,6 +107,13 @@ class Cluster:
     async def handle(self, req: Any) -> Any:
         """Submit a request to the current router (the router may be restarted meanwhile)."""
         return await self.router.handle(req)
+
+    def set_kv_lag(self, lag_ns: int) -> None:
+        """Chaos: every KV publisher, present and future, publishes ``lag_ns`` late."""
+        self.kv_lag_ns = lag_ns
+        for pubs in self.kv_publishers.values():
+            for pub in pubs:
+                pub.lag_ns = lag_ns
 
     async def restart_router(self) -> None:
         """Chaos: the router process dies and a new one starts on the same address.
@@ -155,11 +163,13 @@ class Cluster:
             pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
                                      vllm_version=spec.kv_events_version) for r in range(spec.dp_size)]
             self._publishers[wid] = pubs
-            self.kv_publishers[wid] = [_LaggedPublisher(p) for p in pubs]
-            actor = WorkerActor(mock, end, self.clock, self.kv_publishers[wid], mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
+            self.kv_publishers[wid] = pubs
+            actor = WorkerActor(mock, end, self.clock, pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
                                 kv_endpoints=[p.endpoint for p in pubs],
                                 kv_replay_endpoints=[p.replay_endpoint or "" for p in pubs],
                                 worker_type=spec.worker_type)
+        for pub in self.kv_publishers[wid]:
+            pub.lag_ns = self.kv_lag_ns
         self.workers[wid] = actor
         scope = anyio.CancelScope()
         self._scopes[wid] = scope
@@ -188,28 +198,6 @@ class Cluster:
             pub.close(drain_timeout_s=0)
 
 
-class _LaggedPublisher:
-    """A live publisher whose batches can be held back (chaos: KV events arrive late)."""
-
-    def __init__(self, pub: KvEventPublisher) -> None:
-        self.pub = pub
-        self.lag_ns = 0
-
-    @property
-    def drop_next(self) -> int:
-        return self.pub.drop_next
-
-    @drop_next.setter
-    def drop_next(self, value: int) -> None:
-        self.pub.drop_next = value
-
-    def publish(self, batch: Any) -> bool:
-        if not self.lag_ns:
-            return self.pub.publish(batch)
-        asyncio.get_running_loop().call_later(self.lag_ns / NS_PER_S, self.pub.publish, batch)
-        return True
-
-
 class _Started:
     """A task status that sets an event (to await a task's readiness outside ``TaskGroup.start``)."""
 
@@ -230,7 +218,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     if scenario.run.mode == "virtual":
         assert isinstance(clock, ManualClock)
         net = c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS), wire_check=spec.kv_wire_check)
-        bus = c.bus = MemoryKvBus(lag_ns=round(rspec.kv_event_lag_ms * NS_PER_MS), vllm_version=spec.kv_events_version,
+        bus = c.bus = MemoryKvBus(vllm_version=spec.kv_events_version,
                                   wire_check=spec.kv_wire_check)
         end = net.router_end()
 

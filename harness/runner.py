@@ -187,13 +187,7 @@ async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
         if ev.dp_rank < len(pubs):
             pubs[ev.dp_rank].drop_next += ev.count
     elif ev.action == "delay_kv_events":
-        lag = round(ev.lag_ms * NS_PER_MS)
-        if c.bus is not None:
-            c.bus.lag_ns = lag
-        else:
-            for pubs in c.kv_publishers.values():
-                for pub in pubs:
-                    pub.lag_ns = lag
+        c.set_kv_lag(round(ev.lag_ms * NS_PER_MS))
     elif ev.action == "restart_router":
         await c.restart_router()
     elif ev.action == "kill_rank" and ev.worker in c.workers:

@@ -127,7 +127,7 @@ class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc,call-
     policy: str = "kv"
     """``kv`` (default selector), ``round_robin``, ``random``, or ``module:callable`` returning a CustomPolicy."""
     kv_event_lag_ms: NonNeg = 0.0
-    """Delay of the router's view of KV events (virtual mode)."""
+    """Every KV publisher publishes this late, in order (the router's view of KV events lags; both modes)."""
     network_latency_ms: NonNeg = 0.0
     """One-way delivery latency between router and workers (virtual mode)."""
     seed: int | None = None

@@ -35,3 +35,31 @@ def test_replay_log_against_a_list_model(steps, ops):
 def test_a_replay_log_needs_room_for_one_batch():
     with pytest.raises(InvalidArgument, match="buffer_steps"):
         ReplayLog(0)
+
+
+def test_a_lagging_publisher_numbers_its_batches_when_it_publishes_them_in_order():
+    from kvemu.clock import ManualClock
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.runtime.loop import run_virtual
+    from kvemu.wire.kv_events import AllBlocksCleared, KVEventBatch
+
+    clock = ManualClock()
+    bus = MemoryKvBus(lag_ns=5_000_000)
+    got: list[tuple[int, int, int]] = []
+    bus.connect(lambda w, r, seq, payload: got.append((clock.now_ns(), w, seq)))
+    batch = KVEventBatch(ts=0.0, events=[AllBlocksCleared()])
+
+    async def main() -> None:
+        import anyio
+        early = bus.publisher(0, 0)
+        assert early.publish(batch) and early.next_seq == 0  # held: not numbered yet
+        await anyio.sleep(0.001)
+        bus.lag_ns = 1_000_000  # chaos: every publisher, and the ones created later
+        assert bus.publisher(1, 0).lag_ns == 1_000_000
+        bus.publisher(1, 0).publish(batch)
+        early.publish(batch)
+        await anyio.sleep(0.010)
+
+    run_virtual(main, clock)
+    # rank 0's second batch waits for its first (order kept), rank 1's goes after the shorter lag
+    assert got == [(2_000_000, 1, 0), (5_000_000, 0, 0), (5_000_000, 0, 1)]

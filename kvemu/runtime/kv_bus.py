@@ -1,7 +1,8 @@
 """KV events on in-memory transports: per-rank sequence numbers, replay buffers and an event lag.
 
 A ``MemoryKvPublisher`` numbers batches like the ZeroMQ publisher, keeps the last ``buffer_steps`` for
-replay, and delivers ``(seq, payload)`` to the bus's subscriber after ``lag_ns``. The payload is the
+replay, and delivers ``(seq, payload)`` to the bus's subscriber; like every publisher it can publish
+``lag_ns`` late (the bus's ``lag_ns`` is every new publisher's). The payload is the
 engine's batch in the router's model (``EventBatch``: no token ids, no encoding), or, with
 ``wire_check=True``, the exact bytes of the bus's vLLM version, as a ZeroMQ publisher would send them
 (a ready-made ``KVEventBatch`` always travels as its bytes). Chaos can drop deliveries (they stay
@@ -10,10 +11,8 @@ replayable) or change the lag.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterator
 
-from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
 from kvemu.wire.codec import profile_for
@@ -38,8 +37,9 @@ class MemoryKvPublisher(LoggedPublisher):
         self.profile = profile_for(vllm_version)
         self._log: ReplayLog[Payload] = ReplayLog(buffer_steps)
         self.stats = PublisherStats()
+        self.lag_ns = bus.lag_ns
 
-    def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
+    def _publish_now(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Buffer and deliver one batch; False if it was dropped (still replayable)."""
         payload: Payload
         if type(batch) is not KVEventBatch and not self.bus.wire_check:
@@ -73,13 +73,26 @@ class MemoryKvBus:
                  wire_check: bool = False) -> None:
         if lag_ns < 0:
             raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}")
-        self.lag_ns = lag_ns
+        self._lag_ns = lag_ns
         self.wire_check = wire_check
         """Carry engine batches as vLLM bytes (encoded and decoded) instead of router-model structs."""
         self.vllm_version = vllm_version
         self.buffer_steps = buffer_steps
         self._intake: Deliver | None = None
         self._publishers: dict[tuple[int, int], MemoryKvPublisher] = {}
+
+    @property
+    def lag_ns(self) -> int:
+        """The publish lag of every publisher on the bus (setting it changes them all)."""
+        return self._lag_ns
+
+    @lag_ns.setter
+    def lag_ns(self, value: int) -> None:
+        if value < 0:
+            raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {value}")
+        self._lag_ns = value
+        for pub in self._publishers.values():
+            pub.lag_ns = value
 
     def connect(self, intake: Deliver) -> None:
         """Where delivered batches go (the router)."""
@@ -104,9 +117,5 @@ class MemoryKvBus:
 
     def _deliver(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
         intake = self._intake
-        if intake is None:
-            return
-        if self.lag_ns:
-            asyncio.get_running_loop().call_later(self.lag_ns / NS_PER_S, intake, worker_id, dp_rank, seq, payload)
-        else:
+        if intake is not None:
             intake(worker_id, dp_rank, seq, payload)

@@ -91,7 +91,7 @@ class KvEventPublisher(LoggedPublisher):
             self._thread = threading.Thread(target=self._serve_replay, name=f"kv-replay-dp{dp_rank}", daemon=True)
             self._thread.start()
 
-    def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
+    def _publish_now(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Send a batch (stamping this rank if it has none); False if only the replay buffer got it."""
         if self._closed:
             raise InvalidArgument("publish on a closed KvEventPublisher")
@@ -113,6 +113,11 @@ class KvEventPublisher(LoggedPublisher):
         _send(pub, payload, 0)
         self.stats.published += 1
         return True
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
 
     def close(self, drain_timeout_s: float = 1.0) -> None:
         """Stop serving replays and close the sockets, giving queued live frames up to the timeout."""

@@ -7,9 +7,11 @@ keeps the last ``buffer_steps`` payloads for replay and says whether the batch g
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from typing import Generic, TypeVar
 
+from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
 from kvemu.wire.codec import VllmProfile, encode_batch
@@ -59,9 +61,41 @@ class ReplayLog(Generic[P]):
 
 
 class LoggedPublisher:
-    """Base of the KV publishers: what they expose of their ``ReplayLog``."""
+    """Base of the KV publishers: what they expose of their ``ReplayLog``, and the publish lag."""
 
     _log: ReplayLog
+    lag_ns: int = 0
+    """Chaos: each batch is published this long after the engine hands it over (KV events arrive late)."""
+
+    _late_until: float = 0.0  # loop time of the last batch held back by the lag
+
+    def publish(self, batch: KVEventBatch | EngineEvents) -> bool:
+        """Publish a batch now, or ``lag_ns`` later on the running loop; False if only the replay buffer got it.
+
+        Late batches keep their order, as on one connection: a batch held back when the lag shrank is
+        not overtaken by the next one."""
+        if not self.lag_ns and not self._late_until:
+            return self._publish_now(batch)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if not self.lag_ns and self._late_until <= now:
+            self._late_until = 0.0
+            return self._publish_now(batch)
+        due = self._late_until = max(now + self.lag_ns / NS_PER_S, self._late_until)
+        loop.call_at(due, self._publish_late, batch)
+        return True
+
+    def _publish_now(self, batch: KVEventBatch | EngineEvents) -> bool:
+        raise NotImplementedError
+
+    def _publish_late(self, batch: KVEventBatch | EngineEvents) -> None:
+        if not self.closed:
+            self._publish_now(batch)
+
+    @property
+    def closed(self) -> bool:
+        """Whether this publisher was closed (a late batch is then dropped)."""
+        return False
 
     @property
     def next_seq(self) -> int:
