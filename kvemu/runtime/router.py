@@ -20,13 +20,13 @@ from msgspec import Meta
 from kvemu.affinity import AffinityEvent, SessionAffinity
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.errors import KvemuError
-from kvemu.events import RouterEvent
 from kvemu.lifecycle import Lifecycle, LifecycleSettings
 from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.runtime.messages import (
     ClientRequest,
     Deregister,
@@ -46,8 +46,7 @@ from kvemu.runtime.messages import (
 from kvemu.runtime.transport import RouterEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.validation import check_struct
-from kvemu.wire.stream import EventStream, Payload, Replay, WorkerEventStats
-from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+from kvemu.wire.stream import Replay
 
 __all__ = ["RouterSettings", "Router"]
 
@@ -106,7 +105,6 @@ class Router:
         self.hooks = hooks or Hooks()
         self.settings = settings or RouterSettings()
         self.affinity = affinity
-        self._kv_replay = kv_replay
         self._on_worker_added = on_worker_added
         self._on_worker_removed = on_worker_removed
         if affinity is not None:
@@ -119,8 +117,13 @@ class Router:
         self.serving = False
         """Whether ``serve`` runs (``handle`` needs it)."""
         self.started_ns = clock.now_ns()
-        self.kv_streams: dict[tuple[int, int], EventStream] = {}
-        self.kv_stats: dict[int, WorkerEventStats] = {}
+        self.kv = KvIngest(core, observer=self._kv_observer, replay_on_connect=self.settings.kv_replay_on_connect,
+                           replay=kv_replay, zmq=zmq_kv_events)
+        """KV events of every registered rank into the index."""
+        self.kv_stats = self.kv.stats
+        """KV-event counters per worker id (the report reads them)."""
+        self.kv_intake = self.kv.intake
+        """The in-memory intake of KV batches (a ``MemoryKvBus`` connects here)."""
         self._timers = Wakeup(self._on_time, clock.now_ns)
         self.lifecycle = Lifecycle(
             core, send=self._dispatch, clock=clock, hooks=self.hooks, affinity=affinity, queue=queue,
@@ -130,13 +133,6 @@ class Router:
         )
         """Every request from arrival to its end (the sans-IO state machine this actor drives)."""
         self.registered = anyio.Event()
-        self.kv_subscriber: KvEventSubscriber | None = None
-        """With ``zmq_kv_events``: subscribes to the endpoints workers announce when they register."""
-        if zmq_kv_events:
-            self.kv_subscriber = KvEventSubscriber(self._apply_kv, block_size=core.block_size,
-                                                   observer=self._kv_observer,
-                                                   replay_on_connect=self.settings.kv_replay_on_connect)
-            self.kv_subscriber.stats = self.kv_stats
 
     @property
     def queue(self) -> PolicyQueue | None:
@@ -155,28 +151,13 @@ class Router:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watchdog)
             tg.start_soon(self._timers.run)
-            if self.kv_subscriber is not None:
-                tg.start_soon(self._pump_kv_events, self.kv_subscriber)
+            tg.start_soon(self.kv.run)
             task_status.started()
             try:
                 await self.end.serve(self.on_message)
             finally:
                 self.serving = False
             tg.cancel_scope.cancel()
-
-    async def _pump_kv_events(self, subscriber: KvEventSubscriber) -> None:
-        """Feed ZeroMQ KV events into the index: poll without blocking, back off while idle."""
-        idle = 0.0
-        try:
-            while True:
-                if subscriber.poll(0):
-                    idle = 0.0
-                    await anyio.sleep(0)
-                else:
-                    idle = min(0.002, idle + 0.0002)
-                    await anyio.sleep(idle)
-        finally:
-            subscriber.close()
 
     async def wait_for_workers(self, count: int, timeout_s: float = 30.0) -> None:
         """Return once ``count`` workers are registered (``TimeoutError`` otherwise)."""
@@ -265,21 +246,7 @@ class Router:
         self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now())
         self._peers[peer] = msg.worker_id
         self._asked.discard(peer)
-        stats = self.kv_stats.setdefault(msg.worker_id, WorkerEventStats())
-        for rank in spec.ranks:
-            replay = self._kv_replay(msg.worker_id, rank) if self._kv_replay else None
-            self.kv_streams[(msg.worker_id, rank)] = EventStream(
-                msg.worker_id, rank, sink=self._apply_kv, block_size=self.core.block_size, stats=stats,
-                replay=replay, replay_on_connect=self.settings.kv_replay_on_connect, observer=self._kv_observer,
-            )
-        for rank in spec.ranks:  # rebuild what this worker caches from its publishers' replay buffers
-            stream = self.kv_streams.get((msg.worker_id, rank))
-            if stream is not None and self.settings.kv_replay_on_connect:
-                stream.sync()
-        if self.kv_subscriber is not None:
-            for r, endpoint in enumerate(msg.kv_endpoints):
-                replay = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
-                self.kv_subscriber.add(StreamSpec(msg.worker_id, msg.dp_start + r, endpoint, replay or None))
+        self.kv.add_worker(msg)
         if self._on_worker_added is not None:
             self._on_worker_added(msg)
         self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
@@ -323,12 +290,9 @@ class Router:
         self._down_ranks.difference_update([k for k in self._down_ranks if k[0] == worker_id])
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)
-        for key in [k for k in self.kv_streams if k[0] == worker_id]:
-            del self.kv_streams[key]
+        self.kv.remove_worker(worker_id)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
-        if self.kv_subscriber is not None:
-            self.kv_subscriber.remove_worker(worker_id)
         if self._on_worker_removed is not None:
             self._on_worker_removed(worker_id)
         self._emit("worker_removed", worker_id=worker_id, data={"reason": reason})
@@ -344,16 +308,6 @@ class Router:
                 self.remove_worker(wid, reason="missed heartbeats")
 
     # ------------------------------------------------------------------ KV events
-
-    def kv_intake(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
-        """A KV-event batch from an in-memory transport."""
-        stream = self.kv_streams.get((worker_id, dp_rank))
-        if stream is not None:
-            stream.receive(seq, payload)
-
-    def _apply_kv(self, event: RouterEvent) -> None:
-        if event.worker_id in self.workers:
-            self.core.apply_event(event)
 
     def _kv_observer(self, kind: str, worker_id: int, dp_rank: int, details: dict) -> None:
         self._emit(f"kv_{kind}", worker_id=worker_id, dp_rank=dp_rank, data=details)
