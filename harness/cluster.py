@@ -105,8 +105,12 @@ class Cluster:
         return self.scenario.run.mode
 
     async def handle(self, req: Any) -> Any:
-        """Submit a request to the current router (the router may be restarted meanwhile)."""
+        """Run a request on the current router (the router may be restarted meanwhile)."""
         return await self.router.handle(req)
+
+    def submit(self, req: Any, on_end: Any) -> None:
+        """Start a request on the current router; ``on_end(record)`` when it ended."""
+        self.router.submit(req, on_end)
 
     def set_kv_lag(self, lag_ns: int) -> None:
         """Chaos: every KV publisher, present and future, publishes ``lag_ns`` late."""

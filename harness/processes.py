@@ -37,7 +37,8 @@ from workers.worker import MockWorker
 from harness.cluster import build_router, engine_config
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
-from harness.runner import count_requests, drain_deadline_s, play_session
+from harness.runner import count_requests, drain_deadline_s
+from harness.sessions import SessionPlayer, awaiting
 from harness.scenario import Scenario
 from harness.workload import build_sessions
 
@@ -296,8 +297,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
         clock = _Since(t0, st.now_ns)
         with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
             async with anyio.create_task_group() as play:
-                for s in sessions:
-                    play.start_soon(play_session, client.submit, s, clock)
+                await SessionPlayer(sessions, awaiting(play, client.submit), clock).run()
         partial = scope.cancelled_caught
         final = await client.stats()
         tg.cancel_scope.cancel()

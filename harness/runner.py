@@ -7,7 +7,7 @@ of the two modes read the same way.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +16,16 @@ import anyio
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock, WallClock
 from kvemu.runtime.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
-from kvemu.runtime.messages import ClientRequest
 from kvemu.tuning import tune_gc
 
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
 from harness.scenario import ChaosEvent, Scenario
-from harness.workload import Session, Turn, build_sessions
+from harness.sessions import SessionPlayer
+from harness.workload import Session, build_sessions
 
-__all__ = ["run_scenario", "RunOutcome", "Progress", "play_session", "drain_deadline_s", "count_requests"]
+__all__ = ["run_scenario", "RunOutcome", "Progress", "drain_deadline_s", "count_requests"]
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
@@ -107,9 +107,7 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 for ev in scenario.chaos:
                     tg.start_soon(_chaos, c, ev, state)
                 with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
-                    async with anyio.create_task_group() as sessions_tg:
-                        for s in sessions:
-                            sessions_tg.start_soon(play_session, c.handle, s, run_clock)
+                    await SessionPlayer(sessions, c.submit, run_clock).run()
                 if scope.cancelled_caught:
                     state["partial"] = True
                 _take_sample(c, state, run_clock)
@@ -124,32 +122,6 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
 def drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
     last = max((s.start_ns for s in sessions), default=0) / NS_PER_S
     return last + scenario.run.drain_timeout_s
-
-
-Submit = Callable[[ClientRequest], Awaitable[Any]]
-"""Runs one request to its end (``Router.handle`` in process, or a client of a router process)."""
-
-
-async def play_session(submit: Submit, session: Session, clock: Clock) -> None:
-    """One session: wait for its start, then each turn after the previous one (and its sub-agents) ended."""
-    delay = session.start_ns - clock.now_ns()
-    if delay > 0:
-        await anyio.sleep(delay / NS_PER_S)
-    for k, turn in enumerate(session.turns):
-        if turn.delay_ns:
-            await anyio.sleep(turn.delay_ns / NS_PER_S)
-        rid = f"{session.session_id}-t{k}"
-        await submit(_request(rid, turn, session.session_id if session.sticky else None, None))
-        if turn.sub_agents:
-            async with anyio.create_task_group() as tg:
-                for j, (tokens, osl) in enumerate(turn.sub_agents):
-                    sub = Turn(tokens, osl, worker_id=turn.worker_id)
-                    tg.start_soon(submit, _request(f"{rid}-a{j}", sub, None, session.session_id))
-
-
-def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -> ClientRequest:
-    return ClientRequest(request_id=rid, tokens=turn.prompt(), max_tokens=turn.max_tokens, session_id=session_id,
-                         parent_session_id=parent, worker_id=turn.worker_id)
 
 
 def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:

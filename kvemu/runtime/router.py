@@ -115,7 +115,7 @@ class Router:
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
         self.stopped = False
         self.serving = False
-        """Whether ``serve`` runs (``handle`` needs it)."""
+        """Whether ``serve`` runs (requests progress only then)."""
         self.started_ns = clock.now_ns()
         self.kv = KvIngest(core, observer=self._kv_observer, replay_on_connect=self.settings.kv_replay_on_connect,
                            replay=kv_replay, zmq=zmq_kv_events)
@@ -325,13 +325,17 @@ class Router:
         The record holds what the router sees; ``best_overlap_blocks`` and ``token_times_ns`` are left to hook
         observers (the harness recorder), which would otherwise cost every request.
         """
-        if not self.serving:
-            raise RuntimeError("Router.handle needs Router.serve running: it delivers the workers' replies and the "
-                               "request deadlines")
         ended = anyio.Event()
-        record = self.lifecycle.submit(req, lambda _record: ended.set())
+        record = self.submit(req, lambda _record: ended.set())
         await ended.wait()
         return record
+
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord:
+        """Start one request; ``on_end`` gets its record when it ended (``handle`` without a task).
+
+        A router that is not serving yet (a restart in progress) takes the request; it progresses once
+        ``serve`` runs, which delivers the workers' replies and the request deadlines."""
+        return self.lifecycle.submit(req, on_end)
 
     def _send(self, peer: bytes, msg: msgspec.Struct) -> None:
         self.end.send_nowait(peer, msg)
