@@ -16,6 +16,7 @@ from kvemu.runtime.messages import (
     Heartbeat,
     Register,
     RegisterAck,
+    RequestFailed,
     TokenBatch,
 )
 from kvemu.runtime.router import Router, RouterSettings
@@ -337,3 +338,24 @@ def test_duplicate_request_ids_fail_cleanly():
 
     results = run(clock, router, ws, body)
     assert sorted(r.failure is None for r in results.values()) == [False, True]
+
+
+def test_replies_are_accepted_only_from_the_worker_a_request_was_dispatched_to():
+    clock, router, ws, events = cluster([1, 2])
+
+    async def body():
+        async with anyio.create_task_group() as tg:
+            out = {}
+
+            async def one():
+                out["a"] = await router.handle(req("a", worker_id=1))
+
+            tg.start_soon(one)
+            await anyio.sleep(0.005)  # dispatched to worker 1 and accepted; worker 2 speaks for it
+            ws[1].end.send_nowait(RequestFailed(request_id="a", reason="spoofed"))
+            ws[1].end.send_nowait(Finished(request_id="a", times_ns=[1], dp_rank=0))
+        return out["a"]
+
+    rec = run(clock, router, ws, body)
+    assert rec.failure is None and rec.worker_id == 1 and rec.output_tokens == 3
+    assert "failed" not in kinds(events, "a")
