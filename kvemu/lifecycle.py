@@ -253,7 +253,7 @@ class Lifecycle:
                 if f.stage == QUEUED and self.queue is not None:
                     self.queue.remove(f.request_id)
                 f.token += 1
-                self._ready.append(self._wake(self._end, f))
+                self._ready.append(self._wake(self._abandon, f))
         self._waiting.clear()
         self._run(_nothing)
 
@@ -499,7 +499,11 @@ class Lifecycle:
         if ids is not None:
             ids.pop(f.request_id, None)
 
-    def _end(self, f: Flight, failure: str | None = None) -> None:
+    def _abandon(self, f: Flight) -> None:
+        """End a request that holds nothing on a worker, with the failure already recorded on it."""
+        self._end(f, f.failure)
+
+    def _end(self, f: Flight, failure: str | None) -> None:
         if f.stage == ENDED:
             return
         if f.stage == QUEUED and self.queue is not None:

@@ -159,6 +159,19 @@ def test_stop_ends_every_stage_with_the_reason():
     assert h.submit("c").failure == "router_restart"
 
 
+def test_stop_ends_waiting_and_affinity_waiting_requests_with_the_reason():
+    h = Host(workers=(), grace_s=2.0)
+    h.submit("w")  # waiting for a first worker
+    h.lc.stop("router_restart")
+    assert h.ended["w"].failure == "router_restart"
+    h = Host(workers=(1,), affinity=True)
+    h.submit("a", session_id="s")
+    h.submit("b", session_id="s", tokens=range(9, 17))  # waits for a's binding
+    h.lc.stop("router_restart")
+    assert {r: rec.failure for r, rec in h.ended.items()} == {"a": "router_restart", "b": "router_restart"}
+    assert [e.request_id for e in h.events if e.kind == "completed"] == []
+
+
 def test_a_session_binding_is_committed_only_after_acceptance():
     h = Host(workers=(1, 2), affinity=True)
     h.submit("a", session_id="s")
@@ -236,8 +249,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert len(self.h.core.load) == len(booked)
 
     def teardown(self):
+        open_ = set(self.h.lc.flights)
         self.h.lc.stop("test_over")
         assert not self.h.lc.flights and len(self.h.core.load) == 0
+        assert all(self.h.ended[r].failure == "test_over" for r in open_)
         for s in ("s", "t"):
             assert self.h.affinity.active_leases(s) == 0
 

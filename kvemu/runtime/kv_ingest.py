@@ -37,7 +37,6 @@ class KvIngest:
         self.streams: dict[tuple[int, int], EventStream] = {}
         self.stats: dict[int, WorkerEventStats] = {}
         """Per worker id, for every worker ever registered."""
-        self._workers: set[int] = set()
         self.subscriber: KvEventSubscriber | None = None
         """With ``zmq``: subscribes to the endpoints workers announce when they register."""
         if zmq:
@@ -48,7 +47,6 @@ class KvIngest:
     def add_worker(self, msg: Register) -> None:
         """Open the streams of a newly registered worker's ranks and rebuild its cache from their replays."""
         wid = msg.worker_id
-        self._workers.add(wid)
         stats = self.stats.setdefault(wid, WorkerEventStats())
         ranks = range(msg.dp_start, msg.dp_start + msg.dp_size)
         for rank in ranks:
@@ -67,7 +65,6 @@ class KvIngest:
 
     def remove_worker(self, worker_id: int) -> None:
         """Close a removed worker's streams; its later batches are ignored."""
-        self._workers.discard(worker_id)
         for key in [k for k in self.streams if k[0] == worker_id]:
             del self.streams[key]
         if self.subscriber is not None:
@@ -80,7 +77,7 @@ class KvIngest:
             stream.receive(seq, payload)
 
     def _apply(self, event: RouterEvent) -> None:
-        if event.worker_id in self._workers:
+        if event.worker_id in self.core.registry:  # a removed worker's late events change nothing
             self.core.apply_event(event)
 
     async def run(self) -> None:

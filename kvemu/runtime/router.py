@@ -113,9 +113,6 @@ class Router:
         self._peers: dict[bytes, int] = {}  # transport identity -> worker id
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
-        self.stopped = False
-        self.serving = False
-        """Whether ``serve`` runs (requests progress only then)."""
         self.started_ns = clock.now_ns()
         self.kv = KvIngest(core, observer=self._kv_observer, replay_on_connect=self.settings.kv_replay_on_connect,
                            replay=kv_replay, zmq=zmq_kv_events)
@@ -147,16 +144,12 @@ class Router:
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive worker messages and watch heartbeats until cancelled."""
-        self.serving = True
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watchdog)
             tg.start_soon(self._timers.run)
             tg.start_soon(self.kv.run)
             task_status.started()
-            try:
-                await self.end.serve(self.on_message)
-            finally:
-                self.serving = False
+            await self.end.serve(self.on_message)
             tg.cancel_scope.cancel()
 
     async def wait_for_workers(self, count: int, timeout_s: float = 30.0) -> None:
@@ -255,7 +248,6 @@ class Router:
 
     def stop(self, reason: str = "router_restart") -> None:
         """This router instance goes away: every request it holds ends with ``reason``."""
-        self.stopped = True
         self.lifecycle.stop(reason)
         if self.affinity is not None:
             for session in list(self.affinity._table):
