@@ -80,3 +80,38 @@ def test_waiting_for_nothing_is_a_deadlock_not_a_hang():
 
     with pytest.raises(VirtualDeadlock):
         run_virtual(main, ManualClock())
+
+
+def test_bare_timers_share_the_handles_order_and_cancel_like_them():
+    clock = ManualClock()
+    order: list[str] = []
+
+    async def main() -> None:
+        lp = asyncio.get_running_loop()
+        lp.call_at_ns(2_000, order.append, "handle 1")  # type: ignore[attr-defined]
+        lp.timer_at_ns(2_000, lambda: order.append("bare 1"))  # type: ignore[attr-defined]
+        dropped = lp.timer_at_ns(1_000, lambda: order.append("cancelled"))  # type: ignore[attr-defined]
+        lp.call_at_ns(2_000, order.append, "handle 2")  # type: ignore[attr-defined]
+        lp.timer_at_ns(1_500, lambda: order.append(f"bare early at {clock.now_ns()}"))  # type: ignore[attr-defined]
+        dropped.cancel()
+        dropped.cancel()  # idempotent: counted once
+        assert dropped.cancelled() and lp._cancelled_timers == 1  # type: ignore[attr-defined]
+        await anyio.sleep(0.00001)
+
+    run_virtual(main, clock)
+    assert order == ["bare early at 1500", "handle 1", "bare 1", "handle 2"]
+    assert clock.now_ns() == 10_000
+
+
+def test_many_cancelled_bare_timers_are_compacted_away():
+    clock = ManualClock()
+
+    async def main() -> None:
+        lp = asyncio.get_running_loop()
+        for i in range(5_000):
+            lp.timer_at_ns(10_000_000 + i, lambda: None).cancel()  # type: ignore[attr-defined]
+        await anyio.sleep(0.001)
+        assert len(lp._timers) < 600  # type: ignore[attr-defined]
+
+    run_virtual(main, clock)
+    assert clock.now_ns() == 1_000_000  # the cancelled timers never moved the clock

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from kvemu.clock import NS_PER_S, ManualClock
 
-__all__ = ["VirtualDeadlock", "VirtualEventLoop", "run_virtual", "run_live", "new_live_loop"]
+__all__ = ["VirtualDeadlock", "VirtualEventLoop", "VirtualTimer", "run_virtual", "run_live", "new_live_loop"]
 
 T = TypeVar("T")
 
@@ -31,6 +31,35 @@ class VirtualDeadlock(RuntimeError):
     """Nothing is ready, no timer is set and no I/O is pending: virtual time would stop forever."""
 
 
+class VirtualTimer:
+    """A bare virtual-loop timer: the loop calls ``fn()`` itself, with no handle, arguments or context.
+
+    For hot internal drivers (``Wakeup``) whose callback handles its own errors; ``cancel()`` as a handle's.
+    """
+
+    __slots__ = ("_fn", "_loop", "_cancelled", "_scheduled")
+
+    def __init__(self, fn: Callable[[], object], loop: VirtualEventLoop) -> None:
+        self._fn = fn
+        self._loop = loop
+        self._cancelled = False
+        self._scheduled = True
+
+    def cancel(self) -> None:
+        """Do not call ``fn`` (no-op once it ran or was cancelled)."""
+        if not self._cancelled:
+            self._cancelled = True
+            if self._scheduled:
+                self._loop._cancelled_timers += 1
+
+    def cancelled(self) -> bool:
+        """Whether ``cancel`` was called."""
+        return self._cancelled
+
+    def _run(self) -> None:
+        self._fn()
+
+
 class VirtualEventLoop(asyncio.SelectorEventLoop):
     """An asyncio loop on virtual time (``time()`` = the clock, in seconds)."""
 
@@ -38,7 +67,7 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         self.clock = clock or ManualClock()
         super().__init__(selectors.DefaultSelector())
         self._clock_resolution = 1e-9
-        self._timers: list[tuple[int, int, asyncio.TimerHandle]] = []
+        self._timers: list[tuple[int, int, asyncio.TimerHandle | VirtualTimer]] = []
         self._timer_order = 0
         self._cancelled_timers = 0
         self._polls = 0
@@ -69,6 +98,15 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         order = self._timer_order = self._timer_order + 1
         heapq.heappush(self._timers, (when_ns, order, timer))
         timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
+
+    def timer_at_ns(self, when_ns: int, fn: Callable[[], object]) -> VirtualTimer:
+        """Call ``fn()`` at virtual time ``when_ns``, in timer order like ``call_at_ns`` but without a handle's
+        context and error handling (``fn`` must not raise): the cheap path for per-event drivers."""
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = VirtualTimer(fn, self)
+        order = self._timer_order = self._timer_order + 1
+        heapq.heappush(self._timers, (when_ns, order, timer))
         return timer
 
     def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:

@@ -5,7 +5,7 @@ needs to run, or ``None``; ``poke()`` asks for a step soon (new input changed th
 asks for a step by ``t`` (the owner already knows the new plan's next instant). The owner's
 task awaits ``run()``, which re-raises anything ``step`` raised, so a failing core fails its actor as a
 receive loop would, instead of vanishing into the loop's exception handler. On the virtual loop the
-instant is exact (``call_at_ns``); on any other loop it becomes a delay from the clock's now.
+instant is exact (a bare ``timer_at_ns`` timer); on any other loop it becomes a delay from the clock's now.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 import anyio
 
 from kvemu.clock import NS_PER_S
+from kvemu.runtime.loop import VirtualTimer
 
 __all__ = ["Wakeup"]
 
@@ -29,7 +30,7 @@ class Wakeup:
         self._step = step
         self._now = now_ns
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._handle: asyncio.Handle | None = None
+        self._handle: asyncio.Handle | VirtualTimer | None = None
         self._at: int | None = None  # the instant the pending timer steps at (None: none pending, or soon)
         self._soon = False
         self._error: BaseException | None = None
@@ -75,9 +76,9 @@ class Wakeup:
 
     def _schedule(self, when_ns: int) -> None:
         assert self._loop is not None
-        call_at_ns = getattr(self._loop, "call_at_ns", None)
-        if call_at_ns is not None:  # the virtual loop: its clock is the step's clock, exact nanoseconds
-            self._handle = call_at_ns(when_ns, self._fire)
+        timer_at_ns = getattr(self._loop, "timer_at_ns", None)
+        if timer_at_ns is not None:  # the virtual loop: its clock is the step's clock, exact nanoseconds
+            self._handle = timer_at_ns(when_ns, self._fire)
         else:
             self._handle = self._loop.call_later(max(0, when_ns - self._now()) / NS_PER_S, self._fire)
         self._at = when_ns
