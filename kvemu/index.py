@@ -245,10 +245,17 @@ class PrefixIndex:
             missing = list(block_hashes)
         else:
             lk = self._lookup[slot]
+            exts = block_hashes if type(block_hashes) is list else list(block_hashes)
+            seqs = list(map(lk.get, exts))  # type: ignore[union-attr]
+            if seqs and None not in seqs:
+                segs = list(map(self._blocks.__getitem__, seqs))
+                if segs.count(segs[0]) == len(segs):  # the usual eviction: blocks of one run, cut once
+                    self._cut_first(slot, segs[0], set(seqs))
+                    return
             missing = []
             hit: dict[int, tuple[_Seg, set[int]]] = {}  # id(segment) -> (segment, its removed blocks)
             blocks = self._blocks
-            for ext in block_hashes:
+            for ext in exts:
                 seq = lk.get(ext)  # type: ignore[union-attr]
                 if seq is None:
                     missing.append(ext)
