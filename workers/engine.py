@@ -34,6 +34,7 @@ from __future__ import annotations
 
 
 from bisect import bisect_left, bisect_right
+from collections import Counter
 from itertools import accumulate
 
 from kvemu.clock import MAX_TIME_NS
@@ -542,27 +543,23 @@ class EngineCore:
         # Visible: fills (stores; a dedupe counts too, conservatively), completions, block needs beyond the
         # free blocks (eviction or preemption). A pass starting at/after the next arrival may admit it.
         bs = self._block_size
-        j_vis = MAX_TIME_NS
-        firsts: list[int] = []
-        for seq in self.scheduler.running:
-            c = seq.computed + offset
-            jc = seq.max_tokens - seq.n_out - offset
-            if jc < j_vis:
-                j_vis = jc
-            if self._caching and bs - c % bs < j_vis:
-                j_vis = bs - c % bs
-            firsts.append(seq.n_alloc * bs - c + 1)
-        counts: dict[int, int] = {}
-        for k in firsts:
-            for jn in range(k, j_vis + 1, bs):
-                counts[jn] = counts.get(jn, 0) + 1
+        running = self.scheduler.running
+        n_run = len(running)
+        computed = [seq.computed for seq in running]
+        j_vis = min([seq.max_tokens - seq.n_out for seq in running]) - offset
+        if self._caching:  # the first fill: bs - (c + offset) % bs passes away for the request furthest into its block
+            j_vis = min(j_vis, bs - max([(c + offset) % bs for c in computed]))
+        # each request needs a block at pass n_alloc * bs - c + 1 from s, and every bs passes after it
+        firsts = [seq.n_alloc * bs - c - offset + 1 for seq, c in zip(running, computed)]
+        if j_vis <= bs:
+            counts = Counter([k for k in firsts if k <= j_vis])
+        else:
+            counts = Counter([jn for k in firsts for jn in range(k, j_vis + 1, bs)])
         arrival = self.scheduler.next_arrival_ns()
         timer = self.timer
         free = self.pool.free
         evictable = self.pool.num_inactive
-        running = self.scheduler.running
-        n_run = len(running)
-        kv = sum(seq.computed for seq in running) + (offset + 1) * n_run  # decode KV tokens of pass 1 from s
+        kv = sum(computed) + (offset + 1) * n_run  # decode KV tokens of pass 1 from s
         floor = started + 1
         ends = [s]  # ends[k]: the end of pass k from s, i.e. the start of pass k + 1 (extended as needed)
         j = 0

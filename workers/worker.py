@@ -122,11 +122,17 @@ class MockWorker:
 
     def advance_to(self, t_ns: int) -> list[AdvanceResult]:
         """Advance every rank to ``t_ns``; one result per rank, in rank order."""
-        return [core.advance_to(t_ns) for core in self.cores]
+        cores = self.cores
+        if len(cores) == 1:
+            return [cores[0].advance_to(t_ns)]
+        return [core.advance_to(t_ns) for core in cores]
 
     def next_event_ns(self) -> int | None:
         """Earliest ``next_event_ns`` over the ranks (None if no rank has work)."""
-        times = [t for t in (core.next_event_ns() for core in self.cores) if t is not None]
+        cores = self.cores
+        if len(cores) == 1:
+            return cores[0].next_event_ns()
+        times = [t for t in (core.next_event_ns() for core in cores) if t is not None]
         return min(times) if times else None
 
     @property
