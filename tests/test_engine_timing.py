@@ -8,6 +8,7 @@ from kvemu.errors import InvalidArgument
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.request import Request
+from workers import timing
 from workers.timing import PassTimer, PolynomialTiming
 
 
@@ -165,3 +166,20 @@ def test_the_kept_decode_run_returns_what_a_fresh_computation_would(calls, slow_
             t.set_slowdown(2.0)
         first = base + offset * max(step, 1)
         assert t.decode_series_ns(first, step, count) == [t.decode_ns(first + i * step) for i in range(count)]
+
+
+@given(first=st.integers(0, 600), step=st.integers(0, 9), count=st.integers(0, 40), total=st.sampled_from([512, 1000]),
+       scale=st.sampled_from([1_000_000 / 1.7, 1_000_000.0, 1_000_000 / 0.3]))
+def test_decode_series_read_across_table_chunks_are_the_polynomials_values(first, step, count, total, scale):
+    """Series within one chunk of the shared duration table, across several, or past a full memo are all
+    the polynomial's own values, bit for bit."""
+    model = PolynomialTiming()
+    want = [round(model.decode_ms(first + i * step, total) * scale) for i in range(count)]
+    saved = timing._CHUNK, timing._CHUNKS_KEPT
+    timing._CHUNK, timing._CHUNKS_KEPT = 16, 8  # series cross chunks, and the memo fills and starts afresh
+    try:
+        assert model.decode_ns_series(first, step, count, total, scale) == want
+        assert all(len(t) <= 8 for t in timing._DECODE_TABLES.values())
+    finally:
+        timing._CHUNK, timing._CHUNKS_KEPT = saved
+        timing._DECODE_TABLES.clear()

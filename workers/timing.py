@@ -14,6 +14,8 @@ requests sharing a 512-token prefix decode as fast as two disjoint ones.)
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from kvemu.errors import InvalidArgument
@@ -55,15 +57,61 @@ class PolynomialTiming:
         return max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
 
     def decode_ns_series(self, first: int, step: int, count: int, total_kv_tokens: int, scale: float) -> list[int]:
-        """``[round(decode_ms(first + i * step, total_kv_tokens) * scale) for i in range(count)]`` in one
-        pass, equal bit for bit (always finite and >= 1 ms, so nothing to check)."""
-        t = total_kv_tokens
-        actives = range(first, first + count * step, step) if step else [first] * count
-        return [round((v if (v := -25.74 * (p := a / t) * p + 54.01 * p + 5.74) > 1.0 else 1.0) * scale)
-                for a in actives]
+        """``[round(decode_ms(first + i * step, total_kv_tokens) * scale) for i in range(count)]``, equal bit
+        for bit (always finite and >= 1 ms, so nothing to check), read from a shared table of durations."""
+        if count <= 0:
+            return []
+        if first < 0 or step < 0:
+            return _decode_ns(range(first, first + count * step, step) if step else [first] * count, total_kv_tokens, scale)
+        return _tabulated(first, step, count, total_kv_tokens, scale)
 
     def __repr__(self) -> str:
         return "PolynomialTiming()"
+
+
+def _decode_ns(actives: Iterable[int], total_kv_tokens: int, scale: float) -> list[int]:
+    t = total_kv_tokens
+    return [round((v if (v := -25.74 * (p := a / t) * p + 54.01 * p + 5.74) > 1.0 else 1.0) * scale)
+            for a in actives]
+
+
+_CHUNK = 4096
+"""KV sizes per tabulated chunk of decode durations."""
+_CHUNKS_KEPT = 512
+"""Chunks kept per configuration (2M KV sizes, 16 MB); past it the configuration's memo starts afresh."""
+_TABLES_KEPT = 4
+"""Configurations (capacity, scale) with a memo; a further one starts the whole memo afresh."""
+_DECODE_TABLES: dict[tuple[int, float], dict[int, array]] = {}
+
+
+def _tabulated(first: int, step: int, count: int, total_kv_tokens: int, scale: float) -> list[int]:
+    """``_decode_ns`` of ``first, first + step, ...`` read from chunks of durations tabulated on first use and
+    shared by every engine of one configuration (the duration is a pure function of the KV size)."""
+    key = (total_kv_tokens, scale)
+    chunks = _DECODE_TABLES.get(key)
+    if chunks is None:
+        if len(_DECODE_TABLES) >= _TABLES_KEPT:
+            _DECODE_TABLES.clear()
+        chunks = _DECODE_TABLES[key] = {}
+    out: list[int] = []
+    a = first
+    last = first + (count - 1) * step
+    while a <= last:
+        ci, off = divmod(a, _CHUNK)
+        chunk = chunks.get(ci)
+        if chunk is None:
+            if len(chunks) >= _CHUNKS_KEPT:
+                chunks.clear()
+            base = ci * _CHUNK
+            chunk = chunks[ci] = array("q", _decode_ns(range(base, base + _CHUNK), total_kv_tokens, scale))
+        if not step:
+            return [chunk[off]] * count
+        stop = min(last - ci * _CHUNK, _CHUNK - 1)  # the last offset of this chunk the series reaches
+        if not out and stop == last - ci * _CHUNK:  # the whole series lies in one chunk
+            return chunk[off : stop + 1 : step].tolist()
+        out += chunk[off : stop + 1 : step]
+        a += ((stop - off) // step + 1) * step
+    return out
 
 
 _DECODE_MEMO = 1 << 16
