@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
+from workers import trace
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.trace import (
@@ -110,8 +111,13 @@ def test_mooncake_record_becomes_a_request(tmp_path):
         ({"hash_ids": [1.5], "input_length": 4, "output_length": 1}, "hash_ids", "hash_ids\\[0\\]"),
         ({"hash_ids": "12", "input_length": 4, "output_length": 1}, "hash_ids", "list of integers"),
         ({"hash_ids": [1], "input_length": 0, "output_length": 1}, "input_length", "empty prompt"),
-        ({"hash_ids": [1], "input_length": 4, "output_length": -1}, "output_length", "integer >= 0"),
-        ({"hash_ids": [1], "input_length": 4, "output_length": 1, "timestamp": -3}, "timestamp", ">= 0"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": -1}, "output_length", r"integer in \[0, 4,194,304\]"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": 2**22 + 1}, "output_length", "4,194,304"),
+        ({"hash_ids": [1] * 8193, "input_length": 2**23, "output_length": 1}, "input_length",
+         "4,194,816 tokens is longer than kvemu simulates"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": 1, "timestamp": -3}, "timestamp", r"in \[0, 3e\+11\]"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": 1, "timestamp": 1e300}, "timestamp", "ten years"),
+        ({"hash_ids": [1], "input_length": 4, "output_length": 1, "delay": float("nan")}, "delay", "ten years"),
         ({"hash_ids": [1], "input_length": 4, "output_length": 1, "output_token_ids": [2**32]}, "output_token_ids", "2\\*\\*32"),
     ],
 )
@@ -125,6 +131,18 @@ def test_bad_lines_name_the_file_and_line(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"hash_ids": [1], "input_length": 4, "output_length": 1}\n\n{not json\n')
     with pytest.raises(InvalidArgument, match=r"t.jsonl:3: not JSON"):
+        list(read_mooncake(path))
+
+
+def test_undecodable_and_overlong_lines_name_the_file_and_line(tmp_path, monkeypatch):
+    good = b'{"hash_ids": [1], "input_length": 4, "output_length": 1}\n'
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(good + good + b'{"hash_ids": [1], "session_id": "a\xff"}\n')
+    with pytest.raises(InvalidArgument, match=r"t.jsonl:3: not UTF-8 text \(byte 0xff at column 35\)"):
+        list(read_mooncake(path))
+    monkeypatch.setattr(trace, "MAX_TRACE_LINE_BYTES", len(good) + 10)
+    path.write_bytes(good + b'{"hash_ids": [' + b"1, " * 20 + b'1], "input_length": 4, "output_length": 1}\n')
+    with pytest.raises(InvalidArgument, match=r"t.jsonl:2: line longer than 67 bytes"):
         list(read_mooncake(path))
 
 

@@ -9,7 +9,6 @@ unsigned 64-bit integers and a token is the id's low 32 bits, as in the referenc
 from __future__ import annotations
 
 import json
-import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
@@ -24,6 +23,10 @@ from workers.request import Request
 
 __all__ = [
     "DEFAULT_TRACE_BLOCK_SIZE",
+    "MAX_PROMPT_TOKENS",
+    "MAX_OUTPUT_TOKENS",
+    "MAX_TRACE_MS",
+    "MAX_TRACE_LINE_BYTES",
     "MooncakeRow",
     "mooncake_row",
     "read_mooncake",
@@ -36,6 +39,16 @@ __all__ = [
 DEFAULT_TRACE_BLOCK_SIZE = 512
 _U32_MASK = (1 << 32) - 1
 _U64_LIMIT = 1 << 64
+
+
+MAX_PROMPT_TOKENS = 1 << 22
+"""Longest prompt a trace row may describe (4,194,304 tokens): beyond any model, within memory."""
+MAX_OUTPUT_TOKENS = 1 << 22
+"""Longest response a trace row may ask for."""
+MAX_TRACE_MS = 3.2e11
+"""Latest ``timestamp`` and longest ``delay`` (ms): ten years of scenario time."""
+MAX_TRACE_LINE_BYTES = 16 << 20
+"""Longest trace line read (16 MiB, about two million hash ids)."""
 
 
 def _is_int(value: object) -> bool:
@@ -72,8 +85,9 @@ def _number(row: Mapping[str, Any], key: str) -> float | None:
     value = row.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise InvalidArgument(f"{key} must be a finite number >= 0 (ms), got {value!r}", field=key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TRACE_MS:
+        raise InvalidArgument(f"{key} must be a number of ms in [0, {MAX_TRACE_MS:.0e}] (ten years), got {value!r}",
+                              field=key)
     return float(value)
 
 
@@ -88,11 +102,16 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
     if not isinstance(hash_ids, (list, tuple)):
         raise InvalidArgument(f"hash_ids must be a list of integers, got {type(hash_ids).__name__}", field="hash_ids")
     _check_trace(hash_ids, input_length, trace_block_size)
-    if min(input_length, len(hash_ids) * trace_block_size) < 1:
+    prompt = min(input_length, len(hash_ids) * trace_block_size)
+    if prompt < 1:
         raise InvalidArgument(f"empty prompt (input_length {input_length}, {len(hash_ids)} hash ids)",
                               field="input_length")
-    if not _is_int(output_length) or output_length < 0:
-        raise InvalidArgument(f"output_length must be an integer >= 0, got {output_length!r}", field="output_length")
+    if prompt > MAX_PROMPT_TOKENS:
+        raise InvalidArgument(f"a prompt of {prompt:,} tokens is longer than kvemu simulates "
+                              f"({MAX_PROMPT_TOKENS:,})", field="input_length")
+    if not _is_int(output_length) or not 0 <= output_length <= MAX_OUTPUT_TOKENS:
+        raise InvalidArgument(f"output_length must be an integer in [0, {MAX_OUTPUT_TOKENS:,}], got {output_length!r}",
+                              field="output_length")
     sid = row.get("session_id")
     out_ids = row.get("output_token_ids")
     if out_ids is not None and not (isinstance(out_ids, (list, tuple)) and all(_is_int(t) and 0 <= t <= _U32_MASK for t in out_ids)):
@@ -110,9 +129,15 @@ def read_mooncake(path: str | Path, limit: int | None = None,
     if limit is not None and limit <= 0:
         return
     n = 0
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_TRACE_LINE_BYTES:
+                raise InvalidArgument(f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes")
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                      f"{exc.start + 1})") from None
             if not line:
                 continue
             try:
