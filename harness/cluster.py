@@ -77,6 +77,15 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
 
 
+def check_buildable(scenario: Scenario) -> None:
+    """Build the scenario's router (routing core, policy, affinity, queue) and one worker's engines without
+    starting anything: ``kvemu validate`` rejects what ``run`` would fail to build, with the same errors."""
+    spec = scenario.cluster
+    build_router(scenario.router, block_size=spec.engine.block_size, clock=ManualClock(), seed=scenario.run.seed,
+                 end=None, hooks=Hooks())
+    MockWorker(engine_config(spec), worker_id=0)
+
+
 class Cluster:
     """A running router with its workers (use ``cluster(...)`` to build and start one)."""
 

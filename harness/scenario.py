@@ -48,10 +48,27 @@ __all__ = [
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
 
+MAX_WORKERS = 4096
+MAX_DP_SIZE = 512
+MAX_RANKS = 8192
+"""Largest cluster a scenario may start (workers x dp_size)."""
+MAX_SCENARIO_S = 3.2e8
+"""Longest scenario time (about ten years): durations, delays and chaos instants stay below it."""
+MAX_SCENARIO_NS = round(MAX_SCENARIO_S * 1e9)
+MAX_REQUESTS = 10_000_000
+"""Most requests one scenario may send (a synthetic workload's expected count included)."""
+MAX_SCENARIO_BYTES = 1 << 20
+"""Largest scenario file read."""
+MAX_PROMPT_TOKENS = 1 << 22
+"""Longest prompt a synthetic session may grow to (the trace rows' bound too)."""
+
 Count = Annotated[int, Meta(ge=1)]
 Index = Annotated[int, Meta(ge=0)]
 NonNeg = Annotated[float, Meta(ge=0)]
 Positive = Annotated[float, Meta(gt=0)]
+Seconds = Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S)]
+PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_SCENARIO_S)]
+Tokens = Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
 
 
 class ScenarioError(KvemuError, ValueError):
@@ -86,19 +103,22 @@ EngineSpec = msgspec.defstruct(
 class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     """The workers."""
 
-    workers: Count = 4
-    dp_size: Count = 1
+    workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 4
+    dp_size: Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)] = 1
     worker_type: Literal["aggregated", "prefill", "decode"] = "aggregated"
     engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
     kv_events_version: str = DEFAULT_VLLM_VERSION
     """vLLM version whose KV-event wire format the workers speak."""
-    heartbeat_interval_s: Positive = 1.0
+    heartbeat_interval_s: PositiveSeconds = 1.0
     kv_wire_check: bool = False
     """Virtual mode: carry every actor message and KV-event batch as the bytes live mode sends
     (encoded and decoded on the way) instead of as objects. Same report, slower; proves the codecs."""
 
     def __post_init__(self) -> None:
         check_struct(self)
+        if self.workers * self.dp_size > MAX_RANKS:
+            raise InvalidArgument(f"{self.workers} workers x {self.dp_size} DP ranks is more than the {MAX_RANKS} "
+                                  "ranks a scenario may start", field="workers")
         try:
             profile_for(self.kv_events_version)
         except InvalidArgument as exc:
@@ -109,7 +129,7 @@ class AffinitySpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     """Session affinity (requests with a ``session_id`` or a parent session)."""
 
     enabled: bool = False
-    ttl_secs: Positive = 300.0
+    ttl_secs: PositiveSeconds = 300.0
     mode: Literal["hard", "soft"] = "hard"
 
 
@@ -153,10 +173,10 @@ class Distribution(_Section, **_STRUCT):  # type: ignore[call-arg]
     """A positive integer distribution: ``constant``, ``uniform`` [low, high], ``normal`` or ``lognormal``."""
 
     kind: Literal["constant", "uniform", "normal", "lognormal"] = "constant"
-    mean: NonNeg = 512
-    std: NonNeg = 0.0
-    low: Count = 1
-    high: Count = 1 << 20
+    mean: Annotated[float, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 512
+    std: Annotated[float, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 0.0
+    low: Tokens = 1
+    high: Tokens = 1 << 20
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -168,17 +188,17 @@ class SyntheticWorkload(_Section, tag="synthetic", tag_field="kind", **_STRUCT):
     """Generated traffic: sessions of several turns, shared prefixes, sub-agents, pins."""
 
     arrival: Literal["poisson", "constant"] = "poisson"
-    rate_rps: Positive = 4.0
+    rate_rps: Annotated[float, Meta(gt=0, le=1e6)] = 4.0
     """New sessions per second."""
     isl: Distribution = Distribution(mean=1024, std=256, kind="normal", low=64, high=8192)
     """Tokens added to the conversation per turn (the first turn's prompt)."""
     osl: Distribution = Distribution(mean=128, std=32, kind="normal", low=8, high=2048)
-    turns: Count = 3
-    think_time_s: NonNeg = 2.0
-    system_prefix_tokens: Index = 512
-    num_prefix_groups: Count = 4
+    turns: Annotated[int, Meta(ge=1, le=100_000)] = 3
+    think_time_s: Seconds = 2.0
+    system_prefix_tokens: Annotated[int, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 512
+    num_prefix_groups: Annotated[int, Meta(ge=1, le=1_000_000)] = 4
     """Distinct system prompts; each session draws one."""
-    sub_agents: Index = 0
+    sub_agents: Annotated[int, Meta(ge=0, le=1000)] = 0
     """Sibling sub-agent requests per turn, sharing the parent session's sibling-group affinity."""
     pin_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.0
     """Fraction of sessions whose requests pin an explicit worker."""
@@ -200,27 +220,27 @@ class RunSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
 
     mode: Literal["virtual", "live"] = "virtual"
     seed: int = 0
-    duration_s: Positive | None = None
+    duration_s: PositiveSeconds | None = None
     """Stop arrivals after this much scenario time, then drain."""
-    max_requests: Count | None = None
+    max_requests: Annotated[int, Meta(ge=1, le=MAX_REQUESTS)] | None = None
     """Stop after this many requests (trace rows or synthetic turns)."""
-    drain_timeout_s: Positive = 600.0
+    drain_timeout_s: PositiveSeconds = 600.0
 
 
 class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]
     """One scheduled fault."""
 
-    at_s: NonNeg
+    at_s: Seconds
     action: Literal["remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
                     "slow_worker", "restart_router"]
     worker: Index | None = None
     """Target worker id (``remove_worker``, ``kill_rank``, ``drop_kv_events``, ``slow_worker``)."""
     dp_rank: Index = 0
     graceful: bool = True
-    count: Count = 1
+    count: Annotated[int, Meta(ge=1, le=1 << 30)] = 1
     """Batches to drop (``drop_kv_events``)."""
-    lag_ms: NonNeg = 0.0
-    factor: Positive = 1.0
+    lag_ms: Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S * 1000)] = 0.0
+    factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
     """Slowdown factor (``slow_worker``): durations are multiplied by it."""
 
 
@@ -228,6 +248,7 @@ class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """A whole scenario file."""
 
     name: str = "scenario"
+    """Names the report and the default output directory ``out/<name>``: letters, digits, ``.``, ``_``, ``-``."""
     cluster: ClusterSpec = ClusterSpec()
     router: RouterSpec = RouterSpec()
     workload: SyntheticWorkload | TraceWorkload = SyntheticWorkload()
@@ -235,6 +256,80 @@ class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     chaos: list[ChaosEvent] = []
     base_dir: str = "."
     """Directory relative paths resolve against (set by the loader)."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise InvalidArgument(f"{self.name!r} is not a plain name: up to 100 letters, digits, '.', '_' or '-', "
+                                  "starting with a letter or digit (it names the output directory)", field="name")
+        _check_chaos(self)
+        if isinstance(self.workload, SyntheticWorkload):
+            _check_synthetic(self.workload, self.run)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_WORKER_ACTIONS = ("remove_worker", "kill_rank", "drop_kv_events", "slow_worker")
+_RANK_ACTIONS = ("kill_rank", "drop_kv_events")
+MAX_SYNTHETIC_TOKENS = 250_000_000
+"""Most prompt token slots a synthetic workload may generate up front (about 2 GB of lists)."""
+
+
+def _check_chaos(s: Scenario) -> None:
+    """Play the chaos timeline on worker ids (initial ``0..workers-1``, each ``add_worker`` the next id): every
+    action must name a running worker and an existing rank, as the run will need them."""
+    live = list(range(s.cluster.workers))
+    next_id = s.cluster.workers
+    for i in sorted(range(len(s.chaos)), key=lambda k: s.chaos[k].at_s):  # same-instant events keep file order
+        ev = s.chaos[i]
+        at = f"chaos[{i}] ({ev.action} at {ev.at_s:g} s)"
+        if ev.action not in _WORKER_ACTIONS:
+            if ev.worker is not None:
+                raise InvalidArgument(f"{at} takes no worker" + (f" (the new worker will be {next_id})"
+                                      if ev.action == "add_worker" else ""), field=f"chaos[{i}].worker")
+            if ev.action == "add_worker":
+                if len(live) + 1 > MAX_RANKS // s.cluster.dp_size:
+                    raise InvalidArgument(f"{at}: the cluster would exceed {MAX_RANKS} ranks", field=f"chaos[{i}]")
+                live.append(next_id)
+                next_id += 1
+            continue
+        target = ev.worker
+        if target is None:
+            if ev.action in ("kill_rank", "slow_worker"):
+                raise InvalidArgument(f"{at} needs a worker id", field=f"chaos[{i}].worker")
+            if not live:
+                raise InvalidArgument(f"{at}: no worker is running then", field=f"chaos[{i}]")
+            target = min(live)
+        if target not in live:
+            running = ", ".join(map(str, live[:12])) + (" ..." if len(live) > 12 else "") if live else "none"
+            raise InvalidArgument(f"{at}: worker {target} is not running then (running: {running})",
+                                  field=f"chaos[{i}].worker")
+        if ev.action in _RANK_ACTIONS and ev.dp_rank >= s.cluster.dp_size:
+            raise InvalidArgument(f"{at}: dp_rank {ev.dp_rank} does not exist (cluster.dp_size is {s.cluster.dp_size})",
+                                  field=f"chaos[{i}].dp_rank")
+        if ev.action == "remove_worker":
+            live.remove(target)
+
+
+def _check_synthetic(w: SyntheticWorkload, run: RunSpec) -> None:
+    """Bound what synthesis builds up front: requests, the longest prompt and the token lists, on average."""
+    duration = run.duration_s if run.duration_s is not None else 60.0
+    sessions = w.rate_rps * duration
+    per_session = w.turns * (1 + w.sub_agents)
+    if run.max_requests is not None:
+        sessions = min(sessions, run.max_requests / per_session + 1)
+    isl, osl = (min(max(d.mean, d.low), d.high) for d in (w.isl, w.osl))
+    last_prompt = w.system_prefix_tokens + w.turns * isl + (w.turns - 1) * osl
+    if last_prompt > MAX_PROMPT_TOKENS:
+        raise InvalidArgument(f"a session's last prompt would average {last_prompt:,.0f} tokens (system prefix + turns x "
+                              f"(isl + osl)), more than the {MAX_PROMPT_TOKENS:,} kvemu simulates", field="workload.turns")
+    if sessions * per_session > MAX_REQUESTS:
+        raise InvalidArgument(f"about {sessions * per_session:,.0f} requests (rate_rps x duration_s x turns x "
+                              f"(1 + sub_agents)), more than the {MAX_REQUESTS:,} a scenario may send; lower the rate "
+                              "or the duration, or set run.max_requests", field="workload.rate_rps")
+    slots = sessions * (1 + w.sub_agents) * w.turns * (w.system_prefix_tokens + (w.turns + 1) * (isl + osl) / 2)
+    if slots > MAX_SYNTHETIC_TOKENS:
+        raise InvalidArgument(f"the workload would generate about {slots:,.0f} prompt tokens up front, more than "
+                              f"{MAX_SYNTHETIC_TOKENS:,}; lower the rate, duration, turns or lengths, or set "
+                              "run.max_requests", field="workload.rate_rps")
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -317,6 +412,8 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ScenarioError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: the scenario must be a mapping of sections, got {type(raw).__name__}")
     workload = raw.get("workload")
@@ -359,9 +456,17 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     """Read and validate a scenario file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as fh:
+            data = fh.read(MAX_SCENARIO_BYTES + 1)
     except OSError as exc:
         raise ScenarioError(f"{p}: cannot read the scenario: {exc.strerror}") from None
+    if len(data) > MAX_SCENARIO_BYTES:
+        raise ScenarioError(f"{p}: larger than {MAX_SCENARIO_BYTES:,} bytes; is it a scenario?")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ScenarioError(f"{p}: line {line}: not UTF-8 text") from None
     return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
 
 

@@ -18,7 +18,16 @@ from kvemu.clock import NS_PER_MS, NS_PER_S
 from kvemu.errors import InvalidArgument
 from workers.trace import HashIdTokens, read_mooncake
 
-from harness.scenario import Distribution, Scenario, ScenarioError, SyntheticWorkload, TraceWorkload, resolve
+from harness.scenario import (
+    MAX_SCENARIO_NS,
+    MAX_SCENARIO_S,
+    Distribution,
+    Scenario,
+    ScenarioError,
+    SyntheticWorkload,
+    TraceWorkload,
+    resolve,
+)
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
 
@@ -63,6 +72,7 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
     ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field.
     """
     sessions: dict[str, Session] = {}
+    ends: dict[str, int] = {}  # each session's latest turn, at the earliest (ns; responses add to it)
     order: list[str] = []
     speed = workload.arrival_speedup_ratio
     block = workload.trace_block_size
@@ -83,13 +93,26 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
         if row.timestamp is not None:
             last_ts = row.timestamp
         if sid is not None and sid in sessions:
-            sessions[sid].turns.append(turn._replace(delay_ns=round(delay_ms * NS_PER_MS / speed)))
+            delay_ns = round(delay_ms * NS_PER_MS / speed)
+            ends[sid] += delay_ns
+            _check_time(ends[sid], path, lineno)
+            sessions[sid].turns.append(turn._replace(delay_ns=delay_ns))
             continue
         start_ms = last_ts if row.timestamp is not None else last_ts + delay_ms
         key = sid if sid is not None else f"trace-{lineno}"
-        sessions[key] = Session(key, round(start_ms * NS_PER_MS / speed), [turn], sid is not None)
+        start_ns = round(start_ms * NS_PER_MS / speed)
+        _check_time(start_ns, path, lineno)
+        sessions[key] = Session(key, start_ns, [turn], sid is not None)
+        ends[key] = start_ns
         order.append(key)
     return sorted((sessions[k] for k in order), key=lambda s: s.start_ns)
+
+
+def _check_time(t_ns: int, path: Path, lineno: int) -> None:
+    if t_ns > MAX_SCENARIO_NS:
+        raise ScenarioError(f"{path}:{lineno}: this row arrives {t_ns / NS_PER_S:.3g} s into the run (timestamps and "
+                            f"session delays, over arrival_speedup_ratio), past the {MAX_SCENARIO_S:.2g} s kvemu "
+                            "simulates")
 
 
 def sample(dist: Distribution, rng: random.Random) -> int:

@@ -16,6 +16,7 @@ from harness.scenario import (
     parse_scenario,
     resolve,
 )
+from harness import scenario as scenario_module
 from harness.workload import build_sessions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +96,19 @@ def test_wrong_types_name_the_key_path_and_line(text, key, line, expected):
          "cluster.engine.max_num_batched_tokens", 4, "(8) must be >= max_num_seqs (16)"),
         ("workload:\n  isl: {low: 9, high: 3}\n", "workload.isl.low", 2, "low (9) must be <= high (3)"),
         ("cluster:\n  kv_events_version: '0.2'\n", "cluster.kv_events_version", 2, "older than 0.9"),
+        # bounds on what a run would have to build (a typo must not exhaust the machine)
+        ("cluster:\n  workers: 1000000000\n", "cluster.workers", 2, "Expected `int` <= 4096, got 1000000000"),
+        ("cluster:\n  workers: 4096\n  dp_size: 4\n", "cluster.workers", 2, "more than the 8192 ranks"),
+        ("run:\n  duration_s: 1.0e+12\n", "run.duration_s", 2, "Expected `float` <= 320000000.0"),
+        ("run:\n  drain_timeout_s: .inf\n", "run.drain_timeout_s", 2, "Expected `float` <= 320000000.0"),
+        ("workload:\n  isl: {high: 100000000}\n", "workload.isl.high", 2, "Expected `int` <= 4194304"),
+        ("workload:\n  turns: 5000\n  isl: {kind: constant, mean: 1000}\n", "workload.turns", 2,
+         "a session's last prompt would average 5,"),
+        ("workload:\n  rate_rps: 100000\n", "workload.rate_rps", 2, "more than the 10,000,000 a scenario may send"),
+        ("workload:\n  rate_rps: 100\n  turns: 20\nrun:\n  duration_s: 3600\n", "workload.rate_rps", 2,
+         "prompt tokens up front"),
+        ("name: ../../x\n", "name", 1, "'../../x' is not a plain name"),
+        ("name: ''\n", "name", 1, "is not a plain name"),
     ],
 )
 def test_out_of_range_values_name_the_key_path_and_line(text, key, line, expected):
@@ -130,6 +144,57 @@ def test_syntax_errors_and_non_mappings_are_scenario_errors(tmp_path):
     assert "must be a mapping of sections, got list" in error_of("- 1\n- 2\n")
     with pytest.raises(ScenarioError, match="cannot read the scenario"):
         load_scenario(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("chaos", "key", "expected"),
+    [
+        ("- {at_s: 1, action: remove_worker, worker: 9}", "chaos[0].worker", "worker 9 is not running then (running: 0, 1)"),
+        ("- {at_s: 1, action: remove_worker, worker: 1}\n- {at_s: 2, action: kill_rank, worker: 1}", "chaos[1].worker",
+         "chaos[1] (kill_rank at 2 s): worker 1 is not running then (running: 0)"),
+        ("- {at_s: 5, action: slow_worker, worker: 2}\n- {at_s: 6, action: add_worker}", "chaos[0].worker",
+         "worker 2 is not running then"),  # the worker added later does not exist yet at 5 s
+        ("- {at_s: 1, action: kill_rank}", "chaos[0].worker", "kill_rank at 1 s) needs a worker id"),
+        ("- {at_s: 1, action: drop_kv_events, worker: 0, dp_rank: 3}", "chaos[0].dp_rank",
+         "dp_rank 3 does not exist (cluster.dp_size is 2)"),
+        ("- {at_s: 1, action: add_worker, worker: 7}", "chaos[0].worker", "takes no worker (the new worker will be 2)"),
+        ("- {at_s: 1, action: remove_worker}\n- {at_s: 1, action: remove_worker}\n- {at_s: 2, action: remove_worker}",
+         "chaos[2]", "no worker is running then"),
+    ],
+)
+def test_a_chaos_timeline_must_name_workers_and_ranks_that_exist_when_it_fires(chaos, key, expected):
+    text = "cluster:\n  workers: 2\n  dp_size: 2\nchaos:\n" + "".join(f"  {line}\n" for line in chaos.splitlines())
+    msg = error_of(text)
+    assert f"{key} (line " in msg
+    assert expected in msg
+
+
+def test_a_chaos_timeline_may_target_workers_it_added_in_time_order():
+    text = ("cluster:\n  workers: 2\nchaos:\n  - {at_s: 9, action: kill_rank, worker: 2}\n"
+            "  - {at_s: 3, action: add_worker}\n  - {at_s: 3, action: remove_worker}\n"
+            "  - {at_s: 4, action: slow_worker, worker: 1, factor: 2}\n")
+    assert len(parse_scenario(text).chaos) == 4
+
+
+def test_nesting_encoding_and_size_fail_as_scenario_errors(tmp_path, monkeypatch):
+    assert "nested too deeply to be a scenario" in error_of("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    path = tmp_path / "s.yaml"
+    path.write_bytes(b"name: ok\ncluster:\n  workers: 2 # caf\xe9\n")
+    with pytest.raises(ScenarioError, match=r"s.yaml: line 3: not UTF-8 text"):
+        load_scenario(path)
+    monkeypatch.setattr(scenario_module, "MAX_SCENARIO_BYTES", 16)
+    path.write_text("name: a-longer-name-than-sixteen-bytes\n")
+    with pytest.raises(ScenarioError, match="larger than 16 bytes"):
+        load_scenario(path)
+
+
+def test_trace_sessions_that_would_arrive_past_ten_years_name_the_row(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1], "session_id": "a"}]
+    rows += [{"delay": 3.0e11, "input_length": 4, "output_length": 1, "hash_ids": [1], "session_id": "a"}] * 2
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scenario = parse_scenario("workload:\n  trace: t.jsonl\n", base_dir=tmp_path)
+    with pytest.raises(ScenarioError, match=r"t.jsonl:3: this row arrives 6e\+08 s into the run"):
+        build_sessions(scenario)
 
 
 def test_empty_scenario_is_all_defaults():
