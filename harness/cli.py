@@ -75,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from harness.plots import background_renderer
-    from harness.runner import run_scenario
+    from harness.report import OutputError, prepare_outdir
+    from harness.runner import RunAborted, run_scenario
     from harness.scenario import ScenarioError
 
     console = Console(stderr=True)
@@ -85,26 +86,70 @@ def _run(args: argparse.Namespace) -> int:
         console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
-    console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed {scenario.run.seed}) "
-                  f"on {scenario.cluster.workers} workers × {scenario.cluster.dp_size} DP ranks")
-    # the plots' child process imports matplotlib while the scenario runs
-    with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
-        outcome = run_scenario(scenario, outdir, progress=progress)
+    try:
+        prepare_outdir(outdir)
+        with _terminate_as_interrupt():
+            console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
+                          f"{scenario.run.seed}) on {scenario.cluster.workers} workers × {scenario.cluster.dp_size} "
+                          "DP ranks")
+            # the plots' child process imports matplotlib while the scenario runs
+            with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
+                outcome = run_scenario(scenario, outdir, progress=progress)
+    except OutputError as exc:
+        console.print(f"[red]cannot write the report[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    except ScenarioError as exc:  # the workload (a trace file) is read when the run starts
+        console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    except RunAborted as exc:
+        console.print(f"[red]kvemu: {escape(str(exc))}[/red]", soft_wrap=True, highlight=False)
+        return 1
     summary = outcome.summary or {}
-    partial = " [yellow](PARTIAL: interrupted)[/yellow]" if outcome.data.partial else ""
+    reason = outcome.data.stop_reason or "interrupted"
+    partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
                   f"{partial}; report in {outdir}/report.md")
-    return 130 if outcome.data.partial else 0
+    if not outcome.data.partial:
+        return 0
+    return 143 if outcome.data.stop_reason == "SIGTERM" else 130
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """While running, SIGTERM stops the run as Ctrl-C does: a partial report, marked with the signal."""
+    import signal
+
+    from harness.runner import Terminated
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from kvemu.errors import KvemuError
+
+    from harness.cluster import check_buildable
     from harness.scenario import ScenarioError
     from harness.workload import build_sessions
 
     try:
         scenario = _load(args)
         sessions = build_sessions(scenario)
+        check_buildable(scenario)
     except ScenarioError as exc:
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 2
+    except (KvemuError, ValueError) as exc:  # a router or engine part that would not build
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
     turns = sum(len(s.turns) for s in sessions)

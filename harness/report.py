@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import chain
@@ -37,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from kvemu.errors import KvemuError
 from kvemu.records import RequestRecord, sequences_as_lists
 
 from harness.plots import PLOTS, start_plots, write_plots
@@ -51,6 +53,8 @@ __all__ = [
     "summarize",
     "dumps_summary",
     "write_report",
+    "prepare_outdir",
+    "OutputError",
     "write_requests",
     "render_markdown",
     "write_plots",
@@ -89,6 +93,8 @@ class RunData(msgspec.Struct, kw_only=True):
     wall_time_ns: int = 0
     partial: bool = False
     """The run was interrupted (Ctrl-C, drain timeout...): the numbers cover only what finished."""
+    stop_reason: str | None = None
+    """Why a partial run stopped early (``SIGINT``, ``SIGTERM``, ``drain_timeout``, ``error: ...``)."""
     block_size: int = 16
     ranks: list[tuple[int, int]] = []
     """Every (worker_id, dp_rank) of the cluster, so ranks that served nothing still show."""
@@ -363,6 +369,7 @@ def summarize(data: RunData) -> dict[str, Any]:
         "mode": data.mode,
         "seed": data.seed,
         "partial": bool(data.partial),
+        "stop_reason": data.stop_reason,
         "block_size": data.block_size,
         "failed_requests": len(failed),
         "unfinished_requests": len(records) - len(done) - len(failed),
@@ -430,7 +437,8 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     s = summary
     out: list[str] = [f"# kvemu run: {k['scenario']}", ""]
     if k["partial"]:
-        out += ["> **PARTIAL RUN — this report covers only what finished before the run was interrupted.**",
+        why = f" ({k['stop_reason']})" if k.get("stop_reason") else ""
+        out += [f"> **PARTIAL RUN — this report covers only what finished before the run was interrupted{why}.**",
                 "> Requests still in flight are counted as unfinished; throughputs and latencies are incomplete.",
                 ""]
     ranks = k["per_rank"]
@@ -534,6 +542,29 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
 
 
 # ---------------------------------------------------------------------------------- all of it
+
+
+class OutputError(KvemuError, OSError):
+    """The report directory cannot be created or written."""
+
+
+def prepare_outdir(outdir: str | Path) -> Path:
+    """Create the report directory and prove it writable now, so a bad path fails before the run, not after it."""
+    outdir = Path(outdir)
+    what = "cannot be created"
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        what = "is not writable"
+        probe = outdir / f".kvemu-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise OutputError(f"report directory {outdir}: a file of that name exists") from None
+    except NotADirectoryError:
+        raise OutputError(f"report directory {outdir}: part of the path is a file, not a directory") from None
+    except OSError as exc:
+        raise OutputError(f"report directory {outdir} {what}: {exc.strerror or exc}") from None
+    return outdir
 
 
 def write_report(data: RunData, outdir: Path) -> dict[str, Any]:

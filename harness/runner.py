@@ -14,18 +14,19 @@ from typing import Any
 import anyio
 
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock, WallClock
+from kvemu.errors import KvemuError
 from kvemu.runtime.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.tuning import tune_gc
 
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
-from harness.report import RunData, Sample, write_report
-from harness.scenario import ChaosEvent, Scenario
+from harness.report import RunData, Sample, prepare_outdir, write_report
+from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import SessionPlayer
 from harness.workload import Session, build_sessions
 
-__all__ = ["run_scenario", "RunOutcome", "Progress", "drain_deadline_s", "count_requests"]
+__all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
@@ -34,6 +35,14 @@ Progress = Callable[[int, int, int], None]
 def count_requests(sessions: list[Session]) -> int:
     """How many requests the sessions will send (turns and their sub-agents)."""
     return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by a signal handler to stop a run the way Ctrl-C does; ``reason`` names the signal."""
+
+    def __init__(self, reason: str = "SIGTERM") -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class RunOutcome:
@@ -64,28 +73,43 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
 
     ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling).
     """
-    sessions = build_sessions(scenario)
-    total = count_requests(sessions)
+    if outdir is not None:
+        prepare_outdir(outdir)  # a bad path fails now, not after the run
     hooks = Hooks()
     recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
     for observer in observers:
         hooks.subscribe(observer)
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
     wall0 = time.perf_counter_ns()
-    tune_gc()
-    clock: Clock = ManualClock() if scenario.run.mode == "virtual" else WallClock()
-    main = _main(scenario, sessions, clock, hooks, recorder, state, progress, total)
+    error: BaseException | None = None
     try:
+        sessions = build_sessions(scenario)  # an invalid trace raises ScenarioError: nothing ran, no report
+        tune_gc()
+        clock: Clock = ManualClock() if scenario.run.mode == "virtual" else WallClock()
+        main = _main(scenario, sessions, clock, hooks, recorder, state, progress, count_requests(sessions))
         if isinstance(clock, ManualClock):
             run_virtual(lambda: main, clock)
         else:
             run_live(lambda: main)
-    except KeyboardInterrupt:
+    except ScenarioError:
+        raise
+    except KeyboardInterrupt as exc:
         state["partial"] = True
+        state["stop_reason"] = getattr(exc, "reason", "SIGINT")
+    except Exception as exc:  # noqa: BLE001 - a chaos action or a bug: still write what the run has
+        state["partial"] = True
+        state["stop_reason"] = f"error: {_describe(exc)}"
+        error = exc
+    except BaseExceptionGroup as group:  # an interrupt that reached a task group
+        interrupt, rest = group.split(KeyboardInterrupt)
+        if rest is not None or interrupt is None:
+            raise
+        state["partial"] = True
+        state["stop_reason"] = getattr(_leaf(interrupt), "reason", "SIGINT")
     data = RunData(
         records=sorted(recorder.records.values(), key=lambda r: (r.arrival_ns, r.request_id)),
         scenario_name=scenario.name, mode=scenario.run.mode, seed=scenario.run.seed,
-        wall_time_ns=time.perf_counter_ns() - wall0, partial=state["partial"],
+        wall_time_ns=time.perf_counter_ns() - wall0, partial=state["partial"], stop_reason=state.get("stop_reason"),
         block_size=scenario.cluster.engine.block_size, ranks=sorted(state["ranks"]), samples=state["samples"],
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
@@ -93,7 +117,30 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
         outcome.summary = write_report(data, outdir)
+    if error is not None:
+        raise RunAborted(f"the run stopped early: {_describe(error)}"
+                         + (f"; partial report in {outdir}" if outdir is not None else ""), outcome) from error
     return outcome
+
+
+class RunAborted(KvemuError, RuntimeError):
+    """The run failed part way; ``outcome`` holds what it recorded (its partial report is already written)."""
+
+    def __init__(self, message: str, outcome: RunOutcome) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first innermost exception of an exception group (``exc`` itself otherwise)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    leaf = _leaf(exc)
+    return f"{type(leaf).__name__}: {leaf}"
 
 
 async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks: Hooks, recorder: Recorder,
@@ -110,6 +157,7 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                     await SessionPlayer(sessions, c.submit, run_clock).run()
                 if scope.cancelled_caught:
                     state["partial"] = True
+                    state["stop_reason"] = "drain_timeout"
                 _take_sample(c, state, run_clock)
                 tg.cancel_scope.cancel()
         finally:

@@ -1,4 +1,4 @@
-"""Ctrl-C stops `kvemu run` cleanly and still writes a report, marked partial."""
+"""Ctrl-C and SIGTERM stop `kvemu run` cleanly and still write a report, marked partial with the signal."""
 
 import json
 import signal
@@ -7,10 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ctrl_c_writes_a_partial_report(tmp_path):
+@pytest.mark.parametrize(("sig", "code", "reason"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_ctrl_c_and_sigterm_write_a_partial_report(tmp_path, sig, code, reason):
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "harness.cli", "run", "--set", "run.mode=live", "--set", "run.duration_s=60",
@@ -22,14 +25,15 @@ def test_ctrl_c_writes_a_partial_report(tmp_path):
         time.sleep(0.5)
         if time.monotonic() > deadline - 25:
             break
-    proc.send_signal(signal.SIGINT)
-    code = proc.wait(60)
+    proc.send_signal(sig)
+    assert proc.wait(60) == code, proc.stderr.read()[-1000:]
     err = proc.stderr.read()
-    assert code == 130, err[-1000:]
-    assert "PARTIAL" in err
+    assert f"PARTIAL: {reason}" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["partial"] is True and summary["kvemu"]["partial"] is True
+    assert summary["kvemu"]["stop_reason"] == reason
     assert 0 < summary["num_requests"]
-    assert "PARTIAL RUN" in (out / "report.md").read_text()
+    assert f"PARTIAL RUN — this report covers only what finished before the run was interrupted ({reason})" in (
+        out / "report.md").read_text()
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert len(lines) == summary["num_requests"]
