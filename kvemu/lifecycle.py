@@ -52,12 +52,15 @@ Send = Callable[[int, Dispatch], None]
 class LifecycleSettings:
     """The lifecycle's knobs (``RouterSettings`` carries them for the router actor)."""
 
-    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns")
+    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns", "request_deadline_ns")
 
-    def __init__(self, retry_limit: int = 3, dispatch_timeout_s: float = 10.0, startup_grace_s: float = 5.0) -> None:
+    def __init__(self, retry_limit: int = 3, dispatch_timeout_s: float = 10.0, startup_grace_s: float = 5.0,
+                 request_deadline_s: float | None = 3600.0) -> None:
         self.retry_limit = retry_limit
         self.dispatch_timeout_ns = round(dispatch_timeout_s * NS_PER_S)
         self.startup_grace_ns = round(startup_grace_s * NS_PER_S)
+        self.request_deadline_ns = None if request_deadline_s is None else round(request_deadline_s * NS_PER_S)
+        """A request still open this long after it arrived fails with ``deadline_exceeded`` (None: never)."""
 
 
 class Flight:
@@ -120,6 +123,8 @@ class Lifecycle:
         self.flights: dict[str, Flight] = {}
         self._by_worker: dict[int, dict[str, None]] = {}
         self._timeouts: deque[tuple[int, Flight, int]] = deque()  # (deadline, flight, token), in deadline order
+        # (arrival + request deadline, request id, record), in order; the record tells a reused id apart
+        self._expiries: deque[tuple[int, str, RequestRecord]] = deque()
         self._waiting: list[Flight] = []  # for a first worker
         self._grace_end_ns = clock.now_ns() + self.settings.startup_grace_ns
         self._ready: deque[Callable[[], None]] = deque()
@@ -157,10 +162,13 @@ class Lifecycle:
             on_end(record)
             return record
         flight = self.flights[rid] = Flight(req, record, prepared, on_end)
+        limit = self.settings.request_deadline_ns
+        if limit is not None:
+            self._expire_at(now + limit, rid, record)
         if not len(self.core.registry) and now < self._grace_end_ns:
+            before = self.next_deadline_ns()
             self._waiting.append(flight)
-            if len(self._waiting) == 1 and self.on_deadline is not None:
-                self.on_deadline(self._grace_end_ns)
+            self._announce(self._grace_end_ns, before)
         else:
             self._run(self._attempt, flight)
         return record
@@ -217,13 +225,18 @@ class Lifecycle:
         self._run(self._capacity_changed)
 
     def poll(self, now_ns: int) -> None:
-        """Handle every deadline due by ``now_ns`` (dispatch timeouts, the end of the startup grace)."""
+        """Handle every deadline due by ``now_ns`` (dispatch timeouts, request deadlines, the end of the
+        startup grace)."""
         timeouts = self._timeouts
         while timeouts and timeouts[0][0] <= now_ns:
             _, f, token = timeouts.popleft()
             if f.token == token and f.stage == DISPATCHED:
                 f.failure = "dispatch_timeout"
                 self._ready.append(self._wake(self._refused, f))
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now_ns:
+            _, rid, record = expiries.popleft()
+            self._ready.append(lambda rid=rid, record=record: self._expire(rid, record))
         if self._waiting and now_ns >= self._grace_end_ns:
             self._ready.append(self._release_waiting)
         self._run(_nothing)
@@ -234,6 +247,11 @@ class Lifecycle:
         while timeouts and (timeouts[0][1].token != timeouts[0][2] or timeouts[0][1].stage != DISPATCHED):
             timeouts.popleft()  # acknowledged meanwhile
         t = timeouts[0][0] if timeouts else None
+        expiries = self._expiries
+        while expiries and self._open(expiries[0][1], expiries[0][2]) is None:
+            expiries.popleft()
+        if expiries and (t is None or expiries[0][0] < t):
+            t = expiries[0][0]
         if self._waiting and (t is None or self._grace_end_ns < t):
             t = self._grace_end_ns
         return t
@@ -281,6 +299,45 @@ class Lifecycle:
             if f.token == token and f.stage != ENDED:
                 step(f)
         return resume
+
+    def _expire_at(self, deadline: int, rid: str, record: RequestRecord) -> None:
+        before = self.next_deadline_ns()
+        expiries = self._expiries
+        if expiries and deadline < expiries[-1][0]:  # a clock that went back: keep the deque in order
+            expiries = self._expiries = deque(sorted(expiries, key=lambda e: e[0]))
+        expiries.append((deadline, rid, record))
+        self._announce(deadline, before)
+
+    def _announce(self, deadline: int, before: int | None) -> None:
+        """Tell the host about a new deadline that comes before every pending one."""
+        if self.on_deadline is not None and (before is None or deadline < before):
+            self.on_deadline(deadline)
+
+    def _open(self, rid: str, record: RequestRecord) -> Flight | None:
+        f = self.flights.get(rid)
+        return f if f is not None and f.record is record else None
+
+    def _expire(self, rid: str, record: RequestRecord) -> None:
+        """The request outlived its deadline: free whatever it holds and fail it (a worker's late replies are
+        then ignored, as for any ended request)."""
+        f = self._open(rid, record)
+        if f is None:
+            return
+        f.failure = "deadline_exceeded"
+        if f.stage == RUNNING:
+            self._done(f)
+            return
+        if f.stage == DISPATCHED:
+            f.token += 1
+            self.core.free(f.request_id)
+            self._forget(f)
+            if f.hold is not None and self.affinity is not None:
+                self.affinity.drop(f.hold)
+                f.hold = None
+            self._capacity_changed()
+        elif f.stage == WAITING:
+            self._waiting.remove(f)
+        self._end(f, f.failure)  # a queued request leaves the queue; an affinity wait's wake-up is void
 
     def _dispatched_to(self, worker_id: int, request_id: str) -> Flight | None:
         f = self.flights.get(request_id)
@@ -381,12 +438,12 @@ class Lifecycle:
         # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
         core.book(f.request_id, selection, f.prepared)
         deadline = now + self.settings.dispatch_timeout_ns
+        before = self.next_deadline_ns()
         timeouts = self._timeouts
         if timeouts and deadline < timeouts[-1][0]:  # a clock that went back: keep the deque in order
             timeouts = self._timeouts = deque(sorted(timeouts, key=lambda t: t[0]))
         timeouts.append((deadline, f, f.token))
-        if timeouts[0][1] is f and self.on_deadline is not None:
-            self.on_deadline(deadline)
+        self._announce(deadline, before)
         req = f.req
         self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -19,7 +19,7 @@ MS = 1_000_000
 class Host:
     """A minimal host: a manual clock, a routing core with some workers, a log of sends and ends."""
 
-    def __init__(self, workers=(1, 2), *, grace_s=0.0, timeout_s=1.0, retry_limit=3, affinity=False):
+    def __init__(self, workers=(1, 2), *, grace_s=0.0, timeout_s=1.0, retry_limit=3, affinity=False, deadline_s=None):
         self.clock = ManualClock()
         self.core = RoutingCore(block_size=4, clock=self.clock)
         for w in workers:
@@ -32,7 +32,7 @@ class Host:
         self.hooks.subscribe(self.events.append)
         self.affinity = SessionAffinity(self.clock, ttl_secs=60) if affinity else None
         self.lc = Lifecycle(self.core, send=lambda w, m: self.sent.append((w, m)), clock=self.clock, hooks=self.hooks,
-                            settings=LifecycleSettings(retry_limit, timeout_s, grace_s), affinity=self.affinity,
+                            settings=LifecycleSettings(retry_limit, timeout_s, grace_s, deadline_s), affinity=self.affinity,
                             on_deadline=self.deadlines.append)
 
     def submit(self, rid, tokens=(1, 2, 3, 4, 5, 6, 7, 8), **kw):
@@ -193,7 +193,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.h = Host(workers=(1, 2, 3), timeout_s=1.0, retry_limit=2, affinity=True)
+        self.h = Host(workers=(1, 2, 3), timeout_s=1.0, retry_limit=2, affinity=True, deadline_s=3.0)
         self.n = 0
         self.alive = {1, 2, 3}
 
@@ -248,6 +248,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert {r for r in booked if self.h.core.load.booked_rank(r) is not None} == booked
         assert len(self.h.core.load) == len(booked)
 
+    @invariant()
+    def no_request_outlives_its_deadline(self):
+        now = self.h.clock.now_ns()
+        assert all(now - f.record.arrival_ns < 3_000 * MS for f in self.h.lc.flights.values())
+        expired = [r for r, rec in self.h.ended.items() if rec.failure == "deadline_exceeded"]
+        assert all(self.h.ended[r].completion_ns is None for r in expired)
+        if expired:
+            event("a request expired")
+
     def teardown(self):
         open_ = set(self.h.lc.flights)
         self.h.lc.stop("test_over")
@@ -259,6 +268,50 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 TestLifecycleMachine = LifecycleMachine.TestCase
 TestLifecycleMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+def test_a_request_whose_worker_goes_quiet_fails_at_its_deadline_and_frees_everything():
+    h = Host(workers=(1, 2), affinity=True, deadline_s=30.0, timeout_s=5.0)
+    h.submit("a", session_id="s")
+    w, _ = h.sent[0]
+    h.lc.on_ack(w, DispatchAck(request_id="a", accepted=True))
+    h.lc.on_tokens(w, TokenBatch(request_id="a", times_ns=[h.clock.now_ns()]))
+    assert h.deadlines[0] == 30_000 * MS and h.affinity.active_leases("s") == 1
+    h.advance(29_999 * MS)
+    assert "a" not in h.ended
+    h.advance(1 * MS)
+    rec = h.ended["a"]
+    assert rec.failure == "deadline_exceeded" and rec.completion_ns is None and rec.output_tokens == 1
+    assert len(h.core.load) == 0 and h.affinity.active_leases("s") == 0
+    assert [e.data["reason"] for e in h.events if e.kind == "failed"] == ["deadline_exceeded"]
+    h.lc.on_finished(w, Finished(request_id="a", times_ns=[h.clock.now_ns()], cached_tokens=0, admitted_ns=0))
+    assert len(h.sent) == 1 and h.lc.next_deadline_ns() is None  # the late reply changes nothing
+
+
+def test_an_unacknowledged_or_queued_request_fails_at_its_deadline_without_a_retry():
+    h = Host(workers=(1,), affinity=True, deadline_s=2.0, timeout_s=5.0)
+    h.submit("a", session_id="s")
+    h.advance(2_000 * MS)
+    assert h.ended["a"].failure == "deadline_exceeded" and len(h.sent) == 1 and len(h.core.load) == 0
+    h.submit("b", session_id="s")  # the session can bind again: the dropped hold left nothing behind
+    assert len(h.sent) == 2
+    idle = Host(workers=(), grace_s=10.0, deadline_s=2.0)
+    idle.submit("c")  # waits for a first worker
+    idle.advance(2_000 * MS)
+    assert idle.ended["c"].failure == "deadline_exceeded" and not idle.lc._waiting
+
+
+def test_a_reused_request_id_is_not_failed_by_its_predecessors_deadline():
+    h = Host(workers=(1,), deadline_s=10.0, timeout_s=60.0)
+    h.submit("a")
+    h.lc.on_finished(1, Finished(request_id="a", times_ns=[h.clock.now_ns()], cached_tokens=0, admitted_ns=0))
+    assert h.ended.pop("a").failure is None
+    h.advance(5_000 * MS)
+    h.submit("a")
+    h.advance(5_000 * MS)  # the first "a"'s deadline
+    assert "a" not in h.ended and "a" in h.lc.flights
+    h.advance(5_000 * MS)
+    assert h.ended["a"].failure == "deadline_exceeded"
 
 
 @pytest.mark.parametrize("reason", ["busy", None])

@@ -89,3 +89,16 @@ def test_the_cli_refuses_a_bad_report_path_and_validate_a_bad_timeline(tmp_path,
     scenario.write_text(SCENARIO + "chaos:\n  - {at_s: 1, action: kill_rank, worker: 5}\n")
     assert main(["validate", str(scenario)]) == 2
     assert "chaos[0].worker (line 7): chaos[0] (kill_rank at 1 s): worker 5 is not running then" in capsys.readouterr().err
+
+
+def test_requests_a_stalled_worker_holds_fail_at_the_router_deadline(tmp_path):
+    scenario = parse_scenario(SCENARIO + "router: {request_deadline_s: 4}\nchaos:\n"
+                              "  - {at_s: 2, action: slow_worker, worker: 1, factor: 100000}\n")
+    outcome = run_scenario(scenario, tmp_path / "out")
+    summary = _summary(tmp_path / "out")
+    k = summary["kvemu"]
+    stalled = [r for r in outcome.data.records if r.failure == "deadline_exceeded"]
+    assert stalled and k["failed_requests_by_reason"] == {"deadline_exceeded": len(stalled)}
+    assert all(r.worker_id == 1 for r in stalled)
+    assert summary["completed_requests"] + len(stalled) == summary["num_requests"]  # every request ended
+    assert not outcome.data.partial

@@ -65,6 +65,9 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     startup_grace_s: Annotated[float, Meta(ge=0)] = 5.0
     """A router that has no worker yet lets requests wait this long after it started (a fresh or
     restarted router whose workers are still registering) instead of failing them at once."""
+    request_deadline_s: Annotated[float, Meta(gt=0)] | None = 3600.0
+    """A request still open this long after it reached the router fails with ``deadline_exceeded`` and frees
+    its load and affinity binding (a worker that accepted it and went quiet cannot hold it forever)."""
     kv_replay_on_connect: bool = True
     """Ask a newly registered worker's ranks to replay their buffered KV events."""
 
@@ -125,7 +128,7 @@ class Router:
         self.lifecycle = Lifecycle(
             core, send=self._dispatch, clock=clock, hooks=self.hooks, affinity=affinity, queue=queue,
             settings=LifecycleSettings(self.settings.retry_limit, self.settings.dispatch_timeout_s,
-                                       self.settings.startup_grace_s),
+                                       self.settings.startup_grace_s, self.settings.request_deadline_s),
             unavailable=self._down_ranks, on_deadline=self._timers.arm,
         )
         """Every request from arrival to its end (the sans-IO state machine this actor drives)."""
