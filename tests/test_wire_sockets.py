@@ -20,6 +20,8 @@ import zmq
 
 import kvemu
 from kvemu.hashing import local_block_hashes, sequence_hashes
+from kvemu.runtime.transport import message_socket
+from kvemu.wire import limits
 from kvemu.wire.codec import PROFILES, encode_batch, profile_for
 from kvemu.wire.convert import convert_event
 from kvemu.wire.endpoints import SEQ_END
@@ -459,6 +461,54 @@ def test_malformed_frames_are_counted_and_survived(net):
     wait_until(lambda: sub.expected_seq(5, 0) == seq, [sub], what="the valid batch after the malformed frames")
     assert delta(before, counters(sub, 5)) == {"decode_errors": 5, "batches": 1, "events": 1, "blocks_stored": 1}
     assert depth(core, tokens) == {(5, 0): 1}
+
+
+def test_an_oversized_frame_is_refused_and_the_stream_reconnects(net, monkeypatch):
+    monkeypatch.setattr(limits, "MAX_KV_BATCH_BYTES", 64 << 10)  # read when the subscriber's socket is made
+    core = new_core((5, 1))
+    sub = net.subscriber(core.apply_event)
+    raw = net.socket(zmq.PUB)
+    raw.bind(HOST)
+    sub.add(StreamSpec(5, 0, raw.getsockopt_string(zmq.LAST_ENDPOINT), None))
+    seq = 0
+
+    def send(payload):
+        nonlocal seq
+        raw.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        seq += 1
+
+    empty = encode_batch(batch(rank=0))
+    wait_until(lambda: sub.expected_seq(5, 0) == seq, [sub], tick=lambda: send(empty), what="raw PUB handshake")
+    assert sub._by_key[(5, 0)].sub.getsockopt(zmq.MAXMSGSIZE) == 64 << 10
+    before = counters(sub, 5)
+    send(b"\x00" * (1 << 20))  # 1 MiB: ZeroMQ drops the connection instead of buffering it
+    tokens = prompt(17, 1)
+    wait_until(lambda: depth(core, tokens) == {(5, 0): 1}, [sub],
+               tick=lambda: send(encode_batch(batch(*chain_events(tokens), rank=0))), what="a batch after the big one")
+    d = delta(before, counters(sub, 5))
+    assert d["disconnects"] == 1 and d["gaps"] == 1 and d["lost_batches"] >= 1  # counted, reconnected, gap seen
+    assert d.get("decode_errors", 0) == 0 and d["blocks_stored"] >= 1  # the oversized frame never reached a decoder
+
+
+def test_actor_sockets_refuse_oversized_messages_and_keep_serving():
+    async def main() -> None:
+        router, big, small = (message_socket(k) for k in (zmq.ROUTER, zmq.DEALER, zmq.DEALER))
+        try:
+            assert router.getsockopt(zmq.MAXMSGSIZE) == limits.MAX_MESSAGE_BYTES
+            router.bind(HOST)
+            endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            big.connect(endpoint)
+            small.connect(endpoint)
+            await big.send(b"\x00" * (limits.MAX_MESSAGE_BYTES + 1))
+            await small.send(b"hello")
+            frames = await asyncio.wait_for(router.recv_multipart(), 5)
+            assert frames[1] == b"hello"
+            assert await router.poll(300) == 0  # the oversized message was never delivered
+        finally:
+            for sock in (router, big, small):
+                sock.close(linger=0)
+
+    asyncio.run(main())
 
 
 # Payloads that used to escape the consumer loop: each must be counted, and the next batch applied.

@@ -24,6 +24,7 @@ import zmq.asyncio
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.runtime.messages import RouterMessage, WorkerMessage, decode_router_message, decode_worker_message, encode
+from kvemu.wire import limits
 
 __all__ = [
     "RouterEnd",
@@ -232,11 +233,13 @@ class MemoryNetwork:
 
 
 def message_socket(kind: int, context: zmq.asyncio.Context | None = None) -> zmq.asyncio.Socket:
-    """An asyncio ZeroMQ socket for actor messages: no linger, unbounded queues (nothing is dropped)."""
+    """An asyncio ZeroMQ socket for actor messages: no linger, unbounded queues (nothing is dropped), messages
+    bounded in size (``kvemu.wire.limits``)."""
     sock = (context or zmq.asyncio.Context.instance()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    limits.limit_inbound(sock, limits.MAX_MESSAGE_BYTES)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of vanishing
     return sock

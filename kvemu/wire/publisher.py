@@ -15,6 +15,7 @@ import zmq
 
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
+from kvemu.wire import limits
 from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.wire.kv_events import KVEventBatch
@@ -69,6 +70,7 @@ class KvEventPublisher(LoggedPublisher):
         pub.setsockopt(zmq.SNDHWM, hwm)
         pub.setsockopt(zmq.XPUB_NODROP, 1)  # full → EAGAIN (counted) rather than a silent drop
         pub.setsockopt(zmq.LINGER, 0)
+        limits.limit_inbound(pub, limits.MAX_CONTROL_BYTES)  # subscriptions only
         live = offset_endpoint(endpoint, dp_rank)
         if should_bind(live) if bind is None else bind:
             pub.bind(live)
@@ -85,6 +87,7 @@ class KvEventPublisher(LoggedPublisher):
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             router.setsockopt(zmq.LINGER, 0)
+            limits.limit_inbound(router, limits.MAX_CONTROL_BYTES)  # replay requests only
             router.bind(offset_endpoint(replay_endpoint, dp_rank))
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router = router

@@ -46,7 +46,7 @@ class WorkerEventStats:
 
     __slots__ = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
                  "replayed_batches", "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors",
-                 "restarts")
+                 "restarts", "disconnects")
 
     def __init__(self) -> None:
         for name in self.__slots__:

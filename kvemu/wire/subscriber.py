@@ -14,6 +14,7 @@ import zmq
 
 from kvemu.errors import InvalidArgument
 from kvemu.events import RouterEvent
+from kvemu.wire import limits
 from kvemu.wire.endpoints import SEQ_END
 from kvemu.wire.stream import EventStream, WorkerEventStats
 
@@ -45,11 +46,13 @@ class StreamSpec(NamedTuple):
 
 
 class _Stream:
-    __slots__ = ("spec", "sub", "dealer", "events")
+    __slots__ = ("spec", "sub", "monitor", "dealer", "events")
 
-    def __init__(self, spec: StreamSpec, sub: zmq.Socket) -> None:
+    def __init__(self, spec: StreamSpec, sub: zmq.Socket, monitor: zmq.Socket) -> None:
         self.spec = spec
         self.sub = sub
+        self.monitor = monitor
+        """Tells when ZeroMQ dropped the connection (an oversized frame): the stream then reconnects."""
         self.dealer: zmq.Socket | None = None
         self.events: EventStream  # set by the subscriber
 
@@ -90,12 +93,7 @@ class KvEventSubscriber:
         key = (spec.worker_id, spec.dp_rank)
         if key in self._by_key:
             raise InvalidArgument(f"worker {spec.worker_id} rank {spec.dp_rank} is already subscribed")
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(spec.endpoint)
-        stream = _Stream(spec, sub)
+        stream = _Stream(spec, *self._connect(spec))
         stats = self.stats.setdefault(spec.worker_id, WorkerEventStats())
         stream.events = EventStream(
             spec.worker_id, spec.dp_rank, sink=self.sink, block_size=self.block_size, stats=stats,
@@ -103,17 +101,53 @@ class KvEventSubscriber:
             replay_on_connect=self.replay_on_connect, eagle=self.eagle, observer=self.observer,
             endpoint=spec.endpoint,
         )
-        self._streams[sub] = stream
         self._by_key[key] = stream
-        self._poller.register(sub, zmq.POLLIN)
+        self._watch(stream)
+
+    def _connect(self, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.LINGER, 0)
+        limits.limit_inbound(sub, limits.MAX_KV_BATCH_BYTES)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sub.connect(spec.endpoint)
+        return sub, monitor
+
+    def _watch(self, stream: _Stream) -> None:
+        self._streams[stream.sub] = stream
+        self._streams[stream.monitor] = stream
+        self._poller.register(stream.sub, zmq.POLLIN)
+        self._poller.register(stream.monitor, zmq.POLLIN)
+
+    def _unwatch(self, stream: _Stream) -> None:
+        for sock in (stream.sub, stream.monitor):
+            self._poller.unregister(sock)
+            del self._streams[sock]
+        stream.sub.disable_monitor()
+        stream.monitor.close(linger=0)
+        stream.sub.close(linger=0)
+
+    def _reconnect(self, stream: _Stream) -> None:
+        """ZeroMQ dropped the stream's connection (it does not reconnect after refusing an oversized frame):
+        count it and connect afresh; the next batch's sequence number tells what to replay."""
+        while True:  # drain the monitor
+            try:
+                stream.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        stream.events.stats.disconnects += 1
+        log.warning("worker %s rank %s: the KV-event connection dropped (an oversized or broken frame); "
+                    "reconnecting", *stream.spec[:2])
+        self._unwatch(stream)
+        stream.sub, stream.monitor = self._connect(stream.spec)
+        self._watch(stream)
 
     def remove_worker(self, worker_id: int) -> None:
         """Stop consuming every stream of ``worker_id`` (its counters stay for the report)."""
         for key in sorted(k for k in self._by_key if k[0] == worker_id):
             stream = self._by_key.pop(key)
-            self._poller.unregister(stream.sub)
-            del self._streams[stream.sub]
-            stream.sub.close(linger=0)
+            self._unwatch(stream)
             if stream.dealer is not None:
                 stream.dealer.close(linger=0)
 
@@ -136,6 +170,9 @@ class KvEventSubscriber:
         while ready and handled < max_batches:
             for sock, _ in ready:
                 stream = self._streams.get(sock)
+                if stream is not None and sock is stream.monitor:
+                    self._reconnect(stream)
+                    continue
                 for _ in range(1024):  # drain a burst per stream, then give the others a turn
                     if stream is None or stream.sub is not sock:
                         break
@@ -161,6 +198,7 @@ class KvEventSubscriber:
         if stream.dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            limits.limit_inbound(dealer, limits.MAX_KV_BATCH_BYTES)
             dealer.connect(stream.spec.replay_endpoint)  # type: ignore[arg-type]
             stream.dealer = dealer
         dealer = stream.dealer
