@@ -48,7 +48,11 @@ SETTINGS_VALUES = {
     "dispatch_timeout_s": 2.5,
     "heartbeat_timeout_s": 7.0,
     "startup_grace_s": 0.5,
+    "request_deadline_s": 120.0,
     "kv_replay_on_connect": False,
+    "max_workers": 64,
+    "max_ranks": 256,
+    "max_ranks_per_worker": 8,
 }
 
 ENGINE_VALUES = {

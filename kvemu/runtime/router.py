@@ -70,6 +70,11 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     its load and affinity binding (a worker that accepted it and went quiet cannot hold it forever)."""
     kv_replay_on_connect: bool = True
     """Ask a newly registered worker's ranks to replay their buffered KV events."""
+    max_workers: Annotated[int, Meta(ge=1, le=1 << 16)] = 4096
+    """Registered workers at once; a registration beyond it is refused."""
+    max_ranks: Annotated[int, Meta(ge=1, le=1 << 16)] = 8192
+    """Registered DP ranks at once, over all workers (sizes the KV subscriber's sockets in live mode)."""
+    max_ranks_per_worker: Annotated[int, Meta(ge=1, le=1 << 16)] = 512
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -118,7 +123,7 @@ class Router:
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
         self.started_ns = clock.now_ns()
         self.kv = KvIngest(core, observer=self._kv_observer, replay_on_connect=self.settings.kv_replay_on_connect,
-                           replay=kv_replay, zmq=zmq_kv_events)
+                           replay=kv_replay, zmq=zmq_kv_events, max_ranks=self.settings.max_ranks)
         """KV events of every registered rank into the index."""
         self.kv_stats = self.kv.stats
         """KV-event counters per worker id (the report reads them)."""
@@ -222,6 +227,8 @@ class Router:
         elif msg.block_size != self.core.block_size:
             reason = (f"worker {msg.worker_id} uses block_size {msg.block_size} but the router uses "
                       f"{self.core.block_size}; prefix matching would silently find nothing")
+        else:
+            reason = self._registration_limits(msg)
         spec = None
         if reason is None:
             try:
@@ -248,6 +255,29 @@ class Router:
         self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
         self.registered.set()
         self.lifecycle.worker_added()
+
+    def _registration_limits(self, msg: Register) -> str | None:
+        """Why a registration exceeds this router's bounds (None if it does not); checked before anything changes."""
+        s = self.settings
+        wid = msg.worker_id
+        if not 1 <= msg.dp_size <= s.max_ranks_per_worker:
+            return f"worker {wid}: dp_size {msg.dp_size} is outside 1..{s.max_ranks_per_worker} (max_ranks_per_worker)"
+        if len(self.workers) >= s.max_workers:
+            return f"worker {wid}: {len(self.workers)} workers are registered, the most this router takes (max_workers)"
+        ranks = sum(w.spec.dp_size for w in self.workers.values())
+        if ranks + msg.dp_size > s.max_ranks:
+            return (f"worker {wid}: its {msg.dp_size} ranks would make {ranks + msg.dp_size}, more than this router "
+                    f"takes ({s.max_ranks}, max_ranks)")
+        for name in ("kv_endpoints", "kv_replay_endpoints"):
+            endpoints = getattr(msg, name)
+            if len(endpoints) > msg.dp_size:
+                return f"worker {wid}: {len(endpoints)} {name} for {msg.dp_size} ranks"
+            bad = next((e for e in endpoints if e and (len(e) > 256 or not e.startswith(("tcp://", "ipc://")))), None)
+            if bad is not None:
+                return f"worker {wid}: {name} entry {bad[:64]!r} is not a tcp:// or ipc:// endpoint of <= 256 characters"
+        if len(msg.taints) > 64 or any(len(t) > 128 for t in msg.taints):
+            return f"worker {wid}: at most 64 taints of <= 128 characters"
+        return None
 
     def stop(self, reason: str = "router_restart") -> None:
         """This router instance goes away: every request it holds ends with ``reason``."""

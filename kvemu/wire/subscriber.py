@@ -45,6 +45,28 @@ class StreamSpec(NamedTuple):
     replay_endpoint: str | None = None
 
 
+SOCKETS_PER_STREAM = 3
+"""A stream's SUB socket, its connection monitor, and the DEALER it replays on."""
+
+
+def sized_context(streams: int) -> zmq.Context:
+    """A ZeroMQ context allowed enough sockets for ``streams`` ranks (ZeroMQ's default stops at 1,023), with
+    the process's open-file limit raised towards what they need (up to the hard limit)."""
+    sockets = SOCKETS_PER_STREAM * streams + 64
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 2 * sockets + 256  # a mailbox and a connection per socket, and the rest of the process
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - no resource module, or not allowed
+        pass
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, max(sockets, ctx.get(zmq.MAX_SOCKETS)))
+    return ctx
+
+
 class _Stream:
     __slots__ = ("spec", "sub", "monitor", "dealer", "events")
 
@@ -71,6 +93,7 @@ class KvEventSubscriber:
         eagle: bool = False,
         context: zmq.Context | None = None,
         observer: Callable[[str, int, int, dict], None] | None = None,
+        max_streams: int | None = None,
     ) -> None:
         self.sink = sink
         self.block_size = block_size
@@ -80,7 +103,10 @@ class KvEventSubscriber:
         self.eagle = eagle
         self.observer = observer
         """Told ``(kind, worker_id, dp_rank, details)`` for ``gap``, ``replay``, ``lost``, ``restart``."""
-        self._ctx = context or zmq.Context.instance()
+        self.max_streams = max_streams
+        """Most ranks consumed at once (``add`` refuses more); without a context, sized for them."""
+        self._own_ctx = context is None and max_streams is not None
+        self._ctx = context or (sized_context(max_streams) if max_streams is not None else zmq.Context.instance())
         self._streams: dict[zmq.Socket, _Stream] = {}
         self._by_key: dict[tuple[int, int], _Stream] = {}
         self._poller = zmq.Poller()
@@ -93,6 +119,9 @@ class KvEventSubscriber:
         key = (spec.worker_id, spec.dp_rank)
         if key in self._by_key:
             raise InvalidArgument(f"worker {spec.worker_id} rank {spec.dp_rank} is already subscribed")
+        if self.max_streams is not None and len(self._by_key) >= self.max_streams:
+            raise InvalidArgument(f"worker {spec.worker_id} rank {spec.dp_rank}: already consuming {self.max_streams} "
+                                  "streams, the most this subscriber was sized for")
         stream = _Stream(spec, *self._connect(spec))
         stats = self.stats.setdefault(spec.worker_id, WorkerEventStats())
         stream.events = EventStream(
@@ -152,9 +181,11 @@ class KvEventSubscriber:
                 stream.dealer.close(linger=0)
 
     def close(self) -> None:
-        """Close every socket."""
+        """Close every socket (and the subscriber's own context)."""
         for worker_id in sorted({k[0] for k in self._by_key}):
             self.remove_worker(worker_id)
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
 
     def expected_seq(self, worker_id: int, dp_rank: int) -> int | None:
         """The next sequence number expected on that stream (``None`` before its first batch)."""

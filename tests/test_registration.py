@@ -1,0 +1,86 @@
+"""Registration is bounded: ranks per worker, workers, ranks in total, endpoints and taints; a refused
+registration changes nothing, and a live subscriber is sized for the ranks it may have to consume."""
+
+import time
+
+import pytest
+import zmq
+
+from kvemu import ManualClock, RoutingCore
+from kvemu.runtime.messages import Register
+from kvemu.runtime.router import Router, RouterSettings
+from kvemu.runtime.transport import MemoryNetwork
+from kvemu.wire.codec import encode_batch
+from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+
+
+def router(**limits) -> Router:
+    clock = ManualClock()
+    return Router(core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
+                  settings=RouterSettings(**limits))
+
+
+def register(r: Router, peer: bytes, **fields) -> None:
+    r.on_message(peer, Register(block_size=4, **fields))
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"worker_id": 9, "dp_size": 3}, "dp_size 3 is outside 1..2 (max_ranks_per_worker)"),
+        ({"worker_id": 9, "dp_size": 0}, "dp_size 0 is outside 1..2"),
+        ({"worker_id": 9, "dp_size": 2}, "would make 5, more than this router takes (4, max_ranks)"),
+        ({"worker_id": 9, "kv_endpoints": ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]}, "2 kv_endpoints for 1 ranks"),
+        ({"worker_id": 9, "kv_replay_endpoints": ["http://evil"]}, "'http://evil' is not a tcp:// or ipc:// endpoint"),
+        ({"worker_id": 9, "taints": ["t"] * 65}, "at most 64 taints"),
+    ],
+)
+def test_registrations_beyond_the_bounds_are_refused_and_change_nothing(fields, why, caplog):
+    r = router(max_ranks=4, max_ranks_per_worker=2, max_workers=3)
+    register(r, b"a", worker_id=1, dp_size=2)
+    register(r, b"b", worker_id=2, dp_size=1)
+    before = (sorted(r.workers), list(r.core.registry.rank_keys()))
+    register(r, b"c", **fields)
+    assert (sorted(r.workers), list(r.core.registry.rank_keys())) == before
+    assert why in caplog.text
+
+
+def test_the_worker_count_is_bounded_too(caplog):
+    r = router(max_workers=2)
+    for wid in (1, 2, 3):
+        register(r, f"p{wid}".encode(), worker_id=wid)
+    assert sorted(r.workers) == [1, 2]
+    assert "2 workers are registered, the most this router takes (max_workers)" in caplog.text
+
+
+def test_two_thousand_ranks_stream_into_one_subscriber():
+    """ZeroMQ's default context stops at 1,023 sockets; a subscriber sized for its ranks is not limited by it."""
+    ranks = 2000
+    applied: list[object] = []
+    sub = KvEventSubscriber(applied.append, block_size=4, max_streams=ranks, replay_on_connect=False)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        for wid in range(ranks):  # every stream listens to the same publisher: 2,000 SUB sockets at once
+            sub.add(StreamSpec(wid, 0, endpoint, None))
+        with pytest.raises(Exception, match="the most this subscriber was sized for"):
+            sub.add(StreamSpec(ranks, 0, endpoint, None))
+        payload = encode_batch(KVEventBatch(ts=0.0, events=[], data_parallel_rank=0))
+        seq = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+            sub.poll(50)
+            if all(sub.expected_seq(w, 0) is not None for w in range(ranks)):
+                break
+        assert all(sub.expected_seq(w, 0) is not None for w in range(ranks)), "every stream received a batch"
+        assert sum(s.decode_errors for s in sub.stats.values()) == 0
+    finally:
+        sub.close()
+        pub.close(linger=0)
+        ctx.term()
