@@ -118,8 +118,18 @@ class Children:
                 proc.wait()
 
 
+PROCESS_CHAOS = frozenset({"add_worker", "remove_worker"})
+"""Chaos actions ``kvemu up`` applies to its processes (the others need a control channel, not built yet)."""
+
+
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path) -> int:
     """Run the whole stack as processes; returns the load generator's exit code."""
+    unsupported = sorted({ev.action for ev in scenario.chaos} - PROCESS_CHAOS)
+    if unsupported:  # refused up front rather than skipped when their instant comes
+        print(f"kvemu up: chaos action(s) {', '.join(unsupported)} cannot be applied to processes yet; "
+              "run the scenario with `kvemu run` (virtual or --mode live), which applies every action",
+              file=sys.stderr)
+        return 2
     sets = [x for o in overrides for x in ("--set", o)]
     config = ["--config", scenario_path, *sets] if scenario_path else sets
     kids = Children()
@@ -127,12 +137,14 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
     try:
         router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *config])["listen"]
         next_id = 0
+        live: list[int] = []
 
         def add_worker() -> None:
             nonlocal next_id
             kids.start(f"worker-{next_id}", ["worker", "--router", router, "--worker-id", str(next_id),
                                              "--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
                                              *config])
+            live.append(next_id)
             next_id += 1
 
         for _ in range(scenario.cluster.workers):
@@ -149,8 +161,10 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                 ev = chaos.pop(0)
                 if ev.action == "add_worker":
                     add_worker()
-                elif ev.action == "remove_worker":
-                    name = f"worker-{ev.worker if ev.worker is not None else 0}"
+                elif ev.action == "remove_worker":  # validation checked the target is running then
+                    target = ev.worker if ev.worker is not None else min(live)
+                    live.remove(target)
+                    name = f"worker-{target}"
                     kids.signal(name, signal.SIGTERM if ev.graceful else signal.SIGKILL)
                     kids.procs[f"gone-{name}"] = kids.procs.pop(name)
             problem = kids.crashed()
