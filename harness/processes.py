@@ -108,6 +108,11 @@ def _quiet(fut: Any) -> None:
         fut.exception()  # a vanished peer: nothing to do
 
 
+def client_request_key(peer: bytes, request_id: str) -> str:
+    """The router's id for a client's request: the client's connection identity, then its own id."""
+    return f"{peer.hex()}/{request_id}"
+
+
 async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None:
     clock = WallClock()
     hooks = Hooks()
@@ -119,13 +124,23 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
     in_flight: set[str] = set()
 
     async def handle(peer: bytes, req: ClientRequest) -> None:
-        in_flight.add(req.request_id)
+        # requests are keyed by (client, request id): two clients may use the same id, and a reply goes
+        # only to the client that sent the request
+        key = client_request_key(peer, req.request_id)
+        if key in in_flight:  # this client's own id, still running: refuse the copy, keep the original
+            now = clock.now_ns()
+            dup = RequestRecord(request_id=req.request_id, arrival_ns=now, isl=len(req.tokens),
+                                max_tokens=req.max_tokens, failure="duplicate_request_id")
+            end.reply(peer, encode(RecordReply(record=dup)))
+            return
+        in_flight.add(key)
         try:
-            await router.handle(req)
+            await router.handle(msgspec.structs.replace(req, request_id=key))
         finally:
-            in_flight.discard(req.request_id)
-            rec = recorder.records.pop(req.request_id, None)
+            in_flight.discard(key)
+            rec = recorder.records.pop(key, None)
             if rec is not None:
+                rec.request_id = req.request_id
                 end.reply(peer, encode(RecordReply(record=rec)))
 
     def stats() -> Stats:
@@ -234,6 +249,8 @@ class _RouterClient:
         self.records: dict[str, RequestRecord] = {}
         self._waiting: dict[str, anyio.Event] = {}
         self._stats_waiters: deque[tuple[anyio.Event, list[Stats]]] = deque()  # replies come back in order
+        self.replies: list[RequestRecord] | None = None
+        """Every record received, in arrival order, when set to a list (tests)."""
 
     async def listen(self) -> None:
         while True:
@@ -242,6 +259,8 @@ class _RouterClient:
                 continue
             msg = _reply_decoder.decode(frames[1])
             if type(msg) is RecordReply:
+                if self.replies is not None:
+                    self.replies.append(msg.record)
                 rid = msg.record.request_id
                 self.records[rid] = msg.record
                 ev = self._waiting.pop(rid, None)

@@ -19,6 +19,7 @@ from kvemu.runtime.messages import ClientRequest, decode_worker_message
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, decode_or_log
 
+from harness.processes import CLIENT, _RouterClient, encode
 from harness.up import Children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,3 +184,48 @@ def test_malformed_client_requests_fail_with_reasons_and_change_nothing():
     assert failures["long"].startswith("invalid_request: session_id is longer than 256 bytes")
     assert failures["token"].startswith("invalid_request: tokens: every token id")
     assert len(router.core.load) == 0 and router.core.index.current_size == 0
+
+
+def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
+    """Replies are keyed by (client, request id): a second client's same id cannot steal the first's reply,
+    and a client repeating its own id while it runs gets a refusal while the original completes."""
+    scenario = small(tmp_path)
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
+        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "3", "--config", str(scenario),
+                          "--set", "cluster.engine.speedup_ratio=1"])
+
+        async def main():
+            a, b = _RouterClient(router["listen"]), _RouterClient(router["listen"])
+            a.replies = []
+            got = {}
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a.listen)
+                tg.start_soon(b.listen)
+                with anyio.fail_after(30):
+                    while not (await a.stats(timeout_s=2)).workers:
+                        await anyio.sleep(0.1)
+
+                async def ask(name, client, n_tokens):  # about 300 decode passes: the first is still running
+                    got[name] = await client.submit(ClientRequest(request_id="same", tokens=list(range(1, n_tokens + 1)),
+                                                                  max_tokens=300))
+
+                with anyio.fail_after(60):
+                    async with anyio.create_task_group() as reqs:
+                        reqs.start_soon(ask, "a", a, 40)
+                        await anyio.sleep(0.05)
+                        reqs.start_soon(ask, "b", b, 72)
+                        await anyio.sleep(0.05)
+                        await a.sock.send_multipart([CLIENT, encode(ClientRequest(request_id="same", tokens=[1] * 24,
+                                                                                  max_tokens=4))])
+                tg.cancel_scope.cancel()
+            return got, a.replies
+
+        got, replies = anyio.run(main)
+    finally:
+        kids.stop_all()
+    assert got["b"].request_id == "same"
+    assert (got["b"].failure, got["b"].isl) == (None, 72) and got["b"].completion_ns is not None
+    assert [(r.request_id, r.isl, r.failure) for r in replies] == [("same", 24, "duplicate_request_id"),
+                                                                    ("same", 40, None)]
