@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
+def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
     run.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -26,6 +26,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    return run
 
 
 def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvemu`` console script."""
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_run(sub)
+    run_parser = _add_run(sub)
     validate = sub.add_parser("validate", help="check a scenario without running it")
     validate.add_argument("scenario", nargs="?")
     validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
@@ -233,7 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--sessions", type=int, default=6)
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
+    for command in (run_parser, validate, router, worker, loadgen, up):
+        command.add_argument("--allow-local-policies", action="store_true",
+                             help="let router.policy import modules from the working directory (a scenario can run code)")
     args = parser.parse_args(argv)
+    if getattr(args, "allow_local_policies", False):
+        import os
+
+        from harness.cluster import ALLOW_LOCAL_POLICIES_ENV
+
+        os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
     if args.command == "run":
         try:
             return _run(args)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,6 +36,24 @@ from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 __all__ = ["Cluster", "make_policy", "engine_config", "build_router", "cluster"]
 
 
+ALLOW_LOCAL_POLICIES_ENV = "KVEMU_ALLOW_LOCAL_POLICIES"
+"""Set to ``1`` (``--allow-local-policies``) to let ``router.policy`` import modules from the working directory."""
+
+
+def _import_policy_module(module: str, allow_local: bool) -> Any:
+    """Import a policy's module; unless ``allow_local``, with the working directory off the import path, so
+    that a file next to a scenario cannot stand in for the module the scenario names."""
+    if allow_local:
+        return importlib.import_module(module)
+    cwd = os.path.realpath(os.getcwd())
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if os.path.realpath(p or ".") != cwd]
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path[:] = saved
+
+
 def make_policy(name: str) -> CustomPolicy | None:
     """The router's selection policy from its scenario name (``None`` = Dynamo's default selector).
 
@@ -47,10 +67,12 @@ def make_policy(name: str) -> CustomPolicy | None:
     if name == "random":
         return random_policy()
     module, _, attr = name.partition(":")
+    local = os.environ.get(ALLOW_LOCAL_POLICIES_ENV) == "1"
     try:
-        factory = getattr(importlib.import_module(module), attr)
+        factory = getattr(_import_policy_module(module, local), attr)
     except ImportError as exc:
-        raise ScenarioError(f"router.policy: cannot import module {module!r} ({exc}); is it on PYTHONPATH?") from None
+        hint = "" if local else "; the working directory is not searched (--allow-local-policies searches it)"
+        raise ScenarioError(f"router.policy: cannot import module {module!r} ({exc}); is it on PYTHONPATH?{hint}") from None
     except AttributeError:
         raise ScenarioError(f"router.policy: module {module!r} has no {attr!r}") from None
     policy = factory()

@@ -1,6 +1,7 @@
 """The ``kvemu`` command line as a user runs it: separate processes, exit codes, files and printed output."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -170,3 +171,19 @@ def test_usage_errors_exit_2():
     assert kvemu("demo", "--workers", "0").returncode == 2
     none = kvemu()
     assert none.returncode == 2 and "usage: kvemu" in none.stderr
+
+
+def test_a_policy_module_in_the_working_directory_is_used_only_when_allowed(tmp_path):
+    """``python -m`` puts the working directory first on the import path: a file next to the scenario must not
+    stand in for the module a scenario names unless the user says so."""
+    (tmp_path / "localpolicy_kvemu.py").write_text(
+        "from kvemu import round_robin_policy\n\ndef make():\n    return round_robin_policy()\n")
+    args = ["validate", "--set", "router.policy=localpolicy_kvemu:make"]
+    run = [sys.executable, "-m", "harness.cli"]
+    refused = subprocess.run([*run, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert refused.returncode == 2
+    assert "the working directory is not searched (--allow-local-policies searches it)" in refused.stderr
+    allowed = subprocess.run([*run, *args, "--allow-local-policies"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert allowed.returncode == 0, allowed.stderr
