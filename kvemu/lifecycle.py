@@ -52,15 +52,17 @@ Send = Callable[[int, Dispatch], None]
 class LifecycleSettings:
     """The lifecycle's knobs (``RouterSettings`` carries them for the router actor)."""
 
-    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns", "request_deadline_ns")
+    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns", "request_deadline_ns", "max_unacked")
 
     def __init__(self, retry_limit: int = 3, dispatch_timeout_s: float = 10.0, startup_grace_s: float = 5.0,
-                 request_deadline_s: float | None = 3600.0) -> None:
+                 request_deadline_s: float | None = 3600.0, max_unacked: int = 3) -> None:
         self.retry_limit = retry_limit
         self.dispatch_timeout_ns = round(dispatch_timeout_s * NS_PER_S)
         self.startup_grace_ns = round(startup_grace_s * NS_PER_S)
         self.request_deadline_ns = None if request_deadline_s is None else round(request_deadline_s * NS_PER_S)
         """A request still open this long after it arrived fails with ``deadline_exceeded`` (None: never)."""
+        self.max_unacked = max_unacked
+        """Dispatches in a row a worker may leave unacknowledged before the host is told it is unresponsive."""
 
 
 class Flight:
@@ -108,6 +110,7 @@ class Lifecycle:
         queue: PolicyQueue | None = None,
         unavailable: set[tuple[int, int]] | None = None,
         on_deadline: Callable[[int], None] | None = None,
+        on_unresponsive: Callable[[int, int], None] | None = None,
     ) -> None:
         self.core = core
         self.clock = clock
@@ -119,6 +122,12 @@ class Lifecycle:
         """Ranks no attempt may choose (ranks that went down); the host shares and updates the set."""
         self.on_deadline = on_deadline
         """Told the instant of a deadline earlier than any pending one (a host arms its timer)."""
+        self.on_unresponsive = on_unresponsive
+        """Told ``(worker_id, unacknowledged dispatches in a row)`` once a worker reaches ``max_unacked``
+        (and at every further timeout): the host should stop routing to it (the router removes it)."""
+        self.unacked: dict[int, int] = {}
+        """Per worker, dispatches in a row that timed out unacknowledged (kept across re-registrations until
+        the worker acknowledges one, so a worker that never does is dropped again at its first timeout)."""
         self._send = send
         self.flights: dict[str, Flight] = {}
         self._by_worker: dict[int, dict[str, None]] = {}
@@ -177,6 +186,7 @@ class Lifecycle:
         """The worker accepted or refused a dispatch (ignored unless it is the one dispatched to)."""
         f = self._dispatched_to(worker_id, msg.request_id)
         if f is not None and f.stage == DISPATCHED:
+            self.unacked.pop(worker_id, None)
             if msg.accepted:
                 self._run(self._accepted, f)
             else:
@@ -228,17 +238,25 @@ class Lifecycle:
         """Handle every deadline due by ``now_ns`` (dispatch timeouts, request deadlines, the end of the
         startup grace)."""
         timeouts = self._timeouts
+        unresponsive: dict[int, int] = {}
         while timeouts and timeouts[0][0] <= now_ns:
             _, f, token = timeouts.popleft()
             if f.token == token and f.stage == DISPATCHED:
                 f.failure = "dispatch_timeout"
                 self._ready.append(self._wake(self._refused, f))
+                wid = f.key[0]  # type: ignore[index]
+                n = self.unacked[wid] = self.unacked.get(wid, 0) + 1
+                if n >= self.settings.max_unacked:
+                    unresponsive[wid] = n
         expiries = self._expiries
         while expiries and expiries[0][0] <= now_ns:
             _, rid, record = expiries.popleft()
             self._ready.append(lambda rid=rid, record=record: self._expire(rid, record))
         if self._waiting and now_ns >= self._grace_end_ns:
             self._ready.append(self._release_waiting)
+        if unresponsive and self.on_unresponsive is not None:
+            for wid, n in unresponsive.items():
+                self.on_unresponsive(wid, n)  # the host removes it: worker_lost re-selects its other requests
         self._run(_nothing)
 
     def next_deadline_ns(self) -> int | None:

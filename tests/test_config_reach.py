@@ -48,6 +48,7 @@ SETTINGS_VALUES = {
     "dispatch_timeout_s": 2.5,
     "heartbeat_timeout_s": 7.0,
     "startup_grace_s": 0.5,
+    "max_unacked_dispatches": 5,
     "request_deadline_s": 120.0,
     "kv_replay_on_connect": False,
     "max_workers": 64,

@@ -314,6 +314,23 @@ def test_a_reused_request_id_is_not_failed_by_its_predecessors_deadline():
     assert h.ended["a"].failure == "deadline_exceeded"
 
 
+def test_a_worker_is_reported_unresponsive_after_dispatches_in_a_row_time_out_and_an_ack_resets_it():
+    h = Host(workers=(1,), timeout_s=1.0, retry_limit=5)
+    told = []
+    h.lc.on_unresponsive = lambda wid, n: told.append((wid, n))
+    h.lc.settings.max_unacked = 2
+    h.submit("a")
+    h.advance(1_000 * MS)  # a timed out (and, excluded from its only worker, failed)
+    assert h.lc.unacked == {1: 1} and told == []
+    h.submit("b")
+    h.lc.on_ack(1, DispatchAck(request_id="b", accepted=True))  # an answer resets the count
+    assert h.lc.unacked == {}
+    h.submit("c")
+    h.submit("d")
+    h.advance(1_000 * MS)
+    assert told == [(1, 2)]
+
+
 @pytest.mark.parametrize("reason", ["busy", None])
 def test_refusal_reason_is_reported(reason):
     h = Host(workers=(1,), retry_limit=0)

@@ -359,3 +359,42 @@ def test_replies_are_accepted_only_from_the_worker_a_request_was_dispatched_to()
     rec = run(clock, router, ws, body)
     assert rec.failure is None and rec.worker_id == 1 and rec.output_tokens == 3
     assert "failed" not in kinds(events, "a")
+
+
+def test_a_worker_that_never_acknowledges_is_removed_and_its_requests_go_elsewhere():
+    """A peer that registers and heartbeats but never answers dispatches must not keep failing real requests:
+    after ``max_unacked_dispatches`` timeouts in a row it is removed, and its requests re-select."""
+    clock = ManualClock()
+    net = MemoryNetwork()
+    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock,
+                    settings=RouterSettings(dispatch_timeout_s=1.0, max_unacked_dispatches=2, retry_limit=5))
+    ended = {}
+    good = net.worker_end(2)
+
+    def on_good(msg):  # the real worker accepts and finishes whatever it gets
+        if type(msg) is Dispatch:
+            t = clock.now_ns()
+            good.send_nowait(DispatchAck(request_id=msg.request_id, accepted=True))
+            good.send_nowait(Finished(request_id=msg.request_id, times_ns=[t], cached_tokens=0, admitted_ns=t))
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            await tg.start(router.serve)
+            router.on_message(b"fake", Register(worker_id=1, block_size=4))  # registers, then stays silent
+            good.send_nowait(Register(worker_id=2, block_size=4))
+            tg.start_soon(good.serve, on_good)
+            await anyio.sleep(0.01)
+            for i in range(6):
+                router.submit(ClientRequest(request_id=f"r{i}", tokens=[i + 1] * 8, max_tokens=1),
+                              lambda rec: ended.__setitem__(rec.request_id, rec))
+
+            with anyio.fail_after(30):
+                while len(ended) < 6:
+                    await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+
+    run_virtual(main, clock)
+    assert 1 not in router.workers and 2 in router.workers
+    assert all(rec.failure is None and rec.worker_id == 2 for rec in ended.values())
+    assert router.lifecycle.unacked[1] >= 2  # remembered: a re-registration is dropped at its next timeout
+    assert 2 not in router.lifecycle.unacked

@@ -65,6 +65,9 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     startup_grace_s: Annotated[float, Meta(ge=0)] = 5.0
     """A router that has no worker yet lets requests wait this long after it started (a fresh or
     restarted router whose workers are still registering) instead of failing them at once."""
+    max_unacked_dispatches: Annotated[int, Meta(ge=1)] = 3
+    """A worker that lets this many dispatches in a row time out unacknowledged is removed (it must register
+    again, and is removed again at its next timeout until it acknowledges one)."""
     request_deadline_s: Annotated[float, Meta(gt=0)] | None = 3600.0
     """A request still open this long after it reached the router fails with ``deadline_exceeded`` and frees
     its load and affinity binding (a worker that accepted it and went quiet cannot hold it forever)."""
@@ -133,8 +136,9 @@ class Router:
         self.lifecycle = Lifecycle(
             core, send=self._dispatch, clock=clock, hooks=self.hooks, affinity=affinity, queue=queue,
             settings=LifecycleSettings(self.settings.retry_limit, self.settings.dispatch_timeout_s,
-                                       self.settings.startup_grace_s, self.settings.request_deadline_s),
-            unavailable=self._down_ranks, on_deadline=self._timers.arm,
+                                       self.settings.startup_grace_s, self.settings.request_deadline_s,
+                                       self.settings.max_unacked_dispatches),
+            unavailable=self._down_ranks, on_deadline=self._timers.arm, on_unresponsive=self._unresponsive,
         )
         """Every request from arrival to its end (the sans-IO state machine this actor drives)."""
         self.registered = anyio.Event()
@@ -305,6 +309,9 @@ class Router:
             self.affinity.invalidate_worker(worker_id, dp_rank)
         self._emit("worker_fenced", worker_id=worker_id, dp_rank=dp_rank, data={"reason": "rank_down"})
         self.lifecycle.capacity_changed()
+
+    def _unresponsive(self, worker_id: int, unacked: int) -> None:
+        self.remove_worker(worker_id, reason=f"unresponsive: {unacked} dispatches in a row unacknowledged")
 
     def remove_worker(self, worker_id: int, *, reason: str) -> None:
         """Forget a worker: index, load, bindings; its in-flight requests are retried or failed."""
