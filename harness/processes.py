@@ -174,10 +174,15 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
-        # drain: requests in flight get up to grace_s to finish, then fail with a reason
+        # drain: requests in flight get up to grace_s to finish, then fail with router_shutdown
         with anyio.move_on_after(grace_s):
             while in_flight:
                 await anyio.sleep(0.01)
+        router.stop("router_shutdown")  # ends them: each handler replies to its client
+        with anyio.move_on_after(1.0):
+            while in_flight:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)  # let the replies leave the socket
         tg.cancel_scope.cancel()
     await end.aclose()
 

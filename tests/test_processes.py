@@ -229,3 +229,41 @@ def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
     assert (got["b"].failure, got["b"].isl) == (None, 72) and got["b"].completion_ns is not None
     assert [(r.request_id, r.isl, r.failure) for r in replies] == [("same", 24, "duplicate_request_id"),
                                                                     ("same", 40, None)]
+
+
+def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp_path):
+    scenario = small(tmp_path)
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario),
+                                       "--grace", "0.5"])
+        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "1", "--config", str(scenario),
+                          "--set", "cluster.engine.speedup_ratio=0.05"])  # 20x slower than the model: minutes
+
+        async def main():
+            client = _RouterClient(router["listen"])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.listen)
+                with anyio.fail_after(30):
+                    while not (await client.stats(timeout_s=2)).workers:
+                        await anyio.sleep(0.1)
+                box = []
+
+                async def ask():
+                    box.append(await client.submit(ClientRequest(request_id="long", tokens=list(range(1, 65)),
+                                                                 max_tokens=2000)))
+
+                tg.start_soon(ask)
+                await anyio.sleep(1.0)
+                kids.signal("router", signal.SIGTERM)
+                with anyio.fail_after(15):
+                    while not box:
+                        await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+            return box[0]
+
+        record = anyio.run(main)
+        assert kids.procs["router"].wait(15) == 0
+    finally:
+        kids.stop_all()
+    assert record.failure == "router_shutdown" and record.completion_ns is None
