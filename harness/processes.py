@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import anyio
 import msgspec
 import zmq
 
-from kvemu.clock import WallClock
+from kvemu.clock import NS_PER_S, WallClock
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
@@ -256,12 +257,19 @@ class _RouterClient:
         self._stats_waiters: deque[tuple[anyio.Event, list[Stats]]] = deque()  # replies come back in order
         self.replies: list[RequestRecord] | None = None
         """Every record received, in arrival order, when set to a list (tests)."""
-
+        self.heard_ns = time.monotonic_ns()
+        """When the router last said anything (any reply)."""
+        self.lost: str | None = None
+        """Why the router is considered gone (``router_lost``); every open and later request then fails."""
+        self.router_now: Callable[[], int] = time.monotonic_ns
+        """The router's clock, for the records of requests it never answered."""
+        self._sent: dict[str, ClientRequest] = {}
     async def listen(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
             if len(frames) != 2 or frames[0] != CLIENT:
                 continue
+            self.heard_ns = time.monotonic_ns()
             msg = _reply_decoder.decode(frames[1])
             if type(msg) is RecordReply:
                 if self.replies is not None:
@@ -277,10 +285,29 @@ class _RouterClient:
                 event.set()
 
     async def submit(self, req: ClientRequest) -> RequestRecord | None:
+        if self.lost is not None:
+            return self._failed(req, self.lost)
         ev = self._waiting[req.request_id] = anyio.Event()
+        self._sent[req.request_id] = req
         await self.sock.send_multipart([CLIENT, encode(req)])
         await ev.wait()
+        self._sent.pop(req.request_id, None)
         return self.records.get(req.request_id)
+
+    def lose(self, reason: str = "router_lost") -> None:
+        """The router is gone: fail every request still waiting for it (and every later one) with ``reason``."""
+        self.lost = reason
+        for rid in list(self._waiting):
+            req = self._sent.get(rid)
+            if req is not None and rid not in self.records:
+                self._failed(req, reason)
+            self._waiting.pop(rid).set()
+
+    def _failed(self, req: ClientRequest, reason: str) -> RequestRecord:
+        rec = self.records[req.request_id] = RequestRecord(
+            request_id=req.request_id, session_id=req.session_id, parent_session_id=req.parent_session_id,
+            arrival_ns=self.router_now(), isl=len(req.tokens), max_tokens=req.max_tokens, failure=reason)
+        return rec
 
     async def stats(self, timeout_s: float = 30.0) -> Stats:
         event, box = anyio.Event(), []
@@ -308,26 +335,44 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
         t0 = st.now_ns
         log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
 
+        last = [st]
+        play_scope = anyio.CancelScope()
+        lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
+
         async def sampler() -> None:
             while True:
                 try:
-                    s = await client.stats()
-                except TimeoutError:  # a saturated router: skip this sample
+                    s = await client.stats(timeout_s=1.0)
+                except TimeoutError:  # a saturated router skips a sample; a silent one is gone
+                    if time.monotonic_ns() - client.heard_ns > lost_after_ns:
+                        print(json.dumps({"event": "router_lost", "silent_s": lost_after_ns / NS_PER_S}),
+                              file=sys.stderr)
+                        client.lose("router_lost")
+                        play_scope.cancel()  # sessions stop: nothing more is sent to a router that is gone
+                        return
                     continue
+                last[0] = s
                 samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                 await anyio.sleep(0.25)
 
         tg.start_soon(sampler)
         clock = _Since(t0, st.now_ns)
-        with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
+        client.router_now = lambda: clock.now_ns() + t0
+        with play_scope, anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
             async with anyio.create_task_group() as play:
                 await SessionPlayer(sessions, awaiting(play, client.submit), clock).run()
-        partial = scope.cancelled_caught
-        final = await client.stats()
+        partial = scope.cancelled_caught or client.lost is not None
+        final = last[0]
+        if client.lost is None:
+            try:
+                final = await client.stats(timeout_s=5.0)
+            except TimeoutError:
+                pass
         tg.cancel_scope.cancel()
     records = [_shift(r, t0) for r in client.records.values()]
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
                    mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0, partial=partial,
+                   stop_reason=client.lost or ("drain_timeout" if partial else None),
                    block_size=scenario.cluster.engine.block_size, ranks=final.ranks, samples=samples,
                    kv_stats=final.kv_stats, affinity=final.affinity, counters=final.counters,
                    failures=_failures(records), worker_events=final.worker_events)

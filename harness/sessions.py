@@ -44,6 +44,7 @@ class SessionPlayer:
         self._open = 0
         self._done: anyio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
 
     async def run(self) -> None:
         """Schedule every session's start, then wait until every session ended."""
@@ -54,7 +55,10 @@ class SessionPlayer:
             return
         for s in self.sessions:
             self._at(s.start_ns, self._turn, s, 0)
-        await self._done.wait()
+        try:
+            await self._done.wait()
+        finally:  # finished, or cancelled (a drain deadline, a lost router): timers still set send nothing
+            self._stopped = True
 
     def _at(self, when_ns: int, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -71,6 +75,8 @@ class SessionPlayer:
 
     def _turn(self, s: Session, k: int) -> None:
         """Turn ``k`` of ``s`` is due: wait its think time, then send it."""
+        if self._stopped:
+            return
         turn = s.turns[k]
         if turn.delay_ns:
             self._at(self.clock.now_ns() + turn.delay_ns, self._send, s, k)
@@ -78,12 +84,16 @@ class SessionPlayer:
             self._send(s, k)
 
     def _send(self, s: Session, k: int) -> None:
+        if self._stopped:
+            return
         turn = s.turns[k]
         rid = f"{s.session_id}-t{k}"
         self.submit(_request(rid, turn, s.session_id if s.sticky else None, None),
                     lambda _outcome: self._loop.call_soon(self._turn_ended, s, k))  # type: ignore[union-attr]
 
     def _turn_ended(self, s: Session, k: int) -> None:
+        if self._stopped:
+            return
         turn = s.turns[k]
         if not turn.sub_agents:
             self._next(s, k)

@@ -97,11 +97,13 @@ class Children:
             proc.send_signal(sig)
 
     def crashed(self) -> str | None:
-        """The name of a child that exited with an error, if any."""
+        """A child that exited while the run needs it (a signal counts: a killed router is a crash), if any;
+        workers the chaos timeline removed are named ``gone-...`` and the load generator ends the run itself."""
         for name, proc in self.procs.items():
             code = proc.poll()
-            if code not in (None, 0, -signal.SIGTERM, -signal.SIGKILL) and not name.startswith("gone-"):
-                return f"{name} exited with code {code}"
+            if code is not None and name != "loadgen" and not name.startswith("gone-"):
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+                return f"{name} exited ({how})"
         return None
 
     def stop_all(self, grace_s: float = 5.0) -> None:
@@ -116,6 +118,14 @@ class Children:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _written_since(outdir: Path, t: float) -> bool:
+    """Whether this run's load generator wrote the report (not a file left by an earlier run)."""
+    try:
+        return (outdir / "summary.json").stat().st_mtime >= t - 1.0
+    except OSError:
+        return False
 
 
 PROCESS_CHAOS = frozenset({"add_worker", "remove_worker"})
@@ -134,6 +144,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
     config = ["--config", scenario_path, *sets] if scenario_path else sets
     kids = Children()
     started = time.monotonic()
+    started_wall = time.time()
     try:
         router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *config])["listen"]
         next_id = 0
@@ -170,10 +181,18 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
             problem = kids.crashed()
             if problem:
                 print(f"kvemu up: {problem}; stopping", file=sys.stderr)
+                if problem.startswith("router "):  # the load generator fails what is open (router_lost) and reports
+                    try:
+                        loadgen.wait(60)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if _written_since(outdir, started_wall):
+                    print(f"kvemu up: partial report in {outdir}", file=sys.stderr)
                 return 1
             time.sleep(0.05)
         code = loadgen.returncode
-        print(f"kvemu up: done in {time.monotonic() - started:.1f} s; report in {outdir}", file=sys.stderr)
+        where = f"report in {outdir}" if _written_since(outdir, started_wall) else "no report was written"
+        print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
         return 130

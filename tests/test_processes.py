@@ -267,3 +267,47 @@ def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp
     finally:
         kids.stop_all()
     assert record.failure == "router_shutdown" and record.completion_ns is None
+
+
+def test_a_killed_router_fails_the_open_requests_with_router_lost_and_the_report_is_written(tmp_path):
+    out = tmp_path / "out"
+    scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 20}\n"])
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
+        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario)])
+        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
+                                    "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        kids.signal("router", signal.SIGKILL)
+        started = time.monotonic()
+        code = loadgen.wait(60)
+        waited = time.monotonic() - started
+        err = loadgen.stderr.read()
+    finally:
+        kids.stop_all()
+    assert code == 130, err[-2000:]
+    assert waited < 20  # a few heartbeat intervals, not the drain deadline
+    summary = json.loads((out / "summary.json").read_text())
+    k = summary["kvemu"]
+    assert summary["partial"] is True and k["stop_reason"] == "router_lost"
+    assert k["failed_requests_by_reason"].get("router_lost", 0) > 0
+    assert summary["completed_requests"] > 0  # what finished before the kill is kept
+    assert summary["completed_requests"] + k["failed_requests"] + k["unfinished_requests"] == summary["num_requests"]
+
+
+def test_kvemu_up_counts_a_router_killed_by_a_signal_as_a_crash():
+    kids = Children()
+    kids.procs["router"] = subprocess.Popen(["sleep", "30"])
+    kids.procs["gone-worker-1"] = subprocess.Popen(["sleep", "30"])
+    try:
+        assert kids.crashed() is None
+        kids.procs["gone-worker-1"].kill()
+        kids.procs["gone-worker-1"].wait(5)
+        assert kids.crashed() is None  # a worker the chaos timeline removed
+        kids.procs["router"].kill()
+        kids.procs["router"].wait(5)
+        assert kids.crashed() == "router exited (signal SIGKILL)"
+    finally:
+        kids.stop_all()

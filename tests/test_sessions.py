@@ -64,3 +64,18 @@ def test_turns_follow_start_think_time_and_sub_agents():
 
 def test_an_awaitable_client_plays_the_same_sessions():
     assert _play(_awaiting_submit) == EXPECTED
+
+
+def test_a_cancelled_player_sends_nothing_more():
+    """Cut short (a drain deadline, a lost router), the timers it had set must not send turns afterwards."""
+    clock = ManualClock()
+    log: list[tuple[int, str, str | None, str | None]] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            with anyio.move_on_after(0.012):  # during a-t0: a-t1 and everything after it is still to come
+                await SessionPlayer(_sessions(), _callback_submit(tg, clock, log), clock).run()
+            await anyio.sleep(1.0)  # every timer the player had set comes due
+
+    run_virtual(main, clock)
+    assert [rid for _, rid, _, _ in log] == ["b-t0", "a-t0"]
