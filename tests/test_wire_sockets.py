@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -763,3 +764,49 @@ def test_dynamo_selection_service_agrees_with_kvemu(net, versions, dynamo_core):
     # and what that is, so that agreement is not agreement on nothing
     assert got == {"shared": {(5, 0): 4, (5, 1): 2}, "fork": {(5, 0): 3, (5, 1): 2}, "alt": {(5, 1): 2},
                    "gone": {}, "p1": {}}
+
+
+def test_a_replay_endpoint_that_streams_without_end_is_bounded_counted_and_backed_off(net):
+    """A hostile replay endpoint that answers with an endless stream (no end marker) must cost one bounded
+    wait, be counted, and not be asked again for a while: later gaps are counted lost at once."""
+    core = new_core((3, 1))
+    sub = net.subscriber(core.apply_event, replay_timeout_s=0.3)
+    pub = net.publisher(replay=False)
+    hostile = net.socket(zmq.ROUTER)
+    hostile.bind(HOST)
+    stop = threading.Event()
+    asked = []
+
+    def flood():  # answers every request with batches before the one asked for, forever
+        while not stop.is_set():
+            if hostile.poll(20):
+                ident, _, start = hostile.recv_multipart()
+                asked.append(int.from_bytes(start, "big"))
+                while not stop.is_set():
+                    try:
+                        hostile.send_multipart([ident, b"", (0).to_bytes(8, "big"), b"junk"], zmq.NOBLOCK)
+                    except zmq.Again:
+                        time.sleep(0.001)
+                    if hostile.poll(0):
+                        break
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        sub.add(StreamSpec(3, 0, pub.endpoint, hostile.getsockopt_string(zmq.LAST_ENDPOINT)))
+        sync(sub, {(3, 0): pub})
+        before = counters(sub, 3)
+        for _ in range(2):  # two gaps in a row
+            pub.drop_next = 2
+            pub.publish(batch())
+            pub.publish(batch())
+            pub.publish(batch())
+            t0 = time.monotonic()
+            sync(sub, {(3, 0): pub})
+            assert time.monotonic() - t0 < 2.0  # bounded: one replay_timeout, not forever
+        d = delta(before, counters(sub, 3))
+        assert d["replay_failures"] == 1 and d["lost_batches"] == 4 and d["gaps"] == 2
+        assert len(asked) == 1  # the second gap did not ask the endpoint again
+    finally:
+        stop.set()
+        thread.join(5)

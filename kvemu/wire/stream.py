@@ -46,7 +46,7 @@ class WorkerEventStats:
 
     __slots__ = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
                  "replayed_batches", "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors",
-                 "restarts", "disconnects")
+                 "restarts", "disconnects", "replay_failures")
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -142,8 +142,8 @@ class EventStream:
         for seq, payload in self.replay(start):
             if seq < got:
                 continue
-            if seq >= until:
-                continue
+            if seq >= until:  # past what was asked: stop reading (the live stream carries the rest)
+                break
             if seq > got:
                 self._lost(got, seq)
             self.apply(seq, payload)

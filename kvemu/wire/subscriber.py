@@ -7,6 +7,7 @@ sockets: SUB for live frames and a DEALER (``[b"", start]``) to the rank's repla
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -67,8 +68,14 @@ def sized_context(streams: int) -> zmq.Context:
     return ctx
 
 
+MAX_REPLAY_BATCHES = 20_000
+"""Most batches one replay may return (twice the publishers' default buffer)."""
+REPLAY_BACKOFF_S = 10.0
+"""After a failed replay, how long a stream asks for none (its gaps are counted lost at once)."""
+
+
 class _Stream:
-    __slots__ = ("spec", "sub", "monitor", "dealer", "events")
+    __slots__ = ("spec", "sub", "monitor", "dealer", "events", "replay_blocked_until")
 
     def __init__(self, spec: StreamSpec, sub: zmq.Socket, monitor: zmq.Socket) -> None:
         self.spec = spec
@@ -76,6 +83,7 @@ class _Stream:
         self.monitor = monitor
         """Tells when ZeroMQ dropped the connection (an oversized frame): the stream then reconnects."""
         self.dealer: zmq.Socket | None = None
+        self.replay_blocked_until = 0.0
         self.events: EventStream  # set by the subscriber
 
 
@@ -225,7 +233,16 @@ class KvEventSubscriber:
         stream.events.receive(int.from_bytes(frames[1], "big"), frames[2])
 
     def _replay(self, stream: _Stream, start: int) -> Iterator[tuple[int, bytes]]:
-        """Ask the rank's replay endpoint for batches from ``start``; yields them until the end marker."""
+        """Ask the rank's replay endpoint for batches from ``start``; yields them until the end marker.
+
+        Bounded, since it runs on the consumer's thread: ``replay_timeout_s`` for the whole replay and
+        ``MAX_REPLAY_BATCHES`` batches; batches before ``start`` are ignored. A replay that fails (silence, no end
+        marker in time, too many batches) is counted, and the stream asks none for ``REPLAY_BACKOFF_S``: what
+        it misses meanwhile is counted lost at once, so a hostile endpoint costs one bounded wait per backoff.
+        """
+        now = time.monotonic()
+        if now < stream.replay_blocked_until:
+            return
         if stream.dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
@@ -234,13 +251,32 @@ class KvEventSubscriber:
             stream.dealer = dealer
         dealer = stream.dealer
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        while dealer.poll(self.replay_timeout_ms):
-            frames = dealer.recv_multipart()
-            # ≤ 0.25: ["", seq, payload]; ≥ 0.26: ["", topic, seq, payload]
-            if len(frames) not in (3, 4) or frames[0] != b"":
-                continue
-            if frames[-2] == SEQ_END:
-                return
-            yield int.from_bytes(frames[-2], "big"), frames[-1]
-        dealer.close(linger=0)  # timed out: the endpoint is gone; reconnect next time
-        stream.dealer = None
+        deadline = now + self.replay_timeout_ms / 1000
+        batches = 0
+        done = False
+        try:
+            while batches <= MAX_REPLAY_BATCHES:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not dealer.poll(left_ms):
+                    break
+                frames = dealer.recv_multipart()
+                # ≤ 0.25: ["", seq, payload]; ≥ 0.26: ["", topic, seq, payload]
+                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+                    continue
+                if frames[-2] == SEQ_END:
+                    done = True
+                    return
+                seq = int.from_bytes(frames[-2], "big")
+                if seq < start:
+                    continue
+                batches += 1
+                yield seq, frames[-1]
+            stream.events.stats.replay_failures += 1
+            stream.replay_blocked_until = time.monotonic() + REPLAY_BACKOFF_S
+            log.warning("worker %s rank %s: KV replay from %d failed (no end within %.1f s or %d batches); no "
+                        "replay for %.0f s", *stream.spec[:2], start, self.replay_timeout_ms / 1000,
+                        MAX_REPLAY_BATCHES, REPLAY_BACKOFF_S)
+        finally:
+            if not done:  # timed out, or the caller stopped reading: whatever is still coming is stale
+                dealer.close(linger=0)
+                stream.dealer = None
