@@ -16,7 +16,8 @@ second, unprofiled), ``requests completed``, ``profiled time`` (wall time of the
 layer, largest first (they sum to 100 %), ``builtins (C) called from LAYER: x %`` (the ``builtins (C)``
 share by calling layer), then ``# top K functions by self time`` with one ``# file:line function
 tottime ncalls (layer)`` line each, and the counts per completed request: ``event loop iterations``
-(calls of ``_run_once``), ``callbacks`` (``asyncio.events.Handle._run``) and ``python function calls``;
+(calls of ``_run_once``), ``callbacks`` (``asyncio.events.Handle._run`` and the virtual loop's bare timers) and
+``python function calls``;
 ``n/a`` when the profile has no such function. Shares are of profiled time, which inflates layers made of
 many small Python calls relative to C-heavy ones; compare runs of the same kind with each other.
 ``--out FILE`` also saves the raw stats (``python -m pstats FILE``). The exit status is 0 when both runs
@@ -261,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {describe(func)}  {tt:.3f} s  {nc} calls  ({layer_of(func)})", flush=True)
 
     emit("event loop iterations per request", per_request(ncalls_named(stats, "_run_once"), done))
-    emit("callbacks per request", per_request(ncalls_named(stats, "_run", "asyncio/events.py"), done))
+    handles = ncalls_named(stats, "_run", "asyncio/events.py")
+    bare = ncalls_named(stats, "_run", "kvemu/runtime/loop.py")  # VirtualTimer: the actors' wake-ups
+    emit("callbacks per request", per_request(None if handles is None else handles + (bare or 0), done))
     emit("python function calls per request",
          per_request(sum(nc for func, (_cc, nc, *_r) in stats.items() if not is_builtin(func)), done), "", 0)
 
