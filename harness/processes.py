@@ -264,6 +264,7 @@ class _RouterClient:
         self.router_now: Callable[[], int] = time.monotonic_ns
         """The router's clock, for the records of requests it never answered."""
         self._sent: dict[str, ClientRequest] = {}
+        self._sent_at: dict[str, int] = {}
     async def listen(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
@@ -289,10 +290,18 @@ class _RouterClient:
             return self._failed(req, self.lost)
         ev = self._waiting[req.request_id] = anyio.Event()
         self._sent[req.request_id] = req
+        self._sent_at[req.request_id] = self.router_now()
         await self.sock.send_multipart([CLIENT, encode(req)])
         await ev.wait()
         self._sent.pop(req.request_id, None)
+        self._sent_at.pop(req.request_id, None)
         return self.records.get(req.request_id)
+
+    def open_records(self) -> list[RequestRecord]:
+        """Records for the requests sent and not answered (a stopped run reports them unfinished)."""
+        return [RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
+                              arrival_ns=self._sent_at.get(rid, 0), isl=len(req.tokens), max_tokens=req.max_tokens)
+                for rid, req in self._sent.items() if rid not in self.records]
 
     def lose(self, reason: str = "router_lost") -> None:
         """The router is gone: fail every request still waiting for it (and every later one) with ``reason``."""
@@ -355,24 +364,34 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                 samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                 await anyio.sleep(0.25)
 
+        stopped: list[str] = []
+
+        async def on_signal() -> None:  # SIGTERM or Ctrl-C: stop sending, report what happened so far
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    stopped.append(signal.Signals(signum).name)
+                    play_scope.cancel()
+                    return
+
         tg.start_soon(sampler)
+        tg.start_soon(on_signal)
         clock = _Since(t0, st.now_ns)
         client.router_now = lambda: clock.now_ns() + t0
         with play_scope, anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
             async with anyio.create_task_group() as play:
                 await SessionPlayer(sessions, awaiting(play, client.submit), clock).run()
-        partial = scope.cancelled_caught or client.lost is not None
+        partial = scope.cancelled_caught or client.lost is not None or bool(stopped)
         final = last[0]
-        if client.lost is None:
+        if client.lost is None and not stopped:
             try:
                 final = await client.stats(timeout_s=5.0)
             except TimeoutError:
                 pass
         tg.cancel_scope.cancel()
-    records = [_shift(r, t0) for r in client.records.values()]
+    records = [_shift(r, t0) for r in [*client.records.values(), *client.open_records()]]
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
                    mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0, partial=partial,
-                   stop_reason=client.lost or ("drain_timeout" if partial else None),
+                   stop_reason=client.lost or (stopped[0] if stopped else None) or ("drain_timeout" if partial else None),
                    block_size=scenario.cluster.engine.block_size, ranks=final.ranks, samples=samples,
                    kv_stats=final.kv_stats, affinity=final.affinity, counters=final.counters,
                    failures=_failures(records), worker_events=final.worker_events)

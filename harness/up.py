@@ -194,7 +194,16 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         where = f"report in {outdir}" if _written_since(outdir, started_wall) else "no report was written"
         print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the load generator reports what ran before the others stop
+        loadgen = kids.procs.get("loadgen")
+        if loadgen is not None and loadgen.poll() is None:
+            loadgen.send_signal(signal.SIGTERM)
+            try:
+                loadgen.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        if _written_since(outdir, started_wall):
+            print(f"kvemu up: interrupted; partial report in {outdir}", file=sys.stderr)
         return 130
     finally:
         kids.stop_all()

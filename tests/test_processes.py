@@ -311,3 +311,54 @@ def test_kvemu_up_counts_a_router_killed_by_a_signal_as_a_crash():
         assert kids.crashed() == "router exited (signal SIGKILL)"
     finally:
         kids.stop_all()
+
+
+def test_a_stopped_load_generator_reports_what_ran_and_what_was_still_open(tmp_path):
+    out = tmp_path / "out"
+    scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
+        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario),
+                          "--set", "cluster.engine.speedup_ratio=0.5"])
+        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
+                                    "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(3.0)
+        loadgen.send_signal(signal.SIGTERM)
+        code = loadgen.wait(30)
+        err = loadgen.stderr.read()
+    finally:
+        kids.stop_all()
+    assert code == 130, err[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    k = summary["kvemu"]
+    assert summary["partial"] is True and k["stop_reason"] == "SIGTERM"
+    assert summary["completed_requests"] > 0 and k["unfinished_requests"] > 0  # the open ones are reported too
+    assert summary["completed_requests"] + k["failed_requests"] + k["unfinished_requests"] == summary["num_requests"]
+    assert len((out / "requests.jsonl").read_text().splitlines()) == summary["num_requests"]
+
+
+def test_ctrl_c_of_kvemu_up_still_leaves_the_load_generators_partial_report(tmp_path):
+    out = tmp_path / "out"
+    scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
+    before = set(_children_of_tests())
+    up = subprocess.Popen([sys.executable, "-m", "harness.cli", "up", str(scenario), *FAST, "-o", str(out)], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("loadgen" in p for p in _cmdlines()):
+        time.sleep(0.2)
+    time.sleep(2.0)  # traffic is flowing
+    up.send_signal(signal.SIGINT)
+    assert up.wait(60) == 130
+    err = up.stderr.read()
+    assert f"interrupted; partial report in {out}" in err, err[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["partial"] is True and summary["kvemu"]["stop_reason"] == "SIGTERM"
+    assert summary["completed_requests"] > 0
+    time.sleep(0.2)
+    assert set(_children_of_tests()) <= before
+
+
+def _cmdlines():
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
