@@ -120,6 +120,19 @@ class Children:
                 proc.wait()
 
 
+def _let_report(loadgen: subprocess.Popen, outdir: Path, since: float, what: str, stop: int | None) -> None:
+    """Give the load generator time to write its report (after sending it ``stop``), and say so if it did."""
+    if loadgen.poll() is None:
+        if stop is not None:
+            loadgen.send_signal(stop)
+        try:
+            loadgen.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    if _written_since(outdir, since):
+        print(f"kvemu up: {what} in {outdir}", file=sys.stderr)
+
+
 def _written_since(outdir: Path, t: float) -> bool:
     """Whether this run's load generator wrote the report (not a file left by an earlier run)."""
     try:
@@ -182,12 +195,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
             if problem:
                 print(f"kvemu up: {problem}; stopping", file=sys.stderr)
                 if problem.startswith("router "):  # the load generator fails what is open (router_lost) and reports
-                    try:
-                        loadgen.wait(60)
-                    except subprocess.TimeoutExpired:
-                        pass
-                if _written_since(outdir, started_wall):
-                    print(f"kvemu up: partial report in {outdir}", file=sys.stderr)
+                    _let_report(loadgen, outdir, started_wall, "partial report", stop=None)
                 return 1
             time.sleep(0.05)
         code = loadgen.returncode
@@ -196,14 +204,8 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         return code
     except KeyboardInterrupt:  # the load generator reports what ran before the others stop
         loadgen = kids.procs.get("loadgen")
-        if loadgen is not None and loadgen.poll() is None:
-            loadgen.send_signal(signal.SIGTERM)
-            try:
-                loadgen.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        if _written_since(outdir, started_wall):
-            print(f"kvemu up: interrupted; partial report in {outdir}", file=sys.stderr)
+        if loadgen is not None:
+            _let_report(loadgen, outdir, started_wall, "interrupted; partial report", stop=signal.SIGTERM)
         return 130
     finally:
         kids.stop_all()

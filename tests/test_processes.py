@@ -274,11 +274,7 @@ def test_a_killed_router_fails_the_open_requests_with_router_lost_and_the_report
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 20}\n"])
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario)])
-        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
-                                    "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        loadgen = _one_worker_stack(kids, scenario, out)
         time.sleep(2.0)
         kids.signal("router", signal.SIGKILL)
         started = time.monotonic()
@@ -318,12 +314,7 @@ def test_a_stopped_load_generator_reports_what_ran_and_what_was_still_open(tmp_p
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario),
-                          "--set", "cluster.engine.speedup_ratio=0.5"])
-        loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
-                                    "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        loadgen = _one_worker_stack(kids, scenario, out, "--set", "cluster.engine.speedup_ratio=0.5")
         time.sleep(3.0)
         loadgen.send_signal(signal.SIGTERM)
         code = loadgen.wait(30)
@@ -362,3 +353,13 @@ def test_ctrl_c_of_kvemu_up_still_leaves_the_load_generators_partial_report(tmp_
 
 def _cmdlines():
     return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+
+
+def _one_worker_stack(kids: Children, scenario: Path, out: Path, *worker_args: str) -> subprocess.Popen:
+    """A router and worker 0 as children, and a load generator playing ``scenario`` against them."""
+    router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
+    kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario),
+                      *worker_args])
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
+                             "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
