@@ -129,10 +129,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
         # only to the client that sent the request
         key = client_request_key(peer, req.request_id)
         if key in in_flight:  # this client's own id, still running: refuse the copy, keep the original
-            now = clock.now_ns()
-            dup = RequestRecord(request_id=req.request_id, arrival_ns=now, isl=len(req.tokens),
-                                max_tokens=req.max_tokens, failure="duplicate_request_id")
-            end.reply(peer, encode(RecordReply(record=dup)))
+            end.reply(peer, encode(RecordReply(record=_record(req, clock.now_ns(), "duplicate_request_id"))))
             return
         in_flight.add(key)
         try:
@@ -245,6 +242,12 @@ def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_si
 # ---------------------------------------------------------------------------------- load generator
 
 
+def _record(req: ClientRequest, arrival_ns: int, failure: str | None = None) -> RequestRecord:
+    """The record of a request that never ran: refused at the gateway, or never answered."""
+    return RequestRecord(request_id=req.request_id, session_id=req.session_id, parent_session_id=req.parent_session_id,
+                         arrival_ns=arrival_ns, isl=len(req.tokens), max_tokens=req.max_tokens, failure=failure)
+
+
 class _RouterClient:
     """A DEALER to the router: submit requests, await their records, query stats."""
 
@@ -263,8 +266,7 @@ class _RouterClient:
         """Why the router is considered gone (``router_lost``); every open and later request then fails."""
         self.router_now: Callable[[], int] = time.monotonic_ns
         """The router's clock, for the records of requests it never answered."""
-        self._sent: dict[str, ClientRequest] = {}
-        self._sent_at: dict[str, int] = {}
+        self._sent: dict[str, tuple[ClientRequest, int]] = {}  # awaiting a reply: the request, when it was sent
     async def listen(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
@@ -289,33 +291,27 @@ class _RouterClient:
         if self.lost is not None:
             return self._failed(req, self.lost)
         ev = self._waiting[req.request_id] = anyio.Event()
-        self._sent[req.request_id] = req
-        self._sent_at[req.request_id] = self.router_now()
+        self._sent[req.request_id] = (req, self.router_now())
         await self.sock.send_multipart([CLIENT, encode(req)])
         await ev.wait()
         self._sent.pop(req.request_id, None)
-        self._sent_at.pop(req.request_id, None)
         return self.records.get(req.request_id)
 
     def open_records(self) -> list[RequestRecord]:
         """Records for the requests sent and not answered (a stopped run reports them unfinished)."""
-        return [RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
-                              arrival_ns=self._sent_at.get(rid, 0), isl=len(req.tokens), max_tokens=req.max_tokens)
-                for rid, req in self._sent.items() if rid not in self.records]
+        return [_record(req, sent_ns) for rid, (req, sent_ns) in self._sent.items() if rid not in self.records]
 
     def lose(self, reason: str = "router_lost") -> None:
         """The router is gone: fail every request still waiting for it (and every later one) with ``reason``."""
         self.lost = reason
         for rid in list(self._waiting):
-            req = self._sent.get(rid)
-            if req is not None and rid not in self.records:
-                self._failed(req, reason)
+            sent = self._sent.get(rid)
+            if sent is not None and rid not in self.records:
+                self._failed(sent[0], reason)
             self._waiting.pop(rid).set()
 
     def _failed(self, req: ClientRequest, reason: str) -> RequestRecord:
-        rec = self.records[req.request_id] = RequestRecord(
-            request_id=req.request_id, session_id=req.session_id, parent_session_id=req.parent_session_id,
-            arrival_ns=self.router_now(), isl=len(req.tokens), max_tokens=req.max_tokens, failure=reason)
+        rec = self.records[req.request_id] = _record(req, self.router_now(), reason)
         return rec
 
     async def stats(self, timeout_s: float = 30.0) -> Stats:

@@ -21,12 +21,14 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from kvemu.clock import NS_PER_MS
 from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument, KvemuError
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
 from workers.config import EngineConfig
+from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
 __all__ = [
     "EngineSpec",
@@ -48,19 +50,18 @@ __all__ = [
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
 
-MAX_WORKERS = 4096
-MAX_DP_SIZE = 512
-MAX_RANKS = 8192
-"""Largest cluster a scenario may start (workers x dp_size)."""
-MAX_SCENARIO_S = 3.2e8
-"""Longest scenario time (about ten years): durations, delays and chaos instants stay below it."""
-MAX_SCENARIO_NS = round(MAX_SCENARIO_S * 1e9)
+_ROUTER_LIMITS = RouterSettings()
+MAX_WORKERS = _ROUTER_LIMITS.max_workers
+MAX_DP_SIZE = _ROUTER_LIMITS.max_ranks_per_worker
+MAX_RANKS = _ROUTER_LIMITS.max_ranks
+"""Largest cluster a scenario may start (workers x dp_size): what a router registers by default."""
+MAX_SCENARIO_S = MAX_TRACE_MS / 1000
+"""Longest scenario time (about ten years, as for trace rows): durations, delays and chaos instants stay below it."""
+MAX_SCENARIO_NS = round(MAX_TRACE_MS * NS_PER_MS)
 MAX_REQUESTS = 10_000_000
 """Most requests one scenario may send (a synthetic workload's expected count included)."""
 MAX_SCENARIO_BYTES = 1 << 20
 """Largest scenario file read."""
-MAX_PROMPT_TOKENS = 1 << 22
-"""Longest prompt a synthetic session may grow to (the trace rows' bound too)."""
 
 Count = Annotated[int, Meta(ge=1)]
 Index = Annotated[int, Meta(ge=0)]

@@ -121,7 +121,8 @@ class Lifecycle:
         self.unavailable = unavailable if unavailable is not None else set()
         """Ranks no attempt may choose (ranks that went down); the host shares and updates the set."""
         self.on_deadline = on_deadline
-        """Told the instant of a deadline earlier than any pending one (a host arms its timer)."""
+        """Told each deadline that is now the first of its kind (dispatch timeout, request deadline, startup
+        grace): a host arms its timer for the earliest it was told, and re-arms at ``next_deadline_ns`` after ``poll``."""
         self.on_unresponsive = on_unresponsive
         """Told ``(worker_id, unacknowledged dispatches in a row)`` once a worker reaches ``max_unacked``
         (and at every further timeout): the host should stop routing to it (the router removes it)."""
@@ -175,9 +176,9 @@ class Lifecycle:
         if limit is not None:
             self._expire_at(now + limit, rid, record)
         if not len(self.core.registry) and now < self._grace_end_ns:
-            before = self.next_deadline_ns()
             self._waiting.append(flight)
-            self._announce(self._grace_end_ns, before)
+            if len(self._waiting) == 1:
+                self._announce(self._grace_end_ns)
         else:
             self._run(self._attempt, flight)
         return record
@@ -319,16 +320,17 @@ class Lifecycle:
         return resume
 
     def _expire_at(self, deadline: int, rid: str, record: RequestRecord) -> None:
-        before = self.next_deadline_ns()
         expiries = self._expiries
         if expiries and deadline < expiries[-1][0]:  # a clock that went back: keep the deque in order
             expiries = self._expiries = deque(sorted(expiries, key=lambda e: e[0]))
         expiries.append((deadline, rid, record))
-        self._announce(deadline, before)
+        if expiries[0][2] is record:
+            self._announce(deadline)
 
-    def _announce(self, deadline: int, before: int | None) -> None:
-        """Tell the host about a new deadline that comes before every pending one."""
-        if self.on_deadline is not None and (before is None or deadline < before):
+    def _announce(self, deadline: int) -> None:
+        """Tell the host about a deadline now first of its kind; a later one than the host's armed instant is
+        harmless, and after every ``poll`` the host re-arms at ``next_deadline_ns``."""
+        if self.on_deadline is not None:
             self.on_deadline(deadline)
 
     def _open(self, rid: str, record: RequestRecord) -> Flight | None:
@@ -346,13 +348,10 @@ class Lifecycle:
             self._done(f)
             return
         if f.stage == DISPATCHED:
-            f.token += 1
-            self.core.free(f.request_id)
-            self._forget(f)
             if f.hold is not None and self.affinity is not None:
                 self.affinity.drop(f.hold)
                 f.hold = None
-            self._capacity_changed()
+            self._unbook(f)
         elif f.stage == WAITING:
             self._waiting.remove(f)
         self._end(f, f.failure)  # a queued request leaves the queue; an affinity wait's wake-up is void
@@ -456,12 +455,12 @@ class Lifecycle:
         # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
         core.book(f.request_id, selection, f.prepared)
         deadline = now + self.settings.dispatch_timeout_ns
-        before = self.next_deadline_ns()
         timeouts = self._timeouts
         if timeouts and deadline < timeouts[-1][0]:  # a clock that went back: keep the deque in order
             timeouts = self._timeouts = deque(sorted(timeouts, key=lambda t: t[0]))
         timeouts.append((deadline, f, f.token))
-        self._announce(deadline, before)
+        if timeouts[0][1] is f:
+            self._announce(deadline)
         req = f.req
         self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens))
 
@@ -501,12 +500,9 @@ class Lifecycle:
 
     def _refused(self, f: Flight) -> None:
         """The dispatch did not get the request admitted: free what it booked and try another rank."""
-        f.token += 1
         reason = f.failure or "rejected"
         wid, rank = f.key  # type: ignore[misc]
-        self.core.free(f.request_id)
-        self._capacity_changed()
-        self._forget(f)
+        self._unbook(f)
         f.refused.append((wid, rank))
         hold, affinity = f.hold, self.affinity
         if hold is not None and affinity is not None:
@@ -556,23 +552,24 @@ class Lifecycle:
 
     def _done(self, f: Flight) -> None:
         """The running attempt ended: free its load and lease; retry a lost one that streamed nothing."""
-        f.token += 1
-        self.core.free(f.request_id)
         if f.lease is not None and self.affinity is not None:
             self.affinity.release(f.lease)
             f.lease = None
-        self._forget(f)
-        self._capacity_changed()
+        self._unbook(f)
         if f.failure == "worker_lost" and f.record.first_token_ns is None:
             f.refused.append(f.key)  # type: ignore[arg-type]
             self._retry(f)  # nothing was streamed yet: run it elsewhere
             return
         self._end(f, f.failure)
 
-    def _forget(self, f: Flight) -> None:
+    def _unbook(self, f: Flight) -> None:
+        """The attempt on ``f.key`` is over: void its timers and wake-ups, free its load, and let the queue move."""
+        f.token += 1
+        self.core.free(f.request_id)
         ids = self._by_worker.get(f.key[0])  # type: ignore[index]
         if ids is not None:
             ids.pop(f.request_id, None)
+        self._capacity_changed()
 
     def _abandon(self, f: Flight) -> None:
         """End a request that holds nothing on a worker, with the failure already recorded on it."""

@@ -7,12 +7,12 @@ sockets: SUB for live frames and a DEALER (``[b"", start]``) to the rank's repla
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import zmq
 
+from kvemu.clock import NS_PER_S, Clock, WallClock
 from kvemu.errors import InvalidArgument
 from kvemu.events import RouterEvent
 from kvemu.wire import limits
@@ -70,12 +70,12 @@ def sized_context(streams: int) -> zmq.Context:
 
 MAX_REPLAY_BATCHES = 20_000
 """Most batches one replay may return (twice the publishers' default buffer)."""
-REPLAY_BACKOFF_S = 10.0
+REPLAY_BACKOFF_NS = 10 * NS_PER_S
 """After a failed replay, how long a stream asks for none (its gaps are counted lost at once)."""
 
 
 class _Stream:
-    __slots__ = ("spec", "sub", "monitor", "dealer", "events", "replay_blocked_until")
+    __slots__ = ("spec", "sub", "monitor", "dealer", "events", "replay_blocked_until_ns")
 
     def __init__(self, spec: StreamSpec, sub: zmq.Socket, monitor: zmq.Socket) -> None:
         self.spec = spec
@@ -83,7 +83,7 @@ class _Stream:
         self.monitor = monitor
         """Tells when ZeroMQ dropped the connection (an oversized frame): the stream then reconnects."""
         self.dealer: zmq.Socket | None = None
-        self.replay_blocked_until = 0.0
+        self.replay_blocked_until_ns = 0
         self.events: EventStream  # set by the subscriber
 
 
@@ -102,6 +102,7 @@ class KvEventSubscriber:
         context: zmq.Context | None = None,
         observer: Callable[[str, int, int, dict], None] | None = None,
         max_streams: int | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.sink = sink
         self.block_size = block_size
@@ -111,6 +112,8 @@ class KvEventSubscriber:
         self.eagle = eagle
         self.observer = observer
         """Told ``(kind, worker_id, dp_rank, details)`` for ``gap``, ``replay``, ``lost``, ``restart``."""
+        self.clock = clock or WallClock()
+        """Times replays (live mode: wall time)."""
         self.max_streams = max_streams
         """Most ranks consumed at once (``add`` refuses more); without a context, sized for them."""
         self._own_ctx = context is None and max_streams is not None
@@ -237,11 +240,11 @@ class KvEventSubscriber:
 
         Bounded, since it runs on the consumer's thread: ``replay_timeout_s`` for the whole replay and
         ``MAX_REPLAY_BATCHES`` batches; batches before ``start`` are ignored. A replay that fails (silence, no end
-        marker in time, too many batches) is counted, and the stream asks none for ``REPLAY_BACKOFF_S``: what
+        marker in time, too many batches) is counted, and the stream asks none for ``REPLAY_BACKOFF_NS``: what
         it misses meanwhile is counted lost at once, so a hostile endpoint costs one bounded wait per backoff.
         """
-        now = time.monotonic()
-        if now < stream.replay_blocked_until:
+        now = self.clock.now_ns()
+        if now < stream.replay_blocked_until_ns:
             return
         if stream.dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
@@ -251,12 +254,12 @@ class KvEventSubscriber:
             stream.dealer = dealer
         dealer = stream.dealer
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = now + self.replay_timeout_ms / 1000
+        deadline = now + self.replay_timeout_ms * 1_000_000
         batches = 0
         done = False
         try:
             while batches <= MAX_REPLAY_BATCHES:
-                left_ms = int((deadline - time.monotonic()) * 1000)
+                left_ms = (deadline - self.clock.now_ns()) // 1_000_000
                 if left_ms <= 0 or not dealer.poll(left_ms):
                     break
                 frames = dealer.recv_multipart()
@@ -272,10 +275,10 @@ class KvEventSubscriber:
                 batches += 1
                 yield seq, frames[-1]
             stream.events.stats.replay_failures += 1
-            stream.replay_blocked_until = time.monotonic() + REPLAY_BACKOFF_S
+            stream.replay_blocked_until_ns = self.clock.now_ns() + REPLAY_BACKOFF_NS
             log.warning("worker %s rank %s: KV replay from %d failed (no end within %.1f s or %d batches); no "
                         "replay for %.0f s", *stream.spec[:2], start, self.replay_timeout_ms / 1000,
-                        MAX_REPLAY_BATCHES, REPLAY_BACKOFF_S)
+                        MAX_REPLAY_BATCHES, REPLAY_BACKOFF_NS / NS_PER_S)
         finally:
             if not done:  # timed out, or the caller stopped reading: whatever is still coming is stale
                 dealer.close(linger=0)
