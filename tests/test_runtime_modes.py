@@ -80,7 +80,7 @@ cluster:
   dp_size: 2
   engine: {block_size: 16, num_gpu_blocks: 2048, speedup_ratio: 10, decode_speedup_ratio: 10}
 router: {policy: kv}
-workload: {kind: synthetic, rate_rps: 20, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
+workload: {kind: synthetic, rate_rps: 20, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64, num_prefix_groups: 16,
            isl: {kind: constant, mean: 96}, osl: {kind: constant, mean: 8}}
 run: {mode: live, seed: 3, duration_s: 2.5}
 """
