@@ -54,6 +54,9 @@ SETTINGS_VALUES = {
     "max_workers": 64,
     "max_ranks": 256,
     "max_ranks_per_worker": 8,
+    "registrations_per_s": 50.0,
+    "registration_burst": 64,
+    "kv_replay_timeout_s": 5.0,
 }
 
 ENGINE_VALUES = {

@@ -7,12 +7,19 @@ import pytest
 import zmq
 
 from kvemu import ManualClock, RoutingCore
+from kvemu.clock import NS_PER_S
+from kvemu.ratelimit import TokenBucket
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.messages import Register
 from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork
 from kvemu.wire.codec import encode_batch
 from kvemu.wire.kv_events import KVEventBatch
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+
+from harness.cluster import cluster
+from harness.scenario import parse_scenario
 
 
 def router(**limits) -> Router:
@@ -84,3 +91,36 @@ def test_two_thousand_ranks_stream_into_one_subscriber():
         sub.close()
         pub.close(linger=0)
         ctx.term()
+
+
+def test_a_token_bucket_spends_its_burst_then_refills_at_its_rate():
+    bucket = TokenBucket(rate_per_s=2.0, burst=3, now_ns=0)
+    assert [bucket.take(0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.wait_s(0) == 0.5
+    assert not bucket.take(499_999_999) and bucket.take(500_000_000)
+    assert [bucket.take(10 * NS_PER_S) for _ in range(4)] == [True, True, True, False]  # never more than the burst
+
+
+def test_past_the_rate_a_registration_is_refused_with_a_retry_time_and_changes_nothing(caplog):
+    r = router(registration_burst=2, registrations_per_s=4.0)
+    for wid in (1, 2, 3):
+        register(r, f"p{wid}".encode(), worker_id=wid)
+    assert sorted(r.workers) == [1, 2] and r.registrations_refused == 1
+    assert "rate_limited: worker 3" in caplog.text and "retry in 0.25 s" in caplog.text
+    r.clock.advance(NS_PER_S // 4)
+    register(r, b"p3", worker_id=3)
+    assert sorted(r.workers) == [1, 2, 3]
+
+
+def test_rate_limited_workers_register_again_when_told_and_all_join():
+    """Workers refused with a retry time are not rejected: they register again then (virtual time)."""
+    scenario = parse_scenario("cluster: {workers: 4}\nrouter: {registration_burst: 2, registrations_per_s: 2}\n")
+    clock = ManualClock()
+
+    async def main():
+        async with cluster(scenario, clock, Hooks()) as c:
+            return sorted(c.router.workers), c.router.registrations_refused, clock.now_ns()
+
+    workers, refused, t = run_virtual(main, clock)
+    assert workers == [0, 1, 2, 3] and refused >= 2
+    assert t >= NS_PER_S  # two registrations waited for two tokens at 2 per second

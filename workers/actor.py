@@ -90,6 +90,8 @@ class WorkerActor:
             kv_replay_endpoints=list(kv_replay_endpoints),
         )
         self.registered = anyio.Event()
+        self._answered = anyio.Event()
+        self._retry_after_s = 0.0
         self.stopped = False
         self.register_timeout_s = 30.0
         self.stream_interval_ns = 2_000_000
@@ -128,6 +130,16 @@ class WorkerActor:
             wake.set()  # re-plan the horizon with the new durations
         self._driver.poke()
 
+    async def _register(self) -> None:
+        """Wait for the router's answer, registering again when it asks us to retry later (rate limited)."""
+        while True:
+            await self._answered.wait()
+            if self.registered.is_set():
+                return
+            self._answered = anyio.Event()
+            await anyio.sleep(self._retry_after_s)
+            self._send(self.register_msg)
+
     @property
     def worker_id(self) -> int:
         """The worker's id."""
@@ -139,7 +151,7 @@ class WorkerActor:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.end.serve, self.on_message)
             with anyio.move_on_after(self.register_timeout_s):
-                await self.registered.wait()
+                await self._register()
             if not self.registered.is_set():
                 raise WorkerRejected(f"worker {self.worker_id}: no answer from the router within "
                                      f"{self.register_timeout_s} s; check its address")
@@ -173,8 +185,13 @@ class WorkerActor:
             self._send(self.register_msg)
         elif t is RegisterAck:
             if not msg.accepted:  # type: ignore[union-attr]
-                raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")  # type: ignore[union-attr]
-            self.registered.set()
+                if msg.retry_after_s is None:  # type: ignore[union-attr]
+                    raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")  # type: ignore[union-attr]
+                # rate limited: retry then (a registered worker is asked again at its next heartbeat)
+                self._retry_after_s = min(max(msg.retry_after_s, 0.0), 60.0)  # type: ignore[union-attr]
+            else:
+                self.registered.set()
+            self._answered.set()
 
     def _on_dispatch(self, msg: Dispatch) -> None:
         if msg.dp_rank in self.dead_ranks:

@@ -30,7 +30,7 @@ class KvIngest:
 
     def __init__(self, core: RoutingCore, *, observer: Observer | None = None, replay_on_connect: bool = True,
                  replay: Callable[[int, int], Replay | None] | None = None, zmq: bool = False,
-                 max_ranks: int | None = None) -> None:
+                 max_ranks: int | None = None, replay_timeout_s: float = 2.0) -> None:
         self.core = core
         self.observer = observer
         self.replay_on_connect = replay_on_connect
@@ -42,7 +42,8 @@ class KvIngest:
         """With ``zmq``: subscribes to the endpoints workers announce when they register."""
         if zmq:
             self.subscriber = KvEventSubscriber(self._apply, block_size=core.block_size, observer=observer,
-                                                replay_on_connect=replay_on_connect, max_streams=max_ranks)
+                                                replay_on_connect=replay_on_connect, max_streams=max_ranks,
+                                                replay_timeout_s=replay_timeout_s)
             self.subscriber.stats = self.stats
 
     def add_worker(self, msg: Register) -> None:

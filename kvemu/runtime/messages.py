@@ -83,6 +83,8 @@ class RegisterAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     worker_id: int
     accepted: bool
     reason: str | None = None
+    retry_after_s: float | None = None
+    """Set when the refusal is temporary (``rate_limited``): register again after this long."""
 
 
 class Reregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]

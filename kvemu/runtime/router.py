@@ -24,6 +24,7 @@ from kvemu.lifecycle import Lifecycle, LifecycleSettings
 from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
+from kvemu.ratelimit import TokenBucket
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.kv_ingest import KvIngest
@@ -78,6 +79,15 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_ranks: Annotated[int, Meta(ge=1, le=1 << 16)] = 8192
     """Registered DP ranks at once, over all workers (sizes the KV subscriber's sockets in live mode)."""
     max_ranks_per_worker: Annotated[int, Meta(ge=1, le=1 << 16)] = 512
+    """DP ranks one worker may register."""
+    registrations_per_s: Annotated[float, Meta(gt=0, le=1e6)] = 200.0
+    """Registrations accepted per second once the burst is spent; one beyond is refused with ``rate_limited``
+    and a retry time (a worker registers again then)."""
+    registration_burst: Annotated[int, Meta(ge=1, le=1 << 16)] = 4096
+    """Registrations accepted at once before the rate applies (a whole cluster starting together)."""
+    kv_replay_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 2.0
+    """Live mode: a KV-event replay that has not ended this long after it was asked for fails (counted as
+    ``replay_failures``; the batches it did not bring count as lost). Replays never block the router."""
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -125,8 +135,13 @@ class Router:
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
         self.started_ns = clock.now_ns()
+        self._ranks = 0  # registered ranks, over all workers
+        self.registrations_refused = 0
+        self._registrations = TokenBucket(self.settings.registrations_per_s, self.settings.registration_burst,
+                                          self.started_ns)
         self.kv = KvIngest(core, observer=self._kv_observer, replay_on_connect=self.settings.kv_replay_on_connect,
-                           replay=kv_replay, zmq=zmq_kv_events, max_ranks=self.settings.max_ranks)
+                           replay=kv_replay, zmq=zmq_kv_events, max_ranks=self.settings.max_ranks,
+                           replay_timeout_s=self.settings.kv_replay_timeout_s)
         """KV events of every registered rank into the index."""
         self.kv_stats = self.kv.stats
         """KV-event counters per worker id (the report reads them)."""
@@ -233,6 +248,12 @@ class Router:
                       f"{self.core.block_size}; prefix matching would silently find nothing")
         else:
             reason = self._registration_limits(msg)
+        retry_after_s = None
+        if reason is None and not self._registrations.take(self._now()):
+            retry_after_s = max(0.05, self._registrations.wait_s(self._now()))
+            reason = (f"rate_limited: worker {msg.worker_id}: more than {self.settings.registration_burst} registrations "
+                      f"at once and {self.settings.registrations_per_s:g}/s since (registrations_per_s); "
+                      f"retry in {retry_after_s:.2f} s")
         spec = None
         if reason is None:
             try:
@@ -245,12 +266,18 @@ class Router:
                 self.core.add_worker(spec)
             except (KvemuError, ValueError, TypeError) as exc:
                 reason = str(exc)
-        self._send(peer, RegisterAck(worker_id=msg.worker_id, accepted=reason is None, reason=reason))
+        self._send(peer, RegisterAck(worker_id=msg.worker_id, accepted=reason is None, reason=reason,
+                                     retry_after_s=retry_after_s))
         if reason is not None:
-            log.warning("registration refused: %s", reason)
+            self.registrations_refused += 1
+            if self.registrations_refused <= 10 or self.registrations_refused % 1000 == 0:  # a flood logs little
+                log.warning("registration refused (%d so far): %s", self.registrations_refused, reason)
+            if retry_after_s is not None:
+                self._asked.discard(peer)  # a registered worker's next heartbeat is answered with Reregister
             return
         assert spec is not None
         self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now())
+        self._ranks += msg.dp_size
         self._peers[peer] = msg.worker_id
         self._asked.discard(peer)
         self.kv.add_worker(msg)
@@ -268,7 +295,7 @@ class Router:
             return f"worker {wid}: dp_size {msg.dp_size} is outside 1..{s.max_ranks_per_worker} (max_ranks_per_worker)"
         if len(self.workers) >= s.max_workers:
             return f"worker {wid}: {len(self.workers)} workers are registered, the most this router takes (max_workers)"
-        ranks = sum(w.spec.dp_size for w in self.workers.values())
+        ranks = self._ranks
         if ranks + msg.dp_size > s.max_ranks:
             return (f"worker {wid}: its {msg.dp_size} ranks would make {ranks + msg.dp_size}, more than this router "
                     f"takes ({s.max_ranks}, max_ranks)")
@@ -319,6 +346,7 @@ class Router:
         if state is None:
             return
         self._peers.pop(state.peer, None)
+        self._ranks -= state.spec.dp_size
         self._down_ranks.difference_update([k for k in self._down_ranks if k[0] == worker_id])
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)

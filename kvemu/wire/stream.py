@@ -37,8 +37,13 @@ _FAILED = object()
 
 Payload = bytes | KVEventBatch | EventBatch
 """One batch as a transport carries it: vLLM bytes, decoded vLLM structs, or the router's model."""
-Replay = Callable[[int], Iterable[tuple[int, Payload]]]
-"""``replay(start)`` yields buffered ``(seq, payload)`` with ``seq >= start``, in order (maybe none)."""
+Replay = Callable[[int], Iterable[tuple[int, Payload]] | None]
+"""``replay(start)`` asks for the buffered batches from ``start`` on. An in-memory buffer returns them as
+``(seq, payload)`` in order; a transport that answers later returns None and then feeds the stream's
+``replay_batch`` and ``replay_end``."""
+
+MAX_HELD_BATCHES = 20_000
+"""Most live batches one stream holds while a replay is under way."""
 
 
 class WorkerEventStats:
@@ -61,7 +66,7 @@ class EventStream:
     """Consumes one rank's batches: ordering, recovery, decoding, conversion, and the sink."""
 
     __slots__ = ("worker_id", "dp_rank", "sink", "block_size", "stats", "replay", "replay_on_connect", "eagle",
-                 "observer", "endpoint", "expected", "event_id")
+                 "observer", "endpoint", "expected", "event_id", "_want", "_got", "_replayed", "_held")
 
     def __init__(
         self,
@@ -90,68 +95,121 @@ class EventStream:
         self.endpoint = endpoint
         self.expected: int | None = None
         self.event_id = 0
+        self._want: tuple[int, int | None] | None = None
+        """The replay under way: ``(start, until)``, ``until`` None when rebuilding from everything buffered."""
+        self._got = 0
+        self._replayed = 0
+        self._held: list[tuple[int, Payload]] = []
 
     def receive(self, seq: int, payload: Payload) -> None:
         """Handle the live batch ``seq``, recovering whatever came before it that was missed."""
+        if self._want is not None:  # a replay is under way: the live batches wait for it, in order
+            if len(self._held) < MAX_HELD_BATCHES:
+                self._held.append((seq, payload))
+            return  # past the bound the batch is dropped: the next one's gap asks for it again
         expected = self.expected
         if expected is None:
             if seq:
                 if self.replay_on_connect:
-                    self._recover(0, seq)  # published before we connected
-                else:
-                    self._lost(0, seq)
+                    self._recover(0, seq, seq, payload)  # published before we connected
+                    return
+                self._lost(0, seq)
         elif seq < expected:
             self.stats.restarts += 1
             self._notify("restart", {"seq": seq, "expected": expected})
             self.sink(RouterEvent(worker_id=self.worker_id, dp_rank=self.dp_rank, data=AllCleared()))
             if seq:
-                self._recover(0, seq)
+                self.expected = None
+                self._recover(0, seq, seq, payload)
+                return
         elif seq > expected:
             self.stats.gaps += 1
             self._notify("gap", {"from": expected, "to": seq})
-            self._recover(expected, seq)
+            self._recover(expected, seq, seq, payload)
+            return
         self.apply(seq, payload)
         self.expected = seq + 1
 
-    def sync(self) -> int:
-        """Replay everything the publisher still buffers from where this stream stands (a new or
-        restarted router rebuilding its view); returns the batches applied."""
-        if self.replay is None:
-            return 0
-        start = self.expected or 0
-        applied = 0
-        for seq, payload in self.replay(start):
-            if seq < start:
-                continue
-            if seq > start and self.expected is not None:
-                self._lost(start, seq)
-            self.apply(seq, payload)
-            self.stats.replayed_batches += 1
-            applied += 1
-            start = self.expected = seq + 1
-        if applied:
-            self.stats.replays += 1
-        return applied
+    @property
+    def replaying(self) -> bool:
+        """Whether a replay was asked for and has not ended (live batches are held meanwhile)."""
+        return self._want is not None
 
-    def _recover(self, start: int, until: int) -> None:
+    def sync(self) -> None:
+        """Replay everything the publisher still buffers from where this stream stands (a new or
+        restarted router rebuilding its view)."""
+        if self.replay is None or self._want is not None:
+            return
+        self._ask(self.expected or 0, None)
+
+    def _recover(self, start: int, until: int, seq: int, payload: Payload) -> None:
+        """Replay ``start..until-1``, then handle the live batch ``seq`` that revealed they were missing."""
         if self.replay is None:
             self._lost(start, until)
+            self.apply(seq, payload)
+            self.expected = seq + 1
             return
         self.stats.replays += 1
-        got = start
-        for seq, payload in self.replay(start):
-            if seq < got:
-                continue
-            if seq >= until:  # past what was asked: stop reading (the live stream carries the rest)
-                break
-            if seq > got:
-                self._lost(got, seq)
-            self.apply(seq, payload)
-            self.stats.replayed_batches += 1
-            got = seq + 1
-        if got < until:
-            self._lost(got, until)
-        self._notify("replay", {"from": start, "to": until, "recovered": got - start})
+        self._held.append((seq, payload))
+        self._ask(start, until)
+
+    def _ask(self, start: int, until: int | None) -> None:
+        self._want = (start, until)
+        self._got = start
+        self._replayed = 0
+        supplied = self.replay(start)  # type: ignore[misc]
+        if supplied is not None:  # an in-memory buffer answers at once
+            for seq, payload in supplied:
+                if not self.replay_batch(seq, payload):
+                    break
+            self.replay_end()
+
+    def replay_batch(self, seq: int, payload: Payload) -> bool:
+        """One batch of the replay under way; False once the replay needs no more (past the range asked
+        for, or none asked). Batches before the range, or repeated, are ignored."""
+        want = self._want
+        if want is None:
+            return False
+        until = want[1]
+        if until is not None and seq >= until:
+            return False
+        got = self._got
+        if seq < got:
+            return True
+        if seq > got and (until is not None or self.expected is not None):
+            self._lost(got, seq)
+        self.apply(seq, payload)
+        self.stats.replayed_batches += 1
+        self._replayed += 1
+        self._got = seq + 1
+        if until is None:
+            self.expected = seq + 1
+        return until is None or seq + 1 < until
+
+    def replay_end(self) -> None:
+        """The replay under way ended (its end marker, or the transport gave up): what it did not bring
+        is counted lost, and the live batches held meanwhile are handled in order."""
+        want = self._want
+        if want is None:
+            return
+        self._want = None
+        start, until = want
+        if until is None:
+            if self._replayed:
+                self.stats.replays += 1
+        else:
+            if self._got < until:
+                self._lost(self._got, until)
+            self.expected = until
+            self._notify("replay", {"from": start, "to": until, "recovered": self._replayed})
+        held, self._held = self._held, []
+        for i, (seq, payload) in enumerate(held):
+            if self._want is not None:  # one of them opened another replay: the rest wait for it
+                self._held.extend(held[i:])
+                return
+            if until is None and self.expected is not None and seq < self.expected:
+                continue  # already brought by the replay that rebuilt the stream
+            self.receive(seq, payload)
 
     def _lost(self, start: int, until: int) -> None:
         self.stats.lost_batches += until - start

@@ -7,7 +7,7 @@ sockets: SUB for live frames and a DEALER (``[b"", start]``) to the rank's repla
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import zmq
@@ -68,6 +68,11 @@ def sized_context(streams: int) -> zmq.Context:
     return ctx
 
 
+RECONNECT_IVL_MAX_MS = 5000
+"""An endpoint that refuses connections is retried ever more slowly, up to this interval (ZeroMQ would retry
+every 100 ms: thousands of dead endpoints announced by fake workers keep its I/O thread busy)."""
+CONNECTS_PER_POLL = 32
+"""Streams connected per ``poll`` (a SUB and its monitor cost about 0.3 ms)."""
 MAX_REPLAY_BATCHES = 20_000
 """Most batches one replay may return (twice the publishers' default buffer)."""
 REPLAY_BACKOFF_NS = 10 * NS_PER_S
@@ -75,15 +80,18 @@ REPLAY_BACKOFF_NS = 10 * NS_PER_S
 
 
 class _Stream:
-    __slots__ = ("spec", "sub", "monitor", "dealer", "events", "replay_blocked_until_ns")
+    __slots__ = ("spec", "sub", "monitor", "dealer", "events", "replay_blocked_until_ns", "replay_deadline_ns",
+                 "replay_frames")
 
-    def __init__(self, spec: StreamSpec, sub: zmq.Socket, monitor: zmq.Socket) -> None:
+    def __init__(self, spec: StreamSpec) -> None:
         self.spec = spec
-        self.sub = sub
-        self.monitor = monitor
+        self.sub: zmq.Socket = None  # type: ignore[assignment]  # connected by the subscriber's poll
+        self.monitor: zmq.Socket = None  # type: ignore[assignment]
         """Tells when ZeroMQ dropped the connection (an oversized frame): the stream then reconnects."""
         self.dealer: zmq.Socket | None = None
         self.replay_blocked_until_ns = 0
+        self.replay_deadline_ns = 0
+        self.replay_frames = 0
         self.events: EventStream  # set by the subscriber
 
 
@@ -121,6 +129,10 @@ class KvEventSubscriber:
         self._streams: dict[zmq.Socket, _Stream] = {}
         self._by_key: dict[tuple[int, int], _Stream] = {}
         self._poller = zmq.Poller()
+        self._replaying: dict[zmq.Socket, _Stream] = {}
+        """Replays under way, by the DEALER their answer comes on."""
+        self._unconnected: dict[tuple[int, int], _Stream] = {}
+        """Streams added and not connected yet, in order."""
         self.stats: dict[int, WorkerEventStats] = {}
 
     # ------------------------------------------------------------------ streams
@@ -133,21 +145,29 @@ class KvEventSubscriber:
         if self.max_streams is not None and len(self._by_key) >= self.max_streams:
             raise InvalidArgument(f"worker {spec.worker_id} rank {spec.dp_rank}: already consuming {self.max_streams} "
                                   "streams, the most this subscriber was sized for")
-        stream = _Stream(spec, *self._connect(spec))
+        stream = _Stream(spec)
         stats = self.stats.setdefault(spec.worker_id, WorkerEventStats())
         stream.events = EventStream(
             spec.worker_id, spec.dp_rank, sink=self.sink, block_size=self.block_size, stats=stats,
-            replay=(lambda start, s=stream: self._replay(s, start)) if spec.replay_endpoint else None,
+            replay=(lambda start, s=stream: self._ask_replay(s, start)) if spec.replay_endpoint else None,
             replay_on_connect=self.replay_on_connect, eagle=self.eagle, observer=self.observer,
             endpoint=spec.endpoint,
         )
         self._by_key[key] = stream
-        self._watch(stream)
+        self._unconnected[key] = stream  # sockets are made in poll, a few per turn: a burst of
+        # registrations costs the caller nothing and never stalls the live streams
+
+    def _connect_some(self) -> None:
+        for _ in range(min(CONNECTS_PER_POLL, len(self._unconnected))):
+            stream = self._unconnected.pop(next(iter(self._unconnected)))
+            stream.sub, stream.monitor = self._connect(stream.spec)
+            self._watch(stream)
 
     def _connect(self, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         limits.limit_inbound(sub, limits.MAX_KV_BATCH_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -157,13 +177,16 @@ class KvEventSubscriber:
     def _watch(self, stream: _Stream) -> None:
         self._streams[stream.sub] = stream
         self._streams[stream.monitor] = stream
-        self._poller.register(stream.sub, zmq.POLLIN)
+        if stream.dealer not in self._replaying:  # during a replay the live socket waits
+            self._poller.register(stream.sub, zmq.POLLIN)
         self._poller.register(stream.monitor, zmq.POLLIN)
 
     def _unwatch(self, stream: _Stream) -> None:
+        if stream.dealer not in self._replaying:
+            self._poller.unregister(stream.sub)
         for sock in (stream.sub, stream.monitor):
-            self._poller.unregister(sock)
             del self._streams[sock]
+        self._poller.unregister(stream.monitor)
         stream.sub.disable_monitor()
         stream.monitor.close(linger=0)
         stream.sub.close(linger=0)
@@ -187,8 +210,12 @@ class KvEventSubscriber:
         """Stop consuming every stream of ``worker_id`` (its counters stay for the report)."""
         for key in sorted(k for k in self._by_key if k[0] == worker_id):
             stream = self._by_key.pop(key)
+            if self._unconnected.pop(key, None) is not None:
+                continue
             self._unwatch(stream)
             if stream.dealer is not None:
+                if self._replaying.pop(stream.dealer, None) is not None:
+                    self._poller.unregister(stream.dealer)
                 stream.dealer.close(linger=0)
 
     def close(self) -> None:
@@ -206,25 +233,38 @@ class KvEventSubscriber:
     # ------------------------------------------------------------------ consuming
 
     def poll(self, timeout_ms: int = 0, max_batches: int = 100_000) -> int:
-        """Process what has arrived (waiting up to ``timeout_ms`` for the first); returns batches handled."""
+        """Process what has arrived (waiting up to ``timeout_ms`` for the first); returns live batches handled.
+        Never blocks longer than that: replays are read as their frames come and fail when their time is up."""
+        if self._unconnected:
+            self._connect_some()
+            if self._unconnected:
+                timeout_ms = 0  # more to connect at the next call
+        self._check_replays()
         handled = 0
         ready = self._poller.poll(timeout_ms)
         while ready and handled < max_batches:
             for sock, _ in ready:
                 stream = self._streams.get(sock)
-                if stream is not None and sock is stream.monitor:
+                if stream is None:
+                    stream = self._replaying.get(sock)
+                    if stream is not None:
+                        self._on_replay(stream)
+                    continue
+                if sock is stream.monitor:
                     self._reconnect(stream)
                     continue
                 for _ in range(1024):  # drain a burst per stream, then give the others a turn
-                    if stream is None or stream.sub is not sock:
-                        break
+                    if stream.sub is not sock or stream.dealer in self._replaying:
+                        break  # reconnected, or a gap opened a replay: the rest waits
                     try:
                         frames = _recv_frames(sock)
                     except zmq.Again:
                         break
                     self._on_frames(stream, frames)
                     handled += 1
-                    stream = self._streams.get(sock)
+                    if self._streams.get(sock) is not stream:
+                        break
+            self._check_replays()
             ready = self._poller.poll(0)
         return handled
 
@@ -235,51 +275,75 @@ class KvEventSubscriber:
             return
         stream.events.receive(int.from_bytes(frames[1], "big"), frames[2])
 
-    def _replay(self, stream: _Stream, start: int) -> Iterator[tuple[int, bytes]]:
-        """Ask the rank's replay endpoint for batches from ``start``; yields them until the end marker.
+    def _ask_replay(self, stream: _Stream, start: int) -> tuple[()] | None:
+        """Ask the rank's replay endpoint for the batches from ``start``; the answer is read by ``poll``.
 
-        Bounded, since it runs on the consumer's thread: ``replay_timeout_s`` for the whole replay and
-        ``MAX_REPLAY_BATCHES`` batches; batches before ``start`` are ignored. A replay that fails (silence, no end
-        marker in time, too many batches) is counted, and the stream asks none for ``REPLAY_BACKOFF_NS``: what
-        it misses meanwhile is counted lost at once, so a hostile endpoint costs one bounded wait per backoff.
+        A replay is bounded: ``replay_timeout_s`` in all and ``MAX_REPLAY_BATCHES`` frames. While it is under
+        way the stream's live socket is not read (ZeroMQ queues its batches), so nothing overtakes it. One
+        that fails (silence, no end marker in time, too many frames) is counted, and the stream asks none
+        for ``REPLAY_BACKOFF_NS``: what it misses meanwhile is counted lost at once.
         """
         now = self.clock.now_ns()
         if now < stream.replay_blocked_until_ns:
-            return
+            return ()  # backing off: nothing comes
         if stream.dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(dealer, limits.MAX_KV_BATCH_BYTES)
             dealer.connect(stream.spec.replay_endpoint)  # type: ignore[arg-type]
             stream.dealer = dealer
+        stream.dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        stream.replay_deadline_ns = now + self.replay_timeout_ms * 1_000_000
+        stream.replay_frames = 0
+        self._replaying[stream.dealer] = stream
+        self._poller.register(stream.dealer, zmq.POLLIN)
+        self._poller.unregister(stream.sub)
+        return None
+
+    def _on_replay(self, stream: _Stream) -> None:
+        """Read what the replay endpoint sent; end the replay at its end marker or once it has enough."""
         dealer = stream.dealer
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = now + self.replay_timeout_ms * 1_000_000
-        batches = 0
-        done = False
-        try:
-            while batches <= MAX_REPLAY_BATCHES:
-                left_ms = (deadline - self.clock.now_ns()) // 1_000_000
-                if left_ms <= 0 or not dealer.poll(left_ms):
-                    break
-                frames = dealer.recv_multipart()
-                # ≤ 0.25: ["", seq, payload]; ≥ 0.26: ["", topic, seq, payload]
-                if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
-                    continue
-                if frames[-2] == SEQ_END:
-                    done = True
-                    return
-                seq = int.from_bytes(frames[-2], "big")
-                if seq < start:
-                    continue
-                batches += 1
-                yield seq, frames[-1]
-            stream.events.stats.replay_failures += 1
-            stream.replay_blocked_until_ns = self.clock.now_ns() + REPLAY_BACKOFF_NS
-            log.warning("worker %s rank %s: KV replay from %d failed (no end within %.1f s or %d batches); no "
-                        "replay for %.0f s", *stream.spec[:2], start, self.replay_timeout_ms / 1000,
-                        MAX_REPLAY_BATCHES, REPLAY_BACKOFF_NS / NS_PER_S)
-        finally:
-            if not done:  # timed out, or the caller stopped reading: whatever is still coming is stale
-                dealer.close(linger=0)
-                stream.dealer = None
+        events = stream.events
+        for _ in range(1024):
+            try:
+                frames = _recv_frames(dealer)  # type: ignore[arg-type]
+            except zmq.Again:
+                return
+            stream.replay_frames += 1
+            # ≤ 0.25: ["", seq, payload]; ≥ 0.26: ["", topic, seq, payload]
+            if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+                pass
+            elif frames[-2] == SEQ_END:
+                self._end_replay(stream, keep_dealer=True)
+                return
+            elif not events.replay_batch(int.from_bytes(frames[-2], "big"), frames[-1]):
+                self._end_replay(stream, keep_dealer=False)  # the rest of the reply is stale
+                return
+            if stream.replay_frames >= MAX_REPLAY_BATCHES:
+                self._fail_replay(stream, f"{MAX_REPLAY_BATCHES} frames and no end marker")
+                return
+
+    def _check_replays(self) -> None:
+        """Fail the replays whose time is up."""
+        if not self._replaying:
+            return
+        now = self.clock.now_ns()
+        for stream in [s for s in self._replaying.values() if s.replay_deadline_ns <= now]:
+            self._fail_replay(stream, f"no end marker within {self.replay_timeout_ms / 1000:.1f} s")
+
+    def _fail_replay(self, stream: _Stream, why: str) -> None:
+        stream.events.stats.replay_failures += 1
+        stream.replay_blocked_until_ns = self.clock.now_ns() + REPLAY_BACKOFF_NS
+        log.warning("worker %s rank %s: KV replay failed (%s); no replay for %.0f s", *stream.spec[:2], why,
+                    REPLAY_BACKOFF_NS / NS_PER_S)
+        self._end_replay(stream, keep_dealer=False)
+
+    def _end_replay(self, stream: _Stream, *, keep_dealer: bool) -> None:
+        dealer = stream.dealer
+        self._poller.unregister(dealer)
+        del self._replaying[dealer]
+        if not keep_dealer:  # timed out, or stopped reading: whatever is still coming is stale
+            dealer.close(linger=0)  # type: ignore[union-attr]
+            stream.dealer = None
+        self._poller.register(stream.sub, zmq.POLLIN)
+        stream.events.replay_end()  # may ask for another replay at once

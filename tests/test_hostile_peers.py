@@ -1,0 +1,191 @@
+"""A real router process against hostile peers on 127.0.0.1: KV replays that never end and floods of
+registrations must not stop it serving real requests (each test bounded in time)."""
+
+import threading
+import time
+
+import anyio
+import msgspec
+import pytest
+import zmq
+
+from kvemu.runtime.messages import (
+    ClientRequest,
+    Dispatch,
+    DispatchAck,
+    Heartbeat,
+    Register,
+    RegisterAck,
+    decode_router_message,
+    encode,
+)
+from kvemu.wire.codec import encode_batch
+from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.subscriber import sized_context
+
+from harness.processes import _RouterClient
+from harness.up import Children
+
+HOST = "tcp://127.0.0.1:0"
+
+
+def scenario(tmp_path, router_extra: str = ""):
+    path = tmp_path / "s.yaml"
+    path.write_text(f"""
+name: hostile
+cluster: {{workers: 1, engine: {{block_size: 16, speedup_ratio: 50, decode_speedup_ratio: 50}}}}
+router: {{policy: kv, heartbeat_timeout_s: 30{router_extra}}}
+workload: {{kind: synthetic, rate_rps: 1, isl: {{kind: constant, mean: 64}}, osl: {{kind: constant, mean: 4}}}}
+run: {{mode: live, duration_s: 1}}
+""")
+    return path
+
+
+class Stack:
+    """A router process and one real worker (id 0)."""
+
+    def __init__(self, tmp_path, router_extra: str = "") -> None:
+        path = scenario(tmp_path, router_extra)
+        self.kids = Children()
+        self.router = self.kids.start("router", ["router", "--listen", HOST, "--config", str(path)])["listen"]
+        self.kids.start("w0", ["worker", "--router", self.router, "--worker-id", "0", "--config", str(path)])
+
+    def close(self) -> None:
+        self.kids.stop_all()
+
+
+async def timed_requests(router: str, n: int, during=None, pin: int | None = None) -> list[float]:
+    """Seconds each of ``n`` real requests took, sent one after another after ``during()`` (``pin``: all go to
+    that worker)."""
+    client = _RouterClient(router)
+    took: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.listen)
+        with anyio.fail_after(30):
+            while 0 not in (await client.stats(timeout_s=10)).workers:
+                await anyio.sleep(0.05)
+        if during is not None:
+            await during()
+        for i in range(n):
+            t0 = time.monotonic()
+            with anyio.fail_after(60):
+                rec = await client.submit(ClientRequest(request_id=f"r{i}", tokens=list(range(1 + i, 65 + i)),
+                                                        max_tokens=4, worker_id=pin))
+            assert rec is not None and rec.failure is None, rec
+            took.append(time.monotonic() - t0)
+        tg.cancel_scope.cancel()
+    return took
+
+
+def fake_worker(ctx: zmq.Context, router: str, worker_id: int, **fields) -> zmq.Socket:
+    """A DEALER that registers as ``worker_id``; returns it once the router accepted."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"fake-{worker_id}".encode())
+    sock.connect(router)
+    sock.send(encode(Register(worker_id=worker_id, block_size=16, **fields)))
+    assert sock.poll(10_000), "the router did not answer the registration"
+    ack = msgspec.msgpack.decode(sock.recv(), type=RegisterAck)
+    assert ack.accepted, ack.reason
+    return sock
+
+
+@pytest.mark.parametrize("replier", ["mute", "endless"])
+def test_a_kv_replay_that_never_ends_does_not_stop_the_router_serving(tmp_path, replier):
+    """A peer announces a KV publisher whose sequence starts past 0 (so the router asks for a replay) and a
+    replay socket that never answers, or streams batches without the end marker. With a 20 s replay limit
+    the router used to be frozen for those 20 s; now real requests keep completing meanwhile."""
+    stack = Stack(tmp_path, "")
+    ctx = zmq.Context()
+    stop = threading.Event()
+    asked = []
+    try:
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(HOST)
+        replay = ctx.socket(zmq.ROUTER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.bind(HOST)
+        payload = encode_batch(KVEventBatch(ts=0.0, events=[], data_parallel_rank=0))
+
+        fakes: list[zmq.Socket] = []
+
+        def serve_replays():  # the hostile replay endpoint and a publisher that skips sequence numbers
+            seq = 1000
+            while not stop.is_set():
+                while fakes[0].poll(0):  # refuse dispatches at once: only the replay is under test here
+                    msg = decode_router_message(fakes[0].recv())
+                    if isinstance(msg, Dispatch):
+                        fakes[0].send(encode(DispatchAck(request_id=msg.request_id, accepted=False, reason="busy")))
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 7
+                if replay.poll(20):
+                    ident, _, start = replay.recv_multipart()
+                    asked.append(int.from_bytes(start, "big"))
+                for _ in range(200 if replier == "endless" and asked else 0):  # batches, never the end marker
+                    replay.send_multipart([ident, b"", (5).to_bytes(8, "big"), payload])
+
+        thread = threading.Thread(target=serve_replays, daemon=True)
+
+        async def attack():
+            fake = fake_worker(ctx, stack.router, 77, kv_endpoints=[pub.getsockopt_string(zmq.LAST_ENDPOINT)],
+                               kv_replay_endpoints=[replay.getsockopt_string(zmq.LAST_ENDPOINT)])
+            fake.send(encode(Heartbeat(worker_id=77)))
+            fakes.append(fake)
+            thread.start()
+            with anyio.fail_after(10):
+                while not asked:  # the router asked for the replay: from here it would have been frozen
+                    await anyio.sleep(0.02)
+
+        took = anyio.run(timed_requests, stack.router, 10, attack)
+    finally:
+        stop.set()
+        stack.close()
+        ctx.destroy(linger=0)
+    assert asked[0] == 0
+    assert sum(took) < 10.0 and max(took) < 5.0, took  # not one 20 s freeze; typically tens of ms each
+
+
+def test_a_registration_flood_does_not_delay_real_requests(tmp_path):
+    """2,000 fake registrations (each announcing a KV endpoint) used to hold real requests back 4.5 s. The
+    requests are pinned to the real worker: what is measured is the router's delay, not where it routes."""
+    stack = Stack(tmp_path)
+    ctx = sized_context(2000)  # past ZeroMQ's default 1,023 sockets
+    try:
+        socks = []  # one connection per fake worker: the router refuses a second registration on one
+
+        async def attack():
+            for i in range(2000):
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(stack.router)
+                s.send(encode(Register(worker_id=1000 + i, block_size=16, dp_size=4,
+                                       kv_endpoints=[f"tcp://127.0.0.1:{20000 + 4 * i + r}" for r in range(4)])))
+                socks.append(s)
+
+        took = anyio.run(timed_requests, stack.router, 10, attack, 0)
+        answers = sum(1 for s in socks if s.poll(0))
+    finally:
+        stack.close()
+        ctx.destroy(linger=0)
+    assert answers > 0
+    assert max(took) < 1.0, took  # typically 0.01-0.2 s; minutes (or a crash) before
+
+
+def test_registrations_past_the_rate_are_refused_with_a_retry_time(tmp_path):
+    stack = Stack(tmp_path, ", registration_burst: 3, registrations_per_s: 0.5")
+    ctx = zmq.Context()
+    try:
+        acks = []
+        for i in range(4):  # the real worker took one token of three: two more pass, then none
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(stack.router)
+            s.send(encode(Register(worker_id=10 + i, block_size=16)))
+            assert s.poll(10_000)
+            acks.append(msgspec.msgpack.decode(s.recv(), type=RegisterAck))
+    finally:
+        stack.close()
+        ctx.destroy(linger=0)
+    assert [a.accepted for a in acks] == [True, True, False, False]
+    assert acks[2].reason.startswith("rate_limited: worker 12") and 0 < acks[2].retry_after_s <= 2.0

@@ -1,0 +1,128 @@
+"""``EventStream`` on its own: gaps, restarts and replays, answered at once or later, against a model.
+
+A publisher numbers batches 0, 1, 2...; some never arrive. A replay is answered either at once (an in-memory
+buffer) or later (a socket), completely, partly, or not at all. Whatever the schedule, every batch up to the
+newest delivered one is applied exactly once, in order, or counted lost; none is applied twice.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvemu.wire.stream import EventStream, WorkerEventStats
+
+
+class Recording(EventStream):
+    """Records the sequence numbers it applies instead of decoding payloads."""
+
+    def apply(self, seq, payload):
+        self.applied.append(seq)
+
+
+class Replies:
+    """The replay side: asks are recorded; answered at once (``sync``) or when the test says."""
+
+    def __init__(self, sync: bool, keep_from: int = 0) -> None:
+        self.sync = sync
+        self.keep_from = keep_from  # the publisher's buffer lost what came before
+        self.published: list[int] = []
+        self.asked: list[int] = []
+
+    def __call__(self, start):
+        self.asked.append(start)
+        if self.sync:
+            return [(s, None) for s in self.published if s >= max(start, self.keep_from)]
+        return None
+
+
+def stream(replies, **kw) -> Recording:
+    s = Recording(1, 0, sink=lambda ev: None, block_size=4, stats=WorkerEventStats(), replay=replies, **kw)
+    s.applied = []
+    return s
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    delivered=st.lists(st.booleans(), min_size=1, max_size=40),
+    sync=st.booleans(),
+    answers=st.lists(st.sampled_from(["all", "part", "none", "wait"]), max_size=40),
+    keep_from=st.integers(0, 5),
+)
+def test_every_batch_is_applied_once_in_order_or_counted_lost(delivered, sync, answers, keep_from):
+    replies = Replies(sync, keep_from)
+    s = stream(replies)
+    answers = iter(answers)
+
+    def answer_pending():
+        if not s.replaying:
+            return
+        how = next(answers, "all")
+        if how == "wait":
+            return
+        start = replies.asked[-1]
+        buffered = [q for q in replies.published if q >= max(start, keep_from)]
+        if how == "part":
+            buffered = buffered[: len(buffered) // 2]
+        for q in buffered if how != "none" else ():
+            if not s.replay_batch(q, None):
+                break
+        s.replay_end()
+
+    last = -1
+    for seq, arrives in enumerate(delivered):
+        replies.published.append(seq)
+        if arrives:
+            s.receive(seq, None)
+            last = seq
+        answer_pending()
+    while s.replaying:  # the transport's deadline ends whatever is still open
+        s.replay_end()
+
+    assert s.applied == sorted(set(s.applied))  # in order, none twice
+    assert len(s.applied) + s.stats.lost_batches == last + 1  # everything up to the newest: applied or lost
+    assert s.expected == (last + 1 if last >= 0 else None)
+    if sync and keep_from == 0:  # a complete, immediate replay loses nothing
+        assert s.applied == list(range(last + 1)) and s.stats.lost_batches == 0
+
+
+def test_live_batches_wait_for_the_replay_and_follow_it():
+    replies = Replies(sync=False)
+    s = stream(replies)
+    replies.published += [0, 1, 2, 3, 4]
+    s.receive(0, None)
+    s.receive(3, None)  # 1 and 2 missed: a replay is asked for
+    assert s.replaying and replies.asked == [1]
+    s.receive(4, None)  # held behind the replay
+    assert s.applied == [0]
+    assert s.replay_batch(0, None)  # before the range asked for: ignored
+    assert s.replay_batch(1, None)
+    assert not s.replay_batch(2, None)  # the last one asked for: the replay needs no more
+    assert not s.replay_batch(3, None)  # past the range: never applied by the replay
+    s.replay_end()
+    assert s.applied == [0, 1, 2, 3, 4] and not s.replaying
+    assert (s.stats.gaps, s.stats.replays, s.stats.replayed_batches, s.stats.lost_batches) == (1, 1, 2, 0)
+
+
+def test_a_failed_replay_counts_its_range_lost_and_the_stream_goes_on():
+    replies = Replies(sync=False)
+    s = stream(replies)
+    s.receive(0, None)
+    s.receive(5, None)
+    s.receive(6, None)
+    s.replay_end()  # the transport gave up: nothing came
+    assert s.applied == [0, 5, 6] and s.stats.lost_batches == 4
+
+
+def test_a_restart_during_a_replay_is_handled_after_it():
+    replies = Replies(sync=False)
+    s = stream(replies)
+    replies.published += [0, 1, 2]
+    s.receive(0, None)
+    s.receive(2, None)  # gap: replay of 1
+    s.receive(1, None)  # a restarted engine's batch 1 arrives while waiting: held
+    s.replay_batch(1, None)
+    s.replay_end()
+    # 1 (replayed), 2 (live); then the held batch 1 goes backwards: a restart, which asks for 0 again
+    assert s.applied == [0, 1, 2] and s.stats.restarts == 1 and s.replaying and replies.asked == [1, 0]
+    s.replay_batch(0, None)
+    s.replay_end()
+    assert s.applied == [0, 1, 2, 0, 1] and s.expected == 2
