@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -182,13 +183,37 @@ def _process(args: argparse.Namespace) -> int:
     if args.command == "loadgen":
         from harness.processes import loadgen_main
 
-        summary = loadgen_main(scenario, args.router, outdir, args.expect_workers)
+        problem = _loadgen_chaos_problem(scenario, args.chaos)
+        if problem:
+            print(f"kvemu loadgen: {problem}", file=sys.stderr)
+            return 2
+        summary = loadgen_main(scenario, args.router, outdir, args.expect_workers, apply_chaos=args.chaos == "apply")
         print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
               f"report in {outdir}/report.md", file=sys.stderr)
+        if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
+            return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
     from harness.up import up_main
 
     return up_main(args.scenario or "", list(args.overrides), scenario, outdir)
+
+
+def _loadgen_chaos_problem(scenario: Any, chaos: str | None) -> str | None:
+    """Why the load generator cannot run this scenario's chaos timeline as asked (None if it can)."""
+    from harness.chaos import CONTROL_TOKEN_ENV, ROUTER_CHAOS, chaos_problems
+
+    if not scenario.chaos:
+        return None
+    if chaos is None:
+        return ("this scenario has a chaos timeline: pass --chaos apply to apply it through the router's control "
+                "channel, or --chaos skip when something else applies it (kvemu up does)")
+    if chaos == "skip":
+        return None
+    problems = chaos_problems(scenario.chaos, ROUTER_CHAOS, "the load generator (it starts and stops no process: "
+                                                           "use kvemu up, or scale the worker service)")
+    if not os.environ.get(CONTROL_TOKEN_ENV):
+        problems.append(f"--chaos apply needs {CONTROL_TOKEN_ENV} set to the router's control token")
+    return "; ".join(problems) or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     loadgen.add_argument("--router", required=True)
     loadgen.add_argument("-o", "--outdir")
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
+    loadgen.add_argument("--chaos", choices=["apply", "skip"],
+                         help="a scenario with a chaos timeline: apply it through the router's control channel "
+                              "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
     loadgen.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
     up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
     up.add_argument("scenario", nargs="?")

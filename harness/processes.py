@@ -9,6 +9,7 @@ it starts, with its endpoints, and shuts down cleanly on SIGTERM.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import signal
@@ -28,22 +29,33 @@ from kvemu.clock import NS_PER_S, WallClock
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
-from kvemu.runtime.messages import ClientRequest, encode
+from kvemu.runtime.messages import Chaos, ClientRequest, encode
+from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor import WorkerActor
 from workers.worker import MockWorker
 
+from harness.chaos import (
+    CONTROL_TOKEN_ENV,
+    MAX_TOKEN_BYTES,
+    SUPERVISOR_CHAOS,
+    Control,
+    ControlReply,
+    at_ns,
+    worker_chaos,
+)
 from harness.cluster import build_router, engine_config
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
 from harness.runner import count_requests, drain_deadline_s
 from harness.sessions import SessionPlayer, awaiting
-from harness.scenario import Scenario
+from harness.scenario import ChaosEvent, Scenario
 from harness.workload import build_sessions
 
-__all__ = ["StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start"]
+__all__ = ["StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start",
+           "send_control"]
 
 CLIENT = b"C"
 
@@ -63,6 +75,12 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     affinity: dict[str, int] | None = None
     counters: dict[str, int] = {}
     worker_events: list[dict[str, Any]] = []
+    router_id: str = ""
+    """Changes when the router restarts (a new process, or chaos ``restart_router``): a client's requests
+    sent before ``router_started_ns`` and never answered were lost with the old one."""
+    router_started_ns: int = 0
+    process_id: str = ""
+    """Changes only when the router process is replaced (its counters then start again from zero)."""
 
 
 class RecordReply(msgspec.Struct, tag=True, kw_only=True):
@@ -71,8 +89,8 @@ class RecordReply(msgspec.Struct, tag=True, kw_only=True):
     record: RequestRecord
 
 
-ClientMessage = ClientRequest | StatsQuery
-ReplyMessage = RecordReply | Stats
+ClientMessage = ClientRequest | StatsQuery | Control
+ReplyMessage = RecordReply | Stats | ControlReply
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 
@@ -109,6 +127,28 @@ def _quiet(fut: Any) -> None:
         fut.exception()  # a vanished peer: nothing to do
 
 
+def send_control(router: str, token: str, event: ChaosEvent, timeout_s: float = 10.0) -> ControlReply:
+    """Send one chaos event to a router process's control channel and wait for its answer (blocking)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(router)
+        sock.send_multipart([CLIENT, encode(Control(token=token, event=event))])
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(round(left * 1000)):
+            frames = sock.recv_multipart()
+            if len(frames) == 2 and frames[0] == CLIENT:
+                try:
+                    msg = _reply_decoder.decode(frames[1])
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if type(msg) is ControlReply:
+                    return msg
+        return ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
+    finally:
+        sock.close(linger=0)
+
+
 def client_request_key(peer: bytes, request_id: str) -> str:
     """The router's id for a client's request: the client's connection identity, then its own id."""
     return f"{peer.hex()}/{request_id}"
@@ -119,9 +159,16 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
     hooks = Hooks()
     recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
     end = _SharedRouterEnd(listen)
-    router = build_router(scenario.router, block_size=scenario.cluster.engine.block_size, clock=clock,
-                          seed=scenario.run.seed, end=end, hooks=hooks, zmq_kv_events=True)
-    log_start("router", listen=end.endpoint)
+
+    def new_router() -> Router:
+        return build_router(scenario.router, block_size=scenario.cluster.engine.block_size, clock=clock,
+                            seed=scenario.run.seed, end=end, hooks=hooks, zmq_kv_events=True)
+
+    router = new_router()
+    instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns(), "restarts": 0}
+    process_id = f"{os.getpid()}-{instance['id']}"
+    control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
+    log_start("router", listen=end.endpoint, control=control.token is not None)
     in_flight: set[str] = set()
 
     async def handle(peer: bytes, req: ClientRequest) -> None:
@@ -152,7 +199,29 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
         return Stats(now_ns=now, workers=sorted(router.workers), ranks=ranks, samples=samples,
                      kv_stats={w: s.as_dict() for w, s in sorted(router.kv_stats.items())},
                      affinity=router.affinity.stats.as_dict() if router.affinity else None,
-                     counters=dict(recorder.counters), worker_events=recorder.worker_events)
+                     counters=dict(recorder.counters), worker_events=recorder.worker_events,
+                     router_id=instance["id"], router_started_ns=instance["started_ns"], process_id=process_id)
+
+    scope = anyio.CancelScope()
+
+    async def serve_current(task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await router.serve(task_status=task_status)
+
+    async def restart(tg: anyio.abc.TaskGroup) -> None:
+        """Chaos: the router loses all its state, as if its process had been replaced on the same address."""
+        nonlocal router, scope
+        old = router
+        old.stop("router_restart")  # each handler replies to its client
+        scope.cancel()
+        await anyio.sleep(0)
+        router = new_router()
+        router.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
+        instance.update(id=uuid.uuid4().hex[:12], started_ns=clock.now_ns(), restarts=instance["restarts"] + 1)
+        scope = anyio.CancelScope()
+        await tg.start(serve_current)
+
+    hooks.subscribe(lambda ev: control.on_worker_added(router, ev.worker_id), "worker_added")
 
     async def gateway(tg: anyio.abc.TaskGroup) -> None:
         async for peer, data in end.clients_rx:
@@ -161,13 +230,19 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
                 continue
-            if type(msg) is StatsQuery:
+            t = type(msg)
+            if t is StatsQuery:
                 end.reply(peer, encode(stats()))
+            elif t is Control:
+                reply = control.apply(router, msg)  # type: ignore[arg-type]
+                end.reply(peer, encode(reply))
+                if reply.ok and msg.event.action == "restart_router":  # type: ignore[union-attr]
+                    await restart(tg)
             else:
                 tg.start_soon(handle, peer, msg)
 
     async with anyio.create_task_group() as tg:
-        await tg.start(router.serve)
+        await tg.start(serve_current)
         tg.start_soon(gateway, tg)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
@@ -183,6 +258,45 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
         await anyio.sleep(0.05)  # let the replies leave the socket
         tg.cancel_scope.cancel()
     await end.aclose()
+
+
+class _RouterControl:
+    """The router process's control channel: checks the token and applies or forwards chaos events."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+        self.lag_ms: float | None = None
+        """The KV-event lag chaos set, for workers that register later too."""
+
+    def apply(self, router: Router, msg: Control) -> ControlReply:
+        ev = msg.event
+        if self.token is None:
+            return ControlReply(ok=False, detail=f"this router takes no control messages: start it with "
+                                                 f"{CONTROL_TOKEN_ENV} set to a shared secret")
+        if len(msg.token) > MAX_TOKEN_BYTES or not hmac.compare_digest(msg.token.encode(), self.token.encode()):
+            print(json.dumps({"event": "control_refused", "action": ev.action, "why": "wrong token"}), file=sys.stderr)
+            return ControlReply(ok=False, detail=f"wrong control token (see {CONTROL_TOKEN_ENV})")
+        if ev.action in SUPERVISOR_CHAOS:
+            return ControlReply(ok=False, detail=f"{ev.action} starts or stops a worker process: kvemu up applies it "
+                                                 "(with docker-compose, scale the worker service)")
+        print(json.dumps({"event": "control", "action": ev.action, "worker": ev.worker}), file=sys.stderr)
+        if ev.action == "restart_router":
+            return ControlReply(ok=True, detail="restarting: the requests it holds fail with router_restart")
+        if ev.action == "delay_kv_events":
+            self.lag_ms = ev.lag_ms
+            for wid in sorted(router.workers):
+                router.send_chaos(wid, worker_chaos(ev))
+            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {len(router.workers)} workers "
+                                                "and every later one")
+        if ev.worker is None and not router.workers:
+            return ControlReply(ok=False, detail=f"{ev.action}: no worker is registered")
+        target = ev.worker if ev.worker is not None else min(router.workers)
+        why = router.send_chaos(target, worker_chaos(ev))
+        return ControlReply(ok=why is None, detail=why or f"{ev.action} sent to worker {target}")
+
+    def on_worker_added(self, router: Router, worker_id: int | None) -> None:
+        if self.lag_ms is not None and worker_id is not None:
+            router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))
 
 
 def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0) -> int:
@@ -207,6 +321,9 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size
                         kv_endpoints=[_reachable(p.endpoint) for p in pubs],
                         kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
                         worker_type=spec.worker_type)
+    actor.on_chaos = lambda msg, why: print(json.dumps({"event": "chaos_applied", "worker_id": worker_id,
+                                                        "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
+                                            file=sys.stderr, flush=True)
     log_start("worker", worker_id=worker_id, router=router, kv_events=[p.endpoint for p in pubs],
               kv_replay=[p.replay_endpoint for p in pubs])
     try:
@@ -258,6 +375,7 @@ class _RouterClient:
         self.records: dict[str, RequestRecord] = {}
         self._waiting: dict[str, anyio.Event] = {}
         self._stats_waiters: deque[tuple[anyio.Event, list[Stats]]] = deque()  # replies come back in order
+        self._control_waiters: deque[tuple[anyio.Event, list[ControlReply]]] = deque()
         self.replies: list[RequestRecord] | None = None
         """Every record received, in arrival order, when set to a list (tests)."""
         self.heard_ns = time.monotonic_ns()
@@ -273,7 +391,11 @@ class _RouterClient:
             if len(frames) != 2 or frames[0] != CLIENT:
                 continue
             self.heard_ns = time.monotonic_ns()
-            msg = _reply_decoder.decode(frames[1])
+            try:
+                msg = _reply_decoder.decode(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                print(json.dumps({"event": "bad_router_message", "error": str(exc)[:200]}), file=sys.stderr)
+                continue
             if type(msg) is RecordReply:
                 if self.replies is not None:
                     self.replies.append(msg.record)
@@ -282,6 +404,11 @@ class _RouterClient:
                 ev = self._waiting.pop(rid, None)
                 if ev is not None:
                     ev.set()
+            elif type(msg) is ControlReply:
+                if self._control_waiters:
+                    event, box = self._control_waiters.popleft()
+                    box.append(msg)  # type: ignore[arg-type]
+                    event.set()
             elif self._stats_waiters:
                 event, box = self._stats_waiters.popleft()
                 box.append(msg)  # type: ignore[arg-type]
@@ -322,76 +449,167 @@ class _RouterClient:
             await event.wait()
         return box[0]
 
+    async def control(self, msg: Control, timeout_s: float = 10.0) -> ControlReply:
+        """Send a control message and wait for the router's answer."""
+        event, box = anyio.Event(), []
+        self._control_waiters.append((event, box))
+        await self.sock.send_multipart([CLIENT, encode(msg)])
+        with anyio.move_on_after(timeout_s):
+            await event.wait()
+        return box[0] if box else ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
 
-async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None) -> dict[str, Any]:
+    def restarted(self, before_ns: int, why: str) -> list[str]:
+        """The router restarted at ``before_ns`` (its clock): requests sent before then and not answered were
+        lost with it; fail them with ``why`` (a late answer still replaces the record). Returns their ids."""
+        lost = [rid for rid, (_, sent) in self._sent.items() if sent < before_ns and rid not in self.records]
+        for rid in lost:
+            self._failed(self._sent[rid][0], why)
+            ev = self._waiting.pop(rid, None)
+            if ev is not None:
+                ev.set()
+        return lost
+
+
+async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None,
+                   apply_chaos: bool = False) -> dict[str, Any]:
     sessions = build_sessions(scenario)
     client = _RouterClient(router)
     wall0 = time.perf_counter_ns()
     samples: list[Sample] = []
-    partial = False
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(client.listen)
-        with anyio.fail_after(60):  # the router and the expected workers are up
-            while True:
-                st = await client.stats(timeout_s=2)
-                if expect_workers is None or len(st.workers) >= expect_workers:
-                    break
-                await anyio.sleep(0.1)
-        t0 = st.now_ns
-        log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
+    token = os.environ.get(CONTROL_TOKEN_ENV, "")
+    run = _LoadgenRun()
+    t0 = 0
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.listen)
+            with anyio.fail_after(60):  # the router and the expected workers are up
+                while True:
+                    st = await client.stats(timeout_s=2)
+                    if expect_workers is None or len(st.workers) >= expect_workers:
+                        break
+                    await anyio.sleep(0.1)
+            t0 = st.now_ns
+            log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
+            run.last = st
+            play_scope = anyio.CancelScope()
+            lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
 
-        last = [st]
-        play_scope = anyio.CancelScope()
-        lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
+            def lose(**details: Any) -> None:
+                print(json.dumps({"event": "router_lost", **details}), file=sys.stderr)
+                client.lose("router_lost")
+                play_scope.cancel()  # sessions stop: nothing more is sent to a router that is gone
 
-        async def sampler() -> None:
-            while True:
-                try:
-                    s = await client.stats(timeout_s=1.0)
-                except TimeoutError:  # a saturated router skips a sample; a silent one is gone
-                    if time.monotonic_ns() - client.heard_ns > lost_after_ns:
-                        print(json.dumps({"event": "router_lost", "silent_s": lost_after_ns / NS_PER_S}),
-                              file=sys.stderr)
-                        client.lose("router_lost")
-                        play_scope.cancel()  # sessions stop: nothing more is sent to a router that is gone
+            async def sampler() -> None:
+                while True:
+                    try:
+                        s = await client.stats(timeout_s=1.0)
+                    except TimeoutError:  # a saturated router skips a sample; a silent one is gone
+                        if time.monotonic_ns() - client.heard_ns > lost_after_ns:
+                            return lose(silent_s=lost_after_ns / NS_PER_S)
+                        continue
+                    run.observe(s, client)
+                    samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
+                    await anyio.sleep(0.25)
+
+            async def on_signal() -> None:  # SIGTERM or Ctrl-C: stop sending, report what happened so far
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+                    async for signum in signals:
+                        if signum == signal.SIGUSR1:  # kvemu up saw the router process die
+                            lose(why="the router process exited")
+                        else:
+                            run.stopped = signal.Signals(signum).name
+                            play_scope.cancel()
                         return
-                    continue
-                last[0] = s
-                samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
-                await anyio.sleep(0.25)
 
-        stopped: list[str] = []
+            clock = _Since(t0, st.now_ns)
+            client.router_now = lambda: clock.now_ns() + t0
 
-        async def on_signal() -> None:  # SIGTERM or Ctrl-C: stop sending, report what happened so far
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    stopped.append(signal.Signals(signum).name)
-                    play_scope.cancel()
-                    return
+            async def chaos() -> None:  # docker-compose: the load generator carries the timeline
+                for ev in sorted(scenario.chaos, key=lambda e: e.at_s):
+                    await anyio.sleep(max(0, at_ns(ev) - clock.now_ns()) / NS_PER_S)
+                    reply = await client.control(Control(token=token, event=ev))
+                    print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
+                                      "detail": reply.detail}), file=sys.stderr)
 
-        tg.start_soon(sampler)
-        tg.start_soon(on_signal)
-        clock = _Since(t0, st.now_ns)
-        client.router_now = lambda: clock.now_ns() + t0
-        with play_scope, anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
-            async with anyio.create_task_group() as play:
-                await SessionPlayer(sessions, awaiting(play, client.submit), clock).run()
-        partial = scope.cancelled_caught or client.lost is not None or bool(stopped)
-        final = last[0]
-        if client.lost is None and not stopped:
-            try:
-                final = await client.stats(timeout_s=5.0)
-            except TimeoutError:
-                pass
-        tg.cancel_scope.cancel()
+            tg.start_soon(sampler)
+            tg.start_soon(on_signal)
+            if apply_chaos:
+                tg.start_soon(chaos)
+            with play_scope, anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
+                async with anyio.create_task_group() as play:
+                    await SessionPlayer(sessions, awaiting(play, client.submit), clock).run()
+            run.partial = scope.cancelled_caught or client.lost is not None or run.stopped is not None
+            if client.lost is None and run.stopped is None:
+                try:
+                    run.observe(await client.stats(timeout_s=5.0), client)
+                except TimeoutError:
+                    pass
+            tg.cancel_scope.cancel()
+    except Exception as exc:  # noqa: BLE001 - a bug or a broken router: still report what ran, marked partial
+        if not t0:
+            raise  # nothing ran yet
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # the task group's: name the cause
+            exc = exc.exceptions[0]  # type: ignore[assignment]
+        run.partial = True
+        run.stopped = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+        print(json.dumps({"event": "loadgen_error", "error": run.stopped}), file=sys.stderr)
     records = [_shift(r, t0) for r in [*client.records.values(), *client.open_records()]]
+    final = run.last
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
-                   mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0, partial=partial,
-                   stop_reason=client.lost or (stopped[0] if stopped else None) or ("drain_timeout" if partial else None),
+                   mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
+                   partial=run.partial,
+                   stop_reason=client.lost or run.stopped or ("drain_timeout" if run.partial else None),
                    block_size=scenario.cluster.engine.block_size, ranks=final.ranks, samples=samples,
-                   kv_stats=final.kv_stats, affinity=final.affinity, counters=final.counters,
-                   failures=_failures(records), worker_events=final.worker_events)
+                   kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
+                   failures=_failures(records), worker_events=run.worker_events())
     return write_report(data, outdir)
+
+
+class _LoadgenRun:
+    """What the load generator learns of the router over a run, across router restarts."""
+
+    def __init__(self) -> None:
+        self.last: Stats = None  # type: ignore[assignment]
+        self.gone: list[Stats] = []
+        """The last view of each router process that was replaced (its counters still count)."""
+        self.restarts = 0
+        self.partial = False
+        self.stopped: str | None = None
+
+    def observe(self, s: Stats, client: _RouterClient) -> None:
+        """A new view; a new router id means the router restarted: what was sent before it started and is not
+        answered is failed with ``router_lost`` (a request queued while no router listened may still be
+        answered by the new one, and its record then replaces the failure)."""
+        last = self.last
+        if s.router_id != last.router_id:
+            self.restarts += 1
+            lost = client.restarted(s.router_started_ns, "router_lost: the router restarted without answering")
+            print(json.dumps({"event": "router_restarted", "router": s.router_id, "unanswered": len(lost)}),
+                  file=sys.stderr)
+            if s.process_id != last.process_id:  # a new process: the old one's counters are not in the new view
+                self.gone.append(last)
+        self.last = s
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in [*self.gone, self.last]:
+            for k, v in s.counters.items():
+                out[k] = out.get(k, 0) + v
+        if self.restarts:
+            out["router_restarts"] = self.restarts
+        return out
+
+    def kv_stats(self) -> dict[int, dict[str, int]]:
+        out: dict[int, dict[str, int]] = {}
+        for s in [*self.gone, self.last]:
+            for wid, counts in s.kv_stats.items():
+                mine = out.setdefault(wid, {})
+                for k, v in counts.items():
+                    mine[k] = mine.get(k, 0) + v
+        return out
+
+    def worker_events(self) -> list[dict[str, Any]]:
+        return [e for s in [*self.gone, self.last] for e in s.worker_events]
 
 
 class _Since:
@@ -427,7 +645,9 @@ def _failures(records: list[RequestRecord]) -> dict[str, int]:
     return out
 
 
-def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None) -> dict[str, Any]:
-    """``kvemu loadgen``: play the scenario's workload against a router process and write the report."""
-    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers))
+def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
+                 apply_chaos: bool = False) -> dict[str, Any]:
+    """``kvemu loadgen``: play the scenario's workload against a router process and write the report
+    (``apply_chaos``: also play the chaos timeline through the router's control channel)."""
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos))
 

@@ -19,6 +19,7 @@ from kvemu.runtime.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.tuning import tune_gc
 
+from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, prepare_outdir, write_report
@@ -202,17 +203,13 @@ async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
     elif ev.action == "remove_worker":
         target = ev.worker if ev.worker is not None else min(c.workers)
         await c.remove_worker(target, graceful=ev.graceful)
-    elif ev.action == "drop_kv_events":
-        pubs = c.kv_publishers.get(ev.worker if ev.worker is not None else min(c.workers), [])
-        if ev.dp_rank < len(pubs):
-            pubs[ev.dp_rank].drop_next += ev.count
     elif ev.action == "delay_kv_events":
-        c.set_kv_lag(round(ev.lag_ms * NS_PER_MS))
+        c.set_kv_lag(round(ev.lag_ms * NS_PER_MS))  # every publisher, present and future
     elif ev.action == "restart_router":
         await c.restart_router()
-    elif ev.action == "kill_rank" and ev.worker in c.workers:
-        c.workers[ev.worker].kill_rank(ev.dp_rank)
-    elif ev.action == "slow_worker" and ev.worker in c.workers:
-        c.workers[ev.worker].slow_down(ev.factor)
-    else:
-        raise ValueError(f"chaos action {ev.action!r}: worker {ev.worker} is not running")
+    else:  # the worker applies it to itself, as a worker process does when the router forwards it
+        target = ev.worker if ev.worker is not None else min(c.workers)
+        actor = c.workers.get(target)
+        why = actor.apply_chaos(worker_chaos(ev)) if actor is not None else f"worker {target} is not running"
+        if why is not None:
+            raise ValueError(f"chaos action {ev.action!r}: {why}")

@@ -2,8 +2,9 @@
 
 It waits for each process's start line, runs the workload, collects the report and stops everything.
 Children die with their parent (Linux parent-death signal) and are terminated on Ctrl-C, on a child
-crash and on exit, so ``kvemu up`` never leaves an orphan. Scenario chaos applies to worker processes:
-``remove_worker`` sends SIGTERM (graceful) or SIGKILL, ``add_worker`` starts one more.
+crash and on exit, so ``kvemu up`` never leaves an orphan. It applies the whole chaos timeline: it starts
+(``add_worker``) and stops (``remove_worker``: SIGTERM, or SIGKILL) worker processes itself and sends every
+other action to the router's control channel (``harness.chaos``) with a token only it and the router know.
 
 Children run ``python -P -m harness.cli``: ``-P`` (Python 3.11) keeps the working directory off their import
 path, so a project with its own ``harness/``, ``workers/`` or ``kvemu/`` folder cannot shadow kvemu's packages
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import signal
 import site
 import subprocess
@@ -24,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.chaos import CONTROL_TOKEN_ENV
+from harness.processes import send_control
 from harness.scenario import Scenario
 
 __all__ = ["up_main", "Children", "cli_command", "cli_env"]
@@ -68,9 +72,11 @@ class Children:
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict[str, Any]] = {}
 
-    def start(self, name: str, args: list[str], timeout_s: float = 30.0) -> dict[str, Any]:
-        """Start ``python -P -m harness.cli ARGS`` and wait for its start line."""
-        proc = subprocess.Popen(cli_command(*args), env=cli_env(), stdout=subprocess.PIPE, text=True,
+    def start(self, name: str, args: list[str], timeout_s: float = 30.0,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Start ``python -P -m harness.cli ARGS`` (with ``env`` added to its environment) and wait for its
+        start line."""
+        proc = subprocess.Popen(cli_command(*args), env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE, text=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.procs[name] = proc
         line: list[str] = []
@@ -141,25 +147,17 @@ def _written_since(outdir: Path, t: float) -> bool:
         return False
 
 
-PROCESS_CHAOS = frozenset({"add_worker", "remove_worker"})
-"""Chaos actions ``kvemu up`` applies to its processes (the others need a control channel, not built yet)."""
-
-
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path) -> int:
     """Run the whole stack as processes; returns the load generator's exit code."""
-    unsupported = sorted({ev.action for ev in scenario.chaos} - PROCESS_CHAOS)
-    if unsupported:  # refused up front rather than skipped when their instant comes
-        print(f"kvemu up: chaos action(s) {', '.join(unsupported)} cannot be applied to processes yet; "
-              "run the scenario with `kvemu run` (virtual or --mode live), which applies every action",
-              file=sys.stderr)
-        return 2
     sets = [x for o in overrides for x in ("--set", o)]
     config = ["--config", scenario_path, *sets] if scenario_path else sets
     kids = Children()
     started = time.monotonic()
     started_wall = time.time()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *config])["listen"]
+        token = secrets.token_hex(16)  # the router's control channel answers this process alone
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *config],
+                            env={CONTROL_TOKEN_ENV: token})["listen"]
         next_id = 0
         live: list[int] = []
 
@@ -173,7 +171,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
 
         for _ in range(scenario.cluster.workers):
             add_worker()
-        loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir),
+        loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir), "--chaos", "skip",
                                                "--expect-workers", str(scenario.cluster.workers), *config),
                                    env=cli_env(), preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
@@ -191,11 +189,15 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                     name = f"worker-{target}"
                     kids.signal(name, signal.SIGTERM if ev.graceful else signal.SIGKILL)
                     kids.procs[f"gone-{name}"] = kids.procs.pop(name)
+                else:  # through the router's control channel
+                    reply = send_control(router, token, ev)
+                    print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
+                                      "detail": reply.detail}), file=sys.stderr)
             problem = kids.crashed()
             if problem:
                 print(f"kvemu up: {problem}; stopping", file=sys.stderr)
-                if problem.startswith("router "):  # the load generator fails what is open (router_lost) and reports
-                    _let_report(loadgen, outdir, started_wall, "partial report", stop=None)
+                if problem.startswith("router "):  # the load generator fails what is open at once and reports
+                    _let_report(loadgen, outdir, started_wall, "partial report", stop=signal.SIGUSR1)
                 return 1
             time.sleep(0.05)
         code = loadgen.returncode

@@ -121,3 +121,38 @@ def test_router_restart_rebuilds_its_index_from_replay_and_keeps_serving():
     hits = [r for r in after if r.predicted_overlap_blocks]
     assert hits and sum(r.engine_cached_tokens or 0 for r in hits) > 0
     assert sum(s["replayed_batches"] for s in out.data.kv_stats.values()) > 0
+
+
+def test_a_worker_applies_each_fault_it_is_sent_to_itself():
+    """What a worker process does with a ``Chaos`` message from the router (the in-process runner calls the
+    same method); a rank it does not have, or a dead one, is refused and changes nothing."""
+    from kvemu import ManualClock
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.runtime.messages import Chaos
+    from kvemu.runtime.transport import MemoryNetwork
+    from workers.actor import WorkerActor
+    from workers.config import EngineConfig
+    from workers.worker import MockWorker
+
+    from kvemu.runtime.loop import run_virtual
+
+    clock = ManualClock()
+
+    async def main():  # the worker sends RankDown when a rank dies: a loop must be running
+        bus = MemoryKvBus()
+        pubs = [bus.publisher(3, r) for r in range(2)]
+        actor = WorkerActor(MockWorker(EngineConfig(dp_size=2), worker_id=3), MemoryNetwork().worker_end(3), clock,
+                            pubs, mode="virtual")
+        assert actor.apply_chaos(Chaos(action="drop_kv_events", dp_rank=1, count=4)) is None
+        assert (pubs[0].drop_next, pubs[1].drop_next) == (0, 4)
+        assert actor.apply_chaos(Chaos(action="delay_kv_events", lag_ms=7.5)) is None
+        assert [p.lag_ns for p in pubs] == [7_500_000, 7_500_000]
+        assert actor.apply_chaos(Chaos(action="slow_worker", factor=3.0)) is None
+        assert all(core.timer.slowdown == 3.0 for core in actor.worker.cores)
+        assert actor.apply_chaos(Chaos(action="kill_rank", dp_rank=0)) is None
+        assert actor.dead_ranks == {0}
+        assert "no live rank 0" in actor.apply_chaos(Chaos(action="kill_rank", dp_rank=0))
+        assert "no live rank 2" in actor.apply_chaos(Chaos(action="drop_kv_events", dp_rank=2))
+        assert (pubs[0].drop_next, pubs[1].drop_next) == (0, 4)
+
+    run_virtual(main, clock)

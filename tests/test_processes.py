@@ -21,6 +21,7 @@ from kvemu.runtime.transport import MemoryNetwork, decode_or_log
 
 from harness.processes import CLIENT, _RouterClient, encode
 from harness.up import Children
+from process_output import json_events
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--set", "cluster.engine.speedup_ratio=20", "--set", "cluster.engine.decode_speedup_ratio=20",
@@ -363,3 +364,40 @@ def _one_worker_stack(kids: Children, scenario: Path, out: Path, *worker_args: s
     return subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
                              "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_up_applies_every_chaos_action_to_the_processes(tmp_path):
+    """One run of kvemu up with each chaos action once: each is applied (the router's control channel, or the
+    supervisor), every request ends completed or failed with a reason, the report shows the faults, no
+    process is left behind."""
+    out = tmp_path / "out"
+    scenario = small(tmp_path, ["""chaos:
+  - {at_s: 0.4, action: drop_kv_events, worker: 0, dp_rank: 1, count: 2}
+  - {at_s: 0.6, action: delay_kv_events, lag_ms: 5}
+  - {at_s: 0.8, action: slow_worker, worker: 1, factor: 1.5}
+  - {at_s: 1.0, action: kill_rank, worker: 1, dp_rank: 0}
+  - {at_s: 1.2, action: add_worker}
+  - {at_s: 1.6, action: restart_router}
+  - {at_s: 2.2, action: remove_worker, worker: 0, graceful: false}
+"""]).read_text().replace("duration_s: 2", "duration_s: 3.5")
+    (tmp_path / "chaos.yaml").write_text(scenario)
+    before = set(_children_of_tests())
+    res = kvemu("up", str(tmp_path / "chaos.yaml"), *FAST, "-o", str(out), check=False, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    applied = json_events(res.stderr, "chaos")
+    assert [(a["action"], a["ok"]) for a in applied] == [
+        ("drop_kv_events", True), ("delay_kv_events", True), ("slow_worker", True), ("kill_rank", True),
+        ("restart_router", True)], applied
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_requests"] > 0
+    assert summary["completed_requests"] + summary["kvemu"]["failed_requests"] == summary["num_requests"]
+    assert summary["kvemu"]["unfinished_requests"] == 0
+    assert summary["kvemu"]["hook_counts"]["router_restarts"] == 1
+    events = summary["kvemu"]["worker_events"]
+    assert events.get("worker_fenced", 0) >= 1 and events.get("worker_added", 0) >= 4  # 3 workers, again after
+    lines = json_events(res.stderr, "chaos_applied")
+    done = sorted({(a["worker_id"], a["action"], a["error"]) for a in lines})  # what the worker processes applied
+    assert done == [(0, "delay_kv_events", None), (0, "drop_kv_events", None), (1, "delay_kv_events", None),
+                    (1, "kill_rank", None), (1, "slow_worker", None), (2, "delay_kv_events", None)], done
+    time.sleep(0.2)
+    assert set(_children_of_tests()) <= before

@@ -102,15 +102,3 @@ def test_requests_a_stalled_worker_holds_fail_at_the_router_deadline(tmp_path):
     assert all(r.worker_id == 1 for r in stalled)
     assert summary["completed_requests"] + len(stalled) == summary["num_requests"]  # every request ended
     assert not outcome.data.partial
-
-
-def test_kvemu_up_refuses_chaos_it_cannot_apply_instead_of_ignoring_it(tmp_path, capsys):
-    from harness.cli import main
-
-    scenario = tmp_path / "s.yaml"
-    scenario.write_text(SCENARIO + "chaos:\n  - {at_s: 1, action: kill_rank, worker: 0}\n"
-                        "  - {at_s: 2, action: delay_kv_events, lag_ms: 5}\n")
-    assert main(["up", str(scenario), "-o", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "chaos action(s) delay_kv_events, kill_rank cannot be applied to processes yet" in err
-    assert not (tmp_path / "out").exists()  # nothing was started

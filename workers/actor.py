@@ -8,18 +8,20 @@ forward pass at a time with a real sleep for its duration and streams the tokens
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 import anyio
 import msgspec
 
-from kvemu.clock import NS_PER_S, Clock
+from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
 from kvemu.events import EngineEvents
 from kvemu.records import RequestRecord
 from kvemu.runtime.messages import (
     Deregister,
     Dispatch,
+    Chaos,
     Draining,
     RankDown,
     Reregister,
@@ -41,9 +43,16 @@ from workers.worker import MockWorker
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 
+log = logging.getLogger("kvemu.worker")
+
 
 class KvPublisher(Protocol):
     """Anything that publishes one rank's KV-event batches (ZeroMQ or in-memory), in the form it carries."""
+
+    drop_next: int
+    """Chaos: this many coming batches reach only the replay buffer."""
+    lag_ns: int
+    """Chaos: batches are published this long late."""
 
     def publish(self, batch: KVEventBatch | EngineEvents) -> bool: ...
 
@@ -89,6 +98,8 @@ class WorkerActor:
             kv_endpoints=list(kv_endpoints),
             kv_replay_endpoints=list(kv_replay_endpoints),
         )
+        self.on_chaos: Callable[[Chaos, str | None], None] | None = None
+        """Told each fault the router asked for, and why it could not be applied (None: it was)."""
         self.registered = anyio.Event()
         self._answered = anyio.Event()
         self._retry_after_s = 0.0
@@ -140,6 +151,25 @@ class WorkerActor:
             await anyio.sleep(self._retry_after_s)
             self._send(self.register_msg)
 
+    def apply_chaos(self, msg: Chaos) -> str | None:
+        """Apply a fault to this worker; returns why it cannot (an unknown or dead rank), or None."""
+        rank = msg.dp_rank
+        if msg.action in ("kill_rank", "drop_kv_events"):
+            first = self.worker.dp_start_rank
+            if not first <= rank < first + len(self.publishers) or rank in self.dead_ranks:
+                return (f"worker {self.worker_id} has no live rank {rank} (its ranks: {first}.."
+                        f"{first + len(self.publishers) - 1}, dead: {sorted(self.dead_ranks) or 'none'})")
+        if msg.action == "kill_rank":
+            self.kill_rank(rank)
+        elif msg.action == "drop_kv_events":
+            self.publishers[rank - self.worker.dp_start_rank].drop_next += msg.count
+        elif msg.action == "delay_kv_events":
+            for pub in self.publishers:
+                pub.lag_ns = round(msg.lag_ms * NS_PER_MS)
+        else:
+            self.slow_down(msg.factor)
+        return None
+
     @property
     def worker_id(self) -> int:
         """The worker's id."""
@@ -181,6 +211,12 @@ class WorkerActor:
         t = type(msg)
         if t is Dispatch:
             self._on_dispatch(msg)  # type: ignore[arg-type]
+        elif t is Chaos:
+            why = self.apply_chaos(msg)  # type: ignore[arg-type]
+            if why is not None:
+                log.warning("chaos %s refused: %s", msg.action, why)  # type: ignore[union-attr]
+            if self.on_chaos is not None:
+                self.on_chaos(msg, why)  # type: ignore[arg-type]
         elif t is Reregister:  # the router restarted and lost us
             self._send(self.register_msg)
         elif t is RegisterAck:

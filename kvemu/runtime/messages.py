@@ -2,13 +2,16 @@
 
 Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``RegisterAck``, ``Heartbeat``,
 ``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Draining``,
-``RankDown``, ``Deregister``, and, on
+``RankDown``, ``Deregister``, ``Chaos`` (a fault the router asks a worker to apply to itself), and, on
 in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
 """
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+from msgspec import Meta
 
 from kvemu.config import RouterOverrides
 from kvemu.records import sequences_as_lists
@@ -28,6 +31,8 @@ __all__ = [
     "RankDown",
     "Deregister",
     "KvBatch",
+    "Chaos",
+    "WORKER_CHAOS",
     "WorkerMessage",
     "RouterMessage",
     "encode",
@@ -168,9 +173,27 @@ class KvBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     payload: bytes
 
 
+WORKER_CHAOS = ("kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker")
+"""The chaos actions a worker applies to itself."""
+
+
+class Chaos(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A fault for the worker to apply to itself: the control channel of chaos on real processes."""
+
+    action: Literal["kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker"]
+    dp_rank: Annotated[int, Meta(ge=0)] = 0
+    """The rank (``kill_rank``, ``drop_kv_events``)."""
+    count: Annotated[int, Meta(ge=1, le=1 << 30)] = 1
+    """Batches to drop (``drop_kv_events``)."""
+    lag_ms: Annotated[float, Meta(ge=0, le=1e9)] = 0.0
+    """How late every rank publishes from now on (``delay_kv_events``)."""
+    factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    """Forward passes take this many times as long (``slow_worker``)."""
+
+
 WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
 """What workers send to the router."""
-RouterMessage = RegisterAck | Reregister | Dispatch
+RouterMessage = RegisterAck | Reregister | Dispatch | Chaos
 """What the router sends to workers."""
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=sequences_as_lists)  # lazy prompts, compact token times

@@ -29,6 +29,7 @@ from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.runtime.messages import (
+    Chaos,
     ClientRequest,
     Deregister,
     DispatchAck,
@@ -308,6 +309,14 @@ class Router:
                 return f"worker {wid}: {name} entry {bad[:64]!r} is not a tcp:// or ipc:// endpoint of <= 256 characters"
         if len(msg.taints) > 64 or any(len(t) > 128 for t in msg.taints):
             return f"worker {wid}: at most 64 taints of <= 128 characters"
+        return None
+
+    def send_chaos(self, worker_id: int, msg: Chaos) -> str | None:
+        """Ask a registered worker to apply a fault to itself (chaos on real processes); returns why not, or None."""
+        state = self.workers.get(worker_id)
+        if state is None:
+            return f"worker {worker_id} is not registered (registered: {sorted(self.workers)[:16]})"
+        self._send(state.peer, msg)
         return None
 
     def stop(self, reason: str = "router_restart") -> None:

@@ -1,0 +1,58 @@
+"""The chaos timeline on real processes: control messages to a router process, and who applies what.
+
+A supervisor (``kvemu up``) or a load generator (``kvemu loadgen --chaos apply``, as in docker-compose) sends
+``Control`` to the router on the client socket. The router checks the shared control token, restarts itself
+(``restart_router``) or forwards a ``Chaos`` message to the worker it names, which applies the fault to itself.
+Starting and stopping worker processes (``add_worker``, ``remove_worker``) is for a supervisor only.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvemu.clock import NS_PER_S
+from kvemu.runtime.messages import WORKER_CHAOS, Chaos
+
+from harness.scenario import ChaosEvent
+
+__all__ = ["Control", "ControlReply", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS", "SUPERVISOR_CHAOS", "worker_chaos",
+           "chaos_problems"]
+
+CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
+"""The environment variable holding the shared control token; a router without one refuses every control."""
+ROUTER_CHAOS = frozenset({*WORKER_CHAOS, "restart_router"})
+"""Actions applied through the router's control channel."""
+SUPERVISOR_CHAOS = frozenset({"add_worker", "remove_worker"})
+"""Actions that start or stop worker processes."""
+MAX_TOKEN_BYTES = 256
+
+
+class Control(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Apply one chaos event now (client → router)."""
+
+    token: str
+    event: ChaosEvent
+
+
+class ControlReply(msgspec.Struct, tag=True, frozen=True):
+    """Whether the router applied (or forwarded) the event, and what it did or why not."""
+
+    ok: bool
+    detail: str = ""
+
+
+def worker_chaos(ev: ChaosEvent) -> Chaos:
+    """The message that makes a worker apply ``ev`` to itself."""
+    return Chaos(action=ev.action, dp_rank=ev.dp_rank, count=ev.count, lag_ms=ev.lag_ms,  # type: ignore[arg-type]
+                 factor=ev.factor)
+
+
+def chaos_problems(events: list[ChaosEvent], applies: frozenset[str], who: str) -> list[str]:
+    """One line per event ``who`` cannot apply (empty: it can apply the whole timeline)."""
+    return [f"chaos[{i}] {ev.action} at {ev.at_s:g} s cannot be applied by {who}" for i, ev in enumerate(events)
+            if ev.action not in applies]
+
+
+def at_ns(ev: ChaosEvent) -> int:
+    """When the event happens, in ns since the run started."""
+    return round(ev.at_s * NS_PER_S)
