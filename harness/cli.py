@@ -181,13 +181,18 @@ def _process(args: argparse.Namespace) -> int:
                            kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace)
     outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
     if args.command == "loadgen":
-        from harness.processes import loadgen_main
+        from harness.processes import RouterUnreachable, loadgen_main
 
         problem = _loadgen_chaos_problem(scenario, args.chaos)
         if problem:
             print(f"kvemu loadgen: {problem}", file=sys.stderr)
             return 2
-        summary = loadgen_main(scenario, args.router, outdir, args.expect_workers, apply_chaos=args.chaos == "apply")
+        try:
+            summary = loadgen_main(scenario, args.router, outdir, args.expect_workers,
+                                   apply_chaos=args.chaos == "apply")
+        except RouterUnreachable as exc:
+            print(f"kvemu loadgen: {exc}", file=sys.stderr)
+            return 1
         print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
               f"report in {outdir}/report.md", file=sys.stderr)
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):

@@ -33,6 +33,7 @@ from kvemu.runtime.messages import Chaos, ClientRequest, encode
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
+from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor import WorkerActor
 from workers.worker import MockWorker
@@ -55,7 +56,7 @@ from harness.scenario import ChaosEvent, Scenario
 from harness.workload import build_sessions
 
 __all__ = ["StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start",
-           "send_control"]
+           "send_control", "RouterUnreachable"]
 
 CLIENT = b"C"
 
@@ -131,6 +132,7 @@ def send_control(router: str, token: str, event: ChaosEvent, timeout_s: float = 
     """Send one chaos event to a router process's control channel and wait for its answer (blocking)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    security.connect_securely(sock)
     try:
         sock.connect(router)
         sock.send_multipart([CLIENT, encode(Control(token=token, event=event))])
@@ -370,6 +372,7 @@ class _RouterClient:
 
     def __init__(self, router: str) -> None:
         sock = message_socket(zmq.DEALER)
+        security.connect_securely(sock)
         sock.connect(router)
         self.sock = sock
         self.records: dict[str, RequestRecord] = {}
@@ -442,21 +445,28 @@ class _RouterClient:
         return rec
 
     async def stats(self, timeout_s: float = 30.0) -> Stats:
-        event, box = anyio.Event(), []
-        self._stats_waiters.append((event, box))
+        """The router's current view (``TimeoutError`` if it does not answer in time)."""
+        waiter: tuple[anyio.Event, list[Stats]] = (anyio.Event(), [])
+        self._stats_waiters.append(waiter)
         await self.sock.send_multipart([CLIENT, encode(StatsQuery())])
-        with anyio.fail_after(timeout_s):
-            await event.wait()
-        return box[0]
+        with anyio.move_on_after(timeout_s):
+            await waiter[0].wait()
+        if not waiter[1]:  # a late answer goes to the next query (any view of the router will do)
+            self._stats_waiters.remove(waiter)
+            raise TimeoutError(f"no answer from the router within {timeout_s:g} s")
+        return waiter[1][0]
 
     async def control(self, msg: Control, timeout_s: float = 10.0) -> ControlReply:
         """Send a control message and wait for the router's answer."""
-        event, box = anyio.Event(), []
-        self._control_waiters.append((event, box))
+        waiter: tuple[anyio.Event, list[ControlReply]] = (anyio.Event(), [])
+        self._control_waiters.append(waiter)
         await self.sock.send_multipart([CLIENT, encode(msg)])
         with anyio.move_on_after(timeout_s):
-            await event.wait()
-        return box[0] if box else ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
+            await waiter[0].wait()
+        if not waiter[1]:
+            self._control_waiters.remove(waiter)
+            return ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
+        return waiter[1][0]
 
     def restarted(self, before_ns: int, why: str) -> list[str]:
         """The router restarted at ``before_ns`` (its clock): requests sent before then and not answered were
@@ -482,12 +492,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.listen)
-            with anyio.fail_after(60):  # the router and the expected workers are up
-                while True:
-                    st = await client.stats(timeout_s=2)
-                    if expect_workers is None or len(st.workers) >= expect_workers:
-                        break
-                    await anyio.sleep(0.1)
+            st = await _await_router(client, router, expect_workers, CONNECT_WAIT_S)
             t0 = st.now_ns
             log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
             run.last = st
@@ -546,10 +551,10 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                     pass
             tg.cancel_scope.cancel()
     except Exception as exc:  # noqa: BLE001 - a bug or a broken router: still report what ran, marked partial
-        if not t0:
-            raise  # nothing ran yet
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # the task group's: name the cause
             exc = exc.exceptions[0]  # type: ignore[assignment]
+        if not t0:
+            raise exc from None  # nothing ran yet
         run.partial = True
         run.stopped = f"error: {type(exc).__name__}: {str(exc)[:200]}"
         print(json.dumps({"event": "loadgen_error", "error": run.stopped}), file=sys.stderr)
@@ -563,6 +568,34 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
                    failures=_failures(records), worker_events=run.worker_events())
     return write_report(data, outdir)
+
+
+CONNECT_WAIT_S = 60.0
+"""How long the load generator waits for the router (and the workers it expects) before giving up."""
+
+
+class RouterUnreachable(RuntimeError):
+    """The load generator never heard from the router, or the workers it expects never registered."""
+
+
+async def _await_router(client: _RouterClient, router: str, expect_workers: int | None, wait_s: float) -> Stats:
+    """The router's first view once it answers and has the expected workers; ``RouterUnreachable`` after
+    ``wait_s`` (it is starting, or unreachable: a wrong address, or a different ``KVEMU_SECRET``)."""
+    deadline = time.monotonic() + wait_s
+    st: Stats | None = None
+    while time.monotonic() < deadline:
+        try:
+            st = await client.stats(timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
+        except TimeoutError:
+            continue
+        if expect_workers is None or len(st.workers) >= expect_workers:
+            return st
+        await anyio.sleep(0.1)
+    if st is None:
+        raise RouterUnreachable(f"no answer from the router at {router} within {wait_s:g} s: is it running, and "
+                                f"does it have the same {security.SECRET_ENV} as this process?")
+    raise RouterUnreachable(f"the router at {router} has {len(st.workers)} workers, not the {expect_workers} "
+                            f"expected, after {wait_s:g} s")
 
 
 class _LoadgenRun:

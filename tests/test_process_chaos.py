@@ -220,3 +220,18 @@ def test_the_load_generator_writes_a_partial_report_when_it_fails_itself(tmp_pat
     assert summary["partial"] is True
     assert summary["kvemu"]["stop_reason"] == "error: RuntimeError: boom"
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["partial"] is True
+
+
+def test_an_unreachable_router_is_a_clear_error_not_a_traceback():
+    import anyio
+    import pytest
+
+    from harness.processes import RouterUnreachable, _await_router, _RouterClient
+
+    async def main():
+        client = _RouterClient(f"tcp://127.0.0.1:{free_port()}")  # nobody listens there
+        await _await_router(client, "R", None, 1.0)  # nothing would come to listen for
+
+    with pytest.raises(RouterUnreachable, match="no answer from the router at R within 1 s: is it running, and "
+                                                "does it have the same KVEMU_SECRET"):
+        anyio.run(main)

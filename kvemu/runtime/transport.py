@@ -24,7 +24,7 @@ import zmq.asyncio
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.runtime.messages import RouterMessage, WorkerMessage, decode_router_message, decode_worker_message, encode
-from kvemu.wire import limits
+from kvemu.wire import limits, security
 
 __all__ = [
     "RouterEnd",
@@ -257,6 +257,7 @@ class ZmqRouterEnd:
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None) -> None:
         sock = message_socket(zmq.ROUTER, context)
+        security.serve_securely(sock, endpoint)
         sock.bind(endpoint)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -294,6 +295,7 @@ class ZmqWorkerEnd:
         sock = message_socket(zmq.DEALER, context)
         # unique per connection: a second worker claiming the same id is refused by the router, not lost
         sock.setsockopt(zmq.IDENTITY, peer_id(worker_id) + b"-" + uuid.uuid4().hex[:12].encode())
+        security.connect_securely(sock)
         sock.connect(endpoint)
         self._sock = sock
 

@@ -15,7 +15,7 @@ import zmq
 
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
-from kvemu.wire import limits
+from kvemu.wire import limits, security
 from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.wire.kv_events import KVEventBatch
@@ -73,9 +73,11 @@ class KvEventPublisher(LoggedPublisher):
         limits.limit_inbound(pub, limits.MAX_CONTROL_BYTES)  # subscriptions only
         live = offset_endpoint(endpoint, dp_rank)
         if should_bind(live) if bind is None else bind:
+            security.serve_securely(pub, live)
             pub.bind(live)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
+            security.connect_securely(pub)
             pub.connect(live)
             self.endpoint = live
         self._pub = pub
@@ -88,6 +90,7 @@ class KvEventPublisher(LoggedPublisher):
             router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             router.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(router, limits.MAX_CONTROL_BYTES)  # replay requests only
+            security.serve_securely(router, offset_endpoint(replay_endpoint, dp_rank))
             router.bind(offset_endpoint(replay_endpoint, dp_rank))
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router = router

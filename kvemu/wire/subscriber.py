@@ -15,7 +15,7 @@ import zmq
 from kvemu.clock import NS_PER_S, Clock, WallClock
 from kvemu.errors import InvalidArgument
 from kvemu.events import RouterEvent
-from kvemu.wire import limits
+from kvemu.wire import limits, security
 from kvemu.wire.endpoints import SEQ_END
 from kvemu.wire.stream import EventStream, WorkerEventStats
 
@@ -129,6 +129,7 @@ class KvEventSubscriber:
         self._streams: dict[zmq.Socket, _Stream] = {}
         self._by_key: dict[tuple[int, int], _Stream] = {}
         self._poller = zmq.Poller()
+        self._secret = security.secret()  # sockets made later (in poll) use the secret of the start
         self._replaying: dict[zmq.Socket, _Stream] = {}
         """Replays under way, by the DEALER their answer comes on."""
         self._unconnected: dict[tuple[int, int], _Stream] = {}
@@ -170,6 +171,7 @@ class KvEventSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         limits.limit_inbound(sub, limits.MAX_KV_BATCH_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        security.connect_securely(sub, self._secret)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(spec.endpoint)
         return sub, monitor
@@ -290,6 +292,7 @@ class KvEventSubscriber:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(dealer, limits.MAX_KV_BATCH_BYTES)
+            security.connect_securely(dealer, self._secret)
             dealer.connect(stream.spec.replay_endpoint)  # type: ignore[arg-type]
             stream.dealer = dealer
         stream.dealer.send_multipart([b"", start.to_bytes(8, "big")])

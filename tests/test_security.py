@@ -1,0 +1,96 @@
+"""Optional CURVE authentication keyed by one shared secret (``KVEMU_SECRET``): peers without it can neither
+talk to a kvemu socket nor read from one; binding beyond loopback without it warns. 127.0.0.1 only."""
+
+import json
+import subprocess
+import time
+
+import pytest
+import zmq
+
+from kvemu.wire import security
+from kvemu.wire.kv_events import KVEventBatch
+from kvemu.wire.publisher import KvEventPublisher
+from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+
+from harness.processes import send_control
+from harness.scenario import ChaosEvent
+from harness.up import Children, cli_command, cli_env
+
+HOST = "tcp://127.0.0.1:0"
+
+
+@pytest.mark.parametrize(("endpoint", "exposed"), [
+    ("tcp://127.0.0.1:5555", False), ("tcp://127.3.4.5:0", False), ("tcp://localhost:1", False),
+    ("tcp://[::1]:5", False), ("ipc:///tmp/kv", False), ("inproc://x", False),
+    ("tcp://0.0.0.0:5555", True), ("tcp://*:5555", True), ("tcp://10.1.2.3:5555", True), ("tcp://eth0:1", True),
+])
+def test_binding_beyond_loopback_without_a_secret_warns(endpoint, exposed, monkeypatch, caplog):
+    monkeypatch.delenv(security.SECRET_ENV, raising=False)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        security.serve_securely(sock, endpoint)  # never bound: only what would happen is checked
+        assert ("without KVEMU_SECRET" in caplog.text) is exposed
+        caplog.clear()
+        monkeypatch.setenv(security.SECRET_ENV, "s3cret")
+        security.serve_securely(sock, endpoint)
+        assert "without KVEMU_SECRET" not in caplog.text and sock.curve_server
+    finally:
+        sock.close(linger=0)
+
+
+def test_kv_events_reach_only_subscribers_with_the_secret(monkeypatch):
+    monkeypatch.setenv(security.SECRET_ENV, "s3cret")
+    ctx = zmq.Context()
+    pub = KvEventPublisher(HOST, replay_endpoint=HOST, bind=True, context=ctx)
+    got: dict[str, list] = {"right": [], "wrong": [], "none": []}
+    subs = {}
+    try:
+        for name, secret in (("right", "s3cret"), ("wrong", "guess"), ("none", "")):
+            monkeypatch.setenv(security.SECRET_ENV, secret)
+            subs[name] = KvEventSubscriber(got[name].append, block_size=4, context=ctx, replay_timeout_s=0.3)
+            subs[name].add(StreamSpec(1, 0, pub.endpoint, pub.replay_endpoint))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and subs["right"].expected_seq(1, 0) is None:
+            pub.publish(KVEventBatch(ts=0.0, events=[]))
+            for sub in subs.values():
+                sub.poll(20)
+        for _ in range(20):  # the others have had as long, and more
+            for sub in subs.values():
+                sub.poll(20)
+        assert subs["right"].expected_seq(1, 0) is not None
+        assert subs["wrong"].expected_seq(1, 0) is None and subs["none"].expected_seq(1, 0) is None
+    finally:
+        for sub in subs.values():
+            sub.close()
+        pub.close(drain_timeout_s=0)
+        ctx.destroy(linger=0)
+
+
+def test_a_cluster_with_a_secret_runs_and_answers_no_one_without_it(tmp_path, monkeypatch):
+    path = tmp_path / "s.yaml"
+    path.write_text("""
+name: secret
+cluster: {workers: 1, engine: {block_size: 16, speedup_ratio: 20, decode_speedup_ratio: 20}}
+workload: {kind: synthetic, rate_rps: 10, isl: {kind: constant, mean: 64}, osl: {kind: constant, mean: 4}}
+run: {mode: live, duration_s: 1}
+""")
+    env = {security.SECRET_ENV: "s3cret"}
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", HOST, "--config", str(path)], env=env)["listen"]
+        kids.start("w0", ["worker", "--router", router, "--worker-id", "0", "--config", str(path)], env=env)
+        run = subprocess.run(cli_command("loadgen", "--router", router, "--expect-workers", "1", "-o",
+                                         str(tmp_path / "out"), str(path)), env={**cli_env(), **env},
+                             capture_output=True, text=True, timeout=120)
+        monkeypatch.setenv(security.SECRET_ENV, "")  # an outsider: no answer at all
+        outsider = send_control(router, "", ChaosEvent(at_s=0, action="restart_router"), timeout_s=2)
+        monkeypatch.setenv(security.SECRET_ENV, "s3cret")  # with the secret: an answer (a refusal: no token)
+        insider = send_control(router, "", ChaosEvent(at_s=0, action="restart_router"), timeout_s=10)
+    finally:
+        kids.stop_all()
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["completed_requests"] == summary["num_requests"] > 0
+    assert not outsider.ok and outsider.detail == "no answer from the router within 2 s"
+    assert not insider.ok and "takes no control messages" in insider.detail
