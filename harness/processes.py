@@ -530,8 +530,11 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
             client.router_now = lambda: clock.now_ns() + t0
 
             async def chaos() -> None:  # docker-compose: the load generator carries the timeline
+                ids = sorted(st.workers)  # worker N of the timeline: the N-th registered at the start, by id
                 for ev in sorted(scenario.chaos, key=lambda e: e.at_s):
                     await anyio.sleep(max(0, at_ns(ev) - clock.now_ns()) / NS_PER_S)
+                    if ev.worker is not None and ev.worker < len(ids):
+                        ev = msgspec.structs.replace(ev, worker=ids[ev.worker])
                     reply = await client.control(Control(token=token, event=ev))
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
                                       "detail": reply.detail}), file=sys.stderr)

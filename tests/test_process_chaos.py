@@ -3,6 +3,7 @@ generator carrying the timeline (as in docker-compose), and a router process rep
 generator (127.0.0.1 only, each test bounded in time)."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -235,3 +236,37 @@ def test_an_unreachable_router_is_a_clear_error_not_a_traceback():
     with pytest.raises(RouterUnreachable, match="no answer from the router at R within 1 s: is it running, and "
                                                 "does it have the same KVEMU_SECRET"):
         anyio.run(main)
+
+
+def test_kvemu_up_tells_the_load_generator_at_once_when_the_router_process_dies(tmp_path):
+    """Killing the router child of kvemu up: the load generator fails what is open with router_lost and
+    reports within seconds, not after five heartbeat intervals (20 s here)."""
+    path = scenario(tmp_path, duration_s=30.0)
+    out = tmp_path / "out"
+    up = subprocess.Popen(cli_command("up", str(path), "-o", str(out), "--set", "cluster.heartbeat_interval_s=4",
+                                      "--set", "cluster.engine.speedup_ratio=0.2"),
+                          env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        router_pid = None
+        deadline = time.monotonic() + 60
+        while router_pid is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(up.pid)], capture_output=True,
+                                  text=True).stdout.splitlines()
+            loadgen_up = any(" loadgen " in k for k in kids)
+            router_pid = next((int(k.split()[0]) for k in kids if " router " in k), None) if loadgen_up else None
+        assert router_pid is not None, "kvemu up never started its router and load generator"
+        time.sleep(3.0)  # the load is running
+        os.kill(router_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = up.wait(60)
+        waited = time.monotonic() - t0
+        err = up.stderr.read()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert code == 1 and "router exited (signal SIGKILL)" in err, err[-2000:]
+    assert waited < 8.0, waited
+    k = json.loads((out / "summary.json").read_text())["kvemu"]
+    assert k["stop_reason"] == "router_lost" and k["failed_requests_by_reason"].get("router_lost", 0) >= 1
