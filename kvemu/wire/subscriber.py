@@ -74,7 +74,7 @@ every 100 ms: thousands of dead endpoints announced by fake workers keep its I/O
 CONNECTS_PER_POLL = 32
 """Streams connected per ``poll`` (a SUB and its monitor cost about 0.3 ms)."""
 MAX_REPLAY_BATCHES = 20_000
-"""Most batches one replay may return (twice the publishers' default buffer)."""
+"""Most frames one replay may bring (twice the publishers' default buffer); more fails it."""
 REPLAY_BACKOFF_NS = 10 * NS_PER_S
 """After a failed replay, how long a stream asks for none (its gaps are counted lost at once)."""
 
