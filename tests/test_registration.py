@@ -124,3 +124,45 @@ def test_rate_limited_workers_register_again_when_told_and_all_join():
     workers, refused, t = run_virtual(main, clock)
     assert workers == [0, 1, 2, 3] and refused >= 2
     assert t >= NS_PER_S  # two registrations waited for two tokens at 2 per second
+
+
+def test_the_open_file_limit_bounds_the_streams_and_registrations_past_it_are_refused(monkeypatch, caplog):
+    """A hard open-file limit too low for max_ranks: the subscriber takes what fits (with a warning) and the
+    router refuses, with the reason, a registration whose streams would not fit, instead of crashing later."""
+    import kvemu.wire.subscriber as subscriber
+
+    monkeypatch.setattr(subscriber, "open_file_limit", lambda want: subscriber.FDS_RESERVED + 3 * subscriber.FDS_PER_STREAM)
+    clock = ManualClock()
+    r = Router(core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
+               settings=RouterSettings(max_ranks=100), zmq_kv_events=True)
+    try:
+        assert "allows KV streams for 3 ranks, not 100" in caplog.text
+        ends = [f"tcp://127.0.0.1:{p}" for p in (20001, 20002)]
+        register(r, b"a", worker_id=1, dp_size=2, kv_endpoints=ends)
+        register(r, b"b", worker_id=2, dp_size=2, kv_endpoints=ends)
+        assert sorted(r.workers) == [1]
+        assert "its 2 KV-event streams would exceed what this router can open (1 more" in caplog.text
+    finally:
+        r.kv.subscriber.close()
+
+
+def test_a_stream_that_cannot_be_opened_is_counted_and_the_others_go_on(monkeypatch):
+    applied: list[object] = []
+    sub = KvEventSubscriber(applied.append, block_size=4, max_streams=4, replay_on_connect=False)
+    real = sub._connect_sub
+
+    def failing(sock, spec):
+        if spec.worker_id == 1:
+            raise zmq.ZMQError(24, "Too many open files")
+        return real(sock, spec)
+
+    monkeypatch.setattr(sub, "_connect_sub", failing)
+    try:
+        sub.add(StreamSpec(1, 0, "tcp://127.0.0.1:20001", None))
+        sub.add(StreamSpec(2, 0, "tcp://127.0.0.1:20002", None))
+        sub.poll(0)
+        assert sub.stats[1].connect_failures == 1 and sub.stats[2].connect_failures == 0
+        sub.remove_worker(1)  # a stream that never opened goes away cleanly
+        sub.remove_worker(2)
+    finally:
+        sub.close()

@@ -65,6 +65,10 @@ class KvIngest:
                 replay_endpoint = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
                 self.subscriber.add(StreamSpec(wid, msg.dp_start + r, endpoint, replay_endpoint or None))
 
+    def streams_left(self) -> int | None:
+        """How many more ranks' ZeroMQ streams can be opened (None: no bound, or no ZeroMQ)."""
+        return None if self.subscriber is None else self.subscriber.streams_left()
+
     def remove_worker(self, worker_id: int) -> None:
         """Close a removed worker's streams; its later batches are ignored."""
         for key in [k for k in self.streams if k[0] == worker_id]:

@@ -300,6 +300,10 @@ class Router:
         if ranks + msg.dp_size > s.max_ranks:
             return (f"worker {wid}: its {msg.dp_size} ranks would make {ranks + msg.dp_size}, more than this router "
                     f"takes ({s.max_ranks}, max_ranks)")
+        left = self.kv.streams_left()
+        if left is not None and len(msg.kv_endpoints) > left:
+            return (f"worker {wid}: its {len(msg.kv_endpoints)} KV-event streams would exceed what this router can "
+                    f"open ({left} more; the open-file limit bounds them)")
         for name in ("kv_endpoints", "kv_replay_endpoints"):
             endpoints = getattr(msg, name)
             if len(endpoints) > msg.dp_size:

@@ -51,7 +51,7 @@ class WorkerEventStats:
 
     __slots__ = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
                  "replayed_batches", "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors",
-                 "restarts", "disconnects", "replay_failures")
+                 "restarts", "disconnects", "replay_failures", "connect_failures")
 
     def __init__(self) -> None:
         for name in self.__slots__:

@@ -50,19 +50,32 @@ SOCKETS_PER_STREAM = 3
 """A stream's SUB socket, its connection monitor, and the DEALER it replays on."""
 
 
-def sized_context(streams: int) -> zmq.Context:
-    """A ZeroMQ context allowed enough sockets for ``streams`` ranks (ZeroMQ's default stops at 1,023), with
-    the process's open-file limit raised towards what they need (up to the hard limit)."""
-    sockets = SOCKETS_PER_STREAM * streams + 64
+FDS_PER_STREAM = 5
+"""Open files one stream holds: its SUB socket and connection, the monitor's two sockets, and a share of the
+replay DEALER and its connection (measured: 3 with no connection, 4 connected)."""
+FDS_RESERVED = 512
+"""Open files kept for the rest of the process (the router's own sockets, logs, the report)."""
+
+
+def open_file_limit(want: int) -> int:
+    """Raise this process's open-file limit towards ``want`` (up to the hard limit); returns the limit now."""
     try:
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = 2 * sockets + 256  # a mailbox and a connection per socket, and the rest of the process
         if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+            soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return want if soft == resource.RLIM_INFINITY else soft
     except (ImportError, ValueError, OSError):  # pragma: no cover - no resource module, or not allowed
-        pass
+        return want
+
+
+def sized_context(streams: int) -> zmq.Context:
+    """A ZeroMQ context allowed enough sockets for ``streams`` ranks (ZeroMQ's default stops at 1,023), with
+    the process's open-file limit raised towards what they need (up to the hard limit)."""
+    sockets = SOCKETS_PER_STREAM * streams + 64
+    open_file_limit(FDS_PER_STREAM * streams + FDS_RESERVED)
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, max(sockets, ctx.get(zmq.MAX_SOCKETS)))
     return ctx
@@ -122,10 +135,16 @@ class KvEventSubscriber:
         """Told ``(kind, worker_id, dp_rank, details)`` for ``gap``, ``replay``, ``lost``, ``restart``."""
         self.clock = clock or WallClock()
         """Times replays (live mode: wall time)."""
-        self.max_streams = max_streams
-        """Most ranks consumed at once (``add`` refuses more); without a context, sized for them."""
         self._own_ctx = context is None and max_streams is not None
         self._ctx = context or (sized_context(max_streams) if max_streams is not None else zmq.Context.instance())
+        if max_streams is not None:
+            fit = max(1, (open_file_limit(FDS_PER_STREAM * max_streams + FDS_RESERVED) - FDS_RESERVED) // FDS_PER_STREAM)
+            if fit < max_streams:
+                log.warning("the open-file limit allows KV streams for %d ranks, not %d: registrations beyond are "
+                            "refused (raise the hard limit, ulimit -Hn, to take more)", fit, max_streams)
+                max_streams = fit
+        self.max_streams = max_streams
+        """Most ranks consumed at once (``add`` refuses more): as asked, or what the open-file limit allows."""
         self._streams: dict[zmq.Socket, _Stream] = {}
         self._by_key: dict[tuple[int, int], _Stream] = {}
         self._poller = zmq.Poller()
@@ -161,11 +180,28 @@ class KvEventSubscriber:
     def _connect_some(self) -> None:
         for _ in range(min(CONNECTS_PER_POLL, len(self._unconnected))):
             stream = self._unconnected.pop(next(iter(self._unconnected)))
-            stream.sub, stream.monitor = self._connect(stream.spec)
+            try:
+                stream.sub, stream.monitor = self._connect(stream.spec)
+            except zmq.ZMQError as exc:  # out of files or sockets: this stream is lost, the others go on
+                stream.events.stats.connect_failures += 1
+                log.error("worker %s rank %s: cannot open its KV-event stream (%s); its events are not indexed",
+                          *stream.spec[:2], exc)
+                continue
             self._watch(stream)
+
+    def streams_left(self) -> int | None:
+        """How many more streams ``add`` takes (None: no bound)."""
+        return None if self.max_streams is None else self.max_streams - len(self._by_key)
 
     def _connect(self, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
         sub = self._ctx.socket(zmq.SUB)
+        try:
+            return self._connect_sub(sub, spec)
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
+
+    def _connect_sub(self, sub: zmq.Socket, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
@@ -205,15 +241,15 @@ class KvEventSubscriber:
         log.warning("worker %s rank %s: the KV-event connection dropped (an oversized or broken frame); "
                     "reconnecting", *stream.spec[:2])
         self._unwatch(stream)
-        stream.sub, stream.monitor = self._connect(stream.spec)
-        self._watch(stream)
+        stream.sub = stream.monitor = None  # type: ignore[assignment]
+        self._unconnected[stream.spec[:2]] = stream  # connected again by the next poll
 
     def remove_worker(self, worker_id: int) -> None:
         """Stop consuming every stream of ``worker_id`` (its counters stay for the report)."""
         for key in sorted(k for k in self._by_key if k[0] == worker_id):
             stream = self._by_key.pop(key)
-            if self._unconnected.pop(key, None) is not None:
-                continue
+            if self._unconnected.pop(key, None) is not None or stream.sub is None:
+                continue  # never connected
             self._unwatch(stream)
             if stream.dealer is not None:
                 if self._replaying.pop(stream.dealer, None) is not None:
