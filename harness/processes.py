@@ -167,7 +167,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
                             seed=scenario.run.seed, end=end, hooks=hooks, zmq_kv_events=True)
 
     router = new_router()
-    instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns(), "restarts": 0}
+    instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
     log_start("router", listen=end.endpoint, control=control.token is not None)
@@ -219,7 +219,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
         await anyio.sleep(0)
         router = new_router()
         router.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
-        instance.update(id=uuid.uuid4().hex[:12], started_ns=clock.now_ns(), restarts=instance["restarts"] + 1)
+        instance.update(id=uuid.uuid4().hex[:12], started_ns=clock.now_ns())
         scope = anyio.CancelScope()
         await tg.start(serve_current)
 

@@ -19,9 +19,9 @@ from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
 from kvemu.events import EngineEvents
 from kvemu.records import RequestRecord
 from kvemu.runtime.messages import (
+    Chaos,
     Deregister,
     Dispatch,
-    Chaos,
     Draining,
     RankDown,
     Reregister,
@@ -183,8 +183,9 @@ class WorkerActor:
             with anyio.move_on_after(self.register_timeout_s):
                 await self._register()
             if not self.registered.is_set():
-                raise WorkerRejected(f"worker {self.worker_id}: no answer from the router within "
-                                     f"{self.register_timeout_s} s; check its address")
+                why = ("it kept refusing us with rate_limited" if self._retry_after_s else
+                       "no answer from the router; check its address (and KVEMU_SECRET)")
+                raise WorkerRejected(f"worker {self.worker_id}: not registered within {self.register_timeout_s} s: {why}")
             task_status.started()
             self._beat_t0 = self.clock.now_ns()
             tg.start_soon(self._beats.run)
