@@ -181,7 +181,7 @@ def _process(args: argparse.Namespace) -> int:
                            kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace)
     outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
     if args.command == "loadgen":
-        from harness.processes import RouterUnreachable, loadgen_main
+        from harness.processes import NotStarted, loadgen_main
 
         problem = _loadgen_chaos_problem(scenario, args.chaos)
         if problem:
@@ -190,7 +190,7 @@ def _process(args: argparse.Namespace) -> int:
         try:
             summary = loadgen_main(scenario, args.router, outdir, args.expect_workers,
                                    apply_chaos=args.chaos == "apply")
-        except RouterUnreachable as exc:
+        except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
         print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "

@@ -56,7 +56,7 @@ from harness.scenario import ChaosEvent, Scenario
 from harness.workload import build_sessions
 
 __all__ = ["StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start",
-           "send_control", "RouterUnreachable"]
+           "send_control", "NotStarted", "RouterUnreachable"]
 
 CLIENT = b"C"
 
@@ -492,17 +492,37 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.listen)
-            st = await _await_router(client, router, expect_workers, CONNECT_WAIT_S)
-            t0 = st.now_ns
-            log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
-            run.last = st
-            play_scope = anyio.CancelScope()
-            lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
+            play_scope, wait_scope = anyio.CancelScope(), anyio.CancelScope()
 
             def lose(**details: Any) -> None:
                 print(json.dumps({"event": "router_lost", **details}), file=sys.stderr)
                 client.lose("router_lost")
                 play_scope.cancel()  # sessions stop: nothing more is sent to a router that is gone
+                wait_scope.cancel()
+
+            async def on_signal(*, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+                # SIGTERM or Ctrl-C: stop sending, report what happened so far; SIGUSR1: the router died
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+                    task_status.started()
+                    async for signum in signals:
+                        if signum == signal.SIGUSR1:  # kvemu up saw the router process die
+                            lose(why="the router process exited")
+                        else:
+                            run.stopped = signal.Signals(signum).name
+                            play_scope.cancel()
+                            wait_scope.cancel()
+                        return
+
+            await tg.start(on_signal)  # from the start: a signal while waiting for the router is not fatal
+            with wait_scope:
+                st = await _await_router(client, router, expect_workers, CONNECT_WAIT_S)
+            if wait_scope.cancelled_caught:
+                raise NotStarted(f"the router process exited before the run started ({router})" if client.lost
+                                 else f"stopped by {run.stopped} before the run started")
+            t0 = st.now_ns
+            log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
+            run.last = st
+            lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
 
             async def sampler() -> None:
                 while True:
@@ -515,16 +535,6 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                     run.observe(s, client)
                     samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                     await anyio.sleep(0.25)
-
-            async def on_signal() -> None:  # SIGTERM or Ctrl-C: stop sending, report what happened so far
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
-                    async for signum in signals:
-                        if signum == signal.SIGUSR1:  # kvemu up saw the router process die
-                            lose(why="the router process exited")
-                        else:
-                            run.stopped = signal.Signals(signum).name
-                            play_scope.cancel()
-                        return
 
             clock = _Since(t0, st.now_ns)
             client.router_now = lambda: clock.now_ns() + t0
@@ -540,7 +550,6 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                                       "detail": reply.detail}), file=sys.stderr)
 
             tg.start_soon(sampler)
-            tg.start_soon(on_signal)
             if apply_chaos:
                 tg.start_soon(chaos)
             with play_scope, anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
@@ -577,7 +586,11 @@ CONNECT_WAIT_S = 60.0
 """How long the load generator waits for the router (and the workers it expects) before giving up."""
 
 
-class RouterUnreachable(RuntimeError):
+class NotStarted(RuntimeError):
+    """The load generator stopped before its run started: nothing ran, so there is nothing to report."""
+
+
+class RouterUnreachable(NotStarted):
     """The load generator never heard from the router, or the workers it expects never registered."""
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -245,28 +246,65 @@ def test_kvemu_up_tells_the_load_generator_at_once_when_the_router_process_dies(
     out = tmp_path / "out"
     up = subprocess.Popen(cli_command("up", str(path), "-o", str(out), "--set", "cluster.heartbeat_interval_s=4",
                                       "--set", "cluster.engine.speedup_ratio=0.2"),
-                          env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    errs: list[str] = []
+
+    def read(stream, into):  # both pipes drained as they fill
+        for line in stream:
+            into.append(line)
+
+    readers = [threading.Thread(target=read, args=(up.stdout, lines), daemon=True),
+               threading.Thread(target=read, args=(up.stderr, errs), daemon=True)]
+    for r in readers:
+        r.start()
     try:
-        router_pid = None
         deadline = time.monotonic() + 60
-        while router_pid is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(up.pid)], capture_output=True,
-                                  text=True).stdout.splitlines()
-            loadgen_up = any(" loadgen " in k for k in kids)
-            router_pid = next((int(k.split()[0]) for k in kids if " router " in k), None) if loadgen_up else None
+        while not any('"role": "loadgen"' in x for x in list(lines)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        kids = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(up.pid)], capture_output=True,
+                              text=True).stdout.splitlines()
+        router_pid = next((int(k.split()[0]) for k in kids if " router " in k), None)
         assert router_pid is not None, "kvemu up never started its router and load generator"
         time.sleep(3.0)  # the load is running
         os.kill(router_pid, signal.SIGKILL)
         t0 = time.monotonic()
         code = up.wait(60)
         waited = time.monotonic() - t0
-        err = up.stderr.read()
     finally:
         if up.poll() is None:
             up.kill()
             up.wait()
+    for r in readers:
+        r.join(10)
+    err = "".join(errs)
     assert code == 1 and "router exited (signal SIGKILL)" in err, err[-2000:]
     assert waited < 8.0, waited
     k = json.loads((out / "summary.json").read_text())["kvemu"]
     assert k["stop_reason"] == "router_lost" and k["failed_requests_by_reason"].get("router_lost", 0) >= 1
+
+
+def test_a_load_generator_told_the_router_died_before_the_run_started_exits_cleanly(tmp_path):
+    """SIGUSR1 (kvemu up: the router died) while still waiting for the router: a one-line error, no traceback,
+    no report (nothing ran)."""
+    proc = subprocess.Popen(cli_command("loadgen", "--router", f"tcp://127.0.0.1:{free_port()}", "-o",
+                                        str(tmp_path / "out"), str(scenario(tmp_path))),
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not handles_sigusr1(proc.pid) and time.monotonic() < deadline:  # it is waiting for the router
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err[-2000:]
+    assert "the router process exited before the run started" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def handles_sigusr1(pid: int) -> bool:
+    """Whether the process catches SIGUSR1 yet (its bit in /proc/PID/status SigCgt)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (signal.SIGUSR1 - 1)))
