@@ -407,15 +407,12 @@ class _RouterClient:
                 ev = self._waiting.pop(rid, None)
                 if ev is not None:
                     ev.set()
-            elif type(msg) is ControlReply:
-                if self._control_waiters:
-                    event, box = self._control_waiters.popleft()
-                    box.append(msg)  # type: ignore[arg-type]
+            else:  # answers come back in the order their queries went
+                waiters = self._control_waiters if type(msg) is ControlReply else self._stats_waiters
+                if waiters:
+                    event, box = waiters.popleft()
+                    box.append(msg)
                     event.set()
-            elif self._stats_waiters:
-                event, box = self._stats_waiters.popleft()
-                box.append(msg)  # type: ignore[arg-type]
-                event.set()
 
     async def submit(self, req: ClientRequest) -> RequestRecord | None:
         if self.lost is not None:
@@ -434,11 +431,24 @@ class _RouterClient:
     def lose(self, reason: str = "router_lost") -> None:
         """The router is gone: fail every request still waiting for it (and every later one) with ``reason``."""
         self.lost = reason
-        for rid in list(self._waiting):
-            sent = self._sent.get(rid)
-            if sent is not None and rid not in self.records:
-                self._failed(sent[0], reason)
-            self._waiting.pop(rid).set()
+        self._fail_waiting(reason)
+
+    def restarted(self, before_ns: int, why: str) -> list[str]:
+        """The router restarted at ``before_ns`` (its clock): requests sent before then and not answered were
+        lost with it; fail them with ``why`` (a late answer still replaces the record). Returns their ids."""
+        return self._fail_waiting(why, before_ns)
+
+    def _fail_waiting(self, reason: str, before_ns: int | None = None) -> list[str]:
+        """Fail the requests still awaiting an answer (those sent before ``before_ns``, when given) and wake
+        their senders; returns their ids."""
+        ids = [rid for rid, (_, sent) in self._sent.items()
+               if rid not in self.records and (before_ns is None or sent < before_ns)]
+        for rid in ids:
+            self._failed(self._sent[rid][0], reason)
+            ev = self._waiting.pop(rid, None)
+            if ev is not None:
+                ev.set()
+        return ids
 
     def _failed(self, req: ClientRequest, reason: str) -> RequestRecord:
         rec = self.records[req.request_id] = _record(req, self.router_now(), reason)
@@ -446,38 +456,28 @@ class _RouterClient:
 
     async def stats(self, timeout_s: float = 30.0) -> Stats:
         """The router's current view (``TimeoutError`` if it does not answer in time)."""
-        waiter: tuple[anyio.Event, list[Stats]] = (anyio.Event(), [])
-        self._stats_waiters.append(waiter)
-        await self.sock.send_multipart([CLIENT, encode(StatsQuery())])
-        with anyio.move_on_after(timeout_s):
-            await waiter[0].wait()
-        if not waiter[1]:  # a late answer goes to the next query (any view of the router will do)
-            self._stats_waiters.remove(waiter)
+        answer = await self._ask(StatsQuery(), self._stats_waiters, timeout_s)
+        if answer is None:
             raise TimeoutError(f"no answer from the router within {timeout_s:g} s")
-        return waiter[1][0]
+        return answer  # type: ignore[return-value]
 
     async def control(self, msg: Control, timeout_s: float = 10.0) -> ControlReply:
         """Send a control message and wait for the router's answer."""
-        waiter: tuple[anyio.Event, list[ControlReply]] = (anyio.Event(), [])
-        self._control_waiters.append(waiter)
+        answer = await self._ask(msg, self._control_waiters, timeout_s)
+        return answer or ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")  # type: ignore[return-value]
+
+    async def _ask(self, msg: msgspec.Struct, waiters: deque, timeout_s: float) -> Stats | ControlReply | None:
+        """Send a query and wait for its answer (None after ``timeout_s``: a late answer then goes to the next
+        query of its kind, which any view of the router will do for)."""
+        waiter: tuple[anyio.Event, list] = (anyio.Event(), [])
+        waiters.append(waiter)
         await self.sock.send_multipart([CLIENT, encode(msg)])
         with anyio.move_on_after(timeout_s):
             await waiter[0].wait()
         if not waiter[1]:
-            self._control_waiters.remove(waiter)
-            return ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
+            waiters.remove(waiter)
+            return None
         return waiter[1][0]
-
-    def restarted(self, before_ns: int, why: str) -> list[str]:
-        """The router restarted at ``before_ns`` (its clock): requests sent before then and not answered were
-        lost with it; fail them with ``why`` (a late answer still replaces the record). Returns their ids."""
-        lost = [rid for rid, (_, sent) in self._sent.items() if sent < before_ns and rid not in self.records]
-        for rid in lost:
-            self._failed(self._sent[rid][0], why)
-            ev = self._waiting.pop(rid, None)
-            if ev is not None:
-                ev.set()
-        return lost
 
 
 async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None,

@@ -59,6 +59,8 @@ class WorkerRegistry:
         self._specs: dict[int, WorkerSpec] = {}
         self._fenced: set[int] = set()
         self._keys: tuple[WorkerKey, ...] | None = ()
+        self.num_ranks = 0
+        """DP ranks over all registered workers."""
         self.version = 0
         """Bumped on every change, so callers can cache derived views."""
         for spec in workers:
@@ -69,6 +71,7 @@ class WorkerRegistry:
         if spec.worker_id in self._specs:
             raise DuplicateWorker(f"worker {spec.worker_id} is already registered")
         self._specs[spec.worker_id] = spec
+        self.num_ranks += spec.dp_size
         self._fenced.discard(spec.worker_id)
         self._changed()
 
@@ -78,6 +81,7 @@ class WorkerRegistry:
             spec = self._specs.pop(worker_id)
         except KeyError:
             raise UnknownWorker(f"worker {worker_id} is not registered") from None
+        self.num_ranks -= spec.dp_size
         self._fenced.discard(worker_id)
         self._changed()
         return spec

@@ -136,7 +136,6 @@ class Router:
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
         self.started_ns = clock.now_ns()
-        self._ranks = 0  # registered ranks, over all workers
         self.registrations_refused = 0
         self._registrations = TokenBucket(self.settings.registrations_per_s, self.settings.registration_burst,
                                           self.started_ns)
@@ -278,7 +277,6 @@ class Router:
             return
         assert spec is not None
         self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now())
-        self._ranks += msg.dp_size
         self._peers[peer] = msg.worker_id
         self._asked.discard(peer)
         self.kv.add_worker(msg)
@@ -296,7 +294,7 @@ class Router:
             return f"worker {wid}: dp_size {msg.dp_size} is outside 1..{s.max_ranks_per_worker} (max_ranks_per_worker)"
         if len(self.workers) >= s.max_workers:
             return f"worker {wid}: {len(self.workers)} workers are registered, the most this router takes (max_workers)"
-        ranks = self._ranks
+        ranks = self.core.registry.num_ranks
         if ranks + msg.dp_size > s.max_ranks:
             return (f"worker {wid}: its {msg.dp_size} ranks would make {ranks + msg.dp_size}, more than this router "
                     f"takes ({s.max_ranks}, max_ranks)")
@@ -359,7 +357,6 @@ class Router:
         if state is None:
             return
         self._peers.pop(state.peer, None)
-        self._ranks -= state.spec.dp_size
         self._down_ranks.difference_update([k for k in self._down_ranks if k[0] == worker_id])
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)
