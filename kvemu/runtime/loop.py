@@ -12,9 +12,10 @@ before declaring a deadlock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import selectors
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from kvemu.clock import NS_PER_S, ManualClock
@@ -164,10 +165,30 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         super().close()
 
 
+@contextlib.contextmanager
+def _asyncio_named() -> Iterator[None]:
+    """Name asyncio as the running async library for this thread while a kvemu loop runs.
+
+    Transports and timers call actors' handlers from loop callbacks, outside any task; where ``sniffio`` is
+    installed (httpx, openai and many others bring it) anyio finds no library there and every anyio call
+    in a handler fails. sniffio's per-thread name answers for callbacks too."""
+    try:
+        import sniffio
+    except ImportError:
+        yield
+        return
+    before = sniffio.thread_local.name
+    sniffio.thread_local.name = "asyncio"
+    try:
+        yield
+    finally:
+        sniffio.thread_local.name = before
+
+
 def run_virtual(main: Callable[[], Awaitable[T]], clock: ManualClock | None = None) -> T:
     """Run ``main()`` to completion on a fresh virtual-time loop driven by ``clock``."""
     loop = VirtualEventLoop(clock)
-    with asyncio.Runner(loop_factory=lambda: loop) as runner:
+    with _asyncio_named(), asyncio.Runner(loop_factory=lambda: loop) as runner:
         return runner.run(main())  # type: ignore[arg-type]
 
 
@@ -182,5 +203,5 @@ def new_live_loop() -> asyncio.AbstractEventLoop:
 
 def run_live(main: Callable[[], Awaitable[T]]) -> T:
     """Run ``main()`` to completion on a wall-time loop (uvloop)."""
-    with asyncio.Runner(loop_factory=new_live_loop) as runner:
+    with _asyncio_named(), asyncio.Runner(loop_factory=new_live_loop) as runner:
         return runner.run(main())  # type: ignore[arg-type]
