@@ -33,6 +33,7 @@ start + 1, since advancing past its start starts it. So a zero-duration pass at 
 from __future__ import annotations
 
 
+import heapq
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from itertools import accumulate
@@ -47,7 +48,7 @@ from workers.config import EngineConfig
 from workers.events import PassEvents
 from workers.request import Request
 from workers.scheduler import Schedule, Scheduler
-from workers.sequence import RUNNING, SeqState
+from workers.sequence import FINISHED, RUNNING, SeqState
 from workers.timing import PassTimer, TimingModel
 
 __all__ = ["EngineCore", "StepResult", "AdvanceResult"]
@@ -165,6 +166,7 @@ class EngineCore:
         self._now = 0
         self._free_at = 0
         self._inflight: _Pass | None = None
+        self._aborting: list[SeqState] = []  # aborted while computed by the pass in flight: released at its end
         self._steady = False
         self.passes = 0
         """Forward passes completed so far."""
@@ -254,6 +256,39 @@ class EngineCore:
         self.scheduler.add(seq)
         return record
 
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+        """Drop an unfinished request (a client went away): its blocks are freed (full ones stay cached), it
+        produces nothing more; returns its record with ``failure`` set, or None if no such request is here.
+
+        A request in the pass in flight (``advance_to``) is released when that pass ends, as an engine frees
+        an aborted request at its next step; the host gets nothing more about it either way.
+        """
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.record.failure = reason
+        fl = self._inflight
+        if fl is not None and seq in fl.sched.entries:
+            self._aborting.append(seq)
+            return seq.record
+        self._release(seq)
+        return seq.record
+
+    def _release(self, seq: SeqState) -> None:
+        sch = self.scheduler
+        if seq.status == RUNNING:
+            sch.complete(seq)
+        else:
+            for heap in (sch.future, sch.waiting):
+                for i, entry in enumerate(heap):
+                    if entry[-1] is seq:
+                        heap[i] = heap[-1]
+                        heap.pop()
+                        heapq.heapify(heap)
+                        break
+            seq.status = FINISHED
+        self._steady = False
+
     # ------------------------------------------------------------ stepwise
 
     def step(self, now_ns: int) -> StepResult:
@@ -319,10 +354,19 @@ class EngineCore:
                         first.append(seq)
                 if seq.n_out == seq.max_tokens:
                     completed.append(seq)
+        gone = self._aborting
+        if gone:
+            first[:] = [s for s in first if s not in gone]
+            sampled[:] = [s for s in sampled if s not in gone]
+            completed = [s for s in completed if s not in gone]
         for seq in completed:
             self.scheduler.complete(seq)
             seq.record.completion_ns = end
             del self._seqs[seq.rid]
+        if gone:  # released after the pass's completions, as if aborted right after it
+            self._aborting = []
+            for seq in gone:
+                self._release(seq)
         events = None
         if pool.log:
             events = PassEvents(end, self.dp_rank, pool.log, bs)
@@ -508,7 +552,7 @@ class EngineCore:
         """
         fl = self._inflight
         if fl is not None:
-            if not self._pass_quiet(fl):
+            if self._aborting or not self._pass_quiet(fl):
                 return fl.end if fl.end > fl.start else fl.start + 1
             return self._quiet_horizon(fl.end, 1, fl.start)
         s = self._next_start()
