@@ -55,6 +55,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Queue requests while every eligible rank's active prefill tokens exceed this fraction of its
     ``max_num_batched_tokens``; None admits every request at once."""
     router_queue_policy: QueuePolicyName = "fcfs"
+    router_queue_limit_per_worker: Annotated[int, Meta(ge=1)] | None = None
+    """Requests the queue holds per registered worker (Dynamo's ``request_queue_limit_per_worker``); one past
+    it is rejected (``queue_rejected``; HTTP 429 at the front door). None: unbounded."""
 
     def __post_init__(self) -> None:
         check_struct(self)

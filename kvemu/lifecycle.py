@@ -34,7 +34,7 @@ from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord
 from kvemu.routing import PreparedRequest, RoutingCore
 from kvemu.runtime.hooks import Hooks
-from kvemu.runtime.messages import ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
+from kvemu.runtime.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 __all__ = ["Lifecycle", "LifecycleSettings", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
            "ENDED"]
@@ -45,8 +45,8 @@ dispatched (awaiting the worker's acknowledgement), running on a worker, ended."
 
 log = logging.getLogger("kvemu.lifecycle")
 
-Send = Callable[[int, Dispatch], None]
-"""Delivers a dispatch to a worker (by worker id)."""
+Send = Callable[[int, Dispatch | Abort], None]
+"""Delivers a message to a worker (by worker id): a ``Dispatch``, or an ``Abort`` for a cancelled request."""
 
 
 class LifecycleSettings:
@@ -213,6 +213,34 @@ class Lifecycle:
             return
         f.failure = msg.reason
         self._run(self._refused if f.stage == DISPATCHED else self._done, f)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """End an open request now (its client went away): whatever it holds is freed (load, queue place,
+        affinity hold or lease), the worker it was dispatched to is sent ``Abort``, and it fails with
+        ``reason``. Returns whether the request was open."""
+        f = self.flights.get(request_id)
+        if f is None or f.stage == ENDED:
+            return False
+        self._run(self._cancel, f, reason)
+        return True
+
+    def _cancel(self, f: Flight, reason: str) -> None:
+        if f.stage == ENDED:
+            return
+        f.failure = reason
+        if f.stage in (DISPATCHED, RUNNING):
+            wid = f.key[0]  # type: ignore[index]
+            if f.hold is not None and self.affinity is not None:
+                self.affinity.drop(f.hold)
+                f.hold = None
+            if f.lease is not None and self.affinity is not None:
+                self.affinity.release(f.lease)
+                f.lease = None
+            self._unbook(f)
+            self._send(wid, Abort(request_id=f.request_id, reason=reason))
+        elif f.stage == WAITING:
+            self._waiting.remove(f)
+        self._end(f, reason)  # a queued request leaves the queue; an affinity wait's wake-up is void
 
     def worker_added(self) -> None:
         """A worker registered: requests waiting for a first worker go on; the queue may move."""
@@ -462,7 +490,8 @@ class Lifecycle:
         if timeouts[0][1] is f:
             self._announce(deadline)
         req = f.req
-        self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens))
+        self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens,
+                                 output_token_ids=req.output_token_ids, priority=req.engine_priority))
 
     def _settled(self, f: Flight) -> None:
         if self.stopped:
@@ -534,7 +563,7 @@ class Lifecycle:
             self._capacity_changed()
         before = record.output_tokens
         record.output_tokens = after = before + len(times)
-        core.note_output(f.request_id, record.isl, before, after)
+        core.note_output(f.request_id, record.isl, before, after, f.req.expected_output_tokens)
         if self.hooks.wants("tokens"):
             self.hooks.note("tokens", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
                             data={"times_ns": times})

@@ -23,7 +23,7 @@ from kvemu.hashing import BASE_SEED, block_seed, extend_sequence_hashes, local_b
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext
-from kvemu.queue import PolicyQueue, QueueClass
+from kvemu.queue import PolicyQueue, QueueClass, QueueLimits
 from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS, WorkerRegistry, WorkerSpec
 from kvemu.selector import DefaultWorkerSelector, Selection, TierHits, evaluate, taint_factors
 
@@ -331,12 +331,14 @@ class RoutingCore:
         """The request finished (or failed): release its load; returns the rank it was on."""
         return self.load.free(request_id)
 
-    def note_output(self, request_id: str, isl: int, before: int, after: int) -> None:
+    def note_output(self, request_id: str, isl: int, before: int, after: int, osl: int | None = None) -> None:
         """The response grew from ``before`` to ``after`` tokens: with ``router_track_output_blocks`` each
-        block boundary the sequence (prompt + output) crossed adds one active block on the booked rank."""
+        block boundary the sequence (prompt + output) crossed adds one active block on the booked rank, weighted
+        by the fraction of the expected output length ``osl`` still to come when it is known (``agent_hints.osl``)."""
         if self.config.router_track_output_blocks:
+            weight = 1.0 if not osl else max(0.0, (osl - after) / osl)
             for _ in range((isl + after) // self.block_size - (isl + before) // self.block_size):
-                self.load.add_output_block(request_id)
+                self.load.add_output_block(request_id, weight)
 
     def policy_queue(self) -> PolicyQueue | None:
         """The queue ``router_queue_threshold`` asks for, or None when it is unset (requests never wait).
@@ -357,7 +359,8 @@ class RoutingCore:
             return (w.max_num_batched_tokens if w else None) or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
         cls = QueueClass(busy_threshold_frac=cfg.router_queue_threshold, policy=cfg.router_queue_policy)
-        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity)
+        limits = QueueLimits(requests_per_worker=cfg.router_queue_limit_per_worker)
+        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity, limits=limits)
 
     def potential_loads(self, request: PreparedRequest, ranks: Sequence[WorkerKey] | None = None) -> list[LoadProjection]:
         """Each rank's load if the request were added (Dynamo's ``get_potential_loads``)."""

@@ -41,6 +41,7 @@ ROUTER_VALUES = {
     "router_prune_target_ratio": 0.5,
     "router_queue_threshold": 0.75,
     "router_queue_policy": "wspt",
+    "router_queue_limit_per_worker": 3,
 }
 
 SETTINGS_VALUES = {
@@ -151,6 +152,9 @@ def test_queue_threshold_and_policy_build_the_router_queue():
                         "router: {router_queue_threshold: 0.5, router_queue_policy: lcfs}\n")
     spec = router.queue.class_spec("default")
     assert spec.busy_threshold_frac == 0.5 and spec.policy == "lcfs"
+    assert router.queue.limits.requests_per_worker is None
+    router, _ = started("cluster: {workers: 1}\nrouter: {router_queue_threshold: 0, router_queue_limit_per_worker: 2}\n")
+    assert router.queue.limits.requests_per_worker == 2
     key = router.core.registry.rank_keys()[0]
     assert not router.queue.is_busy(key)
     router.core.load.add("r", key, [], prefill_tokens=501)  # above 0.5 x 1000 batched tokens
@@ -177,7 +181,7 @@ def test_the_router_reports_generated_tokens_for_output_tracking():
     async def main():
         async with cluster(scenario, clock, Hooks()) as c:
             note = c.router.core.note_output
-            c.router.core.note_output = lambda rid, isl, before, after: (seen.append((isl, before, after)),
+            c.router.core.note_output = lambda rid, isl, before, after, osl=None: (seen.append((isl, before, after)),
                                                                          note(rid, isl, before, after))
             result = await c.handle(ClientRequest(request_id="r", tokens=list(range(40)), max_tokens=50))
             await anyio.sleep(0)

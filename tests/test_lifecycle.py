@@ -11,7 +11,7 @@ from kvemu import ManualClock, RoutingCore, SessionAffinity
 from kvemu.lifecycle import DISPATCHED, RUNNING, Lifecycle, LifecycleSettings
 from kvemu.registry import WorkerSpec
 from kvemu.runtime.hooks import Hooks
-from kvemu.runtime.messages import ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
+from kvemu.runtime.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 MS = 1_000_000
 
@@ -188,6 +188,29 @@ def test_a_session_binding_is_committed_only_after_acceptance():
     assert h.affinity.active_leases("s") == 0
 
 
+def test_cancel_frees_what_each_stage_holds_and_aborts_on_the_worker():
+    h = Host(workers=(1,), affinity=True)
+    h.submit("run", session_id="s")
+    w, _ = h.last("run")
+    h.lc.on_ack(w, DispatchAck(request_id="run", accepted=True))
+    h.submit("wait", session_id="s", tokens=range(9, 17))  # bound session: dispatched to the same worker
+    h.submit("new", session_id="t", tokens=range(20, 28))  # its binding is held until acceptance
+    assert h.affinity.active_leases("s") == 2 and len(h.core.load) == 3  # a lease and a hold
+    for rid in ("run", "wait", "new"):
+        assert h.lc.cancel(rid)
+        assert h.ended[rid].failure == "cancelled"
+        assert h.sent[-1] == (1, Abort(request_id=rid))
+    assert len(h.core.load) == 0 and h.affinity.active_leases("s") == 0
+    assert h.affinity.query_target("t") is None  # the held binding was dropped, not committed
+    assert not h.lc.cancel("run") and not h.lc.cancel("unknown")
+    h.lc.on_finished(1, Finished(request_id="run", times_ns=[5]))  # a late reply of the aborted one: ignored
+    assert h.ended["run"].failure == "cancelled"
+    waiting = Host(workers=(), grace_s=5.0)
+    waiting.submit("w")
+    assert waiting.lc.cancel("w", "client_disconnected") and waiting.ended["w"].failure == "client_disconnected"
+    assert waiting.sent == [] and waiting.lc.next_deadline_ns() is None
+
+
 class LifecycleMachine(RuleBasedStateMachine):
     """Random interleavings of replies, losses, timeouts and stops: each request ends once, nothing leaks."""
 
@@ -234,6 +257,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.h.affinity is not None:
             self.h.affinity.invalidate_worker(w)
         self.h.lc.worker_lost(w)
+
+    @precondition(lambda self: self.h.lc.flights)
+    @rule(data=st.data())
+    def cancel(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.h.lc.flights)))
+        f = self.h.lc.flights[rid]
+        held = f.key if f.stage in (DISPATCHED, RUNNING) else None
+        before = len(self.h.sent)
+        assert self.h.lc.cancel(rid)
+        assert self.h.ended[rid].failure == "cancelled"
+        aborts = [(w, m) for w, m in self.h.sent[before:] if isinstance(m, Abort)]  # then others may be woken
+        assert aborts == ([(held[0], Abort(request_id=rid))] if held is not None else [])
 
     @rule(ms=st.integers(0, 1500))
     def time_passes(self, ms):

@@ -19,6 +19,7 @@ from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
 from kvemu.events import EngineEvents
 from kvemu.records import RequestRecord
 from kvemu.runtime.messages import (
+    Abort,
     Chaos,
     Deregister,
     Dispatch,
@@ -212,6 +213,8 @@ class WorkerActor:
         t = type(msg)
         if t is Dispatch:
             self._on_dispatch(msg)  # type: ignore[arg-type]
+        elif t is Abort:
+            self.abort(msg.request_id, msg.reason)  # type: ignore[union-attr]
         elif t is Chaos:
             why = self.apply_chaos(msg)  # type: ignore[arg-type]
             if why is not None:
@@ -239,7 +242,8 @@ class WorkerActor:
         if self.mode == "virtual":
             self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
         req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=msg.max_tokens,
-                      arrival_ns=self._arrival(msg.dp_rank, now))
+                      arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.priority,
+                      output_token_ids=msg.output_token_ids)
         outcome = self.worker.dispatch(req, msg.dp_rank)
         if outcome.accepted:
             self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
@@ -252,6 +256,24 @@ class WorkerActor:
         else:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
             self._send(DispatchAck(request_id=msg.request_id, accepted=False, reason=f"{reason}: {outcome.message}"))
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Drop a request this worker runs (its client went away): the engine frees its blocks at once and
+        nothing more is sent about it. Returns whether it was here."""
+        rec = self._records.pop(request_id, None)
+        if rec is None:
+            return False
+        self._sent.pop(request_id, None)
+        self._flushed_at.pop(request_id, None)
+        core = self.worker.core(rec.dp_rank or 0)
+        if self.mode == "virtual":
+            self._emit_advance(self.worker.advance_to(max(self.clock.now_ns(), self._engine_now())))
+        core.abort(request_id, reason)
+        if self.mode == "virtual":
+            self._driver.arm(self.worker.next_event_ns())
+        elif (wake := self._wakes.get(core.dp_rank)) is not None:
+            wake.set()  # waiting requests may fit now
+        return True
 
     def _engine_now(self) -> int:
         return max(core.now_ns for core in self.worker.cores)
@@ -301,7 +323,8 @@ class WorkerActor:
                     self._sent[rid] = 1
                     send(TokenBatch(request_id=rid, times_ns=[t]))
             for rec in res.completed:
-                self._finish(rec)
+                if rec.request_id in self._records:
+                    self._finish(rec)
 
     def _finish(self, rec: RequestRecord) -> None:
         self._flushed_at.pop(rec.request_id, None)
@@ -357,4 +380,5 @@ class WorkerActor:
                 self._sent[rid] = len(rec.token_times_ns)
                 flushed[rid] = now
         for rec in res.completed:
-            self._finish(rec)
+            if rec.request_id in self._records:  # not aborted while its pass ran
+                self._finish(rec)

@@ -2,7 +2,7 @@
 
 Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``RegisterAck``, ``Heartbeat``,
 ``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Draining``,
-``RankDown``, ``Deregister``, ``Chaos`` (a fault the router asks a worker to apply to itself), and, on
+``RankDown``, ``Deregister``, ``Abort`` (the client went away: drop the request), ``Chaos`` (a fault the router asks a worker to apply to itself), and, on
 in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
 """
 
@@ -31,6 +31,7 @@ __all__ = [
     "RankDown",
     "Deregister",
     "KvBatch",
+    "Abort",
     "Chaos",
     "WORKER_CHAOS",
     "WorkerMessage",
@@ -64,6 +65,12 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """Strict priority tier in the router queue (higher first)."""
     do_not_queue: bool = False
     lora_name: str | None = None
+    expected_output_tokens: int | None = None
+    """Expected output length (``nvext.agent_hints.osl``): weights tracked output blocks by what is left."""
+    output_token_ids: list[int] | None = None
+    """The ids the engine generates (a front end that shows text chooses them); default: the engine's own."""
+    engine_priority: int = 0
+    """The engine scheduler's priority (vLLM: lower first), passed through to the worker."""
 
 
 class Register(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -129,6 +136,8 @@ class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     dp_rank: int
     tokens: list[int]
     max_tokens: int
+    output_token_ids: list[int] | None = None
+    priority: int = 0
 
 
 class DispatchAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -137,6 +146,13 @@ class DispatchAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     request_id: str
     accepted: bool
     reason: str | None = None
+
+
+class Abort(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """Drop this request (its client went away or it was cancelled): free its blocks, send nothing more."""
+
+    request_id: str
+    reason: str = "cancelled"
 
 
 class TokenBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -193,7 +209,7 @@ class Chaos(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
 
 WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
 """What workers send to the router."""
-RouterMessage = RegisterAck | Reregister | Dispatch | Chaos
+RouterMessage = RegisterAck | Reregister | Dispatch | Abort | Chaos
 """What the router sends to workers."""
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=sequences_as_lists)  # lazy prompts, compact token times

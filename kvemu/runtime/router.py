@@ -199,7 +199,9 @@ class Router:
         return self.lifecycle.next_deadline_ns()
 
     def _dispatch(self, worker_id: int, msg: msgspec.Struct) -> None:
-        self._send(self.workers[worker_id].peer, msg)
+        state = self.workers.get(worker_id)
+        if state is not None:
+            self._send(state.peer, msg)
 
     def on_message(self, peer: bytes, msg: WorkerMessage) -> None:
         """Handle one worker message (the transport's handler; it never raises for a peer's mistakes)."""
@@ -406,6 +408,11 @@ class Router:
         A router that is not serving yet (a restart in progress) takes the request; it progresses once
         ``serve`` runs, which delivers the workers' replies and the request deadlines."""
         return self.lifecycle.submit(req, on_end)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """End an open request at once (its client went away): load, queue place and affinity binding are
+        freed and its worker is told to abort it. Returns whether it was open."""
+        return self.lifecycle.cancel(request_id, reason)
 
     def _send(self, peer: bytes, msg: msgspec.Struct) -> None:
         self.end.send_nowait(peer, msg)
