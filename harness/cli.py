@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
-    outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
+    outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     try:
         prepare_outdir(outdir)
         with _terminate_as_interrupt():
@@ -173,13 +173,14 @@ def _process(args: argparse.Namespace) -> int:
     if args.command == "router":
         from harness.processes import router_main
 
-        return router_main(scenario, args.listen, args.grace)
+        return router_main(scenario, args.listen, args.grace, _http_options(args))
     if args.command == "worker":
         from harness.processes import worker_main
 
         return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
-                           kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace)
-    outdir = Path(args.outdir) if args.outdir else Path("out") / scenario.name
+                           kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
+                           http=_http_options(args))
+    outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     if args.command == "loadgen":
         from harness.processes import NotStarted, loadgen_main
 
@@ -198,9 +199,57 @@ def _process(args: argparse.Namespace) -> int:
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
+    if args.command == "serve":
+        from harness.up import serve_main
+
+        return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
+                          _worker_http_args(args))
     from harness.up import up_main
 
-    return up_main(args.scenario or "", list(args.overrides), scenario, outdir)
+    return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
+                   _worker_http_args(args))
+
+
+def _http_options(args: argparse.Namespace) -> Any:
+    """The ``--http`` options of a router process (None without ``--http``)."""
+    if not getattr(args, "http", None):
+        return None
+    from harness.processes import HttpOptions
+
+    return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model)
+
+
+def _http_args(args: argparse.Namespace) -> list[str]:
+    """The ``--http`` options to pass on to a router process."""
+    if not getattr(args, "http", None):
+        return []
+    extra = ["--http", args.http, "--model", args.model]
+    return extra + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
+
+
+def _worker_http_args(args: argparse.Namespace) -> list[str]:
+    """What a worker process needs to serve its own OpenAI routes (``--worker-http``), else nothing."""
+    if not getattr(args, "worker_http", False):
+        return []
+    extra = ["--http", "127.0.0.1:0", "--model", args.model]
+    return extra + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
+
+
+def _add_http(parser: argparse.ArgumentParser, default: str | None) -> None:
+    parser.add_argument("--http", default=default, metavar="HOST:PORT",
+                        help="serve the OpenAI-compatible front door there (port 0: pick a free one)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="a local tokenizer.json (or a directory with one); default: kvemu's built-in tokenizer")
+    parser.add_argument("--model", default="kvemu", help="the model name clients use (default: kvemu)")
+
+
+def _tokenizer(args: argparse.Namespace) -> int:
+    from kvemu.http.tokenizer import export_builtin
+
+    files = export_builtin(args.directory)
+    print(f"wrote kvemu's built-in tokenizer to {args.directory}: {', '.join(f.name for f in files)}")
+    print(f"use it with: --tokenizer {args.directory} (aiperf, vllm bench serve, transformers.AutoTokenizer)")
+    return 0
 
 
 def _loadgen_chaos_problem(scenario: Any, chaos: str | None) -> str | None:
@@ -247,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.add_argument("--config", dest="scenario")
     worker.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
     worker.add_argument("--grace", type=float, default=10.0)
+    _add_http(worker, None)
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
     loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
     loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
@@ -257,17 +307,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
     loadgen.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    _add_http(router, None)
     up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
     up.add_argument("scenario", nargs="?")
     up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
     up.add_argument("-o", "--outdir")
+    _add_http(up, None)
+    serve = sub.add_parser("serve", help="router with its OpenAI front door + workers as processes, until Ctrl-C")
+    serve.add_argument("scenario", nargs="?", help="scenario YAML for the cluster (default: the built-in quickstart)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    _add_http(serve, "127.0.0.1:8000")
+    for command in (up, serve):
+        command.add_argument("--worker-http", action="store_true",
+                             help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
+                                  "(on a free 127.0.0.1 port each; printed at start)")
+    tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    export = tokenizer_sub.add_parser("export", help="write tokenizer.json and its configs into DIR")
+    export.add_argument("directory")
     demo = sub.add_parser("demo", help="route a few multi-turn sessions with the policy core alone")
     demo.add_argument("--workers", type=int, default=4)
     demo.add_argument("--dp-size", type=int, default=2)
     demo.add_argument("--sessions", type=int, default=6)
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
-    for command in (run_parser, validate, router, worker, loadgen, up):
+    for command in (run_parser, validate, router, worker, loadgen, up, serve):
         command.add_argument("--allow-local-policies", action="store_true",
                              help="let router.policy import modules from the working directory (a scenario can run code)")
     args = parser.parse_args(argv)
@@ -284,8 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
     if args.command == "validate":
         return _validate(args)
-    if args.command in ("router", "worker", "loadgen", "up"):
+    if args.command in ("router", "worker", "loadgen", "up", "serve"):
         return _process(args)
+    if args.command == "tokenizer":
+        return _tokenizer(args)
     if args.command == "compare":
         from harness.compare import main as compare_main
 

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from kvemu.clock import NS_PER_S, WallClock
+from kvemu.http import DEFAULT_MODEL
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
@@ -55,7 +56,7 @@ from harness.sessions import SessionPlayer, awaiting
 from harness.scenario import ChaosEvent, Scenario
 from harness.workload import build_sessions
 
-__all__ = ["StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start",
+__all__ = ["HttpOptions", "StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start",
            "send_control", "NotStarted", "RouterUnreachable"]
 
 CLIENT = b"C"
@@ -156,7 +157,15 @@ def client_request_key(peer: bytes, request_id: str) -> str:
     return f"{peer.hex()}/{request_id}"
 
 
-async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None:
+class HttpOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a process serves HTTP, and how (``--http``, ``--tokenizer``, ``--model``)."""
+
+    listen: str
+    tokenizer: str | None = None
+    model: str = DEFAULT_MODEL
+
+
+async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None) -> None:
     clock = WallClock()
     hooks = Hooks()
     recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
@@ -170,7 +179,16 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
     instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
-    log_start("router", listen=end.endpoint, control=control.token is not None)
+    server = None
+    if http is not None:
+        from kvemu.http.server import HttpServer
+
+        from harness.frontdoor import front_door
+
+        app = front_door(scenario, lambda: router, hooks, clock, tokenizer=http.tokenizer, model=http.model)
+        server = HttpServer(app, http.listen)
+    log_start("router", listen=end.endpoint, control=control.token is not None,
+              **({"http": server.url} if server is not None else {}))
     in_flight: set[str] = set()
 
     async def handle(peer: bytes, req: ClientRequest) -> None:
@@ -246,6 +264,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float) -> None
     async with anyio.create_task_group() as tg:
         await tg.start(serve_current)
         tg.start_soon(gateway, tg)
+        if server is not None:
+            tg.start_soon(server.serve)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
@@ -301,10 +321,10 @@ class _RouterControl:
             router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))
 
 
-def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0) -> int:
-    """``kvemu router``: serve until SIGTERM."""
+def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: HttpOptions | None = None) -> int:
+    """``kvemu router``: serve until SIGTERM (with an OpenAI front door when ``http`` is given)."""
     tune_gc()
-    run_live(lambda: _serve_router(scenario, listen, grace_s))
+    run_live(lambda: _serve_router(scenario, listen, grace_s, http))
     return 0
 
 
@@ -312,7 +332,7 @@ def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0) -> int:
 
 
 async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size: int, kv_events: str,
-                        kv_replay: str | None, grace_s: float) -> None:
+                        kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
     spec = scenario.cluster
     cfg = msgspec.structs.replace(engine_config(spec), dp_size=dp_size)
     mock = MockWorker(cfg, worker_id=worker_id)
@@ -326,11 +346,20 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size
     actor.on_chaos = lambda msg, why: print(json.dumps({"event": "chaos_applied", "worker_id": worker_id,
                                                         "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
                                             file=sys.stderr, flush=True)
+    server = None
+    if http is not None:
+        from kvemu.http.server import HttpServer
+
+        from harness.frontdoor import worker_door
+
+        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model), http.listen)
     log_start("worker", worker_id=worker_id, router=router, kv_events=[p.endpoint for p in pubs],
-              kv_replay=[p.replay_endpoint for p in pubs])
+              kv_replay=[p.replay_endpoint for p in pubs], **({"http": server.url} if server is not None else {}))
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(actor.run)
+            if server is not None:
+                tg.start_soon(server.serve)
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break
@@ -349,12 +378,12 @@ def _reachable(endpoint: str) -> str:
 
 
 def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_size: int | None,
-                kv_events: str, kv_replay: str | None, grace_s: float = 10.0) -> int:
-    """``kvemu worker``: serve one router until SIGTERM."""
+                kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None) -> int:
+    """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given)."""
     tune_gc()
     wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
     run_live(lambda: _serve_worker(scenario, router, wid, dp_size or scenario.cluster.dp_size, kv_events,
-                                   kv_replay, grace_s))
+                                   kv_replay, grace_s, http))
     return 0
 
 

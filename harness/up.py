@@ -13,6 +13,7 @@ path, so a project with its own ``harness/``, ``workers/`` or ``kvemu/`` folder 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +142,18 @@ def _let_report(loadgen: subprocess.Popen, outdir: Path, since: float, what: str
         print(f"kvemu up: {what} in {outdir}", file=sys.stderr)
 
 
+def _save_metrics(http: str, outdir: Path) -> None:
+    """The front door's final Prometheus snapshot beside the report (``metrics.prom``)."""
+    try:
+        with urllib.request.urlopen(f"{http}/metrics", timeout=5) as resp:  # noqa: S310 - our own 127.0.0.1 URL
+            text = resp.read(64 << 20)
+    except OSError as exc:
+        print(f"kvemu up: could not read the front door's metrics: {exc}", file=sys.stderr)
+        return
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "metrics.prom").write_bytes(text)
+
+
 def _written_since(outdir: Path, t: float) -> bool:
     """Whether this run's load generator wrote the report (not a file left by an earlier run)."""
     try:
@@ -147,30 +162,89 @@ def _written_since(outdir: Path, t: float) -> bool:
         return False
 
 
-def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path) -> int:
-    """Run the whole stack as processes; returns the load generator's exit code."""
+def _config(scenario_path: str, overrides: list[str]) -> list[str]:
     sets = [x for o in overrides for x in ("--set", o)]
-    config = ["--config", scenario_path, *sets] if scenario_path else sets
+    return ["--config", scenario_path, *sets] if scenario_path else sets
+
+
+class _Stack:
+    """A router process and its worker processes, started in order (each once it reported its endpoints)."""
+
+    def __init__(self, kids: Children, config: list[str], http: list[str], token: str,
+                 worker_http: list[str] | None = None) -> None:
+        self.kids = kids
+        self.config = config
+        self.worker_http = worker_http or []
+        self.worker_urls: list[str] = []
+        self.worker_info: list[dict[str, Any]] = []
+        """Each worker's start line: id, KV-event and replay endpoints, HTTP URL (for clients and routers)."""
+        started = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *http, *config],
+                             env={CONTROL_TOKEN_ENV: token})
+        self.router: str = started["listen"]
+        self.http: str | None = started.get("http")
+        self.next_id = 0
+        self.live: list[int] = []
+
+    def add_worker(self) -> None:
+        wid = self.next_id
+        info = self.kids.start(f"worker-{wid}", ["worker", "--router", self.router, "--worker-id", str(wid),
+                                                 "--kv-events", "tcp://127.0.0.1:0", "--kv-replay",
+                                                 "tcp://127.0.0.1:0", *self.worker_http, *self.config])
+        self.worker_info.append({k: info.get(k) for k in ("worker_id", "kv_events", "kv_replay", "http")})
+        if "http" in info:
+            self.worker_urls.append(info["http"])
+        self.live.append(wid)
+        self.next_id += 1
+
+
+def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
+               worker_http: list[str] | None = None) -> int:
+    """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM."""
+    kids = Children()
+    try:
+        stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http)
+        for _ in range(scenario.cluster.workers):
+            stack.add_worker()
+        print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router,
+                          "workers": scenario.cluster.workers, "worker_http": stack.worker_urls,
+                          "worker_info": stack.worker_info}), flush=True)
+        print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({scenario.cluster.workers} workers x "
+              f"{scenario.cluster.dp_size} ranks); Ctrl-C stops", file=sys.stderr, flush=True)
+        with _terminate_as_interrupt():
+            while (problem := kids.crashed()) is None:
+                time.sleep(0.2)
+        print(f"kvemu serve: {problem}; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        kids.stop_all()
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
+            http: list[str] | None = None, worker_http: list[str] | None = None) -> int:
+    """Run the whole stack as processes; returns the load generator's exit code."""
+    config = _config(scenario_path, overrides)
     kids = Children()
     started = time.monotonic()
     started_wall = time.time()
     try:
         token = secrets.token_hex(16)  # the router's control channel answers this process alone
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *config],
-                            env={CONTROL_TOKEN_ENV: token})["listen"]
-        next_id = 0
-        live: list[int] = []
-
-        def add_worker() -> None:
-            nonlocal next_id
-            kids.start(f"worker-{next_id}", ["worker", "--router", router, "--worker-id", str(next_id),
-                                             "--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
-                                             *config])
-            live.append(next_id)
-            next_id += 1
-
+        stack = _Stack(kids, config, http or [], token, worker_http)
+        router, live, add_worker = stack.router, stack.live, stack.add_worker
         for _ in range(scenario.cluster.workers):
             add_worker()
+        if stack.http:
+            print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
         loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir), "--chaos", "skip",
                                                "--expect-workers", str(scenario.cluster.workers), *config),
                                    env=cli_env(), preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
@@ -201,6 +275,8 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                 return 1
             time.sleep(0.05)
         code = loadgen.returncode
+        if stack.http:
+            _save_metrics(stack.http, outdir)
         where = f"report in {outdir}" if _written_since(outdir, started_wall) else "no report was written"
         print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code

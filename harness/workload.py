@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple
@@ -197,3 +197,19 @@ def _cut(sessions: list[Session], limit: int) -> Iterator[Session]:
         turns = s.turns[:left]
         left -= len(turns)
         yield s._replace(turns=turns)
+
+
+def output_lengths(scenario: Scenario) -> Callable[[], int]:
+    """Draws of the scenario's output length (seeded by ``run.seed``): its synthetic ``osl`` distribution, or
+    the lengths of its trace's rows. What an HTTP front end answers when a client lets the model stop."""
+    rng = random.Random(scenario.run.seed * 7919 + 17)
+    w = scenario.workload
+    if isinstance(w, SyntheticWorkload):
+        return lambda: sample(w.osl, rng)
+    rows = read_mooncake(resolve(scenario, w.trace), scenario.run.max_requests, w.trace_block_size)
+    lengths = []
+    for _, row in rows:
+        lengths.append(row.output_length)
+    if not lengths:
+        raise ScenarioError(f"workload.trace: {w.trace} has no rows to draw output lengths from")
+    return lambda: lengths[rng.randrange(len(lengths))]

@@ -77,6 +77,11 @@ class WallClock:
         """Current monotonic wall time in nanoseconds."""
         return time.monotonic_ns()
 
+    @staticmethod
+    def unix_s() -> int:
+        """Seconds since the Unix epoch (the ``created`` field of OpenAI responses); never for intervals."""
+        return int(time.time())
+
     def __repr__(self) -> str:
         return "WallClock()"
 

@@ -1,0 +1,44 @@
+"""The OpenAI servers of kvemu's processes: the router's front door, and a worker's own vLLM-like server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvemu.clock import Clock
+from kvemu.http import DEFAULT_MODEL
+from kvemu.http.app import OpenAIApp
+from kvemu.http.backend import RouterBackend
+from kvemu.http.metrics import FrontMetrics, RouterCollector
+from kvemu.http.tokenizer import load_tokenizer
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.router import Router
+
+from workers.actor import WorkerActor
+
+from harness.cluster import engine_config
+from harness.scenario import Scenario
+from harness.workload import output_lengths
+
+__all__ = ["front_door", "worker_door"]
+
+
+def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, clock: Clock, *,
+               tokenizer: str | None = None, model: str = DEFAULT_MODEL) -> OpenAIApp:
+    """The ASGI app serving OpenAI routes through ``router`` (a getter: chaos may replace the router)."""
+    engine = engine_config(scenario.cluster)
+    backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.block_size)
+    metrics = FrontMetrics(model, (RouterCollector(router, hooks),))
+    return OpenAIApp(backend, load_tokenizer(tokenizer), model=model, clock=clock, metrics=metrics,
+                     output_lengths=output_lengths(scenario))
+
+
+def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
+                model: str = DEFAULT_MODEL) -> OpenAIApp:
+    """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins)."""
+    from workers.http_backend import WorkerBackend
+    from workers.metrics import VllmMetrics
+
+    metrics = VllmMetrics(model, lambda: actor.worker.cores)
+    actor.on_end = metrics.finished
+    return OpenAIApp(WorkerBackend(actor), load_tokenizer(tokenizer), model=model, clock=actor.clock,
+                     metrics=metrics, output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank")

@@ -1,0 +1,493 @@
+"""The OpenAI-compatible HTTP application: a thin raw-ASGI app over a ``Backend``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as vLLM streams them, or whole),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. No framework
+and no task group per response: a request is parsed, submitted, and its tokens are written as the backend
+reports them. One watcher per request notices the client leaving and cancels the request in the engine.
+The status line waits for the first token, so a request refused before producing anything gets a real
+status (400, 404, 429, 503) even when it asked for a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from kvemu.clock import NS_PER_S, Clock
+from kvemu.http.backend import Backend
+from kvemu.http.errors import ApiError, error_body, failure_status
+from kvemu.http.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Hints,
+    TokenizeRequest,
+    decode_body,
+    hints_of,
+    output_budget,
+    prompts_of,
+)
+from kvemu.http.tokenizer import TextTokenizer
+from kvemu.records import RequestRecord
+from kvemu.runtime.messages import ClientRequest
+
+__all__ = ["OpenAIApp", "Metrics"]
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+_DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.encode
+log = logging.getLogger("kvemu.http")
+
+
+class Metrics(Protocol):
+    """What the app tells its metrics, and how they are exported (``GET /metrics``)."""
+
+    def started(self) -> None: ...
+
+    def refused(self, endpoint: str, stream: bool) -> None: ...
+
+    def ended(self, endpoint: str, stream: bool, status: str, first_ns: int | None, arrived_ns: int, now_ns: int,
+              records: list[RequestRecord | None], prompt_lens: list[int]) -> None: ...
+
+    def render(self) -> tuple[bytes, str]: ...
+
+
+class _Run:
+    """The generations of one HTTP request: tokens not yet written, records of the ended, who waits."""
+
+    __slots__ = ("pending", "records", "left", "waiter", "gone")
+
+    def __init__(self, k: int) -> None:
+        self.pending = [0] * k
+        self.records: list[RequestRecord | None] = [None] * k
+        self.left = k
+        self.waiter: asyncio.Future | None = None
+        self.gone = False
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def tokens(self, i: int, n: int) -> None:
+        self.pending[i] += n
+        self._wake()
+
+    def ended(self, i: int, record: RequestRecord) -> None:
+        self.records[i] = record
+        self.left -= 1
+        self._wake()
+
+    def disconnected(self, _task: Any = None) -> None:
+        self.gone = True
+        self._wake()
+
+    def has_news(self) -> bool:
+        return self.gone or any(self.pending) or any(r is not None for r in self.records)
+
+    async def wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+
+class _Gen:
+    """One generation (one prompt) of a request: its id, prompt, output plan and what was written of it."""
+
+    __slots__ = ("rid", "prompt_len", "n_out", "budget", "texts", "written", "first_ns", "last_ns")
+
+    def __init__(self, rid: str, prompt_len: int, n_out: int, budget: int, texts: list[str]) -> None:
+        self.rid = rid
+        self.prompt_len = prompt_len
+        self.n_out = n_out
+        self.budget = budget
+        self.texts = texts
+        self.written = 0
+        self.first_ns: int | None = None
+        self.last_ns = 0
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.n_out >= self.budget else "stop"
+
+
+class OpenAIApp:
+    """An ASGI application serving the OpenAI routes over ``backend``.
+
+    ``output_lengths`` draws how long an answer is when the client did not set ``ignore_eos`` (the
+    scenario's output-length distribution; capped by ``max_tokens``, at least ``min_tokens``); without it
+    every answer runs to its budget. ``rank_header`` is the header that pins a DP rank (the front door takes
+    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``).
+    """
+
+    def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
+                 metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
+                 chat_default_max_tokens: int | None = None, rank_header: str = "x-dp-rank",
+                 max_body_bytes: int = 16 << 20) -> None:
+        self.backend = backend
+        self.tok = tokenizer
+        self.model = model
+        self.clock = clock
+        self.metrics = metrics
+        self.output_lengths = output_lengths
+        self.chat_default_max_tokens = chat_default_max_tokens
+        self.rank_header = rank_header
+        self.max_body_bytes = max_body_bytes
+        self._unix_s: Callable[[], int] = getattr(clock, "unix_s", lambda: clock.now_ns() // NS_PER_S)
+        """Seconds since the epoch for ``created`` (virtual clocks count from their start)."""
+        self.created = self._unix_s()
+        self._routes: dict[tuple[str, str], Callable[..., Any]] = {
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/detokenize"): self._detokenize,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    # ------------------------------------------------------------------ ASGI
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if kind != "http":
+            return
+        handler = self._routes.get((scope["method"], scope["path"]))
+        try:
+            if handler is None:
+                if scope["path"] in self._paths:
+                    raise ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
+                raise ApiError(404, f"no route {scope['path']}")
+            await handler(scope, receive, send)
+        except ApiError as exc:
+            if self.metrics is not None and handler in (self._completions, self._chat):
+                self.metrics.refused("chat_completions" if handler == self._chat else "completions", False)
+            await _respond(send, exc.status, exc.body)
+        except Exception as exc:  # noqa: BLE001 - a bug must not cost the client its answer
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            await _respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def _body(self, receive: Callable) -> bytes:
+        chunks = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise ApiError(400, "the client went away before sending its body")
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(chunks)
+
+    # ------------------------------------------------------------------ small routes
+
+    async def _models(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await _respond(send, 200, _encode({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": self.created, "owned_by": "kvemu", "root": self.model,
+            "parent": None, "max_model_len": self.backend.max_model_len, "permission": []}]}))
+
+    async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
+        why = self.backend.unavailable()
+        if why is None:
+            await _respond(send, 200, b"", [])
+        else:
+            await _respond(send, 503, error_body(503, why))
+
+    async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if self.metrics is None:
+            raise ApiError(404, "this server exports no metrics")
+        body, content_type = self.metrics.render()
+        await _respond(send, 200, body, [(b"content-type", content_type.encode())])
+
+    async def _tokenize(self, scope: dict, receive: Callable, send: Callable) -> None:
+        req = decode_body(await self._body(receive), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        if req.prompt is not None:
+            ids = self.tok.encode(req.prompt)
+        else:
+            chat = ChatRequest(messages=req.messages)
+            ids = prompts_of(chat, self.tok)[0].tokens
+        await _respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
+                                           "tokens": ids}))
+
+    async def _detokenize(self, scope: dict, receive: Callable, send: Callable) -> None:
+        req = decode_body(await self._body(receive), DetokenizeRequest)
+        self._check_model(req.model)
+        try:
+            text = self.tok.decode(req.tokens)
+        except ValueError as exc:
+            raise ApiError(400, f"tokens: {exc}", "tokens") from None
+        await _respond(send, 200, _encode({"prompt": text}))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    # ------------------------------------------------------------------ generation
+
+    async def _completions(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self._generate(scope, receive, send, decode_body(await self._body(receive), CompletionRequest), False)
+
+    async def _chat(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self._generate(scope, receive, send, decode_body(await self._body(receive), ChatRequest), True)
+
+    async def _generate(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool) -> None:
+        arrived = self.clock.now_ns()
+        if req.model is None:
+            raise ApiError(400, "model: the model name is required", "model")
+        self._check_model(req.model)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.rank_header != "x-dp-rank" and self.rank_header in headers:
+            headers["x-dp-rank"] = headers[self.rank_header]
+        hints = hints_of(req, headers)
+        prompts = prompts_of(req, self.tok)
+        base = _request_id(headers, chat)
+        default = (self.chat_default_max_tokens if chat else 16)
+        gens, reqs = [], []
+        for i, p in enumerate(prompts):
+            budget = output_budget(req, len(p.tokens), self.backend.max_model_len, default)
+            n_out = budget
+            if not req.ignore_eos and self.output_lengths is not None:
+                n_out = max(req.min_tokens, min(budget, max(1, self.output_lengths())))
+            rid = base if len(prompts) == 1 else f"{base}-{i}"
+            ids, texts = self.tok.output(rid, n_out)
+            gens.append(_Gen(rid, len(p.tokens), n_out, budget, texts))
+            reqs.append(_client_request(rid, p.tokens, n_out, ids, hints))
+        run = _Run(len(gens))
+        stream = req.stream
+        if self.metrics is not None:
+            self.metrics.started()
+        for i, r in enumerate(reqs):
+            self.backend.submit(r, lambda n, i=i: run.tokens(i, n), lambda rec, i=i: run.ended(i, rec))
+        watcher = asyncio.get_running_loop().create_task(receive())  # completes when the client leaves
+        watcher.add_done_callback(run.disconnected)
+        reply = _Reply(self, base, chat, gens, req, hints, send, arrived)
+        status = "error"
+        try:
+            status = await (reply.stream(run) if stream else reply.whole(run))
+        finally:
+            watcher.remove_done_callback(run.disconnected)
+            watcher.cancel()
+            if run.left:  # the client left, or another generation failed: cancel what is still open
+                for g, rec in zip(gens, run.records):
+                    if rec is None:
+                        self.backend.cancel(g.rid, "client_disconnected" if run.gone else "sibling_failed")
+                status = "cancelled" if run.gone else status
+            if self.metrics is not None:
+                first = min((g.first_ns for g in gens if g.first_ns is not None), default=None)
+                self.metrics.ended("chat_completions" if chat else "completions", stream, status, first, arrived,
+                                   self.clock.now_ns(), run.records, [g.prompt_len for g in gens])
+
+
+def _client_request(rid: str, tokens: list[int], n_out: int, ids: list[int], hints: Hints) -> ClientRequest:
+    return ClientRequest(request_id=rid, tokens=tokens, max_tokens=n_out, session_id=hints.session_id,
+                         parent_session_id=hints.parent_session_id, worker_id=hints.worker_id, dp_rank=hints.dp_rank,
+                         priority=hints.priority, expected_output_tokens=hints.osl, output_token_ids=ids,
+                         engine_priority=hints.engine_priority)
+
+
+_ids = itertools.count()
+_ID_PREFIX = uuid.uuid4().hex[:12]  # ids stay unique across processes and restarts
+
+
+def _request_id(headers: dict[str, str], chat: bool) -> str:
+    given = headers.get("x-request-id")
+    if given:
+        if len(given) > 128:
+            raise ApiError(400, "x-request-id header: at most 128 characters", "x-request-id")
+        return given
+    return f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_ids):x}"
+
+
+async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": _JSON if headers is None else headers})
+        await send({"type": "http.response.body", "body": body})
+    except OSError:  # the client is gone
+        pass
+
+
+class _Reply:
+    """Writes one request's response: SSE chunks as tokens arrive, or one JSON body at the end."""
+
+    def __init__(self, app: OpenAIApp, rid: str, chat: bool, gens: list[_Gen], req: Any, hints: Hints,
+                 send: Callable, arrived_ns: int) -> None:
+        self.app = app
+        self.rid = rid
+        self.chat = chat
+        self.gens = gens
+        self.req = req
+        self.hints = hints
+        self.send = send
+        self.arrived_ns = arrived_ns
+        self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": app._unix_s(), "model": app.model}
+        opts = req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous = bool(opts and opts.continuous_usage_stats)
+
+    async def _failed_early(self, run: _Run) -> str | None:
+        """If a generation failed before anything was written, answer with its status; returns the status word."""
+        for rec in run.records:
+            if rec is not None and rec.failure is not None:
+                await _respond(self.send, failure_status(rec.failure),
+                               error_body(failure_status(rec.failure), f"request failed: {rec.failure}"))
+                return "error"
+        return None
+
+    async def whole(self, run: _Run) -> str:
+        while run.left and not run.gone:
+            if any(r is not None and r.failure for r in run.records):
+                break
+            await run.wait()
+        if run.gone:
+            return "cancelled"
+        failed = await self._failed_early(run)
+        if failed:
+            return failed
+        choices = []
+        for i, (g, rec) in enumerate(zip(self.gens, run.records)):
+            assert rec is not None
+            g.written = rec.output_tokens
+            text = "".join(g.texts[: rec.output_tokens])
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                                "logprobs": None, "finish_reason": g.finish_reason, "stop_reason": None})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": g.finish_reason,
+                                "stop_reason": None, "prompt_logprobs": None})
+        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.head["created"], "model": self.app.model, "choices": choices,
+                "usage": self._usage(run.records)}
+        self._nvext(body, run.records)
+        await _respond(self.send, 200, _encode(body))
+        return "success"
+
+    async def stream(self, run: _Run) -> str:
+        send = self.send
+        started = False
+        clock = self.app.clock
+        try:
+            while True:
+                if run.gone:
+                    return "cancelled"
+                if not started:
+                    if not run.has_news():
+                        await run.wait()
+                        continue
+                    if not any(run.pending) and (failed := await self._failed_early(run)):
+                        return failed
+                    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+                    started = True
+                    if self.chat:
+                        for i in range(len(self.gens)):
+                            await self._chunk(i, {"role": "assistant", "content": ""}, None)
+                wrote = False
+                for i, g in enumerate(self.gens):
+                    n = run.pending[i]
+                    if not n:
+                        continue
+                    run.pending[i] = 0
+                    now = clock.now_ns()
+                    if g.first_ns is None:
+                        g.first_ns = now
+                    g.last_ns = now
+                    lo, g.written = g.written, min(g.written + n, g.n_out)
+                    text = "".join(g.texts[lo:g.written])
+                    last = g.written >= g.n_out
+                    await self._chunk(i, {"content": text} if self.chat else text, g.finish_reason if last else None)
+                    wrote = True
+                failure = next((r.failure for r in run.records if r is not None and r.failure), None)
+                if failure is not None:
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": b"data: " + error_body(failure_status(failure), f"request failed: {failure}")
+                                + b"\n\n"})
+                    await send({"type": "http.response.body", "body": _DONE})
+                    return "error"
+                if not run.left and not any(run.pending):
+                    break
+                if not wrote:
+                    await run.wait()
+            if self.include_usage:
+                usage = {**self.head, "choices": [], "usage": self._usage(run.records)}
+                self._nvext(usage, run.records)
+                await send({"type": "http.response.body", "body": b"data: " + _encode(usage) + b"\n\n",
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": _DONE})
+            return "success"
+        except OSError:  # the client went away while we wrote
+            run.gone = True
+            return "cancelled"
+
+    async def _chunk(self, i: int, delta: Any, finish: str | None) -> None:
+        if self.chat:
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        chunk: dict[str, Any] = {**self.head, "choices": [choice]}
+        if self.continuous:
+            g = self.gens[i]
+            chunk["usage"] = {"prompt_tokens": g.prompt_len, "completion_tokens": g.written,
+                              "total_tokens": g.prompt_len + g.written}
+        await self.send({"type": "http.response.body", "body": b"data: " + _encode(chunk) + b"\n\n", "more_body": True})
+
+    def _usage(self, records: list[RequestRecord | None]) -> dict[str, Any]:
+        prompt = sum(g.prompt_len for g in self.gens)
+        out = sum(r.output_tokens for r in records if r is not None)
+        cached = sum(r.engine_cached_tokens or 0 for r in records if r is not None)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + out, "completion_tokens": out,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _nvext(self, body: dict[str, Any], records: list[RequestRecord | None]) -> None:
+        fields = self.hints.extra_fields
+        rec = records[0]
+        if not fields or rec is None:
+            return
+        nv: dict[str, Any] = {}
+        if "worker_id" in fields:
+            nv["worker_id"] = {"prefill_worker_id": rec.worker_id, "prefill_dp_rank": rec.dp_rank,
+                               "decode_worker_id": rec.worker_id, "decode_dp_rank": rec.dp_rank}
+        if "timing" in fields:
+            nv["timing"] = _timing(rec, self.app.backend.block_size)
+        body["nvext"] = nv
+
+
+def _ms(a: int | None, b: int | None) -> float | None:
+    return None if a is None or b is None else round((b - a) / 1e6, 3)
+
+
+def _timing(rec: RequestRecord, block_size: int) -> dict[str, Any]:
+    """Where the time of one request went, as the router and the engine saw it (milliseconds)."""
+    n = rec.output_tokens
+    return {
+        "queue_ms": _ms(rec.queued_ns, rec.routed_ns) if rec.queued_ns is not None else 0.0,
+        "routing_ms": _ms(rec.arrival_ns, rec.routed_ns),
+        "engine_queue_ms": _ms(rec.routed_ns, rec.admitted_ns),
+        "ttft_ms": _ms(rec.arrival_ns, rec.first_token_ns),
+        "itl_ms": (_ms(rec.first_token_ns, rec.completion_ns) or 0.0) / (n - 1) if n > 1 else None,
+        "total_time_ms": _ms(rec.arrival_ns, rec.completion_ns),
+        "cached_tokens": rec.engine_cached_tokens or 0,
+        "predicted_cached_tokens": (rec.predicted_overlap_blocks or 0) * block_size,
+        "kv_hit_rate": round((rec.engine_cached_tokens or 0) / rec.isl, 4) if rec.isl else 0.0,
+        "routing_reason": rec.routing_reason,
+    }

@@ -1,0 +1,84 @@
+"""What the HTTP front end runs requests on: the router (the front door) or one worker's own engines.
+
+A backend takes a ``ClientRequest`` with two callbacks: ``on_tokens(n)`` each time ``n`` more output tokens
+exist, ``on_end(record)`` once, when the request completed or failed. ``cancel`` ends it at once (the client
+went away): the router frees its load and binding and the engine its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvemu.records import RequestRecord
+from kvemu.runtime.hooks import HookEvent, Hooks
+from kvemu.runtime.messages import ClientRequest
+from kvemu.runtime.router import Router
+
+__all__ = ["Backend", "RouterBackend", "OnTokens", "OnEnd"]
+
+OnTokens = Callable[[int], None]
+OnEnd = Callable[[RequestRecord], None]
+
+
+class Backend(Protocol):
+    """Runs requests for the HTTP layer."""
+
+    max_model_len: int
+    """Prompt plus output tokens one request may hold."""
+    block_size: int
+
+    def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
+        """Start ``req``; ``on_end`` may be called before this returns (a request refused at once)."""
+        ...
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """End an open request now; nothing more is reported for it."""
+        ...
+
+    def unavailable(self) -> str | None:
+        """Why no request can be served now (``/health`` answers 503 with it), or None."""
+        ...
+
+
+class RouterBackend:
+    """The front door: requests go through the router, tokens come back through its hooks.
+
+    ``router`` is a callable so that a router replaced in the same process (chaos ``restart_router``) is
+    the one used from then on.
+    """
+
+    def __init__(self, router: Callable[[], Router], hooks: Hooks, *, max_model_len: int, block_size: int) -> None:
+        self._router = router
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self._streams: dict[str, OnTokens] = {}
+        hooks.subscribe(self._on_tokens, "tokens")
+
+    def _on_tokens(self, ev: HookEvent) -> None:
+        cb = self._streams.get(ev.request_id)  # type: ignore[arg-type]
+        if cb is not None:
+            cb(len(ev.data["times_ns"]))  # type: ignore[index]
+
+    def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
+        rid = req.request_id
+        streams = self._streams
+        streams[rid] = on_tokens
+
+        def ended(record: RequestRecord) -> None:
+            streams.pop(rid, None)
+            on_end(record)
+
+        self._router().submit(req, ended)
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        self._streams.pop(request_id, None)
+        self._router().cancel(request_id, reason)
+
+    def unavailable(self) -> str | None:
+        router = self._router()
+        if router.lifecycle.stopped:
+            return f"the router stopped: {router.lifecycle.stopped}"
+        if not router.workers:
+            return "no worker is registered with the router"
+        return None

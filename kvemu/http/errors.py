@@ -1,0 +1,49 @@
+"""HTTP errors in vLLM's nested OpenAI form, and the status of each way a request can fail."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["ApiError", "failure_status", "error_body"]
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "BadRequestError",
+          429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+# a failed request's recorded reason (``RequestRecord.failure``), by prefix, as the status a client gets
+_FAILURE_STATUS = (
+    ("invalid_request", 400),
+    ("pinned_worker_not_allowed", 400),
+    ("duplicate_request_id", 400),
+    ("queue_rejected", 429),
+    ("do_not_queue", 429),
+)
+
+
+class ApiError(Exception):
+    """A request the front end answers with an error status; ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @property
+    def body(self) -> bytes:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """vLLM's error object for ``status``."""
+    return msgspec.json.encode({"error": {"message": message, "type": _TYPES.get(status, "InternalServerError"),
+                                          "param": param, "code": status}})
+
+
+def failure_status(failure: str) -> int:
+    """The HTTP status of a request that ended with ``failure`` before producing anything: 400 for what the
+    client asked wrongly, 429 when the policy queue turned it away, 503 when no worker could serve it."""
+    for prefix, status in _FAILURE_STATUS:
+        if failure.startswith(prefix):
+            return status
+    return 503

@@ -1,0 +1,274 @@
+"""OpenAI request bodies as real clients send them, validated into what kvemu runs, and the responses back.
+
+Unknown fields are ignored (clients send sampling parameters an emulator has no use for); a field of the
+wrong type or out of range is a 400 naming it, as vLLM answers. Routing hints are taken as Dynamo's
+frontend takes them: ``nvext`` in the body and the session and pin headers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvemu.errors import InvalidArgument
+from kvemu.http.errors import ApiError
+from kvemu.http.tokenizer import ROLES, TextTokenizer
+
+__all__ = [
+    "CompletionRequest",
+    "ChatRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+    "Hints",
+    "Prompt",
+    "decode_body",
+    "prompts_of",
+    "hints_of",
+    "output_budget",
+    "MAX_PROMPTS",
+    "MAX_ID_BYTES",
+]
+
+MAX_PROMPTS = 256
+"""Prompts one completions request may carry (each becomes one choice)."""
+MAX_ID_BYTES = 256
+"""Session ids (as the affinity table bounds them)."""
+EXTRA_FIELDS = ("worker_id", "timing")
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class AgentHints(msgspec.Struct):
+    priority: int | None = None
+    osl: int | None = None
+    latency_sensitivity: float | None = None
+
+
+class NvExt(msgspec.Struct):
+    backend_instance_id: int | None = None
+    dp_rank: int | None = None
+    agent_hints: AgentHints | None = None
+    extra_fields: list[str] | None = None
+
+
+class _Generate(msgspec.Struct):
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    echo: bool = False
+    logprobs: Any = None
+    priority: int = 0
+    nvext: NvExt | None = None
+
+
+class CompletionRequest(_Generate):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[Any] | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Generate):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] | None = None
+
+
+class TokenizeRequest(msgspec.Struct):
+    """``POST /tokenize``: a prompt, or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct):
+    """``POST /detokenize``."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode_body(body: bytes, kind: type) -> Any:
+    """Parse a JSON body into ``kind``; a 400 naming the field when it does not fit."""
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return dec.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`") if "at `$." in text else None
+        raise ApiError(400, f"invalid request body: {text}", param) from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+class Prompt(msgspec.Struct, frozen=True):
+    """One prompt as token ids, with its text when it came as text."""
+
+    tokens: list[int]
+
+
+def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer) -> list[Prompt]:
+    """The prompts of a request as token ids (a completions request may carry several)."""
+    if isinstance(req, ChatRequest):
+        if not req.messages:
+            raise ApiError(400, "messages: at least one message is required", "messages")
+        return [Prompt(tok.encode(tok.chat_prompt([_message(m, i) for i, m in enumerate(req.messages)])))]
+    p = req.prompt
+    if p is None:
+        raise ApiError(400, "prompt: a prompt is required", "prompt")
+    if isinstance(p, str):
+        return [Prompt(tok.encode(p))]
+    if not p:
+        raise ApiError(400, "prompt: the list is empty", "prompt")
+    if all(type(x) is int for x in p):
+        return [Prompt(_ids(p, tok, "prompt"))]
+    if len(p) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
+    if all(isinstance(x, str) for x in p):
+        return [Prompt(tok.encode(x)) for x in p]
+    if all(isinstance(x, list) and all(type(y) is int for y in x) for x in p):
+        return [Prompt(_ids(x, tok, f"prompt[{i}]")) for i, x in enumerate(p)]
+    raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of lists of "
+                        "token ids", "prompt")
+
+
+def _ids(ids: list[int], tok: TextTokenizer, field: str) -> list[int]:
+    try:
+        tok.check_ids(ids, field)
+    except InvalidArgument as exc:
+        raise ApiError(400, str(exc), "prompt") from None
+    return ids
+
+
+def _message(m: Message, i: int) -> tuple[str, str]:
+    if m.role not in ROLES:
+        raise ApiError(400, f"messages[{i}].role: {m.role!r} is not one of {', '.join(ROLES)}", "messages")
+    c = m.content
+    if c is None:
+        return m.role, ""
+    if isinstance(c, str):
+        return m.role, c
+    texts = []
+    for j, part in enumerate(c):
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got type "
+                                f"{part.type!r}", "messages")
+        texts.append(part.text)
+    return m.role, "\n".join(texts)
+
+
+class Hints(msgspec.Struct, kw_only=True):
+    """Routing hints of one request, from Dynamo's headers and ``nvext``."""
+
+    session_id: str | None = None
+    parent_session_id: str | None = None
+    worker_id: int | None = None
+    dp_rank: int | None = None
+    priority: int = 0
+    """The router's policy-queue tier (``nvext.agent_hints.priority``, higher first)."""
+    engine_priority: int = 0
+    """vLLM's ``priority`` body field: the engine scheduler's order (lower first)."""
+    osl: int | None = None
+    extra_fields: tuple[str, ...] = ()
+
+
+_SESSION_HEADERS = ("x-dynamo-session-id", "x-session-id", "session-id")
+_PARENT_HEADERS = ("x-dynamo-parent-session-id", "x-parent-session-id")
+
+
+def hints_of(req: _Generate, headers: Mapping[str, str]) -> Hints:
+    """Session, parent session, pins, priority, expected output length and extra response fields."""
+    nv = req.nvext or NvExt()
+    hints = nv.agent_hints or AgentHints()
+    session = _first(headers, _SESSION_HEADERS)
+    parent = _first(headers, _PARENT_HEADERS)
+    for name, value in (("session id", session), ("parent session id", parent)):
+        if value is not None and (not value or len(value.encode()) > MAX_ID_BYTES):
+            raise ApiError(400, f"{name} header: must be 1..{MAX_ID_BYTES} bytes", name.replace(" ", "_"))
+    worker = _int_header(headers, "x-worker-instance-id")
+    rank = _int_header(headers, "x-dp-rank")
+    extra = tuple(nv.extra_fields or ())
+    unknown = [f for f in extra if f not in EXTRA_FIELDS]
+    if unknown:
+        raise ApiError(400, f"nvext.extra_fields: unknown {unknown}; supported: {list(EXTRA_FIELDS)}",
+                       "nvext.extra_fields")
+    if hints.osl is not None and hints.osl < 0:
+        raise ApiError(400, "nvext.agent_hints.osl: must be >= 0", "nvext.agent_hints.osl")
+    return Hints(session_id=session, parent_session_id=parent,
+                 worker_id=worker if worker is not None else nv.backend_instance_id,
+                 dp_rank=rank if rank is not None else nv.dp_rank, priority=hints.priority or 0,
+                 engine_priority=req.priority, osl=hints.osl, extra_fields=extra)
+
+
+def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ApiError(400, f"{name} header: {value[:40]!r} is not an integer", name) from None
+    if n < 0:
+        raise ApiError(400, f"{name} header: must be >= 0, got {n}", name)
+    return n
+
+
+def output_budget(req: _Generate, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """The most tokens this request may produce (``max_completion_tokens`` over ``max_tokens``; ``default``,
+    or what the context leaves when it is None); a 400 when it is not positive or the context overflows."""
+    if req.n != 1:
+        raise ApiError(400, f"n: kvemu produces one choice per prompt, got n={req.n}", "n")
+    if req.echo:
+        raise ApiError(400, "echo: not supported by kvemu", "echo")
+    if req.logprobs not in (None, False):
+        raise ApiError(400, "logprobs: not supported by kvemu (it generates no real tokens)", "logprobs")
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if asked is None:
+        asked = default if default is not None else max_model_len - prompt_len
+    elif asked < 1:
+        raise ApiError(400, f"{field}: must be at least 1, got {asked}", field)
+    if prompt_len < 1:
+        raise ApiError(400, "prompt: the prompt is empty (it tokenizes to no token)", "prompt")
+    if prompt_len + asked > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                            f"{prompt_len + asked} tokens ({prompt_len} in the messages, {asked} in the completion). "
+                            f"Please reduce the length of the messages or completion.", field)
+    if not 0 <= req.min_tokens <= asked:
+        raise ApiError(400, f"min_tokens: must be in 0..{asked} (the output budget), got {req.min_tokens}",
+                       "min_tokens")
+    return asked
