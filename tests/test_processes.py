@@ -401,3 +401,28 @@ def test_up_applies_every_chaos_action_to_the_processes(tmp_path):
                     (1, "kill_rank", None), (1, "slow_worker", None), (2, "delay_kv_events", None)], done
     time.sleep(0.2)
     assert set(_children_of_tests()) <= before
+
+
+def test_the_front_door_metrics_of_a_run_agree_with_its_report(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = tmp_path / "out"
+    res = kvemu("up", str(small(tmp_path)), *FAST, "-o", str(out), "--http", "127.0.0.1:0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "OpenAI API at http://127.0.0.1:" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    fams = {f.name: f for f in text_string_to_metric_families((out / "metrics.prom").read_text())}
+
+    def total(name, **labels):
+        return sum(s.value for s in fams[name].samples
+                   if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert total("kvemu_router_requests", outcome="completed") == summary["completed_requests"] > 0
+    assert total("kvemu_router_requests") - total("kvemu_router_requests", outcome="completed") == \
+        summary["kvemu"]["failed_requests"]
+    assert total("kvemu_router_cached_tokens", source="engine") == sum(
+        r["engine_cached_tokens"] or 0 for r in records if r["failure"] is None)
+    kv = summary["kvemu"]["kv_events"]["totals"]
+    for counter in ("blocks_stored", "batches", "gaps", "lost_batches"):
+        assert total("kvemu_kv_events", counter=counter) == kv[counter], counter

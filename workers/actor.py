@@ -21,6 +21,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.messages import (
     Abort,
     Chaos,
+    ClientRequest,
     Deregister,
     Dispatch,
     Draining,
@@ -118,6 +119,12 @@ class WorkerActor:
         self._beat_t0 = 0
         self._records: dict[str, RequestRecord] = {}
         self._sent: dict[str, int] = {}
+        self.local: dict[str, Callable[[TokenBatch | Finished | RequestFailed], None]] = {}
+        """Requests that came to this worker directly (its HTTP server), by id: where their replies go instead
+        of the router."""
+        self.on_end: Callable[[RequestRecord, str], None] | None = None
+        """Told every request that ends on this worker, with vLLM's finish reason (``length`` or ``abort``):
+        the worker's metrics."""
 
     def kill_rank(self, dp_rank: int) -> list[str]:
         """Chaos: one rank dies. Its requests fail (``rank_lost``), its cache is gone, it takes no more work."""
@@ -127,10 +134,12 @@ class WorkerActor:
         self.dead_ranks.add(dp_rank)
         lost = sorted(rid for rid, rec in self._records.items() if rec.dp_rank == dp_rank)
         for rid in lost:
-            self._records.pop(rid, None)
+            rec = self._records.pop(rid)
             self._sent.pop(rid, None)
             self._flushed_at.pop(rid, None)
-            self._send(RequestFailed(request_id=rid, reason="rank_lost"))
+            if self.on_end is not None:
+                self.on_end(rec, "abort")
+            self._reply(RequestFailed(request_id=rid, reason="rank_lost"))
         self._send(RankDown(worker_id=self.worker_id, dp_rank=dp_rank))
         return lost
 
@@ -234,10 +243,15 @@ class WorkerActor:
             self._answered.set()
 
     def _on_dispatch(self, msg: Dispatch) -> None:
+        why = self._admit(msg)
+        self._send(DispatchAck(request_id=msg.request_id, accepted=why is None, reason=why))
+
+    def _admit(self, msg: Dispatch) -> str | None:
+        """Put a request on its rank's engine; why it cannot be (None: it runs)."""
         if msg.dp_rank in self.dead_ranks:
-            self._send(DispatchAck(request_id=msg.request_id, accepted=False,
-                                   reason=f"rank_down: rank {msg.dp_rank} is dead"))
-            return
+            return f"rank_down: rank {msg.dp_rank} is dead"
+        if msg.request_id in self._records:
+            return f"duplicate_request_id: {msg.request_id!r} is already running on this worker"
         now = self.clock.now_ns()
         if self.mode == "virtual":
             self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
@@ -245,17 +259,42 @@ class WorkerActor:
                       arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.priority,
                       output_token_ids=msg.output_token_ids)
         outcome = self.worker.dispatch(req, msg.dp_rank)
-        if outcome.accepted:
-            self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
-            self._sent[msg.request_id] = 0
-            self._send(DispatchAck(request_id=msg.request_id, accepted=True))
-            if self.mode == "virtual":  # the engine is at now already: arm its next instant (>= now + 1)
-                self._driver.arm(self.worker.next_event_ns())
-            elif (wake := self._wakes.get(msg.dp_rank)) is not None:
-                wake.set()
-        else:
+        if not outcome.accepted:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
-            self._send(DispatchAck(request_id=msg.request_id, accepted=False, reason=f"{reason}: {outcome.message}"))
+            return f"{reason}: {outcome.message}"
+        self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
+        self._sent[msg.request_id] = 0
+        if self.mode == "virtual":  # the engine is at now already: arm its next instant (>= now + 1)
+            self._driver.arm(self.worker.next_event_ns())
+        elif (wake := self._wakes.get(msg.dp_rank)) is not None:
+            wake.set()
+        return None
+
+    def submit_local(self, req: ClientRequest, dp_rank: int,
+                     reply: Callable[[TokenBatch | Finished | RequestFailed], None]) -> str | None:
+        """Run a request that came to this worker directly (not through the router): its tokens, its end or its
+        failure go to ``reply``. Returns why it was refused (nothing runs then), or None."""
+        if self.worker.shutting_down:
+            return f"shutting_down: worker {self.worker_id} is shutting down"
+        self.local[req.request_id] = reply
+        why = self._admit(Dispatch(request_id=req.request_id, dp_rank=dp_rank, tokens=req.tokens,
+                                   max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,
+                                   priority=req.engine_priority))
+        if why is not None:
+            self.local.pop(req.request_id, None)
+        return why
+
+    def _reply(self, msg: TokenBatch | Finished | RequestFailed) -> None:
+        """A request's tokens or end: to the router, or to the local client it came from."""
+        local = self.local
+        if local:
+            to = local.get(msg.request_id)
+            if to is not None:
+                if type(msg) is not TokenBatch:
+                    del local[msg.request_id]
+                to(msg)
+                return
+        self._send(msg)
 
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:
         """Drop a request this worker runs (its client went away): the engine frees its blocks at once and
@@ -265,10 +304,13 @@ class WorkerActor:
             return False
         self._sent.pop(request_id, None)
         self._flushed_at.pop(request_id, None)
+        self.local.pop(request_id, None)
         core = self.worker.core(rec.dp_rank or 0)
         if self.mode == "virtual":
             self._emit_advance(self.worker.advance_to(max(self.clock.now_ns(), self._engine_now())))
         core.abort(request_id, reason)
+        if self.on_end is not None:
+            self.on_end(rec, "abort")
         if self.mode == "virtual":
             self._driver.arm(self.worker.next_event_ns())
         elif (wake := self._wakes.get(core.dp_rank)) is not None:
@@ -313,7 +355,7 @@ class WorkerActor:
         return None if nxt is None else max(nxt, self.clock.now_ns())
 
     def _emit_advance(self, results: list[AdvanceResult]) -> None:
-        send = self._send
+        reply = self._reply
         for core, res in zip(self.worker.cores, results):
             pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
             for pe in res.events:
@@ -321,7 +363,7 @@ class WorkerActor:
             for rid, t in res.first_tokens:
                 if self._sent.get(rid) == 0:
                     self._sent[rid] = 1
-                    send(TokenBatch(request_id=rid, times_ns=[t]))
+                    reply(TokenBatch(request_id=rid, times_ns=[t]))
             for rec in res.completed:
                 if rec.request_id in self._records:
                     self._finish(rec)
@@ -330,7 +372,9 @@ class WorkerActor:
         self._flushed_at.pop(rec.request_id, None)
         sent = self._sent.pop(rec.request_id, 0)
         self._records.pop(rec.request_id, None)
-        self._send(Finished(
+        if self.on_end is not None:
+            self.on_end(rec, "length")
+        self._reply(Finished(
             request_id=rec.request_id, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
             cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
         ))
@@ -363,7 +407,7 @@ class WorkerActor:
         if batch is not None:
             pub.publish(batch)
         done = {rec.request_id for rec in res.completed}
-        send = self._send
+        send = self._reply
         now = res.end_ns
         interval = self.stream_interval_ns
         flushed = self._flushed_at

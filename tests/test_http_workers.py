@@ -1,0 +1,209 @@
+"""A worker's own vLLM-like HTTP server: rank pins, vLLM's metric names, and Dynamo's router in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvemu import WallClock
+from kvemu.http.server import HttpServer
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.loop import run_live
+
+from harness.cluster import cluster
+from harness.frontdoor import worker_door
+from harness.scenario import parse_scenario
+from harness.up import cli_command, cli_env
+from workers.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+
+SCENARIO = """
+name: worker-http
+cluster:
+  workers: 1
+  dp_size: 2
+  engine: {block_size: 16, num_gpu_blocks: 2048, speedup_ratio: 50, decode_speedup_ratio: 50}
+router: {policy: kv}
+run: {mode: live, seed: 5}
+"""
+BS = 16
+
+
+def serve_worker(body):
+    """Run ``body(http, actor)`` against worker 0's own HTTP server in a live in-process cluster."""
+    sc = parse_scenario(SCENARIO)
+    clock = WallClock()
+
+    async def main():
+        async with cluster(sc, clock, Hooks()) as c:
+            actor = c.workers[min(c.workers)]
+            server = HttpServer(worker_door(sc, actor), "127.0.0.1:0")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(server.serve)
+                try:
+                    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+                        with anyio.fail_after(60):
+                            return await body(http, actor)
+                finally:
+                    tg.cancel_scope.cancel()
+
+    return run_live(main)
+
+
+def test_the_rank_header_pins_and_round_robin_spreads():
+    async def body(http, actor):
+        pinned, spread = [], []
+        for rank in (1, 0, 1):
+            r = await http.post("/v1/completions", headers={"X-data-parallel-rank": str(rank)},
+                                json={"model": "kvemu", "prompt": "pin this", "max_tokens": 2,
+                                      "nvext": {"extra_fields": ["worker_id"]}})
+            pinned.append((rank, r.json()["nvext"]["worker_id"]["decode_dp_rank"]))
+        for i in range(4):
+            r = await http.post("/v1/completions", json={"model": "kvemu", "prompt": f"spread {i}", "max_tokens": 2,
+                                                         "nvext": {"extra_fields": ["worker_id"]}})
+            spread.append(r.json()["nvext"]["worker_id"]["decode_dp_rank"])
+        bad = await http.post("/v1/completions", headers={"X-data-parallel-rank": "7"},
+                              json={"model": "kvemu", "prompt": "x", "max_tokens": 2})
+        return pinned, spread, bad.status_code, bad.json()["error"]["message"]
+
+    pinned, spread, status, message = serve_worker(body)
+    assert all(want == got for want, got in pinned)
+    assert sorted(spread) == [0, 0, 1, 1]
+    assert status == 503 and "dp_rank" in message
+
+
+def test_vllm_metrics_count_what_the_engines_did():
+    prompt = list(range(1, 1 + 6 * BS))
+
+    async def body(http, actor):
+        outs = []
+        for _ in range(3):  # the same prompt on rank 0: the second and third find 5 blocks cached
+            r = await http.post("/v1/completions", headers={"X-data-parallel-rank": "0"},
+                                json={"model": "kvemu", "prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+            outs.append(r.json()["usage"])
+        stream = await http.post("/v1/chat/completions", headers={"X-data-parallel-rank": "1"},
+                                 json={"model": "kvemu", "messages": [{"role": "user", "content": "hello there"}],
+                                       "max_tokens": 3, "ignore_eos": True, "stream": True})
+        assert stream.text.endswith("data: [DONE]\n\n")
+        return outs, (await http.get("/metrics")).text
+
+    outs, text = serve_worker(body)
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in outs] == [0, 5 * BS, 5 * BS]
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    r0 = (("engine", "0"), ("model_name", "kvemu"))
+    r1 = (("engine", "1"), ("model_name", "kvemu"))
+    assert value[("vllm:prompt_tokens_total", r0)] == 3 * len(prompt)
+    assert value[("vllm:prefix_cache_queries_total", r0)] == 3 * len(prompt)
+    assert value[("vllm:prefix_cache_hits_total", r0)] == sum(u["prompt_tokens_details"]["cached_tokens"] for u in outs)
+    assert value[("vllm:generation_tokens_total", r0)] == 12 and value[("vllm:generation_tokens_total", r1)] == 3
+    assert value[("vllm:request_success_total", (*r0[:1], ("finished_reason", "length"), r0[1]))] == 3
+    assert value[("vllm:num_requests_running", r0)] == 0 and value[("vllm:num_requests_waiting", r1)] == 0
+    assert 0 < value[("vllm:kv_cache_usage_perc", r0)] <= 1 or value[("vllm:kv_cache_usage_perc", r0)] == 0
+    assert value[("vllm:time_to_first_token_seconds_count", r0)] == 3
+    assert value[("vllm:inter_token_latency_seconds_count", r0)] == 3 * 3
+    buckets = {name: sorted({float(s.labels["le"]) for s in fams[name].samples if s.name.endswith("_bucket")} - {float("inf")})
+               for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                            "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")}
+    assert buckets["vllm:time_to_first_token_seconds"] == list(TTFT_BUCKETS)
+    assert buckets["vllm:inter_token_latency_seconds"] == list(ITL_BUCKETS)
+    assert buckets["vllm:e2e_request_latency_seconds"] == list(REQUEST_LATENCY_BUCKETS)
+    assert buckets["vllm:request_queue_time_seconds"] == list(REQUEST_LATENCY_BUCKETS)
+
+
+def test_a_cancelled_direct_request_is_counted_as_aborted_and_frees_its_blocks():
+    async def body(http, actor):
+        async with http.stream("POST", "/v1/completions", headers={"X-data-parallel-rank": "1"},
+                               json={"model": "kvemu", "prompt": "a long answer please", "max_tokens": 20000,
+                                     "ignore_eos": True, "stream": True}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        with anyio.fail_after(10):
+            while any(core.num_unfinished for core in actor.worker.cores) or actor.local:
+                await anyio.sleep(0.01)
+        core = actor.worker.core(1)
+        core.check_invariants()
+        return (await http.get("/metrics")).text, core.pool.free + len(core.pool.cached) == core.pool.num_blocks
+
+    text, freed = serve_worker(body)
+    assert freed
+    value = {(s.name, s.labels.get("engine"), s.labels.get("finished_reason")): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples}
+    assert value[("vllm:request_success_total", "1", "abort")] == 1
+
+
+@pytest.mark.reference
+def test_dynamo_selection_service_routes_to_kvemu_workers_and_predicts_their_cache(tmp_path, dynamo_core):
+    """Dynamo's SelectionService watches two kvemu workers' KV events (vLLM wire format), picks the rank
+    that cached a prompt, and that rank's engine finds exactly the overlap Dynamo predicted."""
+    scenario = tmp_path / "two.yaml"
+    scenario.write_text(SCENARIO.replace("workers: 1", "workers: 2"))
+    proc = subprocess.Popen(cli_command("serve", str(scenario), "--http", "127.0.0.1:0", "--worker-http"),
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        workers = {w["worker_id"]: w for w in info["worker_info"]}
+        result = asyncio.run(_select_and_serve(dynamo_core, workers))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    predicted_tokens, cached_tokens, chosen, cached_on = result
+    assert chosen == cached_on
+    assert predicted_tokens == 10 * BS and cached_tokens == predicted_tokens
+
+
+async def _select_and_serve(dynamo, workers):
+    svc = dynamo.SelectionService()
+    try:
+        for wid, w in workers.items():
+            await svc.upsert_worker({"worker_id": wid, "model_name": "m", "endpoint": w["http"], "block_size": BS,
+                                     "data_parallel_start_rank": 0, "data_parallel_size": 2,
+                                     "kv_events_endpoints": dict(enumerate(w["kv_events"]))})
+        async with httpx.AsyncClient(timeout=10) as http:
+            async def run(wid, rank, tokens):
+                r = await http.post(f"{workers[wid]['http']}/v1/completions",
+                                    headers={"X-data-parallel-rank": str(rank)},
+                                    json={"model": "kvemu", "prompt": tokens, "max_tokens": 2, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            async def seen(tokens):
+                scores = await svc.overlap_scores({"model_name": "m", "token_ids": tokens})
+                return {(w["worker_id"], w["dp_rank"]): w["device_blocks"] for w in scores["workers"]
+                        if w["device_blocks"]}
+
+            # every rank's stream connected: probe each until Dynamo has applied one of its stores
+            ranks = [(wid, r) for wid in sorted(workers) for r in (0, 1)]
+            deadline = time.monotonic() + 20
+            for i, key in enumerate(ranks):
+                n = 0
+                while True:
+                    probe = [30000 + 1000 * i + n] * BS * 2
+                    await run(*key, probe)
+                    await asyncio.sleep(0.05)
+                    if key in await seen(probe):
+                        break
+                    n += 1
+                    assert time.monotonic() < deadline, f"Dynamo never saw rank {key}'s KV events"
+            cached_on = ranks[-1]
+            prompt = list(range(100, 100 + 10 * BS))
+            await run(*cached_on, prompt)
+            while (await seen(prompt)).get(cached_on) != 10:
+                await asyncio.sleep(0.02)
+                assert time.monotonic() < deadline + 10
+            follow_up = prompt + list(range(5000, 5000 + 3 * BS))
+            sel = await svc.select({"model_name": "m", "token_ids": follow_up})
+            chosen = (sel["worker_id"], sel["dp_rank"])
+            predicted = sel["overlap"]["gpu"]
+            cached = await run(*chosen, follow_up)
+            return predicted, cached, chosen, cached_on
+    finally:
+        svc.shutdown()

@@ -1,0 +1,84 @@
+"""A worker's own OpenAI server: requests go straight to its engine ranks, as to a vLLM server with DP ranks.
+
+The rank comes from the ``X-data-parallel-rank`` header (as vLLM takes it), else round robin over the live
+ranks. The router does not see these requests (as it would not see a client that bypasses it), but the
+engine's KV events do, so a router that watches this worker learns what they cached.
+"""
+
+from __future__ import annotations
+
+from kvemu.http.backend import OnEnd, OnTokens
+from kvemu.records import RequestRecord
+from kvemu.runtime.messages import ClientRequest, Finished, RequestFailed, TokenBatch
+from workers.actor import WorkerActor
+
+__all__ = ["WorkerBackend"]
+
+
+class WorkerBackend:
+    """Runs HTTP requests on one worker's ranks through its actor."""
+
+    def __init__(self, actor: WorkerActor) -> None:
+        self.actor = actor
+        cfg = actor.worker.config
+        self.max_model_len = cfg.capacity_tokens
+        self.block_size = cfg.block_size
+        self._next = 0
+
+    def _rank(self) -> int | None:
+        ranks = [r for r in self.actor.worker.dp_ranks if r not in self.actor.dead_ranks]
+        if not ranks:
+            return None
+        self._next = (self._next + 1) % len(ranks)
+        return ranks[self._next]
+
+    def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
+        rank = req.dp_rank if req.dp_rank is not None else self._rank()
+        record = RequestRecord(request_id=req.request_id, arrival_ns=self.actor.clock.now_ns(), isl=len(req.tokens),
+                               max_tokens=req.max_tokens, worker_id=self.actor.worker_id, dp_rank=rank)
+        if req.worker_id is not None and req.worker_id != self.actor.worker_id:
+            record.failure = (f"pinned_worker_not_allowed: this is worker {self.actor.worker_id}, the request is "
+                              f"pinned to worker {req.worker_id}")
+            on_end(record)
+            return
+        if rank is None:
+            record.failure = "no_endpoints: every rank of this worker is down"
+            on_end(record)
+            return
+
+        def reply(msg: TokenBatch | Finished | RequestFailed) -> None:
+            t = type(msg)
+            if t is TokenBatch:
+                if record.first_token_ns is None:
+                    record.first_token_ns = msg.times_ns[0]
+                record.output_tokens += len(msg.times_ns)
+                on_tokens(len(msg.times_ns))
+                return
+            if t is Finished:
+                if msg.times_ns:
+                    if record.first_token_ns is None:
+                        record.first_token_ns = msg.times_ns[0]
+                    record.output_tokens += len(msg.times_ns)
+                    on_tokens(len(msg.times_ns))
+                    record.completion_ns = msg.times_ns[-1]
+                record.engine_cached_tokens = msg.cached_tokens  # type: ignore[union-attr]
+                record.admitted_ns = msg.admitted_ns  # type: ignore[union-attr]
+                record.preemptions = msg.preemptions  # type: ignore[union-attr]
+            else:
+                record.failure = msg.reason  # type: ignore[union-attr]
+            on_end(record)
+
+        why = self.actor.submit_local(req, rank, reply)
+        if why is not None:
+            record.failure = why
+            on_end(record)
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        self.actor.abort(request_id, reason)
+
+    def unavailable(self) -> str | None:
+        if self.actor.worker.shutting_down:
+            return "this worker is shutting down"
+        if len(self.actor.dead_ranks) == len(self.actor.worker.cores):
+            return "every rank of this worker is down"
+        return None
