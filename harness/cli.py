@@ -170,6 +170,10 @@ def _process(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"invalid scenario: {exc}", file=sys.stderr)
         return 2
+    problem = _http_problem(args)
+    if problem:
+        print(f"kvemu {args.command}: {problem}", file=sys.stderr)
+        return 2
     if args.command == "router":
         from harness.processes import router_main
 
@@ -208,6 +212,23 @@ def _process(args: argparse.Namespace) -> int:
 
     return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
                    _worker_http_args(args))
+
+
+def _http_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--http`` / ``--tokenizer`` (None: nothing), before any process starts."""
+    if getattr(args, "http", None):
+        from kvemu.http.server import parse_listen
+
+        try:
+            parse_listen(args.http)
+        except ValueError as exc:
+            return str(exc)
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer:
+        path = Path(tokenizer)
+        if not (path / "tokenizer.json" if path.is_dir() else path).is_file():
+            return f"--tokenizer {tokenizer}: no tokenizer.json there (kvemu tokenizer export DIR writes one)"
+    return None
 
 
 def _http_options(args: argparse.Namespace) -> Any:

@@ -187,3 +187,17 @@ def test_a_policy_module_in_the_working_directory_is_used_only_when_allowed(tmp_
     allowed = subprocess.run([*run, *args, "--allow-local-policies"], cwd=tmp_path, capture_output=True, text=True,
                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert allowed.returncode == 0, allowed.stderr
+
+
+def test_tokenizer_export_and_http_options_are_checked_before_anything_starts(tmp_path):
+    import json as _json
+
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "tokenizer", "export", str(tmp_path / "tok")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--tokenizer" in out.stdout
+    assert _json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    for args, why in ((["--http", "localhost"], "expected HOST:PORT"), (["--http", "127.0.0.1:x"], "not a number"),
+                      (["--tokenizer", str(tmp_path / "none")], "no tokenizer.json")):
+        res = subprocess.run([sys.executable, "-m", "harness.cli", "serve", *args], capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 2 and why in res.stderr, res.stderr

@@ -6,7 +6,10 @@ runs after the unit tests in ``.ci/run``.
 
 import json
 import shutil
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,15 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.compose
 
 
-def compose_up(tmp_path, **env_extra: str) -> subprocess.CompletedProcess:
-    """``docker-compose up`` with three workers until the load generator exits, then ``down``."""
+def compose_up(tmp_path, probe=None, **env_extra: str) -> subprocess.CompletedProcess:
+    """``docker-compose up`` with three workers until the load generator exits, then ``down``; ``probe(port)``
+    runs while the stack is up (against the router's front door)."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (run ../shared/tools/docker-up.sh)")
-    env = {"KVEMU_OUT": str(tmp_path), "KVEMU_WORKERS": "3", "PATH": "/usr/local/bin:/usr/bin:/bin", **env_extra}
+    port = _free_port()
+    env = {"KVEMU_OUT": str(tmp_path), "KVEMU_WORKERS": "3", "KVEMU_HTTP_PORT": str(port),
+           "PATH": "/usr/local/bin:/usr/bin:/bin", **env_extra}
     cmd = ["docker-compose", "-p", "kvemutest", "up", "--build", "--scale", "worker=3", "--abort-on-container-exit",
            "--exit-code-from", "loadgen"]
     try:
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if probe is not None:
+            probe(port)
+        stdout, stderr = proc.communicate(timeout=600)
+        res = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     finally:
         subprocess.run(["docker-compose", "-p", "kvemutest", "down", "--timeout", "5"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120)
@@ -33,8 +43,31 @@ def compose_up(tmp_path, **env_extra: str) -> subprocess.CompletedProcess:
     return res
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_compose_scales_workers_and_reports_requests_on_all_of_them(tmp_path):
-    compose_up(tmp_path)
+    answers = []
+
+    def probe(port: int) -> None:  # the published front door answers while the load generator runs
+        deadline = time.monotonic() + 300
+        body = json.dumps({"model": "kvemu", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                           "nvext": {"extra_fields": ["worker_id"]}}).encode()
+        while time.monotonic() < deadline and not answers:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=5) as resp:
+                    answers.append(json.loads(resp.read()))
+            except OSError:
+                time.sleep(0.2)
+
+    compose_up(tmp_path, probe)
+    assert answers and answers[0]["usage"]["completion_tokens"] >= 1
+    assert answers[0]["nvext"]["worker_id"]["decode_worker_id"] is not None
     summary = json.loads((tmp_path / "compose" / "summary.json").read_text())
     assert summary["num_requests"] > 0 and summary["completed_requests"] == summary["num_requests"]
     busy_workers = {r["worker_id"] for r in summary["kvemu"]["per_rank"] if r["requests"]}

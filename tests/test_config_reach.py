@@ -192,3 +192,13 @@ def test_the_router_reports_generated_tokens_for_output_tracking():
     assert seen and all(isl == 40 for isl, _, _ in seen)
     assert seen[0][1] == 0 and seen[-1][2] == 50
     assert all(a[2] == b[1] for a, b in zip(seen, seen[1:]))  # contiguous growth, nothing counted twice
+
+
+def test_an_expected_output_length_weights_tracked_output_blocks_by_what_is_left():
+    core = RoutingCore(block_size=16, config=RouterConfig(router_track_output_blocks=True))
+    core.add_worker(WorkerSpec(worker_id=1, block_size=16))
+    req = core.prepare(list(range(20)), request_id="r")
+    core.book("r", core.select(req), req)
+    core.note_output("r", 20, 0, 12, osl=40)  # 32 tokens: a block 12/40 of the way, 28/40 left
+    core.note_output("r", 20, 12, 60, osl=40)  # past the expected length: more blocks weigh nothing
+    assert core.load.rank((1, 0)).output_blocks == pytest.approx(0.7)

@@ -293,3 +293,33 @@ def test_tokenizer_export_loads_with_the_tokenizers_library(tmp_path, path):
     assert load_tokenizer(tmp_path / path).encode(text) == builtin_tokenizer().encode(text)
     config = json.loads((tmp_path / path / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and "chat_template" in config
+
+
+def test_the_readme_client_examples_work_as_written():
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "from openai import OpenAI" in b)
+    curl = next(b for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.S) if "curl -s 127.0.0.1:8000" in b)
+    curl = curl[curl.index("curl"):].replace("\\\n", " ")
+
+    async def body(client, http, c):
+        port = http.base_url.port
+        printed = []
+        code = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        await anyio.to_thread.run_sync(lambda: exec(code, {"print": lambda *a: printed.append(a)}))
+        out = None
+        if shutil.which("curl") and shutil.which("bash"):
+            out = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                ["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")], capture_output=True, text=True,
+                timeout=30).stdout)
+        return printed, out
+
+    printed, out = serve(body)
+    assert len(printed) == 1 and printed[0][0] > 0  # prompt tokens, cached tokens
+    if out is not None:
+        reply = json.loads(out)
+        assert reply["object"] == "chat.completion" and set(reply["nvext"]) == {"worker_id", "timing"}

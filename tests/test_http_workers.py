@@ -75,7 +75,7 @@ def test_the_rank_header_pins_and_round_robin_spreads():
     pinned, spread, status, message = serve_worker(body)
     assert all(want == got for want, got in pinned)
     assert sorted(spread) == [0, 0, 1, 1]
-    assert status == 503 and "dp_rank" in message
+    assert status == 400 and "dp_rank" in message
 
 
 def test_vllm_metrics_count_what_the_engines_did():

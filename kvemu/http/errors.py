@@ -14,6 +14,7 @@ _FAILURE_STATUS = (
     ("invalid_request", 400),
     ("pinned_worker_not_allowed", 400),
     ("duplicate_request_id", 400),
+    ("unknown_dp_rank", 400),
     ("queue_rejected", 429),
     ("do_not_queue", 429),
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import socket
 from collections.abc import Iterator
@@ -55,6 +56,9 @@ class HttpServer:
         self.port = sock.getsockname()[1]
         self.url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{self.port}"
         """Where clients reach it (the port is the real one when 0 was asked for)."""
+        if not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+            log.warning("HTTP on %s: reachable from other machines and without authentication; anyone who can "
+                        "reach it can send requests and read the metrics", self.url)
         config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False, log_level="warning",
                                 timeout_keep_alive=30, timeout_graceful_shutdown=1, server_header=False)
         self._server = _Server(config)
