@@ -83,6 +83,8 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     router_started_ns: int = 0
     process_id: str = ""
     """Changes only when the router process is replaced (its counters then start again from zero)."""
+    records_held: int = 0
+    """Request records the router process still keeps (those of requests still open): a leak shows here."""
 
 
 class RecordReply(msgspec.Struct, tag=True, kw_only=True):
@@ -185,7 +187,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
         from harness.frontdoor import front_door
 
-        app = front_door(scenario, lambda: router, hooks, clock, tokenizer=http.tokenizer, model=http.model)
+        app = front_door(scenario, lambda: router, hooks, clock, tokenizer=http.tokenizer, model=http.model,
+                         forget=lambda rid: recorder.records.pop(rid, None))  # the client has its answer
         server = HttpServer(app, http.listen)
     log_start("router", listen=end.endpoint, control=control.token is not None,
               **({"http": server.url} if server is not None else {}))
@@ -220,7 +223,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                      kv_stats={w: s.as_dict() for w, s in sorted(router.kv_stats.items())},
                      affinity=router.affinity.stats.as_dict() if router.affinity else None,
                      counters=dict(recorder.counters), worker_events=recorder.worker_events,
-                     router_id=instance["id"], router_started_ns=instance["started_ns"], process_id=process_id)
+                     router_id=instance["id"], router_started_ns=instance["started_ns"], process_id=process_id,
+                     records_held=len(recorder.records))
 
     scope = anyio.CancelScope()
 

@@ -426,3 +426,35 @@ def test_the_front_door_metrics_of_a_run_agree_with_its_report(tmp_path):
     kv = summary["kvemu"]["kv_events"]["totals"]
     for counter in ("blocks_stored", "batches", "gaps", "lost_batches"):
         assert total("kvemu_kv_events", counter=counter) == kv[counter], counter
+
+
+def test_the_router_process_keeps_nothing_of_answered_http_requests(tmp_path):
+    import httpx
+
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--http", "127.0.0.1:0",
+                                       "--config", str(small(tmp_path)), *FAST])
+        kids.start("worker", ["worker", "--router", router["listen"], "--worker-id", "1", "--config",
+                              str(small(tmp_path)), *FAST])
+
+        async def main():
+            client = _RouterClient(router["listen"])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.listen)
+                with anyio.fail_after(30):
+                    while not (await client.stats(timeout_s=2)).workers:
+                        await anyio.sleep(0.1)
+                async with httpx.AsyncClient(base_url=router["http"], timeout=30) as http:
+                    for i in range(20):
+                        r = await http.post("/v1/completions", json={"model": "kvemu", "prompt": f"question {i}",
+                                                                     "max_tokens": 3, "stream": i % 2 == 0})
+                        assert r.status_code == 200
+                stats = await client.stats()
+                tg.cancel_scope.cancel()
+                return stats
+
+        stats = anyio.run(main)
+        assert stats.records_held == 0
+    finally:
+        kids.stop_all()

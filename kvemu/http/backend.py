@@ -48,10 +48,13 @@ class RouterBackend:
     the one used from then on.
     """
 
-    def __init__(self, router: Callable[[], Router], hooks: Hooks, *, max_model_len: int, block_size: int) -> None:
+    def __init__(self, router: Callable[[], Router], hooks: Hooks, *, max_model_len: int, block_size: int,
+                 forget: Callable[[str], None] | None = None) -> None:
         self._router = router
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self._forget = forget
+        """Told each request id that ended, after its callback: whoever else kept state for it drops it."""
         self._streams: dict[str, OnTokens] = {}
         hooks.subscribe(self._on_tokens, "tokens")
 
@@ -65,9 +68,13 @@ class RouterBackend:
         streams = self._streams
         streams[rid] = on_tokens
 
+        forget = self._forget
+
         def ended(record: RequestRecord) -> None:
             streams.pop(rid, None)
             on_end(record)
+            if forget is not None:
+                forget(rid)
 
         self._router().submit(req, ended)
 
