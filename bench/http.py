@@ -123,12 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.http", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--http-server", choices=["uvicorn", "granian"], default="uvicorn")
     args = parser.parse_args(argv)
     requests, seconds = (1500, 3.0) if args.quick else (30000, 10.0)
     with tempfile.TemporaryDirectory() as tmp:
         scenario = Path(tmp) / "http.yaml"
         scenario.write_text(SCENARIO)
-        proc = subprocess.Popen(cli_command("serve", str(scenario), "--http", "127.0.0.1:0", "--worker-http"),
+        proc = subprocess.Popen(cli_command("serve", str(scenario), "--http", "127.0.0.1:0", "--worker-http",
+                                            "--http-server", args.http_server),
                                 env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             line = proc.stdout.readline()  # type: ignore[union-attr]

@@ -223,6 +223,11 @@ def _http_problem(args: argparse.Namespace) -> str | None:
             parse_listen(args.http)
         except ValueError as exc:
             return str(exc)
+    if getattr(args, "http_server", None) == "granian":
+        import importlib.util
+
+        if importlib.util.find_spec("granian") is None:
+            return "--http-server granian needs granian: pip install 'kvemu[granian]'"
     tokenizer = getattr(args, "tokenizer", None)
     if tokenizer:
         path = Path(tokenizer)
@@ -237,14 +242,14 @@ def _http_options(args: argparse.Namespace) -> Any:
         return None
     from harness.processes import HttpOptions
 
-    return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model)
+    return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model, server=args.http_server)
 
 
 def _http_args(args: argparse.Namespace) -> list[str]:
     """The ``--http`` options to pass on to a router process."""
     if not getattr(args, "http", None):
         return []
-    extra = ["--http", args.http, "--model", args.model]
+    extra = ["--http", args.http, "--model", args.model, "--http-server", args.http_server]
     return extra + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
 
 
@@ -252,7 +257,7 @@ def _worker_http_args(args: argparse.Namespace) -> list[str]:
     """What a worker process needs to serve its own OpenAI routes (``--worker-http``), else nothing."""
     if not getattr(args, "worker_http", False):
         return []
-    extra = ["--http", "127.0.0.1:0", "--model", args.model]
+    extra = ["--http", "127.0.0.1:0", "--model", args.model, "--http-server", args.http_server]
     return extra + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
 
 
@@ -262,6 +267,8 @@ def _add_http(parser: argparse.ArgumentParser, default: str | None) -> None:
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a local tokenizer.json (or a directory with one); default: kvemu's built-in tokenizer")
     parser.add_argument("--model", default="kvemu", help="the model name clients use (default: kvemu)")
+    parser.add_argument("--http-server", choices=["uvicorn", "granian"], default="uvicorn",
+                        help="the HTTP server (granian: pip install 'kvemu[granian]')")
 
 
 def _tokenizer(args: argparse.Namespace) -> int:

@@ -165,6 +165,8 @@ class HttpOptions(msgspec.Struct, frozen=True, kw_only=True):
     listen: str
     tokenizer: str | None = None
     model: str = DEFAULT_MODEL
+    server: str = "uvicorn"
+    """``uvicorn`` or ``granian`` (``--http-server``)."""
 
 
 async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None) -> None:
@@ -189,9 +191,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
         app = front_door(scenario, lambda: router, hooks, clock, tokenizer=http.tokenizer, model=http.model,
                          forget=lambda rid: recorder.records.pop(rid, None))  # the client has its answer
-        server = HttpServer(app, http.listen)
-    log_start("router", listen=end.endpoint, control=control.token is not None,
-              **({"http": server.url} if server is not None else {}))
+        server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
 
     async def handle(peer: bytes, req: ClientRequest) -> None:
@@ -269,7 +269,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         await tg.start(serve_current)
         tg.start_soon(gateway, tg)
         if server is not None:
-            tg.start_soon(server.serve)
+            await tg.start(server.serve)
+        log_start("router", listen=end.endpoint, control=control.token is not None,
+                  **({"http": server.url} if server is not None else {}))
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
@@ -356,14 +358,16 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size
 
         from harness.frontdoor import worker_door
 
-        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model), http.listen)
-    log_start("worker", worker_id=worker_id, router=router, kv_events=[p.endpoint for p in pubs],
-              kv_replay=[p.replay_endpoint for p in pubs], **({"http": server.url} if server is not None else {}))
+        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model), http.listen,
+                            http.server)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(actor.run)
             if server is not None:
-                tg.start_soon(server.serve)
+                await tg.start(server.serve)
+            log_start("worker", worker_id=worker_id, router=router, kv_events=[p.endpoint for p in pubs],
+                      kv_replay=[p.replay_endpoint for p in pubs],
+                      **({"http": server.url} if server is not None else {}))
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break

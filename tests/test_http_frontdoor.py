@@ -33,7 +33,7 @@ run: {mode: live, seed: 3}
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the afternoon sun by the river bank " * 3
 
 
-def serve(body, scenario: str = FAST):
+def serve(body, scenario: str = FAST, server: str = "uvicorn"):
     """Run ``body(client, http, cluster)`` against a front door over a live in-process cluster."""
     sc = parse_scenario(scenario)
     hooks = Hooks()
@@ -42,11 +42,11 @@ def serve(body, scenario: str = FAST):
     async def main():
         async with cluster(sc, clock, hooks) as c:
             app = front_door(sc, lambda: c.router, hooks, clock)
-            server = HttpServer(app, "127.0.0.1:0")
+            http_server = HttpServer(app, "127.0.0.1:0", server)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(server.serve)
-                client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-                async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+                await tg.start(http_server.serve)
+                client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key="none", max_retries=0)
+                async with httpx.AsyncClient(base_url=http_server.url, timeout=30) as http:
                     try:
                         with anyio.fail_after(60):
                             return await body(client, http, c)
@@ -323,3 +323,25 @@ def test_the_readme_client_examples_work_as_written():
     if out is not None:
         reply = json.loads(out)
         assert reply["object"] == "chat.completion" and set(reply["nvext"]) == {"worker_id", "timing"}
+
+
+def test_granian_serves_the_same_stream_and_cancels_the_same_way():
+    pytest.importorskip("granian")
+
+    async def body(client, http, c):
+        chunks = [ch async for ch in await client.chat.completions.create(
+            model="kvemu", messages=[{"role": "user", "content": PROMPT}], max_tokens=5, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})]
+        stream = await client.completions.create(model="kvemu", prompt=PROMPT, max_tokens=20000, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break
+        await stream.close()
+        with anyio.fail_after(10):
+            while len(c.router.core.load) or any(core.num_unfinished for w in c.workers.values()
+                                                   for core in w.worker.cores):
+                await anyio.sleep(0.01)
+        return chunks
+
+    chunks = serve(body, FAST.replace("speedup_ratio: 50", "speedup_ratio: 1"), server="granian")
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 5

@@ -45,7 +45,7 @@ def serve_worker(body):
             actor = c.workers[min(c.workers)]
             server = HttpServer(worker_door(sc, actor), "127.0.0.1:0")
             async with anyio.create_task_group() as tg:
-                tg.start_soon(server.serve)
+                await tg.start(server.serve)
                 try:
                     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
                         with anyio.fail_after(60):

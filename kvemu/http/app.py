@@ -279,7 +279,7 @@ class OpenAIApp:
             self.metrics.started()
         for i, r in enumerate(reqs):
             self.backend.submit(r, lambda n, i=i: run.tokens(i, n), lambda rec, i=i: run.ended(i, rec))
-        watcher = asyncio.get_running_loop().create_task(receive())  # completes when the client leaves
+        watcher = asyncio.ensure_future(receive())  # completes when the client leaves (any awaitable: granian)
         watcher.add_done_callback(run.disconnected)
         reply = _Reply(self, base, chat, gens, req, hints, send, arrived)
         status = "error"

@@ -9,9 +9,11 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
+import anyio.abc
 import uvicorn
 
-__all__ = ["HttpServer", "parse_listen"]
+__all__ = ["HttpServer", "parse_listen", "SERVERS"]
 
 log = logging.getLogger("kvemu.http")
 
@@ -36,10 +38,17 @@ class _Server(uvicorn.Server):
         yield  # the process that embeds us owns its signals
 
 
-class HttpServer:
-    """One listening socket serving ``app``; ``serve`` runs until cancelled, then closes connections."""
+SERVERS = ("uvicorn", "granian")
+"""HTTP servers that can run the app: uvicorn (uvloop + httptools, the default) or granian (Rust HTTP
+handling, ``pip install 'kvemu[granian]'``)."""
 
-    def __init__(self, app: Any, listen: str) -> None:
+
+class HttpServer:
+    """One listening address serving ``app``; ``serve`` runs until cancelled, then closes connections."""
+
+    def __init__(self, app: Any, listen: str, server: str = "uvicorn") -> None:
+        if server not in SERVERS:
+            raise ValueError(f"--http-server {server!r}: one of {', '.join(SERVERS)}")
         host, port = parse_listen(listen)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -59,13 +68,45 @@ class HttpServer:
         if not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
             log.warning("HTTP on %s: reachable from other machines and without authentication; anyone who can "
                         "reach it can send requests and read the metrics", self.url)
-        config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False, log_level="warning",
-                                timeout_keep_alive=30, timeout_graceful_shutdown=1, server_header=False)
-        self._server = _Server(config)
+        self.server = server
+        self._app = app
+        if server == "uvicorn":
+            config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False, log_level="warning",
+                                    timeout_keep_alive=30, timeout_graceful_shutdown=1, server_header=False)
+            self._server = _Server(config)
 
-    async def serve(self) -> None:
-        """Serve until cancelled."""
+    async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; with ``TaskGroup.start`` it returns once clients can connect."""
+        if self.server == "granian":
+            await self._serve_granian(task_status)
+            return
+        task_status.started()  # the socket listens already: early clients wait in its backlog
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
             self.sock.close()
+
+    async def _serve_granian(self, task_status: anyio.abc.TaskStatus) -> None:
+        try:
+            from granian.constants import Interfaces
+            from granian.server.embed import Server
+        except ImportError:
+            raise RuntimeError("--http-server granian needs granian: pip install 'kvemu[granian]'") from None
+        self.sock.close()  # granian binds the address itself (the port was reserved until now)
+        server = Server(self._app, address=self.host, port=self.port, interface=Interfaces.ASGI, log_enabled=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(server.serve)
+            with anyio.fail_after(30):
+                while True:
+                    try:
+                        stream = await anyio.connect_tcp(self.host, self.port)
+                    except OSError:
+                        await anyio.sleep(0.02)
+                        continue
+                    await stream.aclose()
+                    break
+            task_status.started()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                server.stop()
