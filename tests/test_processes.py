@@ -187,6 +187,13 @@ def test_malformed_client_requests_fail_with_reasons_and_change_nothing():
     assert len(router.core.load) == 0 and router.core.index.current_size == 0
 
 
+async def registered(client: _RouterClient) -> None:
+    """Wait (30 s at most) until the client's router has a worker registered."""
+    with anyio.fail_after(30):
+        while not (await client.stats(timeout_s=2)).workers:
+            await anyio.sleep(0.1)
+
+
 def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
     """Replies are keyed by (client, request id): a second client's same id cannot steal the first's reply,
     and a client repeating its own id while it runs gets a refusal while the original completes."""
@@ -204,9 +211,7 @@ def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(a.listen)
                 tg.start_soon(b.listen)
-                with anyio.fail_after(30):
-                    while not (await a.stats(timeout_s=2)).workers:
-                        await anyio.sleep(0.1)
+                await registered(a)
 
                 async def ask(name, client, n_tokens):  # about 300 decode passes: the first is still running
                     got[name] = await client.submit(ClientRequest(request_id="same", tokens=list(range(1, n_tokens + 1)),
@@ -245,9 +250,7 @@ def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp
             client = _RouterClient(router["listen"])
             async with anyio.create_task_group() as tg:
                 tg.start_soon(client.listen)
-                with anyio.fail_after(30):
-                    while not (await client.stats(timeout_s=2)).workers:
-                        await anyio.sleep(0.1)
+                await registered(client)
                 box = []
 
                 async def ask():
@@ -442,9 +445,7 @@ def test_the_router_process_keeps_nothing_of_answered_http_requests(tmp_path):
             client = _RouterClient(router["listen"])
             async with anyio.create_task_group() as tg:
                 tg.start_soon(client.listen)
-                with anyio.fail_after(30):
-                    while not (await client.stats(timeout_s=2)).workers:
-                        await anyio.sleep(0.1)
+                await registered(client)
                 async with httpx.AsyncClient(base_url=router["http"], timeout=30) as http:
                     for i in range(20):
                         r = await http.post("/v1/completions", json={"model": "kvemu", "prompt": f"question {i}",
