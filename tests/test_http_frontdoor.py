@@ -268,6 +268,8 @@ def test_models_health_tokenize_detokenize():
         tok = (await http.post("/tokenize", json={"model": "kvemu", "prompt": "Hello, world"})).json()
         detok = (await http.post("/detokenize", json={"model": "kvemu", "tokens": tok["tokens"]})).json()
         bad = await http.post("/detokenize", json={"tokens": [-1]})
+        unnamed = await http.post("/v1/completions", json={"prompt": "no model named", "max_tokens": 2})
+        assert unnamed.status_code == 200 and unnamed.json()["model"] == "kvemu"  # the served one, as vLLM does
         missing = await http.get("/v2/nothing")
         wrong = await http.get("/v1/completions")
         return models, health.status_code, tok, detok, bad.status_code, missing.status_code, wrong.status_code

@@ -103,7 +103,7 @@ class _Run:
 class _Gen:
     """One generation (one prompt) of a request: its id, prompt, output plan and what was written of it."""
 
-    __slots__ = ("rid", "prompt_len", "n_out", "budget", "texts", "written", "first_ns", "last_ns")
+    __slots__ = ("rid", "prompt_len", "n_out", "budget", "texts", "written", "first_ns")
 
     def __init__(self, rid: str, prompt_len: int, n_out: int, budget: int, texts: list[str]) -> None:
         self.rid = rid
@@ -113,7 +113,7 @@ class _Gen:
         self.texts = texts
         self.written = 0
         self.first_ns: int | None = None
-        self.last_ns = 0
+        """When its first token was written to the client (the front end's clock)."""
 
     @property
     def finish_reason(self) -> str:
@@ -253,9 +253,7 @@ class OpenAIApp:
 
     async def _generate(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool) -> None:
         arrived = self.clock.now_ns()
-        if req.model is None:
-            raise ApiError(400, "model: the model name is required", "model")
-        self._check_model(req.model)
+        self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.rank_header != "x-dp-rank" and self.rank_header in headers:
             headers["x-dp-rank"] = headers[self.rank_header]
@@ -408,10 +406,8 @@ class _Reply:
                     if not n:
                         continue
                     run.pending[i] = 0
-                    now = clock.now_ns()
                     if g.first_ns is None:
-                        g.first_ns = now
-                    g.last_ns = now
+                        g.first_ns = clock.now_ns()
                     lo, g.written = g.written, min(g.written + n, g.n_out)
                     text = "".join(g.texts[lo:g.written])
                     last = g.written >= g.n_out
