@@ -114,13 +114,13 @@ class _SharedRouterEnd(ZmqRouterEnd):
         super().__init__(endpoint)
         self.clients_tx, self.clients_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](float("inf"))
 
-    async def receive(self) -> tuple[bytes, bytes]:
+    async def receive(self) -> tuple[bytes, list[bytes]]:
         while True:
             frames = await self._sock.recv_multipart()
-            if len(frames) == 2:
-                return frames[0], frames[1]
-            if len(frames) == 3 and frames[1] == CLIENT:
+            if len(frames) == 3 and frames[1] == CLIENT:  # a message is a msgpack map: never the bare marker
                 self.clients_tx.send_nowait((frames[0], frames[2]))
+            elif len(frames) >= 2:
+                return frames[0], frames[1:]
 
     def reply(self, peer: bytes, data: bytes) -> None:
         self._sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)

@@ -252,8 +252,41 @@ def _ignore_unroutable(fut: object) -> None:
             raise exc  # pragma: no cover - only ZMQ errors (peer gone) are expected
 
 
+class _Outbox:
+    """Messages sent during one turn of the loop, by destination, leaving as one multipart message each at the
+    end of the turn: one send (and one wake-up of ZeroMQ's I/O thread) for however many messages a turn made.
+    Each frame is one message; order is kept per destination."""
+
+    __slots__ = ("_send", "_queued", "_scheduled")
+
+    def __init__(self, send: Callable[[bytes | None, list[bytes]], None]) -> None:
+        self._send = send
+        self._queued: dict[bytes | None, list[bytes]] = {}
+        self._scheduled = False
+
+    def put(self, to: bytes | None, data: bytes) -> None:
+        frames = self._queued.get(to)
+        if frames is None:
+            self._queued[to] = [data]
+        else:
+            frames.append(data)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        queued, self._queued = self._queued, {}
+        for to, frames in queued.items():
+            self._send(to, frames)
+
+
 class ZmqRouterEnd:
-    """The router's end on a ROUTER socket (bound); workers connect DEALERs with their identity."""
+    """The router's end on a ROUTER socket (bound); workers connect DEALERs with their identity.
+
+    A worker's multipart message ``[identity, m1, m2, ...]`` carries one actor message per frame (what its
+    end sent in one loop turn); messages to a worker leave the same way.
+    """
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None) -> None:
         sock = message_socket(zmq.ROUTER, context)
@@ -261,35 +294,41 @@ class ZmqRouterEnd:
         sock.bind(endpoint)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
+        self._outbox = _Outbox(self._send_frames)
 
-    async def receive(self) -> tuple[bytes, bytes]:
-        """The next ``(peer, payload)`` of a worker (frames of other shapes are skipped)."""
+    async def receive(self) -> tuple[bytes, list[bytes]]:
+        """The next ``(peer, payloads)`` of a worker."""
         while True:
             frames = await self._sock.recv_multipart()
-            if len(frames) == 2:
-                return frames[0], frames[1]
+            if len(frames) >= 2:
+                return frames[0], frames[1:]
 
     async def serve(self, handler: RouterHandler) -> None:
         while True:
             try:
-                peer, data = await self.receive()
+                peer, payloads = await self.receive()
             except zmq.ZMQError:
                 return  # the socket was closed
-            msg = decode_or_log(decode_worker_message, data, peer)
-            if msg is not None:
-                handler(peer, msg)
+            for data in payloads:
+                msg = decode_or_log(decode_worker_message, data, peer)
+                if msg is not None:
+                    handler(peer, msg)
 
     def send_nowait(self, peer: bytes, msg: msgspec.Struct) -> None:
+        self._outbox.put(peer, encode(msg))
+
+    def _send_frames(self, peer: bytes | None, frames: list[bytes]) -> None:
         # zmq.asyncio sends at once when the socket can take it and otherwise queues in order
-        fut = self._sock.send_multipart([peer, encode(msg)])
+        fut = self._sock.send_multipart([peer, *frames])
         fut.add_done_callback(_ignore_unroutable)
 
     async def aclose(self) -> None:
+        self._outbox.flush()
         self._sock.close(linger=0)
 
 
 class ZmqWorkerEnd:
-    """A worker's DEALER connected to the router."""
+    """A worker's DEALER connected to the router (messages of one loop turn leave as one multipart message)."""
 
     def __init__(self, endpoint: str, worker_id: int, context: zmq.asyncio.Context | None = None) -> None:
         sock = message_socket(zmq.DEALER, context)
@@ -298,19 +337,22 @@ class ZmqWorkerEnd:
         security.connect_securely(sock)
         sock.connect(endpoint)
         self._sock = sock
+        self._outbox = _Outbox(lambda _to, frames: self._sock.send_multipart(frames))
 
     async def serve(self, handler: WorkerHandler) -> None:
         while True:
             try:
-                data = await self._sock.recv()
+                frames = await self._sock.recv_multipart()
             except zmq.ZMQError:
                 return  # the socket was closed
-            msg = decode_or_log(decode_router_message, data, "router")
-            if msg is not None:
-                handler(msg)
+            for data in frames:
+                msg = decode_or_log(decode_router_message, data, "router")
+                if msg is not None:
+                    handler(msg)
 
     def send_nowait(self, msg: msgspec.Struct) -> None:
-        self._sock.send(encode(msg))
+        self._outbox.put(None, encode(msg))
 
     async def aclose(self) -> None:
+        self._outbox.flush()
         self._sock.close(linger=0)
