@@ -104,6 +104,8 @@ def test_vllm_metrics_count_what_the_engines_did():
     assert value[("vllm:prefix_cache_hits_total", r0)] == sum(u["prompt_tokens_details"]["cached_tokens"] for u in outs)
     assert value[("vllm:generation_tokens_total", r0)] == 12 and value[("vllm:generation_tokens_total", r1)] == 3
     assert value[("vllm:request_success_total", (*r0[:1], ("finished_reason", "length"), r0[1]))] == 3
+    assert value[("vllm:num_preemptions_total", r1)] == 0  # every series exists from the start, as in vLLM
+    assert value[("vllm:request_success_total", (*r1[:1], ("finished_reason", "abort"), r1[1]))] == 0
     assert value[("vllm:num_requests_running", r0)] == 0 and value[("vllm:num_requests_waiting", r1)] == 0
     assert 0 < value[("vllm:kv_cache_usage_perc", r0)] <= 1 or value[("vllm:kv_cache_usage_perc", r0)] == 0
     assert value[("vllm:time_to_first_token_seconds_count", r0)] == 3

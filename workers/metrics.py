@@ -53,6 +53,9 @@ class VllmMetrics:
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time requests spent waiting", labels,
                                buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         r.register(_Gauges(self))
+        self._ranks: dict[int, _Rank] = {}
+        for core in cores():  # every series exists from the start, at 0, as vLLM exports them
+            self._rank(core.dp_rank)
 
     def started(self) -> None:
         """The HTTP layer's request hooks: a worker counts requests in its engines (``finished``), not there."""
@@ -63,34 +66,57 @@ class VllmMetrics:
     def ended(self, *args: Any) -> None:
         """See ``started``."""
 
+    def _rank(self, rank: int) -> _Rank:
+        r = self._ranks.get(rank)
+        if r is None:
+            r = self._ranks[rank] = _Rank(self, (self.model, str(rank)))
+        return r
+
     def finished(self, rec: RequestRecord, reason: str) -> None:
         """A request ended on a rank (``reason``: ``length``, ``stop`` or ``abort``)."""
-        labels = (self.model, str(rec.dp_rank or 0))
-        self.success.labels(*labels, reason).inc()
-        admitted = rec.admitted_ns is not None
-        if admitted:
-            cached = rec.engine_cached_tokens or 0
-            self.prefix_queries.labels(*labels).inc(rec.isl)
-            self.prefix_hits.labels(*labels).inc(cached)
-            self.prompt_tokens.labels(*labels).inc(rec.isl)
-            self.queue.labels(*labels).observe((rec.admitted_ns - rec.arrival_ns) / NS_PER_S)  # type: ignore[operator]
+        r = self._rank(rec.dp_rank or 0)
+        success = r.success.get(reason)
+        if success is None:
+            success = r.success[reason] = self.success.labels(self.model, str(rec.dp_rank or 0), reason)
+        success.inc()
+        if rec.admitted_ns is not None:
+            r.prefix_queries.inc(rec.isl)
+            r.prefix_hits.inc(rec.engine_cached_tokens or 0)
+            r.prompt_tokens.inc(rec.isl)
+            r.queue.observe((rec.admitted_ns - rec.arrival_ns) / NS_PER_S)
         if rec.output_tokens:
-            self.generation_tokens.labels(*labels).inc(rec.output_tokens)
+            r.generation_tokens.inc(rec.output_tokens)
         if rec.preemptions:
-            self.preemptions.labels(*labels).inc(rec.preemptions)
+            r.preemptions.inc(rec.preemptions)
         if rec.first_token_ns is not None:
-            self.ttft.labels(*labels).observe((rec.first_token_ns - rec.arrival_ns) / NS_PER_S)
+            r.ttft.observe((rec.first_token_ns - rec.arrival_ns) / NS_PER_S)
             times = rec.token_times_ns
-            itl = self.itl.labels(*labels)
+            observe = r.itl.observe
             for a, b in zip(times, times[1:]):
-                itl.observe((b - a) / NS_PER_S)
+                observe((b - a) / NS_PER_S)
             end = rec.completion_ns if rec.completion_ns is not None else (times[-1] if times else None)
             if end is not None:
-                self.e2e.labels(*labels).observe((end - rec.arrival_ns) / NS_PER_S)
+                r.e2e.observe((end - rec.arrival_ns) / NS_PER_S)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Rank:
+    """One rank's labelled children, looked up once (``labels()`` costs more than the observation)."""
+
+    def __init__(self, m: VllmMetrics, labels: tuple[str, str]) -> None:
+        self.success: dict[str, Any] = {reason: m.success.labels(*labels, reason) for reason in ("stop", "length", "abort")}
+        self.prefix_queries = m.prefix_queries.labels(*labels)
+        self.prefix_hits = m.prefix_hits.labels(*labels)
+        self.prompt_tokens = m.prompt_tokens.labels(*labels)
+        self.generation_tokens = m.generation_tokens.labels(*labels)
+        self.preemptions = m.preemptions.labels(*labels)
+        self.ttft = m.ttft.labels(*labels)
+        self.itl = m.itl.labels(*labels)
+        self.e2e = m.e2e.labels(*labels)
+        self.queue = m.queue.labels(*labels)
 
 
 class _Gauges:

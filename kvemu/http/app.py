@@ -341,6 +341,7 @@ class _Reply:
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": app._unix_s(), "model": app.model}
         opts = req.stream_options
+        self._out: list[bytes] = []
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous = bool(opts and opts.continuous_usage_stats)
 
@@ -382,7 +383,9 @@ class _Reply:
         return "success"
 
     async def stream(self, run: _Run) -> str:
+        """SSE: what is ready at each wake-up leaves in one write (the events stay one per chunk, as vLLM's)."""
         send = self.send
+        out = self._out
         started = False
         clock = self.app.clock
         try:
@@ -399,8 +402,7 @@ class _Reply:
                     started = True
                     if self.chat:
                         for i in range(len(self.gens)):
-                            await self._chunk(i, {"role": "assistant", "content": ""}, None)
-                wrote = False
+                            self._chunk(i, {"role": "assistant", "content": ""}, None)
                 for i, g in enumerate(self.gens):
                     n = run.pending[i]
                     if not n:
@@ -411,31 +413,36 @@ class _Reply:
                     lo, g.written = g.written, min(g.written + n, g.n_out)
                     text = "".join(g.texts[lo:g.written])
                     last = g.written >= g.n_out
-                    await self._chunk(i, {"content": text} if self.chat else text, g.finish_reason if last else None)
-                    wrote = True
+                    self._chunk(i, {"content": text} if self.chat else text, g.finish_reason if last else None)
                 failure = next((r.failure for r in run.records if r is not None and r.failure), None)
                 if failure is not None:
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": b"data: " + error_body(failure_status(failure), f"request failed: {failure}")
-                                + b"\n\n"})
-                    await send({"type": "http.response.body", "body": _DONE})
+                    out.append(b"data: " + error_body(failure_status(failure), f"request failed: {failure}") + b"\n\n")
+                    out.append(_DONE)
+                    await self._write(False)
                     return "error"
                 if not run.left and not any(run.pending):
                     break
-                if not wrote:
+                if out:
+                    await self._write(True)
+                else:
                     await run.wait()
             if self.include_usage:
                 usage = {**self.head, "choices": [], "usage": self._usage(run.records)}
                 self._nvext(usage, run.records)
-                await send({"type": "http.response.body", "body": b"data: " + _encode(usage) + b"\n\n",
-                            "more_body": True})
-            await send({"type": "http.response.body", "body": _DONE})
+                out.append(b"data: " + _encode(usage) + b"\n\n")
+            out.append(_DONE)
+            await self._write(False)
             return "success"
         except OSError:  # the client went away while we wrote
             run.gone = True
             return "cancelled"
 
-    async def _chunk(self, i: int, delta: Any, finish: str | None) -> None:
+    async def _write(self, more: bool) -> None:
+        body = b"".join(self._out)
+        self._out.clear()
+        await self.send({"type": "http.response.body", "body": body, "more_body": more})
+
+    def _chunk(self, i: int, delta: Any, finish: str | None) -> None:
         if self.chat:
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
@@ -445,7 +452,7 @@ class _Reply:
             g = self.gens[i]
             chunk["usage"] = {"prompt_tokens": g.prompt_len, "completion_tokens": g.written,
                               "total_tokens": g.prompt_len + g.written}
-        await self.send({"type": "http.response.body", "body": b"data: " + _encode(chunk) + b"\n\n", "more_body": True})
+        self._out.append(b"data: " + _encode(chunk) + b"\n\n")
 
     def _usage(self, records: list[RequestRecord | None]) -> dict[str, Any]:
         prompt = sum(g.prompt_len for g in self.gens)
