@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from kvemu.clock import Clock
@@ -20,6 +21,10 @@ from harness.scenario import Scenario
 from harness.workload import output_lengths
 
 __all__ = ["front_door", "worker_door"]
+
+# a server tokenizes the prompts of one loop turn in one call: spreading that call over threads only competes
+# with the engines and the event loop for the same cores
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, clock: Clock, *,

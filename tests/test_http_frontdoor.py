@@ -347,3 +347,28 @@ def test_granian_serves_the_same_stream_and_cancels_the_same_way():
 
     chunks = serve(body, FAST.replace("speedup_ratio: 50", "speedup_ratio: 1"), server="granian")
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 5
+
+
+def test_prompts_arriving_together_are_tokenized_together_and_each_gets_its_own_ids():
+    tok = builtin_tokenizer()
+    texts = [f"{PROMPT[: 40 + 7 * i]} número {i} <|user|> ÉTÉ" for i in range(24)]
+    assert tok.encode_many(texts) == [tok.encode(t) for t in texts]
+
+    async def body(client, http, c):
+        results = {}
+
+        async def one(i):
+            r = await http.post("/v1/completions", json={"model": "kvemu", "prompt": texts[i], "max_tokens": 2,
+                                                         "stream": i % 2 == 1, "stream_options": {"include_usage": True}})
+            if i % 2:
+                usage = json.loads([line for line in r.text.split("\n\n") if '"usage"' in line][-1][6:])["usage"]
+            else:
+                usage = r.json()["usage"]
+            results[i] = usage["prompt_tokens"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(texts)):
+                tg.start_soon(one, i)
+        return results
+
+    assert serve(body) == {i: len(tok.encode(t)) for i, t in enumerate(texts)}

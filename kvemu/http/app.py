@@ -155,6 +155,7 @@ class OpenAIApp:
             ("POST", "/detokenize"): self._detokenize,
         }
         self._paths = {path for _, path in self._routes}
+        self._to_tokenize: list[tuple[list[str], asyncio.Future]] = []
 
     # ------------------------------------------------------------------ ASGI
 
@@ -226,7 +227,7 @@ class OpenAIApp:
             ids = self.tok.encode(req.prompt)
         else:
             chat = ChatRequest(messages=req.messages)
-            ids = prompts_of(chat, self.tok)[0].tokens
+            ids = self.tok.encode(prompts_of(chat, self.tok)[0])  # type: ignore[arg-type]
         await _respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
                                            "tokens": ids}))
 
@@ -245,6 +246,34 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ generation
 
+    async def _tokens(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of every prompt: texts arriving in one loop turn are tokenized together in one call."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not texts:
+            return prompts  # type: ignore[return-value]
+        fut = asyncio.get_running_loop().create_future()
+        pending = self._to_tokenize
+        pending.append((texts, fut))
+        if len(pending) == 1:
+            asyncio.get_running_loop().call_soon(self._tokenize_pending)
+        encoded = iter(await fut)
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+    def _tokenize_pending(self) -> None:
+        pending, self._to_tokenize = self._to_tokenize, []
+        try:
+            ids = self.tok.encode_many([t for texts, _ in pending for t in texts])
+        except Exception as exc:  # noqa: BLE001 - every waiter gets the tokenizer's error
+            for _, fut in pending:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        at = 0
+        for texts, fut in pending:
+            if not fut.done():  # its client may be gone
+                fut.set_result(ids[at:at + len(texts)])
+            at += len(texts)
+
     async def _completions(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self._generate(scope, receive, send, decode_body(await self._body(receive), CompletionRequest), False)
 
@@ -258,19 +287,19 @@ class OpenAIApp:
         if self.rank_header != "x-dp-rank" and self.rank_header in headers:
             headers["x-dp-rank"] = headers[self.rank_header]
         hints = hints_of(req, headers)
-        prompts = prompts_of(req, self.tok)
+        prompts = await self._tokens(prompts_of(req, self.tok))
         base = _request_id(headers, chat)
         default = (self.chat_default_max_tokens if chat else 16)
         gens, reqs = [], []
-        for i, p in enumerate(prompts):
-            budget = output_budget(req, len(p.tokens), self.backend.max_model_len, default)
+        for i, tokens in enumerate(prompts):
+            budget = output_budget(req, len(tokens), self.backend.max_model_len, default)
             n_out = budget
             if not req.ignore_eos and self.output_lengths is not None:
                 n_out = max(req.min_tokens, min(budget, max(1, self.output_lengths())))
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             ids, texts = self.tok.output(rid, n_out)
-            gens.append(_Gen(rid, len(p.tokens), n_out, budget, texts))
-            reqs.append(_client_request(rid, p.tokens, n_out, ids, hints))
+            gens.append(_Gen(rid, len(tokens), n_out, budget, texts))
+            reqs.append(_client_request(rid, tokens, n_out, ids, hints))
         run = _Run(len(gens))
         stream = req.stream
         if self.metrics is not None:

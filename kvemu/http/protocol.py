@@ -22,7 +22,6 @@ __all__ = [
     "TokenizeRequest",
     "DetokenizeRequest",
     "Hints",
-    "Prompt",
     "decode_body",
     "prompts_of",
     "hints_of",
@@ -127,33 +126,28 @@ def decode_body(body: bytes, kind: type) -> Any:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
 
 
-class Prompt(msgspec.Struct, frozen=True):
-    """One prompt as token ids, with its text when it came as text."""
-
-    tokens: list[int]
-
-
-def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer) -> list[Prompt]:
-    """The prompts of a request as token ids (a completions request may carry several)."""
+def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer) -> list[str | list[int]]:
+    """The prompts of a request: text still to tokenize, or token ids already checked against the vocabulary
+    (a completions request may carry several; a chat request is one prompt, its messages in the template)."""
     if isinstance(req, ChatRequest):
         if not req.messages:
             raise ApiError(400, "messages: at least one message is required", "messages")
-        return [Prompt(tok.encode(tok.chat_prompt([_message(m, i) for i, m in enumerate(req.messages)])))]
+        return [tok.chat_prompt([_message(m, i) for i, m in enumerate(req.messages)])]
     p = req.prompt
     if p is None:
         raise ApiError(400, "prompt: a prompt is required", "prompt")
     if isinstance(p, str):
-        return [Prompt(tok.encode(p))]
+        return [p]
     if not p:
         raise ApiError(400, "prompt: the list is empty", "prompt")
     if all(type(x) is int for x in p):
-        return [Prompt(_ids(p, tok, "prompt"))]
+        return [_ids(p, tok, "prompt")]
     if len(p) > MAX_PROMPTS:
         raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
     if all(isinstance(x, str) for x in p):
-        return [Prompt(tok.encode(x)) for x in p]
+        return list(p)
     if all(isinstance(x, list) and all(type(y) is int for y in x) for x in p):
-        return [Prompt(_ids(x, tok, f"prompt[{i}]")) for i, x in enumerate(p)]
+        return [_ids(x, tok, f"prompt[{i}]") for i, x in enumerate(p)]
     raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of lists of "
                         "token ids", "prompt")
 
