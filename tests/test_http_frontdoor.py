@@ -372,3 +372,66 @@ def test_prompts_arriving_together_are_tokenized_together_and_each_gets_its_own_
         return results
 
     assert serve(body) == {i: len(tok.encode(t)) for i, t in enumerate(texts)}
+
+
+def test_request_fields_as_clients_send_them():
+    async def body(client, http, c):
+        parts = await http.post("/v1/chat/completions", json={
+            "model": "kvemu", "max_completion_tokens": 3, "ignore_eos": True,
+            "messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "first part"},
+                                                      {"type": "text", "text": "second part"}]}]})
+        image = await http.post("/v1/chat/completions", json={
+            "model": "kvemu", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+        completion = await http.post("/v1/completions", json={"model": "kvemu", "prompt": "x",
+                                                               "max_completion_tokens": 4, "ignore_eos": True})
+        continuous = await http.post("/v1/completions", json={
+            "model": "kvemu", "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        return parts.json(), image, completion.json(), continuous.text
+
+    parts, image, completion, continuous = serve(body)
+    tok = builtin_tokenizer()
+    want = tok.chat_prompt([("system", "be brief"), ("user", "first part\nsecond part")])
+    assert parts["usage"]["prompt_tokens"] == len(tok.encode(want)) and parts["usage"]["completion_tokens"] == 3
+    assert image.status_code == 400 and "text parts" in image.json()["error"]["message"]
+    assert completion["usage"]["completion_tokens"] == 4
+    events = [json.loads(e[6:]) for e in continuous.split("\n\n") if e.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
+    assert all(e.get("usage") for e in events) and counts == sorted(counts) and counts[-1] == 40
+
+
+def test_sibling_groups_and_agent_session_headers_bind_like_dynamo():
+    async def body(client, http, c):
+        async def rank(headers, text):
+            r = await http.post("/v1/completions", headers=headers, json={
+                "model": "kvemu", "prompt": text, "max_tokens": 2, "nvext": {"extra_fields": ["worker_id"]}})
+            w = r.json()["nvext"]["worker_id"]
+            return w["decode_worker_id"], w["decode_dp_rank"]
+
+        siblings = [await rank({"X-Dynamo-Session-ID": f"sub-{i}", "X-Dynamo-Parent-Session-ID": "parent-1"},
+                               f"sub agent {i} works on its own part of the task") for i in range(6)]
+        fallback = [await rank({"x-session-id": "agent-9"}, f"turn {i} of a plain agent") for i in range(4)]
+        bare = [await rank({"session-id": "agent-10"}, f"turn {i} of another agent") for i in range(4)]
+        return siblings, fallback, bare
+
+    siblings, fallback, bare = serve(body)
+    assert len(set(siblings)) == 1 and len(set(fallback)) == 1 and len(set(bare)) == 1
+
+
+def test_routing_hints_map_as_dynamo_takes_them():
+    from kvemu.http.errors import ApiError
+    from kvemu.http.protocol import CompletionRequest, decode_body, hints_of
+
+    body = {"prompt": "x", "priority": 3, "nvext": {"backend_instance_id": 4, "dp_rank": 1, "extra_fields": ["timing"],
+                                                    "agent_hints": {"priority": 7, "osl": 120}}}
+    parsed = decode_body(json.dumps(body).encode(), CompletionRequest)
+    h = hints_of(parsed, {})
+    assert (h.worker_id, h.dp_rank, h.priority, h.engine_priority, h.osl, h.extra_fields) == (4, 1, 7, 3, 120, ("timing",))
+    h = hints_of(parsed, {"x-worker-instance-id": "9", "x-dp-rank": "0", "x-dynamo-session-id": "s",
+                          "x-session-id": "ignored", "x-parent-session-id": "p"})
+    assert (h.worker_id, h.dp_rank, h.session_id, h.parent_session_id) == (9, 0, "s", "p")  # headers win
+    for headers in ({"x-dp-rank": "one"}, {"x-worker-instance-id": "-2"}, {"x-dynamo-session-id": "s" * 300}):
+        with pytest.raises(ApiError) as err:
+            hints_of(parsed, headers)
+        assert err.value.status == 400
