@@ -275,9 +275,10 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
-        # drain: requests in flight get up to grace_s to finish, then fail with router_shutdown
+        # drain: requests in flight (from ZeroMQ clients and over HTTP) get up to grace_s to finish, then fail
+        # with router_shutdown
         with anyio.move_on_after(grace_s):
-            while in_flight:
+            while in_flight or router.lifecycle.flights:
                 await anyio.sleep(0.01)
         router.stop("router_shutdown")  # ends them: each handler replies to its client
         with anyio.move_on_after(1.0):

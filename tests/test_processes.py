@@ -459,3 +459,45 @@ def test_the_router_process_keeps_nothing_of_answered_http_requests(tmp_path):
         assert stats.records_held == 0
     finally:
         kids.stop_all()
+
+
+def test_a_router_sigterm_lets_http_requests_finish_within_the_grace_then_ends_the_rest_in_their_streams(tmp_path):
+    import httpx
+
+    scenario = small(tmp_path)
+    kids = Children()
+    try:
+        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario),
+                                       "--grace", "1.5", "--http", "127.0.0.1:0"])
+        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "1", "--config", str(scenario),
+                          "--set", "cluster.engine.speedup_ratio=0.2"])
+
+        async def main():
+            client = _RouterClient(router["listen"])
+            got = {}
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.listen)
+                await registered(client)
+                async with httpx.AsyncClient(base_url=router["http"], timeout=30) as http:
+                    async def ask(name, max_tokens):
+                        r = await http.post("/v1/completions", json={
+                            "model": "kvemu", "prompt": f"{name} request", "max_tokens": max_tokens,
+                            "ignore_eos": True, "stream": True})
+                        got[name] = r.text
+
+                    tg.start_soon(ask, "long", 20000)
+                    tg.start_soon(ask, "short", 20)
+                    await anyio.sleep(0.5)
+                    kids.signal("router", signal.SIGTERM)
+                    with anyio.fail_after(20):
+                        while len(got) < 2:
+                            await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+            return got
+
+        got = anyio.run(main)
+        assert kids.procs["router"].wait(15) == 0
+    finally:
+        kids.stop_all()
+    assert '"finish_reason":"length"' in got["short"] and got["short"].endswith("data: [DONE]\n\n")
+    assert "router_shutdown" in got["long"] and got["long"].endswith("data: [DONE]\n\n")
