@@ -245,20 +245,20 @@ def _http_options(args: argparse.Namespace) -> Any:
     return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model, server=args.http_server)
 
 
+def _http_flags(args: argparse.Namespace, listen: str) -> list[str]:
+    """The HTTP options a child process gets to serve on ``listen``."""
+    flags = ["--http", listen, "--model", args.model, "--http-server", args.http_server]
+    return flags + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
+
+
 def _http_args(args: argparse.Namespace) -> list[str]:
     """The ``--http`` options to pass on to a router process."""
-    if not getattr(args, "http", None):
-        return []
-    extra = ["--http", args.http, "--model", args.model, "--http-server", args.http_server]
-    return extra + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
+    return _http_flags(args, args.http) if getattr(args, "http", None) else []
 
 
 def _worker_http_args(args: argparse.Namespace) -> list[str]:
     """What a worker process needs to serve its own OpenAI routes (``--worker-http``), else nothing."""
-    if not getattr(args, "worker_http", False):
-        return []
-    extra = ["--http", "127.0.0.1:0", "--model", args.model, "--http-server", args.http_server]
-    return extra + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
+    return _http_flags(args, "127.0.0.1:0") if getattr(args, "worker_http", False) else []
 
 
 def _add_http(parser: argparse.ArgumentParser, default: str | None) -> None:

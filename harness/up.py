@@ -175,7 +175,6 @@ class _Stack:
         self.kids = kids
         self.config = config
         self.worker_http = worker_http or []
-        self.worker_urls: list[str] = []
         self.worker_info: list[dict[str, Any]] = []
         """Each worker's start line: id, KV-event and replay endpoints, HTTP URL (for clients and routers)."""
         started = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *http, *config],
@@ -191,8 +190,6 @@ class _Stack:
                                                  "--kv-events", "tcp://127.0.0.1:0", "--kv-replay",
                                                  "tcp://127.0.0.1:0", *self.worker_http, *self.config])
         self.worker_info.append({k: info.get(k) for k in ("worker_id", "kv_events", "kv_replay", "http")})
-        if "http" in info:
-            self.worker_urls.append(info["http"])
         self.live.append(wid)
         self.next_id += 1
 
@@ -206,7 +203,7 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
         for _ in range(scenario.cluster.workers):
             stack.add_worker()
         print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router,
-                          "workers": scenario.cluster.workers, "worker_http": stack.worker_urls,
+                          "workers": scenario.cluster.workers, "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
                           "worker_info": stack.worker_info}), flush=True)
         print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({scenario.cluster.workers} workers x "
               f"{scenario.cluster.dp_size} ranks); Ctrl-C stops", file=sys.stderr, flush=True)

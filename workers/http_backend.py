@@ -48,19 +48,17 @@ class WorkerBackend:
 
         def reply(msg: TokenBatch | Finished | RequestFailed) -> None:
             t = type(msg)
-            if t is TokenBatch:
+            times = msg.times_ns if t is not RequestFailed else None  # type: ignore[union-attr]
+            if times:
                 if record.first_token_ns is None:
-                    record.first_token_ns = msg.times_ns[0]
-                record.output_tokens += len(msg.times_ns)
-                on_tokens(len(msg.times_ns))
+                    record.first_token_ns = times[0]
+                record.output_tokens += len(times)
+                on_tokens(len(times))
+            if t is TokenBatch:
                 return
             if t is Finished:
-                if msg.times_ns:
-                    if record.first_token_ns is None:
-                        record.first_token_ns = msg.times_ns[0]
-                    record.output_tokens += len(msg.times_ns)
-                    on_tokens(len(msg.times_ns))
-                    record.completion_ns = msg.times_ns[-1]
+                if times:
+                    record.completion_ns = times[-1]
                 record.engine_cached_tokens = msg.cached_tokens  # type: ignore[union-attr]
                 record.admitted_ns = msg.admitted_ns  # type: ignore[union-attr]
                 record.preemptions = msg.preemptions  # type: ignore[union-attr]

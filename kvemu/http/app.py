@@ -131,7 +131,7 @@ class OpenAIApp:
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
                  metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
-                 chat_default_max_tokens: int | None = None, rank_header: str = "x-dp-rank",
+                 rank_header: str = "x-dp-rank",
                  max_body_bytes: int = 16 << 20) -> None:
         self.backend = backend
         self.tok = tokenizer
@@ -139,7 +139,6 @@ class OpenAIApp:
         self.clock = clock
         self.metrics = metrics
         self.output_lengths = output_lengths
-        self.chat_default_max_tokens = chat_default_max_tokens
         self.rank_header = rank_header
         self.max_body_bytes = max_body_bytes
         self._unix_s: Callable[[], int] = getattr(clock, "unix_s", lambda: clock.now_ns() // NS_PER_S)
@@ -289,7 +288,7 @@ class OpenAIApp:
         hints = hints_of(req, headers)
         prompts = await self._tokens(prompts_of(req, self.tok))
         base = _request_id(headers, chat)
-        default = (self.chat_default_max_tokens if chat else 16)
+        default = None if chat else 16  # chat: what the context leaves, as vLLM
         gens, reqs = [], []
         for i, tokens in enumerate(prompts):
             budget = output_budget(req, len(tokens), self.backend.max_model_len, default)

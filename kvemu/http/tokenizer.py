@@ -73,17 +73,16 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``; ``InvalidArgument`` naming the first id outside the vocabulary."""
-        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self.check_ids(ids)
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
-    def check_ids(self, ids: Sequence[int], field: str) -> None:
-        """``InvalidArgument`` naming ``field`` when an id is outside the vocabulary."""
+    def check_ids(self, ids: Sequence[int], field: str | None = None) -> None:
+        """``InvalidArgument`` (naming ``field``) when an id is outside the vocabulary."""
         n = self.vocab_size
         for i in ids:
             if not 0 <= i < n:
-                raise InvalidArgument(f"{field}: token id {i} is outside the vocabulary (0..{n - 1})")
+                where = f"{field}: " if field else ""
+                raise InvalidArgument(f"{where}token id {i} is outside the vocabulary (0..{n - 1})")
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> str:
         """The prompt text of a conversation (role, text) with the generation prompt appended."""
