@@ -32,10 +32,17 @@ def replay_entry() -> tuple[str, Callable[..., Any]] | None:
 
 
 def run_reference(replay: Callable[..., Any], trace: Path, policy: str, *, workers: int = 16,
-                  trace_block_size: int = 512) -> dict[str, Any]:
-    """The reference's summary of an offline replay of ``trace`` (default engine arguments)."""
+                  trace_block_size: int = 512, engine: dict[str, Any] | None = None,
+                  **options: Any) -> dict[str, Any]:
+    """The reference's summary of an offline replay of ``trace``.
+
+    ``engine`` holds engine knobs (kvemu's ``cluster.engine`` names, which are the reference's), default
+    engine arguments otherwise; ``options`` go to the replay as they are (e.g. ``arrival_speedup_ratio``).
+    """
+    if engine:
+        options["extra_engine_args"] = {"engine": dict(engine)}
     result = replay([str(trace)], num_workers=workers, trace_block_size=trace_block_size, replay_mode="offline",
-                    router_mode=REFERENCE_MODE[policy])
+                    router_mode=REFERENCE_MODE[policy], **options)
     return dict(result.summary if hasattr(result, "summary") else result)
 
 

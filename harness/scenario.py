@@ -85,7 +85,9 @@ class _Section(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 
 class _EngineSection(_Section, **_STRUCT):  # type: ignore[call-arg]
     def __post_init__(self) -> None:
-        self.config(dp_size=1)  # EngineConfig's own checks, cross-field ones included
+        config = self.config(dp_size=1)  # EngineConfig's own checks, cross-field ones included
+        if self.block_size is None:  # type: ignore[attr-defined]
+            msgspec.structs.force_setattr(self, "block_size", config.block_size)  # the backend's default
 
     def config(self, dp_size: int) -> EngineConfig:
         """The engine configuration of every rank of a worker with ``dp_size`` ranks."""

@@ -23,6 +23,7 @@ def workloads(draw):
     blocks = draw(st.integers(3, 40))
     max_seqs = draw(st.integers(1, 5))
     cfg = EngineConfig(
+        backend=draw(st.sampled_from(["vllm", "vllm", "trtllm"])),
         num_gpu_blocks=blocks,
         block_size=bs,
         max_num_seqs=max_seqs,
@@ -36,6 +37,8 @@ def workloads(draw):
     )
     capacity = blocks * bs
     limit = capacity if cfg.enable_chunked_prefill else min(capacity, cfg.max_num_batched_tokens)
+    if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included
+        limit = min(limit, capacity - 1)
     prefixes = [[p] * draw(st.integers(0, 3 * bs)) for p in range(3)]
     shared_outputs = draw(st.booleans())
     reqs = []

@@ -25,7 +25,9 @@ def test_decode_polynomial_values_and_floor():
     assert m.decode_ms(0, 1000) == pytest.approx(5.74)
     assert m.decode_ms(500, 1000) == pytest.approx(-25.74 * 0.25 + 54.01 * 0.5 + 5.74)
     assert m.decode_ms(1000, 1000) == pytest.approx(-25.74 + 54.01 + 5.74)
-    assert m.decode_ms(3000, 1000) == 1.0  # p = 3 would go negative: floored at 1 ms
+    # shared prefixes count once per request, so KV can exceed the pool: p is capped at 1 (as the reference's
+    # replay does: tests/test_reference_engines.py, "active prefix discount")
+    assert m.decode_ms(3000, 1000) == pytest.approx(-25.74 + 54.01 + 5.74)
 
 
 def test_pass_timer_uses_decode_kv_tokens_and_rounds_to_ns():

@@ -23,6 +23,9 @@ Which cluster, and why (measured on this slice with ai-dynamo-runtime 1.6.1):
   compared, so this is where the routing decisions (reuse, TTFT) are held to the reference's. Two runs
   of the reference must agree exactly, or the test says the premise broke.
 
+* **TRT-LLM flavour, round robin on 16 workers** (``backend: trtllm``, block size 32): deterministic too;
+  every figure is compared.
+
 300 rows are the first 102 s of the trace (about 3 requests/s of ~12k-token prompts that share a
 512-token system prefix and multi-turn histories): enough for KV routing to matter (on 2 workers it
 lowers the reference's mean TTFT from 1,069 to 953 ms and p99 from 4,157 to 2,766 ms) while the whole
@@ -56,11 +59,12 @@ FIGURES = {  # label: summary key (the same key on both sides)
 ALL = tuple(FIGURES)
 TIE_INSENSITIVE = ("p99 ttft", "mean itl", "mean e2e")
 
-# (kvemu router.policy, workers, figures compared, whether the reference is deterministic there)
+# (kvemu router.policy, workers, figures compared, whether the reference is deterministic there, engine knobs)
 CASES = {
-    "round_robin-16": ("round_robin", 16, ALL, True),
-    "kv-16": ("kv", 16, TIE_INSENSITIVE, False),
-    "kv-2": ("kv", 2, ALL, True),
+    "round_robin-16": ("round_robin", 16, ALL, True, {}),
+    "kv-16": ("kv", 16, TIE_INSENSITIVE, False, {}),
+    "kv-2": ("kv", 2, ALL, True, {}),
+    "trtllm-round_robin-16": ("round_robin", 16, ALL, True, {"backend": "trtllm", "block_size": 32}),
 }
 
 
@@ -77,20 +81,22 @@ def trace_slice(tmp_path_factory) -> Path:
     return trace_head(trace, ROWS, tmp_path_factory.mktemp("mooncake"))
 
 
-def run_kvemu(trace: Path, policy: str, workers: int) -> dict[str, Any]:
+def run_kvemu(trace: Path, policy: str, workers: int, engine: dict[str, Any]) -> dict[str, Any]:
     from harness.report import summarize
     from harness.runner import run_scenario
     from harness.scenario import load_scenario
 
     scenario = load_scenario(SCENARIO, [f"router.policy={policy}", f"cluster.workers={workers}",
-                                        f"workload.trace={trace}", "run.mode=virtual"])
+                                        f"workload.trace={trace}", "run.mode=virtual",
+                                        *(f"cluster.engine.{k}={v}" for k, v in engine.items())])
     return summarize(run_scenario(scenario, None).data)
 
 
-def run_reference(core, trace: Path, policy: str, workers: int) -> dict[str, Any]:
+def run_reference(core, trace: Path, policy: str, workers: int, engine: dict[str, Any]) -> dict[str, Any]:
     from harness.reference import run_reference as replay
 
-    return replay(core.run_mocker_trace_replay, trace, policy, workers=workers, trace_block_size=TRACE_BLOCK_SIZE)
+    return replay(core.run_mocker_trace_replay, trace, policy, workers=workers, trace_block_size=TRACE_BLOCK_SIZE,
+                  engine=engine)
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +106,13 @@ def replays(dynamo_core, trace_slice):
 
     def get(case: str) -> tuple[dict[str, Any], dict[str, Any]]:
         if case not in done:
-            policy, workers, _, deterministic = CASES[case]
-            ref = run_reference(dynamo_core, trace_slice, policy, workers)
+            policy, workers, _, deterministic, engine = CASES[case]
+            ref = run_reference(dynamo_core, trace_slice, policy, workers, engine)
             if deterministic:  # the premise of comparing with one run
-                again = run_reference(dynamo_core, trace_slice, policy, workers)
+                again = run_reference(dynamo_core, trace_slice, policy, workers, engine)
                 changed = {k: (ref[k], again[k]) for k in FIGURES.values() if ref[k] != again[k]}
                 assert not changed, f"the reference's {case} replay is not deterministic: {changed}"
-            done[case] = (run_kvemu(trace_slice, policy, workers), ref)
+            done[case] = (run_kvemu(trace_slice, policy, workers, engine), ref)
         return done[case]
 
     return get

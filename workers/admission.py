@@ -76,6 +76,12 @@ def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_toke
     if not isinstance(req.priority, int) or isinstance(req.priority, bool):
         raise _malformed("priority", f"must be an integer, got {req.priority!r}")
     kv_tokens = n + mt - 1
+    if config.backend == "trtllm" and n + mt > config.capacity_tokens:  # it reserves prompt + max_tokens
+        raise _malformed(
+            "token_ids",
+            f"prompt ({n}) + max_tokens ({mt}) = {n + mt} tokens can never be reserved in the pool of "
+            f"{config.num_gpu_blocks} blocks x {config.block_size} tokens",
+        )
     if kv_tokens > config.capacity_tokens:
         raise _malformed(
             "token_ids",

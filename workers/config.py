@@ -16,13 +16,24 @@ from msgspec import Meta
 from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
 
-__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode"]
+__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "DEFAULT_BLOCK_SIZE"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
+Backend = Literal["vllm", "sglang", "trtllm"]
+
+DEFAULT_BLOCK_SIZE: dict[str, int] = {"vllm": 64, "sglang": 64, "trtllm": 32}
+"""The reference mocker's KV block size per backend when ``block_size`` is not given."""
 
 Count = Annotated[int, Meta(ge=1)]
 Ratio = Annotated[float, Meta(ge=0)]
+
+
+class TrtllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """TRT-LLM flavour knobs (the reference accepts only its default capacity policy)."""
+
+    capacity_scheduler_policy: Literal["guaranteed_no_evict"] = "guaranteed_no_evict"
+    """Admit a request only once its whole KV (prompt + max output) is reserved; never preempt."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,8 +43,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     A speedup ratio of 0 means no engine delay (see the module docstring); live benchmarks use it.
     """
 
+    backend: Backend = "vllm"
+    """Which engine the mock behaves like: scheduling, admission, prefix reuse and default block size."""
     num_gpu_blocks: Count = 16384
-    block_size: Count = 64
+    block_size: Count | None = None
+    """KV block size in tokens; None takes the backend's default (``DEFAULT_BLOCK_SIZE``: 64, TRT-LLM 32)."""
     max_num_seqs: Count = 256
     max_num_batched_tokens: Count = 8192
     enable_prefix_caching: bool = True
@@ -47,9 +61,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dp_size: Count = 1
     record_token_times: bool = True
     """Keep every token's timestamp per request (off: only first token and completion are kept)."""
+    trtllm: TrtllmConfig = TrtllmConfig()
+    """TRT-LLM flavour knobs (used when ``backend`` is trtllm)."""
 
     def __post_init__(self) -> None:
         check_struct(self)
+        if self.block_size is None:
+            msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidArgument(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -60,4 +78,4 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     @property
     def capacity_tokens(self) -> int:
         """KV tokens one rank can hold (``num_gpu_blocks * block_size``)."""
-        return self.num_gpu_blocks * self.block_size
+        return self.num_gpu_blocks * self.block_size  # type: ignore[operator]  # resolved in __post_init__

@@ -318,7 +318,8 @@ class EngineCore:
         sched = self.scheduler.schedule(start)
         decode_kv = 0  # the KV tokens of the requests decoding in this pass, the one being computed included
         if sched.decodes:
-            decode_kv = sum(seq.computed + n for seq, n in sched.entries.items() if not seq.prefilling)
+            # (a TRT-LLM request whose whole prompt was cached computes nothing and decodes its prompt)
+            decode_kv = sum(seq.computed + n for seq, n in sched.entries.items() if not seq.prefilling or not n)
         duration = self.timer.pass_ns(sched.prefill_tokens, sched.decodes, decode_kv)
         return _Pass(start, start + duration, sched, version)
 

@@ -6,6 +6,13 @@ are admitted in queue order while the budget, ``max_num_seqs`` and free blocks a
 the uncached prompt tokens only (prefix hits are free). When a running request needs a block and none
 can be freed by eviction, running requests are preempted (LIFO: the latest admitted; FIFO: the earliest)
 and recomputed later; a pass that preempted admits nothing, as in vLLM.
+
+TRT-LLM flavour (``guaranteed_no_evict``): the same passes, but a waiting request is admitted only when
+its whole KV (``ceil((prompt + max_tokens) / block_size)`` blocks, less the prefix blocks running requests
+already hold) fits beside what every running request may still need; the queue head waits (no request
+overtakes it) and nothing is ever preempted. Its prefix cache reuses every cached full block: a
+block-aligned prompt that is fully cached computes no prompt token and samples its first token in a
+pass whose decode part counts its prompt.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class Scheduler:
         "prefix_caching",
         "chunked_prefill",
         "lifo",
+        "reserve",
         "future",
         "waiting",
         "running",
@@ -59,6 +67,8 @@ class Scheduler:
         self.prefix_caching = config.enable_prefix_caching
         self.chunked_prefill = config.enable_chunked_prefill
         self.lifo = config.preemption_mode == "lifo"
+        self.reserve = config.backend == "trtllm"
+        """TRT-LLM: admission reserves each request's whole KV; no preemption; full-prompt prefix reuse."""
         self.future: list[tuple[int, int, SeqState]] = []
         """Accepted requests whose arrival time is still ahead: heap of (arrival_ns, order, seq)."""
         self.waiting: list[tuple[int, int, int, SeqState]] = []
@@ -101,6 +111,8 @@ class Scheduler:
                     n = budget
                 need = -(-(seq.computed + n) // bs) - seq.n_alloc
                 if need > pool.available:
+                    if self.reserve:  # cannot happen under the reservation; never preempt: stop here
+                        break
                     budget += self._preempt_until(seq, need, sched)
                     if seq.status != RUNNING:
                         continue
@@ -155,11 +167,14 @@ class Scheduler:
         running = self.running
         pool = self.pool
         bs = self.block_size
+        reserve = self.reserve
+        reserved = sum(-(-(r.prompt_len + r.max_tokens) // bs) - r.n_alloc for r in running) if reserve and waiting else 0
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0][3]
             total = seq.prompt_len + seq.n_out
             if self.prefix_caching:
-                limit = (total - 1) // bs  # the last prompt token is always computed (it yields logits)
+                # vLLM always computes the last prompt token (it yields logits); TRT-LLM reuses whole blocks
+                limit = total // bs if reserve else (total - 1) // bs
                 hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(limit), limit)
             else:
                 hits = inactive_hits = 0
@@ -172,6 +187,11 @@ class Scheduler:
             need = -(-(cached + n) // bs) - hits
             if need > pool.available - inactive_hits:
                 break
+            if reserve:
+                whole = -(-(seq.prompt_len + seq.max_tokens) // bs)
+                if whole - (hits - inactive_hits) > pool.available - reserved:
+                    break  # the head waits until its whole KV fits; nothing overtakes it
+                reserved += whole - (hits + need)
             heapq.heappop(waiting)
             if hits:
                 pool.take_hits(seq.hashes, hits)
@@ -187,7 +207,10 @@ class Scheduler:
                 rec.engine_cached_tokens = cached
             sched.entries[seq] = n
             sched.admitted.append(seq)
-            sched.prefill_tokens += n
+            if n:
+                sched.prefill_tokens += n
+            else:  # TRT-LLM, prompt fully cached: it samples its first token in this pass's decode part
+                sched.decodes += 1
             budget -= n
 
     def complete(self, seq: SeqState) -> None:

@@ -52,8 +52,13 @@ class PolynomialTiming:
         return 4.209989e-07 * t * t + 1.518344e-02 * t + 16.50142
 
     def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int) -> float:
-        """``-25.74*p^2 + 54.01*p + 5.74`` ms with ``p = active/total``, floored at 1 ms."""
+        """``-25.74*p^2 + 54.01*p + 5.74`` ms with ``p = min(1, active/total)``, floored at 1 ms.
+
+        ``p`` is capped because a prefix shared by several decoding requests counts once per request, so
+        the sum can exceed the pool (the reference caps it the same way)."""
         p = active_kv_tokens / total_kv_tokens
+        if p > 1.0:
+            p = 1.0
         return max(1.0, -25.74 * p * p + 54.01 * p + 5.74)
 
     def decode_ns_series(self, first: int, step: int, count: int, total_kv_tokens: int, scale: float) -> list[int]:
@@ -71,8 +76,8 @@ class PolynomialTiming:
 
 def _decode_ns(actives: Iterable[int], total_kv_tokens: int, scale: float) -> list[int]:
     t = total_kv_tokens
-    return [round((v if (v := -25.74 * (p := a / t) * p + 54.01 * p + 5.74) > 1.0 else 1.0) * scale)
-            for a in actives]
+    return [round((v if (v := -25.74 * (p := (a / t if a < t else 1.0)) * p + 54.01 * p + 5.74) > 1.0 else 1.0)
+                  * scale) for a in actives]
 
 
 _CHUNK = 4096

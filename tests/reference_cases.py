@@ -1,0 +1,69 @@
+"""Per-request differential replays of tiny hand-written traces: kvemu's virtual replay against Dynamo's.
+
+A case is a list of Mooncake rows (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``)
+and engine knobs named as in kvemu's ``cluster.engine`` (the reference receives the same knobs under
+``extra_engine_args["engine"]``). Both sides replay the trace on ``workers`` workers with round robin; the
+result is one ``(ttft_ms, e2e_ms, reused_tokens)`` per request, in arrival order, so a test can compare
+them exactly (to 1 µs: kvemu keeps integer nanoseconds).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+Row = dict[str, Any]
+Outcome = tuple[float, float, int]
+"""(TTFT ms, E2E ms, reused prompt tokens) of one request."""
+
+
+def write_trace(directory: Path, rows: list[Row], name: str = "trace.jsonl") -> Path:
+    path = directory / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, trace_block_size: int = 512,
+                   policy: str = "round_robin") -> list[Outcome]:
+    """kvemu's per-request outcomes of a virtual replay of ``trace``."""
+    from harness.runner import run_scenario
+    from harness.scenario import parse_scenario
+
+    text = json.dumps({
+        "name": "differential", "cluster": {"workers": workers, "engine": engine},
+        "router": {"policy": policy},
+        "workload": {"kind": "trace", "trace": str(trace), "trace_block_size": trace_block_size},
+        "run": {"mode": "virtual", "seed": 0},
+    })
+    data = run_scenario(parse_scenario(text), None).data
+    out = []
+    for r in data.records:
+        assert r.failure is None, f"{r.request_id} failed: {r.failure}"
+        out.append(((r.first_token_ns - r.arrival_ns) / 1e6, (r.completion_ns - r.arrival_ns) / 1e6,
+                    r.engine_cached_tokens or 0))
+    return out
+
+
+def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *, workers: int = 1,
+                       trace_block_size: int = 512, policy: str = "round_robin") -> list[Outcome]:
+    """The reference's per-request outcomes of its offline replay of ``trace``."""
+    from harness.reference import REFERENCE_MODE
+
+    result = core.run_mocker_trace_replay([str(trace)], extra_engine_args={"engine": engine}, num_workers=workers,
+                                          trace_block_size=trace_block_size, replay_mode="offline",
+                                          router_mode=REFERENCE_MODE[policy], capture_per_request=True)
+    rows = result["per_request"] if isinstance(result, dict) else result.per_request
+    rows = sorted(rows, key=lambda r: (r["arrival_time_ms"], r["uuid"]))
+    return [(r["ttft_ms"], r["e2e_latency_ms"], r["reused_input_tokens"] or 0) for r in rows]
+
+
+def assert_same(ours: list[Outcome], ref: list[Outcome], tol_ms: float = 1e-3) -> None:
+    """Every request's TTFT and E2E within ``tol_ms`` and the same reuse, with a table on failure."""
+    table = "\n".join(f"  #{i}: kvemu ttft {a[0]:.6f} e2e {a[1]:.6f} reused {a[2]} | "
+                      f"reference ttft {b[0]:.6f} e2e {b[1]:.6f} reused {b[2]}"
+                      for i, (a, b) in enumerate(zip(ours, ref)))
+    assert len(ours) == len(ref), f"{len(ours)} vs {len(ref)} requests\n{table}"
+    for a, b in zip(ours, ref):
+        assert abs(a[0] - b[0]) <= tol_ms and abs(a[1] - b[1]) <= tol_ms and a[2] == b[2], table
