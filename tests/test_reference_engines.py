@@ -33,6 +33,24 @@ TRTLLM_CASES = {
 }
 
 
+VLLM_CASES = {
+    # a batch's prefill is timed on b * (floor(sum isl / b) - floor(sum prefix / b)) tokens: 1500, not 1501
+    "two prompts in one pass": (rows((0, 1000, 2, [1, 2]), (0, 501, 2, [3, 4])), {}, 512),
+    "three prompts, one cached prefix": (rows((0, 1024, 2, [1, 2]), (100, 1535, 2, [1, 2, 3]), (100, 300, 2, [4]),
+                                              (100, 301, 2, [5])), {}, 512),
+    "p capped at the pool": (rows((0, 320, 200, list(range(1, 11))), (1, 640, 160, list(range(1, 21)))),
+                             {"num_gpu_blocks": 32, "block_size": 32}, 32),
+}
+
+
+@pytest.mark.parametrize("case", list(VLLM_CASES))
+def test_vllm_matches_the_reference_request_by_request(dynamo_core, tmp_path, case):
+    trace_rows, engine, trace_block_size = VLLM_CASES[case]
+    trace = write_trace(tmp_path, trace_rows)
+    assert_same(kvemu_outcomes(trace, engine, trace_block_size=trace_block_size),
+                reference_outcomes(dynamo_core, trace, engine, trace_block_size=trace_block_size))
+
+
 @pytest.mark.parametrize("case", list(TRTLLM_CASES))
 def test_trtllm_matches_the_reference_request_by_request(dynamo_core, tmp_path, case):
     trace_rows, engine, trace_block_size = TRTLLM_CASES[case]

@@ -10,7 +10,8 @@ catches up with all its tokens, the pass samples one new token for it (the first
 prefill). Blocks that fill up are cached at the end of the pass (``BlockStored``); blocks are taken,
 and evicted (``BlockRemoved``), when the pass is scheduled; all of a pass's events share one batch
 stamped with its end. Duration = prefill time of the pass's uncached tokens + decode time if it
-decodes anything, the decode part a function of the KV tokens of the requests decoding in the pass
+decodes anything (the prefill tokens of a batch of ``b`` prompts are counted as the reference counts them,
+``b * (floor(sum of prompt ends / b) - floor(sum of prefixes / b))``, up to ``b - 1`` fewer than the sum), the decode part a function of the KV tokens of the requests decoding in the pass
 (their context lengths summed, out of the pool's capacity; see ``workers/timing.py``), as in the
 reference mocker.
 
@@ -316,11 +317,20 @@ class EngineCore:
     def _plan(self, start: int) -> _Pass:
         version = self.pool.version
         sched = self.scheduler.schedule(start)
+        prefill = sched.prefill_tokens
         decode_kv = 0  # the KV tokens of the requests decoding in this pass, the one being computed included
-        if sched.decodes:
-            # (a TRT-LLM request whose whole prompt was cached computes nothing and decodes its prompt)
-            decode_kv = sum(seq.computed + n for seq, n in sched.entries.items() if not seq.prefilling or not n)
-        duration = self.timer.pass_ns(sched.prefill_tokens, sched.decodes, decode_kv)
+        if len(sched.entries) > 1 or sched.decodes:
+            b = isl = prefix = 0
+            for seq, n in sched.entries.items():
+                if seq.prefilling and n:
+                    b += 1
+                    prefix += seq.computed
+                    isl += seq.computed + n
+                else:  # decoding (or a TRT-LLM prompt that was wholly cached: it computes nothing, decodes it)
+                    decode_kv += seq.computed + n
+            if b > 1:  # the reference times a batch's prefill on its mean prompt and mean prefix, floored
+                prefill = b * (isl // b - prefix // b)
+        duration = self.timer.pass_ns(prefill, sched.decodes, decode_kv)
         return _Pass(start, start + duration, sched, version)
 
     def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
