@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REFERENCE_MODE", "replay_entry", "run_reference", "trace_head"]
+__all__ = ["REFERENCE_MODE", "replay_entry", "run_reference", "trace_head", "reference_engine"]
 
 REFERENCE_MODE = {"round_robin": "round_robin", "kv": "kv_router"}
 """kvemu's ``router.policy`` → the reference's ``router_mode``."""
@@ -40,10 +40,28 @@ def run_reference(replay: Callable[..., Any], trace: Path, policy: str, *, worke
     engine arguments otherwise; ``options`` go to the replay as they are (e.g. ``arrival_speedup_ratio``).
     """
     if engine:
-        options["extra_engine_args"] = {"engine": dict(engine)}
+        options["extra_engine_args"] = {"engine": reference_engine(engine, Path(trace).parent)}
     result = replay([str(trace)], num_workers=workers, trace_block_size=trace_block_size, replay_mode="offline",
                     router_mode=REFERENCE_MODE[policy], **options)
     return dict(result.summary if hasattr(result, "summary") else result)
+
+
+def reference_engine(engine: dict[str, Any], directory: Path | str) -> dict[str, Any]:
+    """kvemu's engine knobs as the reference's ``extra_engine_args["engine"]``: the same names, except an
+    interpolated timing model, which the reference names ``external``/``dynamo_profile`` and reads from an
+    ``.npz`` only (a CSV profile is converted into ``directory``)."""
+    out = dict(engine)
+    timing = out.get("timing_model")
+    if isinstance(timing, dict) and timing.get("type") == "interpolated":
+        path = Path(timing["path"])
+        if path.suffix.lower() != ".npz":
+            from workers.profile import load_profile, save_profile
+
+            npz = Path(directory) / f"{path.stem}.npz"
+            save_profile(load_profile(path), npz)
+            path = npz
+        out["timing_model"] = {"type": "external", "provider": "dynamo_profile", "config": {"path": str(path)}}
+    return out
 
 
 def trace_head(trace: Path, rows: int, directory: Path | str) -> Path:

@@ -27,7 +27,8 @@ from kvemu.errors import InvalidArgument, KvemuError
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
-from workers.config import EngineConfig
+from workers.config import EngineConfig, InterpolatedTimingSpec
+from workers.profile import cached_profile_timing
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
 __all__ = [
@@ -424,6 +425,9 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         workload["kind"] = "trace" if "trace" in workload else "synthetic"
     apply_overrides(raw, overrides or [])
     raw["base_dir"] = str(base_dir)
+    timing = _value_at(raw, ["cluster", "engine", "timing_model"])[1]
+    if isinstance(timing, dict) and isinstance(timing.get("path"), str) and timing["path"]:
+        timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
@@ -446,6 +450,14 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         raise ScenarioError(f"{source}: {key or '(top level)'}{at}: {message}") from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
+    spec = scenario.cluster.engine.timing_model  # type: ignore[attr-defined]
+    if isinstance(spec, InterpolatedTimingSpec):
+        try:
+            cached_profile_timing(spec.path)  # read once now: a bad profile is refused before anything runs
+        except InvalidArgument as exc:
+            line = _line_of(text, ["cluster", "engine", "timing_model", "path"])
+            at = f" (line {line})" if line else ""
+            raise ScenarioError(f"{source}: cluster.engine.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
         if not path.is_file():
@@ -475,8 +487,12 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
 
 def resolve(scenario: Scenario, path: str) -> Path:
     """A path from the scenario, resolved against its directory."""
+    return _resolve_in(scenario.base_dir, path)
+
+
+def _resolve_in(base_dir: str | Path, path: str) -> Path:
     p = Path(path).expanduser()
-    return p if p.is_absolute() else Path(scenario.base_dir) / p
+    return p if p.is_absolute() else Path(base_dir) / p
 
 
 def default_scenario_text() -> str:

@@ -49,9 +49,10 @@ def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, tra
 def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *, workers: int = 1,
                        trace_block_size: int = 512, policy: str = "round_robin") -> list[Outcome]:
     """The reference's per-request outcomes of its offline replay of ``trace``."""
-    from harness.reference import REFERENCE_MODE
+    from harness.reference import REFERENCE_MODE, reference_engine
 
-    result = core.run_mocker_trace_replay([str(trace)], extra_engine_args={"engine": engine}, num_workers=workers,
+    result = core.run_mocker_trace_replay([str(trace)], extra_engine_args={"engine": reference_engine(engine, trace.parent)},
+                                          num_workers=workers,
                                           trace_block_size=trace_block_size, replay_mode="offline",
                                           router_mode=REFERENCE_MODE[policy], capture_per_request=True)
     rows = result["per_request"] if isinstance(result, dict) else result.per_request

@@ -17,7 +17,9 @@ from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.messages import ClientRequest
 from kvemu.runtime.router import RouterSettings
-from workers.config import EngineConfig
+from pathlib import Path
+
+from workers.config import EngineConfig, InterpolatedTimingSpec
 
 from harness.cluster import cluster
 from harness.scenario import parse_scenario
@@ -74,6 +76,7 @@ ENGINE_VALUES = {
     "eviction_policy": "lineage",
     "dp_size": 3,
     "record_token_times": False,
+    "timing_model": InterpolatedTimingSpec(path=str(Path(__file__).parent / "data" / "tiny-profile.csv")),
 }
 SINGLE_VALUED = {"trtllm"}
 """Sections whose knobs take one value only (the reference's), so no non-default value exists."""
@@ -136,7 +139,7 @@ def _set(data: dict, path: str, value):
     *parents, leaf = path.split(".")
     for part in parents:
         node = node.setdefault(part, {})
-    node[leaf] = value
+    node[leaf] = msgspec.to_builtins(value)
     return data
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
@@ -10,11 +11,15 @@ from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.wire.kv_events import BlockRemoved, BlockStored
-from workers.config import EngineConfig
+from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec
 from workers.engine import AdvanceResult, EngineCore
 from workers.request import Request
 
 MS = 1_000_000
+
+
+PROFILE = InterpolatedTimingSpec(path=str(Path(__file__).parent / "data" / "tiny-profile.csv"))
+"""A batch-aware timing model: decode time depends on the mean context as well."""
 
 
 @st.composite
@@ -24,6 +29,7 @@ def workloads(draw):
     max_seqs = draw(st.integers(1, 5))
     cfg = EngineConfig(
         backend=draw(st.sampled_from(["vllm", "vllm", "trtllm"])),
+        timing_model=draw(st.sampled_from([PolynomialTimingSpec(), PolynomialTimingSpec(), PROFILE])),
         num_gpu_blocks=blocks,
         block_size=bs,
         max_num_seqs=max_seqs,

@@ -16,7 +16,8 @@ from msgspec import Meta
 from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
 
-__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "DEFAULT_BLOCK_SIZE",
+           "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -27,6 +28,23 @@ DEFAULT_BLOCK_SIZE: dict[str, int] = {"vllm": 64, "sglang": 64, "trtllm": 32}
 
 Count = Annotated[int, Meta(ge=1)]
 Ratio = Annotated[float, Meta(ge=0)]
+
+
+class PolynomialTimingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="polynomial",
+                       tag_field="type"):
+    """The reference mocker's default pass timing (``workers.timing.PolynomialTiming``)."""
+
+
+class InterpolatedTimingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="interpolated",
+                         tag_field="type"):
+    """Pass timing interpolated from profile data measured on a real GPU (``workers.profile``; docs/profiles.md)."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    """The profile: ``.npz`` in the reference's layout or kvemu's ``.csv``; a scenario resolves it against
+    its own directory."""
+
+
+TimingSpec = PolynomialTimingSpec | InterpolatedTimingSpec
 
 
 class TrtllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -61,6 +79,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dp_size: Count = 1
     record_token_times: bool = True
     """Keep every token's timestamp per request (off: only first token and completion are kept)."""
+    timing_model: TimingSpec = PolynomialTimingSpec()
+    """How long a pass takes: ``{type: polynomial}`` (the reference's default) or ``{type: interpolated, path}``."""
     trtllm: TrtllmConfig = TrtllmConfig()
     """TRT-LLM flavour knobs (used when ``backend`` is trtllm)."""
 

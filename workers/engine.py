@@ -521,7 +521,7 @@ class EngineCore:
             m = len(needs)
             if m > pool.free + pool.num_inactive:
                 break  # a preemption: the scheduler's business
-            d = decode_ns(kv + j * n_run)
+            d = decode_ns(kv + j * n_run, n_run)
             if T + d > t_ns:
                 break
             idx, base = nxt, nbase

@@ -19,16 +19,20 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from kvemu.errors import InvalidArgument
-from workers.config import EngineConfig
+from workers.config import EngineConfig, InterpolatedTimingSpec
 
-__all__ = ["TimingModel", "PolynomialTiming", "PassTimer", "NS_PER_MS"]
+__all__ = ["TimingModel", "PolynomialTiming", "PassTimer", "NS_PER_MS", "timing_model"]
 
 NS_PER_MS = 1_000_000
 
 
 @runtime_checkable
 class TimingModel(Protocol):
-    """Unscaled forward-pass latencies in milliseconds (speedup ratios are applied by ``PassTimer``)."""
+    """Unscaled forward-pass latencies in milliseconds (speedup ratios are applied by ``PassTimer``).
+
+    A model whose decode latency depends on the batch as well sets ``batch_aware = True`` and takes a third
+    argument, the number of requests decoding in the pass (``decode_ms(active, total, batch_size)``).
+    """
 
     def prefill_ms(self, new_tokens: int) -> float:
         """Latency of computing ``new_tokens`` uncached prompt tokens in one pass (0 tokens -> 0 ms)."""
@@ -37,6 +41,16 @@ class TimingModel(Protocol):
     def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int) -> float:
         """Latency of one decode step for the batch, given KV tokens in use out of the pool's capacity."""
         ...
+
+
+def timing_model(config: EngineConfig) -> TimingModel:
+    """The timing model an engine configuration names (a profile file is read once per file version)."""
+    spec = config.timing_model
+    if isinstance(spec, InterpolatedTimingSpec):
+        from workers.profile import cached_profile_timing
+
+        return cached_profile_timing(spec.path)
+    return PolynomialTiming()
 
 
 class PolynomialTiming:
@@ -138,10 +152,11 @@ class PassTimer:
     # Decode durations depend only on the decode KV tokens, so they are memoised (the memo is bounded).
 
     __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache",
-                 "_run", "slowdown")
+                 "_run", "slowdown", "_batch_aware")
 
     def __init__(self, config: EngineConfig, model: TimingModel | None = None) -> None:
-        self.model: TimingModel = model if model is not None else PolynomialTiming()
+        self.model: TimingModel = model if model is not None else timing_model(config)
+        self._batch_aware = bool(getattr(self.model, "batch_aware", False))
         self.block_size = config.block_size
         self.total_kv_tokens = config.capacity_tokens
         prefill_ratio = config.speedup_ratio
@@ -169,27 +184,32 @@ class PassTimer:
             return 0
         return _to_ns(self.model.prefill_ms(new_tokens), self._prefill_scale, "prefill_ms")
 
-    def decode_ns(self, decode_kv_tokens: int) -> int:
-        """Scaled duration of the decode part of a pass whose decoding requests hold ``decode_kv_tokens``."""
+    def decode_ns(self, decode_kv_tokens: int, batch_size: int = 1) -> int:
+        """Scaled duration of the decode part of a pass whose ``batch_size`` decoding requests hold
+        ``decode_kv_tokens``."""
         cache = self._decode_cache
-        cached = cache.get(decode_kv_tokens)
+        key = (decode_kv_tokens, batch_size) if self._batch_aware else decode_kv_tokens
+        cached = cache.get(key)
         if cached is None:
             if not self._decode_scale:
                 cached = 0
             else:
-                ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens)
+                if self._batch_aware:
+                    ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens, batch_size)  # type: ignore[call-arg]
+                else:
+                    ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens)
                 cached = _to_ns(ms, self._decode_scale, "decode_ms")
             if len(cache) >= _DECODE_MEMO:
                 cache.clear()
-            cache[decode_kv_tokens] = cached
+            cache[key] = cached
         return cached
 
     def decode_series_ns(self, first_kv_tokens: int, step: int, count: int) -> list[int]:
         """Decode durations of ``count`` consecutive passes with ``first_kv_tokens``, ``+ step``, ... KV tokens.
 
-        Element ``i`` equals ``decode_ns(first_kv_tokens + i * step)`` (a decode run: the batch grows by one
-        token per request and pass). The last run computed is kept: an engine asks for the same passes
-        twice, once to find its next visible event and once to commit them.
+        Element ``i`` equals ``decode_ns(first_kv_tokens + i * step, step)`` (a decode run of ``step``
+        requests: the batch grows by one token per request and pass). The last run computed is kept: an
+        engine asks for the same passes twice, once to find its next visible event and once to commit them.
         """
         run = self._run
         if run is not None and step == run[1] and step:
@@ -214,7 +234,11 @@ class PassTimer:
         if fused is not None:  # the model's own series, already scaled and rounded: nothing to check
             return fused(first_kv_tokens, step, count, total, scale)
         decode_ms = self.model.decode_ms
-        out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]
+        if self._batch_aware:
+            batch = step if step > 0 else 1
+            out = [decode_ms(first_kv_tokens + i * step, total, batch) for i in range(count)]  # type: ignore[call-arg]
+        else:
+            out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]
         total_ms = sum(out)
         if not (total_ms >= 0 and total_ms != float("inf")) or min(out) < 0:  # a NaN, an inf or a negative
             for ms in out:
@@ -225,5 +249,5 @@ class PassTimer:
         """Duration of a pass: prefill part (if any new tokens) + decode part (if any decodes)."""
         total = self.prefill_ns(prefill_tokens) if prefill_tokens else 0
         if decodes:
-            total += self.decode_ns(decode_kv_tokens)
+            total += self.decode_ns(decode_kv_tokens, decodes)
         return total
