@@ -68,6 +68,15 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     Any sequence of ints in process (the harness recorder keeps an ``array('q')``, 8 bytes a token)."""
     completion_ns: int | None = None
     """When the last token was produced (None while running and for failed requests)."""
+    prefill_worker_id: int | None = None
+    """Disaggregated serving: the prefill rank that computed the prompt (``worker_id`` is the decode rank)."""
+    prefill_dp_rank: int | None = None
+    prefill_done_ns: int | None = None
+    """Disaggregated serving: when the prompt was computed (the prefill rank holds its KV from then)."""
+    kv_reserved_ns: int | None = None
+    """Disaggregated serving: when the decode rank reserved room for the prompt (its KV transfer began)."""
+    kv_activated_ns: int | None = None
+    """Disaggregated serving: when the request joined the decode rank's passes (the transfer was over)."""
     failure: str | None = None
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
 

@@ -3,8 +3,9 @@
 A case is a list of Mooncake rows (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``)
 and engine knobs named as in kvemu's ``cluster.engine`` (the reference receives the same knobs under
 ``extra_engine_args["engine"]``). Both sides replay the trace on ``workers`` workers with round robin; the
-result is one ``(ttft_ms, e2e_ms, reused_tokens)`` per request, in arrival order, so a test can compare
-them exactly (to 1 µs: kvemu keeps integer nanoseconds).
+result is one ``(arrival_ms, input_length, output_length, ttft_ms, e2e_ms, reused_tokens)`` per request,
+sorted (the reference reports requests in no fixed order; rows of a case differ in arrival or lengths), so a
+test can compare them exactly (to 1 µs: kvemu keeps integer nanoseconds).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from types import ModuleType
 from typing import Any
 
 Row = dict[str, Any]
-Outcome = tuple[float, float, int]
-"""(TTFT ms, E2E ms, reused prompt tokens) of one request."""
+Outcome = tuple[float, int, int, float, float, int]
+"""(arrival ms, input length, output length, TTFT ms, E2E ms, reused prompt tokens) of one request."""
 
 
 def write_trace(directory: Path, rows: list[Row], name: str = "trace.jsonl") -> Path:
@@ -41,9 +42,9 @@ def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, tra
     out = []
     for r in data.records:
         assert r.failure is None, f"{r.request_id} failed: {r.failure}"
-        out.append(((r.first_token_ns - r.arrival_ns) / 1e6, (r.completion_ns - r.arrival_ns) / 1e6,
-                    r.engine_cached_tokens or 0))
-    return out
+        out.append((r.arrival_ns / 1e6, r.isl, r.max_tokens, (r.first_token_ns - r.arrival_ns) / 1e6,
+                    (r.completion_ns - r.arrival_ns) / 1e6, r.engine_cached_tokens or 0))
+    return sorted(out)
 
 
 def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *, workers: int = 1,
@@ -56,15 +57,15 @@ def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *,
                                           trace_block_size=trace_block_size, replay_mode="offline",
                                           router_mode=REFERENCE_MODE[policy], capture_per_request=True)
     rows = result["per_request"] if isinstance(result, dict) else result.per_request
-    rows = sorted(rows, key=lambda r: (r["arrival_time_ms"], r["uuid"]))
-    return [(r["ttft_ms"], r["e2e_latency_ms"], r["reused_input_tokens"] or 0) for r in rows]
+    return sorted((r["arrival_time_ms"], r["input_length"], r["requested_output_length"], r["ttft_ms"],
+                   r["e2e_latency_ms"], r["reused_input_tokens"] or 0) for r in rows)
 
 
 def assert_same(ours: list[Outcome], ref: list[Outcome], tol_ms: float = 1e-3) -> None:
     """Every request's TTFT and E2E within ``tol_ms`` and the same reuse, with a table on failure."""
-    table = "\n".join(f"  #{i}: kvemu ttft {a[0]:.6f} e2e {a[1]:.6f} reused {a[2]} | "
-                      f"reference ttft {b[0]:.6f} e2e {b[1]:.6f} reused {b[2]}"
-                      for i, (a, b) in enumerate(zip(ours, ref)))
+    table = "\n".join(f"  at {a[0]:.3f} ms, {a[1]} in / {a[2]} out: kvemu ttft {a[3]:.6f} e2e {a[4]:.6f} reused {a[5]} | "
+                      f"reference ttft {b[3]:.6f} e2e {b[4]:.6f} reused {b[5]}" for a, b in zip(ours, ref))
     assert len(ours) == len(ref), f"{len(ours)} vs {len(ref)} requests\n{table}"
     for a, b in zip(ours, ref):
-        assert abs(a[0] - b[0]) <= tol_ms and abs(a[1] - b[1]) <= tol_ms and a[2] == b[2], table
+        assert abs(a[0] - b[0]) <= 1e-6 and a[1:3] == b[1:3], f"not the same requests\n{table}"
+        assert abs(a[3] - b[3]) <= tol_ms and abs(a[4] - b[4]) <= tol_ms and a[5] == b[5], table

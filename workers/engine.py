@@ -49,7 +49,7 @@ from workers.config import EngineConfig
 from workers.events import PassEvents
 from workers.request import Request
 from workers.scheduler import Schedule, Scheduler
-from workers.sequence import FINISHED, RUNNING, SeqState
+from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 from workers.timing import PassTimer, TimingModel
 
 __all__ = ["EngineCore", "StepResult", "AdvanceResult"]
@@ -69,6 +69,7 @@ class StepResult:
         "admitted",
         "preempted",
         "events",
+        "pulled",
     )
 
     def __init__(self, start_ns: int, end_ns: int) -> None:
@@ -83,6 +84,8 @@ class StepResult:
         self.admitted: list[str] = []
         self.preempted: list[str] = []
         self.events: PassEvents | None = None
+        self.pulled: list[tuple[str, int, int]] = []
+        """Decode legs whose KV arrived at ``start_ns``: (request id, reserved at, activated at)."""
 
     @property
     def duration_ns(self) -> int:
@@ -109,7 +112,7 @@ class StepResult:
 class AdvanceResult:
     """Everything externally visible that happened during one ``advance_to`` call, in time order."""
 
-    __slots__ = ("passes", "first_tokens", "completed", "admitted", "preempted", "events")
+    __slots__ = ("passes", "first_tokens", "completed", "admitted", "preempted", "events", "pulled")
 
     def __init__(self) -> None:
         self.passes = 0
@@ -120,6 +123,8 @@ class AdvanceResult:
         self.preempted: list[tuple[str, int]] = []
         """(request id, pass end) for every preemption."""
         self.events: list[PassEvents] = []
+        self.pulled: list[tuple[str, int, int]] = []
+        """(request id, reserved at, activated at) for every decode leg whose KV arrived (at a pass start)."""
 
     @property
     def kv_batches(self) -> list[KVEventBatch]:
@@ -168,6 +173,9 @@ class EngineCore:
         self._free_at = 0
         self._inflight: _Pass | None = None
         self._aborting: list[SeqState] = []  # aborted while computed by the pass in flight: released at its end
+        self._held: dict[str, SeqState] = {}  # prefill legs done, holding their KV for a decode rank
+        self._blocked = -1  # the pool version at which an idle engine last found nothing it could start
+        self._releasing: list[SeqState] = []  # held KV released while a pass is in flight: freed at its end
         self._steady = False
         self.passes = 0
         """Forward passes completed so far."""
@@ -220,11 +228,14 @@ class EngineCore:
 
     def _next_start(self) -> int | None:
         sch = self.scheduler
-        if sch.running or sch.waiting:
-            return self._free_at
-        if sch.future:
-            a = sch.future[0][0]
-            return a if a > self._free_at else self._free_at
+        free_at = self._free_at
+        if sch.running or (sch.waiting and not sch.held and not sch.transfers):
+            return free_at  # (an idle engine admits its first waiting request: it fits the empty pool)
+        a = sch.next_arrival_ns()
+        if (sch.waiting or sch.incoming) and self._blocked != self.pool.version:
+            return free_at  # held or reserved blocks may keep them out: try, and remember if it failed
+        if a is not None:
+            return a if a > free_at else free_at
         return None
 
     # ------------------------------------------------------------- admission
@@ -275,9 +286,37 @@ class EngineCore:
         self._release(seq)
         return seq.record
 
+    def release_kv(self, request_id: str) -> bool:
+        """A decode rank has the KV of this finished prefill leg: free its blocks (full ones stay cached).
+
+        Applied at the next pass boundary (the end of a pass in flight); returns whether it was held here."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        if self._inflight is not None:
+            self._releasing.append(seq)
+        else:
+            self.scheduler.release_held(seq)
+            self._steady = False
+        return True
+
+    @property
+    def num_held(self) -> int:
+        """Finished prefill legs whose KV is held for a decode rank."""
+        return len(self._held)
+
     def _release(self, seq: SeqState) -> None:
         sch = self.scheduler
         if seq.status == RUNNING:
+            sch.complete(seq)
+        elif seq in sch.incoming:
+            sch.incoming.remove(seq)
+            seq.status = FINISHED
+        elif any(entry[3] is seq for entry in sch.transfers):  # its KV in transit: give the reservation back
+            sch.transfers = [e for e in sch.transfers if e[3] is not seq]
+            heapq.heapify(sch.transfers)
+            sch.running.append(seq)  # complete() releases what it holds, as for a running request
+            seq.status = RUNNING
             sch.complete(seq)
         else:
             for heap in (sch.future, sch.waiting):
@@ -310,6 +349,7 @@ class EngineCore:
         res.decodes = p.sched.decodes
         if not p.sched:
             self._free_at = max(self._free_at, now_ns)
+            self._blocked = self.pool.version
             return res
         self._finish(p, None, res)
         return res
@@ -360,9 +400,9 @@ class EngineCore:
                 sampled.append(seq)
                 if seq.prefilling:
                     seq.prefilling = False
-                    if rec.first_token_ns is None:
-                        rec.first_token_ns = end
-                        first.append(seq)
+                if rec.first_token_ns is None:  # the end of a prefill, or a decode leg's first pass
+                    rec.first_token_ns = end
+                    first.append(seq)
                 if seq.n_out == seq.max_tokens:
                     completed.append(seq)
         gone = self._aborting
@@ -371,13 +411,21 @@ class EngineCore:
             sampled[:] = [s for s in sampled if s not in gone]
             completed = [s for s in completed if s not in gone]
         for seq in completed:
-            self.scheduler.complete(seq)
+            if seq.req.kv_hold:  # a prefill leg: its KV waits for a decode rank
+                self.scheduler.hold(seq)
+                self._held[seq.rid] = seq
+            else:
+                self.scheduler.complete(seq)
             seq.record.completion_ns = end
             del self._seqs[seq.rid]
         if gone:  # released after the pass's completions, as if aborted right after it
             self._aborting = []
             for seq in gone:
                 self._release(seq)
+        if self._releasing:  # held KV pulled while the pass ran: freed at its end
+            for seq in self._releasing:
+                self.scheduler.release_held(seq)
+            self._releasing = []
         events = None
         if pool.log:
             events = PassEvents(end, self.dp_rank, pool.log, bs)
@@ -391,9 +439,11 @@ class EngineCore:
             and not first
             and not sched.admitted
             and not sched.preempted
+            and not sched.activated
+            and not sched.reserved
             and sched.prefill_tokens == 0
             and len(sched.entries) == len(running)
-            and (not self.scheduler.waiting or pool.version == p.version)
+            and (not (self.scheduler.waiting or self.scheduler.incoming) or pool.version == p.version)
         )
         if out is not None:
             out.passes += 1
@@ -406,6 +456,8 @@ class EngineCore:
                 out.first_tokens.append((seq.rid, end))
             for seq in completed:
                 out.completed.append(seq.record)
+            for seq in sched.activated:
+                out.pulled.append((seq.rid, seq.record.kv_reserved_ns, start))  # type: ignore[arg-type]
             if events is not None:
                 out.events.append(events)
         if res is not None:
@@ -414,6 +466,7 @@ class EngineCore:
             res.completed = [s.record for s in completed]
             res.admitted = [s.rid for s in sched.admitted]
             res.preempted = [s.rid for s in sched.preempted]
+            res.pulled = [(s.rid, s.record.kv_reserved_ns, p.start) for s in sched.activated]  # type: ignore[misc]
             res.events = events
 
     # --------------------------------------------------------- fast-forward
@@ -437,8 +490,10 @@ class EngineCore:
             if self._steady and s == self._free_at and self._decode_run(s, t_ns, out):
                 continue
             p = self._plan(s)
-            if not p.sched:  # pragma: no cover - admission of an idle engine always succeeds
-                raise AssertionError(f"rank {self.dp_rank}: empty pass at {s} with work pending")
+            if not p.sched:  # held or reserved blocks keep the waiting out: wait for a change
+                self._free_at = s
+                self._blocked = self.pool.version
+                continue
             if p.end > t_ns:
                 self._inflight = p
                 break
@@ -461,7 +516,7 @@ class EngineCore:
         j_stop = min(seq.max_tokens - seq.n_out for seq in running)  # the first completing pass
         if j_stop <= 1:
             return 0
-        quiet_only = bool(self.scheduler.waiting)
+        quiet_only = bool(self.scheduler.waiting or self.scheduler.incoming)
         period: list[tuple[int, int, int]] = []  # (first pass index in 1..bs, 0 need / 1 fill, position)
         for pos, seq in enumerate(running):
             c = seq.computed
@@ -571,7 +626,8 @@ class EngineCore:
             return None
         sch = self.scheduler
         if s == self._free_at and (
-            self._steady or (sch.running and not sch.waiting and not any(q.prefilling for q in sch.running))
+            self._steady or (sch.running and not sch.waiting and not sch.incoming
+                             and not any(q.prefilling for q in sch.running))
         ):
             return self._quiet_horizon(s, 0, s)  # the next passes decode the same batch
         return s + 1
@@ -579,11 +635,11 @@ class EngineCore:
     def _pass_quiet(self, p: _Pass) -> bool:
         """Whether an in-flight pass will finish with no visible effect and leave a decode run behind."""
         sched = p.sched
-        if sched.admitted or sched.preempted or sched.prefill_tokens or self.pool.log:
+        if sched.admitted or sched.preempted or sched.prefill_tokens or sched.activated or self.pool.log:
             return False
         if len(sched.entries) != len(self.scheduler.running):
             return False
-        if self.scheduler.waiting and self.pool.version != p.version:
+        if (self.scheduler.waiting or self.scheduler.incoming) and self.pool.version != p.version:
             return False
         bs = self._block_size
         for seq in sched.entries:
@@ -653,8 +709,9 @@ class EngineCore:
         pool.check()
         partial = 0
         refs: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            assert seq.status == RUNNING, seq
+        holders = [*self.scheduler.running, *self._held.values(), *(e[3] for e in self.scheduler.transfers)]
+        for seq in holders:
+            assert seq.status in (RUNNING, HELD, WAITING), seq
             assert 0 <= seq.n_full <= seq.n_alloc, seq
             assert seq.computed <= seq.n_alloc * self._block_size, seq
             partial += seq.n_alloc - seq.n_full

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from kvemu.transfer import KvTransfer
+
 __all__ = ["Request"]
 
 
@@ -28,3 +30,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     seq_hashes: Sequence[int] | None = None
     """The prompt's sequence hashes at the engine's block size (e.g. ``RoutingCore.prepare(...).seq_hashes``),
     to skip rehashing; trusted, only their count is checked."""
+    kv_hold: bool = False
+    """Disaggregated prefill leg: once its first token is sampled it completes, but its blocks stay held
+    (in use, shareable as a prefix) until ``EngineCore.release_kv``."""
+    kv_transfer: KvTransfer | None = None
+    """Disaggregated decode leg: its prompt's KV comes from a prefill rank. The engine reserves blocks for the
+    prompt (less what it has cached), waits the transfer, and then decodes it without computing the prompt."""

@@ -13,15 +13,23 @@ already hold) fits beside what every running request may still need; the queue h
 overtakes it) and nothing is ever preempted. Its prefix cache reuses every cached full block: a
 block-aligned prompt that is fully cached computes no prompt token and samples its first token in a
 pass whose decode part counts its prompt.
+
+Disaggregated decode legs (requests whose prompt KV comes from a prefill rank) do not queue with the
+others: at each pass boundary the first of them that arrived reserves blocks for its prompt (less what is
+cached here) and a sequence slot, in arrival order, the head waiting until it fits; its transfer then
+runs, and at the first boundary after it ends the request joins the running batch with its prompt
+computed, to decode.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
+from kvemu.transfer import transfer_delay_ns, transfer_tokens
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
-from workers.sequence import FINISHED, RUNNING, WAITING, SeqState
+from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 
 __all__ = ["Scheduler", "Schedule"]
 
@@ -29,7 +37,7 @@ __all__ = ["Scheduler", "Schedule"]
 class Schedule:
     """The decisions of one pass: tokens per request (in scheduling order), admissions, preemptions."""
 
-    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes")
+    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved")
 
     def __init__(self) -> None:
         self.entries: dict[SeqState, int] = {}
@@ -37,6 +45,10 @@ class Schedule:
         self.preempted: list[SeqState] = []
         self.prefill_tokens = 0
         self.decodes = 0
+        self.activated: list[SeqState] = []
+        """Decode legs whose KV arrived: they joined the running batch at this pass's start."""
+        self.reserved = 0
+        """Decode legs that reserved their prompt's blocks at this pass's start."""
 
     def __bool__(self) -> bool:
         return bool(self.entries or self.preempted)
@@ -57,6 +69,9 @@ class Scheduler:
         "future",
         "waiting",
         "running",
+        "incoming",
+        "transfers",
+        "held",
     )
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
@@ -74,27 +89,43 @@ class Scheduler:
         self.waiting: list[tuple[int, int, int, SeqState]] = []
         """Arrived requests not running: heap of (priority, arrival_ns, order, seq)."""
         self.running: list[SeqState] = []
+        self.incoming: deque[SeqState] = deque()
+        """Decode legs that arrived and wait to reserve their prompt's blocks (arrival order)."""
+        self.transfers: list[tuple[int, int, int, SeqState]] = []
+        """Decode legs with blocks reserved, their KV in transit: heap of (transfer end, arrival, order, seq)."""
+        self.held = 0
+        """Prefill legs done and holding their KV for a decode rank (their blocks stay in use)."""
 
     def add(self, seq: SeqState) -> None:
         """Queue an accepted request; it becomes schedulable at its arrival time."""
         heapq.heappush(self.future, (seq.record.arrival_ns, seq.order, seq))
 
     def next_arrival_ns(self) -> int | None:
-        """Arrival time of the earliest request that has not arrived yet."""
-        return self.future[0][0] if self.future else None
+        """When the next request arrives, or a decode leg's KV transfer ends (both change the next pass)."""
+        t = self.future[0][0] if self.future else None
+        if self.transfers:
+            ready = self.transfers[0][0]
+            if t is None or ready < t:
+                return ready
+        return t
 
     def release_arrivals(self, now_ns: int) -> None:
-        """Move requests that have arrived by ``now_ns`` into the waiting queue."""
+        """Move requests that have arrived by ``now_ns`` into the waiting queue (decode legs: ``incoming``)."""
         future = self.future
         while future and future[0][0] <= now_ns:
             arrival, order, seq = heapq.heappop(future)
             seq.status = WAITING
-            heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
+            if seq.req.kv_transfer is not None:
+                self.incoming.append(seq)
+            else:
+                heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
 
     def schedule(self, now_ns: int) -> Schedule:
         """Decide the pass starting at ``now_ns``; blocks are allocated (and evicted) as decided."""
         self.release_arrivals(now_ns)
         sched = Schedule()
+        if self.incoming or self.transfers:
+            self._transfer(now_ns, sched)
         entries = sched.entries
         budget = self.max_num_batched_tokens
         bs = self.block_size
@@ -128,6 +159,70 @@ class Scheduler:
         if not sched.preempted:
             self._admit(now_ns, budget, sched)
         return sched
+
+    def _reserved_blocks(self) -> int:
+        """TRT-LLM: blocks the running requests and the decode legs in transit may still need to complete."""
+        bs = self.block_size
+        holders = self.running if not self.transfers else [*self.running, *(e[3] for e in self.transfers)]
+        return sum(-(-(r.prompt_len + r.max_tokens) // bs) - r.n_alloc for r in holders)
+
+    def _transfer(self, now_ns: int, sched: Schedule) -> None:
+        """Decode legs at a pass boundary: reserve for the arrived ones in order, activate those whose KV came."""
+        incoming = self.incoming
+        pool = self.pool
+        bs = self.block_size
+        transfers = self.transfers
+        while incoming and len(self.running) + len(transfers) < self.max_num_seqs:
+            seq = incoming[0]
+            whole = -(-seq.prompt_len // bs)
+            full = seq.prompt_len // bs
+            hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(full), full) if self.prefix_caching else (0, 0)
+            need = whole - hits
+            if need > pool.available - inactive_hits:
+                break  # the head waits for room; nothing overtakes it
+            if self.reserve and (-(-(seq.prompt_len + seq.max_tokens) // bs) - (hits - inactive_hits)
+                                 > pool.available - self._reserved_blocks()):
+                break  # TRT-LLM: its whole KV must be reservable too
+            incoming.popleft()
+            if hits:
+                pool.take_hits(seq.hashes, hits)
+            pool.allocate(need)
+            seq.n_full = hits
+            seq.n_alloc = whole
+            xfer = seq.req.kv_transfer
+            assert xfer is not None
+            ready = now_ns + transfer_delay_ns(xfer, transfer_tokens(xfer.mode, seq.prompt_len, need, bs))
+            seq.record.kv_reserved_ns = now_ns
+            heapq.heappush(transfers, (ready, seq.record.arrival_ns, seq.order, seq))
+            sched.reserved += 1
+        while transfers and transfers[0][0] <= now_ns:
+            seq = heapq.heappop(transfers)[3]
+            full = seq.prompt_len // bs
+            if self.prefix_caching and full > seq.n_full:  # the prompt's KV is here now: its full blocks are cached
+                pool.promote(seq.ensure_hashes(full), seq.n_full, full, seq)
+                seq.n_full = full
+            seq.computed = seq.prompt_len - 1  # the next pass computes the last prompt position: token 1
+            seq.prefilling = False
+            seq.status = RUNNING
+            self.running.append(seq)
+            rec = seq.record
+            rec.kv_activated_ns = rec.admitted_ns = now_ns
+            rec.engine_cached_tokens = 0  # the prompt was computed by the prefill rank
+            sched.activated.append(seq)
+
+    def hold(self, seq: SeqState) -> None:
+        """A prefill leg is done: it leaves the batch but keeps its blocks until ``release_held``."""
+        self.running.remove(seq)
+        seq.status = HELD
+        self.held += 1
+
+    def release_held(self, seq: SeqState) -> None:
+        """A held prefill leg's KV was pulled: free its blocks (full ones stay cached)."""
+        self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
+        seq.n_alloc = 0
+        seq.n_full = 0
+        seq.status = FINISHED
+        self.held -= 1
 
     def _preempt_until(self, seq: SeqState, need: int, sched: Schedule) -> int:
         """Preempt victims until ``need`` blocks are available or ``seq`` itself was preempted; returns budget freed."""
@@ -168,7 +263,7 @@ class Scheduler:
         pool = self.pool
         bs = self.block_size
         reserve = self.reserve
-        reserved = sum(-(-(r.prompt_len + r.max_tokens) // bs) - r.n_alloc for r in running) if reserve and waiting else 0
+        reserved = self._reserved_blocks() if reserve and waiting else 0
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0][3]
             total = seq.prompt_len + seq.n_out

@@ -12,12 +12,13 @@ from kvemu.hashing import BASE_SEED, extend_sequence_hashes, local_block_hashes,
 from kvemu.records import RequestRecord
 from workers.request import Request
 
-__all__ = ["SeqState", "FUTURE", "WAITING", "RUNNING", "FINISHED"]
+__all__ = ["SeqState", "FUTURE", "WAITING", "RUNNING", "FINISHED", "HELD"]
 
 FUTURE = 0  # accepted, arrival time not reached yet
 WAITING = 1
 RUNNING = 2
 FINISHED = 3
+HELD = 4  # a disaggregated prefill leg that completed and keeps its KV for a decode rank
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack

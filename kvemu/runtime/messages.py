@@ -4,6 +4,8 @@ Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``Register
 ``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Draining``,
 ``RankDown``, ``Deregister``, ``Abort`` (the client went away: drop the request), ``Chaos`` (a fault the router asks a worker to apply to itself), and, on
 in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
+Disaggregated serving adds ``KvPulled`` (a decode rank took a request's KV) and ``ReleaseKv`` (the
+prefill rank that held it may free it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from msgspec import Meta
 
 from kvemu.config import RouterOverrides
 from kvemu.records import sequences_as_lists
+from kvemu.transfer import KvTransfer
 
 __all__ = [
     "ClientRequest",
@@ -32,6 +35,8 @@ __all__ = [
     "Deregister",
     "KvBatch",
     "Abort",
+    "KvPulled",
+    "ReleaseKv",
     "Chaos",
     "WORKER_CHAOS",
     "WorkerMessage",
@@ -71,6 +76,16 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """The ids the engine generates (a front end that shows text chooses them); default: the engine's own."""
     engine_priority: int = 0
     """The engine scheduler's priority (vLLM: lower first), passed through to the worker."""
+    prefill_worker_id: int | None = None
+    """Disaggregated clusters: pin the prefill leg to this worker (``worker_id`` pins the decode leg)."""
+    prefill_dp_rank: int | None = None
+    decode_worker_id: int | None = None
+    """Disaggregated clusters: pin the decode leg (the same as ``worker_id``)."""
+    decode_dp_rank: int | None = None
+    kv_hold: bool = False
+    """Set by a disaggregated router only: a prefill leg, whose KV the worker keeps for a decode rank."""
+    kv_transfer: KvTransfer | None = None
+    """Set by a disaggregated router only: a decode leg, whose prompt KV comes from this prefill rank."""
 
 
 class Register(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -138,6 +153,10 @@ class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     max_tokens: int
     output_token_ids: list[int] | None = None
     priority: int = 0
+    hold_kv: bool = False
+    """A prefill leg: compute the prompt, report it finished, and keep its KV until ``ReleaseKv``."""
+    kv_transfer: KvTransfer | None = None
+    """A decode leg: the prompt's KV comes from this prefill rank (reserve room, wait the transfer, decode)."""
 
 
 class DispatchAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -172,6 +191,24 @@ class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     dp_rank: int = 0
     admitted_ns: int | None = None
     preemptions: int = 0
+    kv_transfer: KvTransfer | None = None
+    """A prefill leg: where its KV is held and how fast it moves (the decode leg's ``Dispatch`` carries it)."""
+
+
+class KvPulled(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """A decode rank has a request's KV (the transfer is over): the prefill rank may free its copy."""
+
+    request_id: str
+    reserved_ns: int
+    """When the decode rank reserved room for the prompt (the transfer started)."""
+    activated_ns: int
+    """When the request joined the decode rank's passes (the transfer ended, at a pass boundary)."""
+
+
+class ReleaseKv(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+    """The decode rank took the KV of this prefill leg: free it (the blocks stay cached)."""
+
+    request_id: str
 
 
 class RequestFailed(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
@@ -207,9 +244,10 @@ class Chaos(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """Forward passes take this many times as long (``slow_worker``)."""
 
 
-WorkerMessage = Register | Heartbeat | Draining | RankDown | Deregister | DispatchAck | TokenBatch | Finished | RequestFailed | KvBatch
+WorkerMessage = (Register | Heartbeat | Draining | RankDown | Deregister | DispatchAck | TokenBatch | Finished
+                 | RequestFailed | KvBatch | KvPulled)
 """What workers send to the router."""
-RouterMessage = RegisterAck | Reregister | Dispatch | Abort | Chaos
+RouterMessage = RegisterAck | Reregister | Dispatch | Abort | Chaos | ReleaseKv
 """What the router sends to workers."""
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=sequences_as_lists)  # lazy prompts, compact token times
