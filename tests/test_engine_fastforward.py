@@ -166,6 +166,7 @@ def event_driven(cfg, reqs):
     eng = EngineCore(cfg)
     pending = sorted(reqs, key=lambda r: r.arrival_ns)
     c = Collect()
+    stalls = 0
     for _ in range(100_000):
         te = eng.next_event_ns()
         ta = pending[0].arrival_ns if pending else None
@@ -185,7 +186,11 @@ def event_driven(cfg, reqs):
         out = eng.advance_to(te)
         c.add(out)
         after = (eng.passes, eng.busy_until_ns, eng.num_running, len(eng.scheduler.transfers))
-        assert out.passes or after != before or eng._inflight is not None  # a pass, or a decode leg's reservation
+        if out.passes or after != before or eng._inflight is not None:  # a pass, or a decode leg's reservation
+            stalls = 0
+        else:  # an idle engine found its waiting requests kept out by reserved KV: once, then it knows
+            stalls += 1
+            assert stalls == 1 and eng.scheduler.transfers, te
     else:  # pragma: no cover
         raise AssertionError("event-driven host made no progress")
     eng.check_invariants()

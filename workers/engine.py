@@ -614,7 +614,9 @@ class EngineCore:
     def next_event_ns(self) -> int | None:
         """When to advance to for the next externally visible change (None: nothing pending); see the module doc.
 
-        Nothing visible happens before it and ``advance_to`` it always makes progress; ask again after ``add_request``.
+        Nothing visible happens before it and ``advance_to`` it always makes progress, but for one thing: an idle
+        engine whose waiting requests held or in-transit KV may keep out reports the next boundary once to find
+        out; ask again after ``add_request``.
         """
         fl = self._inflight
         if fl is not None:
