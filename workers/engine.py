@@ -233,7 +233,8 @@ class EngineCore:
             return free_at  # (an idle engine admits its first waiting request: it fits the empty pool)
         a = sch.next_arrival_ns()
         if (sch.waiting or sch.incoming) and self._blocked != self.pool.version:
-            return free_at  # held or reserved blocks may keep them out: try, and remember if it failed
+            # held or reserved blocks may keep them out: try (now: what freed blocks happened now), remember a failure
+            return free_at if free_at > self._now else self._now
         if a is not None:
             return a if a > free_at else free_at
         return None
