@@ -7,13 +7,16 @@ includes every request whose arrival time is ``<= s``.
 
 What a pass computes (vLLM flavour): each scheduled request computes ``n`` tokens of KV; when its KV
 catches up with all its tokens, the pass samples one new token for it (the first one ends its
-prefill). Blocks that fill up are cached at the end of the pass (``BlockStored``); blocks are taken,
-and evicted (``BlockRemoved``), when the pass is scheduled; all of a pass's events share one batch
-stamped with its end. Duration = prefill time of the pass's uncached tokens + decode time if it
-decodes anything (the prefill tokens of a batch of ``b`` prompts are counted as the reference counts them,
-``b * (floor(sum of prompt ends / b) - floor(sum of prefixes / b))``, up to ``b - 1`` fewer than the sum), the decode part a function of the KV tokens of the requests decoding in the pass
-(their context lengths summed, out of the pool's capacity; see ``workers/timing.py``), as in the
-reference mocker.
+prefill). Blocks are taken, and evicted (``BlockRemoved``), when the pass is scheduled, and the blocks
+it fills are cached then too (``BlockStored``; a request admitted later in the same pass finds them,
+as vLLM's ``allocate_slots`` and the reference mocker do); all of a pass's events share one batch
+stamped with its end. Duration = prefill time + decode time if it decodes anything, with the reference
+mocker's accounting (``EngineCore._duration``): the prefill part from the prompt tokens computed (a batch
+of ``b`` prompts counted as ``b * (floor(sum of prompt ends / b) - floor(sum of prefixes / b))``, up to
+``b - 1`` fewer than the sum; a re-admitted request's generated tokens are recomputed for free), the
+decode part a function of the context lengths of the requests sampling a token after an earlier one (a
+re-admitted request included in the pass that catches it up), out of the pool's capacity (see
+``workers/timing.py``).
 
 Two drivers, identical results:
 
@@ -358,21 +361,36 @@ class EngineCore:
     def _plan(self, start: int) -> _Pass:
         version = self.pool.version
         sched = self.scheduler.schedule(start)
-        prefill = sched.prefill_tokens
-        decode_kv = 0  # the KV tokens of the requests decoding in this pass, the one being computed included
-        if len(sched.entries) > 1 or sched.decodes:
-            b = isl = prefix = 0
-            for seq, n in sched.entries.items():
-                if seq.prefilling and n:
-                    b += 1
-                    prefix += seq.computed
-                    isl += seq.computed + n
-                else:  # decoding (or a TRT-LLM prompt that was wholly cached: it computes nothing, decodes it)
-                    decode_kv += seq.computed + n
-            if b > 1:  # the reference times a batch's prefill on its mean prompt and mean prefix, floored
-                prefill = b * (isl // b - prefix // b)
-        duration = self.timer.pass_ns(prefill, sched.decodes, decode_kv)
-        return _Pass(start, start + duration, sched, version)
+        return _Pass(start, start + self._duration(sched), sched, version)
+
+    def _duration(self, sched: Schedule) -> int:
+        """How long the reference mocker takes for a pass (its accounting, quirks included).
+
+        Prefill part: the requests computing prompt tokens (a re-admitted request's generated tokens are not
+        prompt tokens: recomputing them is free), timed as b requests of (mean prompt position after the
+        pass - mean before it) new tokens, each mean floored (up to b - 1 tokens fewer than the sum).
+        Decode part: the requests that sample a token and either sampled one before (decoding, or a preempted
+        request whose recomputation catches up in this pass), or compute nothing (a TRT-LLM prompt wholly
+        cached), or are a decode leg's first pass, their context lengths summed.
+        """
+        entries = sched.entries
+        if not sched.decodes and len(entries) == 1:  # the common lone prefill chunk of a fresh request
+            for seq, n in entries.items():
+                if not seq.n_out and n:
+                    return self.timer.pass_ns(n, 0, 0)
+        b = ends = starts = decodes = decode_kv = 0
+        for seq, n in entries.items():
+            c = seq.computed
+            p = seq.prompt_len
+            if c < p and seq.prefilling:  # (a decode leg's first pass computes its last prompt position: a decode)
+                b += 1
+                starts += c
+                ends += c + n if c + n < p else p
+            if c + n == p + seq.n_out and (seq.n_out or not n or not seq.prefilling):
+                decodes += 1
+                decode_kv += c + n
+        prefill = b * (ends // b - starts // b) if b else 0
+        return self.timer.pass_ns(prefill, decodes, decode_kv)
 
     def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
         """Apply the end of a pass: computed tokens, filled blocks, sampled tokens, completions."""
@@ -380,18 +398,12 @@ class EngineCore:
         sched = p.sched
         pool = self.pool
         bs = self._block_size
-        caching = self._caching
         record_times = self._record_times
         completed: list[SeqState] = []
         first: list[SeqState] = []
         sampled: list[SeqState] = []
         for seq, n in sched.entries.items():
-            seq.computed += n
-            if caching:
-                nf = seq.computed // bs
-                if nf > seq.n_full:
-                    pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
-                    seq.n_full = nf
+            seq.computed += n  # the blocks it filled were cached when the pass was scheduled
             if seq.computed == seq.prompt_len + seq.n_out:  # the pass produced a token for this request
                 seq.n_out += 1
                 rec = seq.record
@@ -518,13 +530,15 @@ class EngineCore:
         if j_stop <= 1:
             return 0
         quiet_only = bool(self.scheduler.waiting or self.scheduler.incoming)
-        period: list[tuple[int, int, int]] = []  # (first pass index in 1..bs, 0 need / 1 fill, position)
+        # (first pass index in 1..bs, position, 0 need / 1 fill): within a pass, request by request in running
+        # order, its block need before its fill, as the scheduler allocates and caches them
+        period: list[tuple[int, int, int]] = []
         for pos, seq in enumerate(running):
             c = seq.computed
-            period.append((seq.n_alloc * bs - c + 1, 0, pos))
+            period.append((seq.n_alloc * bs - c + 1, pos, 0))
             if caching:
                 first_fill = bs - c % bs
-                period.append((first_fill, 1, pos))
+                period.append((first_fill, pos, 1))
                 if first_fill < j_stop and not quiet_only:  # hash every block the run may fill, at once
                     seq.ensure_hashes(seq.n_full + (j_stop - 1 - first_fill) // bs + 1)
         period.sort()
@@ -562,34 +576,32 @@ class EngineCore:
                     break
             if jn >= j_stop or quiet_only or T >= t_ns or T >= arrival:
                 break
-            needs: list[int] = []
-            fills: list[int] = []
+            evs: list[tuple[int, int]] = []  # (position, 0 need / 1 fill) in order
+            m = 0
             nxt, nbase = idx, base
             while period[nxt][0] + nbase == jn:
-                if period[nxt][1]:
-                    fills.append(period[nxt][2])
-                else:
-                    needs.append(period[nxt][2])
+                _, pos, kind = period[nxt]
+                evs.append((pos, kind))
+                m += not kind
                 nxt += 1
                 if nxt == n_ev:
                     nxt = 0
                     nbase += bs
-            m = len(needs)
             if m > pool.free + pool.num_inactive:
                 break  # a preemption: the scheduler's business
             d = decode_ns(kv + j * n_run, n_run)
             if T + d > t_ns:
                 break
             idx, base = nxt, nbase
-            if m:
-                pool.allocate(m)  # the same victims, in the same order, as one block per request
-                for pos in needs:
-                    running[pos].n_alloc += 1
-            for pos in fills:
+            for pos, kind in evs:
                 seq = running[pos]
-                nf = seq.n_full
-                pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq)
-                seq.n_full = nf + 1
+                if kind:
+                    nf = seq.n_full
+                    pool.promote_one(seq.ensure_hashes(nf + 1), nf, seq)
+                    seq.n_full = nf + 1
+                else:
+                    pool.allocate(1)
+                    seq.n_alloc += 1
             T += d
             j = jn
             stamps.append(T)

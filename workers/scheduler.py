@@ -3,7 +3,10 @@
 Per pass, with one token budget (``max_num_batched_tokens``): running requests that decode get one
 token each, then running requests still in (chunked) prefill get the next chunk, then waiting requests
 are admitted in queue order while the budget, ``max_num_seqs`` and free blocks allow. Admission costs
-the uncached prompt tokens only (prefix hits are free). When a running request needs a block and none
+the uncached prompt tokens only (prefix hits are free), but the head of the queue waits unless blocks
+for its whole known sequence (less its cached prefix blocks in use) are free or evictable, although only
+the pass's chunk is allocated (the reference mocker's vLLM gate). Blocks a pass fills are cached as it is
+scheduled, so a request admitted later in the same pass reuses them. When a running request needs a block and none
 can be freed by eviction, running requests are preempted (LIFO: the latest admitted; FIFO: the earliest)
 and recomputed later; a pass that preempted admits nothing, as in vLLM.
 
@@ -131,6 +134,7 @@ class Scheduler:
         bs = self.block_size
         pool = self.pool
         running = self.running
+        caching = self.prefix_caching
         for decoding in (True, False):
             for seq in list(running):
                 if seq.status != RUNNING or seq.prefilling == decoding:
@@ -150,6 +154,8 @@ class Scheduler:
                 if need > 0:
                     pool.allocate(need)
                     seq.n_alloc += need
+                if caching:
+                    self._cache_filled(seq, seq.computed + n)
                 entries[seq] = n
                 budget -= n
                 if decoding:
@@ -224,6 +230,18 @@ class Scheduler:
         seq.status = FINISHED
         self.held -= 1
 
+    def _cache_filled(self, seq: SeqState, upto: int) -> None:
+        """Blocks that the pass fills for ``seq`` (its KV through ``upto`` tokens) become cached now.
+
+        As in the reference (vLLM's ``allocate_slots``), they are visible to the prefix lookups of requests
+        scheduled later in the same pass, although their KV is computed by the pass (and their events are
+        published at its end).
+        """
+        nf = upto // self.block_size
+        if nf > seq.n_full:
+            self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
+            seq.n_full = nf
+
     def _preempt_until(self, seq: SeqState, need: int, sched: Schedule) -> int:
         """Preempt victims until ``need`` blocks are available or ``seq`` itself was preempted; returns budget freed."""
         pool = self.pool
@@ -282,6 +300,11 @@ class Scheduler:
             need = -(-(cached + n) // bs) - hits
             if need > pool.available - inactive_hits:
                 break
+            # vLLM (the reference mocker's gate): blocks for the whole known sequence, less its cached prefix
+            # blocks in use (inactive hits still count), must be free or evictable now, although only this
+            # pass's chunk is allocated; the head waits, nothing overtakes it
+            if not reserve and -(-total // bs) - (hits - inactive_hits) > pool.available:
+                break
             if reserve:
                 whole = -(-(seq.prompt_len + seq.max_tokens) // bs)
                 if whole - (hits - inactive_hits) > pool.available - reserved:
@@ -300,6 +323,8 @@ class Scheduler:
             if rec.admitted_ns is None:
                 rec.admitted_ns = now_ns
                 rec.engine_cached_tokens = cached
+            if self.prefix_caching:
+                self._cache_filled(seq, cached + n)
             sched.entries[seq] = n
             sched.admitted.append(seq)
             if n:
