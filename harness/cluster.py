@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import msgspec
 
 from kvemu.affinity import SessionAffinity
 from kvemu.clock import NS_PER_MS, Clock, ManualClock
@@ -81,31 +82,46 @@ def make_policy(name: str) -> CustomPolicy | None:
     return policy
 
 
-def engine_config(spec: ClusterSpec) -> EngineConfig:
-    """The engine configuration of every rank."""
-    return spec.engine.config(spec.dp_size)
+def engine_config(spec: ClusterSpec, pool: str = "aggregated") -> EngineConfig:
+    """The engine configuration of every rank (of one pool of a disaggregated cluster)."""
+    _, dp_size, engine = spec.pools()[pool]
+    return engine.config(dp_size)
+
+
+POOL_CONFIG: dict[str, dict[str, Any]] = {
+    "prefill": {"router_track_active_blocks": False},
+    "decode": {"overlap_score_credit": 0.0, "router_assume_kv_reuse": False, "router_track_prefill_tokens": False},
+}
+"""What a disaggregated cluster's pool routers change in ``router`` (as the reference's replay does): the
+prefill pool weighs prompt tokens only; the decode pool weighs its active blocks only, without prefix credit
+(its KV comes by transfer)."""
 
 
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
-                 kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None) -> Router:
-    """A router actor configured from its scenario section."""
-    core = RoutingCore(block_size=block_size, config=spec.config(), clock=clock,
+                 kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None,
+                 pool: str | None = None) -> Router:
+    """A router actor configured from its scenario section (one pool's, for a disaggregated cluster)."""
+    config = spec.config()
+    if pool is not None:
+        config = msgspec.structs.replace(config, **POOL_CONFIG[pool])
+    core = RoutingCore(block_size=block_size, config=config, clock=clock,
                        seed=spec.seed if spec.seed is not None else seed, policy=make_policy(spec.policy))
     affinity = None
     if spec.affinity.enabled:
         affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
     return Router(core=core, end=end, clock=clock, hooks=hooks, settings=spec.settings(), affinity=affinity,
                   queue=core.policy_queue(),
-                  kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
+                  kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool)
 
 
 def check_buildable(scenario: Scenario) -> None:
     """Build the scenario's router (routing core, policy, affinity, queue) and one worker's engines without
     starting anything: ``kvemu validate`` rejects what ``run`` would fail to build, with the same errors."""
     spec = scenario.cluster
-    build_router(scenario.router, block_size=spec.engine.block_size, clock=ManualClock(), seed=scenario.run.seed,
-                 end=None, hooks=Hooks())
-    MockWorker(engine_config(spec), worker_id=0)
+    for pool, (_, _, engine) in spec.pools().items():
+        build_router(scenario.router, block_size=engine.block_size, clock=ManualClock(), seed=scenario.run.seed,
+                     end=None, hooks=Hooks(), pool=None if pool == "aggregated" else pool)
+        MockWorker(engine_config(spec, pool), worker_id=0)
 
 
 class Cluster:
@@ -116,6 +132,14 @@ class Cluster:
         self.clock = clock
         self.hooks = hooks
         self.router: Router
+        """The router (a disaggregated cluster: the prefill pool's; ``routers`` has both)."""
+        self.routers: dict[str, Router] = {}
+        """Each pool's router: ``aggregated``, or ``prefill`` and ``decode``."""
+        self.front: Any = None
+        """Where requests go: the router, or the ``DisaggRouter`` that chains the pools."""
+        self.worker_pool: dict[int, str] = {}
+        self.nets: dict[str, MemoryNetwork] = {}
+        self.buses: dict[str, MemoryKvBus] = {}
         self.workers: dict[int, WorkerActor] = {}
         self.bus: MemoryKvBus | None = None
         self.net: MemoryNetwork | None = None
@@ -137,11 +161,16 @@ class Cluster:
 
     async def handle(self, req: Any) -> Any:
         """Run a request on the current router (the router may be restarted meanwhile)."""
+        if self.front is not self.router:
+            ended = anyio.Event()
+            record = self.front.submit(req, lambda _record: ended.set())
+            await ended.wait()
+            return record
         return await self.router.handle(req)
 
     def submit(self, req: Any, on_end: Any) -> None:
         """Start a request on the current router; ``on_end(record)`` when it ended."""
-        self.router.submit(req, on_end)
+        self.front.submit(req, on_end)
 
     def set_kv_lag(self, lag_ns: int) -> None:
         """Chaos: every KV publisher, present and future, publishes ``lag_ns`` late."""
@@ -156,56 +185,65 @@ class Cluster:
         Requests it held end with ``router_restart``; workers register again when the new router
         hears from them, and it rebuilds its index from their KV-event replay buffers.
         """
+        if self.scenario.cluster.disaggregated:
+            raise ValueError("restart_router is not supported for disaggregated clusters yet")
         old = self.router
         old.stop()
         self._router_scope.cancel()
-        self.router = self._make_router()
+        self.router = self.front = self.routers["aggregated"] = self._make_router()
         if self.bus is not None:
             self.bus.connect(self.router.kv_intake)
-        await self._start_router()
+        await self._start_router(self.router)
 
-    async def _start_router(self) -> None:
+    async def _start_router(self, router: Router) -> None:
         scope = anyio.CancelScope()
         self._router_scope = scope
         started = anyio.Event()
 
         async def serve() -> None:
             with scope:
-                await self.router.serve(task_status=_Started(started))
+                await router.serve(task_status=_Started(started))
 
         self._tg.start_soon(serve)
         await started.wait()
 
     def ranks(self) -> list[tuple[int, int]]:
         """Every (worker, rank) registered now."""
-        return list(self.router.core.registry.rank_keys())
+        return [k for router in self.routers.values() for k in router.core.registry.rank_keys()]
 
-    async def add_worker(self) -> int:
-        """Start one more worker and wait until the router registered it; returns its id."""
+    async def add_worker(self, pool: str | None = None) -> int:
+        """Start one more worker (of ``pool``; default: the aggregated pool, else the decode pool) and wait
+        until its router registered it; returns its id."""
+        spec = self.scenario.cluster
+        pool = pool or ("decode" if spec.disaggregated else "aggregated")
+        if pool not in self.routers:
+            raise ValueError(f"no {pool} pool in this cluster (pools: {', '.join(self.routers)})")
         wid = self._next_id
         self._next_id += 1
-        spec = self.scenario.cluster
-        mock = MockWorker(engine_config(spec), worker_id=wid)
+        _, dp_size, _ = spec.pools()[pool]
+        worker_type = spec.worker_type if pool == "aggregated" else pool
+        router = self.routers[pool]
+        mock = MockWorker(engine_config(spec, pool), worker_id=wid)
         if self.mode == "virtual":
-            assert self.net is not None and self.bus is not None
-            end = self.net.worker_end(wid)
-            pubs: list[Any] = [self.bus.publisher(wid, r) for r in range(spec.dp_size)]
+            end = self.nets[pool].worker_end(wid)
+            pubs: list[Any] = [self.buses[pool].publisher(wid, r) for r in range(dp_size)]
             self.kv_publishers[wid] = pubs
             actor = WorkerActor(mock, end, self.clock, pubs, mode="virtual",
-                                heartbeat_interval_s=spec.heartbeat_interval_s, worker_type=spec.worker_type)
+                                heartbeat_interval_s=spec.heartbeat_interval_s, worker_type=worker_type)
         else:
-            end = ZmqWorkerEnd(self.router.end.endpoint, wid)  # type: ignore[attr-defined]
+            end = ZmqWorkerEnd(router.end.endpoint, wid)  # type: ignore[attr-defined]
             pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
-                                     vllm_version=spec.kv_events_version) for r in range(spec.dp_size)]
+                                     vllm_version=spec.kv_events_version) for r in range(dp_size)]
             self._publishers[wid] = pubs
             self.kv_publishers[wid] = pubs
             actor = WorkerActor(mock, end, self.clock, pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
                                 kv_endpoints=[p.endpoint for p in pubs],
                                 kv_replay_endpoints=[p.replay_endpoint or "" for p in pubs],
-                                worker_type=spec.worker_type)
+                                worker_type=worker_type)
         for pub in self.kv_publishers[wid]:
             pub.lag_ns = self.kv_lag_ns
         self.workers[wid] = actor
+        self.worker_pool[wid] = pool
         scope = anyio.CancelScope()
         self._scopes[wid] = scope
 
@@ -215,8 +253,8 @@ class Cluster:
 
         self._tg.start_soon(serve)
         with anyio.fail_after(30):  # woken by each registration: in virtual time, starting takes no time
-            while wid not in self.router.workers:
-                router = self.router
+            while wid not in self.routers[pool].workers:
+                router = self.routers[pool]
                 if router.registered.is_set():
                     router.registered = anyio.Event()
                 await router.registered.wait()
@@ -253,6 +291,10 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     spec = scenario.cluster
     rspec = scenario.router
     block_size = spec.engine.block_size
+    if spec.disaggregated:
+        async with _disaggregated(c) as started:
+            yield started
+        return
     if scenario.run.mode == "virtual":
         assert isinstance(clock, ManualClock)
         net = c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS), wire_check=spec.kv_wire_check)
@@ -271,12 +313,13 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
             return build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=zmq_end,
                                 hooks=hooks, zmq_kv_events=True)
     c._make_router = make
-    c.router = make()
+    c.router = c.front = c.routers["aggregated"] = make()
     if c.bus is not None:
+        c.nets["aggregated"], c.buses["aggregated"] = c.net, c.bus  # type: ignore[assignment]
         c.bus.connect(c.router.kv_intake)
     async with anyio.create_task_group() as tg:
         c._tg = tg
-        await c._start_router()
+        await c._start_router(c.router)
         for _ in range(spec.workers):
             await c.add_worker()
         try:
@@ -287,3 +330,47 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
         for pub in c._publishers.pop(wid):
             pub.close(drain_timeout_s=0)
     await c.router.end.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _disaggregated(c: Cluster) -> AsyncIterator[Cluster]:
+    """A prefill pool and a decode pool, each with its router and network, chained by a ``DisaggRouter``.
+
+    Virtual mode. Decode workers publish their KV events to nobody, as the reference's do: the decode pool
+    places requests by load only (its KV arrives by transfer).
+    """
+    from kvemu.disagg import DisaggRouter
+
+    scenario, clock = c.scenario, c.clock
+    spec, rspec = scenario.cluster, scenario.router
+    if scenario.run.mode != "virtual":
+        raise ScenarioError("cluster.prefill/cluster.decode: disaggregated clusters run in virtual mode only so far "
+                            "(run.mode: virtual)")
+    assert isinstance(clock, ManualClock)
+    for pool, (_, _, engine) in spec.pools().items():
+        net = c.nets[pool] = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS),
+                                           wire_check=spec.kv_wire_check)
+        bus = c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check)
+        router = c.routers[pool] = build_router(rspec, block_size=engine.block_size, clock=clock, seed=scenario.run.seed,
+                                                end=net.router_end(), hooks=Hooks(), kv_replay=bus.replay,
+                                                on_worker_removed=bus.forget, pool=pool)
+        if pool == "prefill":
+            bus.connect(router.kv_intake)
+    c.router = c.routers["prefill"]
+    c.net, c.bus = c.nets["prefill"], c.buses["prefill"]
+    front = c.front = DisaggRouter(c.routers["prefill"], c.routers["decode"], clock=clock, hooks=c.hooks,
+                                   retry_limit=rspec.settings().retry_limit)
+    c.routers["decode"].on_kv_pulled = front.on_kv_pulled
+    async with anyio.create_task_group() as tg:
+        c._tg = tg
+        for router in c.routers.values():
+            await c._start_router(router)
+        for pool in ("prefill", "decode"):
+            for _ in range(spec.pools()[pool][0]):
+                await c.add_worker(pool)
+        try:
+            yield c
+        finally:
+            tg.cancel_scope.cancel()
+    for router in c.routers.values():
+        await router.end.aclose()

@@ -53,7 +53,9 @@ class Recorder:
             return
         if rec is None:
             return
-        if kind == "routed":
+        if kind == "routed" and data.get("pool") == "prefill":  # a disaggregated request's prefill leg
+            rec.prefill_worker_id, rec.prefill_dp_rank = ev.worker_id, ev.dp_rank
+        elif kind == "routed":
             rec.routed_ns = ev.time_ns
             rec.attempts = data.get("attempt", 0) + 1
             rec.worker_id, rec.dp_rank = ev.worker_id, ev.dp_rank
@@ -74,6 +76,10 @@ class Recorder:
             rec.output_tokens = data.get("output_tokens", len(rec.token_times_ns))
             rec.admitted_ns = data.get("admitted_ns")
             rec.preemptions = data.get("preemptions", 0)
+            if "prefill_done_ns" in data:  # disaggregated
+                rec.prefill_worker_id, rec.prefill_dp_rank = data["prefill_worker_id"], data["prefill_dp_rank"]
+                rec.prefill_done_ns = data["prefill_done_ns"]
+                rec.kv_reserved_ns, rec.kv_activated_ns = data["kv_reserved_ns"], data["kv_activated_ns"]
         elif kind == "failed":
             rec.failure = data.get("reason", "unknown")
             rec.completion_ns = None

@@ -107,6 +107,9 @@ class RunData(msgspec.Struct, kw_only=True):
     failures: dict[str, int] = {}
     """Failed requests by reason."""
     worker_events: list[dict[str, Any]] = []
+    pools: dict[str, dict[str, int]] = {}
+    """The cluster's pools as started, ``pool -> {"workers", "dp_size"}``: ``aggregated``, or ``prefill`` and
+    ``decode``."""
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -354,6 +357,7 @@ def summarize(data: RunData) -> dict[str, Any]:
         "total_throughput_tok_s": rate(total_in + total_out),
         "prefix_cache_reused_ratio": _ratio(cached, total_in),
         "partial": bool(data.partial),
+        **_worker_seconds(data.pools, duration_s),
     }
     for name, values in _latency_values(done).items():
         per_user = name == "output_token_throughput_per_user"
@@ -382,7 +386,40 @@ def summarize(data: RunData) -> dict[str, Any]:
         "hook_counts": dict(sorted((str(k), int(v)) for k, v in data.counters.items())),
         "worker_events": dict(sorted(Counter(str(e.get("kind")) for e in data.worker_events).items())),
     }
+    if "prefill" in data.pools:
+        summary["kvemu"]["disaggregated"] = _disaggregated(data, done)
     return _round(summary)
+
+
+def _worker_seconds(pools: dict[str, dict[str, int]], duration_s: float | None) -> dict[str, Any]:
+    """The reference's cost keys: each pool's workers x the run's duration, its GPUs per worker (DP ranks; one
+    GPU a rank), and GPU hours. An aggregated cluster counts as a decode pool with no prefill pool."""
+    prefill = pools.get("prefill", {"workers": 0, "dp_size": 0})
+    decode = pools.get("decode") or pools.get("aggregated") or {"workers": 0, "dp_size": 0}
+    d = duration_s or 0.0
+    out = {"prefill_worker_seconds": prefill["workers"] * d, "decode_worker_seconds": decode["workers"] * d,
+           "prefill_gpus_per_worker": prefill["dp_size"], "decode_gpus_per_worker": decode["dp_size"]}
+    out["gpu_hours"] = (out["prefill_worker_seconds"] * prefill["dp_size"]
+                        + out["decode_worker_seconds"] * decode["dp_size"]) / 3600
+    return out
+
+
+def _disaggregated(data: RunData, done: list[RequestRecord]) -> dict[str, Any]:
+    """Per pool: its size and the requests each of its ranks served; per request: the KV transfer (reserved to
+    activated on the decode rank) and the wait between the prefill's end and the decode rank's reservation."""
+    transfer = [r.kv_activated_ns - r.kv_reserved_ns for r in done
+                if r.kv_activated_ns is not None and r.kv_reserved_ns is not None]
+    wait = [r.kv_reserved_ns - r.prefill_done_ns for r in done
+            if r.kv_reserved_ns is not None and r.prefill_done_ns is not None]
+    prefill_ranks = Counter(f"{r.prefill_worker_id}/{r.prefill_dp_rank}" for r in done)
+    decode_ranks = Counter(f"{r.worker_id}/{r.dp_rank}" for r in done)
+    return {
+        "pools": {pool: dict(spec) for pool, spec in sorted(data.pools.items())},
+        "requests_per_prefill_rank": dict(sorted(prefill_ranks.items())),
+        "requests_per_decode_rank": dict(sorted(decode_ranks.items())),
+        "kv_transfer_ms": _stats(transfer, NS_PER_MS),
+        "decode_reservation_wait_ms": _stats(wait, NS_PER_MS),
+    }
 
 
 def dumps_summary(summary: dict[str, Any]) -> str:

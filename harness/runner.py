@@ -114,6 +114,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         block_size=scenario.cluster.engine.block_size, ranks=sorted(state["ranks"]), samples=state["samples"],
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
+        pools={pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in scenario.cluster.pools().items()},
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
@@ -162,9 +163,11 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 _take_sample(c, state, run_clock)
                 tg.cancel_scope.cancel()
         finally:
-            state["kv_stats"] = {w: s.as_dict() for w, s in sorted(c.router.kv_stats.items())}
-            if c.router.affinity is not None:
-                state["affinity"] = c.router.affinity.stats.as_dict()
+            routers = list(c.routers.values())
+            state["kv_stats"] = {w: s.as_dict() for r in routers for w, s in sorted(r.kv_stats.items())}
+            tables = [r.affinity.stats.as_dict() for r in routers if r.affinity is not None]
+            if tables:  # a disaggregated cluster binds sessions once per pool: the counters add up
+                state["affinity"] = {k: sum(t[k] for t in tables) for k in tables[0]}
             state["ranks"].update(c.ranks())
 
 
@@ -174,13 +177,14 @@ def drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
 
 
 def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:
-    core = c.router.core
     now = clock.now_ns()
     samples: list[Sample] = state["samples"]
-    for key in c.ranks():
-        state["ranks"].add(key)
-        rl = core.load.rank(key)
-        samples.append(Sample(now, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+    for router in c.routers.values():
+        core = router.core
+        for key in core.registry.rank_keys():
+            state["ranks"].add(key)
+            rl = core.load.rank(key)
+            samples.append(Sample(now, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
 
 
 async def _sample(c: Cluster, state: dict[str, Any], recorder: Recorder, progress: Progress | None, total: int,

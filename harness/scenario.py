@@ -27,7 +27,7 @@ from kvemu.errors import InvalidArgument, KvemuError
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
-from workers.config import EngineConfig, InterpolatedTimingSpec
+from workers.config import EngineConfig
 from workers.profile import cached_profile_timing
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
@@ -104,8 +104,17 @@ EngineSpec = msgspec.defstruct(
 ``dp_size``, which is ``cluster.dp_size``."""
 
 
+class PoolSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
+    """One pool of a disaggregated cluster: its workers, their DP ranks and their engine."""
+
+    workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
+    dp_size: Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)] = 1
+    engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
+
+
 class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
-    """The workers."""
+    """The workers: one aggregated pool (``workers``, ``dp_size``, ``engine``), or a prefill pool and a
+    decode pool (``prefill`` and ``decode``, each with its own; the top-level three are then unused)."""
 
     workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 4
     dp_size: Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)] = 1
@@ -117,9 +126,34 @@ class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     kv_wire_check: bool = False
     """Virtual mode: carry every actor message and KV-event batch as the bytes live mode sends
     (encoded and decoded on the way) instead of as objects. Same report, slower; proves the codecs."""
+    prefill: PoolSpec | None = None
+    """Disaggregated serving: the pool that computes prompts (its engine's ``kv_transfer_*`` knobs model the
+    link to the decode pool). Give ``decode`` too."""
+    decode: PoolSpec | None = None
+    """Disaggregated serving: the pool that receives the prompts' KV and produces the tokens."""
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the cluster has a prefill pool and a decode pool."""
+        return self.prefill is not None
+
+    def pools(self) -> dict[str, tuple[int, int, Any]]:
+        """``pool -> (workers, dp_size, engine spec)``: ``aggregated``, or ``prefill`` and ``decode``."""
+        if self.prefill is not None and self.decode is not None:
+            return {"prefill": (self.prefill.workers, self.prefill.dp_size, self.prefill.engine),
+                    "decode": (self.decode.workers, self.decode.dp_size, self.decode.engine)}
+        return {"aggregated": (self.workers, self.dp_size, self.engine)}
 
     def __post_init__(self) -> None:
         check_struct(self)
+        if (self.prefill is None) != (self.decode is None):
+            raise InvalidArgument("a disaggregated cluster needs both pools: give cluster.prefill and cluster.decode",
+                                  field="prefill" if self.prefill is None else "decode")
+        if self.prefill is not None and self.decode is not None:
+            ranks = self.prefill.workers * self.prefill.dp_size + self.decode.workers * self.decode.dp_size
+            if ranks > MAX_RANKS:
+                raise InvalidArgument(f"the pools' {ranks} DP ranks are more than the {MAX_RANKS} ranks a scenario "
+                                      "may start", field="decode")
         if self.workers * self.dp_size > MAX_RANKS:
             raise InvalidArgument(f"{self.workers} workers x {self.dp_size} DP ranks is more than the {MAX_RANKS} "
                                   "ranks a scenario may start", field="workers")
@@ -425,9 +459,18 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         workload["kind"] = "trace" if "trace" in workload else "synthetic"
     apply_overrides(raw, overrides or [])
     raw["base_dir"] = str(base_dir)
-    timing = _value_at(raw, ["cluster", "engine", "timing_model"])[1]
-    if isinstance(timing, dict) and isinstance(timing.get("path"), str) and timing["path"]:
-        timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
+    for where in _ENGINES:
+        timing = _value_at(raw, [*where, "timing_model"])[1]
+        if isinstance(timing, dict) and isinstance(timing.get("path"), str) and timing["path"]:
+            timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
+    cluster_raw = raw.get("cluster")
+    if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
+        for key in ("workers", "dp_size", "engine"):
+            if key in cluster_raw:
+                line = _line_of(text, ["cluster", key])
+                at = f" (line {line})" if line else ""
+                raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
+                                    f"cluster.prefill.{key} and cluster.decode.{key} instead")
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
@@ -450,14 +493,15 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         raise ScenarioError(f"{source}: {key or '(top level)'}{at}: {message}") from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
-    spec = scenario.cluster.engine.timing_model  # type: ignore[attr-defined]
-    if isinstance(spec, InterpolatedTimingSpec):
-        try:
-            cached_profile_timing(spec.path)  # read once now: a bad profile is refused before anything runs
-        except InvalidArgument as exc:
-            line = _line_of(text, ["cluster", "engine", "timing_model", "path"])
-            at = f" (line {line})" if line else ""
-            raise ScenarioError(f"{source}: cluster.engine.timing_model.path{at}: {exc}") from None
+    for where in _ENGINES:
+        spec = _value_at(msgspec.to_builtins(scenario), [*where, "timing_model"])[1]
+        if isinstance(spec, dict) and spec.get("type") == "interpolated":
+            try:
+                cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
+            except InvalidArgument as exc:
+                line = _line_of(text, [*where, "timing_model", "path"])
+                at = f" (line {line})" if line else ""
+                raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
         if not path.is_file():
@@ -465,6 +509,10 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
             at = f" (line {line})" if line else ""
             raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
     return scenario
+
+
+_ENGINES: list[list[str | int]] = [["cluster", "engine"], ["cluster", "prefill", "engine"], ["cluster", "decode", "engine"]]
+"""Where engine sections are in a scenario."""
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:

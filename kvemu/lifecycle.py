@@ -69,10 +69,10 @@ class Flight:
     """One request on its way: the client's request, its record, and where the current attempt stands."""
 
     __slots__ = ("request_id", "req", "record", "prepared", "on_end", "stage", "attempt", "token", "refused",
-                 "builder", "key", "hold", "lease", "failure")
+                 "builder", "key", "hold", "lease", "failure", "can_retry")
 
     def __init__(self, req: ClientRequest, record: RequestRecord, prepared: PreparedRequest,
-                 on_end: Callable[[RequestRecord], None]) -> None:
+                 on_end: Callable[[RequestRecord], None], can_retry: Callable[[], bool] | None = None) -> None:
         self.request_id = req.request_id
         self.req = req
         self.record = record
@@ -90,6 +90,8 @@ class Flight:
         self.lease: Any = None
         self.failure: str | None = None
         """Why the current attempt ended without completing (it may still be retried)."""
+        self.can_retry = can_retry
+        """Whether a running attempt lost before its first token may run elsewhere (None: always)."""
 
     def __repr__(self) -> str:
         return f"Flight({self.request_id!r}, {self.stage}, attempt={self.attempt}, key={self.key})"
@@ -144,8 +146,12 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ inputs
 
-    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord:
-        """Start a request; ``on_end`` gets its record when it ends (maybe before this returns)."""
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None],
+               can_retry: Callable[[], bool] | None = None) -> RequestRecord:
+        """Start a request; ``on_end`` gets its record when it ends (maybe before this returns).
+
+        ``can_retry`` says whether a running attempt lost before its first token may run elsewhere (a
+        disaggregated decode leg whose KV source was already freed may not): otherwise it fails."""
         now = self.clock.now_ns()
         rid = req.request_id
         record = RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
@@ -171,7 +177,7 @@ class Lifecycle:
             hooks.note("failed", now, rid, data={"reason": record.failure})
             on_end(record)
             return record
-        flight = self.flights[rid] = Flight(req, record, prepared, on_end)
+        flight = self.flights[rid] = Flight(req, record, prepared, on_end, can_retry)
         limit = self.settings.request_deadline_ns
         if limit is not None:
             self._expire_at(now + limit, rid, record)
@@ -384,6 +390,10 @@ class Lifecycle:
             self._waiting.remove(f)
         self._end(f, f.failure)  # a queued request leaves the queue; an affinity wait's wake-up is void
 
+    def dispatched_to(self, worker_id: int, request_id: str) -> Flight | None:
+        """The open request ``request_id`` if it is dispatched to ``worker_id`` (else None: late, stale, spoofed)."""
+        return self._dispatched_to(worker_id, request_id)
+
     def _dispatched_to(self, worker_id: int, request_id: str) -> Flight | None:
         f = self.flights.get(request_id)
         if f is None or f.key is None or f.key[0] != worker_id or f.stage not in (DISPATCHED, RUNNING):
@@ -491,7 +501,8 @@ class Lifecycle:
             self._announce(deadline)
         req = f.req
         self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens,
-                                 output_token_ids=req.output_token_ids, priority=req.engine_priority))
+                                 output_token_ids=req.output_token_ids, priority=req.engine_priority,
+                                 hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
 
     def _settled(self, f: Flight) -> None:
         if self.stopped:
@@ -576,6 +587,7 @@ class Lifecycle:
         record = f.record
         record.engine_cached_tokens = msg.cached_tokens
         record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
+        record.kv_transfer = msg.kv_transfer
         record.completion_ns = msg.times_ns[-1] if msg.times_ns else self.clock.now_ns()
         self._done(f)
 
@@ -585,7 +597,7 @@ class Lifecycle:
             self.affinity.release(f.lease)
             f.lease = None
         self._unbook(f)
-        if f.failure == "worker_lost" and f.record.first_token_ns is None:
+        if f.failure == "worker_lost" and f.record.first_token_ns is None and (f.can_retry is None or f.can_retry()):
             f.refused.append(f.key)  # type: ignore[arg-type]
             self._retry(f)  # nothing was streamed yet: run it elsewhere
             return

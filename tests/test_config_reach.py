@@ -76,6 +76,9 @@ ENGINE_VALUES = {
     "eviction_policy": "lineage",
     "dp_size": 3,
     "record_token_times": False,
+    "kv_transfer_bandwidth": 25.0,
+    "kv_transfer_bytes_per_token": 131072,
+    "kv_transfer_timing_mode": "destination_missing",
     "timing_model": InterpolatedTimingSpec(path=str(Path(__file__).parent / "data" / "tiny-profile.csv")),
 }
 SINGLE_VALUED = {"trtllm"}

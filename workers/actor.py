@@ -31,13 +31,16 @@ from kvemu.runtime.messages import (
     DispatchAck,
     Finished,
     Heartbeat,
+    KvPulled,
     Register,
     RegisterAck,
+    ReleaseKv,
     RouterMessage,
     TokenBatch,
 )
 from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
+from kvemu.transfer import KvTransfer
 from kvemu.wire.kv_events import KVEventBatch
 from workers.engine import AdvanceResult, EngineCore, StepResult
 from workers.request import Request
@@ -88,6 +91,13 @@ class WorkerActor:
         self.publishers = list(publishers)
         self.mode = mode
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.worker_type = worker_type
+        cfg = worker.config
+        self._transfer = KvTransfer(source_worker_id=worker.worker_id, bandwidth_gbps=cfg.kv_transfer_bandwidth,
+                                    bytes_per_token=cfg.kv_transfer_bytes_per_token, mode=cfg.kv_transfer_timing_mode)
+        """The link model a prefill leg's KV moves with (this rank's; the decode rank applies it)."""
+        self._held: dict[str, int] = {}  # prefill legs whose KV this worker holds for a decode rank -> rank
+        self._legs: set[str] = set()  # prefill legs running here: their one token is not streamed
         self.register_msg = Register(
             worker_id=worker.worker_id,
             dp_size=len(worker.cores),
@@ -224,6 +234,8 @@ class WorkerActor:
             self._on_dispatch(msg)  # type: ignore[arg-type]
         elif t is Abort:
             self.abort(msg.request_id, msg.reason)  # type: ignore[union-attr]
+        elif t is ReleaseKv:
+            self.release_kv(msg.request_id)  # type: ignore[union-attr]
         elif t is Chaos:
             why = self.apply_chaos(msg)  # type: ignore[arg-type]
             if why is not None:
@@ -252,18 +264,26 @@ class WorkerActor:
             return f"rank_down: rank {msg.dp_rank} is dead"
         if msg.request_id in self._records:
             return f"duplicate_request_id: {msg.request_id!r} is already running on this worker"
+        if msg.hold_kv and self.worker_type != "prefill":
+            return f"wrong_pool: worker {self.worker_id} is a {self.worker_type} worker; prefill legs go to prefill workers"
+        if msg.kv_transfer is not None and self.worker_type != "decode":
+            return f"wrong_pool: worker {self.worker_id} is a {self.worker_type} worker; decode legs go to decode workers"
+        if msg.hold_kv and msg.request_id in self._held:
+            return f"duplicate_request_id: the KV of {msg.request_id!r} is still held on this worker"
         now = self.clock.now_ns()
         if self.mode == "virtual":
             self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
-        req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=msg.max_tokens,
+        req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=1 if msg.hold_kv else msg.max_tokens,
                       arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.priority,
-                      output_token_ids=msg.output_token_ids)
+                      output_token_ids=msg.output_token_ids, kv_hold=msg.hold_kv, kv_transfer=msg.kv_transfer)
         outcome = self.worker.dispatch(req, msg.dp_rank)
         if not outcome.accepted:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
             return f"{reason}: {outcome.message}"
         self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
         self._sent[msg.request_id] = 0
+        if msg.hold_kv:
+            self._legs.add(msg.request_id)
         if self.mode == "virtual":  # the engine is at now already: arm its next instant (>= now + 1)
             self._driver.arm(self.worker.next_event_ns())
         elif (wake := self._wakes.get(msg.dp_rank)) is not None:
@@ -299,7 +319,10 @@ class WorkerActor:
     def abort(self, request_id: str, reason: str = "cancelled") -> bool:
         """Drop a request this worker runs (its client went away): the engine frees its blocks at once and
         nothing more is sent about it. Returns whether it was here."""
+        if self.release_kv(request_id):  # a finished prefill leg: its held KV is freed
+            return True
         rec = self._records.pop(request_id, None)
+        self._legs.discard(request_id)
         if rec is None:
             return False
         self._sent.pop(request_id, None)
@@ -314,6 +337,22 @@ class WorkerActor:
         if self.mode == "virtual":
             self._driver.arm(self.worker.next_event_ns())
         elif (wake := self._wakes.get(core.dp_rank)) is not None:
+            wake.set()  # waiting requests may fit now
+        return True
+
+    def release_kv(self, request_id: str) -> bool:
+        """A decode rank pulled the KV this worker held for a finished prefill leg: free it (at the rank's next
+        pass boundary). Returns whether it was held here."""
+        rank = self._held.pop(request_id, None)
+        if rank is None:
+            return False
+        core = self.worker.core(rank)
+        if self.mode == "virtual":
+            self._emit_advance(self.worker.advance_to(max(self.clock.now_ns(), self._engine_now())))
+        core.release_kv(request_id)
+        if self.mode == "virtual":
+            self._driver.arm(self.worker.next_event_ns())
+        elif (wake := self._wakes.get(rank)) is not None:
             wake.set()  # waiting requests may fit now
         return True
 
@@ -361,22 +400,32 @@ class WorkerActor:
             for pe in res.events:
                 pub.publish(pe)
             for rid, t in res.first_tokens:
-                if self._sent.get(rid) == 0:
+                if self._sent.get(rid) == 0 and rid not in self._legs:
                     self._sent[rid] = 1
                     reply(TokenBatch(request_id=rid, times_ns=[t]))
+            for rid, reserved, activated in res.pulled:
+                if rid in self._records:
+                    self._send(KvPulled(request_id=rid, reserved_ns=reserved, activated_ns=activated))
             for rec in res.completed:
                 if rec.request_id in self._records:
                     self._finish(rec)
 
     def _finish(self, rec: RequestRecord) -> None:
-        self._flushed_at.pop(rec.request_id, None)
-        sent = self._sent.pop(rec.request_id, 0)
-        self._records.pop(rec.request_id, None)
+        rid = rec.request_id
+        self._flushed_at.pop(rid, None)
+        sent = self._sent.pop(rid, 0)
+        self._records.pop(rid, None)
+        transfer = None
+        if rid in self._legs:  # a prefill leg: its KV stays here until the decode rank pulled it
+            self._legs.discard(rid)
+            self._held[rid] = rank = rec.dp_rank or 0
+            transfer = msgspec.structs.replace(self._transfer, source_dp_rank=rank)
         if self.on_end is not None:
             self.on_end(rec, "length")
         self._reply(Finished(
-            request_id=rec.request_id, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
+            request_id=rid, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
             cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
+            kv_transfer=transfer,
         ))
 
     # ------------------------------------------------------------------ wall time
@@ -411,8 +460,11 @@ class WorkerActor:
         now = res.end_ns
         interval = self.stream_interval_ns
         flushed = self._flushed_at
+        for rid, reserved, activated in res.pulled:
+            if rid in self._records:
+                self._send(KvPulled(request_id=rid, reserved_ns=reserved, activated_ns=activated))
         for rid in res.tokens:
-            if rid in done:
+            if rid in done or rid in self._legs:
                 continue
             rec = self._records.get(rid)
             if rec is None:

@@ -79,6 +79,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dp_size: Count = 1
     record_token_times: bool = True
     """Keep every token's timestamp per request (off: only first token and completion are kept)."""
+    kv_transfer_bandwidth: Annotated[float, Meta(gt=0, le=1e6)] | None = None
+    """Disaggregated prefill ranks: the KV link to decode ranks in decimal GB/s (None: transfers are instant)."""
+    kv_transfer_bytes_per_token: Annotated[int, Meta(ge=1, le=1 << 40)] | None = None
+    """Disaggregated prefill ranks: KV bytes per token (layers x 2 x KV heads x head dim x dtype bytes)."""
+    kv_transfer_timing_mode: Literal["full_prompt", "destination_missing"] = "full_prompt"
+    """What a transfer moves: the whole prompt, or the prompt blocks the decode rank does not hold yet."""
     timing_model: TimingSpec = PolynomialTimingSpec()
     """How long a pass takes: ``{type: polynomial}`` (the reference's default) or ``{type: interpolated, path}``."""
     trtllm: TrtllmConfig = TrtllmConfig()

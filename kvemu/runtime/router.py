@@ -37,6 +37,7 @@ from kvemu.runtime.messages import (
     Finished,
     Heartbeat,
     KvBatch,
+    KvPulled,
     RankDown,
     Register,
     RegisterAck,
@@ -120,6 +121,7 @@ class Router:
         zmq_kv_events: bool = False,
         on_worker_added: Callable[[Register], None] | None = None,
         on_worker_removed: Callable[[int], None] | None = None,
+        pool: str | None = None,
     ) -> None:
         self.core = core
         self.end = end
@@ -129,6 +131,11 @@ class Router:
         self.affinity = affinity
         self._on_worker_added = on_worker_added
         self._on_worker_removed = on_worker_removed
+        self.pool = pool
+        """``prefill`` or ``decode`` when this router is one pool of a disaggregated cluster (it then takes
+        the legs a ``DisaggRouter`` sends it and only workers of its type); None: an aggregated cluster."""
+        self.on_kv_pulled: Callable[[int, KvPulled], None] | None = None
+        """Told when a decode rank pulled the KV of a request dispatched to it (a ``DisaggRouter`` listens)."""
         if affinity is not None:
             affinity.observer = self._affinity_event
         self.workers: dict[int, _WorkerState] = {}
@@ -220,6 +227,9 @@ class Router:
             self.kv_intake(wid, msg.dp_rank, msg.seq, msg.payload)  # type: ignore[arg-type,union-attr]
         elif t is Finished:
             self.lifecycle.on_finished(wid, msg)  # type: ignore[arg-type]
+        elif t is KvPulled:
+            if self.on_kv_pulled is not None and self.lifecycle.dispatched_to(wid, msg.request_id) is not None:  # type: ignore[arg-type,union-attr]
+                self.on_kv_pulled(wid, msg)  # type: ignore[arg-type]
         elif t is DispatchAck:
             self.lifecycle.on_ack(wid, msg)  # type: ignore[arg-type]
         elif t is RequestFailed:
@@ -245,6 +255,9 @@ class Router:
             reason = f"this connection already registered worker {self._peers[peer]}"
         elif msg.worker_id in self.workers:
             reason = f"worker id {msg.worker_id} is already registered"
+        elif self.pool is not None and msg.worker_type != self.pool:
+            reason = (f"worker {msg.worker_id} is a {msg.worker_type} worker but this router serves the {self.pool} "
+                      f"pool; start it with --worker-type {self.pool} or point it at the {msg.worker_type} pool")
         elif msg.block_size != self.core.block_size:
             reason = (f"worker {msg.worker_id} uses block_size {msg.block_size} but the router uses "
                       f"{self.core.block_size}; prefix matching would silently find nothing")
@@ -402,12 +415,25 @@ class Router:
         await ended.wait()
         return record
 
-    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord:
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None],
+               can_retry: Callable[[], bool] | None = None) -> RequestRecord:
         """Start one request; ``on_end`` gets its record when it ended (``handle`` without a task).
 
         A router that is not serving yet (a restart in progress) takes the request; it progresses once
-        ``serve`` runs, which delivers the workers' replies and the request deadlines."""
-        return self.lifecycle.submit(req, on_end)
+        ``serve`` runs, which delivers the workers' replies and the request deadlines. Only a pool router
+        takes disaggregated legs (``kv_hold``, ``kv_transfer``), which a ``DisaggRouter`` sends it."""
+        if (req.kv_hold or req.kv_transfer is not None) and self.pool is None:
+            record = RequestRecord(request_id=req.request_id, arrival_ns=self.clock.now_ns(), isl=len(req.tokens),
+                                   max_tokens=req.max_tokens,
+                                   failure="invalid_request: kv_hold and kv_transfer are for disaggregated clusters")
+            self.hooks.note("failed", record.arrival_ns, req.request_id, data={"reason": record.failure})
+            on_end(record)
+            return record
+        return self.lifecycle.submit(req, on_end, can_retry)
+
+    def tell(self, worker_id: int, msg: msgspec.Struct) -> None:
+        """Send a registered worker a message (a ``DisaggRouter`` frees held KV with ``ReleaseKv``)."""
+        self._dispatch(worker_id, msg)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """End an open request at once (its client went away): load, queue place and affinity binding are
