@@ -35,9 +35,11 @@ reference, outside its timing). The trace path comes from the scenario; ``--trac
 on both sides (``workload.arrival_speedup_ratio``; the reference's ``arrival_speedup_ratio``): heavier load
 on the same requests.
 
-``--suite engines`` replays the other engines of the reference side by side instead, round robin on 16
-workers, each figure held to 2 % of the reference's: ``trtllm`` (``backend: trtllm``, its default block
-size 32) and ``interpolated`` (``timing_model: interpolated`` on a profile this bench writes: the
+``--suite engines`` replays the other engines of the reference side by side instead, each figure held to
+2 % of the reference's: ``disagg 4p12d kv`` (``examples/disagg-4p12d.yaml``: 4 prefill and 12 decode
+workers, KV routing, a 25 GB/s link of 131,072 bytes a token; against the mean of three reference runs, whose
+KV routing breaks ties at random), then round robin on 16 workers: ``trtllm`` (``backend: trtllm``, its
+default block size 32) and ``interpolated`` (``timing_model: interpolated`` on a profile this bench writes: the
 polynomial's prefill and a decode grid over active KV tokens and mean context, saved as ``.npz``, which the
 reference loads through its ``dynamo_profile`` provider). Their figures are named after the engine
 (``kvemu trtllm round_robin mean ttft: ...``, ``trtllm round_robin mean ttft ratio vs reference: 1.00x``).
@@ -73,6 +75,7 @@ os.environ.setdefault("DYN_LOG", "warn")  # the reference logs every KV routing 
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = ROOT / "examples" / "mooncake-3600s.yaml"
+DISAGG_SCENARIO = ROOT / "examples" / "disagg-4p12d.yaml"
 QUICK_REQUESTS = 1000
 SIDES = ("kvemu", "reference")
 
@@ -105,13 +108,20 @@ class Variant:
     policy: str
     engine: dict[str, Any]
     tolerance: float = 0.05
+    pools: dict[str, Any] | None = None
+    """A disaggregated cluster: ``{"prefill": {...}, "decode": {...}}`` pool sections (``engine`` is unused)."""
+    reference_runs: int = 1
+    """The reference's runs averaged (its KV routing breaks ties at random: one run is not its figure)."""
 
 
 def engine_suite(directory: Path) -> list[Variant]:
     """``--suite engines``: the reference's other engines, round robin on 16 workers, within 2 %."""
     profile = directory / "profile.npz"
     write_bench_profile(profile)
-    return [Variant("trtllm round_robin", "round_robin", {"backend": "trtllm", "block_size": 32}, 0.02),
+    link = {"kv_transfer_bandwidth": 25.0, "kv_transfer_bytes_per_token": 131072}
+    return [Variant("disagg 4p12d kv", "kv", {}, 0.02,
+                    pools={"prefill": {"workers": 4, "engine": link}, "decode": {"workers": 12}}, reference_runs=3),
+            Variant("trtllm round_robin", "round_robin", {"backend": "trtllm", "block_size": 32}, 0.02),
             Variant("interpolated round_robin", "round_robin",
                     {"timing_model": {"type": "interpolated", "path": str(profile)}}, 0.02)]
 
@@ -144,6 +154,20 @@ class Run:
     cpu_s: float
 
 
+def mean_run(runs: list[Run]) -> Run:
+    """The mean of several runs of one side (every numeric summary figure, the wall and CPU time; the peak RSS
+    is the largest)."""
+    if len(runs) == 1:
+        return runs[0]
+    summary = dict(runs[0].summary)
+    for key, v in summary.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
+                isinstance(r.summary.get(key), (int, float)) for r in runs):
+            summary[key] = sum(r.summary[key] for r in runs) / len(runs)
+    n = len(runs)
+    return Run(summary, sum(r.wall_s for r in runs) / n, max(r.peak_rss_mb for r in runs), sum(r.cpu_s for r in runs) / n)
+
+
 def emit(name: str, value: float | None, unit: str, digits: int = 1) -> None:
     text = "n/a" if value is None else f"{value:.{digits}f}"
     print(f"{name}: {text} {unit}".rstrip(), flush=True)
@@ -161,7 +185,7 @@ def digits_for(unit: str) -> int:
 
 
 def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine: dict[str, Any] | None = None,
-              speedup: float = 1.0) -> tuple[dict[str, Any], float, float]:
+              speedup: float = 1.0, pools: dict[str, Any] | None = None) -> tuple[dict[str, Any], float, float]:
     """kvemu's virtual replay of the example with ``router.policy=policy``: (summary, wall s, CPU s)."""
     from harness.report import summarize
     from harness.runner import run_scenario
@@ -169,11 +193,14 @@ def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine:
 
     overrides = [f"router.policy={policy}", "run.mode=virtual", f"workload.arrival_speedup_ratio={speedup!r}"]
     overrides += [f"cluster.engine.{k}={json.dumps(v)}" for k, v in (engine or {}).items()]
+    if pools:  # the disaggregated example, its pools as given
+        overrides = [o for o in overrides if not o.startswith("cluster.engine.")]
+        overrides += [f"cluster.{pool}={json.dumps(spec)}" for pool, spec in pools.items()]
     if trace is not None:
         overrides.append(f"workload.trace={trace}")
     if max_requests is not None:
         overrides.append(f"run.max_requests={max_requests}")
-    scenario = load_scenario(SCENARIO, overrides)
+    scenario = load_scenario(DISAGG_SCENARIO if pools else SCENARIO, overrides)
     t0, c0 = time.perf_counter(), time.process_time()
     outcome = run_scenario(scenario, None)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -181,10 +208,14 @@ def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine:
 
 
 def run_reference(replay: Callable[..., Any], policy: str, trace: Path, engine: dict[str, Any] | None = None,
-                  speedup: float = 1.0) -> tuple[dict[str, Any], float, float]:
+                  speedup: float = 1.0, pools: dict[str, Any] | None = None) -> tuple[dict[str, Any], float, float]:
     """The reference's offline replay of ``trace`` on 16 workers: (summary, wall s, CPU s of all its threads)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    summary = reference.run_reference(replay, trace, policy, engine=engine, arrival_speedup_ratio=speedup)
+    if pools:
+        summary = reference.run_reference_disagg(replay, trace, policy, prefill=pools["prefill"], decode=pools["decode"],
+                                                 arrival_speedup_ratio=speedup)
+    else:
+        summary = reference.run_reference(replay, trace, policy, engine=engine, arrival_speedup_ratio=speedup)
     return summary, time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -206,15 +237,15 @@ def peak_rss_mb() -> float:
 
 
 def child(side: str, policy: str, trace: Path, max_requests: int | None, out: Path,
-          engine: dict[str, Any] | None = None, speedup: float = 1.0) -> None:
+          engine: dict[str, Any] | None = None, speedup: float = 1.0, pools: dict[str, Any] | None = None) -> None:
     """One run in this process; its summary, wall and CPU seconds and peak RSS go to ``out`` as JSON."""
     if side == "kvemu":
-        summary, wall, cpu = run_kvemu(policy, trace, max_requests, engine, speedup)
+        summary, wall, cpu = run_kvemu(policy, trace, max_requests, engine, speedup, pools)
     else:
         entry = reference.replay_entry()
         if entry is None:
             raise SystemExit("bench.replay: the reference (ai-dynamo-runtime) cannot be imported")
-        summary, wall, cpu = run_reference(entry[1], policy, trace, engine, speedup)
+        summary, wall, cpu = run_reference(entry[1], policy, trace, engine, speedup, pools)
     out.write_text(json.dumps({"summary": summary, "wall_s": wall, "peak_rss_mb": peak_rss_mb(),
                                "cpu_s": cpu}))
 
@@ -231,7 +262,8 @@ def spawn(side: str, variant: Variant, trace: Path, max_requests: int | None, di
     policy = variant.policy
     out = Path(directory) / f"{side}-{variant.name.replace(' ', '-')}.json"
     cmd = [sys.executable, "-m", "bench.replay", "--child", side, "--child-out", str(out), "--policy", policy,
-           "--trace", str(trace), "--engine-json", json.dumps(variant.engine), "--arrival-speedup", repr(speedup)]
+           "--trace", str(trace), "--engine-json", json.dumps({"engine": variant.engine, "pools": variant.pools}),
+           "--arrival-speedup", repr(speedup)]
     if max_requests is not None:
         cmd += ["--max-requests", str(max_requests)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -301,15 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="skip Dynamo's replay even when installed")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)  # one run, in a child process
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)  # where that child writes its result
-    ap.add_argument("--engine-json", default="{}", help=argparse.SUPPRESS)  # that child's engine knobs
+    ap.add_argument("--engine-json", default="{}", help=argparse.SUPPRESS)  # that child's engine knobs and pools
     args = ap.parse_args(argv)
     if not args.arrival_speedup > 0:
         ap.error("--arrival-speedup must be > 0")
     if args.child:
         if args.child_out is None or args.trace is None or len(args.policy or ()) != 1:
             ap.error("--child needs --child-out, --trace and one --policy")
-        child(args.child, args.policy[0], args.trace, args.max_requests, args.child_out, json.loads(args.engine_json),
-              args.arrival_speedup)
+        spec = json.loads(args.engine_json)
+        child(args.child, args.policy[0], args.trace, args.max_requests, args.child_out, spec.get("engine"),
+              args.arrival_speedup, spec.get("pools"))
         return 0
 
     limit = args.max_requests if args.max_requests is not None else (QUICK_REQUESTS if args.quick else None)
@@ -337,13 +370,18 @@ def main(argv: list[str] | None = None) -> int:
             inputs["reference"] = (reference.trace_head(trace, limit, tmp) if limit else trace, None)
         for variant in variants:
             for side, (side_trace, max_requests) in inputs.items():
-                note(f"{side} {variant.name} ...")
-                result = spawn(side, variant, side_trace, max_requests, tmp, args.arrival_speedup)
-                if isinstance(result, str):
-                    note(f"{side} {variant.name} failed")
-                    problems.append(result)
+                results: list[Run] = []
+                for i in range(variant.reference_runs if side == "reference" else 1):
+                    note(f"{side} {variant.name} ..." + (f" (run {i + 1} of {variant.reference_runs})"
+                                                         if side == "reference" and variant.reference_runs > 1 else ""))
+                    result = spawn(side, variant, side_trace, max_requests, tmp, args.arrival_speedup)
+                    if isinstance(result, str):
+                        note(f"{side} {variant.name} failed")
+                        problems.append(result)
+                        break
+                    results.append(result)
                 else:
-                    runs[side][variant.name] = result
+                    runs[side][variant.name] = mean_run(results)
     ours, ref = runs["kvemu"], runs["reference"]
 
     # side by side
@@ -365,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         name = variant.name
         if name not in ours or name not in ref:
             continue
-        held = variant.policy == "round_robin"  # KV routing's ties are random in the reference: see below
+        # KV routing's ties are random in the reference: one run is not its figure (the mean of several is)
+        held = variant.policy == "round_robin" or variant.reference_runs > 1
         tol = variant.tolerance
         for label, key, unit, scale in FIGURES:
             a, b = value(ours[name].summary, key, scale), value(ref[name].summary, key, scale)

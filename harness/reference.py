@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REFERENCE_MODE", "replay_entry", "run_reference", "trace_head", "reference_engine"]
+__all__ = ["REFERENCE_MODE", "replay_entry", "run_reference", "run_reference_disagg", "trace_head",
+           "reference_engine"]
 
 REFERENCE_MODE = {"round_robin": "round_robin", "kv": "kv_router"}
 """kvemu's ``router.policy`` → the reference's ``router_mode``."""
@@ -43,6 +44,24 @@ def run_reference(replay: Callable[..., Any], trace: Path, policy: str, *, worke
         options["extra_engine_args"] = {"engine": reference_engine(engine, Path(trace).parent)}
     result = replay([str(trace)], num_workers=workers, trace_block_size=trace_block_size, replay_mode="offline",
                     router_mode=REFERENCE_MODE[policy], **options)
+    return dict(result.summary if hasattr(result, "summary") else result)
+
+
+def run_reference_disagg(replay: Callable[..., Any], trace: Path, policy: str, *, prefill: dict[str, Any],
+                         decode: dict[str, Any], trace_block_size: int = 512, **options: Any) -> dict[str, Any]:
+    """The reference's summary of a disaggregated offline replay: ``prefill`` and ``decode`` are kvemu pool
+    sections (``workers``, ``dp_size``, ``engine``)."""
+    def args(pool: dict[str, Any], worker_type: str) -> dict[str, Any]:
+        engine = reference_engine(pool.get("engine", {}), Path(trace).parent)
+        out: dict[str, Any] = {"engine": {**engine, "worker_type": worker_type}}
+        if pool.get("dp_size", 1) != 1:
+            out["dp_size"] = pool["dp_size"]
+        return out
+
+    result = replay([str(trace)], num_prefill_workers=prefill.get("workers", 1),
+                    num_decode_workers=decode.get("workers", 1), prefill_engine_args=args(prefill, "prefill"),
+                    decode_engine_args=args(decode, "decode"), trace_block_size=trace_block_size,
+                    replay_mode="offline", router_mode=REFERENCE_MODE[policy], **options)
     return dict(result.summary if hasattr(result, "summary") else result)
 
 
