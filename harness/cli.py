@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from harness.runner import Progress as ProgressCallback
+    from harness.scenario import Scenario
 
 __all__ = ["main"]
 
@@ -92,8 +93,7 @@ def _run(args: argparse.Namespace) -> int:
         prepare_outdir(outdir)
         with _terminate_as_interrupt():
             console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
-                          f"{scenario.run.seed}) on {scenario.cluster.workers} workers × {scenario.cluster.dp_size} "
-                          "DP ranks")
+                          f"{scenario.run.seed}) on {_shape(scenario)}")
             # the plots' child process imports matplotlib while the scenario runs
             with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
                 outcome = run_scenario(scenario, outdir, progress=progress)
@@ -155,9 +155,18 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
     turns = sum(len(s.turns) for s in sessions)
-    print(f"ok: {scenario.name}: {scenario.cluster.workers} workers × {scenario.cluster.dp_size} ranks, "
-          f"{len(sessions)} sessions, {turns} turns, {scenario.run.mode} mode")
+    print(f"ok: {scenario.name}: {_shape(scenario)}, {len(sessions)} sessions, {turns} turns, "
+          f"{scenario.run.mode} mode")
     return 0
+
+
+def _shape(scenario: Scenario) -> str:
+    """``4 workers × 1 DP ranks``, or ``4 prefill workers × 1 + 12 decode workers × 1 DP ranks``."""
+    pools = scenario.cluster.pools()
+    if "aggregated" in pools:
+        n, dp, _ = pools["aggregated"]
+        return f"{n} workers × {dp} DP ranks"
+    return " + ".join(f"{n} {pool} workers × {dp}" for pool, (n, dp, _) in pools.items()) + " DP ranks"
 
 
 def _process(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ def two_runs(tmp_path_factory):
 def test_validate_an_example():
     proc = kvemu("validate", str(ROOT / "examples" / "quickstart.yaml"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("ok: quickstart: 4 workers × 2 ranks, ")
+    assert proc.stdout.startswith("ok: quickstart: 4 workers × 2 DP ranks, ")
     assert "virtual mode" in proc.stdout
 
 
