@@ -513,8 +513,20 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
                     _pct(r["prefix_cache_reused_ratio"]), _fmt(r["mean_active_requests"]),
                     _fmt(r["max_active_requests"]), _fmt(r["max_kv_blocks"])) for r in ranks])
     idle = [f"{r['worker_id']}/{r['dp_rank']}" for r in ranks if r["requests"] == 0]
-    if idle:
+    dis = k.get("disaggregated")
+    if idle and dis is None:
         out += ["", f"Ranks that served no request: {', '.join(idle)}."]
+    if dis is not None:
+        pools = ", ".join(f"{p['workers']} {name} workers × {p['dp_size']} DP ranks" for name, p in dis["pools"].items())
+        out += ["", "## Disaggregated serving", "", f"Pools: {pools}. The per-rank table counts decode ranks; "
+                f"prefill ranks served {_fmt(sum(dis['requests_per_prefill_rank'].values()))} prompts "
+                f"({', '.join(f'{r}: {n}' for r, n in dis['requests_per_prefill_rank'].items())}).", ""]
+        out += _table(["per request (ms)", "mean", "p50", "p99", "max"], [
+            (label, *(_fmt(dis[key][stat]) for stat in ("mean", "median", "p99", "max")))
+            for label, key in (("KV transfer (reserved → received)", "kv_transfer_ms"),
+                               ("wait for decode room (prefill end → reserved)", "decode_reservation_wait_ms"))])
+        out += ["", f"Cost: prefill {_fmt(s['prefill_worker_seconds'], ' worker-s')}, decode "
+                    f"{_fmt(s['decode_worker_seconds'], ' worker-s')}, {_fmt(s['gpu_hours'])} GPU hours."]
     rt = k["routing"]
     out += ["", "## Routing truth: predicted vs engine-found cache", "",
             "The router predicts a cached prefix from its (possibly stale) view of KV events; the engine reports "

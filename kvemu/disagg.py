@@ -34,7 +34,7 @@ import msgspec
 from kvemu.clock import Clock
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import HookEvent, Hooks
-from kvemu.runtime.messages import ClientRequest, KvPulled, ReleaseKv
+from kvemu.runtime.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer
 
 __all__ = ["DisaggRouter", "PREFILL", "DECODE"]
@@ -148,21 +148,24 @@ class DisaggRouter:
         leg = msgspec.structs.replace(
             req, max_tokens=1, worker_id=req.prefill_worker_id, dp_rank=req.prefill_dp_rank, kv_hold=True,
             expected_output_tokens=None, output_token_ids=None)
-        self.prefill.submit(leg, lambda rec: self._prefill_ended(r, rec))
+        self.prefill.submit(leg, lambda rec: self._prefill_ended(r, rec),
+                            on_finished=lambda msg: setattr(r, "source", msg.kv_transfer))
 
     def _prefill_ended(self, r: _Request, leg: RequestRecord) -> None:
         if r.ended:
             return
         record = r.record
         if leg.failure is not None:
+            if leg.worker_id is not None:  # whatever the leg left on its worker (running, or its KV held) goes
+                self.prefill.tell(leg.worker_id, Abort(request_id=r.req.request_id, reason=leg.failure))
             self._end(r, leg.failure)
             return
         record.prefill_worker_id, record.prefill_dp_rank = leg.worker_id, leg.dp_rank
         record.prefill_done_ns = leg.completion_ns
         record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
         record.preemptions = leg.preemptions
-        r.source = leg.kv_transfer if leg.kv_transfer is not None else KvTransfer(
-            source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
+        if r.source is None:  # a worker that did not say where the KV is: on the rank that computed it
+            r.source = KvTransfer(source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
         r.leg = DECODE
         req = r.req
         pin = req.decode_worker_id if req.decode_worker_id is not None else req.worker_id

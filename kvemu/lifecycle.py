@@ -69,10 +69,11 @@ class Flight:
     """One request on its way: the client's request, its record, and where the current attempt stands."""
 
     __slots__ = ("request_id", "req", "record", "prepared", "on_end", "stage", "attempt", "token", "refused",
-                 "builder", "key", "hold", "lease", "failure", "can_retry")
+                 "builder", "key", "hold", "lease", "failure", "can_retry", "on_finished")
 
     def __init__(self, req: ClientRequest, record: RequestRecord, prepared: PreparedRequest,
-                 on_end: Callable[[RequestRecord], None], can_retry: Callable[[], bool] | None = None) -> None:
+                 on_end: Callable[[RequestRecord], None], can_retry: Callable[[], bool] | None = None,
+                 on_finished: Callable[[Finished], None] | None = None) -> None:
         self.request_id = req.request_id
         self.req = req
         self.record = record
@@ -92,6 +93,8 @@ class Flight:
         """Why the current attempt ended without completing (it may still be retried)."""
         self.can_retry = can_retry
         """Whether a running attempt lost before its first token may run elsewhere (None: always)."""
+        self.on_finished = on_finished
+        """Told the worker's ``Finished`` before the request ends (a prefill leg's carries its KV's whereabouts)."""
 
     def __repr__(self) -> str:
         return f"Flight({self.request_id!r}, {self.stage}, attempt={self.attempt}, key={self.key})"
@@ -147,11 +150,13 @@ class Lifecycle:
     # ------------------------------------------------------------------ inputs
 
     def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None],
-               can_retry: Callable[[], bool] | None = None) -> RequestRecord:
+               can_retry: Callable[[], bool] | None = None,
+               on_finished: Callable[[Finished], None] | None = None) -> RequestRecord:
         """Start a request; ``on_end`` gets its record when it ends (maybe before this returns).
 
         ``can_retry`` says whether a running attempt lost before its first token may run elsewhere (a
-        disaggregated decode leg whose KV source was already freed may not): otherwise it fails."""
+        disaggregated decode leg whose KV source was already freed may not): otherwise it fails.
+        ``on_finished`` is told the worker's ``Finished`` just before a completed request ends."""
         now = self.clock.now_ns()
         rid = req.request_id
         record = RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
@@ -177,7 +182,7 @@ class Lifecycle:
             hooks.note("failed", now, rid, data={"reason": record.failure})
             on_end(record)
             return record
-        flight = self.flights[rid] = Flight(req, record, prepared, on_end, can_retry)
+        flight = self.flights[rid] = Flight(req, record, prepared, on_end, can_retry, on_finished)
         limit = self.settings.request_deadline_ns
         if limit is not None:
             self._expire_at(now + limit, rid, record)
@@ -587,7 +592,8 @@ class Lifecycle:
         record = f.record
         record.engine_cached_tokens = msg.cached_tokens
         record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
-        record.kv_transfer = msg.kv_transfer
+        if f.on_finished is not None:
+            f.on_finished(msg)
         record.completion_ns = msg.times_ns[-1] if msg.times_ns else self.clock.now_ns()
         self._done(f)
 

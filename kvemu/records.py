@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvemu.transfer import KvTransfer
-
 __all__ = ["RequestRecord", "sequences_as_lists"]
 
 
@@ -79,8 +77,7 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     """Disaggregated serving: when the decode rank reserved room for the prompt (its KV transfer began)."""
     kv_activated_ns: int | None = None
     """Disaggregated serving: when the request joined the decode rank's passes (the transfer was over)."""
-    kv_transfer: KvTransfer | None = None
-    """A prefill leg's record: where its KV is held and how fast it moves (from the prefill rank)."""
+
     failure: str | None = None
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
 

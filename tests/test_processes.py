@@ -427,8 +427,12 @@ def test_the_front_door_metrics_of_a_run_agree_with_its_report(tmp_path):
     assert total("kvemu_router_cached_tokens", source="engine") == sum(
         r["engine_cached_tokens"] or 0 for r in records if r["failure"] is None)
     kv = summary["kvemu"]["kv_events"]["totals"]
-    for counter in ("blocks_stored", "batches", "gaps", "lost_batches"):
+    for counter in ("gaps", "lost_batches"):
         assert total("kvemu_kv_events", counter=counter) == kv[counter], counter
+    # the report's snapshot is taken when the last request ends; the last passes' KV batches travel on their
+    # own sockets and may land after it, before the metrics are read: never fewer, at most a few more
+    for counter in ("blocks_stored", "batches"):
+        assert kv[counter] <= total("kvemu_kv_events", counter=counter) <= kv[counter] * 1.1 + 16, counter
 
 
 def test_the_router_process_keeps_nothing_of_answered_http_requests(tmp_path):

@@ -416,7 +416,8 @@ class Router:
         return record
 
     def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None],
-               can_retry: Callable[[], bool] | None = None) -> RequestRecord:
+               can_retry: Callable[[], bool] | None = None,
+               on_finished: Callable[[Finished], None] | None = None) -> RequestRecord:
         """Start one request; ``on_end`` gets its record when it ended (``handle`` without a task).
 
         A router that is not serving yet (a restart in progress) takes the request; it progresses once
@@ -429,7 +430,7 @@ class Router:
             self.hooks.note("failed", record.arrival_ns, req.request_id, data={"reason": record.failure})
             on_end(record)
             return record
-        return self.lifecycle.submit(req, on_end, can_retry)
+        return self.lifecycle.submit(req, on_end, can_retry, on_finished)
 
     def tell(self, worker_id: int, msg: msgspec.Struct) -> None:
         """Send a registered worker a message (a ``DisaggRouter`` frees held KV with ``ReleaseKv``)."""
