@@ -73,6 +73,8 @@ class Recorder:
         elif kind == "completed":
             rec.completion_ns = rec.token_times_ns[-1] if rec.token_times_ns else ev.time_ns
             rec.engine_cached_tokens = data.get("cached_tokens")
+            reused = data.get("reused_tokens")
+            rec.engine_reused_tokens = rec.engine_cached_tokens if reused is None else reused
             rec.output_tokens = data.get("output_tokens", len(rec.token_times_ns))
             rec.admitted_ns = data.get("admitted_ns")
             rec.preemptions = data.get("preemptions", 0)

@@ -337,6 +337,8 @@ def summarize(data: RunData) -> dict[str, Any]:
     total_in = sum(r.isl for r in done)
     total_out = sum(len(r.token_times_ns) for r in done)
     cached = sum(r.engine_cached_tokens or 0 for r in done)
+    reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
+                 for r in done)
     duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var]
                    if done else None)
     duration_s = duration_ns / NS_PER_S if duration_ns else None
@@ -355,7 +357,8 @@ def summarize(data: RunData) -> dict[str, Any]:
         "input_throughput_tok_s": rate(total_in),
         "output_throughput_tok_s": rate(total_out),
         "total_throughput_tok_s": rate(total_in + total_out),
-        "prefix_cache_reused_ratio": _ratio(cached, total_in),
+        "prefix_cache_reused_ratio": _ratio(reused, total_in),
+        "first_admission_prefix_cache_reused_ratio": _ratio(cached, total_in),
         "partial": bool(data.partial),
         **_worker_seconds(data.pools, duration_s),
     }

@@ -163,6 +163,7 @@ class DisaggRouter:
         record.prefill_worker_id, record.prefill_dp_rank = leg.worker_id, leg.dp_rank
         record.prefill_done_ns = leg.completion_ns
         record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
+        record.engine_reused_tokens = leg.engine_reused_tokens
         record.preemptions = leg.preemptions
         if r.source is None:  # a worker that did not say where the KV is: on the rank that computed it
             r.source = KvTransfer(source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
@@ -179,6 +180,8 @@ class DisaggRouter:
         record = r.record
         record.worker_id, record.dp_rank = leg.worker_id, leg.dp_rank
         record.preemptions += leg.preemptions
+        if leg.preemptions:  # the decode rank recomputed it: what that re-admission reused counts too
+            record.engine_reused_tokens = (record.engine_reused_tokens or 0) + (leg.engine_reused_tokens or 0)
         failure = leg.failure
         if failure is None:
             record.first_token_ns, record.completion_ns = leg.first_token_ns, leg.completion_ns
@@ -216,6 +219,7 @@ class DisaggRouter:
             if self.hooks.wants("completed"):
                 self.hooks.note("completed", now, rid, record.worker_id, record.dp_rank, data={
                     "output_tokens": record.output_tokens, "cached_tokens": record.engine_cached_tokens or 0,
+                    "reused_tokens": record.engine_reused_tokens,
                     "admitted_ns": record.admitted_ns, "preemptions": record.preemptions,
                     "prefill_worker_id": record.prefill_worker_id, "prefill_dp_rank": record.prefill_dp_rank,
                     "prefill_done_ns": record.prefill_done_ns, "kv_reserved_ns": record.kv_reserved_ns,

@@ -426,6 +426,7 @@ class Lifecycle:
         record.attempts = f.attempt + 1
         # a new attempt starts over on another rank (retries happen only before any token came back)
         record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
+        record.engine_reused_tokens = None
         record.preemptions = record.output_tokens = 0
         req = f.req
         builder = f.builder = self.core.eligibility()
@@ -591,6 +592,7 @@ class Lifecycle:
             self._accepted(f)
         record = f.record
         record.engine_cached_tokens = msg.cached_tokens
+        record.engine_reused_tokens = msg.cached_tokens if msg.reused_tokens is None else msg.reused_tokens
         record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
         if f.on_finished is not None:
             f.on_finished(msg)
@@ -637,6 +639,7 @@ class Lifecycle:
             if self.hooks.wants("completed"):
                 self.hooks.note("completed", now, f.request_id, *key, data={
                     "output_tokens": record.output_tokens, "cached_tokens": record.engine_cached_tokens or 0,
+                    "reused_tokens": record.engine_reused_tokens,
                     "admitted_ns": record.admitted_ns, "preemptions": record.preemptions})
         else:
             record.completion_ns = None

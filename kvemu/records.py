@@ -58,6 +58,9 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     """When the engine first scheduled it (start of that pass)."""
     engine_cached_tokens: int | None = None
     """Prompt tokens the engine actually found cached at first admission (the physical-cache check)."""
+    engine_reused_tokens: int | None = None
+    """Tokens the engine found cached at its last admission (a re-admission after preemption reuses what of
+    it survived): what the reference's ``prefix_cache_reused_ratio`` counts."""
     preemptions: int = 0
     """Times the engine preempted it (its blocks taken back; recomputed on re-admission)."""
     first_token_ns: int | None = None

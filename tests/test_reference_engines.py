@@ -38,6 +38,9 @@ VLLM_CASES = {
     "two prompts in one pass": (rows((0, 1000, 2, [1, 2]), (0, 501, 2, [3, 4])), {}, 512),
     "three prompts, one cached prefix": (rows((0, 1024, 2, [1, 2]), (100, 1535, 2, [1, 2, 3]), (100, 300, 2, [4]),
                                               (100, 301, 2, [5])), {}, 512),
+    # preempted, re-admitted: its surviving cached blocks are reused (544 tokens), which the reuse counts
+    "preemption and re-admission": (rows((0, 320, 400, [1]), (1, 320, 400, [2]), (2, 32, 4, [3])),
+                                    {"num_gpu_blocks": 40, "block_size": 32}, 512),
     "p capped at the pool": (rows((0, 320, 200, list(range(1, 11))), (1, 640, 160, list(range(1, 21)))),
                              {"num_gpu_blocks": 32, "block_size": 32}, 32),
 }

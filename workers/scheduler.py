@@ -213,7 +213,7 @@ class Scheduler:
             self.running.append(seq)
             rec = seq.record
             rec.kv_activated_ns = rec.admitted_ns = now_ns
-            rec.engine_cached_tokens = 0  # the prompt was computed by the prefill rank
+            rec.engine_cached_tokens = rec.engine_reused_tokens = 0  # the prompt was computed by the prefill rank
             sched.activated.append(seq)
 
     def hold(self, seq: SeqState) -> None:
@@ -323,6 +323,7 @@ class Scheduler:
             if rec.admitted_ns is None:
                 rec.admitted_ns = now_ns
                 rec.engine_cached_tokens = cached
+            rec.engine_reused_tokens = cached
             if self.prefix_caching:
                 self._cache_filled(seq, cached + n)
             sched.entries[seq] = n

@@ -188,6 +188,8 @@ class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     times_ns: list[int]
     cached_tokens: int = 0
     """The prefix the engine found cached (``RequestRecord.engine_cached_tokens``)."""
+    reused_tokens: int | None = None
+    """The prefix it found cached at its last admission (``RequestRecord.engine_reused_tokens``)."""
     dp_rank: int = 0
     admitted_ns: int | None = None
     preemptions: int = 0
