@@ -23,7 +23,7 @@ EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
 Backend = Literal["vllm", "sglang", "trtllm"]
 
-DEFAULT_BLOCK_SIZE: dict[str, int] = {"vllm": 64, "sglang": 64, "trtllm": 32}
+DEFAULT_BLOCK_SIZE: dict[str, int] = {"vllm": 64, "sglang": 1, "trtllm": 32}
 """The reference mocker's KV block size per backend when ``block_size`` is not given."""
 
 Count = Annotated[int, Meta(ge=1)]
@@ -92,6 +92,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def __post_init__(self) -> None:
         check_struct(self)
+        if self.backend == "sglang":
+            raise InvalidArgument("backend: sglang is not emulated yet (its radix cache, prefill-or-decode passes and "
+                                  "retraction); use vllm or trtllm", field="backend")
         if self.block_size is None:
             msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
         if self.max_num_batched_tokens < self.max_num_seqs:
