@@ -299,6 +299,9 @@ class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
         if not _NAME.fullmatch(self.name):
             raise InvalidArgument(f"{self.name!r} is not a plain name: up to 100 letters, digits, '.', '_' or '-', "
                                   "starting with a letter or digit (it names the output directory)", field="name")
+        if self.cluster.disaggregated and self.run.mode != "virtual":
+            raise InvalidArgument("a disaggregated cluster (cluster.prefill, cluster.decode) runs in virtual mode only "
+                                  "so far", field="run.mode")
         _check_chaos(self)
         if isinstance(self.workload, SyntheticWorkload):
             _check_synthetic(self.workload, self.run)
@@ -314,19 +317,29 @@ MAX_SYNTHETIC_TOKENS = 250_000_000
 def _check_chaos(s: Scenario) -> None:
     """Play the chaos timeline on worker ids (initial ``0..workers-1``, each ``add_worker`` the next id): every
     action must name a running worker and an existing rank, as the run will need them."""
-    live = list(range(s.cluster.workers))
-    next_id = s.cluster.workers
+    pools = list(s.cluster.pools().values())  # worker ids run pool by pool: prefill first, then decode
+    dp_of: dict[int, int] = {}
+    for n, dp, _ in pools:
+        base = len(dp_of)
+        dp_of.update((base + k, dp) for k in range(n))
+    live = list(dp_of)
+    next_id = len(dp_of)
+    added_dp = pools[-1][1]  # add_worker adds to the last pool: the aggregated one, or the decode pool
     for i in sorted(range(len(s.chaos)), key=lambda k: s.chaos[k].at_s):  # same-instant events keep file order
         ev = s.chaos[i]
         at = f"chaos[{i}] ({ev.action} at {ev.at_s:g} s)"
+        if ev.action == "restart_router" and s.cluster.disaggregated:
+            raise InvalidArgument(f"{at}: restarting the routers of a disaggregated cluster is not supported yet",
+                                  field=f"chaos[{i}].action")
         if ev.action not in _WORKER_ACTIONS:
             if ev.worker is not None:
                 raise InvalidArgument(f"{at} takes no worker" + (f" (the new worker will be {next_id})"
                                       if ev.action == "add_worker" else ""), field=f"chaos[{i}].worker")
             if ev.action == "add_worker":
-                if len(live) + 1 > MAX_RANKS // s.cluster.dp_size:
+                if sum(dp_of[w] for w in live) + added_dp > MAX_RANKS:
                     raise InvalidArgument(f"{at}: the cluster would exceed {MAX_RANKS} ranks", field=f"chaos[{i}]")
                 live.append(next_id)
+                dp_of[next_id] = added_dp
                 next_id += 1
             continue
         target = ev.worker
@@ -340,9 +353,9 @@ def _check_chaos(s: Scenario) -> None:
             running = ", ".join(map(str, live[:12])) + (" ..." if len(live) > 12 else "") if live else "none"
             raise InvalidArgument(f"{at}: worker {target} is not running then (running: {running})",
                                   field=f"chaos[{i}].worker")
-        if ev.action in _RANK_ACTIONS and ev.dp_rank >= s.cluster.dp_size:
-            raise InvalidArgument(f"{at}: dp_rank {ev.dp_rank} does not exist (cluster.dp_size is {s.cluster.dp_size})",
-                                  field=f"chaos[{i}].dp_rank")
+        if ev.action in _RANK_ACTIONS and ev.dp_rank >= dp_of[target]:
+            raise InvalidArgument(f"{at}: dp_rank {ev.dp_rank} does not exist (worker {target} has {dp_of[target]} "
+                                  "DP ranks)", field=f"chaos[{i}].dp_rank")
         if ev.action == "remove_worker":
             live.remove(target)
 

@@ -276,3 +276,15 @@ def test_disaggregated_requests_conserve_blocks_across_pools(specs):
     out = run_requests(reqs)
     assert all(r.failure is None and r.output_tokens == r.max_tokens for r in out["records"].values())
     no_leaks(out)
+
+
+def test_what_disaggregated_clusters_cannot_do_yet_is_refused_before_running():
+    two = "cluster: {prefill: {workers: 2, dp_size: 2}, decode: {workers: 3}}\n"
+    with pytest.raises(ScenarioError, match="virtual mode only"):
+        parse_scenario(two + "run: {mode: live}\n")
+    with pytest.raises(ScenarioError, match="restarting the routers of a disaggregated cluster"):
+        parse_scenario(two + "chaos: [{at_s: 1, action: restart_router}]\n")
+    with pytest.raises(ScenarioError, match=r"worker 2 has 1 DP ranks"):  # ids: prefill 0-1 (dp 2), decode 2-4
+        parse_scenario(two + "chaos: [{at_s: 1, action: kill_rank, worker: 2, dp_rank: 1}]\n")
+    parse_scenario(two + "chaos: [{at_s: 1, action: kill_rank, worker: 1, dp_rank: 1}, {at_s: 2, action: add_worker},"
+                         " {at_s: 3, action: remove_worker, worker: 5}]\n")

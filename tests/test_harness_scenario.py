@@ -156,7 +156,7 @@ def test_syntax_errors_and_non_mappings_are_scenario_errors(tmp_path):
          "worker 2 is not running then"),  # the worker added later does not exist yet at 5 s
         ("- {at_s: 1, action: kill_rank}", "chaos[0].worker", "kill_rank at 1 s) needs a worker id"),
         ("- {at_s: 1, action: drop_kv_events, worker: 0, dp_rank: 3}", "chaos[0].dp_rank",
-         "dp_rank 3 does not exist (cluster.dp_size is 2)"),
+         "dp_rank 3 does not exist (worker 0 has 2 DP ranks)"),
         ("- {at_s: 1, action: add_worker, worker: 7}", "chaos[0].worker", "takes no worker (the new worker will be 2)"),
         ("- {at_s: 1, action: remove_worker}\n- {at_s: 1, action: remove_worker}\n- {at_s: 2, action: remove_worker}",
          "chaos[2]", "no worker is running then"),
