@@ -25,7 +25,6 @@ their pool.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +37,6 @@ from kvemu.runtime.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer
 
 __all__ = ["DisaggRouter", "PREFILL", "DECODE"]
-
-log = logging.getLogger("kvemu.disagg")
 
 PREFILL, DECODE = "prefill", "decode"
 
@@ -76,11 +73,6 @@ class DisaggRouter:
         self.requests: dict[str, _Request] = {}
         prefill.hooks.subscribe(lambda ev: self._pool_event(PREFILL, ev))
         decode.hooks.subscribe(lambda ev: self._pool_event(DECODE, ev))
-
-    @property
-    def routers(self) -> dict[str, Any]:
-        """The two pools' routers by pool name."""
-        return {PREFILL: self.prefill, DECODE: self.decode}
 
     # ------------------------------------------------------------------ inputs
 
@@ -186,8 +178,7 @@ class DisaggRouter:
         if failure is None:
             record.first_token_ns, record.completion_ns = leg.first_token_ns, leg.completion_ns
             record.output_tokens = leg.output_tokens
-            self._release(r)
-            self._end(r, None)
+            self._end(r, None)  # (which releases the held KV)
             return
         self._release(r)
         restartable = failure.startswith(("worker_lost", "kv_source_lost")) and not r.streamed

@@ -234,10 +234,10 @@ class EngineCore:
         free_at = self._free_at
         if sch.running or (sch.waiting and not sch.held and not sch.transfers):
             return free_at  # (an idle engine admits its first waiting request: it fits the empty pool)
-        a = sch.next_arrival_ns()
         if (sch.waiting or sch.incoming) and self._blocked != self.pool.version:
             # held or reserved blocks may keep them out: try (now: what freed blocks happened now), remember a failure
             return free_at if free_at > self._now else self._now
+        a = sch.next_arrival_ns()
         if a is not None:
             return a if a > free_at else free_at
         return None
