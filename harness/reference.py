@@ -80,6 +80,10 @@ def reference_engine(engine: dict[str, Any], directory: Path | str) -> dict[str,
             save_profile(load_profile(path), npz)
             path = npz
         out["timing_model"] = {"type": "external", "provider": "dynamo_profile", "config": {"path": str(path)}}
+    sglang = out.get("sglang")
+    if isinstance(sglang, dict) and "prefill_decode_interval" in sglang:  # an engine-level key in the reference
+        sglang = out["sglang"] = dict(sglang)
+        out["prefill_decode_interval"] = sglang.pop("prefill_decode_interval")
     return out
 
 

@@ -42,9 +42,9 @@ from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.transfer import KvTransfer
 from kvemu.wire.kv_events import KVEventBatch
-from workers.engine import AdvanceResult, EngineCore, StepResult
+from workers.engine import AdvanceResult, StepResult
 from workers.request import Request
-from workers.worker import MockWorker
+from workers.worker import Core, MockWorker, engine_core
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 
@@ -140,7 +140,7 @@ class WorkerActor:
         """Chaos: one rank dies. Its requests fail (``rank_lost``), its cache is gone, it takes no more work."""
         core = self.worker.core(dp_rank)
         i = self.worker.cores.index(core)
-        self.worker.cores[i] = EngineCore(core.config, dp_rank=dp_rank)  # an empty, idle stand-in
+        self.worker.cores[i] = engine_core(core.config, dp_rank=dp_rank)  # an empty, idle stand-in
         self.dead_ranks.add(dp_rank)
         lost = sorted(rid for rid, rec in self._records.items() if rec.dp_rank == dp_rank)
         for rid in lost:
@@ -431,7 +431,7 @@ class WorkerActor:
 
     # ------------------------------------------------------------------ wall time
 
-    async def _drive_live(self, core: EngineCore) -> None:
+    async def _drive_live(self, core: Core) -> None:
         pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
         clock = self.clock
         while core.dp_rank not in self.dead_ranks:
@@ -452,7 +452,7 @@ class WorkerActor:
                 await anyio.sleep(0)  # let the loop breathe between zero-length passes
             self._emit_step(core, res, pub)
 
-    def _emit_step(self, core: EngineCore, res: StepResult, pub: KvPublisher) -> None:
+    def _emit_step(self, core: Core, res: StepResult, pub: KvPublisher) -> None:
         batch = res.kv_batch
         if batch is not None:
             pub.publish(batch)

@@ -9,7 +9,7 @@ from kvemu.errors import KvemuError
 from workers.config import EngineConfig
 from workers.request import Request
 
-__all__ = ["RejectReason", "RequestRejected", "check_request", "check_tokens_u32"]
+__all__ = ["RejectReason", "RequestRejected", "check_request", "check_tokens_u32", "sglang_max_len"]
 
 _U32_LIMIT = 1 << 32
 
@@ -51,6 +51,11 @@ def check_tokens_u32(tokens: Sequence[int], field: str) -> None:
         raise _malformed(field, "every token id must be an integer in [0, 2**32)")
 
 
+def sglang_max_len(config: EngineConfig) -> int:
+    """The longest prompt + output an SGLang rank accepts (its pool less one page); outputs are clipped to it."""
+    return config.capacity_tokens - config.block_size  # type: ignore[operator]
+
+
 def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_tokens: bool) -> None:
     """Reject a malformed request (empty prompt, ``max_tokens < 1``, arrival in the past, too long to ever fit).
 
@@ -82,7 +87,15 @@ def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_toke
             f"prompt ({n}) + max_tokens ({mt}) = {n + mt} tokens can never be reserved in the pool of "
             f"{config.num_gpu_blocks} blocks x {config.block_size} tokens",
         )
-    if kv_tokens > config.capacity_tokens:
+    if config.backend == "sglang":  # SGLang clips max_tokens to what fits; only a prompt too long is refused
+        limit = sglang_max_len(config)
+        if n >= limit:
+            raise _malformed(
+                "token_ids",
+                f"prompt ({n} tokens) leaves no room for output in {limit}, the longest sequence an SGLang pool "
+                f"of {config.num_gpu_blocks} pages x {config.block_size} tokens holds (SGLang aborts such requests)",
+            )
+    elif kv_tokens > config.capacity_tokens:
         raise _malformed(
             "token_ids",
             f"prompt ({n}) + max_tokens ({mt}) - 1 = {kv_tokens} KV tokens can never fit in the pool of "

@@ -16,7 +16,8 @@ from msgspec import Meta
 from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
 
-__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "DEFAULT_BLOCK_SIZE",
+__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
+           "DEFAULT_BLOCK_SIZE",
            "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
@@ -54,6 +55,23 @@ class TrtllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Admit a request only once its whole KV (prompt + max output) is reserved; never preempt."""
 
 
+class SglangConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """SGLang flavour knobs: the reference mocker's five, plus its engine-level ``prefill_decode_interval``."""
+
+    schedule_policy: Literal["fifo", "lpm"] = "fifo"
+    """Waiting order: arrival (retracted and half-prefilled requests first), or longest cached prefix first."""
+    max_prefill_tokens: Count = 16384
+    """Prompt tokens one extend pass may take (page-rounded charges; nothing is chunked by it)."""
+    chunked_prefill_size: Count = 8192
+    """Prompt tokens one extend pass may compute; a longer prompt is chunked. A multiple of ``block_size``."""
+    clip_max_new_tokens: Annotated[int, Meta(ge=0)] = 4096
+    """Output tokens reserved per request at admission are capped at this."""
+    schedule_conservativeness: Annotated[float, Meta(ge=0, le=1e6)] = 1.0
+    """Scales the initial output reservation ratio (0.7 x this), as SGLang's option does."""
+    prefill_decode_interval: Annotated[int, Meta(ge=0)] = 0
+    """Decode passes that run after an extend pass before the next one may start (while requests run)."""
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One DP rank's engine knobs (names and defaults of the reference mocker, vLLM flavour).
 
@@ -89,20 +107,32 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """How long a pass takes: ``{type: polynomial}`` (the reference's default) or ``{type: interpolated, path}``."""
     trtllm: TrtllmConfig = TrtllmConfig()
     """TRT-LLM flavour knobs (used when ``backend`` is trtllm)."""
+    sglang: SglangConfig = SglangConfig()
+    """SGLang flavour knobs (used when ``backend`` is sglang)."""
 
     def __post_init__(self) -> None:
         check_struct(self)
-        if self.backend == "sglang":
-            raise InvalidArgument("backend: sglang is not emulated yet (its radix cache, prefill-or-decode passes and "
-                                  "retraction); use vllm or trtllm", field="backend")
         if self.block_size is None:
             msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
+        if self.backend == "sglang":
+            self._check_sglang()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidArgument(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running request can decode in one pass",
                 field="max_num_batched_tokens",
             )
+
+    def _check_sglang(self) -> None:
+        if not self.enable_chunked_prefill:
+            raise InvalidArgument("enable_chunked_prefill: false is not supported for backend sglang (SGLang always "
+                                  "chunks long prompts); remove it", field="enable_chunked_prefill")
+        if self.sglang.chunked_prefill_size % self.block_size:  # type: ignore[operator]
+            raise InvalidArgument(
+                f"sglang.chunked_prefill_size ({self.sglang.chunked_prefill_size}) must be a multiple of block_size "
+                f"({self.block_size}, the SGLang page size)", field="sglang.chunked_prefill_size")
+        if self.sglang.schedule_conservativeness != self.sglang.schedule_conservativeness:
+            raise InvalidArgument("sglang.schedule_conservativeness must be a number", field="sglang.schedule_conservativeness")
 
     @property
     def capacity_tokens(self) -> int:

@@ -201,6 +201,12 @@ class EngineCore:
         return len(self.scheduler.running)
 
     @property
+    def kv_usage(self) -> float:
+        """Share of the pool's blocks in use by requests (neither free nor merely cached)."""
+        pool = self.pool
+        return 1.0 - (pool.free + len(pool.cached)) / pool.num_blocks if pool.num_blocks else 0.0
+
+    @property
     def num_waiting(self) -> int:
         """Accepted requests not running (arrived or not yet arrived)."""
         return len(self.scheduler.waiting) + len(self.scheduler.future)

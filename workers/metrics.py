@@ -133,8 +133,7 @@ class _Gauges:
             key = [owner.model, str(core.dp_rank)]
             running.add_metric(key, core.num_running)
             waiting.add_metric(key, core.num_waiting)
-            pool = core.pool
-            usage.add_metric(key, 1.0 - (pool.free + len(pool.cached)) / pool.num_blocks if pool.num_blocks else 0.0)
+            usage.add_metric(key, core.kv_usage)
         yield running
         yield waiting
         yield usage

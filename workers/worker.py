@@ -8,9 +8,20 @@ from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
 from workers.engine import AdvanceResult, EngineCore
 from workers.request import Request
+from workers.sglang import SglangCore
 from workers.timing import TimingModel
 
-__all__ = ["MockWorker", "Dispatch"]
+__all__ = ["MockWorker", "Dispatch", "Core", "engine_core"]
+
+Core = EngineCore | SglangCore
+"""One DP rank's engine: the vLLM/TRT-LLM flavours' ``EngineCore`` or the SGLang flavour's ``SglangCore``."""
+
+
+def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: TimingModel | None = None) -> Core:
+    """The engine core for ``config.backend``."""
+    if config.backend == "sglang":
+        return SglangCore(config, dp_rank=dp_rank, timing=timing)
+    return EngineCore(config, dp_rank=dp_rank, timing=timing)
 
 
 class Dispatch:
@@ -67,8 +78,8 @@ class MockWorker:
             raise InvalidArgument(f"dp_start_rank must be an integer >= 0, got {dp_start_rank!r}")
         self.worker_id = worker_id
         self.dp_start_rank = dp_start_rank
-        self.cores = [
-            EngineCore(self.config, dp_rank=dp_start_rank + i, timing=timing) for i in range(self.config.dp_size)
+        self.cores: list[Core] = [
+            engine_core(self.config, dp_rank=dp_start_rank + i, timing=timing) for i in range(self.config.dp_size)
         ]
         self._shutting_down = False
 
@@ -86,7 +97,7 @@ class MockWorker:
         """Refuse every later dispatch with ``SHUTTING_DOWN``; accepted requests keep running (drain)."""
         self._shutting_down = True
 
-    def core(self, dp_rank: int) -> EngineCore:
+    def core(self, dp_rank: int) -> Core:
         """The engine core of one DP rank."""
         i = dp_rank - self.dp_start_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else -1
         if not 0 <= i < len(self.cores):

@@ -1,0 +1,626 @@
+"""One DP rank's mock engine in the SGLang flavour (the reference mocker's), told the time (sans-IO).
+
+What differs from the vLLM flavour (``workers.engine``):
+
+* **Passes are prefill-only ("extend") or decode-only.** While any prompt chunk can be admitted the
+  running requests get no token; an extend pass lasts prefill(new tokens) and gives each request whose
+  prompt it finishes its first token; a decode pass gives every running request one token.
+* **Admission** walks the waiting queue (arrival order, or longest cached prefix first with ``lpm``)
+  with per-pass budgets (``chunked_prefill_size``, ``max_prefill_tokens``) and a KV check that reserves
+  each running request's remaining output (capped at ``clip_max_new_tokens``) times a ratio that starts
+  at 0.7 and decays with every decode pass. A prompt longer than what is left of the chunk budget is
+  chunked; a half-prefilled request goes back to the head of the queue.
+* **The cache is a radix tree of pages** (``workers.radix``; page = ``block_size``, 1 token by default):
+  a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
+  when it lets go, and the least recently used leaves lose pages from their tails when room is needed.
+* **Retraction, not preemption:** when a decode pass cannot get its pages the running request with the
+  fewest generated tokens (the earliest admitted on a tie) goes back to the head of the queue, its
+  tokens left in the cache, and the ratio resets.
+
+Where the reference mocker fails (an error on a prompt whose prompt + reserved output does not fit an
+empty pool, an endless loop when a half-prefilled prompt holds pages a lone running request needs), this
+core does what SGLang itself does: it refuses prompts longer than the pool less one page at arrival,
+clips each request's output to what fits, and lets a lone request that needs pages take them from
+half-prefilled ones (which start over). So every request ends.
+
+``step``/``advance_to``/``next_event_ns`` follow ``EngineCore``'s contract (a pass is planned at its
+start and everything it produces is stamped with its end). Disaggregated legs are not emulated here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from kvemu.clock import MAX_TIME_NS
+from kvemu.errors import InvalidArgument
+from kvemu.records import RequestRecord
+from workers.admission import RejectReason, RequestRejected, check_request, sglang_max_len
+from workers.config import EngineConfig
+from workers.engine import AdvanceResult, StepResult
+from workers.events import PassEvents
+from workers.radix import RadixCache, RadixNode
+from workers.request import Request
+from workers.sequence import FINISHED, FUTURE, RUNNING, WAITING, SeqState
+from workers.timing import PassTimer, TimingModel
+
+__all__ = ["SglangCore"]
+
+_INIT_RATIO = 0.7
+_MIN_RATIO_FACTOR = 0.14
+_DECAY_PASSES = 600
+_LPM_MAX_WAITING = 128  # beyond this many waiting requests LPM falls back to arrival order, as SGLang does
+
+
+class _Seq(SeqState):
+    """A request in an SGLang rank: ``computed`` is its materialized KV; pages on its cached path are locked."""
+
+    __slots__ = ("node", "cached_pages", "owned", "out_limit")
+
+    def __init__(self, req: Request, record: RequestRecord, page: int, order: int, out_limit: int) -> None:
+        super().__init__(req, record, page, order)
+        self.node: RadixNode | None = None
+        self.cached_pages = 0
+        """Pages of its sequence in the tree, all locked by it (the path to ``node``)."""
+        self.owned = 0
+        """Pages it holds outside the tree."""
+        self.out_limit = out_limit
+        """Output tokens it will produce: ``max_tokens`` clipped to what fits the pool."""
+
+
+class _Chunk:
+    __slots__ = ("seq", "prefix", "end", "final")
+
+    def __init__(self, seq: _Seq, prefix: int, end: int, final: bool) -> None:
+        self.seq = seq
+        self.prefix = prefix
+        self.end = end
+        self.final = final
+
+
+class _Pass:
+    """A planned pass: its chunks (an extend pass) or its batch (a decode pass)."""
+
+    __slots__ = ("start", "end", "chunks", "decode", "retracted", "log")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.end = start
+        self.chunks: list[_Chunk] = []
+        self.decode: list[_Seq] = []
+        self.retracted: list[_Seq] = []
+        self.log: list[tuple] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.decode or self.retracted)
+
+
+class SglangCore:
+    """The SGLang-flavour mock engine of one DP rank; same host contract as ``EngineCore``."""
+
+    def __init__(
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
+    ) -> None:
+        cfg = config if config is not None else EngineConfig(backend="sglang")
+        if cfg.backend != "sglang":
+            raise InvalidArgument(f"backend: SglangCore runs backend sglang, got {cfg.backend!r}", field="backend")
+        if not isinstance(dp_rank, int) or dp_rank < 0:
+            raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}")
+        self.config = cfg
+        self.dp_rank = dp_rank
+        sg = cfg.sglang
+        self._sg = sg
+        self._page: int = cfg.block_size  # type: ignore[assignment]
+        self.cache = RadixCache(cfg.num_gpu_blocks)
+        self.timer = PassTimer(cfg, timing)
+        self._caching = cfg.enable_prefix_caching
+        self._record_times = cfg.record_token_times
+        self._init_ratio = _INIT_RATIO * sg.schedule_conservativeness
+        self._min_ratio = self._init_ratio * _MIN_RATIO_FACTOR
+        self._decay = (self._init_ratio - self._min_ratio) / _DECAY_PASSES
+        self.ratio = self._init_ratio
+        """The share of each running request's remaining output that admission reserves."""
+        self._max_len = sglang_max_len(cfg)
+        self._seqs: dict[str, _Seq] = {}
+        self.future: list[tuple[int, int, _Seq]] = []  # (arrival, order, seq)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self._order = 0
+        self._now = 0
+        self._free_at = 0
+        self._inflight: _Pass | None = None
+        self._aborting: list[_Seq] = []
+        self._decodes_owed = 0  # decode passes still due before the next extend pass (prefill_decode_interval)
+        self._blocked = -1  # the cache version at which an idle engine found nothing it could admit
+        self._version = 0
+        self.passes = 0
+        """Forward passes completed so far."""
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def now_ns(self) -> int:
+        """The time the engine was last advanced or stepped to."""
+        return self._now
+
+    @property
+    def busy_until_ns(self) -> int:
+        """End of the last completed pass (or of the pass in flight)."""
+        return self._inflight.end if self._inflight is not None else self._free_at
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished (prefilling or decoding)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Accepted requests not running (arrived or not, half-prefilled or retracted)."""
+        return len(self.waiting) + len(self.future)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Accepted requests that have not completed."""
+        return len(self._seqs)
+
+    @property
+    def num_held(self) -> int:
+        """Always 0: the SGLang flavour runs no disaggregated prefill legs."""
+        return 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the pool's pages that hold KV nobody may evict (requests' own and locked cached pages)."""
+        c = self.cache
+        return (c.owned + c.locked) / c.capacity if c.capacity else 0.0
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether an unfinished request with this id is on this rank."""
+        return request_id in self._seqs
+
+    def record(self, request_id: str) -> RequestRecord:
+        """The live record of an unfinished request."""
+        try:
+            return self._seqs[request_id].record
+        except KeyError:
+            raise InvalidArgument(
+                f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}"
+            ) from None
+
+    def next_pass_start_ns(self) -> int | None:
+        """When the next pass would start given the requests known now (None: nothing to do)."""
+        if self._inflight is not None:
+            return self._inflight.end
+        return self._next_start()
+
+    def _next_start(self) -> int | None:
+        free_at = self._free_at
+        if self.running:
+            return free_at
+        if self.waiting and self._blocked != self._version:
+            return free_at if free_at > self._now else self._now
+        if self.future:
+            a = self.future[0][0]
+            return a if a > free_at else free_at
+        return None
+
+    # ------------------------------------------------------------- admission
+
+    def add_request(self, req: Request) -> RequestRecord:
+        """Accept a request (it joins the first pass starting at or after its arrival); returns its live record.
+
+        Raises ``RequestRejected`` (nothing changed) for malformed, duplicate or too-long requests and for
+        disaggregated legs, which this flavour does not run."""
+        if req.request_id in self._seqs:
+            raise RequestRejected(RejectReason.DUPLICATE_REQUEST_ID,
+                                  f"request_id: {req.request_id!r} is already on rank {self.dp_rank}", field="request_id")
+        if req.kv_hold or req.kv_transfer is not None:
+            raise RequestRejected(RejectReason.MALFORMED, "kv_hold/kv_transfer: backend sglang runs no disaggregated "
+                                  "legs; use backend vllm for prefill and decode pools", field="backend")
+        cfg = self.config
+        has_fast_path = req.seq_hashes is None and hasattr(req.token_ids, "local_block_hashes")
+        check_request(req, cfg, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path)
+        arrival = self._now if req.arrival_ns is None else req.arrival_ns
+        record = RequestRecord(request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival,
+                               isl=len(req.token_ids), max_tokens=req.max_tokens)
+        out_limit = min(req.max_tokens, self._max_len - len(req.token_ids))
+        try:
+            seq = _Seq(req, record, self._page, self._order, out_limit)
+        except InvalidArgument as exc:
+            raise RequestRejected(RejectReason.MALFORMED, f"token_ids: {exc}", field="token_ids") from None
+        self._order += 1
+        self._seqs[req.request_id] = seq
+        seq.status = FUTURE
+        heapq.heappush(self.future, (arrival, seq.order, seq))
+        return record
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+        """Drop an unfinished request: its cached pages stay cached, the rest is freed; returns its record
+        with ``failure`` set (None if no such request). One in the pass in flight is dropped at its end."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.record.failure = reason
+        fl = self._inflight
+        if fl is not None and (seq in fl.decode or any(c.seq is seq for c in fl.chunks)):
+            self._aborting.append(seq)
+            return seq.record
+        self._drop(seq)
+        return seq.record
+
+    def release_kv(self, request_id: str) -> bool:
+        """Nothing is ever held for a decode rank here (no disaggregated legs): always False."""
+        return False
+
+    def _drop(self, seq: _Seq) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status == FUTURE:
+            self.future = [e for e in self.future if e[2] is not seq]
+            heapq.heapify(self.future)
+        self._let_go(seq, cache=False)
+        seq.status = FINISHED
+
+    # ------------------------------------------------------------- KV pages
+
+    def _take(self, pages: int) -> None:
+        """Give a request ``pages`` more pages of its own, evicting cached ones as needed."""
+        cache = self.cache
+        short = pages - cache.free
+        if short > 0:
+            cache.evict(short)
+        cache.owned += pages
+
+    def _cache_prefix(self, seq: _Seq, upto: int) -> None:
+        """Put the request's first ``upto`` pages into the tree, keeping them locked for it."""
+        cache = self.cache
+        depth = seq.cached_pages
+        if upto <= depth or not self._caching:
+            return
+        old = seq.node if seq.node is not None else cache.root
+        node = cache.insert(old, depth, seq.ensure_hashes(upto), upto, seq)
+        moved = upto - depth  # its own pages for these positions: in the tree now, or duplicates given back
+        cache.owned -= moved
+        seq.owned -= moved
+        cache.lock(node)
+        if seq.node is not None:
+            cache.unlock(seq.node)
+        seq.node = node
+        seq.cached_pages = upto
+
+    def _let_go(self, seq: _Seq, cache: bool) -> None:
+        """Release everything the request holds, caching its whole pages first if ``cache``."""
+        if cache and seq.computed:
+            self._cache_prefix(seq, seq.computed // self._page)
+        c = self.cache
+        c.owned -= seq.owned
+        seq.owned = 0
+        if seq.node is not None:
+            c.unlock(seq.node)
+            seq.node = None
+        seq.cached_pages = 0
+        seq.computed = 0
+        self._version += 1
+
+    # ------------------------------------------------------------- stepping
+
+    def step(self, now_ns: int) -> StepResult:
+        """Run one forward pass starting at ``now_ns`` and return it, finished (idle if nothing to do)."""
+        if self._inflight is not None:
+            raise InvalidArgument(
+                f"now_ns: a pass started by advance_to is in flight until {self._inflight.end}; advance_to it first")
+        if not isinstance(now_ns, int) or now_ns < self._free_at or now_ns < self._now:
+            raise InvalidArgument(f"now_ns must be an integer >= the end of the previous pass "
+                                  f"({max(self._free_at, self._now)}), got {now_ns!r}")
+        self._now = now_ns
+        p = self._plan(now_ns)
+        res = StepResult(now_ns, p.end)
+        if not p:
+            self._free_at = max(self._free_at, now_ns)
+            self._blocked = self._version
+            return res
+        res.prefill_tokens = sum(c.end - c.prefix for c in p.chunks)
+        res.decodes = len(p.decode)
+        self._finish(p, None, res)
+        return res
+
+    def advance_to(self, t_ns: int) -> AdvanceResult:
+        """Run every pass that starts before ``t_ns`` and ends by it; return what became visible."""
+        if not isinstance(t_ns, int) or t_ns < self._now or t_ns > MAX_TIME_NS:
+            raise InvalidArgument(f"t_ns must be an integer in [{self._now}, {MAX_TIME_NS}], got {t_ns!r}")
+        out = AdvanceResult()
+        while True:
+            fl = self._inflight
+            if fl is not None:
+                if fl.end > t_ns:
+                    break
+                self._inflight = None
+                self._finish(fl, out, None)
+                continue
+            s = self._next_start()
+            if s is None or s >= t_ns:
+                break
+            p = self._plan(s)
+            if not p:
+                self._free_at = s
+                self._blocked = self._version
+                continue
+            if p.end > t_ns:
+                self._inflight = p
+                break
+            self._finish(p, out, None)
+        self._now = t_ns
+        return out
+
+    def next_event_ns(self) -> int | None:
+        """When to advance to for the next externally visible change (None: nothing pending).
+
+        A pass in flight: its end. Otherwise the next pass's start + 1 (advancing past it starts it)."""
+        fl = self._inflight
+        if fl is not None:
+            return fl.end if fl.end > fl.start else fl.start + 1
+        s = self._next_start()
+        return None if s is None else s + 1
+
+    # ------------------------------------------------------------- planning
+
+    def _arrivals(self, start: int) -> None:
+        future = self.future
+        while future and future[0][0] <= start:
+            seq = heapq.heappop(future)[2]
+            seq.status = WAITING
+            self.waiting.append(seq)
+
+    def _plan(self, start: int) -> _Pass:
+        self._arrivals(start)
+        p = _Pass(start)
+        if self.waiting and not (self._decodes_owed and self.running):
+            self._admit(p)
+        if p.chunks:
+            b = len(p.chunks)
+            isl = sum(c.end for c in p.chunks)
+            prefix = sum(c.prefix for c in p.chunks)
+            p.end = start + self.timer.pass_ns(b * (isl // b - prefix // b), 0, 0)
+        elif self.running:
+            self._plan_decode(p)
+        p.log = self.cache.log
+        self.cache.log = []
+        return p
+
+    def _order_waiting(self) -> None:
+        waiting = self.waiting
+        if self._sg.schedule_policy != "lpm" or len(waiting) > _LPM_MAX_WAITING or not self._caching:
+            return
+        page = self._page
+        cache = self.cache
+        keyed = [(-cache.peek(s.ensure_hashes((s.num_tokens - 1) // page), (s.num_tokens - 1) // page)[0], i, s)
+                 for i, s in enumerate(waiting)]
+        keyed.sort()
+        self.waiting = deque(s for _, _, s in keyed)
+
+    def _admit(self, p: _Pass) -> None:
+        """Take prompt chunks from the head of the queue into an extend pass while budgets and KV allow."""
+        self._order_waiting()
+        sg = self._sg
+        page = self._page
+        cache = self.cache
+        ratio = self.ratio
+        clip = sg.clip_max_new_tokens
+        reserved = sum(min(s.out_limit - s.n_out, clip) for s in self.running) * ratio
+        rem_total = (cache.free + cache.evictable) * page - reserved
+        rem_input = sg.max_prefill_tokens
+        rem_chunk = sg.chunked_prefill_size
+        slots = self.config.max_num_seqs - len(self.running)
+        waiting = self.waiting
+        while waiting and len(p.chunks) < slots:
+            seq = waiting[0]
+            length = seq.num_tokens
+            done = seq.computed  # a half-prefilled request continues after what it has
+            fresh = not done
+            unheld = 0
+            if fresh and self._caching:  # what it finds cached counts as done for the budgets and the KV check,
+                limit = (length - 1) // page  # and holding it makes it unevictable
+                if limit > 0:
+                    hit, unheld = cache.peek(seq.ensure_hashes(limit), limit)
+                    done = hit * page
+            extend = length - done
+            if extend <= rem_chunk:
+                chunk = extend
+            else:
+                chunk = rem_chunk // page * page
+                if not chunk:
+                    break
+            charged = -(-chunk // page) * page
+            final = chunk == extend
+            reserve = min(seq.out_limit - seq.n_out, clip) if final else 0
+            if charged + reserve >= rem_total - unheld * page or charged > rem_input or charged > rem_chunk:
+                break
+            waiting.popleft()
+            end = done + chunk
+            if fresh and done:
+                self._match(seq, done // page)
+            had = -(-done // page)
+            slot = end + 1 if final else end  # a finished prompt also gets the slot of its first token
+            need = -(-slot // page) - had
+            self._take(need)
+            seq.owned += need
+            seq.computed = slot
+            prefix = done
+            rem_total -= (-(-end // page) - had + unheld) * page + reserve
+            rem_input -= charged
+            rem_chunk -= charged
+            p.chunks.append(_Chunk(seq, prefix, end, final))
+            seq.status = RUNNING
+            rec = seq.record
+            if fresh:
+                if rec.admitted_ns is None:
+                    rec.admitted_ns = p.start
+                    rec.engine_cached_tokens = prefix
+                rec.engine_reused_tokens = (rec.engine_reused_tokens or 0) + prefix
+            if final:
+                self.running.append(seq)
+            if rem_chunk <= 0 or not final:
+                break
+        if p.chunks:
+            self._version += 1
+
+    def _match(self, seq: _Seq, limit: int) -> int:
+        """Lock the request's longest cached prefix (at most ``limit`` pages); returns it in tokens."""
+        if not self._caching or limit <= 0:
+            return 0
+        cache = self.cache
+        node, pages = cache.match(seq.ensure_hashes(limit), limit)
+        if pages:
+            cache.lock(node)
+            seq.node = node
+            seq.cached_pages = pages
+        return pages * self._page
+
+    def _plan_decode(self, p: _Pass) -> None:
+        """A decode pass: every running request feeds its last token; retract while pages are short."""
+        cache = self.cache
+        page = self._page
+        running = self.running
+        while True:
+            need = sum(1 for s in running if not s.computed % page)
+            if cache.free + cache.evictable >= need:
+                break
+            if len(running) > 1:
+                victim = min(running, key=lambda s: s.n_out)  # fewest generated, the earliest admitted on a tie
+                self._retract(victim)
+                p.retracted.append(victim)
+                continue
+            parked = next((s for s in reversed(self.waiting) if s.computed), None)
+            if parked is None:  # pragma: no cover - outputs are clipped to the pool, so a lone request fits
+                raise AssertionError(f"SGLang rank {self.dp_rank}: a lone request cannot grow ({cache!r})")
+            self._let_go(parked, cache=True)  # a half-prefilled prompt gives its pages to the lone runner
+        if p.retracted:
+            self.ratio = self._init_ratio
+        if not running:
+            return
+        self._take(need)
+        ctx = 0
+        for s in running:
+            if not s.computed % page:
+                s.owned += 1
+            ctx += s.num_tokens
+            s.computed += 1
+        p.decode = list(running)
+        p.end = p.start + self.timer.pass_ns(0, len(running), ctx)
+
+    def _retract(self, seq: _Seq) -> None:
+        self.running.remove(seq)
+        self._let_go(seq, cache=True)
+        seq.status = WAITING
+        seq.prefilling = True
+        seq.record.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------- pass end
+
+    def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
+        end = p.end
+        page = self._page
+        record_times = self._record_times
+        first: list[_Seq] = []
+        sampled: list[_Seq] = []
+        completed: list[_Seq] = []
+        gone = self._aborting
+        requeue: list[_Seq] = []
+        for c in p.chunks:
+            seq = c.seq
+            if seq in gone:
+                continue
+            self._cache_prefix(seq, c.end // page)
+            if not c.final:
+                seq.status = WAITING
+                requeue.append(seq)
+                continue
+            seq.prefilling = False
+            sampled.append(seq)
+            if seq.record.first_token_ns is None:
+                first.append(seq)
+        for seq in p.decode:
+            if seq not in gone:
+                sampled.append(seq)
+        for seq in sampled:
+            seq.n_out += 1
+            rec = seq.record
+            rec.output_tokens += 1
+            if record_times:
+                rec.token_times_ns.append(end)
+            if rec.first_token_ns is None:
+                rec.first_token_ns = end
+            if seq.n_out >= seq.out_limit:
+                completed.append(seq)
+        for seq in reversed(requeue):
+            self.waiting.appendleft(seq)
+        if p.decode:
+            self._decodes_owed = max(0, self._decodes_owed - 1)
+            self.ratio = max(self._min_ratio, self.ratio - self._decay)
+        elif p.chunks:
+            self._decodes_owed = self._sg.prefill_decode_interval
+        for seq in completed:
+            self.running.remove(seq)
+            self._let_go(seq, cache=True)
+            seq.status = FINISHED
+            seq.record.completion_ns = end
+            del self._seqs[seq.rid]
+        if gone:
+            self._aborting = []
+            for seq in gone:
+                self._drop(seq)
+        log = p.log
+        if self.cache.log:  # pages cached at the pass end
+            log = log + self.cache.log
+            self.cache.log = []
+        events = PassEvents(end, self.dp_rank, log, page) if log else None
+        self._free_at = end
+        self.passes += 1
+        if out is not None:
+            out.passes += 1
+            for seq in (c.seq for c in p.chunks):
+                out.admitted.append((seq.rid, p.start))
+            for seq in p.retracted:
+                out.preempted.append((seq.rid, p.start))
+            for seq in first:
+                out.first_tokens.append((seq.rid, end))
+            for seq in completed:
+                out.completed.append(seq.record)
+            if events is not None:
+                out.events.append(events)
+        if res is not None:
+            res.tokens = [s.rid for s in sampled]
+            res.first_tokens = [s.rid for s in first]
+            res.completed = [s.record for s in completed]
+            res.admitted = [c.seq.rid for c in p.chunks]
+            res.preempted = [s.rid for s in p.retracted]
+            res.events = events
+
+    # --------------------------------------------------------------- misc
+
+    def reset_prefix_cache(self, now_ns: int) -> PassEvents | None:
+        """Drop every cached page; refused (None) while requests hold pages."""
+        if self._inflight is not None or self.running or not self.cache.reset():
+            return None
+        from workers.blocks import CLEARED
+
+        self._version += 1
+        return PassEvents(max(now_ns, self._free_at), self.dp_rank, [(CLEARED,)], self._page)
+
+    def check_invariants(self) -> None:
+        """Assert cache and request accounting agree (tests)."""
+        cache = self.cache
+        cache.check()
+        page = self._page
+        holders = [*self.running, *(s for s in self.waiting if s.computed)]
+        assert sum(s.owned for s in holders) == cache.owned, (holders, cache)
+        for s in holders:
+            assert s.cached_pages + s.owned == -(-s.computed // page), s
+            assert (s.node is None) == (s.cached_pages == 0), s
+
+    def __repr__(self) -> str:
+        return (f"SglangCore(rank={self.dp_rank}, now={self._now}, running={len(self.running)}, "
+                f"waiting={self.num_waiting}, ratio={self.ratio:.4f}, {self.cache!r})")
