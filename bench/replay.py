@@ -112,6 +112,8 @@ class Variant:
     """A disaggregated cluster: ``{"prefill": {...}, "decode": {...}}`` pool sections (``engine`` is unused)."""
     reference_runs: int = 1
     """The reference's runs averaged (its KV routing breaks ties at random: one run is not its figure)."""
+    max_input_tokens: int | None = None
+    """Both sides replay only the trace's rows with at most this many input tokens (where the reference fails)."""
 
 
 def engine_suite(directory: Path) -> list[Variant]:
@@ -123,7 +125,23 @@ def engine_suite(directory: Path) -> list[Variant]:
                     pools={"prefill": {"workers": 4, "engine": link}, "decode": {"workers": 12}}, reference_runs=3),
             Variant("trtllm round_robin", "round_robin", {"backend": "trtllm", "block_size": 32}, 0.02),
             Variant("interpolated round_robin", "round_robin",
-                    {"timing_model": {"type": "interpolated", "path": str(profile)}}, 0.02)]
+                    {"timing_model": {"type": "interpolated", "path": str(profile)}}, 0.02),
+            # the reference's SGLang replay errs or never ends once prompts of more than ~8k tokens are in
+            Variant("sglang round_robin", "round_robin", {"backend": "sglang"}, 0.02, max_input_tokens=8000)]
+
+
+def short_prompts(trace: Path, max_input_tokens: int, rows: int | None, directory: Path | str) -> Path:
+    """The trace's rows with at most ``max_input_tokens`` input tokens (the first ``rows`` of them), in a file."""
+    out = Path(directory) / f"input-le-{max_input_tokens}.jsonl"
+    kept = 0
+    with trace.open() as src, out.open("w") as dst:
+        for line in src:
+            if rows is not None and kept >= rows:
+                break
+            if line.strip() and json.loads(line).get("input_length", 0) <= max_input_tokens:
+                dst.write(line)
+                kept += 1
+    return out
 
 
 def write_bench_profile(path: Path) -> None:
@@ -327,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", action="append", choices=("round_robin", "kv"),
                     help="policies to run (default: both; the default suite only)")
     ap.add_argument("--suite", choices=("default", "engines"), default="default",
-                    help="default: the vLLM engine, round robin and KV routing; engines: TRT-LLM and interpolated timing")
+                    help="default: the vLLM engine, round robin and KV routing; engines: disaggregated, TRT-LLM, SGLang, interpolated timing")
     ap.add_argument("--arrival-speedup", type=float, default=1.0, metavar="R",
                     help="divide arrival and think times by R on both sides (heavier load)")
     ap.add_argument("--no-reference", action="store_true", help="skip Dynamo's replay even when installed")
@@ -369,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         if ref_entry is not None:
             inputs["reference"] = (reference.trace_head(trace, limit, tmp) if limit else trace, None)
         for variant in variants:
-            for side, (side_trace, max_requests) in inputs.items():
+            sides = inputs
+            if variant.max_input_tokens is not None:
+                short = short_prompts(trace, variant.max_input_tokens, limit, tmp)
+                sides = {side: (short, None) for side in inputs}
+            for side, (side_trace, max_requests) in sides.items():
                 results: list[Run] = []
                 for i in range(variant.reference_runs if side == "reference" else 1):
                     note(f"{side} {variant.name} ..." + (f" (run {i + 1} of {variant.reference_runs})"

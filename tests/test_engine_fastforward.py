@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from kvemu.clock import MAX_TIME_NS
 from kvemu.transfer import KvTransfer
 from kvemu.wire.kv_events import BlockRemoved, BlockStored
-from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec
+from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig
 from workers.engine import AdvanceResult, EngineCore
+from workers.worker import engine_core
 from workers.request import Request
 
 MS = 1_000_000
@@ -31,15 +32,25 @@ def workloads(draw):
     bs = draw(st.sampled_from([1, 2, 4, 8]))
     blocks = draw(st.integers(3, 40))
     max_seqs = draw(st.integers(1, 5))
+    backend = draw(st.sampled_from(["vllm", "vllm", "trtllm", "sglang"]))
+    sglang = SglangConfig(
+        schedule_policy=draw(st.sampled_from(["fifo", "fifo", "lpm"])),
+        chunked_prefill_size=bs * draw(st.integers(1, 12)),
+        max_prefill_tokens=draw(st.integers(1, 64)),
+        clip_max_new_tokens=draw(st.sampled_from([4096, 8, 0])),
+        schedule_conservativeness=draw(st.sampled_from([1.0, 0.3])),
+        prefill_decode_interval=draw(st.sampled_from([0, 0, 2])),
+    )
     cfg = EngineConfig(
-        backend=draw(st.sampled_from(["vllm", "vllm", "trtllm"])),
+        backend=backend,
+        sglang=sglang,
         timing_model=draw(st.sampled_from([PolynomialTimingSpec(), PolynomialTimingSpec(), PROFILE])),
         num_gpu_blocks=blocks,
         block_size=bs,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=draw(st.integers(max_seqs, 48)),
         enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
-        enable_chunked_prefill=draw(st.sampled_from([True, True, False])),
+        enable_chunked_prefill=True if backend == "sglang" else draw(st.sampled_from([True, True, False])),
         speedup_ratio=draw(st.sampled_from([1.0, 1.0, 7.0, 0.0])),
         decode_speedup_ratio=draw(st.sampled_from([1.0, 1.0, 2.5, 0.0])),
         preemption_mode=draw(st.sampled_from(["lifo", "fifo"])),
@@ -49,6 +60,8 @@ def workloads(draw):
     limit = capacity if cfg.enable_chunked_prefill else min(capacity, cfg.max_num_batched_tokens)
     if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included
         limit = min(limit, capacity - 1)
+    if cfg.backend == "sglang":  # a prompt must leave room for output in the pool less a page (outputs are clipped)
+        limit = capacity - bs - 1
     prefixes = [[p] * draw(st.integers(0, 3 * bs)) for p in range(3)]
     shared_outputs = draw(st.booleans())
     reqs = []
@@ -66,7 +79,7 @@ def workloads(draw):
                 arrival_ns=draw(st.integers(0, 40)) * 3 * MS,
                 priority=draw(st.sampled_from([0, 0, 1])),
                 output_token_ids=[5] * max_tokens if shared_outputs else None,
-                kv_transfer=draw(st.sampled_from([None, None, None, *TRANSFERS])),
+                kv_transfer=None if backend == "sglang" else draw(st.sampled_from([None, None, None, *TRANSFERS])),
             )
         )
     checkpoints = sorted(draw(st.lists(st.integers(0, 300 * MS), max_size=6)))
@@ -91,8 +104,17 @@ def summary(records) -> dict:
     }
 
 
+def transfers(eng) -> int:
+    """Decode legs whose KV is in transit (the SGLang flavour runs none)."""
+    return len(eng.scheduler.transfers) if isinstance(eng, EngineCore) else 0
+
+
+def cached_hashes(eng) -> set[int]:
+    return eng.pool.cached_hashes() if isinstance(eng, EngineCore) else eng.cache.cached_hashes()
+
+
 def stepwise(cfg, reqs):
-    eng = EngineCore(cfg)
+    eng = engine_core(cfg)
     for r in reqs:
         eng.add_request(r)
     done, batches, firsts, preempted = [], [], [], []
@@ -103,7 +125,7 @@ def stepwise(cfg, reqs):
         eng.check_invariants()
         if res.idle:  # a decode leg reserved its blocks; its transfer runs
             idle += 1
-            assert eng.scheduler.transfers and idle < 1000, (s, eng, eng.scheduler.incoming, eng.scheduler.transfers)
+            assert transfers(eng) and idle < 1000, (s, eng)
             continue
         done += res.completed
         firsts += [(rid, res.end_ns) for rid in res.first_tokens]
@@ -119,7 +141,7 @@ def stepwise(cfg, reqs):
                     assert isinstance(ev, BlockRemoved) and ev.block_hashes[0] in announced
                     announced.discard(ev.block_hashes[0])
         # blocks announced minus blocks removed == what the pool caches, after every pass
-        assert announced == eng.pool.cached_hashes()
+        assert announced == cached_hashes(eng)
     assert len(done) == len(reqs)
     return summary(done), batches, firsts, preempted, eng.passes
 
@@ -142,7 +164,7 @@ class Collect:
 
 def fast_forward(cfg, reqs, checkpoints, rng: random.Random):
     """Host that adds requests lazily (never after advancing past their arrival) and advances in jumps."""
-    eng = EngineCore(cfg)
+    eng = engine_core(cfg)
     pending = sorted(reqs, key=lambda r: r.arrival_ns)
     c = Collect()
     for t in checkpoints:
@@ -163,7 +185,7 @@ def fast_forward(cfg, reqs, checkpoints, rng: random.Random):
 
 def event_driven(cfg, reqs):
     """Host that jumps from one next_event_ns to the next and checks nothing visible happens earlier."""
-    eng = EngineCore(cfg)
+    eng = engine_core(cfg)
     pending = sorted(reqs, key=lambda r: r.arrival_ns)
     c = Collect()
     stalls = 0
@@ -182,15 +204,15 @@ def event_driven(cfg, reqs):
             quiet = eng.advance_to(te - 1)
             assert not (quiet.first_tokens or quiet.completed or quiet.events or quiet.preempted), te
             c.passes += quiet.passes
-        before = (eng.passes, eng.busy_until_ns, eng.num_running, len(eng.scheduler.transfers))
+        before = (eng.passes, eng.busy_until_ns, eng.num_running, transfers(eng))
         out = eng.advance_to(te)
         c.add(out)
-        after = (eng.passes, eng.busy_until_ns, eng.num_running, len(eng.scheduler.transfers))
+        after = (eng.passes, eng.busy_until_ns, eng.num_running, transfers(eng))
         if out.passes or after != before or eng._inflight is not None:  # a pass, or a decode leg's reservation
             stalls = 0
         else:  # an idle engine found its waiting requests kept out by reserved KV: once, then it knows
             stalls += 1
-            assert stalls == 1 and eng.scheduler.transfers, te
+            assert stalls == 1 and transfers(eng), te
     else:  # pragma: no cover
         raise AssertionError("event-driven host made no progress")
     eng.check_invariants()

@@ -184,7 +184,7 @@ class RadixCache:
                 new = RadixNode(hashes[depth:upto], node, stamp)
                 node.children[new.hashes[0]] = new
                 self.size += upto - depth
-                self.log.append((STORED, new.hashes, hashes[depth - 1] if depth else None, source, depth))
+                self.log.append((STORED, hashes[depth:upto], hashes[depth - 1] if depth else None, source, depth))
                 self._candidate(new)
                 return new
             n = _common(hashes, depth, child.hashes, upto - depth)
@@ -236,6 +236,16 @@ class RadixCache:
         self.size = 0
         self._heap = []
         return True
+
+    def cached_hashes(self) -> set[int]:
+        """Every cached page's hash (tests)."""
+        out: set[int] = set()
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.update(node.hashes)
+            stack += node.children.values()
+        return out
 
     def check(self) -> None:
         """Assert the counters match the tree (tests)."""

@@ -357,12 +357,24 @@ class SglangCore:
     def next_event_ns(self) -> int | None:
         """When to advance to for the next externally visible change (None: nothing pending).
 
-        A pass in flight: its end. Otherwise the next pass's start + 1 (advancing past it starts it)."""
+        A pass in flight: its end. A decode pass due next (nothing waiting or arriving by its start, pages
+        enough without retracting): its end, since nothing visible happens at its start. Otherwise the next
+        pass's start + 1 (advancing past it starts it)."""
         fl = self._inflight
         if fl is not None:
             return fl.end if fl.end > fl.start else fl.start + 1
         s = self._next_start()
-        return None if s is None else s + 1
+        if s is None:
+            return None
+        running = self.running
+        if not running or self.waiting or (self.future and self.future[0][0] <= s):
+            return s + 1
+        page = self._page
+        cache = self.cache
+        if cache.free + cache.evictable < sum(1 for q in running if not q.computed % page):
+            return s + 1
+        end = s + self.timer.pass_ns(0, len(running), sum(q.num_tokens for q in running))
+        return end if end > s else s + 1
 
     # ------------------------------------------------------------- planning
 
@@ -435,14 +447,16 @@ class SglangCore:
             charged = -(-chunk // page) * page
             final = chunk == extend
             reserve = min(seq.out_limit - seq.n_out, clip) if final else 0
-            if charged + reserve >= rem_total - unheld * page or charged > rem_input or charged > rem_chunk:
+            if (charged + reserve >= rem_total - unheld * page or charged > rem_chunk
+                    or (charged > rem_input and p.chunks)):  # (a lone chunk always fits max_prefill_tokens, as in SGLang)
                 break
             waiting.popleft()
             end = done + chunk
             if fresh and done:
                 self._match(seq, done // page)
             had = -(-done // page)
-            slot = end + 1 if final else end  # a finished prompt also gets the slot of its first token
+            # a prompt finished in this pass also gets the slot of its first token, unless that token is its last
+            slot = end + 1 if final and seq.out_limit - seq.n_out > 1 else end
             need = -(-slot // page) - had
             self._take(need)
             seq.owned += need
@@ -584,7 +598,7 @@ class SglangCore:
             for seq in (c.seq for c in p.chunks):
                 out.admitted.append((seq.rid, p.start))
             for seq in p.retracted:
-                out.preempted.append((seq.rid, p.start))
+                out.preempted.append((seq.rid, end))
             for seq in first:
                 out.first_tokens.append((seq.rid, end))
             for seq in completed:
@@ -616,6 +630,8 @@ class SglangCore:
         cache.check()
         page = self._page
         holders = [*self.running, *(s for s in self.waiting if s.computed)]
+        if self._inflight is not None:  # a half-prefilled request rejoins the queue at its pass end
+            holders += [c.seq for c in self._inflight.chunks if not c.final and c.seq not in self._aborting]
         assert sum(s.owned for s in holders) == cache.owned, (holders, cache)
         for s in holders:
             assert s.cached_pages + s.owned == -(-s.computed // page), s
