@@ -36,7 +36,7 @@ from workers.worker import MockWorker
 from harness.pools import AGGREGATED, compose_pools, worker_type_of
 from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 
-__all__ = ["Cluster", "make_policy", "engine_config", "build_router", "cluster"]
+__all__ = ["Cluster", "make_policy", "engine_config", "build_router", "pool_router", "cluster"]
 
 
 ALLOW_LOCAL_POLICIES_ENV = "KVEMU_ALLOW_LOCAL_POLICIES"
@@ -116,13 +116,22 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool)
 
 
+def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks: Hooks, **kv: Any) -> Router:
+    """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
+    block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
+    ``DisaggRouter`` passes their events on to ``hooks``). ``kv``: how it gets KV events (``build_router``)."""
+    spec = scenario.cluster
+    return build_router(scenario.router, block_size=spec.pools()[pool][2].block_size, clock=clock,
+                        seed=scenario.run.seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
+                        pool=None if pool == AGGREGATED else pool, **kv)
+
+
 def check_buildable(scenario: Scenario) -> None:
     """Build the scenario's router (routing core, policy, affinity, queue) and one worker's engines without
     starting anything: ``kvemu validate`` rejects what ``run`` would fail to build, with the same errors."""
     spec = scenario.cluster
-    for pool, (_, _, engine) in spec.pools().items():
-        build_router(scenario.router, block_size=engine.block_size, clock=ManualClock(), seed=scenario.run.seed,
-                     end=None, hooks=Hooks(), pool=None if pool == "aggregated" else pool)
+    for pool in spec.pools():
+        pool_router(scenario, pool, clock=ManualClock(), end=None, hooks=Hooks())
         MockWorker(engine_config(spec, pool), worker_id=0)
 
 
@@ -307,10 +316,9 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
 
     def make(pool: str) -> Router:
         bus = c.buses.get(pool)
-        router = build_router(rspec, block_size=spec.pools()[pool][2].block_size, clock=clock, seed=scenario.run.seed,
-                              end=ends[pool], hooks=Hooks() if spec.disaggregated else hooks,
-                              kv_replay=bus.replay if bus else None, on_worker_removed=bus.forget if bus else None,
-                              zmq_kv_events=bus is None and pool != DECODE, pool=None if pool == AGGREGATED else pool)
+        router = pool_router(scenario, pool, clock=clock, end=ends[pool], hooks=hooks,
+                             kv_replay=bus.replay if bus else None, on_worker_removed=bus.forget if bus else None,
+                             zmq_kv_events=bus is None and pool != DECODE)
         if bus is not None and pool != DECODE:
             bus.connect(router.kv_intake)
         return router
