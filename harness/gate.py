@@ -59,7 +59,8 @@ class PoolGate:
         self._shared = shared
         self.pools = pools
         self._routers = routers
-        self._ends = {pool: _PoolEnd(shared.send_nowait) for pool in dict.fromkeys(pools.values())}  # type: ignore[attr-defined]
+        send = shared.send_nowait  # type: ignore[attr-defined]
+        self._ends = {pool: _PoolEnd(send) for pool in dict.fromkeys(pools.values())}
         self.refused = 0
         """Registrations refused here (a worker type no hosted pool takes)."""
 

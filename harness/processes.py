@@ -51,7 +51,16 @@ from harness.chaos import (
 )
 from harness.cluster import engine_config, pool_router
 from harness.gate import PoolGate
-from harness.pools import AGGREGATED, affinity_stats, compose_pools, kv_stats, owner, pool_sizes, samples, worker_type_of
+from harness.pools import (
+    AGGREGATED,
+    affinity_stats,
+    compose_pools,
+    kv_stats,
+    owner,
+    pool_sizes,
+    samples,
+    worker_type_of,
+)
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
 from harness.runner import count_requests, drain_deadline_s
