@@ -19,7 +19,7 @@ from kvemu.runtime.router import Router
 from harness.report import Sample
 from harness.scenario import ClusterSpec
 
-__all__ = ["AGGREGATED", "pool_sizes", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",
+__all__ = ["AGGREGATED", "pool_sizes", "routing_block_size", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",
            "affinity_stats"]
 
 AGGREGATED = "aggregated"
@@ -28,6 +28,12 @@ AGGREGATED = "aggregated"
 def pool_sizes(spec: ClusterSpec) -> dict[str, dict[str, int]]:
     """``pool -> {"workers", "dp_size"}`` as the report's ``RunData.pools`` wants it."""
     return {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in spec.pools().items()}
+
+
+def routing_block_size(spec: ClusterSpec) -> int:
+    """The block size the report and the recorder count in: the first pool's (aggregated, or prefill: the pool
+    that matches prompt prefixes)."""
+    return next(iter(spec.pools().values()))[2].block_size
 
 
 def worker_type_of(spec: ClusterSpec, pool: str) -> str:

@@ -58,6 +58,7 @@ from harness.pools import (
     kv_stats,
     owner,
     pool_sizes,
+    routing_block_size,
     samples,
     worker_type_of,
 )
@@ -188,7 +189,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     clock = WallClock()
     hooks = Hooks()
     spec = scenario.cluster
-    recorder = Recorder(hooks, block_size=spec.engine.block_size)
+    recorder = Recorder(hooks, block_size=routing_block_size(spec))
     end = _SharedRouterEnd(listen)
     routers: dict[str, Router] = {}
     gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
@@ -665,7 +666,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
                    partial=run.partial,
                    stop_reason=client.lost or run.stopped or ("drain_timeout" if run.partial else None),
-                   block_size=scenario.cluster.engine.block_size, ranks=final.ranks, samples=samples,
+                   block_size=routing_block_size(scenario.cluster), ranks=final.ranks, samples=samples,
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster))
     return write_report(data, outdir)

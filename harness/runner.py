@@ -22,7 +22,7 @@ from kvemu.tuning import tune_gc
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
-from harness.pools import affinity_stats, kv_stats, pool_sizes, samples
+from harness.pools import affinity_stats, kv_stats, pool_sizes, routing_block_size, samples
 from harness.report import RunData, prepare_outdir, write_report
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import SessionPlayer
@@ -78,7 +78,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
+    recorder = Recorder(hooks, block_size=routing_block_size(scenario.cluster))
     for observer in observers:
         hooks.subscribe(observer)
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
@@ -112,7 +112,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         records=sorted(recorder.records.values(), key=lambda r: (r.arrival_ns, r.request_id)),
         scenario_name=scenario.name, mode=scenario.run.mode, seed=scenario.run.seed,
         wall_time_ns=time.perf_counter_ns() - wall0, partial=state["partial"], stop_reason=state.get("stop_reason"),
-        block_size=scenario.cluster.engine.block_size, ranks=sorted(state["ranks"]), samples=state["samples"],
+        block_size=routing_block_size(scenario.cluster), ranks=sorted(state["ranks"]), samples=state["samples"],
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
         pools=pool_sizes(scenario.cluster),

@@ -37,7 +37,7 @@ from harness.scenario import parse_scenario
 from harness.up import Children
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = "{block_size: 16, num_gpu_blocks: 2048, speedup_ratio: 20, decode_speedup_ratio: 20}"
+ENGINE = "{block_size: 32, num_gpu_blocks: 2048, speedup_ratio: 20, decode_speedup_ratio: 20}"
 DISAGG = f"""
 name: live-disagg
 cluster:
@@ -81,6 +81,7 @@ def assert_both_pools_served(summary: dict, records: list[dict]) -> None:
     assert {r["worker_id"] for r in records} <= DECODE_IDS
     dis = summary["kvemu"]["disaggregated"]
     assert dis["pools"] == {"prefill": {"workers": 2, "dp_size": 2}, "decode": {"workers": 2, "dp_size": 1}}
+    assert summary["kvemu"]["block_size"] == 32  # the pools' engines' (the top-level engine is unused)
     assert sum(dis["requests_per_prefill_rank"].values()) == sum(dis["requests_per_decode_rank"].values()) \
         == summary["num_requests"]
 
@@ -232,7 +233,7 @@ def test_the_gate_gives_each_worker_only_its_own_pools_router():
         async with anyio.create_task_group() as tg:
             for r in routers.values():
                 await tg.start(r.serve)
-            reg = {"block_size": 16, "dp_size": 1}
+            reg = {"block_size": 32, "dp_size": 1}
             gate.on_message(b"x", Register(worker_id=9, worker_type="aggregated", **reg))
             (ack,) = shared.to(b"x", RegisterAck)
             assert not ack.accepted and ack.reason.startswith(WRONG_WORKER_TYPE)
