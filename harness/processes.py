@@ -4,7 +4,9 @@ One ROUTER socket on the router's ``--listen`` address serves both workers (2-fr
 identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
 and get back each request's ``kvemu.RequestRecord`` when it ends; ``StatsQuery`` returns the router's view
 (ranks, per-rank load and cache, KV-event and affinity counters). Every process logs one JSON line when
-it starts, with its endpoints, and shuts down cleanly on SIGTERM.
+it starts, with its endpoints, and shuts down cleanly on SIGTERM. A disaggregated scenario's router process
+hosts its prefill and decode routers on that one socket (``harness.gate`` gives each worker its own pool's
+router) behind a ``DisaggRouter``; each worker serves the pool its ``--worker-type`` names.
 """
 
 from __future__ import annotations
