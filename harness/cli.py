@@ -179,7 +179,7 @@ def _process(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"invalid scenario: {exc}", file=sys.stderr)
         return 2
-    problem = _http_problem(args)
+    problem = _http_problem(args) or _disagg_problem(args, scenario)
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
         return 2
@@ -188,11 +188,16 @@ def _process(args: argparse.Namespace) -> int:
 
         return router_main(scenario, args.listen, args.grace, _http_options(args))
     if args.command == "worker":
-        from harness.processes import worker_main
+        from harness.processes import worker_main, worker_pool
 
+        try:
+            worker_pool(scenario, args.worker_type)
+        except ScenarioError as exc:
+            print(f"kvemu worker: {exc}", file=sys.stderr)
+            return 2
         return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
                            kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
-                           http=_http_options(args))
+                           http=_http_options(args), worker_type=args.worker_type)
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     if args.command == "loadgen":
         from harness.processes import NotStarted, loadgen_main
@@ -242,6 +247,14 @@ def _http_problem(args: argparse.Namespace) -> str | None:
         path = Path(tokenizer)
         if not (path / "tokenizer.json" if path.is_dir() else path).is_file():
             return f"--tokenizer {tokenizer}: no tokenizer.json there (kvemu tokenizer export DIR writes one)"
+    return None
+
+
+def _disagg_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
+    """What a disaggregated cluster's processes cannot do yet (None: nothing): serve OpenAI routes."""
+    if scenario.cluster.disaggregated and (getattr(args, "http", None) or getattr(args, "worker_http", False)):
+        return ("the OpenAI front door (--http, --worker-http, kvemu serve) does not serve a disaggregated cluster "
+                "(cluster.prefill, cluster.decode) yet: run it without them (kvemu up, or router, workers and loadgen)")
     return None
 
 
@@ -326,7 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
     worker.add_argument("--router", required=True, help="the router's --listen endpoint")
     worker.add_argument("--worker-id", type=int, help="default: random")
-    worker.add_argument("--dp-size", type=int, help="default: the scenario's cluster.dp_size")
+    worker.add_argument("--dp-size", type=int, help="default: the scenario's cluster.dp_size (or its pool's)")
+    worker.add_argument("--worker-type", choices=("aggregated", "prefill", "decode"),
+                        help="the pool this worker serves, with that pool's engine and DP size: required for a "
+                             "disaggregated scenario (prefill or decode); default: aggregated")
     worker.add_argument("--kv-events", default="tcp://127.0.0.1:0",
                         help="PUB endpoint of rank 0 (rank r uses port + r; port 0 = pick one per rank)")
     worker.add_argument("--kv-replay", default="tcp://127.0.0.1:0", help="replay ROUTER endpoint ('' to disable)")

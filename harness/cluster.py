@@ -21,6 +21,7 @@ import msgspec
 
 from kvemu.affinity import SessionAffinity
 from kvemu.clock import NS_PER_MS, Clock, ManualClock
+from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing import RoutingCore
 from kvemu.runtime.hooks import Hooks
@@ -32,9 +33,10 @@ from workers.actor import WorkerActor
 from workers.config import EngineConfig
 from workers.worker import MockWorker
 
+from harness.pools import AGGREGATED, compose_pools, worker_type_of
 from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 
-__all__ = ["Cluster", "make_policy", "engine_config", "build_router", "cluster"]
+__all__ = ["Cluster", "make_policy", "engine_config", "build_router", "pool_router", "cluster"]
 
 
 ALLOW_LOCAL_POLICIES_ENV = "KVEMU_ALLOW_LOCAL_POLICIES"
@@ -114,13 +116,22 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool)
 
 
+def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks: Hooks, **kv: Any) -> Router:
+    """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
+    block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
+    ``DisaggRouter`` passes their events on to ``hooks``). ``kv``: how it gets KV events (``build_router``)."""
+    spec = scenario.cluster
+    return build_router(scenario.router, block_size=spec.pools()[pool][2].block_size, clock=clock,
+                        seed=scenario.run.seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
+                        pool=None if pool == AGGREGATED else pool, **kv)
+
+
 def check_buildable(scenario: Scenario) -> None:
     """Build the scenario's router (routing core, policy, affinity, queue) and one worker's engines without
     starting anything: ``kvemu validate`` rejects what ``run`` would fail to build, with the same errors."""
     spec = scenario.cluster
-    for pool, (_, _, engine) in spec.pools().items():
-        build_router(scenario.router, block_size=engine.block_size, clock=ManualClock(), seed=scenario.run.seed,
-                     end=None, hooks=Hooks(), pool=None if pool == "aggregated" else pool)
+    for pool in spec.pools():
+        pool_router(scenario, pool, clock=ManualClock(), end=None, hooks=Hooks())
         MockWorker(engine_config(spec, pool), worker_id=0)
 
 
@@ -189,8 +200,6 @@ class Cluster:
         old.stop()
         self._router_scope.cancel()
         self.router = self.front = self.routers["aggregated"] = self._make_router()
-        if self.bus is not None:
-            self.bus.connect(self.router.kv_intake)
         await self._start_router(self.router)
 
     async def _start_router(self, router: Router) -> None:
@@ -219,7 +228,7 @@ class Cluster:
         wid = self._next_id
         self._next_id += 1
         _, dp_size, _ = spec.pools()[pool]
-        worker_type = spec.worker_type if pool == "aggregated" else pool
+        worker_type = worker_type_of(spec, pool)
         router = self.routers[pool]
         mock = MockWorker(engine_config(spec, pool), worker_id=wid)
         if self.mode == "virtual":
@@ -284,42 +293,48 @@ class _Started:
 
 @contextlib.asynccontextmanager
 async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterator[Cluster]:
-    """Start a router and ``scenario.cluster.workers`` workers on the running loop; stop them on exit."""
+    """Start each pool's router and its workers on the running loop (prefill worker ids first, then decode);
+    stop them on exit.
+
+    A disaggregated cluster's pools each have their own router and network (or ZeroMQ socket), chained by a
+    ``DisaggRouter``; decode workers publish their KV events to nobody, as the reference's do: the decode
+    pool places requests by load only (its KV arrives by transfer).
+    """
     c = Cluster(scenario, clock, hooks)
-    spec = scenario.cluster
-    rspec = scenario.router
-    block_size = spec.engine.block_size
-    if spec.disaggregated:
-        async with _disaggregated(c) as started:
-            yield started
-        return
-    if scenario.run.mode == "virtual":
-        assert isinstance(clock, ManualClock)
-        net = c.net = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS), wire_check=spec.kv_wire_check)
-        bus = c.bus = MemoryKvBus(vllm_version=spec.kv_events_version,
-                                  wire_check=spec.kv_wire_check)
-        end = net.router_end()
+    spec, rspec = scenario.cluster, scenario.router
+    ends: dict[str, Any] = {}
+    for pool in spec.pools():
+        if scenario.run.mode == "virtual":
+            assert isinstance(clock, ManualClock)
+            net = c.nets[pool] = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS),
+                                               wire_check=spec.kv_wire_check)
+            c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check)
+            ends[pool] = net.router_end()
+        else:
+            assert not clock.is_virtual
+            ends[pool] = ZmqRouterEnd("tcp://127.0.0.1:0")
 
-        def make() -> Router:
-            return build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=end,
-                                hooks=hooks, kv_replay=bus.replay, on_worker_removed=bus.forget)
-    else:
-        assert not clock.is_virtual
-        zmq_end = ZmqRouterEnd("tcp://127.0.0.1:0")
+    def make(pool: str) -> Router:
+        bus = c.buses.get(pool)
+        router = pool_router(scenario, pool, clock=clock, end=ends[pool], hooks=hooks,
+                             kv_replay=bus.replay if bus else None, on_worker_removed=bus.forget if bus else None,
+                             zmq_kv_events=bus is None and pool != DECODE)
+        if bus is not None and pool != DECODE:
+            bus.connect(router.kv_intake)
+        return router
 
-        def make() -> Router:
-            return build_router(rspec, block_size=block_size, clock=clock, seed=scenario.run.seed, end=zmq_end,
-                                hooks=hooks, zmq_kv_events=True)
-    c._make_router = make
-    c.router = c.front = c.routers["aggregated"] = make()
-    if c.bus is not None:
-        c.nets["aggregated"], c.buses["aggregated"] = c.net, c.bus  # type: ignore[assignment]
-        c.bus.connect(c.router.kv_intake)
+    c.routers, c.front = compose_pools(spec, make, clock=clock, hooks=hooks, retry_limit=rspec.settings().retry_limit)
+    first = next(iter(c.routers))
+    c.router = c.routers[first]
+    c.net, c.bus = c.nets.get(first), c.buses.get(first)
+    c._make_router = lambda: make(AGGREGATED)
     async with anyio.create_task_group() as tg:
         c._tg = tg
-        await c._start_router(c.router)
-        for _ in range(spec.workers):
-            await c.add_worker()
+        for router in c.routers.values():
+            await c._start_router(router)
+        for pool, (n, _, _) in spec.pools().items():
+            for _ in range(n):
+                await c.add_worker(pool)
         try:
             yield c
         finally:
@@ -327,45 +342,5 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     for wid in list(c._publishers):
         for pub in c._publishers.pop(wid):
             pub.close(drain_timeout_s=0)
-    await c.router.end.aclose()
-
-
-@contextlib.asynccontextmanager
-async def _disaggregated(c: Cluster) -> AsyncIterator[Cluster]:
-    """A prefill pool and a decode pool, each with its router and network, chained by a ``DisaggRouter``.
-
-    Virtual mode. Decode workers publish their KV events to nobody, as the reference's do: the decode pool
-    places requests by load only (its KV arrives by transfer).
-    """
-    from kvemu.disagg import DisaggRouter
-
-    scenario, clock = c.scenario, c.clock
-    spec, rspec = scenario.cluster, scenario.router
-    assert isinstance(clock, ManualClock)  # the scenario refuses a disaggregated cluster in live mode
-    for pool, (_, _, engine) in spec.pools().items():
-        net = c.nets[pool] = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS),
-                                           wire_check=spec.kv_wire_check)
-        bus = c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check)
-        router = c.routers[pool] = build_router(rspec, block_size=engine.block_size, clock=clock, seed=scenario.run.seed,
-                                                end=net.router_end(), hooks=Hooks(), kv_replay=bus.replay,
-                                                on_worker_removed=bus.forget, pool=pool)
-        if pool == "prefill":
-            bus.connect(router.kv_intake)
-    c.router = c.routers["prefill"]
-    c.net, c.bus = c.nets["prefill"], c.buses["prefill"]
-    front = c.front = DisaggRouter(c.routers["prefill"], c.routers["decode"], clock=clock, hooks=c.hooks,
-                                   retry_limit=rspec.settings().retry_limit)
-    c.routers["decode"].on_kv_pulled = front.on_kv_pulled
-    async with anyio.create_task_group() as tg:
-        c._tg = tg
-        for router in c.routers.values():
-            await c._start_router(router)
-        for pool in ("prefill", "decode"):
-            for _ in range(spec.pools()[pool][0]):
-                await c.add_worker(pool)
-        try:
-            yield c
-        finally:
-            tg.cancel_scope.cancel()
     for router in c.routers.values():
         await router.end.aclose()

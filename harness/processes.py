@@ -4,7 +4,9 @@ One ROUTER socket on the router's ``--listen`` address serves both workers (2-fr
 identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
 and get back each request's ``kvemu.RequestRecord`` when it ends; ``StatsQuery`` returns the router's view
 (ranks, per-rank load and cache, KV-event and affinity counters). Every process logs one JSON line when
-it starts, with its endpoints, and shuts down cleanly on SIGTERM.
+it starts, with its endpoints, and shuts down cleanly on SIGTERM. A disaggregated scenario's router process
+hosts its prefill and decode routers on that one socket (``harness.gate`` gives each worker its own pool's
+router) behind a ``DisaggRouter``; each worker serves the pool its ``--worker-type`` names.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import msgspec
 import zmq
 
 from kvemu.clock import NS_PER_S, WallClock
+from kvemu.disagg import DECODE
 from kvemu.http import DEFAULT_MODEL
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
@@ -48,15 +51,28 @@ from harness.chaos import (
     at_ns,
     worker_chaos,
 )
-from harness.cluster import build_router, engine_config
+from harness.cluster import engine_config, pool_router
+from harness.gate import PoolGate
+from harness.pools import (
+    AGGREGATED,
+    affinity_stats,
+    compose_pools,
+    kv_stats,
+    owner,
+    pool_sizes,
+    routing_block_size,
+    samples,
+    worker_type_of,
+)
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
 from harness.runner import count_requests, drain_deadline_s
 from harness.sessions import SessionPlayer, awaiting
-from harness.scenario import ChaosEvent, Scenario
+from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.workload import build_sessions
 
-__all__ = ["HttpOptions", "StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "loadgen_main", "log_start",
+__all__ = ["HttpOptions", "StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "worker_pool",
+           "loadgen_main", "log_start",
            "send_control", "NotStarted", "RouterUnreachable"]
 
 CLIENT = b"C"
@@ -85,6 +101,8 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     """Changes only when the router process is replaced (its counters then start again from zero)."""
     records_held: int = 0
     """Request records the router process still keeps (those of requests still open): a leak shows here."""
+    pools: dict[str, list[int]] = {}
+    """The workers registered with each pool's router: ``aggregated``, or ``prefill`` and ``decode``."""
 
 
 class RecordReply(msgspec.Struct, tag=True, kw_only=True):
@@ -172,14 +190,19 @@ class HttpOptions(msgspec.Struct, frozen=True, kw_only=True):
 async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None) -> None:
     clock = WallClock()
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
+    spec = scenario.cluster
+    recorder = Recorder(hooks, block_size=routing_block_size(spec))
     end = _SharedRouterEnd(listen)
+    routers: dict[str, Router] = {}
+    gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
 
-    def new_router() -> Router:
-        return build_router(scenario.router, block_size=scenario.cluster.engine.block_size, clock=clock,
-                            seed=scenario.run.seed, end=end, hooks=hooks, zmq_kv_events=True)
+    def new_router(pool: str) -> Router:
+        return pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks,
+                           zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
 
-    router = new_router()
+    pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,
+                                 retry_limit=scenario.router.settings().retry_limit)
+    routers.update(pools)
     instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
@@ -189,8 +212,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
         from harness.frontdoor import front_door
 
-        app = front_door(scenario, lambda: router, hooks, clock, tokenizer=http.tokenizer, model=http.model,
-                         forget=lambda rid: recorder.records.pop(rid, None))  # the client has its answer
+        assert not spec.disaggregated, "the CLI refuses --http for a disaggregated cluster"
+        app = front_door(scenario, lambda: routers[AGGREGATED], hooks, clock, tokenizer=http.tokenizer,
+                         model=http.model, forget=lambda rid: recorder.records.pop(rid, None))  # the client has its answer
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
 
@@ -203,7 +227,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             return
         in_flight.add(key)
         try:
-            await router.handle(msgspec.structs.replace(req, request_id=key))
+            ended = anyio.Event()
+            front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+            await ended.wait()
         finally:
             in_flight.discard(key)
             rec = recorder.records.pop(key, None)
@@ -212,40 +238,37 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 end.reply(peer, encode(RecordReply(record=rec)))
 
     def stats() -> Stats:
-        core = router.core
-        ranks = list(core.registry.rank_keys())
         now = clock.now_ns()
-        samples = []
-        for key in ranks:
-            rl = core.load.rank(key)
-            samples.append(Sample(now, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
-        return Stats(now_ns=now, workers=sorted(router.workers), ranks=ranks, samples=samples,
-                     kv_stats={w: s.as_dict() for w, s in sorted(router.kv_stats.items())},
-                     affinity=router.affinity.stats.as_dict() if router.affinity else None,
-                     counters=dict(recorder.counters), worker_events=recorder.worker_events,
-                     router_id=instance["id"], router_started_ns=instance["started_ns"], process_id=process_id,
-                     records_held=len(recorder.records))
+        current = list(routers.values())
+        taken = samples(current, now)
+        return Stats(now_ns=now, workers=sorted(w for r in current for w in r.workers),
+                     ranks=[(x.worker_id, x.dp_rank) for x in taken], samples=taken, kv_stats=kv_stats(current),
+                     affinity=affinity_stats(current), counters=dict(recorder.counters),
+                     worker_events=recorder.worker_events, router_id=instance["id"],
+                     router_started_ns=instance["started_ns"], process_id=process_id,
+                     records_held=len(recorder.records),
+                     pools={pool: sorted(r.workers) for pool, r in routers.items()})
 
-    scope = anyio.CancelScope()
+    scopes: dict[str, anyio.CancelScope] = {}
 
-    async def serve_current(task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        with scope:
-            await router.serve(task_status=task_status)
+    async def serve_pool(pool: str, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as scopes[pool]:
+            await routers[pool].serve(task_status=task_status)
 
     async def restart(tg: anyio.abc.TaskGroup) -> None:
-        """Chaos: the router loses all its state, as if its process had been replaced on the same address."""
-        nonlocal router, scope
-        old = router
+        """Chaos: the router loses all its state, as if its process had been replaced on the same address
+        (an aggregated cluster: ``_RouterControl`` refuses it for a disaggregated one)."""
+        nonlocal front
+        old = routers[AGGREGATED]
         old.stop("router_restart")  # each handler replies to its client
-        scope.cancel()
+        scopes[AGGREGATED].cancel()
         await anyio.sleep(0)
-        router = new_router()
-        router.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
+        front = routers[AGGREGATED] = new_router(AGGREGATED)
+        front.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
         instance.update(id=uuid.uuid4().hex[:12], started_ns=clock.now_ns())
-        scope = anyio.CancelScope()
-        await tg.start(serve_current)
+        await tg.start(serve_pool, AGGREGATED)
 
-    hooks.subscribe(lambda ev: control.on_worker_added(router, ev.worker_id), "worker_added")
+    hooks.subscribe(lambda ev: control.on_worker_added(routers, ev.worker_id), "worker_added")
 
     async def gateway(tg: anyio.abc.TaskGroup) -> None:
         async for peer, data in end.clients_rx:
@@ -258,7 +281,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             if t is StatsQuery:
                 end.reply(peer, encode(stats()))
             elif t is Control:
-                reply = control.apply(router, msg)  # type: ignore[arg-type]
+                reply = control.apply(routers, msg)  # type: ignore[arg-type]
                 end.reply(peer, encode(reply))
                 if reply.ok and msg.event.action == "restart_router":  # type: ignore[union-attr]
                     await restart(tg)
@@ -266,11 +289,13 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 tg.start_soon(handle, peer, msg)
 
     async with anyio.create_task_group() as tg:
-        await tg.start(serve_current)
+        for pool in list(routers):
+            await tg.start(serve_pool, pool)
+        tg.start_soon(gate.serve)
         tg.start_soon(gateway, tg)
         if server is not None:
             await tg.start(server.serve)
-        log_start("router", listen=end.endpoint, control=control.token is not None,
+        log_start("router", listen=end.endpoint, control=control.token is not None, pools=list(routers),
                   **({"http": server.url} if server is not None else {}))
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
@@ -278,9 +303,10 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         # drain: requests in flight (from ZeroMQ clients and over HTTP) get up to grace_s to finish, then fail
         # with router_shutdown
         with anyio.move_on_after(grace_s):
-            while in_flight or router.lifecycle.flights:
+            while in_flight or any(r.lifecycle.flights for r in routers.values()):
                 await anyio.sleep(0.01)
-        router.stop("router_shutdown")  # ends them: each handler replies to its client
+        for router in routers.values():
+            router.stop("router_shutdown")  # ends them: each handler replies to its client
         with anyio.move_on_after(1.0):
             while in_flight:
                 await anyio.sleep(0.01)
@@ -297,7 +323,8 @@ class _RouterControl:
         self.lag_ms: float | None = None
         """The KV-event lag chaos set, for workers that register later too."""
 
-    def apply(self, router: Router, msg: Control) -> ControlReply:
+    def apply(self, routers: dict[str, Router], msg: Control) -> ControlReply:
+        """Apply or forward one chaos event to the worker it names (in whichever pool it is registered)."""
         ev = msg.event
         if self.token is None:
             return ControlReply(ok=False, detail=f"this router takes no control messages: start it with "
@@ -309,23 +336,31 @@ class _RouterControl:
             return ControlReply(ok=False, detail=f"{ev.action} starts or stops a worker process: kvemu up applies it "
                                                  "(with docker-compose, scale the worker service)")
         print(json.dumps({"event": "control", "action": ev.action, "worker": ev.worker}), file=sys.stderr)
+        workers = sorted(w for r in routers.values() for w in r.workers)
         if ev.action == "restart_router":
+            if AGGREGATED not in routers:
+                return ControlReply(ok=False, detail="restart_router: restarting the routers of a disaggregated "
+                                                     "cluster is not supported yet")
             return ControlReply(ok=True, detail="restarting: the requests it holds fail with router_restart")
         if ev.action == "delay_kv_events":
             self.lag_ms = ev.lag_ms
-            for wid in sorted(router.workers):
-                router.send_chaos(wid, worker_chaos(ev))
-            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {len(router.workers)} workers "
+            for wid in workers:
+                owner(routers.values(), wid).send_chaos(wid, worker_chaos(ev))  # type: ignore[union-attr]
+            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {len(workers)} workers "
                                                 "and every later one")
-        if ev.worker is None and not router.workers:
+        if ev.worker is None and not workers:
             return ControlReply(ok=False, detail=f"{ev.action}: no worker is registered")
-        target = ev.worker if ev.worker is not None else min(router.workers)
-        why = router.send_chaos(target, worker_chaos(ev))
+        target = ev.worker if ev.worker is not None else workers[0]
+        router = owner(routers.values(), target)
+        why = (router.send_chaos(target, worker_chaos(ev)) if router is not None else
+               f"worker {target} is not registered (registered: {workers[:16]})")
         return ControlReply(ok=why is None, detail=why or f"{ev.action} sent to worker {target}")
 
-    def on_worker_added(self, router: Router, worker_id: int | None) -> None:
-        if self.lag_ms is not None and worker_id is not None:
-            router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))
+    def on_worker_added(self, routers: dict[str, Router], worker_id: int | None) -> None:
+        """A worker registered: give it the KV-event lag chaos set, if any."""
+        router = owner(routers.values(), worker_id) if worker_id is not None else None
+        if self.lag_ms is not None and router is not None:
+            router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))  # type: ignore[arg-type]
 
 
 def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: HttpOptions | None = None) -> int:
@@ -338,10 +373,10 @@ def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: Ht
 # ---------------------------------------------------------------------------------- worker
 
 
-async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size: int, kv_events: str,
+async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: str, dp_size: int, kv_events: str,
                         kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
     spec = scenario.cluster
-    cfg = msgspec.structs.replace(engine_config(spec), dp_size=dp_size)
+    cfg = msgspec.structs.replace(engine_config(spec, pool), dp_size=dp_size)
     mock = MockWorker(cfg, worker_id=worker_id)
     pubs = [KvEventPublisher(kv_events, replay_endpoint=kv_replay, dp_rank=r, bind=True,
                              vllm_version=spec.kv_events_version) for r in range(dp_size)]
@@ -349,7 +384,7 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size
     actor = WorkerActor(mock, end, WallClock(), pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
                         kv_endpoints=[_reachable(p.endpoint) for p in pubs],
                         kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
-                        worker_type=spec.worker_type)
+                        worker_type=worker_type_of(spec, pool))
     actor.on_chaos = lambda msg, why: print(json.dumps({"event": "chaos_applied", "worker_id": worker_id,
                                                         "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
                                             file=sys.stderr, flush=True)
@@ -366,7 +401,7 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, dp_size
             tg.start_soon(actor.run)
             if server is not None:
                 await tg.start(server.serve)
-            log_start("worker", worker_id=worker_id, router=router, kv_events=[p.endpoint for p in pubs],
+            log_start("worker", worker_id=worker_id, pool=pool, router=router, kv_events=[p.endpoint for p in pubs],
                       kv_replay=[p.replay_endpoint for p in pubs],
                       **({"http": server.url} if server is not None else {}))
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -386,13 +421,32 @@ def _reachable(endpoint: str) -> str:
     return endpoint.replace("0.0.0.0", "127.0.0.1").replace("tcp://*", "tcp://127.0.0.1")
 
 
+def worker_pool(scenario: Scenario, worker_type: str | None) -> str:
+    """The pool a ``kvemu worker --worker-type`` serves: the aggregated pool by default, or the pool it names of
+    a disaggregated cluster (where it is required). ``ScenarioError`` naming the flag otherwise."""
+    pools = list(scenario.cluster.pools())
+    if worker_type is None and len(pools) == 1:
+        return pools[0]
+    if worker_type in pools:
+        return worker_type
+    choices = " or ".join(f"--worker-type {p}" for p in pools)
+    if worker_type is None:
+        raise ScenarioError(f"the scenario's cluster is disaggregated (cluster.prefill, cluster.decode): say which "
+                            f"pool this worker serves with {choices}")
+    raise ScenarioError(f"--worker-type {worker_type}: the scenario's cluster has no {worker_type} pool (its pools: "
+                        f"{', '.join(pools)}); " + ("drop --worker-type" if pools == [AGGREGATED] else f"use {choices}"))
+
+
 def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_size: int | None,
-                kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None) -> int:
-    """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given)."""
+                kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None,
+                worker_type: str | None = None) -> int:
+    """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given);
+    ``worker_type`` picks the pool (its engine and DP size) of a disaggregated cluster (``worker_pool``)."""
+    pool = worker_pool(scenario, worker_type)
     tune_gc()
     wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
-    run_live(lambda: _serve_worker(scenario, router, wid, dp_size or scenario.cluster.dp_size, kv_events,
-                                   kv_replay, grace_s, http))
+    run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
+                                   kv_events, kv_replay, grace_s, http))
     return 0
 
 
@@ -614,9 +668,9 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
                    partial=run.partial,
                    stop_reason=client.lost or run.stopped or ("drain_timeout" if run.partial else None),
-                   block_size=scenario.cluster.engine.block_size, ranks=final.ranks, samples=samples,
+                   block_size=routing_block_size(scenario.cluster), ranks=final.ranks, samples=samples,
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
-                   failures=_failures(records), worker_events=run.worker_events())
+                   failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster))
     return write_report(data, outdir)
 
 

@@ -22,7 +22,8 @@ from kvemu.tuning import tune_gc
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
-from harness.report import RunData, Sample, prepare_outdir, write_report
+from harness.pools import affinity_stats, kv_stats, pool_sizes, routing_block_size, samples
+from harness.report import RunData, prepare_outdir, write_report
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import SessionPlayer
 from harness.workload import Session, build_sessions
@@ -77,7 +78,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=scenario.cluster.engine.block_size)
+    recorder = Recorder(hooks, block_size=routing_block_size(scenario.cluster))
     for observer in observers:
         hooks.subscribe(observer)
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
@@ -111,10 +112,10 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         records=sorted(recorder.records.values(), key=lambda r: (r.arrival_ns, r.request_id)),
         scenario_name=scenario.name, mode=scenario.run.mode, seed=scenario.run.seed,
         wall_time_ns=time.perf_counter_ns() - wall0, partial=state["partial"], stop_reason=state.get("stop_reason"),
-        block_size=scenario.cluster.engine.block_size, ranks=sorted(state["ranks"]), samples=state["samples"],
+        block_size=routing_block_size(scenario.cluster), ranks=sorted(state["ranks"]), samples=state["samples"],
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
-        pools={pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in scenario.cluster.pools().items()},
+        pools=pool_sizes(scenario.cluster),
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
@@ -164,10 +165,10 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 tg.cancel_scope.cancel()
         finally:
             routers = list(c.routers.values())
-            state["kv_stats"] = {w: s.as_dict() for r in routers for w, s in sorted(r.kv_stats.items())}
-            tables = [r.affinity.stats.as_dict() for r in routers if r.affinity is not None]
-            if tables:  # a disaggregated cluster binds sessions once per pool: the counters add up
-                state["affinity"] = {k: sum(t[k] for t in tables) for k in tables[0]}
+            state["kv_stats"] = kv_stats(routers)
+            affinity = affinity_stats(routers)
+            if affinity is not None:
+                state["affinity"] = affinity
             state["ranks"].update(c.ranks())
 
 
@@ -177,14 +178,9 @@ def drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
 
 
 def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:
-    now = clock.now_ns()
-    samples: list[Sample] = state["samples"]
-    for router in c.routers.values():
-        core = router.core
-        for key in core.registry.rank_keys():
-            state["ranks"].add(key)
-            rl = core.load.rank(key)
-            samples.append(Sample(now, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+    taken = samples(c.routers.values(), clock.now_ns())
+    state["ranks"].update((x.worker_id, x.dp_rank) for x in taken)
+    state["samples"].extend(taken)
 
 
 async def _sample(c: Cluster, state: dict[str, Any], recorder: Recorder, progress: Progress | None, total: int,

@@ -299,9 +299,6 @@ class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
         if not _NAME.fullmatch(self.name):
             raise InvalidArgument(f"{self.name!r} is not a plain name: up to 100 letters, digits, '.', '_' or '-', "
                                   "starting with a letter or digit (it names the output directory)", field="name")
-        if self.cluster.disaggregated and self.run.mode != "virtual":
-            raise InvalidArgument("a disaggregated cluster (cluster.prefill, cluster.decode) runs in virtual mode only "
-                                  "so far", field="run.mode")
         _check_chaos(self)
         if isinstance(self.workload, SyntheticWorkload):
             _check_synthetic(self.workload, self.run)

@@ -184,9 +184,20 @@ class _Stack:
         self.next_id = 0
         self.live: list[int] = []
 
-    def add_worker(self) -> None:
+    def start_workers(self, scenario: Scenario) -> int:
+        """The scenario's workers, pool by pool (a disaggregated cluster's prefill ids first, then decode, as in
+        virtual mode); returns how many."""
+        pools = scenario.cluster.pools()
+        for pool, (n, _, _) in pools.items():
+            for _ in range(n):
+                self.add_worker(None if pool == "aggregated" else pool)
+        return sum(n for n, _, _ in pools.values())
+
+    def add_worker(self, worker_type: str | None = None) -> None:
+        """One more worker process (of the pool ``worker_type`` names, for a disaggregated cluster)."""
         wid = self.next_id
-        info = self.kids.start(f"worker-{wid}", ["worker", "--router", self.router, "--worker-id", str(wid),
+        pool = ["--worker-type", worker_type] if worker_type else []
+        info = self.kids.start(f"worker-{wid}", ["worker", "--router", self.router, "--worker-id", str(wid), *pool,
                                                  "--kv-events", "tcp://127.0.0.1:0", "--kv-replay",
                                                  "tcp://127.0.0.1:0", *self.worker_http, *self.config])
         self.worker_info.append({k: info.get(k) for k in ("worker_id", "kv_events", "kv_replay", "http")})
@@ -200,8 +211,7 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
     kids = Children()
     try:
         stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http)
-        for _ in range(scenario.cluster.workers):
-            stack.add_worker()
+        stack.start_workers(scenario)
         print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router,
                           "workers": scenario.cluster.workers, "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
                           "worker_info": stack.worker_info}), flush=True)
@@ -237,13 +247,13 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
     try:
         token = secrets.token_hex(16)  # the router's control channel answers this process alone
         stack = _Stack(kids, config, http or [], token, worker_http)
-        router, live, add_worker = stack.router, stack.live, stack.add_worker
-        for _ in range(scenario.cluster.workers):
-            add_worker()
+        router, live = stack.router, stack.live
+        workers = stack.start_workers(scenario)
+        added = None if not scenario.cluster.disaggregated else "decode"  # add_worker adds to the last pool
         if stack.http:
             print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
         loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir), "--chaos", "skip",
-                                               "--expect-workers", str(scenario.cluster.workers), *config),
+                                               "--expect-workers", str(workers), *config),
                                    env=cli_env(), preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
         chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
@@ -253,7 +263,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
             while chaos and chaos[0].at_s <= now:
                 ev = chaos.pop(0)
                 if ev.action == "add_worker":
-                    add_worker()
+                    stack.add_worker(added)
                 elif ev.action == "remove_worker":  # validation checked the target is running then
                     target = ev.worker if ev.worker is not None else min(live)
                     live.remove(target)

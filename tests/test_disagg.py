@@ -280,8 +280,7 @@ def test_disaggregated_requests_conserve_blocks_across_pools(specs):
 
 def test_what_disaggregated_clusters_cannot_do_yet_is_refused_before_running():
     two = "cluster: {prefill: {workers: 2, dp_size: 2}, decode: {workers: 3}}\n"
-    with pytest.raises(ScenarioError, match="virtual mode only"):
-        parse_scenario(two + "run: {mode: live}\n")
+    assert parse_scenario(two + "run: {mode: live}\n").run.mode == "live"  # tests/test_live_disagg.py runs it
     with pytest.raises(ScenarioError, match="restarting the routers of a disaggregated cluster"):
         parse_scenario(two + "chaos: [{at_s: 1, action: restart_router}]\n")
     with pytest.raises(ScenarioError, match=r"worker 2 has 1 DP ranks"):  # ids: prefill 0-1 (dp 2), decode 2-4

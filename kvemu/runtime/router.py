@@ -328,6 +328,10 @@ class Router:
             return f"worker {wid}: at most 64 taints of <= 128 characters"
         return None
 
+    def serves_peer(self, peer: bytes) -> bool:
+        """Whether ``peer`` (a transport identity) is the connection of a worker registered here."""
+        return peer in self._peers
+
     def send_chaos(self, worker_id: int, msg: Chaos) -> str | None:
         """Ask a registered worker to apply a fault to itself (chaos on real processes); returns why not, or None."""
         state = self.workers.get(worker_id)

@@ -1,0 +1,80 @@
+"""A cluster's pools as one: composing the pool routers behind their front, and reading them as one view.
+
+Shared by the in-process cluster (``harness.cluster``, virtual or live) and the router process
+(``harness.processes``): an aggregated cluster has one router, a disaggregated one a prefill and a decode
+router chained by a ``DisaggRouter``. Worker ids are unique across pools (prefill first, then decode), so a
+worker id names its pool's router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvemu.clock import Clock
+from kvemu.disagg import DECODE, PREFILL, DisaggRouter
+from kvemu.runtime.hooks import Hooks
+from kvemu.runtime.router import Router
+
+from harness.report import Sample
+from harness.scenario import ClusterSpec
+
+__all__ = ["AGGREGATED", "pool_sizes", "routing_block_size", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",
+           "affinity_stats"]
+
+AGGREGATED = "aggregated"
+
+
+def pool_sizes(spec: ClusterSpec) -> dict[str, dict[str, int]]:
+    """``pool -> {"workers", "dp_size"}`` as the report's ``RunData.pools`` wants it."""
+    return {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in spec.pools().items()}
+
+
+def routing_block_size(spec: ClusterSpec) -> int:
+    """The block size the report and the recorder count in: the first pool's (aggregated, or prefill: the pool
+    that matches prompt prefixes)."""
+    return next(iter(spec.pools().values()))[2].block_size
+
+
+def worker_type_of(spec: ClusterSpec, pool: str) -> str:
+    """The type a worker of ``pool`` registers as (an aggregated pool's is ``cluster.worker_type``)."""
+    return spec.worker_type if pool == AGGREGATED else pool
+
+
+def compose_pools(spec: ClusterSpec, make: Callable[[str], Router], *, clock: Clock, hooks: Hooks,
+                  retry_limit: int) -> tuple[dict[str, Router], Any]:
+    """Each pool's router (``make(pool)``) and the front requests go to: the router of an aggregated cluster,
+    or a ``DisaggRouter`` over the prefill and decode routers (told which decode rank pulled its KV)."""
+    routers = {pool: make(pool) for pool in spec.pools()}
+    if not spec.disaggregated:
+        return routers, routers[AGGREGATED]
+    front = DisaggRouter(routers[PREFILL], routers[DECODE], clock=clock, hooks=hooks, retry_limit=retry_limit)
+    routers[DECODE].on_kv_pulled = front.on_kv_pulled
+    return routers, front
+
+
+def owner(routers: Iterable[Router], worker_id: int) -> Router | None:
+    """The router a worker is registered with, if any."""
+    return next((r for r in routers if worker_id in r.workers), None)
+
+
+def samples(routers: Iterable[Router], now_ns: int) -> list[Sample]:
+    """One sample of every registered rank of every pool."""
+    out = []
+    for router in routers:
+        core = router.core
+        for key in core.registry.rank_keys():
+            rl = core.load.rank(key)
+            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+    return out
+
+
+def kv_stats(routers: Iterable[Router]) -> dict[int, dict[str, int]]:
+    """KV-event counters per worker id, over every pool."""
+    return {w: s.as_dict() for r in routers for w, s in sorted(r.kv_stats.items())}
+
+
+def affinity_stats(routers: Iterable[Router]) -> dict[str, int] | None:
+    """Session-affinity counters summed over the pools (each binds sessions once); None without affinity."""
+    tables = [r.affinity.stats.as_dict() for r in routers if r.affinity is not None]
+    return {k: sum(t[k] for t in tables) for k in tables[0]} if tables else None
