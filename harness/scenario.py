@@ -154,6 +154,10 @@ class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
             if ranks > MAX_RANKS:
                 raise InvalidArgument(f"the pools' {ranks} DP ranks are more than the {MAX_RANKS} ranks a scenario "
                                       "may start", field="decode")
+            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+                if pool.engine.backend == "sglang":
+                    raise InvalidArgument("the SGLang flavour runs no disaggregated "
+                                          "pools yet; use vllm or trtllm there", field=f"{name}.engine.backend")
         if self.workers * self.dp_size > MAX_RANKS:
             raise InvalidArgument(f"{self.workers} workers x {self.dp_size} DP ranks is more than the {MAX_RANKS} "
                                   "ranks a scenario may start", field="workers")

@@ -287,3 +287,5 @@ def test_what_disaggregated_clusters_cannot_do_yet_is_refused_before_running():
         parse_scenario(two + "chaos: [{at_s: 1, action: kill_rank, worker: 2, dp_rank: 1}]\n")
     parse_scenario(two + "chaos: [{at_s: 1, action: kill_rank, worker: 1, dp_rank: 1}, {at_s: 2, action: add_worker},"
                          " {at_s: 3, action: remove_worker, worker: 5}]\n")
+    with pytest.raises(ScenarioError, match=r"cluster.decode.engine.backend.*SGLang flavour runs no disaggregated"):
+        parse_scenario("cluster: {prefill: {workers: 1}, decode: {workers: 1, engine: {backend: sglang}}}\n")

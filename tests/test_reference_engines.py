@@ -46,6 +46,55 @@ VLLM_CASES = {
 }
 
 
+SGLANG_CASES = {
+    "one request": (rows((0, 1000, 5, [1, 2])), {}),
+    "extend pass starves decodes": (rows((0, 1000, 20, [1, 2]), (50, 2000, 3, [3, 4, 5, 6])), {}),
+    "floored batch means": (rows((0, 1000, 3, [1, 2]), (0, 1001, 3, [3, 4])), {}),
+    "chunk budget": (rows((0, 600, 2, [1, 2]), (0, 600, 2, [3, 4])), {"sglang": {"chunked_prefill_size": 1000}}),
+    "max_prefill_tokens": (rows((0, 600, 2, [1, 2]), (0, 600, 2, [3, 4])), {"sglang": {"max_prefill_tokens": 1000}}),
+    "ratio-gated admission": (rows((0, 6000, 4000, list(range(1, 13))), (100, 8000, 10, list(range(21, 37)))), {}),
+    "chunks do not decay the ratio": (rows((0, 12000, 4000, list(range(1, 25))), (300, 2000, 10, [101, 102, 103, 104])),
+                                      {"sglang": {"chunked_prefill_size": 2048}}),
+    "retraction keeps the cache": (rows((0, 6000, 3000, list(range(1, 13))), (10, 6000, 3000, list(range(101, 113)))), {}),
+    "retraction tie": (rows((0, 5000, 4000, list(range(1, 11))), (0, 6000, 4000, list(range(101, 113)))), {}),
+    "lru tail eviction": (rows((0, 1000, 1, [1, 2]), (100, 1000, 1, [3, 4]), (200, 1000, 1, [1, 2]),
+                               (300, 1500, 1, [5, 6, 7]), (400, 1000, 1, [3, 4]), (500, 1000, 1, [1, 2])),
+                          {"num_gpu_blocks": 3000}),
+    "pages of 16": (rows((0, 1000, 1, [1, 2]), (100, 1000, 1, [3, 4]), (200, 1000, 1, [1, 2]), (300, 1500, 1, [5, 6, 7]),
+                         (400, 1000, 1, [3, 4]), (500, 1000, 1, [1, 2])), {"num_gpu_blocks": 200, "block_size": 16}),
+    "lpm": (rows((0, 1024, 1, [1, 2]), (100, 500, 50, [50]), (200, 600, 1, [60, 61]), (300, 1500, 1, [1, 2, 3])),
+            {"max_num_seqs": 1, "sglang": {"schedule_policy": "lpm"}}),
+    "prefill_decode_interval": (rows((0, 1000, 20, [1, 2]), (1, 2000, 3, [3, 4, 5, 6]), (2, 500, 3, [7])),
+                                {"sglang": {"prefill_decode_interval": 3}}),
+    "no prefix caching": (rows((0, 1024, 1, [1, 2]), (100, 1024, 1, [1, 2])), {"enable_prefix_caching": False}),
+    "speedup ratios": (rows((0, 1000, 20, [1, 2]), (50, 2000, 3, [3, 4, 5, 6])),
+                       {"speedup_ratio": 2.0, "decode_speedup_ratio": 4.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(SGLANG_CASES))
+def test_sglang_matches_the_reference_request_by_request(dynamo_core, tmp_path, case):
+    trace_rows, engine = SGLANG_CASES[case]
+    engine = dict(engine, backend="sglang")
+    trace = write_trace(tmp_path, trace_rows)
+    assert_same(kvemu_outcomes(trace, engine), reference_outcomes(dynamo_core, trace, engine))
+
+
+def test_sglang_matches_the_reference_on_a_mooncake_slice(dynamo_core, tmp_path):
+    """The first 300 rows of the trace with at most 8,000 input tokens (where the reference completes), 16 workers."""
+    import json
+    from pathlib import Path
+
+    mooncake_trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+    if not mooncake_trace.is_file():
+        pytest.skip(f"the Mooncake trace is not at {mooncake_trace}")
+    kept = [line for line in mooncake_trace.read_text().splitlines() if json.loads(line)["input_length"] <= 8000][:300]
+    trace = tmp_path / "short.jsonl"
+    trace.write_text("\n".join(kept) + "\n")
+    engine = {"backend": "sglang"}
+    assert_same(kvemu_outcomes(trace, engine, workers=16), reference_outcomes(dynamo_core, trace, engine, workers=16))
+
+
 @pytest.mark.parametrize("case", list(VLLM_CASES))
 def test_vllm_matches_the_reference_request_by_request(dynamo_core, tmp_path, case):
     trace_rows, engine, trace_block_size = VLLM_CASES[case]
