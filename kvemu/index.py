@@ -466,13 +466,28 @@ class PrefixIndex:
         return tail
 
     def _try_merge(self, seg: _Seg) -> None:
-        """Absorb ``seg``'s only child while both have the same holders (keeps runs maximal)."""
+        """Join ``seg`` and its only child while both have the same holders (keeps runs maximal).
+
+        The shorter run moves into the longer one, so only its blocks are re-mapped: evicting a shared run
+        block by block (1-token pages) re-merges a long private tail each time otherwise."""
         if seg is self._root:
             return
         while len(seg.children) == 1:
             (child,) = seg.children.values()
             if child.workers != seg.workers:
                 return
+            if len(child.seqs) > len(seg.seqs):  # the child takes ``seg``'s place, ``seg``'s blocks first
+                child.locs[:0] = seg.locs
+                child.seqs[:0] = seg.seqs
+                child.exts[:0] = seg.exts
+                self._blocks.update(dict.fromkeys(seg.seqs, child))
+                parent = seg.parent
+                parent.children[child.locs[0]] = child  # type: ignore[union-attr]  # (seg's key: its first block)
+                child.parent = parent
+                seg.parent = None
+                seg.children = {}
+                seg = child
+                continue
             seg.locs.extend(child.locs)
             seg.seqs.extend(child.seqs)
             seg.exts.extend(child.exts)
