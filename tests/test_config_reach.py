@@ -19,7 +19,7 @@ from kvemu.runtime.messages import ClientRequest
 from kvemu.runtime.router import RouterSettings
 from pathlib import Path
 
-from workers.config import EngineConfig, InterpolatedTimingSpec
+from workers.config import EngineConfig, InterpolatedTimingSpec, SglangConfig
 
 from harness.cluster import cluster
 from harness.scenario import parse_scenario
@@ -80,6 +80,8 @@ ENGINE_VALUES = {
     "kv_transfer_bytes_per_token": 131072,
     "kv_transfer_timing_mode": "destination_missing",
     "timing_model": InterpolatedTimingSpec(path=str(Path(__file__).parent / "data" / "tiny-profile.csv")),
+    "sglang": SglangConfig(schedule_policy="lpm", max_prefill_tokens=4096, chunked_prefill_size=2048,
+                           clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
 }
 SINGLE_VALUED = {"trtllm"}
 """Sections whose knobs take one value only (the reference's), so no non-default value exists."""
