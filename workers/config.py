@@ -17,7 +17,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "DEFAULT_BLOCK_SIZE",
-           "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec"]
+           "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -52,6 +52,32 @@ class TrtllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     capacity_scheduler_policy: Literal["guaranteed_no_evict"] = "guaranteed_no_evict"
     """Admit a request only once its whole KV (prompt + max output) is reserved; never preempt."""
+
+
+Gbps = Annotated[float, Meta(ge=0, le=1e6)]
+
+
+class HostOffloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A host-memory KV tier (vLLM's CPU offloading; the reference's ``native_host_offload``; workers/host_tier.py).
+
+    Newly full prompt blocks are copied to host memory (device to host) and loaded back (host to device)
+    when a later prompt misses them on the GPU; a transfer of n blocks takes ``latency_to_first_byte_ms``
+    + n x block bytes / bandwidth on one first-in-first-out lane per direction.
+    """
+
+    num_host_blocks: Count
+    """Host capacity, in engine blocks."""
+    d2h_bandwidth_gbps: Gbps = 32.0
+    """Device-to-host (store) bandwidth in decimal GB/s; 0 means instantaneous."""
+    h2d_bandwidth_gbps: Gbps = 32.0
+    """Host-to-device (load) bandwidth in decimal GB/s; 0 means instantaneous."""
+    latency_to_first_byte_ms: Annotated[float, Meta(ge=0, le=1e6)] = 0.0
+    """Added before each transfer starts."""
+    scope: Literal["dp_rank_local"] = "dp_rank_local"
+    """Each DP rank has its own host tier (the reference's ``cluster_shared`` scope is not emulated)."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -89,12 +115,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """How long a pass takes: ``{type: polynomial}`` (the reference's default) or ``{type: interpolated, path}``."""
     trtllm: TrtllmConfig = TrtllmConfig()
     """TRT-LLM flavour knobs (used when ``backend`` is trtllm)."""
+    kv_cache_bytes_per_token: Annotated[int, Meta(ge=1, le=1 << 40)] | None = None
+    """KV bytes per token on this rank; sizes host-tier blocks (``native_host_offload`` requires it)."""
+    native_host_offload: HostOffloadConfig | None = None
+    """A host-memory KV tier behind the GPU pool (vLLM backend with prefix caching only); None: off."""
 
     def __post_init__(self) -> None:
         check_struct(self)
         if self.backend == "sglang":
             raise InvalidArgument("backend: sglang is not emulated yet (its radix cache, prefill-or-decode passes and "
                                   "retraction); use vllm or trtllm", field="backend")
+        if self.native_host_offload is not None:
+            self._check_host_offload()
         if self.block_size is None:
             msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -103,6 +135,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"({self.max_num_seqs}) so every running request can decode in one pass",
                 field="max_num_batched_tokens",
             )
+
+    def _check_host_offload(self) -> None:
+        """The reference's cross-checks of ``native_host_offload``."""
+        if self.backend != "vllm":
+            raise InvalidArgument(f"native_host_offload: supported only with backend vllm, got {self.backend!r}",
+                                  field="native_host_offload")
+        if not self.enable_prefix_caching:
+            raise InvalidArgument("native_host_offload: needs enable_prefix_caching true (host blocks are found by "
+                                  "their prefix hashes)", field="native_host_offload")
+        if self.kv_cache_bytes_per_token is None:
+            raise InvalidArgument("native_host_offload: needs kv_cache_bytes_per_token (it sizes the host blocks "
+                                  "and their transfers)", field="kv_cache_bytes_per_token")
 
     @property
     def capacity_tokens(self) -> int:

@@ -50,6 +50,7 @@ class SeqState:
         "prefilling",
         "status",
         "order",
+        "host_load",
         "_out_ids",
         "_out_base",
     )
@@ -84,6 +85,8 @@ class SeqState:
         self.prefilling = True
         self.status = FUTURE
         self.order = order
+        self.host_load: tuple[int, int] | None = None
+        """Host offload: (first block, count) loaded from the host tier for its next admission."""
         self._out_ids = req.output_token_ids
         # below 2**31, so base + i stays a valid u32 token id for any output length that fits a pool
         self._out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), 0) & 0x7FFFFFFF
