@@ -149,9 +149,12 @@ def test_lookup_stops_at_the_first_missing_block_and_reports_a_store_to_wait_for
 # ------------------------------------------------------------------------------------------ engine
 
 
-def run(eng: EngineCore, reqs: list[Request]) -> list:
+def run(eng: EngineCore, reqs: list[Request], records: list | None = None) -> list:
+    """Step every pass; returns the KV events of each (``records`` receives the requests' live records)."""
     for r in reqs:
-        eng.add_request(r)
+        rec = eng.add_request(r)
+        if records is not None:
+            records.append(rec)
     batches = []
     while (s := eng.next_pass_start_ns()) is not None:
         res = eng.step(s)
@@ -170,13 +173,8 @@ def test_an_evicted_prompt_comes_back_from_the_host_with_cpu_events():
     reqs = [Request(request_id="a", token_ids=prompt(1, 2), max_tokens=2, arrival_ns=0),
             Request(request_id="b", token_ids=prompt(3, 4, 5)[:1216], max_tokens=2, arrival_ns=1000 * MS),
             Request(request_id="c", token_ids=prompt(1, 2), max_tokens=2, arrival_ns=2000 * MS)]
-    records = [eng.add_request(r) for r in reqs]
-    batches = []
-    while (s := eng.next_pass_start_ns()) is not None:
-        res = eng.step(s)
-        eng.check_invariants()
-        if res.events is not None:
-            batches.append(res.events)
+    records: list = []
+    batches = run(eng, reqs, records)
     c = records[2]
     assert c.admitted_ns == 2016 * MS  # 16 blocks loaded at 1 ms each
     assert (c.engine_cached_tokens, c.engine_host_cached_tokens) == (960, 960)
