@@ -94,7 +94,7 @@ class HostTier:
             if n > self.capacity:
                 continue  # can never fit (the reference retries it forever)
             over = len(resident) + len(pending) + n - self.capacity
-            if over > 0 and not self._evict(over):
+            if over > 0 and not self._evict(over, hashes):
                 self.staged[source] = (hashes, first)  # retried at the next pass boundary
                 continue
             lo = keep[0]  # one store per contiguous run of the cohort
@@ -113,10 +113,12 @@ class HostTier:
                 parent = hashes[lo - 1] if lo else (source.hashes[idx - 1] if idx else None)  # type: ignore[attr-defined]
                 self.stores.append((end, run, parent, source, idx))
 
-    def _evict(self, n: int) -> bool:
-        """Evict ``n`` resident unpinned blocks, least recent first (ties by hash); False (nothing done) if fewer."""
+    def _evict(self, n: int, cohort: Sequence[int]) -> bool:
+        """Evict ``n`` resident blocks, neither pinned nor in ``cohort`` (the store being admitted), least
+        recent first (ties by hash); False (nothing done) if fewer."""
         resident, pins, lru = self.resident, self.pins, self._lru
-        if len(resident) - len(pins) < n:  # pinned blocks are resident
+        kept = {h for h in cohort if h in resident and h not in pins}
+        if len(resident) - len(pins) - len(kept) < n:  # pinned blocks are resident
             return False
         victims: list[int] = []
         skipped: list[tuple[int, int, int]] = []
@@ -125,7 +127,7 @@ class HostTier:
             h = entry[2]
             if resident.get(h) != entry[0]:
                 continue  # touched again, or gone
-            if h in pins:
+            if h in pins or h in kept:
                 skipped.append(entry)
                 continue
             victims.append(h)
@@ -155,6 +157,22 @@ class HostTier:
         for h in hashes:
             resident[h] = epoch
             heapq.heappush(lru, (epoch, h - _TWO_64 if h >= _I64_LIMIT else h, h))
+
+    def touch_prompt(self, hashes: Sequence[int], n: int) -> None:
+        """A lookup of a prompt whose first ``n`` blocks are ``hashes[:n]``: its resident unpinned blocks are
+        used again, last block first, one epoch each (so its first block is the most recent)."""
+        resident, pins, lru = self.resident, self.pins, self._lru
+        epoch = self._epoch
+        for i in range(n - 1, -1, -1):
+            h = hashes[i]
+            if h in resident and h not in pins:
+                epoch += 1
+                resident[h] = epoch
+                heapq.heappush(lru, (epoch, h - _TWO_64 if h >= _I64_LIMIT else h, h))
+        self._epoch = epoch
+        if len(lru) > 4 * len(resident) + 4096:  # drop the stale entries touches leave behind
+            self._lru = [(e, h - _TWO_64 if h >= _I64_LIMIT else h, h) for h, e in resident.items()]
+            heapq.heapify(self._lru)
 
     def fence_ns(self, victims: Sequence[int]) -> int:
         """When the last store of these evicted GPU blocks ends (0: none is being stored)."""

@@ -260,11 +260,14 @@ class Scheduler:
         nf = upto // self.block_size
         if nf > seq.n_full:
             self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
-            if self.host is not None and seq.prefilling:  # newly full prompt blocks are stored to the host
-                hi = min(nf, seq.prompt_len // self.block_size)
-                if hi > seq.n_full:
-                    self.host.stage(seq, seq.hashes, seq.n_full, hi)
             seq.n_full = nf
+        if self.host is not None and seq.prefilling:
+            # vLLM's store cursor: the prompt blocks the request holds past it, found on the GPU or loaded from
+            # the host as well as computed, are one cohort (the host stores those it lacks)
+            hi = min(nf, seq.prompt_len // self.block_size)
+            if hi > seq.host_stored:
+                self.host.stage(seq, seq.ensure_hashes(hi), seq.host_stored, hi)
+                seq.host_stored = hi
 
     def _preempt_until(self, seq: SeqState, need: int, sched: Schedule) -> int:
         """Preempt victims until ``need`` blocks are available or ``seq`` itself was preempted; returns budget freed."""
@@ -319,7 +322,7 @@ class Scheduler:
             extra = 0  # blocks loaded from the host tier, right after the GPU prefix
             if host is not None:
                 if seq.host_load is None:
-                    if self._load(seq, hits, total // bs, now_ns):
+                    if self._load(seq, hits, limit, now_ns):
                         continue  # it waits for its host blocks; the next one may go ahead
                 else:
                     first, k = seq.host_load
@@ -371,12 +374,18 @@ class Scheduler:
                 sched.decodes += 1
             budget -= n
 
-    def _load(self, seq: SeqState, lo: int, hi: int, now_ns: int) -> bool:
-        """Host lookup for the queue head past its GPU prefix of ``lo`` blocks: loads the resident blocks that
-        follow it, or waits for a store one of them awaits. Returns whether it left the queue to do so."""
+    def _load(self, seq: SeqState, hits: int, limit: int, now_ns: int) -> bool:
+        """Host lookup for the queue head past its whole GPU prefix (``hits`` blocks, capped at ``limit``: a
+        last prompt block on the GPU that vLLM recomputes is not looked up); loads the resident blocks that
+        follow it, or waits for a store one of them awaits. Every lookup touches the resident prompt blocks,
+        last first (vLLM's LRU policy). Returns whether it left the queue to do so."""
         host = self.host
         assert host is not None
-        n, wait = host.lookup(seq.ensure_hashes(hi), lo, hi) if lo < hi else (0, 0)
+        hi = seq.prompt_len // self.block_size
+        hashes = seq.ensure_hashes(hi)
+        lo = hits + 1 if hits == limit < hi and hashes[hits] in self.pool.cached else hits
+        n, wait = host.lookup(hashes, lo, hi) if lo < hi else (0, 0)
+        host.touch_prompt(hashes, hi)
         if not n and not wait:
             return False
         heapq.heappop(self.waiting)
