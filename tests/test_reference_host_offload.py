@@ -32,6 +32,7 @@ def offload(host_blocks: int = 100, d2h: float = 0.064, h2d: float = 0.064, **ex
 
 
 EVICT = ((0, 1024, 2, [1, 2]), (1000, 1216, 2, [3, 4, 5]))
+TOUCHED = ((0, 1024, 2, [1, 2]), (1000, 1024, 2, [1, 2]), (2000, 1024, 2, [5, 6]), (3000, 1024, 2, [1, 2]))
 
 CASES = {
     "evicted prompt loaded from the host": (rows(*EVICT, (2000, 1024, 2, [1, 2])), offload()),
@@ -50,6 +51,18 @@ CASES = {
     "others overtake a load": (rows(*EVICT, (2000, 1024, 2, [1, 2]), (2001, 128, 2, [9])), offload()),
     "first-byte latency": (rows(*EVICT, (2000, 1024, 2, [1, 2])), offload(latency_to_first_byte_ms=5.0)),
     "instant links": (rows(*EVICT, (2000, 1024, 2, [1, 2]), (2000, 512, 3, [1])), offload(d2h=0.0, h2d=0.0)),
+    # a prompt wholly on the GPU loads nothing, though vLLM recomputes its last block (which the host holds)
+    "a GPU hit on every prompt block": (rows((0, 1024, 2, [1, 2]), (1000, 1024, 2, [1, 2])), offload()),
+    # the lookup of a GPU hit touches the prompt's host copies, last block first, so a later store evicts
+    # their tail: the prompt comes back with more of it on the host than a store-order LRU would leave
+    "a GPU hit refreshes the host copies, tail first": (rows(*TOUCHED), offload(24)),
+    "a GPU hit refreshes the host copies, tail first (host of 28)": (rows(*TOUCHED), offload(28)),
+    "a partial GPU hit refreshes its own blocks": (rows((0, 1024, 2, [1, 2]), (1000, 1100, 2, [1, 2, 9]),
+                                                        (2000, 1024, 2, [5, 6]), (3000, 1024, 2, [1, 2])), offload(24)),
+    # the store cursor starts at the first block: a GPU hit re-stores the host copies another store evicted
+    "a GPU hit re-stores what the host lost": (
+        rows((0, 1024, 2, [1, 2]), (1000, 1024, 2, [5, 6]), (2000, 1024, 2, [1, 2]),
+             (3000, 2496, 2, [11, 12, 13, 14, 15]), (4000, 1024, 2, [1, 2])), {**offload(24), "num_gpu_blocks": 40}),
 }
 
 
