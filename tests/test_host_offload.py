@@ -245,3 +245,22 @@ def test_fast_forward_equals_stepwise_with_host_offload(work, host_blocks, gbps,
     assert ff[1] == ref[1]  # KV event batches (GPU and CPU), in order, with their timestamps
     assert ff[2:] == ref[2:]
     assert MAX_TIME_NS > 0
+
+
+def test_tier_index_counts_blocks_past_a_start_and_removes_only_what_is_named():
+    from kvemu.hashing import sequence_hashes
+    from kvemu.tier_index import TierIndex
+
+    locs = [11, 12, 13, 14, 15]
+    paths = sequence_hashes(locs)
+    index = TierIndex()
+    index.store(0, locs, paths, sequence_hashed=True)
+    index.remove(0, [paths[1]])  # a hole: the blocks after it stay
+    assert index.find_matches(locs) == {(0, 0): 1}
+    assert index.runs_from(paths, {(0, 0): 2}) == {(0, 0): 3}
+    index.store(1, locs[3:], paths[3:], parent_hash=999)  # unknown parent, external hashes: dropped
+    assert index.dropped_stores == 1 and index.runs_from(paths, {(1, 0): 3}) == {}
+    index.store(1, locs[3:], paths[3:], parent_hash=paths[2], sequence_hashed=True)
+    assert index.runs_from(paths, {(0, 0): 2, (1, 0): 3}) == {(0, 0): 3, (1, 0): 2}
+    index.remove_worker(0)
+    assert index.runs_from(paths, {(0, 0): 2}) == {}
