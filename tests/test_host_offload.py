@@ -259,7 +259,7 @@ def test_tier_index_counts_blocks_past_a_start_and_removes_only_what_is_named():
     assert index.find_matches(locs) == {(0, 0): 1}
     assert index.runs_from(paths, {(0, 0): 2}) == {(0, 0): 3}
     index.store(1, locs[3:], paths[3:], parent_hash=999)  # unknown parent, external hashes: dropped
-    assert index.dropped_stores == 1 and index.runs_from(paths, {(1, 0): 3}) == {}
+    assert index.dropped_stores == 1 and (1, 0) not in index.runs_from(paths, {(1, 0): 3})
     index.store(1, locs[3:], paths[3:], parent_hash=paths[2], sequence_hashed=True)
     assert index.runs_from(paths, {(0, 0): 2, (1, 0): 3}) == {(0, 0): 3, (1, 0): 2}
     index.remove_worker(0)
