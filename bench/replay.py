@@ -39,7 +39,8 @@ on the same requests.
 2 % of the reference's: ``disagg 4p12d kv`` (``examples/disagg-4p12d.yaml``: 4 prefill and 12 decode
 workers, KV routing, a 25 GB/s link of 131,072 bytes a token; against the mean of three reference runs, whose
 KV routing breaks ties at random), then round robin on 16 workers: ``trtllm`` (``backend: trtllm``, its
-default block size 32) and ``interpolated`` (``timing_model: interpolated`` on a profile this bench writes: the
+default block size 32), ``host offload`` (round robin and KV routing, the latter against the mean of three
+reference runs: ``HOST_OFFLOAD``, a GPU pool small enough that the host tier matters) and ``interpolated`` (``timing_model: interpolated`` on a profile this bench writes: the
 polynomial's prefill and a decode grid over active KV tokens and mean context, saved as ``.npz``, which the
 reference loads through its ``dynamo_profile`` provider). Their figures are named after the engine
 (``kvemu trtllm round_robin mean ttft: ...``, ``trtllm round_robin mean ttft ratio vs reference: 1.00x``).
@@ -51,6 +52,7 @@ run is named and the child's stderr shown), 2 without a trace; a missed fidelity
 an error (the wall-time and memory ones depend on the machine).
 
 Run: python -m bench.replay [--quick] [--trace PATH] [--max-requests N] [--policy round_robin|kv ...]
+     [--suite engines [--variant TEXT ...]]
 """
 
 from __future__ import annotations
@@ -126,8 +128,16 @@ def engine_suite(directory: Path) -> list[Variant]:
             Variant("trtllm round_robin", "round_robin", {"backend": "trtllm", "block_size": 32}, 0.02),
             Variant("interpolated round_robin", "round_robin",
                     {"timing_model": {"type": "interpolated", "path": str(profile)}}, 0.02),
+            Variant("host offload round_robin", "round_robin", HOST_OFFLOAD, 0.02),
+            Variant("host offload kv", "kv", HOST_OFFLOAD, 0.02, reference_runs=3),
             # the reference's SGLang replay errs or never ends once prompts of more than ~8k tokens are in
             Variant("sglang round_robin", "round_robin", {"backend": "sglang"}, 0.02, max_input_tokens=8000)]
+
+
+HOST_OFFLOAD: dict[str, Any] = {"num_gpu_blocks": 4096, "kv_cache_bytes_per_token": 131072,
+                                "native_host_offload": {"num_host_blocks": 32768}}
+"""``--suite engines``' host offload: a GPU pool of 4,096 blocks (a quarter of the default, so prompts are evicted
+and come back from the host), 8 MiB blocks (131,072 bytes a token) over 32 GB/s links, 32,768 host blocks."""
 
 
 def short_prompts(trace: Path, max_input_tokens: int, rows: int | None, directory: Path | str) -> Path:
@@ -345,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", action="append", choices=("round_robin", "kv"),
                     help="policies to run (default: both; the default suite only)")
     ap.add_argument("--suite", choices=("default", "engines"), default="default",
-                    help="default: the vLLM engine, round robin and KV routing; engines: disaggregated, TRT-LLM, SGLang, interpolated timing")
+                    help="default: the vLLM engine, round robin and KV routing; engines: disaggregated, TRT-LLM, "
+                         "host offload, SGLang, interpolated timing")
+    ap.add_argument("--variant", action="append", metavar="TEXT",
+                    help="--suite engines: run only the variants whose name contains TEXT (repeatable)")
     ap.add_argument("--arrival-speedup", type=float, default=1.0, metavar="R",
                     help="divide arrival and think times by R on both sides (heavier load)")
     ap.add_argument("--no-reference", action="store_true", help="skip Dynamo's replay even when installed")
@@ -380,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvemu-bench-replay-") as tmp:
         if args.suite == "engines":
-            variants = engine_suite(Path(tmp))
+            variants = [v for v in engine_suite(Path(tmp))
+                        if not args.variant or any(text in v.name for text in args.variant)]
         else:
             variants = [Variant(p, p, {}) for p in (args.policy or ["round_robin", "kv"])]
         inputs = {"kvemu": (trace, limit)}  # side -> (trace, max_requests)

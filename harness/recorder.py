@@ -75,6 +75,7 @@ class Recorder:
             rec.engine_cached_tokens = data.get("cached_tokens")
             reused = data.get("reused_tokens")
             rec.engine_reused_tokens = rec.engine_cached_tokens if reused is None else reused
+            rec.engine_host_cached_tokens = data.get("host_cached_tokens")
             rec.output_tokens = data.get("output_tokens", len(rec.token_times_ns))
             rec.admitted_ns = data.get("admitted_ns")
             rec.preemptions = data.get("preemptions", 0)

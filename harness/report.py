@@ -391,7 +391,23 @@ def summarize(data: RunData) -> dict[str, Any]:
     }
     if "prefill" in data.pools:
         summary["kvemu"]["disaggregated"] = _disaggregated(data, done)
+    tiers = _cache_tiers(done)
+    if tiers is not None:
+        summary["kvemu"]["cache_tiers"] = tiers
     return _round(summary)
+
+
+def _cache_tiers(done: list[RequestRecord]) -> dict[str, Any] | None:
+    """Host offload: first-admission cached tokens per tier (GPU = g1, host), or None without a host tier."""
+    with_host = [r for r in done if r.engine_host_cached_tokens is not None]
+    if not with_host:
+        return None
+    host = sum(r.engine_host_cached_tokens or 0 for r in with_host)
+    cached = sum(r.engine_cached_tokens or 0 for r in with_host)
+    total_in = sum(r.isl for r in with_host)
+    return {"requests": len(with_host), "g1_cached_tokens": cached - host, "host_cached_tokens": host,
+            "requests_with_host_hits": sum(1 for r in with_host if r.engine_host_cached_tokens),
+            "g1_cached_ratio": _ratio(cached - host, total_in), "host_cached_ratio": _ratio(host, total_in)}
 
 
 def _worker_seconds(pools: dict[str, dict[str, int]], duration_s: float | None) -> dict[str, Any]:
@@ -530,6 +546,16 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
                                ("wait for decode room (prefill end → reserved)", "decode_reservation_wait_ms"))])
         out += ["", f"Cost: prefill {_fmt(s['prefill_worker_seconds'], ' worker-s')}, decode "
                     f"{_fmt(s['decode_worker_seconds'], ' worker-s')}, {_fmt(s['gpu_hours'])} GPU hours."]
+    tiers = k.get("cache_tiers")
+    if tiers is not None:
+        out += ["", "## Cache hits per tier", "",
+                "Prompt tokens each request found cached at its first admission, on the GPU (g1) or loaded from "
+                "the engine's host tier.", ""]
+        out += _table(["tier", "cached tokens", "of input tokens"], [
+            ("GPU (g1)", _fmt(tiers["g1_cached_tokens"]), _pct(tiers["g1_cached_ratio"])),
+            ("host", _fmt(tiers["host_cached_tokens"]), _pct(tiers["host_cached_ratio"]))])
+        out += ["", f"{_fmt(tiers['requests_with_host_hits'])} of {_fmt(tiers['requests'])} requests loaded blocks "
+                    "from the host."]
     rt = k["routing"]
     out += ["", "## Routing truth: predicted vs engine-found cache", "",
             "The router predicts a cached prefix from its (possibly stale) view of KV events; the engine reports "

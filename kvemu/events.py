@@ -77,7 +77,7 @@ EventData = BlocksStored | BlocksRemoved | AllCleared
 
 
 class EventBatch(msgspec.Struct, frozen=True, kw_only=True):
-    """One rank's KV events of one engine pass, in the router's model (device tier).
+    """One rank's KV events of one engine pass, in the router's model (device tier, then its host tier).
 
     A ``BlocksRemoved`` here stands for one vLLM ``BlockRemoved`` event per hash, as engines send
     them; counters count it that way, so a batch reads the same as its wire form.
@@ -87,6 +87,8 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True):
     dp_rank: int
     block_size: int
     events: list[EventData]
+    host_events: list[EventData] = []
+    """Events of the rank's host tier (``StorageTier.HOST_PINNED``; medium ``CPU`` on the wire)."""
 
 
 class EngineEvents(Protocol):

@@ -426,7 +426,7 @@ class Lifecycle:
         record.attempts = f.attempt + 1
         # a new attempt starts over on another rank (retries happen only before any token came back)
         record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
-        record.engine_reused_tokens = None
+        record.engine_reused_tokens = record.engine_host_cached_tokens = None
         record.preemptions = record.output_tokens = 0
         req = f.req
         builder = f.builder = self.core.eligibility()
@@ -593,6 +593,7 @@ class Lifecycle:
         record = f.record
         record.engine_cached_tokens = msg.cached_tokens
         record.engine_reused_tokens = msg.cached_tokens if msg.reused_tokens is None else msg.reused_tokens
+        record.engine_host_cached_tokens = msg.host_cached_tokens
         record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
         if f.on_finished is not None:
             f.on_finished(msg)
@@ -640,6 +641,7 @@ class Lifecycle:
                 self.hooks.note("completed", now, f.request_id, *key, data={
                     "output_tokens": record.output_tokens, "cached_tokens": record.engine_cached_tokens or 0,
                     "reused_tokens": record.engine_reused_tokens,
+                    "host_cached_tokens": record.engine_host_cached_tokens,
                     "admitted_ns": record.admitted_ns, "preemptions": record.preemptions})
         else:
             record.completion_ns = None

@@ -26,6 +26,7 @@ from kvemu.policy import CustomPolicy, PolicyContext
 from kvemu.queue import PolicyQueue, QueueClass, QueueLimits
 from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS, WorkerRegistry, WorkerSpec
 from kvemu.selector import DefaultWorkerSelector, Selection, TierHits, evaluate, taint_factors
+from kvemu.tier_index import TierIndex
 
 __all__ = ["PreparedRequest", "RoutingCore"]
 
@@ -104,7 +105,7 @@ class RoutingCore:
         self.load = LoadTracker()
         self.selector = DefaultWorkerSelector()
         self.approx: ApproxIndex | None = None
-        self.tier_indexes: dict[StorageTier, PrefixIndex] = {}
+        self.tier_indexes: dict[StorageTier, TierIndex] = {}
         """Lower-tier (host, disk, external) prefix indexes, created by the first event for a tier."""
         if self.config.use_kv_events:
             self.index = PrefixIndex()
@@ -151,28 +152,30 @@ class RoutingCore:
             return
         tier_index = self.tier_indexes.get(event.tier)
         if tier_index is None:
-            tier_index = self.tier_indexes[event.tier] = PrefixIndex()
+            tier_index = self.tier_indexes[event.tier] = TierIndex()
         apply_event(tier_index, event)
 
     def tier_hits(self, request: PreparedRequest, device: dict[WorkerKey, int]) -> TierHits | None:
-        """Lower-tier extension hits per rank: blocks cached beyond what the faster tiers already hold."""
+        """Lower-tier extension hits per rank: blocks each tier holds contiguously past what the faster tiers
+        hold (the host past the device prefix, disk and external past both), wherever that tier's copy of
+        the prompt starts."""
         if not self.tier_indexes:
             return None
-        locs = request.local_hashes
+        paths = sequence_hashes(request.local_hashes)
         host = self.tier_indexes.get(StorageTier.HOST_PINNED)
-        host_depth = host.find_matches(locs) if host is not None else {}
-        slow: dict[WorkerKey, int] = {}
+        host_ext = host.runs_from(paths, device) if host is not None else {}
+        disk_ext: dict[WorkerKey, int] = {}
+        ahead = None
         for tier in (StorageTier.DISK, StorageTier.EXTERNAL):
             tier_index = self.tier_indexes.get(tier)
             if tier_index is not None:
-                for key, depth in tier_index.find_matches(locs).items():
-                    slow[key] = max(slow.get(key, 0), depth)
-        host_ext = {k: d - device.get(k, 0) for k, d in host_depth.items() if d > device.get(k, 0)}
-        disk_ext: dict[WorkerKey, int] = {}
-        for key, depth in slow.items():
-            ahead = max(device.get(key, 0), host_depth.get(key, 0))
-            if depth > ahead:
-                disk_ext[key] = depth - ahead
+                if ahead is None:
+                    ahead = dict(device)
+                    for key, h in host_ext.items():
+                        ahead[key] = ahead.get(key, 0) + h
+                for key, k in tier_index.runs_from(paths, ahead).items():
+                    if k > disk_ext.get(key, 0):
+                        disk_ext[key] = k
         return TierHits(host=host_ext, disk=disk_ext)
 
     # ------------------------------------------------------------------ requests

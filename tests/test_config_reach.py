@@ -19,7 +19,7 @@ from kvemu.runtime.messages import ClientRequest
 from kvemu.runtime.router import RouterSettings
 from pathlib import Path
 
-from workers.config import EngineConfig, InterpolatedTimingSpec, SglangConfig
+from workers.config import EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, SglangConfig
 
 from harness.cluster import cluster
 from harness.scenario import parse_scenario
@@ -82,6 +82,8 @@ ENGINE_VALUES = {
     "timing_model": InterpolatedTimingSpec(path=str(Path(__file__).parent / "data" / "tiny-profile.csv")),
     "sglang": SglangConfig(schedule_policy="lpm", max_prefill_tokens=4096, chunked_prefill_size=2048,
                            clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
+    "kv_cache_bytes_per_token": 4096,
+    "native_host_offload": HostOffloadConfig(num_host_blocks=64),
 }
 SINGLE_VALUED = {"trtllm"}
 """Sections whose knobs take one value only (the reference's), so no non-default value exists."""
@@ -129,7 +131,10 @@ def test_engine_knob_is_set_from_yaml_and_reaches_every_rank(name):
     value = ENGINE_VALUES[name]
     path = "cluster.dp_size" if name == "dp_size" else f"cluster.engine.{name}"
     text = "cluster: {workers: 2}\n"
-    scenario_text = yaml.safe_dump(_set(yaml.safe_load(text), path, value))
+    data = _set(yaml.safe_load(text), path, value)
+    if name == "native_host_offload":  # it needs the block bytes
+        data = _set(data, "cluster.engine.kv_cache_bytes_per_token", 4096)
+    scenario_text = yaml.safe_dump(data)
     _, workers = started(scenario_text)
     assert len(workers) == 2
     for mock in workers:

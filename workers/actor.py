@@ -425,7 +425,7 @@ class WorkerActor:
         self._reply(Finished(
             request_id=rid, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
             cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
-            reused_tokens=rec.engine_reused_tokens,
+            reused_tokens=rec.engine_reused_tokens, host_cached_tokens=rec.engine_host_cached_tokens,
             kv_transfer=transfer,
         ))
 

@@ -17,8 +17,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
-           "DEFAULT_BLOCK_SIZE",
-           "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec"]
+           "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -72,6 +71,32 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Decode passes that run after an extend pass before the next one may start (while requests run)."""
 
 
+Gbps = Annotated[float, Meta(ge=0, le=1e6)]
+
+
+class HostOffloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A host-memory KV tier (vLLM's CPU offloading; the reference's ``native_host_offload``; workers/host_tier.py).
+
+    Newly full prompt blocks are copied to host memory (device to host) and loaded back (host to device)
+    when a later prompt misses them on the GPU; a transfer of n blocks takes ``latency_to_first_byte_ms``
+    + n x block bytes / bandwidth on one first-in-first-out lane per direction.
+    """
+
+    num_host_blocks: Count
+    """Host capacity, in engine blocks."""
+    d2h_bandwidth_gbps: Gbps = 32.0
+    """Device-to-host (store) bandwidth in decimal GB/s; 0 means instantaneous."""
+    h2d_bandwidth_gbps: Gbps = 32.0
+    """Host-to-device (load) bandwidth in decimal GB/s; 0 means instantaneous."""
+    latency_to_first_byte_ms: Annotated[float, Meta(ge=0, le=1e6)] = 0.0
+    """Added before each transfer starts."""
+    scope: Literal["dp_rank_local"] = "dp_rank_local"
+    """Each DP rank has its own host tier (the reference's ``cluster_shared`` scope is not emulated)."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One DP rank's engine knobs (names and defaults of the reference mocker, vLLM flavour).
 
@@ -109,9 +134,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """TRT-LLM flavour knobs (used when ``backend`` is trtllm)."""
     sglang: SglangConfig = SglangConfig()
     """SGLang flavour knobs (used when ``backend`` is sglang)."""
+    kv_cache_bytes_per_token: Annotated[int, Meta(ge=1, le=1 << 40)] | None = None
+    """KV bytes per token on this rank; sizes host-tier blocks (``native_host_offload`` requires it)."""
+    native_host_offload: HostOffloadConfig | None = None
+    """A host-memory KV tier behind the GPU pool (vLLM backend with prefix caching only); None: off."""
 
     def __post_init__(self) -> None:
         check_struct(self)
+        if self.native_host_offload is not None:
+            self._check_host_offload()
         if self.block_size is None:
             msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
         if self.backend == "sglang":
@@ -133,6 +164,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"({self.block_size}, the SGLang page size)", field="sglang.chunked_prefill_size")
         if self.sglang.schedule_conservativeness != self.sglang.schedule_conservativeness:
             raise InvalidArgument("sglang.schedule_conservativeness must be a number", field="sglang.schedule_conservativeness")
+
+    def _check_host_offload(self) -> None:
+        """The reference's cross-checks of ``native_host_offload``."""
+        if self.backend != "vllm":
+            raise InvalidArgument(f"native_host_offload: supported only with backend vllm, got {self.backend!r}",
+                                  field="native_host_offload")
+        if not self.enable_prefix_caching:
+            raise InvalidArgument("native_host_offload: needs enable_prefix_caching true (host blocks are found by "
+                                  "their prefix hashes)", field="native_host_offload")
+        if self.kv_cache_bytes_per_token is None:
+            raise InvalidArgument("native_host_offload: needs kv_cache_bytes_per_token (it sizes the host blocks "
+                                  "and their transfers)", field="kv_cache_bytes_per_token")
 
     @property
     def capacity_tokens(self) -> int:

@@ -32,6 +32,11 @@ preemption or freed slot. It is exact while only decodes run and for a pass in f
 that would admit, prefill or preempt (or that starts at or after the next arrival) it is that pass's
 start + 1, since advancing past its start starts it. So a zero-duration pass at ``t`` is reported as
 ``t + 1``, its effects stamped ``t``.
+
+Host offload (``native_host_offload``; ``workers/host_tier.py``): stores that ended are applied when a pass
+is planned and when one ends, the pass's filled prompt blocks are submitted at its end, and a pass that
+evicts a GPU block still being stored starts when that store ends. While stores are in flight the engine
+runs pass by pass (no decode runs) and reports every pass end as visible (host events may land in it).
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from kvemu.wire.kv_events import KVEventBatch
 from workers.admission import RejectReason, RequestRejected, check_request
-from workers.blocks import BlockPool
+from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.events import PassEvents
+from workers.host_tier import HostTier
 from workers.request import Request
 from workers.scheduler import Schedule, Scheduler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
@@ -167,6 +173,13 @@ class EngineCore:
         self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy)
         self.timer = PassTimer(cfg, timing)
         self.scheduler = Scheduler(cfg, self.pool)
+        offload = cfg.native_host_offload
+        self.host: HostTier | None = None
+        """The host KV tier (None: ``native_host_offload`` is off)."""
+        if offload is not None:
+            assert cfg.kv_cache_bytes_per_token is not None and cfg.block_size is not None  # the config checks it
+            self.host = self.scheduler.host = HostTier(offload, cfg.block_size, cfg.kv_cache_bytes_per_token,
+                                                       self.pool)
         self._block_size = cfg.block_size
         self._caching = cfg.enable_prefix_caching
         self._record_times = cfg.record_token_times
@@ -329,9 +342,11 @@ class EngineCore:
             seq.status = RUNNING
             sch.complete(seq)
         else:
-            for heap in (sch.future, sch.waiting):
+            for heap in (sch.future, sch.waiting, sch.loads):
                 for i, entry in enumerate(heap):
                     if entry[-1] is seq:
+                        if heap is sch.loads and entry[2]:
+                            self.host.loaded(entry[2])  # type: ignore[union-attr]  # its load is dropped
                         heap[i] = heap[-1]
                         heap.pop()
                         heapq.heapify(heap)
@@ -354,7 +369,7 @@ class EngineCore:
             )
         self._now = now_ns
         p = self._plan(now_ns)
-        res = StepResult(now_ns, p.end)
+        res = StepResult(p.start, p.end)  # (later than now_ns when it waits for host stores)
         res.prefill_tokens = p.sched.prefill_tokens
         res.decodes = p.sched.decodes
         if not p.sched:
@@ -366,7 +381,17 @@ class EngineCore:
 
     def _plan(self, start: int) -> _Pass:
         version = self.pool.version
+        host = self.host
+        if host is None:
+            sched = self.scheduler.schedule(start)
+            return _Pass(start, start + self._duration(sched), sched, version)
+        host.poll(start)
+        log = self.pool.log
+        mark = len(log)
         sched = self.scheduler.schedule(start)
+        if host.pending and sched:  # evicted GPU blocks still being stored: the pass waits for their stores
+            victims = [h for e in log[mark:] if e[0] == REMOVED for h in e[1]]
+            start = max(start, host.fence_ns(victims))
         return _Pass(start, start + self._duration(sched), sched, version)
 
     def _duration(self, sched: Schedule) -> int:
@@ -445,6 +470,8 @@ class EngineCore:
             for seq in self._releasing:
                 self.scheduler.release_held(seq)
             self._releasing = []
+        if self.host is not None:
+            self.host.submit(end)
         events = None
         if pool.log:
             events = PassEvents(end, self.dp_rank, pool.log, bs)
@@ -463,6 +490,7 @@ class EngineCore:
             and sched.prefill_tokens == 0
             and len(sched.entries) == len(running)
             and (not (self.scheduler.waiting or self.scheduler.incoming) or pool.version == p.version)
+            and (self.host is None or not self.host.busy)
         )
         if out is not None:
             out.passes += 1
@@ -639,14 +667,14 @@ class EngineCore:
         """
         fl = self._inflight
         if fl is not None:
-            if self._aborting or not self._pass_quiet(fl):
+            if self._aborting or not self._pass_quiet(fl) or (self.host is not None and self.host.busy):
                 return fl.end if fl.end > fl.start else fl.start + 1
             return self._quiet_horizon(fl.end, 1, fl.start)
         s = self._next_start()
         if s is None:
             return None
         sch = self.scheduler
-        if s == self._free_at and (
+        if s == self._free_at and (self.host is None or not self.host.busy) and (
             self._steady or (sch.running and not sch.waiting and not sch.incoming
                              and not any(q.prefilling for q in sch.running))
         ):
@@ -728,6 +756,8 @@ class EngineCore:
         """Assert pool/scheduler consistency (tests): block accounting, holdings, statuses."""
         pool = self.pool
         pool.check()
+        if self.host is not None:
+            self.host.check()
         partial = 0
         refs: dict[int, int] = {}
         holders = [*self.scheduler.running, *self._held.values(), *(e[3] for e in self.scheduler.transfers)]

@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
-from kvemu.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
+from kvemu.wire.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
 from workers.blocks import CLEARED, REMOVED, STORED
+from workers.host_tier import HOST_REMOVED, HOST_STORED
+
+_MEDIUM = {STORED: MEDIUM_GPU, REMOVED: MEDIUM_GPU, HOST_STORED: MEDIUM_CPU, HOST_REMOVED: MEDIUM_CPU}
 
 __all__ = ["PassEvents", "materialize_events", "materialize_batches", "router_events", "NS_PER_S"]
 
@@ -40,8 +43,13 @@ class PassEvents:
 
     def router_batch(self) -> EventBatch:
         """This pass's events in the router's model: a stored run with its local hashes, a removal run as one event."""
+        entries = self.entries
+        if not any(e[0] >= HOST_STORED for e in entries):
+            return EventBatch(ts_ns=self.ts_ns, dp_rank=self.dp_rank, block_size=self.block_size,
+                              events=router_events(entries))
         return EventBatch(ts_ns=self.ts_ns, dp_rank=self.dp_rank, block_size=self.block_size,
-                          events=router_events(self.entries))
+                          events=router_events(e for e in entries if e[0] < HOST_STORED),
+                          host_events=router_events(e for e in entries if e[0] >= HOST_STORED))
 
     def block_counts(self) -> tuple[int, int]:
         """(blocks stored, blocks removed) in this pass, without materialising anything."""
@@ -58,14 +66,16 @@ class PassEvents:
 
 
 def materialize_events(entries: Iterable[tuple], block_size: int) -> list[KvEvent]:
-    """Wire structs for compact log entries: one ``BlockStored`` per stored run, one ``BlockRemoved`` per block."""
+    """Wire structs for compact log entries: one ``BlockStored`` per stored run, one ``BlockRemoved`` per block
+    (medium ``GPU``, or ``CPU`` for the host tier's, with the same metadata)."""
     out: list[KvEvent] = []
     append = out.append
     for e in entries:
         kind = e[0]
-        if kind == REMOVED:
-            out += [BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU) for h in e[1]]
-        elif kind == STORED:
+        if kind == REMOVED or kind == HOST_REMOVED:
+            medium = _MEDIUM[kind]
+            out += [BlockRemoved(block_hashes=[h], medium=medium) for h in e[1]]
+        elif kind == STORED or kind == HOST_STORED:
             _, hashes, parent, source, first = e
             lo = first * block_size
             append(
@@ -74,7 +84,7 @@ def materialize_events(entries: Iterable[tuple], block_size: int) -> list[KvEven
                     parent_block_hash=parent,
                     token_ids=source.token_slice(lo, lo + len(hashes) * block_size),
                     block_size=block_size,
-                    medium=MEDIUM_GPU,
+                    medium=_MEDIUM[kind],
                 )
             )
         elif kind == CLEARED:
@@ -90,9 +100,9 @@ def router_events(entries: Iterable[tuple]) -> list[EventData]:
     append = out.append
     for e in entries:
         kind = e[0]
-        if kind == REMOVED:
+        if kind == REMOVED or kind == HOST_REMOVED:
             append(BlocksRemoved(list(e[1])))
-        elif kind == STORED:
+        elif kind == STORED or kind == HOST_STORED:
             _, hashes, parent, source, first = e
             append(BlocksStored(list(hashes), source.local_hashes(first, first + len(hashes)), parent, True))
         elif kind == CLEARED:

@@ -22,6 +22,10 @@ others: at each pass boundary the first of them that arrived reserves blocks for
 cached here) and a sequence slot, in arrival order, the head waiting until it fits; its transfer then
 runs, and at the first boundary after it ends the request joins the running batch with its prompt
 computed, to decode.
+
+With a host tier (``workers.host_tier``), the prompt blocks a pass fills are staged for storing, and a
+waiting request whose GPU prefix is followed by resident host blocks leaves the queue to load them, others
+going ahead; when the load ends it takes its place again and is admitted with them cached.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections import deque
 from kvemu.transfer import transfer_delay_ns, transfer_tokens
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
+from workers.host_tier import HostTier
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 
 __all__ = ["Scheduler", "Schedule"]
@@ -75,6 +80,8 @@ class Scheduler:
         "incoming",
         "transfers",
         "held",
+        "host",
+        "loads",
     )
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
@@ -98,6 +105,11 @@ class Scheduler:
         """Decode legs with blocks reserved, their KV in transit: heap of (transfer end, arrival, order, seq)."""
         self.held = 0
         """Prefill legs done and holding their KV for a decode rank (their blocks stay in use)."""
+        self.host: HostTier | None = None
+        """The host tier (``native_host_offload``), set by the engine."""
+        self.loads: list[tuple[int, int, list[int], SeqState]] = []
+        """Requests out of the queue until their host blocks are loaded (or a store they wait for ends): heap of
+        (ready, order, blocks loaded, seq)."""
 
     def add(self, seq: SeqState) -> None:
         """Queue an accepted request; it becomes schedulable at its arrival time."""
@@ -106,6 +118,8 @@ class Scheduler:
     def next_arrival_ns(self) -> int | None:
         """When the next request arrives, or a decode leg's KV transfer ends (both change the next pass)."""
         t = self.future[0][0] if self.future else None
+        if self.loads and (t is None or self.loads[0][0] < t):
+            t = self.loads[0][0]
         if self.transfers:
             ready = self.transfers[0][0]
             if t is None or ready < t:
@@ -122,6 +136,12 @@ class Scheduler:
                 self.incoming.append(seq)
             else:
                 heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
+        loads = self.loads
+        while loads and loads[0][0] <= now_ns:
+            _, order, blocks, seq = heapq.heappop(loads)
+            if blocks:
+                self.host.loaded(blocks)  # type: ignore[union-attr]
+            heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, order, seq))
 
     def schedule(self, now_ns: int) -> Schedule:
         """Decide the pass starting at ``now_ns``; blocks are allocated (and evicted) as decided."""
@@ -241,6 +261,13 @@ class Scheduler:
         if nf > seq.n_full:
             self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
             seq.n_full = nf
+        if self.host is not None and seq.prefilling:
+            # vLLM's store cursor: the prompt blocks the request holds past it, found on the GPU or loaded from
+            # the host as well as computed, are one cohort (the host stores those it lacks)
+            hi = min(nf, seq.prompt_len // self.block_size)
+            if hi > seq.host_stored:
+                self.host.stage(seq, seq.ensure_hashes(hi), seq.host_stored, hi)
+                seq.host_stored = hi
 
     def _preempt_until(self, seq: SeqState, need: int, sched: Schedule) -> int:
         """Preempt victims until ``need`` blocks are available or ``seq`` itself was preempted; returns budget freed."""
@@ -282,6 +309,7 @@ class Scheduler:
         bs = self.block_size
         reserve = self.reserve
         reserved = self._reserved_blocks() if reserve and waiting else 0
+        host = self.host
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0][3]
             total = seq.prompt_len + seq.n_out
@@ -291,7 +319,16 @@ class Scheduler:
                 hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(limit), limit)
             else:
                 hits = inactive_hits = 0
-            cached = hits * bs
+            extra = 0  # blocks loaded from the host tier, right after the GPU prefix
+            if host is not None:
+                if seq.host_load is None:
+                    if self._load(seq, hits, limit, now_ns):
+                        continue  # it waits for its host blocks; the next one may go ahead
+                else:
+                    first, k = seq.host_load
+                    if first <= hits < first + k:
+                        extra = min(first + k, limit) - hits
+            cached = (hits + extra) * bs
             n = total - cached
             if n > budget:
                 if not self.chunked_prefill:
@@ -311,6 +348,7 @@ class Scheduler:
                     break  # the head waits until its whole KV fits; nothing overtakes it
                 reserved += whole - (hits + need)
             heapq.heappop(waiting)
+            seq.host_load = None
             if hits:
                 pool.take_hits(seq.hashes, hits)
             pool.allocate(need)
@@ -323,6 +361,8 @@ class Scheduler:
             if rec.admitted_ns is None:
                 rec.admitted_ns = now_ns
                 rec.engine_cached_tokens = cached
+                if host is not None:
+                    rec.engine_host_cached_tokens = extra * bs
             rec.engine_reused_tokens = cached
             if self.prefix_caching:
                 self._cache_filled(seq, cached + n)
@@ -333,6 +373,31 @@ class Scheduler:
             else:  # TRT-LLM, prompt fully cached: it samples its first token in this pass's decode part
                 sched.decodes += 1
             budget -= n
+
+    def _load(self, seq: SeqState, hits: int, limit: int, now_ns: int) -> bool:
+        """Host lookup for the queue head past its whole GPU prefix (``hits`` blocks, capped at ``limit``: a
+        last prompt block on the GPU that vLLM recomputes is not looked up); loads the resident blocks that
+        follow it, or waits for a store one of them awaits. Every lookup touches the resident prompt blocks,
+        last first (vLLM's LRU policy). Returns whether it left the queue to do so."""
+        host = self.host
+        assert host is not None
+        hi = seq.prompt_len // self.block_size
+        hashes = seq.ensure_hashes(hi)
+        lo = hits + 1 if hits == limit < hi and hashes[hits] in self.pool.cached else hits
+        n, wait = host.lookup(hashes, lo, hi) if lo < hi else (0, 0)
+        host.touch_prompt(hashes, hi)
+        if not n and not wait:
+            return False
+        heapq.heappop(self.waiting)
+        blocks: list[int] = []
+        if wait:  # a block right after its hits is still being stored: ask again when it is
+            ready = wait
+        else:
+            blocks = seq.hashes[lo:lo + n]
+            ready = host.load(blocks, now_ns)
+            seq.host_load = (lo, n)
+        heapq.heappush(self.loads, (ready, seq.order, blocks, seq))
+        return True
 
     def complete(self, seq: SeqState) -> None:
         """A running request produced its last token: release its blocks (cached ones stay reusable)."""

@@ -50,6 +50,8 @@ class SeqState:
         "prefilling",
         "status",
         "order",
+        "host_load",
+        "host_stored",
         "_out_ids",
         "_out_base",
     )
@@ -84,6 +86,10 @@ class SeqState:
         self.prefilling = True
         self.status = FUTURE
         self.order = order
+        self.host_load: tuple[int, int] | None = None
+        """Host offload: (first block, count) loaded from the host tier for its next admission."""
+        self.host_stored = 0
+        """Host offload: the prompt blocks before this index were offered to the host tier (vLLM's store cursor)."""
         self._out_ids = req.output_token_ids
         # below 2**31, so base + i stays a valid u32 token id for any output length that fits a pool
         self._out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), 0) & 0x7FFFFFFF

@@ -190,6 +190,8 @@ class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """The prefix the engine found cached (``RequestRecord.engine_cached_tokens``)."""
     reused_tokens: int | None = None
     """The prefix it found cached at its last admission (``RequestRecord.engine_reused_tokens``)."""
+    host_cached_tokens: int | None = None
+    """The part of ``cached_tokens`` loaded from its host tier (``RequestRecord.engine_host_cached_tokens``)."""
     dp_rank: int = 0
     admitted_ns: int | None = None
     preemptions: int = 0

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KVEventBatch", "MEDIUM_GPU"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KVEventBatch", "MEDIUM_GPU", "MEDIUM_CPU"]
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+"""vLLM's medium for blocks offloaded to host memory (its CPU offloading connector)."""
 
 
 class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):

@@ -273,7 +273,9 @@ class EventStream:
     def _model_items(self, batch: EventBatch) -> Iterator[tuple[EventData, StorageTier, int]]:
         """The events of a router-model batch, under the same rules as converted wire events."""
         stats = self.stats
-        for data in batch.events:
+        host = batch.host_events
+        for data, tier in ((d, StorageTier.DEVICE) for d in batch.events) if not host else [
+                *((d, StorageTier.DEVICE) for d in batch.events), *((d, StorageTier.HOST_PINNED) for d in host)]:
             n = wire_event_count(data)
             stats.events += n
             self.event_id += n
@@ -286,7 +288,7 @@ class EventStream:
                     continue
                 if self.eagle or not is_chain(data.block_hashes, data.parent_hash):
                     continue
-            yield data, StorageTier.DEVICE, self.event_id
+            yield data, tier, self.event_id
 
     def _mismatch(self, exc: BlockSizeMismatch) -> None:
         self.stats.block_size_mismatches += 1
