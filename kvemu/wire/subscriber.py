@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvemu.clock import NS_PER_S, Clock, WallClock
 from kvemu.errors import InvalidArgument
@@ -208,7 +209,7 @@ class KvEventSubscriber:
         limits.limit_inbound(sub, limits.MAX_KV_BATCH_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         security.connect_securely(sub, self._secret)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(spec.endpoint)
         return sub, monitor
 
@@ -228,6 +229,20 @@ class KvEventSubscriber:
         stream.sub.disable_monitor()
         stream.monitor.close(linger=0)
         stream.sub.close(linger=0)
+
+    def _on_monitor(self, stream: _Stream) -> None:
+        """The live connection came up or dropped. Up: batches published before the subscription reached the
+        publisher are lost without a trace (ZeroMQ's slow joiner), and with no later batch no gap would show
+        them, so the stream catches up from its replay endpoint; with a replay under way it waits for that."""
+        try:
+            event = recv_monitor_message(stream.monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if self.replay_on_connect:
+                stream.events.sync()
+            return
+        self._reconnect(stream)
 
     def _reconnect(self, stream: _Stream) -> None:
         """ZeroMQ dropped the stream's connection (it does not reconnect after refusing an oversized frame):
@@ -289,7 +304,7 @@ class KvEventSubscriber:
                         self._on_replay(stream)
                     continue
                 if sock is stream.monitor:
-                    self._reconnect(stream)
+                    self._on_monitor(stream)
                     continue
                 for _ in range(1024):  # drain a burst per stream, then give the others a turn
                     if stream.sub is not sock or stream.dealer in self._replaying:
