@@ -416,8 +416,8 @@ class Lifecycle:
         if self.stopped:
             self._end(f, f.failure or self.stopped)
             return
-        if f.attempt > self.settings.retry_limit:
-            self._end(f, "retries_exhausted")
+        if f.attempt > self.settings.retry_limit:  # the last refusal says why (e.g. a prompt no rank can hold)
+            self._end(f, f"retries_exhausted: {f.failure}" if f.failure else "retries_exhausted")
             return
         f.token += 1
         f.failure = None

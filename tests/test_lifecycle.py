@@ -79,7 +79,7 @@ def test_refusals_exclude_the_rank_and_retries_run_out():
     assert second != first and h.core.load.booked_rank("a") == (second, 0)
     h.lc.on_ack(second, DispatchAck(request_id="a", accepted=False, reason="busy"))
     rec = h.ended["a"]
-    assert rec.failure == "retries_exhausted" and rec.attempts == 2 and len(h.core.load) == 0
+    assert rec.failure == "retries_exhausted: busy" and rec.attempts == 2 and len(h.core.load) == 0
     assert len(h.sent) == 2
 
 
@@ -90,7 +90,7 @@ def test_dispatch_timeout_is_a_deadline_the_host_polls():
     h.advance(999 * MS)
     assert "a" not in h.ended
     h.advance(1 * MS)
-    assert h.ended["a"].failure == "retries_exhausted" and len(h.core.load) == 0
+    assert h.ended["a"].failure == "retries_exhausted: dispatch_timeout" and len(h.core.load) == 0
     assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == ["dispatch_timeout"]
     assert h.lc.next_deadline_ns() is None
 

@@ -96,7 +96,7 @@ class RouterVsPeers(RuleBasedStateMachine):
         self.router.stop("test_over")
         assert not self.router.lifecycle.flights and len(self.router.core.load) == 0
         assert len(self.ended) == self.submitted  # every request ended, once
-        reasons = {getattr(r, "failure", None) for r in self.ended.values()}
+        reasons = {(getattr(r, "failure", None) or "").split(":")[0] or None for r in self.ended.values()}
         if None in reasons:
             event("a request completed")
         if reasons & {"deadline_exceeded", "duplicate_request_id", "worker_lost", "retries_exhausted"}:
