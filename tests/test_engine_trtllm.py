@@ -121,11 +121,3 @@ def test_nothing_is_ever_preempted_and_everything_completes(work):
         eng.check_invariants()
     assert sorted(done) == sorted(r.request_id for r in reqs)
     assert all(rec.preemptions == 0 and rec.output_tokens == rec.max_tokens for rec in done.values())
-
-
-def test_the_sglang_flavour_is_refused_until_it_is_emulated():
-    from kvemu.errors import InvalidArgument
-
-    with pytest.raises(InvalidArgument, match="sglang is not emulated yet") as e:
-        EngineConfig(backend="sglang")
-    assert e.value.field == "backend"
