@@ -48,109 +48,28 @@ from collections import Counter
 from itertools import accumulate
 
 from kvemu.clock import MAX_TIME_NS
-from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
-from kvemu.wire.kv_events import KVEventBatch
-from workers.admission import RejectReason, RequestRejected, check_request
 from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.events import PassEvents
 from workers.host_tier import HostTier
 from workers.request import Request
+from workers.core import RankCore
+from workers.results import AdvanceResult, StepResult
 from workers.scheduler import Schedule, Scheduler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
-from workers.timing import PassTimer, TimingModel
+from workers.timing import TimingModel
 
 __all__ = ["EngineCore", "StepResult", "AdvanceResult"]
-
-
-class StepResult:
-    """One forward pass: its timing, what it produced (all stamped ``end_ns``) and its KV events."""
-
-    __slots__ = (
-        "start_ns",
-        "end_ns",
-        "prefill_tokens",
-        "decodes",
-        "tokens",
-        "first_tokens",
-        "completed",
-        "admitted",
-        "preempted",
-        "events",
-        "pulled",
-    )
-
-    def __init__(self, start_ns: int, end_ns: int) -> None:
-        self.start_ns = start_ns
-        self.end_ns = end_ns
-        self.prefill_tokens = 0
-        self.decodes = 0
-        self.tokens: list[str] = []
-        """Ids of the requests that received one token in this pass (stamped ``end_ns``)."""
-        self.first_tokens: list[str] = []
-        self.completed: list[RequestRecord] = []
-        self.admitted: list[str] = []
-        self.preempted: list[str] = []
-        self.events: PassEvents | None = None
-        self.pulled: list[tuple[str, int, int]] = []
-        """Decode legs whose KV arrived at ``start_ns``: (request id, reserved at, activated at)."""
-
-    @property
-    def duration_ns(self) -> int:
-        """Length of the pass (0 for an idle step or when the speedup ratio is 0)."""
-        return self.end_ns - self.start_ns
-
-    @property
-    def idle(self) -> bool:
-        """True when nothing was scheduled (no request had work at ``start_ns``)."""
-        return not self.tokens and not self.admitted and not self.preempted and not self.prefill_tokens
-
-    @property
-    def kv_batch(self) -> KVEventBatch | None:
-        """The pass's KV events as one batch (None if it logged none)."""
-        return self.events.batch() if self.events is not None else None
-
-    def __repr__(self) -> str:
-        return (
-            f"StepResult({self.start_ns}->{self.end_ns}, prefill={self.prefill_tokens}, decodes={self.decodes}, "
-            f"first={self.first_tokens}, done={[r.request_id for r in self.completed]}, preempted={self.preempted})"
-        )
-
-
-class AdvanceResult:
-    """Everything externally visible that happened during one ``advance_to`` call, in time order."""
-
-    __slots__ = ("passes", "first_tokens", "completed", "admitted", "preempted", "events", "pulled")
-
-    def __init__(self) -> None:
-        self.passes = 0
-        self.first_tokens: list[tuple[str, int]] = []
-        self.completed: list[RequestRecord] = []
-        self.admitted: list[tuple[str, int]] = []
-        """(request id, pass start) for every admission, including re-admissions after preemption."""
-        self.preempted: list[tuple[str, int]] = []
-        """(request id, pass end) for every preemption."""
-        self.events: list[PassEvents] = []
-        self.pulled: list[tuple[str, int, int]] = []
-        """(request id, reserved at, activated at) for every decode leg whose KV arrived (at a pass start)."""
-
-    @property
-    def kv_batches(self) -> list[KVEventBatch]:
-        """One KV event batch per pass that logged events (materialised now)."""
-        return [p.batch() for p in self.events]
-
-    def __repr__(self) -> str:
-        return (
-            f"AdvanceResult(passes={self.passes}, first_tokens={len(self.first_tokens)}, "
-            f"completed={len(self.completed)}, preempted={len(self.preempted)}, event_batches={len(self.events)})"
-        )
 
 
 class _Pass:
     """A scheduled pass whose end effects are not applied yet."""
 
     __slots__ = ("start", "end", "sched", "version")
+
+    def __bool__(self) -> bool:
+        return bool(self.sched)
 
     def __init__(self, start: int, end: int, sched: Schedule, version: int) -> None:
         self.start = start
@@ -159,19 +78,15 @@ class _Pass:
         self.version = version
 
 
-class EngineCore:
+class EngineCore(RankCore):
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
     def __init__(
         self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
     ) -> None:
-        self.config = config if config is not None else EngineConfig()
-        if not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}")
-        self.dp_rank = dp_rank
+        super().__init__(config if config is not None else EngineConfig(), dp_rank, timing)
         cfg = self.config
         self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy)
-        self.timer = PassTimer(cfg, timing)
         self.scheduler = Scheduler(cfg, self.pool)
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
@@ -182,31 +97,11 @@ class EngineCore:
                                                        self.pool)
         self._block_size = cfg.block_size
         self._caching = cfg.enable_prefix_caching
-        self._record_times = cfg.record_token_times
-        self._seqs: dict[str, SeqState] = {}
-        self._order = 0
-        self._now = 0
-        self._free_at = 0
-        self._inflight: _Pass | None = None
-        self._aborting: list[SeqState] = []  # aborted while computed by the pass in flight: released at its end
         self._held: dict[str, SeqState] = {}  # prefill legs done, holding their KV for a decode rank
-        self._blocked = -1  # the pool version at which an idle engine last found nothing it could start
         self._releasing: list[SeqState] = []  # held KV released while a pass is in flight: freed at its end
         self._steady = False
-        self.passes = 0
-        """Forward passes completed so far."""
 
     # ----------------------------------------------------------------- queries
-
-    @property
-    def now_ns(self) -> int:
-        """The time the engine was last advanced or stepped to."""
-        return self._now
-
-    @property
-    def busy_until_ns(self) -> int:
-        """End of the last completed pass (or of the pass in flight)."""
-        return self._inflight.end if self._inflight is not None else self._free_at
 
     @property
     def num_running(self) -> int:
@@ -224,30 +119,6 @@ class EngineCore:
         """Accepted requests not running (arrived or not yet arrived)."""
         return len(self.scheduler.waiting) + len(self.scheduler.future)
 
-    @property
-    def num_unfinished(self) -> int:
-        """Accepted requests that have not completed."""
-        return len(self._seqs)
-
-    def has_request(self, request_id: str) -> bool:
-        """Whether an unfinished request with this id is on this rank."""
-        return request_id in self._seqs
-
-    def record(self, request_id: str) -> RequestRecord:
-        """The live record of an unfinished request."""
-        try:
-            return self._seqs[request_id].record
-        except KeyError:
-            raise InvalidArgument(
-                f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}"
-            ) from None
-
-    def next_pass_start_ns(self) -> int | None:
-        """When the next pass would start given the requests known now (None: nothing to do)."""
-        if self._inflight is not None:
-            return self._inflight.end
-        return self._next_start()
-
     def _next_start(self) -> int | None:
         sch = self.scheduler
         free_at = self._free_at
@@ -263,33 +134,11 @@ class EngineCore:
 
     # ------------------------------------------------------------- admission
 
-    def add_request(self, req: Request) -> RequestRecord:
-        """Accept a request (it joins the first pass starting at or after its arrival); returns its live record.
+    def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
+        return SeqState(req, record, self.config.block_size, self._order)  # type: ignore[arg-type]
 
-        Raises ``RequestRejected`` (nothing changed) for malformed or duplicate requests.
-        """
-        if req.request_id in self._seqs:
-            raise RequestRejected(
-                RejectReason.DUPLICATE_REQUEST_ID,
-                f"request_id: {req.request_id!r} is already on rank {self.dp_rank}",
-                field="request_id",
-            )
-        cfg = self.config
-        has_fast_path = req.seq_hashes is None and hasattr(req.token_ids, "local_block_hashes")
-        check_request(req, cfg, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path)
-        arrival = self._now if req.arrival_ns is None else req.arrival_ns
-        record = RequestRecord(
-            request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival, isl=len(req.token_ids),
-            max_tokens=req.max_tokens,
-        )
-        try:
-            seq = SeqState(req, record, cfg.block_size, self._order)
-        except InvalidArgument as exc:  # hashing validates every token id
-            raise RequestRejected(RejectReason.MALFORMED, f"token_ids: {exc}", field="token_ids") from None
-        self._order += 1
-        self._seqs[req.request_id] = seq
+    def _enqueue(self, seq: SeqState) -> None:
         self.scheduler.add(seq)
-        return record
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
         """Drop an unfinished request (a client went away): its blocks are freed (full ones stay cached), it
@@ -356,28 +205,14 @@ class EngineCore:
 
     # ------------------------------------------------------------ stepwise
 
-    def step(self, now_ns: int) -> StepResult:
-        """Run one forward pass starting at ``now_ns`` and return it, finished (idle if nothing to do)."""
-        if self._inflight is not None:
-            raise InvalidArgument(
-                f"now_ns: a pass started by advance_to is in flight until {self._inflight.end}; advance_to it first"
-            )
-        if not isinstance(now_ns, int) or now_ns < self._free_at or now_ns < self._now:
-            raise InvalidArgument(
-                f"now_ns must be an integer >= the end of the previous pass "
-                f"({max(self._free_at, self._now)}), got {now_ns!r}"
-            )
-        self._now = now_ns
-        p = self._plan(now_ns)
-        res = StepResult(p.start, p.end)  # (later than now_ns when it waits for host stores)
+    def _step_result(self, p: _Pass) -> StepResult:
+        res = StepResult(p.start, p.end)  # (later than the step's time when it waits for host stores)
         res.prefill_tokens = p.sched.prefill_tokens
         res.decodes = p.sched.decodes
-        if not p.sched:
-            self._free_at = max(self._free_at, now_ns)
-            self._blocked = self.pool.version
-            return res
-        self._finish(p, None, res)
         return res
+
+    def _cache_version(self) -> int:
+        return self.pool.version
 
     def _plan(self, start: int) -> _Pass:
         version = self.pool.version
@@ -517,36 +352,6 @@ class EngineCore:
             res.events = events
 
     # --------------------------------------------------------- fast-forward
-
-    def advance_to(self, t_ns: int) -> AdvanceResult:
-        """Run every pass that starts before ``t_ns`` and ends by it; return what became visible."""
-        if not isinstance(t_ns, int) or t_ns < self._now or t_ns > MAX_TIME_NS:
-            raise InvalidArgument(f"t_ns must be an integer in [{self._now}, {MAX_TIME_NS}], got {t_ns!r}")
-        out = AdvanceResult()
-        while True:
-            fl = self._inflight
-            if fl is not None:
-                if fl.end > t_ns:
-                    break
-                self._inflight = None
-                self._finish(fl, out, None)
-                continue
-            s = self._next_start()
-            if s is None or s >= t_ns:
-                break
-            if self._steady and s == self._free_at and self._decode_run(s, t_ns, out):
-                continue
-            p = self._plan(s)
-            if not p.sched:  # held or reserved blocks keep the waiting out: wait for a change
-                self._free_at = s
-                self._blocked = self.pool.version
-                continue
-            if p.end > t_ns:
-                self._inflight = p
-                break
-            self._finish(p, out, None)
-        self._now = t_ns
-        return out
 
     def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
         """Commit a run of pure decode passes from ``s`` as a whole; returns how many passes it committed.

@@ -32,17 +32,17 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
-from workers.admission import RejectReason, RequestRejected, check_request, sglang_max_len
+from workers.admission import RejectReason, RequestRejected, sglang_max_len
 from workers.config import EngineConfig
-from workers.engine import AdvanceResult, StepResult
+from workers.core import RankCore
+from workers.results import AdvanceResult, StepResult
 from workers.events import PassEvents
 from workers.radix import RadixCache, RadixNode
 from workers.request import Request
 from workers.sequence import FINISHED, FUTURE, RUNNING, WAITING, SeqState
-from workers.timing import PassTimer, TimingModel
+from workers.timing import TimingModel
 
 __all__ = ["SglangCore"]
 
@@ -95,7 +95,7 @@ class _Pass:
         return bool(self.chunks or self.decode or self.retracted)
 
 
-class SglangCore:
+class SglangCore(RankCore):
     """The SGLang-flavour mock engine of one DP rank; same host contract as ``EngineCore``."""
 
     def __init__(
@@ -104,49 +104,25 @@ class SglangCore:
         cfg = config if config is not None else EngineConfig(backend="sglang")
         if cfg.backend != "sglang":
             raise InvalidArgument(f"backend: SglangCore runs backend sglang, got {cfg.backend!r}", field="backend")
-        if not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}")
-        self.config = cfg
-        self.dp_rank = dp_rank
+        super().__init__(cfg, dp_rank, timing)
         sg = cfg.sglang
         self._sg = sg
         self._page: int = cfg.block_size  # type: ignore[assignment]
         self.cache = RadixCache(cfg.num_gpu_blocks)
-        self.timer = PassTimer(cfg, timing)
         self._caching = cfg.enable_prefix_caching
-        self._record_times = cfg.record_token_times
         self._init_ratio = _INIT_RATIO * sg.schedule_conservativeness
         self._min_ratio = self._init_ratio * _MIN_RATIO_FACTOR
         self._decay = (self._init_ratio - self._min_ratio) / _DECAY_PASSES
         self.ratio = self._init_ratio
         """The share of each running request's remaining output that admission reserves."""
         self._max_len = sglang_max_len(cfg)
-        self._seqs: dict[str, _Seq] = {}
         self.future: list[tuple[int, int, _Seq]] = []  # (arrival, order, seq)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
-        self._order = 0
-        self._now = 0
-        self._free_at = 0
-        self._inflight: _Pass | None = None
-        self._aborting: list[_Seq] = []
         self._decodes_owed = 0  # decode passes still due before the next extend pass (prefill_decode_interval)
-        self._blocked = -1  # the cache version at which an idle engine found nothing it could admit
         self._version = 0
-        self.passes = 0
-        """Forward passes completed so far."""
 
     # ----------------------------------------------------------------- queries
-
-    @property
-    def now_ns(self) -> int:
-        """The time the engine was last advanced or stepped to."""
-        return self._now
-
-    @property
-    def busy_until_ns(self) -> int:
-        """End of the last completed pass (or of the pass in flight)."""
-        return self._inflight.end if self._inflight is not None else self._free_at
 
     @property
     def num_running(self) -> int:
@@ -159,11 +135,6 @@ class SglangCore:
         return len(self.waiting) + len(self.future)
 
     @property
-    def num_unfinished(self) -> int:
-        """Accepted requests that have not completed."""
-        return len(self._seqs)
-
-    @property
     def num_held(self) -> int:
         """Always 0: the SGLang flavour runs no disaggregated prefill legs."""
         return 0
@@ -173,25 +144,6 @@ class SglangCore:
         """Share of the pool's pages that hold KV nobody may evict (requests' own and locked cached pages)."""
         c = self.cache
         return (c.owned + c.locked) / c.capacity if c.capacity else 0.0
-
-    def has_request(self, request_id: str) -> bool:
-        """Whether an unfinished request with this id is on this rank."""
-        return request_id in self._seqs
-
-    def record(self, request_id: str) -> RequestRecord:
-        """The live record of an unfinished request."""
-        try:
-            return self._seqs[request_id].record
-        except KeyError:
-            raise InvalidArgument(
-                f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}"
-            ) from None
-
-    def next_pass_start_ns(self) -> int | None:
-        """When the next pass would start given the requests known now (None: nothing to do)."""
-        if self._inflight is not None:
-            return self._inflight.end
-        return self._next_start()
 
     def _next_start(self) -> int | None:
         free_at = self._free_at
@@ -207,32 +159,18 @@ class SglangCore:
     # ------------------------------------------------------------- admission
 
     def add_request(self, req: Request) -> RequestRecord:
-        """Accept a request (it joins the first pass starting at or after its arrival); returns its live record.
-
-        Raises ``RequestRejected`` (nothing changed) for malformed, duplicate or too-long requests and for
-        disaggregated legs, which this flavour does not run."""
-        if req.request_id in self._seqs:
-            raise RequestRejected(RejectReason.DUPLICATE_REQUEST_ID,
-                                  f"request_id: {req.request_id!r} is already on rank {self.dp_rank}", field="request_id")
+        """Accept a request (see ``RankCore.add_request``); disaggregated legs are refused: this flavour runs none."""
         if req.kv_hold or req.kv_transfer is not None:
             raise RequestRejected(RejectReason.MALFORMED, "kv_hold/kv_transfer: backend sglang runs no disaggregated "
                                   "legs; use backend vllm for prefill and decode pools", field="backend")
-        cfg = self.config
-        has_fast_path = req.seq_hashes is None and hasattr(req.token_ids, "local_block_hashes")
-        check_request(req, cfg, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path)
-        arrival = self._now if req.arrival_ns is None else req.arrival_ns
-        record = RequestRecord(request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival,
-                               isl=len(req.token_ids), max_tokens=req.max_tokens)
-        out_limit = min(req.max_tokens, self._max_len - len(req.token_ids))
-        try:
-            seq = _Seq(req, record, self._page, self._order, out_limit)
-        except InvalidArgument as exc:
-            raise RequestRejected(RejectReason.MALFORMED, f"token_ids: {exc}", field="token_ids") from None
-        self._order += 1
-        self._seqs[req.request_id] = seq
+        return super().add_request(req)
+
+    def _new_seq(self, req: Request, record: RequestRecord) -> _Seq:
+        return _Seq(req, record, self._page, self._order, min(req.max_tokens, self._max_len - len(req.token_ids)))
+
+    def _enqueue(self, seq: _Seq) -> None:
         seq.status = FUTURE
-        heapq.heappush(self.future, (arrival, seq.order, seq))
-        return record
+        heapq.heappush(self.future, (seq.record.arrival_ns, seq.order, seq))
 
     def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
         """Drop an unfinished request: its cached pages stay cached, the rest is freed; returns its record
@@ -306,53 +244,14 @@ class SglangCore:
 
     # ------------------------------------------------------------- stepping
 
-    def step(self, now_ns: int) -> StepResult:
-        """Run one forward pass starting at ``now_ns`` and return it, finished (idle if nothing to do)."""
-        if self._inflight is not None:
-            raise InvalidArgument(
-                f"now_ns: a pass started by advance_to is in flight until {self._inflight.end}; advance_to it first")
-        if not isinstance(now_ns, int) or now_ns < self._free_at or now_ns < self._now:
-            raise InvalidArgument(f"now_ns must be an integer >= the end of the previous pass "
-                                  f"({max(self._free_at, self._now)}), got {now_ns!r}")
-        self._now = now_ns
-        p = self._plan(now_ns)
-        res = StepResult(now_ns, p.end)
-        if not p:
-            self._free_at = max(self._free_at, now_ns)
-            self._blocked = self._version
-            return res
+    def _step_result(self, p: _Pass) -> StepResult:
+        res = StepResult(p.start, p.end)
         res.prefill_tokens = sum(c.end - c.prefix for c in p.chunks)
         res.decodes = len(p.decode)
-        self._finish(p, None, res)
         return res
 
-    def advance_to(self, t_ns: int) -> AdvanceResult:
-        """Run every pass that starts before ``t_ns`` and ends by it; return what became visible."""
-        if not isinstance(t_ns, int) or t_ns < self._now or t_ns > MAX_TIME_NS:
-            raise InvalidArgument(f"t_ns must be an integer in [{self._now}, {MAX_TIME_NS}], got {t_ns!r}")
-        out = AdvanceResult()
-        while True:
-            fl = self._inflight
-            if fl is not None:
-                if fl.end > t_ns:
-                    break
-                self._inflight = None
-                self._finish(fl, out, None)
-                continue
-            s = self._next_start()
-            if s is None or s >= t_ns:
-                break
-            p = self._plan(s)
-            if not p:
-                self._free_at = s
-                self._blocked = self._version
-                continue
-            if p.end > t_ns:
-                self._inflight = p
-                break
-            self._finish(p, out, None)
-        self._now = t_ns
-        return out
+    def _cache_version(self) -> int:
+        return self._version
 
     def next_event_ns(self) -> int | None:
         """When to advance to for the next externally visible change (None: nothing pending).
