@@ -7,6 +7,7 @@ queues a request, when its next pass starts, how it plans a pass and how a pass 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvemu.clock import MAX_TIME_NS
@@ -14,6 +15,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected, check_request
 from workers.config import EngineConfig
+from workers.events import PassEvents
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.sequence import SeqState
@@ -71,6 +73,29 @@ class RankCore:
 
     def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
         return 0
+
+    @staticmethod
+    def _report(start: int, end: int, out: AdvanceResult | None, res: StepResult | None, *, admitted: list[Any],
+                preempted: list[Any], first: list[Any], completed: list[Any], sampled: list[Any],
+                events: PassEvents | None, pulled: Sequence[Any] = ()) -> None:
+        """Tell the driver what a pass that ran from ``start`` to ``end`` made visible."""
+        if out is not None:
+            out.passes += 1
+            out.admitted += [(seq.rid, start) for seq in admitted]
+            out.preempted += [(seq.rid, end) for seq in preempted]
+            out.first_tokens += [(seq.rid, end) for seq in first]
+            out.completed += [seq.record for seq in completed]
+            out.pulled += [(seq.rid, seq.record.kv_reserved_ns, start) for seq in pulled]
+            if events is not None:
+                out.events.append(events)
+        if res is not None:
+            res.tokens = [s.rid for s in sampled]
+            res.first_tokens = [s.rid for s in first]
+            res.completed = [s.record for s in completed]
+            res.admitted = [s.rid for s in admitted]
+            res.preempted = [s.rid for s in preempted]
+            res.pulled = [(s.rid, s.record.kv_reserved_ns, start) for s in pulled]
+            res.events = events
 
     # ------------------------------------------------------------------ queries
 

@@ -327,29 +327,8 @@ class EngineCore(RankCore):
             and (not (self.scheduler.waiting or self.scheduler.incoming) or pool.version == p.version)
             and (self.host is None or not self.host.busy)
         )
-        if out is not None:
-            out.passes += 1
-            start = p.start
-            for seq in sched.admitted:
-                out.admitted.append((seq.rid, start))
-            for seq in sched.preempted:
-                out.preempted.append((seq.rid, end))
-            for seq in first:
-                out.first_tokens.append((seq.rid, end))
-            for seq in completed:
-                out.completed.append(seq.record)
-            for seq in sched.activated:
-                out.pulled.append((seq.rid, seq.record.kv_reserved_ns, start))  # type: ignore[arg-type]
-            if events is not None:
-                out.events.append(events)
-        if res is not None:
-            res.tokens = [s.rid for s in sampled]
-            res.first_tokens = [s.rid for s in first]
-            res.completed = [s.record for s in completed]
-            res.admitted = [s.rid for s in sched.admitted]
-            res.preempted = [s.rid for s in sched.preempted]
-            res.pulled = [(s.rid, s.record.kv_reserved_ns, p.start) for s in sched.activated]  # type: ignore[misc]
-            res.events = events
+        self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
+                     completed=completed, sampled=sampled, events=events, pulled=sched.activated)
 
     # --------------------------------------------------------- fast-forward
 

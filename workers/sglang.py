@@ -492,25 +492,8 @@ class SglangCore(RankCore):
         events = PassEvents(end, self.dp_rank, log, page) if log else None
         self._free_at = end
         self.passes += 1
-        if out is not None:
-            out.passes += 1
-            for seq in (c.seq for c in p.chunks):
-                out.admitted.append((seq.rid, p.start))
-            for seq in p.retracted:
-                out.preempted.append((seq.rid, end))
-            for seq in first:
-                out.first_tokens.append((seq.rid, end))
-            for seq in completed:
-                out.completed.append(seq.record)
-            if events is not None:
-                out.events.append(events)
-        if res is not None:
-            res.tokens = [s.rid for s in sampled]
-            res.first_tokens = [s.rid for s in first]
-            res.completed = [s.record for s in completed]
-            res.admitted = [c.seq.rid for c in p.chunks]
-            res.preempted = [s.rid for s in p.retracted]
-            res.events = events
+        self._report(p.start, end, out, res, admitted=[c.seq for c in p.chunks], preempted=p.retracted, first=first,
+                     completed=completed, sampled=sampled, events=events)
 
     # --------------------------------------------------------------- misc
 
