@@ -202,7 +202,14 @@ class Cluster:
         self.router = self.front = self.routers["aggregated"] = self._make_router()
         await self._start_router(self.router)
 
+    def sync_workers(self) -> None:
+        """Virtual time: bring every worker's engines to now and publish their KV events (they defer them)."""
+        for actor in self.workers.values():
+            actor.sync()
+
     async def _start_router(self, router: Router) -> None:
+        if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
+            router.lifecycle.before_select = self.sync_workers
         scope = anyio.CancelScope()
         self._router_scope = scope
         started = anyio.Event()
@@ -249,6 +256,8 @@ class Cluster:
                                 worker_type=worker_type)
         for pub in self.kv_publishers[wid]:
             pub.lag_ns = self.kv_lag_ns
+        if self.mode == "virtual":
+            actor.defer_kv_events()
         self.workers[wid] = actor
         self.worker_pool[wid] = pool
         scope = anyio.CancelScope()

@@ -188,6 +188,8 @@ async def _sample(c: Cluster, state: dict[str, Any], recorder: Recorder, progres
     interval = 1.0 if c.mode == "virtual" else 0.25
     last_wall = 0.0
     while True:
+        if c.mode == "virtual":
+            c.sync_workers()  # the samples read the routers' indexes
         _take_sample(c, state, clock)
         if progress is not None and time.monotonic() - last_wall > 0.1:
             last_wall = time.monotonic()

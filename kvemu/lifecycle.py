@@ -134,6 +134,9 @@ class Lifecycle:
         self.unacked: dict[int, int] = {}
         """Per worker, dispatches in a row that timed out unacknowledged (kept across re-registrations until
         the worker acknowledges one, so a worker that never does is dropped again at its first timeout)."""
+        self.before_select: Callable[[], None] | None = None
+        """Called before every selection: a host whose workers publish KV events lazily brings them up to
+        the present here, so the router decides on what the engines did up to now."""
         self._send = send
         self.flights: dict[str, Flight] = {}
         self._by_worker: dict[int, dict[str, None]] = {}
@@ -459,6 +462,8 @@ class Lifecycle:
         self._select(f)
 
     def _select(self, f: Flight) -> None:
+        if self.before_select is not None:
+            self.before_select()
         core = self.core
         affinity = self.affinity
         key = _affinity_key(f.req)

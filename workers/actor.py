@@ -116,6 +116,7 @@ class WorkerActor:
         self._answered = anyio.Event()
         self._retry_after_s = 0.0
         self.stopped = False
+        self._defer = False
         self.register_timeout_s = 30.0
         self.stream_interval_ns = 2_000_000
         """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
@@ -141,6 +142,8 @@ class WorkerActor:
         core = self.worker.core(dp_rank)
         i = self.worker.cores.index(core)
         self.worker.cores[i] = engine_core(core.config, dp_rank=dp_rank)  # an empty, idle stand-in
+        if self._defer:
+            self.defer_kv_events()
         self.dead_ranks.add(dp_rank)
         lost = sorted(rid for rid, rec in self._records.items() if rec.dp_rank == dp_rank)
         for rid in lost:
@@ -385,6 +388,22 @@ class WorkerActor:
         return self._beat_t0 + -(-(due - self._beat_t0) // interval) * interval
 
     # ------------------------------------------------------------------ virtual time
+
+    def sync(self) -> None:
+        """Virtual time: advance the engines to now and publish what they did, then re-arm the next instant.
+
+        A host that lets the engines publish KV events lazily (``defer_kv_events``) calls it before anything
+        reads what those events say."""
+        if self.mode == "virtual" and not self.stopped:
+            self._driver.arm(self._advance_virtual())
+
+    def defer_kv_events(self) -> None:
+        """Virtual time: let engines that can pass over passes whose only visible effect is KV events (the
+        SGLang flavour's per-pass evictions) do so; the host promises to ``sync`` before reading the index."""
+        for core in self.worker.cores:
+            if hasattr(core, "defer_kv_events"):
+                core.defer_kv_events = True
+        self._defer = True
 
     def _advance_virtual(self) -> int | None:
         """Advance every core to now, publish what became visible; the next instant anything will."""

@@ -50,6 +50,7 @@ _INIT_RATIO = 0.7
 _MIN_RATIO_FACTOR = 0.14
 _DECAY_PASSES = 600
 _LPM_MAX_WAITING = 128  # beyond this many waiting requests LPM falls back to arrival order, as SGLang does
+_LOOKAHEAD_PASSES = 4096  # how far next_event_ns looks through a decode run (further: it answers again then)
 
 
 class _Seq(SeqState):
@@ -121,6 +122,10 @@ class SglangCore(RankCore):
         self.running: list[_Seq] = []
         self._decodes_owed = 0  # decode passes still due before the next extend pass (prefill_decode_interval)
         self._version = 0
+        self.defer_kv_events = False
+        """Whether ``next_event_ns`` may pass over decode passes whose only visible effect is KV events (the
+        evictions 1-token pages cause at every pass of a full pool). Only for a host that advances the core
+        to the present before anyone reads what those events say (``WorkerActor.sync``)."""
 
     # ----------------------------------------------------------------- queries
 
@@ -256,9 +261,10 @@ class SglangCore(RankCore):
     def next_event_ns(self) -> int | None:
         """When to advance to for the next externally visible change (None: nothing pending).
 
-        A pass in flight: its end. A decode pass due next (nothing waiting or arriving by its start, pages
-        enough without retracting): its end, since nothing visible happens at its start. Otherwise the next
-        pass's start + 1 (advancing past it starts it)."""
+        A pass in flight: its end. A run of decode passes due next (nothing waiting or arriving, pages enough
+        without retracting): the end of its first pass that completes a request or evicts (that pass's KV
+        events are visible; with ``defer_kv_events`` they are not, see there), since nothing visible happens
+        at a decode pass's start. Otherwise the next pass's start + 1 (advancing past it starts it)."""
         fl = self._inflight
         if fl is not None:
             return fl.end if fl.end > fl.start else fl.start + 1
@@ -270,10 +276,32 @@ class SglangCore(RankCore):
             return s + 1
         page = self._page
         cache = self.cache
-        if cache.free + cache.evictable < sum(1 for q in running if not q.computed % page):
-            return s + 1
-        end = s + self.timer.pass_ns(0, len(running), sum(q.num_tokens for q in running))
-        return end if end > s else s + 1
+        free = cache.free
+        room = free + cache.evictable
+        n = len(running)
+        kv = sum(q.num_tokens for q in running)
+        gaps = [-q.computed % page for q in running]  # pass j takes a new page for q when (j - 1) % page == gap
+        last = min(q.out_limit - q.n_out for q in running)  # the pass that completes the first request
+        arrival = self.future[0][0] if self.future else None
+        defer = self.defer_kv_events
+        pass_ns = self.timer.pass_ns
+        t = s
+        for j in range(1, min(last, _LOOKAHEAD_PASSES) + 1):
+            need = n if page == 1 else gaps.count((j - 1) % page)
+            if need > room:  # it retracts at its start
+                return t + 1
+            end = t + pass_ns(0, n, kv)
+            if end == t:
+                return t + 1
+            if j == last or (need > free and not defer):
+                return end
+            free = free - need if need <= free else 0
+            room -= need
+            kv += n
+            t = end
+            if arrival is not None and t >= arrival:  # the next pass may admit it
+                return t + 1
+        return t
 
     # ------------------------------------------------------------- planning
 
