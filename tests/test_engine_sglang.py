@@ -200,3 +200,20 @@ def test_kv_events_name_one_page_per_block_as_the_cache_changes():
     assert len(stored) == 2000  # both prompts, a page (token) each
     assert len(removed) == 500  # b needed 500 of a's pages, its least recent tail
     assert stored - set(removed) == eng.cache.cached_hashes()
+
+
+def test_reset_prefix_cache_drops_every_page_once_nothing_runs():
+    eng = SglangCore(SG)
+    eng.add_request(req("a", 1000, 3))
+    eng.advance_to(MS)  # a's prefill is in flight
+    assert eng.reset_prefix_cache(MS) is None
+    while (t := eng.next_event_ns()) is not None:
+        eng.advance_to(t)
+    assert eng.cache.size == 1003  # a's prompt and a slot for each of its 3 output tokens, as the reference keeps
+    events = eng.reset_prefix_cache(eng.now_ns)
+    assert events is not None and [type(e).__name__ for e in events.batch().events] == ["AllBlocksCleared"]
+    assert eng.cache.size == 0 and eng.cache.cached_hashes() == set()
+    eng.add_request(req("b", 1000, 1, at_ms=eng.now_ns / MS + 1, ids=None))
+    while (t := eng.next_event_ns()) is not None:
+        eng.advance_to(t)
+    eng.check_invariants()

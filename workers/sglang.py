@@ -35,6 +35,7 @@ from collections import deque
 from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected, sglang_max_len
+from workers.blocks import CLEARED
 from workers.config import EngineConfig
 from workers.core import RankCore
 from workers.results import AdvanceResult, StepResult
@@ -529,8 +530,6 @@ class SglangCore(RankCore):
         """Drop every cached page; refused (None) while requests hold pages."""
         if self._inflight is not None or self.running or not self.cache.reset():
             return None
-        from workers.blocks import CLEARED
-
         self._version += 1
         return PassEvents(max(now_ns, self._free_at), self.dp_rank, [(CLEARED,)], self._page)
 
