@@ -152,6 +152,7 @@ class Cluster:
         self.nets: dict[str, MemoryNetwork] = {}
         self.buses: dict[str, MemoryKvBus] = {}
         self.workers: dict[int, WorkerActor] = {}
+        self._deferring: list[int] = []  # virtual time: workers whose engines defer KV events (synced before deciding)
         self.bus: MemoryKvBus | None = None
         self.net: MemoryNetwork | None = None
         self._tg: anyio.abc.TaskGroup
@@ -203,9 +204,11 @@ class Cluster:
         await self._start_router(self.router)
 
     def sync_workers(self) -> None:
-        """Virtual time: bring every worker's engines to now and publish their KV events (they defer them)."""
-        for actor in self.workers.values():
-            actor.sync()
+        """Virtual time: bring the engines of every worker that defers KV events to now and publish them."""
+        for wid in self._deferring:
+            actor = self.workers.get(wid)
+            if actor is not None:
+                actor.sync()
 
     async def _start_router(self, router: Router) -> None:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
@@ -256,8 +259,8 @@ class Cluster:
                                 worker_type=worker_type)
         for pub in self.kv_publishers[wid]:
             pub.lag_ns = self.kv_lag_ns
-        if self.mode == "virtual":
-            actor.defer_kv_events()
+        if self.mode == "virtual" and actor.defer_kv_events():
+            self._deferring.append(wid)
         self.workers[wid] = actor
         self.worker_pool[wid] = pool
         scope = anyio.CancelScope()

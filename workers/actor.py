@@ -397,13 +397,15 @@ class WorkerActor:
         if self.mode == "virtual" and not self.stopped:
             self._driver.arm(self._advance_virtual())
 
-    def defer_kv_events(self) -> None:
+    def defer_kv_events(self) -> bool:
         """Virtual time: let engines that can pass over passes whose only visible effect is KV events (the
-        SGLang flavour's per-pass evictions) do so; the host promises to ``sync`` before reading the index."""
+        SGLang flavour's per-pass evictions) do so; the host promises to ``sync`` before reading the index.
+        Returns whether any engine here does (only those workers need syncing)."""
         for core in self.worker.cores:
             if hasattr(core, "defer_kv_events"):
                 core.defer_kv_events = True
-        self._defer = True
+                self._defer = True
+        return self._defer
 
     def _advance_virtual(self) -> int | None:
         """Advance every core to now, publish what became visible; the next instant anything will."""
