@@ -217,3 +217,38 @@ def test_reset_prefix_cache_drops_every_page_once_nothing_runs():
     while (t := eng.next_event_ns()) is not None:
         eng.advance_to(t)
     eng.check_invariants()
+
+
+def test_with_no_output_reserve_the_first_token_slots_still_fit_the_pool():
+    """clip_max_new_tokens 0 reserves nothing for outputs: admission must still leave each finished prompt
+    the page of its first token (found by the fast-forward property: the pool went one page over)."""
+    cfg = EngineConfig(backend="sglang", num_gpu_blocks=33, max_num_seqs=4, max_num_batched_tokens=4,
+                       sglang=SglangConfig(max_prefill_tokens=2, chunked_prefill_size=2, clip_max_new_tokens=0))
+    specs = [([1000, 1001, 1002], 2, 6), ([1100], 2, 6), ([1200], 15, 3), ([2, 2, 1300, 1301], 9, 0), ([1400], 16, 0),
+             ([1500], 1, 0), ([1600], 9, 0)]
+    eng = SglangCore(cfg)
+    for i, (tokens, out, at_ms) in enumerate(specs):
+        eng.add_request(Request(request_id=f"r{i}", token_ids=tokens, max_tokens=out, arrival_ns=at_ms * MS))
+    done = 0
+    while (s := eng.next_pass_start_ns()) is not None:
+        done += len(eng.step(s).completed)
+        eng.check_invariants()  # the pool never goes over
+    assert done == len(specs)
+
+
+def test_a_retracted_request_queues_behind_a_half_prefilled_prompt():
+    """A retracted request that cannot fit while a half-prefilled prompt holds pages must not stand in front of
+    it (that idle rank would admit nobody, ever: found by the fast-forward property)."""
+    cfg = EngineConfig(backend="sglang", num_gpu_blocks=6, max_num_seqs=3, max_num_batched_tokens=3,
+                       sglang=SglangConfig(max_prefill_tokens=1, chunked_prefill_size=1, schedule_conservativeness=0.3))
+    eng = SglangCore(cfg)
+    for rid, tokens, out in (("r0", [1000], 4), ("r1", [1100], 2), ("r2", [1200, 1201], 1)):
+        eng.add_request(Request(request_id=rid, token_ids=tokens, max_tokens=out, arrival_ns=0))
+    done, retracted = [], []
+    while (s := eng.next_pass_start_ns()) is not None:
+        res = eng.step(s)
+        assert not res.idle, eng
+        done += [r.request_id for r in res.completed]
+        retracted += res.preempted
+        eng.check_invariants()
+    assert retracted == ["r0"] and sorted(done) == ["r0", "r1", "r2"]

@@ -330,15 +330,17 @@ class SglangCore(RankCore):
         return p
 
     def _order_waiting(self) -> None:
+        """LPM: longest cached prefix first, a half-prefilled prompt before all (SGLang continues its chunked
+        request first; holding pages while others go first could leave an idle engine that admits nobody)."""
         waiting = self.waiting
         if self._sg.schedule_policy != "lpm" or len(waiting) > _LPM_MAX_WAITING or not self._caching:
             return
         page = self._page
         cache = self.cache
-        keyed = [(-cache.peek(s.ensure_hashes((s.num_tokens - 1) // page), (s.num_tokens - 1) // page)[0], i, s)
-                 for i, s in enumerate(waiting)]
+        keyed = [(not s.computed, -cache.peek(s.ensure_hashes((s.num_tokens - 1) // page), (s.num_tokens - 1) // page)[0],
+                  i, s) for i, s in enumerate(waiting)]
         keyed.sort()
-        self.waiting = deque(s for _, _, s in keyed)
+        self.waiting = deque(s for *_, s in keyed)
 
     def _admit(self, p: _Pass) -> None:
         """Take prompt chunks from the head of the queue into an extend pass while budgets and KV allow."""
@@ -374,17 +376,19 @@ class SglangCore(RankCore):
                     break
             charged = -(-chunk // page) * page
             final = chunk == extend
-            reserve = min(seq.out_limit - seq.n_out, clip) if final else 0
+            end = done + chunk
+            # a prompt finished in this pass also gets the slot of its first token, unless that token is its last
+            slot = end + 1 if final and seq.out_limit - seq.n_out > 1 else end
+            # what it holds back for its output: the reserve, which covers that slot (with clip_max_new_tokens 0,
+            # the slot alone: the reference would over-commit the pool there and spin)
+            reserve = max(min(seq.out_limit - seq.n_out, clip) if final else 0, (-(-slot // page) - -(-end // page)) * page)
             if (charged + reserve >= rem_total - unheld * page or charged > rem_chunk
                     or (charged > rem_input and p.chunks)):  # (a lone chunk always fits max_prefill_tokens, as in SGLang)
                 break
             waiting.popleft()
-            end = done + chunk
             if fresh and done:
                 self._match(seq, done // page)
             had = -(-done // page)
-            # a prompt finished in this pass also gets the slot of its first token, unless that token is its last
-            slot = end + 1 if final and seq.out_limit - seq.n_out > 1 else end
             need = -(-slot // page) - had
             self._take(need)
             seq.owned += need
@@ -458,7 +462,10 @@ class SglangCore(RankCore):
         seq.status = WAITING
         seq.prefilling = True
         seq.record.preemptions += 1
-        self.waiting.appendleft(seq)
+        # to the head of the queue, but behind a half-prefilled prompt: SGLang continues its chunked request
+        # first (one holding pages behind a request that cannot fit until they are freed would stall the rank)
+        waiting = self.waiting
+        waiting.insert(1 if waiting and waiting[0].computed else 0, seq)
 
     # ------------------------------------------------------------- pass end
 
