@@ -5,6 +5,7 @@ replay; tests/test_reference_engines.py checks the same cases against the bindin
 from __future__ import annotations
 
 import pytest
+from engine_runs import run_to_end
 
 from kvemu.errors import InvalidArgument
 from kvemu.wire.kv_events import BlockRemoved, BlockStored
@@ -27,13 +28,7 @@ def req(rid: str, prompt: int, out: int, at_ms: float = 0, ids: list[int] | None
 
 def run(reqs: list[Request], cfg: EngineConfig = SG) -> tuple[SglangCore, dict]:
     eng = SglangCore(cfg)
-    for r in reqs:
-        eng.add_request(r)
-    done = {}
-    while (t := eng.next_event_ns()) is not None:
-        for rec in eng.advance_to(t).completed:
-            done[rec.request_id] = rec
-        eng.check_invariants()
+    done = run_to_end(eng, reqs)
     assert eng.num_unfinished == 0
     return eng, done
 

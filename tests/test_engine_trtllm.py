@@ -4,6 +4,7 @@ whole-block prefix reuse (expected times from ai-dynamo-runtime 1.6.1's replay; 
 from __future__ import annotations
 
 import pytest
+from engine_runs import run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,17 +23,7 @@ def req(rid: str, prompt: int, out: int, at_ms: float = 0, base: int = 0, tokens
 
 
 def run(cfg: EngineConfig, reqs: list[Request]) -> dict:
-    eng = EngineCore(cfg)
-    for r in reqs:
-        eng.add_request(r)
-    done = {}
-    while True:
-        t = eng.next_event_ns()
-        if t is None:
-            break
-        for rec in eng.advance_to(t).completed:
-            done[rec.request_id] = rec
-    return done
+    return run_to_end(EngineCore(cfg), reqs)
 
 
 def test_defaults_follow_the_backend():
@@ -111,13 +102,6 @@ def contended(draw):
 @given(contended())
 def test_nothing_is_ever_preempted_and_everything_completes(work):
     cfg, reqs = work
-    eng = EngineCore(cfg)
-    for r in reqs:
-        eng.add_request(r)
-    done = {}
-    while (t := eng.next_event_ns()) is not None:
-        for rec in eng.advance_to(t).completed:
-            done[rec.request_id] = rec
-        eng.check_invariants()
+    done = run_to_end(EngineCore(cfg), reqs)
     assert sorted(done) == sorted(r.request_id for r in reqs)
     assert all(rec.preemptions == 0 and rec.output_tokens == rec.max_tokens for rec in done.values())
