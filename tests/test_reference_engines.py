@@ -95,6 +95,24 @@ def test_sglang_matches_the_reference_on_a_mooncake_slice(dynamo_core, tmp_path)
     assert_same(kvemu_outcomes(trace, engine, workers=16), reference_outcomes(dynamo_core, trace, engine, workers=16))
 
 
+def test_sglang_matches_the_reference_through_retractions_on_one_rank(dynamo_core, tmp_path):
+    """One rank's share of the trace's short rows (round robin on 16 workers, rank 14) up to 1,900 s: requests
+    are retracted under KV pressure around 1,790 s, and those already waiting are admitted before them."""
+    import json
+    from pathlib import Path
+
+    mooncake_trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+    if not mooncake_trace.is_file():
+        pytest.skip(f"the Mooncake trace is not at {mooncake_trace}")
+    short = [line for line in mooncake_trace.read_text().splitlines() if json.loads(line)["input_length"] <= 8000]
+    rank = [json.loads(line) for i, line in enumerate(short) if i % 16 == 14]
+    rank = [dict(r, timestamp=r["timestamp"] - rank[0]["timestamp"]) for r in rank if r["timestamp"] <= 1_900_000]
+    trace = write_trace(tmp_path, rank)  # (from 0: the reference counts arrivals from the first)
+    engine = {"backend": "sglang"}
+    ours = kvemu_outcomes(trace, engine)
+    assert_same(ours, reference_outcomes(dynamo_core, trace, engine))
+
+
 @pytest.mark.parametrize("case", list(VLLM_CASES))
 def test_vllm_matches_the_reference_request_by_request(dynamo_core, tmp_path, case):
     trace_rows, engine, trace_block_size = VLLM_CASES[case]

@@ -14,7 +14,7 @@ What differs from the vLLM flavour (``workers.engine``):
   a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
   when it lets go, and the least recently used leaves lose pages from their tails when room is needed.
 * **Retraction, not preemption:** when a decode pass cannot get its pages the running request with the
-  fewest generated tokens (the earliest admitted on a tie) goes back to the head of the queue, its
+  fewest generated tokens (the earliest admitted on a tie) goes back to the end of the queue, its
   tokens left in the cache, and the ratio resets.
 
 Where the reference mocker fails (an error on a prompt whose prompt + reserved output does not fit an
@@ -404,7 +404,7 @@ class SglangCore(RankCore):
                 if rec.admitted_ns is None:
                     rec.admitted_ns = p.start
                     rec.engine_cached_tokens = prefix
-                rec.engine_reused_tokens = (rec.engine_reused_tokens or 0) + prefix
+                rec.engine_reused_tokens = prefix
             if final:
                 self.running.append(seq)
             if rem_chunk <= 0 or not final:
@@ -462,10 +462,9 @@ class SglangCore(RankCore):
         seq.status = WAITING
         seq.prefilling = True
         seq.record.preemptions += 1
-        # to the head of the queue, but behind a half-prefilled prompt: SGLang continues its chunked request
-        # first (one holding pages behind a request that cannot fit until they are freed would stall the rank)
-        waiting = self.waiting
-        waiting.insert(1 if waiting and waiting[0].computed else 0, seq)
+        # to the end of the queue, as the reference's replay does: requests already waiting go first (and a
+        # half-prefilled prompt is never stuck behind one that cannot fit until that prompt's pages are freed)
+        self.waiting.append(seq)
 
     # ------------------------------------------------------------- pass end
 
