@@ -42,7 +42,7 @@ from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.transfer import KvTransfer
 from kvemu.wire.kv_events import KVEventBatch
-from workers.engine import AdvanceResult, StepResult
+from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.worker import Core, MockWorker, engine_core
 

@@ -32,16 +32,6 @@ class RadixNode:
         self.lock = 0
         self.stamp = stamp
 
-    @property
-    def depth(self) -> int:
-        """Pages from the root to the end of this node."""
-        n = 0
-        node: RadixNode | None = self
-        while node is not None:
-            n += len(node.hashes)
-            node = node.parent
-        return n
-
     def __repr__(self) -> str:
         return f"RadixNode(pages={len(self.hashes)}, children={len(self.children)}, lock={self.lock})"
 
@@ -97,10 +87,14 @@ class RadixCache:
         """The deepest node on the path of ``hashes[:limit]`` and the pages matched (the node is split there).
 
         Touches the path (it becomes most recently used)."""
-        node = self.root
-        pos = 0
         self._clock += 1
-        stamp = self._clock
+        node, pos = self._walk(self.root, 0, hashes, limit, self._clock)
+        self._touched(node)
+        return node, pos
+
+    def _walk(self, node: RadixNode, pos: int, hashes: list[int], limit: int, stamp: int) -> tuple[RadixNode, int]:
+        """Follow ``hashes[pos:limit]`` down from ``node`` (which ends at page ``pos``), splitting the node where
+        the match ends and stamping the path; the deepest node reached and the pages matched."""
         while pos < limit:
             child = node.children.get(hashes[pos])
             if child is None:
@@ -111,7 +105,6 @@ class RadixCache:
             node = child
             node.stamp = stamp
             pos += n
-        self._touched(node)
         return node, pos
 
     def peek(self, hashes: list[int], limit: int) -> tuple[int, int]:
@@ -177,22 +170,14 @@ class RadixCache:
         Pages already cached (another request stored the same tokens) are walked, not duplicated; the
         caller gives back the pages it held for them. Returns the node ending at page ``upto``."""
         self._clock += 1
-        stamp = self._clock
-        while depth < upto:
-            child = node.children.get(hashes[depth])
-            if child is None:
-                new = RadixNode(hashes[depth:upto], node, stamp)
-                node.children[new.hashes[0]] = new
-                self.size += upto - depth
-                self.log.append((STORED, hashes[depth:upto], hashes[depth - 1] if depth else None, source, depth))
-                self._candidate(new)
-                return new
-            n = _common(hashes, depth, child.hashes, upto - depth)
-            if n < len(child.hashes):
-                child = self._split(child, n)
-            node = child
-            node.stamp = stamp
-            depth += n
+        node, depth = self._walk(node, depth, hashes, upto, self._clock)
+        if depth < upto:
+            new = RadixNode(hashes[depth:upto], node, self._clock)
+            node.children[new.hashes[0]] = new
+            self.size += upto - depth
+            self.log.append((STORED, hashes[depth:upto], hashes[depth - 1] if depth else None, source, depth))
+            self._candidate(new)
+            return new
         self._touched(node)
         return node
 

@@ -83,7 +83,7 @@ class _Chunk:
 class _Pass:
     """A planned pass: its chunks (an extend pass) or its batch (a decode pass)."""
 
-    __slots__ = ("start", "end", "chunks", "decode", "retracted", "log")
+    __slots__ = ("start", "end", "chunks", "decode", "retracted")
 
     def __init__(self, start: int) -> None:
         self.start = start
@@ -91,7 +91,6 @@ class _Pass:
         self.chunks: list[_Chunk] = []
         self.decode: list[_Seq] = []
         self.retracted: list[_Seq] = []
-        self.log: list[tuple] = []
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decode or self.retracted)
@@ -325,8 +324,6 @@ class SglangCore(RankCore):
             p.end = start + self.timer.pass_ns(b * (isl // b - prefix // b), 0, 0)
         elif self.running:
             self._plan_decode(p)
-        p.log = self.cache.log
-        self.cache.log = []
         return p
 
     def _order_waiting(self) -> None:
@@ -520,10 +517,8 @@ class SglangCore(RankCore):
             self._aborting = []
             for seq in gone:
                 self._drop(seq)
-        log = p.log
-        if self.cache.log:  # pages cached at the pass end
-            log = log + self.cache.log
-            self.cache.log = []
+        log = self.cache.log  # its evictions at its start, the pages it cached at its end
+        self.cache.log = []
         events = PassEvents(end, self.dp_rank, log, page) if log else None
         self._free_at = end
         self.passes += 1
