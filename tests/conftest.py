@@ -17,6 +17,14 @@ from types import ModuleType
 from typing import NoReturn
 
 import pytest
+from hypothesis import settings
+
+# Property tests are derandomized by default: a run's outcome is a function of the code, so CI cannot go red on
+# a draw it never made before. ``HYPOTHESIS_PROFILE=explore`` draws afresh on every run: run it (several times)
+# after touching an engine, a queue or the index, and turn what it finds into a regression test.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REQUIRE_ENV = "KVEMU_REQUIRE_REFERENCE"
 REFERENCE_DIST = "ai-dynamo-runtime"

@@ -9,6 +9,7 @@ from kvemu.clock import MAX_TIME_NS
 from workers.config import EngineConfig
 from workers.engine import EngineCore
 from workers.request import Request
+from workers.worker import engine_core
 
 from tests.test_engine_fastforward import MS, summary, workloads
 
@@ -20,7 +21,7 @@ def _abort_plan(draw, reqs):
 
 
 def _stepwise(cfg, reqs, aborts):
-    eng = EngineCore(cfg)
+    eng = engine_core(cfg)
     for r in reqs:
         eng.add_request(r)
     done, batches = [], []
@@ -42,7 +43,7 @@ def _stepwise(cfg, reqs, aborts):
 
 
 def _fast_forward(cfg, reqs, aborts):
-    eng = EngineCore(cfg)
+    eng = engine_core(cfg)
     for r in reqs:
         eng.add_request(r)
     done, batches = [], []
@@ -57,6 +58,13 @@ def _fast_forward(cfg, reqs, aborts):
     batches += out.kv_batches
     eng.check_invariants()
     return done, batches, eng
+
+
+def _all_free(eng) -> bool:
+    """Every block (page) is free or cached, none held by a request."""
+    if isinstance(eng, EngineCore):
+        return eng.pool.free + len(eng.pool.cached) == eng.pool.num_blocks
+    return eng.cache.owned == 0 and eng.cache.locked == 0
 
 
 @st.composite
@@ -74,7 +82,7 @@ def test_aborted_requests_free_everything_and_both_drivers_agree(work):
     ff_done, ff_batches, ff = _fast_forward(cfg, reqs, aborts)
     for eng in (ref, ff):  # nothing left behind: no request, no block held, no work pending
         assert eng.num_unfinished == 0 and eng.num_running == 0 and eng.next_event_ns() is None
-        assert eng.pool.free + len(eng.pool.cached) == eng.pool.num_blocks
+        assert _all_free(eng)
     kept = lambda done: {k: v for k, v in summary(done).items() if k not in aborted}  # noqa: E731
     assert kept(ff_done) == kept(ref_done)
     assert {r.request_id for r in ff_done} - aborted == {r.request_id for r in reqs} - aborted
@@ -107,3 +115,35 @@ def test_abort_of_a_waiting_request_lets_the_next_one_in():
     eng.abort("r1")  # still waiting: never runs
     done = eng.advance_to(MAX_TIME_NS).completed
     assert [r.request_id for r in done] == ["r0", "r2"]
+
+
+def _run_both(cfg, reqs, aborts):
+    ref_done, ref_batches, _ = _stepwise(cfg, reqs, aborts)
+    ff_done, ff_batches, _ = _fast_forward(cfg, reqs, aborts)
+    return summary(ref_done), summary(ff_done), ref_batches, ff_batches
+
+
+def test_abort_of_the_blocked_head_lets_the_next_in_at_the_next_pass_as_stepping_does():
+    """Dropping the waiting head frees no block, yet the request behind it may now fit: a decode run that was
+    steady must be re-planned at the next pass, or the fast-forward admits it passes late (found by hypothesis)."""
+    cfg = EngineConfig(num_gpu_blocks=5, block_size=8, max_num_seqs=2, max_num_batched_tokens=32)
+    reqs = [Request(request_id="long", token_ids=list(range(100, 108)), max_tokens=5, arrival_ns=0),
+            Request(request_id="head", token_ids=list(range(200, 224)), max_tokens=2, arrival_ns=0),
+            *(Request(request_id=f"s{i}", token_ids=[300 + i], max_tokens=1, arrival_ns=0) for i in range(3))]
+    # "head" is preempted by the decode of "long" and waits at the queue's head; it is aborted mid-pass
+    aborts = [(23 * MS, "head")]
+    ref, ff, ref_batches, ff_batches = _run_both(cfg, reqs, aborts)
+    assert ff == ref and ff_batches == ref_batches
+    assert ff["s0"][1] < ff["long"][3]  # the first short one got in while "long" still decoded
+
+
+def test_a_request_aborted_during_its_last_pass_is_freed_in_its_place_among_the_pass_completions():
+    """Both drivers free the blocks of a pass's finished requests in batch order, aborted or not, so the LRU
+    victim chosen afterwards is the same (fast-forward used to free the aborted one last)."""
+    cfg = EngineConfig(num_gpu_blocks=3, block_size=1, max_num_seqs=2, max_num_batched_tokens=2)
+    reqs = [Request(request_id=f"r{i}", token_ids=[1000 + 100 * i], max_tokens=1, arrival_ns=0) for i in range(4)]
+    ref, ff, ref_batches, ff_batches = _run_both(cfg, reqs, [(1 * MS, "r0")])
+    assert ff_batches == ref_batches
+    removed = [e.block_hashes for b in ff_batches for e in b.events if type(e).__name__ == "BlockRemoved"]
+    assert removed and removed[0] == [ff_batches[0].events[0].block_hashes[0]]  # r0's block, the oldest, goes first
+    assert "r0" not in ff and {"r1", "r2", "r3"} <= ff.keys()

@@ -100,6 +100,7 @@ class EngineCore(RankCore):
         self._held: dict[str, SeqState] = {}  # prefill legs done, holding their KV for a decode rank
         self._releasing: list[SeqState] = []  # held KV released while a pass is in flight: freed at its end
         self._steady = False
+        self._dropped = 0  # requests aborted out of a queue
 
     # ----------------------------------------------------------------- queries
 
@@ -124,7 +125,7 @@ class EngineCore(RankCore):
         free_at = self._free_at
         if sch.running or (sch.waiting and not sch.held and not sch.transfers):
             return free_at  # (an idle engine admits its first waiting request: it fits the empty pool)
-        if (sch.waiting or sch.incoming) and self._blocked != self.pool.version:
+        if (sch.waiting or sch.incoming) and self._blocked != self._cache_version():
             # held or reserved blocks may keep them out: try (now: what freed blocks happened now), remember a failure
             return free_at if free_at > self._now else self._now
         a = sch.next_arrival_ns()
@@ -201,6 +202,7 @@ class EngineCore(RankCore):
                         heapq.heapify(heap)
                         break
             seq.status = FINISHED
+        self._dropped += 1  # (a request gone from the queue's head may let the next one in)
         self._steady = False
 
     # ------------------------------------------------------------ stepwise
@@ -212,10 +214,10 @@ class EngineCore(RankCore):
         return res
 
     def _cache_version(self) -> int:
-        return self.pool.version
+        return self.pool.version + self._dropped  # both only grow
 
     def _plan(self, start: int) -> _Pass:
-        version = self.pool.version
+        version = self._cache_version()
         host = self.host
         if host is None:
             sched = self.scheduler.schedule(start)
@@ -285,11 +287,16 @@ class EngineCore(RankCore):
                 if seq.n_out == seq.max_tokens:
                     completed.append(seq)
         gone = self._aborting
+        finished = completed
         if gone:
             first[:] = [s for s in first if s not in gone]
             sampled[:] = [s for s in sampled if s not in gone]
             completed = [s for s in completed if s not in gone]
-        for seq in completed:
+        for seq in finished:
+            if gone and seq in gone:  # aborted while its last pass ran: freed in its place, reported nowhere
+                gone.remove(seq)
+                self.scheduler.complete(seq)
+                continue
             if seq.req.kv_hold:  # a prefill leg: its KV waits for a decode rank
                 self.scheduler.hold(seq)
                 self._held[seq.rid] = seq
@@ -324,7 +331,7 @@ class EngineCore(RankCore):
             and not sched.reserved
             and sched.prefill_tokens == 0
             and len(sched.entries) == len(running)
-            and (not (self.scheduler.waiting or self.scheduler.incoming) or pool.version == p.version)
+            and (not (self.scheduler.waiting or self.scheduler.incoming) or self._cache_version() == p.version)
             and (self.host is None or not self.host.busy)
         )
         self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
@@ -472,7 +479,7 @@ class EngineCore(RankCore):
             return False
         if len(sched.entries) != len(self.scheduler.running):
             return False
-        if (self.scheduler.waiting or self.scheduler.incoming) and self.pool.version != p.version:
+        if (self.scheduler.waiting or self.scheduler.incoming) and self._cache_version() != p.version:
             return False
         bs = self._block_size
         for seq in sched.entries:

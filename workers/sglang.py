@@ -472,24 +472,21 @@ class SglangCore(RankCore):
         first: list[_Seq] = []
         sampled: list[_Seq] = []
         completed: list[_Seq] = []
-        gone = self._aborting
+        gone = self._aborting  # aborted while the pass ran: it still does their work, nobody hears of it
         requeue: list[_Seq] = []
         for c in p.chunks:
             seq = c.seq
-            if seq in gone:
-                continue
             self._cache_prefix(seq, c.end // page)
             if not c.final:
-                seq.status = WAITING
-                requeue.append(seq)
+                if seq not in gone:
+                    seq.status = WAITING
+                    requeue.append(seq)
                 continue
             seq.prefilling = False
             sampled.append(seq)
             if seq.record.first_token_ns is None:
                 first.append(seq)
-        for seq in p.decode:
-            if seq not in gone:
-                sampled.append(seq)
+        sampled += p.decode
         for seq in sampled:
             seq.n_out += 1
             rec = seq.record
@@ -507,16 +504,23 @@ class SglangCore(RankCore):
             self.ratio = max(self._min_ratio, self.ratio - self._decay)
         elif p.chunks:
             self._decodes_owed = self._sg.prefill_decode_interval
-        for seq in completed:
+        for seq in completed:  # in batch order, the aborted among them too: the order their pages age in
             self.running.remove(seq)
             self._let_go(seq, cache=True)
             seq.status = FINISHED
+            if seq in gone:
+                gone = [s for s in gone if s is not seq]
+                continue
             seq.record.completion_ns = end
             del self._seqs[seq.rid]
-        if gone:
+        if self._aborting:
+            aborted = self._aborting
             self._aborting = []
-            for seq in gone:
+            for seq in gone:  # the rest let go after the pass, as if aborted right after it
                 self._drop(seq)
+            first = [s for s in first if s not in aborted]
+            sampled = [s for s in sampled if s not in aborted]
+            completed = [s for s in completed if s not in aborted]
         log = self.cache.log  # its evictions at its start, the pages it cached at its end
         self.cache.log = []
         events = PassEvents(end, self.dp_rank, log, page) if log else None
@@ -540,8 +544,8 @@ class SglangCore(RankCore):
         cache.check()
         page = self._page
         holders = [*self.running, *(s for s in self.waiting if s.computed)]
-        if self._inflight is not None:  # a half-prefilled request rejoins the queue at its pass end
-            holders += [c.seq for c in self._inflight.chunks if not c.final and c.seq not in self._aborting]
+        if self._inflight is not None:  # a half-prefilled request rejoins the queue (or, aborted, lets go) at its end
+            holders += [c.seq for c in self._inflight.chunks if not c.final]
         assert sum(s.owned for s in holders) == cache.owned, (holders, cache)
         for s in holders:
             assert s.cached_pages + s.owned == -(-s.computed // page), s
