@@ -29,7 +29,10 @@ def _stepwise(cfg, reqs, aborts):
     while True:
         s = eng.next_pass_start_ns()
         while plan and (s is None or plan[0][0] <= s):
-            eng.abort(plan.pop(0)[1])
+            t, rid = plan.pop(0)
+            if t > eng.now_ns:  # no pass starts before t: only the clock moves (one during a pass ends it first)
+                eng.advance_to(t)
+            eng.abort(rid)
             eng.check_invariants()
             s = eng.next_pass_start_ns()
         if s is None:

@@ -123,8 +123,10 @@ class EngineCore(RankCore):
     def _next_start(self) -> int | None:
         sch = self.scheduler
         free_at = self._free_at
-        if sch.running or (sch.waiting and not sch.held and not sch.transfers):
-            return free_at  # (an idle engine admits its first waiting request: it fits the empty pool)
+        if sch.running:
+            return free_at
+        if sch.waiting and not sch.held and not sch.transfers:  # an idle engine admits its first: it fits the pool
+            return free_at if free_at > self._now else self._now  # (now: an abort just freed the pool)
         if (sch.waiting or sch.incoming) and self._blocked != self._cache_version():
             # held or reserved blocks may keep them out: try (now: what freed blocks happened now), remember a failure
             return free_at if free_at > self._now else self._now
