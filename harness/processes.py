@@ -66,8 +66,8 @@ from harness.pools import (
 )
 from harness.recorder import Recorder
 from harness.report import RunData, Sample, write_report
-from harness.runner import count_requests, drain_deadline_s
-from harness.sessions import SessionPlayer, awaiting
+from harness.runner import count_requests
+from harness.sessions import awaiting, play_workload
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.workload import build_sessions
 
@@ -644,10 +644,12 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
             tg.start_soon(sampler)
             if apply_chaos:
                 tg.start_soon(chaos)
-            with play_scope, anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
+            finished = True
+            with play_scope:
                 async with anyio.create_task_group() as play:
-                    await SessionPlayer(sessions, awaiting(play, client.submit), clock).run()
-            run.partial = scope.cancelled_caught or client.lost is not None or run.stopped is not None
+                    finished = await play_workload(scenario, sessions, awaiting(play, client.submit), clock)
+                    play.cancel_scope.cancel()  # cut short: the requests still out are abandoned
+            run.partial = not finished or client.lost is not None or run.stopped is not None
             if client.lost is None and run.stopped is None:
                 try:
                     run.observe(await client.stats(timeout_s=5.0), client)
@@ -670,7 +672,8 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    stop_reason=client.lost or run.stopped or ("drain_timeout" if run.partial else None),
                    block_size=routing_block_size(scenario.cluster), ranks=final.ranks, samples=samples,
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
-                   failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster))
+                   failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
+                   sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
     return write_report(data, outdir)
 
 

@@ -42,6 +42,7 @@ from kvemu.errors import KvemuError
 from kvemu.records import RequestRecord, sequences_as_lists
 
 from harness.plots import PLOTS, start_plots, write_plots
+from harness.sla import Sla, goodput
 from harness.stats import percentile
 
 __all__ = [
@@ -110,6 +111,10 @@ class RunData(msgspec.Struct, kw_only=True):
     pools: dict[str, dict[str, int]] = {}
     """The cluster's pools as started, ``pool -> {"workers", "dp_size"}``: ``aggregated``, or ``prefill`` and
     ``decode``."""
+    sla: Sla | None = None
+    """The run's latency targets (``run.sla``): the summary adds goodput, requests.jsonl ``met_sla``."""
+    concurrency: int | None = None
+    """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -362,6 +367,8 @@ def summarize(data: RunData) -> dict[str, Any]:
         "partial": bool(data.partial),
         **_worker_seconds(data.pools, duration_s),
     }
+    if data.sla is not None:
+        summary.update(goodput(data.sla, done, duration_s))
     for name, values in _latency_values(done).items():
         per_user = name == "output_token_throughput_per_user"
         stats = _stats(values, 1.0 if per_user else NS_PER_MS)
@@ -381,6 +388,7 @@ def summarize(data: RunData) -> dict[str, Any]:
         "failed_requests": len(failed),
         "unfinished_requests": len(records) - len(done) - len(failed),
         "failed_requests_by_reason": dict(sorted(by_reason.items())),
+        "concurrency": data.concurrency,
         "per_rank": _per_rank(data, records),
         "routing": _routing(data, records, done),
         "affinity": dict(sorted(data.affinity.items())) if data.affinity is not None else None,
@@ -389,6 +397,9 @@ def summarize(data: RunData) -> dict[str, Any]:
         "hook_counts": dict(sorted((str(k), int(v)) for k, v in data.counters.items())),
         "worker_events": dict(sorted(Counter(str(e.get("kind")) for e in data.worker_events).items())),
     }
+    if data.sla is not None:
+        summary["kvemu"]["sla"] = {**msgspec.structs.asdict(data.sla),
+                                   "met_ratio": _ratio(summary["goodput_completed_requests"], len(records))}
     if "prefill" in data.pools:
         summary["kvemu"]["disaggregated"] = _disaggregated(data, done)
     tiers = _cache_tiers(done)
@@ -449,9 +460,19 @@ def dumps_summary(summary: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------- requests.jsonl
 
 
-def write_requests(records: Iterable[RequestRecord], path: Path) -> int:
-    """Write one msgspec-encoded record per line (field order of ``RequestRecord``), by arrival then id."""
-    ordered = _sorted_records(records)
+class _SlaRow(RequestRecord, kw_only=True, gc=False, repr_omit_defaults=True):
+    """A requests.jsonl row of a run with an SLA: the record, then whether it met the SLA."""
+
+    met_sla: bool = False
+
+
+def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None = None) -> int:
+    """Write one msgspec-encoded record per line (field order of ``RequestRecord``, then ``met_sla`` when the
+    run has an SLA), by arrival then id."""
+    ordered: list[RequestRecord] = _sorted_records(records)
+    if sla is not None:
+        fields = RequestRecord.__struct_fields__
+        ordered = [_SlaRow(**{f: getattr(r, f) for f in fields}, met_sla=sla.met(r)) for r in ordered]
     path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
     return len(ordered)
 
@@ -487,6 +508,18 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines
 
 
+def _goodput_rows(s: dict[str, Any], sla: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Headline rows for goodput next to throughput (none without an SLA)."""
+    if sla is None:
+        return []
+    targets = ", ".join(f"{name.removesuffix('_ms').upper()} ≤ {_fmt(sla[name], ' ms')}"
+                        for name in ("ttft_ms", "itl_ms", "e2e_ms") if sla.get(name) is not None)
+    return [("SLA", targets),
+            ("requests meeting the SLA", f"{_fmt(s['goodput_completed_requests'])} ({_pct(sla['met_ratio'])})"),
+            ("goodput", _fmt(s["goodput_request_throughput_rps"], " req/s")),
+            ("goodput output throughput", _fmt(s["goodput_output_throughput_tok_s"], " tok/s"))]
+
+
 def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str] = PLOTS) -> str:
     """report.md: what ran, the headline numbers, per-rank, routing truth, affinity, queue, KV events."""
     k = summary["kvemu"]
@@ -512,11 +545,15 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
         ("failed", _fmt(k["failed_requests"])),
         ("unfinished", _fmt(k["unfinished_requests"])),
         ("request throughput", _fmt(s["request_throughput_rps"], " req/s")),
+        *_goodput_rows(s, k.get("sla")),
         ("output throughput", _fmt(s["output_throughput_tok_s"], " tok/s")),
         ("total throughput", _fmt(s["total_throughput_tok_s"], " tok/s")),
         ("prefix cache reuse (engine)", _pct(s["prefix_cache_reused_ratio"])),
     ])
     out += [""]
+    if k.get("concurrency") is not None:
+        out += [f"Closed loop: at most {k['concurrency']} sessions in flight, each next one starting when one "
+                "ended (arrival times are when they were sent).", ""]
     out += _table(["latency (ms)", "mean", "p50", "p90", "p99", "max"], [
         (label, *(_fmt(s[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99", "max")))
         for label, name in (("TTFT", "ttft"), ("TTST", "ttst"), ("TPOT", "tpot"), ("ITL", "itl"),
@@ -652,7 +689,7 @@ def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
     finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
     summary = summarize(data)
     (outdir / "summary.json").write_text(dumps_summary(summary))
-    write_requests(data.records, outdir / "requests.jsonl")
+    write_requests(data.records, outdir / "requests.jsonl", data.sla)
     plots = finish_plots()
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))
     return summary

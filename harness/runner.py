@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock, WallClock
+from kvemu.clock import NS_PER_MS, Clock, ManualClock, WallClock
 from kvemu.errors import KvemuError
 from kvemu.runtime.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
@@ -25,7 +25,7 @@ from harness.recorder import Recorder
 from harness.pools import affinity_stats, kv_stats, pool_sizes, routing_block_size, samples
 from harness.report import RunData, prepare_outdir, write_report
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
-from harness.sessions import SessionPlayer
+from harness.sessions import drain_deadline_s, play_workload
 from harness.workload import Session, build_sessions
 
 __all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
@@ -115,7 +115,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         block_size=routing_block_size(scenario.cluster), ranks=sorted(state["ranks"]), samples=state["samples"],
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
-        pools=pool_sizes(scenario.cluster),
+        pools=pool_sizes(scenario.cluster), sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
@@ -156,9 +156,7 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 tg.start_soon(_sample, c, state, recorder, progress, total, run_clock)
                 for ev in scenario.chaos:
                     tg.start_soon(_chaos, c, ev, state)
-                with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
-                    await SessionPlayer(sessions, c.submit, run_clock).run()
-                if scope.cancelled_caught:
+                if not await play_workload(scenario, sessions, c.submit, run_clock):
                     state["partial"] = True
                     state["stop_reason"] = "drain_timeout"
                 _take_sample(c, state, run_clock)
@@ -170,11 +168,6 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
             if affinity is not None:
                 state["affinity"] = affinity
             state["ranks"].update(c.ranks())
-
-
-def drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
-    last = max((s.start_ns for s in sessions), default=0) / NS_PER_S
-    return last + scenario.run.drain_timeout_s
 
 
 def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:

@@ -31,6 +31,8 @@ from workers.config import EngineConfig
 from workers.profile import cached_profile_timing
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
+from harness.sla import Sla
+
 __all__ = [
     "EngineSpec",
     "ClusterSpec",
@@ -226,7 +228,13 @@ class Distribution(_Section, **_STRUCT):  # type: ignore[call-arg]
             raise InvalidArgument(f"low ({self.low}) must be <= high ({self.high})", field="low")
 
 
-class SyntheticWorkload(_Section, tag="synthetic", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
+class _Workload(_Section, **_STRUCT):  # type: ignore[call-arg]
+    concurrency: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+    """Closed loop: at most this many sessions in flight, each next one (in start order) starting when one
+    ends; start times are ignored (the reference replay's ``replay_concurrency``). None: open loop."""
+
+
+class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
     """Generated traffic: sessions of several turns, shared prefixes, sub-agents, pins."""
 
     arrival: Literal["poisson", "constant"] = "poisson"
@@ -247,7 +255,7 @@ class SyntheticWorkload(_Section, tag="synthetic", tag_field="kind", **_STRUCT):
     vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)] = 32000
 
 
-class TraceWorkload(_Section, tag="trace", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
+class TraceWorkload(_Workload, tag="trace", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
     """Replay of a Mooncake-format JSONL trace (``timestamp`` or ``delay``, ``hash_ids``...)."""
 
     trace: str
@@ -267,6 +275,11 @@ class RunSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     max_requests: Annotated[int, Meta(ge=1, le=MAX_REQUESTS)] | None = None
     """Stop after this many requests (trace rows or synthetic turns)."""
     drain_timeout_s: PositiveSeconds = 600.0
+    """Open loop: how long after the last session start the run may drain. Closed loop
+    (``workload.concurrency``): the run stops when no request has ended for this long."""
+    sla: Sla | None = None
+    """Latency targets (``ttft_ms`` and/or ``itl_ms``, or ``e2e_ms``): the report adds goodput and per-request
+    ``met_sla``."""
 
 
 class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]

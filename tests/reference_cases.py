@@ -26,19 +26,29 @@ def write_trace(directory: Path, rows: list[Row], name: str = "trace.jsonl") -> 
     return path
 
 
-def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, trace_block_size: int = 512,
-                   policy: str = "round_robin", pools: dict[str, Any] | None = None) -> list[Outcome]:
-    """kvemu's per-request outcomes of a virtual replay of ``trace`` (``pools``: a disaggregated cluster)."""
+def kvemu_run(trace: Path, engine: dict[str, Any], *, workers: int = 1, trace_block_size: int = 512,
+              policy: str = "round_robin", pools: dict[str, Any] | None = None, concurrency: int | None = None,
+              sla: dict[str, float] | None = None) -> Any:
+    """kvemu's ``RunData`` of a virtual replay of ``trace`` (``pools``: a disaggregated cluster)."""
     from harness.runner import run_scenario
     from harness.scenario import parse_scenario
 
     text = json.dumps({
         "name": "differential", "cluster": pools if pools else {"workers": workers, "engine": engine},
         "router": {"policy": policy},
-        "workload": {"kind": "trace", "trace": str(trace), "trace_block_size": trace_block_size},
-        "run": {"mode": "virtual", "seed": 0},
+        "workload": {"kind": "trace", "trace": str(trace), "trace_block_size": trace_block_size,
+                     "concurrency": concurrency},
+        "run": {"mode": "virtual", "seed": 0, "sla": sla},
     })
-    data = run_scenario(parse_scenario(text), None).data
+    return run_scenario(parse_scenario(text), None).data
+
+
+def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, trace_block_size: int = 512,
+                   policy: str = "round_robin", pools: dict[str, Any] | None = None,
+                   concurrency: int | None = None) -> list[Outcome]:
+    """kvemu's per-request outcomes of a virtual replay of ``trace`` (``pools``: a disaggregated cluster)."""
+    data = kvemu_run(trace, engine, workers=workers, trace_block_size=trace_block_size, policy=policy, pools=pools,
+                     concurrency=concurrency)
     out = []
     for r in data.records:
         assert r.failure is None, f"{r.request_id} failed: {r.failure}"
@@ -48,10 +58,11 @@ def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, tra
     return sorted(out)
 
 
-def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *, workers: int = 1,
-                       trace_block_size: int = 512, policy: str = "round_robin",
-                       pools: dict[str, Any] | None = None) -> list[Outcome]:
-    """The reference's per-request outcomes of its offline replay of ``trace``."""
+def reference_run(core: ModuleType, trace: Path, engine: dict[str, Any], *, workers: int = 1,
+                  trace_block_size: int = 512, policy: str = "round_robin", pools: dict[str, Any] | None = None,
+                  **options: Any) -> Any:
+    """The reference's offline replay of ``trace`` with per-request rows (``options``: e.g.
+    ``replay_concurrency``, ``sla_ttft_ms``)."""
     from harness.reference import REFERENCE_MODE, reference_engine
 
     if pools:
@@ -65,9 +76,17 @@ def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *,
                                      decode_engine_args=args(pools["decode"], "decode"))
     else:
         shape = dict(extra_engine_args={"engine": reference_engine(engine, trace.parent)}, num_workers=workers)
-    result = core.run_mocker_trace_replay([str(trace)], **shape, trace_block_size=trace_block_size,
-                                          replay_mode="offline", router_mode=REFERENCE_MODE[policy],
-                                          capture_per_request=True)
+    return core.run_mocker_trace_replay([str(trace)], **shape, trace_block_size=trace_block_size,
+                                        replay_mode="offline", router_mode=REFERENCE_MODE[policy],
+                                        capture_per_request=True, **options)
+
+
+def reference_outcomes(core: ModuleType, trace: Path, engine: dict[str, Any], *, workers: int = 1,
+                       trace_block_size: int = 512, policy: str = "round_robin",
+                       pools: dict[str, Any] | None = None, **options: Any) -> list[Outcome]:
+    """The reference's per-request outcomes of its offline replay of ``trace``."""
+    result = reference_run(core, trace, engine, workers=workers, trace_block_size=trace_block_size, policy=policy,
+                           pools=pools, **options)
     rows = result["per_request"] if isinstance(result, dict) else result.per_request
     return sorted((r["arrival_time_ms"], r["input_length"], r["requested_output_length"], r["ttft_ms"],
                    r["e2e_latency_ms"], r["reused_input_tokens"] or 0) for r in rows)

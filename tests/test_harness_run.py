@@ -272,3 +272,22 @@ def test_synthetic_tokens_are_the_randrange_stream_drawn_in_bulk(vocab):
     for count in (0, 1, 7, 500):
         assert _tokens(a, vocab, count) == [b.randrange(vocab) for _ in range(count)]
     assert a.random() == b.random()
+
+
+def test_closed_loop_keeps_at_most_n_sessions_in_flight_and_fills_every_slot():
+    """``workload.concurrency``: synthetic sessions (turns, think times, sub-agents) start as slots free."""
+    scenario = parse_scenario(default_scenario_text(), overrides=["workload.concurrency=3", "run.duration_s=20",
+                                                                  "run.sla.ttft_ms=200"])
+    data = run_scenario(scenario, None).data
+    spans: dict[str, list[int]] = {}
+    for r in data.records:
+        assert r.done, r
+        sid = r.session_id or r.parent_session_id
+        span = spans.setdefault(sid, [r.arrival_ns, r.completion_ns])
+        span[0], span[1] = min(span[0], r.arrival_ns), max(span[1], r.completion_ns)
+    starts = sorted(s for s, _ in spans.values())
+    assert starts[:3] == [0, 0, 0] and len(spans) > 3
+    ends = sorted(e for _, e in spans.values())
+    assert starts[3:] == ends[: len(starts) - 3]  # each later session starts the moment one ended
+    summary = summarize(data)
+    assert summary["kvemu"]["concurrency"] == 3 and 0 < summary["goodput_completed_requests"] <= len(data.records)

@@ -79,3 +79,51 @@ def test_a_cancelled_player_sends_nothing_more():
 
     run_virtual(main, clock)
     assert [rid for _, rid, _, _ in log] == ["b-t0", "a-t0"]
+
+
+def _closed(sessions, concurrency, submit_factory=_callback_submit, stall_ns=None):
+    clock = ManualClock()
+    log: list[tuple[int, str, str | None, str | None]] = []
+    players = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            player = SessionPlayer(sessions, submit_factory(tg, clock, log), clock, concurrency=concurrency,
+                                   stall_timeout_ns=stall_ns)
+            players.append(player)
+            await player.run()
+
+    run_virtual(main, clock)
+    return log, players[0]
+
+
+def test_closed_loop_starts_the_next_session_when_one_ends_ignoring_start_times():
+    sessions = [Session(f"s{i}", 1000 * MS * i, [Turn([i], 4)]) for i in range(5)]
+    log, player = _closed(sessions, 2)
+    assert [(t // MS, rid) for t, rid, _, _ in log] == [
+        (0, "s0-t0"), (0, "s1-t0"), (10, "s2-t0"), (10, "s3-t0"), (20, "s4-t0")]
+    assert not player.stalled
+
+
+def test_closed_loop_a_session_holds_its_slot_through_think_times_and_sub_agents():
+    log, _ = _closed(_sessions(), 1)  # a (three turns, sub-agents, think times) first, then b
+    assert [rid for _, rid, _, _ in log] == ["a-t0", "a-t1", "a-t1-a0", "a-t1-a1", "a-t2", "b-t0"]
+    assert log[-1][0] == 48 * MS  # b starts when a's last turn ended: 0 + 10 + 7 + 10 + 10 + 1 + 10
+
+
+def _never_ends(tg, clock, log):
+    def submit(req, on_end):
+        log.append((clock.now_ns(), req.request_id, req.session_id, req.parent_session_id))
+    return submit
+
+
+def test_closed_loop_stops_when_nothing_ends_for_the_stall_timeout():
+    sessions = [Session(f"s{i}", 0, [Turn([i], 4)]) for i in range(3)]
+    log, player = _closed(sessions, 2, _never_ends, stall_ns=50 * MS)
+    assert player.stalled and [rid for _, rid, _, _ in log] == ["s0-t0", "s1-t0"]
+
+
+def test_a_think_time_longer_than_the_stall_timeout_is_not_a_stall():
+    sessions = [Session("s", 0, [Turn([1], 4), Turn([2], 4, delay_ns=500 * MS)])]
+    log, player = _closed(sessions, 1, stall_ns=50 * MS)
+    assert not player.stalled and [(t // MS, rid) for t, rid, _, _ in log] == [(0, "s-t0"), (510, "s-t1")]
