@@ -47,6 +47,8 @@ __all__ = [
     "parse_scenario",
     "apply_overrides",
     "default_scenario_text",
+    "describe_validation_error",
+    "read_text_file",
 ]
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
@@ -457,6 +459,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str, source: str) -> str:
+    """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (parsed from ``text``).
+
+    Shared by every YAML file kvemu validates with msgspec (scenarios, sweeps), so their errors read alike.
+    """
+    message, _, where = str(exc).partition(" - at `")
+    key = where.rstrip("`").removeprefix("$.").removeprefix("$")
+    cause = exc.__cause__
+    unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
+    if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
+        key = f"{key}.{cause.field}" if key else cause.field
+    elif unknown:
+        key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        message = "unknown key (check its spelling and section)"
+    parts = _parse_path(key)
+    if not isinstance(cause, InvalidArgument) and not unknown:
+        found, value = _value_at(raw, parts)
+        if found and not isinstance(value, (dict, list)):
+            message = f"{message}, got {value!r}"
+    line = _line_of(text, parts)
+    at = f" (line {line})" if line else ""
+    return f"{source}: {key or '(top level)'}{at}: {message}"
+
+
 def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str] | None = None,
                    source: str = "<scenario>") -> Scenario:
     """Validate scenario YAML text; raises ``ScenarioError`` naming the key path and line."""
@@ -488,23 +514,7 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
-        message, _, where = str(exc).partition(" - at `")
-        key = where.rstrip("`").removeprefix("$.").removeprefix("$")
-        cause = exc.__cause__
-        unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
-        if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
-            key = f"{key}.{cause.field}" if key else cause.field
-        elif unknown:
-            key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-            message = "unknown key (check its spelling and section)"
-        parts = _parse_path(key)
-        if not isinstance(cause, InvalidArgument) and not unknown:
-            found, value = _value_at(raw, parts)
-            if found and not isinstance(value, (dict, list)):
-                message = f"{message}, got {value!r}"
-        line = _line_of(text, parts)
-        at = f" (line {line})" if line else ""
-        raise ScenarioError(f"{source}: {key or '(top level)'}{at}: {message}") from None
+        raise ScenarioError(describe_validation_error(exc, raw, text, source)) from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     for where in _ENGINES:
@@ -532,19 +542,26 @@ _ENGINES: list[list[str | int]] = [["cluster", "engine"], ["cluster", "prefill",
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
     """Read and validate a scenario file."""
     p = Path(path)
+    text = read_text_file(p, "scenario")
+    return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
+
+
+def read_text_file(path: Path, what: str, limit: int | None = None) -> str:
+    """The UTF-8 text of a small input file (a ``what``: scenario, sweep); ``ScenarioError`` past ``limit`` bytes
+    (default ``MAX_SCENARIO_BYTES``)."""
+    limit = MAX_SCENARIO_BYTES if limit is None else limit
     try:
-        with p.open("rb") as fh:
-            data = fh.read(MAX_SCENARIO_BYTES + 1)
+        with path.open("rb") as fh:
+            data = fh.read(limit + 1)
     except OSError as exc:
-        raise ScenarioError(f"{p}: cannot read the scenario: {exc.strerror}") from None
-    if len(data) > MAX_SCENARIO_BYTES:
-        raise ScenarioError(f"{p}: larger than {MAX_SCENARIO_BYTES:,} bytes; is it a scenario?")
+        raise ScenarioError(f"{path}: cannot read the {what}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise ScenarioError(f"{path}: larger than {limit:,} bytes; is it a {what}?")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise ScenarioError(f"{p}: line {line}: not UTF-8 text") from None
-    return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
+        raise ScenarioError(f"{path}: line {line}: not UTF-8 text") from None
 
 
 def resolve(scenario: Scenario, path: str) -> Path:
