@@ -49,6 +49,7 @@ __all__ = [
     "default_scenario_text",
     "describe_validation_error",
     "read_text_file",
+    "line_of",
 ]
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
@@ -389,7 +390,7 @@ def _check_synthetic(w: SyntheticWorkload, run: RunSpec) -> None:
 # ---------------------------------------------------------------------------------- loading
 
 
-def _line_of(text: str, path: list[str | int]) -> int | None:
+def line_of(text: str, path: list[str | int]) -> int | None:
     """1-based line of the key at ``path`` (or of its nearest existing ancestor)."""
     try:
         node = yaml.compose(text)
@@ -478,7 +479,7 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str,
         found, value = _value_at(raw, parts)
         if found and not isinstance(value, (dict, list)):
             message = f"{message}, got {value!r}"
-    line = _line_of(text, parts)
+    line = line_of(text, parts)
     at = f" (line {line})" if line else ""
     return f"{source}: {key or '(top level)'}{at}: {message}"
 
@@ -507,7 +508,7 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
         for key in ("workers", "dp_size", "engine"):
             if key in cluster_raw:
-                line = _line_of(text, ["cluster", key])
+                line = line_of(text, ["cluster", key])
                 at = f" (line {line})" if line else ""
                 raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
                                     f"cluster.prefill.{key} and cluster.decode.{key} instead")
@@ -523,13 +524,13 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
             try:
                 cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
             except InvalidArgument as exc:
-                line = _line_of(text, [*where, "timing_model", "path"])
+                line = line_of(text, [*where, "timing_model", "path"])
                 at = f" (line {line})" if line else ""
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
         if not path.is_file():
-            line = _line_of(text, ["workload", "trace"])
+            line = line_of(text, ["workload", "trace"])
             at = f" (line {line})" if line else ""
             raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
     return scenario
