@@ -141,6 +141,8 @@ def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a scenario at every point of a grid of overrides, in parallel; "
                                          "writes sweep.csv, sweep.json and sweep.md")
     sweep.add_argument("sweep", help="sweep YAML (base scenario, axes, seeds, figures)")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                       help="override a scenario value at every point (joins the sweep's set:; repeatable)")
     sweep.add_argument("-o", "--outdir", help="output directory (default: out/<sweep name>); a re-run resumes there")
     sweep.add_argument("--jobs", type=int, help="local worker processes (default: the CPU count)")
     sweep.add_argument("--address", help="tcp://HOST:PORT: a Dask scheduler; ray://HOST:PORT or auto: a Ray "
@@ -176,7 +178,7 @@ def _sweep(args: argparse.Namespace) -> int:
         kind = executor_kind(args.address)
         if args.jobs is not None and args.jobs < 1:
             raise ExecutorError(f"--jobs must be >= 1, got {args.jobs}")
-        sweep = load_sweep(args.sweep)
+        sweep = load_sweep(args.sweep, list(args.overrides))
         outdir = Path(args.outdir) if args.outdir else Path("out") / sweep.name
         runs = plan_runs(sweep, reports=outdir / "points" if args.reports else None)
     except ExecutorError as exc:
@@ -230,7 +232,7 @@ def _sweep_progress(console: Console, total: int, enabled: bool) -> Iterator[Any
     def report_failure(result: dict[str, Any], printer: Any) -> None:
         if result["status"] != "ok":
             axes = ", ".join(f"{k}={v}" for k, v in result["axes"].items())
-            printer.print(f"[red]run {result['point']} ({axes}) seed {result['seed']} {result['status']}[/red]: "
+            printer.print(f"[red]point {result['point']} ({axes}) seed {result['seed']} {result['status']}[/red]: "
                           f"{escape(str(result['error']))}", soft_wrap=True, highlight=False)
 
     if not (enabled and console.is_terminal and total):

@@ -434,7 +434,7 @@ def _parse_path(where: str) -> list[str | int]:
             if head:
                 parts.append(head)
             idx, _, piece = rest.partition("]")
-            parts.append(int(idx))
+            parts.append(int(idx) if idx.isdigit() else idx)  # msgspec writes a mapping's value as [...]
         if piece:
             parts.append(piece)
     return parts

@@ -108,7 +108,7 @@ class Objective(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 class SweepSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """A whole sweep file (see the module docstring)."""
 
-    axes: dict[str, Annotated[list[Scalar], Meta(min_length=1)]]
+    axes: dict[str, list[Scalar]]
     name: str | None = None
     base: str | None = None
     set: dict[str, Scalar] = {}
@@ -175,16 +175,21 @@ class PointSpec(msgspec.Struct, kw_only=True, frozen=True):
 # ---------------------------------------------------------------------------------- loading
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Read and validate a sweep file (its base scenario is read, not yet validated: ``plan_runs`` does that)."""
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
+    """Read and validate a sweep file (its base scenario is read, not yet validated: ``plan_runs`` does that).
+
+    ``overrides`` (``key.path=value``, as ``--set``) join the file's ``set``, replacing its values."""
     p = Path(path)
-    return parse_sweep(read_text_file(p, "sweep", MAX_SWEEP_BYTES), base_dir=p.resolve().parent, source=str(p),
-                       default_name=p.stem)
+    try:
+        text = read_text_file(p, "sweep", MAX_SWEEP_BYTES)
+    except ScenarioError as exc:
+        raise SweepError(str(exc)) from None
+    return parse_sweep(text, base_dir=p.resolve().parent, source=str(p), default_name=p.stem, overrides=overrides)
 
 
-def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>",
-                default_name: str = "sweep") -> Sweep:
-    """Validate sweep YAML text; ``SweepError`` names the key and line."""
+def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>", default_name: str = "sweep",
+                overrides: list[str] | None = None) -> Sweep:
+    """Validate sweep YAML text (plus ``overrides`` of its ``set``); ``SweepError`` names the key and line."""
     if len(text.encode()) > MAX_SWEEP_BYTES:
         raise SweepError(f"{source}: larger than {MAX_SWEEP_BYTES:,} bytes; is it a sweep?")
     try:
@@ -196,6 +201,13 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
     if not isinstance(raw, dict):
         raise SweepError(f"{source}: a sweep is a mapping (base, set, axes, mode, seeds, figures, objective), "
                          f"got {type(raw).__name__}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SweepError(f"--set {item!r}: expected key.path=value")
+        if not isinstance(raw.get("set"), dict):
+            raw["set"] = {}
+        raw["set"][key] = yaml.safe_load(value) if value else ""
     try:
         spec = msgspec.convert(raw, SweepSpec, strict=True)
     except msgspec.ValidationError as exc:
@@ -204,7 +216,8 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
     def fail(path: list[str | int], message: str) -> SweepError:
         line = line_of(text, path)
         at = f" (line {line})" if line else ""
-        return SweepError(f"{source}: {'.'.join(map(str, path))}{at}: {message}")
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        return SweepError(f"{source}: {key}{at}: {message}")
 
     _check_keys(spec, fail)
     if spec.mode == "zip":
@@ -246,6 +259,9 @@ def _check_keys(spec: SweepSpec, fail: Any) -> None:
     if len(spec.axes) > MAX_AXES:
         raise fail(["axes"], f"{len(spec.axes)} axes, more than {MAX_AXES}")
     keys = [("axes", k) for k in spec.axes] + [("set", k) for k in spec.set]
+    for key, values in spec.axes.items():
+        if not values:
+            raise fail(["axes", key], "give at least one value")
     for section, key in keys:
         if not _KEY.fullmatch(key):
             raise fail([section, key], "not a key path (names joined by '.', as in --set cluster.workers=8)")
