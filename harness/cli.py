@@ -199,7 +199,7 @@ def _sweep(args: argparse.Namespace) -> int:
              "ray": f"Ray at {args.address}"}[kind]
     reused = f", {store.reused} finished before" if store.reused else ""
     console.print(f"kvemu: sweep [bold]{sweep.name}[/bold]: {shape} ({todo} to run{reused}"
-                  + (f") on {where}" if todo else ")") + f" → {outdir}", highlight=False)
+                  + (f") on {where}" if todo else ")") + f" → {outdir}", highlight=False, soft_wrap=True)
     try:
         with _terminate_as_interrupt(), _sweep_progress(console, todo, not args.quiet) as on_result:
             if todo:
@@ -212,14 +212,14 @@ def _sweep(args: argparse.Namespace) -> int:
         return error("kvemu sweep", exc)
     counts = ", ".join(f"{n} {status}" for status, n in outcome.counts.items())
     console.print(f"kvemu: {counts} ({outcome.ran} ran now, {outcome.reused} reused) in "
-                  f"{outcome.wall_time_s:.1f} s; results in {outdir}/sweep.md", highlight=False)
+                  f"{outcome.wall_time_s:.1f} s; results in {outdir}/sweep.md", highlight=False, soft_wrap=True)
     if outcome.interrupted:
         console.print(f"[yellow]kvemu: interrupted ({outcome.interrupted}): run the same command again to resume "
-                      "(finished runs are kept)[/yellow]", highlight=False)
+                      "(finished runs are kept)[/yellow]", highlight=False, soft_wrap=True)
         return 143 if outcome.interrupted == "SIGTERM" else 130
     if outcome.failed:
         console.print(f"[red]kvemu: {outcome.failed} of {len(runs)} runs failed or stopped early (sweep.csv has "
-                      "their errors); run the same command again to retry them[/red]", highlight=False)
+                      "their errors); run the same command again to retry them[/red]", highlight=False, soft_wrap=True)
         return 1
     return 0
 
