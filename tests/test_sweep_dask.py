@@ -2,62 +2,24 @@
 byte for byte as the local process pool does (every run is deterministic, wherever it runs)."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
+from bench.sweep import local_dask_cluster
 from tests.test_cli import kvemu
 
-distributed = pytest.importorskip("distributed", reason="dask.distributed is not installed: pip install 'kvemu[dask]'")
+pytest.importorskip("distributed", reason="dask.distributed is not installed: pip install 'kvemu[dask]'")
 
 SWEEP = ("set: {run.duration_s: 5, workload.rate_rps: 1}\n"
          "axes:\n  cluster.workers: [1, 2, 3]\n")
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    """A Dask process in a session of its own (its nanny's worker process too), to stop as a group."""
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=20)
-
-
 @pytest.fixture
 def dask_cluster(tmp_path):
     """``tcp://127.0.0.1:PORT`` of a scheduler with two single-threaded workers, all bound to 127.0.0.1."""
-    info = tmp_path / "scheduler.json"
-    procs = [start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                    "--scheduler-file", str(info)], tmp_path)]
-    try:
-        deadline = time.monotonic() + 60
-        while not info.exists() and procs[0].poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # the scheduler writes its address once it listens
-        assert info.exists(), "the Dask scheduler did not start"
-        address = json.loads(info.read_text())["address"]
+    with local_dask_cluster(tmp_path, workers=2) as address:
         assert address.startswith("tcp://127.0.0.1:")
-        for _ in range(2):
-            procs.append(start(["distributed.cli.dask_worker", address, "--host", "127.0.0.1", "--nthreads", "1",
-                                "--nworkers", "1", "--no-dashboard"], tmp_path))
-        with distributed.Client(address, timeout="30s") as client:
-            client.wait_for_workers(2, timeout=90)
         yield address
-    finally:
-        stop(procs)
 
 
 def test_a_sweep_on_dask_equals_the_local_pool_byte_for_byte(tmp_path, dask_cluster):
