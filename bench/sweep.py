@@ -110,7 +110,8 @@ def dask_figures(runs: list[PointSpec], pool_wall: float) -> tuple[list[dict[str
     """The runs on a local Dask cluster of ``JOBS`` workers, and its figures."""
     import distributed
 
-    with tempfile.TemporaryDirectory(prefix="kvemu-dask-") as workdir, local_dask_cluster(Path(workdir), JOBS) as address:
+    with tempfile.TemporaryDirectory(prefix="kvemu-dask-") as workdir, \
+            local_dask_cluster(Path(workdir), JOBS) as address:
         started = time.perf_counter()
         with open_executor(address) as executor:
             results = on(executor, runs)

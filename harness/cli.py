@@ -195,7 +195,9 @@ def _sweep(args: argparse.Namespace) -> int:
         return error("kvemu sweep", exc)
     todo = len(store.todo())
     jobs = args.jobs or os.cpu_count() or 1
-    where = {"local": f"a local pool of {min(jobs, todo)} process{'es' if min(jobs, todo) != 1 else ''}", "dask": f"Dask at {args.address}",
+    processes = min(jobs, todo)
+    where = {"local": f"a local pool of {processes} process{'es' if processes != 1 else ''}",
+             "dask": f"Dask at {args.address}",
              "ray": f"Ray at {args.address}"}[kind]
     reused = f", {store.reused} finished before" if store.reused else ""
     console.print(f"kvemu: sweep [bold]{sweep.name}[/bold]: {shape} ({todo} to run{reused}"
@@ -203,7 +205,7 @@ def _sweep(args: argparse.Namespace) -> int:
     try:
         with _terminate_as_interrupt(), _sweep_progress(console, todo, not args.quiet) as on_result:
             if todo:
-                with open_executor(args.address, min(jobs, todo)) as executor:
+                with open_executor(args.address, processes) as executor:
                     outcome = run_sweep(store, executor, on_result=on_result, executor_name=where)
             else:
                 outcome = run_sweep(store, None, executor_name=where)

@@ -241,7 +241,7 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     if note:
         out += [f"> **{note}**", ""]
     out += [f"- base scenario `{sweep.base_source}`, sweep file `{sweep.source}`",
-            f"- axes ({spec.mode}): " + "; ".join(f"`{k}` = {', '.join(map(str, dict.fromkeys(r['axes'][k] for r in rows)))}"
+            f"- axes ({spec.mode}): " + "; ".join(f"`{k}` = {', '.join(dict.fromkeys(r['axes'][k] for r in rows))}"
                                                   for k in sweep.axes),
             f"- {len(rows)} points × {seeds} seed{'s' if seeds != 1 else ''} = {len(results)} runs: "
             + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),

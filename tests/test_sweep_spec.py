@@ -20,7 +20,8 @@ def error_of(text: str) -> str:
     [
         ("axes:\n  cluster.workers: [1, 2]\nfigurs: [p99_ttft_ms]\n", "s.yaml: figurs (line 3): unknown key"),
         ("axes:\n  cluster.workers: []\n", "axes.cluster.workers (line 2): give at least one value"),
-        ("axes:\n  cluster.workers: [[1]]\n", "s.yaml: axes[...][0] (line 1): Expected `bool | int | float | str | null`, got `array`"),
+        ("axes:\n  cluster.workers: [[1]]\n",
+         "s.yaml: axes[...][0] (line 1): Expected `bool | int | float | str | null`, got `array`"),
         ("axes: {}\n", "axes (line 1): give at least one axis"),
         ("mode: zip\naxes:\n  cluster.workers: [1, 2]\n  router.policy: [kv]\n",
          "axes.router.policy (line 4): mode zip needs axes of equal length: 1 values here, 2 for cluster.workers"),
