@@ -54,7 +54,8 @@ def open_executor(address: str | None = None, jobs: int | None = None) -> Iterat
     """An executor for ``address`` (see ``executor_kind``), shut down on exit; aborted if the block raises.
 
     ``jobs`` sizes the local pool (default: the CPU count) and is ignored by Dask and Ray, whose clusters
-    decide. Raises ``ExecutorError`` (naming ``pip install 'kvemu[dask]'`` or ``'kvemu[ray]'`` when the
+    decide. The local pool's workers import the caller's ``__main__`` module as any forkserver pool does: a
+    script that opens one needs an ``if __name__ == "__main__":`` guard. Raises ``ExecutorError`` (naming ``pip install 'kvemu[dask]'`` or ``'kvemu[ray]'`` when the
     package is missing) before yielding.
     """
     kind = executor_kind(address)
