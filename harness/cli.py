@@ -1,4 +1,4 @@
-"""The ``kvemu`` command line: run, validate, compare, demo."""
+"""The ``kvemu`` command line: run, sweep, validate, compare, demo."""
 
 from __future__ import annotations
 
@@ -135,6 +135,126 @@ def _terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    sweep = sub.add_parser("sweep", help="run a scenario at every point of a grid of overrides, in parallel; "
+                                         "writes sweep.csv, sweep.json and sweep.md")
+    sweep.add_argument("sweep", help="sweep YAML (base scenario, axes, seeds, figures)")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                       help="override a scenario value at every point (joins the sweep's set:; repeatable)")
+    sweep.add_argument("-o", "--outdir", help="output directory (default: out/<sweep name>); a re-run resumes there")
+    sweep.add_argument("--jobs", type=int, help="local worker processes (default: the CPU count)")
+    sweep.add_argument("--address", help="tcp://HOST:PORT: a Dask scheduler; ray://HOST:PORT or auto: a Ray "
+                                         "cluster (default: a local process pool)")
+    sweep.add_argument("--validate", action="store_true", help="check the sweep and every point, run nothing")
+    sweep.add_argument("--reports", action="store_true",
+                       help="also write each run's full report to OUTDIR/points/<point>-seed<seed>/ (on the "
+                            "machine that runs it: with --address, a filesystem the workers share)")
+    sweep.add_argument("--force", action="store_true", help="write into an OUTDIR that holds other files or "
+                                                            "another sweep (its results are discarded)")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    return sweep
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from harness.executors import ExecutorError, executor_kind, open_executor
+    from harness.report import OutputError
+    from harness.scenario import ScenarioError
+    from harness.sweep import SweepError, load_sweep, plan_runs
+    from harness.sweep_results import SweepStore
+    from harness.sweep_runner import run_sweep
+
+    console = Console(stderr=True)
+
+    def error(what: str, exc: BaseException) -> int:
+        console.print(f"[red]{what}[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+
+    try:
+        kind = executor_kind(args.address)
+        if args.jobs is not None and args.jobs < 1:
+            raise ExecutorError(f"--jobs must be >= 1, got {args.jobs}")
+        sweep = load_sweep(args.sweep, list(args.overrides))
+        outdir = Path(args.outdir) if args.outdir else Path("out") / sweep.name
+        runs = plan_runs(sweep, reports=outdir / "points" if args.reports else None)
+    except ExecutorError as exc:
+        return error("kvemu sweep", exc)
+    except ScenarioError as exc:  # SweepError is one
+        return error("invalid sweep", exc)
+    shape = f"{sweep.points} points × {sweep.seeds_per_point} seeds = {len(runs)} runs"
+    if args.validate:
+        print(f"ok: {sweep.name}: {shape}, every point valid")
+        return 0
+    try:
+        store = SweepStore(outdir, sweep, runs, force=args.force)
+    except (SweepError, OutputError) as exc:
+        return error("kvemu sweep", exc)
+    todo = len(store.todo())
+    jobs = args.jobs or os.cpu_count() or 1
+    processes = min(jobs, todo)
+    where = {"local": f"a local pool of {processes} process{'es' if processes != 1 else ''}",
+             "dask": f"Dask at {args.address}",
+             "ray": f"Ray at {args.address}"}[kind]
+    reused = f", {store.reused} finished before" if store.reused else ""
+    console.print(f"kvemu: sweep [bold]{sweep.name}[/bold]: {shape} ({todo} to run{reused}"
+                  + (f") on {where}" if todo else ")") + f" → {outdir}", highlight=False, soft_wrap=True)
+    try:
+        with _terminate_as_interrupt(), _sweep_progress(console, todo, not args.quiet) as on_result:
+            if todo:
+                with open_executor(args.address, processes) as executor:
+                    outcome = run_sweep(store, executor, on_result=on_result, executor_name=where)
+            else:
+                outcome = run_sweep(store, None, executor_name=where)
+    except ExecutorError as exc:
+        store.close()
+        return error("kvemu sweep", exc)
+    counts = ", ".join(f"{n} {status}" for status, n in outcome.counts.items())
+    console.print(f"kvemu: {counts} ({outcome.ran} ran now, {outcome.reused} reused) in "
+                  f"{outcome.wall_time_s:.1f} s; results in {outdir}/sweep.md", highlight=False, soft_wrap=True)
+    if outcome.interrupted:
+        console.print(f"[yellow]kvemu: interrupted ({outcome.interrupted}): run the same command again to resume "
+                      "(finished runs are kept)[/yellow]", highlight=False, soft_wrap=True)
+        return 143 if outcome.interrupted == "SIGTERM" else 130
+    if outcome.failed:
+        console.print(f"[red]kvemu: {outcome.failed} of {len(runs)} runs failed or stopped early (sweep.csv has "
+                      "their errors); run the same command again to retry them[/red]", highlight=False, soft_wrap=True)
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def _sweep_progress(console: Console, total: int, enabled: bool) -> Iterator[Any]:
+    """The ``run_sweep`` callback: a progress bar over runs with an ETA (on a terminal), and each failure printed."""
+    from rich.markup import escape
+
+    def report_failure(result: dict[str, Any], printer: Any) -> None:
+        if result["status"] != "ok":
+            axes = ", ".join(f"{k}={v}" for k, v in result["axes"].items())
+            printer.print(f"[red]point {result['point']} ({axes}) seed {result['seed']} {result['status']}[/red]: "
+                          f"{escape(str(result['error']))}", soft_wrap=True, highlight=False)
+
+    if not (enabled and console.is_terminal and total):
+        yield lambda result, done, todo: report_failure(result, console)
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    with Progress(TextColumn("runs"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]}"),
+                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("sweep", total=total, failed="")
+        failed = 0
+
+        def on_result(result: dict[str, Any], done: int, todo: int) -> None:
+            nonlocal failed
+            failed += result["status"] != "ok"
+            report_failure(result, bar.console)
+            bar.update(task, completed=done, failed=f"{failed} failed" if failed else "")
+
+        yield on_result
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -325,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = _add_run(sub)
+    sweep_parser = _add_sweep(sub)
     validate = sub.add_parser("validate", help="check a scenario without running it")
     validate.add_argument("scenario", nargs="?")
     validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
@@ -384,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--sessions", type=int, default=6)
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--seed", type=int, default=0)
-    for command in (run_parser, validate, router, worker, loadgen, up, serve):
+    for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve):
         command.add_argument("--allow-local-policies", action="store_true",
                              help="let router.policy import modules from the working directory (a scenario can run code)")
     args = parser.parse_args(argv)
@@ -398,6 +519,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _run(args)
         except KeyboardInterrupt:  # pragma: no cover - the runner turns Ctrl-C into a partial report
+            return 130
+    if args.command == "sweep":
+        try:
+            return _sweep(args)
+        except KeyboardInterrupt:  # before the runs started (while planning, or opening the executor)
+            print("kvemu sweep: interrupted", file=sys.stderr)
             return 130
     if args.command == "validate":
         return _validate(args)

@@ -49,6 +49,9 @@ __all__ = [
     "parse_scenario",
     "apply_overrides",
     "default_scenario_text",
+    "describe_validation_error",
+    "read_text_file",
+    "line_of",
 ]
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
@@ -400,7 +403,7 @@ def _check_synthetic(w: SyntheticWorkload, run: RunSpec) -> None:
 # ---------------------------------------------------------------------------------- loading
 
 
-def _line_of(text: str, path: list[str | int]) -> int | None:
+def line_of(text: str, path: list[str | int]) -> int | None:
     """1-based line of the key at ``path`` (or of its nearest existing ancestor)."""
     try:
         node = yaml.compose(text)
@@ -444,7 +447,7 @@ def _parse_path(where: str) -> list[str | int]:
             if head:
                 parts.append(head)
             idx, _, piece = rest.partition("]")
-            parts.append(int(idx))
+            parts.append(int(idx) if idx.isdigit() else idx)  # msgspec writes a mapping's value as [...]
         if piece:
             parts.append(piece)
     return parts
@@ -468,6 +471,30 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[parts[-1]] = value
     return data
+
+
+def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str, source: str) -> str:
+    """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (parsed from ``text``).
+
+    Shared by every YAML file kvemu validates with msgspec (scenarios, sweeps), so their errors read alike.
+    """
+    message, _, where = str(exc).partition(" - at `")
+    key = where.rstrip("`").removeprefix("$.").removeprefix("$")
+    cause = exc.__cause__
+    unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
+    if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
+        key = f"{key}.{cause.field}" if key else cause.field
+    elif unknown:
+        key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        message = "unknown key (check its spelling and section)"
+    parts = _parse_path(key)
+    if not isinstance(cause, InvalidArgument) and not unknown:
+        found, value = _value_at(raw, parts)
+        if found and not isinstance(value, (dict, list)):
+            message = f"{message}, got {value!r}"
+    line = line_of(text, parts)
+    at = f" (line {line})" if line else ""
+    return f"{source}: {key or '(top level)'}{at}: {message}"
 
 
 def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str] | None = None,
@@ -494,30 +521,14 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
         for key in ("workers", "dp_size", "engine"):
             if key in cluster_raw:
-                line = _line_of(text, ["cluster", key])
+                line = line_of(text, ["cluster", key])
                 at = f" (line {line})" if line else ""
                 raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
                                     f"cluster.prefill.{key} and cluster.decode.{key} instead")
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
-        message, _, where = str(exc).partition(" - at `")
-        key = where.rstrip("`").removeprefix("$.").removeprefix("$")
-        cause = exc.__cause__
-        unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
-        if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
-            key = f"{key}.{cause.field}" if key else cause.field
-        elif unknown:
-            key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-            message = "unknown key (check its spelling and section)"
-        parts = _parse_path(key)
-        if not isinstance(cause, InvalidArgument) and not unknown:
-            found, value = _value_at(raw, parts)
-            if found and not isinstance(value, (dict, list)):
-                message = f"{message}, got {value!r}"
-        line = _line_of(text, parts)
-        at = f" (line {line})" if line else ""
-        raise ScenarioError(f"{source}: {key or '(top level)'}{at}: {message}") from None
+        raise ScenarioError(describe_validation_error(exc, raw, text, source)) from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     for where in _ENGINES:
@@ -526,13 +537,13 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
             try:
                 cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
             except InvalidArgument as exc:
-                line = _line_of(text, [*where, "timing_model", "path"])
+                line = line_of(text, [*where, "timing_model", "path"])
                 at = f" (line {line})" if line else ""
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
         if not path.is_file():
-            line = _line_of(text, ["workload", "trace"])
+            line = line_of(text, ["workload", "trace"])
             at = f" (line {line})" if line else ""
             raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
     return scenario
@@ -545,19 +556,26 @@ _ENGINES: list[list[str | int]] = [["cluster", "engine"], ["cluster", "prefill",
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
     """Read and validate a scenario file."""
     p = Path(path)
+    text = read_text_file(p, "scenario")
+    return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
+
+
+def read_text_file(path: Path, what: str, limit: int | None = None) -> str:
+    """The UTF-8 text of a small input file (a ``what``: scenario, sweep); ``ScenarioError`` past ``limit`` bytes
+    (default ``MAX_SCENARIO_BYTES``)."""
+    limit = MAX_SCENARIO_BYTES if limit is None else limit
     try:
-        with p.open("rb") as fh:
-            data = fh.read(MAX_SCENARIO_BYTES + 1)
+        with path.open("rb") as fh:
+            data = fh.read(limit + 1)
     except OSError as exc:
-        raise ScenarioError(f"{p}: cannot read the scenario: {exc.strerror}") from None
-    if len(data) > MAX_SCENARIO_BYTES:
-        raise ScenarioError(f"{p}: larger than {MAX_SCENARIO_BYTES:,} bytes; is it a scenario?")
+        raise ScenarioError(f"{path}: cannot read the {what}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise ScenarioError(f"{path}: larger than {limit:,} bytes; is it a {what}?")
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise ScenarioError(f"{p}: line {line}: not UTF-8 text") from None
-    return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
+        raise ScenarioError(f"{path}: line {line}: not UTF-8 text") from None
 
 
 def resolve(scenario: Scenario, path: str) -> Path:

@@ -20,7 +20,8 @@ from harness import scenario as scenario_module
 from harness.workload import build_sessions
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if not p.name.startswith("sweep-"))
+"""Example scenarios (``sweep-*.yaml`` are sweep files: tests/test_sweep_cli.py checks them)."""
 
 
 def error_of(text: str, **kwargs) -> str:

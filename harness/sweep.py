@@ -1,0 +1,447 @@
+"""A sweep: one base scenario run at every point of a grid (or zip) of ``--set`` overrides, for several seeds.
+
+The sweep file is YAML, validated like a scenario (unknown keys and bad values are errors naming the key and
+its line)::
+
+    name: workers                      # names the default output directory out/<name> (default: file stem)
+    base: quickstart.yaml              # a scenario, relative to this file; omitted: the built-in quickstart
+    set: {run.duration_s: 120}         # overrides every point shares
+    axes:                              # key.path: [values], each as ``kvemu run --set key.path=value``
+      cluster.workers: [2, 4, 8]
+    mode: grid                         # grid: every combination, last axis fastest; zip: the i-th values together
+    seeds: 1                           # N: seeds s..s+N-1 (s = the point's run.seed), or an explicit list
+    figures: [p99_ttft_ms, ...]        # summary.json keys to tabulate (dotted into the ``kvemu`` section)
+    objective: {ttft_ms: 2000}         # sweep.md's chosen point: best throughput per GPU with p99 TTFT <= this
+
+A *run* is one (point, seed). ``plan_runs`` expands a sweep into ``PointSpec``s after validating every one of
+them as ``kvemu validate`` would; ``run_point`` runs one anywhere kvemu imports (a local process, a Dask or a
+Ray worker) and returns a plain dict. Runs are deterministic: the same ``PointSpec`` gives the same figures on
+any executor. Wall-clock figures stay apart from them (``wall_time_s``, ``run_wall_time_ms``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import itertools
+import math
+import re
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from kvemu.errors import KvemuError
+
+from harness.scenario import (
+    Scenario,
+    ScenarioError,
+    default_scenario_text,
+    describe_validation_error,
+    line_of,
+    parse_scenario,
+    read_text_file,
+)
+
+__all__ = [
+    "SweepError",
+    "SweepSpec",
+    "Objective",
+    "Sweep",
+    "PointSpec",
+    "load_sweep",
+    "parse_sweep",
+    "plan_runs",
+    "run_point",
+    "point_key",
+    "figure_value",
+    "DEFAULT_FIGURES",
+    "REPORT_FIGURES",
+    "DERIVED_FIGURES",
+    "MAX_RUNS",
+    "MAX_SWEEP_BYTES",
+]
+
+MAX_SWEEP_BYTES = 1 << 20
+"""Largest sweep file read."""
+MAX_RUNS = 10_000
+"""Most runs (points x seeds) one sweep may plan."""
+MAX_AXES = 16
+MAX_FIGURES = 64
+
+DERIVED_FIGURES = ("gpus", "output_throughput_tok_s_per_gpu")
+"""Figures computed from the point, not read from summary.json: ``gpus`` is the cluster's DP ranks as started
+(workers x dp_size summed over its pools; one GPU a rank), ``output_throughput_tok_s_per_gpu`` the output token
+throughput divided by it."""
+DEFAULT_FIGURES = ("completed_requests", "request_throughput_rps", "goodput_request_throughput_rps",
+                   "output_throughput_tok_s", "gpus", "output_throughput_tok_s_per_gpu", "median_ttft_ms",
+                   "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "p99_e2e_latency_ms",
+                   "prefix_cache_reused_ratio", "kvemu.failed_requests")
+REPORT_FIGURES = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
+                  "request_throughput_rps", "goodput_request_throughput_rps", "output_throughput_tok_s",
+                  "gpus", "output_throughput_tok_s_per_gpu")
+"""What sweep.md's plots need: every run records these too (in sweep.json), whatever ``figures`` asks for."""
+_CONDITIONAL = ("goodput_", "kvemu.cache_tiers.", "kvemu.disaggregated.", "kvemu.affinity.")
+"""Summary keys that exist only for some scenarios (an SLA, a host tier, disaggregated pools, affinity on)."""
+
+_STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+Scalar = str | int | float | bool | None
+
+
+class SweepError(ScenarioError):
+    """An invalid sweep file or sweep point; the message names the key (and line) or the point."""
+
+
+class Objective(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """What sweep.md's chosen point must meet."""
+
+    ttft_ms: Annotated[float, Meta(gt=0)] | None = None
+    """Bound on the chosen point's p99 TTFT (ms)."""
+
+
+class SweepSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+    """A whole sweep file (see the module docstring)."""
+
+    axes: dict[str, list[Scalar]]
+    name: str | None = None
+    base: str | None = None
+    set: dict[str, Scalar] = {}
+    mode: Literal["grid", "zip"] = "grid"
+    seeds: Annotated[int, Meta(ge=1, le=MAX_RUNS)] | Annotated[list[int], Meta(min_length=1, max_length=MAX_RUNS)] = 1
+    figures: Annotated[list[str], Meta(min_length=1, max_length=MAX_FIGURES)] = msgspec.field(
+        default_factory=lambda: list(DEFAULT_FIGURES))
+    objective: Objective = Objective()
+
+
+class Sweep(msgspec.Struct, kw_only=True, frozen=True):
+    """A validated sweep file with its base scenario's text."""
+
+    spec: SweepSpec
+    name: str
+    source: str
+    """The sweep file (for messages)."""
+    base_text: str
+    base_dir: str
+    """Directory the base scenario's relative paths resolve against."""
+    base_source: str
+
+    @property
+    def axes(self) -> list[str]:
+        """The axis keys, in file order."""
+        return list(self.spec.axes)
+
+    @property
+    def points(self) -> int:
+        """How many points (axis combinations)."""
+        lengths = [len(v) for v in self.spec.axes.values()]
+        return math.prod(lengths) if self.spec.mode == "grid" else lengths[0]
+
+    @property
+    def seeds_per_point(self) -> int:
+        return self.spec.seeds if isinstance(self.spec.seeds, int) else len(self.spec.seeds)
+
+
+class PointSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """One run of a sweep: a scenario (YAML text plus ``key=value`` overrides) and a seed; all ``run_point`` needs.
+
+    Plain and picklable, so any executor can ship it. ``report_dir`` (an absolute path where the run executes)
+    writes the run's full report there; ``key`` identifies the resolved scenario and seed (``point_key``).
+    """
+
+    point: int
+    seed: int
+    scenario_text: str
+    base_dir: str = "."
+    overrides: list[str] = []
+    axes: dict[str, str] = {}
+    """Axis key -> the value's YAML text (as in ``overrides`` and sweep.csv)."""
+    figures: list[str] = msgspec.field(default_factory=lambda: list(REPORT_FIGURES))
+    report_dir: str | None = None
+    source: str = "<scenario>"
+    key: str = ""
+
+    def scenario(self) -> Scenario:
+        """The run's validated scenario (its overrides, then ``run.seed``)."""
+        return parse_scenario(self.scenario_text, base_dir=self.base_dir,
+                              overrides=[*self.overrides, f"run.seed={self.seed}"], source=self.source)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
+    """Read and validate a sweep file (its base scenario is read, not yet validated: ``plan_runs`` does that).
+
+    ``overrides`` (``key.path=value``, as ``--set``) join the file's ``set``, replacing its values."""
+    p = Path(path)
+    try:
+        text = read_text_file(p, "sweep", MAX_SWEEP_BYTES)
+    except ScenarioError as exc:
+        raise SweepError(str(exc)) from None
+    return parse_sweep(text, base_dir=p.resolve().parent, source=str(p), default_name=p.stem, overrides=overrides)
+
+
+def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>", default_name: str = "sweep",
+                overrides: list[str] | None = None) -> Sweep:
+    """Validate sweep YAML text (plus ``overrides`` of its ``set``); ``SweepError`` names the key and line."""
+    if len(text.encode()) > MAX_SWEEP_BYTES:
+        raise SweepError(f"{source}: larger than {MAX_SWEEP_BYTES:,} bytes; is it a sweep?")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SweepError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise SweepError(f"{source}: nested too deeply to be a sweep") from None
+    if not isinstance(raw, dict):
+        raise SweepError(f"{source}: a sweep is a mapping (base, set, axes, mode, seeds, figures, objective), "
+                         f"got {type(raw).__name__}")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SweepError(f"--set {item!r}: expected key.path=value")
+        if not isinstance(raw.get("set"), dict):
+            raw["set"] = {}
+        raw["set"][key] = yaml.safe_load(value) if value else ""
+    try:
+        spec = msgspec.convert(raw, SweepSpec, strict=True)
+    except msgspec.ValidationError as exc:
+        raise SweepError(describe_validation_error(exc, raw, text, source)) from None
+
+    def fail(path: list[str | int], message: str) -> SweepError:
+        line = line_of(text, path)
+        at = f" (line {line})" if line else ""
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        return SweepError(f"{source}: {key}{at}: {message}")
+
+    _check_keys(spec, fail)
+    if spec.mode == "zip":
+        first, *rest = spec.axes.items()
+        for key, values in rest:
+            if len(values) != len(first[1]):
+                raise fail(["axes", key], f"mode zip needs axes of equal length: {len(values)} values here, "
+                                          f"{len(first[1])} for {first[0]}")
+    seeds = spec.seeds if isinstance(spec.seeds, int) else len(spec.seeds)
+    if not isinstance(spec.seeds, int) and len(set(spec.seeds)) != len(spec.seeds):
+        raise fail(["seeds"], "a seed is listed twice")
+    lengths = [len(v) for v in spec.axes.values()]
+    points = math.prod(lengths) if spec.mode == "grid" else lengths[0]
+    if points * seeds > MAX_RUNS:
+        raise fail(["axes"], f"{points:,} points x {seeds:,} seeds = {points * seeds:,} runs, more than the "
+                             f"{MAX_RUNS:,} a sweep may plan; split it")
+    _check_figures(spec.figures, fail)
+    name = spec.name if spec.name is not None else default_name
+    if not _NAME.fullmatch(name):
+        raise fail(["name"], f"{name!r} is not a plain name (letters, digits, '.', '_', '-'; it names the "
+                             "output directory)" + ("" if spec.name is not None else ": set name"))
+    if spec.base is None:
+        base_text, base_source, base = default_scenario_text(), "<built-in quickstart>", Path(base_dir)
+    else:
+        path = Path(spec.base).expanduser()
+        path = path if path.is_absolute() else Path(base_dir) / path
+        try:
+            base_text = read_text_file(path, "scenario")
+        except ScenarioError as exc:
+            raise fail(["base"], str(exc)) from None
+        base_source, base = str(path), path.resolve().parent
+    return Sweep(spec=spec, name=name, source=source, base_text=base_text, base_dir=str(base),
+                 base_source=base_source)
+
+
+def _check_keys(spec: SweepSpec, fail: Any) -> None:
+    if not spec.axes:
+        raise fail(["axes"], "give at least one axis (key.path: [values])")
+    if len(spec.axes) > MAX_AXES:
+        raise fail(["axes"], f"{len(spec.axes)} axes, more than {MAX_AXES}")
+    keys = [("axes", k) for k in spec.axes] + [("set", k) for k in spec.set]
+    for key, values in spec.axes.items():
+        if not values:
+            raise fail(["axes", key], "give at least one value")
+    for section, key in keys:
+        if not _KEY.fullmatch(key):
+            raise fail([section, key], "not a key path (names joined by '.', as in --set cluster.workers=8)")
+    for (section, key), (other_section, other) in itertools.combinations(keys, 2):
+        if key == other or other.startswith(key + ".") or key.startswith(other + "."):
+            raise fail([other_section, other], f"overlaps {section}.{key}: a key may be set once")
+
+
+def _check_figures(figures: list[str], fail: Any) -> None:
+    known = _summary_keys()
+    for i, name in enumerate(figures):
+        if figures.index(name) != i:
+            raise fail(["figures", i], f"{name!r} is listed twice")
+        if name in known or name in DERIVED_FIGURES or name.startswith(_CONDITIONAL):
+            if known.get(name) == "section":
+                raise fail(["figures", i], f"{name!r} is a section of summary.json: name one of its keys")
+            continue
+        close = difflib.get_close_matches(name, [*known, *DERIVED_FIGURES], n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise fail(["figures", i], f"{name!r} is not a summary.json key{hint}")
+
+
+_KNOWN: dict[str, str] | None = None
+
+
+def _summary_keys() -> dict[str, str]:
+    """Every dotted key of an (empty) run's summary.json -> ``value`` or ``section``."""
+    global _KNOWN
+    if _KNOWN is None:
+        from harness.report import RunData, summarize
+
+        known: dict[str, str] = {}
+
+        def walk(node: Any, prefix: str) -> None:
+            for key, value in node.items():
+                known[prefix + key] = "section" if isinstance(value, (dict, list)) else "value"
+                if isinstance(value, dict):
+                    walk(value, f"{prefix}{key}.")
+
+        walk(summarize(RunData()), "")
+        _KNOWN = known
+    return _KNOWN
+
+
+# ---------------------------------------------------------------------------------- planning
+
+
+def _yaml_text(value: Scalar) -> str:
+    """A YAML scalar as ``--set`` reads it back (``8``, ``kv``, ``'8'`` for the string)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30).removesuffix("\n...\n").strip()
+
+
+def point_key(scenario: Scenario) -> str:
+    """A run's identity: a hash of its fully resolved scenario (seed and base directory included)."""
+    return hashlib.sha256(msgspec.json.encode(scenario)).hexdigest()[:24]
+
+
+def _combinations(spec: SweepSpec) -> list[dict[str, str]]:
+    texts = {key: [_yaml_text(v) for v in values] for key, values in spec.axes.items()}
+    if spec.mode == "zip":
+        rows = zip(*texts.values())
+    else:
+        rows = itertools.product(*texts.values())
+    return [dict(zip(texts, row)) for row in rows]
+
+
+def plan_runs(sweep: Sweep, *, reports: Path | None = None) -> list[PointSpec]:
+    """Every run of ``sweep`` by point then seed, each validated first as ``kvemu validate`` does.
+
+    ``SweepError`` names the first point (and its axis values) that would fail. ``reports`` (a directory)
+    makes each run write its full report to ``reports/<point>-seed<seed>/``.
+    """
+    spec = sweep.spec
+    fixed = [f"{k}={_yaml_text(v)}" for k, v in spec.set.items()]
+    checks = _Checks()
+    runs: list[PointSpec] = []
+    combos = _combinations(spec)
+    width = len(str(len(combos) - 1))
+    for index, axes in enumerate(combos):
+        overrides = fixed + [f"{k}={v}" for k, v in axes.items()]
+        where = f"{sweep.source}: point {index} ({', '.join(f'{k}={v}' for k, v in axes.items())})"
+        try:
+            scenario = parse_scenario(sweep.base_text, base_dir=sweep.base_dir, overrides=overrides,
+                                      source=sweep.base_source)
+            checks.check(scenario)
+        except (KvemuError, ValueError) as exc:  # a scenario error, or a router or engine part that won't build
+            raise SweepError(f"{where}: {exc}") from None
+        seeds = (range(scenario.run.seed, scenario.run.seed + spec.seeds) if isinstance(spec.seeds, int)
+                 else spec.seeds)
+        for seed in seeds:
+            resolved = msgspec.structs.replace(scenario, run=msgspec.structs.replace(scenario.run, seed=seed))
+            report_dir = str((reports / f"{index:0{width}d}-seed{seed}").absolute()) if reports else None
+            runs.append(PointSpec(point=index, seed=seed, scenario_text=sweep.base_text, base_dir=sweep.base_dir,
+                                  overrides=overrides, axes=axes, figures=_all_figures(spec.figures),
+                                  report_dir=report_dir, source=sweep.base_source, key=point_key(resolved)))
+    return runs
+
+
+def _all_figures(requested: list[str]) -> list[str]:
+    return list(dict.fromkeys([*requested, *REPORT_FIGURES]))
+
+
+class _Checks:
+    """What ``kvemu validate`` checks beyond parsing, done once per distinct part of the points' scenarios."""
+
+    def __init__(self) -> None:
+        self.seen: set[bytes] = set()
+
+    def _once(self, *parts: Any) -> bool:
+        key = msgspec.json.encode(parts)
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def check(self, scenario: Scenario) -> None:
+        from harness.cluster import check_buildable, make_policy
+        from harness.workload import build_sessions
+
+        if scenario.run.mode != "virtual":
+            raise SweepError("run.mode: a sweep runs virtual time only (parallel live runs would share the wall "
+                             "clock and the machine's ports, and their results would depend on each other)")
+        if self._once("policy", scenario.router.policy):
+            make_policy(scenario.router.policy)
+        if self._once("build", scenario.cluster, scenario.router):
+            check_buildable(scenario)
+        run = msgspec.structs.replace(scenario.run, seed=0)  # a workload's validity does not depend on the seed
+        if self._once("sessions", scenario.workload, run, scenario.base_dir, scenario.cluster.workers):
+            build_sessions(scenario)
+
+
+# ---------------------------------------------------------------------------------- running
+
+
+def figure_value(summary: dict[str, Any], name: str, gpus: int | None = None) -> Any:
+    """A figure of a run: a (dotted) summary.json key, or a ``DERIVED_FIGURES`` name; None where absent."""
+    if name == "gpus":
+        return gpus
+    if name == "output_throughput_tok_s_per_gpu":
+        throughput = summary.get("output_throughput_tok_s")
+        return float(f"{throughput / gpus:.6g}") if throughput is not None and gpus else None
+    node: Any = summary
+    for part in name.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return None if isinstance(node, (dict, list)) else node
+
+
+def run_point(point: PointSpec) -> dict[str, Any]:
+    """Run one point in virtual time and return its result as a plain dict; a failing run does not raise.
+
+    Keys: ``point``, ``seed``, ``axes``, ``key`` (from the spec); ``status`` (``ok``, ``partial``: the run
+    stopped early, figures cover what finished; ``failed``: no figures), ``error`` (text or None),
+    ``figures`` (name -> value, None where the summary has none), ``wall_time_s`` (this call) and
+    ``run_wall_time_ms`` (the run's own wall time). Only the last two depend on the machine.
+    """
+    from harness.pools import pool_sizes
+    from harness.report import summarize
+    from harness.runner import RunAborted, run_scenario
+
+    started = time.perf_counter()
+    result: dict[str, Any] = {"point": point.point, "seed": point.seed, "axes": dict(point.axes),
+                              "key": point.key, "status": "failed", "error": None,
+                              "figures": dict.fromkeys(point.figures), "wall_time_s": None, "run_wall_time_ms": None}
+    try:
+        scenario = point.scenario()
+        if scenario.run.mode != "virtual":
+            raise SweepError("run.mode: a sweep runs virtual time only")
+        outcome = run_scenario(scenario, Path(point.report_dir) if point.report_dir else None)
+        summary = outcome.summary if outcome.summary is not None else summarize(outcome.data)
+        gpus = sum(p["workers"] * p["dp_size"] for p in pool_sizes(scenario.cluster).values())
+        result["figures"] = {name: figure_value(summary, name, gpus) for name in point.figures}
+        result["run_wall_time_ms"] = summary.get("wall_time_ms")
+        result["status"] = "partial" if outcome.data.partial else "ok"
+        if outcome.data.partial:
+            result["error"] = f"stopped early: {outcome.data.stop_reason}"
+    except RunAborted as exc:
+        result["error"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 - one point's failure is its result, not the sweep's
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["wall_time_s"] = round(time.perf_counter() - started, 6)
+    return result

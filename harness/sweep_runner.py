@@ -1,0 +1,95 @@
+"""Drive a sweep: submit its unfinished runs to an executor, record each as it finishes, write the outputs.
+
+Ctrl-C or SIGTERM (raised here as ``KeyboardInterrupt``) stops submitting, aborts the executor, keeps every run
+that finished and still writes sweep.csv, sweep.json and sweep.md; running the same sweep again resumes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, as_completed
+from typing import Any
+
+from harness.executors import abort_executor
+from harness.sweep import PointSpec, run_point
+from harness.sweep_report import write_sweep_report
+from harness.sweep_results import SweepStore
+
+__all__ = ["SweepOutcome", "run_sweep", "OnResult"]
+
+OnResult = Callable[[dict[str, Any], int, int], None]
+"""``on_result(result, runs finished so far, runs to do)``, called in the driver as each run finishes."""
+
+
+class SweepOutcome:
+    """What a sweep did: runs done now and reused, statuses, whether (and why) it stopped early."""
+
+    def __init__(self, ran: int, reused: int, counts: dict[str, int], interrupted: str | None,
+                 wall_time_s: float) -> None:
+        self.ran = ran
+        self.reused = reused
+        self.counts = counts
+        self.interrupted = interrupted
+        """``SIGINT`` or ``SIGTERM`` if the sweep was stopped, else None."""
+        self.wall_time_s = wall_time_s
+
+    @property
+    def failed(self) -> int:
+        """Runs that failed or stopped early."""
+        return self.counts.get("failed", 0) + self.counts.get("partial", 0)
+
+
+def _result_of(future: Future[Any], run: PointSpec) -> dict[str, Any]:
+    """The run's result, or a failed one when the executor lost it (a killed worker, a broken pool)."""
+    try:
+        return future.result()
+    except Exception as exc:  # noqa: BLE001 - the executor's failure is this run's
+        return {"point": run.point, "seed": run.seed, "axes": dict(run.axes), "key": run.key, "status": "failed",
+                "error": f"{type(exc).__name__}: {exc}", "figures": dict.fromkeys(run.figures), "wall_time_s": None,
+                "run_wall_time_ms": None}
+
+
+def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResult | None = None,
+              executor_name: str = "", report: bool = True,
+              runner: Callable[[PointSpec], dict[str, Any]] = run_point) -> SweepOutcome:
+    """Run ``store``'s unfinished runs on ``executor`` (None only when there is nothing to run), recording each
+    result as it arrives, then write sweep.csv, sweep.json and (``report``) sweep.md."""
+    todo = store.todo()
+    started = time.perf_counter()
+    interrupted: str | None = None
+    futures: dict[Future[Any], PointSpec] = {}
+    done: set[Future[Any]] = set()
+    try:
+        if todo:
+            assert executor is not None, "runs to do need an executor"
+            for run in todo:
+                futures[executor.submit(runner, run)] = run
+            for future in as_completed(futures):
+                _finish(store, future, futures[future], done, on_result, len(todo))
+    except KeyboardInterrupt as exc:
+        interrupted = getattr(exc, "reason", "SIGINT")
+        if executor is not None:
+            abort_executor(executor)
+        for future, run in futures.items():  # keep what finished meanwhile
+            if future not in done and future.done() and not future.cancelled() and future.exception() is None:
+                _finish(store, future, run, done, on_result, len(todo))
+    wall = time.perf_counter() - started
+    counts = dict(sorted(store.counts().items()))
+    store.write({"executor": executor_name, "wall_time_s": round(wall, 6), "runs_ran": len(done),
+                 "runs_reused": store.reused, "interrupted": interrupted})
+    store.close()
+    if report:
+        note = (f"Interrupted ({interrupted}): {counts.get('pending', 0)} runs did not finish; run the same sweep "
+                "again to resume." if interrupted else None)
+        write_sweep_report(store.sweep, store.ordered(), store.outdir, note)
+    return SweepOutcome(len(done), store.reused, counts, interrupted, wall)
+
+
+def _finish(store: SweepStore, future: Future[Any], run: PointSpec, done: set[Future[Any]],
+            on_result: OnResult | None, total: int) -> None:
+    result = _result_of(future, run)
+    store.record(result)
+    done.add(future)
+    if on_result is not None:
+        on_result(result, len(done), total)

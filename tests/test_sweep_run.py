@@ -1,0 +1,189 @@
+"""Running a sweep: determinism per point, results recorded as runs finish, resume, failure isolation, outputs."""
+
+import csv
+import io
+import json
+from concurrent.futures import Executor, Future
+from pathlib import Path
+
+import pytest
+
+from harness.sweep import load_sweep, parse_sweep, plan_runs, run_point
+from harness.sweep_results import SweepStore
+from harness.sweep_runner import run_sweep
+
+TINY = ("set: {run.duration_s: 3, workload.rate_rps: 1, workload.turns: 2, workload.think_time_s: 0.5,\n"
+        "      cluster.engine.num_gpu_blocks: 512}\n")
+SWEEP = TINY + "axes:\n  cluster.workers: [1, 2]\nseeds: 2\n"
+
+
+class InlineExecutor(Executor):
+    """Runs each submitted call at once, in this process; counts them; stops the sweep after ``interrupt_after``."""
+
+    def __init__(self, interrupt_after: int | None = None, fail_point: int | None = None) -> None:
+        self.calls = 0
+        self.interrupt_after = interrupt_after
+        self.fail_point = fail_point
+
+    def submit(self, fn, /, *args, **kwargs):
+        if self.interrupt_after is not None and self.calls >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.calls += 1
+        future: Future = Future()
+        if self.fail_point is not None and args[0].point == self.fail_point:
+            future.set_exception(RuntimeError("the worker running this point was lost"))
+        else:
+            future.set_result(fn(*args, **kwargs))
+        return future
+
+
+def sweep_of(text: str, tmp_path: Path, name: str = "s"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    sweep = load_sweep(path)
+    return sweep, plan_runs(sweep)
+
+
+def run(sweep, runs, outdir, executor, force=False, report=True):
+    store = SweepStore(outdir, sweep, runs, force=force)
+    return store, run_sweep(store, executor if store.todo() else None, report=report)
+
+
+def rows(outdir: Path) -> list[dict]:
+    return list(csv.DictReader(io.StringIO((outdir / "sweep.csv").read_text())))
+
+
+def without_wall(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("wall_time_s", "run_wall_time_ms")}
+
+
+def test_a_point_gives_the_same_result_every_time():
+    runs = plan_runs(parse_sweep(SWEEP))
+    first = run_point(runs[1])
+    run_point(runs[2])  # another point in between: nothing carries over from one run to the next
+    again = run_point(runs[1])
+    assert first["status"] == "ok" and first["figures"]["completed_requests"] > 0
+    assert without_wall(first) == without_wall(again)
+    assert first["wall_time_s"] > 0 and first["run_wall_time_ms"] > 0
+    assert first["figures"]["gpus"] == 2 and first["figures"]["goodput_request_throughput_rps"] is None
+    assert first["figures"]["output_throughput_tok_s_per_gpu"] == pytest.approx(
+        first["figures"]["output_throughput_tok_s"] / 2, rel=1e-5)
+
+
+def test_outputs_csv_json_and_markdown_with_plots(tmp_path):
+    sweep, runs = sweep_of(SWEEP + "objective: {ttft_ms: 100000}\n", tmp_path)
+    out = tmp_path / "out"
+    _, outcome = run(sweep, runs, out, InlineExecutor())
+    assert outcome.counts == {"ok": 4} and outcome.ran == 4 and outcome.interrupted is None
+    table = rows(out)
+    header = next(csv.reader(io.StringIO((out / "sweep.csv").read_text())))
+    assert header == ["point", "cluster.workers", "seed", "status", *sweep.spec.figures, "error"]
+    assert "wall_time_ms" not in header
+    assert [(r["point"], r["cluster.workers"], r["seed"], r["status"]) for r in table] == [
+        ("0", "1", "7", "ok"), ("0", "1", "8", "ok"), ("1", "2", "7", "ok"), ("1", "2", "8", "ok")]
+    assert all(float(r["p99_ttft_ms"]) > 0 for r in table) and {r["gpus"] for r in table} == {"2", "4"}
+    document = json.loads((out / "sweep.json").read_text())
+    assert document["format"] == "kvemu-sweep/1" and document["name"] == "s"
+    assert document["spec"]["axes"] == {"cluster.workers": [1, 2]} and document["counts"] == {"ok": 4}
+    assert [(r["point"], r["seed"]) for r in document["runs"]] == [(0, 7), (0, 8), (1, 7), (1, 8)]
+    assert all(r["timing"]["wall_time_s"] > 0 and "wall_time_s" not in r for r in document["runs"])
+    assert document["timing"]["runs_ran"] == 4
+    md = (out / "sweep.md").read_text()
+    assert "| point | cluster.workers | ok runs |" in md and "| 1 | 2 | 2/2 |" in md
+    assert "## Chosen point" in md and "(objective.ttft_ms)" in md
+    plots = [line.split("(")[1].rstrip(")") for line in md.splitlines() if line.startswith("![")]
+    assert "sweep_pareto.png" in plots and "sweep_ttft_cluster.workers.png" in plots and len(plots) == 4
+    for plot in plots:
+        assert (out / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_interrupted_sweep_keeps_what_finished_and_a_rerun_resumes(tmp_path):
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    _, outcome = run(sweep, runs, out, InlineExecutor(interrupt_after=3))
+    assert outcome.interrupted == "SIGINT" and outcome.counts == {"ok": 3, "pending": 1}
+    assert [r["status"] for r in rows(out)] == ["ok", "ok", "ok", "pending"]
+    assert "Interrupted (SIGINT): 1 runs did not finish" in (out / "sweep.md").read_text()
+    first = (out / "sweep.csv").read_text()
+
+    executor = InlineExecutor()
+    store, outcome = run(sweep, runs, out, executor)
+    assert store.reused == 3 and executor.calls == 1 and outcome.counts == {"ok": 4}
+    assert (out / "sweep.csv").read_text().splitlines()[:4] == first.splitlines()[:4]
+
+    executor = InlineExecutor()
+    run(sweep, runs, out, executor)
+    assert executor.calls == 0  # all finished: nothing runs again
+
+
+def test_resume_reuses_only_runs_of_the_same_resolved_scenario(tmp_path):
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    run(sweep, runs, out, InlineExecutor(), report=False)
+    wider, wider_runs = sweep_of(SWEEP.replace("[1, 2]", "[1, 2, 3]"), tmp_path)  # one more value: 2 new runs
+    executor = InlineExecutor()
+    store, _ = run(wider, wider_runs, out, executor, report=False)
+    assert store.reused == 4 and executor.calls == 2
+    changed, changed_runs = sweep_of(SWEEP.replace("run.duration_s: 3", "run.duration_s: 4"), tmp_path)
+    executor = InlineExecutor()
+    store, _ = run(changed, changed_runs, out, executor, report=False)
+    assert store.reused == 0 and executor.calls == 4  # another scenario: no stale result is reused
+
+
+def test_failed_runs_are_retried_and_a_torn_log_line_is_ignored(tmp_path):
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    _, outcome = run(sweep, runs, out, InlineExecutor(fail_point=1))
+    assert outcome.counts == {"failed": 2, "ok": 2} and outcome.failed == 2
+    failed = [r for r in rows(out) if r["status"] == "failed"]
+    assert [r["point"] for r in failed] == ["1", "1"]
+    assert failed[0]["error"] == "RuntimeError: the worker running this point was lost"
+    assert failed[0]["p99_ttft_ms"] == ""
+    with (out / "sweep-log.jsonl").open("a") as log:
+        log.write('{"key": "torn')
+    executor = InlineExecutor()
+    store, outcome = run(sweep, runs, out, executor)
+    assert store.reused == 2 and executor.calls == 2 and outcome.counts == {"ok": 4}
+
+
+def test_a_point_that_fails_at_run_time_is_recorded_and_the_others_run(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "cluster: {workers: 2, dp_size: 2, engine: {num_gpu_blocks: 256, block_size: 16}}\n"
+        "workload: {kind: synthetic, rate_rps: 2, turns: 2, think_time_s: 0.1}\n"
+        "run: {duration_s: 3, seed: 1}\n"
+        "chaos:\n"
+        "  - {at_s: 0.5, action: kill_rank, worker: 0, dp_rank: 1}\n"
+        "  - {at_s: 50, action: kill_rank, worker: 0, dp_rank: 1}  # reached only by the slow point\n")
+    sweep, runs = sweep_of("base: base.yaml\naxes:\n  workload.think_time_s: [0.1, 100, 0.2]\n", tmp_path)
+    _, outcome = run(sweep, runs, tmp_path / "out", InlineExecutor())
+    assert outcome.counts == {"failed": 1, "ok": 2}
+    statuses = {r["point"]: (r["status"], r["error"]) for r in rows(tmp_path / "out")}
+    assert statuses["0"] == ("ok", "") and statuses["2"] == ("ok", "")
+    assert statuses["1"][0] == "failed" and "chaos action 'kill_rank': worker 0 has no live rank 1" in statuses["1"][1]
+    assert "## Failed and partial runs" in (tmp_path / "out" / "sweep.md").read_text()
+
+
+def test_another_sweep_into_the_same_directory_is_refused_unless_forced(tmp_path):
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    run(sweep, runs, out, InlineExecutor(), report=False)
+    other, other_runs = sweep_of(SWEEP, tmp_path, name="other")
+    from harness.sweep import SweepError
+
+    with pytest.raises(SweepError, match="holds sweep 's', not 'other'.*--force"):
+        SweepStore(out, other, other_runs)
+    executor = InlineExecutor()
+    store, _ = run(other, other_runs, out, executor, force=True, report=False)
+    assert store.reused == 0 and executor.calls == 4
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("mine")
+    with pytest.raises(SweepError, match="is not empty and holds no kvemu sweep"):
+        SweepStore(stranger, sweep, runs)
+
+
+def test_reports_write_each_runs_full_report(tmp_path):
+    runs = plan_runs(parse_sweep(TINY + "axes: {cluster.workers: [1]}\n"), reports=tmp_path / "points")
+    result = run_point(runs[0])
+    summary = json.loads((tmp_path / "points" / "0-seed7" / "summary.json").read_text())
+    assert summary["p99_ttft_ms"] == result["figures"]["p99_ttft_ms"]
