@@ -108,13 +108,16 @@ def _autoscale_marks(data: RunData) -> dict[str, Any] | None:
     log = data.autoscale
     if log is None:
         return None
-    points = [p for p in log.series if p.pool == log.pool][:_MAX_SERIES_POINTS]
+    points = [(p.time_ns, p.running, p.provisioned) for p in log.series if p.pool == log.pool][:_MAX_SERIES_POINTS]
+    end = max((s.time_ns for s in data.samples), default=0)
+    if points and end > points[-1][0]:  # the last counts hold until the run's last sample
+        points.append((end, *points[-1][1:]))
     return {
         "pool": log.pool,
         "decisions": [(d.time_ns / NS_PER_S, d.action) for d in log.decisions if d.applied][:_MAX_SERIES_POINTS],
-        "times": [p.time_ns / NS_PER_S for p in points],
-        "running": [p.running for p in points],
-        "provisioned": [p.provisioned for p in points],
+        "times": [t / NS_PER_S for t, _, _ in points],
+        "running": [r for _, r, _ in points],
+        "provisioned": [p for _, _, p in points],
     }
 
 
@@ -192,6 +195,7 @@ def _draw_series(series: dict[tuple[int, int], tuple[Any, Any]], title: str, yla
 
 def _draw_marks(ax: Any, marks: dict[str, Any]) -> None:
     """Autoscaler decisions as vertical lines (green: add, red: remove) and the pool's workers on a right axis."""
+    ax.figure.subplots_adjust(right=0.91)  # room for the right axis' label
     for t, action in marks["decisions"]:
         ax.axvline(t, color="tab:green" if action == "add" else "tab:red", linewidth=0.8, alpha=0.6, linestyle=":")
     if marks["times"]:

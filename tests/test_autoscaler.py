@@ -85,7 +85,9 @@ def test_the_plots_get_the_decisions_and_the_worker_counts(tmp_path):
     marks = _plot_job(out.data, tmp_path)["autoscale"]
     assert marks["decisions"] == [(d.time_ns / S, d.action) for d in log.decisions if d.applied]
     points = [p for p in log.series if p.pool == "aggregated"]
-    assert list(zip(marks["times"], marks["running"])) == [(p.time_ns / S, p.running) for p in points]
+    end = max(s.time_ns for s in out.data.samples)  # the last counts are drawn on to the run's last sample
+    assert list(zip(marks["times"], marks["running"])) == [(p.time_ns / S, p.running) for p in points] + [
+        (end / S, points[-1].running)]
     assert all(p >= r for p, r in zip(marks["provisioned"], marks["running"]))
     plain = run_scenario(parse_scenario(BASE))
     assert _plot_job(plain.data, tmp_path)["autoscale"] is None
