@@ -47,6 +47,10 @@ def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from harness.cluster import make_policy
 
     make_policy(scenario.router.policy)  # a custom policy must import before anything starts
+    if scenario.autoscaler is not None:
+        from harness.autoscaler import make_autoscaler
+
+        make_autoscaler(scenario.autoscaler)  # so must a custom autoscaler
     return scenario
 
 
@@ -299,7 +303,7 @@ def _process(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"invalid scenario: {exc}", file=sys.stderr)
         return 2
-    problem = _http_problem(args) or _disagg_problem(args, scenario)
+    problem = _http_problem(args) or _disagg_problem(args, scenario) or _autoscaler_problem(args, scenario)
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
         return 2
@@ -376,6 +380,17 @@ def _disagg_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
         return ("the OpenAI front door (--http, --worker-http, kvemu serve) does not serve a disaggregated cluster "
                 "(cluster.prefill, cluster.decode) yet: run it without them (kvemu up, or router, workers and loadgen)")
     return None
+
+
+def _autoscaler_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
+    """Why processes cannot run this scenario's autoscaler (None: it has none, or this process does not play the
+    scenario's timeline)."""
+    if scenario.autoscaler is None or args.command in ("router", "worker"):
+        return None
+    return ("autoscaler: not supported with processes (kvemu up, loadgen, serve, docker-compose): the supervisor "
+            "that starts and stops worker processes sees neither the requests' latencies nor the engines' queues "
+            "(they live in the load generator and the workers), and the report is the load generator's; run the "
+            "scenario with kvemu run (virtual time, or --mode live) instead, or remove the autoscaler section")
 
 
 def _http_options(args: argparse.Namespace) -> Any:

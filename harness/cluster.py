@@ -10,9 +10,6 @@ publishers and subscribers per rank.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,28 +30,11 @@ from workers.actor import WorkerActor
 from workers.config import EngineConfig
 from workers.worker import MockWorker
 
+from harness.plugins import ALLOW_LOCAL_POLICIES_ENV, import_callable
 from harness.pools import AGGREGATED, compose_pools, worker_type_of
 from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 
-__all__ = ["Cluster", "make_policy", "engine_config", "build_router", "pool_router", "cluster"]
-
-
-ALLOW_LOCAL_POLICIES_ENV = "KVEMU_ALLOW_LOCAL_POLICIES"
-"""Set to ``1`` (``--allow-local-policies``) to let ``router.policy`` import modules from the working directory."""
-
-
-def _import_policy_module(module: str, allow_local: bool) -> Any:
-    """Import a policy's module; unless ``allow_local``, with the working directory off the import path, so
-    that a file next to a scenario cannot stand in for the module the scenario names."""
-    if allow_local:
-        return importlib.import_module(module)
-    cwd = os.path.realpath(os.getcwd())
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if os.path.realpath(p or ".") != cwd]
-    try:
-        return importlib.import_module(module)
-    finally:
-        sys.path[:] = saved
+__all__ = ["Cluster", "ALLOW_LOCAL_POLICIES_ENV", "make_policy", "engine_config", "build_router", "pool_router", "cluster"]
 
 
 def make_policy(name: str) -> CustomPolicy | None:
@@ -69,16 +49,7 @@ def make_policy(name: str) -> CustomPolicy | None:
         return round_robin_policy()
     if name == "random":
         return random_policy()
-    module, _, attr = name.partition(":")
-    local = os.environ.get(ALLOW_LOCAL_POLICIES_ENV) == "1"
-    try:
-        factory = getattr(_import_policy_module(module, local), attr)
-    except ImportError as exc:
-        hint = "" if local else "; the working directory is not searched (--allow-local-policies searches it)"
-        raise ScenarioError(f"router.policy: cannot import module {module!r} ({exc}); is it on PYTHONPATH?{hint}") from None
-    except AttributeError:
-        raise ScenarioError(f"router.policy: module {module!r} has no {attr!r}") from None
-    policy = factory()
+    policy = import_callable(name, "router.policy")()
     if not isinstance(policy, CustomPolicy):
         raise ScenarioError(f"router.policy: {name!r} returned {type(policy).__name__}, not a CustomPolicy")
     return policy
@@ -152,6 +123,12 @@ class Cluster:
         self.nets: dict[str, MemoryNetwork] = {}
         self.buses: dict[str, MemoryKvBus] = {}
         self.workers: dict[int, WorkerActor] = {}
+        self.starting: set[int] = set()
+        """Workers started and not registered yet."""
+        self.leaving: set[int] = set()
+        """Workers being removed (draining their requests, or about to stop)."""
+        self.on_change: Any = None
+        """Called with no argument whenever a worker registers, starts leaving or is gone (the autoscaler counts)."""
         self._deferring: list[int] = []  # virtual time: workers whose engines defer KV events (synced before deciding)
         self.bus: MemoryKvBus | None = None
         self.net: MemoryNetwork | None = None
@@ -263,6 +240,7 @@ class Cluster:
             self._deferring.append(wid)
         self.workers[wid] = actor
         self.worker_pool[wid] = pool
+        self.starting.add(wid)
         scope = anyio.CancelScope()
         self._scopes[wid] = scope
 
@@ -277,17 +255,39 @@ class Cluster:
                 if router.registered.is_set():
                     router.registered = anyio.Event()
                 await router.registered.wait()
+        self.starting.discard(wid)
+        self._changed()
         return wid
 
-    async def remove_worker(self, worker_id: int, *, graceful: bool = True) -> None:
-        """Stop a worker: gracefully (drain, deregister) or abruptly (the router notices the silence)."""
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _claim(self, worker_id: int) -> WorkerActor:
         actor = self.workers.get(worker_id)
         if actor is None:
             raise ValueError(f"worker {worker_id} is not running")
+        if worker_id in self.leaving:
+            raise ValueError(f"worker {worker_id} is already being removed")
+        self.leaving.add(worker_id)
+        self._changed()
+        return actor
+
+    async def remove_worker(self, worker_id: int, *, graceful: bool = True) -> None:
+        """Stop a worker: gracefully (drain, deregister) or abruptly (the router notices the silence)."""
+        await self._remove(self._claim(worker_id), worker_id, graceful)
+
+    def retire(self, worker_id: int, *, graceful: bool = True) -> None:
+        """Start removing a worker (as ``remove_worker``) and return at once; it counts as leaving from now."""
+        self._tg.start_soon(self._remove, self._claim(worker_id), worker_id, graceful)
+
+    async def _remove(self, actor: WorkerActor, worker_id: int, graceful: bool) -> None:
         if graceful:
             await actor.shutdown()
         self._scopes[worker_id].cancel()
         del self.workers[worker_id]
+        self.leaving.discard(worker_id)
+        self._changed()
         await actor.end.aclose()
         for pub in self._publishers.pop(worker_id, []):
             pub.close(drain_timeout_s=0)

@@ -102,6 +102,25 @@ def _rank_series(data: RunData, field: str) -> dict[tuple[int, int], tuple[Any, 
             for key, (ts, vs) in sorted(by_rank.items())}
 
 
+def _autoscale_marks(data: RunData) -> dict[str, Any] | None:
+    """An autoscaled run's applied decisions (time in s, action) and its pool's running and provisioned
+    (running + starting + draining) workers as step series, or None without an autoscaler."""
+    log = data.autoscale
+    if log is None:
+        return None
+    points = [(p.time_ns, p.running, p.provisioned) for p in log.series if p.pool == log.pool][:_MAX_SERIES_POINTS]
+    end = max((s.time_ns for s in data.samples), default=0)
+    if points and end > points[-1][0]:  # the last counts hold until the run's last sample
+        points.append((end, *points[-1][1:]))
+    return {
+        "pool": log.pool,
+        "decisions": [(d.time_ns / NS_PER_S, d.action) for d in log.decisions if d.applied][:_MAX_SERIES_POINTS],
+        "times": [t / NS_PER_S for t, _, _ in points],
+        "running": [r for _, r, _ in points],
+        "provisioned": [p for _, _, p in points],
+    }
+
+
 def _reuse_curves(done: list[RequestRecord]) -> tuple[int, Any, Any, Any, Any] | None:
     """Engine-found cached / prompt tokens by completion: (window, x1, rolling, x2, cumulative), decimated."""
     import numpy as np
@@ -159,7 +178,8 @@ def _draw_cdf(points: tuple[Any, Any] | None, title: str, xlabel: str, path: Pat
     _save(fig, path)
 
 
-def _draw_series(series: dict[tuple[int, int], tuple[Any, Any]], title: str, ylabel: str, path: Path) -> None:
+def _draw_series(series: dict[tuple[int, int], tuple[Any, Any]], title: str, ylabel: str, path: Path,
+                 marks: dict[str, Any] | None = None) -> None:
     fig, ax = _figure(title, "scenario time (s)", ylabel)
     if series:
         for (w, r), (xs, ys) in series.items():
@@ -168,7 +188,25 @@ def _draw_series(series: dict[tuple[int, int], tuple[Any, Any]], title: str, yla
             ax.legend(loc="upper right", fontsize="small", ncols=2 if len(series) > 8 else 1)
     else:
         _no_data(ax)
+    if marks is not None:
+        _draw_marks(ax, marks)
     _save(fig, path)
+
+
+def _draw_marks(ax: Any, marks: dict[str, Any]) -> None:
+    """Autoscaler decisions as vertical lines (green: add, red: remove) and the pool's workers on a right axis."""
+    ax.figure.subplots_adjust(right=0.91)  # room for the right axis' label
+    for t, action in marks["decisions"]:
+        ax.axvline(t, color="tab:green" if action == "add" else "tab:red", linewidth=0.8, alpha=0.6, linestyle=":")
+    if marks["times"]:
+        right = ax.twinx()
+        right.step(marks["times"], marks["running"], where="post", color="black", linewidth=1.5,
+                   label=f"{marks['pool']} workers running")
+        right.step(marks["times"], marks["provisioned"], where="post", color="grey", linewidth=1, linestyle="--",
+                   label="incl. starting and draining")
+        right.set_ylabel("workers")
+        right.set_ylim(0, max(marks["provisioned"]) + 1)
+        right.legend(loc="upper left", fontsize="small")
 
 
 def _draw_reuse(curves: tuple[int, Any, Any, Any, Any] | None, path: Path) -> None:
@@ -199,6 +237,7 @@ def _plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
         "active": _rank_series(data, "active_requests"),
         "blocks": _rank_series(data, "kv_blocks"),
         "reuse": _reuse_curves(done),
+        "autoscale": _autoscale_marks(data),
     }
 
 
@@ -212,9 +251,10 @@ def _draw(job: dict[str, Any], name: str, path: Path) -> None:
     elif name == "e2e_cdf.png":
         _draw_cdf(job["e2e"], "End-to-end latency CDF", "end-to-end latency (ms)", path)
     elif name == "active_requests.png":
-        _draw_series(job["active"], "Active requests per rank (router's view)", "active requests", path)
+        _draw_series(job["active"], "Active requests per rank (router's view)", "active requests", path,
+                     job.get("autoscale"))
     elif name == "kv_usage.png":
-        _draw_series(job["blocks"], "KV blocks per rank (router's view)", "KV blocks", path)
+        _draw_series(job["blocks"], "KV blocks per rank (router's view)", "KV blocks", path, job.get("autoscale"))
     elif name == "cache_reuse.png":
         _draw_reuse(job["reuse"], path)
     else:

@@ -38,9 +38,11 @@ from typing import Any
 
 import msgspec
 
+from kvemu.autoscale.records import AutoscaleLog
 from kvemu.errors import KvemuError
 from kvemu.records import RequestRecord, sequences_as_lists
 
+from harness.autoscale_report import autoscale_markdown, autoscale_summary, provisioned_seconds
 from harness.plots import PLOTS, start_plots, write_plots
 from harness.sla import Sla, goodput
 from harness.stats import percentile
@@ -115,6 +117,8 @@ class RunData(msgspec.Struct, kw_only=True):
     """The run's latency targets (``run.sla``): the summary adds goodput, requests.jsonl ``met_sla``."""
     concurrency: int | None = None
     """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
+    autoscale: AutoscaleLog | None = None
+    """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
 
 
 # ---------------------------------------------------------------------------------- statistics
@@ -369,6 +373,10 @@ def summarize(data: RunData) -> dict[str, Any]:
     }
     if data.sla is not None:
         summary.update(goodput(data.sla, done, duration_s))
+    if data.autoscale is not None and duration_ns:  # the workers changed: count the GPU time each pool held
+        start = min(r.arrival_ns for r in records)
+        summary.update(_worker_seconds(data.pools, duration_s, {
+            pool: provisioned_seconds(data.autoscale.series, pool, start, start + duration_ns) for pool in data.pools}))
     for name, values in _latency_values(done).items():
         per_user = name == "output_token_throughput_per_user"
         stats = _stats(values, 1.0 if per_user else NS_PER_MS)
@@ -405,6 +413,8 @@ def summarize(data: RunData) -> dict[str, Any]:
     tiers = _cache_tiers(done)
     if tiers is not None:
         summary["kvemu"]["cache_tiers"] = tiers
+    if data.autoscale is not None:
+        summary["kvemu"]["autoscaler"] = autoscale_summary(data.autoscale)
     return _round(summary)
 
 
@@ -421,14 +431,20 @@ def _cache_tiers(done: list[RequestRecord]) -> dict[str, Any] | None:
             "g1_cached_ratio": _ratio(cached - host, total_in), "host_cached_ratio": _ratio(host, total_in)}
 
 
-def _worker_seconds(pools: dict[str, dict[str, int]], duration_s: float | None) -> dict[str, Any]:
-    """The reference's cost keys: each pool's workers x the run's duration, its GPUs per worker (DP ranks; one
-    GPU a rank), and GPU hours. An aggregated cluster counts as a decode pool with no prefill pool."""
+def _worker_seconds(pools: dict[str, dict[str, int]], duration_s: float | None,
+                    held: dict[str, float] | None = None) -> dict[str, Any]:
+    """The reference's cost keys: each pool's workers x the run's duration (or the worker-seconds ``held`` says
+    it held, with an autoscaler: starting and draining workers count), its GPUs per worker (DP ranks; one GPU a
+    rank), and GPU hours. An aggregated cluster counts as a decode pool with no prefill pool."""
     prefill = pools.get("prefill", {"workers": 0, "dp_size": 0})
-    decode = pools.get("decode") or pools.get("aggregated") or {"workers": 0, "dp_size": 0}
+    decode_pool = "decode" if "decode" in pools else "aggregated"
+    decode = pools.get(decode_pool) or {"workers": 0, "dp_size": 0}
     d = duration_s or 0.0
     out = {"prefill_worker_seconds": prefill["workers"] * d, "decode_worker_seconds": decode["workers"] * d,
            "prefill_gpus_per_worker": prefill["dp_size"], "decode_gpus_per_worker": decode["dp_size"]}
+    if held is not None:
+        out["prefill_worker_seconds"] = held.get("prefill", 0.0)
+        out["decode_worker_seconds"] = held.get(decode_pool, 0.0)
     out["gpu_hours"] = (out["prefill_worker_seconds"] * prefill["dp_size"]
                         + out["decode_worker_seconds"] * decode["dp_size"]) / 3600
     return out
@@ -641,6 +657,8 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
         out += ["No request failed."]
     else:
         out += _table(["reason", "requests"], list(k["failed_requests_by_reason"].items()))
+    if "autoscaler" in k:
+        out += autoscale_markdown(k["autoscaler"], _fmt, _table)
     if data.worker_events:
         out += ["", "## Worker events", ""]
         shown = sorted(data.worker_events, key=lambda e: (e.get("time_ns") or 0, str(e.get("kind"))))

@@ -19,6 +19,7 @@ from kvemu.runtime.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.tuning import tune_gc
 
+from harness.autoscaler import AutoscalerShell
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
@@ -84,8 +85,11 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
     wall0 = time.perf_counter_ns()
     error: BaseException | None = None
+    shell: AutoscalerShell | None = None
     try:
         sessions = build_sessions(scenario)  # an invalid trace raises ScenarioError: nothing ran, no report
+        if scenario.autoscaler is not None:  # a policy that does not import raises ScenarioError: nothing ran
+            shell = state["autoscaler"] = AutoscalerShell(scenario, hooks, recorder)
         tune_gc()
         clock: Clock = ManualClock() if scenario.run.mode == "virtual" else WallClock()
         main = _main(scenario, sessions, clock, hooks, recorder, state, progress, count_requests(sessions))
@@ -116,6 +120,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
         pools=pool_sizes(scenario.cluster), sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
+        autoscale=shell.log if shell is not None else None,
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
@@ -156,6 +161,8 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
                 tg.start_soon(_sample, c, state, recorder, progress, total, run_clock)
                 for ev in scenario.chaos:
                     tg.start_soon(_chaos, c, ev, state)
+                if "autoscaler" in state:
+                    tg.start_soon(state["autoscaler"].run, c, tg, run_clock, state["samples"])
                 if not await play_workload(scenario, sessions, c.submit, run_clock):
                     state["partial"] = True
                     state["stop_reason"] = "drain_timeout"
@@ -196,7 +203,7 @@ async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
     if ev.action == "add_worker":
         await c.add_worker()
     elif ev.action == "remove_worker":
-        target = ev.worker if ev.worker is not None else min(c.workers)
+        target = ev.worker if ev.worker is not None else min(w for w in c.workers if w not in c.leaving)
         await c.remove_worker(target, graceful=ev.graceful)
     elif ev.action == "delay_kv_events":
         c.set_kv_lag(round(ev.lag_ms * NS_PER_MS))  # every publisher, present and future

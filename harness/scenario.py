@@ -21,6 +21,7 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from kvemu.autoscale.config import AutoscaleConfig
 from kvemu.clock import NS_PER_MS
 from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument, KvemuError
@@ -43,6 +44,7 @@ __all__ = [
     "TraceWorkload",
     "RunSpec",
     "ChaosEvent",
+    "AutoscalerSpec",
     "Scenario",
     "ScenarioError",
     "load_scenario",
@@ -302,6 +304,14 @@ class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]
     """Slowdown factor (``slow_worker``): durations are multiplied by it."""
 
 
+class AutoscalerSpec(AutoscaleConfig, **_STRUCT):  # type: ignore[call-arg]
+    """Add and remove workers of one pool as the load goes: every ``kvemu.autoscale.AutoscaleConfig`` knob."""
+
+    def managed_pool(self, cluster: ClusterSpec) -> str:
+        """The pool it scales: ``pool``, else the aggregated pool, or the decode pool of a disaggregated cluster."""
+        return self.pool or ("decode" if cluster.disaggregated else "aggregated")
+
+
 class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     """A whole scenario file."""
 
@@ -312,6 +322,8 @@ class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     workload: SyntheticWorkload | TraceWorkload = SyntheticWorkload()
     run: RunSpec = RunSpec()
     chaos: list[ChaosEvent] = []
+    autoscaler: AutoscalerSpec | None = None
+    """Scale one pool on a policy's decisions (optional; see README "Autoscaling")."""
     base_dir: str = "."
     """Directory relative paths resolve against (set by the loader)."""
 
@@ -320,6 +332,8 @@ class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
             raise InvalidArgument(f"{self.name!r} is not a plain name: up to 100 letters, digits, '.', '_' or '-', "
                                   "starting with a letter or digit (it names the output directory)", field="name")
         _check_chaos(self)
+        if self.autoscaler is not None:
+            _check_autoscaler(self, self.autoscaler)
         if isinstance(self.workload, SyntheticWorkload):
             _check_synthetic(self.workload, self.run)
 
@@ -375,6 +389,41 @@ def _check_chaos(s: Scenario) -> None:
                                   "DP ranks)", field=f"chaos[{i}].dp_rank")
         if ev.action == "remove_worker":
             live.remove(target)
+
+
+def _check_autoscaler(s: Scenario, a: AutoscalerSpec) -> None:
+    """The autoscaler's pool exists and starts within its bounds, its largest cluster stays within the rank limit,
+    and chaos names only workers whose ids are known before the run (the autoscaler's workers take ids as they
+    start)."""
+    pools = s.cluster.pools()
+    pool = a.managed_pool(s.cluster)
+    if pool not in pools:
+        raise InvalidArgument(f"autoscaler.pool {pool} is not a pool of this cluster (pools: {', '.join(pools)})",
+                              field="autoscaler.pool")
+    n, dp, _ = pools[pool]
+    if not a.min_workers <= n <= a.max_workers:
+        raise InvalidArgument(f"the {pool} pool starts with {n} workers, outside autoscaler.min_workers.."
+                              f"max_workers ({a.min_workers}..{a.max_workers})", field="autoscaler.min_workers"
+                              if n < a.min_workers else "autoscaler.max_workers")
+    adds = sum(ev.action == "add_worker" for ev in s.chaos)
+    last = list(pools)[-1]  # where chaos adds workers
+    ranks = sum(w * d for p, (w, d, _) in pools.items() if p != pool) + a.max_workers * dp
+    ranks += adds * pools[last][1]
+    workers = sum(w for p, (w, _, _) in pools.items() if p != pool) + a.max_workers + adds
+    if workers > MAX_WORKERS:
+        raise InvalidArgument(f"with autoscaler.max_workers {a.max_workers} and the chaos timeline's {adds} added "
+                              f"workers, the cluster could reach {workers} workers, more than the {MAX_WORKERS} a "
+                              "router registers", field="autoscaler.max_workers")
+    if ranks > MAX_RANKS:
+        raise InvalidArgument(f"with autoscaler.max_workers {a.max_workers} ({dp} DP ranks each) and the chaos "
+                              f"timeline's {adds} added workers, the cluster could reach {ranks} ranks, more than "
+                              f"the {MAX_RANKS} a scenario may start", field="autoscaler.max_workers")
+    initial = sum(w for w, _, _ in pools.values())
+    for i, ev in enumerate(s.chaos):
+        if ev.worker is not None and ev.worker >= initial:
+            raise InvalidArgument(f"chaos[{i}] ({ev.action} at {ev.at_s:g} s) names worker {ev.worker}: with an "
+                                  f"autoscaler, only the {initial} initial workers (0..{initial - 1}) have ids known "
+                                  "before the run", field=f"chaos[{i}].worker")
 
 
 def _check_synthetic(w: SyntheticWorkload, run: RunSpec) -> None:
