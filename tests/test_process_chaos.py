@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.chaos import CONTROL_TOKEN_ENV
 from harness.processes import send_control
 from harness.scenario import ChaosEvent
+from harness.sessions import SessionPlayer
 from harness.up import Children, cli_command, cli_env
 from process_output import json_events
 
@@ -209,7 +210,7 @@ def test_the_load_generator_writes_a_partial_report_when_it_fails_itself(tmp_pat
         await anyio.sleep(0.3)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(processes.SessionPlayer, "run", broken_run)
+    monkeypatch.setattr(SessionPlayer, "run", broken_run)
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
