@@ -38,8 +38,10 @@ def test_round_robin_slice_prints_peak_rss_and_counts_the_p99_target(dynamo_core
         assert re.search(rf"^{side} round_robin p99 ttft: \d+\.\d\d ms$", out, re.M), out
     assert re.search(r"^round_robin wall time ratio vs reference: \d+\.\d\dx$", out, re.M), out
     assert re.search(r"^round_robin peak rss ratio vs reference: \d+\.\d\dx$", out, re.M), out
-    # 6 figures within 5 % (mean/p50/p99 TTFT, mean E2E, mean ITL, reuse), wall time and peak RSS
-    assert re.search(r"^fidelity targets met: \d of 8$", out, re.M), out
+    # 6 figures within 5 % (mean/p50/p99 TTFT, mean E2E, mean ITL, reuse), goodput within 2 %, wall time and
+    # peak RSS
+    assert re.search(r"^fidelity targets met: \d of 9$", out, re.M), out
+    assert re.search(r"^round_robin goodput requests ratio vs reference: \d+\.\d\dx$", out, re.M), out
     assert re.search(r"^# (met   |MISSED) round_robin p99 ttft within 5 % of the reference", proc.stderr, re.M)
     assert re.search(r"^# (met   |MISSED) round_robin peak rss no larger than the reference", proc.stderr, re.M)
 
