@@ -230,6 +230,98 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    plan = sub.add_parser("plan", help="find the smallest cluster that meets an SLA at a goodput target (a search, "
+                                       "in parallel); writes plan.md, plan.json and plan.png")
+    plan.add_argument("scenario", nargs="?", help="scenario YAML or Mooncake trace .jsonl (default: the built-in "
+                                                  "quickstart)")
+    plan.add_argument("--sla", help="ttft_ms=MS,itl_ms=MS or e2e_ms=MS (default: the scenario's run.sla)")
+    plan.add_argument("--goodput", type=float, default=0.95,
+                      help="share of requests that must meet the SLA, in (0, 1] (default 0.95)")
+    plan.add_argument("--min-workers", type=int, default=1, help="smallest cluster to consider (default 1)")
+    plan.add_argument("--max-workers", type=int, default=32, help="largest cluster to consider (default 32)")
+    plan.add_argument("--seeds", type=int, default=1, help="seeds per probe; a size passes when every seed does")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    plan.add_argument("-o", "--outdir", help="output directory (default: out/plan-<scenario name>)")
+    plan.add_argument("--jobs", type=int, help="local worker processes, and probes per round (default: CPU count)")
+    plan.add_argument("--address", help="tcp://HOST:PORT (Dask) or ray://HOST:PORT | auto (Ray), as for sweep")
+    plan.add_argument("--width", type=int, help="probes per round (default: --jobs, or 4 on Dask/Ray)")
+    return plan
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from harness.executors import ExecutorError, open_executor
+    from harness.plan import PlanSpec, answer_line, parse_sla, plan_cluster, scenario_for, write_plan
+    from harness.report import OutputError, prepare_outdir
+    from harness.scenario import ScenarioError, parse_scenario
+    from kvemu.errors import InvalidArgument
+
+    console = Console(stderr=True)
+
+    def error(what: str, exc: BaseException | str) -> int:
+        console.print(f"[red]{what}[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+
+    try:
+        if not 0 < args.goodput <= 1:
+            raise InvalidArgument(f"--goodput must be in (0, 1], got {args.goodput}")
+        if args.min_workers < 1 or args.max_workers < args.min_workers:
+            raise InvalidArgument(f"--min-workers ({args.min_workers}) must be >= 1 and <= --max-workers "
+                                  f"({args.max_workers})")
+        for flag in ("jobs", "width", "seeds"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise InvalidArgument(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+        text, base_dir, source = scenario_for(args.scenario)
+        scenario = parse_scenario(text, base_dir=base_dir, overrides=list(args.overrides), source=source)
+        sla = parse_sla(args.sla) if args.sla else scenario.run.sla
+        if sla is None:
+            raise InvalidArgument("give --sla ttft_ms=...,itl_ms=... (or e2e_ms=...), or run.sla in the scenario")
+        seeds = [scenario.run.seed + k for k in range(args.seeds)]
+        spec = PlanSpec(scenario_text=text, base_dir=base_dir, source=source, overrides=list(args.overrides),
+                        sla=sla, goodput=args.goodput, min_workers=args.min_workers, max_workers=args.max_workers,
+                        seeds=seeds)
+        outdir = prepare_outdir(Path(args.outdir) if args.outdir else Path("out") / f"plan-{scenario.name}")
+    except (InvalidArgument, ScenarioError) as exc:
+        return error("kvemu plan", exc)
+    except OutputError as exc:
+        return error("cannot write the plan", exc)
+    jobs = args.jobs or os.cpu_count() or 1
+    width = args.width or (jobs if args.address is None else 4)
+    console.print(f"kvemu: planning [bold]{scenario.name}[/bold] for {args.goodput:.0%} of requests within "
+                  f"{args.sla or 'run.sla'}, {args.min_workers}–{args.max_workers} workers, {width} probes a round",
+                  highlight=False, soft_wrap=True)
+
+    def on_probe(probe: Any) -> None:
+        share = probe.met_fraction
+        verdict = "error" if share is None else ("passes" if share >= args.goodput else "fails")
+        detail = f"{share:.1%} met the SLA" if share is not None else "; ".join(
+            str(r["error"]) for r in probe.runs if r["error"])
+        console.print(f"  {probe.label} workers: {detail} → {verdict}", highlight=False, soft_wrap=True)
+
+    try:
+        with _terminate_as_interrupt(), open_executor(args.address, min(jobs, width * len(seeds) * 3)) as executor:
+            plan = plan_cluster(spec, executor, width=width, on_probe=on_probe)
+    except (ExecutorError, InvalidArgument, ScenarioError) as exc:
+        return error("kvemu plan", exc)
+    except KeyboardInterrupt:
+        console.print("kvemu plan: interrupted", highlight=False)
+        return 130
+    md = write_plan(plan, outdir)
+    print(answer_line(plan))
+    for name in ("answer", "largest_failing"):
+        row = plan[name]
+        if row is not None:
+            label = "smallest passing" if name == "answer" else "largest failing"
+            print(f"  {label}: {row['workers']} workers, {row['met_fraction']:.1%} met the SLA, "
+                  f"p99 TTFT {row['p99_ttft_ms']} ms")
+    console.print(f"kvemu: {plan['runs']} runs in {plan['wall_time_s']:.1f} s; plan in {md}", highlight=False,
+                  soft_wrap=True)
+    return 0 if plan["answer"] is not None else 1
+
+
 @contextlib.contextmanager
 def _sweep_progress(console: Console, total: int, enabled: bool) -> Iterator[Any]:
     """The ``run_sweep`` callback: a progress bar over runs with an ETA (on a terminal), and each failure printed."""
@@ -461,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = _add_run(sub)
     sweep_parser = _add_sweep(sub)
+    _add_plan(sub)
     validate = sub.add_parser("validate", help="check a scenario without running it")
     validate.add_argument("scenario", nargs="?")
     validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
@@ -541,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # before the runs started (while planning, or opening the executor)
             print("kvemu sweep: interrupted", file=sys.stderr)
             return 130
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "validate":
         return _validate(args)
     if args.command in ("router", "worker", "loadgen", "up", "serve"):

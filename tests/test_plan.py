@@ -1,0 +1,142 @@
+"""``kvemu plan``: the search finds the smallest passing cluster of any monotone model in few rounds, splits a
+disaggregated cluster, and the command writes its answer, the bounding runs and the plot."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Executor, Future
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.cli import main
+from harness.plan import PlanSpec, _candidates, parse_sla, plan_cluster
+from harness.scenario import default_scenario_text
+from harness.sla import Sla
+from kvemu.errors import InvalidArgument
+
+
+class ModelExecutor(Executor):
+    """Runs nothing: a probe's share of requests meeting the SLA is ``share(prefill, decode or workers)``."""
+
+    def __init__(self, share) -> None:
+        self.share = share
+        self.points = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        (point,) = args
+        self.points.append(point)
+        sizes = dict(o.split("=", 1) for o in point.overrides if o.startswith("cluster."))
+        if "cluster.workers" in sizes:
+            met = self.share(int(sizes["cluster.workers"]))
+        else:
+            met = self.share(int(sizes["cluster.prefill.workers"]), int(sizes["cluster.decode.workers"]))
+        future: Future = Future()
+        future.set_result({"point": point.point, "seed": point.seed, "axes": {}, "key": "", "status": "ok",
+                           "error": None, "figures": {"num_requests": 1000, "goodput_completed_requests": round(met * 1000)}})
+        return future
+
+
+def _spec(**kw) -> PlanSpec:
+    return PlanSpec(scenario_text=default_scenario_text(), sla=Sla(ttft_ms=500), **kw)
+
+
+@settings(max_examples=100, deadline=None)
+@given(threshold=st.integers(1, 70), hi=st.integers(1, 64), width=st.integers(1, 6))
+def test_the_search_finds_the_smallest_passing_size_of_any_monotone_model(threshold, hi, width):
+    ex = ModelExecutor(lambda n: 0.99 if n >= threshold else 0.5)
+    plan = plan_cluster(_spec(min_workers=1, max_workers=hi), ex, width=width)
+    if threshold > hi:
+        assert plan["answer"] is None
+        assert max(int(p.overrides[0].split("=")[1]) for p in ex.points) == hi  # the largest was tried
+    else:
+        assert plan["answer"]["workers"] == threshold and plan["answer"]["met_fraction"] == 0.99
+        if threshold > 1:
+            assert plan["largest_failing"]["workers"] == threshold - 1
+    assert len({p.overrides[0] for p in ex.points}) == plan["runs"] == len(ex.points)  # no size probed twice
+    rounds, span = 1, hi  # (k+1)-ary narrowing: far fewer runs than a grid over 1..hi
+    while span > 1:
+        span = -(-span // (width + 1))
+        rounds += 1
+    assert plan["runs"] <= width * rounds + 1
+
+
+def test_two_probes_a_round_need_five_runs_for_a_range_of_sixty_four():
+    ex = ModelExecutor(lambda n: 1.0 if n >= 23 else 0.0)
+    plan = plan_cluster(_spec(max_workers=64), ex, width=2)
+    assert plan["answer"]["workers"] == 23 and plan["runs"] <= 9
+    assert [p.overrides[0] for p in ex.points[:2]] == ["cluster.workers=32", "cluster.workers=64"]
+
+
+def test_candidates_probe_the_largest_size_first_then_split_the_interval_evenly():
+    assert _candidates(0, None, 64, 2) == [32, 64]
+    assert _candidates(0, 32, 64, 3) == [8, 16, 24]
+    assert _candidates(10, 12, 64, 4) == [11]
+    assert _candidates(10, 11, 64, 4) == []
+
+
+def test_every_seed_must_pass():
+    ex = ModelExecutor(lambda n: 0.97)
+    seeds_share = {7: 0.97, 8: 0.9}
+
+    def submit(fn, point):
+        future = ModelExecutor.submit(ex, fn, point)
+        future.result()["figures"]["goodput_completed_requests"] = round(seeds_share[point.seed] * 1000)
+        return future
+
+    ex.submit = submit
+    plan = plan_cluster(_spec(max_workers=4, seeds=[7, 8]), ex, width=1)
+    assert plan["answer"] is None and all(p["met_fraction"] == 0.9 for p in plan["probes"])
+
+
+def test_a_disaggregated_cluster_is_searched_over_its_total_and_split():
+    text = default_scenario_text().replace("  workers: 4\n  dp_size: 2\n  engine:\n    num_gpu_blocks: 4096\n"
+                                           "    block_size: 64\n",
+                                           "  prefill: {workers: 1}\n  decode: {workers: 3}\n")
+    assert "prefill" in text
+
+    def share(prefill: int, decode: int) -> float:  # needs 2 prefill and 5 decode workers
+        return 0.99 if prefill >= 2 and decode >= 5 else 0.3
+
+    ex = ModelExecutor(share)
+    plan = plan_cluster(PlanSpec(scenario_text=text, sla=Sla(ttft_ms=500), max_workers=16), ex, width=2)
+    assert plan["disaggregated"]
+    assert (plan["answer"]["workers"], plan["answer"]["prefill_workers"], plan["answer"]["decode_workers"]) == (7, 2, 5)
+    assert plan["largest_failing"]["workers"] == 6
+
+
+def test_parse_sla_names_what_is_wrong():
+    assert parse_sla("ttft_ms=500,itl_ms=20") == Sla(ttft_ms=500, itl_ms=20)
+    assert parse_sla("e2e_ms=3000") == Sla(e2e_ms=3000)
+    for bad, match in [("ttft=5", "expected"), ("ttft_ms=fast", "number"), ("ttft_ms=5,e2e_ms=9", "exclusive")]:
+        with pytest.raises(InvalidArgument, match=match):
+            parse_sla(bad)
+
+
+QUICK = ["--set", "workload.rate_rps=8", "--set", "run.duration_s=12", "--jobs", "2"]
+
+
+def test_kvemu_plan_on_the_built_in_workload_writes_the_answer_and_its_bounds(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--sla", "ttft_ms=500,itl_ms=30", "--goodput", "0.9", "--max-workers", "8", "-o", str(out),
+                 *QUICK]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    answer, failing = plan["answer"], plan["largest_failing"]
+    assert answer["met_fraction"] >= 0.9 and (failing is None or failing["workers"] == answer["workers"] - 1)
+    assert failing is None or failing["met_fraction"] < 0.9
+    assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "plan.md").read_text()
+    assert f"{answer['workers']} workers meet TTFT ≤ 500 ms, ITL ≤ 30 ms" in md and "## Every probe" in md
+    assert capsys.readouterr().out.startswith(f"{answer['workers']} workers meet")
+
+
+def test_kvemu_plan_says_when_no_size_passes_and_refuses_bad_input(tmp_path, capsys):
+    assert main(["plan", "--sla", "ttft_ms=0.001", "--max-workers", "2", "-o", str(tmp_path / "p"), *QUICK]) == 1
+    assert "no cluster of up to 2 workers" in capsys.readouterr().out
+    assert main(["plan", "--goodput", "1.5", "--sla", "ttft_ms=1"]) == 2
+    assert main(["plan"]) == 2  # no SLA anywhere
+    assert "give --sla" in capsys.readouterr().err
+    assert main(["plan", "--sla", "ttft_ms=5", "--set", "cluster.engine.block_size=0"]) == 2
+    assert main(["plan", str(Path(tmp_path) / "missing.jsonl"), "--sla", "ttft_ms=5"]) == 2
