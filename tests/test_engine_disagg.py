@@ -160,3 +160,20 @@ def test_blocks_are_conserved_whatever_legs_come_and_go(work):
     eng.advance_to(max(eng.busy_until_ns, eng.now_ns))
     eng.check_invariants()
     assert eng.num_held == 0 and eng.pool.num_active_blocks == 0
+
+
+def test_a_decode_legs_first_token_is_never_inside_a_quiet_horizon():
+    """A decode leg that joins a rank alone produces its first token at its first pass: ``next_event_ns`` must
+    stop there (it once took the leg for a steady decode and reported the token a whole decode run late)."""
+    eng = EngineCore(EngineConfig(num_gpu_blocks=3, block_size=2, max_num_seqs=1, max_num_batched_tokens=1))
+    eng.add_request(Request(request_id="r0", token_ids=[1000], max_tokens=2, arrival_ns=0))
+    eng.add_request(Request(request_id="r1", token_ids=[1100], max_tokens=2, arrival_ns=0,
+                            kv_transfer=KvTransfer(source_worker_id=9, source_dp_rank=0, bandwidth_gbps=0.0001,
+                                                   bytes_per_token=40)))
+    firsts = []
+    while (t := eng.next_event_ns()) is not None:
+        if t - 1 > eng.now_ns:
+            quiet = eng.advance_to(t - 1)
+            assert not (quiet.first_tokens or quiet.completed), t
+        firsts += [(rid, at) for rid, at in eng.advance_to(t).first_tokens]
+    assert [rid for rid, _ in firsts] == ["r0", "r1"]

@@ -469,8 +469,8 @@ class EngineCore(RankCore):
         sch = self.scheduler
         if s == self._free_at and (self.host is None or not self.host.busy) and (
             self._steady or (sch.running and not sch.waiting and not sch.incoming
-                             and not any(q.prefilling for q in sch.running))
-        ):
+                             and not any(q.prefilling or not q.n_out for q in sch.running))
+        ):  # (a decode leg's first pass gives its first token: visible)
             return self._quiet_horizon(s, 0, s)  # the next passes decode the same batch
         return s + 1
 
@@ -485,7 +485,7 @@ class EngineCore(RankCore):
             return False
         bs = self._block_size
         for seq in sched.entries:
-            if seq.n_out + 1 >= seq.max_tokens:
+            if seq.n_out + 1 >= seq.max_tokens or not seq.n_out:  # a completion, or a decode leg's first token
                 return False
             if self._caching and (seq.computed + 1) % bs == 0:
                 return False
