@@ -146,7 +146,6 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
     for size in {lo, spec.max_workers}:  # every probe's scenario is valid if the extremes are
         for _, extra in _sizes(spec, size, disaggregated, share):
             _scenario(spec, [*extra, *sla, "run.mode=virtual"])
-    text = spec.scenario_text
     probes: dict[int, list[Probe]] = {}
     fail, passed = lo - 1, None
     runs = 0
@@ -155,26 +154,25 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
         sizes = [s for s in sizes if s not in probes]
         if not sizes:
             break
-        points: dict[Any, tuple[Probe, int]] = {}
+        points: dict[Any, Probe] = {}
         for workers in sizes:
             probes[workers] = []
             for prefill, extra in _sizes(spec, workers, disaggregated, share):
                 probe = Probe(workers=workers, prefill=prefill)
                 probes[workers].append(probe)
                 for seed in spec.seeds:
-                    point = PointSpec(point=runs, seed=seed, scenario_text=text, base_dir=spec.base_dir,
+                    point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
                                       overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
                                       figures=FIGURES, source=spec.source)
-                    points[executor.submit(run_point, point)] = (probe, seed)
+                    points[executor.submit(run_point, point)] = probe
                     runs += 1
         for future in as_completed(points):
-            probe, _ = points[future]
+            probe = points[future]
             probe.runs.append(future.result())
-            if on_probe is not None and len(probe.runs) == len(spec.seeds):
-                on_probe(probe)
-        for probe_list in probes.values():
-            for probe in probe_list:
-                probe.runs.sort(key=lambda r: r["seed"])
+            if len(probe.runs) == len(spec.seeds):
+                probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
+                if on_probe is not None:
+                    on_probe(probe)
         for workers in sizes:
             if any(p.passes(spec.goodput) for p in probes[workers]):
                 passed = workers if passed is None else min(passed, workers)

@@ -487,8 +487,7 @@ def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None
     run has an SLA), by arrival then id."""
     ordered: list[RequestRecord] = _sorted_records(records)
     if sla is not None:
-        fields = RequestRecord.__struct_fields__
-        ordered = [_SlaRow(**{f: getattr(r, f) for f in fields}, met_sla=sla.met(r)) for r in ordered]
+        ordered = [_SlaRow(**msgspec.structs.asdict(r), met_sla=sla.met(r)) for r in ordered]
     path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
     return len(ordered)
 

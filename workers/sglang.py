@@ -472,13 +472,13 @@ class SglangCore(RankCore):
         first: list[_Seq] = []
         sampled: list[_Seq] = []
         completed: list[_Seq] = []
-        gone = self._aborting  # aborted while the pass ran: it still does their work, nobody hears of it
+        aborted = self._aborting  # aborted while the pass ran: it still does their work, nobody hears of it
         requeue: list[_Seq] = []
         for c in p.chunks:
             seq = c.seq
             self._cache_prefix(seq, c.end // page)
             if not c.final:
-                if seq not in gone:
+                if seq not in aborted:
                     seq.status = WAITING
                     requeue.append(seq)
                 continue
@@ -508,16 +508,15 @@ class SglangCore(RankCore):
             self.running.remove(seq)
             self._let_go(seq, cache=True)
             seq.status = FINISHED
-            if seq in gone:
-                gone = [s for s in gone if s is not seq]
+            if seq in aborted:
                 continue
             seq.record.completion_ns = end
             del self._seqs[seq.rid]
-        if self._aborting:
-            aborted = self._aborting
+        if aborted:
             self._aborting = []
-            for seq in gone:  # the rest let go after the pass, as if aborted right after it
-                self._drop(seq)
+            for seq in aborted:
+                if seq.status != FINISHED:  # the rest let go after the pass, as if aborted right after it
+                    self._drop(seq)
             first = [s for s in first if s not in aborted]
             sampled = [s for s in sampled if s not in aborted]
             completed = [s for s in completed if s not in aborted]
