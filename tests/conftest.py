@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
 
@@ -66,6 +67,37 @@ def import_reference(name: str = "dynamo._core") -> ModuleType:
         reference_unavailable(f"{REFERENCE_DIST} {version} is installed where the reference tests pin the "
                               f"behaviour of {REFERENCE_VERSION}; " + INSTALL_HINT)
     return module
+
+
+# ------------------------------------------------------------------ the Mooncake trace, real or generated
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+"""Where the development layout keeps the one-hour production trace (``examples/mooncake-3600s.yaml`` points there)."""
+SYNTHETIC_ROWS = 3000
+
+
+@pytest.fixture(scope="session")
+def mooncake_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mooncake-format trace: the real one where it is present, else a deterministic one in its format
+    (``harness.synthetic_trace``). Differential tests replay it on both sides, so either serves them."""
+    if REAL_TRACE.is_file():
+        return REAL_TRACE
+    if reference_required():  # CI has the real trace beside the project: its absence is a broken layout
+        pytest.fail(f"{REQUIRE_ENV}=1 but the Mooncake trace is not at {REAL_TRACE}", pytrace=False)
+    from harness.synthetic_trace import write_synthetic_trace
+
+    return write_synthetic_trace(tmp_path_factory.mktemp("trace") / "synthetic-mooncake.jsonl", SYNTHETIC_ROWS)
+
+
+@pytest.fixture(scope="session")
+def real_mooncake_trace() -> Path:
+    """The real one-hour trace, for a test whose figures only it has: skips without it (fails under
+    ``KVEMU_REQUIRE_REFERENCE=1``)."""
+    if not REAL_TRACE.is_file():
+        reference_unavailable(f"the Mooncake trace is not at {REAL_TRACE} (examples/mooncake-3600s.yaml says "
+                              "where to get it)")
+    return REAL_TRACE
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """``python -m bench.profile``: a profiled virtual replay of the first 40 Mooncake requests (a few seconds).
 
-Needs the trace the example scenario points at (skipped without it); the path is read from the YAML
-itself, because loading the scenario refuses a trace that is not there.
+Runs on the Mooncake trace, or on its generated stand-in where the real one is absent (the ``mooncake_trace``
+fixture).
 """
 
 from __future__ import annotations
@@ -11,23 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "examples" / "mooncake-3600s.yaml"
 
 
-def example_trace() -> Path:
-    raw = yaml.safe_load(SCENARIO.read_text(encoding="utf-8"))
-    return (SCENARIO.parent / raw["workload"]["trace"]).resolve()
-
-
-def test_quick_profile_splits_the_self_time_into_layers_and_counts_loop_iterations():
-    trace = example_trace()
-    if not trace.is_file():
-        pytest.skip(f"the Mooncake trace is not at {trace} (examples/mooncake-3600s.yaml says where to get it)")
-    proc = subprocess.run([sys.executable, "-m", "bench.profile", "--quick", "--requests", "40", "--top", "5"],
+def test_quick_profile_splits_the_self_time_into_layers_and_counts_loop_iterations(mooncake_trace):
+    proc = subprocess.run([sys.executable, "-m", "bench.profile", "--quick", "--requests", "40", "--top", "5",
+                           "--trace", str(mooncake_trace)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

@@ -1,7 +1,7 @@
 """``python -m bench.replay``: one child process per run, peak RSS figures, p99 TTFT among the targets.
 
 The first test replays the first 60 requests of the Mooncake trace with round robin on both sides (about
-2 s) and reads the figures off stdout; it needs the reference and the trace (``reference`` test). The
+2 s) and reads the figures off stdout; it needs the reference (``reference`` test) and runs on the trace or its generated stand-in. The
 second breaks a run on purpose (a trace that is not JSON, kvemu only) and needs neither.
 """
 
@@ -23,13 +23,8 @@ def bench_replay(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.reference
-def test_round_robin_slice_prints_peak_rss_and_counts_the_p99_target(dynamo_core):
-    from bench.replay import scenario_trace
-
-    trace = scenario_trace(None)
-    if not trace.is_file():
-        pytest.skip(f"the Mooncake trace is not at {trace} (examples/mooncake-3600s.yaml says where to get it)")
-    proc = bench_replay("--max-requests", "60", "--policy", "round_robin")
+def test_round_robin_slice_prints_peak_rss_and_counts_the_p99_target(dynamo_core, mooncake_trace):
+    proc = bench_replay("--trace", str(mooncake_trace), "--max-requests", "60", "--policy", "round_robin")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for side in ("kvemu", "reference"):

@@ -74,17 +74,13 @@ def test_busy_pools_stay_within_a_decode_pass_of_the_reference(dynamo_core, tmp_
 
 
 @pytest.mark.reference
-def test_a_mooncake_slice_on_4p4d_matches_the_reference_figures(dynamo_core, tmp_path):
+def test_a_mooncake_slice_on_4p4d_matches_the_reference_figures(dynamo_core, mooncake_trace, tmp_path):
     from harness.reference import run_reference_disagg, trace_head
     from harness.report import summarize
     from harness.runner import run_scenario
     from harness.scenario import load_scenario
 
-    scenario = load_scenario(ROOT / "examples" / "disagg-4p12d.yaml")
-    trace = Path(scenario.base_dir) / scenario.workload.trace  # type: ignore[union-attr]
-    if not trace.resolve().is_file():
-        pytest.skip(f"the Mooncake trace is not at {trace}")
-    head = trace_head(trace.resolve(), 300, tmp_path)
+    head = trace_head(mooncake_trace, 300, tmp_path)
     pools = {"prefill": {"workers": 4, "engine": LINK}, "decode": {"workers": 4}}
     ours = summarize(run_scenario(load_scenario(ROOT / "examples" / "disagg-4p12d.yaml", [
         "router.policy=round_robin", f"workload.trace={head}", f"cluster.prefill={json.dumps(pools['prefill'])}",

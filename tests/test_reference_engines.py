@@ -80,30 +80,24 @@ def test_sglang_matches_the_reference_request_by_request(dynamo_core, tmp_path, 
     assert_same(kvemu_outcomes(trace, engine), reference_outcomes(dynamo_core, trace, engine))
 
 
-def test_sglang_matches_the_reference_on_a_mooncake_slice(dynamo_core, tmp_path):
+def test_sglang_matches_the_reference_on_a_mooncake_slice(dynamo_core, mooncake_trace, tmp_path):
     """The first 300 rows of the trace with at most 8,000 input tokens (where the reference completes), 16 workers."""
     import json
-    from pathlib import Path
 
-    mooncake_trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-    if not mooncake_trace.is_file():
-        pytest.skip(f"the Mooncake trace is not at {mooncake_trace}")
-    kept = [line for line in mooncake_trace.read_text().splitlines() if json.loads(line)["input_length"] <= 8000][:300]
-    trace = tmp_path / "short.jsonl"
-    trace.write_text("\n".join(kept) + "\n")
+    kept = [row for row in map(json.loads, mooncake_trace.read_text().splitlines()) if row["input_length"] <= 8000][:300]
+    # from 0: the reference counts arrivals from the first row (kvemu keeps the trace's times, which only shifts them)
+    trace = write_trace(tmp_path, [dict(r, timestamp=r["timestamp"] - kept[0]["timestamp"]) for r in kept])
     engine = {"backend": "sglang"}
     assert_same(kvemu_outcomes(trace, engine, workers=16), reference_outcomes(dynamo_core, trace, engine, workers=16))
 
 
-def test_sglang_matches_the_reference_through_retractions_on_one_rank(dynamo_core, tmp_path):
+def test_sglang_matches_the_reference_through_retractions_on_one_rank(dynamo_core, real_mooncake_trace, tmp_path):
     """One rank's share of the trace's short rows (round robin on 16 workers, rank 14) up to 1,900 s: requests
-    are retracted under KV pressure around 1,790 s, and those already waiting are admitted before them."""
+    are retracted under KV pressure around 1,790 s, and those already waiting are admitted before them (a
+    moment of the real trace: a generated one need not have it)."""
     import json
-    from pathlib import Path
 
-    mooncake_trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-    if not mooncake_trace.is_file():
-        pytest.skip(f"the Mooncake trace is not at {mooncake_trace}")
+    mooncake_trace = real_mooncake_trace
     short = [line for line in mooncake_trace.read_text().splitlines() if json.loads(line)["input_length"] <= 8000]
     rank = [json.loads(line) for i, line in enumerate(short) if i % 16 == 14]
     rank = [dict(r, timestamp=r["timestamp"] - rank[0]["timestamp"]) for r in rank if r["timestamp"] <= 1_900_000]

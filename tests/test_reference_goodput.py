@@ -30,16 +30,11 @@ GOODPUT_KEYS = ("goodput_completed_requests", "goodput_request_throughput_rps", 
 
 
 @pytest.fixture(scope="module")
-def mooncake_slice(tmp_path_factory) -> Path:
-    """The first ``ROWS`` rows of the Mooncake trace the examples use."""
+def mooncake_slice(mooncake_trace, tmp_path_factory) -> Path:
+    """The first ``ROWS`` rows of the Mooncake trace (or its generated stand-in)."""
     from harness.reference import trace_head
-    from harness.scenario import load_scenario, resolve
 
-    scenario = load_scenario(ROOT / "examples" / "mooncake-3600s.yaml")
-    trace = resolve(scenario, scenario.workload.trace).resolve()  # type: ignore[union-attr]
-    if not trace.is_file():
-        pytest.skip(f"the Mooncake trace is not at {trace} (examples/mooncake-3600s.yaml says where to get it)")
-    return trace_head(trace, ROWS, tmp_path_factory.mktemp("mooncake"))
+    return trace_head(mooncake_trace, ROWS, tmp_path_factory.mktemp("mooncake"))
 
 
 def _same_goodput(ours: dict, ref: dict) -> None:

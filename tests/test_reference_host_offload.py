@@ -10,7 +10,6 @@ aggregate, see its test).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,6 @@ from reference_cases import assert_same, kvemu_outcomes, reference_outcomes, wri
 
 pytestmark = pytest.mark.reference
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def rows(*specs: tuple[float, int, int, list[int]]) -> list[dict]:
@@ -73,10 +71,8 @@ def test_host_offload_matches_the_reference_request_by_request(dynamo_core, tmp_
     assert_same(kvemu_outcomes(trace, engine), reference_outcomes(dynamo_core, trace, engine))
 
 
-def test_mooncake_slice_under_pressure_matches_the_reference(dynamo_core, tmp_path):
-    if not TRACE.is_file():
-        pytest.skip(f"no trace at {TRACE}")
-    lines = TRACE.read_text().splitlines(keepends=True)[:150]
+def test_mooncake_slice_under_pressure_matches_the_reference(dynamo_core, mooncake_trace, tmp_path):
+    lines = mooncake_trace.read_text().splitlines(keepends=True)[:150]
     trace = tmp_path / "slice.jsonl"
     trace.write_text("".join(lines))
     engine = {"num_gpu_blocks": 2048, "kv_cache_bytes_per_token": 131072,

@@ -69,16 +69,11 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def trace_slice(tmp_path_factory) -> Path:
-    """The first ``ROWS`` rows of the example's trace, copied to a temporary file."""
+def trace_slice(mooncake_trace, tmp_path_factory) -> Path:
+    """The first ``ROWS`` rows of the Mooncake trace (or its generated stand-in), copied to a temporary file."""
     from harness.reference import trace_head
-    from harness.scenario import load_scenario, resolve
 
-    scenario = load_scenario(SCENARIO)
-    trace = resolve(scenario, scenario.workload.trace).resolve()  # type: ignore[union-attr]
-    if not trace.is_file():
-        pytest.skip(f"the Mooncake trace is not at {trace} (examples/mooncake-3600s.yaml says where to get it)")
-    return trace_head(trace, ROWS, tmp_path_factory.mktemp("mooncake"))
+    return trace_head(mooncake_trace, ROWS, tmp_path_factory.mktemp("mooncake"))
 
 
 def run_kvemu(trace: Path, policy: str, workers: int, engine: dict[str, Any]) -> dict[str, Any]:
