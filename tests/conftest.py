@@ -1,4 +1,9 @@
-"""Shared test plumbing: access to the reference binding (``ai-dynamo-runtime``) for ``reference`` tests.
+"""Shared test plumbing: the reference binding (``ai-dynamo-runtime``) for ``reference`` tests, and the trace.
+
+Every test that replays the Mooncake trace gets it from ``mooncake_trace``: the real one-hour trace where the
+development layout has it (``../shared/traces/``), else a deterministic generated trace in its format, so a
+fresh clone with nothing beside it runs them too. A test of figures only the real trace has takes
+``real_mooncake_trace``, which skips without it (fails under ``KVEMU_REQUIRE_REFERENCE=1``).
 
 Tests marked ``reference`` compare kvemu with Dynamo's own implementation. They get the binding from the
 ``dynamo_core`` fixture (never by importing it themselves). Without ``KVEMU_REQUIRE_REFERENCE`` a

@@ -26,6 +26,10 @@ def test_readme_starts_with_the_two_commands():
     assert "pytest" in commands[1]
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1] in ci, ".ci/run must run exactly the README's test command"
+    assert "\nbash .ci/fresh-clone\n" in ci, ".ci/run must also run it in a clone with nothing beside it"
+    fresh = subprocess.run(["bash", str(README.parent / ".ci" / "fresh-clone"), "--print-command"],
+                           capture_output=True, text=True, check=True)
+    assert fresh.stdout == commands[1] + "\n", "the fresh clone must run the README's command verbatim"
 
 
 def test_demo_command_prints_decisions():
