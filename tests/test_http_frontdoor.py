@@ -18,7 +18,7 @@ from kvemu.runtime.loop import run_live
 
 from harness.cluster import cluster
 from harness.frontdoor import front_door
-from harness.scenario import parse_scenario
+from harness.scenario import default_scenario_text, parse_scenario
 
 FAST = """
 name: http
@@ -33,9 +33,9 @@ run: {mode: live, seed: 3}
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the afternoon sun by the river bank " * 3
 
 
-def serve(body, scenario: str = FAST, server: str = "uvicorn"):
+def serve(body, scenario: str = FAST, server: str = "uvicorn", overrides: list[str] | None = None):
     """Run ``body(client, http, cluster)`` against a front door over a live in-process cluster."""
-    sc = parse_scenario(scenario)
+    sc = parse_scenario(scenario, overrides=overrides)
     hooks = Hooks()
     clock = WallClock()
 
@@ -320,8 +320,16 @@ def test_the_readme_client_examples_work_as_written():
                 timeout=30).stdout)
         return printed, out
 
-    printed, out = serve(body)
-    assert len(printed) == 1 and printed[0][0] > 0  # prompt tokens, cached tokens
+    # the scenario `kvemu serve` runs by default (the quickstart: 64-token KV blocks), live as kvemu serve runs it
+    printed, out = serve(body, default_scenario_text(), overrides=["run.mode=live"])
+    # two calls sharing a long system prompt: the first finds nothing cached, the second the prompt's full blocks
+    # (a prompt shorter than one block, as the snippet once had, never shows a cached token)
+    assert len(printed) == 2, printed
+    (first_len, first_cached), (second_len, second_cached) = printed
+    assert first_cached == 0 and second_cached > 0, printed
+    assert second_cached % 64 == 0 and second_cached <= second_len, printed
+    expected = re.findall(r"^# (\d+) (\d+)", snippet, flags=re.M)  # the output the README shows
+    assert [tuple(map(int, e)) for e in expected] == printed, (expected, printed)
     if out is not None:
         reply = json.loads(out)
         assert reply["object"] == "chat.completion" and set(reply["nvext"]) == {"worker_id", "timing"}
