@@ -282,6 +282,31 @@ def test_models_health_tokenize_detokenize():
     assert (bad, missing, wrong) == (400, 404, 405)
 
 
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_head_answers_every_get_route_as_vllm_does(server):
+    if server == "granian":
+        pytest.importorskip("granian")
+    # aiperf 0.13 probes the server's /metrics with HEAD (then GET only if HEAD is not 200), as a
+    # Prometheus-minded client may; vLLM (starlette) answers HEAD on every GET route: GET's status and
+    # headers, no body. A POST route still says 405.
+    async def body(client, http, c):
+        out = {}
+        for path in ("/metrics", "/health", "/v1/models"):
+            get, head = await http.get(path), await http.head(path)
+            out[path] = (get.status_code, get.headers.get("content-type"), head.status_code,
+                         head.headers.get("content-type"), head.content)
+        out["post"] = (await http.head("/v1/completions")).status_code
+        out["missing"] = (await http.head("/v2/nothing")).status_code
+        return out
+
+    out = serve(body, server=server)
+    for path in ("/metrics", "/health", "/v1/models"):
+        get_status, get_type, head_status, head_type, head_body = out[path]
+        assert (head_status, head_type, head_body) == (get_status, get_type, b""), (path, out[path])
+    assert out["/metrics"][2] == 200
+    assert (out["post"], out["missing"]) == (405, 404)
+
+
 @pytest.mark.parametrize("path", ["tok"])
 def test_tokenizer_export_loads_with_the_tokenizers_library(tmp_path, path):
     from tokenizers import Tokenizer
