@@ -434,6 +434,55 @@ def test_request_fields_as_clients_send_them():
     assert all(e.get("usage") for e in events) and counts == sorted(counts) and counts[-1] == 40
 
 
+def test_benchmark_clients_requests_as_they_send_them():
+    # the bodies and headers aiperf 0.13.0, guidellm 0.8.1 and inference-perf 0.7.0 sent to `kvemu serve`
+    # (captured by a logging proxy), and the parts of the answer each reads: SSE chunks with the text, a
+    # last chunk with choices [] and usage (aiperf reads prompt_tokens_details.cached_tokens), data: [DONE]
+    sid = "6b1ab22c-9a43-4255-9bf5-3d490b6c502d"
+    aiperf_headers = {"user-agent": "aiperf/0.13.0", "x-request-id": "37cedfd8-1e93-4896-846a-d9b0ddbfef0e",
+                      "x-correlation-id": sid, "accept": "text/event-stream", "x-session-affinity": sid,
+                      "x-dynamo-session-id": sid}  # the last with --session-header X-Dynamo-Session-ID
+    aiperf = {"messages": [{"role": "user", "content": PROMPT}], "model": "kvemu", "stream": True,
+              "max_completion_tokens": 8, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    aiperf_probe = {"messages": [{"role": "user", "content": "Lo"}], "max_tokens": 1, "model": "kvemu"}
+    guidellm = {"model": "kvemu", "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "max_completion_tokens": 8, "ignore_eos": True,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "1 0 " + PROMPT}]}]}
+    inference_perf = {"model": "kvemu", "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "stream": True,
+                      "stream_options": {"include_usage": True}}
+
+    async def body(client, http, c):
+        out = {"probe": await http.post("/v1/chat/completions", json=aiperf_probe)}
+        for name, path, req, headers in (
+                ("aiperf", "/v1/chat/completions", aiperf, aiperf_headers),
+                ("aiperf-again", "/v1/chat/completions", aiperf, {**aiperf_headers, "x-request-id": "second"}),
+                ("guidellm", "/v1/chat/completions", guidellm, {}),
+                ("inference-perf", "/v1/completions", inference_perf, {})):
+            out[name] = await http.post(path, json=req, headers=headers)
+        return out
+
+    out = serve(body)
+    probe = out.pop("probe")
+    assert probe.status_code == 200 and probe.json()["usage"]["completion_tokens"] == 1
+    cached = {}
+    for name, resp in out.items():
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream"), name
+        assert resp.text.endswith("data: [DONE]\n\n"), name
+        events = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
+        *chunks, last = events
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8, (name, last)
+        assert last["usage"]["prompt_tokens"] > 0
+        cached[name] = last["usage"]["prompt_tokens_details"]["cached_tokens"]
+        text = "".join(ch["choices"][0]["delta"].get("content", "") if "delta" in ch["choices"][0]
+                       else ch["choices"][0]["text"] for ch in chunks)
+        assert text and chunks[-1]["choices"][0]["finish_reason"] == "length", name
+        if name == "guidellm":  # continuous_usage_stats: every chunk counts what was written so far
+            assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert out["aiperf"].text.count('"id":"37cedfd8-1e93-4896-846a-d9b0ddbfef0e"') > 0  # x-request-id names it
+    assert cached["aiperf"] == 0 and cached["aiperf-again"] > 0  # the same session's repeated prompt hits
+
+
 def test_sibling_groups_and_agent_session_headers_bind_like_dynamo():
     async def body(client, http, c):
         async def rank(headers, text):
