@@ -18,7 +18,7 @@ from kvemu.runtime.loop import run_live
 
 from harness.cluster import cluster
 from harness.frontdoor import front_door
-from harness.scenario import parse_scenario
+from harness.scenario import default_scenario_text, parse_scenario
 
 FAST = """
 name: http
@@ -33,9 +33,9 @@ run: {mode: live, seed: 3}
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the afternoon sun by the river bank " * 3
 
 
-def serve(body, scenario: str = FAST, server: str = "uvicorn"):
+def serve(body, scenario: str = FAST, server: str = "uvicorn", overrides: list[str] | None = None):
     """Run ``body(client, http, cluster)`` against a front door over a live in-process cluster."""
-    sc = parse_scenario(scenario)
+    sc = parse_scenario(scenario, overrides=overrides)
     hooks = Hooks()
     clock = WallClock()
 
@@ -282,6 +282,31 @@ def test_models_health_tokenize_detokenize():
     assert (bad, missing, wrong) == (400, 404, 405)
 
 
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_head_answers_every_get_route_as_vllm_does(server):
+    if server == "granian":
+        pytest.importorskip("granian")
+    # aiperf 0.13 probes the server's /metrics with HEAD (then GET only if HEAD is not 200), as a
+    # Prometheus-minded client may; vLLM (starlette) answers HEAD on every GET route: GET's status and
+    # headers, no body. A POST route still says 405.
+    async def body(client, http, c):
+        out = {}
+        for path in ("/metrics", "/health", "/v1/models"):
+            get, head = await http.get(path), await http.head(path)
+            out[path] = (get.status_code, get.headers.get("content-type"), head.status_code,
+                         head.headers.get("content-type"), head.content)
+        out["post"] = (await http.head("/v1/completions")).status_code
+        out["missing"] = (await http.head("/v2/nothing")).status_code
+        return out
+
+    out = serve(body, server=server)
+    for path in ("/metrics", "/health", "/v1/models"):
+        get_status, get_type, head_status, head_type, head_body = out[path]
+        assert (head_status, head_type, head_body) == (get_status, get_type, b""), (path, out[path])
+    assert out["/metrics"][2] == 200
+    assert (out["post"], out["missing"]) == (405, 404)
+
+
 @pytest.mark.parametrize("path", ["tok"])
 def test_tokenizer_export_loads_with_the_tokenizers_library(tmp_path, path):
     from tokenizers import Tokenizer
@@ -320,8 +345,16 @@ def test_the_readme_client_examples_work_as_written():
                 timeout=30).stdout)
         return printed, out
 
-    printed, out = serve(body)
-    assert len(printed) == 1 and printed[0][0] > 0  # prompt tokens, cached tokens
+    # the scenario `kvemu serve` runs by default (the quickstart: 64-token KV blocks), live as kvemu serve runs it
+    printed, out = serve(body, default_scenario_text(), overrides=["run.mode=live"])
+    # two calls sharing a long system prompt: the first finds nothing cached, the second the prompt's full blocks
+    # (a prompt shorter than one block, as the snippet once had, never shows a cached token)
+    assert len(printed) == 2, printed
+    (first_len, first_cached), (second_len, second_cached) = printed
+    assert first_cached == 0 and second_cached > 0, printed
+    assert second_cached % 64 == 0 and second_cached <= second_len, printed
+    expected = re.findall(r"^# (\d+) (\d+)", snippet, flags=re.M)  # the output the README shows
+    assert [tuple(map(int, e)) for e in expected] == printed, (expected, printed)
     if out is not None:
         reply = json.loads(out)
         assert reply["object"] == "chat.completion" and set(reply["nvext"]) == {"worker_id", "timing"}
@@ -399,6 +432,55 @@ def test_request_fields_as_clients_send_them():
     events = [json.loads(e[6:]) for e in continuous.split("\n\n") if e.startswith("data: {")]
     counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
     assert all(e.get("usage") for e in events) and counts == sorted(counts) and counts[-1] == 40
+
+
+def test_benchmark_clients_requests_as_they_send_them():
+    # the bodies and headers aiperf 0.13.0, guidellm 0.8.1 and inference-perf 0.7.0 sent to `kvemu serve`
+    # (captured by a logging proxy), and the parts of the answer each reads: SSE chunks with the text, a
+    # last chunk with choices [] and usage (aiperf reads prompt_tokens_details.cached_tokens), data: [DONE]
+    sid = "6b1ab22c-9a43-4255-9bf5-3d490b6c502d"
+    aiperf_headers = {"user-agent": "aiperf/0.13.0", "x-request-id": "37cedfd8-1e93-4896-846a-d9b0ddbfef0e",
+                      "x-correlation-id": sid, "accept": "text/event-stream", "x-session-affinity": sid,
+                      "x-dynamo-session-id": sid}  # the last with --session-header X-Dynamo-Session-ID
+    aiperf = {"messages": [{"role": "user", "content": PROMPT}], "model": "kvemu", "stream": True,
+              "max_completion_tokens": 8, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    aiperf_probe = {"messages": [{"role": "user", "content": "Lo"}], "max_tokens": 1, "model": "kvemu"}
+    guidellm = {"model": "kvemu", "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "max_completion_tokens": 8, "ignore_eos": True,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "1 0 " + PROMPT}]}]}
+    inference_perf = {"model": "kvemu", "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "stream": True,
+                      "stream_options": {"include_usage": True}}
+
+    async def body(client, http, c):
+        out = {"probe": await http.post("/v1/chat/completions", json=aiperf_probe)}
+        for name, path, req, headers in (
+                ("aiperf", "/v1/chat/completions", aiperf, aiperf_headers),
+                ("aiperf-again", "/v1/chat/completions", aiperf, {**aiperf_headers, "x-request-id": "second"}),
+                ("guidellm", "/v1/chat/completions", guidellm, {}),
+                ("inference-perf", "/v1/completions", inference_perf, {})):
+            out[name] = await http.post(path, json=req, headers=headers)
+        return out
+
+    out = serve(body)
+    probe = out.pop("probe")
+    assert probe.status_code == 200 and probe.json()["usage"]["completion_tokens"] == 1
+    cached = {}
+    for name, resp in out.items():
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream"), name
+        assert resp.text.endswith("data: [DONE]\n\n"), name
+        events = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
+        *chunks, last = events
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8, (name, last)
+        assert last["usage"]["prompt_tokens"] > 0
+        cached[name] = last["usage"]["prompt_tokens_details"]["cached_tokens"]
+        text = "".join(ch["choices"][0]["delta"].get("content", "") if "delta" in ch["choices"][0]
+                       else ch["choices"][0]["text"] for ch in chunks)
+        assert text and chunks[-1]["choices"][0]["finish_reason"] == "length", name
+        if name == "guidellm":  # continuous_usage_stats: every chunk counts what was written so far
+            assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert out["aiperf"].text.count('"id":"37cedfd8-1e93-4896-846a-d9b0ddbfef0e"') > 0  # x-request-id names it
+    assert cached["aiperf"] == 0 and cached["aiperf-again"] > 0  # the same session's repeated prompt hits
 
 
 def test_sibling_groups_and_agent_session_headers_bind_like_dynamo():

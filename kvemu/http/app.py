@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP application: a thin raw-ASGI app over a ``Backend``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as vLLM streams them, or whole),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. No framework
-and no task group per response: a request is parsed, submitted, and its tokens are written as the backend
-reports them. One watcher per request notices the client leaving and cancels the request in the engine.
-The status line waits for the first token, so a request refused before producing anything gets a real
-status (400, 404, 429, 503) even when it asked for a stream.
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (and ``HEAD`` on each GET route), ``POST /tokenize``,
+``POST /detokenize``. No framework and no task group per response: a request is parsed, submitted, and its
+tokens are written as the backend reports them. One watcher per request notices the client leaving and
+cancels the request in the engine. The status line waits for the first token, so a request refused before
+producing anything gets a real status (400, 404, 429, 503) even when it asked for a stream.
 """
 
 from __future__ import annotations
@@ -168,6 +168,10 @@ class OpenAIApp:
         if kind != "http":
             return
         handler = self._routes.get((scope["method"], scope["path"]))
+        if handler is None and scope["method"] == "HEAD":  # GET's status and headers, no body (as starlette)
+            handler = self._routes.get(("GET", scope["path"]))
+            if handler is not None:
+                send = _headers_only(send)
         try:
             if handler is None:
                 if scope["path"] in self._paths:
@@ -343,6 +347,15 @@ def _request_id(headers: dict[str, str], chat: bool) -> str:
             raise ApiError(400, "x-request-id header: at most 128 characters", "x-request-id")
         return given
     return f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_ids):x}"
+
+
+def _headers_only(send: Callable) -> Callable:
+    """``send`` for a HEAD request: the response's start as it is, every body message empty."""
+    async def head_send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+    return head_send
 
 
 async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
