@@ -8,7 +8,7 @@ worker id names its pool's router.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvemu.clock import Clock
@@ -58,14 +58,23 @@ def owner(routers: Iterable[Router], worker_id: int) -> Router | None:
     return next((r for r in routers if worker_id in r.workers), None)
 
 
-def samples(routers: Iterable[Router], now_ns: int) -> list[Sample]:
-    """One sample of every registered rank of every pool."""
+def samples(routers: Mapping[str, Router], now_ns: int) -> list[Sample]:
+    """One sample of every registered rank of every pool (``pool -> router``).
+
+    A rank's KV blocks are the blocks its router's index holds for it, except on decode ranks: they publish no
+    KV events (their KV arrives by transfer), so their router's active blocks (booked prompts and outputs, what
+    the decode router places by) are what they hold.
+    """
     out = []
-    for router in routers:
+    for pool, router in routers.items():
         core = router.core
         for key in core.registry.rank_keys():
             rl = core.load.rank(key)
-            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+            if pool == DECODE:
+                blocks = round(rl.active_decode_blocks) if rl else 0
+            else:
+                blocks = core.index.tree_size(*key)
+            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, blocks, pool))
     return out
 
 
