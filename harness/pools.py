@@ -26,8 +26,10 @@ AGGREGATED = "aggregated"
 
 
 def pool_sizes(spec: ClusterSpec) -> dict[str, dict[str, int]]:
-    """``pool -> {"workers", "dp_size"}`` as the report's ``RunData.pools`` wants it."""
-    return {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in spec.pools().items()}
+    """``pool -> {"workers", "dp_size", "kv_blocks"}`` (KV blocks: a rank's capacity) as the report's
+    ``RunData.pools`` wants it."""
+    return {pool: {"workers": n, "dp_size": dp, "kv_blocks": engine.num_gpu_blocks}
+            for pool, (n, dp, engine) in spec.pools().items()}
 
 
 def routing_block_size(spec: ClusterSpec) -> int:

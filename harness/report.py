@@ -114,8 +114,8 @@ class RunData(msgspec.Struct, kw_only=True):
     """Failed requests by reason."""
     worker_events: list[dict[str, Any]] = []
     pools: dict[str, dict[str, int]] = {}
-    """The cluster's pools as started, ``pool -> {"workers", "dp_size"}``: ``aggregated``, or ``prefill`` and
-    ``decode``."""
+    """The cluster's pools as started, ``pool -> {"workers", "dp_size", "kv_blocks"}`` (``kv_blocks``: a rank's
+    KV capacity, optional): ``aggregated``, or ``prefill`` and ``decode``."""
     sla: Sla | None = None
     """The run's latency targets (``run.sla``): the summary adds goodput, requests.jsonl ``met_sla``."""
     concurrency: int | None = None
