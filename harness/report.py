@@ -51,6 +51,7 @@ __all__ = [
     "Sample",
     "RunData",
     "LATENCY_METRICS",
+    "WALL_CLOCK_KEYS",
     "STATS",
     "PLOTS",
     "summarize",
@@ -66,6 +67,10 @@ __all__ = [
 NS_PER_MS = 1_000_000
 NS_PER_S = 1_000_000_000
 SIGNIFICANT_DIGITS = 6
+
+WALL_CLOCK_KEYS = ("wall_time_ms",)
+"""summary.json's keys measured on the wall clock (top level; ``RunData.wall_time_ns`` is the run's one wall
+figure): the only keys two virtual runs of one scenario and seed may differ in."""
 
 LATENCY_METRICS = ("ttft", "ttst", "tpot", "itl", "e2e_latency", "output_token_throughput_per_user")
 """Per-request metrics; all in ms except the per-user throughput (tok/s)."""
