@@ -2,7 +2,8 @@
 
 Importing this module costs nothing: numpy and matplotlib are imported when plotting only. The plots use
 ``matplotlib.figure.Figure`` and ``FigureCanvasAgg`` directly (no pyplot, no backend selection), the
-default style whatever the user's matplotlibrc says, a fixed size and dpi (800×450 px) and fixed margins
+default style whatever the user's matplotlibrc says, fixed sizes and dpi (800×450 px; wider with a legend,
+which sits right of the axes, never over the data; per-rank plots grow a panel per pool) and fixed margins
 (a layout engine measures every text first and costs as much as the drawing). The records are first
 reduced to numpy arrays of at most a few thousand points a line, plenty for 800 px. The same data gives
 identical PNG files on the same matplotlib.
