@@ -322,11 +322,15 @@ def _draw_aggregate(ax: Any, panel: dict[str, Any], ylabel: str) -> None:
 
 
 def _draw_heatmap(fig: Any, ax: Any, panel: dict[str, Any], label: str) -> None:
-    """Ranks (rows) x time, the colour the rank's value (0 to the capacity when there is one); a colour bar."""
+    """Ranks (rows) x time, the colour the rank's value from 0 to the largest (the capacity line is in the
+    aggregate panel above: scaled to it, a lightly loaded pool would be one colour); a colour bar."""
+    import numpy as np
+
     edges, grid = panel["edges"], panel["grid"]
     n = grid.shape[0]
+    top = float(np.nanmax(grid)) if not np.all(np.isnan(grid)) else 0.0
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", origin="lower", cmap="viridis",
-                      extent=(edges[0], edges[-1], -0.5, n - 0.5), vmin=0, vmax=panel["capacity"] or None)
+                      extent=(edges[0], edges[-1], -0.5, n - 0.5), vmin=0, vmax=max(1.0, top))
     step = max(1, math.ceil(n / 16))
     ax.set_yticks(range(0, n, step), panel["ranks"][::step], fontsize="x-small")
     ax.grid(False)
