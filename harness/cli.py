@@ -121,6 +121,27 @@ def _run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
+def _held_signals(caught: list[str]) -> Iterator[None]:
+    """While in this block, SIGINT and SIGTERM are noted in ``caught`` (by name) instead of stopping the process,
+    so that what they interrupt (planning a sweep) ends and the caller can stop cleanly."""
+    import signal
+
+    def note(signum: int, frame: object) -> None:
+        caught.append(signal.Signals(signum).name)
+
+    try:
+        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """While running, SIGTERM stops the run as Ctrl-C does: a partial report, marked with the signal."""
     import signal
@@ -178,41 +199,52 @@ def _sweep(args: argparse.Namespace) -> int:
         console.print(f"[red]{what}[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
 
-    try:
-        kind = executor_kind(args.address)
-        if args.jobs is not None and args.jobs < 1:
-            raise ExecutorError(f"--jobs must be >= 1, got {args.jobs}")
-        sweep = load_sweep(args.sweep, list(args.overrides))
-        outdir = Path(args.outdir) if args.outdir else Path("out") / sweep.name
-        runs = plan_runs(sweep, reports=outdir / "points" if args.reports else None)
-    except ExecutorError as exc:
-        return error("kvemu sweep", exc)
-    except ScenarioError as exc:  # SweepError is one
-        return error("invalid sweep", exc)
-    shape = f"{sweep.points} points × {sweep.seeds_per_point} seeds = {len(runs)} runs"
-    if args.validate:
-        print(f"ok: {sweep.name}: {shape}, every point valid")
-        return 0
-    try:
-        store = SweepStore(outdir, sweep, runs, force=args.force)
-    except (SweepError, OutputError) as exc:
-        return error("kvemu sweep", exc)
+    stop: list[str] = []
+    with _held_signals(stop):  # a signal while planning stops the sweep once its directory exists
+        try:
+            kind = executor_kind(args.address)
+            if args.jobs is not None and args.jobs < 1:
+                raise ExecutorError(f"--jobs must be >= 1, got {args.jobs}")
+            sweep = load_sweep(args.sweep, list(args.overrides))
+            outdir = Path(args.outdir) if args.outdir else Path("out") / sweep.name
+            runs = plan_runs(sweep, reports=outdir / "points" if args.reports else None)
+        except ExecutorError as exc:
+            return error("kvemu sweep", exc)
+        except ScenarioError as exc:  # SweepError is one
+            return error("invalid sweep", exc)
+        shape = f"{sweep.points} points × {sweep.seeds_per_point} seeds = {len(runs)} runs"
+        if args.validate:
+            print(f"ok: {sweep.name}: {shape}, every point valid")
+            return 0
+        try:
+            store = SweepStore(outdir, sweep, runs, force=args.force)
+        except (SweepError, OutputError) as exc:
+            return error("kvemu sweep", exc)
     todo = len(store.todo())
     jobs = args.jobs or os.cpu_count() or 1
     processes = min(jobs, todo)
     where = {"local": f"a local pool of {processes} process{'es' if processes != 1 else ''}",
              "dask": f"Dask at {args.address}",
              "ray": f"Ray at {args.address}"}[kind]
-    reused = f", {store.reused} finished before" if store.reused else ""
-    console.print(f"kvemu: sweep [bold]{sweep.name}[/bold]: {shape} ({todo} to run{reused}"
-                  + (f") on {where}" if todo else ")") + f" → {outdir}", highlight=False, soft_wrap=True)
+    if not todo:
+        where = f"all {len(runs)} runs reused from {outdir}; nothing to run"
+        console.print(f"kvemu: sweep [bold]{sweep.name}[/bold]: {shape}: {where}", highlight=False, soft_wrap=True)
+    else:
+        reused = f", {store.reused} finished before" if store.reused else ""
+        console.print(f"kvemu: sweep [bold]{sweep.name}[/bold]: {shape} ({todo} to run{reused}) on {where} → {outdir}",
+                      highlight=False, soft_wrap=True)
+    outcome = None
     try:
         with _terminate_as_interrupt(), _sweep_progress(console, todo, not args.quiet) as on_result:
-            if todo:
-                with open_executor(args.address, processes) as executor:
-                    outcome = run_sweep(store, executor, on_result=on_result, executor_name=where)
-            else:
-                outcome = run_sweep(store, None, executor_name=where)
+            if todo and not stop:
+                try:
+                    with open_executor(args.address, processes) as executor:
+                        outcome = run_sweep(store, executor, on_result=on_result, executor_name=where)
+                except KeyboardInterrupt as exc:  # while the executor started (or stopped): no run finished now
+                    if outcome is None:
+                        stop.append(getattr(exc, "reason", "SIGINT"))
+            if outcome is None:
+                outcome = run_sweep(store, None, executor_name=where, stopped=stop[0] if stop else None)
     except ExecutorError as exc:
         store.close()
         return error("kvemu sweep", exc)

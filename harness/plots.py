@@ -2,7 +2,8 @@
 
 Importing this module costs nothing: numpy and matplotlib are imported when plotting only. The plots use
 ``matplotlib.figure.Figure`` and ``FigureCanvasAgg`` directly (no pyplot, no backend selection), the
-default style whatever the user's matplotlibrc says, a fixed size and dpi (800×450 px) and fixed margins
+default style whatever the user's matplotlibrc says, fixed sizes and dpi (800×450 px; wider with a legend,
+which sits right of the axes, never over the data; per-rank plots grow a panel per pool) and fixed margins
 (a layout engine measures every text first and costs as much as the drawing). The records are first
 reduced to numpy arrays of at most a few thousand points a line, plenty for 800 px. The same data gives
 identical PNG files on the same matplotlib.
@@ -50,7 +51,8 @@ _PNG_COMPRESS_LEVEL = 3
 _RENDER_TIMEOUT_S = 120.0
 _MAX_POINTS = 2000
 _MAX_SERIES_POINTS = 800
-_MAX_LEGEND = 16
+_LOG_SPAN = 30.0
+"""A value axis spanning more than this ratio (max / min) is drawn on a log scale."""
 
 
 def _decimate(xs: Any, ys: Any, limit: int = _MAX_POINTS) -> tuple[Any, Any]:
@@ -88,18 +90,65 @@ def _cdf_points(values_ns: Iterable[int], count: int) -> tuple[Any, Any] | None:
     return np.concatenate((xs[:1], xs)), np.concatenate(([0.0], ys))  # the step up from 0 at the smallest value
 
 
-def _rank_series(data: RunData, field: str) -> dict[tuple[int, int], tuple[Any, Any]]:
-    """Per (worker, rank): sample times (s) and ``field`` values, by time, decimated."""
+_MAX_LINES = 8
+"""Ranks a pool's plot draws as lines, each in its own colour (tab10's first 8); past that, a heatmap."""
+_MAX_COLUMNS = 400
+"""Time columns of a heatmap at most (samples are merged, keeping each column's maximum)."""
+
+
+def series_form(ranks: int) -> str:
+    """How a pool's per-rank series are drawn: ``lines`` (legible up to ``_MAX_LINES`` ranks) or ``heatmap``
+    (rank x time, with the pool's mean and max per rank as lines above it)."""
+    return "lines" if ranks <= _MAX_LINES else "heatmap"
+
+
+def _heatmap(series: dict[tuple[int, int], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Ranks x time columns (at most ``_MAX_COLUMNS``; each cell the max of the value holding at its start and
+    its samples, NaN before a rank's first sample and after its last: not started yet, or gone) and the
+    columns' edges in s."""
     import numpy as np
 
-    by_rank: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    for s in sorted(data.samples, key=lambda s: (s.worker_id, s.dp_rank, s.time_ns)):
-        ts, vs = by_rank.setdefault((s.worker_id, s.dp_rank), ([], []))
-        ts.append(s.time_ns)
-        vs.append(getattr(s, field))
-    return {key: _decimate(np.array(ts, dtype=np.int64) / NS_PER_S, np.array(vs, dtype=np.int64),
-                           _MAX_SERIES_POINTS)
-            for key, (ts, vs) in sorted(by_rank.items())}
+    t0 = min(float(xs[0]) for xs, _ in series.values())
+    t1 = max(float(xs[-1]) for xs, _ in series.values())
+    times = np.unique(np.concatenate([xs for xs, _ in series.values()]))
+    columns = max(1, min(_MAX_COLUMNS, len(times)))
+    edges = np.linspace(t0, t1 if t1 > t0 else t0 + 1.0, columns + 1)
+    grid = np.full((len(series), columns), np.nan)
+    for row, (xs, ys) in enumerate(series.values()):
+        values = ys.astype(np.float64)
+        held = np.searchsorted(xs, edges[:-1], side="right") - 1  # the sample holding at each column's start
+        live = (held >= 0) & (edges[:-1] <= xs[-1])
+        grid[row, live] = values[held[live]]
+        idx = np.clip(np.searchsorted(edges, xs, side="right") - 1, 0, columns - 1)
+        np.fmax.at(grid[row], idx, values)  # and the column's own samples (fmax: over NaN too)
+    return edges, grid
+
+
+def _rank_panels(data: RunData, field: str) -> list[dict[str, Any]]:
+    """Per pool (in ``data.pools`` order): its ranks' sample series of ``field`` (times in s, by time), drawn as
+    lines or, past ``_MAX_LINES`` ranks, a heatmap with the pool's mean and max per rank; its rank capacity."""
+    import numpy as np
+
+    by_rank: dict[tuple[str, int, int], tuple[list[int], list[int]]] = {}
+    for smp in sorted(data.samples, key=lambda x: (x.worker_id, x.dp_rank, x.time_ns)):
+        ts, vs = by_rank.setdefault((smp.pool, smp.worker_id, smp.dp_rank), ([], []))
+        ts.append(smp.time_ns)
+        vs.append(getattr(smp, field))
+    order = {pool: i for i, pool in enumerate(data.pools)}
+    panels = []
+    for pool in sorted({p for p, _, _ in by_rank}, key=lambda p: (order.get(p, len(order)), p)):
+        full = {(w, r): (np.array(ts, dtype=np.int64) / NS_PER_S, np.array(vs, dtype=np.int64))
+                for (p, w, r), (ts, vs) in sorted(by_rank.items()) if p == pool}
+        panel: dict[str, Any] = {"pool": pool, "form": series_form(len(full)),
+                                 "capacity": data.pools.get(pool, {}).get("kv_blocks") if field == "kv_blocks" else None}
+        if panel["form"] == "lines":
+            panel["series"] = {key: _decimate(xs, ys, _MAX_SERIES_POINTS) for key, (xs, ys) in full.items()}
+        else:
+            edges, grid = _heatmap(full)
+            panel["ranks"] = [f"w{w}/r{r}" for w, r in full]
+            panel["edges"], panel["grid"] = edges, grid
+        panels.append(panel)
+    return panels
 
 
 def _autoscale_marks(data: RunData) -> dict[str, Any] | None:
@@ -144,11 +193,18 @@ def _reuse_curves(done: list[RequestRecord]) -> tuple[int, Any, Any, Any, Any] |
 # ---------------------------------------------------------------------------------- drawing
 
 
-def _figure(title: str, xlabel: str, ylabel: str) -> tuple[Any, Any]:
+def value_scale(values: Iterable[float]) -> str:
+    """``log`` when the positive ``values`` span decades (max / min > ``_LOG_SPAN``), else ``linear``."""
+    positive = [v for v in values if v is not None and v > 0]
+    return "log" if positive and max(positive) / min(positive) > _LOG_SPAN else "linear"
+
+
+def _figure(title: str, xlabel: str, ylabel: str, legend: bool = False) -> tuple[Any, Any]:
+    """A one-axes figure; with ``legend``, wider, with room right of the axes for one (``_legend_right``)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=_FIGSIZE, dpi=_DPI)
-    fig.subplots_adjust(**_MARGINS)
+    fig = Figure(figsize=(_FIGSIZE[0] + 2.4, _FIGSIZE[1]) if legend else _FIGSIZE, dpi=_DPI)
+    fig.subplots_adjust(**{**_MARGINS, "left": 0.095, "right": 0.7} if legend else _MARGINS)
     ax = fig.add_subplot()
     ax.set_title(title, y=1.0)  # where matplotlib puts it anyway, without measuring every tick label first
     ax.set_xlabel(xlabel)
@@ -178,46 +234,142 @@ def _draw_cdf(points: tuple[Any, Any] | None, title: str, xlabel: str, path: Pat
     _save(fig, path)
 
 
-def _draw_series(series: dict[tuple[int, int], tuple[Any, Any]], title: str, ylabel: str, path: Path,
-                 marks: dict[str, Any] | None = None) -> None:
-    fig, ax = _figure(title, "scenario time (s)", ylabel)
-    if series:
-        for (w, r), (xs, ys) in series.items():
-            ax.step(xs, ys, where="post", label=f"w{w}/r{r}", linewidth=1)
-        if len(series) <= _MAX_LEGEND:
-            ax.legend(loc="upper right", fontsize="small", ncols=2 if len(series) > 8 else 1)
-    else:
+_PANEL_IN = {"lines": 3.4, "aggregate": 1.9}
+"""Height (inches) of a panel of lines and of a heatmap's aggregate axes; a heatmap's grows with its ranks."""
+
+
+def _heatmap_in(ranks: int) -> float:
+    return min(6.0, max(1.6, 0.09 * ranks))
+
+
+def series_figure(panels: list[dict[str, Any]], title: str, ylabel: str, marks: dict[str, Any] | None = None) -> Any:
+    """The figure of a per-rank plot: one panel per pool, stacked (see ``_rank_panels``); legends and colour
+    bars right of the axes, never over the data."""
+    from matplotlib.figure import Figure
+
+    rows: list[tuple[dict[str, Any], str]] = []
+    for panel in panels:
+        rows += [(panel, "lines")] if panel["form"] == "lines" else [(panel, "aggregate"), (panel, "heatmap")]
+    if not rows:
+        fig, ax = _figure(title, "scenario time (s)", ylabel)
         _no_data(ax)
-    if marks is not None:
-        _draw_marks(ax, marks)
-    _save(fig, path)
+        return fig
+    heights = [_heatmap_in(len(p["ranks"])) if kind == "heatmap" else _PANEL_IN[kind] for p, kind in rows]
+    top_in, bottom_in, gap_in = 0.45, 0.55, 0.55
+    total = sum(heights) + top_in + bottom_in + gap_in * (len(rows) - 1)
+    fig = Figure(figsize=(_FIGSIZE[0] + 1.6, total), dpi=_DPI)
+    fig.subplots_adjust(left=0.1, right=0.74 if marks is None else 0.68, top=1 - top_in / total,
+                        bottom=bottom_in / total, hspace=gap_in * len(rows) / sum(heights))
+    grid = fig.add_gridspec(len(rows), 1, height_ratios=heights)
+    fig.suptitle(title, y=1 - 0.12 / total)
+    axes = []
+    for i, (panel, kind) in enumerate(rows):
+        ax = fig.add_subplot(grid[i], sharex=axes[0] if axes else None)
+        ax.grid(True, alpha=0.3)
+        name = "" if panel["pool"] == "aggregated" and len(panels) == 1 else f"{panel['pool']}: "
+        if kind == "lines":
+            _draw_lines(ax, panel, f"{name}{ylabel}")
+        elif kind == "aggregate":
+            _draw_aggregate(ax, panel, f"{name}{ylabel}\nper rank")
+        else:
+            _draw_heatmap(fig, ax, panel, ylabel)
+        axes.append(ax)
+    axes[-1].set_xlabel("scenario time (s)")
+    twin = _draw_marks(axes[0], marks) if marks is not None else None
+    for i, ax in enumerate(axes):
+        handles, _ = ax.get_legend_handles_labels()
+        if i == 0 and twin is not None:
+            handles += twin.get_legend_handles_labels()[0]
+        if handles:
+            _legend_right(ax, handles, offset=0.1 if twin is not None else 0.01)  # past the workers' axis
+    return fig
 
 
-def _draw_marks(ax: Any, marks: dict[str, Any]) -> None:
-    """Autoscaler decisions as vertical lines (green: add, red: remove) and the pool's workers on a right axis."""
-    ax.figure.subplots_adjust(right=0.91)  # room for the right axis' label
+def _legend_right(ax: Any, handles: list[Any] | None = None, offset: float = 0.01) -> Any:
+    """A legend left-aligned just right of ``ax`` (outside it: it hides no data)."""
+    if handles is None:
+        handles, _ = ax.get_legend_handles_labels()
+    return ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1 + offset, 1), fontsize="small",
+                     borderaxespad=0)
+
+
+def _capacity(ax: Any, panel: dict[str, Any]) -> None:
+    if panel["capacity"]:
+        ax.axhline(panel["capacity"], color="black", linestyle="--", linewidth=1,
+                   label=f"capacity ({panel['capacity']:,} blocks a rank)")
+        ax.set_ylim(0, panel["capacity"] * 1.05)
+
+
+def _draw_lines(ax: Any, panel: dict[str, Any], ylabel: str) -> None:
+    """One step line per rank, each in its own colour of tab10, and the rank capacity."""
+    for i, ((w, r), (xs, ys)) in enumerate(panel["series"].items()):
+        ax.step(xs, ys, where="post", label=f"w{w}/r{r}", linewidth=1, color=f"C{i}")
+    _capacity(ax, panel)
+    ax.set_ylabel(ylabel)
+
+
+def _draw_aggregate(ax: Any, panel: dict[str, Any], ylabel: str) -> None:
+    """A heatmap pool's mean and max over its ranks per time column, and the rank capacity."""
+    import numpy as np
+
+    edges, grid = panel["edges"], panel["grid"]
+    seen = ~np.all(np.isnan(grid), axis=0)
+    mids = ((edges[:-1] + edges[1:]) / 2)[seen]
+    ax.plot(mids, np.nanmean(grid[:, seen], axis=0), linewidth=1.5, color="C0", label=f"mean of {grid.shape[0]} ranks")
+    ax.plot(mids, np.nanmax(grid[:, seen], axis=0), linewidth=1, color="C3", label="busiest rank")
+    _capacity(ax, panel)
+    ax.set_ylabel(ylabel)
+
+
+def _draw_heatmap(fig: Any, ax: Any, panel: dict[str, Any], label: str) -> None:
+    """Ranks (rows) x time, the colour the rank's value from 0 to the largest (the capacity line is in the
+    aggregate panel above: scaled to it, a lightly loaded pool would be one colour); a colour bar."""
+    import numpy as np
+
+    edges, grid = panel["edges"], panel["grid"]
+    n = grid.shape[0]
+    top = float(np.nanmax(grid)) if not np.all(np.isnan(grid)) else 0.0
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", origin="lower", cmap="viridis",
+                      extent=(edges[0], edges[-1], -0.5, n - 0.5), vmin=0, vmax=max(1.0, top))
+    step = max(1, math.ceil(n / 16))
+    ax.set_yticks(range(0, n, step), panel["ranks"][::step], fontsize="x-small")
+    ax.grid(False)
+    ax.set_ylabel("rank")
+    bar = fig.colorbar(image, cax=ax.inset_axes((1.01, 0.0, 0.025, 1.0)))  # outside: the time axis stays aligned
+    bar.set_label(label, fontsize="small")
+
+
+def _draw_series(panels: list[dict[str, Any]], title: str, ylabel: str, path: Path,
+                 marks: dict[str, Any] | None = None) -> None:
+    _save(series_figure(panels, title, ylabel, marks), path)
+
+
+def _draw_marks(ax: Any, marks: dict[str, Any]) -> Any:
+    """Autoscaler decisions as vertical lines (green: add, red: remove) and the pool's workers on a right axis
+    (returned, None without counts)."""
     for t, action in marks["decisions"]:
         ax.axvline(t, color="tab:green" if action == "add" else "tab:red", linewidth=0.8, alpha=0.6, linestyle=":")
-    if marks["times"]:
-        right = ax.twinx()
-        right.step(marks["times"], marks["running"], where="post", color="black", linewidth=1.5,
-                   label=f"{marks['pool']} workers running")
-        right.step(marks["times"], marks["provisioned"], where="post", color="grey", linewidth=1, linestyle="--",
-                   label="incl. starting and draining")
-        right.set_ylabel("workers")
-        right.set_ylim(0, max(marks["provisioned"]) + 1)
-        right.legend(loc="upper left", fontsize="small")
+    if not marks["times"]:
+        return None
+    right = ax.twinx()
+    right.step(marks["times"], marks["running"], where="post", color="black", linewidth=1.5,
+               label=f"{marks['pool']} workers running")
+    right.step(marks["times"], marks["provisioned"], where="post", color="grey", linewidth=1, linestyle="--",
+               label="incl. starting and draining")
+    right.set_ylabel("workers")
+    right.set_ylim(0, max(marks["provisioned"]) + 1)
+    return right
 
 
 def _draw_reuse(curves: tuple[int, Any, Any, Any, Any] | None, path: Path) -> None:
     fig, ax = _figure("Prefix cache reuse (engine-found cached tokens / prompt tokens)",
-                      "completion time (s)", "reused fraction")
+                      "completion time (s)", "reused fraction", legend=True)
     if curves is not None:
         window, x1, y1, x2, y2 = curves
         ax.plot(x1, y1, linewidth=1, label=f"rolling, last {window} completions")
         ax.plot(x2, y2, linewidth=1.5, linestyle="--", label="cumulative")
         ax.set_ylim(0, 1.02)
-        ax.legend(loc="lower right", fontsize="small")
+        _legend_right(ax)
     else:
         _no_data(ax)
     _save(fig, path)
@@ -234,8 +386,8 @@ def _plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
         "outdir": str(Path(outdir).absolute()),
         "ttft": _cdf_points(ttft, len(ttft)),
         "e2e": _cdf_points((r.completion_ns - r.arrival_ns for r in done), len(done)),  # type: ignore[operator]
-        "active": _rank_series(data, "active_requests"),
-        "blocks": _rank_series(data, "kv_blocks"),
+        "active": _rank_panels(data, "active_requests"),
+        "blocks": _rank_panels(data, "kv_blocks"),
         "reuse": _reuse_curves(done),
         "autoscale": _autoscale_marks(data),
     }

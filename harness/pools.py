@@ -8,7 +8,7 @@ worker id names its pool's router.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from kvemu.clock import Clock
@@ -26,8 +26,10 @@ AGGREGATED = "aggregated"
 
 
 def pool_sizes(spec: ClusterSpec) -> dict[str, dict[str, int]]:
-    """``pool -> {"workers", "dp_size"}`` as the report's ``RunData.pools`` wants it."""
-    return {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in spec.pools().items()}
+    """``pool -> {"workers", "dp_size", "kv_blocks"}`` (KV blocks: a rank's capacity) as the report's
+    ``RunData.pools`` wants it."""
+    return {pool: {"workers": n, "dp_size": dp, "kv_blocks": engine.num_gpu_blocks}
+            for pool, (n, dp, engine) in spec.pools().items()}
 
 
 def routing_block_size(spec: ClusterSpec) -> int:
@@ -58,14 +60,23 @@ def owner(routers: Iterable[Router], worker_id: int) -> Router | None:
     return next((r for r in routers if worker_id in r.workers), None)
 
 
-def samples(routers: Iterable[Router], now_ns: int) -> list[Sample]:
-    """One sample of every registered rank of every pool."""
+def samples(routers: Mapping[str, Router], now_ns: int) -> list[Sample]:
+    """One sample of every registered rank of every pool (``pool -> router``).
+
+    A rank's KV blocks are the blocks its router's index holds for it, except on decode ranks: they publish no
+    KV events (their KV arrives by transfer), so their router's active blocks (booked prompts and outputs, what
+    the decode router places by) are what they hold.
+    """
     out = []
-    for router in routers:
+    for pool, router in routers.items():
         core = router.core
         for key in core.registry.rank_keys():
             rl = core.load.rank(key)
-            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, core.index.tree_size(*key)))
+            if pool == DECODE:
+                blocks = round(rl.active_decode_blocks) if rl else 0
+            else:
+                blocks = core.index.tree_size(*key)
+            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, blocks, pool))
     return out
 
 

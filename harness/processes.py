@@ -240,7 +240,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     def stats() -> Stats:
         now = clock.now_ns()
         current = list(routers.values())
-        taken = samples(current, now)
+        taken = samples(routers, now)
         return Stats(now_ns=now, workers=sorted(w for r in current for w in r.workers),
                      ranks=[(x.worker_id, x.dp_rank) for x in taken], samples=taken, kv_stats=kv_stats(current),
                      affinity=affinity_stats(current), counters=dict(recorder.counters),

@@ -53,15 +53,18 @@ class Recorder:
             return
         if rec is None:
             return
-        if kind == "routed" and data.get("pool") == "prefill":  # a disaggregated request's prefill leg
-            rec.prefill_worker_id, rec.prefill_dp_rank = ev.worker_id, ev.dp_rank
+        if kind == "routed" and data.get("pool") == "prefill":  # a disaggregated request's prefill leg: it
+            rec.prefill_worker_id, rec.prefill_dp_rank = ev.worker_id, ev.dp_rank  # matches the prompt's prefix
+            rec.predicted_overlap_blocks = data.get("overlap_blocks")
+            rec.best_overlap_blocks = data.get("best_overlap_blocks")
         elif kind == "routed":
             rec.routed_ns = ev.time_ns
             rec.attempts = data.get("attempt", 0) + 1
             rec.worker_id, rec.dp_rank = ev.worker_id, ev.dp_rank
             rec.routing_reason = data.get("reason")
-            rec.predicted_overlap_blocks = data.get("overlap_blocks")
-            rec.best_overlap_blocks = data.get("best_overlap_blocks")
+            if data.get("pool") != "decode":  # the decode leg's KV arrives by transfer: it predicts no prefix
+                rec.predicted_overlap_blocks = data.get("overlap_blocks")
+                rec.best_overlap_blocks = data.get("best_overlap_blocks")
         elif kind == "dispatch_accepted":
             rec.dispatch_ns = ev.time_ns
         elif kind == "queued":

@@ -51,6 +51,7 @@ __all__ = [
     "Sample",
     "RunData",
     "LATENCY_METRICS",
+    "WALL_CLOCK_KEYS",
     "STATS",
     "PLOTS",
     "summarize",
@@ -66,6 +67,10 @@ __all__ = [
 NS_PER_MS = 1_000_000
 NS_PER_S = 1_000_000_000
 SIGNIFICANT_DIGITS = 6
+
+WALL_CLOCK_KEYS = ("wall_time_ms",)
+"""summary.json's keys measured on the wall clock (top level; ``RunData.wall_time_ns`` is the run's one wall
+figure): the only keys two virtual runs of one scenario and seed may differ in."""
 
 LATENCY_METRICS = ("ttft", "ttst", "tpot", "itl", "e2e_latency", "output_token_throughput_per_user")
 """Per-request metrics; all in ms except the per-user throughput (tok/s)."""
@@ -83,6 +88,9 @@ class Sample(msgspec.Struct, frozen=True):
     dp_rank: int
     active_requests: int
     kv_blocks: int
+    """The router's indexed blocks of the rank (a decode rank's: its router's active blocks, see ``pools.samples``)."""
+    pool: str = "aggregated"
+    """The rank's pool: ``aggregated``, ``prefill`` or ``decode``."""
 
 
 class RunData(msgspec.Struct, kw_only=True):
@@ -111,8 +119,8 @@ class RunData(msgspec.Struct, kw_only=True):
     """Failed requests by reason."""
     worker_events: list[dict[str, Any]] = []
     pools: dict[str, dict[str, int]] = {}
-    """The cluster's pools as started, ``pool -> {"workers", "dp_size"}``: ``aggregated``, or ``prefill`` and
-    ``decode``."""
+    """The cluster's pools as started, ``pool -> {"workers", "dp_size", "kv_blocks"}`` (``kv_blocks``: a rank's
+    KV capacity, optional): ``aggregated``, or ``prefill`` and ``decode``."""
     sla: Sla | None = None
     """The run's latency targets (``run.sla``): the summary adds goodput, requests.jsonl ``met_sla``."""
     concurrency: int | None = None
@@ -238,7 +246,9 @@ def _latency_values(done: list[RequestRecord]) -> dict[str, Any]:
             "output_token_throughput_per_user": per_user}
 
 
-def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
+def _prediction_truth(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
+    """The router's predicted cached prefix against the one the engine found, per completed request, and the
+    chosen rank's overlap against the best rank's (a disaggregated cluster's: the prefill leg's)."""
     bs = data.block_size
     predicted_total = engine_total = 0
     diffs: list[int] = []
@@ -253,13 +263,11 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
         diffs.append(abs(predicted - engine))
         over += predicted > engine
         under += predicted < engine
-    routed = [r for r in records if r.attempts > 0]
     selection = best = 0
     for rec in records:
         if rec.predicted_overlap_blocks is not None and rec.best_overlap_blocks is not None:
             selection += rec.predicted_overlap_blocks
             best += rec.best_overlap_blocks
-    reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
     return {
         "requests_compared": len(diffs),
         "predicted_cached_tokens": predicted_total,
@@ -271,6 +279,23 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
         "selection_overlap_blocks": selection,
         "best_overlap_blocks": best,
         "selection_to_best_ratio": _ratio(selection, best),
+    }
+
+
+def _decode_truth(done: list[RequestRecord]) -> dict[str, Any]:
+    """A decode pool has no prefix to predict: each decode leg receives its prompt's KV from the prefill rank by
+    transfer (its engine computes none of it) and the decode router places it by active blocks only."""
+    moved = [r for r in done if r.kv_activated_ns is not None]
+    return {"kv_source": "transfer", "requests_received_kv": len(moved),
+            "transferred_prompt_tokens": sum(r.isl for r in moved)}
+
+
+def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
+    truth = _prediction_truth(data, records, done)
+    reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
+    routed = [r for r in records if r.attempts > 0]
+    out = {
+        **truth,
         "reasons": dict(sorted(reasons.items())),
         "routed_requests": len(routed),
         "mean_attempts": _mean([r.attempts for r in routed]),
@@ -278,6 +303,9 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
         "retried_requests": sum(r.attempts > 1 for r in routed),
         "dispatch_rejections": int(data.counters.get("dispatch_rejected", 0)),
     }
+    if "prefill" in data.pools:  # the figures above are the prefill pool's; each pool's own truth
+        out["pools"] = {"prefill": truth, "decode": _decode_truth(done)}
+    return out
 
 
 def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any]]:
@@ -596,6 +624,9 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
             (label, *(_fmt(dis[key][stat]) for stat in ("mean", "median", "p99", "max")))
             for label, key in (("KV transfer (reserved → received)", "kv_transfer_ms"),
                                ("wait for decode room (prefill end → reserved)", "decode_reservation_wait_ms"))])
+        out += ["", "KV blocks per rank: a prefill rank's are the blocks its router indexed from its KV events; a "
+                    "decode rank publishes none (its KV arrives by transfer), so its are the decode router's active "
+                    "blocks (booked prompts and outputs)."]
         out += ["", f"Cost: prefill {_fmt(s['prefill_worker_seconds'], ' worker-s')}, decode "
                     f"{_fmt(s['decode_worker_seconds'], ' worker-s')}, {_fmt(s['gpu_hours'])} GPU hours."]
     tiers = k.get("cache_tiers")
@@ -612,6 +643,14 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     out += ["", "## Routing truth: predicted vs engine-found cache", "",
             "The router predicts a cached prefix from its (possibly stale) view of KV events; the engine reports "
             "the prefix it actually found at admission, so the gap measures how wrong the router's view was.", ""]
+    if "pools" in rt:
+        dec = rt["pools"]["decode"]
+        out += ["Disaggregated: the prediction figures are the **prefill pool's** (the prefill router's predicted "
+                "prefix against what the prefill engine found). The **decode pool** predicts no prefix: each decode "
+                f"leg receives its prompt's KV by transfer ({_fmt(dec['requests_received_kv'])} requests, "
+                f"{_fmt(dec['transferred_prompt_tokens'])} prompt tokens) and the decode router places it by its "
+                "ranks' active blocks (the per-rank KV blocks of decode ranks; routing reasons and attempts below "
+                "are the decode legs').", ""]
     out += _table(["figure", "value"], [
         ("requests compared (completed, routed)", _fmt(rt["requests_compared"])),
         ("predicted cached tokens", _fmt(rt["predicted_cached_tokens"])),

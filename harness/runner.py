@@ -178,7 +178,7 @@ async def _main(scenario: Scenario, sessions: list[Session], clock: Clock, hooks
 
 
 def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:
-    taken = samples(c.routers.values(), clock.now_ns())
+    taken = samples(c.routers, clock.now_ns())
     state["ranks"].update((x.worker_id, x.dp_rank) for x in taken)
     state["samples"].extend(taken)
 

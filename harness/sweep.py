@@ -12,6 +12,7 @@ its line)::
     seeds: 1                           # N: seeds s..s+N-1 (s = the point's run.seed), or an explicit list
     figures: [p99_ttft_ms, ...]        # summary.json keys to tabulate (dotted into the ``kvemu`` section)
     objective: {ttft_ms: 2000}         # sweep.md's chosen point: best throughput per GPU with p99 TTFT <= this
+    objective: {goodput: 0.95}         # ... and (with a run.sla) >= 95 % of requests meeting it in every seed
 
 A *run* is one (point, seed). ``plan_runs`` expands a sweep into ``PointSpec``s after validating every one of
 them as ``kvemu validate`` would; ``run_point`` runs one anywhere kvemu imports (a local process, a Dask or a
@@ -63,12 +64,15 @@ __all__ = [
     "DERIVED_FIGURES",
     "MAX_RUNS",
     "MAX_SWEEP_BYTES",
+    "DEFAULT_GOODPUT",
 ]
 
 MAX_SWEEP_BYTES = 1 << 20
 """Largest sweep file read."""
 MAX_RUNS = 10_000
 """Most runs (points x seeds) one sweep may plan."""
+DEFAULT_GOODPUT = 0.95
+"""``objective.goodput`` when the runs have an SLA and the sweep names none (``kvemu plan``'s default too)."""
 MAX_AXES = 16
 MAX_FIGURES = 64
 
@@ -82,7 +86,7 @@ DEFAULT_FIGURES = ("completed_requests", "request_throughput_rps", "goodput_requ
                    "prefix_cache_reused_ratio", "kvemu.failed_requests")
 REPORT_FIGURES = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms",
                   "request_throughput_rps", "goodput_request_throughput_rps", "output_throughput_tok_s",
-                  "gpus", "output_throughput_tok_s_per_gpu")
+                  "gpus", "output_throughput_tok_s_per_gpu", "num_requests", "goodput_completed_requests")
 """What sweep.md's plots need: every run records these too (in sweep.json), whatever ``figures`` asks for."""
 _CONDITIONAL = ("goodput_", "kvemu.cache_tiers.", "kvemu.disaggregated.", "kvemu.affinity.")
 """Summary keys that exist only for some scenarios (an SLA, a host tier, disaggregated pools, affinity on)."""
@@ -103,6 +107,9 @@ class Objective(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
 
     ttft_ms: Annotated[float, Meta(gt=0)] | None = None
     """Bound on the chosen point's p99 TTFT (ms)."""
+    goodput: Annotated[float, Meta(gt=0, le=1)] | None = None
+    """With a ``run.sla``: the share of its requests that must meet the SLA, in every seed of the chosen point
+    (``goodput_completed_requests / num_requests``, as ``kvemu plan`` counts); default ``DEFAULT_GOODPUT``."""
 
 
 class SweepSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]

@@ -2,9 +2,11 @@
 
 Per point, each figure is the mean over its ``ok`` runs (seeds). The Pareto front is over the points that have
 both an output throughput per GPU (higher is better) and a p99 TTFT (lower is better): a point is on it when no
-other point is at least as good on both and better on one. The *chosen* point is, with ``objective.ttft_ms``,
-the front's point of highest throughput per GPU whose p99 TTFT meets the bound (none if no point does);
-without one, the front's knee: after scaling both figures to [0, 1] over the front, the point farthest from
+other point is at least as good on both and better on one. The *chosen* point is, when the runs have an SLA
+(``run.sla``), the point of highest throughput per GPU whose every seed had at least ``objective.goodput``
+(default 0.95) of its requests meeting the SLA, and whose p99 TTFT meets ``objective.ttft_ms`` if set (none if
+no point does); without an SLA, with ``objective.ttft_ms``, the front's point of highest throughput per GPU
+whose p99 TTFT meets the bound (none if no point does); without either, the front's knee: after scaling both figures to [0, 1] over the front, the point farthest from
 the straight line between its two ends (ties, and fronts of one or two points: the higher throughput per GPU).
 Plots are PNGs drawn with ``harness.plots``' figure helpers (Agg, default style, fixed size).
 """
@@ -17,11 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.plots import _figure, _no_data, _save
-from harness.report import _fmt, _table
-from harness.sweep import Sweep
+from harness.plots import _figure, _legend_right, _no_data, _save, value_scale
+from harness.report import _fmt, _pct, _table
+from harness.sweep import DEFAULT_GOODPUT, Objective, Sweep
 
-__all__ = ["point_means", "pareto_front", "choose_point", "render_sweep_markdown", "write_sweep_report",
+__all__ = ["point_means", "pareto_front", "choose_point", "sla_shares", "render_sweep_markdown", "write_sweep_report",
            "THROUGHPUT", "TTFT"]
 
 THROUGHPUT = "output_throughput_tok_s_per_gpu"
@@ -107,14 +109,48 @@ def choose_point(items: Sequence[tuple[float, float]], front: Sequence[int],
     return front[best], why
 
 
-def _pareto(rows: list[dict[str, Any]], bound: float | None) -> tuple[list[int], list[int], int | None, str]:
-    """Rows with both figures, the front among them and the chosen one (all as row indices)."""
+def sla_shares(results: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Per point: the smallest share of requests meeting ``run.sla`` over its ok runs (seeds), as ``kvemu plan``
+    counts it (``goodput_completed_requests / num_requests``); points without SLA figures are absent."""
+    shares: dict[int, float] = {}
+    for result in results:
+        figures = result.get("figures") or {}
+        met, total = _number(figures.get("goodput_completed_requests")), _number(figures.get("num_requests"))
+        if result["status"] != "ok" or met is None or not total:
+            continue
+        share = met / total
+        shares[result["point"]] = min(shares.get(result["point"], share), share)
+    return shares
+
+
+def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
+            objective: Objective) -> tuple[list[int], list[int], int | None, str]:
+    """Rows with both figures, the front among them and the chosen one (all as row indices), and why.
+
+    Runs with an SLA: the chosen point is the highest throughput per GPU among the points whose every seed had
+    at least ``objective.goodput`` of its requests meeting the SLA (and p99 TTFT within ``objective.ttft_ms``);
+    without one, ``choose_point`` on the front.
+    """
     usable = [k for k, r in enumerate(rows)
               if _number(r["figures"].get(TTFT)) is not None and _number(r["figures"].get(THROUGHPUT)) is not None]
     items = [(rows[k]["figures"][TTFT], rows[k]["figures"][THROUGHPUT]) for k in usable]
-    front = pareto_front(items)
-    chosen, why = choose_point(items, front, bound)
-    return usable, [usable[i] for i in front], (usable[chosen] if chosen is not None else None), why
+    front = [usable[i] for i in pareto_front(items)]
+    shares = sla_shares(results)
+    if not shares:
+        chosen, why = choose_point(items, [usable.index(k) for k in front], objective.ttft_ms)
+        return usable, front, (usable[chosen] if chosen is not None else None), why
+    target = objective.goodput if objective.goodput is not None else DEFAULT_GOODPUT
+    rule = (f"at least {100 * target:g} % of requests meeting run.sla in every seed (objective.goodput"
+            + (")" if objective.goodput is not None else f", by default {100 * DEFAULT_GOODPUT:g} % with an SLA)"))
+    bound = objective.ttft_ms
+    if bound is not None:
+        rule += f" and p99 TTFT <= {_fmt(bound)} ms (objective.ttft_ms)"
+    eligible = [k for k, (ttft, _) in zip(usable, items)
+                if shares.get(rows[k]["point"], -1.0) >= target and (bound is None or ttft <= bound)]
+    if not eligible:
+        return usable, front, None, f"no point has {rule}"
+    best = max(eligible, key=lambda k: (rows[k]["figures"][THROUGHPUT], -rows[k]["figures"][TTFT]))
+    return usable, front, best, f"the highest throughput per GPU with {rule}"
 
 
 # ---------------------------------------------------------------------------------- plots
@@ -135,9 +171,10 @@ def _axis_positions(values: list[str]) -> tuple[list[float], list[str] | None]:
 
 
 def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[str], series: list[tuple[str, str]],
-                       title: str, ylabel: str, path: Path) -> None:
-    """``series`` (figure key, label) against ``axis``: one colour per combination of the other axes."""
-    fig, ax = _figure(title, axis, ylabel)
+                       title: str, ylabel: str, path: Path) -> Any:
+    """``series`` (figure key, label) against ``axis``: one colour per combination of the other axes, on a log
+    scale when the values span decades; returns the figure (saved to ``path``)."""
+    fig, ax = _figure(title, axis, ylabel, legend=True)
     xs, labels = _axis_positions(axis_values)
     x_of = dict(zip(axis_values, xs))
     groups: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
@@ -146,6 +183,7 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
         groups.setdefault(others, []).append(row)
     styles = ("-", "--", ":", "-.")
     drawn = 0
+    values: list[float] = []
     for g, (others, members) in enumerate(list(groups.items())[:_MAX_GROUPS]):
         color = f"C{g % 10}"
         for s, (key, label) in enumerate(series):
@@ -156,9 +194,11 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
             name = ", ".join([label, *(f"{k}={v}" for k, v in others)])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=styles[s % len(styles)], marker="o",
                     color=color, label=name)
+            values += [p[1] for p in pts]
             drawn += 1
     if drawn:
-        ax.legend(loc="best", fontsize="small")
+        ax.set_yscale(value_scale(values))  # latencies of a saturated point are decades above the others
+        _legend_right(ax)
         if labels is not None:
             ax.set_xticks(xs, labels)
         elif len(xs) <= 12:
@@ -166,12 +206,13 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
     else:
         _no_data(ax)
     _save(fig, path)
+    return fig
 
 
 def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
                  bound: float | None, path: Path) -> None:
     fig, ax = _figure("Output throughput per GPU vs p99 TTFT (Pareto front)", "p99 TTFT (ms)",
-                      "output tokens/s per GPU")
+                      "output tokens/s per GPU", legend=True)
     if usable:
         xs = [rows[k]["figures"][TTFT] for k in usable]
         ys = [rows[k]["figures"][THROUGHPUT] for k in usable]
@@ -187,7 +228,8 @@ def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int]
             f = rows[chosen]["figures"]
             ax.scatter([f[TTFT]], [f[THROUGHPUT]], marker="*", s=300, color="C2", zorder=3,
                        label=f"chosen: point {rows[chosen]['point']}")
-        ax.legend(loc="best", fontsize="small")
+        ax.set_xscale(value_scale(xs))
+        _legend_right(ax)
     else:
         _no_data(ax)
     _save(fig, path)
@@ -232,7 +274,8 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     """sweep.md from the sweep and its results (one per run, by point then seed); ``plots`` as ``_plots`` names."""
     spec = sweep.spec
     rows = point_means(results)
-    usable, front, chosen, why = _pareto(rows, spec.objective.ttft_ms)
+    usable, front, chosen, why = _pareto(rows, results, spec.objective)
+    shares = sla_shares(results)
     counts: dict[str, int] = {}
     for r in results:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -250,13 +293,17 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     figures = list(spec.figures)
     out += ["## Results", ""]
     shown = rows[:_MAX_TABLE_ROWS]
-    out += _table(["point", *sweep.axes, "ok runs", *figures],
+    met = ["met SLA (worst seed)"] if shares else []
+    out += _table(["point", *sweep.axes, "ok runs", *met, *figures],
                   [(r["point"], *(r["axes"][a] for a in sweep.axes), f"{r['ok']}/{r['runs']}",
+                    *([_pct(shares.get(r["point"]))] if shares else []),
                     *(_fmt(r["figures"].get(f)) for f in figures)) for r in shown])
     if len(rows) > len(shown):
         out += ["", f"… and {len(rows) - len(shown)} more points (sweep.csv has them all)."]
     out += ["", "## Chosen point", ""]
-    if chosen is None:
+    if not counts.get("ok"):
+        out += ["None: no run finished yet."]
+    elif chosen is None:
         out += [f"None: {why}."]
     else:
         c = rows[chosen]
@@ -291,7 +338,7 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
 def write_sweep_report(sweep: Sweep, results: Sequence[dict[str, Any]], outdir: Path, note: str | None = None) -> Path:
     """Draw the plots and write sweep.md into ``outdir``; return its path."""
     rows = point_means(results)
-    usable, front, chosen, _ = _pareto(rows, sweep.spec.objective.ttft_ms)
+    usable, front, chosen, _ = _pareto(rows, results, sweep.spec.objective)
     plots = _plots(sweep, rows, usable, front, chosen, Path(outdir))
     path = Path(outdir) / "sweep.md"
     tmp = path.with_name(".sweep.md.tmp")

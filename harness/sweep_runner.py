@@ -52,16 +52,17 @@ def _result_of(future: Future[Any], run: PointSpec) -> dict[str, Any]:
 
 def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResult | None = None,
               executor_name: str = "", report: bool = True,
-              runner: Callable[[PointSpec], dict[str, Any]] = run_point) -> SweepOutcome:
-    """Run ``store``'s unfinished runs on ``executor`` (None only when there is nothing to run), recording each
-    result as it arrives, then write sweep.csv, sweep.json and (``report``) sweep.md."""
+              runner: Callable[[PointSpec], dict[str, Any]] = run_point, stopped: str | None = None) -> SweepOutcome:
+    """Run ``store``'s unfinished runs on ``executor`` (None only when there is nothing to run, or when
+    ``stopped``: the signal that stopped the sweep before it started), recording each result as it arrives, then
+    write sweep.csv, sweep.json and (``report``) sweep.md."""
     todo = store.todo()
     started = time.perf_counter()
-    interrupted: str | None = None
+    interrupted: str | None = stopped
     futures: dict[Future[Any], PointSpec] = {}
     done: set[Future[Any]] = set()
     try:
-        if todo:
+        if todo and stopped is None:
             assert executor is not None, "runs to do need an executor"
             for run in todo:
                 futures[executor.submit(runner, run)] = run
@@ -80,8 +81,13 @@ def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResu
                  "runs_reused": store.reused, "interrupted": interrupted})
     store.close()
     if report:
-        note = (f"Interrupted ({interrupted}): {counts.get('pending', 0)} runs did not finish; run the same sweep "
-                "again to resume." if interrupted else None)
+        note = None
+        if interrupted and not counts.get("ok"):
+            note = (f"Interrupted ({interrupted}) before any run finished: nothing to report yet; run the same "
+                    f"sweep again to resume ({counts.get('pending', 0)} runs to do).")
+        elif interrupted:
+            note = (f"Interrupted ({interrupted}): {counts.get('pending', 0)} runs did not finish; run the same "
+                    "sweep again to resume.")
         write_sweep_report(store.sweep, store.ordered(), store.outdir, note)
     return SweepOutcome(len(done), store.reused, counts, interrupted, wall)
 

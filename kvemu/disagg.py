@@ -155,6 +155,7 @@ class DisaggRouter:
         record.prefill_worker_id, record.prefill_dp_rank = leg.worker_id, leg.dp_rank
         record.prefill_done_ns = leg.completion_ns
         record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
+        record.predicted_overlap_blocks = leg.predicted_overlap_blocks  # what the prefill router expected it to find
         record.engine_reused_tokens = leg.engine_reused_tokens
         record.preemptions = leg.preemptions
         if r.source is None:  # a worker that did not say where the KV is: on the rank that computed it

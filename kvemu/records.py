@@ -51,9 +51,10 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     """When the worker accepted the dispatch."""
     routing_reason: str | None = None
     predicted_overlap_blocks: int | None = None
-    """The router's overlap (device prefix depth) for the chosen rank when it routed."""
+    """The router's overlap (device prefix depth) for the chosen rank when it routed (disaggregated: the
+    prefill leg's, the leg whose engine found ``engine_cached_tokens``; the decode leg's KV comes by transfer)."""
     best_overlap_blocks: int | None = None
-    """The deepest overlap any rank had at that moment."""
+    """The deepest overlap any rank had at that moment (disaggregated: in the prefill pool)."""
     admitted_ns: int | None = None
     """When the engine first scheduled it (start of that pass)."""
     engine_cached_tokens: int | None = None

@@ -212,6 +212,31 @@ def test_synthetic_sessions_are_deterministic_too(synthetic_run):
     assert dumps_summary(summarize(other_seed.data)) != dumps_summary(summarize(again.data))
 
 
+def test_the_quickstart_twice_differs_only_where_the_readme_says(tmp_path):
+    """README: requests.jsonl byte for byte; summary.json except its wall-clock keys, which it names."""
+    import msgspec
+
+    from harness.report import WALL_CLOCK_KEYS
+
+    outcomes = [run_scenario(load_scenario(ROOT / "examples" / "quickstart.yaml", ["run.duration_s=10"]),
+                             tmp_path / name) for name in ("a", "b")]
+    a, b = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("a", "b"))
+    assert a["num_requests"] > 50 and set(WALL_CLOCK_KEYS) <= set(a)
+    for key in WALL_CLOCK_KEYS:
+        del a[key], b[key]
+    assert dumps_summary(a) == dumps_summary(b)
+    assert (tmp_path / "a" / "requests.jsonl").read_bytes() == (tmp_path / "b" / "requests.jsonl").read_bytes()
+    # the list is complete: a run's only wall-clock figure changes exactly these keys
+    data = outcomes[0].data
+    slower = summarize(msgspec.structs.replace(data, wall_time_ns=data.wall_time_ns * 3 + 12_345_678))
+    assert {k for k, v in summarize(data).items() if slower[k] != v} == set(WALL_CLOCK_KEYS)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    keys = ", ".join(f"`{k}`" for k in WALL_CLOCK_KEYS)
+    assert (f"byte-identical `requests.jsonl` on every run, and the same `summary.json` except its one wall-clock "
+            f"key, {keys} (`harness.report.WALL_CLOCK_KEYS`)") in readme
+    assert "byte-identical `summary.json`" not in readme
+
+
 def test_two_processes_give_identical_reports(tmp_path):
     make_trace(tmp_path / "trace.jsonl", rows=30)
     (tmp_path / "scenario.yaml").write_text(trace_scenario_text(workers=2, dp_size=1))

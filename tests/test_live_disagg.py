@@ -80,7 +80,8 @@ def assert_both_pools_served(summary: dict, records: list[dict]) -> None:
     assert {r["prefill_worker_id"] for r in records} <= PREFILL_IDS
     assert {r["worker_id"] for r in records} <= DECODE_IDS
     dis = summary["kvemu"]["disaggregated"]
-    assert dis["pools"] == {"prefill": {"workers": 2, "dp_size": 2}, "decode": {"workers": 2, "dp_size": 1}}
+    assert dis["pools"] == {"prefill": {"workers": 2, "dp_size": 2, "kv_blocks": 2048},
+                            "decode": {"workers": 2, "dp_size": 1, "kv_blocks": 2048}}
     assert summary["kvemu"]["block_size"] == 32  # the pools' engines' (the top-level engine is unused)
     assert sum(dis["requests_per_prefill_rank"].values()) == sum(dis["requests_per_decode_rank"].values()) \
         == summary["num_requests"]

@@ -1,5 +1,6 @@
 """`kvemu sweep` as a user runs it: the example, exit codes, Ctrl-C and SIGTERM, resume, refusals."""
 
+import contextlib
 import csv
 import io
 import signal
@@ -88,3 +89,30 @@ def test_a_signal_stops_the_sweep_and_the_same_command_resumes(tmp_path, sig, co
     assert again.returncode == 0, again.stderr
     assert f"({12 - len(finished)} to run, {len(finished)} finished before)" in again.stderr
     assert f"12 ok ({12 - len(finished)} ran now, {len(finished)} reused)" in again.stderr
+
+
+def test_a_fully_reused_sweep_says_so(tmp_path):
+    (tmp_path / "s.yaml").write_text("set: {run.duration_s: 2}\naxes:\n  cluster.workers: [1, 2]\n")
+    assert kvemu("sweep", "s.yaml", "-o", "out", "--quiet", cwd=tmp_path).returncode == 0
+    again = kvemu("sweep", "s.yaml", "-o", "out", "--quiet", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "all 2 runs reused from out; nothing to run" in again.stderr
+    assert "pool of 0" not in again.stderr and "pool of 0" not in (tmp_path / "out" / "sweep.json").read_text()
+
+
+def test_a_signal_while_the_executor_starts_writes_sweep_md_and_the_resume_hint(tmp_path, monkeypatch, capsys):
+    from harness import cli, executors
+    from harness.runner import Terminated
+
+    @contextlib.contextmanager
+    def interrupted(address, jobs):
+        raise Terminated("SIGTERM")
+        yield
+
+    monkeypatch.setattr(executors, "open_executor", interrupted)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text("set: {run.duration_s: 2}\naxes:\n  cluster.workers: [1, 2]\n")
+    assert cli.main(["sweep", "s.yaml", "-o", "out", "--quiet"]) == 143
+    assert "interrupted (SIGTERM): run the same command again to resume" in capsys.readouterr().err
+    assert "Interrupted (SIGTERM) before any run finished" in (tmp_path / "out" / "sweep.md").read_text()
+    assert {r["status"] for r in rows(tmp_path / "out")} == {"pending"}
