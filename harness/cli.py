@@ -615,7 +615,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve):
         command.add_argument("--allow-local-policies", action="store_true",
-                             help="let router.policy import modules from the working directory (a scenario can run code)")
+                             help="put the working directory on the import path for router.policy and autoscaler.policy "
+                                  "modules (a scenario can run code)")
     args = parser.parse_args(argv)
     if getattr(args, "allow_local_policies", False):
         import os

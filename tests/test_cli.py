@@ -201,3 +201,37 @@ def test_tokenizer_export_and_http_options_are_checked_before_anything_starts(tm
         res = subprocess.run([sys.executable, "-m", "harness.cli", "serve", *args], capture_output=True, text=True,
                              timeout=60)
         assert res.returncode == 2 and why in res.stderr, res.stderr
+
+
+README = (ROOT / "README.md").read_text()
+
+
+def _readme_queue_follower() -> str:
+    """The README's custom autoscaler policy example, as a user would paste it into a file."""
+    start = README.index("```python\nfrom kvemu.autoscale import")
+    return README[start:README.index("```", start + 3)].removeprefix("```python\n")
+
+
+@pytest.mark.skipif(not _script.exists(), reason="needs the installed kvemu console script")
+@pytest.mark.parametrize(
+    ("module", "source", "overrides"),
+    [
+        ("mypol", "from kvemu import round_robin_policy\n\ndef make():\n    return round_robin_policy()\n",
+         ["router.policy=mypol:make"]),
+        ("scaling", None, ["autoscaler.policy=scaling:QueueFollower", "autoscaler.min_workers=1",
+                           "autoscaler.max_workers=8"]),
+    ],
+    ids=["router.policy", "autoscaler.policy"],
+)
+def test_the_console_script_imports_policies_from_the_working_directory_when_allowed(tmp_path, module, source,
+                                                                                      overrides):
+    """An installed console script never has the working directory on the import path: the flag must put it
+    there (the refusal recommends the flag), for router and autoscaler policies alike."""
+    (tmp_path / f"{module}.py").write_text(source or _readme_queue_follower())
+    args = ["validate", *(a for o in overrides for a in ("--set", o))]
+    refused = subprocess.run([str(_script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--allow-local-policies searches it" in refused.stderr, refused.stderr
+    allowed = subprocess.run([str(_script), *args, "--allow-local-policies"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout.startswith("ok: quickstart: ")
