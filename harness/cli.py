@@ -399,21 +399,18 @@ def _process(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
         return 2
-    if args.command == "router":
-        from harness.processes import router_main
-
-        return router_main(scenario, args.listen, args.grace, _http_options(args))
-    if args.command == "worker":
-        from harness.processes import worker_main, worker_pool
+    if args.command in ("router", "worker"):
+        from kvemu.errors import InvalidArgument
+        from kvemu.http.server import ListenError
 
         try:
-            worker_pool(scenario, args.worker_type)
-        except ScenarioError as exc:
-            print(f"kvemu worker: {exc}", file=sys.stderr)
+            return _serve_process(args, scenario)
+        except ListenError as exc:  # the --http port was taken after the check above
+            print(f"kvemu {args.command}: {exc}", file=sys.stderr)
             return 2
-        return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
-                           kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
-                           http=_http_options(args), worker_type=args.worker_type)
+        except InvalidArgument as exc:  # e.g. a --listen address in use
+            print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+            return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     if args.command == "loadgen":
         from harness.processes import NotStarted, loadgen_main
@@ -433,25 +430,48 @@ def _process(args: argparse.Namespace) -> int:
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
-    if args.command == "serve":
-        from harness.up import serve_main
+    from harness.up import NotStarted as ChildNotStarted, serve_main, up_main
 
-        return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
-                          _worker_http_args(args))
-    from harness.up import up_main
+    try:
+        if args.command == "serve":
+            return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
+                              _worker_http_args(args))
+        return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
+                       _worker_http_args(args))
+    except ChildNotStarted as exc:  # the child printed why on the shared stderr
+        print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+        return 2 if exc.code == 2 else 1
 
-    return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
-                   _worker_http_args(args))
+
+def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
+    """``kvemu router`` or ``kvemu worker``: serve until SIGTERM."""
+    from harness.scenario import ScenarioError
+
+    if args.command == "router":
+        from harness.processes import router_main
+
+        return router_main(scenario, args.listen, args.grace, _http_options(args))
+    from harness.processes import worker_main, worker_pool
+
+    try:
+        worker_pool(scenario, args.worker_type)
+    except ScenarioError as exc:
+        print(f"kvemu worker: {exc}", file=sys.stderr)
+        return 2
+    return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
+                       kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
+                       http=_http_options(args), worker_type=args.worker_type)
 
 
 def _http_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--http`` / ``--tokenizer`` (None: nothing), before any process starts."""
     if getattr(args, "http", None):
-        from kvemu.http.server import parse_listen
+        from kvemu.http.server import ListenError, check_listen, parse_listen
 
         try:
             parse_listen(args.http)
-        except ValueError as exc:
+            check_listen(args.http)  # a busy port is one line now, not a child's traceback later
+        except (ValueError, ListenError) as exc:
             return str(exc)
     if getattr(args, "http_server", None) == "granian":
         import importlib.util

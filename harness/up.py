@@ -29,11 +29,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvemu.errors import KvemuError
+
 from harness.chaos import CONTROL_TOKEN_ENV
 from harness.processes import send_control
 from harness.scenario import Scenario
 
-__all__ = ["up_main", "Children", "cli_command", "cli_env"]
+__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env"]
+
+
+class NotStarted(KvemuError, RuntimeError):
+    """A child process exited (or went silent) before reporting its start line; its stderr says why."""
+
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+        """The child's exit code (None: still running)."""
 
 
 def cli_command(*args: str) -> list[str]:
@@ -88,7 +99,10 @@ class Children:
         reader.join(timeout_s)
         if not line or not line[0].strip():
             code = proc.poll()
-            raise RuntimeError(f"{name} did not start (exit code {code}); see its stderr above")
+            if line and code is None:  # its output ended: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = proc.wait(5)
+            raise NotStarted(f"{name} did not start (exit code {code}); see its message above", code)
         info = json.loads(line[0])
         self.info[name] = info
         threading.Thread(target=self._drain, args=(proc,), daemon=True).start()

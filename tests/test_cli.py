@@ -235,3 +235,23 @@ def test_the_console_script_imports_policies_from_the_working_directory_when_all
                              text=True, timeout=60)
     assert allowed.returncode == 0, allowed.stderr
     assert allowed.stdout.startswith("ok: quickstart: ")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["serve", "--http", "{addr}"], ["up", "--http", "{addr}"], ["router", "--http", "{addr}"],
+     ["worker", "--router", "tcp://127.0.0.1:9", "--http", "{addr}"], ["router", "--listen", "tcp://{addr}"]],
+    ids=["serve", "up", "router-http", "worker-http", "router-listen"],
+)
+def test_a_busy_port_is_one_line_naming_the_address_and_exit_2(tmp_path, args):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        addr = f"127.0.0.1:{busy.getsockname()[1]}"
+        proc = kvemu(*(a.format(addr=addr) for a in args), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and addr in lines[0] and "pick another port" in lines[0], proc.stderr
