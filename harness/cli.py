@@ -638,6 +638,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help="put the working directory on the import path for router.policy and autoscaler.policy "
                                   "modules (a scenario can run code)")
     args = parser.parse_args(argv)
+    if getattr(args, "overrides", None):
+        from harness.scenario import paths_from_cwd
+
+        args.overrides = paths_from_cwd(args.overrides)  # --set paths are from here, not the scenario's folder
     if getattr(args, "allow_local_policies", False):
         import os
 

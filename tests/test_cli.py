@@ -68,7 +68,7 @@ def test_validate_the_built_in_default_with_overrides(tmp_path):
     ("text", "overrides", "expected"),
     [
         ("cluster:\n  workers: 2\n  wrokers: 3\n", [], "cluster.wrokers (line 3): unknown key"),
-        ("cluster:\n  workers: two\n", [], "cluster.workers (line 2): Expected `int`, got `str`"),
+        ("cluster:\n  workers: two\n", [], "cluster.workers (line 2): expected an integer, got 'two'"),
         ("run:\n  duration_s: -5\n", [], "run.duration_s (line 2): Expected `float` > 0.0, got -5"),
         ("name: x\n", ["--set", "router.policy=fastest"], "router.policy"),
         ("workload:\n  kind: trace\n  trace: nowhere.jsonl\n", [], "workload.trace (line 3): file not found"),
@@ -255,3 +255,25 @@ def test_a_busy_port_is_one_line_naming_the_address_and_exit_2(tmp_path, args):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and addr in lines[0] and "pick another port" in lines[0], proc.stderr
+
+
+def test_a_path_given_with_set_resolves_against_the_working_directory(tmp_path):
+    """A path in the file is relative to the file; one typed on the command line, to where it was typed."""
+    row = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]})
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "t.jsonl").write_text(f"{row}\n")
+    (tmp_path / "here.jsonl").write_text(f"{row}\n{row}\n")
+    (tmp_path / "sub" / "s.yaml").write_text("name: s\nworkload:\n  trace: t.jsonl\n")
+    assert kvemu("validate", "sub/s.yaml", cwd=tmp_path).returncode == 0
+    moved = kvemu("validate", "sub/s.yaml", "--set", "workload.trace=./here.jsonl", cwd=tmp_path)
+    assert moved.returncode == 0, moved.stderr
+    assert "2 turns" in moved.stdout
+    missing = kvemu("validate", "sub/s.yaml", "--set", "workload.trace=./t.jsonl", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (f"invalid: sub/s.yaml: workload.trace (from --set): file not found: "
+                                      f"{(tmp_path / 't.jsonl').resolve()}")
+
+
+def test_a_float_written_as_yaml_1_2_does_on_the_command_line(tmp_path):
+    proc = kvemu("validate", "--set", "run.duration_s=1e1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
