@@ -277,3 +277,32 @@ def test_a_path_given_with_set_resolves_against_the_working_directory(tmp_path):
 def test_a_float_written_as_yaml_1_2_does_on_the_command_line(tmp_path):
     proc = kvemu("validate", "--set", "run.duration_s=1e1", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_version_prints_the_installed_package_version():
+    from importlib.metadata import version
+
+    proc = kvemu("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"kvemu {version('kvemu')}"
+
+
+def test_every_option_and_argument_of_every_command_has_help():
+    import argparse
+
+    from harness.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"{path}: its subcommands"
+                for choice in action._choices_actions:
+                    assert choice.help, f"{path} {choice.dest}"
+                for name, child in action.choices.items():
+                    yield from walk(child, f"{path} {name}")
+            else:
+                yield path, action
+
+    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in walk(build_parser(), "kvemu")
+               if not (a.help or "").strip()]
+    assert missing == []
