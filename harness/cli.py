@@ -10,6 +10,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.text import counted
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -96,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         prepare_outdir(outdir)
         with _terminate_as_interrupt():
             console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
-                          f"{scenario.run.seed}) on {_shape(scenario)}")
+                          f"{scenario.run.seed}) on {_shape(scenario)}", soft_wrap=True, highlight=False)
             # the plots' child process imports matplotlib while the scenario runs
             with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
                 outcome = run_scenario(scenario, outdir, progress=progress)
@@ -113,7 +115,8 @@ def _run(args: argparse.Namespace) -> int:
     reason = outcome.data.stop_reason or "interrupted"
     partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
-                  f"{partial}; report in {outdir}/report.md")
+                  f"{partial}; report in {escape(str(outdir))}/report.md", soft_wrap=True, highlight=False)  # a path
+    # is never broken across lines
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130
@@ -187,7 +190,8 @@ def _sweep(args: argparse.Namespace) -> int:
         return error("kvemu sweep", exc)
     except ScenarioError as exc:  # SweepError is one
         return error("invalid sweep", exc)
-    shape = f"{sweep.points} points × {sweep.seeds_per_point} seeds = {len(runs)} runs"
+    shape = (f"{counted(sweep.points, 'point')} × {counted(sweep.seeds_per_point, 'seed')} = "
+             f"{counted(len(runs), 'run')}")
     if args.validate:
         print(f"ok: {sweep.name}: {shape}, every point valid")
         return 0
@@ -198,7 +202,7 @@ def _sweep(args: argparse.Namespace) -> int:
     todo = len(store.todo())
     jobs = args.jobs or os.cpu_count() or 1
     processes = min(jobs, todo)
-    where = {"local": f"a local pool of {processes} process{'es' if processes != 1 else ''}",
+    where = {"local": f"a local pool of {counted(processes, 'process', 'processes')}",
              "dask": f"Dask at {args.address}",
              "ray": f"Ray at {args.address}"}[kind]
     reused = f", {store.reused} finished before" if store.reused else ""
@@ -222,7 +226,7 @@ def _sweep(args: argparse.Namespace) -> int:
                       "(finished runs are kept)[/yellow]", highlight=False, soft_wrap=True)
         return 143 if outcome.interrupted == "SIGTERM" else 130
     if outcome.failed:
-        console.print(f"[red]kvemu: {outcome.failed} of {len(runs)} runs failed or stopped early (sweep.csv has "
+        console.print(f"[red]kvemu: {outcome.failed} of {counted(len(runs), 'run')} failed or stopped early (sweep.csv has "
                       "their errors); run the same command again to retry them[/red]", highlight=False, soft_wrap=True)
         return 1
     return 0
@@ -297,7 +301,8 @@ def _plan(args: argparse.Namespace) -> int:
         verdict = "error" if share is None else ("passes" if share >= args.goodput else "fails")
         detail = f"{share:.1%} met the SLA" if share is not None else "; ".join(
             str(r["error"]) for r in probe.runs if r["error"])
-        console.print(f"  {probe.label} workers: {detail} → {verdict}", highlight=False, soft_wrap=True)
+        console.print(f"  {probe.label} worker{'' if probe.label == '1' else 's'}: {detail} → {verdict}",
+                      highlight=False, soft_wrap=True)
 
     try:
         with _terminate_as_interrupt(), open_executor(args.address, min(jobs, width * len(seeds) * 3)) as executor:
@@ -313,9 +318,9 @@ def _plan(args: argparse.Namespace) -> int:
         row = plan[name]
         if row is not None:
             label = "smallest passing" if name == "answer" else "largest failing"
-            print(f"  {label}: {row['workers']} workers, {row['met_fraction']:.1%} met the SLA, "
+            print(f"  {label}: {counted(row['workers'], 'worker')}, {row['met_fraction']:.1%} met the SLA, "
                   f"p99 TTFT {row['p99_ttft_ms']} ms")
-    console.print(f"kvemu: {plan['runs']} runs in {plan['wall_time_s']:.1f} s; plan in {md}", highlight=False,
+    console.print(f"kvemu: {counted(plan['runs'], 'run')} in {plan['wall_time_s']:.1f} s; plan in {md}", highlight=False,
                   soft_wrap=True)
     return 0 if plan["answer"] is not None else 1
 
@@ -355,6 +360,7 @@ def _validate(args: argparse.Namespace) -> int:
     from kvemu.errors import KvemuError
 
     from harness.cluster import check_buildable
+    from harness.runner import count_requests
     from harness.scenario import ScenarioError
     from harness.workload import build_sessions
 
@@ -369,18 +375,23 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
     turns = sum(len(s.turns) for s in sessions)
-    print(f"ok: {scenario.name}: {_shape(scenario)}, {len(sessions)} sessions, {turns} turns, "
-          f"{scenario.run.mode} mode")
+    requests = count_requests(sessions)  # as run counts them: each sub-agent of a turn is a request too
+    detail = f" ({counted(turns, 'turn')} + {counted(requests - turns, 'sub-agent request')})" if requests > turns \
+        else ""
+    print(f"ok: {scenario.name}: {_shape(scenario)}, {counted(len(sessions), 'session')}, "
+          f"{counted(requests, 'request')}{detail}, {scenario.run.mode} mode")
     return 0
 
 
 def _shape(scenario: Scenario) -> str:
-    """``4 workers × 1 DP ranks``, or ``4 prefill workers × 1 + 12 decode workers × 1 DP ranks``."""
+    """``4 workers × 1 DP rank``, or ``4 prefill workers × 1 + 12 decode workers × 2 DP ranks``."""
     pools = scenario.cluster.pools()
     if "aggregated" in pools:
         n, dp, _ = pools["aggregated"]
-        return f"{n} workers × {dp} DP ranks"
-    return " + ".join(f"{n} {pool} workers × {dp}" for pool, (n, dp, _) in pools.items()) + " DP ranks"
+        return f"{counted(n, 'worker')} × {counted(dp, 'DP rank')}"
+    last_dp = list(pools.values())[-1][1]
+    return " + ".join(f"{counted(n, f'{pool} worker')} × {dp}" for pool, (n, dp, _) in pools.items()) + \
+        (" DP rank" if last_dp == 1 else " DP ranks")
 
 
 def _process(args: argparse.Namespace) -> int:

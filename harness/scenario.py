@@ -36,6 +36,7 @@ from workers.profile import cached_profile_timing
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
 from harness.sla import Sla
+from harness.text import counted
 
 __all__ = [
     "EngineSpec",
@@ -407,7 +408,7 @@ def _check_autoscaler(s: Scenario, a: AutoscalerSpec) -> None:
                               field="autoscaler.pool")
     n, dp, _ = pools[pool]
     if not a.min_workers <= n <= a.max_workers:
-        raise InvalidArgument(f"the {pool} pool starts with {n} workers, outside autoscaler.min_workers.."
+        raise InvalidArgument(f"the {pool} pool starts with {counted(n, 'worker')}, outside autoscaler.min_workers.."
                               f"max_workers ({a.min_workers}..{a.max_workers})", field="autoscaler.min_workers"
                               if n < a.min_workers else "autoscaler.max_workers")
     adds = sum(ev.action == "add_worker" for ev in s.chaos)

@@ -33,6 +33,7 @@ from kvemu.errors import KvemuError
 
 from harness.chaos import CONTROL_TOKEN_ENV
 from harness.processes import send_control
+from harness.text import counted
 from harness.scenario import Scenario
 
 __all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env"]
@@ -229,8 +230,8 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
         print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router,
                           "workers": scenario.cluster.workers, "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
                           "worker_info": stack.worker_info}), flush=True)
-        print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({scenario.cluster.workers} workers x "
-              f"{scenario.cluster.dp_size} ranks); Ctrl-C stops", file=sys.stderr, flush=True)
+        print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({counted(scenario.cluster.workers, 'worker')} x "
+              f"{counted(scenario.cluster.dp_size, 'rank')}); Ctrl-C stops", file=sys.stderr, flush=True)
         with _terminate_as_interrupt():
             while (problem := kids.crashed()) is None:
                 time.sleep(0.2)

@@ -267,7 +267,7 @@ def test_a_path_given_with_set_resolves_against_the_working_directory(tmp_path):
     assert kvemu("validate", "sub/s.yaml", cwd=tmp_path).returncode == 0
     moved = kvemu("validate", "sub/s.yaml", "--set", "workload.trace=./here.jsonl", cwd=tmp_path)
     assert moved.returncode == 0, moved.stderr
-    assert "2 turns" in moved.stdout
+    assert ", 2 requests, " in moved.stdout
     missing = kvemu("validate", "sub/s.yaml", "--set", "workload.trace=./t.jsonl", cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == (f"invalid: sub/s.yaml: workload.trace (from --set): file not found: "
@@ -306,3 +306,28 @@ def test_every_option_and_argument_of_every_command_has_help():
     missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in walk(build_parser(), "kvemu")
                if not (a.help or "").strip()]
     assert missing == []
+
+
+@pytest.mark.parametrize("example", ["quickstart.yaml", "agentic-sessions-600s.yaml"])
+def test_validate_counts_the_requests_run_sends_and_the_last_line_is_not_wrapped(tmp_path, example):
+    """Sub-agent requests count (validate said "turns"); the report path printed last is one unbroken line even
+    when the output is not a terminal (rich wraps at 80 columns there)."""
+    args = [str(ROOT / "examples" / example), "--set", "run.duration_s=4", "--set", "cluster.engine.num_gpu_blocks=512"]
+    checked = kvemu("validate", *args, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    outdir = "reports/" + "a-rather-long-directory-name-" * 3 + example.removesuffix(".yaml")
+    ran = kvemu("run", *args, "-o", outdir, "--quiet", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    requests = json.loads((tmp_path / outdir / "summary.json").read_text())["num_requests"]
+    assert f", {requests} requests" in checked.stdout
+    assert ran.stderr.splitlines()[-1] == f"kvemu: {requests}/{requests} requests completed; report in {outdir}/report.md"
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path):
+    proc = kvemu("validate", "--set", "cluster.workers=1", "--set", "cluster.dp_size=1", "--set", "run.max_requests=1",
+                 "--set", "workload.sub_agents=0",
+                 cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: quickstart: 1 worker × 1 DP rank, 1 session, 1 request, ")
+    demo = kvemu("demo", "--workers", "1", "--dp-size", "1", "--sessions", "1", "--turns", "1")
+    assert "1 request routed on 1 worker x 1 DP rank" in demo.stdout
