@@ -189,7 +189,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except ExecutorError as exc:
         return error("kvemu sweep", exc)
     except ScenarioError as exc:  # SweepError is one
-        return error("invalid sweep", exc)
+        return error("invalid sweep", _scenario_not_sweep(args.sweep) or exc)
     shape = (f"{counted(sweep.points, 'point')} × {counted(sweep.seeds_per_point, 'seed')} = "
              f"{counted(len(runs), 'run')}")
     if args.validate:
@@ -230,6 +230,20 @@ def _sweep(args: argparse.Namespace) -> int:
                       "their errors); run the same command again to retry them[/red]", highlight=False, soft_wrap=True)
         return 1
     return 0
+
+
+def _scenario_not_sweep(path: str) -> str | None:
+    """Why ``path`` is refused as a sweep when it is a scenario (None if it is not one): which command runs it."""
+    import yaml
+
+    from harness.scenario import ScenarioError, file_kind, read_text_file
+
+    try:
+        kind = file_kind(yaml.safe_load(read_text_file(Path(path), "sweep")))
+    except (ScenarioError, yaml.YAMLError, RecursionError):
+        return None
+    return (f"{path}: a scenario, not a sweep file (a sweep has axes:): run it with kvemu run {path}, or name it in "
+            "a sweep's base:") if kind == "scenario" else None
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

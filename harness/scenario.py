@@ -60,6 +60,7 @@ __all__ = [
     "describe_validation_error",
     "read_text_file",
     "line_of",
+    "file_kind",
 ]
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
@@ -665,6 +666,8 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: the scenario must be a mapping of sections, got {type(raw).__name__}")
+    if file_kind(raw) == "sweep":
+        raise ScenarioError(f"{source}: a sweep file (it has axes:), not a scenario: run it with kvemu sweep {source}")
     apply_overrides(raw, overrides or [])
     workload = raw.get("workload")
     if isinstance(workload, dict) and "kind" not in workload:  # after the overrides: they may add the section
@@ -740,6 +743,17 @@ def paths_from_cwd(overrides: list[str], cwd: str | Path | None = None) -> list[
                         item = f"{key}={json.dumps(value)}"
         out.append(item)
     return out
+
+
+_SCENARIO_KEYS = frozenset(("cluster", "router", "workload", "run", "chaos", "autoscaler"))
+"""Top-level keys only a scenario has."""
+def file_kind(raw: Any) -> Literal["scenario", "sweep"] | None:
+    """What a parsed YAML file is by its top-level keys (a sweep has ``axes``, a scenario sections such as
+    ``cluster``; None: cannot tell), so that a file given to the wrong command gets told which command it is for."""
+    if not isinstance(raw, dict):
+        return None
+    scenario, sweep = bool(_SCENARIO_KEYS & raw.keys()), "axes" in raw
+    return "scenario" if scenario and not sweep else "sweep" if sweep and not scenario else None
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:

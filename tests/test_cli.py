@@ -331,3 +331,15 @@ def test_counts_of_one_read_in_the_singular(tmp_path):
     assert proc.stdout.startswith("ok: quickstart: 1 worker × 1 DP rank, 1 session, 1 request, ")
     demo = kvemu("demo", "--workers", "1", "--dp-size", "1", "--sessions", "1", "--turns", "1")
     assert "1 request routed on 1 worker x 1 DP rank" in demo.stdout
+
+
+@pytest.mark.parametrize(("command", "path", "expected"), [
+    ("validate", "sweep-workers.yaml", "a sweep file (it has axes:), not a scenario: run it with kvemu sweep "),
+    ("run", "sweep-workers.yaml", "a sweep file (it has axes:), not a scenario: run it with kvemu sweep "),
+    ("sweep", "quickstart.yaml", "a scenario, not a sweep file (a sweep has axes:): run it with kvemu run "),
+])
+def test_a_file_given_to_the_wrong_command_says_which_command_it_is_for(tmp_path, command, path, expected):
+    proc = kvemu(command, str(ROOT / "examples" / path), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1 and expected in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
