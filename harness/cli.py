@@ -114,9 +114,9 @@ def _run(args: argparse.Namespace) -> int:
     summary = outcome.summary or {}
     reason = outcome.data.stop_reason or "interrupted"
     partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
+    # soft_wrap: rich would wrap at 80 columns in a pipe, breaking the path
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
-                  f"{partial}; report in {escape(str(outdir))}/report.md", soft_wrap=True, highlight=False)  # a path
-    # is never broken across lines
+                  f"{partial}; report in {escape(str(outdir))}/report.md", soft_wrap=True, highlight=False)
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130
@@ -226,8 +226,9 @@ def _sweep(args: argparse.Namespace) -> int:
                       "(finished runs are kept)[/yellow]", highlight=False, soft_wrap=True)
         return 143 if outcome.interrupted == "SIGTERM" else 130
     if outcome.failed:
-        console.print(f"[red]kvemu: {outcome.failed} of {counted(len(runs), 'run')} failed or stopped early (sweep.csv has "
-                      "their errors); run the same command again to retry them[/red]", highlight=False, soft_wrap=True)
+        console.print(f"[red]kvemu: {outcome.failed} of {counted(len(runs), 'run')} failed or stopped early "
+                      "(sweep.csv has their errors); run the same command again to retry them[/red]", highlight=False,
+                      soft_wrap=True)
         return 1
     return 0
 
@@ -334,8 +335,8 @@ def _plan(args: argparse.Namespace) -> int:
             label = "smallest passing" if name == "answer" else "largest failing"
             print(f"  {label}: {counted(row['workers'], 'worker')}, {row['met_fraction']:.1%} met the SLA, "
                   f"p99 TTFT {row['p99_ttft_ms']} ms")
-    console.print(f"kvemu: {counted(plan['runs'], 'run')} in {plan['wall_time_s']:.1f} s; plan in {md}", highlight=False,
-                  soft_wrap=True)
+    console.print(f"kvemu: {counted(plan['runs'], 'run')} in {plan['wall_time_s']:.1f} s; plan in {md}",
+                  highlight=False, soft_wrap=True)
     return 0 if plan["answer"] is not None else 1
 
 
@@ -679,8 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
     for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve):
         command.add_argument("--allow-local-policies", action="store_true",
-                             help="put the working directory on the import path for router.policy and autoscaler.policy "
-                                  "modules (a scenario can run code)")
+                             help="put the working directory on the import path for router.policy and "
+                                  "autoscaler.policy modules (a scenario can run code)")
     return parser
 
 

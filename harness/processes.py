@@ -706,8 +706,8 @@ async def _await_router(client: _RouterClient, router: str, expect_workers: int 
     if st is None:
         raise RouterUnreachable(f"no answer from the router at {router} within {wait_s:g} s: is it running, and "
                                 f"does it have the same {security.SECRET_ENV} as this process?")
-    raise RouterUnreachable(f"the router at {router} has {counted(len(st.workers), 'worker')}, not the {expect_workers} "
-                            f"expected, after {wait_s:g} s")
+    raise RouterUnreachable(f"the router at {router} has {counted(len(st.workers), 'worker')}, not the "
+                            f"{expect_workers} expected, after {wait_s:g} s")
 
 
 class _LoadgenRun:

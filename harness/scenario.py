@@ -637,6 +637,7 @@ def floats_where_expected(raw: Any, schema: Any) -> Any:
 
 
 def _floats(raw: Any, t: Any) -> Any:
+    """``floats_where_expected`` on one value of (``msgspec.inspect``) type ``t``."""
     t = _struct_for(raw, t)
     if isinstance(raw, str):
         members = t.types if isinstance(t, mi.UnionType) else [t]
@@ -747,6 +748,8 @@ def paths_from_cwd(overrides: list[str], cwd: str | Path | None = None) -> list[
 
 _SCENARIO_KEYS = frozenset(("cluster", "router", "workload", "run", "chaos", "autoscaler"))
 """Top-level keys only a scenario has."""
+
+
 def file_kind(raw: Any) -> Literal["scenario", "sweep"] | None:
     """What a parsed YAML file is by its top-level keys (a sweep has ``axes``, a scenario sections such as
     ``cluster``; None: cannot tell), so that a file given to the wrong command gets told which command it is for."""

@@ -320,7 +320,8 @@ def test_validate_counts_the_requests_run_sends_and_the_last_line_is_not_wrapped
     assert ran.returncode == 0, ran.stderr
     requests = json.loads((tmp_path / outdir / "summary.json").read_text())["num_requests"]
     assert f", {requests} requests" in checked.stdout
-    assert ran.stderr.splitlines()[-1] == f"kvemu: {requests}/{requests} requests completed; report in {outdir}/report.md"
+    last = ran.stderr.splitlines()[-1]
+    assert last == f"kvemu: {requests}/{requests} requests completed; report in {outdir}/report.md"
 
 
 def test_counts_of_one_read_in_the_singular(tmp_path):
