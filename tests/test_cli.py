@@ -240,8 +240,10 @@ def test_the_console_script_imports_policies_from_the_working_directory_when_all
 @pytest.mark.parametrize(
     "args",
     [["serve", "--http", "{addr}"], ["up", "--http", "{addr}"], ["router", "--http", "{addr}"],
-     ["worker", "--router", "tcp://127.0.0.1:9", "--http", "{addr}"], ["router", "--listen", "tcp://{addr}"]],
-    ids=["serve", "up", "router-http", "worker-http", "router-listen"],
+     ["worker", "--router", "tcp://127.0.0.1:9", "--http", "{addr}"], ["router", "--listen", "tcp://{addr}"],
+     ["worker", "--router", "tcp://127.0.0.1:9", "--kv-events", "tcp://{addr}"],
+     ["worker", "--router", "tcp://127.0.0.1:9", "--kv-replay", "tcp://{addr}"]],
+    ids=["serve", "up", "router-http", "worker-http", "router-listen", "worker-kv-events", "worker-kv-replay"],
 )
 def test_a_busy_port_is_one_line_naming_the_address_and_exit_2(tmp_path, args):
     import socket

@@ -290,15 +290,7 @@ class ZmqRouterEnd:
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None) -> None:
         sock = message_socket(zmq.ROUTER, context)
-        security.serve_securely(sock, endpoint)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:  # a busy port is the user's to fix: say so in one line
-            sock.close(linger=0)
-            why = exc.strerror.split(" (addr=")[0]
-            raise InvalidArgument(f"{endpoint}: cannot listen there ({why}): stop what listens there, or "
-                                  "pick another port (port 0 picks a free one)") from None
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = security.bind_securely(sock, endpoint)
         self._sock = sock
         self._outbox = _Outbox(self._send_frames)
 
