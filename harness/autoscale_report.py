@@ -67,7 +67,8 @@ def autoscale_markdown(section: dict[str, Any], fmt: Any, table: Any) -> list[st
            f"{cfg['min_workers']}..{cfg['max_workers']} workers, startup delay {fmt(cfg['startup_delay_s'])} s, "
            f"cooldown {fmt(cfg['cooldown_s'])} s. {fmt(section['decisions_total'])} decisions "
            f"({by['applied']} applied, {by['clamped']} clamped, {by['refused']} refused): "
-           f"{fmt(section['workers_added'])} workers added, {fmt(section['workers_removed'])} removed; running "
+           f"{fmt(section['workers_added'])} worker{'' if section['workers_added'] == 1 else 's'} added, "
+           f"{fmt(section['workers_removed'])} removed; running "
            f"workers between {fmt(section['min_running_workers'])} and {fmt(section['max_running_workers'])}.", ""]
     shown = section["decisions"][:MAX_ROWS]
     if not shown:

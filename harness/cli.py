@@ -10,20 +10,21 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.text import counted
+
 if TYPE_CHECKING:
     from rich.console import Console
 
     from harness.runner import Progress as ProgressCallback
     from harness.scenario import Scenario
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
     run.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                     help="override a scenario value, e.g. --set cluster.workers=8 (repeatable)")
+    _add_set(run)
     run.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
@@ -97,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         prepare_outdir(outdir)
         with _terminate_as_interrupt():
             console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
-                          f"{scenario.run.seed}) on {_shape(scenario)}")
+                          f"{scenario.run.seed}) on {_shape(scenario)}", soft_wrap=True, highlight=False)
             # the plots' child process imports matplotlib while the scenario runs
             with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
                 outcome = run_scenario(scenario, outdir, progress=progress)
@@ -113,8 +114,9 @@ def _run(args: argparse.Namespace) -> int:
     summary = outcome.summary or {}
     reason = outcome.data.stop_reason or "interrupted"
     partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
+    # soft_wrap: rich would wrap at 80 columns in a pipe, breaking the path
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
-                  f"{partial}; report in {outdir}/report.md")
+                  f"{partial}; report in {escape(str(outdir))}/report.md", soft_wrap=True, highlight=False)
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130
@@ -166,8 +168,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a scenario at every point of a grid of overrides, in parallel; "
                                          "writes sweep.csv, sweep.json and sweep.md")
     sweep.add_argument("sweep", help="sweep YAML (base scenario, axes, seeds, figures)")
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                       help="override a scenario value at every point (joins the sweep's set:; repeatable)")
+    _add_set(sweep, "override a scenario value at every point (joins the sweep's set:; repeatable)")
     sweep.add_argument("-o", "--outdir", help="output directory (default: out/<sweep name>); a re-run resumes there")
     sweep.add_argument("--jobs", type=int, help="local worker processes (default: the CPU count)")
     sweep.add_argument("--address", help="tcp://HOST:PORT: a Dask scheduler; ray://HOST:PORT or auto: a Ray "
@@ -211,8 +212,9 @@ def _sweep(args: argparse.Namespace) -> int:
         except ExecutorError as exc:
             return error("kvemu sweep", exc)
         except ScenarioError as exc:  # SweepError is one
-            return error("invalid sweep", exc)
-        shape = f"{sweep.points} points × {sweep.seeds_per_point} seeds = {len(runs)} runs"
+            return error("invalid sweep", _scenario_not_sweep(args.sweep) or exc)
+        shape = (f"{counted(sweep.points, 'point')} × {counted(sweep.seeds_per_point, 'seed')} = "
+                 f"{counted(len(runs), 'run')}")
         if args.validate:
             print(f"ok: {sweep.name}: {shape}, every point valid")
             return 0
@@ -223,7 +225,7 @@ def _sweep(args: argparse.Namespace) -> int:
     todo = len(store.todo())
     jobs = args.jobs or os.cpu_count() or 1
     processes = min(jobs, todo)
-    where = {"local": f"a local pool of {processes} process{'es' if processes != 1 else ''}",
+    where = {"local": f"a local pool of {counted(processes, 'process', 'processes')}",
              "dask": f"Dask at {args.address}",
              "ray": f"Ray at {args.address}"}[kind]
     if not todo:
@@ -256,10 +258,25 @@ def _sweep(args: argparse.Namespace) -> int:
                       "(finished runs are kept)[/yellow]", highlight=False, soft_wrap=True)
         return 143 if outcome.interrupted == "SIGTERM" else 130
     if outcome.failed:
-        console.print(f"[red]kvemu: {outcome.failed} of {len(runs)} runs failed or stopped early (sweep.csv has "
-                      "their errors); run the same command again to retry them[/red]", highlight=False, soft_wrap=True)
+        console.print(f"[red]kvemu: {outcome.failed} of {counted(len(runs), 'run')} failed or stopped early "
+                      "(sweep.csv has their errors); run the same command again to retry them[/red]", highlight=False,
+                      soft_wrap=True)
         return 1
     return 0
+
+
+def _scenario_not_sweep(path: str) -> str | None:
+    """Why ``path`` is refused as a sweep when it is a scenario (None if it is not one): which command runs it."""
+    import yaml
+
+    from harness.scenario import ScenarioError, file_kind, read_text_file
+
+    try:
+        kind = file_kind(yaml.safe_load(read_text_file(Path(path), "sweep")))
+    except (ScenarioError, yaml.YAMLError, RecursionError):
+        return None
+    return (f"{path}: a scenario, not a sweep file (a sweep has axes:): run it with kvemu run {path}, or name it in "
+            "a sweep's base:") if kind == "scenario" else None
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -273,7 +290,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--min-workers", type=int, default=1, help="smallest cluster to consider (default 1)")
     plan.add_argument("--max-workers", type=int, default=32, help="largest cluster to consider (default 32)")
     plan.add_argument("--seeds", type=int, default=1, help="seeds per probe; a size passes when every seed does")
-    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    _add_set(plan)
     plan.add_argument("-o", "--outdir", help="output directory (default: out/plan-<scenario name>)")
     plan.add_argument("--jobs", type=int, help="local worker processes, and probes per round (default: CPU count)")
     plan.add_argument("--address", help="tcp://HOST:PORT (Dask) or ray://HOST:PORT | auto (Ray), as for sweep")
@@ -331,7 +348,8 @@ def _plan(args: argparse.Namespace) -> int:
         verdict = "error" if share is None else ("passes" if share >= args.goodput else "fails")
         detail = f"{share:.1%} met the SLA" if share is not None else "; ".join(
             str(r["error"]) for r in probe.runs if r["error"])
-        console.print(f"  {probe.label} workers: {detail} → {verdict}", highlight=False, soft_wrap=True)
+        console.print(f"  {probe.label} worker{'' if probe.label == '1' else 's'}: {detail} → {verdict}",
+                      highlight=False, soft_wrap=True)
 
     try:
         with _terminate_as_interrupt(), open_executor(args.address, min(jobs, width * len(seeds) * 3)) as executor:
@@ -347,10 +365,10 @@ def _plan(args: argparse.Namespace) -> int:
         row = plan[name]
         if row is not None:
             label = "smallest passing" if name == "answer" else "largest failing"
-            print(f"  {label}: {row['workers']} workers, {row['met_fraction']:.1%} met the SLA, "
+            print(f"  {label}: {counted(row['workers'], 'worker')}, {row['met_fraction']:.1%} met the SLA, "
                   f"p99 TTFT {row['p99_ttft_ms']} ms")
-    console.print(f"kvemu: {plan['runs']} runs in {plan['wall_time_s']:.1f} s; plan in {md}", highlight=False,
-                  soft_wrap=True)
+    console.print(f"kvemu: {counted(plan['runs'], 'run')} in {plan['wall_time_s']:.1f} s; plan in {md}",
+                  highlight=False, soft_wrap=True)
     return 0 if plan["answer"] is not None else 1
 
 
@@ -389,6 +407,7 @@ def _validate(args: argparse.Namespace) -> int:
     from kvemu.errors import KvemuError
 
     from harness.cluster import check_buildable
+    from harness.runner import count_requests
     from harness.scenario import ScenarioError
     from harness.workload import build_sessions
 
@@ -403,18 +422,23 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
     turns = sum(len(s.turns) for s in sessions)
-    print(f"ok: {scenario.name}: {_shape(scenario)}, {len(sessions)} sessions, {turns} turns, "
-          f"{scenario.run.mode} mode")
+    requests = count_requests(sessions)  # as run counts them: each sub-agent of a turn is a request too
+    detail = f" ({counted(turns, 'turn')} + {counted(requests - turns, 'sub-agent request')})" if requests > turns \
+        else ""
+    print(f"ok: {scenario.name}: {_shape(scenario)}, {counted(len(sessions), 'session')}, "
+          f"{counted(requests, 'request')}{detail}, {scenario.run.mode} mode")
     return 0
 
 
 def _shape(scenario: Scenario) -> str:
-    """``4 workers × 1 DP ranks``, or ``4 prefill workers × 1 + 12 decode workers × 1 DP ranks``."""
+    """``4 workers × 1 DP rank``, or ``4 prefill workers × 1 + 12 decode workers × 2 DP ranks``."""
     pools = scenario.cluster.pools()
     if "aggregated" in pools:
         n, dp, _ = pools["aggregated"]
-        return f"{n} workers × {dp} DP ranks"
-    return " + ".join(f"{n} {pool} workers × {dp}" for pool, (n, dp, _) in pools.items()) + " DP ranks"
+        return f"{counted(n, 'worker')} × {counted(dp, 'DP rank')}"
+    last_dp = list(pools.values())[-1][1]
+    return " + ".join(f"{counted(n, f'{pool} worker')} × {dp}" for pool, (n, dp, _) in pools.items()) + \
+        (" DP rank" if last_dp == 1 else " DP ranks")
 
 
 def _process(args: argparse.Namespace) -> int:
@@ -431,21 +455,18 @@ def _process(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
         return 2
-    if args.command == "router":
-        from harness.processes import router_main
-
-        return router_main(scenario, args.listen, args.grace, _http_options(args))
-    if args.command == "worker":
-        from harness.processes import worker_main, worker_pool
+    if args.command in ("router", "worker"):
+        from kvemu.errors import InvalidArgument
+        from kvemu.http.server import ListenError
 
         try:
-            worker_pool(scenario, args.worker_type)
-        except ScenarioError as exc:
-            print(f"kvemu worker: {exc}", file=sys.stderr)
+            return _serve_process(args, scenario)
+        except ListenError as exc:  # the --http port was taken after the check above
+            print(f"kvemu {args.command}: {exc}", file=sys.stderr)
             return 2
-        return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
-                           kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
-                           http=_http_options(args), worker_type=args.worker_type)
+        except InvalidArgument as exc:  # e.g. a --listen address in use
+            print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+            return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     if args.command == "loadgen":
         from harness.processes import NotStarted, loadgen_main
@@ -465,25 +486,48 @@ def _process(args: argparse.Namespace) -> int:
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
-    if args.command == "serve":
-        from harness.up import serve_main
+    from harness.up import NotStarted as ChildNotStarted, serve_main, up_main
 
-        return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
-                          _worker_http_args(args))
-    from harness.up import up_main
+    try:
+        if args.command == "serve":
+            return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
+                              _worker_http_args(args))
+        return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
+                       _worker_http_args(args))
+    except ChildNotStarted as exc:  # the child printed why on the shared stderr
+        print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+        return 2 if exc.code == 2 else 1
 
-    return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
-                   _worker_http_args(args))
+
+def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
+    """``kvemu router`` or ``kvemu worker``: serve until SIGTERM."""
+    from harness.scenario import ScenarioError
+
+    if args.command == "router":
+        from harness.processes import router_main
+
+        return router_main(scenario, args.listen, args.grace, _http_options(args))
+    from harness.processes import worker_main, worker_pool
+
+    try:
+        worker_pool(scenario, args.worker_type)
+    except ScenarioError as exc:
+        print(f"kvemu worker: {exc}", file=sys.stderr)
+        return 2
+    return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
+                       kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
+                       http=_http_options(args), worker_type=args.worker_type)
 
 
 def _http_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--http`` / ``--tokenizer`` (None: nothing), before any process starts."""
     if getattr(args, "http", None):
-        from kvemu.http.server import parse_listen
+        from kvemu.http.server import ListenError, check_listen, parse_listen
 
         try:
             parse_listen(args.http)
-        except ValueError as exc:
+            check_listen(args.http)  # a busy port is one line now, not a child's traceback later
+        except (ValueError, ListenError) as exc:
             return str(exc)
     if getattr(args, "http_server", None) == "granian":
         import importlib.util
@@ -579,23 +623,43 @@ def _loadgen_chaos_problem(scenario: Any, chaos: str | None) -> str | None:
     return "; ".join(problems) or None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvemu`` console script."""
+def _add_set(parser: argparse.ArgumentParser,
+             text: str = "override a scenario value, e.g. --set cluster.workers=8 (repeatable; a relative path is "
+                         "from the working directory)") -> None:
+    """The ``--set KEY.PATH=VALUE`` option, said once for every command that reads a scenario."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=text)
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvemu")
+    except PackageNotFoundError:  # pragma: no cover - run from a checkout without installing
+        from kvemu import __version__
+
+        return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvemu`` argument parser: every subcommand and option, each with its help."""
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvemu {_version()}", help="print the version")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
     run_parser = _add_run(sub)
     sweep_parser = _add_sweep(sub)
     _add_plan(sub)
     validate = sub.add_parser("validate", help="check a scenario without running it")
-    validate.add_argument("scenario", nargs="?")
-    validate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    validate.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
+    _add_set(validate)
     compare = sub.add_parser("compare", help="print two reports' summaries side by side with deltas")
-    compare.add_argument("a")
-    compare.add_argument("b")
+    compare.add_argument("a", help="the first report directory (A: has summary.json)")
+    compare.add_argument("b", help="the second report directory (B: deltas are B - A)")
     router = sub.add_parser("router", help="run a router process (workers and load generators connect to it)")
     router.add_argument("--listen", default="tcp://127.0.0.1:5555", help="ROUTER endpoint for workers and clients")
     router.add_argument("--config", dest="scenario", help="scenario YAML for the router and engine settings")
-    router.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    _add_set(router)
     router.add_argument("--grace", type=float, default=10.0, help="seconds to drain requests on SIGTERM")
     worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
     worker.add_argument("--router", required=True, help="the router's --listen endpoint")
@@ -607,48 +671,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.add_argument("--kv-events", default="tcp://127.0.0.1:0",
                         help="PUB endpoint of rank 0 (rank r uses port + r; port 0 = pick one per rank)")
     worker.add_argument("--kv-replay", default="tcp://127.0.0.1:0", help="replay ROUTER endpoint ('' to disable)")
-    worker.add_argument("--config", dest="scenario")
-    worker.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
-    worker.add_argument("--grace", type=float, default=10.0)
+    worker.add_argument("--config", dest="scenario", help="scenario YAML for the engine settings")
+    _add_set(worker)
+    worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     _add_http(worker, None)
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
     loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
     loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
-    loadgen.add_argument("--router", required=True)
-    loadgen.add_argument("-o", "--outdir")
+    loadgen.add_argument("--router", required=True, help="the router's --listen endpoint")
+    loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
-    loadgen.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    _add_set(loadgen)
     _add_http(router, None)
     up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
-    up.add_argument("scenario", nargs="?")
-    up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
-    up.add_argument("-o", "--outdir")
+    up.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    _add_set(up)
+    up.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     _add_http(up, None)
     serve = sub.add_parser("serve", help="router with its OpenAI front door + workers as processes, until Ctrl-C")
     serve.add_argument("scenario", nargs="?", help="scenario YAML for the cluster (default: the built-in quickstart)")
-    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    _add_set(serve)
     _add_http(serve, "127.0.0.1:8000")
     for command in (up, serve):
         command.add_argument("--worker-http", action="store_true",
                              help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
                                   "(on a free 127.0.0.1 port each; printed at start)")
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
-    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
+                                             help="what to do with it")
     export = tokenizer_sub.add_parser("export", help="write tokenizer.json and its configs into DIR")
-    export.add_argument("directory")
+    export.add_argument("directory", help="where to write them (created if missing)")
     demo = sub.add_parser("demo", help="route a few multi-turn sessions with the policy core alone")
-    demo.add_argument("--workers", type=int, default=4)
-    demo.add_argument("--dp-size", type=int, default=2)
-    demo.add_argument("--sessions", type=int, default=6)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--workers", type=int, default=4, help="workers to route to (default 4)")
+    demo.add_argument("--dp-size", type=int, default=2, help="DP ranks per worker (default 2)")
+    demo.add_argument("--sessions", type=int, default=6, help="conversations (default 6)")
+    demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
     for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve):
         command.add_argument("--allow-local-policies", action="store_true",
-                             help="let router.policy import modules from the working directory (a scenario can run code)")
+                             help="put the working directory on the import path for router.policy and "
+                                  "autoscaler.policy modules (a scenario can run code)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvemu`` console script."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "overrides", None):
+        from harness.scenario import paths_from_cwd
+
+        args.overrides = paths_from_cwd(args.overrides)  # --set paths are from here, not the scenario's folder
     if getattr(args, "allow_local_policies", False):
         import os
 

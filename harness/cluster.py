@@ -10,6 +10,7 @@ publishers and subscribers per rank.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,8 @@ from workers.worker import MockWorker
 from harness.plugins import ALLOW_LOCAL_POLICIES_ENV, import_callable
 from harness.pools import AGGREGATED, compose_pools, worker_type_of
 from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Cluster", "ALLOW_LOCAL_POLICIES_ENV", "make_policy", "engine_config", "build_router", "pool_router", "cluster"]
 
@@ -92,9 +95,28 @@ def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks:
     block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
     ``DisaggRouter`` passes their events on to ``hooks``). ``kv``: how it gets KV events (``build_router``)."""
     spec = scenario.cluster
-    return build_router(scenario.router, block_size=spec.pools()[pool][2].block_size, clock=clock,
-                        seed=scenario.run.seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
-                        pool=None if pool == AGGREGATED else pool, **kv)
+    router = build_router(scenario.router, block_size=spec.pools()[pool][2].block_size, clock=clock,
+                          seed=scenario.run.seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
+                          pool=None if pool == AGGREGATED else pool, **kv)
+    fit, need = router.kv.streams_left(), pool_ranks(scenario, pool)
+    if fit is not None and fit < need:  # only a cluster that does not fit hears of the open-file limit
+        log.warning("the open-file limit allows KV streams for %d ranks, but this cluster's %s pool can reach %d: "
+                    "registrations beyond are refused (raise the hard limit, ulimit -Hn, to take more)", fit, pool,
+                    need)
+    return router
+
+
+def pool_ranks(scenario: Scenario, pool: str) -> int:
+    """Most DP ranks ``pool`` can hold during the run: its workers, or its autoscaler's ``max_workers``, plus the
+    workers the chaos timeline adds (to the last pool)."""
+    pools = scenario.cluster.pools()
+    workers, dp, _ = pools[pool]
+    autoscaler = scenario.autoscaler
+    if autoscaler is not None and autoscaler.managed_pool(scenario.cluster) == pool:
+        workers = max(workers, autoscaler.max_workers)
+    if pool == list(pools)[-1]:
+        workers += sum(ev.action == "add_worker" for ev in scenario.chaos)
+    return workers * dp
 
 
 def check_buildable(scenario: Scenario) -> None:

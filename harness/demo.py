@@ -15,6 +15,8 @@ from kvemu.clock import ManualClock
 from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
 
+from harness.text import counted
+
 __all__ = ["run_demo"]
 
 
@@ -70,7 +72,8 @@ def run_demo(
         "prefix_blocks_reused_ratio": matched / total if total else 0.0,
         "ranks_used": float(len(per_rank)),
     }
-    out.write(f"... {len(arrivals)} requests routed on {workers} workers x {dp_size} DP ranks\n")
+    out.write(f"... {counted(len(arrivals), 'request')} routed on {counted(workers, 'worker')} x "
+              f"{counted(dp_size, 'DP rank')}\n")
     out.write(f"prefix blocks found cached at routing time: {matched}/{total} ({summary['prefix_blocks_reused_ratio']:.1%})\n")
     out.write("requests per rank: " + ", ".join(f"{w}/{r}={c}" for (w, r), c in sorted(per_rank.items())) + "\n")
     return summary

@@ -27,6 +27,7 @@ from kvemu.errors import InvalidArgument
 from harness.scenario import Scenario, ScenarioError, parse_scenario, read_text_file
 from harness.sla import Sla
 from harness.sweep import PointSpec, run_point
+from harness.text import counted
 
 __all__ = ["PlanSpec", "Probe", "plan_cluster", "parse_sla", "render_plan", "write_plan"]
 
@@ -222,8 +223,8 @@ def _row(p: Probe) -> dict[str, Any]:
 
 def _cluster(row: dict[str, Any]) -> str:
     if row["prefill_workers"] is None:
-        return f"{row['workers']} workers"
-    return f"{row['workers']} workers ({row['prefill_workers']} prefill, {row['decode_workers']} decode)"
+        return counted(row["workers"], "worker")
+    return f"{counted(row['workers'], 'worker')} ({row['prefill_workers']} prefill, {row['decode_workers']} decode)"
 
 
 def answer_line(plan: dict[str, Any]) -> str:

@@ -16,13 +16,13 @@ ALLOW_LOCAL_POLICIES_ENV = "KVEMU_ALLOW_LOCAL_POLICIES"
 
 
 def _import_module(module: str, allow_local: bool) -> Any:
-    """Import a policy's module; unless ``allow_local``, with the working directory off the import path, so
-    that a file next to a scenario cannot stand in for the module the scenario names."""
-    if allow_local:
-        return importlib.import_module(module)
+    """Import a policy's module with the working directory first on the import path if ``allow_local``, else off
+    it, so that a file next to a scenario stands in for the module the scenario names only when the user says so
+    (an installed console script never has the working directory on the path; ``python -m`` always has)."""
     cwd = os.path.realpath(os.getcwd())
     saved = sys.path[:]
-    sys.path[:] = [p for p in saved if os.path.realpath(p or ".") != cwd]
+    others = [p for p in saved if os.path.realpath(p or ".") != cwd]
+    sys.path[:] = [cwd, *others] if allow_local else others
     try:
         return importlib.import_module(module)
     finally:

@@ -69,6 +69,7 @@ from harness.report import RunData, Sample, write_report
 from harness.runner import count_requests
 from harness.sessions import awaiting, play_workload
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
+from harness.text import counted
 from harness.workload import build_sessions
 
 __all__ = ["HttpOptions", "StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "worker_pool",
@@ -346,7 +347,7 @@ class _RouterControl:
             self.lag_ms = ev.lag_ms
             for wid in workers:
                 owner(routers.values(), wid).send_chaos(wid, worker_chaos(ev))  # type: ignore[union-attr]
-            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {len(workers)} workers "
+            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {counted(len(workers), 'worker')} "
                                                 "and every later one")
         if ev.worker is None and not workers:
             return ControlReply(ok=False, detail=f"{ev.action}: no worker is registered")
@@ -705,8 +706,8 @@ async def _await_router(client: _RouterClient, router: str, expect_workers: int 
     if st is None:
         raise RouterUnreachable(f"no answer from the router at {router} within {wait_s:g} s: is it running, and "
                                 f"does it have the same {security.SECRET_ENV} as this process?")
-    raise RouterUnreachable(f"the router at {router} has {len(st.workers)} workers, not the {expect_workers} "
-                            f"expected, after {wait_s:g} s")
+    raise RouterUnreachable(f"the router at {router} has {counted(len(st.workers), 'worker')}, not the "
+                            f"{expect_workers} expected, after {wait_s:g} s")
 
 
 class _LoadgenRun:

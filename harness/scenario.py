@@ -12,12 +12,15 @@ and a Python caller are held to the same ranges.
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect as mi
 import yaml
 from msgspec import Meta
 
@@ -33,6 +36,7 @@ from workers.profile import cached_profile_timing
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
 from harness.sla import Sla
+from harness.text import counted
 
 __all__ = [
     "EngineSpec",
@@ -50,10 +54,13 @@ __all__ = [
     "load_scenario",
     "parse_scenario",
     "apply_overrides",
+    "paths_from_cwd",
+    "floats_where_expected",
     "default_scenario_text",
     "describe_validation_error",
     "read_text_file",
     "line_of",
+    "file_kind",
 ]
 
 _STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
@@ -402,7 +409,7 @@ def _check_autoscaler(s: Scenario, a: AutoscalerSpec) -> None:
                               field="autoscaler.pool")
     n, dp, _ = pools[pool]
     if not a.min_workers <= n <= a.max_workers:
-        raise InvalidArgument(f"the {pool} pool starts with {n} workers, outside autoscaler.min_workers.."
+        raise InvalidArgument(f"the {pool} pool starts with {counted(n, 'worker')}, outside autoscaler.min_workers.."
                               f"max_workers ({a.min_workers}..{a.max_workers})", field="autoscaler.min_workers"
                               if n < a.min_workers else "autoscaler.max_workers")
     adds = sum(ev.action == "add_worker" for ev in s.chaos)
@@ -522,10 +529,25 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str, source: str) -> str:
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "object": "a mapping of keys", "array": "a list", "null": "null"}
+"""msgspec's type names, as a person would say them."""
+
+
+def _expected(types: str) -> str:
+    """msgspec's ``int | null`` in words: ``an integer (or null)``."""
+    words = [_TYPE_WORDS.get(t.strip(), f"`{t.strip()}`") for t in types.split("|")]
+    rest = [w for w in words if w != "null"]
+    return " or ".join(rest) + (" (or null)" if "null" in words and rest else "")
+
+
+def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str, source: str, *,
+                              schema: Any = None, overridden: frozenset[str] | set[str] = frozenset()) -> str:
     """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (parsed from ``text``).
 
-    Shared by every YAML file kvemu validates with msgspec (scenarios, sweeps), so their errors read alike.
+    Shared by every YAML file kvemu validates with msgspec (scenarios, sweeps), so their errors read alike. With
+    ``schema`` (the type ``raw`` was converted to) an unknown key gets a "did you mean"; a key under one of the
+    ``overridden`` key paths says it came from ``--set`` instead of citing a line it did not come from.
     """
     message, _, where = str(exc).partition(" - at `")
     key = where.rstrip("`").removeprefix("$.").removeprefix("$")
@@ -536,14 +558,102 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str,
     elif unknown:
         key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
         message = "unknown key (check its spelling and section)"
+        guess = _close_key(raw, _parse_path(key), schema)
+        if guess:
+            message = f"unknown key; did you mean {guess}?"
     parts = _parse_path(key)
     if not isinstance(cause, InvalidArgument) and not unknown:
         found, value = _value_at(raw, parts)
         if found and not isinstance(value, (dict, list)):
-            message = f"{message}, got {value!r}"
+            mismatch = re.match(r"^Expected `(.+)`, got `.+`$", message)
+            if mismatch:  # "Expected `int`, got `str`": say what was expected in words, and the value once
+                message = f"expected {_expected(mismatch.group(1))}, got {value!r}"
+            else:
+                message = f"{message}, got {value!r}"
+    return f"{source}: {key or '(top level)'}{_where(text, parts, overridden)}: {message}"
+
+
+def _where(text: str, parts: list[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
+    """`` (from --set)`` if the value at ``parts`` came from an override, else `` (line N)`` of the file (or ``""``)."""
+    dotted = [".".join(str(p) for p in parts[:n]) for n in range(1, len(parts) + 1)]
+    if any(d in overridden for d in dotted):
+        return " (from --set)"
     line = line_of(text, parts)
-    at = f" (line {line})" if line else ""
-    return f"{source}: {key or '(top level)'}{at}: {message}"
+    return f" (line {line})" if line else ""
+
+
+def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
+    """The valid key path closest to the unknown ``parts`` (``router.policy`` for ``router.polcy``), if any."""
+    if schema is None or not parts or not isinstance(parts[-1], str):
+        return None
+    struct = _type_at(raw, parts[:-1], mi.type_info(schema))
+    if not isinstance(struct, mi.StructType):
+        return None
+    names = [f.encode_name for f in struct.fields if f.encode_name != "base_dir"]
+    match = difflib.get_close_matches(parts[-1], names, n=1)
+    if not match:
+        return None
+    head = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[:-1]).lstrip(".")
+    return f"{head}.{match[0]}" if head else match[0]
+
+
+def _struct_for(raw: Any, t: Any) -> Any:
+    """The type ``raw`` takes in ``t``: an optional or tagged union's member struct (by its tag), else ``t``."""
+    if isinstance(t, mi.Metadata):
+        t = t.type
+    if isinstance(t, mi.UnionType):
+        structs = [m for m in t.types if isinstance(m, mi.StructType)]
+        if isinstance(raw, dict) and structs:
+            tagged = [m for m in structs if m.tag_field and raw.get(m.tag_field) == m.tag]
+            return tagged[0] if tagged else structs[0] if len(structs) == 1 else None
+    return t
+
+
+def _type_at(raw: Any, parts: list[str | int], t: Any) -> Any:
+    """The type at key path ``parts`` of a value of type ``t`` (``raw`` picks union members); None if unknown."""
+    for part in parts:
+        t = _struct_for(raw, t)
+        if isinstance(t, mi.StructType) and isinstance(part, str):
+            field = next((f for f in t.fields if f.encode_name == part), None)
+            if field is None:
+                return None
+            t, raw = field.type, raw.get(part) if isinstance(raw, dict) else None
+        elif isinstance(t, mi.ListType) and isinstance(part, int):
+            t, raw = t.item_type, raw[part] if isinstance(raw, list) and part < len(raw) else None
+        else:
+            return None
+    return _struct_for(raw, t)
+
+
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+"""A float as YAML 1.2 (and a person) writes it: ``1e2``, ``1E-3``, ``+1.5e3``, ``.5``. PyYAML follows YAML 1.1,
+which reads those without a dot, or with an unsigned exponent, as strings."""
+
+
+def floats_where_expected(raw: Any, schema: Any) -> Any:
+    """``raw`` with every string that spells a float (YAML 1.2) made a float where ``schema`` expects a number
+    (``run.duration_s: 1e2``); strings elsewhere (a name ``1e2``) stay strings. Changes ``raw`` in place."""
+    return _floats(raw, mi.type_info(schema))
+
+
+def _floats(raw: Any, t: Any) -> Any:
+    """``floats_where_expected`` on one value of (``msgspec.inspect``) type ``t``."""
+    t = _struct_for(raw, t)
+    if isinstance(raw, str):
+        members = t.types if isinstance(t, mi.UnionType) else [t]
+        if any(isinstance(m.type if isinstance(m, mi.Metadata) else m, mi.FloatType) for m in members) \
+                and _YAML12_FLOAT.fullmatch(raw.strip()):
+            return float(raw)
+    elif isinstance(raw, dict) and isinstance(t, mi.StructType):
+        for field in t.fields:
+            if field.encode_name in raw:
+                raw[field.encode_name] = _floats(raw[field.encode_name], field.type)
+    elif isinstance(raw, dict) and isinstance(t, mi.DictType):
+        for k in raw:
+            raw[k] = _floats(raw[k], t.value_type)
+    elif isinstance(raw, list) and isinstance(t, mi.ListType):
+        raw[:] = [_floats(item, t.item_type) for item in raw]
+    return raw
 
 
 def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str] | None = None,
@@ -557,10 +667,14 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: the scenario must be a mapping of sections, got {type(raw).__name__}")
-    workload = raw.get("workload")
-    if isinstance(workload, dict) and "kind" not in workload:
-        workload["kind"] = "trace" if "trace" in workload else "synthetic"
+    if file_kind(raw) == "sweep":
+        raise ScenarioError(f"{source}: a sweep file (it has axes:), not a scenario: run it with kvemu sweep {source}")
     apply_overrides(raw, overrides or [])
+    workload = raw.get("workload")
+    if isinstance(workload, dict) and "kind" not in workload:  # after the overrides: they may add the section
+        workload["kind"] = "trace" if "trace" in workload else "synthetic"
+    overridden = {item.partition("=")[0] for item in overrides or []}
+    floats_where_expected(raw, Scenario)
     raw["base_dir"] = str(base_dir)
     for where in _ENGINES:
         timing = _value_at(raw, [*where, "timing_model"])[1]
@@ -570,14 +684,14 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
         for key in ("workers", "dp_size", "engine"):
             if key in cluster_raw:
-                line = line_of(text, ["cluster", key])
-                at = f" (line {line})" if line else ""
+                at = _where(text, ["cluster", key], overridden)
                 raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
                                     f"cluster.prefill.{key} and cluster.decode.{key} instead")
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(describe_validation_error(exc, raw, text, source)) from None
+        raise ScenarioError(describe_validation_error(exc, raw, text, source, schema=Scenario,
+                                                      overridden=overridden)) from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     for where in _ENGINES:
@@ -586,20 +700,63 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
             try:
                 cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
             except InvalidArgument as exc:
-                line = line_of(text, [*where, "timing_model", "path"])
-                at = f" (line {line})" if line else ""
+                at = _where(text, [*where, "timing_model", "path"], overridden)
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
         if not path.is_file():
-            line = line_of(text, ["workload", "trace"])
-            at = f" (line {line})" if line else ""
+            at = _where(text, ["workload", "trace"], overridden)
             raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
     return scenario
 
 
 _ENGINES: list[list[str | int]] = [["cluster", "engine"], ["cluster", "prefill", "engine"], ["cluster", "decode", "engine"]]
 """Where engine sections are in a scenario."""
+PATH_KEYS = ("workload.trace", *(".".join(map(str, [*where, "timing_model", "path"])) for where in _ENGINES))
+"""Scenario keys that name files (relative to the scenario file, or, given with ``--set``, to the working
+directory)."""
+
+
+def paths_from_cwd(overrides: list[str], cwd: str | Path | None = None) -> list[str]:
+    """``--set`` overrides with the relative paths they give (``PATH_KEYS``, also inside a mapping value) made
+    absolute against ``cwd`` (default: the working directory): a path typed on a command line means one from
+    where it was typed, not from the scenario's folder."""
+    base = Path.cwd() if cwd is None else Path(cwd)
+    out = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if sep and key and raw:
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                value = None  # apply_overrides reports it
+            for path_key in PATH_KEYS:
+                if path_key == key and isinstance(value, str) and value:
+                    value = str(_resolve_in(base, value))
+                    item = f"{key}={json.dumps(value)}"  # JSON is YAML: the path stays a string
+                elif path_key.startswith(key + ".") and isinstance(value, dict):  # e.g. a whole timing_model
+                    node: Any = value
+                    *parents, leaf = path_key[len(key) + 1:].split(".")
+                    for part in parents:
+                        node = node.get(part) if isinstance(node, dict) else None
+                    if isinstance(node, dict) and isinstance(node.get(leaf), str) and node[leaf]:
+                        node[leaf] = str(_resolve_in(base, node[leaf]))
+                        item = f"{key}={json.dumps(value)}"
+        out.append(item)
+    return out
+
+
+_SCENARIO_KEYS = frozenset(("cluster", "router", "workload", "run", "chaos", "autoscaler"))
+"""Top-level keys only a scenario has."""
+
+
+def file_kind(raw: Any) -> Literal["scenario", "sweep"] | None:
+    """What a parsed YAML file is by its top-level keys (a sweep has ``axes``, a scenario sections such as
+    ``cluster``; None: cannot tell), so that a file given to the wrong command gets told which command it is for."""
+    if not isinstance(raw, dict):
+        return None
+    scenario, sweep = bool(_SCENARIO_KEYS & raw.keys()), "axes" in raw
+    return "scenario" if scenario and not sweep else "sweep" if sweep and not scenario else None
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:

@@ -29,11 +29,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvemu.errors import KvemuError
+
 from harness.chaos import CONTROL_TOKEN_ENV
 from harness.processes import send_control
+from harness.text import counted
 from harness.scenario import Scenario
 
-__all__ = ["up_main", "Children", "cli_command", "cli_env"]
+__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env"]
+
+
+class NotStarted(KvemuError, RuntimeError):
+    """A child process exited (or went silent) before reporting its start line; its stderr says why."""
+
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+        """The child's exit code (None: still running)."""
 
 
 def cli_command(*args: str) -> list[str]:
@@ -88,7 +100,10 @@ class Children:
         reader.join(timeout_s)
         if not line or not line[0].strip():
             code = proc.poll()
-            raise RuntimeError(f"{name} did not start (exit code {code}); see its stderr above")
+            if line and code is None:  # its output ended: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = proc.wait(5)
+            raise NotStarted(f"{name} did not start (exit code {code}); see its message above", code)
         info = json.loads(line[0])
         self.info[name] = info
         threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
@@ -215,8 +230,8 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
         print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router,
                           "workers": scenario.cluster.workers, "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
                           "worker_info": stack.worker_info}), flush=True)
-        print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({scenario.cluster.workers} workers x "
-              f"{scenario.cluster.dp_size} ranks); Ctrl-C stops", file=sys.stderr, flush=True)
+        print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({counted(scenario.cluster.workers, 'worker')} x "
+              f"{counted(scenario.cluster.dp_size, 'rank')}); Ctrl-C stops", file=sys.stderr, flush=True)
         with _terminate_as_interrupt():
             while (problem := kids.crashed()) is None:
                 time.sleep(0.2)

@@ -60,14 +60,14 @@ def test_unknown_keys_name_the_key_path_and_line(text, key, line):
 @pytest.mark.parametrize(
     ("text", "key", "line", "expected"),
     [
-        ("cluster:\n  workers: two\n", "cluster.workers", 2, "Expected `int`, got `str`"),
+        ("cluster:\n  workers: two\n", "cluster.workers", 2, "expected an integer, got 'two'"),
         ("cluster:\n  engine:\n    enable_prefix_caching: maybe\n", "cluster.engine.enable_prefix_caching", 3,
-         "Expected `bool`, got `str`"),
-        ("run:\n  seed: 1.5\n", "run.seed", 2, "Expected `int`, got `float`"),
+         "expected true or false, got 'maybe'"),
+        ("run:\n  seed: 1.5\n", "run.seed", 2, "expected an integer, got 1.5"),
         ("router:\n  affinity:\n    mode: sticky\n", "router.affinity.mode", 3, "Invalid enum value 'sticky'"),
         ("workload:\n  kind: weird\n", "workload.kind", 2, "Invalid value 'weird'"),
         ("chaos:\n  - at_s: 1\n    action: explode\n", "chaos[0].action", 3, "Invalid enum value 'explode'"),
-        ("cluster: 4\n", "cluster", 1, "Expected `object`, got `int`"),
+        ("cluster: 4\n", "cluster", 1, "expected a mapping of keys, got 4"),
     ],
 )
 def test_wrong_types_name_the_key_path_and_line(text, key, line, expected):
@@ -233,11 +233,12 @@ def test_overrides_create_missing_sections_and_later_ones_win():
 
 
 def test_overrides_are_validated_like_the_file():
-    assert "cluster.workers (line 2): Expected `int` >= 1, got 0" in error_of("cluster:\n  workers: 4\n",
-                                                                       overrides=["cluster.workers=0"])
+    assert "cluster.workers (from --set): Expected `int` >= 1, got 0" in error_of("cluster:\n  workers: 4\n",
+                                                                            overrides=["cluster.workers=0"])
     msg = error_of("name: x\n", overrides=["cluster.wrokers=3"])
     assert "cluster.wrokers" in msg and "unknown key" in msg
-    assert "Expected `int`, got `str`" in error_of("name: x\n", overrides=["cluster.workers=many"])
+    assert "cluster.workers (from --set): expected an integer, got 'many'" in error_of(
+        "name: x\n", overrides=["cluster.workers=many"])
     with pytest.raises(ScenarioError, match="expected key.path=value"):
         parse_scenario("", overrides=["cluster.workers"])
     with pytest.raises(ScenarioError, match="name is not a mapping"):
@@ -304,3 +305,70 @@ def test_agentic_example_has_sub_agents_and_affinity():
     assert scenario.workload.sub_agents >= 1 and scenario.workload.turns > 1
     assert scenario.router.affinity.enabled
     assert scenario.run.duration_s == 600
+
+
+# ------------------------------------------------------------------------------ what a person means
+
+
+@pytest.mark.parametrize(("written", "value"), [("1e2", 100.0), ("1E-3", 0.001), ("+1.5e3", 1500.0), (".5", 0.5),
+                                                 ("2.5E+1", 25.0), ("3", 3.0)])
+def test_floats_as_yaml_1_2_writes_them_are_floats_in_the_file_and_in_overrides(written, value):
+    """PyYAML reads ``1e2`` as a string (YAML 1.1); a person and YAML 1.2 mean a number."""
+    from_file = parse_scenario(f"run:\n  duration_s: {written}\n  sla: {{ttft_ms: {written}}}\n"
+                               f"router:\n  affinity: {{ttl_secs: {written}}}\n")
+    assert from_file.run.duration_s == from_file.run.sla.ttft_ms == from_file.router.affinity.ttl_secs == value
+    from_set = parse_scenario("name: x\n", overrides=[f"run.duration_s={written}", f"workload.rate_rps={written}",
+                                                      "run.max_requests=10"])
+    assert from_set.run.duration_s == from_set.workload.rate_rps == value
+
+
+def test_a_string_that_looks_like_a_float_stays_a_string_where_a_string_is_expected():
+    assert parse_scenario("name: 1e2\n").name == "1e2"
+    assert parse_scenario("name: x\n", overrides=["name=1e2"]).name == "1e2"
+    assert "run.duration_s (line 2): expected a number (or null), got '1e2x'" in error_of("run:\n  duration_s: 1e2x\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        ("router:\n  polcy: kv\n", [], "router.polcy (line 2): unknown key; did you mean router.policy?"),
+        ("name: x\n", ["router.polcy=kv"], "router.polcy (from --set): unknown key; did you mean router.policy?"),
+        ("cluster:\n  wrokers: 3\n", [], "did you mean cluster.workers?"),
+        ("workload:\n  kind: trace\n  trace: t.jsonl\n  trace_blok_size: 16\n", [],
+         "did you mean workload.trace_block_size?"),
+        ("chaos:\n  - {at_s: 1, acton: add_worker}\n", [], "chaos[0].acton (line 2): unknown key; did you mean "
+                                                          "chaos[0].action?"),
+        ("clustr:\n  workers: 3\n", [], "clustr (line 1): unknown key; did you mean cluster?"),
+        ("name: x\nzzzz: 1\n", [], "zzzz (line 2): unknown key (check its spelling and section)"),
+    ],
+)
+def test_an_unknown_key_suggests_the_closest_valid_key_at_its_level(text, overrides, expected):
+    assert expected in error_of(text, overrides=overrides)
+
+
+def test_a_wrong_type_says_what_was_expected_and_the_value_once():
+    msg = error_of("cluster:\n  workers: four\n")
+    assert msg == "s.yaml: cluster.workers (line 2): expected an integer, got 'four'"
+    assert error_of("run: 5\n").endswith("run (line 1): expected a mapping of keys, got 5")
+
+
+def test_an_override_is_cited_as_such_not_by_the_line_it_replaced(tmp_path):
+    text = "name: x\nworkload:\n  kind: trace\n  trace: t.jsonl\n"
+    write_trace(tmp_path / "t.jsonl")
+    msg = error_of(text, base_dir=tmp_path, overrides=[f"workload.trace={tmp_path / 'nope.jsonl'}"])
+    assert msg == f"s.yaml: workload.trace (from --set): file not found: {tmp_path / 'nope.jsonl'}"
+    assert "workload.trace (line 4): file not found" in error_of(text.replace("t.jsonl", "gone.jsonl"),
+                                                                 base_dir=tmp_path)
+
+
+def test_paths_given_with_set_are_made_absolute_against_the_working_directory(tmp_path):
+    from harness.scenario import paths_from_cwd
+
+    out = paths_from_cwd(["workload.trace=./t.jsonl", "cluster.engine.timing_model={type: interpolated, path: p.json}",
+                          "cluster.prefill.engine.timing_model.path=q.json", "cluster.workers=3", "name=t.jsonl",
+                          "workload.trace=/abs/t.jsonl"], cwd=tmp_path)
+    assert out[0] == f'workload.trace="{tmp_path / "t.jsonl"}"'
+    assert out[1] == ('cluster.engine.timing_model={"type": "interpolated", "path": "' + str(tmp_path / "p.json")
+                      + '"}')
+    assert out[2] == f'cluster.prefill.engine.timing_model.path="{tmp_path / "q.json"}"'
+    assert out[3:] == ["cluster.workers=3", "name=t.jsonl", 'workload.trace="/abs/t.jsonl"']

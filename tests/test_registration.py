@@ -127,8 +127,8 @@ def test_rate_limited_workers_register_again_when_told_and_all_join():
 
 
 def test_the_open_file_limit_bounds_the_streams_and_registrations_past_it_are_refused(monkeypatch, caplog):
-    """A hard open-file limit too low for max_ranks: the subscriber takes what fits (with a warning) and the
-    router refuses, with the reason, a registration whose streams would not fit, instead of crashing later."""
+    """A hard open-file limit too low for max_ranks: the subscriber takes what fits and the router refuses, with
+    the reason and what to do, a registration whose streams would not fit, instead of crashing later."""
     import kvemu.wire.subscriber as subscriber
 
     monkeypatch.setattr(subscriber, "open_file_limit", lambda want: subscriber.FDS_RESERVED + 3 * subscriber.FDS_PER_STREAM)
@@ -136,12 +136,38 @@ def test_the_open_file_limit_bounds_the_streams_and_registrations_past_it_are_re
     r = Router(core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
                settings=RouterSettings(max_ranks=100), zmq_kv_events=True)
     try:
-        assert "allows KV streams for 3 ranks, not 100" in caplog.text
+        assert r.kv.streams_left() == 3
         ends = [f"tcp://127.0.0.1:{p}" for p in (20001, 20002)]
         register(r, b"a", worker_id=1, dp_size=2, kv_endpoints=ends)
         register(r, b"b", worker_id=2, dp_size=2, kv_endpoints=ends)
         assert sorted(r.workers) == [1]
         assert "its 2 KV-event streams would exceed what this router can open (1 more" in caplog.text
+        assert "ulimit -Hn" in caplog.text
+    finally:
+        r.kv.subscriber.close()
+
+
+@pytest.mark.parametrize(("overrides", "warned"), [
+    (["cluster.workers=2", "cluster.dp_size=1"], False),
+    (["cluster.workers=3", "cluster.dp_size=1"], False),
+    (["cluster.workers=2", "cluster.dp_size=2"], True),
+    (["cluster.workers=2", "cluster.dp_size=1", "autoscaler.min_workers=1", "autoscaler.max_workers=4"], True),
+])
+def test_the_open_file_limit_is_mentioned_only_when_the_configured_cluster_does_not_fit(monkeypatch, caplog,
+                                                                                         overrides, warned):
+    """A live router with room for 3 ranks' streams (not max_ranks): silent for a cluster of up to 3 ranks, a
+    warning naming both numbers for one that can reach more."""
+    import kvemu.wire.subscriber as subscriber
+    from harness.cluster import pool_router
+
+    monkeypatch.setattr(subscriber, "open_file_limit", lambda want: subscriber.FDS_RESERVED + 3 * subscriber.FDS_PER_STREAM)
+    scenario = parse_scenario("name: x\n", overrides=overrides)
+    clock = ManualClock()
+    r = pool_router(scenario, "aggregated", clock=clock, end=MemoryNetwork().router_end(), hooks=Hooks(),
+                    zmq_kv_events=True)
+    try:
+        assert ("allows KV streams for 3 ranks, but this cluster's aggregated pool can reach 4" in caplog.text) == warned
+        assert ("open-file limit" in caplog.text) == warned
     finally:
         r.kv.subscriber.close()
 

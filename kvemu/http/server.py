@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import logging
 import socket
@@ -13,7 +14,9 @@ import anyio
 import anyio.abc
 import uvicorn
 
-__all__ = ["HttpServer", "parse_listen", "SERVERS"]
+from kvemu.errors import KvemuError
+
+__all__ = ["HttpServer", "ListenError", "check_listen", "parse_listen", "SERVERS"]
 
 log = logging.getLogger("kvemu.http")
 
@@ -30,6 +33,33 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not 0 <= n <= 65535:
         raise ValueError(f"--http {listen!r}: the port must be in 0..65535")
     return host.strip("[]"), n
+
+
+class ListenError(KvemuError, OSError):
+    """``--http HOST:PORT`` cannot be listened on (in use, or not an address of this machine); says what to do."""
+
+
+def _bind(listen: str) -> socket.socket:
+    """A socket bound to ``listen`` as the server binds it (``SO_REUSEADDR``); ``ListenError`` if it cannot be."""
+    host, port = parse_listen(listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenError(f"--http {listen}: the address is in use (another server listens there): stop it, or "
+                              "pick another port (port 0 picks a free one)") from None
+        raise ListenError(f"--http {listen}: cannot listen there ({exc.strerror or exc}): give an address of this "
+                          "machine, e.g. 127.0.0.1:8000") from None
+    return sock
+
+
+def check_listen(listen: str) -> None:
+    """Raise ``ListenError`` now if a server could not listen on ``listen`` (before starting processes)."""
+    _bind(listen).close()
 
 
 class _Server(uvicorn.Server):
@@ -49,15 +79,9 @@ class HttpServer:
     def __init__(self, app: Any, listen: str, server: str = "uvicorn") -> None:
         if server not in SERVERS:
             raise ValueError(f"--http-server {server!r}: one of {', '.join(SERVERS)}")
-        host, port = parse_listen(listen)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(f"--http {listen}: cannot listen there: {exc}") from None
+        sock = _bind(listen)
+        host = parse_listen(listen)[0]
+        family = sock.family
         sock.listen(2048)
         sock.setblocking(False)
         self.sock = sock

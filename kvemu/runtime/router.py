@@ -316,7 +316,7 @@ class Router:
         left = self.kv.streams_left()
         if left is not None and len(msg.kv_endpoints) > left:
             return (f"worker {wid}: its {len(msg.kv_endpoints)} KV-event streams would exceed what this router can "
-                    f"open ({left} more; the open-file limit bounds them)")
+                    f"open ({left} more; the open-file limit bounds them: raise the hard limit, ulimit -Hn)")
         for name in ("kv_endpoints", "kv_replay_endpoints"):
             endpoints = getattr(msg, name)
             if len(endpoints) > msg.dp_size:

@@ -290,9 +290,7 @@ class ZmqRouterEnd:
 
     def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None) -> None:
         sock = message_socket(zmq.ROUTER, context)
-        security.serve_securely(sock, endpoint)
-        sock.bind(endpoint)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = security.bind_securely(sock, endpoint)
         self._sock = sock
         self._outbox = _Outbox(self._send_frames)
 

@@ -73,9 +73,7 @@ class KvEventPublisher(LoggedPublisher):
         limits.limit_inbound(pub, limits.MAX_CONTROL_BYTES)  # subscriptions only
         live = offset_endpoint(endpoint, dp_rank)
         if should_bind(live) if bind is None else bind:
-            security.serve_securely(pub, live)
-            pub.bind(live)
-            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.endpoint = security.bind_securely(pub, live)
         else:
             security.connect_securely(pub)
             pub.connect(live)
@@ -90,9 +88,11 @@ class KvEventPublisher(LoggedPublisher):
             router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             router.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(router, limits.MAX_CONTROL_BYTES)  # replay requests only
-            security.serve_securely(router, offset_endpoint(replay_endpoint, dp_rank))
-            router.bind(offset_endpoint(replay_endpoint, dp_rank))
-            self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            try:
+                self.replay_endpoint = security.bind_securely(router, offset_endpoint(replay_endpoint, dp_rank))
+            except InvalidArgument:
+                pub.close(linger=0)
+                raise
             self._router = router
             self._thread = threading.Thread(target=self._serve_replay, name=f"kv-replay-dp{dp_rank}", daemon=True)
             self._thread.start()

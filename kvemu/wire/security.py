@@ -18,7 +18,9 @@ import re
 import zmq
 from zmq.utils import z85
 
-__all__ = ["SECRET_ENV", "secret", "serve_securely", "connect_securely", "exposure_warning"]
+from kvemu.errors import InvalidArgument
+
+__all__ = ["SECRET_ENV", "secret", "serve_securely", "bind_securely", "connect_securely", "exposure_warning"]
 
 log = logging.getLogger("kvemu.security")
 
@@ -54,6 +56,20 @@ def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object 
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public
     sock.curve_server = True
+
+
+def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
+    """``serve_securely`` then bind ``endpoint``; returns the bound endpoint (its real port for port 0). A busy or
+    foreign address closes the socket and raises ``InvalidArgument`` saying what to do, not a ZeroMQ traceback."""
+    serve_securely(sock, endpoint)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        why = (exc.strerror or str(exc)).split(" (addr=")[0]
+        raise InvalidArgument(f"{endpoint}: cannot listen there ({why}): stop what listens there, or pick another "
+                              "port (port 0 picks a free one)") from None
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def connect_securely(sock: zmq.Socket, shared: str | None | object = _ENV) -> None:

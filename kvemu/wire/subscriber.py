@@ -138,12 +138,14 @@ class KvEventSubscriber:
         """Times replays (live mode: wall time)."""
         self._own_ctx = context is None and max_streams is not None
         self._ctx = context or (sized_context(max_streams) if max_streams is not None else zmq.Context.instance())
+        self.file_limited = False
+        """Whether the open-file limit lowered ``max_streams`` (a cluster that needs more ranks gets warned by
+        whoever knows its size; ``add`` says so when it refuses one)."""
         if max_streams is not None:
             fit = max(1, (open_file_limit(FDS_PER_STREAM * max_streams + FDS_RESERVED) - FDS_RESERVED) // FDS_PER_STREAM)
             if fit < max_streams:
-                log.warning("the open-file limit allows KV streams for %d ranks, not %d: registrations beyond are "
-                            "refused (raise the hard limit, ulimit -Hn, to take more)", fit, max_streams)
-                max_streams = fit
+                log.debug("the open-file limit allows KV streams for %d ranks, not %d", fit, max_streams)
+                max_streams, self.file_limited = fit, True
         self.max_streams = max_streams
         """Most ranks consumed at once (``add`` refuses more): as asked, or what the open-file limit allows."""
         self._streams: dict[zmq.Socket, _Stream] = {}
@@ -164,8 +166,10 @@ class KvEventSubscriber:
         if key in self._by_key:
             raise InvalidArgument(f"worker {spec.worker_id} rank {spec.dp_rank} is already subscribed")
         if self.max_streams is not None and len(self._by_key) >= self.max_streams:
+            why = ("the open-file limit allows (raise the hard limit, ulimit -Hn, to take more)" if self.file_limited
+                   else "this subscriber was sized for")
             raise InvalidArgument(f"worker {spec.worker_id} rank {spec.dp_rank}: already consuming {self.max_streams} "
-                                  "streams, the most this subscriber was sized for")
+                                  f"streams, the most {why}")
         stream = _Stream(spec)
         stats = self.stats.setdefault(spec.worker_id, WorkerEventStats())
         stream.events = EventStream(
