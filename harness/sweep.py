@@ -42,8 +42,10 @@ from harness.scenario import (
     ScenarioError,
     default_scenario_text,
     describe_validation_error,
+    floats_where_expected,
     line_of,
     parse_scenario,
+    paths_from_cwd,
     read_text_file,
 )
 
@@ -137,6 +139,8 @@ class Sweep(msgspec.Struct, kw_only=True, frozen=True):
     base_dir: str
     """Directory the base scenario's relative paths resolve against."""
     base_source: str
+    sweep_dir: str = "."
+    """Directory the relative paths in the sweep's own ``set`` and ``axes`` resolve against (the file's)."""
 
     @property
     def axes(self) -> list[str]:
@@ -215,6 +219,8 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
         if not isinstance(raw.get("set"), dict):
             raw["set"] = {}
         raw["set"][key] = yaml.safe_load(value) if value else ""
+    if isinstance(raw.get("objective"), dict):  # set and axes values reach the scenario as text, read there
+        floats_where_expected(raw["objective"], Objective)
     try:
         spec = msgspec.convert(raw, SweepSpec, strict=True)
     except msgspec.ValidationError as exc:
@@ -257,7 +263,7 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
             raise fail(["base"], str(exc)) from None
         base_source, base = str(path), path.resolve().parent
     return Sweep(spec=spec, name=name, source=source, base_text=base_text, base_dir=str(base),
-                 base_source=base_source)
+                 base_source=base_source, sweep_dir=str(Path(base_dir).resolve()))
 
 
 def _check_keys(spec: SweepSpec, fail: Any) -> None:
@@ -348,7 +354,8 @@ def plan_runs(sweep: Sweep, *, reports: Path | None = None) -> list[PointSpec]:
     combos = _combinations(spec)
     width = len(str(len(combos) - 1))
     for index, axes in enumerate(combos):
-        overrides = fixed + [f"{k}={v}" for k, v in axes.items()]
+        # a path written in the sweep file means one from the sweep file, wherever its base scenario is
+        overrides = paths_from_cwd(fixed + [f"{k}={v}" for k, v in axes.items()], cwd=sweep.sweep_dir)
         where = f"{sweep.source}: point {index} ({', '.join(f'{k}={v}' for k, v in axes.items())})"
         try:
             scenario = parse_scenario(sweep.base_text, base_dir=sweep.base_dir, overrides=overrides,

@@ -115,6 +115,36 @@ def test_values_keep_their_yaml_type_and_set_overrides_join_the_files():
     assert dict(sweep.spec.set)["run.duration_s"] == 3
 
 
+def test_paths_in_the_sweep_file_resolve_against_it_and_paths_given_with_set_against_the_working_directory(
+        tmp_path, monkeypatch):
+    row = '{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}\n'
+    (tmp_path / "scenarios").mkdir()
+    (tmp_path / "scenarios" / "base.yaml").write_text("workload: {kind: trace, trace: base.jsonl}\n")
+    (tmp_path / "scenarios" / "base.jsonl").write_text(row)
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "near-sweep.jsonl").write_text(row)
+    (tmp_path / "near-cwd.jsonl").write_text(row)
+    sweep = tmp_path / "sweeps" / "s.yaml"
+    sweep.write_text("base: ../scenarios/base.yaml\naxes: {workload.trace: [near-sweep.jsonl]}\n")
+    [run] = plan_runs(load_sweep(sweep))
+    assert run.scenario().workload.trace == str(tmp_path / "sweeps" / "near-sweep.jsonl")
+    assert run.axes == {"workload.trace": "near-sweep.jsonl"}  # sweep.csv shows the value as written
+    sweep.write_text("base: ../scenarios/base.yaml\nset: {workload.trace: near-sweep.jsonl}\n"
+                     "axes: {run.seed: [1]}\n")
+    [run] = plan_runs(load_sweep(sweep))
+    assert run.scenario().workload.trace == str(tmp_path / "sweeps" / "near-sweep.jsonl")
+    monkeypatch.chdir(tmp_path)  # the CLI makes --set paths absolute against the working directory first
+    from harness.scenario import paths_from_cwd
+
+    [run] = plan_runs(load_sweep(sweep, paths_from_cwd(["workload.trace=near-cwd.jsonl"])))
+    assert run.scenario().workload.trace == str(tmp_path / "near-cwd.jsonl")
+
+
+def test_the_objective_reads_floats_as_yaml_1_2_writes_them():
+    sweep = parse_sweep(TINY + "axes: {cluster.workers: [1]}\nobjective: {ttft_ms: 2e3, goodput: 9.5e-1}\n")
+    assert (sweep.spec.objective.ttft_ms, sweep.spec.objective.goodput) == (2000.0, 0.95)
+
+
 def test_reports_put_each_run_in_its_own_directory(tmp_path):
     runs = plan_runs(parse_sweep(TINY + "axes: {cluster.workers: [1, 2]}\nseeds: 2\n"), reports=tmp_path / "points")
     assert [r.report_dir for r in runs] == [str((tmp_path / "points" / name).absolute())
