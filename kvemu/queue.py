@@ -36,11 +36,18 @@ QueuePolicy = QueuePolicyName
 
 
 class QueueRejected(KvemuError):
-    """A queue limit is reached; the request was not queued (HTTP 529 in the reference)."""
+    """A queue limit is reached; the request was not queued (HTTP 529 in the reference).
+
+    As Dynamo's ``QueueRejection{policy_class, current, limit}``: ``resource`` says which limit (requests,
+    raw ISL tokens, cached tokens), ``current`` what was queued and ``limit`` the limit × workers."""
+
+    attributes = ("request_id", "policy_class", "resource", "current", "limit")
 
 
 class DoNotQueue(KvemuError):
     """The request asked not to wait and every eligible rank is busy."""
+
+    attributes = ("request_id", "policy_class")
 
 
 class QueueClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -208,7 +215,8 @@ class PolicyQueue:
         if entry.request_id in self._entries:
             raise InvalidArgument(f"request {entry.request_id!r} is already queued")
         if do_not_queue:
-            raise DoNotQueue(f"request {entry.request_id!r}: every eligible rank is busy and do_not_queue is set")
+            raise DoNotQueue(f"request {entry.request_id!r}: every eligible rank is busy and do_not_queue is set",
+                             request_id=entry.request_id, policy_class=entry.cls)
         lim = self.limits
         n = max(1, num_workers)
         for limit, current, what in (
@@ -219,7 +227,8 @@ class PolicyQueue:
             if limit is not None and current >= limit * n:
                 raise QueueRejected(
                     f"request {entry.request_id!r} rejected: {current} queued {what} reached the limit "
-                    f"{limit} per worker × {n} workers"
+                    f"{limit} per worker × {n} workers",
+                    request_id=entry.request_id, policy_class=entry.cls, resource=what, current=current, limit=limit * n,
                 )
         self._seq += 1
         entry.seq = self._seq

@@ -372,3 +372,22 @@ def test_refusal_reason_is_reported(reason):
     h.submit("a")
     h.lc.on_ack(1, DispatchAck(request_id="a", accepted=False, reason=reason))
     assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == [reason or "rejected"]
+
+
+def test_a_pin_that_disagrees_with_the_session_binding_fails_as_pinned_worker_not_allowed():
+    """Dynamo rejects it as PinnedWorkerNotAllowed (HTTP 400); the binding and the load are left as they were."""
+    from kvemu.http.errors import failure_status
+
+    h = Host(workers=(1, 2), affinity=True)
+    h.submit("a", session_id="s")
+    bound, _ = h.sent[0]
+    h.complete("a")
+    other = 3 - bound
+    h.submit("b", session_id="s", worker_id=other)
+    rec = h.ended["b"]
+    assert rec.failure.startswith("pinned_worker_not_allowed: ") and f"worker {other}" in rec.failure
+    assert failure_status(rec.failure) == 400
+    assert len(h.sent) == 1 and len(h.core.load) == 0 and not h.lc.flights
+    assert h.affinity.query_target("s") == (bound, 0) and h.affinity.active_leases("s") == 0
+    h.submit("c", session_id="s", worker_id=bound)  # a pin that agrees is served on the binding
+    assert h.last("c")[0] == bound
