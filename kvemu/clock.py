@@ -33,7 +33,8 @@ def seconds_to_ns(seconds: float) -> int:
     """Convert seconds (int or float) to integer nanoseconds, rounding to the nearest nanosecond."""
     if seconds != seconds:  # NaN
         raise InvalidArgument("seconds must be a number, got NaN", field="seconds")
-    ns = round(seconds * NS_PER_S)
+    scaled = seconds * NS_PER_S  # an infinite float (or one too large to round) is out of range too
+    ns = round(scaled) if -MAX_TIME_NS <= scaled <= MAX_TIME_NS else MAX_TIME_NS + 1
     if not -MAX_TIME_NS <= ns <= MAX_TIME_NS:
         raise InvalidArgument(f"{seconds!r} s is outside the clock range of ±{MAX_TIME_NS} ns", field="seconds")
     return ns

@@ -5,6 +5,7 @@ its ``max_num_batched_tokens`` (OR). Inside a class, entries are ordered by stri
 deadline, then the class policy (fcfs, lcfs or wspt, bumped by ``priority_jump``), with a shared lane
 and one lane per exact pin (head-of-line blocking is per lane). Classes share dispatch by weighted
 deficit round robin. Queueing is off unless a threshold is configured, as in the reference.
+A rank of a worker that is no longer registered (``rank_known``) is never dispatchable: its lane waits.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ class PolicyQueue:
         limits: QueueLimits | None = None,
         prefill_tokens: Callable[[WorkerKey], int],
         batched_capacity: Callable[[WorkerKey], int] = lambda key: 10_000_000,
+        rank_known: Callable[[WorkerKey], bool] | None = None,
     ) -> None:
         self._classes: dict[str, _ClassState] = {}
         for spec in classes:
@@ -162,6 +164,7 @@ class PolicyQueue:
         self.limits = limits or QueueLimits()
         self._prefill_tokens = prefill_tokens
         self._capacity = batched_capacity
+        self._known = rank_known
         self._entries: dict[str, QueueEntry] = {}
         self._seq = 0
         self._isl_total = 0
@@ -172,6 +175,10 @@ class PolicyQueue:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._entries
+
+    def get(self, request_id: str) -> QueueEntry | None:
+        """The queued entry of ``request_id``, or ``None``."""
+        return self._entries.get(request_id)
 
     def class_spec(self, cls: str) -> QueueClass:
         """The spec of a class, or ``InvalidArgument`` naming the known ones."""
@@ -194,17 +201,28 @@ class PolicyQueue:
             return True
         return spec.busy_threshold_frac is not None and p > spec.busy_threshold_frac * self._capacity(key)
 
-    def should_queue(self, ranks: Sequence[WorkerKey], cls: str = "default") -> bool:
-        """Wait iff the class queues at all and (it has a backlog or every eligible rank is busy)."""
+    def should_queue(self, ranks: Sequence[WorkerKey], cls: str = "default", *, pin: WorkerKey | None = None) -> bool:
+        """Wait iff the class queues at all and (it has a backlog or every eligible rank is busy).
+
+        A request placed on one exact rank (``pin``: an explicit pin or a session's binding) waits only
+        behind the shared lane and its own rank's lane: another rank's backlog does not hold it back (as in
+        Dynamo's replay, where a bound session's arrival on an idle rank bypasses another rank's backlog).
+        """
         state = self._classes.get(cls)
         if state is None:
             self.class_spec(cls)
         assert state is not None
         if not state.spec.enabled or not ranks:
             return False
+        if pin is not None:
+            return bool(state.shared.heap) or pin in state.pinned or not self._dispatchable(pin, cls)
         if state.count:
             return True
-        return all(self.is_busy(k, cls) for k in ranks)
+        return not any(self._dispatchable(k, cls) for k in ranks)
+
+    def _dispatchable(self, key: WorkerKey, cls: str) -> bool:
+        """Whether a request may be released to ``key`` now: its worker is known and the rank not busy."""
+        return (self._known is None or self._known(key)) and not self.is_busy(key, cls)
 
     def push(self, entry: QueueEntry, *, num_workers: int = 1, do_not_queue: bool = False, now_ns: int = 0) -> None:
         """Queue ``entry``; ``DoNotQueue`` or ``QueueRejected`` leave the queue unchanged."""
@@ -321,11 +339,11 @@ class PolicyQueue:
         shared = state.shared.heap
         if shared:
             top = shared[0]
-            if not all(self.is_busy(k, cls) for k in top[2].ranks):
+            if any(self._dispatchable(k, cls) for k in top[2].ranks):
                 best, head = top[:2], top[2]
         for key, lane in state.pinned.items():
             top = lane.heap[0]
-            if (best is None or top[:2] < best) and not self.is_busy(key, cls):
+            if (best is None or top[:2] < best) and self._dispatchable(key, cls):
                 best, head = top[:2], top[2]
         return head
 

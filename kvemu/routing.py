@@ -244,7 +244,7 @@ class RoutingCore:
             candidates = self.eligibility().build()
         config = request.config
         custom = self.policy is not None and candidates.pinned is None
-        ranks = candidates.ranks if custom else candidates.for_default_selector()
+        ranks = self.selectable(candidates)
         taint = None
         if request.preferred_taints:
             taint = taint_factors(
@@ -275,20 +275,22 @@ class RoutingCore:
             return self.policy.select(ctx, candidates, evaluation, self.rng)  # type: ignore[union-attr]
         return self.selector.select(candidates, evaluation, config, self.rng)
 
-    def select_with_affinity(
-        self,
-        request: PreparedRequest,
-        builder: EligibilityBuilder,
-        affinity: SessionAffinity,
-        session: str,
-    ) -> tuple[Selection, Hold] | Wait:
-        """Acquire the session's affinity, narrow eligibility to its target, select.
+    def selectable(self, candidates: Candidates) -> tuple[WorkerKey, ...]:
+        """The ranks ``select`` compares: a custom policy sees every candidate, the default selector only an
+        eligible affinity target's ranks (a pin's ranks, if pinned)."""
+        if self.policy is not None and candidates.pinned is None:
+            return candidates.ranks
+        return candidates.for_default_selector()
 
-        Returns ``Wait`` while another request initializes the session. Otherwise the host dispatches
-        ``selection`` and then calls ``affinity.commit(hold, selection.key)`` if the worker accepted it,
-        or ``affinity.drop(hold)`` if not. When a hard binding's target is no longer eligible, the
-        binding is invalidated here and this request re-initializes it on its new rank; in soft mode
-        the commit simply moves the binding.
+    def acquire_affinity(
+        self, builder: EligibilityBuilder, affinity: SessionAffinity, session: str
+    ) -> tuple[Hold, Candidates] | Wait:
+        """Acquire the session's affinity and resolve the candidates it allows, without selecting.
+
+        Returns ``Wait`` while another request initializes the session. A bound hold narrows the
+        candidates to the binding's target; when a hard binding's target is no longer eligible, the
+        binding is invalidated here and this request re-initializes it. The hold is the caller's to commit
+        or drop (a host with a queue keeps it while the request waits, as Dynamo's does); a raise drops it.
         """
         pin = builder.pinned
         result = affinity.try_acquire(session, pin)
@@ -308,6 +310,31 @@ class RoutingCore:
                     candidates = builder.affinity(None).build()
             else:
                 candidates = builder.build()
+            return hold, candidates
+        except BaseException:
+            affinity.drop(hold)
+            raise
+
+    def select_with_affinity(
+        self,
+        request: PreparedRequest,
+        builder: EligibilityBuilder,
+        affinity: SessionAffinity,
+        session: str,
+    ) -> tuple[Selection, Hold] | Wait:
+        """Acquire the session's affinity, narrow eligibility to its target, select.
+
+        Returns ``Wait`` while another request initializes the session. Otherwise the host dispatches
+        ``selection`` and then calls ``affinity.commit(hold, selection.key)`` if the worker accepted it,
+        or ``affinity.drop(hold)`` if not. When a hard binding's target is no longer eligible, the
+        binding is invalidated here and this request re-initializes it on its new rank; in soft mode
+        the commit simply moves the binding.
+        """
+        got = self.acquire_affinity(builder, affinity, session)
+        if isinstance(got, Wait):
+            return got
+        hold, candidates = got
+        try:
             return self.select(request, candidates), hold
         except BaseException:
             affinity.drop(hold)
@@ -363,7 +390,9 @@ class RoutingCore:
 
         cls = QueueClass(busy_threshold_frac=cfg.router_queue_threshold, policy=cfg.router_queue_policy)
         limits = QueueLimits(requests_per_worker=cfg.router_queue_limit_per_worker)
-        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity, limits=limits)
+        registry = self.registry
+        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity, limits=limits,
+                           rank_known=lambda key: key[0] in registry)
 
     def potential_loads(self, request: PreparedRequest, ranks: Sequence[WorkerKey] | None = None) -> list[LoadProjection]:
         """Each rank's load if the request were added (Dynamo's ``get_potential_loads``)."""
