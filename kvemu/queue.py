@@ -155,10 +155,10 @@ class PolicyQueue:
         self._classes: dict[str, _ClassState] = {}
         for spec in classes:
             if spec.name in self._classes:
-                raise InvalidArgument(f"queue class {spec.name!r} is defined twice")
+                raise InvalidArgument(f"queue class {spec.name!r} is defined twice", field="name")
             self._classes[spec.name] = _ClassState(spec)
         if not self._classes:
-            raise InvalidArgument("the queue needs at least one class")
+            raise InvalidArgument("the queue needs at least one class", field="classes")
         self._ring = list(self._classes)
         self._cursor = 0
         self.limits = limits or QueueLimits()
@@ -184,7 +184,7 @@ class PolicyQueue:
         """The spec of a class, or ``InvalidArgument`` naming the known ones."""
         state = self._classes.get(cls)
         if state is None:
-            raise InvalidArgument(f"unknown queue class {cls!r}; known: {', '.join(self._classes)}")
+            raise InvalidArgument(f"unknown queue class {cls!r}; known: {', '.join(self._classes)}", field="cls")
         return state.spec
 
     def depth(self, cls: str | None = None) -> int:
@@ -231,7 +231,7 @@ class PolicyQueue:
             self.class_spec(entry.cls)
         assert state is not None
         if entry.request_id in self._entries:
-            raise InvalidArgument(f"request {entry.request_id!r} is already queued")
+            raise InvalidArgument(f"request {entry.request_id!r} is already queued", field="request_id")
         if do_not_queue:
             raise DoNotQueue(f"request {entry.request_id!r}: every eligible rank is busy and do_not_queue is set",
                              request_id=entry.request_id, policy_class=entry.cls)

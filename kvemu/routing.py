@@ -93,7 +93,7 @@ class RoutingCore:
         pool: str = "aggregated",
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
+            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}", field="block_size")
         self.block_size = block_size
         self.config = config or RouterConfig()
         self.clock = clock or ManualClock()
@@ -125,7 +125,8 @@ class RoutingCore:
         if spec.block_size is not None and spec.block_size != self.block_size:
             raise InvalidArgument(
                 f"worker {spec.worker_id} announces block_size {spec.block_size} but the router uses "
-                f"{self.block_size}; prefix matching would silently find nothing"
+                f"{self.block_size}; prefix matching would silently find nothing",
+                field="block_size", worker_id=spec.worker_id,
             )
         self.registry.add(spec)
 
@@ -146,7 +147,8 @@ class RoutingCore:
             if self.approx is not None:
                 raise InvalidArgument(
                     f"KV event from worker {event.worker_id}: this router runs without KV events "
-                    "(use_kv_events=False) and learns from its own routing decisions"
+                    "(use_kv_events=False) and learns from its own routing decisions",
+                    worker_id=event.worker_id, dp_rank=event.dp_rank,
                 )
             apply_event(self.index, event)
             return
@@ -198,9 +200,9 @@ class RoutingCore:
         seq_source = None
         if local_hashes is None:
             if tokens is None:
-                raise InvalidArgument("prepare needs tokens or local_hashes")
+                raise InvalidArgument("prepare needs tokens or local_hashes", field="tokens")
             if not tokens:
-                raise InvalidArgument("tokens: the prompt is empty")
+                raise InvalidArgument("tokens: the prompt is empty", field="tokens")
             seed = block_seed(lora_name, cache_namespace)
             own = getattr(tokens, "local_block_hashes", None)  # SelfHashingTokens
             if own is not None and seed == BASE_SEED:
@@ -215,7 +217,7 @@ class RoutingCore:
             if isl is None:
                 isl = len(locs) * self.block_size
         if isl < 0:
-            raise InvalidArgument(f"isl must be >= 0, got {isl}")
+            raise InvalidArgument(f"isl must be >= 0, got {isl}", field="isl")
         prepared = PreparedRequest(
             isl,
             locs,

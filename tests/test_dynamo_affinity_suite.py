@@ -103,6 +103,15 @@ class Replay:
     def key(self, rid: str) -> tuple[int, int]:
         return self.lc.flights[rid].key  # type: ignore[return-value]
 
+    def occupy(self, *sessions: str) -> list[int]:
+        """Place and commit one request per session (ids "1", "2", ...): each keeps a rank busy."""
+        ranks = []
+        for n, session in enumerate(sessions, 1):
+            ranks.append(self.place(str(n), session))
+            self.commit(str(n))
+        assert None not in ranks
+        return ranks
+
     def commit(self, rid: str, now_ms: float = 0.0) -> list[tuple[str, int]]:
         self._at(now_ms)
         start = len(self.sent)
@@ -268,9 +277,7 @@ def test_lcfs_waits_for_the_native_initialization_owner():
     while it queues, so its later sibling waits for it outside the queue (LCFS cannot run the sibling
     first); once bound, the sibling queues on the busy bound rank and runs there after the initializer."""
     r = Replay("lcfs")
-    for rid, session in (("1", "busy-a"), ("2", "busy-b")):
-        r.place(rid, session)
-        r.commit(rid)
+    r.occupy("busy-a", "busy-b")
     assert r.place("3", "siblings", 1.0) is None
     assert r.place("4", "siblings", 2.0) is None
     assert len(r.queue) == 1 and r.pending() == 2
@@ -286,9 +293,7 @@ def test_canceling_a_queued_initializer_wakes_its_waiting_sibling():
     """Mirrors ``canceling_a_queued_initializer_wakes_its_waiting_sibling``: cancelling a waiter and then the
     queued initializer leaves one request, which takes over the initialization and runs when a rank frees."""
     r = Replay("wspt")
-    for rid, session in (("1", "busy-a"), ("2", "busy-b")):
-        r.place(rid, session)
-        r.commit(rid)
+    r.occupy("busy-a", "busy-b")
     for rid in ("3", "4", "5"):
         assert r.place(rid, "waiting") is None
     assert r.pending() == 3
@@ -363,10 +368,7 @@ def test_queued_affinity_does_not_block_another_idle_rank():
     """Mirrors ``queued_affinity_does_not_block_another_idle_rank``: a request queued on its busy bound rank
     does not hold back another session's request whose bound rank frees."""
     r = Replay("fcfs")
-    busy = r.place("1", "busy")
-    r.commit("1")
-    freeing = r.place("2", "freeing")
-    r.commit("2")
+    busy, freeing = r.occupy("busy", "freeing")
     assert busy != freeing
     assert r.place("3", "busy", 1.0) is None
     assert r.place("4", "freeing", 2.0) is None
@@ -380,10 +382,7 @@ def test_new_arrival_to_idle_affinity_rank_bypasses_other_rank_backlog():
     """Mirrors ``new_arrival_to_idle_affinity_rank_bypasses_other_rank_backlog``: a new request whose bound
     rank is idle runs at once, although another rank's lane has a backlog."""
     r = Replay("fcfs")
-    busy = r.place("1", "busy")
-    r.commit("1")
-    freeing = r.place("2", "freeing")
-    r.commit("2")
+    busy, freeing = r.occupy("busy", "freeing")
     assert busy != freeing
     assert r.complete("2", 1.0) == []
     assert r.place("3", "busy", 2.0) is None
@@ -396,10 +395,7 @@ def test_initialized_siblings_do_not_block_a_new_session_on_an_idle_rank():
     session is bound, its queued waiter sits in the bound rank's lane and does not block a new session's
     request from the other rank when that one frees."""
     r = Replay("fcfs")
-    busy = r.place("1", "busy")
-    r.commit("1")
-    r.place("2", "freeing")
-    r.commit("2")
+    busy, _ = r.occupy("busy", "freeing")
     for rid, session in (("3", "siblings"), ("4", "siblings"), ("5", "new-session")):
         assert r.place(rid, session, float(rid)) is None
     initialized = r.complete("2", 6.0)
@@ -415,8 +411,7 @@ def test_aborted_initializer_unblocks_its_rank_despite_another_bound_backlog():
     dispatch is aborted, its session's waiter initializes the session on the rank it freed, although
     another session's request is queued on the other rank."""
     r = Replay("fcfs")
-    r.place("1", "busy")
-    r.commit("1")
+    r.occupy("busy")
     aborted = r.place("2", "aborted")
     assert r.place("3", "busy", 1.0) is None
     assert r.place("4", "aborted", 2.0) is None
@@ -459,3 +454,38 @@ def test_sibling_group_uses_conversation_ancestry():
     r.commit("a")
     b = r.place("b", "child-b", parent_session_id="parent")
     assert a == b and r.affinity.query_target(first) is not None and r.affinity.query_target("parent") is None
+
+
+@pytest.mark.parametrize("topology", ["aggregated", "disaggregated"])
+def test_canonical_replay_reuses_native_cache_in_aggregated_and_disaggregated_dp(tmp_path, topology):
+    """Mirrors ``canonical_replay_reuses_native_cache_in_aggregated_and_disaggregated_dp``: a whole virtual
+    run with DP 2 and session affinity (TTL 3600 s) sends a session's second turn to the same worker and
+    rank as its first, in the aggregated pool and in each disaggregated pool, reusing the binding and the
+    first turn's cache."""
+    import json
+
+    from harness.runner import run_scenario
+    from harness.scenario import parse_scenario
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 3, 4], "session_id": "conversation"},
+        {"delay": 100, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 3, 4], "session_id": "conversation"},
+    )))
+    pool = "workers: 2, dp_size: 2, engine: {block_size: 16, num_gpu_blocks: 64}"
+    cluster = f"{{{pool}}}" if topology == "aggregated" else f"{{prefill: {{{pool}}}, decode: {{{pool}}}}}"
+    scenario = parse_scenario(f"""
+name: canonical-{topology}
+cluster: {cluster}
+router: {{policy: kv, affinity: {{enabled: true, ttl_secs: 3600}}}}
+workload: {{kind: trace, trace: {trace}, trace_block_size: 16}}
+run: {{mode: virtual, seed: 0}}
+""")
+    run_scenario(scenario, tmp_path / "out")
+    first, second = (json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines())
+    assert first["failure"] is None and second["failure"] is None
+    assert (second["worker_id"], second["dp_rank"]) == (first["worker_id"], first["dp_rank"])
+    assert second["routing_reason"] == "affinity" and first["routing_reason"] != "affinity"
+    if topology == "disaggregated":
+        assert second["prefill_worker_id"] == first["prefill_worker_id"]
+    assert second["predicted_overlap_blocks"] > 0 or second["engine_cached_tokens"] > 0

@@ -3,21 +3,35 @@
 Everything used here is documented in docs/embedding.md and must stay stable.
 """
 
+import pickle
+
 import pytest
 
 import kvemu
 from kvemu import (
     AffinityMode,
     AffinityTarget,
+    BlockNotFound,
     BlocksStored,
+    BookingFailed,
     CustomPolicy,
+    DuplicateWorker,
     Hold,
     InvalidArgument,
     ManualClock,
     NoEndpoints,
+    ParentBlockNotFound,
+    PinnedWorkerNotAllowed,
+    PinnedWorkerOverloaded,
+    QueueEntry,
+    QueueLimits,
+    QueueRejected,
+    ResourceExhausted,
     RouterEvent,
     RoutingCore,
+    SchedulerError,
     SessionAffinity,
+    UnknownWorker,
     Wait,
     WorkerSpec,
     seconds_to_ns,
@@ -185,21 +199,6 @@ def test_custom_policy_may_ignore_the_advisory_affinity():
 
 def test_errors_carry_what_they_name_and_survive_pickling():
     """Hosts branch on attributes, not on messages; sweeps ship errors across processes by pickle."""
-    import pickle
-
-    from kvemu import (
-        BlockNotFound,
-        BookingFailed,
-        DuplicateWorker,
-        ParentBlockNotFound,
-        PinnedWorkerNotAllowed,
-        PinnedWorkerOverloaded,
-        ResourceExhausted,
-        SchedulerError,
-        UnknownWorker,
-    )
-    from kvemu import QueueEntry, QueueLimits, QueueRejected
-
     clock, core = cluster(workers=2)
     seen = []
 
@@ -252,3 +251,23 @@ def test_errors_carry_what_they_name_and_survive_pickling():
     with pytest.raises(TypeError, match="no attribute"):
         NoEndpoints("x", colour="red")  # a misspelt attribute is a bug at the raise site, not silence
 
+
+
+def test_a_host_with_a_queue_acquires_affinity_first_and_queues_on_the_bound_rank():
+    """The documented order: hold first (kept while queued), then the queue on the candidates it allows."""
+    clock, core = cluster(workers=1, dp=2)
+    affinity = SessionAffinity.with_manual_clock(clock, ttl_secs=60)
+    load = {(1, 0): 0, (1, 1): 0}
+    queue = kvemu.PolicyQueue(classes=[kvemu.QueueClass(busy_threshold=0)], prefill_tokens=load.__getitem__)
+    first, _ = serve(core, affinity, "s", list(range(32)), "r1")
+    load[first.key] = 32  # its prefill keeps the bound rank busy
+    hold, candidates = core.acquire_affinity(core.eligibility(), affinity, "s")
+    assert hold.kind == "bound" and core.selectable(candidates) == (first.key,)
+    assert queue.should_queue(core.selectable(candidates), pin=first.key)  # the other rank is idle: no matter
+    queue.push(kvemu.QueueEntry("r2", ranks=[first.key], pin=first.key, arrival_ns=0, payload=hold))
+    assert affinity.active_leases("s") == 2  # the queued request holds its lease
+    assert isinstance(core.acquire_affinity(core.eligibility(), affinity, "new"), tuple)
+    assert isinstance(core.acquire_affinity(core.eligibility(), affinity, "new"), Wait)  # its initializer is out
+    assert queue.pop_ready() is None
+    load[first.key] = 0
+    assert queue.pop_ready().payload is hold
