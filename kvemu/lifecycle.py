@@ -284,6 +284,7 @@ class Lifecycle:
 
     def capacity_changed(self) -> None:
         """Something outside the lifecycle changed the candidates (a rank went down): the queue may move."""
+        self._run(self._readmit_stranded)
         self._run(self._capacity_changed)
 
     def poll(self, now_ns: int) -> None:
@@ -517,15 +518,21 @@ class Lifecycle:
         return True
 
     def _readmit_stranded(self) -> None:
-        """Queued requests whose every rank belongs to a worker now gone (a session bound there, a pin) start
-        their admission over, once some worker is registered: a session re-binds, a pin fails."""
+        """Queued requests whose every rank is gone (its worker removed or fenced, the rank down: a session
+        bound there, a pin) start their admission over, once some worker is registered: a session re-binds
+        elsewhere, a pin fails. With no worker at all they wait, as in Dynamo."""
         queue = self.queue
         registry = self.core.registry
         if queue is None or not len(queue) or not len(registry):
             return
+        unavailable = self.unavailable
+
+        def gone(key: tuple[int, int]) -> bool:
+            return key[0] not in registry or registry.is_fenced(key[0]) or key in unavailable
+
         for f in list(self.flights.values()):
             entry = queue.get(f.request_id) if f.stage == QUEUED else None
-            if entry is None or any(k[0] in registry for k in entry.ranks):
+            if entry is None or not all(map(gone, entry.ranks)):
                 continue
             queue.remove(f.request_id)
             hold, f.hold = f.hold, None

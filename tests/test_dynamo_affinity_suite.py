@@ -489,3 +489,20 @@ run: {{mode: virtual, seed: 0}}
     if topology == "disaggregated":
         assert second["prefill_worker_id"] == first["prefill_worker_id"]
     assert second["predicted_overlap_blocks"] > 0 or second["engine_cached_tokens"] > 0
+
+
+def test_a_session_queued_on_a_rank_that_goes_down_rebinds_at_once():
+    """Not in Dynamo's suite: the removed-worker behaviour above, for one rank going down (the router's
+    ``rank_down``: the rank joins the lifecycle's unavailable set, its bindings are invalidated). The request
+    queued on the bound rank does not wait for that rank: it starts admission over and re-binds."""
+    r = Replay("fcfs")
+    bound, other = r.occupy("conversation", "busy")
+    assert r.place("3", "conversation", 1.0) is None and r.queue.get("3").ranks == ((0, bound),)
+    r.lc.unavailable.add((0, bound))
+    r.affinity.invalidate_worker(0, bound)
+    start = len(r.sent)
+    r.lc.capacity_changed()
+    assert r._dispatches(start) == [] and r.queue.get("3").ranks == ((0, other),)  # other rank busy: it waits there
+    assert r.complete("2", 2.0) == [("3", other)]
+    r.commit("3", 2.0)
+    assert r.affinity.query_target("conversation") == (0, other)
