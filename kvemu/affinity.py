@@ -18,7 +18,7 @@ import blake3
 
 from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock, ManualClock, check_deadline, seconds_to_ns
 from kvemu.eligibility import AffinityTarget
-from kvemu.errors import InvalidArgument, ResourceExhausted
+from kvemu.errors import InvalidArgument, PinnedWorkerNotAllowed, ResourceExhausted
 
 __all__ = [
     "AffinityMode",
@@ -157,12 +157,13 @@ class SessionAffinity:
     ) -> None:
         ttl_ns = seconds_to_ns(ttl_secs)
         if not MIN_TTL_NS <= ttl_ns <= MAX_TTL_NS:
-            raise InvalidArgument(f"ttl_secs must be between 1 and 31536000 s, got {ttl_secs!r}")
+            raise InvalidArgument(f"ttl_secs must be between 1 and 31536000 s, got {ttl_secs!r}", field="ttl_secs")
         check_deadline(clock.now_ns(), ttl_ns, "SessionAffinity ttl at construction")
         if max_entries < 1:
-            raise InvalidArgument(f"max_entries must be >= 1, got {max_entries!r}")
+            raise InvalidArgument(f"max_entries must be >= 1, got {max_entries!r}", field="max_entries")
         if max_session_id_bytes < 1:
-            raise InvalidArgument(f"max_session_id_bytes must be >= 1, got {max_session_id_bytes!r}")
+            raise InvalidArgument(f"max_session_id_bytes must be >= 1, got {max_session_id_bytes!r}",
+                                  field="max_session_id_bytes")
         self.clock = clock
         self.ttl_ns = ttl_ns
         self.mode = AffinityMode(mode)
@@ -210,7 +211,8 @@ class SessionAffinity:
                 self.expire(now)
                 if len(self._table) >= self.max_entries:
                     raise ResourceExhausted(
-                        f"session affinity table of the {self.pool} pool is full ({self.max_entries} entries)"
+                        f"session affinity table of the {self.pool} pool is full ({self.max_entries} entries)",
+                        resource="session_affinity", limit=self.max_entries, session_id=session,
                     )
             self._revision += 1
             self._table[session] = _Entry(self._revision)
@@ -218,10 +220,15 @@ class SessionAffinity:
         if e.state == _INIT:
             self.stats.waits += 1
             return Wait(session, e.revision)
-        if requested is not None and not requested.agrees_with(e.target):  # type: ignore[arg-type]
-            raise InvalidArgument(
+        bound = e.target
+        assert bound is not None
+        if requested is not None and (requested.worker_id != bound.worker_id
+                                      or requested.dp_rank not in (None, bound.dp_rank)):
+            # a worker-only binding cannot be narrowed to a rank (Dynamo: "cannot add DP rank")
+            raise PinnedWorkerNotAllowed(
                 f"session {session!r}: explicit pin worker {requested.worker_id} rank {requested.dp_rank} "
-                f"disagrees with its binding worker {e.target.worker_id} rank {e.target.dp_rank}"  # type: ignore[union-attr]
+                f"disagrees with its binding worker {bound.worker_id} rank {bound.dp_rank}",
+                worker_id=requested.worker_id, dp_rank=requested.dp_rank, affinity_target=bound, session_id=session,
             )
         e.leases += 1
         self.stats.hits += 1
@@ -230,16 +237,19 @@ class SessionAffinity:
     def commit(self, hold: Hold, dispatched_target: AffinityTarget | tuple) -> Lease:
         """Record where the request was dispatched; call only after the worker accepted it."""
         if not hold.open:
-            raise InvalidArgument(f"session {hold.session!r}: hold was already committed or dropped")
+            raise InvalidArgument(f"session {hold.session!r}: hold was already committed or dropped",
+                                  session_id=hold.session)
         target = AffinityTarget(*dispatched_target)
         if self.is_member is not None and not self.is_member(target.worker_id):
             raise InvalidArgument(
-                f"session {hold.session!r}: worker {target.worker_id} is not in the {self.pool} pool"
+                f"session {hold.session!r}: worker {target.worker_id} is not in the {self.pool} pool",
+                session_id=hold.session, worker_id=target.worker_id, dp_rank=target.dp_rank,
             )
         if hold.requested is not None and not hold.requested.agrees_with(target):
             raise InvalidArgument(
                 f"session {hold.session!r}: dispatched to worker {target.worker_id} rank {target.dp_rank} "
-                f"but the request pinned worker {hold.requested.worker_id} rank {hold.requested.dp_rank}"
+                f"but the request pinned worker {hold.requested.worker_id} rank {hold.requested.dp_rank}",
+                session_id=hold.session, worker_id=target.worker_id, dp_rank=target.dp_rank,
             )
         now = self.clock.now_ns()
         e = self._table.get(hold.session)
@@ -269,7 +279,8 @@ class SessionAffinity:
                 self.stats.invalidations += 1
                 raise InvalidArgument(
                     f"session {hold.session!r} is hard-bound to worker {bound.worker_id} rank {bound.dp_rank} "
-                    f"but was dispatched to worker {target.worker_id} rank {target.dp_rank}; binding invalidated"
+                    f"but was dispatched to worker {target.worker_id} rank {target.dp_rank}; binding invalidated",
+                    session_id=hold.session, worker_id=target.worker_id, dp_rank=target.dp_rank,
                 )
         elif bound.worker_id != target.worker_id or (bound.dp_rank is not None and bound.dp_rank != target.dp_rank):
             new = AffinityTarget(target.worker_id, target.dp_rank if bound.dp_rank is not None else None)
@@ -303,10 +314,11 @@ class SessionAffinity:
         self._check_session(session)
         t = AffinityTarget(*target)
         if self.is_member is not None and not self.is_member(t.worker_id):
-            raise InvalidArgument(f"session {session!r}: worker {t.worker_id} is not in the {self.pool} pool")
+            raise InvalidArgument(f"session {session!r}: worker {t.worker_id} is not in the {self.pool} pool",
+                                  session_id=session, worker_id=t.worker_id, dp_rank=t.dp_rank)
         e = self._table.get(session)
         if e is None or e.state != _INIT:
-            raise InvalidArgument(f"session {session!r} has no pending initialization to join")
+            raise InvalidArgument(f"session {session!r} has no pending initialization to join", session_id=session)
         now = self.clock.now_ns()
         e.deadline = check_deadline(now, self.ttl_ns, f"session {session!r} idle deadline")
         e.state = _BOUND
@@ -400,10 +412,12 @@ class SessionAffinity:
         if not isinstance(clock, ManualClock):
             raise InvalidArgument("advance_clock needs a ManualClock; a WallClock table expires by its reaper")
         if not isinstance(t_ns, int) or t_ns < clock.now_ns():
-            raise InvalidArgument(f"advance_clock: {t_ns!r} is before the current time {clock.now_ns()} ns")
+            raise InvalidArgument(f"advance_clock: {t_ns!r} is before the current time {clock.now_ns()} ns",
+                                  field="t_ns")
         if t_ns > MAX_TIME_NS - self.ttl_ns:
             raise InvalidArgument(
-                f"advance_clock: {t_ns} ns + ttl {self.ttl_ns} ns would exceed the clock maximum {MAX_TIME_NS} ns"
+                f"advance_clock: {t_ns} ns + ttl {self.ttl_ns} ns would exceed the clock maximum {MAX_TIME_NS} ns",
+                field="t_ns",
             )
         clock.advance_to(t_ns)
         return self.expire(t_ns)
@@ -412,13 +426,14 @@ class SessionAffinity:
 
     def _check_session(self, session: str) -> None:
         if not isinstance(session, str):
-            raise InvalidArgument(f"session id must be a string, got {type(session).__name__}")
+            raise InvalidArgument(f"session id must be a string, got {type(session).__name__}", field="session_id")
         if len(session) > self.max_session_id_bytes // 4 and len(session.encode()) > self.max_session_id_bytes:
             raise InvalidArgument(
-                f"session id of {len(session.encode())} bytes exceeds max_session_id_bytes={self.max_session_id_bytes}"
+                f"session id of {len(session.encode())} bytes exceeds max_session_id_bytes={self.max_session_id_bytes}",
+                field="session_id",
             )
         if not session:
-            raise InvalidArgument("session id is empty")
+            raise InvalidArgument("session id is empty", field="session_id", session_id=session)
 
     def _release_one(self, session: str, e: _Entry, now: int) -> None:
         if e.leases:

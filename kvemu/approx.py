@@ -29,11 +29,12 @@ class ApproxIndex:
         prune_target_ratio: float = 0.8,
     ) -> None:
         if not ttl_secs > 0:
-            raise InvalidArgument(f"ttl_secs must be > 0, got {ttl_secs!r}")
+            raise InvalidArgument(f"ttl_secs must be > 0, got {ttl_secs!r}", field="ttl_secs")
         if max_tree_size < 1:
-            raise InvalidArgument(f"max_tree_size must be >= 1, got {max_tree_size!r}")
+            raise InvalidArgument(f"max_tree_size must be >= 1, got {max_tree_size!r}", field="max_tree_size")
         if not 0 < prune_target_ratio <= 1:
-            raise InvalidArgument(f"prune_target_ratio must be in (0, 1], got {prune_target_ratio!r}")
+            raise InvalidArgument(f"prune_target_ratio must be in (0, 1], got {prune_target_ratio!r}",
+                                  field="prune_target_ratio")
         self.clock = clock
         self.ttl_ns = seconds_to_ns(ttl_secs)
         self.max_tree_size = max_tree_size
@@ -51,7 +52,8 @@ class ApproxIndex:
         self.expire(now)
         n = len(seq_hashes)
         if len(local_hashes) != n:
-            raise InvalidArgument(f"record: {len(local_hashes)} local hashes but {n} sequence hashes")
+            raise InvalidArgument(f"record: {len(local_hashes)} local hashes but {n} sequence hashes", field="local_hashes",
+                                  worker_id=worker_id, dp_rank=dp_rank)
         if not n:
             return
         expiry = check_deadline(now, self.ttl_ns, "approximate index TTL")

@@ -32,10 +32,11 @@ MAX_TIME_NS = 2**63 - 1
 def seconds_to_ns(seconds: float) -> int:
     """Convert seconds (int or float) to integer nanoseconds, rounding to the nearest nanosecond."""
     if seconds != seconds:  # NaN
-        raise InvalidArgument("seconds must be a number, got NaN")
-    ns = round(seconds * NS_PER_S)
+        raise InvalidArgument("seconds must be a number, got NaN", field="seconds")
+    scaled = seconds * NS_PER_S  # an infinite float (or one too large to round) is out of range too
+    ns = round(scaled) if -MAX_TIME_NS <= scaled <= MAX_TIME_NS else MAX_TIME_NS + 1
     if not -MAX_TIME_NS <= ns <= MAX_TIME_NS:
-        raise InvalidArgument(f"{seconds!r} s is outside the clock range of ±{MAX_TIME_NS} ns")
+        raise InvalidArgument(f"{seconds!r} s is outside the clock range of ±{MAX_TIME_NS} ns", field="seconds")
     return ns
 
 
@@ -94,7 +95,7 @@ class ManualClock:
 
     def __init__(self, start_ns: int = 0) -> None:
         if not isinstance(start_ns, int) or not 0 <= start_ns <= MAX_TIME_NS:
-            raise InvalidArgument(f"start_ns must be an integer in [0, {MAX_TIME_NS}], got {start_ns!r}")
+            raise InvalidArgument(f"start_ns must be an integer in [0, {MAX_TIME_NS}], got {start_ns!r}", field="start_ns")
         self._now = start_ns
 
     def now_ns(self) -> int:
@@ -104,18 +105,20 @@ class ManualClock:
     def advance(self, delta_ns: int) -> int:
         """Move time forward by ``delta_ns`` (≥ 0) and return the new time."""
         if not isinstance(delta_ns, int):
-            raise InvalidArgument(f"delta_ns must be an integer number of nanoseconds, got {delta_ns!r}")
+            raise InvalidArgument(f"delta_ns must be an integer number of nanoseconds, got {delta_ns!r}", field="delta_ns")
         self._now = check_deadline(self._now, delta_ns, "ManualClock.advance")
         return self._now
 
     def advance_to(self, t_ns: int) -> int:
         """Move time forward to ``t_ns`` (≥ now) and return it."""
         if not isinstance(t_ns, int):
-            raise InvalidArgument(f"t_ns must be an integer number of nanoseconds, got {t_ns!r}")
+            raise InvalidArgument(f"t_ns must be an integer number of nanoseconds, got {t_ns!r}", field="t_ns")
         if t_ns < self._now:
-            raise InvalidArgument(f"ManualClock.advance_to: {t_ns} ns is before the current time {self._now} ns")
+            raise InvalidArgument(f"ManualClock.advance_to: {t_ns} ns is before the current time {self._now} ns",
+                                  field="t_ns")
         if t_ns > MAX_TIME_NS:
-            raise InvalidArgument(f"ManualClock.advance_to: {t_ns} ns exceeds the clock maximum {MAX_TIME_NS} ns")
+            raise InvalidArgument(f"ManualClock.advance_to: {t_ns} ns exceeds the clock maximum {MAX_TIME_NS} ns",
+                                  field="t_ns")
         self._now = t_ns
         return t_ns
 

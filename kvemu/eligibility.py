@@ -114,7 +114,8 @@ class EligibilityBuilder:
         """An explicit pin from the request (``None`` clears it); validated, never rewritten."""
         if worker_id is None:
             if dp_rank is not None:
-                raise InvalidArgument(f"dp_rank {dp_rank} was pinned without a worker_id")
+                raise InvalidArgument(f"dp_rank {dp_rank} was pinned without a worker_id", field="dp_rank",
+                                      dp_rank=dp_rank)
             self._pin = None
         else:
             self._pin = AffinityTarget(worker_id, dp_rank)
@@ -163,14 +164,21 @@ class EligibilityBuilder:
         return only is None or key[0] in only or key in only
 
     def build(self) -> Candidates:
-        """Resolve the constraints into candidates; raises the typed error when none remain."""
+        """Resolve the constraints into candidates; raises the typed error when none remain.
+
+        A pin that disagrees with an *eligible* affinity target is ``PinnedWorkerNotAllowed`` (as in Dynamo,
+        where the eligible target joins the worker constraints the pin is validated against); an ineligible
+        target is ignored, so the pin alone decides.
+        """
         pin, target = self._pin, self._target
-        if pin is not None and target is not None and not pin.agrees_with(target):
-            raise InvalidArgument(
-                f"explicit pin worker {pin.worker_id} rank {pin.dp_rank} disagrees with the affinity target "
-                f"worker {target.worker_id} rank {target.dp_rank}"
-            )
         if pin is not None:
+            if (target is not None and not pin.agrees_with(target)
+                    and (self._allowed is None or pin.worker_id in self._allowed) and self._is_eligible(target)):
+                raise PinnedWorkerNotAllowed(
+                    f"explicit pin worker {pin.worker_id} rank {pin.dp_rank} disagrees with the affinity target "
+                    f"worker {target.worker_id} rank {target.dp_rank}",
+                    worker_id=pin.worker_id, dp_rank=pin.dp_rank, affinity_target=target,
+                )
             return self._build_pinned(pin, target)
         all_keys = self._registry.rank_keys()
         if (
@@ -192,6 +200,14 @@ class EligibilityBuilder:
             affinity_ranks = tuple(k for k in ranks if target.matches(k))
         return Candidates(ranks, None, target, affinity_ranks)
 
+    def _is_eligible(self, target: AffinityTarget) -> bool:
+        """Whether some rank of ``target`` passes every check."""
+        spec = self._registry.get(target.worker_id)
+        if spec is None:
+            return False
+        keys = spec.keys() if target.dp_rank is None else [(target.worker_id, target.dp_rank)]
+        return any(self.check(k) is None for k in keys)
+
     def _build_pinned(self, pin: AffinityTarget, target: AffinityTarget | None) -> Candidates:
         spec = self._registry.get(pin.worker_id)
         if spec is None:
@@ -205,23 +221,30 @@ class EligibilityBuilder:
         if not ranks:
             first = reasons[0][1]
             where = f"pinned worker {pin.worker_id}" + ("" if pin.dp_rank is None else f" rank {pin.dp_rank}")
+            named = {"worker_id": pin.worker_id, "dp_rank": pin.dp_rank}
             if first is Ineligible.WORKER_NOT_ALLOWED:
-                raise PinnedWorkerNotAllowed(f"{where} is not in the request's allow-list {sorted(self._allowed or ())}")
+                raise PinnedWorkerNotAllowed(
+                    f"{where} is not in the request's allow-list {sorted(self._allowed or ())}", **named)
             if all(r is Ineligible.WORKER_OVERLOADED for _, r in reasons):
-                raise PinnedWorkerOverloaded(f"{where} is over a busy threshold")
+                raise PinnedWorkerOverloaded(f"{where} is over a busy threshold", **named)
             detail = first.value if first is not None else "unknown"
+            dp_range: dict[str, int] = {}
             if first is Ineligible.DP_RANK_UNAVAILABLE and spec is not None:
                 detail += f" (valid ranks {spec.dp_start}..{spec.dp_start + spec.dp_size - 1})"
-            raise NoEndpoints(f"{where} is not eligible: {detail}")
+                dp_range = {"dp_start": spec.dp_start, "dp_end": spec.dp_start + spec.dp_size}
+            raise NoEndpoints(f"{where} is not eligible: {detail}", reason=first.value if first else None, **named,
+                              **dp_range)
         affinity_ranks = tuple(k for k in ranks if target.matches(k)) if target is not None else ()
         return Candidates(ranks, pin, target, affinity_ranks)
 
     def _raise_empty(self, all_keys: tuple[WorkerKey, ...]) -> None:
         if not all_keys:
-            raise NoEndpoints("no workers are registered")
+            raise NoEndpoints("no workers are registered", reason="no_workers")
         reasons = [(k, self.check(k)) for k in all_keys]
         shown = ", ".join(f"{w}/{r}: {why.value}" for (w, r), why in reasons[:8] if why is not None)
         more = f" (+{len(reasons) - 8} more)" if len(reasons) > 8 else ""
         if any(why is Ineligible.WORKER_OVERLOADED for _, why in reasons):
-            raise AllEligibleWorkersOverloaded(f"every eligible rank is over a busy threshold: {shown}{more}")
-        raise NoEndpoints(f"no eligible worker rank: {shown}{more}")
+            overloaded = tuple(k for k, why in reasons if why is Ineligible.WORKER_OVERLOADED)
+            raise AllEligibleWorkersOverloaded(f"every eligible rank is over a busy threshold: {shown}{more}",
+                                               ranks=overloaded)
+        raise NoEndpoints(f"no eligible worker rank: {shown}{more}", reason="no_eligible_rank")

@@ -82,7 +82,7 @@ def _token_bytes(tokens: Sequence[int], count: int) -> bytes:
     try:
         buf = array("I", tokens)  # every token is validated, also those of a trailing partial block
     except (OverflowError, TypeError) as exc:
-        raise InvalidArgument(f"tokens: every token id must be an integer in [0, 2**32): {exc}") from None
+        raise InvalidArgument(f"tokens: every token id must be an integer in [0, 2**32): {exc}", field="tokens") from None
     if buf.itemsize != 4:  # pragma: no cover - exotic platforms
         buf = array("L", buf)
     if _BIG_ENDIAN:  # pragma: no cover
@@ -109,7 +109,7 @@ def local_block_hashes(
     of ``block_size + 1`` tokens with stride ``block_size``.
     """
     if block_size <= 0:
-        raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
+        raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}", field="block_size")
     if seed is None:
         seed = block_seed(lora_name, cache_namespace)
     if eagle:

@@ -208,7 +208,8 @@ class PrefixIndex:
         n = len(block_hashes)
         if len(local_hashes) != n:
             raise InvalidArgument(
-                f"store for worker {worker_id} rank {dp_rank}: {n} block_hashes but {len(local_hashes)} local_hashes"
+                f"store for worker {worker_id} rank {dp_rank}: {n} block_hashes but {len(local_hashes)} local_hashes",
+                field="local_hashes", worker_id=worker_id, dp_rank=dp_rank,
             )
         key = (worker_id, dp_rank)
         slot = self._slot_of.get(key)
@@ -218,15 +219,19 @@ class PrefixIndex:
             pseq = lk.get(parent_hash) if lk is not None else None
             if pseq is None:
                 raise ParentBlockNotFound(
-                    f"worker {worker_id} rank {dp_rank}: parent block {parent_hash} is not held; store of {n} blocks rejected"
+                    f"worker {worker_id} rank {dp_rank}: parent block {parent_hash} is not held; store of {n} blocks rejected",
+                    worker_id=worker_id, dp_rank=dp_rank, block_hash=parent_hash,
                 )
             seg = self._blocks[pseq]
             off = seg.seqs.index(pseq)
         if n == 0:
             return
         if len(set(block_hashes)) != n or (parent_hash is not None and parent_hash in block_hashes):
+            repeated = parent_hash if parent_hash in block_hashes else next(
+                h for i, h in enumerate(block_hashes) if h in block_hashes[:i])
             raise InvalidBlockSequence(
-                f"worker {worker_id} rank {dp_rank}: store repeats a block hash (blocks {list(block_hashes)[:8]}..., parent {parent_hash})"
+                f"worker {worker_id} rank {dp_rank}: store repeats a block hash (blocks {list(block_hashes)[:8]}..., parent {parent_hash})",
+                worker_id=worker_id, dp_rank=dp_rank, block_hash=repeated,
             )
         if lk and not lk.keys().isdisjoint(block_hashes):
             self._check_restore(slot, seg, off, local_hashes, block_hashes)  # type: ignore[arg-type]
@@ -271,7 +276,8 @@ class PrefixIndex:
         if missing:
             raise BlockNotFound(
                 f"worker {worker_id} rank {dp_rank}: {len(missing)} removed block(s) not held, first {missing[0]}; "
-                "the others were removed"
+                "the others were removed",
+                worker_id=worker_id, dp_rank=dp_rank, block_hash=missing[0], block_hashes=tuple(missing),
             )
 
     def clear(self, worker_id: int, dp_rank: int = 0) -> None:
@@ -360,14 +366,16 @@ class PrefixIndex:
                     wid, rank = self._keys[slot]  # type: ignore[misc]
                     raise InvalidBlockSequence(
                         f"worker {wid} rank {rank}: block hash {clash[0]} is already held at another position; "
-                        "engines must hash identical prefixes identically. Store rejected"
+                        "engines must hash identical prefixes identically. Store rejected",
+                        worker_id=wid, dp_rank=rank, block_hash=clash[0],
                     )
                 return
             held = lk.get(ext)  # type: ignore[union-attr]
             if held is not None and held != seg.seqs[off]:
                 wid, rank = self._keys[slot]  # type: ignore[misc]
                 raise InvalidBlockSequence(
-                    f"worker {wid} rank {rank}: block hash {ext} is already held at another position. Store rejected"
+                    f"worker {wid} rank {rank}: block hash {ext} is already held at another position. Store rejected",
+                    worker_id=wid, dp_rank=rank, block_hash=ext,
                 )
 
     def _map(self, slot: int, seg: _Seg, i: int, ext: int) -> None:

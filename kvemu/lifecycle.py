@@ -2,9 +2,15 @@
 
 A request moves through these stages::
 
-    submit ─► (waiting for workers) ─► attempt ─► (queued) ─► (waiting for affinity) ─► DISPATCHED ─► RUNNING ─► end
+    submit ─► (waiting for workers) ─► attempt ─► (waiting for affinity) ─► (queued) ─► DISPATCHED ─► RUNNING ─► end
                                          ▲                                                 │  refused,   │  worker lost
                                          └──── retry (refused rank excluded) ◄─────────────┘  timed out  │  before a token
+
+A request of a session acquires its affinity first, as Dynamo's router does: while another request
+initializes the session it waits outside the queue; an initializer keeps its initialization, and a
+bound request its lease, while it waits in the queue (a bound one in its rank's lane, its cost measured
+by the cache on that rank). The queue releases one request at a time, each booked before the next is
+judged.
 
 ``DISPATCHED``: selected, load booked, ``Dispatch`` sent, affinity hold open. The worker's acceptance
 commits the hold into a lease; a refusal, a timeout or a lost worker frees the load, drops the hold and
@@ -27,9 +33,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvemu.affinity import Hold, SessionAffinity, Wait, sibling_group_key
+from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait, sibling_group_key
 from kvemu.clock import NS_PER_S, Clock
-from kvemu.errors import InvalidArgument, KvemuError, SchedulerError
+from kvemu.eligibility import Candidates
+from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, SchedulerError
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord
 from kvemu.routing import PreparedRequest, RoutingCore
@@ -258,6 +265,7 @@ class Lifecycle:
 
     def worker_added(self) -> None:
         """A worker registered: requests waiting for a first worker go on; the queue may move."""
+        self._run(self._readmit_stranded)
         self._run(self._capacity_changed)
         if self._waiting:
             self._run(self._release_waiting)
@@ -271,10 +279,12 @@ class Lifecycle:
                 if f is not None and f.stage in (DISPATCHED, RUNNING):
                     f.failure = "worker_lost"
                     self._ready.append(self._wake(self._refused if f.stage == DISPATCHED else self._done, f))
+        self._run(self._readmit_stranded)
         self._run(self._capacity_changed)
 
     def capacity_changed(self) -> None:
         """Something outside the lifecycle changed the candidates (a rank went down): the queue may move."""
+        self._run(self._readmit_stranded)
         self._run(self._capacity_changed)
 
     def poll(self, now_ns: int) -> None:
@@ -441,45 +451,106 @@ class Lifecycle:
             builder.allow(req.allowed_worker_ids)
         if req.worker_id is not None or req.dp_rank is not None:
             builder.pin(req.worker_id, req.dp_rank)
-        queue = self.queue
-        if queue is not None:
+        if self.affinity is not None and _affinity_key(req) is not None:
+            self._admit(f)
+            return
+        if self.queue is not None:
             try:
                 candidates = builder.build()
-                if queue.should_queue(candidates.ranks):
-                    now = self.clock.now_ns()
-                    pin = candidates.ranks[0] if candidates.pinned and len(candidates.ranks) == 1 else None
-                    queue.push(QueueEntry(f.request_id, ranks=candidates.ranks, arrival_ns=now, isl=f.prepared.isl,
-                                          tier=req.priority, pin=pin, payload=f),
-                               num_workers=len(self.core.registry), do_not_queue=req.do_not_queue, now_ns=now)
-                    f.stage = QUEUED
-                    record.queued_ns = now
-                    self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)})
-                    self._release_queue()
+                if self._enqueue(f, candidates):
                     return
             except (SchedulerError, QueueRejected, DoNotQueue) as exc:
                 self._end(f, _reason(exc))
                 return
         self._select(f)
 
-    def _select(self, f: Flight) -> None:
+    def _admit(self, f: Flight) -> None:
+        """Acquire the session's affinity first, then queue or select within what it allows.
+
+        Dynamo's order: the hold is kept while the request waits in the queue, so a session's other
+        requests wait for its initializer (not in the queue) and a bound request queues in its rank's lane,
+        its cost measured by the cache on that rank, holding its lease."""
+        affinity = self.affinity
+        assert affinity is not None
+        try:
+            got = self.core.acquire_affinity(f.builder, affinity, _affinity_key(f.req))  # type: ignore[arg-type]
+        except (SchedulerError, ResourceExhausted, InvalidArgument) as exc:
+            self._end(f, _reason(exc))
+            return
+        if isinstance(got, Wait):
+            f.stage = AFFINITY
+            affinity.on_settled(got, lambda: self._ready.append(self._wake(self._settled, f)))
+            return
+        f.hold, candidates = got
+        if self.queue is not None:
+            try:
+                if self._enqueue(f, candidates):
+                    return
+            except (QueueRejected, DoNotQueue) as exc:
+                self._end(f, _reason(exc))  # drops the hold: the session's waiters go on
+                return
+        self._select(f, candidates)
+
+    def _enqueue(self, f: Flight, candidates: Candidates) -> bool:
+        """Queue ``f`` if every rank it may run on is busy (or work it must not overtake waits); the queue's
+        refusals raise. Its cost is its prompt less the best cache among those ranks."""
+        queue = self.queue
+        assert queue is not None
+        core = self.core
+        ranks = core.selectable(candidates)
+        pin = ranks[0] if len(ranks) == 1 and (candidates.pinned is not None or candidates.affinity_ranks) else None
+        if not queue.should_queue(ranks, pin=pin):
+            return False
+        if self.before_select is not None:
+            self.before_select()  # the cache as the engines hold it now
+        overlaps = core.overlaps(f.prepared)
+        isl = f.prepared.isl
+        cached = min(isl, max((overlaps.get(k, 0) for k in ranks), default=0) * core.block_size)
+        now = self.clock.now_ns()
+        req = f.req
+        queue.push(QueueEntry(f.request_id, ranks=ranks, arrival_ns=now, isl=isl, cached_tokens=cached,
+                              tier=req.priority, pin=pin, payload=f),
+                   num_workers=len(core.registry), do_not_queue=req.do_not_queue, now_ns=now)
+        f.stage = QUEUED
+        f.record.queued_ns = now
+        self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)})
+        self._release_queue()
+        return True
+
+    def _readmit_stranded(self) -> None:
+        """Queued requests whose every rank is gone (its worker removed or fenced, the rank down: a session
+        bound there, a pin) start their admission over, once some worker is registered: a session re-binds
+        elsewhere, a pin fails. With no worker at all they wait, as in Dynamo."""
+        queue = self.queue
+        registry = self.core.registry
+        if queue is None or not len(queue) or not len(registry):
+            return
+        unavailable = self.unavailable
+
+        def gone(key: tuple[int, int]) -> bool:
+            return key[0] not in registry or registry.is_fenced(key[0]) or key in unavailable
+
+        for f in list(self.flights.values()):
+            entry = queue.get(f.request_id) if f.stage == QUEUED else None
+            if entry is None or not all(map(gone, entry.ranks)):
+                continue
+            queue.remove(f.request_id)
+            hold, f.hold = f.hold, None
+            if hold is not None and self.affinity is not None:
+                self.affinity.drop(hold)
+                if hold.kind == "bound":
+                    self.affinity.invalidate(hold.session, hold.revision, hold.version)
+            self._ready.append(self._wake(self._attempt, f))
+
+    def _select(self, f: Flight, candidates: Candidates | None = None) -> None:
+        """Select a rank among ``candidates`` (default: the request's eligibility), book it and dispatch."""
         if self.before_select is not None:
             self.before_select()
         core = self.core
-        affinity = self.affinity
-        key = _affinity_key(f.req)
-        hold = None
         try:
-            if affinity is not None and key is not None:
-                got = core.select_with_affinity(f.prepared, f.builder, affinity, key)
-                if isinstance(got, Wait):
-                    f.stage = AFFINITY
-                    affinity.on_settled(got, lambda: self._ready.append(self._wake(self._settled, f)))
-                    return
-                selection, hold = got
-            else:
-                selection = core.select(f.prepared, f.builder.build())
+            selection = core.select(f.prepared, f.builder.build() if candidates is None else candidates)
         except (SchedulerError, QueueRejected, DoNotQueue) as exc:
-            self._end(f, _reason(exc))
+            self._end(f, _reason(exc))  # drops the hold
             return
         wid, rank = selection.worker_id, selection.dp_rank
         now = self.clock.now_ns()
@@ -497,7 +568,6 @@ class Lifecycle:
                 "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
             })
         f.key = (wid, rank)
-        f.hold = hold
         f.stage = DISPATCHED
         self._by_worker.setdefault(wid, {})[f.request_id] = None
         # book now, so that requests routed while this one awaits its acknowledgement see its load;
@@ -519,17 +589,45 @@ class Lifecycle:
         if self.stopped:
             self._end(f, self.stopped)
         elif f.stage == AFFINITY:
-            self._select(f)
+            self._admit(f)
 
     def _release_queue(self) -> None:
+        """Release the next dispatchable queued request; once it is routed (and booked), look again.
+
+        One at a time, as Dynamo's queue admits: the next head is judged with the load the previous one
+        booked, so a freed rank takes one request, not every request that saw it idle."""
         queue = self.queue
         assert queue is not None
-        while (entry := queue.pop_ready()) is not None:
-            self._ready.append(self._wake(self._dequeued, entry.payload))  # type: ignore[arg-type]
+        entry = queue.pop_ready()
+        if entry is not None:
+            dequeued = self._wake(self._dequeued, entry.payload)  # type: ignore[arg-type]
+
+            def release_one() -> None:
+                dequeued()
+                self._release_queue()
+            self._ready.append(release_one)
 
     def _dequeued(self, f: Flight) -> None:
-        if f.stage == QUEUED:
+        if f.stage != QUEUED:
+            return
+        hold, affinity = f.hold, self.affinity
+        if hold is None or hold.kind != "bound" or affinity is None:
             self._select(f)
+            return
+        try:
+            candidates = f.builder.affinity(hold.target).build()
+        except SchedulerError as exc:
+            self._end(f, _reason(exc))
+            return
+        if not candidates.affinity_ranks and affinity.mode is AffinityMode.HARD:
+            # the binding's rank went away while the request waited: it re-binds
+            f.hold = None
+            affinity.drop(hold)
+            affinity.invalidate(hold.session, hold.revision, hold.version)
+            f.builder.affinity(None)
+            self._admit(f)
+            return
+        self._select(f, candidates)
 
     def _capacity_changed(self) -> None:
         if self.queue is not None:
@@ -635,6 +733,9 @@ class Lifecycle:
             return
         if f.stage == QUEUED and self.queue is not None:
             self.queue.remove(f.request_id)
+        if f.hold is not None and self.affinity is not None:  # an uncommitted hold: its waiters go on
+            self.affinity.drop(f.hold)
+            f.hold = None
         f.stage = ENDED
         f.token += 1
         record = f.record

@@ -125,9 +125,12 @@ class LoadTracker:
         A request id may hold one booking; a second raises ``BookingFailed`` and changes nothing.
         """
         if request_id in self._bookings:
-            raise BookingFailed(f"request {request_id!r} is already booked on {self._bookings[request_id].key}")
+            held = self._bookings[request_id].key
+            raise BookingFailed(f"request {request_id!r} is already booked on {held}", request_id=request_id,
+                                worker_id=held[0], dp_rank=held[1])
         if prefill_tokens < 0:
-            raise InvalidArgument(f"request {request_id!r}: prefill_tokens must be >= 0, got {prefill_tokens}")
+            raise InvalidArgument(f"request {request_id!r}: prefill_tokens must be >= 0, got {prefill_tokens}",
+                                  field="prefill_tokens")
         load = self._ranks.get(key)
         if load is None:
             load = self._ranks[key] = RankLoad(self._free_bits.pop() if self._free_bits else 1 << len(self._ranks))

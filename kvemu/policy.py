@@ -160,7 +160,8 @@ class CustomPolicy:
         for f in self.filters:
             index = [i for i in index if f(ctx, rows[i])]
         if not index:
-            raise NoEndpoints(f"policy {self.name!r}: its filters rejected all {len(rows)} eligible ranks")
+            raise NoEndpoints(f"policy {self.name!r}: its filters rejected all {len(rows)} eligible ranks",
+                              reason="filtered")
         kept = [rows[i] for i in index]
         costs = [sum(s(ctx, r) for s in self.scorers) for r in kept]
         choice = self.picker(ctx, kept, costs, rng)

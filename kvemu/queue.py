@@ -5,6 +5,7 @@ its ``max_num_batched_tokens`` (OR). Inside a class, entries are ordered by stri
 deadline, then the class policy (fcfs, lcfs or wspt, bumped by ``priority_jump``), with a shared lane
 and one lane per exact pin (head-of-line blocking is per lane). Classes share dispatch by weighted
 deficit round robin. Queueing is off unless a threshold is configured, as in the reference.
+A rank of a worker that is no longer registered (``rank_known``) is never dispatchable: its lane waits.
 """
 
 from __future__ import annotations
@@ -36,11 +37,18 @@ QueuePolicy = QueuePolicyName
 
 
 class QueueRejected(KvemuError):
-    """A queue limit is reached; the request was not queued (HTTP 529 in the reference)."""
+    """A queue limit is reached; the request was not queued (HTTP 529 in the reference).
+
+    As Dynamo's ``QueueRejection{policy_class, current, limit}``: ``resource`` says which limit (requests,
+    raw ISL tokens, cached tokens), ``current`` what was queued and ``limit`` the limit × workers."""
+
+    attributes = ("request_id", "policy_class", "resource", "current", "limit")
 
 
 class DoNotQueue(KvemuError):
     """The request asked not to wait and every eligible rank is busy."""
+
+    attributes = ("request_id", "policy_class")
 
 
 class QueueClass(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -142,19 +150,21 @@ class PolicyQueue:
         limits: QueueLimits | None = None,
         prefill_tokens: Callable[[WorkerKey], int],
         batched_capacity: Callable[[WorkerKey], int] = lambda key: 10_000_000,
+        rank_known: Callable[[WorkerKey], bool] | None = None,
     ) -> None:
         self._classes: dict[str, _ClassState] = {}
         for spec in classes:
             if spec.name in self._classes:
-                raise InvalidArgument(f"queue class {spec.name!r} is defined twice")
+                raise InvalidArgument(f"queue class {spec.name!r} is defined twice", field="name")
             self._classes[spec.name] = _ClassState(spec)
         if not self._classes:
-            raise InvalidArgument("the queue needs at least one class")
+            raise InvalidArgument("the queue needs at least one class", field="classes")
         self._ring = list(self._classes)
         self._cursor = 0
         self.limits = limits or QueueLimits()
         self._prefill_tokens = prefill_tokens
         self._capacity = batched_capacity
+        self._known = rank_known
         self._entries: dict[str, QueueEntry] = {}
         self._seq = 0
         self._isl_total = 0
@@ -166,11 +176,15 @@ class PolicyQueue:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._entries
 
+    def get(self, request_id: str) -> QueueEntry | None:
+        """The queued entry of ``request_id``, or ``None``."""
+        return self._entries.get(request_id)
+
     def class_spec(self, cls: str) -> QueueClass:
         """The spec of a class, or ``InvalidArgument`` naming the known ones."""
         state = self._classes.get(cls)
         if state is None:
-            raise InvalidArgument(f"unknown queue class {cls!r}; known: {', '.join(self._classes)}")
+            raise InvalidArgument(f"unknown queue class {cls!r}; known: {', '.join(self._classes)}", field="cls")
         return state.spec
 
     def depth(self, cls: str | None = None) -> int:
@@ -187,17 +201,28 @@ class PolicyQueue:
             return True
         return spec.busy_threshold_frac is not None and p > spec.busy_threshold_frac * self._capacity(key)
 
-    def should_queue(self, ranks: Sequence[WorkerKey], cls: str = "default") -> bool:
-        """Wait iff the class queues at all and (it has a backlog or every eligible rank is busy)."""
+    def should_queue(self, ranks: Sequence[WorkerKey], cls: str = "default", *, pin: WorkerKey | None = None) -> bool:
+        """Wait iff the class queues at all and (it has a backlog or every eligible rank is busy).
+
+        A request placed on one exact rank (``pin``: an explicit pin or a session's binding) waits only
+        behind the shared lane and its own rank's lane: another rank's backlog does not hold it back (as in
+        Dynamo's replay, where a bound session's arrival on an idle rank bypasses another rank's backlog).
+        """
         state = self._classes.get(cls)
         if state is None:
             self.class_spec(cls)
         assert state is not None
         if not state.spec.enabled or not ranks:
             return False
+        if pin is not None:
+            return bool(state.shared.heap) or pin in state.pinned or not self._dispatchable(pin, cls)
         if state.count:
             return True
-        return all(self.is_busy(k, cls) for k in ranks)
+        return not any(self._dispatchable(k, cls) for k in ranks)
+
+    def _dispatchable(self, key: WorkerKey, cls: str) -> bool:
+        """Whether a request may be released to ``key`` now: its worker is known and the rank not busy."""
+        return (self._known is None or self._known(key)) and not self.is_busy(key, cls)
 
     def push(self, entry: QueueEntry, *, num_workers: int = 1, do_not_queue: bool = False, now_ns: int = 0) -> None:
         """Queue ``entry``; ``DoNotQueue`` or ``QueueRejected`` leave the queue unchanged."""
@@ -206,9 +231,10 @@ class PolicyQueue:
             self.class_spec(entry.cls)
         assert state is not None
         if entry.request_id in self._entries:
-            raise InvalidArgument(f"request {entry.request_id!r} is already queued")
+            raise InvalidArgument(f"request {entry.request_id!r} is already queued", field="request_id")
         if do_not_queue:
-            raise DoNotQueue(f"request {entry.request_id!r}: every eligible rank is busy and do_not_queue is set")
+            raise DoNotQueue(f"request {entry.request_id!r}: every eligible rank is busy and do_not_queue is set",
+                             request_id=entry.request_id, policy_class=entry.cls)
         lim = self.limits
         n = max(1, num_workers)
         for limit, current, what in (
@@ -219,7 +245,8 @@ class PolicyQueue:
             if limit is not None and current >= limit * n:
                 raise QueueRejected(
                     f"request {entry.request_id!r} rejected: {current} queued {what} reached the limit "
-                    f"{limit} per worker × {n} workers"
+                    f"{limit} per worker × {n} workers",
+                    request_id=entry.request_id, policy_class=entry.cls, resource=what, current=current, limit=limit * n,
                 )
         self._seq += 1
         entry.seq = self._seq
@@ -312,11 +339,11 @@ class PolicyQueue:
         shared = state.shared.heap
         if shared:
             top = shared[0]
-            if not all(self.is_busy(k, cls) for k in top[2].ranks):
+            if any(self._dispatchable(k, cls) for k in top[2].ranks):
                 best, head = top[:2], top[2]
         for key, lane in state.pinned.items():
             top = lane.heap[0]
-            if (best is None or top[:2] < best) and not self.is_busy(key, cls):
+            if (best is None or top[:2] < best) and self._dispatchable(key, cls):
                 best, head = top[:2], top[2]
         return head
 

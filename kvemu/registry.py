@@ -31,16 +31,18 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     def __post_init__(self) -> None:
         if not 0 <= self.worker_id < 2**64:
-            raise InvalidArgument(f"worker_id must be a u64, got {self.worker_id!r}")
+            raise InvalidArgument(f"worker_id must be a u64, got {self.worker_id!r}", field="worker_id")
         if self.dp_start < 0 or self.dp_size < 1 or self.dp_start + self.dp_size > 2**32:
             raise InvalidArgument(
                 f"worker {self.worker_id}: dp_start must be >= 0 and dp_size >= 1 within u32, "
-                f"got dp_start={self.dp_start} dp_size={self.dp_size}"
+                f"got dp_start={self.dp_start} dp_size={self.dp_size}",
+                field="dp_size" if self.dp_size < 1 else "dp_start", worker_id=self.worker_id,
             )
         for name in ("block_size", "total_kv_blocks", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise InvalidArgument(f"worker {self.worker_id}: {name} must be >= 1, got {value!r}")
+                raise InvalidArgument(f"worker {self.worker_id}: {name} must be >= 1, got {value!r}", field=name,
+                                      worker_id=self.worker_id)
 
     @property
     def ranks(self) -> range:
@@ -69,7 +71,7 @@ class WorkerRegistry:
     def add(self, spec: WorkerSpec) -> None:
         """Register a worker; a known id raises ``DuplicateWorker`` and changes nothing."""
         if spec.worker_id in self._specs:
-            raise DuplicateWorker(f"worker {spec.worker_id} is already registered")
+            raise DuplicateWorker(f"worker {spec.worker_id} is already registered", worker_id=spec.worker_id)
         self._specs[spec.worker_id] = spec
         self.num_ranks += spec.dp_size
         self._fenced.discard(spec.worker_id)
@@ -80,7 +82,7 @@ class WorkerRegistry:
         try:
             spec = self._specs.pop(worker_id)
         except KeyError:
-            raise UnknownWorker(f"worker {worker_id} is not registered") from None
+            raise UnknownWorker(f"worker {worker_id} is not registered", worker_id=worker_id) from None
         self.num_ranks -= spec.dp_size
         self._fenced.discard(worker_id)
         self._changed()
@@ -89,7 +91,7 @@ class WorkerRegistry:
     def fence(self, worker_id: int) -> None:
         """Mark a worker dead: never eligible (not even for pins) until it is removed or unfenced."""
         if worker_id not in self._specs:
-            raise UnknownWorker(f"worker {worker_id} is not registered")
+            raise UnknownWorker(f"worker {worker_id} is not registered", worker_id=worker_id)
         self._fenced.add(worker_id)
         self._changed()
 

@@ -93,7 +93,7 @@ class RoutingCore:
         pool: str = "aggregated",
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}")
+            raise InvalidArgument(f"block_size must be a positive integer, got {block_size!r}", field="block_size")
         self.block_size = block_size
         self.config = config or RouterConfig()
         self.clock = clock or ManualClock()
@@ -125,7 +125,8 @@ class RoutingCore:
         if spec.block_size is not None and spec.block_size != self.block_size:
             raise InvalidArgument(
                 f"worker {spec.worker_id} announces block_size {spec.block_size} but the router uses "
-                f"{self.block_size}; prefix matching would silently find nothing"
+                f"{self.block_size}; prefix matching would silently find nothing",
+                field="block_size", worker_id=spec.worker_id,
             )
         self.registry.add(spec)
 
@@ -146,7 +147,8 @@ class RoutingCore:
             if self.approx is not None:
                 raise InvalidArgument(
                     f"KV event from worker {event.worker_id}: this router runs without KV events "
-                    "(use_kv_events=False) and learns from its own routing decisions"
+                    "(use_kv_events=False) and learns from its own routing decisions",
+                    worker_id=event.worker_id, dp_rank=event.dp_rank,
                 )
             apply_event(self.index, event)
             return
@@ -198,9 +200,9 @@ class RoutingCore:
         seq_source = None
         if local_hashes is None:
             if tokens is None:
-                raise InvalidArgument("prepare needs tokens or local_hashes")
+                raise InvalidArgument("prepare needs tokens or local_hashes", field="tokens")
             if not tokens:
-                raise InvalidArgument("tokens: the prompt is empty")
+                raise InvalidArgument("tokens: the prompt is empty", field="tokens")
             seed = block_seed(lora_name, cache_namespace)
             own = getattr(tokens, "local_block_hashes", None)  # SelfHashingTokens
             if own is not None and seed == BASE_SEED:
@@ -215,7 +217,7 @@ class RoutingCore:
             if isl is None:
                 isl = len(locs) * self.block_size
         if isl < 0:
-            raise InvalidArgument(f"isl must be >= 0, got {isl}")
+            raise InvalidArgument(f"isl must be >= 0, got {isl}", field="isl")
         prepared = PreparedRequest(
             isl,
             locs,
@@ -244,7 +246,7 @@ class RoutingCore:
             candidates = self.eligibility().build()
         config = request.config
         custom = self.policy is not None and candidates.pinned is None
-        ranks = candidates.ranks if custom else candidates.for_default_selector()
+        ranks = self.selectable(candidates)
         taint = None
         if request.preferred_taints:
             taint = taint_factors(
@@ -275,20 +277,22 @@ class RoutingCore:
             return self.policy.select(ctx, candidates, evaluation, self.rng)  # type: ignore[union-attr]
         return self.selector.select(candidates, evaluation, config, self.rng)
 
-    def select_with_affinity(
-        self,
-        request: PreparedRequest,
-        builder: EligibilityBuilder,
-        affinity: SessionAffinity,
-        session: str,
-    ) -> tuple[Selection, Hold] | Wait:
-        """Acquire the session's affinity, narrow eligibility to its target, select.
+    def selectable(self, candidates: Candidates) -> tuple[WorkerKey, ...]:
+        """The ranks ``select`` compares: a custom policy sees every candidate, the default selector only an
+        eligible affinity target's ranks (a pin's ranks, if pinned)."""
+        if self.policy is not None and candidates.pinned is None:
+            return candidates.ranks
+        return candidates.for_default_selector()
 
-        Returns ``Wait`` while another request initializes the session. Otherwise the host dispatches
-        ``selection`` and then calls ``affinity.commit(hold, selection.key)`` if the worker accepted it,
-        or ``affinity.drop(hold)`` if not. When a hard binding's target is no longer eligible, the
-        binding is invalidated here and this request re-initializes it on its new rank; in soft mode
-        the commit simply moves the binding.
+    def acquire_affinity(
+        self, builder: EligibilityBuilder, affinity: SessionAffinity, session: str
+    ) -> tuple[Hold, Candidates] | Wait:
+        """Acquire the session's affinity and resolve the candidates it allows, without selecting.
+
+        Returns ``Wait`` while another request initializes the session. A bound hold narrows the
+        candidates to the binding's target; when a hard binding's target is no longer eligible, the
+        binding is invalidated here and this request re-initializes it. The hold is the caller's to commit
+        or drop (a host with a queue keeps it while the request waits, as Dynamo's does); a raise drops it.
         """
         pin = builder.pinned
         result = affinity.try_acquire(session, pin)
@@ -308,6 +312,31 @@ class RoutingCore:
                     candidates = builder.affinity(None).build()
             else:
                 candidates = builder.build()
+            return hold, candidates
+        except BaseException:
+            affinity.drop(hold)
+            raise
+
+    def select_with_affinity(
+        self,
+        request: PreparedRequest,
+        builder: EligibilityBuilder,
+        affinity: SessionAffinity,
+        session: str,
+    ) -> tuple[Selection, Hold] | Wait:
+        """Acquire the session's affinity, narrow eligibility to its target, select.
+
+        Returns ``Wait`` while another request initializes the session. Otherwise the host dispatches
+        ``selection`` and then calls ``affinity.commit(hold, selection.key)`` if the worker accepted it,
+        or ``affinity.drop(hold)`` if not. When a hard binding's target is no longer eligible, the
+        binding is invalidated here and this request re-initializes it on its new rank; in soft mode
+        the commit simply moves the binding.
+        """
+        got = self.acquire_affinity(builder, affinity, session)
+        if isinstance(got, Wait):
+            return got
+        hold, candidates = got
+        try:
             return self.select(request, candidates), hold
         except BaseException:
             affinity.drop(hold)
@@ -363,7 +392,9 @@ class RoutingCore:
 
         cls = QueueClass(busy_threshold_frac=cfg.router_queue_threshold, policy=cfg.router_queue_policy)
         limits = QueueLimits(requests_per_worker=cfg.router_queue_limit_per_worker)
-        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity, limits=limits)
+        registry = self.registry
+        return PolicyQueue(classes=[cls], prefill_tokens=prefill, batched_capacity=capacity, limits=limits,
+                           rank_known=lambda key: key[0] in registry)
 
     def potential_loads(self, request: PreparedRequest, ranks: Sequence[WorkerKey] | None = None) -> list[LoadProjection]:
         """Each rank's load if the request were added (Dynamo's ``get_potential_loads``)."""

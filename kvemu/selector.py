@@ -263,7 +263,7 @@ class DefaultWorkerSelector:
         """Pick one rank of ``evaluation`` (which must cover ``candidates.for_default_selector()``)."""
         ranks = evaluation.ranks
         if not ranks:
-            raise NoEndpoints("no candidate ranks to select from")
+            raise NoEndpoints("no candidate ranks to select from", reason="no_candidates")
         costs = evaluation.costs
         hot = config.router_temperature > 0
         if len(ranks) == 1:

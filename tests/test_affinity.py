@@ -10,7 +10,7 @@ from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait, sibling_gr
 from kvemu.affinity_async import acquire, run_reaper
 from kvemu.clock import MAX_TIME_NS, ManualClock, WallClock, seconds_to_ns
 from kvemu.eligibility import AffinityTarget
-from kvemu.errors import InvalidArgument, ResourceExhausted
+from kvemu.errors import InvalidArgument, PinnedWorkerNotAllowed, ResourceExhausted, SchedulerError
 
 S = seconds_to_ns
 
@@ -165,10 +165,19 @@ def test_soft_mode_follows_the_dispatch():
 def test_explicit_pin_must_agree_with_the_binding():
     clock, t, _ = table()
     bind(t, "s", (1, 0))
-    with pytest.raises(InvalidArgument, match="explicit pin worker 2 rank None disagrees with its binding worker 1 rank 0"):
+    with pytest.raises(PinnedWorkerNotAllowed,
+                       match="explicit pin worker 2 rank None disagrees with its binding worker 1 rank 0") as e:
         t.try_acquire("s", (2, None))
-    assert t.active_leases("s") == 1  # rejection changed nothing
+    assert (e.value.worker_id, e.value.dp_rank, e.value.affinity_target, e.value.session_id) == (2, None, (1, 0), "s")
+    assert isinstance(e.value, SchedulerError) and isinstance(e.value, InvalidArgument)
+    with pytest.raises(PinnedWorkerNotAllowed, match="rank 1 disagrees"):
+        t.try_acquire("s", (1, 1))
+    assert t.active_leases("s") == 1  # rejections changed nothing
     assert t.try_acquire("s", (1, 0)).kind == "bound"
+    assert t.try_acquire("s", (1, None)).kind == "bound"  # a worker-only pin agrees with a ranked binding
+    bind(t, "w", (3, None))
+    with pytest.raises(PinnedWorkerNotAllowed, match="rank 1 disagrees with its binding worker 3 rank None"):
+        t.try_acquire("w", (3, 1))  # Dynamo: a worker-only binding cannot be narrowed to a rank
     init = t.try_acquire("p", (5, 1))
     with pytest.raises(InvalidArgument, match="pinned worker 5 rank 1"):
         t.commit(init, (5, 0))

@@ -52,3 +52,11 @@ def test_wall_clock_is_monotonic_and_both_satisfy_the_protocol():
     a, b = w.now_ns(), w.now_ns()
     assert b >= a and not w.is_virtual
     assert isinstance(w, Clock) and isinstance(ManualClock(), Clock)
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), -float("inf"), 1.7976931348623157e308, 1e22])
+def test_seconds_beyond_any_clock_are_invalid_not_an_overflow(seconds):
+    """A float too large to round (or infinite) is the same typed refusal as one merely out of range."""
+    with pytest.raises(InvalidArgument, match="outside the clock range") as e:
+        seconds_to_ns(seconds)
+    assert e.value.field == "seconds"

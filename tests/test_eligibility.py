@@ -10,6 +10,7 @@ from kvemu.errors import (
     NoEndpoints,
     PinnedWorkerNotAllowed,
     PinnedWorkerOverloaded,
+    SchedulerError,
 )
 from kvemu.registry import WorkerRegistry, WorkerSpec
 from kvemu.routing import RoutingCore
@@ -112,9 +113,11 @@ def test_fenced_pin_is_never_eligible():
 
 
 def test_conflicting_pin_and_affinity_are_rejected_and_matching_accepted():
-    with pytest.raises(InvalidArgument, match="pin worker 1 rank 0 disagrees with the affinity target worker 2"):
+    with pytest.raises(PinnedWorkerNotAllowed, match="pin worker 1 rank 0 disagrees with the affinity target worker 2") as e:
         EligibilityBuilder(registry()).pin(1, 0).affinity((2, 0)).build()
-    with pytest.raises(InvalidArgument, match="rank 1"):
+    assert (e.value.worker_id, e.value.dp_rank, e.value.affinity_target) == (1, 0, AffinityTarget(2, 0))
+    assert isinstance(e.value, SchedulerError)  # a host catching the scheduler's errors gets it
+    with pytest.raises(PinnedWorkerNotAllowed, match="rank 1"):
         EligibilityBuilder(registry()).pin(1, 0).affinity((1, 1)).build()
     c = EligibilityBuilder(registry()).pin(1, 0).affinity((1, None)).build()
     assert c.ranks == ((1, 0),) and c.pinned == AffinityTarget(1, 0) and c.affinity_ranks == ((1, 0),)
@@ -150,3 +153,38 @@ def test_core_busy_thresholds_drive_overload():
     frac.load.add("r", (2, 0), [], 501)
     with pytest.raises(AllEligibleWorkersOverloaded):
         frac.eligibility().build()
+
+
+def test_pin_disagreeing_with_an_ineligible_affinity_target_is_routed_to_the_pin():
+    """Dynamo attaches the affinity target only when it is eligible; an ineligible one cannot veto a pin."""
+    c = EligibilityBuilder(registry()).set_available(2, False).pin(1, 0).affinity((2, 0)).build()
+    assert c.ranks == ((1, 0),) and c.affinity_ranks == ()
+    # the allow-list verdict comes first, as in Dynamo's check order
+    with pytest.raises(PinnedWorkerNotAllowed, match="not in the request's allow-list") as e:
+        EligibilityBuilder(registry()).allow([2]).pin(1, 0).affinity((2, 0)).build()
+    assert (e.value.worker_id, e.value.affinity_target) == (1, None)
+
+
+def test_scheduler_errors_carry_the_rank_and_reason_they_name():
+    with pytest.raises(NoEndpoints) as e:
+        EligibilityBuilder(registry()).pin(3, 0).build()
+    assert (e.value.worker_id, e.value.dp_rank, e.value.reason) == (3, 0, "dp_rank_unavailable")
+    assert (e.value.dp_start, e.value.dp_end) == (4, 6)  # end exclusive, as Dynamo's DpRankUnavailable
+    with pytest.raises(NoEndpoints) as e:
+        EligibilityBuilder(registry()).pin(7, 1).build()
+    assert (e.value.worker_id, e.value.dp_rank, e.value.reason, e.value.dp_start) == (7, 1, "worker_unavailable", None)
+    with pytest.raises(PinnedWorkerOverloaded) as e:
+        EligibilityBuilder(registry(), overloaded=lambda k: True).pin(2, 1).build()
+    assert (e.value.worker_id, e.value.dp_rank) == (2, 1)
+    with pytest.raises(PinnedWorkerNotAllowed) as e:
+        EligibilityBuilder(registry()).allow([2]).pin(1).build()
+    assert (e.value.worker_id, e.value.dp_rank) == (1, None)
+    with pytest.raises(AllEligibleWorkersOverloaded) as e:
+        EligibilityBuilder(registry(), overloaded=lambda k: k[0] != 2).allow([1, 3]).build()
+    assert e.value.ranks == ((1, 0), (1, 1), (3, 4), (3, 5))
+    with pytest.raises(NoEndpoints) as e:
+        EligibilityBuilder(WorkerRegistry()).build()
+    assert e.value.reason == "no_workers" and e.value.worker_id is None
+    with pytest.raises(InvalidArgument) as e:
+        EligibilityBuilder(registry()).pin(None, 1)
+    assert (e.value.field, e.value.dp_rank) == ("dp_rank", 1)

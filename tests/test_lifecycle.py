@@ -372,3 +372,37 @@ def test_refusal_reason_is_reported(reason):
     h.submit("a")
     h.lc.on_ack(1, DispatchAck(request_id="a", accepted=False, reason=reason))
     assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == [reason or "rejected"]
+
+
+def test_a_pin_that_disagrees_with_the_session_binding_fails_as_pinned_worker_not_allowed():
+    """Dynamo rejects it as PinnedWorkerNotAllowed (HTTP 400); the binding and the load are left as they were."""
+    from kvemu.http.errors import failure_status
+
+    h = Host(workers=(1, 2), affinity=True)
+    h.submit("a", session_id="s")
+    bound, _ = h.sent[0]
+    h.complete("a")
+    other = 3 - bound
+    h.submit("b", session_id="s", worker_id=other)
+    rec = h.ended["b"]
+    assert rec.failure.startswith("pinned_worker_not_allowed: ") and f"worker {other}" in rec.failure
+    assert failure_status(rec.failure) == 400
+    assert len(h.sent) == 1 and len(h.core.load) == 0 and not h.lc.flights
+    assert h.affinity.query_target("s") == (bound, 0) and h.affinity.active_leases("s") == 0
+    h.submit("c", session_id="s", worker_id=bound)  # a pin that agrees is served on the binding
+    assert h.last("c")[0] == bound
+
+
+def test_an_affinity_table_refusal_fails_the_request_instead_of_escaping():
+    """A session id the table refuses (too long for it) or a full table ends the request with a typed reason;
+    before, the error escaped the lifecycle's transition."""
+    from kvemu.http.errors import failure_status
+
+    h = Host(workers=(1,), affinity=True)
+    h.lc.affinity = h.affinity = SessionAffinity(h.clock, ttl_secs=60, max_session_id_bytes=8, max_entries=1)
+    h.submit("a", session_id="much-too-long")
+    assert h.ended["a"].failure.startswith("invalid_argument: ") and failure_status(h.ended["a"].failure) == 400
+    h.submit("b", session_id="s1")
+    h.submit("c", session_id="s2")
+    assert h.ended["c"].failure.startswith("resource_exhausted: ") and failure_status(h.ended["c"].failure) == 503
+    assert len(h.sent) == 1 and not h.core.load.booked_rank("c")

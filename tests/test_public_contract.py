@@ -3,21 +3,35 @@
 Everything used here is documented in docs/embedding.md and must stay stable.
 """
 
+import pickle
+
 import pytest
 
 import kvemu
 from kvemu import (
     AffinityMode,
     AffinityTarget,
+    BlockNotFound,
     BlocksStored,
+    BookingFailed,
     CustomPolicy,
+    DuplicateWorker,
     Hold,
     InvalidArgument,
     ManualClock,
     NoEndpoints,
+    ParentBlockNotFound,
+    PinnedWorkerNotAllowed,
+    PinnedWorkerOverloaded,
+    QueueEntry,
+    QueueLimits,
+    QueueRejected,
+    ResourceExhausted,
     RouterEvent,
     RoutingCore,
+    SchedulerError,
     SessionAffinity,
+    UnknownWorker,
     Wait,
     WorkerSpec,
     seconds_to_ns,
@@ -181,3 +195,79 @@ def test_custom_policy_may_ignore_the_advisory_affinity():
     selection, lease = serve(core, affinity, "s", list(range(32)), "r1")
     assert selection.key == (1, 0) and selection.reason == "policy"
     assert affinity.query_target("s") == AffinityTarget(1, 0)  # soft binding followed the dispatch
+
+
+def test_errors_carry_what_they_name_and_survive_pickling():
+    """Hosts branch on attributes, not on messages; sweeps ship errors across processes by pickle."""
+    clock, core = cluster(workers=2)
+    seen = []
+
+    def caught(kind, fn):
+        with pytest.raises(kind) as e:
+            fn()
+        seen.append(e.value)
+        return e.value
+
+    e = caught(PinnedWorkerNotAllowed, lambda: core.eligibility().allow([2]).pin(1, 0).build())
+    assert (e.worker_id, e.dp_rank) == (1, 0) and isinstance(e, SchedulerError)
+    e = caught(PinnedWorkerOverloaded,
+               lambda: kvemu.EligibilityBuilder(core.registry, overloaded=lambda k: True).pin(2, 1).build())
+    assert (e.worker_id, e.dp_rank) == (2, 1)
+    e = caught(NoEndpoints, lambda: core.eligibility().pin(2, 5).build())
+    assert (e.worker_id, e.dp_rank, e.reason, e.dp_start, e.dp_end) == (2, 5, "dp_rank_unavailable", 0, 2)
+    affinity = SessionAffinity.with_manual_clock(clock, ttl_secs=60, max_entries=1)
+    serve(core, affinity, "s", list(range(32)), "r1")
+    e = caught(PinnedWorkerNotAllowed, lambda: affinity.try_acquire("s", AffinityTarget(9, 0)))
+    assert (e.worker_id, e.session_id) == (9, "s") and e.affinity_target.worker_id in (1, 2)
+    e = caught(ResourceExhausted, lambda: affinity.try_acquire("t"))
+    assert (e.resource, e.limit, e.session_id) == ("session_affinity", 1, "t")
+    e = caught(InvalidArgument, lambda: affinity.join_initializing("s", (1, 0)))
+    assert e.session_id == "s"
+    e = caught(BookingFailed, lambda: core.book("r1", core.select(core.prepare(list(range(32)))),
+                                                core.prepare(list(range(32)))))
+    assert e.request_id == "r1" and (e.worker_id, e.dp_rank) == core.load.booked_rank("r1")
+    e = caught(DuplicateWorker, lambda: core.add_worker(WorkerSpec(worker_id=1)))
+    assert e.worker_id == 1
+    e = caught(UnknownWorker, lambda: core.remove_worker(42))
+    assert e.worker_id == 42
+    e = caught(InvalidArgument, lambda: WorkerSpec(worker_id=3, dp_size=0))
+    assert (e.field, e.worker_id) == ("dp_size", 3)
+    e = caught(ParentBlockNotFound, lambda: core.apply_event(
+        RouterEvent(worker_id=1, dp_rank=1, data=BlocksStored([5], [6], parent_hash=77))))
+    assert (e.worker_id, e.dp_rank, e.block_hash) == (1, 1, 77)
+    e = caught(BlockNotFound, lambda: core.apply_event(
+        RouterEvent(worker_id=2, dp_rank=0, data=kvemu.BlocksRemoved([8, 9]))))
+    assert (e.worker_id, e.block_hash, e.block_hashes) == (2, 8, (8, 9))
+    queue = kvemu.PolicyQueue(classes=[kvemu.QueueClass(busy_threshold=0)], limits=QueueLimits(requests_per_worker=1),
+                              prefill_tokens=lambda key: 1)
+    queue.push(QueueEntry("q1", ranks=[(1, 0)], arrival_ns=0), num_workers=1)
+    e = caught(QueueRejected, lambda: queue.push(QueueEntry("q2", ranks=[(1, 0)], arrival_ns=0), num_workers=1))
+    assert (e.request_id, e.policy_class, e.resource, e.current, e.limit) == ("q2", "default", "requests", 1, 1)
+    e = caught(kvemu.DoNotQueue, lambda: queue.push(QueueEntry("q3", ranks=[(1, 0)], arrival_ns=0), do_not_queue=True))
+    assert e.request_id == "q3"
+    for err in seen:
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.__dict__ == err.__dict__
+    with pytest.raises(TypeError, match="no attribute"):
+        NoEndpoints("x", colour="red")  # a misspelt attribute is a bug at the raise site, not silence
+
+
+
+def test_a_host_with_a_queue_acquires_affinity_first_and_queues_on_the_bound_rank():
+    """The documented order: hold first (kept while queued), then the queue on the candidates it allows."""
+    clock, core = cluster(workers=1, dp=2)
+    affinity = SessionAffinity.with_manual_clock(clock, ttl_secs=60)
+    load = {(1, 0): 0, (1, 1): 0}
+    queue = kvemu.PolicyQueue(classes=[kvemu.QueueClass(busy_threshold=0)], prefill_tokens=load.__getitem__)
+    first, _ = serve(core, affinity, "s", list(range(32)), "r1")
+    load[first.key] = 32  # its prefill keeps the bound rank busy
+    hold, candidates = core.acquire_affinity(core.eligibility(), affinity, "s")
+    assert hold.kind == "bound" and core.selectable(candidates) == (first.key,)
+    assert queue.should_queue(core.selectable(candidates), pin=first.key)  # the other rank is idle: no matter
+    queue.push(kvemu.QueueEntry("r2", ranks=[first.key], pin=first.key, arrival_ns=0, payload=hold))
+    assert affinity.active_leases("s") == 2  # the queued request holds its lease
+    assert isinstance(core.acquire_affinity(core.eligibility(), affinity, "new"), tuple)
+    assert isinstance(core.acquire_affinity(core.eligibility(), affinity, "new"), Wait)  # its initializer is out
+    assert queue.pop_ready() is None
+    load[first.key] = 0
+    assert queue.pop_ready().payload is hold

@@ -81,11 +81,11 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicyName = "lru") -> None:
         if num_blocks < 1:
-            raise InvalidArgument(f"num_gpu_blocks must be >= 1, got {num_blocks!r}")
+            raise InvalidArgument(f"num_gpu_blocks must be >= 1, got {num_blocks!r}", field="num_gpu_blocks")
         if block_size < 1:
-            raise InvalidArgument(f"block_size must be >= 1, got {block_size!r}")
+            raise InvalidArgument(f"block_size must be >= 1, got {block_size!r}", field="block_size")
         if eviction not in ("lru", "lineage"):
-            raise InvalidArgument(f"eviction_policy must be 'lru' or 'lineage', got {eviction!r}")
+            raise InvalidArgument(f"eviction_policy must be 'lru' or 'lineage', got {eviction!r}", field="eviction_policy")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.eviction = eviction

@@ -31,7 +31,7 @@ class RankCore:
 
     def __init__(self, config: EngineConfig, dp_rank: int, timing: TimingModel | None) -> None:
         if not isinstance(dp_rank, int) or dp_rank < 0:
-            raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}")
+            raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}", field="dp_rank")
         self.config = config
         self.dp_rank = dp_rank
         self.timer = PassTimer(config, timing)
@@ -124,7 +124,8 @@ class RankCore:
             return self._seqs[request_id].record
         except KeyError:
             raise InvalidArgument(
-                f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}"
+                f"request_id {request_id!r} is not an unfinished request on rank {self.dp_rank}",
+                field="request_id", dp_rank=self.dp_rank,
             ) from None
 
     def next_pass_start_ns(self) -> int | None:
@@ -163,10 +164,11 @@ class RankCore:
         """Run one forward pass starting at ``now_ns`` and return it, finished (idle if nothing to do)."""
         if self._inflight is not None:
             raise InvalidArgument(
-                f"now_ns: a pass started by advance_to is in flight until {self._inflight.end}; advance_to it first")
+                f"now_ns: a pass started by advance_to is in flight until {self._inflight.end}; advance_to it first",
+                field="now_ns")
         if not isinstance(now_ns, int) or now_ns < self._free_at or now_ns < self._now:
             raise InvalidArgument(f"now_ns must be an integer >= the end of the previous pass "
-                                  f"({max(self._free_at, self._now)}), got {now_ns!r}")
+                                  f"({max(self._free_at, self._now)}), got {now_ns!r}", field="now_ns")
         self._now = now_ns
         p = self._plan(now_ns)
         res = self._step_result(p)
@@ -180,7 +182,7 @@ class RankCore:
     def advance_to(self, t_ns: int) -> AdvanceResult:
         """Run every pass that starts before ``t_ns`` and ends by it; return what became visible."""
         if not isinstance(t_ns, int) or t_ns < self._now or t_ns > MAX_TIME_NS:
-            raise InvalidArgument(f"t_ns must be an integer in [{self._now}, {MAX_TIME_NS}], got {t_ns!r}")
+            raise InvalidArgument(f"t_ns must be an integer in [{self._now}, {MAX_TIME_NS}], got {t_ns!r}", field="t_ns")
         out = AdvanceResult()
         while True:
             fl = self._inflight

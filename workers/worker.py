@@ -73,9 +73,9 @@ class MockWorker:
     ) -> None:
         self.config = config if config is not None else EngineConfig()
         if not isinstance(worker_id, int) or worker_id < 0:
-            raise InvalidArgument(f"worker_id must be an integer >= 0, got {worker_id!r}")
+            raise InvalidArgument(f"worker_id must be an integer >= 0, got {worker_id!r}", field="worker_id")
         if not isinstance(dp_start_rank, int) or dp_start_rank < 0:
-            raise InvalidArgument(f"dp_start_rank must be an integer >= 0, got {dp_start_rank!r}")
+            raise InvalidArgument(f"dp_start_rank must be an integer >= 0, got {dp_start_rank!r}", field="dp_start_rank")
         self.worker_id = worker_id
         self.dp_start_rank = dp_start_rank
         self.cores: list[Core] = [
@@ -102,7 +102,8 @@ class MockWorker:
         i = dp_rank - self.dp_start_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else -1
         if not 0 <= i < len(self.cores):
             raise InvalidArgument(
-                f"dp_rank {dp_rank!r} does not exist on worker {self.worker_id} (ranks {self.dp_ranks})"
+                f"dp_rank {dp_rank!r} does not exist on worker {self.worker_id} (ranks {self.dp_ranks})",
+                field="dp_rank", worker_id=self.worker_id, dp_rank=dp_rank,
             )
         return self.cores[i]
 

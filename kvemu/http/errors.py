@@ -12,6 +12,7 @@ _TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed",
 # a failed request's recorded reason (``RequestRecord.failure``), by prefix, as the status a client gets
 _FAILURE_STATUS = (
     ("invalid_request", 400),
+    ("invalid_argument", 400),  # e.g. a session id longer than the affinity table takes
     ("pinned_worker_not_allowed", 400),
     ("duplicate_request_id", 400),
     ("unknown_dp_rank", 400),

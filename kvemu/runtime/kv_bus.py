@@ -72,7 +72,7 @@ class MemoryKvBus:
     def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000,
                  wire_check: bool = False) -> None:
         if lag_ns < 0:
-            raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}")
+            raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}", field="lag_ns")
         self._lag_ns = lag_ns
         self.wire_check = wire_check
         """Carry engine batches as vLLM bytes (encoded and decoded) instead of router-model structs."""
@@ -89,7 +89,7 @@ class MemoryKvBus:
     @lag_ns.setter
     def lag_ns(self, value: int) -> None:
         if value < 0:
-            raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {value}")
+            raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {value}", field="lag_ns")
         self._lag_ns = value
         for pub in self._publishers.values():
             pub.lag_ns = value

@@ -355,6 +355,7 @@ class Router:
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
         self._emit("worker_fenced", worker_id=worker_id, data={"reason": "draining"})
+        self.lifecycle.capacity_changed()  # requests queued only on it start their admission over
 
     def rank_down(self, worker_id: int, dp_rank: int) -> None:
         """One rank died: forget its cache and its session bindings, route nothing more to it."""

@@ -211,7 +211,7 @@ class MemoryNetwork:
 
     def __init__(self, latency_ns: int = 0, *, wire_check: bool = False) -> None:
         if latency_ns < 0:
-            raise InvalidArgument(f"latency_ns must be >= 0, got {latency_ns}")
+            raise InvalidArgument(f"latency_ns must be >= 0, got {latency_ns}", field="latency_ns")
         self.wire_check = wire_check
         self._to_router = _Link(latency_ns, wire_check, decode_worker_message)
         self._to_worker = _Link(latency_ns, wire_check, decode_router_message)

@@ -107,14 +107,16 @@ def convert_event(
         if ev.block_size != block_size:  # type: ignore[union-attr]
             raise BlockSizeMismatch(
                 f"worker {worker_id} rank {dp_rank} sent blocks of {ev.block_size} tokens but the router "  # type: ignore[union-attr]
-                f"uses block_size {block_size}; its {n} blocks were not indexed (configure both the same)"
+                f"uses block_size {block_size}; its {n} blocks were not indexed (configure both the same)",
+                worker_id=worker_id, dp_rank=dp_rank,
             )
         tokens = ev.token_ids  # type: ignore[union-attr]
         needed = n * block_size + (1 if eagle else 0)
         if len(tokens) < needed:
             raise MissingTokens(
                 f"worker {worker_id} rank {dp_rank}: stored event has {len(tokens)} token ids for {n} blocks "
-                f"of {block_size}; enable token ids in KV events"
+                f"of {block_size}; enable token ids in KV events",
+                worker_id=worker_id, dp_rank=dp_rank,
             )
         locs = local_block_hashes(
             tokens if len(tokens) == needed else tokens[:needed],

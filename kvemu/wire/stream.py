@@ -284,7 +284,7 @@ class EventStream:
                     self._mismatch(BlockSizeMismatch(
                         f"worker {self.worker_id} rank {batch.dp_rank} sent blocks of {batch.block_size} tokens but "
                         f"the router uses block_size {self.block_size}; its {len(data.block_hashes)} blocks were "
-                        "not indexed (configure both the same)"))
+                        "not indexed (configure both the same)", worker_id=self.worker_id, dp_rank=batch.dp_rank))
                     continue
                 if self.eagle or not is_chain(data.block_hashes, data.parent_hash):
                     continue
