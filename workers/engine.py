@@ -37,6 +37,8 @@ Host offload (``native_host_offload``; ``workers/host_tier.py``): stores that en
 is planned and when one ends, the pass's filled prompt blocks are submitted at its end, and a pass that
 evicts a GPU block still being stored starts when that store ends. While stores are in flight the engine
 runs pass by pass (no decode runs) and reports every pass end as visible (host events may land in it).
+A request loading host blocks (or waiting with them loaded) holds GPU blocks, so an idle engine may then
+not admit its queue head: it waits for a change, as with held KV.
 """
 
 from __future__ import annotations

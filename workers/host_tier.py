@@ -10,7 +10,8 @@
   store ends (``fence_ns``).
 * A waiting request whose GPU prefix is followed by resident host blocks loads them (host-to-device lane)
   before it is admitted with them cached (``lookup`` / ``load``); one that meets a block still being
-  stored waits for that store.
+  stored waits for that store. The scheduler makes the request hold its GPU prefix and the loaded blocks'
+  GPU destinations from the load's start (``workers.scheduler``).
 
 Transfers of ``n`` blocks take ``latency_to_first_byte_ms + n x block bytes / bandwidth`` on a first-in,
 first-out lane per direction (a bandwidth of 0 is instantaneous). Stores and evictions are logged into the

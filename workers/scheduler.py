@@ -25,7 +25,12 @@ computed, to decode.
 
 With a host tier (``workers.host_tier``), the prompt blocks a pass fills are staged for storing, and a
 waiting request whose GPU prefix is followed by resident host blocks leaves the queue to load them, others
-going ahead; when the load ends it takes its place again and is admitted with them cached.
+going ahead; when the load ends it takes its place again and is admitted with them cached. As vLLM does
+before an asynchronous load, it takes its GPU prefix and allocates the loaded blocks when the load starts
+and holds them until it is admitted (so nobody evicts that prefix meanwhile); a load starts only if blocks
+for the request's whole known sequence (less its GPU prefix in use) fit beside what the prefills already in
+flight (running, loading, or loaded and waiting) still need for theirs, else the head waits (the reference's
+load headroom: loads cannot be preempted, so they must never lock the pool).
 """
 
 from __future__ import annotations
