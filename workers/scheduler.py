@@ -145,8 +145,14 @@ class Scheduler:
             else:
                 heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
         loads = self.loads
+        if not loads or loads[0][0] > now_ns:
+            return
+        done = []
         while loads and loads[0][0] <= now_ns:
             _, order, blocks, seq = heapq.heappop(loads)
+            done.append((seq.req.priority, seq.record.arrival_ns, order, blocks, seq))
+        done.sort(key=lambda d: d[:3])  # in queue order (a request's order is its host's submission order)
+        for _, _, order, blocks, seq in done:
             if blocks:
                 self.host.loaded(blocks)  # type: ignore[union-attr]
                 # its loaded blocks hold the prompt's KV now: they are cached (vLLM caches them at this pass)
@@ -322,6 +328,7 @@ class Scheduler:
         reserve = self.reserve
         reserved = self._reserved_blocks() if reserve and waiting else 0
         host = self.host
+        blocked = False
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0][3]
             total = seq.prompt_len + seq.n_out
@@ -341,6 +348,7 @@ class Scheduler:
                 if went > 0:
                     continue  # it waits for its host blocks; the next one may go ahead
                 if went < 0:
+                    blocked = True
                     break  # no room for the blocks it would load: the head waits
             cached = hits * bs
             n = total - cached
@@ -351,11 +359,13 @@ class Scheduler:
             owned = hits if loaded is None else seq.n_alloc  # blocks it will hold before this chunk's
             need = -(-(cached + n) // bs) - owned
             if need > pool.available - inactive_hits:
+                blocked = True
                 break
             # vLLM (the reference mocker's gate): blocks for the whole known sequence, less its cached prefix
             # blocks in use (inactive hits still count), must be free or evictable now, although only this
             # pass's chunk is allocated; the head waits, nothing overtakes it
             if not reserve and -(-total // bs) - (owned - inactive_hits) > pool.available:
+                blocked = True
                 break
             if reserve:
                 whole = -(-(seq.prompt_len + seq.max_tokens) // bs)
@@ -390,6 +400,15 @@ class Scheduler:
             else:  # TRT-LLM, prompt fully cached: it samples its first token in this pass's decode part
                 sched.decodes += 1
             budget -= n
+        if blocked and self.loading and not running and waiting[0][3].host_load is None:
+            # nothing runs to free blocks and requests holding loaded blocks wait behind a head that cannot fit
+            # beside them (a preempted request that grew after their loads started): the first of them goes first
+            i = min((e for e in waiting if e[3].host_load is not None), default=None)
+            if i is not None:
+                waiting.remove(i)
+                heapq.heapify(waiting)
+                heapq.heappush(waiting, (waiting[0][0] if waiting else i[0], -1, i[2], i[3]))  # the head now
+                self._admit(now_ns, budget, sched)
 
     def _load(self, seq: SeqState, hits: int, inactive_hits: int, limit: int, now_ns: int) -> int:
         """Host lookup for the queue head past its whole GPU prefix (``hits`` blocks, ``inactive_hits`` of them
