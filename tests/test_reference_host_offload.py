@@ -30,6 +30,7 @@ def offload(host_blocks: int = 100, d2h: float = 0.064, h2d: float = 0.064, **ex
 
 
 EVICT = ((0, 1024, 2, [1, 2]), (1000, 1216, 2, [3, 4, 5]))
+HEADROOM = ((0, 512, 2, [1]), (1, 512, 2, [2]), (1000, 1216, 2, [3, 4, 5]))
 TOUCHED = ((0, 1024, 2, [1, 2]), (1000, 1024, 2, [1, 2]), (2000, 1024, 2, [5, 6]), (3000, 1024, 2, [1, 2]))
 
 CASES = {
@@ -66,6 +67,13 @@ CASES = {
     "a load holds its GPU prefix and destinations (fast link)": (
         rows((0, 1024, 2, [1, 2]), (1000, 768, 2, [3, 4]), (2000, 1024, 2, [1, 2]), (2001, 1216, 2, [5, 6, 7])),
         offload()),
+    # a load starts only if its whole sequence (11 blocks) fits beside what loads already started still need (the
+    # first one's 3 blocks past its 8 loaded ones): the second waits for the first's admission (with 10-block
+    # prompts, 10 of the 12 blocks left fit beside 2: both load at once)
+    "a load leaves room for the loads in flight": (
+        rows(*HEADROOM, (2000, 700, 2, [1, 6]), (2000, 700, 3, [2, 7])), offload(h2d=0.0064)),
+    "a load leaves room for the loads in flight (it fits)": (
+        rows(*HEADROOM, (2000, 600, 2, [1, 6]), (2000, 600, 3, [2, 7])), offload(h2d=0.0064)),
     # the store cursor starts at the first block: a GPU hit re-stores the host copies another store evicted
     "a GPU hit re-stores what the host lost": (
         rows((0, 1024, 2, [1, 2]), (1000, 1024, 2, [5, 6]), (2000, 1024, 2, [1, 2]),
