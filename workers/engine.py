@@ -237,7 +237,7 @@ class EngineCore(RankCore):
         sched = self.scheduler.schedule(start)
         if host.pending and sched:  # evicted GPU blocks still being stored: the pass waits for their stores
             victims = [h for e in log[mark:] if e[0] == REMOVED for h in e[1]]
-            start = max(start, host.fence_ns(victims))
+            start = max(start, host.fence_ns(victims), sched.fence_ns)  # (and for those of preempted requests)
         return _Pass(start, start + self._duration(sched), sched, version)
 
     def _duration(self, sched: Schedule) -> int:

@@ -50,7 +50,7 @@ __all__ = ["Scheduler", "Schedule"]
 class Schedule:
     """The decisions of one pass: tokens per request (in scheduling order), admissions, preemptions."""
 
-    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved")
+    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved", "fence_ns")
 
     def __init__(self) -> None:
         self.entries: dict[SeqState, int] = {}
@@ -62,6 +62,8 @@ class Schedule:
         """Decode legs whose KV arrived: they joined the running batch at this pass's start."""
         self.reserved = 0
         """Decode legs that reserved their prompt's blocks at this pass's start."""
+        self.fence_ns = 0
+        """Host offload: when the last host store of a preempted request's blocks ends (the pass waits for it)."""
 
     def __bool__(self) -> bool:
         return bool(self.entries or self.preempted)
@@ -295,6 +297,9 @@ class Scheduler:
         while need > pool.available:
             victim = running[-1] if self.lifo else running[0]
             was_prefilling = victim.prefilling
+            host = self.host
+            if host is not None and host.pending:  # its blocks are still being stored: the pass waits for that
+                sched.fence_ns = max(sched.fence_ns, host.fence_ns(victim.hashes[:victim.n_full]))
             self.preempt(victim)
             sched.preempted.append(victim)
             n = sched.entries.pop(victim, None)
