@@ -3,7 +3,7 @@
 The cases are the reference's measured ones (GPU pool of 20 blocks of 64 tokens, 1,000 bytes a token, so a
 block crosses a 0.064 GB/s link in 1 ms): a prompt evicted from the GPU and found on the host, partly on the
 GPU and partly on the host, host capacities that keep or lose it, a slow store that delays the pass which
-needs its GPU blocks, a load other requests overtake, a load that holds its GPU prefix and destination blocks
+needs its GPU blocks or preempts a request whose blocks are being stored, a load other requests overtake, a load that holds its GPU prefix and destination blocks
 while it runs; then a Mooncake slice under pressure (2 workers, 150 rows of the real trace, or of the generated
 one without it). TTFT and E2E must equal the reference's to 1 µs and the reused tokens exactly.
 """
@@ -74,6 +74,12 @@ CASES = {
         rows(*HEADROOM, (2000, 700, 2, [1, 6]), (2000, 700, 3, [2, 7])), offload(h2d=0.0064)),
     "a load leaves room for the loads in flight (it fits)": (
         rows(*HEADROOM, (2000, 600, 2, [1, 6]), (2000, 600, 3, [2, 7])), offload(h2d=0.0064)),
+    # the decode growth preempts the second request while its prompt's blocks are still being copied to the host
+    # (the first's 10 blocks go first, 100 ms each at 0.00064 GB/s): the pass that preempts it waits for that copy
+    "a pass waits for the store of the request it preempts": (
+        rows((0, 640, 60, [1, 2]), (1, 576, 60, [3, 4])), offload(d2h=0.00064)),
+    "a pass waits for the store of the request it preempts (faster link)": (
+        rows((0, 640, 60, [1, 2]), (1, 576, 60, [3, 4])), offload(d2h=0.0016)),
     # the store cursor starts at the first block: a GPU hit re-stores the host copies another store evicted
     "a GPU hit re-stores what the host lost": (
         rows((0, 1024, 2, [1, 2]), (1000, 1024, 2, [5, 6]), (2000, 1024, 2, [1, 2]),
