@@ -30,7 +30,9 @@ before an asynchronous load, it takes its GPU prefix and allocates the loaded bl
 and holds them until it is admitted (so nobody evicts that prefix meanwhile); a load starts only if blocks
 for the request's whole known sequence (less its GPU prefix in use) fit beside what the prefills already in
 flight (running, loading, or loaded and waiting) still need for theirs, else the head waits (the reference's
-load headroom: loads cannot be preempted, so they must never lock the pool).
+load headroom: loads cannot be preempted, so they must never lock the pool). Should a preempted head outgrow
+that headroom while nothing runs, the first request holding loaded blocks goes first (kvemu's own way out of
+that lock; the reference was not seen in it).
 """
 
 from __future__ import annotations
