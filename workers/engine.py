@@ -37,6 +37,8 @@ Host offload (``native_host_offload``; ``workers/host_tier.py``): stores that en
 is planned and when one ends, the pass's filled prompt blocks are submitted at its end, and a pass that
 evicts a GPU block still being stored starts when that store ends. While stores are in flight the engine
 runs pass by pass (no decode runs) and reports every pass end as visible (host events may land in it).
+A request loading host blocks (or waiting with them loaded) holds GPU blocks, so an idle engine may then
+not admit its queue head: it waits for a change, as with held KV.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class EngineCore(RankCore):
         free_at = self._free_at
         if sch.running:
             return free_at
-        if sch.waiting and not sch.held and not sch.transfers:  # an idle engine admits its first: it fits the pool
+        if sch.waiting and not sch.held and not sch.transfers and not sch.loading:  # an idle engine admits its first: it fits the pool
             return free_at if free_at > self._now else self._now  # (now: an abort just freed the pool)
         if (sch.waiting or sch.incoming) and self._blocked != self._cache_version():
             # held or reserved blocks may keep them out: try (now: what freed blocks happened now), remember a failure
@@ -199,6 +201,11 @@ class EngineCore(RankCore):
                     if entry[-1] is seq:
                         if heap is sch.loads and entry[2]:
                             self.host.loaded(entry[2])  # type: ignore[union-attr]  # its load is dropped
+                        if seq.host_load is not None:  # it held the blocks of a host load: they go back
+                            self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
+                            seq.n_alloc = seq.n_full = 0
+                            seq.host_load = None
+                            sch.loading -= 1
                         heap[i] = heap[-1]
                         heap.pop()
                         heapq.heapify(heap)
@@ -230,7 +237,7 @@ class EngineCore(RankCore):
         sched = self.scheduler.schedule(start)
         if host.pending and sched:  # evicted GPU blocks still being stored: the pass waits for their stores
             victims = [h for e in log[mark:] if e[0] == REMOVED for h in e[1]]
-            start = max(start, host.fence_ns(victims))
+            start = max(start, host.fence_ns(victims), sched.fence_ns)  # (and for those of preempted requests)
         return _Pass(start, start + self._duration(sched), sched, version)
 
     def _duration(self, sched: Schedule) -> int:
@@ -553,7 +560,11 @@ class EngineCore(RankCore):
             self.host.check()
         partial = 0
         refs: dict[int, int] = {}
-        holders = [*self.scheduler.running, *self._held.values(), *(e[3] for e in self.scheduler.transfers)]
+        sch = self.scheduler
+        holders = [*sch.running, *self._held.values(), *(e[3] for e in sch.transfers),
+                   *(e[3] for e in sch.loads if e[3].host_load is not None),
+                   *(e[3] for e in sch.waiting if e[3].host_load is not None)]
+        assert sum(1 for q in holders if q.host_load is not None) == sch.loading
         for seq in holders:
             assert seq.status in (RUNNING, HELD, WAITING), seq
             assert 0 <= seq.n_full <= seq.n_alloc, seq

@@ -6,11 +6,12 @@
   used resident blocks that no load pins (one recency *epoch* per completed store or load, ties by hash
   value read as a signed 64-bit integer, as the reference orders them); a cohort that cannot fit waits for the next pass boundary (one larger than the tier never fits
   and is dropped).
-* A GPU block whose store is still in flight cannot be evicted: a pass that evicts one starts only when the
-  store ends (``fence_ns``).
+* A GPU block whose store is still in flight cannot be evicted, nor its request preempted: a pass that evicts
+  one, or preempts a request holding one, starts only when the store ends (``fence_ns``).
 * A waiting request whose GPU prefix is followed by resident host blocks loads them (host-to-device lane)
   before it is admitted with them cached (``lookup`` / ``load``); one that meets a block still being
-  stored waits for that store.
+  stored waits for that store. The scheduler makes the request hold its GPU prefix and the loaded blocks'
+  GPU destinations from the load's start (``workers.scheduler``).
 
 Transfers of ``n`` blocks take ``latency_to_first_byte_ms + n x block bytes / bandwidth`` on a first-in,
 first-out lane per direction (a bandwidth of 0 is instantaneous). Stores and evictions are logged into the

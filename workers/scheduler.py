@@ -25,7 +25,14 @@ computed, to decode.
 
 With a host tier (``workers.host_tier``), the prompt blocks a pass fills are staged for storing, and a
 waiting request whose GPU prefix is followed by resident host blocks leaves the queue to load them, others
-going ahead; when the load ends it takes its place again and is admitted with them cached.
+going ahead; when the load ends it takes its place again and is admitted with them cached. As vLLM does
+before an asynchronous load, it takes its GPU prefix and allocates the loaded blocks when the load starts
+and holds them until it is admitted (so nobody evicts that prefix meanwhile); a load starts only if blocks
+for the request's whole known sequence (less its GPU prefix in use) fit beside what the prefills already in
+flight (running, loading, or loaded and waiting) still need for theirs, else the head waits (the reference's
+load headroom: loads cannot be preempted, so they must never lock the pool). Should a preempted head outgrow
+that headroom while nothing runs, the first request holding loaded blocks goes first (kvemu's own way out of
+that lock; the reference was not seen in it).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ __all__ = ["Scheduler", "Schedule"]
 class Schedule:
     """The decisions of one pass: tokens per request (in scheduling order), admissions, preemptions."""
 
-    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved")
+    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved", "fence_ns")
 
     def __init__(self) -> None:
         self.entries: dict[SeqState, int] = {}
@@ -57,6 +64,8 @@ class Schedule:
         """Decode legs whose KV arrived: they joined the running batch at this pass's start."""
         self.reserved = 0
         """Decode legs that reserved their prompt's blocks at this pass's start."""
+        self.fence_ns = 0
+        """Host offload: when the last host store of a preempted request's blocks ends (the pass waits for it)."""
 
     def __bool__(self) -> bool:
         return bool(self.entries or self.preempted)
@@ -82,6 +91,7 @@ class Scheduler:
         "held",
         "host",
         "loads",
+        "loading",
     )
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
@@ -107,6 +117,8 @@ class Scheduler:
         """Prefill legs done and holding their KV for a decode rank (their blocks stay in use)."""
         self.host: HostTier | None = None
         """The host tier (``native_host_offload``), set by the engine."""
+        self.loading = 0
+        """Requests holding blocks for a host load (running it, or waiting with it done)."""
         self.loads: list[tuple[int, int, list[int], SeqState]] = []
         """Requests out of the queue until their host blocks are loaded (or a store they wait for ends): heap of
         (ready, order, blocks loaded, seq)."""
@@ -137,10 +149,20 @@ class Scheduler:
             else:
                 heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
         loads = self.loads
+        if not loads or loads[0][0] > now_ns:
+            return
+        done = []
         while loads and loads[0][0] <= now_ns:
             _, order, blocks, seq = heapq.heappop(loads)
+            done.append((seq.req.priority, seq.record.arrival_ns, order, blocks, seq))
+        done.sort(key=lambda d: d[:3])  # in queue order (a request's order is its host's submission order)
+        for _, _, order, blocks, seq in done:
             if blocks:
                 self.host.loaded(blocks)  # type: ignore[union-attr]
+                # its loaded blocks hold the prompt's KV now: they are cached (vLLM caches them at this pass)
+                first, _, full = seq.host_load  # type: ignore[misc]
+                self.pool.promote(seq.hashes, first, full, seq)
+                seq.n_full = full
             heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, order, seq))
 
     def schedule(self, now_ns: int) -> Schedule:
@@ -277,6 +299,9 @@ class Scheduler:
         while need > pool.available:
             victim = running[-1] if self.lifo else running[0]
             was_prefilling = victim.prefilling
+            host = self.host
+            if host is not None and host.pending:  # its blocks are still being stored: the pass waits for that
+                sched.fence_ns = max(sched.fence_ns, host.fence_ns(victim.hashes[:victim.n_full]))
             self.preempt(victim)
             sched.preempted.append(victim)
             n = sched.entries.pop(victim, None)
@@ -310,37 +335,44 @@ class Scheduler:
         reserve = self.reserve
         reserved = self._reserved_blocks() if reserve and waiting else 0
         host = self.host
+        blocked = False
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0][3]
             total = seq.prompt_len + seq.n_out
-            if self.prefix_caching:
+            loaded = seq.host_load
+            extra = 0  # blocks loaded from the host tier, right after the GPU prefix
+            if loaded is not None:
+                # its host load ended: it holds its GPU prefix and the loaded blocks, all full (no new lookup)
+                hits, inactive_hits, extra = seq.n_full, 0, loaded[2] - loaded[0]
+            elif self.prefix_caching:
                 # vLLM always computes the last prompt token (it yields logits); TRT-LLM reuses whole blocks
                 limit = total // bs if reserve else (total - 1) // bs
                 hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(limit), limit)
             else:
-                hits = inactive_hits = 0
-            extra = 0  # blocks loaded from the host tier, right after the GPU prefix
-            if host is not None:
-                if seq.host_load is None:
-                    if self._load(seq, hits, limit, now_ns):
-                        continue  # it waits for its host blocks; the next one may go ahead
-                else:
-                    first, k = seq.host_load
-                    if first <= hits < first + k:
-                        extra = min(first + k, limit) - hits
-            cached = (hits + extra) * bs
+                hits = inactive_hits = limit = 0
+            if host is not None and loaded is None:
+                went = self._load(seq, hits, inactive_hits, limit, now_ns)
+                if went > 0:
+                    continue  # it waits for its host blocks; the next one may go ahead
+                if went < 0:
+                    blocked = True
+                    break  # no room for the blocks it would load: the head waits
+            cached = hits * bs
             n = total - cached
             if n > budget:
                 if not self.chunked_prefill:
                     break
                 n = budget
-            need = -(-(cached + n) // bs) - hits
+            owned = hits if loaded is None else seq.n_alloc  # blocks it will hold before this chunk's
+            need = -(-(cached + n) // bs) - owned
             if need > pool.available - inactive_hits:
+                blocked = True
                 break
             # vLLM (the reference mocker's gate): blocks for the whole known sequence, less its cached prefix
             # blocks in use (inactive hits still count), must be free or evictable now, although only this
             # pass's chunk is allocated; the head waits, nothing overtakes it
-            if not reserve and -(-total // bs) - (hits - inactive_hits) > pool.available:
+            if not reserve and -(-total // bs) - (owned - inactive_hits) > pool.available:
+                blocked = True
                 break
             if reserve:
                 whole = -(-(seq.prompt_len + seq.max_tokens) // bs)
@@ -348,13 +380,15 @@ class Scheduler:
                     break  # the head waits until its whole KV fits; nothing overtakes it
                 reserved += whole - (hits + need)
             heapq.heappop(waiting)
-            seq.host_load = None
-            if hits:
+            if loaded is not None:
+                seq.host_load = None
+                self.loading -= 1
+            if hits and loaded is None:
                 pool.take_hits(seq.hashes, hits)
             pool.allocate(need)
             seq.computed = cached
             seq.n_full = hits
-            seq.n_alloc = hits + need
+            seq.n_alloc = owned + need
             seq.status = RUNNING
             running.append(seq)
             rec = seq.record
@@ -373,31 +407,64 @@ class Scheduler:
             else:  # TRT-LLM, prompt fully cached: it samples its first token in this pass's decode part
                 sched.decodes += 1
             budget -= n
+        if blocked and self.loading and not running and waiting[0][3].host_load is None:
+            # nothing runs to free blocks and requests holding loaded blocks wait behind a head that cannot fit
+            # beside them (a preempted request that grew after their loads started): the first of them goes first
+            i = min((e for e in waiting if e[3].host_load is not None), default=None)
+            if i is not None:
+                waiting.remove(i)
+                heapq.heapify(waiting)
+                heapq.heappush(waiting, (waiting[0][0] if waiting else i[0], -1, i[2], i[3]))  # the head now
+                self._admit(now_ns, budget, sched)
 
-    def _load(self, seq: SeqState, hits: int, limit: int, now_ns: int) -> bool:
-        """Host lookup for the queue head past its whole GPU prefix (``hits`` blocks, capped at ``limit``: a
-        last prompt block on the GPU that vLLM recomputes is not looked up); loads the resident blocks that
-        follow it, or waits for a store one of them awaits. Every lookup touches the resident prompt blocks,
-        last first (vLLM's LRU policy). Returns whether it left the queue to do so."""
+    def _load(self, seq: SeqState, hits: int, inactive_hits: int, limit: int, now_ns: int) -> int:
+        """Host lookup for the queue head past its whole GPU prefix (``hits`` blocks, ``inactive_hits`` of them
+        inactive, capped at ``limit``: a last prompt block on the GPU that vLLM recomputes is not looked up).
+        Every lookup touches the resident prompt blocks, last first (vLLM's LRU policy).
+
+        Resident blocks right after the prefix are loaded: as vLLM does before an asynchronous load, the request
+        takes its GPU prefix and allocates the loaded blocks' destinations now, so it holds them (nobody evicts
+        them) while the load runs, and is admitted after it with all of them cached. Returns 1 if it left the
+        queue to load them (or to wait for a store one of them awaits), -1 if the pool has no room for them
+        (the head waits, nothing overtakes it), 0 if the host has nothing for it."""
         host = self.host
+        pool = self.pool
         assert host is not None
         hi = seq.prompt_len // self.block_size
         hashes = seq.ensure_hashes(hi)
-        lo = hits + 1 if hits == limit < hi and hashes[hits] in self.pool.cached else hits
+        lo = hits + 1 if hits == limit < hi and hashes[hits] in pool.cached else hits
         n, wait = host.lookup(hashes, lo, hi) if lo < hi else (0, 0)
         host.touch_prompt(hashes, hi)
         if not n and not wait:
-            return False
-        heapq.heappop(self.waiting)
+            return 0
         blocks: list[int] = []
         if wait:  # a block right after its hits is still being stored: ask again when it is
             ready = wait
         else:
-            blocks = seq.hashes[lo:lo + n]
+            assert lo == hits
+            # the reference's gate before an asynchronous load: blocks for its whole known sequence, less its GPU
+            # prefix in use, must be free or evictable beside what the prefills already in flight (running, loading,
+            # or loaded and waiting) still need to hold their whole sequence; else the head waits
+            bs = self.block_size
+            inflight = [q for q in self.running if q.prefilling]
+            inflight += [e[3] for e in self.loads if e[3].host_load is not None]
+            inflight += [e[3] for e in self.waiting if e[3].host_load is not None]
+            headroom = sum(max(0, -(-(q.prompt_len + q.n_out) // bs) - q.n_alloc) for q in inflight)
+            if -(-(seq.prompt_len + seq.n_out) // bs) - (hits - inactive_hits) > pool.available - headroom:
+                return -1
+            if hits:
+                pool.take_hits(hashes, hits)
+            pool.allocate(n)
+            seq.n_full = hits
+            seq.n_alloc = hits + n
+            blocks = hashes[lo:lo + n]
             ready = host.load(blocks, now_ns)
-            seq.host_load = (lo, n)
+            # vLLM recomputes the last prompt token: a loaded block holding it is not counted as cached
+            seq.host_load = (lo, n, min(lo + n, limit))
+            self.loading += 1
+        heapq.heappop(self.waiting)
         heapq.heappush(self.loads, (ready, seq.order, blocks, seq))
-        return True
+        return 1
 
     def complete(self, seq: SeqState) -> None:
         """A running request produced its last token: release its blocks (cached ones stay reusable)."""

@@ -86,8 +86,9 @@ class SeqState:
         self.prefilling = True
         self.status = FUTURE
         self.order = order
-        self.host_load: tuple[int, int] | None = None
-        """Host offload: (first block, count) loaded from the host tier for its next admission."""
+        self.host_load: tuple[int, int, int] | None = None
+        """Host offload: (first block, count, end of the blocks it counts as cached) of a load from the host tier
+        for its next admission; while set, the request holds its GPU prefix and the loaded blocks."""
         self.host_stored = 0
         """Host offload: the prompt blocks before this index were offered to the host tier (vLLM's store cursor)."""
         self._out_ids = req.output_token_ids
