@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,17 +123,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _held_signals(caught: list[str]) -> Iterator[None]:
-    """While in this block, SIGINT and SIGTERM are noted in ``caught`` (by name) instead of stopping the process,
-    so that what they interrupt (planning a sweep) ends and the caller can stop cleanly."""
+def _signal_handlers(handlers: dict[int, Callable[[int, Any], None]]) -> Iterator[None]:
+    """Install ``handlers`` (signal number -> handler) for the block, then put the previous ones back; outside
+    the main thread, where signals cannot be set, the block runs with them left alone."""
     import signal
 
-    def note(signum: int, frame: object) -> None:
-        caught.append(signal.Signals(signum).name)
-
     try:
-        previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: leave signals alone
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    except ValueError:
         yield
         return
     try:
@@ -143,8 +140,18 @@ def _held_signals(caught: list[str]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
+def _held_signals(caught: list[str]) -> contextlib.AbstractContextManager[None]:
+    """While in this block, SIGINT and SIGTERM are noted in ``caught`` (by name) instead of stopping the process,
+    so that what they interrupt (planning a sweep) ends and the caller can stop cleanly."""
+    import signal
+
+    def note(signum: int, frame: object) -> None:
+        caught.append(signal.Signals(signum).name)
+
+    return _signal_handlers({signal.SIGINT: note, signal.SIGTERM: note})
+
+
+def _terminate_as_interrupt() -> contextlib.AbstractContextManager[None]:
     """While running, SIGTERM stops the run as Ctrl-C does: a partial report, marked with the signal."""
     import signal
 
@@ -153,15 +160,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
         raise Terminated("SIGTERM")
 
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return _signal_handlers({signal.SIGTERM: handler})
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
