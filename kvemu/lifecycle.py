@@ -33,6 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait, sibling_group_key
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.eligibility import Candidates
@@ -258,7 +260,10 @@ class Lifecycle:
                 self.affinity.release(f.lease)
                 f.lease = None
             self._unbook(f)
-            self._send(wid, Abort(request_id=f.request_id, reason=reason))
+            try:
+                self._send(wid, Abort(request_id=f.request_id, reason=reason))
+            except Exception as exc:  # noqa: BLE001 - a local failure; the request ends here all the same
+                log.warning("request %r: its abort to worker %s was not sent: %s", f.request_id, wid, exc)
         elif f.stage == WAITING:
             self._waiting.remove(f)
         self._end(f, reason)  # a queued request leaves the queue; an affinity wait's wake-up is void
@@ -581,9 +586,26 @@ class Lifecycle:
         if timeouts[0][1] is f:
             self._announce(deadline)
         req = f.req
-        self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens, max_tokens=req.max_tokens,
-                                 output_token_ids=req.output_token_ids, priority=req.engine_priority,
-                                 hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
+        try:
+            self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens,
+                                     max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,
+                                     priority=req.engine_priority, hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
+        except Exception as exc:  # noqa: BLE001 - a local failure (the message does not encode): never the worker's
+            self._send_failed(f, exc)
+
+    def _send_failed(self, f: Flight, exc: Exception) -> None:
+        """The ``Dispatch`` of ``f`` could not leave this process: the request fails with the reason and frees
+        what it booked. The worker never saw it, so it is not charged an unacknowledged dispatch (no timeout
+        stays behind) and no other rank is tried (the same message would fail there too)."""
+        kind = "encode_failed" if isinstance(exc, (OverflowError, TypeError, ValueError, msgspec.EncodeError)) \
+            else "send_failed"
+        reason = f"{kind}: {type(exc).__name__}: {exc}"
+        log.warning("request %r: its dispatch to worker %s was not sent: %s", f.request_id, f.key[0], reason)  # type: ignore[index]
+        if f.hold is not None and self.affinity is not None:
+            self.affinity.drop(f.hold)
+            f.hold = None
+        self._unbook(f)  # voids its dispatch timeout
+        self._end(f, reason)
 
     def _settled(self, f: Flight) -> None:
         if self.stopped:

@@ -406,3 +406,25 @@ def test_an_affinity_table_refusal_fails_the_request_instead_of_escaping():
     h.submit("c", session_id="s2")
     assert h.ended["c"].failure.startswith("resource_exhausted: ") and failure_status(h.ended["c"].failure) == 503
     assert len(h.sent) == 1 and not h.core.load.booked_rank("c")
+
+
+def test_a_dispatch_that_does_not_encode_fails_the_request_locally_and_never_charges_the_worker():
+    """#27: vLLM's ``priority`` of 10**30 made the ``Dispatch`` unencodable; the request stayed booked and
+    dispatched, timed out as unacknowledged, and three of them got a healthy worker removed."""
+    from kvemu.runtime.messages import encode
+
+    h = Host(workers=(1,), timeout_s=1.0, retry_limit=3)
+    told = []
+    h.lc.on_unresponsive = lambda wid, n: told.append((wid, n))
+    h.lc._send = lambda w, m: (encode(m), h.sent.append((w, m)))  # as a ZeroMQ end sends: the bytes first
+    for rid in ("a", "b", "c"):
+        rec = h.submit(rid, engine_priority=10**30)
+        assert h.ended[rid] is rec and rec.failure.startswith("encode_failed: OverflowError")
+    assert h.sent == [] and not h.lc.flights and len(h.core.load) == 0  # nothing booked, nothing held
+    assert h.lc.next_deadline_ns() is None
+    h.advance(10_000 * MS)
+    assert h.lc.unacked == {} and told == []  # the worker is not charged
+    h.submit("ok")  # and it still serves
+    assert len(h.sent) == 1
+    h.complete("ok")
+    assert h.ended["ok"].failure is None

@@ -18,6 +18,8 @@ _FAILURE_STATUS = (
     ("unknown_dp_rank", 400),
     ("queue_rejected", 429),
     ("do_not_queue", 429),
+    ("encode_failed", 500),  # kvemu could not send what it accepted: its own failure, not the worker's
+    ("send_failed", 500),
 )
 
 
@@ -44,7 +46,8 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
 
 def failure_status(failure: str) -> int:
     """The HTTP status of a request that ended with ``failure`` before producing anything: 400 for what the
-    client asked wrongly, 429 when the policy queue turned it away, 503 when no worker could serve it."""
+    client asked wrongly, 429 when the policy queue turned it away, 500 when kvemu itself could not send it,
+    503 when no worker could serve it."""
     for prefix, status in _FAILURE_STATUS:
         if failure.startswith(prefix):
             return status
