@@ -799,6 +799,8 @@ def _validate(req: ClientRequest) -> str | None:
         return "tokens: the prompt is empty"
     if req.max_tokens < 1:
         return f"max_tokens must be >= 1, got {req.max_tokens}"
+    if req.dp_rank is not None and req.worker_id is None:
+        return f"dp_rank {req.dp_rank} was pinned without a worker_id"
     for name in ("session_id", "parent_session_id"):
         value = getattr(req, name)
         if value is not None and len(value.encode()) > 256:

@@ -287,9 +287,7 @@ class OpenAIApp:
         arrived = self.clock.now_ns()
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.rank_header != "x-dp-rank" and self.rank_header in headers:
-            headers["x-dp-rank"] = headers[self.rank_header]
-        hints = hints_of(req, headers)
+        hints = hints_of(req, headers, rank_header=self.rank_header)
         prompts = await self._tokens(prompts_of(req, self.tok))
         base = _request_id(headers, chat)
         default = None if chat else 16  # chat: what the context leaves, as vLLM
@@ -307,19 +305,21 @@ class OpenAIApp:
         stream = req.stream
         if self.metrics is not None:
             self.metrics.started()
-        for i, r in enumerate(reqs):
-            self.backend.submit(r, lambda n, i=i: run.tokens(i, n), lambda rec, i=i: run.ended(i, rec))
         watcher = asyncio.ensure_future(receive())  # completes when the client leaves (any awaitable: granian)
         watcher.add_done_callback(run.disconnected)
         reply = _Reply(self, base, chat, gens, req, hints, send, arrived)
         status = "error"
+        submitted = 0
         try:
+            for i, r in enumerate(reqs):  # a backend that raises still gets the request's end recorded below
+                self.backend.submit(r, lambda n, i=i: run.tokens(i, n), lambda rec, i=i: run.ended(i, rec))
+                submitted += 1
             status = await (reply.stream(run) if stream else reply.whole(run))
         finally:
             watcher.remove_done_callback(run.disconnected)
             watcher.cancel()
             if run.left:  # the client left, or another generation failed: cancel what is still open
-                for g, rec in zip(gens, run.records):
+                for g, rec in zip(gens[:submitted], run.records):
                     if rec is None:
                         self.backend.cancel(g.rid, "client_disconnected" if run.gone else "sibling_failed")
                 status = "cancelled" if run.gone else status

@@ -8,9 +8,10 @@ frontend takes them: ``nvext`` in the body and the session and pin headers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
 from kvemu.http.errors import ApiError
@@ -36,6 +37,17 @@ MAX_ID_BYTES = 256
 """Session ids (as the affinity table bounds them)."""
 EXTRA_FIELDS = ("worker_id", "timing")
 
+INT64_MAX = (1 << 63) - 1
+RANK_MAX = (1 << 31) - 1
+I64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
+"""Every integer a client sends is bounded to what the wire (msgpack) carries: an integer beyond it would be
+accepted here and fail to encode later, on its way to a worker (#27: ``"priority": 10**30``)."""
+Id = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+"""A worker instance id."""
+Rank = Annotated[int, Meta(ge=0, le=RANK_MAX)]
+"""A DP rank."""
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
@@ -43,30 +55,32 @@ class StreamOptions(msgspec.Struct):
 
 
 class AgentHints(msgspec.Struct):
-    priority: int | None = None
-    osl: int | None = None
+    priority: I64 | None = None
+    osl: Count | None = None
     latency_sensitivity: float | None = None
 
 
 class NvExt(msgspec.Struct):
-    backend_instance_id: int | None = None
-    dp_rank: int | None = None
+    backend_instance_id: Id | None = None
+    dp_rank: Rank | None = None
     agent_hints: AgentHints | None = None
     extra_fields: list[str] | None = None
 
 
 class _Generate(msgspec.Struct):
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: I64 | None = None
+    max_completion_tokens: I64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
+    min_tokens: I64 = 0
+    n: I64 = 1
     echo: bool = False
     logprobs: Any = None
-    priority: int = 0
+    priority: I64 = 0
+    seed: I64 | None = None
+    """Taken (as vLLM takes it) and bounded; the emulator's output does not depend on it."""
     nvext: NvExt | None = None
 
 
@@ -104,7 +118,7 @@ class TokenizeRequest(msgspec.Struct):
 class DetokenizeRequest(msgspec.Struct):
     """``POST /detokenize``."""
 
-    tokens: list[int]
+    tokens: list[I64]
     model: str | None = None
 
 
@@ -124,6 +138,8 @@ def decode_body(body: bytes, kind: type) -> Any:
         raise ApiError(400, f"invalid request body: {text}", param) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # a body nested ~1,000 deep: the client's mistake, not a crash to log
+        raise ApiError(400, "the request body nests too deeply") from None
 
 
 def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer) -> list[str | list[int]]:
@@ -196,8 +212,11 @@ _SESSION_HEADERS = ("x-dynamo-session-id", "x-session-id", "session-id")
 _PARENT_HEADERS = ("x-dynamo-parent-session-id", "x-parent-session-id")
 
 
-def hints_of(req: _Generate, headers: Mapping[str, str]) -> Hints:
-    """Session, parent session, pins, priority, expected output length and extra response fields."""
+def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "x-dp-rank") -> Hints:
+    """Session, parent session, pins, priority, expected output length and extra response fields.
+
+    ``rank_header`` pins a DP rank (``x-dp-rank`` is taken too). The router's rank pin must name its worker
+    too; a worker's own server (another ``rank_header``) takes a bare rank of its own."""
     nv = req.nvext or NvExt()
     hints = nv.agent_hints or AgentHints()
     session = _first(headers, _SESSION_HEADERS)
@@ -205,8 +224,9 @@ def hints_of(req: _Generate, headers: Mapping[str, str]) -> Hints:
     for name, value in (("session id", session), ("parent session id", parent)):
         if value is not None and (not value or len(value.encode()) > MAX_ID_BYTES):
             raise ApiError(400, f"{name} header: must be 1..{MAX_ID_BYTES} bytes", name.replace(" ", "_"))
-    worker = _int_header(headers, "x-worker-instance-id")
-    rank = _int_header(headers, "x-dp-rank")
+    worker = _int_header(headers, "x-worker-instance-id", INT64_MAX)
+    rank_name = rank_header if rank_header in headers else "x-dp-rank"
+    rank = _int_header(headers, rank_name, RANK_MAX)
     extra = tuple(nv.extra_fields or ())
     unknown = [f for f in extra if f not in EXTRA_FIELDS]
     if unknown:
@@ -214,10 +234,14 @@ def hints_of(req: _Generate, headers: Mapping[str, str]) -> Hints:
                        "nvext.extra_fields")
     if hints.osl is not None and hints.osl < 0:
         raise ApiError(400, "nvext.agent_hints.osl: must be >= 0", "nvext.agent_hints.osl")
-    return Hints(session_id=session, parent_session_id=parent,
-                 worker_id=worker if worker is not None else nv.backend_instance_id,
-                 dp_rank=rank if rank is not None else nv.dp_rank, priority=hints.priority or 0,
-                 engine_priority=req.priority, osl=hints.osl, extra_fields=extra)
+    worker_id = worker if worker is not None else nv.backend_instance_id
+    dp_rank = rank if rank is not None else nv.dp_rank
+    if rank_header == "x-dp-rank" and dp_rank is not None and worker_id is None:
+        name = rank_name if rank is not None else "nvext.dp_rank"
+        raise ApiError(400, f"{name}: a DP rank pins a rank of one worker; give the worker too "
+                            f"(x-worker-instance-id header or nvext.backend_instance_id)", name)
+    return Hints(session_id=session, parent_session_id=parent, worker_id=worker_id, dp_rank=dp_rank,
+                 priority=hints.priority or 0, engine_priority=req.priority, osl=hints.osl, extra_fields=extra)
 
 
 def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
@@ -228,16 +252,18 @@ def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+def _int_header(headers: Mapping[str, str], name: str, most: int) -> int | None:
+    """A non-negative decimal integer header up to ``most`` (plain ASCII digits: no sign, ``_`` or other
+    scripts' digits, which ``int`` would take)."""
     value = headers.get(name)
     if value is None:
         return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise ApiError(400, f"{name} header: {value[:40]!r} is not an integer", name) from None
-    if n < 0:
-        raise ApiError(400, f"{name} header: must be >= 0, got {n}", name)
+    v = value.strip()
+    if not v or len(v) > 20 or not (v.isascii() and v.isdigit()):
+        raise ApiError(400, f"{name} header: {value[:40]!r} is not a non-negative integer", name)
+    n = int(v)
+    if n > most:
+        raise ApiError(400, f"{name} header: must be <= {most}, got {v}", name)
     return n
 
 
