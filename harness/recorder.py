@@ -87,6 +87,9 @@ class Recorder:
                 rec.prefill_done_ns = data["prefill_done_ns"]
                 rec.kv_reserved_ns, rec.kv_activated_ns = data["kv_reserved_ns"], data["kv_activated_ns"]
         elif kind == "failed":
+            if data.get("duplicate"):  # a copy refused under the id of this open request: not this request's end
+                self.failures["duplicate_request_id"] += 1
+                return
             rec.failure = data.get("reason", "unknown")
             rec.completion_ns = None
             self.failures[rec.failure.split(":")[0]] += 1

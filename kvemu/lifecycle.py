@@ -175,8 +175,10 @@ class Lifecycle:
                                arrival_ns=now, isl=len(req.tokens), max_tokens=req.max_tokens)
         hooks = self.hooks
         if rid in self.flights or self.stopped:
-            record.failure = "duplicate_request_id" if rid in self.flights else self.stopped
-            hooks.note("failed", now, rid, data={"reason": record.failure})
+            duplicate = rid in self.flights
+            record.failure = "duplicate_request_id" if duplicate else self.stopped
+            # a refused duplicate's hook says so: its id is the open request's, whose record it must not touch
+            hooks.note("failed", now, rid, data={"reason": record.failure, **({"duplicate": True} if duplicate else {})})
             on_end(record)
             return record
         if hooks.wants("request_arrived"):

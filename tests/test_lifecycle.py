@@ -428,3 +428,16 @@ def test_a_dispatch_that_does_not_encode_fails_the_request_locally_and_never_cha
     assert len(h.sent) == 1
     h.complete("ok")
     assert h.ended["ok"].failure is None
+
+
+def test_a_refused_duplicate_id_does_not_mark_the_open_request_failed_in_the_recorder():
+    from harness.recorder import Recorder
+
+    h = Host(workers=(1,))
+    rec = Recorder(h.hooks, block_size=4)
+    h.submit("a")
+    dup = h.lc.submit(ClientRequest(request_id="a", tokens=[1, 2], max_tokens=1), lambda r: None)
+    assert dup.failure == "duplicate_request_id" and h.lc.flights["a"].stage == DISPATCHED
+    h.complete("a")
+    assert h.ended["a"].failure is None and rec.records["a"].failure is None
+    assert rec.failures["duplicate_request_id"] == 1

@@ -299,6 +299,8 @@ class WorkerActor:
         failure go to ``reply``. Returns why it was refused (nothing runs then), or None."""
         if self.worker.shutting_down:
             return f"shutting_down: worker {self.worker_id} is shutting down"
+        if req.request_id in self.local or req.request_id in self._records:  # refused without touching the other
+            return f"duplicate_request_id: {req.request_id!r} is already running on this worker"
         self.local[req.request_id] = reply
         why = self._admit(Dispatch(request_id=req.request_id, dp_rank=dp_rank, tokens=req.tokens,
                                    max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,

@@ -66,12 +66,18 @@ class RouterBackend:
     def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
         rid = req.request_id
         streams = self._streams
+        if rid in streams:  # the id of an open request: refused here, and nothing of that request is touched
+            on_end(RequestRecord(request_id=rid, arrival_ns=self._router().clock.now_ns(), isl=len(req.tokens),
+                                 max_tokens=req.max_tokens,
+                                 failure=f"duplicate_request_id: {rid!r} is in use by a request still open"))
+            return
         streams[rid] = on_tokens
 
         forget = self._forget
 
         def ended(record: RequestRecord) -> None:
-            streams.pop(rid, None)
+            if streams.get(rid) is on_tokens:
+                del streams[rid]
             on_end(record)
             if forget is not None:
                 forget(rid)
