@@ -118,6 +118,32 @@ _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 
 
+MAX_CLIENT_ID_CHARS = 1024
+"""The longest request id a refusal of a malformed client message echoes back."""
+
+
+def malformed_reply(data: bytes, exc: Exception, now_ns: int) -> RecordReply | ControlReply | None:
+    """The answer to a client message that did not decode, when it can be attributed: a ``ClientRequest`` whose
+    ``request_id`` can be read gets its record failed with ``invalid_request`` naming what was wrong, a
+    ``Control`` a refusal (control answers go back in order); anything else None (nobody to answer)."""
+    try:
+        loose = msgspec.msgpack.decode(data)
+    except Exception:  # noqa: BLE001 - not msgpack at all (or nested past the decoder's depth)
+        return None
+    if not isinstance(loose, dict):
+        return None
+    kind = loose.get("type")
+    why = str(exc)[:300]
+    if kind == "ClientRequest":
+        rid = loose.get("request_id")
+        if isinstance(rid, str) and 0 < len(rid) <= MAX_CLIENT_ID_CHARS:
+            return RecordReply(record=RequestRecord(request_id=rid, arrival_ns=now_ns,
+                                                    failure=f"invalid_request: malformed ClientRequest: {why}"))
+    elif kind == "Control":
+        return ControlReply(ok=False, detail=f"malformed control message: {why}")
+    return None
+
+
 def log_start(role: str, **endpoints: Any) -> None:
     """The one structured line every process prints when it starts."""
     print(json.dumps({"event": "started", "role": role, "pid": os.getpid(), **endpoints}), flush=True)
@@ -277,6 +303,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 msg = _client_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
+                answer = malformed_reply(data, exc, clock.now_ns())
+                if answer is not None:  # the client waits for it: say what was wrong instead of nothing
+                    end.reply(peer, encode(answer))
                 continue
             t = type(msg)
             if t is StatsQuery:

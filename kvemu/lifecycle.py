@@ -78,7 +78,7 @@ class Flight:
     """One request on its way: the client's request, its record, and where the current attempt stands."""
 
     __slots__ = ("request_id", "req", "record", "prepared", "on_end", "stage", "attempt", "token", "refused",
-                 "builder", "key", "hold", "lease", "failure", "can_retry", "on_finished")
+                 "builder", "key", "hold", "lease", "failure", "can_retry", "on_finished", "refusal")
 
     def __init__(self, req: ClientRequest, record: RequestRecord, prepared: PreparedRequest,
                  on_end: Callable[[RequestRecord], None], can_retry: Callable[[], bool] | None = None,
@@ -104,6 +104,8 @@ class Flight:
         """Whether a running attempt lost before its first token may run elsewhere (None: always)."""
         self.on_finished = on_finished
         """Told the worker's ``Finished`` before the request ends (a prefill leg's carries its KV's whereabouts)."""
+        self.refusal: str | None = None
+        """The last rank that turned this request away, and why: a request left with no rank says it."""
 
     def __repr__(self) -> str:
         return f"Flight({self.request_id!r}, {self.stage}, attempt={self.attempt}, key={self.key})"
@@ -684,6 +686,7 @@ class Lifecycle:
             if hold.kind == "bound":  # the bound rank refused: let the session re-bind
                 affinity.invalidate(hold.session, hold.revision, hold.version)
         self.hooks.note("dispatch_rejected", self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason})
+        f.refusal = f"{wid}/{rank}: {reason}"
         self._retry(f)
 
     def _retry(self, f: Flight) -> None:
@@ -762,6 +765,8 @@ class Lifecycle:
             f.hold = None
         f.stage = ENDED
         f.token += 1
+        if failure is not None and f.refusal is not None and failure.startswith("no_endpoints"):
+            failure = f"{failure} (the last refusal, by {f.refusal})"  # what the workers said, not only the ranks
         record = f.record
         record.failure = failure
         now = self.clock.now_ns()
