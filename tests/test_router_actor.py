@@ -398,3 +398,34 @@ def test_a_worker_that_never_acknowledges_is_removed_and_its_requests_go_elsewhe
     assert all(rec.failure is None and rec.worker_id == 2 for rec in ended.values())
     assert router.lifecycle.unacked[1] >= 2  # remembered: a re-registration is dropped at its next timeout
     assert 2 not in router.lifecycle.unacked
+
+
+def test_a_dispatch_that_does_not_encode_fails_locally_and_never_fences_the_worker():
+    """#27: three requests whose ``Dispatch`` could not be encoded (vLLM's priority 10**30) were left booked and
+    dispatched, timed out as unacknowledged, and got a healthy worker removed. On a link that encodes as
+    ZeroMQ does, they fail at once as ``encode_failed``, free their load, and the worker keeps serving."""
+    clock = ManualClock()
+    net = MemoryNetwork(wire_check=True)
+    bus = MemoryKvBus()
+    hooks = Hooks()
+    events = []
+    hooks.subscribe(events.append)
+    router = Router(core=RoutingCore(block_size=BS, clock=clock, seed=3), end=net.router_end(), clock=clock,
+                    hooks=hooks, kv_replay=bus.replay,
+                    settings=RouterSettings(heartbeat_timeout_s=3, dispatch_timeout_s=1.0, max_unacked_dispatches=3))
+    bus.connect(router.kv_intake)
+    worker = ScriptedWorker(net, bus, 1)
+
+    async def body():
+        bad = [await router.handle(req(f"bad{i}", engine_priority=10**30)) for i in range(3)]
+        held = (dict(router.lifecycle.flights), len(router.core.load))
+        await anyio.sleep(15)  # past every dispatch timeout the old code left behind
+        good = await router.handle(req("good"))
+        return bad, held, good
+
+    bad, held, good = run(clock, router, [worker], body)
+    assert all(r.failure.startswith("encode_failed: OverflowError") for r in bad)
+    assert held == ({}, 0) and [d.request_id for d in worker.dispatched] == ["good"]  # nothing held, nothing sent
+    assert 1 in router.workers and router.lifecycle.unacked == {}
+    assert not [e for e in events if e.kind in ("worker_fenced", "worker_removed")]
+    assert good.failure is None and good.worker_id == 1
