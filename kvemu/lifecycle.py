@@ -180,7 +180,10 @@ class Lifecycle:
             duplicate = rid in self.flights
             record.failure = "duplicate_request_id" if duplicate else self.stopped
             # a refused duplicate's hook says so: its id is the open request's, whose record it must not touch
-            hooks.note("failed", now, rid, data={"reason": record.failure, **({"duplicate": True} if duplicate else {})})
+            data: dict[str, Any] = {"reason": record.failure}
+            if duplicate:
+                data["duplicate"] = True
+            hooks.note("failed", now, rid, data=data)
             on_end(record)
             return record
         if hooks.wants("request_arrived"):
@@ -604,7 +607,8 @@ class Lifecycle:
         kind = "encode_failed" if isinstance(exc, (OverflowError, TypeError, ValueError, msgspec.EncodeError)) \
             else "send_failed"
         reason = f"{kind}: {type(exc).__name__}: {exc}"
-        log.warning("request %r: its dispatch to worker %s was not sent: %s", f.request_id, f.key[0], reason)  # type: ignore[index]
+        wid = f.key[0]  # type: ignore[index]
+        log.warning("request %r: its dispatch to worker %s was not sent: %s", f.request_id, wid, reason)
         if f.hold is not None and self.affinity is not None:
             self.affinity.drop(f.hold)
             f.hold = None

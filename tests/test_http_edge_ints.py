@@ -41,7 +41,8 @@ async def _attacks(http, rank_header="x-dp-rank"):
         headers = {k.replace("x-dp-rank", rank_header): v for k, v in headers.items()}
         r = await http.post("/v1/completions", headers=headers, json={"model": "kvemu", "prompt": PROMPT})
         seen[field] = (r.status_code, r.json()["error"]["param"])
-    r = await http.post("/v1/completions", headers={"x-worker-instance-id": "0", rank_header: "1_0"}, json={"model": "kvemu", "prompt": PROMPT})
+    r = await http.post("/v1/completions", headers={"x-worker-instance-id": "0", rank_header: "1_0"},
+                        json={"model": "kvemu", "prompt": PROMPT})
     seen["underscore"] = (r.status_code, r.json()["error"]["param"])
     for where, body in (("prompt", b'{"model": "kvemu", "prompt": ' + DEEP + b"}"),
                         ("unknown field", b'{"model": "kvemu", "prompt": "x", "extra": ' + DEEP + b"}"),
