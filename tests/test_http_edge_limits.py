@@ -1,0 +1,212 @@
+"""The HTTP edge under hostile input, over real sockets on 127.0.0.1: a huge prompt text is refused before it is
+tokenized and a large one is tokenized off the event loop (issue #27). Limits are parameters, so the tests send
+kilobytes; the real defaults are checked separately."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvemu import ManualClock
+from kvemu.http.app import OpenAIApp
+from kvemu.http.server import HttpServer
+from kvemu.http.tokenizer import builtin_tokenizer
+from kvemu.records import RequestRecord
+
+
+class Backend:
+    """Answers at once: every request completes with its planned tokens."""
+
+    block_size = 16
+
+    def __init__(self, max_model_len: int = 4096) -> None:
+        self.max_model_len = max_model_len
+        self.submitted = []
+
+    def submit(self, req, on_tokens, on_end):
+        self.submitted.append(req)
+        on_tokens(req.max_tokens)
+        on_end(RequestRecord(request_id=req.request_id, isl=len(req.tokens), output_tokens=req.max_tokens))
+
+    def cancel(self, request_id, reason):
+        pass
+
+    def unavailable(self):
+        return None
+
+
+class Spy:
+    """The built-in tokenizer, noting the sizes of the texts it is asked to encode; ``bound=False`` acts as a
+    tokenizer.json (no lower bound of tokens by characters); ``delay`` blocks each large call (a slow tokenizer)."""
+
+    def __init__(self, bound: bool = True, delay: float = 0.0) -> None:
+        self.inner = builtin_tokenizer()
+        self.bound = bound
+        self.delay = delay
+        self.sizes: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def min_tokens(self, text):
+        return self.inner.min_tokens(text) if self.bound else 0
+
+    def encode(self, text):
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts):
+        self.sizes.extend(len(t) for t in texts)
+        if self.delay and sum(len(t) for t in texts) > 1000:
+            time.sleep(self.delay)  # holds the thread that calls it, as a long tokenization does
+        return self.inner.encode_many(texts)
+
+
+def serving(app, body, server: str = "uvicorn", **limits):
+    """Run ``body(port)`` in a thread while ``app`` is served on 127.0.0.1."""
+    out = {}
+
+    async def main():
+        http = HttpServer(app, "127.0.0.1:0", server, **limits)
+        async with anyio.create_task_group() as tg:
+            await tg.start(http.serve)
+            try:
+                with anyio.fail_after(30):
+                    out["result"] = await anyio.to_thread.run_sync(body, http.port)
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return out["result"]
+
+
+def exchange(port: int, raw: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``raw`` on a fresh connection and read until the server closes it or a whole response came."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(raw)
+        except OSError:  # the server refused and closed while we were still sending
+            pass
+        data = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+            if _complete(data):
+                break
+        return data
+
+
+def _complete(data: bytes) -> bool:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return body.endswith(b"0\r\n\r\n") or not head.lower().count(b"transfer-encoding")
+
+
+def post(path: str, obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return (b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % (path.encode(), len(body)) + body)
+
+
+def status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def health_time(port: int) -> float:
+    t = time.monotonic()
+    reply = exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert status(reply) == 200
+    return time.monotonic() - t
+
+
+# ---------------------------------------------------------------------- prompt text: bound before tokenizing
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_prompt_text_past_the_context_is_refused_before_tokenizing(route):
+    """The filer's 15 MB chat text froze the loop for 6-20 s while it was tokenized, only to be refused by the
+    context check after. Now a text whose lower bound of tokens reaches the context is refused unread."""
+    spy = Spy()
+    app = OpenAIApp(Backend(4096), spy, model="kvemu", clock=ManualClock())
+    text = "hello world " * 3000  # 36,000 characters: at least 10,000 tokens of the built-in tokenizer
+    obj = ({"messages": [{"role": "user", "content": text}]} if "chat" in route else {"prompt": text})
+    reply = serving(app, lambda port: exchange(port, post(route, {"model": "kvemu", **obj, "max_tokens": 1})))
+    assert status(reply) == 400 and b"maximum context length is 4096 tokens" in reply
+    assert b"at least 10000 tokens" in reply
+    assert all(n < 1000 for n in spy.sizes)  # the big text never reached the tokenizer
+
+
+def test_any_tokenizer_gets_a_character_cap_before_tokenizing():
+    """A tokenizer.json gives no bound of tokens by characters: a request's text past ``prompt_chars_per_token``
+    x the context is refused before tokenizing; text under it is tokenized and answered."""
+    spy = Spy(bound=False)
+    app = OpenAIApp(Backend(1000), spy, model="kvemu", clock=ManualClock(), prompt_chars_per_token=2)
+
+    def body(port):
+        big = exchange(port, post("/v1/completions", {"prompt": ["a " * 1001, "b"], "max_tokens": 1}))
+        small = exchange(port, post("/v1/completions", {"prompt": "a " * 400, "max_tokens": 1}))
+        return big, small
+
+    big, small = serving(app, body)
+    assert status(big) == 400 and b"2003 characters of prompt text, more than the 2000 this server tokenizes" in big
+    assert status(small) == 200 and spy.sizes == [800]
+
+
+def test_large_text_is_tokenized_off_the_event_loop():
+    """While a large text is tokenized, other requests are served (the tokenizer blocks its thread for 1.5 s)."""
+    spy = Spy(bound=False, delay=1.5)
+    app = OpenAIApp(Backend(1 << 20), spy, model="kvemu", clock=ManualClock(), off_loop_chars=1000)
+
+    def body(port):
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("r", exchange(port, post(
+            "/v1/completions", {"prompt": "word " * 2000, "max_tokens": 1}))))
+        t.start()
+        while not spy.sizes:
+            time.sleep(0.01)
+        took = health_time(port)
+        t.join()
+        return took, got["r"]
+
+    took, reply = serving(app, body)
+    assert status(reply) == 200
+    assert took < 0.75, f"/health waited {took:.2f} s behind a tokenization"
+
+
+def test_prompt_limits_defaults():
+    app = OpenAIApp(Backend(131_072), builtin_tokenizer(), model="kvemu", clock=ManualClock())
+    assert app.max_body_bytes == 16 << 20
+    assert app.max_prompt_chars == 16 * 131_072
+    assert app.off_loop_chars == 64 << 10
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.text(alphabet="abcXYZ019 ,.!\t\n<|>_\u00e9\u0301\ufdfa\u3000\u2028\x1c", max_size=12),
+                          st.sampled_from(["<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>", "<|unk"])),
+                max_size=20))
+def test_builtin_min_tokens_is_a_lower_bound(parts):
+    tok = builtin_tokenizer()
+    text = "".join(parts)
+    assert tok.min_tokens(text) <= len(tok.encode(text))
+
+
+def test_builtin_min_tokens_is_close_for_plain_text():
+    tok = builtin_tokenizer()
+    text = "The quick brown fox jumps over the lazy dog. " * 50
+    assert tok.min_tokens(text) >= len(tok.encode(text)) // 2
