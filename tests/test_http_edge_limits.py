@@ -210,3 +210,119 @@ def test_builtin_min_tokens_is_close_for_plain_text():
     tok = builtin_tokenizer()
     text = "The quick brown fox jumps over the lazy dog. " * 50
     assert tok.min_tokens(text) >= len(tok.encode(text)) // 2
+
+
+# ---------------------------------------------------------------------- request heads, declared bodies, slow clients
+
+SERVERS = ["uvicorn", "granian"]
+
+
+def _app():
+    return OpenAIApp(Backend(4096), builtin_tokenizer(), model="kvemu", clock=ManualClock())
+
+
+def _with_header(size: int) -> bytes:
+    return b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * size + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_oversized_request_head_is_refused_with_431(server):
+    """A 100 MB header was buffered for 13 s (re-copied as it grew, RSS peak 285 MB) and then served."""
+    def body(port):
+        return exchange(port, _with_header(40_000)), exchange(port, _with_header(4000))
+
+    big, small = serving(_app(), body, server, max_head_bytes=8192)
+    assert status(big) == 431
+    assert status(small) == 200
+
+
+def test_a_head_past_the_limit_is_refused_as_it_arrives():
+    """The refusal comes once the limit is passed, while the client is still sending (not after 100 MB)."""
+    def body(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000)  # no end of headers
+            return s.recv(200)
+
+    assert status(serving(_app(), body, max_head_bytes=8192)) == 431
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_oversized_content_length_is_refused_before_the_body(server):
+    """A body declared larger than the limit is refused on its headers: nothing of it is sent or awaited."""
+    app = OpenAIApp(Backend(4096), builtin_tokenizer(), model="kvemu", clock=ManualClock(), max_body_bytes=1000)
+
+    def body(port):
+        t = time.monotonic()
+        reply = exchange(port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                               b"content-length: 100000000000\r\n\r\n", timeout=5)
+        return reply, time.monotonic() - t
+
+    reply, took = serving(app, body, server)
+    assert status(reply) == 413 and b"larger than 1000 bytes" in reply and took < 2
+    assert b"connection: close" in reply.lower()
+
+
+def _held(port: int, raw: bytes, wait: float) -> tuple[bytes, float]:
+    """Send ``raw`` and wait up to ``wait`` s for the server to answer or close: (what came, when it closed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        t = time.monotonic()
+        if raw:
+            s.sendall(raw)
+        data = b""
+        try:
+            while chunk := s.recv(4096):
+                data += chunk
+        except TimeoutError:
+            return data, float("inf")
+        except OSError:
+            pass
+        return data, time.monotonic() - t
+
+
+@pytest.mark.parametrize("raw", [b"", b"GET /health HTTP/1.1\r\nhost: x\r\n",
+                                 b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"pro"],
+                         ids=["idle", "slow-headers", "slow-body"])
+def test_a_connection_that_does_not_send_its_request_in_time_is_closed(raw):
+    """200 slowloris connections were held forever (the file limit was the only bound)."""
+    data, took = serving(_app(), lambda port: _held(port, raw, 5.0), request_timeout_s=0.5)
+    assert 0.4 < took < 3, took
+    if raw == b"GET /health HTTP/1.1\r\nhost: x\r\n":
+        assert status(data) == 408
+
+
+def test_the_timeout_restarts_for_each_request_of_a_kept_alive_connection():
+    def body(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            replies = []
+            for _ in range(3):  # 3 x 0.3 s > the 0.5 s timeout: each request has its own
+                time.sleep(0.3)
+                s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+                replies.append(s.recv(4096))
+            t = time.monotonic()
+            assert s.recv(4096) == b""  # then, idle, it is closed
+            return replies, time.monotonic() - t
+
+    replies, idle = serving(_app(), body, request_timeout_s=0.5)
+    assert [status(r) for r in replies] == [200, 200, 200] and idle < 2
+
+
+def test_a_slow_body_gets_408_from_the_app_with_granian():
+    """granian bounds the time to receive headers; the app bounds the body's."""
+    app = OpenAIApp(Backend(4096), builtin_tokenizer(), model="kvemu", clock=ManualClock(), body_timeout_s=0.5)
+    raw = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"pro"
+    data, took = serving(app, lambda port: _held(port, raw, 5.0), "granian")
+    assert status(data) == 408 and took < 3
+
+
+def test_edge_limits_defaults():
+    from kvemu.http.server import MAX_HEAD_BYTES, REQUEST_TIMEOUT_S
+
+    assert (MAX_HEAD_BYTES, REQUEST_TIMEOUT_S) == (64 << 10, 30.0)
+    http = HttpServer(_app(), "127.0.0.1:0")
+    try:
+        assert (http.max_head_bytes, http.request_timeout_s) == (64 << 10, 30.0)
+        assert http._server.config.timeout_keep_alive == 30.0
+    finally:
+        http.sock.close()
+    app = _app()
+    assert (app.max_body_bytes, app.body_timeout_s) == (16 << 20, 30.0)

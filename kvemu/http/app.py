@@ -43,6 +43,7 @@ from kvemu.runtime.messages import ClientRequest
 __all__ = ["OpenAIApp", "Metrics"]
 
 _JSON = [(b"content-type", b"application/json")]
+_CLOSE = [*_JSON, (b"connection", b"close")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.encode
@@ -135,7 +136,7 @@ class OpenAIApp:
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
                  metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
                  rank_header: str = "x-dp-rank",
-                 max_body_bytes: int = 16 << 20, prompt_chars_per_token: int = 16,
+                 max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
                  off_loop_chars: int = 64 << 10) -> None:
         self.backend = backend
         self.tok = tokenizer
@@ -145,6 +146,10 @@ class OpenAIApp:
         self.output_lengths = output_lengths
         self.rank_header = rank_header
         self.max_body_bytes = max_body_bytes
+        """Larger bodies are refused with 413: at once when ``content-length`` says so, else when they reach it."""
+        self.body_timeout_s = body_timeout_s
+        """A body that takes longer to arrive is refused with 408 (with granian, which bounds only the headers'
+        time; the uvicorn server bounds a whole request's time itself)."""
         self.max_prompt_chars = prompt_chars_per_token * backend.max_model_len
         """The most characters of prompt text one request may carry (its prompts together): more is refused
         before tokenizing, whatever the tokenizer (a tokenizer.json gives no bound of tokens by characters)."""
@@ -187,16 +192,37 @@ class OpenAIApp:
                 if scope["path"] in self._paths:
                     raise ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
                 raise ApiError(404, f"no route {scope['path']}")
+            self._check_length(scope)
             await handler(scope, receive, send)
         except ApiError as exc:
             if self.metrics is not None and handler in (self._completions, self._chat):
                 self.metrics.refused("chat_completions" if handler == self._chat else "completions", False)
-            await _respond(send, exc.status, exc.body)
+            # a refused body is not read: the connection cannot carry another request
+            await _respond(send, exc.status, exc.body, _CLOSE if exc.status in (408, 413) else None)
         except Exception as exc:  # noqa: BLE001 - a bug must not cost the client its answer
             log.exception("%s %s failed", scope["method"], scope["path"])
             await _respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
 
+    def _check_length(self, scope: dict) -> None:
+        """413 before reading a body whose ``content-length`` is past the limit."""
+        for name, value in scope["headers"]:
+            if name.lower() == b"content-length":
+                try:
+                    n = int(value)
+                except ValueError:
+                    raise ApiError(400, "content-length header: not a number") from None
+                if n > self.max_body_bytes:
+                    raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes "
+                                        f"(content-length: {n})")
+
     async def _body(self, receive: Callable) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await self._read_body(receive)
+        except TimeoutError:
+            raise ApiError(408, f"the request body took more than {self.body_timeout_s:g} s to arrive") from None
+
+    async def _read_body(self, receive: Callable) -> bytes:
         chunks = []
         size = 0
         while True:
