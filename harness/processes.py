@@ -277,6 +277,10 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 msg = _client_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
+                rid = _request_id_of(data)
+                if rid is not None:  # a request that does not fit (a prompt past MAX_PROMPT_TOKENS): say why
+                    end.reply(peer, encode(RecordReply(record=RequestRecord(
+                        request_id=rid, arrival_ns=clock.now_ns(), failure=f"invalid_request: {str(exc)[:200]}"))))
                 continue
             t = type(msg)
             if t is StatsQuery:
@@ -452,6 +456,25 @@ def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_si
 
 
 # ---------------------------------------------------------------------------------- load generator
+
+
+class _RequestId(msgspec.Struct):
+    type: str = ""
+    request_id: str = ""
+
+
+_request_id_decoder = msgspec.msgpack.Decoder(_RequestId)
+
+
+def _request_id_of(data: bytes) -> str | None:
+    """The id of a ``ClientRequest`` that failed to decode, when it has one (the rest is skipped, not built)."""
+    try:
+        head = _request_id_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if head.type != "ClientRequest" or not head.request_id or len(head.request_id) > 256:
+        return None
+    return head.request_id
 
 
 def _record(req: ClientRequest, arrival_ns: int, failure: str | None = None) -> RequestRecord:
