@@ -98,6 +98,8 @@ class TextTokenizer:
     def check_ids(self, ids: Sequence[int], field: str | None = None) -> None:
         """``InvalidArgument`` (naming ``field``) when an id is outside the vocabulary."""
         n = self.vocab_size
+        if not ids or (min(ids) >= 0 and max(ids) < n):  # two passes in C: a prompt of ids may be millions long
+            return
         for i in ids:
             if not 0 <= i < n:
                 where = f"{field}: " if field else ""
