@@ -336,7 +336,8 @@ def test_a_workers_own_server_refuses_a_huge_text_before_tokenizing():
     from test_http_workers import serve_worker
 
     async def body(http, actor):
-        r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello world " * 20_000}]})
+        text = "hello world " * 20_000
+        r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]})
         return r.status_code, r.json()["error"]["message"]
 
     status_code, message = serve_worker(body)
