@@ -122,24 +122,31 @@ MAX_CLIENT_ID_CHARS = 1024
 """The longest request id a refusal of a malformed client message echoes back."""
 
 
+class _Head(msgspec.Struct):
+    """What a malformed client message is read for: its type and request id (every other field skipped)."""
+
+    type: str = ""
+    request_id: str = ""
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
 def malformed_reply(data: bytes, exc: Exception, now_ns: int) -> RecordReply | ControlReply | None:
     """The answer to a client message that did not decode, when it can be attributed: a ``ClientRequest`` whose
     ``request_id`` can be read gets its record failed with ``invalid_request`` naming what was wrong, a
     ``Control`` a refusal (control answers go back in order); anything else None (nobody to answer)."""
-    try:
-        loose = msgspec.msgpack.decode(data)
-    except Exception:  # noqa: BLE001 - not msgpack at all (or nested past the decoder's depth)
+    try:  # only the message's type and id: the rest (a prompt past the bound, say) is skipped, not built
+        head = _head_decoder.decode(data)
+    except Exception:  # noqa: BLE001 - not a msgpack map with a str type and id (or nested past the depth)
         return None
-    if not isinstance(loose, dict):
-        return None
-    kind = loose.get("type")
     why = str(exc)[:300]
-    if kind == "ClientRequest":
-        rid = loose.get("request_id")
-        if isinstance(rid, str) and 0 < len(rid) <= MAX_CLIENT_ID_CHARS:
+    if head.type == "ClientRequest":
+        rid = head.request_id
+        if 0 < len(rid) <= MAX_CLIENT_ID_CHARS:
             return RecordReply(record=RequestRecord(request_id=rid, arrival_ns=now_ns,
                                                     failure=f"invalid_request: malformed ClientRequest: {why}"))
-    elif kind == "Control":
+    elif head.type == "Control":
         return ControlReply(ok=False, detail=f"malformed control message: {why}")
     return None
 

@@ -11,6 +11,9 @@ producing anything gets a real status (400, 404, 429, 503) even when it asked fo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import ctypes
+import ctypes.util
 import itertools
 import logging
 import uuid
@@ -40,6 +43,7 @@ from kvemu.runtime.messages import ClientRequest
 __all__ = ["OpenAIApp", "Metrics"]
 
 _JSON = [(b"content-type", b"application/json")]
+_CLOSE = [*_JSON, (b"connection", b"close")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.encode
@@ -132,7 +136,8 @@ class OpenAIApp:
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
                  metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
                  rank_header: str = "x-dp-rank",
-                 max_body_bytes: int = 16 << 20) -> None:
+                 max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
+                 off_loop_chars: int = 64 << 10) -> None:
         self.backend = backend
         self.tok = tokenizer
         self.model = model
@@ -141,6 +146,16 @@ class OpenAIApp:
         self.output_lengths = output_lengths
         self.rank_header = rank_header
         self.max_body_bytes = max_body_bytes
+        """Larger bodies are refused with 413: at once when ``content-length`` says so, else when they reach it."""
+        self.body_timeout_s = body_timeout_s
+        """A body that takes longer to arrive is refused with 408 (with granian, which bounds only the headers'
+        time; the uvicorn server bounds a whole request's time itself)."""
+        self.max_prompt_chars = prompt_chars_per_token * backend.max_model_len
+        """The most characters of prompt text one request may carry (its prompts together): more is refused
+        before tokenizing, whatever the tokenizer (a tokenizer.json gives no bound of tokens by characters)."""
+        self.off_loop_chars = off_loop_chars
+        """Texts of a loop turn longer than this together are tokenized in a thread, not on the event loop."""
+        self._tokenizer_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._unix_s: Callable[[], int] = getattr(clock, "unix_s", lambda: clock.now_ns() // NS_PER_S)
         """Seconds since the epoch for ``created`` (virtual clocks count from their start)."""
         self.created = self._unix_s()
@@ -177,16 +192,37 @@ class OpenAIApp:
                 if scope["path"] in self._paths:
                     raise ApiError(405, f"method {scope['method']} is not allowed on {scope['path']}")
                 raise ApiError(404, f"no route {scope['path']}")
+            self._check_length(scope)
             await handler(scope, receive, send)
         except ApiError as exc:
             if self.metrics is not None and handler in (self._completions, self._chat):
                 self.metrics.refused("chat_completions" if handler == self._chat else "completions", False)
-            await _respond(send, exc.status, exc.body)
+            # a refused body is not read: the connection cannot carry another request
+            await _respond(send, exc.status, exc.body, _CLOSE if exc.status in (408, 413) else None)
         except Exception as exc:  # noqa: BLE001 - a bug must not cost the client its answer
             log.exception("%s %s failed", scope["method"], scope["path"])
             await _respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
 
+    def _check_length(self, scope: dict) -> None:
+        """413 before reading a body whose ``content-length`` is past the limit."""
+        for name, value in scope["headers"]:
+            if name.lower() == b"content-length":
+                try:
+                    n = int(value)
+                except ValueError:
+                    raise ApiError(400, "content-length header: not a number") from None
+                if n > self.max_body_bytes:
+                    raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes "
+                                        f"(content-length: {n})")
+
     async def _body(self, receive: Callable) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await self._read_body(receive)
+        except TimeoutError:
+            raise ApiError(408, f"the request body took more than {self.body_timeout_s:g} s to arrive") from None
+
+    async def _read_body(self, receive: Callable) -> bytes:
         chunks = []
         size = 0
         while True:
@@ -227,10 +263,11 @@ class OpenAIApp:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         if req.prompt is not None:
-            ids = self.tok.encode(req.prompt)
+            text = req.prompt
         else:
-            chat = ChatRequest(messages=req.messages)
-            ids = self.tok.encode(prompts_of(chat, self.tok)[0])  # type: ignore[arg-type]
+            text = prompts_of(ChatRequest(messages=req.messages), self.tok)[0]  # type: ignore[assignment]
+        self._check_text_size([text], reserve=0)  # type: ignore[list-item]
+        ids = (await self._tokens([text]))[0]
         await _respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
                                            "tokens": ids}))
 
@@ -249,11 +286,36 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ generation
 
+    def _check_text_size(self, prompts: list[str | list[int]], reserve: int = 1) -> None:
+        """Refuse, before tokenizing, prompt text that could not fit the context: more characters than
+        ``max_prompt_chars`` (any tokenizer), or a prompt whose lower bound of tokens reaches the context
+        (the built-in tokenizer): one that leaves no room for ``reserve`` output tokens, which ``output_budget``
+        would refuse after tokenizing."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        size = sum(len(t) for t in texts)
+        if size > self.max_prompt_chars:
+            raise ApiError(400, f"prompt: {size} characters of prompt text, more than the {self.max_prompt_chars} "
+                                f"this server tokenizes for a model whose maximum context length is "
+                                f"{self.backend.max_model_len} tokens", "prompt")
+        limit = self.backend.max_model_len
+        for t in texts:
+            if len(t) + reserve > limit and (n := self.tok.min_tokens(t)) + reserve > limit:
+                raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                    f"has at least {n} tokens. Please reduce the length of the prompt.", "prompt")
+
     async def _tokens(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Token ids of every prompt: texts arriving in one loop turn are tokenized together in one call."""
+        """Token ids of every prompt: texts arriving in one loop turn are tokenized together in one call; large
+        texts in one thread (one at a time), so the loop keeps serving while they are."""
         texts = [p for p in prompts if isinstance(p, str)]
         if not texts:
             return prompts  # type: ignore[return-value]
+        if sum(len(t) for t in texts) > self.off_loop_chars:
+            if self._tokenizer_thread is None:
+                self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "kvemu-tokenize")
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, _encode_large, self.tok,
+                                                                   texts)
+            encoded = iter(ids)
+            return [next(encoded) if isinstance(p, str) else p for p in prompts]
         fut = asyncio.get_running_loop().create_future()
         pending = self._to_tokenize
         pending.append((texts, fut))
@@ -288,7 +350,9 @@ class OpenAIApp:
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         hints = hints_of(req, headers, rank_header=self.rank_header)
-        prompts = await self._tokens(prompts_of(req, self.tok))
+        prompts = prompts_of(req, self.tok)
+        self._check_text_size(prompts)
+        prompts = await self._tokens(prompts)
         base = _request_id(headers, chat)
         default = None if chat else 16  # chat: what the context leaves, as vLLM
         gens, reqs = [], []
@@ -327,6 +391,32 @@ class OpenAIApp:
                 first = min((g.first_ns for g in gens if g.first_ns is not None), default=None)
                 self.metrics.ended("chat_completions" if chat else "completions", stream, status, first, arrived,
                                    self.clock.now_ns(), run.records, [g.prompt_len for g in gens])
+
+
+def _encode_large(tok: TextTokenizer, texts: list[str]) -> list[list[int]]:
+    """``encode_many`` in the tokenizer thread, then hand the allocator's free pages back to the system: the
+    tokenizer's intermediate structures are many times the text, and glibc keeps them otherwise."""
+    try:
+        return tok.encode_many(texts)
+    finally:
+        _trim()
+
+
+def _trim() -> None:
+    if _libc is not None:
+        _libc.malloc_trim(0)
+
+
+def _load_libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 - glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
 
 
 def _client_request(rid: str, tokens: list[int], n_out: int, ids: list[int], hints: Hints) -> ClientRequest:

@@ -13,10 +13,18 @@ from typing import Any
 import anyio
 import anyio.abc
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvemu.errors import KvemuError
 
-__all__ = ["HttpServer", "ListenError", "check_listen", "parse_listen", "SERVERS"]
+__all__ = ["HttpServer", "ListenError", "check_listen", "parse_listen", "SERVERS", "MAX_HEAD_BYTES",
+           "REQUEST_TIMEOUT_S"]
+
+MAX_HEAD_BYTES = 64 << 10
+"""The most bytes of a request line and headers together; more is refused with 431 and the connection closed."""
+REQUEST_TIMEOUT_S = 30.0
+"""How long a connection may take to send a whole request (line, headers and body), counted from when the
+server starts waiting for it (the connection opened, or the previous response ended); then it is closed."""
 
 log = logging.getLogger("kvemu.http")
 
@@ -68,6 +76,97 @@ class _Server(uvicorn.Server):
         yield  # the process that embeds us owns its signals
 
 
+def _refusal(status: int, reason: bytes, message: bytes) -> bytes:
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, reason, len(message), message))
+
+
+class _BoundedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds httptools lacks: ``max_head_bytes`` for a request's line and
+    headers (httptools buffers a header of any size, re-copying it as it grows: 100 MB took 13 s and 285 MB),
+    and ``request_timeout_s`` to receive a whole request (uvicorn times out only idle keep-alive connections
+    after a response, and any byte cancels that: a slow client held its connection forever)."""
+
+    max_head_bytes = MAX_HEAD_BYTES
+    request_timeout_s = REQUEST_TIMEOUT_S
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        self._head_bytes = 0
+        self._in_head = True
+        """No request line and headers complete since the last request ended (or the connection opened)."""
+        self._received = 0
+        self._answered = 0
+        self._deadline: Any = None
+        self._refused = False
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.request_timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self._in_head and self._head_bytes:  # a request started and never finished its headers
+            self.transport.write(_refusal(408, b"Request Timeout", b"the request took too long to arrive"))
+        self.transport.close()  # an app still reading a body sees the client leave
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # what the client still sends after its refusal is dropped unparsed
+        in_head = self._in_head
+        super().data_received(data)
+        if in_head and self._in_head and not self.transport.is_closing():  # the head is still incomplete
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse()
+
+    def _refuse(self) -> None:
+        """Answer 431 and close; reading goes on (dropped) for a second, so the answer is not lost to the
+        reset a close with unread data would send while the client is still sending."""
+        self._disarm()
+        self._refused = True
+        self.transport.write(_refusal(431, b"Request Header Fields Too Large",
+                                      b"the request line and headers are larger than %d bytes" % self.max_head_bytes))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._deadline = self.loop.call_later(1.0, self.transport.close)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head = True
+        self._received += 1
+        if self._received > self._answered:
+            self._disarm()  # the whole request is here: answering it may take any time
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        self._answered += 1
+        super().on_response_complete()
+        if self._answered >= self._received and not self.transport.is_closing():
+            self._arm()  # waiting for the client's next request
+
+
+def _bounded(max_head_bytes: int, request_timeout_s: float) -> type[_BoundedProtocol]:
+    return type("BoundedHttpToolsProtocol", (_BoundedProtocol,),
+                {"max_head_bytes": max_head_bytes, "request_timeout_s": request_timeout_s})
+
+
 SERVERS = ("uvicorn", "granian")
 """HTTP servers that can run the app: uvicorn (uvloop + httptools, the default) or granian (Rust HTTP
 handling, ``pip install 'kvemu[granian]'``)."""
@@ -76,7 +175,8 @@ handling, ``pip install 'kvemu[granian]'``)."""
 class HttpServer:
     """One listening address serving ``app``; ``serve`` runs until cancelled, then closes connections."""
 
-    def __init__(self, app: Any, listen: str, server: str = "uvicorn") -> None:
+    def __init__(self, app: Any, listen: str, server: str = "uvicorn", *, max_head_bytes: int = MAX_HEAD_BYTES,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         if server not in SERVERS:
             raise ValueError(f"--http-server {server!r}: one of {', '.join(SERVERS)}")
         sock = _bind(listen)
@@ -94,9 +194,12 @@ class HttpServer:
                         "reach it can send requests and read the metrics", self.url)
         self.server = server
         self._app = app
+        self.max_head_bytes = max_head_bytes
+        self.request_timeout_s = request_timeout_s
         if server == "uvicorn":
-            config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False, log_level="warning",
-                                    timeout_keep_alive=30, timeout_graceful_shutdown=1, server_header=False)
+            config = uvicorn.Config(app, http=_bounded(max_head_bytes, request_timeout_s), lifespan="off",
+                                    access_log=False, log_level="warning", timeout_keep_alive=request_timeout_s,
+                                    timeout_graceful_shutdown=1, server_header=False)
             self._server = _Server(config)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -117,7 +220,14 @@ class HttpServer:
         except ImportError:
             raise RuntimeError("--http-server granian needs granian: pip install 'kvemu[granian]'") from None
         self.sock.close()  # granian binds the address itself (the port was reserved until now)
-        server = Server(self._app, address=self.host, port=self.port, interface=Interfaces.ASGI, log_enabled=False)
+        from granian.http import HTTP1Settings
+
+        # granian (hyper) bounds what it buffers of a request head and the time to receive it; the body's
+        # size and time are bounded by the app
+        http1 = HTTP1Settings(header_read_timeout=max(1, int(self.request_timeout_s * 1000)),
+                              max_buffer_size=max(8192, self.max_head_bytes))
+        server = Server(self._app, address=self.host, port=self.port, interface=Interfaces.ASGI, log_enabled=False,
+                        http1_settings=http1)
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.serve)
             with anyio.fail_after(30):

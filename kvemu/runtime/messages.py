@@ -18,6 +18,7 @@ from msgspec import Meta
 from kvemu.config import RouterOverrides
 from kvemu.records import sequences_as_lists
 from kvemu.transfer import KvTransfer
+from kvemu.wire.limits import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
 
 __all__ = [
     "ClientRequest",
@@ -54,8 +55,9 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """One inference request as a client (or the load generator) submits it."""
 
     request_id: str
-    tokens: list[int]
-    """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt), on the wire a list."""
+    tokens: Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)]
+    """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt), on the wire a list of at most
+    ``MAX_PROMPT_TOKENS`` (a longer one fails to decode, unread)."""
     max_tokens: int = 16
     session_id: str | None = None
     """Session affinity key (multi-turn conversations)."""
@@ -72,7 +74,7 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     lora_name: str | None = None
     expected_output_tokens: int | None = None
     """Expected output length (``nvext.agent_hints.osl``): weights tracked output blocks by what is left."""
-    output_token_ids: list[int] | None = None
+    output_token_ids: Annotated[list[int], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
     """The ids the engine generates (a front end that shows text chooses them); default: the engine's own."""
     engine_priority: int = 0
     """The engine scheduler's priority (vLLM: lower first), passed through to the worker."""
@@ -151,7 +153,7 @@ class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     dp_rank: int
     tokens: list[int]
     max_tokens: int
-    output_token_ids: list[int] | None = None
+    output_token_ids: Annotated[list[int], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
     priority: int = 0
     hold_kv: bool = False
     """A prefill leg: compute the prompt, report it finished, and keep its KV until ``ReleaseKv``."""
