@@ -476,7 +476,7 @@ def _process(args: argparse.Namespace) -> int:
             return 2
         try:
             summary = loadgen_main(scenario, args.router, outdir, args.expect_workers,
-                                   apply_chaos=args.chaos == "apply")
+                                   apply_chaos=args.chaos == "apply", router_pid=args.router_pid)
         except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
@@ -680,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen.add_argument("--router", required=True, help="the router's --listen endpoint")
     loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
+    loadgen.add_argument("--router-pid", type=int,
+                         help="the router's process id on this machine: a silent router whose process is alive is "
+                              "waited for (run.router_stall_s), one whose process exited is lost at once")
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")

@@ -573,8 +573,31 @@ class _RouterClient:
         return waiter[1][0]
 
 
+def router_silence_s(scenario: Scenario) -> float:
+    """How long a router may stay silent before a load generator that cannot see its process declares it lost
+    (``run.router_silence_s``; default five heartbeat intervals, at least 5 s)."""
+    if scenario.run.router_silence_s is not None:
+        return scenario.run.router_silence_s
+    return max(5.0, 5 * scenario.cluster.heartbeat_interval_s)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a stopped process is alive; a zombie is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # no /proc: existing is all we can tell
+    return "State:\tZ" not in status and "State:\tX" not in status
+
+
 async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None,
-                   apply_chaos: bool = False) -> dict[str, Any]:
+                   apply_chaos: bool = False, router_pid: int | None = None) -> dict[str, Any]:
     sessions = build_sessions(scenario)
     client = _RouterClient(router)
     wall0 = time.perf_counter_ns()
@@ -615,16 +638,32 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
             t0 = st.now_ns
             log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
             run.last = st
-            lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
+            lost_after_ns = round(router_silence_s(scenario) * NS_PER_S)
+            stall_ns = round(max(scenario.run.router_stall_s, lost_after_ns / NS_PER_S) * NS_PER_S)
 
             async def sampler() -> None:
+                waiting = False  # for a silent router whose process is alive
                 while True:
                     try:
                         s = await client.stats(timeout_s=1.0)
                     except TimeoutError:  # a saturated router skips a sample; a silent one is gone
-                        if time.monotonic_ns() - client.heard_ns > lost_after_ns:
-                            return lose(silent_s=lost_after_ns / NS_PER_S)
+                        silent_ns = time.monotonic_ns() - client.heard_ns
+                        if silent_ns <= lost_after_ns:
+                            continue
+                        alive = process_alive(router_pid) if router_pid is not None else None
+                        if alive is False:
+                            return lose(why="the router process exited")
+                        if alive is None or silent_ns > stall_ns:
+                            return lose(silent_s=round(silent_ns / NS_PER_S, 1))
+                        if not waiting:
+                            waiting = True
+                            print(json.dumps({"event": "router_silent", "silent_s": round(silent_ns / NS_PER_S, 1),
+                                              "process": "alive", "waiting_up_to_s": stall_ns / NS_PER_S}),
+                                  file=sys.stderr, flush=True)
                         continue
+                    if waiting:
+                        waiting = False
+                        print(json.dumps({"event": "router_answering"}), file=sys.stderr, flush=True)
                     run.observe(s, client)
                     samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                     await anyio.sleep(0.25)
@@ -791,8 +830,9 @@ def _failures(records: list[RequestRecord]) -> dict[str, int]:
 
 
 def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
-                 apply_chaos: bool = False) -> dict[str, Any]:
+                 apply_chaos: bool = False, router_pid: int | None = None) -> dict[str, Any]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
-    (``apply_chaos``: also play the chaos timeline through the router's control channel)."""
-    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos))
+    (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
+    router's process on this machine, so that a silent router is told from a gone one)."""
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))
 
