@@ -65,7 +65,7 @@ from harness.pools import (
     worker_type_of,
 )
 from harness.recorder import Recorder
-from harness.report import RunData, Sample, write_report
+from harness.report import RunData, Sample, save_report
 from harness.runner import count_requests
 from harness.sessions import awaiting, play_workload
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
@@ -73,7 +73,7 @@ from harness.text import counted
 from harness.workload import build_sessions
 
 __all__ = ["HttpOptions", "StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "worker_pool",
-           "loadgen_main", "log_start",
+           "loadgen_main", "loadgen_report", "log_start",
            "send_control", "NotStarted", "RouterUnreachable"]
 
 CLIENT = b"C"
@@ -597,7 +597,7 @@ def process_alive(pid: int) -> bool:
 
 
 async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None,
-                   apply_chaos: bool = False, router_pid: int | None = None) -> dict[str, Any]:
+                   apply_chaos: bool = False, router_pid: int | None = None) -> tuple[dict[str, Any], Path | None]:
     sessions = build_sessions(scenario)
     client = _RouterClient(router)
     wall0 = time.perf_counter_ns()
@@ -714,7 +714,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
-    return write_report(data, outdir)
+    return save_report(data, outdir)
 
 
 CONNECT_WAIT_S = 60.0
@@ -831,8 +831,15 @@ def _failures(records: list[RequestRecord]) -> dict[str, int]:
 
 def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
                  apply_chaos: bool = False, router_pid: int | None = None) -> dict[str, Any]:
+    """``loadgen_report``'s summary."""
+    return loadgen_report(scenario, router, outdir, expect_workers, apply_chaos, router_pid)[0]
+
+
+def loadgen_report(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
+                   apply_chaos: bool = False, router_pid: int | None = None) -> tuple[dict[str, Any], Path | None]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
     (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
-    router's process on this machine, so that a silent router is told from a gone one)."""
+    router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
+    where the report went (``harness.report.save_report``)."""
     return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))
 

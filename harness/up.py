@@ -204,8 +204,11 @@ def _save_metrics(http: str, outdir: Path) -> None:
     except OSError as exc:
         print(f"kvemu up: could not read the front door's metrics: {exc}", file=sys.stderr)
         return
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "metrics.prom").write_bytes(text)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        (outdir / "metrics.prom").write_bytes(text)
+    except OSError as exc:
+        print(f"kvemu up: could not write metrics.prom in {outdir}: {exc.strerror or exc}", file=sys.stderr)
 
 
 def _written_since(outdir: Path, t: float) -> bool:
@@ -344,7 +347,8 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         code = loadgen.returncode
         if stack.http:
             _save_metrics(stack.http, outdir)
-        where = f"report in {outdir}" if _written_since(outdir, started_wall) else "no report was written"
+        where = (f"report in {outdir}" if _written_since(outdir, started_wall) else
+                 f"no report in {outdir} (the load generator's lines above say why, or where it went)")
         print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code
     except KeyboardInterrupt:  # the load generator reports what ran before the others stop

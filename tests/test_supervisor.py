@@ -157,3 +157,89 @@ def test_a_silent_router_is_still_lost_after_the_configured_bound(tmp_path):
     assert json_events(err, "router_silent") and json_events(err, "router_lost")
     s = summary_of(out)
     assert s["partial"] and s["kvemu"]["stop_reason"] == "router_lost" and accounted(s)
+
+
+# ------------------------------------------------------------------ a report directory that becomes unwritable
+
+
+def _fallback(err: str) -> Path:
+    """The directory the 'wrote it to ... instead' line names."""
+    line = next(x for x in err.splitlines() if "; wrote it to " in x)
+    return Path(line.split("; wrote it to ")[1].removesuffix(" instead"))
+
+
+def _break_when_made(out: Path) -> None:
+    """Once ``out`` exists, replace it by a file (as root, permission bits stop nothing: a file where the
+    directory was stops everyone)."""
+    deadline = time.monotonic() + 30
+    while not out.is_dir():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)
+    for f in out.iterdir():
+        f.unlink()
+    out.rmdir()
+    out.write_text("not a directory any more\n")
+
+
+def test_kvemu_run_writes_its_report_elsewhere_when_its_directory_becomes_unwritable(tmp_path):
+    out = tmp_path / "out"
+    path = scenario(tmp_path, duration_s=3.0)
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "run", str(path), "-o", str(out)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _break_when_made(out)
+    finally:
+        code, err = finish(proc)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert f"kvemu: cannot write the report in {out} (part of the path is a file, not a directory)" in err
+    where = _fallback(err)
+    try:
+        s = summary_of(where)
+        assert s["num_requests"] > 0 and s["completed_requests"] == s["num_requests"]
+        assert len((where / "requests.jsonl").read_text().splitlines()) == s["num_requests"]
+        assert f"report in {where}/report.md" in err and (where / "report.md").is_file()
+    finally:
+        subprocess.run(["rm", "-rf", str(where)], check=False)
+
+
+def test_kvemu_up_keeps_the_load_generators_report_when_its_directory_becomes_unwritable(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, _ = up(scenario(tmp_path, duration_s=3.0), out)
+    try:
+        _break_when_made(out)
+    finally:
+        code, err = finish(proc)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    where = _fallback(err)
+    try:
+        s = summary_of(where)
+        assert s["num_requests"] > 0 and s["completed_requests"] == s["num_requests"]
+        assert f"kvemu loadgen: {s['num_requests']}/{s['num_requests']} requests completed; report in {where}" in err
+        assert f"kvemu up: done" in err and f"no report in {out}" in err
+    finally:
+        subprocess.run(["rm", "-rf", str(where)], check=False)
+
+
+def test_a_report_that_can_be_written_nowhere_prints_its_summary(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from harness.report import save_report
+    from harness.runner import run_scenario
+    from harness.scenario import parse_scenario
+
+    data = run_scenario(parse_scenario(f"name: nowhere\n{AGGREGATED}{WORKLOAD}run: {{seed: 1, duration_s: 2}}\n")).data
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+
+    def no_temp(**_: object) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temp)
+    summary, where = save_report(data, blocked / "out")
+    err = capsys.readouterr().err
+    assert where is None and summary["num_requests"] == len(data.records) > 0
+    assert err.startswith(f"kvemu: cannot write the report in {blocked / 'out'} (part of the path is a file, not a "
+                          "directory) nor in a temporary directory (Permission denied); its summary follows\n")
+    assert json.loads(err.split("\n", 1)[1]) == summary
