@@ -39,7 +39,7 @@ from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
-from workers.actor import WorkerActor
+from workers.actor import WorkerActor, WorkerRejected
 from workers.worker import MockWorker
 
 from harness.chaos import (
@@ -386,6 +386,10 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: s
                         kv_endpoints=[_reachable(p.endpoint) for p in pubs],
                         kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
                         worker_type=worker_type_of(spec, pool))
+    actor.on_unanswered = lambda waited_s: print(
+        f"kvemu worker: worker {worker_id}: no answer from the router at {router} after {waited_s:g} s: is it running "
+        f"there, and does it have the same {security.SECRET_ENV} as this worker? (still trying for "
+        f"{actor.register_timeout_s - waited_s:g} s)", file=sys.stderr, flush=True)
     actor.on_chaos = lambda msg, why: print(json.dumps({"event": "chaos_applied", "worker_id": worker_id,
                                                         "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
                                             file=sys.stderr, flush=True)
@@ -446,8 +450,17 @@ def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_si
     pool = worker_pool(scenario, worker_type)
     tune_gc()
     wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
-    run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
-                                   kv_events, kv_replay, grace_s, http))
+    try:
+        run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
+                                       kv_events, kv_replay, grace_s, http))
+    except BaseException as exc:  # the router refused it (a squatted id...) or never answered: one line, no traceback
+        rejected = exc.split(WorkerRejected)[0] if isinstance(exc, BaseExceptionGroup) else exc
+        while isinstance(rejected, BaseExceptionGroup) and rejected.exceptions:
+            rejected = rejected.exceptions[0]
+        if not isinstance(rejected, WorkerRejected):
+            raise
+        print(f"kvemu worker: {rejected}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

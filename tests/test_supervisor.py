@@ -243,3 +243,52 @@ def test_a_report_that_can_be_written_nowhere_prints_its_summary(tmp_path, monke
     assert err.startswith(f"kvemu: cannot write the report in {blocked / 'out'} (part of the path is a file, not a "
                           "directory) nor in a temporary directory (Permission denied); its summary follows\n")
     assert json.loads(err.split("\n", 1)[1]) == summary
+
+
+# ------------------------------------------------------------------ one clear line for a refused worker
+
+
+def _router(kids, path: Path, env: dict[str, str] | None = None) -> str:
+    return kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(path)], env=env)["listen"]
+
+
+def test_a_worker_refused_for_a_squatted_id_says_so_in_one_line(tmp_path):
+    from harness.up import Children
+
+    path = scenario(tmp_path)
+    kids = Children()
+    try:
+        router = _router(kids, path)
+        kids.start("w7", ["worker", "--router", router, "--worker-id", "7", "--config", str(path)])
+        dup = subprocess.run([sys.executable, "-m", "harness.cli", "worker", "--router", router, "--worker-id", "7",
+                              "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        assert kids.procs["w7"].poll() is None  # the first one is untouched
+    finally:
+        kids.stop_all()
+    assert dup.returncode == 1
+    assert dup.stderr.splitlines() == ["kvemu worker: worker 7: registration refused: worker id 7 is already "
+                                       "registered"], dup.stderr
+
+
+def test_a_worker_with_the_wrong_secret_says_so_within_seconds(tmp_path):
+    from harness.up import Children, cli_command, cli_env
+
+    path = scenario(tmp_path)
+    kids = Children()
+    try:
+        router = _router(kids, path, env={"KVEMU_SECRET": "the router's"})
+        worker = subprocess.Popen(cli_command("worker", "--router", router, "--worker-id", "3", "--config", str(path)),
+                                  env={**cli_env(), "KVEMU_SECRET": "another"}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+        started = time.monotonic()
+        try:
+            line = worker.stderr.readline()  # its first word on stderr
+            waited = time.monotonic() - started
+        finally:
+            worker.kill()
+            worker.communicate(timeout=10)
+    finally:
+        kids.stop_all()
+    assert waited < 10, waited
+    assert line.startswith(f"kvemu worker: worker 3: no answer from the router at {router} after 5 s: is it running "
+                           "there, and does it have the same KVEMU_SECRET as this worker?"), line
