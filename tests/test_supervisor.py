@@ -292,3 +292,21 @@ def test_a_worker_with_the_wrong_secret_says_so_within_seconds(tmp_path):
     assert waited < 10, waited
     assert line.startswith(f"kvemu worker: worker 3: no answer from the router at {router} after 5 s: is it running "
                            "there, and does it have the same KVEMU_SECRET as this worker?"), line
+
+
+def test_kvemu_serve_carries_on_when_a_worker_process_is_killed(tmp_path):
+    tag, env = tagged_env()
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", str(scenario(tmp_path)), "--http",
+                             "127.0.0.1:0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        serving = json.loads(proc.stdout.readline())
+        assert serving["event"] == "serving", serving
+        os.kill(child(tag, "--worker-id 1 "), signal.SIGKILL)
+        time.sleep(1.5)
+        assert proc.poll() is None  # still serving, with worker 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code, err = finish(proc, timeout=60)
+    assert code == 0, err[-3000:]
+    assert "kvemu serve: worker-1 exited (signal SIGKILL); the cluster carries on without it" in err
