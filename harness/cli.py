@@ -115,8 +115,10 @@ def _run(args: argparse.Namespace) -> int:
     reason = outcome.data.stop_reason or "interrupted"
     partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
     # soft_wrap: rich would wrap at 80 columns in a pipe, breaking the path
+    where = (f"report in {escape(str(outcome.report_dir))}/report.md" if outcome.report_dir is not None else
+             "no report could be written (its summary is above)")
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
-                  f"{partial}; report in {escape(str(outdir))}/report.md", soft_wrap=True, highlight=False)
+                  f"{partial}; {where}", soft_wrap=True, highlight=False)
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130
@@ -468,20 +470,21 @@ def _process(args: argparse.Namespace) -> int:
             return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     if args.command == "loadgen":
-        from harness.processes import NotStarted, loadgen_main
+        from harness.processes import NotStarted, loadgen_report
 
         problem = _loadgen_chaos_problem(scenario, args.chaos)
         if problem:
             print(f"kvemu loadgen: {problem}", file=sys.stderr)
             return 2
         try:
-            summary = loadgen_main(scenario, args.router, outdir, args.expect_workers,
-                                   apply_chaos=args.chaos == "apply")
+            summary, where = loadgen_report(scenario, args.router, outdir, args.expect_workers,
+                                            apply_chaos=args.chaos == "apply", router_pid=args.router_pid)
         except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
         print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
-              f"report in {outdir}/report.md", file=sys.stderr)
+              + (f"report in {where}/report.md" if where is not None else "no report could be written (its summary "
+                 "is above)"), file=sys.stderr)
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
@@ -680,6 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen.add_argument("--router", required=True, help="the router's --listen endpoint")
     loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
+    loadgen.add_argument("--router-pid", type=int,
+                         help="the router's process id on this machine: a silent router whose process is alive is "
+                              "waited for (run.router_stall_s), one whose process exited is lost at once")
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")

@@ -39,7 +39,7 @@ from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
-from workers.actor import WorkerActor
+from workers.actor import WorkerActor, WorkerRejected
 from workers.worker import MockWorker
 
 from harness.chaos import (
@@ -65,7 +65,7 @@ from harness.pools import (
     worker_type_of,
 )
 from harness.recorder import Recorder
-from harness.report import RunData, Sample, write_report
+from harness.report import RunData, Sample, save_report
 from harness.runner import count_requests
 from harness.sessions import awaiting, play_workload
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
@@ -73,7 +73,7 @@ from harness.text import counted
 from harness.workload import build_sessions
 
 __all__ = ["HttpOptions", "StatsQuery", "Stats", "RecordReply", "router_main", "worker_main", "worker_pool",
-           "loadgen_main", "log_start",
+           "loadgen_main", "loadgen_report", "log_start",
            "send_control", "NotStarted", "RouterUnreachable"]
 
 CLIENT = b"C"
@@ -422,6 +422,10 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: s
                         kv_endpoints=[_reachable(p.endpoint) for p in pubs],
                         kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
                         worker_type=worker_type_of(spec, pool))
+    actor.on_unanswered = lambda waited_s: print(
+        f"kvemu worker: worker {worker_id}: no answer from the router at {router} after {waited_s:g} s: is it running "
+        f"there, and does it have the same {security.SECRET_ENV} as this worker? (still trying for "
+        f"{actor.register_timeout_s - waited_s:g} s)", file=sys.stderr, flush=True)
     actor.on_chaos = lambda msg, why: print(json.dumps({"event": "chaos_applied", "worker_id": worker_id,
                                                         "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
                                             file=sys.stderr, flush=True)
@@ -482,8 +486,17 @@ def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_si
     pool = worker_pool(scenario, worker_type)
     tune_gc()
     wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
-    run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
-                                   kv_events, kv_replay, grace_s, http))
+    try:
+        run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
+                                       kv_events, kv_replay, grace_s, http))
+    except BaseException as exc:  # the router refused it (a squatted id...) or never answered: one line, no traceback
+        rejected = exc.split(WorkerRejected)[0] if isinstance(exc, BaseExceptionGroup) else exc
+        while isinstance(rejected, BaseExceptionGroup) and rejected.exceptions:
+            rejected = rejected.exceptions[0]
+        if not isinstance(rejected, WorkerRejected):
+            raise
+        print(f"kvemu worker: {rejected}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -609,8 +622,31 @@ class _RouterClient:
         return waiter[1][0]
 
 
+def router_silence_s(scenario: Scenario) -> float:
+    """How long a router may stay silent before a load generator that cannot see its process declares it lost
+    (``run.router_silence_s``; default five heartbeat intervals, at least 5 s)."""
+    if scenario.run.router_silence_s is not None:
+        return scenario.run.router_silence_s
+    return max(5.0, 5 * scenario.cluster.heartbeat_interval_s)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a stopped process is alive; a zombie is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True  # no /proc: existing is all we can tell
+    return "State:\tZ" not in status and "State:\tX" not in status
+
+
 async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None,
-                   apply_chaos: bool = False) -> dict[str, Any]:
+                   apply_chaos: bool = False, router_pid: int | None = None) -> tuple[dict[str, Any], Path | None]:
     sessions = build_sessions(scenario)
     client = _RouterClient(router)
     wall0 = time.perf_counter_ns()
@@ -651,16 +687,32 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
             t0 = st.now_ns
             log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
             run.last = st
-            lost_after_ns = round(max(5.0, 5 * scenario.cluster.heartbeat_interval_s) * NS_PER_S)
+            lost_after_ns = round(router_silence_s(scenario) * NS_PER_S)
+            stall_ns = round(max(scenario.run.router_stall_s, lost_after_ns / NS_PER_S) * NS_PER_S)
 
             async def sampler() -> None:
+                waiting = False  # for a silent router whose process is alive
                 while True:
                     try:
                         s = await client.stats(timeout_s=1.0)
                     except TimeoutError:  # a saturated router skips a sample; a silent one is gone
-                        if time.monotonic_ns() - client.heard_ns > lost_after_ns:
-                            return lose(silent_s=lost_after_ns / NS_PER_S)
+                        silent_ns = time.monotonic_ns() - client.heard_ns
+                        if silent_ns <= lost_after_ns:
+                            continue
+                        alive = process_alive(router_pid) if router_pid is not None else None
+                        if alive is False:
+                            return lose(why="the router process exited")
+                        if alive is None or silent_ns > stall_ns:
+                            return lose(silent_s=round(silent_ns / NS_PER_S, 1))
+                        if not waiting:
+                            waiting = True
+                            print(json.dumps({"event": "router_silent", "silent_s": round(silent_ns / NS_PER_S, 1),
+                                              "process": "alive", "waiting_up_to_s": stall_ns / NS_PER_S}),
+                                  file=sys.stderr, flush=True)
                         continue
+                    if waiting:
+                        waiting = False
+                        print(json.dumps({"event": "router_answering"}), file=sys.stderr, flush=True)
                     run.observe(s, client)
                     samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                     await anyio.sleep(0.25)
@@ -711,7 +763,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
-    return write_report(data, outdir)
+    return save_report(data, outdir)
 
 
 CONNECT_WAIT_S = 60.0
@@ -827,8 +879,16 @@ def _failures(records: list[RequestRecord]) -> dict[str, int]:
 
 
 def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
-                 apply_chaos: bool = False) -> dict[str, Any]:
+                 apply_chaos: bool = False, router_pid: int | None = None) -> dict[str, Any]:
+    """``loadgen_report``'s summary."""
+    return loadgen_report(scenario, router, outdir, expect_workers, apply_chaos, router_pid)[0]
+
+
+def loadgen_report(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
+                   apply_chaos: bool = False, router_pid: int | None = None) -> tuple[dict[str, Any], Path | None]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
-    (``apply_chaos``: also play the chaos timeline through the router's control channel)."""
-    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos))
+    (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
+    router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
+    where the report went (``harness.report.save_report``)."""
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))
 

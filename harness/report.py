@@ -30,6 +30,9 @@ import json
 import math
 import numbers
 import os
+import re
+import sys
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import chain
@@ -56,6 +59,7 @@ __all__ = [
     "PLOTS",
     "summarize",
     "dumps_summary",
+    "save_report",
     "write_report",
     "prepare_outdir",
     "OutputError",
@@ -739,13 +743,48 @@ def prepare_outdir(outdir: str | Path) -> Path:
 
 
 def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
-    """Write summary.json, requests.jsonl, report.md and the plots into ``outdir``; return the summary."""
+    """Write summary.json, requests.jsonl, report.md and the plots into ``outdir``; return the summary. A run's
+    results are never lost to a directory that became unwritable meanwhile: see ``save_report``."""
+    return save_report(data, outdir)[0]
+
+
+def save_report(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
+    """``write_report``, and where the report went: ``outdir``; or, when that cannot be written (removed, made
+    read-only or replaced by a file while the run went), a new directory under the system's temporary directory,
+    named on stderr in one line; or None when that fails too, and the summary is printed on stderr instead."""
+    summary = summarize(data)
     outdir = Path(outdir)
+    try:
+        _write_files(data, summary, outdir)
+        return summary, outdir
+    except OSError as exc:
+        why = _why_unwritable(exc)
+    try:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", data.scenario_name)[:60] or "run"
+        fallback = Path(tempfile.mkdtemp(prefix=f"kvemu-report-{name}-"))
+        _write_files(data, summary, fallback)
+    except OSError as exc:
+        print(f"kvemu: cannot write the report in {outdir} ({why}) nor in a temporary directory "
+              f"({_why_unwritable(exc)}); its summary follows", file=sys.stderr, flush=True)
+        print(dumps_summary(summary), file=sys.stderr, end="", flush=True)
+        return summary, None
+    print(f"kvemu: cannot write the report in {outdir} ({why}); wrote it to {fallback} instead", file=sys.stderr,
+          flush=True)
+    return summary, fallback
+
+
+def _write_files(data: RunData, summary: dict[str, Any], outdir: Path) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
-    summary = summarize(data)
-    (outdir / "summary.json").write_text(dumps_summary(summary))
-    write_requests(data.records, outdir / "requests.jsonl", data.sla)
-    plots = finish_plots()
+    try:
+        (outdir / "summary.json").write_text(dumps_summary(summary))
+        write_requests(data.records, outdir / "requests.jsonl", data.sla)
+    finally:
+        plots = finish_plots()  # the renderer is done with this job either way
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))
-    return summary
+
+
+def _why_unwritable(exc: OSError) -> str:
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        return "part of the path is a file, not a directory"
+    return exc.strerror or str(exc)

@@ -24,7 +24,7 @@ from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.recorder import Recorder
 from harness.pools import affinity_stats, kv_stats, pool_sizes, routing_block_size, samples
-from harness.report import RunData, prepare_outdir, write_report
+from harness.report import RunData, prepare_outdir, save_report
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import drain_deadline_s, play_workload
 from harness.workload import Session, build_sessions
@@ -55,6 +55,9 @@ class RunOutcome:
         self.data = data
         self.recorder = recorder
         self.summary: dict[str, Any] | None = None
+        self.report_dir: Path | None = None
+        """Where the report was written: the run's directory, or a temporary one when that became unwritable
+        (None: nowhere, and the summary was printed on stderr)."""
 
 
 class _ShiftedClock:
@@ -124,10 +127,11 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
-        outcome.summary = write_report(data, outdir)
+        outcome.summary, outcome.report_dir = save_report(data, outdir)
     if error is not None:
         raise RunAborted(f"the run stopped early: {_describe(error)}"
-                         + (f"; partial report in {outdir}" if outdir is not None else ""), outcome) from error
+                         + (f"; partial report in {outcome.report_dir}" if outcome.report_dir is not None else ""),
+                         outcome) from error
     return outcome
 
 

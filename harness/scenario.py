@@ -292,6 +292,16 @@ class RunSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     sla: Sla | None = None
     """Latency targets (``ttft_ms`` and/or ``itl_ms``, or ``e2e_ms``): the report adds goodput and per-request
     ``met_sla``."""
+    router_silence_s: PositiveSeconds | None = None
+    """``kvemu loadgen``: how long its router may stay silent before the load generator declares it lost (its open
+    requests fail with ``router_lost``); default five heartbeat intervals, at least 5 s."""
+    router_stall_s: PositiveSeconds = 120.0
+    """``kvemu up``: its load generator knows whether the router process is alive, and waits this long for one
+    that is alive but silent (stopped, or swamped) before declaring it lost; a router that exited is lost at once."""
+    stop_on_worker_exit: bool = False
+    """``kvemu up``/``serve``: stop the run when a worker process exits unasked (a crash, a kill). By default a
+    worker's death is a fault the cluster handles (the router fences it when its heartbeats stop; what it held
+    fails with ``worker_lost``) and the report shows, not a reason to stop."""
 
 
 class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]

@@ -120,21 +120,35 @@ class Children:
         if proc is not None and proc.poll() is None:
             proc.send_signal(sig)
 
-    def crashed(self) -> str | None:
+    def crashed(self, workers_too: bool = True) -> str | None:
         """A child that exited while the run needs it (a signal counts: a killed router is a crash), if any;
-        workers the chaos timeline removed are named ``gone-...`` and the load generator ends the run itself."""
+        workers the chaos timeline removed are named ``gone-...`` and the load generator ends the run itself.
+        ``workers_too=False``: only the router counts (``lost_workers`` tells of the workers)."""
         for name, proc in self.procs.items():
             code = proc.poll()
-            if code is not None and name != "loadgen" and not name.startswith("gone-"):
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
-                return f"{name} exited ({how})"
+            if code is not None and name != "loadgen" and not name.startswith("gone-") \
+                    and (workers_too or not name.startswith("worker-")):
+                return f"{name} exited ({_how(code)})"
         return None
+
+    def lost_workers(self) -> list[str]:
+        """Worker processes that exited unasked since the last call, each as ``worker-N exited (...)``; each is
+        then renamed ``gone-worker-N`` (a fault the cluster handles: the router fences it when its heartbeats
+        stop, and what it held fails with ``worker_lost``)."""
+        lost = []
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is not None and name.startswith("worker-"):
+                lost.append(f"{name} exited ({_how(code)})")
+                self.procs[f"gone-{name}"] = self.procs.pop(name)
+        return lost
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM everyone, then SIGKILL whoever is still there after ``grace_s``."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) takes its SIGTERM now, not at SIGKILL
         deadline = time.monotonic() + grace_s
         for proc in self.procs.values():
             try:
@@ -142,6 +156,31 @@ class Children:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str) -> str | None:
+    """Log each worker process that exited unasked and drop it from ``live``; returns why to stop the run
+    (``run.stop_on_worker_exit``), or None: the cluster carries on without it."""
+    for problem in kids.lost_workers():
+        wid = int(problem.split()[0].removeprefix("worker-"))
+        if wid in live:
+            live.remove(wid)
+        if scenario.run.stop_on_worker_exit:
+            return problem
+        print(json.dumps({"event": "worker_exited", "worker_id": wid, "how": problem.split("(", 1)[1][:-1]}),
+              file=sys.stderr)
+        print(f"{who}: {problem}; the cluster carries on without it (the router fences it; "
+              "run.stop_on_worker_exit: true would stop the run)", file=sys.stderr, flush=True)
+    return None
 
 
 def _let_report(loadgen: subprocess.Popen, outdir: Path, since: float, what: str, stop: int | None) -> None:
@@ -165,8 +204,11 @@ def _save_metrics(http: str, outdir: Path) -> None:
     except OSError as exc:
         print(f"kvemu up: could not read the front door's metrics: {exc}", file=sys.stderr)
         return
-    outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "metrics.prom").write_bytes(text)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        (outdir / "metrics.prom").write_bytes(text)
+    except OSError as exc:
+        print(f"kvemu up: could not write metrics.prom in {outdir}: {exc.strerror or exc}", file=sys.stderr)
 
 
 def _written_since(outdir: Path, t: float) -> bool:
@@ -233,7 +275,8 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
         print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({counted(scenario.cluster.workers, 'worker')} x "
               f"{counted(scenario.cluster.dp_size, 'rank')}); Ctrl-C stops", file=sys.stderr, flush=True)
         with _terminate_as_interrupt():
-            while (problem := kids.crashed()) is None:
+            while (problem := kids.crashed(workers_too=False)
+                   or _worker_exits(kids, scenario, stack.live, "kvemu serve")) is None:
                 time.sleep(0.2)
         print(f"kvemu serve: {problem}; stopping", file=sys.stderr)
         return 1
@@ -268,7 +311,8 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         if stack.http:
             print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
         loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir), "--chaos", "skip",
-                                               "--expect-workers", str(workers), *config),
+                                               "--expect-workers", str(workers),
+                                               "--router-pid", str(kids.procs["router"].pid), *config),
                                    env=cli_env(), preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
         chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
@@ -280,7 +324,11 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                 if ev.action == "add_worker":
                     stack.add_worker(added)
                 elif ev.action == "remove_worker":  # validation checked the target is running then
-                    target = ev.worker if ev.worker is not None else min(live)
+                    target = ev.worker if ev.worker is not None else min(live, default=None)
+                    if target not in live:  # it exited on its own meanwhile (a crash, a kill)
+                        print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": False,
+                                          "detail": f"worker {target} is not running"}), file=sys.stderr)
+                        continue
                     live.remove(target)
                     name = f"worker-{target}"
                     kids.signal(name, signal.SIGTERM if ev.graceful else signal.SIGKILL)
@@ -289,7 +337,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                     reply = send_control(router, token, ev)
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
                                       "detail": reply.detail}), file=sys.stderr)
-            problem = kids.crashed()
+            problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up")
             if problem:
                 print(f"kvemu up: {problem}; stopping", file=sys.stderr)
                 if problem.startswith("router "):  # the load generator fails what is open at once and reports
@@ -299,7 +347,8 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         code = loadgen.returncode
         if stack.http:
             _save_metrics(stack.http, outdir)
-        where = f"report in {outdir}" if _written_since(outdir, started_wall) else "no report was written"
+        where = (f"report in {outdir}" if _written_since(outdir, started_wall) else
+                 f"no report in {outdir} (the load generator's lines above say why, or where it went)")
         print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code
     except KeyboardInterrupt:  # the load generator reports what ran before the others stop

@@ -21,16 +21,16 @@ from kvemu.runtime.transport import MemoryNetwork, decode_or_log
 
 from harness.processes import CLIENT, _RouterClient, encode
 from harness.up import Children
-from process_output import json_events
+from process_output import json_events, tagged, tagged_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--set", "cluster.engine.speedup_ratio=20", "--set", "cluster.engine.decode_speedup_ratio=20",
         "--set", "cluster.engine.block_size=16", "--set", "cluster.engine.num_gpu_blocks=2048"]
 
 
-def kvemu(*args, timeout=120, check=True):
+def kvemu(*args, timeout=120, check=True, env=None):
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=check)
+                          timeout=timeout, check=check, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -56,21 +56,23 @@ run: {mode: live, seed: 4, duration_s: 2}
 
 def test_up_runs_the_stack_and_leaves_no_process_behind(tmp_path):
     out = tmp_path / "out"
-    before = set(_children_of_tests())
-    res = kvemu("up", str(small(tmp_path)), *FAST, "-o", str(out))
+    tag, env = tagged_env()
+    res = kvemu("up", str(small(tmp_path)), *FAST, "-o", str(out), env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_requests"] > 0 and summary["completed_requests"] == summary["num_requests"]
     ranks = {(r["worker_id"], r["dp_rank"]) for r in summary["kvemu"]["per_rank"] if r["requests"]}
     assert {w for w, _ in ranks} == {0, 1}
-    time.sleep(0.2)
-    assert set(_children_of_tests()) <= before  # router, workers and loadgen are all gone
+    assert _gone(tag)  # router, workers and loadgen are all gone
 
 
-def _children_of_tests():
-    me = os.getpid()
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    return [int(line.split()[0]) for line in out if "harness.cli" in line and int(line.split()[1]) != me]
+def _gone(tag: str, within_s: float = 5.0) -> bool:
+    """Whether every process of this test (those carrying ``tag``) has exited, waiting up to ``within_s``: only
+    this test's processes count, not those of other runs on the machine."""
+    deadline = time.monotonic() + within_s
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not tagged(tag)
 
 
 def test_kill_9_of_a_worker_loses_nothing_silently(tmp_path):
@@ -337,11 +339,11 @@ def test_a_stopped_load_generator_reports_what_ran_and_what_was_still_open(tmp_p
 def test_ctrl_c_of_kvemu_up_still_leaves_the_load_generators_partial_report(tmp_path):
     out = tmp_path / "out"
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
-    before = set(_children_of_tests())
+    tag, env = tagged_env()
     up = subprocess.Popen([sys.executable, "-m", "harness.cli", "up", str(scenario), *FAST, "-o", str(out)], cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any("loadgen" in p for p in _cmdlines()):
+    while time.monotonic() < deadline and not any(" loadgen " in p for p in tagged(tag).values()):
         time.sleep(0.2)
     time.sleep(2.0)  # traffic is flowing
     up.send_signal(signal.SIGINT)
@@ -351,12 +353,7 @@ def test_ctrl_c_of_kvemu_up_still_leaves_the_load_generators_partial_report(tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["partial"] is True and summary["kvemu"]["stop_reason"] == "SIGTERM"
     assert summary["completed_requests"] > 0
-    time.sleep(0.2)
-    assert set(_children_of_tests()) <= before
-
-
-def _cmdlines():
-    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    assert _gone(tag)
 
 
 def _one_worker_stack(kids: Children, scenario: Path, out: Path, *worker_args: str) -> subprocess.Popen:
@@ -384,8 +381,8 @@ def test_up_applies_every_chaos_action_to_the_processes(tmp_path):
   - {at_s: 2.2, action: remove_worker, worker: 0, graceful: false}
 """]).read_text().replace("duration_s: 2", "duration_s: 3.5")
     (tmp_path / "chaos.yaml").write_text(scenario)
-    before = set(_children_of_tests())
-    res = kvemu("up", str(tmp_path / "chaos.yaml"), *FAST, "-o", str(out), check=False, timeout=180)
+    tag, env = tagged_env()
+    res = kvemu("up", str(tmp_path / "chaos.yaml"), *FAST, "-o", str(out), check=False, timeout=180, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     applied = json_events(res.stderr, "chaos")
     assert [(a["action"], a["ok"]) for a in applied] == [
@@ -402,8 +399,7 @@ def test_up_applies_every_chaos_action_to_the_processes(tmp_path):
     done = sorted({(a["worker_id"], a["action"], a["error"]) for a in lines})  # what the worker processes applied
     assert done == [(0, "delay_kv_events", None), (0, "drop_kv_events", None), (1, "delay_kv_events", None),
                     (1, "kill_rank", None), (1, "slow_worker", None), (2, "delay_kv_events", None)], done
-    time.sleep(0.2)
-    assert set(_children_of_tests()) <= before
+    assert _gone(tag)
 
 
 def test_the_front_door_metrics_of_a_run_agree_with_its_report(tmp_path):

@@ -9,6 +9,7 @@ deltas taken after the handshake.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 import threading
@@ -478,7 +479,7 @@ def test_malformed_frames_are_counted_and_survived(net):
     assert depth(core, tokens) == {(5, 0): 1}
 
 
-def test_an_oversized_frame_is_refused_and_the_stream_reconnects(net, monkeypatch):
+def test_an_oversized_frame_is_refused_and_the_stream_reconnects(net, monkeypatch, caplog):
     monkeypatch.setattr(limits, "MAX_KV_BATCH_BYTES", 64 << 10)  # read when the subscriber's socket is made
     core = new_core((5, 1))
     sub = net.subscriber(core.apply_event)
@@ -503,6 +504,33 @@ def test_an_oversized_frame_is_refused_and_the_stream_reconnects(net, monkeypatc
     d = delta(before, counters(sub, 5))
     assert d["disconnects"] == 1 and d["gaps"] == 1 and d["lost_batches"] >= 1  # counted, reconnected, gap seen
     assert d.get("decode_errors", 0) == 0 and d["blocks_stored"] >= 1  # the oversized frame never reached a decoder
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "dropped" in r.getMessage()]
+    assert said == ["worker 5 rank 0: the KV-event connection dropped while its publisher stayed up (an oversized "
+                    "or broken frame); reconnected"], said
+
+
+def test_a_publisher_that_goes_away_is_not_called_a_broken_frame(net, caplog):
+    """A worker that stops (or dies) closes its KV-event connection: counted, retried, and not logged as an
+    oversized or broken frame (it is what every shutdown does)."""
+    core = new_core((5, 1))
+    sub = net.subscriber(core.apply_event)
+    raw = net.socket(zmq.PUB)
+    raw.bind(HOST)
+    sub.add(StreamSpec(5, 0, raw.getsockopt_string(zmq.LAST_ENDPOINT), None))
+    empty = encode_batch(batch(rank=0))
+    seq = 0
+
+    def send():
+        nonlocal seq
+        raw.send_multipart([b"", seq.to_bytes(8, "big"), empty])
+        seq += 1
+
+    wait_until(lambda: sub.expected_seq(5, 0) == seq, [sub], tick=send, what="raw PUB handshake")
+    raw.close(linger=0)
+    wait_until(lambda: counters(sub, 5).get("disconnects", 0) == 1, [sub], what="the drop")
+    for _ in range(20):
+        sub.poll(10)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "dropped" in r.getMessage()]
 
 
 def test_actor_sockets_refuse_oversized_messages_and_keep_serving():

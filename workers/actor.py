@@ -63,7 +63,7 @@ class KvPublisher(Protocol):
 
 
 class WorkerRejected(RuntimeError):
-    """The router refused this worker's registration."""
+    """The router refused this worker's registration (or never answered it)."""
 
 
 class WorkerActor:
@@ -118,6 +118,11 @@ class WorkerActor:
         self.stopped = False
         self._defer = False
         self.register_timeout_s = 30.0
+        self.register_warn_s = 5.0
+        """With no answer at all to its registration after this long, the worker says so (``on_unanswered``)."""
+        self.on_unanswered: Callable[[float], None] | None = None
+        """Told (the seconds waited) when the router has not answered the registration after ``register_warn_s``
+        (a wrong address or a different ``KVEMU_SECRET`` look the same: silence); logged when unset."""
         self.stream_interval_ns = 2_000_000
         """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
         self._flushed_at: dict[str, int] = {}
@@ -204,6 +209,14 @@ class WorkerActor:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.end.serve, self.on_message)
             with anyio.move_on_after(self.register_timeout_s):
+                with anyio.move_on_after(min(self.register_warn_s, self.register_timeout_s)):
+                    await self._register()
+                if not self._answered.is_set() and not self._retry_after_s:  # not a word from the router yet
+                    if self.on_unanswered is not None:
+                        self.on_unanswered(self.register_warn_s)
+                    else:
+                        log.warning("worker %s: no answer from the router after %g s: check its address (and %s); "
+                                    "still trying", self.worker_id, self.register_warn_s, "KVEMU_SECRET")
                 await self._register()
             if not self.registered.is_set():
                 why = ("it kept refusing us with rate_limited" if self._retry_after_s else

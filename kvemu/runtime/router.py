@@ -391,9 +391,16 @@ class Router:
     async def _watchdog(self) -> None:
         timeout_ns = round(self.settings.heartbeat_timeout_s * NS_PER_S)
         period = self.settings.heartbeat_timeout_s / 4
+        period_ns = round(period * NS_PER_S)
+        last = self._now()
         while True:
             await anyio.sleep(period)
             now = self._now()
+            stalled = now - last - 2 * period_ns  # the router itself did not run (stopped, swapped out, a long pass)
+            last = now
+            if stalled > 0:  # its own stall is not the workers' silence: their heartbeats wait in its socket
+                for s in self.workers.values():
+                    s.last_seen_ns += stalled
             for wid in sorted(w for w, s in self.workers.items() if now - s.last_seen_ns > timeout_ns):
                 self.remove_worker(wid, reason="missed heartbeats")
 

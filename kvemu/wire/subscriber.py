@@ -95,7 +95,7 @@ REPLAY_BACKOFF_NS = 10 * NS_PER_S
 
 class _Stream:
     __slots__ = ("spec", "sub", "monitor", "dealer", "events", "replay_blocked_until_ns", "replay_deadline_ns",
-                 "replay_frames")
+                 "replay_frames", "dropped")
 
     def __init__(self, spec: StreamSpec) -> None:
         self.spec = spec
@@ -106,6 +106,9 @@ class _Stream:
         self.replay_blocked_until_ns = 0
         self.replay_deadline_ns = 0
         self.replay_frames = 0
+        self.dropped = False
+        """The connection dropped and is not up again: said (a warning) only if it comes back up, since a publisher
+        that went away (its worker stopped or died) is no fault of the stream's."""
         self.events: EventStream  # set by the subscriber
 
 
@@ -243,6 +246,10 @@ class KvEventSubscriber:
         except zmq.Again:
             return
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if stream.dropped:  # its publisher stayed up: ZeroMQ dropped what it sent
+                stream.dropped = False
+                log.warning("worker %s rank %s: the KV-event connection dropped while its publisher stayed up (an "
+                            "oversized or broken frame); reconnected", *stream.spec[:2])
             if self.replay_on_connect:
                 stream.events.sync()
             return
@@ -257,8 +264,8 @@ class KvEventSubscriber:
             except zmq.Again:
                 break
         stream.events.stats.disconnects += 1
-        log.warning("worker %s rank %s: the KV-event connection dropped (an oversized or broken frame); "
-                    "reconnecting", *stream.spec[:2])
+        stream.dropped = True  # a warning if it comes back up; a publisher that went away is not a broken frame
+        log.debug("worker %s rank %s: the KV-event connection dropped; reconnecting", *stream.spec[:2])
         self._unwatch(stream)
         stream.sub = stream.monitor = None  # type: ignore[assignment]
         self._unconnected[stream.spec[:2]] = stream  # connected again by the next poll
