@@ -302,7 +302,8 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from harness.executors import ExecutorError, open_executor
-    from harness.plan import PlanSpec, answer_line, parse_sla, plan_cluster, scenario_for, write_plan
+    from harness.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
+        scenario_for, write_plan
     from harness.report import OutputError, prepare_outdir
     from harness.scenario import ScenarioError, parse_scenario
     from kvemu.errors import InvalidArgument
@@ -322,6 +323,9 @@ def _plan(args: argparse.Namespace) -> int:
         for flag in ("jobs", "width", "seeds"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise InvalidArgument(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+        if args.seeds > MAX_RUNS_A_ROUND:  # (before a list of them is built; check_plan bounds seeds x probes)
+            raise InvalidArgument(f"--seeds ({args.seeds:,}) must be <= {MAX_RUNS_A_ROUND:,}, the runs a plan may "
+                                  "run at once")
         text, base_dir, source = scenario_for(args.scenario)
         scenario = parse_scenario(text, base_dir=base_dir, overrides=list(args.overrides), source=source)
         sla = parse_sla(args.sla) if args.sla else scenario.run.sla
@@ -331,13 +335,14 @@ def _plan(args: argparse.Namespace) -> int:
         spec = PlanSpec(scenario_text=text, base_dir=base_dir, source=source, overrides=list(args.overrides),
                         sla=sla, goodput=args.goodput, min_workers=args.min_workers, max_workers=args.max_workers,
                         seeds=seeds)
+        jobs = args.jobs or os.cpu_count() or 1
+        width = args.width or (jobs if args.address is None else 4)
+        check_plan(spec, width)
         outdir = prepare_outdir(Path(args.outdir) if args.outdir else Path("out") / f"plan-{scenario.name}")
     except (InvalidArgument, ScenarioError) as exc:
         return error("kvemu plan", exc)
     except OutputError as exc:
         return error("cannot write the plan", exc)
-    jobs = args.jobs or os.cpu_count() or 1
-    width = args.width or (jobs if args.address is None else 4)
     console.print(f"kvemu: planning [bold]{scenario.name}[/bold] for {args.goodput:.0%} of requests within "
                   f"{args.sla or 'run.sla'}, {args.min_workers}–{args.max_workers} workers, {width} probes a round",
                   highlight=False, soft_wrap=True)
@@ -355,9 +360,10 @@ def _plan(args: argparse.Namespace) -> int:
             plan = plan_cluster(spec, executor, width=width, on_probe=on_probe)
     except (ExecutorError, InvalidArgument, ScenarioError) as exc:
         return error("kvemu plan", exc)
-    except KeyboardInterrupt:
-        console.print("kvemu plan: interrupted", highlight=False)
-        return 130
+    except KeyboardInterrupt as exc:
+        reason = getattr(exc, "reason", "SIGINT")
+        console.print(f"kvemu plan: interrupted ({reason}); nothing written", highlight=False)
+        return 143 if reason == "SIGTERM" else 130
     md = write_plan(plan, outdir)
     print(answer_line(plan))
     for name in ("answer", "largest_failing"):
@@ -730,23 +736,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.cluster import ALLOW_LOCAL_POLICIES_ENV
 
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
+    if args.command in ("router", "worker", "loadgen", "up", "serve"):
+        return _process(args)  # (each handles its own signals: a drain, a supervisor's stop)
+    from harness.runner import Terminated
+
+    try:
+        with _terminate_as_interrupt():  # the first SIGTERM stops any command, as Ctrl-C does
+            return _command(parser, args)
+    except KeyboardInterrupt as exc:  # stopped where the command had no handler of its own (nothing written)
+        reason = getattr(exc, "reason", "SIGINT") if isinstance(exc, Terminated) else "SIGINT"
+        print(f"kvemu {args.command}: interrupted ({reason})", file=sys.stderr)
+        return 143 if reason == "SIGTERM" else 130
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run a batch command (not a process of a live cluster)."""
     if args.command == "run":
-        try:
-            return _run(args)
-        except KeyboardInterrupt:  # pragma: no cover - the runner turns Ctrl-C into a partial report
-            return 130
+        return _run(args)  # (the runner turns Ctrl-C and SIGTERM into a partial report)
     if args.command == "sweep":
-        try:
-            return _sweep(args)
-        except KeyboardInterrupt:  # before the runs started (while planning, or opening the executor)
-            print("kvemu sweep: interrupted", file=sys.stderr)
-            return 130
+        return _sweep(args)
     if args.command == "plan":
         return _plan(args)
     if args.command == "validate":
         return _validate(args)
-    if args.command in ("router", "worker", "loadgen", "up", "serve"):
-        return _process(args)
     if args.command == "tokenizer":
         return _tokenizer(args)
     if args.command == "compare":
