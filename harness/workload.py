@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 from kvemu.clock import NS_PER_MS, NS_PER_S
 from kvemu.errors import InvalidArgument
-from workers.trace import HashIdTokens, read_mooncake
+from workers.trace import MAX_TRACE_ROWS, HashIdTokens, read_mooncake
 
 from harness.scenario import (
     MAX_SCENARIO_NS,
@@ -66,18 +67,28 @@ class Session(NamedTuple):
     """Whether its requests carry the session id (affinity); trace rows without one do not."""
 
 
-def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None) -> list[Session]:
+PROGRESS_EVERY_ROWS = 250_000
+"""On a terminal, reading a trace prints a line on stderr every this many rows (a large trace takes a while)."""
+
+
+def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None, *,
+               max_rows: int = MAX_TRACE_ROWS, progress: TextIO | None = None) -> list[Session]:
     """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone).
 
-    ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field.
+    ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field, and so is
+    the row past ``max_rows`` (the trace is not read further). ``progress`` (default: stderr when it is a
+    terminal) gets a line every ``PROGRESS_EVERY_ROWS`` rows.
     """
+    if progress is None and sys.stderr is not None and sys.stderr.isatty():
+        progress = sys.stderr
     sessions: dict[str, Session] = {}
     ends: dict[str, int] = {}  # each session's latest turn, at the earliest (ns; responses add to it)
     order: list[str] = []
     speed = workload.arrival_speedup_ratio
     block = workload.trace_block_size
     last_ts = 0.0
-    rows = read_mooncake(path, max_requests, block)
+    rows = read_mooncake(path, max_requests, block, max_rows=max_rows)
+    count = 0
     while True:
         try:
             item = next(rows, None)
@@ -86,6 +97,9 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
         if item is None:
             break
         lineno, row = item
+        count += 1
+        if progress is not None and count % PROGRESS_EVERY_ROWS == 0:
+            print(f"kvemu: reading {path}: {count:,} rows (line {lineno:,})", file=progress, flush=True)
         turn = Turn(None, row.output_length, 0, hash_ids=row.hash_ids, input_length=row.input_length,
                     trace_block_size=block)
         sid = row.session_id

@@ -157,3 +157,30 @@ def test_build_sessions_applies_duration_and_max_requests(tmp_path):
     assert [s.start_ns for s in build_sessions(by_time)] == [0, 1000 * MS, 2000 * MS, 3000 * MS]
     by_count = parse_scenario(base, base_dir=tmp_path, overrides=["run.max_requests=2"])
     assert len(build_sessions(by_count)) == 2
+
+
+def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_reading_further(tmp_path):
+    import io
+
+    import harness.workload as workload
+    from harness.scenario import MAX_REQUESTS
+    from workers.trace import MAX_TRACE_ROWS
+
+    assert MAX_TRACE_ROWS == MAX_REQUESTS == 10_000_000  # the documented bound, as a scenario's requests
+    rows = [json.dumps(row(ts=i)) for i in range(6)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(rows) + "\n{not json at all\n")  # a bad line after the bound is never parsed
+    w = TraceWorkload(trace=str(path), trace_block_size=4)
+    with pytest.raises(ScenarioError, match=rf"t.jsonl:6: more than 5 rows.*run.max_requests"):
+        load_trace(w, path, max_rows=5)
+    assert len(load_trace(w, path, 5, max_rows=5)) == 5  # run.max_requests reads the first ones
+    with pytest.raises(ScenarioError, match="t.jsonl:7: not JSON"):  # within the bound: every row is read
+        load_trace(w, path, max_rows=7)
+    out = io.StringIO()
+    old, workload.PROGRESS_EVERY_ROWS = workload.PROGRESS_EVERY_ROWS, 2
+    try:
+        load_trace(w, path, 6, progress=out)
+    finally:
+        workload.PROGRESS_EVERY_ROWS = old
+    assert out.getvalue().splitlines() == [f"kvemu: reading {path}: {n} rows (line {n})" for n in (2, 4, 6)]
+
