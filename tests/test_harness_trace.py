@@ -63,7 +63,8 @@ def test_session_ids_chain_turns_with_their_delays(tmp_path):
     a = sessions["a"]
     assert a.sticky and a.start_ns == 100 * MS
     assert [t.delay_ns for t in a.turns] == [0, 2000 * MS, 500_500_000]
-    assert [t.hash_ids for t in a.turns] == [(1, 2), (1, 2, 3), (1, 2, 3, 4)]
+    # the ids their 8-token prompts use (4-token blocks), kept as an array of their low 32 bits
+    assert [tuple(t.hash_ids) for t in a.turns] == [(1, 2), (1, 2), (1, 2)]
     assert len(sessions["b"].turns) == 1 and sessions["b"].start_ns == 150 * MS
     assert sessions["7"].start_ns == (175 + 10) * MS and [t.delay_ns for t in sessions["7"].turns] == [0, 20 * MS]
     standalone = [s for s in sessions.values() if not s.sticky]
@@ -184,3 +185,25 @@ def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_readin
         workload.PROGRESS_EVERY_ROWS = old
     assert out.getvalue().splitlines() == [f"kvemu: reading {path}: {n} rows (line {n})" for n in (2, 4, 6)]
 
+
+def test_a_loaded_trace_row_is_compact(tmp_path):
+    import tracemalloc
+
+    n = 20_000
+    path = tmp_path / "tiny.jsonl"
+    with open(path, "w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"timestamp": i, "input_length": 8000, "output_length": 2,
+                                 "hash_ids": [7 * i + 1000 + k for k in range(16)]}) + "\n")
+    w = TraceWorkload(trace=str(path), trace_block_size=512)
+    tracemalloc.start()
+    try:
+        sessions = load_trace(w, path)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(sessions) == n
+    # 16 hash ids a row: 1,008 bytes a row as tuples of Python ints; about 540 as an array of the 32 bits used
+    assert held / n < 700, f"{held / n:.0f} bytes a row"
+    first = sessions[0].turns[0]
+    assert list(first.prompt()[:1]) == [1000] and len(first.prompt()) == 8000
