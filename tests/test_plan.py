@@ -197,3 +197,23 @@ def test_the_first_sigterm_stops_kvemu_plan_with_143(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_first_sigterm_stops_a_command_without_a_handler_of_its_own_with_143():
+    """kvemu validate building a large workload: the default SIGTERM killed it (-15, no word); now it says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "validate", "--set", "workload.rate_rps=25",
+                             "--set", "run.duration_s=300"], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.5)  # imported, building some 60,000 requests (about 8 s)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 143
+        assert "kvemu validate: interrupted (SIGTERM)" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
