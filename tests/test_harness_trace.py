@@ -175,6 +175,10 @@ def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_readin
     with pytest.raises(ScenarioError, match=rf"t.jsonl:6: more than 5 rows.*run.max_requests"):
         load_trace(w, path, max_rows=5)
     assert len(load_trace(w, path, 5, max_rows=5)) == 5  # run.max_requests reads the first ones
+    early = tmp_path / "early.jsonl"
+    early.write_text(rows[0] + "\n{bad\n\n" + "\n".join(rows[1:]) + "\n")
+    with pytest.raises(ScenarioError, match=r"early.jsonl:7: more than 5 rows"):  # counted before any is parsed
+        load_trace(w, early, max_rows=5)
     with pytest.raises(ScenarioError, match="t.jsonl:7: not JSON"):  # within the bound: every row is read
         load_trace(w, path, max_rows=7)
     out = io.StringIO()

@@ -142,6 +142,11 @@ def read_mooncake(path: str | Path, limit: int | None = None,
         return
     n = 0
     with open(path, "rb") as fh:
+        if bounded and fh.seekable():  # refused before any row is parsed and kept (a pipe: at the row past it)
+            past = _row_past(fh, max_rows)
+            if past is not None:
+                raise InvalidArgument(_too_many_rows(path, past, max_rows), field="max_requests")
+            fh.seek(0)
         for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
             if len(raw) > MAX_TRACE_LINE_BYTES:
                 raise InvalidArgument(f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes")
@@ -152,10 +157,8 @@ def read_mooncake(path: str | Path, limit: int | None = None,
                                       f"{exc.start + 1})") from None
             if not line:
                 continue
-            if n >= limit:
-                raise InvalidArgument(f"{path}:{lineno}: more than {max_rows:,} rows, the most a trace may hold (the "
-                                      "requests a scenario may send); set run.max_requests to read the first ones, "
-                                      "or split the trace", field="max_requests")
+            if n >= limit:  # (the file grew after the count)
+                raise InvalidArgument(_too_many_rows(path, lineno, max_rows), field="max_requests")
             try:
                 row = mooncake_row(json.loads(line), trace_block_size)
             except json.JSONDecodeError as exc:
@@ -166,6 +169,30 @@ def read_mooncake(path: str | Path, limit: int | None = None,
             n += 1
             if n >= limit and not bounded:
                 return
+
+
+def _too_many_rows(path: str | Path, lineno: int, max_rows: int) -> str:
+    return (f"{path}:{lineno}: more than {max_rows:,} rows, the most a trace may hold (the requests a scenario may "
+            "send); set run.max_requests to read the first ones, or split the trace")
+
+
+def _row_past(fh: Any, max_rows: int, chunk: int = 1 << 20) -> int | None:
+    """The line number of the row past ``max_rows`` in ``fh`` (None if it has no more rows): newlines are
+    counted in chunks (no row parsed or kept; about a second for 10^7 lines), and only a file with more
+    lines than that is scanned for its non-blank ones."""
+    lines = 0
+    while block := fh.read(chunk):
+        lines += block.count(b"\n")
+    if lines + 1 <= max_rows:  # (a last line may lack its newline)
+        return None
+    fh.seek(0)
+    rows = 0
+    for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
+        if raw.strip():
+            rows += 1
+            if rows > max_rows:
+                return lineno
+    return None
 
 
 def clamped_input_length(
