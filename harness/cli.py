@@ -303,7 +303,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from harness.executors import ExecutorError, open_executor
     from harness.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
-        scenario_for, write_plan
+        scenario_for, write_partial_plan, write_plan
     from harness.report import OutputError, prepare_outdir
     from harness.scenario import ScenarioError, parse_scenario
     from kvemu.errors import InvalidArgument
@@ -362,7 +362,13 @@ def _plan(args: argparse.Namespace) -> int:
         return error("kvemu plan", exc)
     except KeyboardInterrupt as exc:
         reason = getattr(exc, "reason", "SIGINT")
-        console.print(f"kvemu plan: interrupted ({reason}); nothing written", highlight=False)
+        partial = getattr(exc, "partial_plan", None)
+        if partial is not None and partial["probes"]:
+            md = write_partial_plan(partial, outdir, reason)
+            where = f"what finished ({counted(len(partial['probes']), 'probe')}) is in {md}"
+        else:
+            where = "no probe had finished; nothing written"
+        console.print(f"kvemu plan: interrupted ({reason}); {where}", highlight=False, soft_wrap=True)
         return 143 if reason == "SIGTERM" else 130
     md = write_plan(plan, outdir)
     print(answer_line(plan))

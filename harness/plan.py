@@ -29,7 +29,8 @@ from harness.sla import Sla
 from harness.sweep import MAX_RUNS, PointSpec, run_point
 from harness.text import counted
 
-__all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_plan"]
+__all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
+           "write_plan"]
 
 FIGURES = ["num_requests", "completed_requests", "goodput_completed_requests", "goodput_request_throughput_rps",
            "request_throughput_rps", "output_throughput_tok_s", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms",
@@ -189,39 +190,45 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
     probes: dict[int, list[Probe]] = {}
     fail, passed = lo - 1, None
     runs = 0
-    while True:
-        sizes = _candidates(fail, passed, spec.max_workers, width)
-        sizes = [s for s in sizes if s not in probes]
-        if not sizes:
-            break
-        points: dict[Any, Probe] = {}
-        for workers in sizes:
-            probes[workers] = []
-            for prefill, extra in _sizes(spec, workers, disaggregated, share):
-                probe = Probe(workers=workers, prefill=prefill)
-                probes[workers].append(probe)
-                for seed in spec.seeds:
-                    point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
-                                      overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
-                                      figures=FIGURES, source=spec.source)
-                    points[executor.submit(run_point, point)] = probe
-                    runs += 1
-        for future in as_completed(points):
-            probe = points[future]
-            probe.runs.append(future.result())
-            if len(probe.runs) == len(spec.seeds):
-                probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
-                if on_probe is not None:
-                    on_probe(probe)
-        for workers in sizes:
-            if any(p.passes(spec.goodput) for p in probes[workers]):
-                passed = workers if passed is None else min(passed, workers)
-        fail = max([w for w in probes if w < (passed or spec.max_workers + 1)
-                    and not any(p.passes(spec.goodput) for p in probes[w])], default=lo - 1)
-        if passed is None and spec.max_workers in probes:
-            break  # not even the largest passes
-        if passed is not None and passed - fail <= 1:
-            break
+    try:
+        while True:
+            sizes = _candidates(fail, passed, spec.max_workers, width)
+            sizes = [s for s in sizes if s not in probes]
+            if not sizes:
+                break
+            points: dict[Any, Probe] = {}
+            for workers in sizes:
+                probes[workers] = []
+                for prefill, extra in _sizes(spec, workers, disaggregated, share):
+                    probe = Probe(workers=workers, prefill=prefill)
+                    probes[workers].append(probe)
+                    for seed in spec.seeds:
+                        point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
+                                          overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
+                                          figures=FIGURES, source=spec.source)
+                        points[executor.submit(run_point, point)] = probe
+                        runs += 1
+            for future in as_completed(points):
+                probe = points[future]
+                probe.runs.append(future.result())
+                if len(probe.runs) == len(spec.seeds):
+                    probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
+                    if on_probe is not None:
+                        on_probe(probe)
+            for workers in sizes:
+                if any(p.passes(spec.goodput) for p in probes[workers]):
+                    passed = workers if passed is None else min(passed, workers)
+            fail = max([w for w in probes if w < (passed or spec.max_workers + 1)
+                        and not any(p.passes(spec.goodput) for p in probes[w])], default=lo - 1)
+            if passed is None and spec.max_workers in probes:
+                break  # not even the largest passes
+            if passed is not None and passed - fail <= 1:
+                break
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM as one: what finished goes with it (plan.json)
+        done = {w: ps for w, ps in probes.items() if ps and all(len(p.runs) == len(spec.seeds) for p in ps)}
+        exc.partial_plan = _result(spec, done, passed if passed in done else None, fail, runs,  # type: ignore[attr-defined]
+                                   time.perf_counter() - started, disaggregated)
+        raise
     return _result(spec, probes, passed, fail, runs, time.perf_counter() - started, disaggregated)
 
 
@@ -335,6 +342,17 @@ def write_plan(plan: dict[str, Any], outdir: Path) -> Path:
     _draw(plan, outdir / "plan.png")
     md = outdir / "plan.md"
     md.write_text(render_plan(plan, "plan.png"))
+    return md
+
+
+def write_partial_plan(plan: dict[str, Any], outdir: Path, reason: str) -> Path:
+    """An interrupted plan's finished probes: plan.json (marked ``interrupted``) and plan.md, no plot."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    plan = {**plan, "interrupted": reason}
+    (outdir / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan), indent=2) + b"\n")
+    md = outdir / "plan.md"
+    md.write_text(f"**Interrupted ({reason}) before the search ended: the probes that finished.**\n\n"
+                  + render_plan(plan))
     return md
 
 

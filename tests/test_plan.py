@@ -217,3 +217,22 @@ def test_the_first_sigterm_stops_a_command_without_a_handler_of_its_own_with_143
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_interrupted_plan_keeps_the_probes_that_finished(tmp_path):
+    from harness.plan import write_partial_plan
+    from harness.runner import Terminated
+
+    class StopInRoundTwo(ModelExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            if len(self.points) >= 1:  # width 1: round one probes the largest size, round two is stopped
+                raise Terminated("SIGTERM")
+            return super().submit(fn, *args, **kwargs)
+
+    with pytest.raises(Terminated) as info:
+        plan_cluster(_spec(max_workers=8), StopInRoundTwo(lambda w: 1.0), width=1)
+    partial = info.value.partial_plan
+    assert [p["workers"] for p in partial["probes"]] == [8] and partial["answer"]["workers"] == 8
+    md = write_partial_plan(partial, tmp_path / "p", "SIGTERM")
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["interrupted"] == "SIGTERM"
+    assert md.read_text().startswith("**Interrupted (SIGTERM) before the search ended")
