@@ -182,8 +182,10 @@ class KvEventPublisher(LoggedPublisher):
                         except zmq.Again:
                             break
                         self._answer(router, frames)
-                for identity in list(self._answers):  # what waited for a peer to read
-                    self._pump(router, identity)
+                if self._answers:  # what waited for its peer to read (one copy of the buffer for them all)
+                    snapshot = self._log.snapshot()
+                    for identity in list(self._answers):
+                        self._pump(router, identity, snapshot)
         finally:
             router.close(linger=0)
 
@@ -196,9 +198,9 @@ class KvEventPublisher(LoggedPublisher):
             self.stats.replays_refused += 1  # (the peer's replay times out; it asks again, or resyncs)
             return
         self._answers[identity] = (start, time.monotonic())  # a new request from a peer restarts its answer
-        self._pump(router, identity)
+        self._pump(router, identity, self._log.snapshot())
 
-    def _pump(self, router: zmq.Socket, identity: bytes) -> None:
+    def _pump(self, router: zmq.Socket, identity: bytes, snapshot: list[tuple[int, bytes]]) -> None:
         """Send ``identity`` what its queue takes of its answer; forget the answer when sent, its peer gone,
         or stalled past ``replay_stall_s``."""
         start, moved = self._answers[identity]
@@ -207,7 +209,8 @@ class KvEventPublisher(LoggedPublisher):
         sent = 0
         try:
             if start >= 0:
-                for seq, payload in self._log.since(start):
+                first = snapshot[0][0] if snapshot else 0
+                for seq, payload in snapshot[max(0, start - first):]:
                     router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
                     sent += 1
                     start = seq + 1
