@@ -186,7 +186,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.executors import ExecutorError, executor_kind, open_executor
+    from harness.executors import MAX_JOBS, ExecutorError, executor_kind, open_executor
     from harness.report import OutputError
     from harness.scenario import ScenarioError
     from harness.sweep import SweepError, load_sweep, plan_runs
@@ -203,8 +203,8 @@ def _sweep(args: argparse.Namespace) -> int:
     with _held_signals(stop):  # a signal while planning stops the sweep once its directory exists
         try:
             kind = executor_kind(args.address)
-            if args.jobs is not None and args.jobs < 1:
-                raise ExecutorError(f"--jobs must be >= 1, got {args.jobs}")
+            if args.jobs is not None and not 1 <= args.jobs <= MAX_JOBS:
+                raise ExecutorError(f"--jobs must be in 1..{MAX_JOBS}, got {args.jobs}")
             sweep = load_sweep(args.sweep, list(args.overrides))
             outdir = Path(args.outdir) if args.outdir else Path("out") / sweep.name
             runs = plan_runs(sweep, reports=outdir / "points" if args.reports else None)
@@ -301,7 +301,7 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.executors import ExecutorError, open_executor
+    from harness.executors import MAX_JOBS, ExecutorError, open_executor
     from harness.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
         scenario_for, write_partial_plan, write_plan
     from harness.report import OutputError, prepare_outdir
@@ -323,6 +323,9 @@ def _plan(args: argparse.Namespace) -> int:
         for flag in ("jobs", "width", "seeds"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise InvalidArgument(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+        if args.jobs is not None and args.jobs > MAX_JOBS:
+            raise InvalidArgument(f"--jobs ({args.jobs}) must be <= {MAX_JOBS}, the local worker processes a plan may "
+                                  "start")
         if args.seeds > MAX_RUNS_A_ROUND:  # (before a list of them is built; check_plan bounds seeds x probes)
             raise InvalidArgument(f"--seeds ({args.seeds:,}) must be <= {MAX_RUNS_A_ROUND:,}, the runs a plan may "
                                   "run at once")

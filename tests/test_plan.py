@@ -166,6 +166,8 @@ def test_plan_names_its_flags_not_the_scenario_values_they_become(capsys):
         err = capsys.readouterr().err
         assert flag in err and "line 4" not in err, (argv, err)
     assert "planning" not in err  # refused before anything is planned
+    assert main(["plan", "--sla", "ttft_ms=5", "--jobs", "100000"]) == 2  # (a local pool that size)
+    assert "--jobs (100000) must be <= 1024" in capsys.readouterr().err
 
 
 def test_a_huge_width_is_clamped_to_the_sizes_there_are():
