@@ -168,6 +168,9 @@ def test_plan_names_its_flags_not_the_scenario_values_they_become(capsys):
     assert "planning" not in err  # refused before anything is planned
     assert main(["plan", "--sla", "ttft_ms=5", "--jobs", "100000"]) == 2  # (a local pool that size)
     assert "--jobs (100000) must be <= 1024" in capsys.readouterr().err
+    sweep = Path(__file__).resolve().parent.parent / "examples" / "sweep-workers.yaml"
+    assert main(["sweep", str(sweep), "--jobs", "100000", "--validate"]) == 2
+    assert "--jobs must be in 1..1024, got 100000" in capsys.readouterr().err
 
 
 def test_a_huge_width_is_clamped_to_the_sizes_there_are():
