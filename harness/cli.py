@@ -188,7 +188,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.executors import ExecutorError, executor_kind, open_executor
+    from harness.executors import MAX_JOBS, ExecutorError, executor_kind, open_executor
     from harness.report import OutputError
     from harness.scenario import ScenarioError
     from harness.sweep import SweepError, load_sweep, plan_runs
@@ -205,8 +205,8 @@ def _sweep(args: argparse.Namespace) -> int:
     with _held_signals(stop):  # a signal while planning stops the sweep once its directory exists
         try:
             kind = executor_kind(args.address)
-            if args.jobs is not None and args.jobs < 1:
-                raise ExecutorError(f"--jobs must be >= 1, got {args.jobs}")
+            if args.jobs is not None and not 1 <= args.jobs <= MAX_JOBS:
+                raise ExecutorError(f"--jobs must be in 1..{MAX_JOBS}, got {args.jobs}")
             sweep = load_sweep(args.sweep, list(args.overrides))
             outdir = Path(args.outdir) if args.outdir else Path("out") / sweep.name
             runs = plan_runs(sweep, reports=outdir / "points" if args.reports else None)
@@ -303,8 +303,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.executors import ExecutorError, open_executor
-    from harness.plan import PlanSpec, answer_line, parse_sla, plan_cluster, scenario_for, write_plan
+    from harness.executors import MAX_JOBS, ExecutorError, open_executor
+    from harness.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
+        scenario_for, write_partial_plan, write_plan
     from harness.report import OutputError, prepare_outdir
     from harness.scenario import ScenarioError, parse_scenario
     from kvemu.errors import InvalidArgument
@@ -324,6 +325,12 @@ def _plan(args: argparse.Namespace) -> int:
         for flag in ("jobs", "width", "seeds"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise InvalidArgument(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+        if args.jobs is not None and args.jobs > MAX_JOBS:
+            raise InvalidArgument(f"--jobs ({args.jobs}) must be <= {MAX_JOBS}, the local worker processes a plan may "
+                                  "start")
+        if args.seeds > MAX_RUNS_A_ROUND:  # (before a list of them is built; check_plan bounds seeds x probes)
+            raise InvalidArgument(f"--seeds ({args.seeds:,}) must be <= {MAX_RUNS_A_ROUND:,}, the runs a plan may "
+                                  "run at once")
         text, base_dir, source = scenario_for(args.scenario)
         scenario = parse_scenario(text, base_dir=base_dir, overrides=list(args.overrides), source=source)
         sla = parse_sla(args.sla) if args.sla else scenario.run.sla
@@ -333,13 +340,14 @@ def _plan(args: argparse.Namespace) -> int:
         spec = PlanSpec(scenario_text=text, base_dir=base_dir, source=source, overrides=list(args.overrides),
                         sla=sla, goodput=args.goodput, min_workers=args.min_workers, max_workers=args.max_workers,
                         seeds=seeds)
+        jobs = args.jobs or os.cpu_count() or 1
+        width = args.width or (jobs if args.address is None else 4)
+        check_plan(spec, width)
         outdir = prepare_outdir(Path(args.outdir) if args.outdir else Path("out") / f"plan-{scenario.name}")
     except (InvalidArgument, ScenarioError) as exc:
         return error("kvemu plan", exc)
     except OutputError as exc:
         return error("cannot write the plan", exc)
-    jobs = args.jobs or os.cpu_count() or 1
-    width = args.width or (jobs if args.address is None else 4)
     console.print(f"kvemu: planning [bold]{scenario.name}[/bold] for {args.goodput:.0%} of requests within "
                   f"{args.sla or 'run.sla'}, {args.min_workers}–{args.max_workers} workers, {width} probes a round",
                   highlight=False, soft_wrap=True)
@@ -357,9 +365,16 @@ def _plan(args: argparse.Namespace) -> int:
             plan = plan_cluster(spec, executor, width=width, on_probe=on_probe)
     except (ExecutorError, InvalidArgument, ScenarioError) as exc:
         return error("kvemu plan", exc)
-    except KeyboardInterrupt:
-        console.print("kvemu plan: interrupted", highlight=False)
-        return 130
+    except KeyboardInterrupt as exc:
+        reason = getattr(exc, "reason", "SIGINT")
+        partial = getattr(exc, "partial_plan", None)
+        if partial is not None and partial["probes"]:
+            md = write_partial_plan(partial, outdir, reason)
+            where = f"what finished ({counted(len(partial['probes']), 'probe')}) is in {md}"
+        else:
+            where = "no probe had finished; nothing written"
+        console.print(f"kvemu plan: interrupted ({reason}); {where}", highlight=False, soft_wrap=True)
+        return 143 if reason == "SIGTERM" else 130
     md = write_plan(plan, outdir)
     print(answer_line(plan))
     for name in ("answer", "largest_failing"):
@@ -736,23 +751,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.cluster import ALLOW_LOCAL_POLICIES_ENV
 
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
+    if args.command in ("router", "worker", "loadgen", "up", "serve"):
+        return _process(args)  # (each handles its own signals: a drain, a supervisor's stop)
+    from harness.runner import Terminated
+
+    try:
+        with _terminate_as_interrupt():  # the first SIGTERM stops any command, as Ctrl-C does
+            return _command(parser, args)
+    except KeyboardInterrupt as exc:  # stopped where the command had no handler of its own (nothing written)
+        reason = getattr(exc, "reason", "SIGINT") if isinstance(exc, Terminated) else "SIGINT"
+        print(f"kvemu {args.command}: interrupted ({reason})", file=sys.stderr)
+        return 143 if reason == "SIGTERM" else 130
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run a batch command (not a process of a live cluster)."""
     if args.command == "run":
-        try:
-            return _run(args)
-        except KeyboardInterrupt:  # pragma: no cover - the runner turns Ctrl-C into a partial report
-            return 130
+        return _run(args)  # (the runner turns Ctrl-C and SIGTERM into a partial report)
     if args.command == "sweep":
-        try:
-            return _sweep(args)
-        except KeyboardInterrupt:  # before the runs started (while planning, or opening the executor)
-            print("kvemu sweep: interrupted", file=sys.stderr)
-            return 130
+        return _sweep(args)
     if args.command == "plan":
         return _plan(args)
     if args.command == "validate":
         return _validate(args)
-    if args.command in ("router", "worker", "loadgen", "up", "serve"):
-        return _process(args)
     if args.command == "tokenizer":
         return _tokenizer(args)
     if args.command == "compare":

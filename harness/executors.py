@@ -21,7 +21,7 @@ from typing import Any
 
 from kvemu.errors import KvemuError
 
-__all__ = ["ExecutorError", "open_executor", "abort_executor", "executor_kind", "LocalPool", "RayExecutor",
+__all__ = ["MAX_JOBS", "ExecutorError", "open_executor", "abort_executor", "executor_kind", "LocalPool", "RayExecutor",
            "LOCAL_START_METHOD", "LOCAL_PRELOAD"]
 
 LOCAL_START_METHOD = "forkserver"
@@ -47,6 +47,10 @@ def executor_kind(address: str | None) -> str:
         return "dask"
     raise ExecutorError(f"--address {address!r}: expected tcp://HOST:PORT (a Dask scheduler), ray://HOST:PORT or "
                         "auto (a Ray cluster), or no --address for a local process pool")
+
+
+MAX_JOBS = 1024
+"""Most local worker processes ``--jobs`` may ask for (sweep, plan): past it a machine only thrashes."""
 
 
 @contextlib.contextmanager

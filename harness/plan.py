@@ -24,12 +24,13 @@ import msgspec
 
 from kvemu.errors import InvalidArgument
 
-from harness.scenario import Scenario, ScenarioError, parse_scenario, read_text_file
+from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario, read_text_file
 from harness.sla import Sla
-from harness.sweep import PointSpec, run_point
+from harness.sweep import MAX_RUNS, PointSpec, run_point
 from harness.text import counted
 
-__all__ = ["PlanSpec", "Probe", "plan_cluster", "parse_sla", "render_plan", "write_plan"]
+__all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
+           "write_plan"]
 
 FIGURES = ["num_requests", "completed_requests", "goodput_completed_requests", "goodput_request_throughput_rps",
            "request_throughput_rps", "output_throughput_tok_s", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms",
@@ -95,7 +96,10 @@ def parse_sla(text: str) -> Sla:
         except ValueError:
             raise InvalidArgument(f"--sla {text!r}: {key.strip()} must be a number of ms, got {value!r}",
                                   field="sla") from None
-    return Sla(**fields)
+    try:
+        return Sla(**fields)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"--sla {text!r}: {exc}", field="sla") from None
 
 
 def _scenario(spec: PlanSpec, extra: Iterable[str] = ()) -> Scenario:
@@ -130,10 +134,19 @@ def _candidates(fail: int, passed: int | None, hi: int, width: int) -> list[int]
     return sorted(p for p in picks if fail < p <= hi)
 
 
-def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
-                 on_probe: Callable[[Probe], None] | None = None) -> dict[str, Any]:
-    """Search the smallest passing cluster (see the module doc); returns the plan as plain data (plan.json)."""
-    started = time.perf_counter()
+MAX_RUNS_A_ROUND = MAX_RUNS
+"""Most runs one round of a plan submits at once (probes a round x splits x seeds): a sweep's cap on runs."""
+
+
+class _Shape(msgspec.Struct, frozen=True):
+    disaggregated: bool
+    share: float
+    lo: int
+
+
+def check_plan(spec: PlanSpec, width: int) -> _Shape:
+    """Check a plan before anything runs; ``InvalidArgument`` names the flag at fault (``--max-workers``,
+    ``--min-workers``, ``--seeds``, ``--width``), with its bound, rather than the scenario value it becomes."""
     base = _scenario(spec)
     disaggregated = base.cluster.disaggregated
     share = 0.5
@@ -143,46 +156,79 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
         share = base.cluster.prefill.workers / (base.cluster.prefill.workers + base.cluster.decode.workers)
     if spec.max_workers < lo:
         raise InvalidArgument(f"--max-workers ({spec.max_workers}) must be >= {lo}", field="max_workers")
+    ceiling = MAX_WORKERS * 2 if disaggregated else MAX_WORKERS  # (each pool holds up to MAX_WORKERS)
+    for flag, size in (("--min-workers", spec.min_workers), ("--max-workers", spec.max_workers)):
+        if size > ceiling:
+            raise InvalidArgument(f"{flag} ({size}) must be <= {ceiling}, the largest cluster a scenario may start",
+                                  field=flag[2:].replace("-", "_"))
+    splits = 3 if disaggregated else 1
+    per_round = min(width, spec.max_workers - lo + 1) * splits * len(spec.seeds)
+    if per_round > MAX_RUNS_A_ROUND:
+        raise InvalidArgument(f"--seeds ({len(spec.seeds):,}) x {counted(min(width, spec.max_workers - lo + 1), 'probe')}"
+                              f" a round{' x 3 splits' if disaggregated else ''} = {per_round:,} runs a round, more "
+                              f"than the {MAX_RUNS_A_ROUND:,} a plan may run at once; lower --seeds (or --width)",
+                              field="seeds")
     sla = _sla_overrides(spec.sla)
-    for size in {lo, spec.max_workers}:  # every probe's scenario is valid if the extremes are
-        for _, extra in _sizes(spec, size, disaggregated, share):
-            _scenario(spec, [*extra, *sla, "run.mode=virtual"])
+    for flag, size in (("--min-workers", lo), ("--max-workers", spec.max_workers)):
+        for _, extra in _sizes(spec, size, disaggregated, share):  # every probe's scenario is valid if the extremes are
+            try:
+                _scenario(spec, [*extra, *sla, "run.mode=virtual"])
+            except ScenarioError as exc:
+                raise InvalidArgument(f"{flag} ({size}): a cluster of {counted(size, 'worker')} is not a valid "
+                                      f"scenario: {exc}", field=flag[2:].replace("-", "_")) from None
+    return _Shape(disaggregated=disaggregated, share=share, lo=lo)
+
+
+def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
+                 on_probe: Callable[[Probe], None] | None = None) -> dict[str, Any]:
+    """Search the smallest passing cluster (see the module doc); returns the plan as plain data (plan.json)."""
+    started = time.perf_counter()
+    shape = check_plan(spec, width)
+    disaggregated, share, lo = shape.disaggregated, shape.share, shape.lo
+    width = min(width, spec.max_workers - lo + 1)  # (no round probes more sizes than there are)
+    sla = _sla_overrides(spec.sla)
     probes: dict[int, list[Probe]] = {}
     fail, passed = lo - 1, None
     runs = 0
-    while True:
-        sizes = _candidates(fail, passed, spec.max_workers, width)
-        sizes = [s for s in sizes if s not in probes]
-        if not sizes:
-            break
-        points: dict[Any, Probe] = {}
-        for workers in sizes:
-            probes[workers] = []
-            for prefill, extra in _sizes(spec, workers, disaggregated, share):
-                probe = Probe(workers=workers, prefill=prefill)
-                probes[workers].append(probe)
-                for seed in spec.seeds:
-                    point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
-                                      overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
-                                      figures=FIGURES, source=spec.source)
-                    points[executor.submit(run_point, point)] = probe
-                    runs += 1
-        for future in as_completed(points):
-            probe = points[future]
-            probe.runs.append(future.result())
-            if len(probe.runs) == len(spec.seeds):
-                probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
-                if on_probe is not None:
-                    on_probe(probe)
-        for workers in sizes:
-            if any(p.passes(spec.goodput) for p in probes[workers]):
-                passed = workers if passed is None else min(passed, workers)
-        fail = max([w for w in probes if w < (passed or spec.max_workers + 1)
-                    and not any(p.passes(spec.goodput) for p in probes[w])], default=lo - 1)
-        if passed is None and spec.max_workers in probes:
-            break  # not even the largest passes
-        if passed is not None and passed - fail <= 1:
-            break
+    try:
+        while True:
+            sizes = _candidates(fail, passed, spec.max_workers, width)
+            sizes = [s for s in sizes if s not in probes]
+            if not sizes:
+                break
+            points: dict[Any, Probe] = {}
+            for workers in sizes:
+                probes[workers] = []
+                for prefill, extra in _sizes(spec, workers, disaggregated, share):
+                    probe = Probe(workers=workers, prefill=prefill)
+                    probes[workers].append(probe)
+                    for seed in spec.seeds:
+                        point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
+                                          overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
+                                          figures=FIGURES, source=spec.source)
+                        points[executor.submit(run_point, point)] = probe
+                        runs += 1
+            for future in as_completed(points):
+                probe = points[future]
+                probe.runs.append(future.result())
+                if len(probe.runs) == len(spec.seeds):
+                    probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
+                    if on_probe is not None:
+                        on_probe(probe)
+            for workers in sizes:
+                if any(p.passes(spec.goodput) for p in probes[workers]):
+                    passed = workers if passed is None else min(passed, workers)
+            fail = max([w for w in probes if w < (passed or spec.max_workers + 1)
+                        and not any(p.passes(spec.goodput) for p in probes[w])], default=lo - 1)
+            if passed is None and spec.max_workers in probes:
+                break  # not even the largest passes
+            if passed is not None and passed - fail <= 1:
+                break
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM as one: what finished goes with it (plan.json)
+        done = {w: ps for w, ps in probes.items() if ps and all(len(p.runs) == len(spec.seeds) for p in ps)}
+        exc.partial_plan = _result(spec, done, passed if passed in done else None, fail, runs,  # type: ignore[attr-defined]
+                                   time.perf_counter() - started, disaggregated)
+        raise
     return _result(spec, probes, passed, fail, runs, time.perf_counter() - started, disaggregated)
 
 
@@ -296,6 +342,17 @@ def write_plan(plan: dict[str, Any], outdir: Path) -> Path:
     _draw(plan, outdir / "plan.png")
     md = outdir / "plan.md"
     md.write_text(render_plan(plan, "plan.png"))
+    return md
+
+
+def write_partial_plan(plan: dict[str, Any], outdir: Path, reason: str) -> Path:
+    """An interrupted plan's finished probes: plan.json (marked ``interrupted``) and plan.md, no plot."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    plan = {**plan, "interrupted": reason}
+    (outdir / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan), indent=2) + b"\n")
+    md = outdir / "plan.md"
+    md.write_text(f"**Interrupted ({reason}) before the search ended: the probes that finished.**\n\n"
+                  + render_plan(plan))
     return md
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Callable, Iterator, Sequence
-from itertools import repeat
+from array import array
+from itertools import islice, repeat
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 from kvemu.clock import NS_PER_MS, NS_PER_S
 from kvemu.errors import InvalidArgument
-from workers.trace import HashIdTokens, read_mooncake
+from workers.trace import MAX_TRACE_ROWS, HashIdTokens, read_mooncake
 
 from harness.scenario import (
     MAX_SCENARIO_NS,
@@ -44,7 +46,8 @@ class Turn(NamedTuple):
     sub_agents: tuple[tuple[list[int], int], ...] = ()
     """Sibling requests ``(tokens, max_tokens)`` started when this turn completes."""
     worker_id: int | None = None
-    hash_ids: tuple[int, ...] | None = None
+    hash_ids: Sequence[int] | None = None
+    """A trace turn's hash ids: those its prompt uses, as the low 32 bits its tokens take (an ``array("I")``)."""
     input_length: int = 0
     trace_block_size: int = 0
 
@@ -66,18 +69,29 @@ class Session(NamedTuple):
     """Whether its requests carry the session id (affinity); trace rows without one do not."""
 
 
-def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None) -> list[Session]:
+_U32 = 0xFFFFFFFF
+PROGRESS_EVERY_ROWS = 250_000
+"""On a terminal, reading a trace prints a line on stderr every this many rows (a large trace takes a while)."""
+
+
+def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None, *,
+               max_rows: int = MAX_TRACE_ROWS, progress: TextIO | None = None) -> list[Session]:
     """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone).
 
-    ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field.
+    ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field, and so is
+    the row past ``max_rows`` (the trace is not read further). ``progress`` (default: stderr when it is a
+    terminal) gets a line every ``PROGRESS_EVERY_ROWS`` rows.
     """
-    sessions: dict[str, Session] = {}
-    ends: dict[str, int] = {}  # each session's latest turn, at the earliest (ns; responses add to it)
-    order: list[str] = []
+    if progress is None and sys.stderr is not None and sys.stderr.isatty():
+        progress = sys.stderr
+    sessions: dict[str, Session] = {}  # those with a session id: their later rows chain to them
+    ends: dict[str, int] = {}  # each such session's latest turn, at the earliest (ns; responses add to it)
+    order: list[Session] = []
     speed = workload.arrival_speedup_ratio
     block = workload.trace_block_size
     last_ts = 0.0
-    rows = read_mooncake(path, max_requests, block)
+    rows = read_mooncake(path, max_requests, block, max_rows=max_rows)
+    count = 0
     while True:
         try:
             item = next(rows, None)
@@ -86,7 +100,13 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
         if item is None:
             break
         lineno, row = item
-        turn = Turn(None, row.output_length, 0, hash_ids=row.hash_ids, input_length=row.input_length,
+        count += 1
+        if progress is not None and count % PROGRESS_EVERY_ROWS == 0:
+            print(f"kvemu: reading {path}: {count:,} rows (line {lineno:,})", file=progress, flush=True)
+        # compact: only the hash ids the prompt uses, as the 32 bits its tokens take (HashIdTokens' own view)
+        prompt = min(row.input_length, len(row.hash_ids) * block)
+        ids = array("I", [h & _U32 for h in islice(row.hash_ids, -(-prompt // block))])
+        turn = Turn(None, row.output_length, 0, hash_ids=ids, input_length=row.input_length,  # type: ignore[arg-type]
                     trace_block_size=block)
         sid = row.session_id
         delay_ms = row.delay or 0.0
@@ -99,13 +119,15 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
             sessions[sid].turns.append(turn._replace(delay_ns=delay_ns))
             continue
         start_ms = last_ts if row.timestamp is not None else last_ts + delay_ms
-        key = sid if sid is not None else f"trace-{lineno}"
         start_ns = round(start_ms * NS_PER_MS / speed)
         _check_time(start_ns, path, lineno)
-        sessions[key] = Session(key, start_ns, [turn], sid is not None)
-        ends[key] = start_ns
-        order.append(key)
-    return sorted((sessions[k] for k in order), key=lambda s: s.start_ns)
+        session = Session(sid if sid is not None else f"trace-{lineno}", start_ns, [turn], sid is not None)
+        if sid is not None:
+            sessions[sid] = session
+            ends[sid] = start_ns
+        order.append(session)
+    order.sort(key=lambda s: s.start_ns)  # (stable: rows that start together keep their order)
+    return order
 
 
 def _check_time(t_ns: int, path: Path, lineno: int) -> None:

@@ -63,7 +63,8 @@ def test_session_ids_chain_turns_with_their_delays(tmp_path):
     a = sessions["a"]
     assert a.sticky and a.start_ns == 100 * MS
     assert [t.delay_ns for t in a.turns] == [0, 2000 * MS, 500_500_000]
-    assert [t.hash_ids for t in a.turns] == [(1, 2), (1, 2, 3), (1, 2, 3, 4)]
+    # the ids their 8-token prompts use (4-token blocks), kept as an array of their low 32 bits
+    assert [tuple(t.hash_ids) for t in a.turns] == [(1, 2), (1, 2), (1, 2)]
     assert len(sessions["b"].turns) == 1 and sessions["b"].start_ns == 150 * MS
     assert sessions["7"].start_ns == (175 + 10) * MS and [t.delay_ns for t in sessions["7"].turns] == [0, 20 * MS]
     standalone = [s for s in sessions.values() if not s.sticky]
@@ -157,3 +158,56 @@ def test_build_sessions_applies_duration_and_max_requests(tmp_path):
     assert [s.start_ns for s in build_sessions(by_time)] == [0, 1000 * MS, 2000 * MS, 3000 * MS]
     by_count = parse_scenario(base, base_dir=tmp_path, overrides=["run.max_requests=2"])
     assert len(build_sessions(by_count)) == 2
+
+
+def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_reading_further(tmp_path):
+    import io
+
+    import harness.workload as workload
+    from harness.scenario import MAX_REQUESTS
+    from workers.trace import MAX_TRACE_ROWS
+
+    assert MAX_TRACE_ROWS == MAX_REQUESTS == 10_000_000  # the documented bound, as a scenario's requests
+    rows = [json.dumps(row(ts=i)) for i in range(6)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(rows) + "\n{not json at all\n")  # a bad line after the bound is never parsed
+    w = TraceWorkload(trace=str(path), trace_block_size=4)
+    with pytest.raises(ScenarioError, match=rf"t.jsonl:6: more than 5 rows.*run.max_requests"):
+        load_trace(w, path, max_rows=5)
+    assert len(load_trace(w, path, 5, max_rows=5)) == 5  # run.max_requests reads the first ones
+    early = tmp_path / "early.jsonl"
+    early.write_text(rows[0] + "\n{bad\n\n" + "\n".join(rows[1:]) + "\n")
+    with pytest.raises(ScenarioError, match=r"early.jsonl:7: more than 5 rows"):  # counted before any is parsed
+        load_trace(w, early, max_rows=5)
+    with pytest.raises(ScenarioError, match="t.jsonl:7: not JSON"):  # within the bound: every row is read
+        load_trace(w, path, max_rows=7)
+    out = io.StringIO()
+    old, workload.PROGRESS_EVERY_ROWS = workload.PROGRESS_EVERY_ROWS, 2
+    try:
+        load_trace(w, path, 6, progress=out)
+    finally:
+        workload.PROGRESS_EVERY_ROWS = old
+    assert out.getvalue().splitlines() == [f"kvemu: reading {path}: {n} rows (line {n})" for n in (2, 4, 6)]
+
+
+def test_a_loaded_trace_row_is_compact(tmp_path):
+    import tracemalloc
+
+    n = 20_000
+    path = tmp_path / "tiny.jsonl"
+    with open(path, "w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"timestamp": i, "input_length": 8000, "output_length": 2,
+                                 "hash_ids": [7 * i + 1000 + k for k in range(16)]}) + "\n")
+    w = TraceWorkload(trace=str(path), trace_block_size=512)
+    tracemalloc.start()
+    try:
+        sessions = load_trace(w, path)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(sessions) == n
+    # 16 hash ids a row: 1,008 bytes a row as tuples of Python ints; about 540 as an array of the 32 bits used
+    assert held / n < 700, f"{held / n:.0f} bytes a row"
+    first = sessions[0].turns[0]
+    assert list(first.prompt()[:1]) == [1000] and len(first.prompt()) == 8000

@@ -140,3 +140,104 @@ def test_kvemu_plan_says_when_no_size_passes_and_refuses_bad_input(tmp_path, cap
     assert "give --sla" in capsys.readouterr().err
     assert main(["plan", "--sla", "ttft_ms=5", "--set", "cluster.engine.block_size=0"]) == 2
     assert main(["plan", str(Path(tmp_path) / "missing.jsonl"), "--sla", "ttft_ms=5"]) == 2
+
+
+def test_plan_bounds_the_runs_a_round_and_names_seeds(capsys):
+    from harness.plan import MAX_RUNS_A_ROUND
+    from harness.sweep import MAX_RUNS
+
+    assert MAX_RUNS_A_ROUND == MAX_RUNS == 10_000  # the documented bound: as a sweep's
+    # 10^6 seeds were accepted (2.4 GB, 14 min): refused before a list of them is built
+    assert main(["plan", "--sla", "ttft_ms=5", "--seeds", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--seeds (1,000,000) must be <= 10,000" in err and "Traceback" not in err
+    assert main(["plan", "--sla", "ttft_ms=5", "--seeds", "5000", "--width", "4"]) == 2
+    assert "--seeds (5,000) x 4 probes a round = 20,000 runs a round" in capsys.readouterr().err
+    with pytest.raises(InvalidArgument, match="--seeds"):
+        plan_cluster(_spec(seeds=list(range(3000)), max_workers=8), ModelExecutor(lambda w: 1.0), width=4)
+
+
+def test_plan_names_its_flags_not_the_scenario_values_they_become(capsys):
+    for argv, flag in [(["--max-workers", "1000000"], "--max-workers (1000000) must be <= 4096"),
+                       (["--min-workers", "5000", "--max-workers", "6000"], "--min-workers (5000) must be <= 4096"),
+                       (["--max-workers", "4096", "--set", "cluster.dp_size=3"], "--max-workers (4096): a cluster"),
+                       (["--sla", "ttft_ms=-1"], "--sla 'ttft_ms=-1': ttft_ms must be > 0")]:
+        assert main(["plan", "--sla", "ttft_ms=5", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert flag in err and "line 4" not in err, (argv, err)
+    assert "planning" not in err  # refused before anything is planned
+    assert main(["plan", "--sla", "ttft_ms=5", "--jobs", "100000"]) == 2  # (a local pool that size)
+    assert "--jobs (100000) must be <= 1024" in capsys.readouterr().err
+    sweep = Path(__file__).resolve().parent.parent / "examples" / "sweep-workers.yaml"
+    assert main(["sweep", str(sweep), "--jobs", "100000", "--validate"]) == 2
+    assert "--jobs must be in 1..1024, got 100000" in capsys.readouterr().err
+
+
+def test_a_huge_width_is_clamped_to_the_sizes_there_are():
+    executor = ModelExecutor(lambda w: 1.0)
+    plan = plan_cluster(_spec(max_workers=2), executor, width=10**12)  # a range(1, width) would never end
+    assert plan["answer"]["workers"] == 1
+
+
+def test_the_first_sigterm_stops_kvemu_plan_with_143(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "plan", "--sla", "ttft_ms=500", "--jobs", "1",
+                             "--max-workers", "4", "--set", "run.duration_s=300", "--set", "workload.rate_rps=20",
+                             "-o", str(tmp_path / "p")], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stderr.readline()
+        assert "planning" in line, line
+        time.sleep(1.0)  # a probe is running
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 143
+        assert time.monotonic() - started < 20
+        assert "interrupted (SIGTERM)" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_first_sigterm_stops_a_command_without_a_handler_of_its_own_with_143():
+    """kvemu validate building a large workload: the default SIGTERM killed it (-15, no word); now it says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "validate", "--set", "workload.rate_rps=25",
+                             "--set", "run.duration_s=300"], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.5)  # imported, building some 60,000 requests (about 8 s)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 143
+        assert "kvemu validate: interrupted (SIGTERM)" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_interrupted_plan_keeps_the_probes_that_finished(tmp_path):
+    from harness.plan import write_partial_plan
+    from harness.runner import Terminated
+
+    class StopInRoundTwo(ModelExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            if len(self.points) >= 1:  # width 1: round one probes the largest size, round two is stopped
+                raise Terminated("SIGTERM")
+            return super().submit(fn, *args, **kwargs)
+
+    with pytest.raises(Terminated) as info:
+        plan_cluster(_spec(max_workers=8), StopInRoundTwo(lambda w: 1.0), width=1)
+    partial = info.value.partial_plan
+    assert [p["workers"] for p in partial["probes"]] == [8] and partial["answer"]["workers"] == 8
+    md = write_partial_plan(partial, tmp_path / "p", "SIGTERM")
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["interrupted"] == "SIGTERM"
+    assert md.read_text().startswith("**Interrupted (SIGTERM) before the search ended")

@@ -852,3 +852,62 @@ def test_a_replay_endpoint_that_streams_without_end_is_bounded_counted_and_backe
     finally:
         stop.set()
         thread.join(5)
+
+
+# --------------------------------------------------------------------------- replay peers that never read
+
+
+def test_replay_peers_that_never_read_are_bounded_and_a_reading_peer_is_still_answered():
+    """Each peer's queue holds at most replay_hwm messages (the rest waits as a cursor into the shared buffer),
+    at most max_replay_peers answers are under way (others refused, counted), and a stalled answer is
+    abandoned (counted) so that a peer that reads is answered. Before: every peer got its whole answer queued
+    (SNDHWM 2 x buffer), 300 such peers took a worker to 187 MB."""
+    from kvemu.wire.publisher import MAX_REPLAY_PEERS, REPLAY_HWM
+
+    assert (MAX_REPLAY_PEERS, REPLAY_HWM) == (32, 1000)  # the documented defaults
+    ctx = zmq.Context()
+    steps, size = 300, 60_000  # 18 MB of replay buffer; pyzmq copies payloads under 64 KB into each queue
+    pub = KvEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", bind=True, context=ctx,
+                           buffer_steps=steps, max_replay_peers=2, replay_hwm=4, replay_stall_s=1.0)
+    peers = []
+    try:
+        for s in range(steps):
+            pub.publish_payload(bytes([s % 251]) * size)
+
+        def peer() -> zmq.Socket:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(pub.replay_endpoint)
+            peers.append(sock)
+            return sock
+
+        for _ in range(5):  # they ask for everything and never read
+            peer().send_multipart([b"", (0).to_bytes(8, "big")])
+        deadline = time.monotonic() + 10
+        while pub.stats.replay_requests < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert pub.stats.replay_requests == 5 and pub.stats.replays_refused == 3
+        # what the two answered peers were sent: their queue and what the kernel's socket buffers took, not 300
+        assert pub.stats.replayed_batches < steps, pub.stats.as_dict()
+        reader = peer()
+        reader.setsockopt(zmq.RCVHWM, 1000)
+        got, deadline = [], time.monotonic() + 20
+        while time.monotonic() < deadline:  # refused while the stuck answers hold their slots; then answered
+            reader.send_multipart([b"", (0).to_bytes(8, "big")])
+            if reader.poll(1500):
+                while True:
+                    frames = reader.recv_multipart()
+                    if frames[-2] == SEQ_END:
+                        break
+                    got.append(int.from_bytes(frames[-2], "big"))
+                break
+        assert got == list(range(steps))
+        assert pub.stats.replays_abandoned == 2
+    finally:
+        for sock in peers:
+            sock.close(linger=0)
+        pub.close()
+        ctx.term()

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_OUTPUT_TOKENS",
     "MAX_TRACE_MS",
     "MAX_TRACE_LINE_BYTES",
+    "MAX_TRACE_ROWS",
     "MooncakeRow",
     "mooncake_row",
     "read_mooncake",
@@ -49,6 +50,10 @@ MAX_TRACE_MS = 3.2e11
 """Latest ``timestamp`` and longest ``delay`` (ms): ten years of scenario time."""
 MAX_TRACE_LINE_BYTES = 16 << 20
 """Longest trace line read (16 MiB, about two million hash ids)."""
+
+
+MAX_TRACE_ROWS = 10_000_000
+"""Most rows a trace may hold (the requests a scenario may send): reading stops at the row past it."""
 
 
 def _is_int(value: object) -> bool:
@@ -121,15 +126,27 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
 
 
 def read_mooncake(path: str | Path, limit: int | None = None,
-                  trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) -> Iterator[tuple[int, MooncakeRow]]:
+                  trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE, *,
+                  max_rows: int = MAX_TRACE_ROWS) -> Iterator[tuple[int, MooncakeRow]]:
     """``(line number, row)`` for the first ``limit`` rows (blank lines skipped, not counted), read lazily.
 
-    A bad line raises ``InvalidArgument`` naming the file, the line and the field.
+    A bad line raises ``InvalidArgument`` naming the file, the line and the field; so does the row past
+    ``max_rows`` when no ``limit`` (at most ``max_rows``) stops the reading first — before it is parsed,
+    so that a huge trace is refused at its bound, not after it was all read.
     """
+    if limit is None or limit > max_rows:
+        limit, bounded = max_rows, True
+    else:
+        bounded = False
     if limit is not None and limit <= 0:
         return
     n = 0
     with open(path, "rb") as fh:
+        if bounded and fh.seekable():  # refused before any row is parsed and kept (a pipe: at the row past it)
+            past = _row_past(fh, max_rows)
+            if past is not None:
+                raise InvalidArgument(_too_many_rows(path, past, max_rows), field="max_requests")
+            fh.seek(0)
         for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
             if len(raw) > MAX_TRACE_LINE_BYTES:
                 raise InvalidArgument(f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes")
@@ -140,6 +157,8 @@ def read_mooncake(path: str | Path, limit: int | None = None,
                                       f"{exc.start + 1})") from None
             if not line:
                 continue
+            if n >= limit:  # (the file grew after the count)
+                raise InvalidArgument(_too_many_rows(path, lineno, max_rows), field="max_requests")
             try:
                 row = mooncake_row(json.loads(line), trace_block_size)
             except json.JSONDecodeError as exc:
@@ -148,8 +167,32 @@ def read_mooncake(path: str | Path, limit: int | None = None,
                 raise InvalidArgument(f"{path}:{lineno}: not a Mooncake trace row: {exc}", field=exc.field) from None
             yield lineno, row
             n += 1
-            if limit is not None and n >= limit:
+            if n >= limit and not bounded:
                 return
+
+
+def _too_many_rows(path: str | Path, lineno: int, max_rows: int) -> str:
+    return (f"{path}:{lineno}: more than {max_rows:,} rows, the most a trace may hold (the requests a scenario may "
+            "send); set run.max_requests to read the first ones, or split the trace")
+
+
+def _row_past(fh: Any, max_rows: int, chunk: int = 1 << 20) -> int | None:
+    """The line number of the row past ``max_rows`` in ``fh`` (None if it has no more rows): newlines are
+    counted in chunks (no row parsed or kept; about a second for 10^7 lines), and only a file with more
+    lines than that is scanned for its non-blank ones."""
+    lines = 0
+    while block := fh.read(chunk):
+        lines += block.count(b"\n")
+    if lines + 1 <= max_rows:  # (a last line may lack its newline)
+        return None
+    fh.seek(0)
+    rows = 0
+    for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
+        if raw.strip():
+            rows += 1
+            if rows > max_rows:
+                return lineno
+    return None
 
 
 def clamped_input_length(

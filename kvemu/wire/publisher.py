@@ -5,11 +5,19 @@ Live frames are ``[topic, seq (8-byte big-endian, from 0), payload]`` on a publi
 never blocks the engine: a batch that the socket cannot take right now (a subscriber is at its high
 water mark) is counted as dropped for live delivery but stays replayable, so consumers see a gap and
 recover it — instead of the reference engine's blocking queue that can stall every DP rank.
+
+Replay peers are untrusted: a peer that asks and never reads must not grow the rank's memory. Each peer's
+outgoing queue holds at most ``replay_hwm`` messages (``ROUTER_MANDATORY``: a full queue says so instead of
+dropping silently); what does not fit waits as a cursor into the shared replay buffer, sent as the peer
+reads. At most ``max_replay_peers`` answers are under way at once — a request past that is refused
+(counted) — and an answer that makes no progress for ``replay_stall_s`` is abandoned (counted).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
 
 import zmq
 
@@ -21,7 +29,12 @@ from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.wire.kv_events import KVEventBatch
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 
-__all__ = ["KvEventPublisher", "PublisherStats"]
+__all__ = ["KvEventPublisher", "PublisherStats", "MAX_REPLAY_PEERS", "REPLAY_HWM"]
+
+MAX_REPLAY_PEERS = 32
+"""Replay answers under way at once, per rank; a request from another peer past this is refused."""
+REPLAY_HWM = 1000
+"""Messages queued to one replay peer at most (ZeroMQ's SNDHWM): the rest waits until it reads."""
 
 _send = zmq.backend.Socket.send  # the Cython send: a fraction of send_multipart's Python overhead
 _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
@@ -31,10 +44,12 @@ _MORE = int(zmq.SNDMORE)
 class PublisherStats:
     """Counters of one publisher."""
 
-    __slots__ = ("published", "dropped", "replay_requests", "replayed_batches")
+    __slots__ = ("published", "dropped", "replay_requests", "replayed_batches", "replays_refused",
+                 "replays_abandoned")
 
     def __init__(self) -> None:
         self.published = self.dropped = self.replay_requests = self.replayed_batches = 0
+        self.replays_refused = self.replays_abandoned = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name."""
@@ -56,9 +71,19 @@ class KvEventPublisher(LoggedPublisher):
         hwm: int = 100_000,
         bind: bool | None = None,
         context: zmq.Context | None = None,
+        max_replay_peers: int = MAX_REPLAY_PEERS,
+        replay_hwm: int = REPLAY_HWM,
+        replay_stall_s: float = 10.0,
     ) -> None:
         if hwm < 0:
             raise InvalidArgument(f"hwm must be >= 0, got {hwm}")
+        if max_replay_peers < 1 or replay_hwm < 2 or not replay_stall_s > 0:
+            raise InvalidArgument(f"max_replay_peers ({max_replay_peers}) must be >= 1, replay_hwm ({replay_hwm}) "
+                                  f">= 2 and replay_stall_s ({replay_stall_s}) > 0")
+        self.max_replay_peers = max_replay_peers
+        self.replay_stall_s = replay_stall_s
+        # identity -> (next sequence number to send, or -1 when only the end marker is left; when it last moved)
+        self._answers: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self.profile: VllmProfile = profile_for(vllm_version)
         self.dp_rank = dp_rank
         self.topic = topic.encode()
@@ -85,7 +110,8 @@ class KvEventPublisher(LoggedPublisher):
         self._stop = threading.Event()
         if replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            router.setsockopt(zmq.SNDHWM, replay_hwm)  # per peer: one that never reads holds no more
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full (or gone) peer raises instead of a silent drop
             router.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(router, limits.MAX_CONTROL_BYTES)  # replay requests only
             try:
@@ -149,14 +175,17 @@ class KvEventPublisher(LoggedPublisher):
         poller.register(router, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(50):
-                    continue
-                while True:
-                    try:
-                        frames = router.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._answer(router, frames)
+                if poller.poll(20 if self._answers else 50):
+                    while True:
+                        try:
+                            frames = router.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._answer(router, frames)
+                if self._answers:  # what waited for its peer to read (one copy of the buffer for them all)
+                    snapshot = self._log.snapshot()
+                    for identity in list(self._answers):
+                        self._pump(router, identity, snapshot)
         finally:
             router.close(linger=0)
 
@@ -165,9 +194,44 @@ class KvEventPublisher(LoggedPublisher):
             return  # vLLM logs and ignores malformed requests
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         self.stats.replay_requests += 1
-        batches = self._log.since(start)
-        topic = [self.topic] if self.profile.replay_topic else []
-        for seq, payload in batches:
-            router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
-        router.send_multipart([identity, b"", *([b""] if self.profile.replay_topic else []), SEQ_END, b""])
-        self.stats.replayed_batches += len(batches)
+        if identity not in self._answers and len(self._answers) >= self.max_replay_peers:
+            self.stats.replays_refused += 1  # (the peer's replay times out; it asks again, or resyncs)
+            return
+        self._answers[identity] = (start, time.monotonic())  # a new request from a peer restarts its answer
+        self._pump(router, identity, self._log.snapshot())
+
+    def _pump(self, router: zmq.Socket, identity: bytes, snapshot: list[tuple[int, bytes]]) -> None:
+        """Send ``identity`` what its queue takes of its answer; forget the answer when sent, its peer gone,
+        or stalled past ``replay_stall_s``."""
+        start, moved = self._answers[identity]
+        replay_topic = self.profile.replay_topic
+        topic = [self.topic] if replay_topic else []
+        sent = 0
+        try:
+            if start >= 0:
+                first = snapshot[0][0] if snapshot else 0
+                for seq, payload in snapshot[max(0, start - first):]:
+                    router.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+                    sent += 1
+                    start = seq + 1
+                start = -1  # every batch is queued: the end marker is left
+            router.send_multipart([identity, b"", *([b""] if replay_topic else []), SEQ_END, b""], flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer's queue is full: the rest waits until it reads
+            self.stats.replayed_batches += sent
+            now = time.monotonic()
+            if sent:
+                moved = now
+            elif now - moved > self.replay_stall_s:
+                del self._answers[identity]
+                self.stats.replays_abandoned += 1
+                return
+            self._answers[identity] = (start, moved)
+            return
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer went away
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.stats.replayed_batches += sent
+            del self._answers[identity]
+            return
+        self.stats.replayed_batches += sent
+        del self._answers[identity]

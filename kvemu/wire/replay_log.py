@@ -50,6 +50,10 @@ class ReplayLog(Generic[P]):
             return seq, False
         return seq, True
 
+    def snapshot(self) -> list[tuple[int, P]]:
+        """The buffered ``(seq, payload)``, in order (consecutive sequence numbers)."""
+        return list(self._buffer)
+
     def since(self, start: int) -> list[tuple[int, P]]:
         """Buffered ``(seq, payload)`` with ``seq >= start``, in order."""
         return [(s, p) for s, p in list(self._buffer) if s >= start]
