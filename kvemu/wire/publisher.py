@@ -16,11 +16,11 @@ reads. At most ``max_replay_peers`` answers are under way at once — a request 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 
 import zmq
 
+from kvemu.clock import NS_PER_S, Clock, WallClock
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
 from kvemu.wire import limits, security
@@ -74,6 +74,7 @@ class KvEventPublisher(LoggedPublisher):
         max_replay_peers: int = MAX_REPLAY_PEERS,
         replay_hwm: int = REPLAY_HWM,
         replay_stall_s: float = 10.0,
+        clock: Clock | None = None,
     ) -> None:
         if hwm < 0:
             raise InvalidArgument(f"hwm must be >= 0, got {hwm}")
@@ -82,8 +83,9 @@ class KvEventPublisher(LoggedPublisher):
                                   f">= 2 and replay_stall_s ({replay_stall_s}) > 0")
         self.max_replay_peers = max_replay_peers
         self.replay_stall_s = replay_stall_s
+        self._clock: Clock = clock or WallClock()  # times a stalled replay answer
         # identity -> (next sequence number to send, or -1 when only the end marker is left; when it last moved)
-        self._answers: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        self._answers: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.profile: VllmProfile = profile_for(vllm_version)
         self.dp_rank = dp_rank
         self.topic = topic.encode()
@@ -197,7 +199,7 @@ class KvEventPublisher(LoggedPublisher):
         if identity not in self._answers and len(self._answers) >= self.max_replay_peers:
             self.stats.replays_refused += 1  # (the peer's replay times out; it asks again, or resyncs)
             return
-        self._answers[identity] = (start, time.monotonic())  # a new request from a peer restarts its answer
+        self._answers[identity] = (start, self._clock.now_ns())  # a new request from a peer restarts its answer
         self._pump(router, identity, self._log.snapshot())
 
     def _pump(self, router: zmq.Socket, identity: bytes, snapshot: list[tuple[int, bytes]]) -> None:
@@ -218,10 +220,10 @@ class KvEventPublisher(LoggedPublisher):
             router.send_multipart([identity, b"", *([b""] if replay_topic else []), SEQ_END, b""], flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer's queue is full: the rest waits until it reads
             self.stats.replayed_batches += sent
-            now = time.monotonic()
+            now = self._clock.now_ns()
             if sent:
                 moved = now
-            elif now - moved > self.replay_stall_s:
+            elif (now - moved) / NS_PER_S > self.replay_stall_s:
                 del self._answers[identity]
                 self.stats.replays_abandoned += 1
                 return
