@@ -18,28 +18,7 @@ from kvemu import ManualClock
 from kvemu.http.app import OpenAIApp
 from kvemu.http.server import HttpServer
 from kvemu.http.tokenizer import builtin_tokenizer
-from kvemu.records import RequestRecord
-
-
-class Backend:
-    """Answers at once: every request completes with its planned tokens."""
-
-    block_size = 16
-
-    def __init__(self, max_model_len: int = 4096) -> None:
-        self.max_model_len = max_model_len
-        self.submitted = []
-
-    def submit(self, req, on_tokens, on_end):
-        self.submitted.append(req)
-        on_tokens(req.max_tokens)
-        on_end(RequestRecord(request_id=req.request_id, isl=len(req.tokens), output_tokens=req.max_tokens))
-
-    def cancel(self, request_id, reason):
-        pass
-
-    def unavailable(self):
-        return None
+from tests.test_http_fuzz import Backend
 
 
 class Spy:

@@ -19,10 +19,10 @@ from kvemu.runtime.messages import encode
 class Backend:
     """Answers at once: every request completes with its planned tokens."""
 
-    max_model_len = 4096
     block_size = 16
 
-    def __init__(self) -> None:
+    def __init__(self, max_model_len: int = 4096) -> None:
+        self.max_model_len = max_model_len
         self.submitted = []
 
     def submit(self, req, on_tokens, on_end):
