@@ -33,7 +33,8 @@ from kvemu.http import DEFAULT_MODEL
 from kvemu.records import RequestRecord
 from kvemu.runtime.hooks import Hooks
 from kvemu.runtime.loop import run_live
-from kvemu.runtime.messages import Chaos, ClientRequest, encode
+from kvemu.runtime.messages import Chaos, ClientRequest, encode, with_packed_prompt
+from kvemu.runtime.prompt_lane import PromptLane
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket
 from kvemu.tuning import tune_gc
@@ -132,6 +133,10 @@ class _Head(msgspec.Struct):
 _head_decoder = msgspec.msgpack.Decoder(_Head)
 
 
+LANE_FRAME_BYTES = 1 << 20
+"""A client message this large (a prompt of ~250k+ ids) is decoded in the router's prompt lane, not at once."""
+
+
 def malformed_reply(data: bytes, exc: Exception, now_ns: int) -> RecordReply | ControlReply | None:
     """The answer to a client message that did not decode, when it can be attributed: a ``ClientRequest`` whose
     ``request_id`` can be read gets its record failed with ``invalid_request`` naming what was wrong, a
@@ -226,6 +231,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     hooks = Hooks()
     spec = scenario.cluster
     recorder = Recorder(hooks, block_size=routing_block_size(spec))
+    lane = PromptLane(clock, routing_block_size(spec))
     end = _SharedRouterEnd(listen)
     routers: dict[str, Router] = {}
     gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
@@ -252,17 +258,30 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
 
-    async def handle(peer: bytes, req: ClientRequest) -> None:
-        # requests are keyed by (client, request id): two clients may use the same id, and a reply goes
-        # only to the client that sent the request
-        key = client_request_key(peer, req.request_id)
-        if key in in_flight:  # this client's own id, still running: refuse the copy, keep the original
-            end.reply(peer, encode(RecordReply(record=_record(req, clock.now_ns(), "duplicate_request_id"))))
-            return
-        in_flight.add(key)
-        try:
+    async def handle(peer: bytes, req: ClientRequest | None, frame: bytes = b"") -> None:
+        """Run one client request and reply with its record; a huge one (or a large ``frame`` still to decode)
+        works in the prompt lane, so that a burst of them leaves the loop to other requests between steps."""
+        async with lane.turn(bool(frame) or lane.is_huge(req.tokens)) as work:  # type: ignore[union-attr]
+            if req is None:
+                req = decode_request(peer, frame)
+                if req is None:
+                    return
+                await work.pause()
+            # requests are keyed by (client, request id): two clients may use the same id, and a reply goes
+            # only to the client that sent the request
+            key = client_request_key(peer, req.request_id)
+            if key in in_flight:  # this client's own id, still running: refuse the copy, keep the original
+                end.reply(peer, encode(RecordReply(record=_record(req, clock.now_ns(), "duplicate_request_id"))))
+                return
+            in_flight.add(key)
             ended = anyio.Event()
-            front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+            try:
+                await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
+                front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+            except BaseException:
+                in_flight.discard(key)
+                raise
+        try:
             await ended.wait()
         finally:
             in_flight.discard(key)
@@ -270,6 +289,28 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             if rec is not None:
                 rec.request_id = req.request_id
                 end.reply(peer, encode(RecordReply(record=rec)))
+
+    def decode_message(peer: bytes, data: bytes) -> ClientMessage | None:
+        """A client message decoded (a request's prompt packed: ``with_packed_prompt``); a malformed one is
+        answered where it can be attributed, and gives None."""
+        try:
+            return with_packed_prompt(_client_decoder.decode(data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
+            answer = malformed_reply(data, exc, clock.now_ns())
+            if answer is not None:  # the client waits for it: say what was wrong instead of nothing
+                end.reply(peer, encode(answer))
+            return None
+
+    def decode_request(peer: bytes, data: bytes) -> ClientRequest | None:
+        """A large client message decoded: a request, or None (answered when malformed; a query or control
+        message is never this large and is dropped, logged)."""
+        msg = decode_message(peer, data)
+        if msg is not None and type(msg) is not ClientRequest:
+            print(json.dumps({"event": "bad_client_message", "error": f"an oversized {type(msg).__name__}"}),
+                  file=sys.stderr)
+            return None
+        return msg  # type: ignore[return-value]
 
     def stats() -> Stats:
         now = clock.now_ns()
@@ -306,13 +347,11 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
     async def gateway(tg: anyio.abc.TaskGroup) -> None:
         async for peer, data in end.clients_rx:
-            try:
-                msg = _client_decoder.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
-                answer = malformed_reply(data, exc, clock.now_ns())
-                if answer is not None:  # the client waits for it: say what was wrong instead of nothing
-                    end.reply(peer, encode(answer))
+            if len(data) >= LANE_FRAME_BYTES:  # a huge prompt: decoded in the lane, after those before it
+                tg.start_soon(handle, peer, None, data)
+                continue
+            msg = decode_message(peer, data)
+            if msg is None:
                 continue
             t = type(msg)
             if t is StatsQuery:

@@ -79,6 +79,10 @@ def mm_hash_from_identifier(identifier: str) -> int:
 
 
 def _token_bytes(tokens: Sequence[int], count: int) -> bytes:
+    packed = getattr(tokens, "u32_bytes", None)  # PackedTokens: the bytes are there, every id a u32
+    if packed is not None:
+        data: bytes = packed()
+        return data if len(data) == count * 4 else data[: count * 4]
     try:
         buf = array("I", tokens)  # every token is validated, also those of a trailing partial block
     except (OverflowError, TypeError) as exc:

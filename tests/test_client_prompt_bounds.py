@@ -7,7 +7,10 @@ from __future__ import annotations
 import time
 
 import anyio
+import pytest
 
+from kvemu.packed_tokens import PackedTokens
+from kvemu.records import RequestRecord
 from kvemu.runtime.messages import ClientRequest, decode_client_request, encode
 from kvemu.wire.limits import MAX_PROMPT_TOKENS
 
@@ -51,3 +54,52 @@ def test_a_prompt_past_the_bound_is_refused_unread_and_others_keep_their_pace(tm
         assert rec is not None and rec.failure.startswith("invalid_request: ") and "4194304" in rec.failure, rec
         assert seconds < 2.0
     assert max(took) < 1.0, took
+
+
+@pytest.mark.parametrize("form", ["list", "packed"])
+def test_a_burst_of_the_longest_prompts_leaves_other_requests_their_pace(tmp_path, form):
+    """Three prompts of MAX_PROMPT_TOKENS ids arrive together while a short request goes every 25 ms: as lists
+    (the attack: decoded, packed and hashed by the router) and packed (what kvemu's own clients send). They
+    used to stack their work into the router's loop passes: short requests took 1.4-1.9 s; now the prompt
+    lane spreads it (typically 0.1-0.3 s at most)."""
+    stack = Stack(tmp_path)
+    huge = list(range(MAX_PROMPT_TOKENS)) if form == "list" else PackedTokens.from_ids(range(MAX_PROMPT_TOKENS))
+    ends: list[RequestRecord | None] = []
+    took: list[float] = []
+    try:
+        async def main() -> None:
+            client = _RouterClient(stack.router)
+
+            async def send_huge(i: int) -> None:
+                ends.append(await client.submit(ClientRequest(request_id=f"huge{i}", tokens=huge, max_tokens=1)))
+
+            async def send_short(i: int) -> None:
+                t0 = time.monotonic()
+                rec = await client.submit(ClientRequest(request_id=f"s{i}", tokens=list(range(1 + i, 65 + i)),
+                                                        max_tokens=2))
+                assert rec is not None and rec.failure is None, rec
+                took.append(time.monotonic() - t0)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.listen)
+                with anyio.fail_after(30):
+                    while 0 not in (await client.stats(timeout_s=10)).workers:
+                        await anyio.sleep(0.05)
+                with anyio.fail_after(60):
+                    for i in range(60):
+                        if i == 10:
+                            for k in range(3):
+                                tg.start_soon(send_huge, k)
+                        tg.start_soon(send_short, i)
+                        await anyio.sleep(0.025)
+                    while len(ends) < 3 or len(took) < 60:
+                        await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()
+
+        anyio.run(main)
+        assert stack.kids.procs["router"].poll() is None
+    finally:
+        stack.close()
+    for rec in ends:  # the worker's own refusal (its pool holds 262,144 tokens), carried to the client
+        assert rec is not None and "can never fit in the pool" in rec.failure, rec
+    assert len(took) == 60 and max(took) < 1.0, sorted(took)[-5:]

@@ -131,6 +131,30 @@ def test_prompt_text_past_the_context_is_refused_before_tokenizing(route):
     assert all(n < 1000 for n in spy.sizes)  # the big text never reached the tokenizer
 
 
+class CountingTokenizer(Spy):
+    """The built-in tokenizer, counting the prompts of ids whose every id it checks."""
+
+    def check_ids(self, ids, field=None):
+        self.sizes.append(len(ids))
+        return self.inner.check_ids(ids, field)
+
+
+@pytest.mark.parametrize("prompt", ["flat", "nested"])
+def test_prompt_ids_past_the_context_are_refused_by_their_count_before_their_ids_are_read(prompt):
+    """A 16 MiB body holds millions of ids: one that cannot fit the context is refused by its length, before a
+    pass over its ids (the last id here is not even a number: the answer is about the context, not the id)."""
+    tok = CountingTokenizer()
+    app = OpenAIApp(Backend(4096), tok, model="kvemu", clock=ManualClock())
+    ids: list = [5] * 5000 + ["x"]
+    body = {"prompt": ids if prompt == "flat" else [[1, 2, 3], ids], "max_tokens": 1}
+    fits = {"prompt": [5] * 4095, "max_tokens": 1}
+    reply, ok = serving(app, lambda port: (exchange(port, post("/v1/completions", body)),
+                                           exchange(port, post("/v1/completions", fits))))
+    assert status(reply) == 400 and b"maximum context length is 4096 tokens" in reply, reply[:300]
+    assert b"your prompt has 5001 tokens" in reply
+    assert status(ok) == 200 and tok.sizes == [4095]  # only the prompt that fits was scanned
+
+
 def test_any_tokenizer_gets_a_character_cap_before_tokenizing():
     """A tokenizer.json gives no bound of tokens by characters: a request's text past ``prompt_chars_per_token``
     x the context is refused before tokenizing; text under it is tokenized and answered."""

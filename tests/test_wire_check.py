@@ -73,7 +73,8 @@ def test_objects_and_wire_bytes_give_identical_reports_under_chaos(tmp_path, ver
 
 
 def test_lazy_trace_prompts_and_their_wire_lists_give_identical_reports(tmp_path):
-    """Trace prompts stay ``HashIdTokens`` in process (hashed per trace block); on the wire they are lists."""
+    """Trace prompts stay ``HashIdTokens`` in process (hashed per trace block); on the wire they are packed u32
+    bytes, which arrive as ``PackedTokens`` (hashed from their bytes)."""
     rows = []
     for i in range(80):
         shared = [1, 2, 3] if i % 2 else [7, 8]

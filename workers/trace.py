@@ -278,6 +278,12 @@ class HashIdTokens(Sequence[int]):
         """Always true: every token is a hash id's low 32 bits (admission asks before scanning tokens)."""
         return True
 
+    def u32_bytes(self) -> bytes:
+        """The expanded token ids as little-endian u32 bytes (the packed wire form), a trace block at a time."""
+        tbs = self.trace_block_size
+        data = b"".join([struct.pack("<I", h) * tbs for h in self.hash_ids])
+        return data[: self._len * 4]
+
     def local_block_hashes(self, block_size: int) -> list[int]:
         """Local block hashes (seed 1337), equal to ``kvemu.hashing.local_block_hashes(self.to_list(), block_size)``.
 

@@ -350,7 +350,7 @@ class OpenAIApp:
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         hints = hints_of(req, headers, rank_header=self.rank_header)
-        prompts = prompts_of(req, self.tok)
+        prompts = prompts_of(req, self.tok, self.backend.max_model_len)
         self._check_text_size(prompts)
         prompts = await self._tokens(prompts)
         base = _request_id(headers, chat)

@@ -142,9 +142,13 @@ def decode_body(body: bytes, kind: type) -> Any:
         raise ApiError(400, "the request body nests too deeply") from None
 
 
-def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer) -> list[str | list[int]]:
+def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer,
+               max_model_len: int | None = None) -> list[str | list[int]]:
     """The prompts of a request: text still to tokenize, or token ids already checked against the vocabulary
-    (a completions request may carry several; a chat request is one prompt, its messages in the template)."""
+    (a completions request may carry several; a chat request is one prompt, its messages in the template).
+
+    A prompt of ids that leaves no room in ``max_model_len`` for one output token is refused by its length,
+    before its ids are scanned (a 16 MiB body holds millions)."""
     if isinstance(req, ChatRequest):
         if not req.messages:
             raise ApiError(400, "messages: at least one message is required", "messages")
@@ -156,16 +160,27 @@ def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer) -> list
         return [p]
     if not p:
         raise ApiError(400, "prompt: the list is empty", "prompt")
-    if all(type(x) is int for x in p):
-        return [_ids(p, tok, "prompt")]
+    if type(p[0]) is int:
+        _check_ids_length(len(p), max_model_len)
+        if all(type(x) is int for x in p):
+            return [_ids(p, tok, "prompt")]
     if len(p) > MAX_PROMPTS:
         raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(p)}", "prompt")
     if all(isinstance(x, str) for x in p):
         return list(p)
-    if all(isinstance(x, list) and all(type(y) is int for y in x) for x in p):
-        return [_ids(x, tok, f"prompt[{i}]") for i, x in enumerate(p)]
+    if all(isinstance(x, list) for x in p):
+        for x in p:
+            _check_ids_length(len(x), max_model_len)
+        if all(all(type(y) is int for y in x) for x in p):
+            return [_ids(x, tok, f"prompt[{i}]") for i, x in enumerate(p)]
     raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of lists of "
                         "token ids", "prompt")
+
+
+def _check_ids_length(n: int, max_model_len: int | None) -> None:
+    if max_model_len is not None and n + 1 > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                            f"has {n} tokens. Please reduce the length of the prompt.", "prompt")
 
 
 def _ids(ids: list[int], tok: TextTokenizer, field: str) -> list[int]:

@@ -10,12 +10,14 @@ prefill rank that held it may free it).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from kvemu.config import RouterOverrides
+from kvemu.errors import InvalidArgument
+from kvemu.packed_tokens import PackedTokens
 from kvemu.records import sequences_as_lists
 from kvemu.transfer import KvTransfer
 from kvemu.wire.limits import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
@@ -46,7 +48,20 @@ __all__ = [
     "decode_worker_message",
     "decode_router_message",
     "decode_client_request",
+    "with_packed_prompt",
+    "WirePrompt",
+    "PACK_FROM_TOKENS",
 ]
+
+WirePrompt = (Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)]
+              | Annotated[bytes, Meta(max_length=4 * MAX_PROMPT_TOKENS)])
+"""A prompt on the wire: a list of token ids, or the ids packed as little-endian u32 (msgpack ``bin``), which
+kvemu's own senders use for lazy and packed prompts; decoding gives a ``PackedTokens`` for the packed form and
+for long lists (``PACK_FROM_TOKENS``)."""
+
+PACK_FROM_TOKENS = 4096
+"""A decoded list prompt at least this long is packed (its ids range-checked in C): a 4M-token list would
+otherwise stay ~150 MB of ints for the request's whole life. Shorter lists stay lists."""
 
 _OPTS = dict(frozen=True, kw_only=True, tag=True, omit_defaults=True, forbid_unknown_fields=True)
 
@@ -55,9 +70,9 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """One inference request as a client (or the load generator) submits it."""
 
     request_id: str
-    tokens: Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)]
-    """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt), on the wire a list of at most
-    ``MAX_PROMPT_TOKENS`` (a longer one fails to decode, unread)."""
+    tokens: WirePrompt
+    """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt, ``PackedTokens``), on the wire a list
+    or packed u32 bytes of at most ``MAX_PROMPT_TOKENS`` (a longer one fails to decode, unread)."""
     max_tokens: int = 16
     session_id: str | None = None
     """Session affinity key (multi-turn conversations)."""
@@ -151,7 +166,7 @@ class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
 
     request_id: str
     dp_rank: int
-    tokens: list[int]
+    tokens: WirePrompt
     max_tokens: int
     output_token_ids: Annotated[list[int], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
     priority: int = 0
@@ -256,7 +271,18 @@ WorkerMessage = (Register | Heartbeat | Draining | RankDown | Deregister | Dispa
 RouterMessage = RegisterAck | Reregister | Dispatch | Abort | Chaos | ReleaseKv
 """What the router sends to workers."""
 
-_encoder = msgspec.msgpack.Encoder(enc_hook=sequences_as_lists)  # lazy prompts, compact token times
+
+
+def _wire_form(obj: object) -> object:
+    """msgspec ``enc_hook``: a prompt that can pack itself (``PackedTokens``, a lazy trace prompt) as its u32
+    bytes; other compact sequences (token times in an ``array('q')``) as lists."""
+    packed = getattr(obj, "u32_bytes", None)
+    if packed is not None:
+        return packed()
+    return sequences_as_lists(obj)
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_wire_form)
 _worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 _router_decoder = msgspec.msgpack.Decoder(RouterMessage)
 _client_decoder = msgspec.msgpack.Decoder(ClientRequest)
@@ -273,10 +299,35 @@ def decode_worker_message(data: bytes) -> WorkerMessage:
 
 
 def decode_router_message(data: bytes) -> RouterMessage:
-    """Decode what the router sent."""
-    return _router_decoder.decode(data)
+    """Decode what the router sent (a ``Dispatch``'s prompt as ``with_packed_prompt`` gives it)."""
+    return with_packed_prompt(_router_decoder.decode(data))
 
 
 def decode_client_request(data: bytes) -> ClientRequest:
-    """Decode a client request."""
-    return _client_decoder.decode(data)
+    """Decode a client request (its prompt as ``with_packed_prompt`` gives it)."""
+    return with_packed_prompt(_client_decoder.decode(data))
+
+
+_M = TypeVar("_M")
+
+
+def with_packed_prompt(msg: _M) -> _M:
+    """A just-decoded message with its prompt as ``PackedTokens`` if it came packed or as a long list (a list
+    with an id out of range stays a list, refused downstream as any such prompt); ``msgspec.ValidationError``
+    for packed bytes that are not whole u32 ids."""
+    t = type(msg)
+    if t is not ClientRequest and t is not Dispatch:
+        return msg
+    tokens = msg.tokens  # type: ignore[attr-defined]
+    try:
+        if type(tokens) is bytes:
+            packed = PackedTokens(tokens)
+        elif len(tokens) >= PACK_FROM_TOKENS:
+            packed = PackedTokens.from_ids(tokens)
+        else:
+            return msg
+    except InvalidArgument as exc:
+        if type(tokens) is bytes:
+            raise msgspec.ValidationError(f"{exc} - at `$.tokens`") from None
+        return msg
+    return msgspec.structs.replace(msg, tokens=packed)  # type: ignore[type-var]
