@@ -3,19 +3,23 @@
 A supervisor (``kvemu up``) or a load generator (``kvemu loadgen --chaos apply``, as in docker-compose) sends
 ``Control`` to the router on the client socket. The router checks the shared control token, restarts itself
 (``restart_router``) or forwards a ``Chaos`` message to the worker it names, which applies the fault to itself.
-Starting and stopping worker processes (``add_worker``, ``remove_worker``) is for a supervisor only.
+Starting and stopping worker processes (``add_worker``, ``remove_worker``) is for a supervisor only, and so is
+``WorkerExited``: a worker process it runs exited unasked, so the router fences it at once.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from kvemu.clock import NS_PER_S
 from kvemu.runtime.messages import WORKER_CHAOS, Chaos
 
 from harness.scenario import ChaosEvent
 
-__all__ = ["Control", "ControlReply", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS", "SUPERVISOR_CHAOS", "worker_chaos",
+__all__ = ["Control", "ControlReply", "WorkerExited", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS", "SUPERVISOR_CHAOS", "worker_chaos",
            "chaos_problems"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
@@ -32,6 +36,16 @@ class Control(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True)
 
     token: str
     event: ChaosEvent
+
+
+class WorkerExited(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """A worker's process exited unasked (supervisor → router): fence it now instead of after its heartbeat
+    timeout, and say how in its ``worker_removed`` event."""
+
+    token: str
+    worker_id: Annotated[int, Meta(ge=0, le=1 << 31)]
+    how: Annotated[str, Meta(max_length=64)]
+    """``signal SIGKILL``, ``code 1``."""
 
 
 class ControlReply(msgspec.Struct, tag=True, frozen=True):

@@ -49,6 +49,7 @@ from harness.chaos import (
     SUPERVISOR_CHAOS,
     Control,
     ControlReply,
+    WorkerExited,
     at_ns,
     worker_chaos,
 )
@@ -66,7 +67,7 @@ from harness.pools import (
     worker_type_of,
 )
 from harness.recorder import Recorder
-from harness.report import RunData, Sample, save_report
+from harness.report import EXITED, RunData, Sample, save_report
 from harness.runner import count_requests
 from harness.sessions import awaiting, play_workload
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
@@ -113,7 +114,7 @@ class RecordReply(msgspec.Struct, tag=True, kw_only=True):
     record: RequestRecord
 
 
-ClientMessage = ClientRequest | StatsQuery | Control
+ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited
 ReplyMessage = RecordReply | Stats | ControlReply
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
@@ -188,14 +189,16 @@ def _quiet(fut: Any) -> None:
         fut.exception()  # a vanished peer: nothing to do
 
 
-def send_control(router: str, token: str, event: ChaosEvent, timeout_s: float = 10.0) -> ControlReply:
-    """Send one chaos event to a router process's control channel and wait for its answer (blocking)."""
+def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, timeout_s: float = 10.0) -> ControlReply:
+    """Send one chaos event (or a worker's exit) to a router process's control channel and wait for its
+    answer (blocking)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     security.connect_securely(sock)
     try:
         sock.connect(router)
-        sock.send_multipart([CLIENT, encode(Control(token=token, event=event))])
+        msg = event if isinstance(event, WorkerExited) else Control(token=token, event=event)
+        sock.send_multipart([CLIENT, encode(msg)])
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0 and sock.poll(round(left * 1000)):
             frames = sock.recv_multipart()
@@ -356,6 +359,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             t = type(msg)
             if t is StatsQuery:
                 end.reply(peer, encode(stats()))
+            elif t is WorkerExited:
+                end.reply(peer, encode(control.worker_exited(routers, msg)))  # type: ignore[arg-type]
             elif t is Control:
                 reply = control.apply(routers, msg)  # type: ignore[arg-type]
                 end.reply(peer, encode(reply))
@@ -399,15 +404,34 @@ class _RouterControl:
         self.lag_ms: float | None = None
         """The KV-event lag chaos set, for workers that register later too."""
 
-    def apply(self, routers: dict[str, Router], msg: Control) -> ControlReply:
-        """Apply or forward one chaos event to the worker it names (in whichever pool it is registered)."""
-        ev = msg.event
+    def _refusal(self, token: str, action: str) -> ControlReply | None:
+        """Why a control message with ``token`` is refused (None: the token is right)."""
         if self.token is None:
             return ControlReply(ok=False, detail=f"this router takes no control messages: start it with "
                                                  f"{CONTROL_TOKEN_ENV} set to a shared secret")
-        if len(msg.token) > MAX_TOKEN_BYTES or not hmac.compare_digest(msg.token.encode(), self.token.encode()):
-            print(json.dumps({"event": "control_refused", "action": ev.action, "why": "wrong token"}), file=sys.stderr)
+        if len(token) > MAX_TOKEN_BYTES or not hmac.compare_digest(token.encode(), self.token.encode()):
+            print(json.dumps({"event": "control_refused", "action": action, "why": "wrong token"}), file=sys.stderr)
             return ControlReply(ok=False, detail=f"wrong control token (see {CONTROL_TOKEN_ENV})")
+        return None
+
+    def worker_exited(self, routers: dict[str, Router], msg: WorkerExited) -> ControlReply:
+        """The supervisor saw a worker's process exit: fence it now (its requests are retried or fail as
+        ``worker_lost``), its ``worker_removed`` event saying how it exited."""
+        refused = self._refusal(msg.token, "worker_exited")
+        if refused is not None:
+            return refused
+        router = owner(routers.values(), msg.worker_id)
+        if router is None:
+            return ControlReply(ok=True, detail=f"worker {msg.worker_id} was not registered (or already fenced)")
+        router.remove_worker(msg.worker_id, reason=f"{EXITED} ({msg.how})")
+        return ControlReply(ok=True, detail=f"worker {msg.worker_id} fenced")
+
+    def apply(self, routers: dict[str, Router], msg: Control) -> ControlReply:
+        """Apply or forward one chaos event to the worker it names (in whichever pool it is registered)."""
+        ev = msg.event
+        refused = self._refusal(msg.token, ev.action)
+        if refused is not None:
+            return refused
         if ev.action in SUPERVISOR_CHAOS:
             return ControlReply(ok=False, detail=f"{ev.action} starts or stops a worker process: kvemu up applies it "
                                                  "(with docker-compose, scale the worker service)")

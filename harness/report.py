@@ -447,7 +447,15 @@ def summarize(data: RunData) -> dict[str, Any]:
         summary["kvemu"]["cache_tiers"] = tiers
     if data.autoscale is not None:
         summary["kvemu"]["autoscaler"] = autoscale_summary(data.autoscale)
+    exits = {str(e["worker_id"]): str(e["reason"])[len(EXITED) + 2:-1] for e in data.worker_events
+             if e.get("kind") == "worker_removed" and str(e.get("reason", "")).startswith(EXITED)}
+    if exits:  # worker processes its supervisor saw exit (kvemu up, serve), and how
+        summary["kvemu"]["worker_exits"] = dict(sorted(exits.items(), key=lambda kv: int(kv[0])))
     return _round(summary)
+
+
+EXITED = "process_exited"
+"""The reason of a worker the router fenced because its supervisor saw its process exit: ``process_exited (how)``."""
 
 
 def _cache_tiers(done: list[RequestRecord]) -> dict[str, Any] | None:
@@ -704,9 +712,9 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     if data.worker_events:
         out += ["", "## Worker events", ""]
         shown = sorted(data.worker_events, key=lambda e: (e.get("time_ns") or 0, str(e.get("kind"))))
-        out += _table(["time (s)", "event", "worker"],
-                      [(f"{(e.get('time_ns') or 0) / NS_PER_S:.3f}", e.get("kind"), e.get("worker_id"))
-                       for e in shown[:50]])
+        out += _table(["time (s)", "event", "worker", "why"],
+                      [(f"{(e.get('time_ns') or 0) / NS_PER_S:.3f}", e.get("kind"), e.get("worker_id"),
+                        e.get("reason") or "") for e in shown[:50]])
         if len(shown) > 50:
             out += ["", f"… and {len(shown) - 50} more."]
     if plots:

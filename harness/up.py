@@ -31,7 +31,7 @@ from typing import Any
 
 from kvemu.errors import KvemuError
 
-from harness.chaos import CONTROL_TOKEN_ENV
+from harness.chaos import CONTROL_TOKEN_ENV, WorkerExited
 from harness.processes import send_control
 from harness.text import counted
 from harness.scenario import Scenario
@@ -167,8 +167,10 @@ def _how(code: int) -> str:
     return f"code {code}"
 
 
-def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str) -> str | None:
-    """Log each worker process that exited unasked and drop it from ``live``; returns why to stop the run
+def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str, router: str,
+                  token: str) -> str | None:
+    """Log each worker process that exited unasked, drop it from ``live`` and tell the router, which fences
+    it at once (the report's worker events say how it exited); returns why to stop the run
     (``run.stop_on_worker_exit``), or None: the cluster carries on without it."""
     for problem in kids.lost_workers():
         wid = int(problem.split()[0].removeprefix("worker-"))
@@ -176,9 +178,11 @@ def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str)
             live.remove(wid)
         if scenario.run.stop_on_worker_exit:
             return problem
-        print(json.dumps({"event": "worker_exited", "worker_id": wid, "how": problem.split("(", 1)[1][:-1]}),
-              file=sys.stderr)
-        print(f"{who}: {problem}; the cluster carries on without it (the router fences it; "
+        how = problem.split("(", 1)[1][:-1]
+        print(json.dumps({"event": "worker_exited", "worker_id": wid, "how": how}), file=sys.stderr)
+        reply = send_control(router, token, WorkerExited(token=token, worker_id=wid, how=how[:64]))
+        print(f"{who}: {problem}; the cluster carries on without it (the router "
+              f"{'fenced it' if reply.ok else 'did not answer: it fences it when its heartbeats stop'}; "
               "run.stop_on_worker_exit: true would stop the run)", file=sys.stderr, flush=True)
     return None
 
@@ -231,6 +235,8 @@ class _Stack:
                  worker_http: list[str] | None = None) -> None:
         self.kids = kids
         self.config = config
+        self.token = token
+        """The router's control token (chaos, a worker's exit)."""
         self.worker_http = worker_http or []
         self.worker_info: list[dict[str, Any]] = []
         """Each worker's start line: id, KV-event and replay endpoints, HTTP URL (for clients and routers)."""
@@ -276,7 +282,7 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
               f"{counted(scenario.cluster.dp_size, 'rank')}); Ctrl-C stops", file=sys.stderr, flush=True)
         with _terminate_as_interrupt():
             while (problem := kids.crashed(workers_too=False)
-                   or _worker_exits(kids, scenario, stack.live, "kvemu serve")) is None:
+                   or _worker_exits(kids, scenario, stack.live, "kvemu serve", stack.router, stack.token)) is None:
                 time.sleep(0.2)
         print(f"kvemu serve: {problem}; stopping", file=sys.stderr)
         return 1
@@ -337,7 +343,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                     reply = send_control(router, token, ev)
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
                                       "detail": reply.detail}), file=sys.stderr)
-            problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up")
+            problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up", router, token)
             if problem:
                 print(f"kvemu up: {problem}; stopping", file=sys.stderr)
                 if problem.startswith("router "):  # the load generator fails what is open at once and reports

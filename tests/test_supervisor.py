@@ -90,7 +90,10 @@ def test_a_worker_killed_from_outside_is_a_fault_the_run_carries_on_through(tmp_
     s = summary_of(out)
     assert not s["partial"] and accounted(s) and s["kvemu"]["unfinished_requests"] == 0
     assert set(s["kvemu"]["failed_requests_by_reason"]) <= {"worker_lost"}
-    assert s["kvemu"]["worker_events"].get("worker_fenced", 0) >= 1  # the router noticed the silence
+    assert s["kvemu"]["worker_events"].get("worker_fenced", 0) >= 1
+    assert s["kvemu"]["worker_exits"] == {"1": "signal SIGKILL"}  # fenced at once, on the supervisor's word
+    assert "| worker_removed | 1 | process_exited (signal SIGKILL) |" in (out / "report.md").read_text()
+    assert "the router fenced it" in err
     assert s["completed_requests"] > 0.8 * s["num_requests"]  # the rest of the cluster served the run
 
 
@@ -99,6 +102,7 @@ def test_an_aggregated_worker_killed_from_outside_is_a_fault_too(tmp_path):
     assert code == 0, err[-3000:]
     s = summary_of(out)
     assert not s["partial"] and accounted(s)
+    assert s["kvemu"]["worker_exits"] == {"1": "signal SIGKILL"}
     assert set(s["kvemu"]["failed_requests_by_reason"]) <= {"worker_lost"}
 
 
