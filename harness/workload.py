@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator, Sequence
 from array import array
 from itertools import islice, repeat
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TextIO
 
 from kvemu.clock import NS_PER_MS, NS_PER_S
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_TRACE_ROWS, HashIdTokens, read_mooncake
+from workers.trace import MAX_TRACE_ROWS, read_mooncake
 
 from harness.scenario import (
     MAX_SCENARIO_NS,
@@ -30,43 +30,9 @@ from harness.scenario import (
     TraceWorkload,
     resolve,
 )
+from harness.turns import Session, Turn
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
-
-
-class Turn(NamedTuple):
-    """One request of a session (trace turns keep their hash ids and expand them only when sent)."""
-
-    tokens: list[int] | None
-    max_tokens: int
-    delay_ns: int = 0
-    """Wait after the previous turn of the session completed (0 for the first turn)."""
-    output_token_ids: list[int] | None = None
-    """The reply's token ids, so that later turns that quote it hit the engine's cache."""
-    sub_agents: tuple[tuple[list[int], int], ...] = ()
-    """Sibling requests ``(tokens, max_tokens)`` started when this turn completes."""
-    worker_id: int | None = None
-    hash_ids: Sequence[int] | None = None
-    """A trace turn's hash ids: those its prompt uses, as the low 32 bits its tokens take (an ``array("I")``)."""
-    input_length: int = 0
-    trace_block_size: int = 0
-
-    def prompt(self) -> Sequence[int]:
-        """The prompt's token ids (a trace prompt stays a lazy ``HashIdTokens``: it hashes its blocks
-        once per trace block instead of per token, and is encoded as a list where bytes are needed)."""
-        if self.tokens is not None:
-            return self.tokens
-        return HashIdTokens(self.hash_ids or (), self.input_length, self.trace_block_size)
-
-
-class Session(NamedTuple):
-    """Turns that run one after another, starting at ``start_ns``."""
-
-    session_id: str
-    start_ns: int
-    turns: list[Turn]
-    sticky: bool = False
-    """Whether its requests carry the session id (affinity); trace rows without one do not."""
 
 
 _U32 = 0xFFFFFFFF
