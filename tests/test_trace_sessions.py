@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tracemalloc
 from array import array
 from pathlib import Path
 from typing import Any
@@ -131,22 +130,6 @@ def test_any_trace_equals_the_list_model(tmp_path, rows, speed, cut_ms):
     loaded, expected = load_trace(w, path), reference(w, path)
     assert_same(loaded, expected)
     assert list(loaded.starting_by(cut_ms * MS)) == [s for s in expected if s.start_ns <= cut_ms * MS]
-
-
-def test_a_loaded_tiny_row_takes_at_most_100_bytes(tmp_path):
-    n = 20_000
-    path = tmp_path / "tiny.jsonl"
-    path.write_text("".join(f'{{"timestamp": {i // 100}, "input_length": 10, "output_length": 1, '
-                            f'"hash_ids": [{i % 977}]}}\n' for i in range(n)))
-    w = TraceWorkload(trace=str(path), trace_block_size=512)
-    tracemalloc.start()
-    try:
-        sessions = load_trace(w, path)
-        held, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert len(sessions) == n and turn_count(sessions) == n
-    assert held / n <= 100, f"{held / n:.0f} bytes a row"  # (as Session and Turn objects: about 450)
 
 
 def test_the_player_materializes_a_loaded_session_only_when_it_starts(tmp_path, monkeypatch):
