@@ -37,8 +37,8 @@ class TraceSessions(Sequence[Session]):
                  "_start", "_first", "_line", "_turns", "_names", "_n")
 
     def __init__(self, block: int, ids: array[int], id_end: array[int], prompt: array[int], output: array[int],
-                 delay: array[int], next_row: array[int], input_length: dict[int, int], start: array[int], first: array[int], line: array[int],
-                 turns: array[int], names: dict[int, str], n: int) -> None:
+                 delay: array[int], next_row: array[int], input_length: dict[int, int], start: array[int],
+                 first: array[int], line: array[int], turns: array[int], names: dict[int, str], n: int) -> None:
         self._block = block
         self._ids = ids  # per row: the used hash ids, row r's at [id_end[r - 1], id_end[r])
         self._id_end = id_end
