@@ -425,6 +425,7 @@ def _validate(args: argparse.Namespace) -> int:
     from harness.cluster import check_buildable
     from harness.runner import count_requests
     from harness.scenario import ScenarioError
+    from harness.trace_sessions import turn_count
     from harness.workload import build_sessions
 
     try:
@@ -437,7 +438,7 @@ def _validate(args: argparse.Namespace) -> int:
     except (KvemuError, ValueError) as exc:  # a router or engine part that would not build
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
-    turns = sum(len(s.turns) for s in sessions)
+    turns = turn_count(sessions)
     requests = count_requests(sessions)  # as run counts them: each sub-agent of a turn is a request too
     detail = f" ({counted(turns, 'turn')} + {counted(requests - turns, 'sub-agent request')})" if requests > turns \
         else ""

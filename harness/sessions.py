@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from itertools import islice
 from typing import Any
 
@@ -25,7 +25,8 @@ from kvemu.clock import NS_PER_S, Clock
 from kvemu.runtime.messages import ClientRequest
 
 from harness.scenario import Scenario
-from harness.workload import Session, Turn
+from harness.trace_sessions import start_times
+from harness.turns import Session, Turn
 
 __all__ = ["SessionPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
 
@@ -43,9 +44,11 @@ def awaiting(tg: anyio.abc.TaskGroup, submit: Callable[[ClientRequest], Awaitabl
 
 
 class SessionPlayer:
-    """Runs every session to its end (see the module doc); ``run`` returns when all have ended."""
+    """Runs every session to its end (see the module doc); ``run`` returns when all have ended.
 
-    def __init__(self, sessions: list[Session], submit: Submit, clock: Clock, *, concurrency: int | None = None,
+    A session is taken from ``sessions`` only when it starts (a loaded trace materializes it then)."""
+
+    def __init__(self, sessions: Sequence[Session], submit: Submit, clock: Clock, *, concurrency: int | None = None,
                  stall_timeout_ns: int | None = None) -> None:
         self.sessions = sessions
         self.submit = submit
@@ -71,8 +74,8 @@ class SessionPlayer:
         if not self._open:
             return
         if self.concurrency is None:
-            for s in self.sessions:
-                self._at(s.start_ns, self._turn, s, 0)
+            for i, start_ns in enumerate(start_times(self.sessions)):
+                self._at(start_ns, self._start, i)
         else:
             self._queue = iter(self.sessions)
             for s in islice(self._queue, self.concurrency):
@@ -122,6 +125,11 @@ class SessionPlayer:
             call_at_ns(when_ns, fn, *args)
         else:
             loop.call_later(delay / NS_PER_S, fn, *args)
+
+    def _start(self, i: int) -> None:
+        """Open loop: session ``i`` is due (its index waited in the timer, not the session)."""
+        if not self._stopped:
+            self._turn(self.sessions[i], 0)
 
     def _turn(self, s: Session, k: int) -> None:
         """Turn ``k`` of ``s`` is due: wait its think time, then send it."""
@@ -180,16 +188,16 @@ def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -
                          parent_session_id=parent, worker_id=turn.worker_id)
 
 
-def drain_deadline_s(scenario: Scenario, sessions: list[Session]) -> float:
+def drain_deadline_s(scenario: Scenario, sessions: Sequence[Session]) -> float:
     """Scenario seconds after which an open-loop run stops waiting: the last session start plus
     ``run.drain_timeout_s`` (a closed loop has none: it watches for stalls instead)."""
     if scenario.workload.concurrency is not None:
         return math.inf
-    last = max((s.start_ns for s in sessions), default=0) / NS_PER_S
+    last = max(start_times(sessions), default=0) / NS_PER_S
     return last + scenario.run.drain_timeout_s
 
 
-async def play_workload(scenario: Scenario, sessions: list[Session], submit: Submit, clock: Clock) -> bool:
+async def play_workload(scenario: Scenario, sessions: Sequence[Session], submit: Submit, clock: Clock) -> bool:
     """Play ``sessions`` as the scenario says (open or closed loop, drain deadline); False if cut short."""
     player = SessionPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,
                            stall_timeout_ns=round(scenario.run.drain_timeout_s * NS_PER_S))

@@ -12,13 +12,13 @@ import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from array import array
-from itertools import islice, repeat
+from itertools import repeat
 from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TextIO
 
 from kvemu.clock import NS_PER_MS, NS_PER_S
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_TRACE_ROWS, HashIdTokens, read_mooncake
+from workers.trace import MAX_TRACE_ROWS, read_mooncake
 
 from harness.scenario import (
     MAX_SCENARIO_NS,
@@ -30,53 +30,20 @@ from harness.scenario import (
     TraceWorkload,
     resolve,
 )
+from harness.trace_sessions import TraceSessions, TraceSessionsBuilder
+from harness.turns import Session, Turn
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
 
 
-class Turn(NamedTuple):
-    """One request of a session (trace turns keep their hash ids and expand them only when sent)."""
-
-    tokens: list[int] | None
-    max_tokens: int
-    delay_ns: int = 0
-    """Wait after the previous turn of the session completed (0 for the first turn)."""
-    output_token_ids: list[int] | None = None
-    """The reply's token ids, so that later turns that quote it hit the engine's cache."""
-    sub_agents: tuple[tuple[list[int], int], ...] = ()
-    """Sibling requests ``(tokens, max_tokens)`` started when this turn completes."""
-    worker_id: int | None = None
-    hash_ids: Sequence[int] | None = None
-    """A trace turn's hash ids: those its prompt uses, as the low 32 bits its tokens take (an ``array("I")``)."""
-    input_length: int = 0
-    trace_block_size: int = 0
-
-    def prompt(self) -> Sequence[int]:
-        """The prompt's token ids (a trace prompt stays a lazy ``HashIdTokens``: it hashes its blocks
-        once per trace block instead of per token, and is encoded as a list where bytes are needed)."""
-        if self.tokens is not None:
-            return self.tokens
-        return HashIdTokens(self.hash_ids or (), self.input_length, self.trace_block_size)
-
-
-class Session(NamedTuple):
-    """Turns that run one after another, starting at ``start_ns``."""
-
-    session_id: str
-    start_ns: int
-    turns: list[Turn]
-    sticky: bool = False
-    """Whether its requests carry the session id (affinity); trace rows without one do not."""
-
-
-_U32 = 0xFFFFFFFF
 PROGRESS_EVERY_ROWS = 250_000
 """On a terminal, reading a trace prints a line on stderr every this many rows (a large trace takes a while)."""
 
 
 def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None, *,
-               max_rows: int = MAX_TRACE_ROWS, progress: TextIO | None = None) -> list[Session]:
-    """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone).
+               max_rows: int = MAX_TRACE_ROWS, progress: TextIO | None = None) -> TraceSessions:
+    """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone),
+    sorted stably by start and kept column-wise (``TraceSessions``: a 10^7-row trace fits in memory).
 
     ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field, and so is
     the row past ``max_rows`` (the trace is not read further). ``progress`` (default: stderr when it is a
@@ -84,13 +51,10 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
     """
     if progress is None and sys.stderr is not None and sys.stderr.isatty():
         progress = sys.stderr
-    sessions: dict[str, Session] = {}  # those with a session id: their later rows chain to them
-    ends: dict[str, int] = {}  # each such session's latest turn, at the earliest (ns; responses add to it)
-    order: list[Session] = []
+    store = TraceSessionsBuilder(workload.trace_block_size)
     speed = workload.arrival_speedup_ratio
-    block = workload.trace_block_size
     last_ts = 0.0
-    rows = read_mooncake(path, max_requests, block, max_rows=max_rows)
+    rows = read_mooncake(path, max_requests, workload.trace_block_size, max_rows=max_rows)
     count = 0
     while True:
         try:
@@ -103,31 +67,19 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
         count += 1
         if progress is not None and count % PROGRESS_EVERY_ROWS == 0:
             print(f"kvemu: reading {path}: {count:,} rows (line {lineno:,})", file=progress, flush=True)
-        # compact: only the hash ids the prompt uses, as the 32 bits its tokens take (HashIdTokens' own view)
-        prompt = min(row.input_length, len(row.hash_ids) * block)
-        ids = array("I", [h & _U32 for h in islice(row.hash_ids, -(-prompt // block))])
-        turn = Turn(None, row.output_length, 0, hash_ids=ids, input_length=row.input_length,  # type: ignore[arg-type]
-                    trace_block_size=block)
+        r = store.turn(row)
         sid = row.session_id
         delay_ms = row.delay or 0.0
         if row.timestamp is not None:
             last_ts = row.timestamp
-        if sid is not None and sid in sessions:
-            delay_ns = round(delay_ms * NS_PER_MS / speed)
-            ends[sid] += delay_ns
-            _check_time(ends[sid], path, lineno)
-            sessions[sid].turns.append(turn._replace(delay_ns=delay_ns))
+        if sid is not None and sid in store:
+            _check_time(store.follow(sid, r, round(delay_ms * NS_PER_MS / speed)), path, lineno)
             continue
         start_ms = last_ts if row.timestamp is not None else last_ts + delay_ms
         start_ns = round(start_ms * NS_PER_MS / speed)
         _check_time(start_ns, path, lineno)
-        session = Session(sid if sid is not None else f"trace-{lineno}", start_ns, [turn], sid is not None)
-        if sid is not None:
-            sessions[sid] = session
-            ends[sid] = start_ns
-        order.append(session)
-    order.sort(key=lambda s: s.start_ns)  # (stable: rows that start together keep their order)
-    return order
+        store.open(r, lineno, start_ns, sid)
+    return store.build()
 
 
 def _check_time(t_ns: int, path: Path, lineno: int) -> None:
@@ -194,16 +146,13 @@ def _tokens(rng: random.Random, vocab: int, count: int) -> list[int]:
     return out
 
 
-def build_sessions(scenario: Scenario) -> list[Session]:
+def build_sessions(scenario: Scenario) -> Sequence[Session]:
     """The scenario's sessions, cut to ``run.duration_s`` / ``run.max_requests`` as configured."""
     w = scenario.workload
     run = scenario.run
     if isinstance(w, TraceWorkload):
-        sessions = load_trace(w, resolve(scenario, w.trace), run.max_requests)
-        if run.duration_s is not None:
-            limit = round(run.duration_s * NS_PER_S)
-            sessions = [s for s in sessions if s.start_ns <= limit]
-        return sessions
+        loaded = load_trace(w, resolve(scenario, w.trace), run.max_requests)
+        return loaded if run.duration_s is None else loaded.starting_by(round(run.duration_s * NS_PER_S))
     duration = run.duration_s if run.duration_s is not None else 60.0
     sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers)
     if run.max_requests is not None:
@@ -229,7 +178,7 @@ def output_lengths(scenario: Scenario) -> Callable[[], int]:
     if isinstance(w, SyntheticWorkload):
         return lambda: sample(w.osl, rng)
     rows = read_mooncake(resolve(scenario, w.trace), scenario.run.max_requests, w.trace_block_size)
-    lengths = []
+    lengths = array("I")  # (a 10^7-row trace: 40 MB, not a list of ints)
     for _, row in rows:
         lengths.append(row.output_length)
     if not lengths:

@@ -162,3 +162,32 @@ def test_trace_requests_share_prefix_blocks_in_the_engine():
     b = eng.add_request(mooncake_request(rec_b, request_id="b"))
     eng.advance_to(10**11)
     assert a.done and b.done and a.engine_cached_tokens == 0 and b.engine_cached_tokens == 1024
+
+
+_ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64 + 3), st.floats(allow_nan=True),
+                       st.text(max_size=3), st.lists(st.integers(-1, 2**64), max_size=3))
+_NEAR_ROW = st.fixed_dictionaries(
+    {"hash_ids": st.one_of(st.lists(st.integers(-1, 2**64), max_size=4), _ANY_VALUE),
+     "input_length": st.one_of(st.integers(-1, 2**23), _ANY_VALUE),
+     "output_length": st.one_of(st.integers(-1, 2**23), _ANY_VALUE)},
+    optional={"timestamp": _ANY_VALUE, "delay": st.one_of(st.floats(-1, 4e11), _ANY_VALUE),
+              "session_id": _ANY_VALUE, "output_token_ids": _ANY_VALUE, "extra": _ANY_VALUE})
+
+
+@given(row=st.one_of(_NEAR_ROW, _ANY_VALUE), tbs=st.sampled_from([1, 4, 512]))
+def test_the_fast_row_decoder_accepts_only_what_the_checked_path_does_and_equals_it(row, tbs):
+    line = json.dumps(row)
+    fast = trace._fast_row(line, tbs)
+    try:
+        checked = mooncake_row(json.loads(line), tbs)
+    except InvalidArgument:
+        assert fast is None  # read_mooncake then takes the checked path, which names the field
+        return
+    assert fast is None or fast == checked
+
+
+def test_a_valid_row_takes_the_fast_decoder():
+    line = '{"timestamp": 3, "hash_ids": [1, 18446744073709551615], "input_length": 9, "output_length": 0, ' \
+        '"session_id": 7, "output_token_ids": [5]}'
+    assert trace._fast_row(line, 4) == mooncake_row(json.loads(line), 4) == \
+        trace.MooncakeRow((1, 2**64 - 1), 9, 1, 3.0, None, "7", [5])

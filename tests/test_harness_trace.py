@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from harness.scenario import ScenarioError, TraceWorkload, parse_scenario
+from harness.trace_sessions import TraceSessions, turn_count
 from harness.workload import Turn, build_sessions, load_trace
 from workers.trace import expand_hash_ids
 
@@ -190,15 +191,11 @@ def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_readin
     assert out.getvalue().splitlines() == [f"kvemu: reading {path}: {n} rows (line {n})" for n in (2, 4, 6)]
 
 
-def test_a_loaded_trace_row_is_compact(tmp_path):
+def loaded_bytes_per_row(path: Path, rows: list[dict]) -> tuple[TraceSessions, float]:
+    """The trace of ``rows`` written to ``path``, loaded, and the bytes it holds a row (tracemalloc)."""
     import tracemalloc
 
-    n = 20_000
-    path = tmp_path / "tiny.jsonl"
-    with open(path, "w") as fh:
-        for i in range(n):
-            fh.write(json.dumps({"timestamp": i, "input_length": 8000, "output_length": 2,
-                                 "hash_ids": [7 * i + 1000 + k for k in range(16)]}) + "\n")
+    write(path, rows)
     w = TraceWorkload(trace=str(path), trace_block_size=512)
     tracemalloc.start()
     try:
@@ -206,8 +203,22 @@ def test_a_loaded_trace_row_is_compact(tmp_path):
         held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert len(sessions) == n
+    assert len(sessions) == len(rows)
+    return sessions, held / len(rows)
+
+
+def test_a_loaded_trace_row_is_compact(tmp_path):
+    sessions, per_row = loaded_bytes_per_row(tmp_path / "t.jsonl", [
+        {"timestamp": i, "input_length": 8000, "output_length": 2, "hash_ids": [7 * i + 1000 + k for k in range(16)]}
+        for i in range(20_000)])
     # 16 hash ids a row: 1,008 bytes a row as tuples of Python ints; about 540 as an array of the 32 bits used
-    assert held / n < 700, f"{held / n:.0f} bytes a row"
+    assert per_row < 700, f"{per_row:.0f} bytes a row"
     first = sessions[0].turns[0]
     assert list(first.prompt()[:1]) == [1000] and len(first.prompt()) == 8000
+
+
+def test_a_loaded_tiny_row_takes_at_most_100_bytes(tmp_path):
+    sessions, per_row = loaded_bytes_per_row(tmp_path / "t.jsonl", [
+        {"timestamp": i // 100, "input_length": 10, "output_length": 1, "hash_ids": [i % 977]} for i in range(20_000)])
+    assert per_row <= 100, f"{per_row:.0f} bytes a row"  # (as Session and Turn objects: about 450)
+    assert turn_count(sessions) == len(sessions)

@@ -13,8 +13,9 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Any, NamedTuple, overload
+from typing import Annotated, Any, NamedTuple, overload
 
+import msgspec
 import xxhash
 
 from kvemu.errors import InvalidArgument
@@ -125,6 +126,41 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
                        None if sid is None else str(sid), out_ids)
 
 
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_Ms = Annotated[float, msgspec.Meta(ge=0, le=MAX_TRACE_MS)]
+
+
+class _DecodedRow(msgspec.Struct):
+    """A trace row as msgspec decodes it, types and ranges checked in C: the fast path of ``read_mooncake``."""
+
+    hash_ids: tuple[_NonNegative, ...]  # (below 2**64: checked after, msgspec bounds stop at int64)
+    input_length: _NonNegative
+    output_length: Annotated[int, msgspec.Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
+    timestamp: _Ms | None = None
+    delay: _Ms | None = None
+    session_id: str | int | None = None
+    output_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_U32_MASK)]] | None = None
+
+
+_decode_row = msgspec.json.Decoder(_DecodedRow).decode
+
+
+def _fast_row(line: str, trace_block_size: int) -> MooncakeRow | None:
+    """The row of a JSON line that ``mooncake_row(json.loads(line))`` accepts, equal to what it gives; None for
+    any other line (that path then names the error), so a valid row skips the per-field Python checks."""
+    try:
+        r = _decode_row(line)
+    except msgspec.MsgspecError:
+        return None
+    ids = r.hash_ids
+    prompt = min(r.input_length, len(ids) * trace_block_size)
+    if not 1 <= prompt <= MAX_PROMPT_TOKENS or max(ids) >= _U64_LIMIT:
+        return None
+    sid = r.session_id
+    return MooncakeRow(ids, r.input_length, max(1, r.output_length), r.timestamp, r.delay,
+                       None if sid is None else str(sid), r.output_token_ids)
+
+
 def read_mooncake(path: str | Path, limit: int | None = None,
                   trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE, *,
                   max_rows: int = MAX_TRACE_ROWS) -> Iterator[tuple[int, MooncakeRow]]:
@@ -141,6 +177,7 @@ def read_mooncake(path: str | Path, limit: int | None = None,
     if limit is not None and limit <= 0:
         return
     n = 0
+    fast = _is_int(trace_block_size) and trace_block_size >= 1  # (else every row gets the full path's error)
     with open(path, "rb") as fh:
         if bounded and fh.seekable():  # refused before any row is parsed and kept (a pipe: at the row past it)
             past = _row_past(fh, max_rows)
@@ -159,8 +196,10 @@ def read_mooncake(path: str | Path, limit: int | None = None,
                 continue
             if n >= limit:  # (the file grew after the count)
                 raise InvalidArgument(_too_many_rows(path, lineno, max_rows), field="max_requests")
+            row = _fast_row(line, trace_block_size) if fast else None
             try:
-                row = mooncake_row(json.loads(line), trace_block_size)
+                if row is None:
+                    row = mooncake_row(json.loads(line), trace_block_size)
             except json.JSONDecodeError as exc:
                 raise InvalidArgument(f"{path}:{lineno}: not JSON ({exc.msg})") from None
             except InvalidArgument as exc:
