@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from process_output import tagged, tagged_env
 
 from kvemu import ManualClock
 from kvemu.runtime.hooks import Hooks
@@ -58,14 +59,17 @@ def write(tmp_path: Path, text: str = DISAGG, name: str = "s.yaml") -> Path:
     return path
 
 
-def kvemu(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def kvemu(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=env)
 
 
-def harness_children() -> set[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()[1:]
-    return {int(line.split()[0]) for line in out if "harness.cli" in line}
+def no_children_left(tag: str) -> None:
+    """Every process started with ``tag`` (the command and its children) is gone within 10 s."""
+    deadline = time.monotonic() + 10
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tagged(tag), tagged(tag)
 
 
 def report(out: Path) -> tuple[dict, list[dict]]:
@@ -89,16 +93,13 @@ def assert_both_pools_served(summary: dict, records: list[dict]) -> None:
 
 def test_kvemu_up_runs_a_disaggregated_cluster_as_processes(tmp_path):
     out = tmp_path / "out"
-    before = harness_children()
-    res = kvemu("up", str(write(tmp_path)), "-o", str(out))
+    tag, env = tagged_env()
+    res = kvemu("up", str(write(tmp_path)), "-o", str(out), env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     summary, records = report(out)
     assert_both_pools_served(summary, records)
     assert summary["kvemu"]["mode"] == "live"
-    deadline = time.monotonic() + 10
-    while harness_children() - before and time.monotonic() < deadline:  # kvemu up stopped its children
-        time.sleep(0.05)
-    assert not harness_children() - before
+    no_children_left(tag)  # kvemu up stopped its children
 
 
 def test_kvemu_run_serves_a_disaggregated_cluster_live_in_one_process(tmp_path):
@@ -178,8 +179,8 @@ def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_
   - {at_s: 0.8, action: remove_worker, worker: 0, graceful: false}
   - {at_s: 1.6, action: remove_worker, worker: 3, graceful: false}
 """
-    before = harness_children()
-    res = kvemu("up", str(write(tmp_path, chaos)), "-o", str(out), timeout=180)
+    tag, env = tagged_env()
+    res = kvemu("up", str(write(tmp_path, chaos)), "-o", str(out), timeout=180, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     summary, records = report(out)
     k = summary["kvemu"]
@@ -190,10 +191,7 @@ def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_
     late = [r for r in records if r["arrival_ns"] > 2.5e9]  # after both kills: the survivors serve them
     assert late and all(r["failure"] is None and r["prefill_worker_id"] == 1 and r["worker_id"] == 2 for r in late)
     assert k["worker_events"].get("worker_removed", 0) >= 2
-    deadline = time.monotonic() + 10
-    while harness_children() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not harness_children() - before
+    no_children_left(tag)
 
 
 # ------------------------------------------------------------------ the gate, in virtual time
