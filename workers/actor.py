@@ -102,7 +102,7 @@ class WorkerActor:
             worker_id=worker.worker_id,
             dp_size=len(worker.cores),
             dp_start=worker.dp_start_rank,
-            block_size=worker.config.block_size,
+            block_size=worker.config.resolved_block_size,
             total_kv_blocks=worker.config.num_gpu_blocks,
             max_num_batched_tokens=worker.config.max_num_batched_tokens,
             worker_type=worker_type,

@@ -88,16 +88,17 @@ class EngineCore(RankCore):
     ) -> None:
         super().__init__(config if config is not None else EngineConfig(), dp_rank, timing)
         cfg = self.config
-        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy)
+        bs = cfg.resolved_block_size
+        self.pool = BlockPool(cfg.num_gpu_blocks, bs, cfg.eviction_policy)
         self.scheduler = Scheduler(cfg, self.pool)
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
         """The host KV tier (None: ``native_host_offload`` is off)."""
         if offload is not None:
-            assert cfg.kv_cache_bytes_per_token is not None and cfg.block_size is not None  # the config checks it
-            self.host = self.scheduler.host = HostTier(offload, cfg.block_size, cfg.kv_cache_bytes_per_token,
+            assert cfg.kv_cache_bytes_per_token is not None  # the config checks it
+            self.host = self.scheduler.host = HostTier(offload, bs, cfg.kv_cache_bytes_per_token,
                                                        self.pool)
-        self._block_size = cfg.block_size
+        self._block_size = bs
         self._caching = cfg.enable_prefix_caching
         self._held: dict[str, SeqState] = {}  # prefill legs done, holding their KV for a decode rank
         self._releasing: list[SeqState] = []  # held KV released while a pass is in flight: freed at its end
@@ -140,7 +141,7 @@ class EngineCore(RankCore):
     # ------------------------------------------------------------- admission
 
     def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
-        return SeqState(req, record, self.config.block_size, self._order)  # type: ignore[arg-type]
+        return SeqState(req, record, self._block_size, self._order)
 
     def _enqueue(self, seq: SeqState) -> None:
         self.scheduler.add(seq)

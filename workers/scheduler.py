@@ -96,7 +96,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
         self.pool = pool
-        self.block_size = config.block_size
+        self.block_size = config.resolved_block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefix_caching = config.enable_prefix_caching

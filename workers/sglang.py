@@ -108,7 +108,7 @@ class SglangCore(RankCore):
         super().__init__(cfg, dp_rank, timing)
         sg = cfg.sglang
         self._sg = sg
-        self._page: int = cfg.block_size  # type: ignore[assignment]
+        self._page = cfg.resolved_block_size
         self.cache = RadixCache(cfg.num_gpu_blocks)
         self._caching = cfg.enable_prefix_caching
         self._init_ratio = _INIT_RATIO * sg.schedule_conservativeness

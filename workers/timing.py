@@ -157,7 +157,7 @@ class PassTimer:
     def __init__(self, config: EngineConfig, model: TimingModel | None = None) -> None:
         self.model: TimingModel = model if model is not None else timing_model(config)
         self._batch_aware = bool(getattr(self.model, "batch_aware", False))
-        self.block_size = config.block_size
+        self.block_size = config.resolved_block_size
         self.total_kv_tokens = config.capacity_tokens
         prefill_ratio = config.speedup_ratio
         decode_ratio = config.speedup_ratio * config.decode_speedup_ratio
