@@ -48,6 +48,7 @@ import heapq
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from itertools import accumulate
+from typing import Any
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.records import RequestRecord
@@ -197,11 +198,13 @@ class EngineCore(RankCore):
             seq.status = RUNNING
             sch.complete(seq)
         else:
-            for heap in (sch.future, sch.waiting, sch.loads):
+            heaps: tuple[list[Any], ...] = (sch.future, sch.waiting, sch.loads)  # entries of 3 shapes, seq last
+            for heap in heaps:
                 for i, entry in enumerate(heap):
                     if entry[-1] is seq:
                         if heap is sch.loads and entry[2]:
-                            self.host.loaded(entry[2])  # type: ignore[union-attr]  # its load is dropped
+                            # (loads exist only with a host tier) its load is dropped
+                            self.host.loaded(entry[2])  # type: ignore[union-attr]
                         if seq.host_load is not None:  # it held the blocks of a host load: they go back
                             self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
                             seq.n_alloc = seq.n_full = 0
