@@ -61,7 +61,7 @@ from workers.core import RankCore
 from workers.results import AdvanceResult, StepResult
 from workers.scheduler import Schedule, Scheduler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
-from workers.timing import TimingModel
+from workers.timing import AnyTimingModel
 
 __all__ = ["EngineCore", "StepResult", "AdvanceResult"]
 
@@ -85,7 +85,7 @@ class EngineCore(RankCore):
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None
     ) -> None:
         super().__init__(config if config is not None else EngineConfig(), dp_rank, timing)
         cfg = self.config

@@ -43,7 +43,7 @@ from workers.events import PassEvents
 from workers.radix import RadixCache, RadixNode
 from workers.request import Request
 from workers.sequence import FINISHED, FUTURE, RUNNING, WAITING, SeqState
-from workers.timing import TimingModel
+from workers.timing import AnyTimingModel
 
 __all__ = ["SglangCore"]
 
@@ -100,7 +100,7 @@ class SglangCore(RankCore):
     """The SGLang-flavour mock engine of one DP rank; same host contract as ``EngineCore``."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None
     ) -> None:
         cfg = config if config is not None else EngineConfig(backend="sglang")
         if cfg.backend != "sglang":
