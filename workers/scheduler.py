@@ -158,9 +158,9 @@ class Scheduler:
         done.sort(key=lambda d: d[:3])  # in queue order (a request's order is its host's submission order)
         for _, _, order, blocks, seq in done:
             if blocks:
-                self.host.loaded(blocks)  # type: ignore[union-attr]
+                self.host.loaded(blocks)  # type: ignore[union-attr]  # loads happen only with a host tier
                 # its loaded blocks hold the prompt's KV now: they are cached (vLLM caches them at this pass)
-                first, _, full = seq.host_load  # type: ignore[misc]
+                first, _, full = seq.host_load  # type: ignore[misc]  # set by _load with the blocks
                 self.pool.promote(seq.hashes, first, full, seq)
                 seq.n_full = full
             heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, order, seq))
