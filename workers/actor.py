@@ -102,7 +102,7 @@ class WorkerActor:
             worker_id=worker.worker_id,
             dp_size=len(worker.cores),
             dp_start=worker.dp_start_rank,
-            block_size=worker.config.block_size,
+            block_size=worker.config.resolved_block_size,
             total_kv_blocks=worker.config.num_gpu_blocks,
             max_num_batched_tokens=worker.config.max_num_batched_tokens,
             worker_type=worker_type,
@@ -245,27 +245,27 @@ class WorkerActor:
 
     def on_message(self, msg: RouterMessage) -> None:
         """Handle one message from the router (the transport's handler)."""
-        t = type(msg)
-        if t is Dispatch:
-            self._on_dispatch(msg)  # type: ignore[arg-type]
-        elif t is Abort:
-            self.abort(msg.request_id, msg.reason)  # type: ignore[union-attr]
-        elif t is ReleaseKv:
-            self.release_kv(msg.request_id)  # type: ignore[union-attr]
-        elif t is Chaos:
-            why = self.apply_chaos(msg)  # type: ignore[arg-type]
+        # (``type(msg) is``: mypy narrows the union on it; messages are exact classes, never subclassed)
+        if type(msg) is Dispatch:
+            self._on_dispatch(msg)
+        elif type(msg) is Abort:
+            self.abort(msg.request_id, msg.reason)
+        elif type(msg) is ReleaseKv:
+            self.release_kv(msg.request_id)
+        elif type(msg) is Chaos:
+            why = self.apply_chaos(msg)
             if why is not None:
-                log.warning("chaos %s refused: %s", msg.action, why)  # type: ignore[union-attr]
+                log.warning("chaos %s refused: %s", msg.action, why)
             if self.on_chaos is not None:
-                self.on_chaos(msg, why)  # type: ignore[arg-type]
-        elif t is Reregister:  # the router restarted and lost us
+                self.on_chaos(msg, why)
+        elif type(msg) is Reregister:  # the router restarted and lost us
             self._send(self.register_msg)
-        elif t is RegisterAck:
-            if not msg.accepted:  # type: ignore[union-attr]
-                if msg.retry_after_s is None:  # type: ignore[union-attr]
-                    raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")  # type: ignore[union-attr]
+        elif type(msg) is RegisterAck:
+            if not msg.accepted:
+                if msg.retry_after_s is None:
+                    raise WorkerRejected(f"worker {self.worker_id}: registration refused: {msg.reason}")
                 # rate limited: retry then (a registered worker is asked again at its next heartbeat)
-                self._retry_after_s = min(max(msg.retry_after_s, 0.0), 60.0)  # type: ignore[union-attr]
+                self._retry_after_s = min(max(msg.retry_after_s, 0.0), 60.0)
             else:
                 self.registered.set()
             self._answered.set()

@@ -53,7 +53,7 @@ def check_tokens_u32(tokens: Sequence[int], field: str) -> None:
 
 def sglang_max_len(config: EngineConfig) -> int:
     """The longest prompt + output an SGLang rank accepts (its pool less one page); outputs are clipped to it."""
-    return config.capacity_tokens - config.block_size  # type: ignore[operator]
+    return config.capacity_tokens - config.resolved_block_size
 
 
 def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_tokens: bool) -> None:
@@ -107,10 +107,10 @@ def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_toke
             f"prompt ({n}) + max_tokens ({mt}) - 1 = {kv_tokens} tokens exceed max_num_batched_tokens "
             f"({config.max_num_batched_tokens}) with chunked prefill disabled",
         )
-    if req.seq_hashes is not None and len(req.seq_hashes) != n // config.block_size:
+    if req.seq_hashes is not None and len(req.seq_hashes) != n // config.resolved_block_size:
         raise _malformed(
             "seq_hashes",
-            f"expected {n // config.block_size} hashes (full blocks of {config.block_size}), got {len(req.seq_hashes)}",
+            f"expected {n // config.resolved_block_size} hashes (full blocks of {config.block_size}), got {len(req.seq_hashes)}",
         )
     if req.output_token_ids is not None:
         check_tokens_u32(req.output_token_ids, "output_token_ids")

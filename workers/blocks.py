@@ -200,7 +200,7 @@ class BlockPool:
                 head += len(span)
                 if None in span:
                     span = [h for h in span if h is not None]
-                victims += span
+                victims += span  # type: ignore[arg-type]  # no None left in span (filtered just above)
                 n -= len(span)
             deque(map(cached.__delitem__, victims), maxlen=0)
             self.log.append((REMOVED, victims))

@@ -158,7 +158,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if not self.enable_chunked_prefill:
             raise InvalidArgument("enable_chunked_prefill: false is not supported for backend sglang (SGLang always "
                                   "chunks long prompts); remove it", field="enable_chunked_prefill")
-        if self.sglang.chunked_prefill_size % self.block_size:  # type: ignore[operator]
+        if self.sglang.chunked_prefill_size % self.resolved_block_size:
             raise InvalidArgument(
                 f"sglang.chunked_prefill_size ({self.sglang.chunked_prefill_size}) must be a multiple of block_size "
                 f"({self.block_size}, the SGLang page size)", field="sglang.chunked_prefill_size")
@@ -178,6 +178,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                                   "and their transfers)", field="kv_cache_bytes_per_token")
 
     @property
+    def resolved_block_size(self) -> int:
+        """``block_size`` as an ``int``: the value given, else the backend's default (``__post_init__`` already
+        stores it, so this is ``block_size`` itself; read it once, outside hot loops)."""
+        bs = self.block_size
+        return bs if bs is not None else DEFAULT_BLOCK_SIZE[self.backend]
+
+    @property
     def capacity_tokens(self) -> int:
         """KV tokens one rank can hold (``num_gpu_blocks * block_size``)."""
-        return self.num_gpu_blocks * self.block_size  # type: ignore[operator]  # resolved in __post_init__
+        return self.num_gpu_blocks * self.resolved_block_size

@@ -19,7 +19,7 @@ from workers.events import PassEvents
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.sequence import SeqState
-from workers.timing import PassTimer, TimingModel
+from workers.timing import AnyTimingModel, PassTimer
 
 __all__ = ["RankCore"]
 
@@ -29,7 +29,7 @@ class RankCore:
 
     _steady = False  # a flavour with a decode-run fast path sets it when the next passes only decode
 
-    def __init__(self, config: EngineConfig, dp_rank: int, timing: TimingModel | None) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int, timing: AnyTimingModel | None) -> None:
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}", field="dp_rank")
         self.config = config

@@ -48,6 +48,7 @@ import heapq
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from itertools import accumulate
+from typing import Any
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.records import RequestRecord
@@ -60,7 +61,7 @@ from workers.core import RankCore
 from workers.results import AdvanceResult, StepResult
 from workers.scheduler import Schedule, Scheduler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
-from workers.timing import TimingModel
+from workers.timing import AnyTimingModel
 
 __all__ = ["EngineCore", "StepResult", "AdvanceResult"]
 
@@ -84,20 +85,21 @@ class EngineCore(RankCore):
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None
     ) -> None:
         super().__init__(config if config is not None else EngineConfig(), dp_rank, timing)
         cfg = self.config
-        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy)
+        bs = cfg.resolved_block_size
+        self.pool = BlockPool(cfg.num_gpu_blocks, bs, cfg.eviction_policy)
         self.scheduler = Scheduler(cfg, self.pool)
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
         """The host KV tier (None: ``native_host_offload`` is off)."""
         if offload is not None:
-            assert cfg.kv_cache_bytes_per_token is not None and cfg.block_size is not None  # the config checks it
-            self.host = self.scheduler.host = HostTier(offload, cfg.block_size, cfg.kv_cache_bytes_per_token,
+            assert cfg.kv_cache_bytes_per_token is not None  # the config checks it
+            self.host = self.scheduler.host = HostTier(offload, bs, cfg.kv_cache_bytes_per_token,
                                                        self.pool)
-        self._block_size = cfg.block_size
+        self._block_size = bs
         self._caching = cfg.enable_prefix_caching
         self._held: dict[str, SeqState] = {}  # prefill legs done, holding their KV for a decode rank
         self._releasing: list[SeqState] = []  # held KV released while a pass is in flight: freed at its end
@@ -140,7 +142,7 @@ class EngineCore(RankCore):
     # ------------------------------------------------------------- admission
 
     def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
-        return SeqState(req, record, self.config.block_size, self._order)  # type: ignore[arg-type]
+        return SeqState(req, record, self._block_size, self._order)
 
     def _enqueue(self, seq: SeqState) -> None:
         self.scheduler.add(seq)
@@ -196,11 +198,13 @@ class EngineCore(RankCore):
             seq.status = RUNNING
             sch.complete(seq)
         else:
-            for heap in (sch.future, sch.waiting, sch.loads):
+            heaps: tuple[list[Any], ...] = (sch.future, sch.waiting, sch.loads)  # entries of 3 shapes, seq last
+            for heap in heaps:
                 for i, entry in enumerate(heap):
                     if entry[-1] is seq:
                         if heap is sch.loads and entry[2]:
-                            self.host.loaded(entry[2])  # type: ignore[union-attr]  # its load is dropped
+                            # (loads exist only with a host tier) its load is dropped
+                            self.host.loaded(entry[2])  # type: ignore[union-attr]
                         if seq.host_load is not None:  # it held the blocks of a host load: they go back
                             self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
                             seq.n_alloc = seq.n_full = 0

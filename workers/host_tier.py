@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 from workers.blocks import BlockPool, TokenSource
 from workers.config import HostOffloadConfig
@@ -35,6 +36,13 @@ HOST_REMOVED = 4
 """KV log entry ``(HOST_REMOVED, block_hashes)``."""
 _I64_LIMIT = 1 << 63
 _TWO_64 = 1 << 64
+
+
+class StagedSource(TokenSource, Protocol):
+    """A request whose prompt blocks are staged for storing (``workers.sequence.SeqState``): a ``TokenSource``
+    that also has the sequence hashes of its blocks."""
+
+    hashes: list[int]
 
 
 class HostTier:
@@ -60,9 +68,9 @@ class HostTier:
         """Sequence hash -> end of its store, for blocks being copied to the host (their room is taken)."""
         self.pins: dict[int, int] = {}
         """Sequence hash -> loads in flight reading it (a pinned block is not evicted)."""
-        self.staged: dict[TokenSource, tuple[list[int], int]] = {}
+        self.staged: dict[StagedSource, tuple[list[int], int]] = {}
         """Cohorts filled by the pass being scheduled (or not yet admitted): request -> (hashes, first index)."""
-        self.stores: deque[tuple[int, list[int], int | None, TokenSource, int]] = deque()
+        self.stores: deque[tuple[int, list[int], int | None, StagedSource, int]] = deque()
         """Stores in flight, in lane order: (end, hashes, parent, source, first block index)."""
         self._epoch = 0
         self._lru: list[tuple[int, int, int]] = []  # (epoch, hash as i64, hash), lazily pruned
@@ -72,7 +80,7 @@ class HostTier:
 
     # ---------------------------------------------------------------- stores
 
-    def stage(self, source: TokenSource, hashes: Sequence[int], lo: int, hi: int) -> None:
+    def stage(self, source: StagedSource, hashes: Sequence[int], lo: int, hi: int) -> None:
         """Prompt blocks ``lo .. hi-1`` of ``source`` became full in the pass being scheduled."""
         got = self.staged.get(source)
         if got is None:
@@ -111,7 +119,7 @@ class HostTier:
                 self._d2h_tail = end
                 pending.update(dict.fromkeys(run, end))
                 idx = first + lo
-                parent = hashes[lo - 1] if lo else (source.hashes[idx - 1] if idx else None)  # type: ignore[attr-defined]
+                parent = hashes[lo - 1] if lo else (source.hashes[idx - 1] if idx else None)
                 self.stores.append((end, run, parent, source, idx))
 
     def _evict(self, n: int, cohort: Sequence[int]) -> bool:

@@ -22,7 +22,7 @@ class WorkerBackend:
         self.actor = actor
         cfg = actor.worker.config
         self.max_model_len = cfg.capacity_tokens
-        self.block_size = cfg.block_size
+        self.block_size = cfg.resolved_block_size
         self._next = 0
 
     def _rank(self) -> int | None:

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvemu.errors import InvalidArgument
 
@@ -161,7 +161,7 @@ class ProfileData:
                                   field=field)
         if len(raw) != rows or any(n != cols for n in shape):
             found = ("(0,)" if not raw else f"({len(raw)}, {shape[0]})" if len(set(shape)) == 1
-                     else f"{len(raw)} rows of lengths {sorted(set(shape))}")
+                     else f"{len(raw)} rows of lengths {sorted(cast('set[int]', set(shape)))}")  # (no None: refused)
             hint = ""
             if rows != cols and len(raw) == cols and all(n == rows for n in shape):
                 hint = ("; the grid looks transposed: rows must follow decode_active_kv_tokens and columns "
@@ -403,14 +403,14 @@ def _load_csv(path: Path) -> ProfileData:
     px, pm, pl = array("d"), array("d"), array("q")
     dx, dy, dm, dl = array("d"), array("d"), array("d"), array("q")
     try:
-        for line, kind, x, y, ms in _csv_rows(path):
-            if y is None:
-                px.append(x)
+        for line, kind, xv, yv, ms in _csv_rows(path):
+            if yv is None:
+                px.append(xv)
                 pm.append(ms)
                 pl.append(line)
             else:
-                dx.append(x)
-                dy.append(y)
+                dx.append(xv)
+                dy.append(yv)
                 dm.append(ms)
                 dl.append(line)
     except UnicodeDecodeError as exc:
@@ -457,7 +457,8 @@ def _load_csv(path: Path) -> ProfileData:
             f"values need {rows.size * cols.size} rows, found {a.size}); missing active_kv_tokens="
             f"{_fmt(float(rows[i]))}, context_length={_fmt(float(cols[j]))}", field="decode_itl")
     return ProfileData(prefill_isl=x.tolist(), prefill_ttft_ms=m.tolist(), decode_active_kv_tokens=rows.tolist(),
-                       decode_context_length=cols.tolist(), decode_itl=t.reshape(rows.size, cols.size).tolist())
+                       decode_context_length=cols.tolist(),
+                       decode_itl=t.reshape(rows.size, cols.size).tolist())  # type: ignore[arg-type]  # rows: tuples in __post_init__
 
 
 def save_profile(data: ProfileData, path: str | os.PathLike[str]) -> None:
@@ -473,7 +474,8 @@ def save_profile(data: ProfileData, path: str | os.PathLike[str]) -> None:
             import numpy as np
 
             with os.fdopen(fd, "wb") as fb:
-                np.savez(fb, **{k: np.asarray(getattr(data, k), dtype=np.float64) for k in PROFILE_KEYS})
+                # (numpy's stub lets a ** mapping fill allow_pickle; the keys are PROFILE_KEYS)
+                np.savez(fb, **{k: np.asarray(getattr(data, k), dtype=np.float64) for k in PROFILE_KEYS})  # type: ignore[arg-type]
         else:
             with os.fdopen(fd, "w", newline="", encoding="utf-8") as ft:
                 out = csv.writer(ft, lineterminator="\n")

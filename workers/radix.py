@@ -129,7 +129,7 @@ class RadixCache:
         upper = RadixNode(node.hashes[:n], node.parent, node.stamp)
         upper.lock = node.lock
         node.hashes = node.hashes[n:]
-        node.parent.children[upper.hashes[0]] = upper  # type: ignore[union-attr]
+        node.parent.children[upper.hashes[0]] = upper  # type: ignore[union-attr]  # only the root has no parent
         upper.children[node.hashes[0]] = node
         node.parent = upper
         return upper
@@ -142,7 +142,7 @@ class RadixCache:
             if not node.lock:
                 self.locked += len(node.hashes)
             node.lock += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent  # type: ignore[assignment]  # not the root: it has a parent
 
     def unlock(self, node: RadixNode) -> None:
         """A request let go of the path to ``node``; pages nobody holds become evictable."""
@@ -152,7 +152,7 @@ class RadixCache:
                 self.locked -= len(node.hashes)
                 if not node.children:
                     self._candidate(node)
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent  # type: ignore[assignment]  # not the root: it has a parent
 
     def _touched(self, node: RadixNode) -> None:
         if node is not self.root and not node.children and not node.lock:

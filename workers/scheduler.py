@@ -96,7 +96,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
         self.pool = pool
-        self.block_size = config.block_size
+        self.block_size = config.resolved_block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefix_caching = config.enable_prefix_caching
@@ -158,9 +158,9 @@ class Scheduler:
         done.sort(key=lambda d: d[:3])  # in queue order (a request's order is its host's submission order)
         for _, _, order, blocks, seq in done:
             if blocks:
-                self.host.loaded(blocks)  # type: ignore[union-attr]
+                self.host.loaded(blocks)  # type: ignore[union-attr]  # loads happen only with a host tier
                 # its loaded blocks hold the prompt's KV now: they are cached (vLLM caches them at this pass)
-                first, _, full = seq.host_load  # type: ignore[misc]
+                first, _, full = seq.host_load  # type: ignore[misc]  # set by _load with the blocks
                 self.pool.promote(seq.hashes, first, full, seq)
                 seq.n_full = full
             heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, order, seq))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from typing import Protocol, cast
 
 import xxhash
 
@@ -25,6 +26,13 @@ _pack_pair = struct.Struct("<QQ").pack
 if sys.byteorder != "little" or array("I").itemsize != 4:  # pragma: no cover - exotic platforms
     raise ImportError("workers.sequence assumes a little-endian platform with 4-byte array('I')")
 
+
+class _SelfHashingTokens(Protocol):
+    """A prompt that hashes itself, memoized per process (``workers.trace.SelfHashingTokens``)."""
+
+    def sequence_hashes(self, block_size: int) -> list[int]: ...
+
+    def local_block_hashes(self, block_size: int) -> list[int]: ...
 
 
 class SeqState:
@@ -73,8 +81,9 @@ class SeqState:
         else:
             prompt = req.token_ids
             if hasattr(prompt, "sequence_hashes"):  # SelfHashingTokens (trace prompts): hashed once per process
-                self.hashes = list(prompt.sequence_hashes(block_size))
-                self.block_locals = list(prompt.local_block_hashes(block_size))
+                hashing = cast(_SelfHashingTokens, prompt)  # (it has both methods; mypy narrows on one)
+                self.hashes = list(hashing.sequence_hashes(block_size))
+                self.block_locals = list(hashing.local_block_hashes(block_size))
             else:
                 local = local_block_hashes(prompt, block_size)
                 self.hashes = sequence_hashes(local)

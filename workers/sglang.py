@@ -43,7 +43,7 @@ from workers.events import PassEvents
 from workers.radix import RadixCache, RadixNode
 from workers.request import Request
 from workers.sequence import FINISHED, FUTURE, RUNNING, WAITING, SeqState
-from workers.timing import TimingModel
+from workers.timing import AnyTimingModel
 
 __all__ = ["SglangCore"]
 
@@ -100,7 +100,7 @@ class SglangCore(RankCore):
     """The SGLang-flavour mock engine of one DP rank; same host contract as ``EngineCore``."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: TimingModel | None = None
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None
     ) -> None:
         cfg = config if config is not None else EngineConfig(backend="sglang")
         if cfg.backend != "sglang":
@@ -108,7 +108,7 @@ class SglangCore(RankCore):
         super().__init__(cfg, dp_rank, timing)
         sg = cfg.sglang
         self._sg = sg
-        self._page: int = cfg.block_size  # type: ignore[assignment]
+        self._page = cfg.resolved_block_size
         self.cache = RadixCache(cfg.num_gpu_blocks)
         self._caching = cfg.enable_prefix_caching
         self._init_ratio = _INIT_RATIO * sg.schedule_conservativeness

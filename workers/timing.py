@@ -21,7 +21,8 @@ from typing import Protocol, runtime_checkable
 from kvemu.errors import InvalidArgument
 from workers.config import EngineConfig, InterpolatedTimingSpec
 
-__all__ = ["TimingModel", "PolynomialTiming", "PassTimer", "NS_PER_MS", "timing_model"]
+__all__ = ["TimingModel", "BatchAwareTimingModel", "AnyTimingModel", "PolynomialTiming", "PassTimer", "NS_PER_MS",
+           "timing_model"]
 
 NS_PER_MS = 1_000_000
 
@@ -43,7 +44,27 @@ class TimingModel(Protocol):
         ...
 
 
-def timing_model(config: EngineConfig) -> TimingModel:
+@runtime_checkable
+class BatchAwareTimingModel(Protocol):
+    """A ``TimingModel`` whose decode latency depends on the batch too (``workers.profile.ProfileTiming``):
+    ``batch_aware`` is true and ``decode_ms`` takes the number of requests decoding in the pass."""
+
+    batch_aware: bool
+
+    def prefill_ms(self, new_tokens: int) -> float:
+        """Latency of computing ``new_tokens`` uncached prompt tokens in one pass (0 tokens -> 0 ms)."""
+        ...
+
+    def decode_ms(self, active_kv_tokens: int, total_kv_tokens: int, batch_size: int) -> float:
+        """Latency of one decode step for ``batch_size`` decoding requests holding ``active_kv_tokens``."""
+        ...
+
+
+AnyTimingModel = TimingModel | BatchAwareTimingModel
+"""What an engine takes as its timing model; ``PassTimer`` tells the two apart by ``batch_aware``."""
+
+
+def timing_model(config: EngineConfig) -> AnyTimingModel:
     """The timing model an engine configuration names (a profile file is read once per file version)."""
     spec = config.timing_model
     if isinstance(spec, InterpolatedTimingSpec):
@@ -154,17 +175,17 @@ class PassTimer:
     __slots__ = ("model", "block_size", "total_kv_tokens", "_prefill_scale", "_decode_scale", "_decode_cache",
                  "_run", "slowdown", "_batch_aware")
 
-    def __init__(self, config: EngineConfig, model: TimingModel | None = None) -> None:
-        self.model: TimingModel = model if model is not None else timing_model(config)
+    def __init__(self, config: EngineConfig, model: AnyTimingModel | None = None) -> None:
+        self.model: AnyTimingModel = model if model is not None else timing_model(config)
         self._batch_aware = bool(getattr(self.model, "batch_aware", False))
-        self.block_size = config.block_size
+        self.block_size = config.resolved_block_size
         self.total_kv_tokens = config.capacity_tokens
         prefill_ratio = config.speedup_ratio
         decode_ratio = config.speedup_ratio * config.decode_speedup_ratio
         # nanoseconds per unscaled millisecond; 0 means the part takes no time at all
         self._prefill_scale = NS_PER_MS / prefill_ratio if prefill_ratio > 0 else 0.0
         self._decode_scale = NS_PER_MS / decode_ratio if decode_ratio > 0 else 0.0
-        self._decode_cache: dict[int, int] = {}
+        self._decode_cache: dict[int | tuple[int, int], int] = {}  # by KV tokens (batch-aware: and batch size)
         self._run: tuple[int, int, list[int]] | None = None  # (first KV tokens, step, durations)
         self.slowdown = 1.0
 
@@ -194,10 +215,11 @@ class PassTimer:
             if not self._decode_scale:
                 cached = 0
             else:
+                # (_batch_aware says which of the two forms self.model is; mypy cannot see it)
                 if self._batch_aware:
                     ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens, batch_size)  # type: ignore[call-arg]
                 else:
-                    ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens)
+                    ms = self.model.decode_ms(decode_kv_tokens, self.total_kv_tokens)  # type: ignore[call-arg]
                 cached = _to_ns(ms, self._decode_scale, "decode_ms")
             if len(cache) >= _DECODE_MEMO:
                 cache.clear()
@@ -233,12 +255,12 @@ class PassTimer:
         fused = getattr(self.model, "decode_ns_series", None)
         if fused is not None:  # the model's own series, already scaled and rounded: nothing to check
             return fused(first_kv_tokens, step, count, total, scale)
-        decode_ms = self.model.decode_ms
+        decode_ms = self.model.decode_ms  # (either form: _batch_aware says which; mypy cannot see it)
         if self._batch_aware:
             batch = step if step > 0 else 1
             out = [decode_ms(first_kv_tokens + i * step, total, batch) for i in range(count)]  # type: ignore[call-arg]
         else:
-            out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]
+            out = [decode_ms(first_kv_tokens + i * step, total) for i in range(count)]  # type: ignore[call-arg]
         total_ms = sum(out)
         if not (total_ms >= 0 and total_ms != float("inf")) or min(out) < 0:  # a NaN, an inf or a negative
             for ms in out:

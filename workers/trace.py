@@ -84,7 +84,7 @@ class MooncakeRow(NamedTuple):
     timestamp: float | None = None
     delay: float | None = None
     session_id: str | None = None
-    output_token_ids: list[int] | None = None
+    output_token_ids: Sequence[int] | None = None
 
 
 def _number(row: Mapping[str, Any], key: str) -> float | None:

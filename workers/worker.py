@@ -9,7 +9,7 @@ from workers.config import EngineConfig
 from workers.engine import AdvanceResult, EngineCore
 from workers.request import Request
 from workers.sglang import SglangCore
-from workers.timing import TimingModel
+from workers.timing import AnyTimingModel
 
 __all__ = ["MockWorker", "Dispatch", "Core", "engine_core"]
 
@@ -17,7 +17,7 @@ Core = EngineCore | SglangCore
 """One DP rank's engine: the vLLM/TRT-LLM flavours' ``EngineCore`` or the SGLang flavour's ``SglangCore``."""
 
 
-def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: TimingModel | None = None) -> Core:
+def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingModel | None = None) -> Core:
     """The engine core for ``config.backend``."""
     if config.backend == "sglang":
         return SglangCore(config, dp_rank=dp_rank, timing=timing)
@@ -69,7 +69,7 @@ class MockWorker:
         *,
         worker_id: int = 0,
         dp_start_rank: int = 0,
-        timing: TimingModel | None = None,
+        timing: AnyTimingModel | None = None,
     ) -> None:
         self.config = config if config is not None else EngineConfig()
         if not isinstance(worker_id, int) or worker_id < 0:
