@@ -265,8 +265,8 @@ class OpenAIApp:
         if req.prompt is not None:
             text = req.prompt
         else:
-            text = prompts_of(ChatRequest(messages=req.messages), self.tok)[0]  # type: ignore[assignment]
-        self._check_text_size([text], reserve=0)  # type: ignore[list-item]
+            text = prompts_of(ChatRequest(messages=req.messages), self.tok)[0]
+        self._check_text_size([text], reserve=0)
         ids = (await self._tokens([text]))[0]
         await _respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
                                            "tokens": ids}))

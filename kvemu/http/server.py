@@ -90,7 +90,7 @@ class _BoundedProtocol(HttpToolsProtocol):
     max_head_bytes = MAX_HEAD_BYTES
     request_timeout_s = REQUEST_TIMEOUT_S
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         self._head_bytes = 0
         self._in_head = True
         """No request line and headers complete since the last request ended (or the connection opened)."""

@@ -121,6 +121,6 @@ def wire_payload(batch: KVEventBatch | EngineEvents, dp_rank: int, profile: Vllm
     stamped with ``dp_rank`` when the batch names none."""
     if type(batch) is not KVEventBatch:
         batch = batch.batch()  # type: ignore[union-attr]
-    if batch.data_parallel_rank is None:  # type: ignore[union-attr]
-        batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=dp_rank)  # type: ignore[union-attr]
-    return encode_batch(batch, profile)  # type: ignore[arg-type]
+    if batch.data_parallel_rank is None:
+        batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=dp_rank)
+    return encode_batch(batch, profile)
