@@ -59,6 +59,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=F
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+@final  # decoders and encoders dispatch on the exact class (type(e) is ...)
 class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """All events of one engine step, stamped with wall time (``ts``, float seconds) and the DP rank."""
 
