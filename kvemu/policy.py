@@ -142,7 +142,7 @@ class CustomPolicy:
     def select(self, ctx: PolicyContext, candidates: Candidates, evaluation: Evaluation, rng: random.Random) -> Selection:
         """Run the pipeline over the evaluated candidates; raises ``NoEndpoints`` if filters reject all."""
         ev = evaluation.with_detail()
-        # with_detail() fills every column (an evaluation without inputs came with them): never None here
+        # evaluate() always records its inputs, so with_detail() fills every column: none is None here
         rows = [
             WorkerRow(
                 k[0],

@@ -72,7 +72,7 @@ _T = TypeVar("_T")
 
 
 def _at(column: list[_T] | None, i: int) -> list[_T]:
-    # _slice is reached with the detail columns set; a missing one raises TypeError, as indexing None does
+    # row() slices only evaluations with their detail columns; a missing one raises TypeError, as indexing None did
     return [column[i]]  # type: ignore[index]
 
 
