@@ -63,7 +63,11 @@ class InvalidArgument(KvemuError, ValueError):
     ``session_id``, ``worker_id`` and ``dp_rank`` name the session, worker or rank involved, when one is.
     """
 
-    attributes = ("field", "session_id", "worker_id", "dp_rank")
+    attributes: ClassVar[tuple[str, ...]] = ("field", "session_id", "worker_id", "dp_rank")
+    field: str | None
+    session_id: str | None
+    worker_id: int | None
+    dp_rank: int | None
 
 
 class ResourceExhausted(KvemuError):
@@ -75,7 +79,7 @@ class ResourceExhausted(KvemuError):
 class KvCacheEventError(KvemuError):
     """A KV event could not be applied to the prefix index; ``worker_id``/``dp_rank`` name the publisher."""
 
-    attributes = ("worker_id", "dp_rank", "block_hash")
+    attributes: ClassVar[tuple[str, ...]] = ("worker_id", "dp_rank", "block_hash")
 
 
 class ParentBlockNotFound(KvCacheEventError):
@@ -103,7 +107,7 @@ class SchedulerError(KvemuError):
 
     ``worker_id``/``dp_rank`` name the pinned (or only) rank when the failure is about one."""
 
-    attributes = ("worker_id", "dp_rank")
+    attributes: ClassVar[tuple[str, ...]] = ("worker_id", "dp_rank")
 
 
 class NoEndpoints(SchedulerError):

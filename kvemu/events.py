@@ -1,7 +1,8 @@
 """The router's internal KV-event model (what wire decoders produce and indexes consume).
 
 A ``RouterEvent`` says that one ``(worker, dp_rank)`` stored a chain of blocks, removed blocks, or
-cleared everything, in one storage tier. ``apply_event`` applies it to a ``PrefixIndex``.
+cleared everything, in one storage tier. ``apply_event`` applies it to a ``PrefixIndex`` (or a lower tier's
+``TierIndex``).
 An ``EventBatch`` is one engine pass's events already in this model (local hashes computed by the
 engine, no token ids): what in-memory KV buses carry in virtual time instead of vLLM bytes.
 """
@@ -9,11 +10,11 @@ engine, no token ids): what in-memory KV buses carry in virtual time instead of 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
 
-from kvemu.index import PrefixIndex
 from kvemu.wire.kv_events import KVEventBatch
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RouterEvent",
     "EventBatch",
     "EngineEvents",
+    "BlockIndex",
     "apply_event",
     "wire_event_count",
 ]
@@ -108,7 +110,18 @@ def wire_event_count(data: EventData) -> int:
     return len(data.block_hashes) if type(data) is BlocksRemoved else 1
 
 
-def apply_event(index: PrefixIndex, event: RouterEvent) -> None:
+class BlockIndex(Protocol):
+    """What ``apply_event`` drives: a ``PrefixIndex`` (device tier) or a ``TierIndex`` (lower tiers)."""
+
+    def store(self, worker_id: int, local_hashes: Sequence[int], block_hashes: Sequence[int], *,
+              parent_hash: int | None = ..., dp_rank: int = ..., sequence_hashed: bool = ...) -> None: ...
+
+    def remove(self, worker_id: int, block_hashes: Sequence[int], *, dp_rank: int = ...) -> None: ...
+
+    def clear(self, worker_id: int, dp_rank: int = ...) -> None: ...
+
+
+def apply_event(index: BlockIndex, event: RouterEvent) -> None:
     """Apply ``event`` to ``index`` (its tier is the caller's concern); raises ``KvCacheEventError``."""
     data = event.data
     if type(data) is BlocksStored:

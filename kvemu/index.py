@@ -271,8 +271,8 @@ class PrefixIndex:
                     hit[id(seg)] = (seg, {seq})
                 else:
                     entry[1].add(seq)
-            for seg, seqs in hit.values():  # cut each segment once, at its shallowest removed block
-                self._cut_first(slot, seg, seqs)
+            for seg, removed in hit.values():  # cut each segment once, at its shallowest removed block
+                self._cut_first(slot, seg, removed)
         if missing:
             raise BlockNotFound(
                 f"worker {worker_id} rank {dp_rank}: {len(missing)} removed block(s) not held, first {missing[0]}; "
@@ -290,12 +290,12 @@ class PrefixIndex:
         if not lk:
             return
         blocks = self._blocks
-        segs = {id(s): s for s in map(blocks.__getitem__, lk.values())}  # type: ignore[union-attr]
+        segs = {id(s): s for s in map(blocks.__getitem__, lk.values())}
         ordered = sorted(segs.values(), key=lambda s: s.seqs[0])
         for seg in ordered:
             seg.workers.discard(slot)
-        self._size -= len(lk)  # type: ignore[arg-type]
-        lk.clear()  # type: ignore[union-attr]
+        self._size -= len(lk)
+        lk.clear()
         self._xext[slot] = None
         parents: list[_Seg] = []
         for seg in ordered:
@@ -510,6 +510,7 @@ class PrefixIndex:
 
         Engines evict leaf first, so the removed blocks are usually the run's tail: checked in bulk before
         scanning the run once."""
+        first: int | None
         if len(seqs) == 1:
             first = next(iter(seqs))
         else:

@@ -28,6 +28,7 @@ continue after the current call's own transition, in the order they were woken (
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -316,7 +317,7 @@ class Lifecycle:
         expiries = self._expiries
         while expiries and expiries[0][0] <= now_ns:
             _, rid, record = expiries.popleft()
-            self._ready.append(lambda rid=rid, record=record: self._expire(rid, record))
+            self._ready.append(functools.partial(self._expire, rid, record))
         if self._waiting and now_ns >= self._grace_end_ns:
             self._ready.append(self._release_waiting)
         if unresponsive and self.on_unresponsive is not None:
@@ -774,7 +775,7 @@ class Lifecycle:
         record = f.record
         record.failure = failure
         now = self.clock.now_ns()
-        key = f.key or (None, None)
+        key: tuple[int | None, int | None] = f.key or (None, None)
         if failure is None:
             if self.hooks.wants("completed"):
                 self.hooks.note("completed", now, f.request_id, *key, data={

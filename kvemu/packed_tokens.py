@@ -83,7 +83,7 @@ class PackedTokens(Sequence[int]):
     def __getitem__(self, i: int | slice) -> int | list[int]:
         if isinstance(i, slice):
             return self._ids[i].tolist()
-        return self._ids[i]  # type: ignore[no-any-return]
+        return self._ids[i]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids.tolist())

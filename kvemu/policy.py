@@ -142,16 +142,17 @@ class CustomPolicy:
     def select(self, ctx: PolicyContext, candidates: Candidates, evaluation: Evaluation, rng: random.Random) -> Selection:
         """Run the pipeline over the evaluated candidates; raises ``NoEndpoints`` if filters reject all."""
         ev = evaluation.with_detail()
+        # evaluate() always records its inputs, so with_detail() fills every column: none is None here
         rows = [
             WorkerRow(
                 k[0],
                 k[1],
-                ev.overlap_blocks[i],
-                ev.effective_overlap_blocks[i],
-                ev.cached_tokens[i],
-                ev.active_prefill_tokens[i],
-                ev.potential_decode_blocks[i],
-                ev.active_requests[i],
+                ev.overlap_blocks[i],  # type: ignore[index]
+                ev.effective_overlap_blocks[i],  # type: ignore[index]
+                ev.cached_tokens[i],  # type: ignore[index]
+                ev.active_prefill_tokens[i],  # type: ignore[index]
+                ev.potential_decode_blocks[i],  # type: ignore[index]
+                ev.active_requests[i],  # type: ignore[index]
                 ev.costs[i],
             )
             for i, k in enumerate(ev.ranks)

@@ -207,7 +207,8 @@ class RoutingCore:
             own = getattr(tokens, "local_block_hashes", None)  # SelfHashingTokens
             if own is not None and seed == BASE_SEED:
                 locs = own(self.block_size)
-                seq_source = functools.partial(tokens.sequence_hashes, self.block_size)  # type: ignore[union-attr]
+                # a SelfHashingTokens (it has local_block_hashes); mypy sees only the Sequence[int] parameter
+                seq_source = functools.partial(tokens.sequence_hashes, self.block_size)  # type: ignore[attr-defined]
             else:
                 locs = local_block_hashes(tokens, self.block_size, seed=seed)
             if isl is None:

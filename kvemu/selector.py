@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from kvemu.config import RouterConfig
 from kvemu.eligibility import Candidates
@@ -68,10 +68,18 @@ class Evaluation(NamedTuple):
         return evaluate((self.ranks[i],), **self.inputs, detail=True)
 
 
+_T = TypeVar("_T")
+
+
+def _at(column: list[_T] | None, i: int) -> list[_T]:
+    # row() slices only evaluations with their detail columns; a missing one raises TypeError, as indexing None did
+    return [column[i]]  # type: ignore[index]
+
+
 def _slice(ev: Evaluation, i: int) -> Evaluation:
-    cols = (ev.overlap_blocks, ev.effective_overlap_blocks, ev.cached_tokens, ev.active_prefill_tokens,
-            ev.potential_decode_blocks, ev.active_requests)
-    return Evaluation((ev.ranks[i],), [ev.costs[i]], ev.isl, ev.required_blocks, *([c[i]] for c in cols))  # type: ignore[index]
+    return Evaluation((ev.ranks[i],), [ev.costs[i]], ev.isl, ev.required_blocks, _at(ev.overlap_blocks, i),
+                      _at(ev.effective_overlap_blocks, i), _at(ev.cached_tokens, i), _at(ev.active_prefill_tokens, i),
+                      _at(ev.potential_decode_blocks, i), _at(ev.active_requests, i))
 
 
 class Selection(NamedTuple):
@@ -165,7 +173,7 @@ def evaluate(
         ocredit = credit * d
         if use_decay and p > p_min:  # type: ignore[operator]
             ocredit /= 1.0 + decay * ((p - p_min) / bs) / max(1, required)  # type: ignore[operator]
-        e = d
+        e: float = d
         if use_tiers:
             h = host.get(key, 0) if host is not None else 0
             k = disk.get(key, 0) if disk is not None else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TypeGuard
 
 from kvemu.autoscale.config import AutoscaleConfig
 from kvemu.autoscale.policy import ScaleDecision
@@ -31,7 +32,8 @@ class Governor:
         self.last_add_ns: int | None = None
         self.last_remove_ns: int | None = None
 
-    def _cooling(self, now_ns: int, last_ns: int | None) -> bool:
+    def _cooling(self, last_ns: int | None, now_ns: int) -> TypeGuard[int]:
+        """Within the cooldown of ``last_ns`` (so it is set)."""
         return last_ns is not None and now_ns - last_ns < self.cooldown_ns
 
     def review(self, now_ns: int, pool: PoolMetrics, decisions: Sequence[ScaleDecision],
@@ -51,7 +53,7 @@ class Governor:
                 rec.detail = f"pool {rec.pool} is not scaled by this autoscaler (its pool: {self.pool})"
                 continue
             if d.action == "add":
-                if self._cooling(now_ns, self.last_remove_ns):
+                if self._cooling(self.last_remove_ns, now_ns):
                     rec.detail = f"cooldown: a worker was removed at {self.last_remove_ns / NS_PER_S:g} s"
                     continue
                 n = min(d.count, max(0, cfg.max_workers - size))
@@ -61,7 +63,7 @@ class Governor:
                 if n:
                     self.last_add_ns = now_ns
             else:
-                if self._cooling(now_ns, self.last_add_ns):
+                if self._cooling(self.last_add_ns, now_ns):
                     rec.detail = f"cooldown: a worker was added at {self.last_add_ns / NS_PER_S:g} s"
                     continue
                 if d.worker_id is not None and d.worker_id not in removable:

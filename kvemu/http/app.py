@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import logging
 import uuid
@@ -265,8 +266,8 @@ class OpenAIApp:
         if req.prompt is not None:
             text = req.prompt
         else:
-            text = prompts_of(ChatRequest(messages=req.messages), self.tok)[0]  # type: ignore[assignment]
-        self._check_text_size([text], reserve=0)  # type: ignore[list-item]
+            text = prompts_of(ChatRequest(messages=req.messages), self.tok)[0]
+        self._check_text_size([text], reserve=0)
         ids = (await self._tokens([text]))[0]
         await _respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
                                            "tokens": ids}))
@@ -350,9 +351,9 @@ class OpenAIApp:
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         hints = hints_of(req, headers, rank_header=self.rank_header)
-        prompts = prompts_of(req, self.tok, self.backend.max_model_len)
-        self._check_text_size(prompts)
-        prompts = await self._tokens(prompts)
+        raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
+        self._check_text_size(raw_prompts)
+        prompts = await self._tokens(raw_prompts)
         base = _request_id(headers, chat)
         default = None if chat else 16  # chat: what the context leaves, as vLLM
         gens, reqs = [], []
@@ -376,7 +377,7 @@ class OpenAIApp:
         submitted = 0
         try:
             for i, r in enumerate(reqs):  # a backend that raises still gets the request's end recorded below
-                self.backend.submit(r, lambda n, i=i: run.tokens(i, n), lambda rec, i=i: run.ended(i, rec))
+                self.backend.submit(r, functools.partial(run.tokens, i), functools.partial(run.ended, i))
                 submitted += 1
             status = await (reply.stream(run) if stream else reply.whole(run))
         finally:
@@ -558,7 +559,7 @@ class _Reply:
                 else:
                     await run.wait()
             if self.include_usage:
-                usage = {**self.head, "choices": [], "usage": self._usage(run.records)}
+                usage: dict[str, Any] = {**self.head, "choices": [], "usage": self._usage(run.records)}
                 self._nvext(usage, run.records)
                 out.append(b"data: " + _encode(usage) + b"\n\n")
             out.append(_DONE)

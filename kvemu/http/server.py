@@ -90,7 +90,7 @@ class _BoundedProtocol(HttpToolsProtocol):
     max_head_bytes = MAX_HEAD_BYTES
     request_timeout_s = REQUEST_TIMEOUT_S
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         self._head_bytes = 0
         self._in_head = True
         """No request line and headers complete since the last request ended (or the connection opened)."""
@@ -197,8 +197,10 @@ class HttpServer:
         self.max_head_bytes = max_head_bytes
         self.request_timeout_s = request_timeout_s
         if server == "uvicorn":
+            # uvicorn annotates timeout_keep_alive as int but only passes it to loop.call_later: a float works
             config = uvicorn.Config(app, http=_bounded(max_head_bytes, request_timeout_s), lifespan="off",
-                                    access_log=False, log_level="warning", timeout_keep_alive=request_timeout_s,
+                                    access_log=False, log_level="warning",
+                                    timeout_keep_alive=request_timeout_s,  # type: ignore[arg-type]
                                     timeout_graceful_shutdown=1, server_header=False)
             self._server = _Server(config)
 

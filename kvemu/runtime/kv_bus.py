@@ -43,7 +43,7 @@ class MemoryKvPublisher(LoggedPublisher):
         """Buffer and deliver one batch; False if it was dropped (still replayable)."""
         payload: Payload
         if type(batch) is not KVEventBatch and not self.bus.wire_check:
-            payload = batch.router_batch()  # type: ignore[union-attr]
+            payload = batch.router_batch()
         else:
             payload = wire_payload(batch, self.dp_rank, self.profile)
         seq, live = self._log.append(payload)

@@ -16,13 +16,15 @@ import contextlib
 import heapq
 import selectors
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from contextvars import Context
+from typing import TypeVar, TypeVarTuple, Unpack
 
 from kvemu.clock import NS_PER_S, ManualClock
 
 __all__ = ["VirtualDeadlock", "VirtualEventLoop", "VirtualTimer", "run_virtual", "run_live", "new_live_loop"]
 
 T = TypeVar("T")
+_Ts = TypeVarTuple("_Ts")
 
 POLL_EVERY = 1024
 """Iterations between non-blocking polls of real file descriptors (signals wake the loop directly)."""
@@ -77,7 +79,8 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         """Virtual seconds since the clock's epoch."""
         return self.clock._now / NS_PER_S
 
-    def call_at(self, when: float, callback: Callable, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+    def call_at(self, when: float, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+                context: Context | None = None) -> asyncio.TimerHandle:
         """Schedule ``callback`` at virtual time ``when`` (seconds); same-instant timers keep their order."""
         if when is None:
             raise TypeError("when cannot be None")
@@ -86,19 +89,21 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
             when_ns += 1
         return self.call_at_ns(when_ns, callback, *args, context=context)
 
-    def call_later(self, delay: float, callback: Callable, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+    def call_later(self, delay: float, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+                   context: Context | None = None) -> asyncio.TimerHandle:
         """Schedule ``callback`` ``delay`` seconds from now (exactly, in nanoseconds)."""
         if delay is None:
             raise TypeError("delay must not be None")
         return self.call_at_ns(self.clock._now + round(delay * NS_PER_S), callback, *args, context=context)
 
-    def call_at_ns(self, when_ns: int, callback: Callable, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+    def call_at_ns(self, when_ns: int, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+                   context: Context | None = None) -> asyncio.TimerHandle:
         """Schedule ``callback`` at virtual time ``when_ns`` (integer nanoseconds)."""
         self._check_closed()  # type: ignore[attr-defined]
         timer = asyncio.TimerHandle(when_ns / NS_PER_S, callback, args, self, context)
         order = self._timer_order = self._timer_order + 1
         heapq.heappush(self._timers, (when_ns, order, timer))
-        timer._scheduled = True  # type: ignore[attr-defined]
+        timer._scheduled = True  # type: ignore[attr-defined]  # CPython's TimerHandle slot, not in typeshed
         return timer
 
     def timer_at_ns(self, when_ns: int, fn: Callable[[], object]) -> VirtualTimer:
@@ -111,7 +116,7 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         return timer
 
     def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
-        if handle._scheduled:  # type: ignore[attr-defined]
+        if handle._scheduled:  # type: ignore[attr-defined]  # CPython's TimerHandle slot, not in typeshed
             self._cancelled_timers += 1
 
     def _run_once(self) -> None:
@@ -119,8 +124,8 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         ready = self._ready  # type: ignore[attr-defined]
         if self._cancelled_timers > 256 and self._cancelled_timers * 2 > len(timers):
             self._compact_timers()
-        while timers and timers[0][2]._cancelled:  # type: ignore[attr-defined]
-            heapq.heappop(timers)[2]._scheduled = False  # type: ignore[attr-defined]
+        while timers and timers[0][2]._cancelled:
+            heapq.heappop(timers)[2]._scheduled = False  # type: ignore[union-attr]  # TimerHandle's, not in typeshed
             self._cancelled_timers -= 1
         self._polls += 1
         if self._polls >= POLL_EVERY or not (ready or timers or self._stopping):  # type: ignore[attr-defined]
@@ -138,8 +143,8 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         now = clock._now
         while timers and timers[0][0] <= now:
             timer = heapq.heappop(timers)[2]
-            timer._scheduled = False  # type: ignore[attr-defined]
-            if timer._cancelled:  # type: ignore[attr-defined]
+            timer._scheduled = False  # type: ignore[union-attr]  # TimerHandle's slot, not in typeshed
+            if timer._cancelled:
                 self._cancelled_timers -= 1
             else:
                 ready.append(timer)
@@ -151,8 +156,8 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
     def _compact_timers(self) -> None:
         live = []
         for entry in self._timers:
-            if entry[2]._cancelled:  # type: ignore[attr-defined]
-                entry[2]._scheduled = False  # type: ignore[attr-defined]
+            if entry[2]._cancelled:
+                entry[2]._scheduled = False  # type: ignore[union-attr]  # TimerHandle's slot, not in typeshed
             else:
                 live.append(entry)
         heapq.heapify(live)

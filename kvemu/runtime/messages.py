@@ -66,7 +66,7 @@ otherwise stay ~150 MB of ints for the request's whole life. Shorter lists stay 
 _OPTS = dict(frozen=True, kw_only=True, tag=True, omit_defaults=True, forbid_unknown_fields=True)
 
 
-class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class ClientRequest(msgspec.Struct, **_OPTS):
     """One inference request as a client (or the load generator) submits it."""
 
     request_id: str
@@ -105,7 +105,7 @@ class ClientRequest(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """Set by a disaggregated router only: a decode leg, whose prompt KV comes from this prefill rank."""
 
 
-class Register(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Register(msgspec.Struct, **_OPTS):
     """A worker announces itself and its ranks."""
 
     worker_id: int
@@ -121,7 +121,7 @@ class Register(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     kv_replay_endpoints: list[str] = []
 
 
-class RegisterAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class RegisterAck(msgspec.Struct, **_OPTS):
     """The router's answer to ``Register``."""
 
     worker_id: int
@@ -131,37 +131,37 @@ class RegisterAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """Set when the refusal is temporary (``rate_limited``): register again after this long."""
 
 
-class Reregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Reregister(msgspec.Struct, **_OPTS):
     """The router does not know this worker (it restarted): send ``Register`` again."""
 
 
-class Heartbeat(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Heartbeat(msgspec.Struct, **_OPTS):
     """A worker is alive."""
 
     worker_id: int
 
 
-class Draining(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Draining(msgspec.Struct, **_OPTS):
     """A worker stops taking new requests and finishes what it has (graceful shutdown begins)."""
 
     worker_id: int
 
 
-class RankDown(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class RankDown(msgspec.Struct, **_OPTS):
     """One DP rank of a worker died: its requests failed, its cache is gone, it takes no more work."""
 
     worker_id: int
     dp_rank: int
 
 
-class Deregister(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Deregister(msgspec.Struct, **_OPTS):
     """A worker leaves (graceful shutdown)."""
 
     worker_id: int
     reason: str = "shutdown"
 
 
-class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Dispatch(msgspec.Struct, **_OPTS):
     """Run this request on this rank."""
 
     request_id: str
@@ -176,7 +176,7 @@ class Dispatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """A decode leg: the prompt's KV comes from this prefill rank (reserve room, wait the transfer, decode)."""
 
 
-class DispatchAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class DispatchAck(msgspec.Struct, **_OPTS):
     """The worker accepted the dispatch, or rejected it with a reason."""
 
     request_id: str
@@ -184,21 +184,21 @@ class DispatchAck(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     reason: str | None = None
 
 
-class Abort(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Abort(msgspec.Struct, **_OPTS):
     """Drop this request (its client went away or it was cancelled): free its blocks, send nothing more."""
 
     request_id: str
     reason: str = "cancelled"
 
 
-class TokenBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class TokenBatch(msgspec.Struct, **_OPTS):
     """Tokens produced since the last message for this request, with their engine times."""
 
     request_id: str
     times_ns: list[int]
 
 
-class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Finished(msgspec.Struct, **_OPTS):
     """The request completed; ``times_ns`` are its last tokens, the rest the engine's facts of its record."""
 
     request_id: str
@@ -216,7 +216,7 @@ class Finished(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """A prefill leg: where its KV is held and how fast it moves (the decode leg's ``Dispatch`` carries it)."""
 
 
-class KvPulled(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class KvPulled(msgspec.Struct, **_OPTS):
     """A decode rank has a request's KV (the transfer is over): the prefill rank may free its copy."""
 
     request_id: str
@@ -226,20 +226,20 @@ class KvPulled(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
     """When the request joined the decode rank's passes (the transfer ended, at a pass boundary)."""
 
 
-class ReleaseKv(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class ReleaseKv(msgspec.Struct, **_OPTS):
     """The decode rank took the KV of this prefill leg: free it (the blocks stay cached)."""
 
     request_id: str
 
 
-class RequestFailed(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class RequestFailed(msgspec.Struct, **_OPTS):
     """The worker could not finish the request."""
 
     request_id: str
     reason: str
 
 
-class KvBatch(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class KvBatch(msgspec.Struct, **_OPTS):
     """A vLLM-encoded KV-event payload of one rank (in-memory transports only)."""
 
     dp_rank: int
@@ -251,7 +251,7 @@ WORKER_CHAOS = ("kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker")
 """The chaos actions a worker applies to itself."""
 
 
-class Chaos(msgspec.Struct, **_OPTS):  # type: ignore[call-arg]
+class Chaos(msgspec.Struct, **_OPTS):
     """A fault for the worker to apply to itself: the control channel of chaos on real processes."""
 
     action: Literal["kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker"]

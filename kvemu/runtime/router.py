@@ -221,6 +221,8 @@ class Router:
                 self._asked.add(peer)
                 self.end.send_nowait(peer, Reregister())
             return
+        # the ignores below: mypy narrows neither msg by ``t`` (a msgspec tagged union) nor wid, which is set
+        # for every message but Register
         if t is TokenBatch:
             self.lifecycle.on_tokens(wid, msg)  # type: ignore[arg-type]
         elif t is KvBatch:
@@ -241,11 +243,11 @@ class Router:
         elif msg.worker_id != wid:  # type: ignore[union-attr]
             log.warning("peer %r (worker %s) spoke for worker %s; ignored", peer, wid, msg.worker_id)  # type: ignore[union-attr]
         elif t is Draining:
-            self.drain_worker(wid)
+            self.drain_worker(wid)  # type: ignore[arg-type]
         elif t is RankDown:
-            self.rank_down(wid, msg.dp_rank)  # type: ignore[union-attr]
+            self.rank_down(wid, msg.dp_rank)  # type: ignore[arg-type,union-attr]
         elif t is Deregister:
-            self.remove_worker(wid, reason=f"deregistered: {msg.reason}")  # type: ignore[union-attr]
+            self.remove_worker(wid, reason=f"deregistered: {msg.reason}")  # type: ignore[arg-type,union-attr]
 
     # ------------------------------------------------------------------ workers
 

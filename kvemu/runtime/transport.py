@@ -259,7 +259,7 @@ class _Outbox:
 
     __slots__ = ("_send", "_queued", "_scheduled")
 
-    def __init__(self, send: Callable[[bytes | None, list[bytes]], None]) -> None:
+    def __init__(self, send: Callable[[bytes | None, list[bytes]], object]) -> None:
         self._send = send
         self._queued: dict[bytes | None, list[bytes]] = {}
         self._scheduled = False
@@ -318,7 +318,8 @@ class ZmqRouterEnd:
     def _send_frames(self, peer: bytes | None, frames: list[bytes]) -> None:
         # zmq.asyncio sends at once when the socket can take it and otherwise queues in order
         fut = self._sock.send_multipart([peer, *frames])
-        fut.add_done_callback(_ignore_unroutable)
+        # zmq.asyncio returns an asyncio Future; pyzmq annotates it as a bare Awaitable
+        fut.add_done_callback(_ignore_unroutable)  # type: ignore[attr-defined]
 
     async def aclose(self) -> None:
         self._outbox.flush()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict
 
 import msgspec
 
@@ -110,11 +110,20 @@ def profile_for(version: str | tuple[int, int] = DEFAULT_VLLM_VERSION) -> VllmPr
 # ---------------------------------------------------------------------------------- encoding
 
 
+class _StructOptions(TypedDict):
+    """The ``msgspec.defstruct`` options every event struct of a profile shares."""
+
+    tag: bool
+    omit_defaults: bool
+    array_like: bool
+    gc: bool
+
+
 @functools.cache
 def _structs(profile: VllmProfile) -> tuple[type, type, type, type]:
     """msgspec struct classes laid out exactly as that release's own ``kv_events.py`` declares them."""
     array = not profile.map_events
-    opts = dict(tag=True, omit_defaults=True, array_like=array, gc=False)
+    opts: _StructOptions = dict(tag=True, omit_defaults=True, array_like=array, gc=False)
 
     def fields(names: Sequence[str], required: int) -> list[tuple]:
         return [(n, Any) if i < required else (n, Any, None) for i, n in enumerate(names)]
@@ -267,12 +276,13 @@ def _event_from_generic(raw: Any) -> KvEvent:
         tokens = fields.get("token_ids")
         if isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple)):
             fields["token_ids"] = _tokens(tokens)
-    known = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
-    cls = BlockStored if tag == "BlockStored" else BlockRemoved
-    return msgspec.convert({k: v for k, v in fields.items() if k in known}, cls, strict=True)
+    if tag == "BlockStored":
+        return msgspec.convert({k: v for k, v in fields.items() if k in STORED_FIELDS}, BlockStored, strict=True)
+    return msgspec.convert({k: v for k, v in fields.items() if k in REMOVED_FIELDS}, BlockRemoved, strict=True)
 
 
 def _batch_from_generic(raw: Any) -> KVEventBatch:
+    ts: Any  # undecoded msgpack values, type-checked below
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, (list, tuple)) and len(raw) >= 2:
@@ -298,7 +308,7 @@ def decode_batch(payload: bytes, *, endpoint: str | None = None, seq: int | None
             continue
         events = raw.events
         if type(raw) is KVEventBatch:
-            for e in events:
+            for e in raw.events:
                 if type(e) is not AllBlocksCleared and e.block_hashes and min(e.block_hashes) < 0 or (
                     type(e) is BlockStored and e.parent_block_hash is not None and e.parent_block_hash < 0
                 ):

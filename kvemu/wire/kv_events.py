@@ -8,6 +8,8 @@ reinterpreted); ``token_ids`` are the tokens of exactly the blocks in the event.
 
 from __future__ import annotations
 
+from typing import final
+
 import msgspec
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KVEventBatch", "MEDIUM_GPU", "MEDIUM_CPU"]
@@ -17,6 +19,7 @@ MEDIUM_CPU = "CPU"
 """vLLM's medium for blocks offloaded to host memory (its CPU offloading connector)."""
 
 
+@final  # decoders and encoders dispatch on the exact class (type(e) is ...)
 class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """New full blocks of one request; block k's parent is block k-1, block 0's is ``parent_block_hash``."""
 
@@ -37,6 +40,7 @@ class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False)
     lookahead_token_ids: list[int] | None = None
 
 
+@final  # decoders and encoders dispatch on the exact class (type(e) is ...)
 class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """Evicted blocks (vLLM sends one event per evicted block)."""
 
@@ -47,6 +51,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False
     ownership: str | None = None
 
 
+@final  # decoders and encoders dispatch on the exact class (type(e) is ...)
 class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=False):
     """The engine reset its prefix cache."""
 
@@ -54,6 +59,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=F
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+@final  # decoders and encoders dispatch on the exact class (type(e) is ...)
 class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True, array_like=True, gc=False):
     """All events of one engine step, stamped with wall time (``ts``, float seconds) and the DP rank."""
 

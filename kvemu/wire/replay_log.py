@@ -120,7 +120,7 @@ def wire_payload(batch: KVEventBatch | EngineEvents, dp_rank: int, profile: Vllm
     """The bytes vLLM ``profile.version`` sends for ``batch`` (an engine's events materialised first),
     stamped with ``dp_rank`` when the batch names none."""
     if type(batch) is not KVEventBatch:
-        batch = batch.batch()  # type: ignore[union-attr]
-    if batch.data_parallel_rank is None:  # type: ignore[union-attr]
-        batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=dp_rank)  # type: ignore[union-attr]
-    return encode_batch(batch, profile)  # type: ignore[arg-type]
+        batch = batch.batch()
+    if batch.data_parallel_rank is None:
+        batch = KVEventBatch(ts=batch.ts, events=batch.events, data_parallel_rank=dp_rank)
+    return encode_batch(batch, profile)

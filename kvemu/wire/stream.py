@@ -52,6 +52,22 @@ class WorkerEventStats:
     __slots__ = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
                  "replayed_batches", "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors",
                  "restarts", "disconnects", "replay_failures", "connect_failures")
+    batches: int
+    events: int
+    blocks_stored: int
+    blocks_removed: int
+    clears: int
+    gaps: int
+    replays: int
+    replayed_batches: int
+    lost_batches: int
+    decode_errors: int
+    block_size_mismatches: int
+    apply_errors: int
+    restarts: int
+    disconnects: int
+    replay_failures: int
+    connect_failures: int
 
     def __init__(self) -> None:
         for name in self.__slots__:
@@ -264,7 +280,7 @@ class EventStream:
             self.event_id += 1
             converted = self._counted("converted", rank, self._convert, (ev, rank))
             if converted is not None and converted is not _FAILED:
-                yield converted.data, converted.tier, self.event_id  # type: ignore[union-attr]
+                yield converted.data, converted.tier, self.event_id
 
     def _convert(self, ev: KvEvent, rank: int) -> RouterEvent | None:
         return convert_event(ev, worker_id=self.worker_id, dp_rank=rank, block_size=self.block_size,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -177,7 +177,7 @@ class KvEventSubscriber:
         stats = self.stats.setdefault(spec.worker_id, WorkerEventStats())
         stream.events = EventStream(
             spec.worker_id, spec.dp_rank, sink=self.sink, block_size=self.block_size, stats=stats,
-            replay=(lambda start, s=stream: self._ask_replay(s, start)) if spec.replay_endpoint else None,
+            replay=(lambda start: self._ask_replay(stream, start)) if spec.replay_endpoint else None,
             replay_on_connect=self.replay_on_connect, eagle=self.eagle, observer=self.observer,
             endpoint=spec.endpoint,
         )
@@ -355,7 +355,7 @@ class KvEventSubscriber:
             dealer.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(dealer, limits.MAX_KV_BATCH_BYTES)
             security.connect_securely(dealer, self._secret)
-            dealer.connect(stream.spec.replay_endpoint)  # type: ignore[arg-type]
+            dealer.connect(stream.spec.replay_endpoint)
             stream.dealer = dealer
         stream.dealer.send_multipart([b"", start.to_bytes(8, "big")])
         stream.replay_deadline_ns = now + self.replay_timeout_ms * 1_000_000
@@ -404,11 +404,11 @@ class KvEventSubscriber:
         self._end_replay(stream, keep_dealer=False)
 
     def _end_replay(self, stream: _Stream, *, keep_dealer: bool) -> None:
-        dealer = stream.dealer
+        dealer = cast("zmq.Socket", stream.dealer)  # a replaying stream has its dealer (the _replaying key)
         self._poller.unregister(dealer)
         del self._replaying[dealer]
         if not keep_dealer:  # timed out, or stopped reading: whatever is still coming is stale
-            dealer.close(linger=0)  # type: ignore[union-attr]
+            dealer.close(linger=0)
             stream.dealer = None
         self._poller.register(stream.sub, zmq.POLLIN)
         stream.events.replay_end()  # may ask for another replay at once
