@@ -41,6 +41,16 @@ reference, outside its timing). The trace path comes from the scenario; ``--trac
 on both sides (``workload.arrival_speedup_ratio``; the reference's ``arrival_speedup_ratio``): heavier load
 on the same requests.
 
+``--scale N`` (1 to 16, default 1) measures how the wall time grows with the trace: besides the runs above, each
+policy is replayed again on the trace N times over (``scale_rows``: copy ``k`` of every row shifted by ``k`` ×
+(the trace's span + 1 s), its hash ids by ``k`` × (the largest hash id + 1), its session ids made distinct per
+copy), taken after ``--quick``/``--max-requests`` (a quick scaled run stays quick) and written to a temporary
+file before any run, which both sides replay (``--set workload.trace=PATH``; the reference's trace path). Its
+figures are named ``POLICY scale N``: ``kvemu kv scale 4 wall time: ... s``, ``kv scale 4 wall time ratio vs
+reference: N.NNx`` (and the rest of the per-run figures, none of them a target), and ``kvemu kv scale 4
+growth: G.GGx`` (``reference kv scale 4 growth: ...`` likewise): the scaled run's wall time over the unscaled
+run's, same side and policy, this invocation. kvemu's growth is one more target per policy: at most N.
+
 ``--suite engines`` replays the other engines of the reference side by side instead, each figure held to
 2 % of the reference's: ``disagg 4p12d kv`` (``examples/disagg-4p12d.yaml``: 4 prefill and 12 decode
 workers, KV routing, a 25 GB/s link of 131,072 bytes a token; against the mean of three reference runs, whose
@@ -58,7 +68,7 @@ run is named and the child's stderr shown), 2 without a trace; a missed fidelity
 an error (the wall-time and memory ones depend on the machine).
 
 Run: python -m bench.replay [--quick] [--trace PATH] [--max-requests N] [--policy round_robin|kv ...]
-     [--suite engines [--variant TEXT ...]]
+     [--scale N] [--suite engines [--variant TEXT ...]]
 """
 
 from __future__ import annotations
@@ -132,6 +142,8 @@ class Variant:
     concurrency: int | None = None
     """Closed loop: at most this many requests in flight (``workload.concurrency``; the reference's
     ``replay_concurrency``)."""
+    scale: int = 1
+    """``--scale N``: both sides replay the trace N times over (``scale_rows``), not the trace itself."""
 
 
 def engine_suite(directory: Path) -> list[Variant]:
@@ -173,6 +185,59 @@ def short_prompts(trace: Path, max_input_tokens: int, rows: int | None, director
             if line.strip() and json.loads(line).get("input_length", 0) <= max_input_tokens:
                 dst.write(line)
                 kept += 1
+    return out
+
+
+MAX_SCALE = 16
+SCALE_GAP_MS = 1000
+"""``--scale``: each copy of the trace starts this long after the previous one's last timestamp."""
+
+
+def scale_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The trace's rows ``n`` times over: copy ``k`` (0 .. n-1) is every row, in order, its ``timestamp``
+    shifted by ``k`` × (the rows' span + ``SCALE_GAP_MS``), each hash id by ``k`` × (the largest hash id + 1),
+    and its ``session_id`` (if any) made distinct per copy (an integer shifted by ``k`` × (the largest + 1), a
+    string suffixed ``@k``); copy 0 is the rows unchanged. Rows without a ``timestamp`` (a session's later
+    turns, timed by their ``delay``) keep none. Copies never overlap, so sorted rows stay sorted."""
+    if n < 1:
+        raise ValueError(f"scale must be >= 1, not {n}")
+    stamps = [row["timestamp"] for row in rows if row.get("timestamp") is not None]
+    span = max(stamps) - min(stamps) if stamps else 0
+    hash_stride = max((h for row in rows for h in row.get("hash_ids") or ()), default=-1) + 1
+    int_sids = [row["session_id"] for row in rows if isinstance(row.get("session_id"), int)]
+    sid_stride = max(int_sids, default=-1) + 1
+    out = []
+    for k in range(n):
+        shift = k * (span + SCALE_GAP_MS)
+        for row in rows:
+            if k:
+                row = dict(row)
+                if row.get("timestamp") is not None:
+                    row["timestamp"] = row["timestamp"] + shift
+                if row.get("hash_ids") is not None:
+                    row["hash_ids"] = [h + k * hash_stride for h in row["hash_ids"]]
+                sid = row.get("session_id")
+                if isinstance(sid, int):
+                    row["session_id"] = sid + k * sid_stride
+                elif sid is not None:
+                    row["session_id"] = f"{sid}@{k}"
+            out.append(row)
+    return out
+
+
+def scaled_trace(trace: Path, n: int, rows: int | None, directory: Path | str) -> Path:
+    """The first ``rows`` rows of ``trace`` (all if ``None``), ``scale_rows``'d ``n`` times over, in a file."""
+    records = []
+    with trace.open() as src:
+        for line in src:
+            if rows is not None and len(records) >= rows:
+                break
+            if line.strip():
+                records.append(json.loads(line))
+    out = Path(directory) / f"scale-{n}.jsonl"
+    with out.open("w") as dst:
+        for record in scale_rows(records, n):
+            dst.write(json.dumps(record, separators=(",", ":")) + "\n")
     return out
 
 
@@ -390,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="--suite engines: run only the variants whose name contains TEXT (repeatable)")
     ap.add_argument("--arrival-speedup", type=float, default=1.0, metavar="R",
                     help="divide arrival and think times by R on both sides (heavier load)")
+    ap.add_argument("--scale", type=int, default=1, metavar="N",
+                    help=f"also replay the trace N times over (1..{MAX_SCALE}; copies shifted in time and given new "
+                         "hash and session ids; after --quick/--max-requests) on both sides, per policy, and print "
+                         "the scaled runs' wall time, peak RSS and growth over the unscaled runs (default suite only)")
     ap.add_argument("--no-reference", action="store_true", help="skip Dynamo's replay even when installed")
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)  # one run, in a child process
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)  # where that child writes its result
@@ -397,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.arrival_speedup > 0:
         ap.error("--arrival-speedup must be > 0")
+    if not 1 <= args.scale <= MAX_SCALE:
+        ap.error(f"--scale must be between 1 and {MAX_SCALE}")
+    if args.scale > 1 and args.suite != "default":
+        ap.error("--scale needs the default suite")
     if args.child:
         if args.child_out is None or args.trace is None or len(args.policy or ()) != 1:
             ap.error("--child needs --child-out, --trace and one --policy")
@@ -411,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     note(f"scenario {SCENARIO.relative_to(ROOT)}, trace {trace}"
          + (f", first {limit:,} requests" if limit else ", all requests")
-         + (f", arrivals {args.arrival_speedup:g}x faster" if args.arrival_speedup != 1 else ""))
+         + (f", arrivals {args.arrival_speedup:g}x faster" if args.arrival_speedup != 1 else "")
+         + (f", and {args.scale} times over" if args.scale > 1 else ""))
     ref_entry = None if args.no_reference else reference.replay_entry()
     if ref_entry is None:
         print("reference: not installed", flush=True)
@@ -428,14 +502,22 @@ def main(argv: list[str] | None = None) -> int:
             variants = [Variant(p, p, {}) for p in (args.policy or ["round_robin", "kv"])]
             if not args.policy:
                 variants.append(Variant(CLOSED_LOOP, "round_robin", {}, concurrency=CLOSED_LOOP_CONCURRENCY))
+            if args.scale > 1:
+                variants += [Variant(f"{p} scale {args.scale}", p, {}, scale=args.scale)
+                             for p in (args.policy or ["round_robin", "kv"])]
         inputs = {"kvemu": (trace, limit)}  # side -> (trace, max_requests)
         if ref_entry is not None:
             inputs["reference"] = (reference.trace_head(trace, limit, tmp) if limit else trace, None)
+        # written once, before any run (outside every timing); both sides replay the same file
+        scaled = scaled_trace(trace, args.scale, limit, tmp) if args.scale > 1 else None
         for variant in variants:
             sides = inputs
             if variant.max_input_tokens is not None:
                 short = short_prompts(trace, variant.max_input_tokens, limit, tmp)
                 sides = {side: (short, None) for side in inputs}
+            if variant.scale > 1:
+                assert scaled is not None
+                sides = {side: (scaled, None) for side in inputs}
             for side, (side_trace, max_requests) in sides.items():
                 results: list[Run] = []
                 for i in range(variant.reference_runs if side == "reference" else 1):
@@ -471,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ours or name not in ref:
             continue
         # KV routing's ties are random in the reference: one run is not its figure (the mean of several is)
-        held = variant.policy == "round_robin" or variant.reference_runs > 1
+        held = (variant.policy == "round_robin" or variant.reference_runs > 1) and variant.scale == 1
         tol = variant.tolerance
         for label, key, unit, scale in FIGURES:
             a, b = value(ours[name].summary, key, scale), value(ref[name].summary, key, scale)
@@ -485,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, attr, _, _, target in COSTS:
             ratio = getattr(ours[name], attr) / getattr(ref[name], attr)
             print(f"{name} {label} ratio vs reference: {ratio:.2f}x", flush=True)
-            if target is not None and args.suite == "default" and variant.concurrency is None:
+            if target is not None and args.suite == "default" and variant.concurrency is None and variant.scale == 1:
                 targets.append((f"{name} {label} {target} the reference ({ratio:.2f}x)", ratio <= 1.0))
 
     # KV routing vs round robin, on each side
@@ -504,6 +586,19 @@ def main(argv: list[str] | None = None) -> int:
             same = (ok_ > 0) == (rf > 0) and rf != 0 and abs(ok_ / rf - 1) <= 0.20
             targets.append((f"kv improvement over round_robin {label}: kvemu {ok_:+.1f} % vs reference "
                             f"{rf:+.1f} % (same sign, within ±20 %)", same))
+    # --scale N: each side's scaled wall time over its unscaled one, same policy, same invocation
+    for variant in variants:
+        if variant.scale == 1:
+            continue
+        for side in SIDES:
+            scaled_run, base = runs[side].get(variant.name), runs[side].get(variant.policy)
+            if scaled_run is None or base is None or base.wall_s <= 0:
+                continue
+            growth = scaled_run.wall_s / base.wall_s
+            print(f"{side} {variant.name} growth: {growth:.2f}x", flush=True)
+            if side == "kvemu":
+                targets.append((f"{variant.name} kvemu growth no more than {variant.scale}x "
+                                f"(wall time {growth:.2f}x the unscaled run's)", growth <= variant.scale))
     if targets:
         for text, ok in targets:
             note(f"{'met   ' if ok else 'MISSED'} {text}")
