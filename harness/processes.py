@@ -194,12 +194,18 @@ def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, time
     answer (blocking)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a router that refused the handshake (a different KVEMU_SECRET) leaves no peer to queue for: without a
+    # send timeout, the send would wait for one forever
+    sock.setsockopt(zmq.SNDTIMEO, max(1, round(timeout_s * 1000)))
     security.connect_securely(sock)
+    deadline = time.monotonic() + timeout_s
     try:
         sock.connect(router)
         msg = event if isinstance(event, WorkerExited) else Control(token=token, event=event)
-        sock.send_multipart([CLIENT, encode(msg)])
-        deadline = time.monotonic() + timeout_s
+        try:
+            sock.send_multipart([CLIENT, encode(msg)])
+        except zmq.Again:
+            return ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
         while (left := deadline - time.monotonic()) > 0 and sock.poll(round(left * 1000)):
             frames = sock.recv_multipart()
             if len(frames) == 2 and frames[0] == CLIENT:
