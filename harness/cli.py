@@ -32,7 +32,7 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return run
 
 
-def _load(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _load(args: argparse.Namespace) -> Scenario:
     from harness.scenario import default_scenario_text, load_scenario, parse_scenario
 
     overrides = list(getattr(args, "overrides", []) or [])
@@ -197,7 +197,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
 
-    def error(what: str, exc: BaseException) -> int:
+    def error(what: str, exc: BaseException | str) -> int:
         console.print(f"[red]{what}[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
 

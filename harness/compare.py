@@ -77,7 +77,7 @@ def compare(a: Path, b: Path) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = []
     for name, run in (("A", sa), ("B", sb)):
-        meta = run.get("kvemu") if isinstance(run.get("kvemu"), dict) else {}
+        meta = kvemu if isinstance(kvemu := run.get("kvemu"), dict) else {}
         where = a if name == "A" else b
         details = ", ".join(f"{k} {meta[k]}" for k in ("scenario", "mode", "seed") if k in meta)
         partial = "  [PARTIAL RUN]" if run.get("partial") or meta.get("partial") else ""

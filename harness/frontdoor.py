@@ -33,7 +33,7 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
     """The ASGI app serving OpenAI routes through ``router`` (a getter: chaos may replace the router);
     ``forget`` is told every request id that ended (a recorder drops its copy)."""
     engine = engine_config(scenario.cluster)
-    backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.block_size,
+    backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.resolved_block_size,
                             forget=forget)
     metrics = FrontMetrics(model, (RouterCollector(router, hooks),))
     return OpenAIApp(backend, load_tokenizer(tokenizer), model=model, clock=clock, metrics=metrics,

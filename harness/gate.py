@@ -17,7 +17,7 @@ import msgspec
 
 from kvemu.runtime.messages import Register, RegisterAck, WorkerMessage
 from kvemu.runtime.router import Router
-from kvemu.runtime.transport import RouterHandler
+from kvemu.runtime.transport import RouterEnd, RouterHandler
 
 __all__ = ["PoolGate", "WRONG_WORKER_TYPE"]
 
@@ -55,11 +55,11 @@ class PoolGate:
     of each pool (a restarted router replaces its pool's entry and serves the same ``end(pool)``).
     """
 
-    def __init__(self, shared: object, pools: dict[str, str], routers: Callable[[], dict[str, Router]]) -> None:
+    def __init__(self, shared: RouterEnd, pools: dict[str, str], routers: Callable[[], dict[str, Router]]) -> None:
         self._shared = shared
         self.pools = pools
         self._routers = routers
-        send = shared.send_nowait  # type: ignore[attr-defined]
+        send = shared.send_nowait
         self._ends = {pool: _PoolEnd(send) for pool in dict.fromkeys(pools.values())}
         self.refused = 0
         """Registrations refused here (a worker type no hosted pool takes)."""
@@ -70,18 +70,18 @@ class PoolGate:
 
     async def serve(self) -> None:
         """Deliver the shared end's worker messages until it closes (or the caller is cancelled)."""
-        await self._shared.serve(self.on_message)  # type: ignore[attr-defined]
+        await self._shared.serve(self.on_message)
 
     def on_message(self, peer: bytes, msg: WorkerMessage) -> None:
         """Route one worker message to its pool's router (or refuse a registration no pool takes)."""
         routers = self._routers()
         pool = next((p for p, r in routers.items() if r.serves_peer(peer)), None)
         if pool is None and type(msg) is Register:
-            pool = self.pools.get(msg.worker_type)  # type: ignore[union-attr]
+            pool = self.pools.get(msg.worker_type)
             if pool is None:
                 self.refused += 1
-                self._shared.send_nowait(peer, RegisterAck(  # type: ignore[attr-defined]
-                    worker_id=msg.worker_id, accepted=False, reason=self.refusal(msg)))  # type: ignore[union-attr]
+                self._shared.send_nowait(peer, RegisterAck(
+                    worker_id=msg.worker_id, accepted=False, reason=self.refusal(msg)))
                 return
         handler = self._ends[pool or next(iter(self._ends))].handler
         if handler is not None:

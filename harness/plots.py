@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
     from kvemu.records import RequestRecord
 
     from harness.report import RunData
@@ -262,7 +264,7 @@ def series_figure(panels: list[dict[str, Any]], title: str, ylabel: str, marks: 
                         bottom=bottom_in / total, hspace=gap_in * len(rows) / sum(heights))
     grid = fig.add_gridspec(len(rows), 1, height_ratios=heights)
     fig.suptitle(title, y=1 - 0.12 / total)
-    axes = []
+    axes: list[Axes] = []
     for i, (panel, kind) in enumerate(rows):
         ax = fig.add_subplot(grid[i], sharex=axes[0] if axes else None)
         ax.grid(True, alpha=0.3)
@@ -393,7 +395,7 @@ def _plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
     }
 
 
-_HALVES = (("ttft_cdf.png", "e2e_cdf.png", "cache_reuse.png"), ("active_requests.png", "kv_usage.png"))
+_HALVES: tuple[tuple[str, ...], tuple[str, ...]] = (("ttft_cdf.png", "e2e_cdf.png", "cache_reuse.png"), ("active_requests.png", "kv_usage.png"))
 """The plots in two sets of about equal drawing time (the renderer process draws one, its fork the other)."""
 
 

@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 import anyio
 import msgspec
@@ -181,7 +181,26 @@ class _SharedRouterEnd(ZmqRouterEnd):
                 return frames[0], frames[1:]
 
     def reply(self, peer: bytes, data: bytes) -> None:
-        self._sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)
+        # zmq.asyncio's send_multipart returns a Future; its stubs declare only an Awaitable
+        self._sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)  # type: ignore[attr-defined]
+
+
+class _Instance(TypedDict):
+    """The router instance a process runs (a chaos restart replaces it)."""
+
+    id: str
+    started_ns: int
+
+
+_A = TypeVar("_A")
+
+
+def _answer(waiters: deque[tuple[anyio.Event, list[_A]]], answer: _A) -> None:
+    """Hand ``answer`` to the oldest query waiting for one of its kind (none: a late answer, dropped)."""
+    if waiters:
+        event, box = waiters.popleft()
+        box.append(answer)
+        event.set()
 
 
 def _quiet(fut: Any) -> None:
@@ -192,7 +211,7 @@ def _quiet(fut: Any) -> None:
 def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, timeout_s: float = 10.0) -> ControlReply:
     """Send one chaos event (or a worker's exit) to a router process's control channel and wait for its
     answer (blocking)."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     # a router that refused the handshake (a different KVEMU_SECRET) leaves no peer to queue for: without a
     # send timeout, the send would wait for one forever
@@ -210,11 +229,11 @@ def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, time
             frames = sock.recv_multipart()
             if len(frames) == 2 and frames[0] == CLIENT:
                 try:
-                    msg = _reply_decoder.decode(frames[1])
+                    reply = _reply_decoder.decode(frames[1])
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
-                if type(msg) is ControlReply:
-                    return msg
+                if type(reply) is ControlReply:
+                    return reply
         return ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
     finally:
         sock.close(linger=0)
@@ -252,7 +271,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,
                                  retry_limit=scenario.router.settings().retry_limit)
     routers.update(pools)
-    instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
+    instance: _Instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
     server = None
@@ -262,8 +281,11 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         from harness.frontdoor import front_door
 
         assert not spec.disaggregated, "the CLI refuses --http for a disaggregated cluster"
+        def forget(rid: str) -> None:
+            recorder.records.pop(rid, None)  # the client has its answer
+
         app = front_door(scenario, lambda: routers[AGGREGATED], hooks, clock, tokenizer=http.tokenizer,
-                         model=http.model, forget=lambda rid: recorder.records.pop(rid, None))  # the client has its answer
+                         model=http.model, forget=forget)
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
 
@@ -319,7 +341,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             print(json.dumps({"event": "bad_client_message", "error": f"an oversized {type(msg).__name__}"}),
                   file=sys.stderr)
             return None
-        return msg  # type: ignore[return-value]
+        return msg
 
     def stats() -> Stats:
         now = clock.now_ns()
@@ -349,7 +371,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         await anyio.sleep(0)
         front = routers[AGGREGATED] = new_router(AGGREGATED)
         front.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
-        instance.update(id=uuid.uuid4().hex[:12], started_ns=clock.now_ns())
+        instance.update({"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()})
         await tg.start(serve_pool, AGGREGATED)
 
     hooks.subscribe(lambda ev: control.on_worker_added(routers, ev.worker_id), "worker_added")
@@ -372,8 +394,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 end.reply(peer, encode(reply))
                 if reply.ok and msg.event.action == "restart_router":  # type: ignore[union-attr]
                     await restart(tg)
-            else:
-                tg.start_soon(handle, peer, msg)
+            else:  # a ClientRequest: the other types are handled above (mypy does not narrow through ``t``)
+                tg.start_soon(handle, peer, msg)  # type: ignore[arg-type]
 
     async with anyio.create_task_group() as tg:
         for pool in list(routers):
@@ -618,12 +640,10 @@ class _RouterClient:
                 ev = self._waiting.pop(rid, None)
                 if ev is not None:
                     ev.set()
-            else:  # answers come back in the order their queries went
-                waiters = self._control_waiters if type(msg) is ControlReply else self._stats_waiters
-                if waiters:
-                    event, box = waiters.popleft()
-                    box.append(msg)
-                    event.set()
+            elif type(msg) is ControlReply:  # answers come back in the order their queries went
+                _answer(self._control_waiters, msg)
+            elif type(msg) is Stats:
+                _answer(self._stats_waiters, msg)
 
     async def submit(self, req: ClientRequest) -> RequestRecord | None:
         if self.lost is not None:
@@ -670,17 +690,18 @@ class _RouterClient:
         answer = await self._ask(StatsQuery(), self._stats_waiters, timeout_s)
         if answer is None:
             raise TimeoutError(f"no answer from the router within {timeout_s:g} s")
-        return answer  # type: ignore[return-value]
+        return answer
 
     async def control(self, msg: Control, timeout_s: float = 10.0) -> ControlReply:
         """Send a control message and wait for the router's answer."""
         answer = await self._ask(msg, self._control_waiters, timeout_s)
-        return answer or ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")  # type: ignore[return-value]
+        return answer or ControlReply(ok=False, detail=f"no answer from the router within {timeout_s:g} s")
 
-    async def _ask(self, msg: msgspec.Struct, waiters: deque, timeout_s: float) -> Stats | ControlReply | None:
+    async def _ask(self, msg: msgspec.Struct, waiters: deque[tuple[anyio.Event, list[_A]]],
+                   timeout_s: float) -> _A | None:
         """Send a query and wait for its answer (None after ``timeout_s``: a late answer then goes to the next
         query of its kind, which any view of the router will do for)."""
-        waiter: tuple[anyio.Event, list] = (anyio.Event(), [])
+        waiter: tuple[anyio.Event, list[_A]] = (anyio.Event(), [])
         waiters.append(waiter)
         await self.sock.send_multipart([CLIENT, encode(msg)])
         with anyio.move_on_after(timeout_s):

@@ -48,7 +48,9 @@ class Recorder:
             self.records[rid] = RequestRecord(
                 request_id=rid, session_id=data.get("session_id"), parent_session_id=data.get("parent_session_id"),
                 arrival_ns=ev.time_ns, isl=data.get("isl", 0), max_tokens=data.get("max_tokens", 0),
-                token_times_ns=array("q"),  # 8 bytes a token, not a 32-byte int object and a list slot
+                # 8 bytes a token, not a 32-byte int object and a list slot; RequestRecord allows any int sequence in
+                # process, but its field is declared as the list it decodes to (workers append and slice it as one)
+                token_times_ns=array("q"),  # type: ignore[arg-type]
             )
             return
         if rec is None:

@@ -20,13 +20,13 @@ REFERENCE_MODE = {"round_robin": "round_robin", "kv": "kv_router"}
 def replay_entry() -> tuple[str, Callable[..., Any]] | None:
     """(name, function) of the reference's offline trace replay, or None when it is not installed."""
     try:
-        from dynamo.replay.api import run_trace_replay  # type: ignore[import-not-found]
+        from dynamo.replay.api import run_trace_replay
 
         return "dynamo.replay.api.run_trace_replay", run_trace_replay
     except ImportError:
         pass
     try:
-        from dynamo._core import run_mocker_trace_replay  # type: ignore[import-not-found]
+        from dynamo._core import run_mocker_trace_replay
     except ImportError:
         return None
     return "dynamo._core.run_mocker_trace_replay", run_mocker_trace_replay

@@ -185,7 +185,7 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def _mean(values: list[float]) -> float | None:
+def _mean(values: Sequence[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
@@ -355,7 +355,7 @@ def _queue(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
         "queued_requests": len(queued),
         "queued_events": int(data.counters.get("queued", 0)),
         "dispatched_after_queue": len(waits),
-        "mean_queue_wait_ms": _mean(waits) / NS_PER_MS if waits else None,
+        "mean_queue_wait_ms": mean / NS_PER_MS if (mean := _mean(waits)) is not None else None,
         "p99_queue_wait_ms": percentile(waits, 99) / NS_PER_MS if waits else None,
         "max_queue_wait_ms": waits[-1] / NS_PER_MS if waits else None,
     }
@@ -380,7 +380,8 @@ def summarize(data: RunData) -> dict[str, Any]:
     cached = sum(r.engine_cached_tokens or 0 for r in done)
     reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
                  for r in done)
-    duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var]
+    # a done record has a completion_ns (RequestRecord.done), which mypy cannot narrow through the property
+    duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var,operator]
                    if done else None)
     duration_s = duration_ns / NS_PER_S if duration_ns else None
 

@@ -68,7 +68,7 @@ class _ShiftedClock:
 
     is_virtual = False
 
-    def __init__(self, base: WallClock) -> None:
+    def __init__(self, base: Clock) -> None:
         self._base = base
         self._t0 = base.now_ns()
 
@@ -160,7 +160,7 @@ def _describe(exc: BaseException) -> str:
 
 async def _main(scenario: Scenario, sessions: Sequence[Session], clock: Clock, hooks: Hooks, recorder: Recorder,
                 state: dict[str, Any], progress: Progress | None, total: int) -> None:
-    run_clock: Clock = clock if scenario.run.mode == "virtual" else _ShiftedClock(clock)  # type: ignore[arg-type]
+    run_clock: Clock = clock if scenario.run.mode == "virtual" else _ShiftedClock(clock)
     async with cluster(scenario, run_clock, hooks) as c:
         state["ranks"].update(c.ranks())
         try:

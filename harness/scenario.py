@@ -15,9 +15,10 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 import msgspec
 import msgspec.inspect as mi
@@ -63,7 +64,18 @@ __all__ = [
     "file_kind",
 ]
 
-_STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
+
+
+class _StructOptions(TypedDict):
+    """The ``msgspec`` options of every scenario section: passed to ``msgspec.defstruct`` and to a class whose base
+    mypy cannot see; the other ``class`` statements spell them out, where mypy reads them."""
+
+    kw_only: bool
+    forbid_unknown_fields: bool
+    frozen: bool
+
+
+_STRUCT: _StructOptions = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
 
 _ROUTER_LIMITS = RouterSettings()
 MAX_WORKERS = _ROUTER_LIMITS.max_workers
@@ -91,14 +103,14 @@ class ScenarioError(KvemuError, ValueError):
     """An invalid scenario; the message names the key path (and line, when known)."""
 
 
-class _Section(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A scenario section: its declared bounds also hold when it is built in Python (and floats are finite)."""
 
     def __post_init__(self) -> None:
         check_struct(self)
 
 
-class _EngineSection(_Section, **_STRUCT):  # type: ignore[call-arg]
+class _EngineSection(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     def __post_init__(self) -> None:
         config = self.config(dp_size=1)  # EngineConfig's own checks, cross-field ones included
         if self.block_size is None:  # type: ignore[attr-defined]
@@ -118,7 +130,7 @@ EngineSpec = msgspec.defstruct(
 ``dp_size``, which is ``cluster.dp_size``."""
 
 
-class PoolSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
+class PoolSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """One pool of a disaggregated cluster: its workers, their DP ranks and their engine."""
 
     workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
@@ -126,7 +138,7 @@ class PoolSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
 
 
-class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
+class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """The workers: one aggregated pool (``workers``, ``dp_size``, ``engine``), or a prefill pool and a
     decode pool (``prefill`` and ``decode``, each with its own; the top-level three are then unused)."""
 
@@ -169,7 +181,8 @@ class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
                 raise InvalidArgument(f"the pools' {ranks} DP ranks are more than the {MAX_RANKS} ranks a scenario "
                                       "may start", field="decode")
             for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-                if pool.engine.backend == "sglang":
+                # EngineSpec is built by msgspec.defstruct: mypy cannot see its fields
+                if pool.engine.backend == "sglang":  # type: ignore[attr-defined]
                     raise InvalidArgument("the SGLang flavour runs no disaggregated "
                                           "pools yet; use vllm or trtllm there", field=f"{name}.engine.backend")
         if self.workers * self.dp_size > MAX_RANKS:
@@ -181,7 +194,7 @@ class ClusterSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
             raise InvalidArgument(str(exc), field="kv_events_version") from None
 
 
-class AffinitySpec(_Section, **_STRUCT):  # type: ignore[call-arg]
+class AffinitySpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Session affinity (requests with a ``session_id`` or a parent session)."""
 
     enabled: bool = False
@@ -197,7 +210,8 @@ _RouterKnobs = msgspec.defstruct(
 """Every ``RouterConfig`` and ``RouterSettings`` knob: same names, defaults and bounds."""
 
 
-class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc,call-arg]
+# _RouterKnobs is built by msgspec.defstruct: mypy sees a variable, not a class
+class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc]
     """The router: every ``RouterConfig`` and ``RouterSettings`` knob, plus how the harness runs it."""
 
     policy: str = "kv"
@@ -225,7 +239,7 @@ class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc,call-
         return RouterSettings(**{name: getattr(self, name) for name in RouterSettings.__struct_fields__})
 
 
-class Distribution(_Section, **_STRUCT):  # type: ignore[call-arg]
+class Distribution(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A positive integer distribution: ``constant``, ``uniform`` [low, high], ``normal`` or ``lognormal``."""
 
     kind: Literal["constant", "uniform", "normal", "lognormal"] = "constant"
@@ -240,13 +254,14 @@ class Distribution(_Section, **_STRUCT):  # type: ignore[call-arg]
             raise InvalidArgument(f"low ({self.low}) must be <= high ({self.high})", field="low")
 
 
-class _Workload(_Section, **_STRUCT):  # type: ignore[call-arg]
+class _Workload(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     concurrency: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
     """Closed loop: at most this many sessions in flight, each next one (in start order) starting when one
     ends; start times are ignored (the reference replay's ``replay_concurrency``). None: open loop."""
 
 
-class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
+class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind",
+                        kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Generated traffic: sessions of several turns, shared prefixes, sub-agents, pins."""
 
     arrival: Literal["poisson", "constant"] = "poisson"
@@ -267,7 +282,8 @@ class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind", **_STRUCT)
     vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)] = 32000
 
 
-class TraceWorkload(_Workload, tag="trace", tag_field="kind", **_STRUCT):  # type: ignore[call-arg]
+class TraceWorkload(_Workload, tag="trace", tag_field="kind",
+                    kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Replay of a Mooncake-format JSONL trace (``timestamp`` or ``delay``, ``hash_ids``...)."""
 
     trace: str
@@ -277,7 +293,7 @@ class TraceWorkload(_Workload, tag="trace", tag_field="kind", **_STRUCT):  # typ
     arrival_speedup_ratio: Positive = 1.0
 
 
-class RunSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
+class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """How to run: mode, seed, and when to stop."""
 
     mode: Literal["virtual", "live"] = "virtual"
@@ -304,7 +320,7 @@ class RunSpec(_Section, **_STRUCT):  # type: ignore[call-arg]
     fails with ``worker_lost``) and the report shows, not a reason to stop."""
 
 
-class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]
+class ChaosEvent(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """One scheduled fault."""
 
     at_s: Seconds
@@ -321,7 +337,7 @@ class ChaosEvent(_Section, **_STRUCT):  # type: ignore[call-arg]
     """Slowdown factor (``slow_worker``): durations are multiplied by it."""
 
 
-class AutoscalerSpec(AutoscaleConfig, **_STRUCT):  # type: ignore[call-arg]
+class AutoscalerSpec(AutoscaleConfig, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Add and remove workers of one pool as the load goes: every ``kvemu.autoscale.AutoscaleConfig`` knob."""
 
     def managed_pool(self, cluster: ClusterSpec) -> str:
@@ -329,7 +345,7 @@ class AutoscalerSpec(AutoscaleConfig, **_STRUCT):  # type: ignore[call-arg]
         return self.pool or ("decode" if cluster.disaggregated else "aggregated")
 
 
-class Scenario(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A whole scenario file."""
 
     name: str = "scenario"
@@ -469,7 +485,7 @@ def _check_synthetic(w: SyntheticWorkload, run: RunSpec) -> None:
 # ---------------------------------------------------------------------------------- loading
 
 
-def line_of(text: str, path: list[str | int]) -> int | None:
+def line_of(text: str, path: Sequence[str | int]) -> int | None:
     """1-based line of the key at ``path`` (or of its nearest existing ancestor)."""
     try:
         node = yaml.compose(text)
@@ -491,7 +507,7 @@ def line_of(text: str, path: list[str | int]) -> int | None:
     return line
 
 
-def _value_at(data: Any, path: list[str | int]) -> tuple[bool, Any]:
+def _value_at(data: Any, path: Sequence[str | int]) -> tuple[bool, Any]:
     """``(True, value)`` at ``path`` in raw scenario data, or ``(False, None)`` where it does not exist."""
     for part in path:
         if isinstance(data, dict) and part in data:
@@ -583,7 +599,7 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str,
     return f"{source}: {key or '(top level)'}{_where(text, parts, overridden)}: {message}"
 
 
-def _where(text: str, parts: list[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
+def _where(text: str, parts: Sequence[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
     """`` (from --set)`` if the value at ``parts`` came from an override, else `` (line N)`` of the file (or ``""``)."""
     dotted = [".".join(str(p) for p in parts[:n]) for n in range(1, len(parts) + 1)]
     if any(d in overridden for d in dotted):
@@ -720,7 +736,7 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     return scenario
 
 
-_ENGINES: list[list[str | int]] = [["cluster", "engine"], ["cluster", "prefill", "engine"], ["cluster", "decode", "engine"]]
+_ENGINES: list[list[str]] = [["cluster", "engine"], ["cluster", "prefill", "engine"], ["cluster", "decode", "engine"]]
 """Where engine sections are in a scenario."""
 PATH_KEYS = ("workload.trace", *(".".join(map(str, [*where, "timing_model", "path"])) for where in _ENGINES))
 """Scenario keys that name files (relative to the scenario file, or, given with ``--set``, to the working

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -40,7 +40,10 @@ def awaiting(tg: anyio.abc.TaskGroup, submit: Callable[[ClientRequest], Awaitabl
     async def run(req: ClientRequest, on_end: Callable[[Any], None]) -> None:
         on_end(await submit(req))
 
-    return lambda req, on_end: tg.start_soon(run, req, on_end)
+    def start(req: ClientRequest, on_end: Callable[[Any], None]) -> None:
+        tg.start_soon(run, req, on_end)
+
+    return start
 
 
 class SessionPlayer:
@@ -61,7 +64,7 @@ class SessionPlayer:
         self._done: anyio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
-        self._queue = iter(())  # closed loop: the sessions not started yet, in start order
+        self._queue: Iterator[Session] = iter(())  # closed loop: the sessions not started yet, in start order
         self._in_flight = 0
         self._last_end_ns = 0
         self._watching = False
@@ -146,8 +149,11 @@ class SessionPlayer:
             return
         turn = s.turns[k]
         rid = f"{s.session_id}-t{k}"
-        self._submit(_request(rid, turn, s.session_id if s.sticky else None, None),
-                    lambda _outcome: self._loop.call_soon(self._turn_ended, s, k))  # type: ignore[union-attr]
+
+        def ended(_outcome: Any) -> None:
+            self._loop.call_soon(self._turn_ended, s, k)  # type: ignore[union-attr]
+
+        self._submit(_request(rid, turn, s.session_id if s.sticky else None, None), ended)
 
     def _turn_ended(self, s: Session, k: int) -> None:
         if self._stopped:
@@ -184,7 +190,9 @@ class SessionPlayer:
 
 
 def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -> ClientRequest:
-    return ClientRequest(request_id=rid, tokens=turn.prompt(), max_tokens=turn.max_tokens, session_id=session_id,
+    # in process ClientRequest.tokens is any Sequence[int] (its doc); the field declares the wire forms
+    return ClientRequest(request_id=rid, tokens=turn.prompt(),  # type: ignore[arg-type]
+                         max_tokens=turn.max_tokens, session_id=session_id,
                          parent_session_id=parent, worker_id=turn.worker_id)
 
 

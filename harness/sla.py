@@ -40,7 +40,7 @@ class Sla(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True)
 
     def met(self, rec: RequestRecord) -> bool:
         """Whether ``rec`` completed within every target."""
-        if not rec.done or rec.first_token_ns is None:
+        if not rec.done or rec.first_token_ns is None or rec.completion_ns is None:  # done has a completion: narrows
             return False
         if self.e2e_ms is not None:
             return (rec.completion_ns - rec.arrival_ns) / NS_PER_MS <= self.e2e_ms

@@ -11,13 +11,20 @@ two values is the larger one. Checked against ``ai-dynamo-runtime`` 1.6.1's offl
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import SupportsFloat
+from typing import Protocol, SupportsFloat
 
 __all__ = ["percentile"]
 
 
-def percentile(sorted_values: Sequence[SupportsFloat], q: float) -> float:
+class _SortedValues(Protocol):
+    """What ``percentile`` reads: a length and values by index (a sequence, or a 1-D numpy array)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> SupportsFloat: ...
+
+
+def percentile(sorted_values: _SortedValues, q: float) -> float:
     """The ``q``-th percentile (0..100) of already sorted values: the value at rank round((n-1)·q/100).
 
     Raises ``ValueError`` for an empty sequence or a ``q`` outside [0, 100].

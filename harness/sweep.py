@@ -28,6 +28,7 @@ import itertools
 import math
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -93,7 +94,6 @@ REPORT_FIGURES = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms
 _CONDITIONAL = ("goodput_", "kvemu.cache_tiers.", "kvemu.disaggregated.", "kvemu.affinity.")
 """Summary keys that exist only for some scenarios (an SLA, a host tier, disaggregated pools, affinity on)."""
 
-_STRUCT = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -104,7 +104,7 @@ class SweepError(ScenarioError):
     """An invalid sweep file or sweep point; the message names the key (and line) or the point."""
 
 
-class Objective(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class Objective(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """What sweep.md's chosen point must meet."""
 
     ttft_ms: Annotated[float, Meta(gt=0)] | None = None
@@ -114,7 +114,7 @@ class Objective(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
     (``goodput_completed_requests / num_requests``, as ``kvemu plan`` counts); default ``DEFAULT_GOODPUT``."""
 
 
-class SweepSpec(msgspec.Struct, **_STRUCT):  # type: ignore[call-arg]
+class SweepSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A whole sweep file (see the module docstring)."""
 
     axes: dict[str, list[Scalar]]
@@ -334,6 +334,7 @@ def point_key(scenario: Scenario) -> str:
 
 def _combinations(spec: SweepSpec) -> list[dict[str, str]]:
     texts = {key: [_yaml_text(v) for v in values] for key, values in spec.axes.items()}
+    rows: Iterable[tuple[str, ...]]
     if spec.mode == "zip":
         rows = zip(*texts.values())
     else:

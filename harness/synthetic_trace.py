@@ -15,6 +15,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import TypedDict
 
 __all__ = ["synthetic_rows", "write_synthetic_trace"]
 
@@ -24,18 +25,27 @@ FOLLOW_UP_SHARE = 0.33
 MAX_BLOCKS = 256  # the real trace's longest prompt is 247 blocks
 
 
-def synthetic_rows(rows: int, *, seed: int = 0) -> list[dict[str, int | list[int]]]:
+class SyntheticRow(TypedDict):
+    """One Mooncake-format trace row."""
+
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+def synthetic_rows(rows: int, *, seed: int = 0) -> list[SyntheticRow]:
     """``rows`` trace rows in arrival order, a function of ``seed`` alone."""
     rng = random.Random(seed)
     next_id = 1  # id 0 is the system prompt every row starts with
     t_s = 0.0
-    out: list[dict[str, int | list[int]]] = []
+    out: list[SyntheticRow] = []
     for _ in range(rows):
         now_ms = int(t_s) * 1000  # the first row at 0, as in the real trace
         t_s += rng.expovariate(ROWS_PER_S)
-        earlier = [r for r in out[-400:] if 45_000 <= now_ms - int(r["timestamp"]) <= 300_000]  # type: ignore[call-overload]
+        earlier = [r for r in out[-400:] if 45_000 <= now_ms - int(r["timestamp"]) <= 300_000]
         if earlier and rng.random() < FOLLOW_UP_SHARE / 0.9:  # ~10 % of rows find no conversation to continue
-            parent: list[int] = rng.choice(earlier)["hash_ids"]  # type: ignore[assignment]
+            parent: list[int] = rng.choice(earlier)["hash_ids"]
             kept = max(2, math.ceil(len(parent) * rng.uniform(0.6, 1.0)))
             fresh = 1 + int(rng.expovariate(1 / 4))
             prefix = parent[:kept]

@@ -358,9 +358,9 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code
     except KeyboardInterrupt:  # the load generator reports what ran before the others stop
-        loadgen = kids.procs.get("loadgen")
-        if loadgen is not None:
-            _let_report(loadgen, outdir, started_wall, "interrupted; partial report", stop=signal.SIGTERM)
+        started_loadgen = kids.procs.get("loadgen")
+        if started_loadgen is not None:
+            _let_report(started_loadgen, outdir, started_wall, "interrupted; partial report", stop=signal.SIGTERM)
         return 130
     finally:
         kids.stop_all()
