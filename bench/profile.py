@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("event loop", ("asyncio/", "anyio/", "sniffio/", "selectors.py", "kvemu/runtime/loop.py",
                     "kvemu/runtime/wakeup.py", "kvemu/clock.py")),
     ("router actor", ("kvemu/runtime/router.py", "kvemu/lifecycle.py", "kvemu/runtime/transport.py",
-                      "kvemu/runtime/hooks.py", "kvemu/runtime/messages.py")),
+                      "kvemu/hooks.py", "kvemu/messages.py")),
     ("routing policy", ("kvemu/routing.py", "kvemu/selector.py", "kvemu/eligibility.py", "kvemu/load.py",
                         "kvemu/queue.py", "kvemu/affinity.py", "kvemu/affinity_async.py", "kvemu/policy.py",
                         "kvemu/approx.py", "kvemu/registry.py")),

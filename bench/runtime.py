@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvemu.runtime.hooks import HookEvent
+from kvemu.hooks import HookEvent
 
 from harness.runner import run_scenario
 from harness.scenario import parse_scenario

@@ -25,7 +25,7 @@ from kvemu.autoscale import (
 )
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.lifecycle import AFFINITY, QUEUED, WAITING
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 
 from harness.cluster import Cluster
 from harness.plugins import import_callable

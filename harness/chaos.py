@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.clock import NS_PER_S
-from kvemu.runtime.messages import WORKER_CHAOS, Chaos
+from kvemu.messages import WORKER_CHAOS, Chaos
 
 from harness.scenario import ChaosEvent
 

@@ -22,7 +22,7 @@ from kvemu.clock import NS_PER_MS, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing import RoutingCore
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
@@ -211,7 +211,7 @@ class Cluster:
 
     async def _start_router(self, router: Router) -> None:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
-            router.lifecycle.before_select = self.sync_workers
+            router.sync_before_select(self.sync_workers)
         scope = anyio.CancelScope()
         self._router_scope = scope
         started = anyio.Event()

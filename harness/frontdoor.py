@@ -11,7 +11,7 @@ from kvemu.http.app import OpenAIApp
 from kvemu.http.backend import RouterBackend
 from kvemu.http.metrics import FrontMetrics, RouterCollector
 from kvemu.http.tokenizer import load_tokenizer
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.router import Router
 
 from workers.actor import WorkerActor
@@ -43,7 +43,7 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
                 model: str = DEFAULT_MODEL) -> OpenAIApp:
     """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins)."""
-    from workers.http_backend import WorkerBackend
+    from harness.worker_backend import WorkerBackend
     from workers.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)

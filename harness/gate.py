@@ -15,7 +15,7 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
-from kvemu.runtime.messages import Register, RegisterAck, WorkerMessage
+from kvemu.messages import Register, RegisterAck, WorkerMessage
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import RouterEnd, RouterHandler
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvemu.clock import Clock
 from kvemu.disagg import DECODE, PREFILL, DisaggRouter
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.router import Router
 
 from harness.report import Sample

@@ -31,9 +31,9 @@ from kvemu.clock import NS_PER_S, WallClock
 from kvemu.disagg import DECODE
 from kvemu.http import DEFAULT_MODEL
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
-from kvemu.runtime.messages import Chaos, ClientRequest, encode, with_packed_prompt
+from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
 from kvemu.runtime.prompt_lane import PromptLane
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd, ZmqWorkerEnd, message_socket

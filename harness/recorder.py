@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks
 
 __all__ = ["Recorder"]
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from kvemu.autoscale.snapshot import Percentiles
 from kvemu.clock import NS_PER_MS
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks
 
 from harness.stats import percentile
 

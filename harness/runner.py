@@ -15,7 +15,7 @@ import anyio
 
 from kvemu.clock import NS_PER_MS, Clock, ManualClock, WallClock
 from kvemu.errors import KvemuError
-from kvemu.runtime.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.tuning import tune_gc
 

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from kvemu.clock import NS_PER_S, Clock
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 
 from harness.scenario import Scenario
 from harness.trace_sessions import start_times

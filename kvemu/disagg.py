@@ -32,8 +32,8 @@ import msgspec
 
 from kvemu.clock import Clock
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import HookEvent, Hooks
-from kvemu.runtime.messages import Abort, ClientRequest, KvPulled, ReleaseKv
+from kvemu.hooks import HookEvent, Hooks
+from kvemu.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer
 
 __all__ = ["DisaggRouter", "PREFILL", "DECODE"]

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import msgspec
 
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 
 __all__ = [
     "StorageTier",

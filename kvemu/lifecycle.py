@@ -43,8 +43,8 @@ from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, Schedul
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord
 from kvemu.routing import PreparedRequest, RoutingCore
-from kvemu.runtime.hooks import Hooks
-from kvemu.runtime.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
+from kvemu.hooks import Hooks
+from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 __all__ = ["Lifecycle", "LifecycleSettings", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
            "ENDED"]

@@ -17,7 +17,7 @@ from harness.request_window import RequestWindow, percentiles
 from harness.runner import run_scenario
 from harness.scenario import ScenarioError, load_scenario, parse_scenario
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "autoscale-burst.yaml"

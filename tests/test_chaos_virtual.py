@@ -128,7 +128,7 @@ def test_a_worker_applies_each_fault_it_is_sent_to_itself():
     same method); a rank it does not have, or a dead one, is refused and changes nothing."""
     from kvemu import ManualClock
     from kvemu.runtime.kv_bus import MemoryKvBus
-    from kvemu.runtime.messages import Chaos
+    from kvemu.messages import Chaos
     from kvemu.runtime.transport import MemoryNetwork
     from workers.actor import WorkerActor
     from workers.config import EngineConfig

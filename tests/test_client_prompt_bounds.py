@@ -11,8 +11,8 @@ import pytest
 
 from kvemu.packed_tokens import PackedTokens
 from kvemu.records import RequestRecord
-from kvemu.runtime.messages import ClientRequest, decode_client_request, encode
-from kvemu.wire.limits import MAX_PROMPT_TOKENS
+from kvemu.messages import ClientRequest, decode_client_request, encode
+from kvemu.messages import MAX_PROMPT_TOKENS
 
 from harness.processes import _RouterClient
 
@@ -22,7 +22,7 @@ from test_hostile_peers import Stack, timed_requests
 def test_the_bound_is_the_documented_one():
     from workers.trace import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS as TRACE_MAX
 
-    from kvemu.wire.limits import MAX_OUTPUT_TOKENS as WIRE_OUTPUT
+    from kvemu.messages import MAX_OUTPUT_TOKENS as WIRE_OUTPUT
 
     assert MAX_PROMPT_TOKENS == TRACE_MAX == 1 << 22 and WIRE_OUTPUT == MAX_OUTPUT_TOKENS
     ok = ClientRequest(request_id="a", tokens=[1] * MAX_PROMPT_TOKENS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import msgspec
 
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 
 from harness.processes import CLIENT, _RouterClient, encode
 from harness.up import Children

@@ -13,9 +13,9 @@ from kvemu.clock import ManualClock
 from kvemu.config import RouterConfig
 from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 from kvemu.runtime.router import RouterSettings
 from pathlib import Path
 

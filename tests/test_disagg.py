@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvemu.clock import ManualClock
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 
 from harness.cluster import cluster
 from harness.recorder import Recorder

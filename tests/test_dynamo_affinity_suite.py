@@ -39,8 +39,8 @@ from kvemu import (
     sibling_group_key,
 )
 from kvemu.lifecycle import AFFINITY, QUEUED, Lifecycle, LifecycleSettings
-from kvemu.runtime.hooks import Hooks
-from kvemu.runtime.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, TokenBatch
+from kvemu.hooks import Hooks
+from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, TokenBatch
 
 MS = 1_000_000
 PROMPT = [7] * 64

@@ -8,7 +8,7 @@ import pytest
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
-from kvemu.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from workers.config import EngineConfig
 from workers.engine import EngineCore, StepResult
 from workers.request import Request

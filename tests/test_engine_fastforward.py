@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.transfer import KvTransfer
-from kvemu.wire.kv_events import BlockRemoved, BlockStored
+from kvemu.kv_events import BlockRemoved, BlockStored
 from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig
 from workers.engine import AdvanceResult, EngineCore
 from workers.worker import engine_core

@@ -8,7 +8,7 @@ import pytest
 from engine_runs import run_to_end
 
 from kvemu.errors import InvalidArgument
-from kvemu.wire.kv_events import BlockRemoved, BlockStored
+from kvemu.kv_events import BlockRemoved, BlockStored
 from workers.admission import RequestRejected
 from workers.config import EngineConfig, SglangConfig
 from workers.request import Request

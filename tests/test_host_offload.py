@@ -14,7 +14,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.events import StorageTier
 from kvemu.hashing import local_block_hashes
 from kvemu.routing import RoutingCore
-from kvemu.wire.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
+from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvemu.wire.stream import EventStream, WorkerEventStats
 from test_engine_fastforward import fast_forward, summary, workloads
 from workers.blocks import BlockPool

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     ClientRequest,
     Dispatch,
     DispatchAck,
@@ -20,7 +20,7 @@ from kvemu.runtime.messages import (
     encode,
 )
 from kvemu.wire.codec import encode_batch
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from kvemu.wire.subscriber import sized_context
 
 from harness.processes import _RouterClient

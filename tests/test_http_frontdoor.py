@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvemu import WallClock
 from kvemu.http.server import HttpServer
 from kvemu.http.tokenizer import builtin_tokenizer
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import cluster

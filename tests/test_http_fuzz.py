@@ -13,7 +13,7 @@ from kvemu import ManualClock
 from kvemu.http.app import OpenAIApp
 from kvemu.http.tokenizer import builtin_tokenizer
 from kvemu.records import RequestRecord
-from kvemu.runtime.messages import encode
+from kvemu.messages import encode
 
 
 class Backend:

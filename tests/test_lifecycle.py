@@ -10,8 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvemu import ManualClock, RoutingCore, SessionAffinity
 from kvemu.lifecycle import DISPATCHED, RUNNING, Lifecycle, LifecycleSettings
 from kvemu.registry import WorkerSpec
-from kvemu.runtime.hooks import Hooks
-from kvemu.runtime.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
+from kvemu.hooks import Hooks
+from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 MS = 1_000_000
 
@@ -411,7 +411,7 @@ def test_an_affinity_table_refusal_fails_the_request_instead_of_escaping():
 def test_a_dispatch_that_does_not_encode_fails_the_request_locally_and_never_charges_the_worker():
     """#27: vLLM's ``priority`` of 10**30 made the ``Dispatch`` unencodable; the request stayed booked and
     dispatched, timed out as unacknowledged, and three of them got a healthy worker removed."""
-    from kvemu.runtime.messages import encode
+    from kvemu.messages import encode
 
     h = Host(workers=(1,), timeout_s=1.0, retry_limit=3)
     told = []

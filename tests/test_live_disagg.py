@@ -17,9 +17,9 @@ import pytest
 from process_output import tagged, tagged_env
 
 from kvemu import ManualClock
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live, run_virtual
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     ClientRequest,
     Dispatch,
     DispatchAck,

@@ -7,7 +7,7 @@ import pytest
 
 from kvemu.clock import ManualClock
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import Dispatch, Heartbeat, RegisterAck
+from kvemu.messages import Dispatch, Heartbeat, RegisterAck
 from kvemu.runtime.transport import MemoryNetwork, peer_id
 from kvemu.runtime.wakeup import Wakeup
 
@@ -140,7 +140,7 @@ def test_wakeup_reraises_a_failing_step_in_its_owners_task():
 def _beating_worker(clock, mode: str, interval_s: float):
     """A registered worker actor with no traffic and a router end that records its heartbeats' times."""
     from kvemu.runtime.kv_bus import MemoryKvBus
-    from kvemu.runtime.messages import Register
+    from kvemu.messages import Register
     from workers import EngineConfig, MockWorker
     from workers.actor import WorkerActor
 

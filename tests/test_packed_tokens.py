@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.packed_tokens import PackedTokens
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     PACK_FROM_TOKENS,
     ClientRequest,
     Dispatch,
@@ -19,7 +19,7 @@ from kvemu.runtime.messages import (
     decode_router_message,
     encode,
 )
-from kvemu.wire.limits import MAX_PROMPT_TOKENS
+from kvemu.messages import MAX_PROMPT_TOKENS
 from workers.trace import HashIdTokens
 
 u32 = st.integers(0, 2**32 - 1)

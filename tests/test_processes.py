@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvemu import ManualClock, RoutingCore
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import ClientRequest, decode_worker_message
+from kvemu.messages import ClientRequest, decode_worker_message
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, decode_or_log
 

@@ -8,9 +8,9 @@ import msgspec
 
 from kvemu import ManualClock, RequestRecord
 from kvemu.records import sequences_as_lists
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 from workers import EngineConfig, MockWorker, Request
 
 from harness.cluster import cluster

@@ -9,13 +9,13 @@ import zmq
 from kvemu import ManualClock, RoutingCore
 from kvemu.clock import NS_PER_S
 from kvemu.ratelimit import TokenBucket
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import Register
+from kvemu.messages import Register
 from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork
 from kvemu.wire.codec import encode_batch
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
 from harness.cluster import cluster

@@ -41,7 +41,7 @@ def test_a_lagging_publisher_numbers_its_batches_when_it_publishes_them_in_order
     from kvemu.clock import ManualClock
     from kvemu.runtime.kv_bus import MemoryKvBus
     from kvemu.runtime.loop import run_virtual
-    from kvemu.wire.kv_events import AllBlocksCleared, KVEventBatch
+    from kvemu.kv_events import AllBlocksCleared, KVEventBatch
 
     clock = ManualClock()
     bus = MemoryKvBus(lag_ns=5_000_000)

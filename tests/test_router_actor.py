@@ -5,10 +5,10 @@ import anyio
 from kvemu import ManualClock, RoutingCore, SessionAffinity
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.queue import PolicyQueue, QueueClass
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.loop import run_virtual
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     ClientRequest,
     Dispatch,
     DispatchAck,
@@ -21,7 +21,7 @@ from kvemu.runtime.messages import (
 )
 from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork
-from kvemu.wire.kv_events import BlockStored, KVEventBatch
+from kvemu.kv_events import BlockStored, KVEventBatch
 
 BS = 4
 

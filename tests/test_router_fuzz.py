@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvemu import ManualClock, RoutingCore
 from kvemu.lifecycle import DISPATCHED, RUNNING
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     ClientRequest,
     Deregister,
     DispatchAck,

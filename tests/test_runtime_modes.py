@@ -3,9 +3,9 @@
 import anyio
 
 from kvemu import ManualClock, WallClock
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live, run_virtual
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 
 from harness.cluster import cluster
 from harness.scenario import parse_scenario

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from kvemu.wire import security
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from kvemu.wire.publisher import KvEventPublisher
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 

@@ -77,9 +77,9 @@ def test_the_router_sees_the_evictions_made_since_it_last_decided(monkeypatch):
 
     from harness.cluster import cluster
     from kvemu import ManualClock
-    from kvemu.runtime.hooks import Hooks
+    from kvemu.hooks import Hooks
     from kvemu.runtime.loop import run_virtual
-    from kvemu.runtime.messages import ClientRequest
+    from kvemu.messages import ClientRequest
 
     scenario = parse_scenario(json.dumps({
         "cluster": {"workers": 2, "engine": {"backend": "sglang", "num_gpu_blocks": 1200}},

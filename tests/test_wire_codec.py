@@ -23,7 +23,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.events import StorageTier
 from kvemu.wire.codec import PROFILES, WireDecodeError, decode_batch, encode_batch, profile_for
 from kvemu.wire.convert import medium_to_tier
-from kvemu.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 GOLDEN_PATH = Path(__file__).parent / "data" / "kv_events_golden.json"
 U64 = 2**64 - 1

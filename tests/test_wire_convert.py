@@ -13,7 +13,7 @@ from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, S
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.wire.codec import decode_batch
 from kvemu.wire.convert import MAIN_GROUP_KINDS, BlockSizeMismatch, MissingTokens, convert_event, medium_to_tier
-from kvemu.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 16
 rng = random.Random(1234)

@@ -27,7 +27,7 @@ from kvemu.wire import limits
 from kvemu.wire.codec import PROFILES, encode_batch, profile_for
 from kvemu.wire.convert import convert_event
 from kvemu.wire.endpoints import SEQ_END
-from kvemu.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvemu.wire.publisher import KvEventPublisher
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 

@@ -18,7 +18,7 @@ import msgspec
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
 from kvemu.events import EngineEvents
 from kvemu.records import RequestRecord
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     Abort,
     Chaos,
     ClientRequest,
@@ -41,7 +41,7 @@ from kvemu.runtime.messages import (
 from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.transfer import KvTransfer
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.worker import Core, MockWorker, engine_core

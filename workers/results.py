@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvemu.records import RequestRecord
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from workers.events import PassEvents
 
 __all__ = ["StepResult", "AdvanceResult"]

@@ -19,6 +19,7 @@ import msgspec
 import xxhash
 
 from kvemu.errors import InvalidArgument
+from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
 from kvemu.hashing import BASE_SEED, local_block_hashes, sequence_hashes
 from workers.request import Request
 
@@ -43,10 +44,6 @@ _U32_MASK = (1 << 32) - 1
 _U64_LIMIT = 1 << 64
 
 
-MAX_PROMPT_TOKENS = 1 << 22
-"""Longest prompt a trace row may describe (4,194,304 tokens): beyond any model, within memory."""
-MAX_OUTPUT_TOKENS = 1 << 22
-"""Longest response a trace row may ask for."""
 MAX_TRACE_MS = 3.2e11
 """Latest ``timestamp`` and longest ``delay`` (ms): ten years of scenario time."""
 MAX_TRACE_LINE_BYTES = 16 << 20

@@ -39,7 +39,7 @@ from kvemu.http.protocol import (
 )
 from kvemu.http.tokenizer import TextTokenizer
 from kvemu.records import RequestRecord
-from kvemu.runtime.messages import ClientRequest
+from kvemu.messages import ClientRequest
 
 __all__ = ["OpenAIApp", "Metrics"]
 

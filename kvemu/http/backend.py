@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import HookEvent, Hooks
-from kvemu.runtime.messages import ClientRequest
+from kvemu.hooks import HookEvent, Hooks
+from kvemu.messages import ClientRequest
 from kvemu.runtime.router import Router
 
 __all__ = ["Backend", "RouterBackend", "OnTokens", "OnEnd"]

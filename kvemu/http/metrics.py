@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
 from kvemu.records import RequestRecord
-from kvemu.runtime.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.router import Router
 
 __all__ = ["FrontMetrics", "RouterCollector", "LATENCY_BUCKETS"]

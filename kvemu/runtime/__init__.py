@@ -1,1 +1,1 @@
-"""The async shell: event loops (wall or virtual time), transports, lifecycle hooks and the router actor."""
+"""The async shell: event loops (wall or virtual time), transports and the router actor."""

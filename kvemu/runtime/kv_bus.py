@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
 from kvemu.wire.codec import profile_for
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from kvemu.wire.publisher import PublisherStats
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 from kvemu.wire.stream import Payload

@@ -15,7 +15,7 @@ import anyio
 
 from kvemu.events import RouterEvent
 from kvemu.routing import RoutingCore
-from kvemu.runtime.messages import Register
+from kvemu.messages import Register
 from kvemu.wire.stream import EventStream, Payload, Replay, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 

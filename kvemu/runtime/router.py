@@ -26,9 +26,9 @@ from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.ratelimit import TokenBucket
 from kvemu.routing import RoutingCore
-from kvemu.runtime.hooks import Hooks
+from kvemu.hooks import Hooks
 from kvemu.runtime.kv_ingest import KvIngest
-from kvemu.runtime.messages import (
+from kvemu.messages import (
     Chaos,
     ClientRequest,
     Deregister,
@@ -445,6 +445,11 @@ class Router:
             on_end(record)
             return record
         return self.lifecycle.submit(req, on_end, can_retry, on_finished)
+
+    def sync_before_select(self, sync: Callable[[], None] | None) -> None:
+        """Call ``sync`` before every selection (the lifecycle's ``before_select`` hook): a host whose workers
+        publish KV events lazily (virtual time) brings them up to the present there."""
+        self.lifecycle.before_select = sync
 
     def tell(self, worker_id: int, msg: msgspec.Struct) -> None:
         """Send a registered worker a message (a ``DisaggRouter`` frees held KV with ``ReleaseKv``)."""

@@ -1,6 +1,6 @@
 """Transports between the router and its workers: in-memory (virtual or live) and ZeroMQ (live).
 
-Actors hand a transport message *objects* (``kvemu.runtime.messages``) and are handed message
+Actors hand a transport message *objects* (``kvemu.messages``) and are handed message
 objects: each end's ``serve(handler)`` calls the actor's synchronous handler once per message, in
 the order the link delivered them. ZeroMQ ends encode to msgpack bytes and decode (dropping what is
 undecodable, with a log line). In-memory links schedule the receiver's handler directly at the
@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
-from kvemu.runtime.messages import RouterMessage, WorkerMessage, decode_router_message, decode_worker_message, encode
+from kvemu.messages import RouterMessage, WorkerMessage, decode_router_message, decode_worker_message, encode
 from kvemu.wire import limits, security
 
 __all__ = [

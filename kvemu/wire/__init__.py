@@ -1,1 +1,1 @@
-"""Wire formats: vLLM's KV-event batches over ZeroMQ."""
+"""Wire formats: vLLM's KV-event batches over ZeroMQ (their records are `kvemu.kv_events`), socket bounds and security."""

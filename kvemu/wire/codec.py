@@ -18,7 +18,7 @@ import msgspec
 
 from kvemu.errors import InvalidArgument, KvemuError
 from kvemu.hashing import U64_MASK
-from kvemu.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KVEventBatch
+from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KVEventBatch
 
 __all__ = [
     "VllmProfile",

@@ -12,7 +12,7 @@ from typing import Any
 from kvemu.errors import KvCacheEventError
 from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import local_block_hashes, mm_hash_from_identifier
-from kvemu.wire.kv_events import BlockRemoved, BlockStored, KvEvent
+from kvemu.kv_events import BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["BlockSizeMismatch", "MissingTokens", "medium_to_tier", "convert_event", "is_chain", "MAIN_GROUP_KINDS"]
 

@@ -26,7 +26,7 @@ from kvemu.events import EngineEvents
 from kvemu.wire import limits, security
 from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 
 __all__ = ["KvEventPublisher", "PublisherStats", "MAX_REPLAY_PEERS", "REPLAY_HWM"]

@@ -15,7 +15,7 @@ from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.events import EngineEvents
 from kvemu.wire.codec import VllmProfile, encode_batch
-from kvemu.wire.kv_events import KVEventBatch
+from kvemu.kv_events import KVEventBatch
 
 __all__ = ["ReplayLog", "LoggedPublisher", "wire_payload"]
 

@@ -26,7 +26,7 @@ from kvemu.events import (
 )
 from kvemu.wire.codec import WireDecodeError, decode_batch
 from kvemu.wire.convert import BlockSizeMismatch, convert_event, is_chain
-from kvemu.wire.kv_events import KvEvent, KVEventBatch
+from kvemu.kv_events import KvEvent, KVEventBatch
 
 __all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload"]
 

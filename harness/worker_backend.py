@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvemu.http.backend import OnEnd, OnTokens
 from kvemu.records import RequestRecord
-from kvemu.runtime.messages import ClientRequest, Finished, RequestFailed, TokenBatch
+from kvemu.messages import ClientRequest, Finished, RequestFailed, TokenBatch
 from workers.actor import WorkerActor
 
 __all__ = ["WorkerBackend"]

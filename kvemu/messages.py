@@ -20,10 +20,11 @@ from kvemu.errors import InvalidArgument
 from kvemu.packed_tokens import PackedTokens
 from kvemu.records import sequences_as_lists
 from kvemu.transfer import KvTransfer
-from kvemu.wire.limits import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
 
 __all__ = [
     "ClientRequest",
+    "MAX_PROMPT_TOKENS",
+    "MAX_OUTPUT_TOKENS",
     "Register",
     "RegisterAck",
     "Reregister",
@@ -52,6 +53,13 @@ __all__ = [
     "WirePrompt",
     "PACK_FROM_TOKENS",
 ]
+
+MAX_PROMPT_TOKENS = 1 << 22
+"""Most tokens in a client's prompt (the most a scenario or trace may ask for): a longer one is refused while
+the message is decoded, from its array's length, before a list of it is built or any block of it hashed (a
+64 MiB message holds up to 64M one-byte token ids: 0.3 s and 360 MB per 10M tokens before this bound)."""
+MAX_OUTPUT_TOKENS = 1 << 22
+"""Most output token ids a client may choose for a request (``ClientRequest.output_token_ids``)."""
 
 WirePrompt = (Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)]
               | Annotated[bytes, Meta(max_length=4 * MAX_PROMPT_TOKENS)])
