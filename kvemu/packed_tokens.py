@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from collections.abc import Iterable
 
 import xxhash
 
 from kvemu.errors import InvalidArgument
 from kvemu.hashing import BASE_SEED, extend_sequence_hashes
+from kvemu.token_sequence import TokenSequence
 
 __all__ = ["PackedTokens", "HASH_BLOCKS_PER_TURN"]
 
@@ -29,11 +29,8 @@ _BIG_ENDIAN = sys.byteorder == "big"
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-class PackedTokens(Sequence[int]):
-    """Token ids as little-endian u32 bytes: a read-only ``Sequence[int]`` that hashes its own blocks.
-
-    Equal to the list of its ids (``==``); slices are lists. Not hashable (like a list).
-    """
+class PackedTokens(TokenSequence):
+    """Token ids as little-endian u32 bytes: a read-only ``Sequence[int]`` that hashes its own blocks."""
 
     __slots__ = ("_data", "_ids", "_block_size", "_locals", "_seqs")
 
@@ -76,28 +73,14 @@ class PackedTokens(Sequence[int]):
     def __len__(self) -> int:
         return len(self._ids)
 
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[int]: ...
-    def __getitem__(self, i: int | slice) -> int | list[int]:
-        if isinstance(i, slice):
-            return self._ids[i].tolist()
+    def _token(self, i: int) -> int:
         return self._ids[i]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._ids.tolist())
+    def _run(self, lo: int, hi: int) -> list[int]:
+        return self._ids[lo:hi].tolist()
 
     def __contains__(self, value: object) -> bool:
         return value in self._ids.tolist()
-
-    def to_list(self) -> list[int]:
-        """The token ids as a list."""
-        return self._ids.tolist()
-
-    def check_u32(self) -> bool:
-        """Always true: every 4 bytes are a u32 (admission asks before scanning tokens)."""
-        return True
 
     def hash_ahead(self, block_size: int, max_blocks: int) -> bool:
         """Hash up to ``max_blocks`` more full blocks of ``block_size`` tokens; True once all are hashed.
@@ -132,11 +115,9 @@ class PackedTokens(Sequence[int]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedTokens):
             return self._data == other._data
-        if isinstance(other, list):
-            return self._ids.tolist() == other
-        return NotImplemented
+        return super().__eq__(other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __repr__(self) -> str:
         return f"PackedTokens(len={len(self._ids)})"

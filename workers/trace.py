@@ -13,13 +13,14 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, overload
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import xxhash
 
 from kvemu.errors import InvalidArgument
 from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
+from kvemu.token_sequence import TokenSequence
 from kvemu.hashing import BASE_SEED, local_block_hashes, sequence_hashes
 from workers.request import Request
 
@@ -253,7 +254,7 @@ def expand_hash_ids(
     return out
 
 
-class HashIdTokens(Sequence[int]):
+class HashIdTokens(TokenSequence):
     """The expanded prompt of a trace request as a lazy sequence equal to ``expand_hash_ids(...)``.
 
     Hashes its blocks without expanding them when ``block_size`` divides ``trace_block_size``.
@@ -274,24 +275,10 @@ class HashIdTokens(Sequence[int]):
     def __len__(self) -> int:
         return self._len
 
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[int]: ...
-    def __getitem__(self, i: int | slice) -> int | list[int]:
-        if isinstance(i, slice):
-            lo, hi, step = i.indices(self._len)
-            if step != 1:
-                return self.to_list()[i]
-            return self._range(lo, hi)
-        n = self._len
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("HashIdTokens index out of range")
+    def _token(self, i: int) -> int:
         return self.hash_ids[i // self.trace_block_size]
 
-    def _range(self, lo: int, hi: int) -> list[int]:
+    def _run(self, lo: int, hi: int) -> list[int]:
         out: list[int] = []
         tbs = self.trace_block_size
         ids = self.hash_ids
@@ -302,17 +289,6 @@ class HashIdTokens(Sequence[int]):
             out += [ids[b]] * (end - pos)
             pos = end
         return out
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._range(0, self._len))
-
-    def to_list(self) -> list[int]:
-        """The expanded token ids (equal to ``expand_hash_ids`` of the same record)."""
-        return self._range(0, self._len)
-
-    def check_u32(self) -> bool:
-        """Always true: every token is a hash id's low 32 bits (admission asks before scanning tokens)."""
-        return True
 
     def u32_bytes(self) -> bytes:
         """The expanded token ids as little-endian u32 bytes (the packed wire form), a trace block at a time."""
@@ -356,15 +332,6 @@ class HashIdTokens(Sequence[int]):
             h = xxhash.xxh3_64_intdigest(struct.pack("<I", ids[b]) * block_size, BASE_SEED)
             out += [h] * min(per, n_blocks - b * per)
         return out
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, HashIdTokens):
-            return self._len == other._len and self.to_list() == other.to_list()
-        if isinstance(other, list):
-            return self.to_list() == other
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"HashIdTokens(len={self._len}, hash_ids={len(self.hash_ids)}, trace_block_size={self.trace_block_size})"
