@@ -187,6 +187,22 @@ def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str,
     return None
 
 
+def _relay_until_started(proc: subprocess.Popen) -> threading.Event:
+    """Pass ``proc``'s standard output on to ours, line by line; the event is set at its start line (the load
+    generator prints it once the router has every expected worker and the run begins)."""
+    started = threading.Event()
+
+    def relay() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if not started.is_set() and '"event": "started"' in line:
+                started.set()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    threading.Thread(target=relay, daemon=True).start()
+    return started
+
+
 def _let_report(loadgen: subprocess.Popen, outdir: Path, since: float, what: str, stop: int | None) -> None:
     """Give the load generator time to write its report (after sending it ``stop``), and say so if it did."""
     if loadgen.poll() is None:
@@ -319,12 +335,16 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir), "--chaos", "skip",
                                                "--expect-workers", str(workers),
                                                "--router-pid", str(kids.procs["router"].pid), *config),
-                                   env=cli_env(), preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                   env=cli_env(), stdout=subprocess.PIPE, text=True,
+                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
+        running = _relay_until_started(loadgen)
         chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
-        t0 = time.monotonic()
+        t0: float | None = None  # the chaos timeline counts from the load generator's start, as a virtual run's
         while loadgen.poll() is None:
-            now = time.monotonic() - t0
+            if t0 is None and running.is_set():
+                t0 = time.monotonic()
+            now = -1.0 if t0 is None else time.monotonic() - t0
             while chaos and chaos[0].at_s <= now:
                 ev = chaos.pop(0)
                 if ev.action == "add_worker":
