@@ -37,6 +37,7 @@ from kvemu.wire.codec import encode_batch, profile_for
 from kvemu.kv_events import BlockStored, KVEventBatch
 from kvemu.wire.publisher import KvEventPublisher
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+from bench import verdict
 
 BLOCK = 16
 BLOCKS = 8
@@ -252,9 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"receive replays: {replays}", flush=True)
     if lost or applied != n:
         problems.append(f"receive: {applied} of {n} batches applied, {lost} lost")
-    for p in problems:
-        print(f"bench.events: FAILED: {p}", file=sys.stderr)
-    return 1 if problems else 0
+    return verdict("events", problems)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
 
 from harness.stats import percentile
+from bench import verdict
 
 try:
     from dynamo._core import RadixTree, compute_block_hash_for_seq
@@ -481,9 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_selection(wl, prm)
     bench_memory(wl)
     note(f"done in {perf_counter() - t0:.1f} s")
-    for p in problems:
-        print(f"bench.index: FAILED: {p}", file=sys.stderr, flush=True)
-    return 1 if problems else 0
+    return verdict("index", problems)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from bench.replay import ROOT, SCENARIO, existing_trace, incomplete
+from bench import verdict
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (layer, file patterns): "dir/" matches any file under a folder of that name, "dir/file.py" that file
@@ -270,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problems = [p for label, summary in (("unprofiled run", plain), ("profiled run", profiled))
                 if (p := incomplete(f"{args.policy} {label}", summary))]
-    for p in problems:
-        print(f"bench.profile: FAILED: {p}", file=sys.stderr, flush=True)
-    return 1 if problems else 0
+    return verdict("profile", problems)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import reference
+from bench import verdict
 
 os.environ.setdefault("DYN_LOG", "warn")  # the reference logs every KV routing decision at INFO
 
@@ -606,9 +607,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problems += [problem for side in SIDES for name, run in runs[side].items()
                  if (problem := incomplete(f"{side} {name}", run.summary))]
-    for p in problems:
-        print(f"bench.replay: FAILED: {p}", file=sys.stderr, flush=True)
-    return 1 if problems else 0
+    return verdict("replay", problems)
 
 
 def incomplete(run: str, summary: dict[str, Any]) -> str | None:

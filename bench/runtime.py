@@ -22,6 +22,7 @@ from kvemu.hooks import HookEvent
 from harness.runner import run_scenario
 from harness.scenario import parse_scenario
 from harness.stats import percentile
+from bench import verdict
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -114,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"live routing overhead p99: {percentile(overheads, 99):.0f} us", flush=True)
     if failed:
         problems.append(f"live: {failed} of {done + failed} requests failed")
-    for p in problems:
-        print(f"bench.runtime: FAILED: {p}", file=sys.stderr)
-    return 1 if problems else 0
+    return verdict("runtime", problems)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import Any
 
 from harness.executors import open_executor
 from harness.sweep import PointSpec, parse_sweep, plan_runs, run_point
+from bench import verdict
 
 POINTS = 8
 JOBS = 2
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dask empty task round trip: {dask['trip'] * 1000:.1f} ms", flush=True)
         if figures(results) != figures(serial):
             problems.append("Dask's figures differ from the serial runs'")
-    for p in problems:
-        print(f"bench.sweep: FAILED: {p}", file=sys.stderr)
-    return 1 if problems else 0
+    return verdict("sweep", problems)
 
 
 if __name__ == "__main__":
