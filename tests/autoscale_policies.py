@@ -1,4 +1,5 @@
-"""Autoscaling policies the tests name as ``autoscaler.policy: autoscale_policies:NAME`` (tests/ is on the path)."""
+"""Autoscaling policies the tests name as ``autoscaler.policy: tests.autoscale_policies:NAME`` (imported by
+tests/harness/test_autoscaler.py first, so the plugin loader finds it in ``sys.modules``; see tests/README.md)."""
 
 from kvemu.autoscale import AutoscaleConfig, MetricsSnapshot, ScaleDecision
 

@@ -1,0 +1,293 @@
+"""Fast-forward (advance_to / next_event_ns) gives exactly what stepping every pass gives."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvemu.clock import MAX_TIME_NS
+from kvemu.transfer import KvTransfer
+from kvemu.kv_events import BlockRemoved, BlockStored
+from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig
+from workers.engine import AdvanceResult, EngineCore
+from workers.worker import engine_core
+from workers.request import Request
+
+MS = 1_000_000
+
+
+TRANSFERS = [KvTransfer(source_worker_id=9), KvTransfer(source_worker_id=9, bandwidth_gbps=1e-4, bytes_per_token=40),
+             KvTransfer(source_worker_id=9, bandwidth_gbps=1e-3, bytes_per_token=300, mode="destination_missing")]
+"""Decode legs: their prompt's KV arrives from a prefill rank, instantly or after a transfer (4 ms / 3 ms a token)."""
+PROFILE = InterpolatedTimingSpec(path=str(Path(__file__).parents[1] / "data" / "tiny-profile.csv"))
+"""A batch-aware timing model: decode time depends on the mean context as well."""
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    blocks = draw(st.integers(3, 40))
+    max_seqs = draw(st.integers(1, 5))
+    backend = draw(st.sampled_from(["vllm", "vllm", "trtllm", "sglang"]))
+    sglang = SglangConfig(
+        schedule_policy=draw(st.sampled_from(["fifo", "fifo", "lpm"])),
+        chunked_prefill_size=bs * draw(st.integers(1, 12)),
+        max_prefill_tokens=draw(st.integers(1, 64)),
+        clip_max_new_tokens=draw(st.sampled_from([4096, 8, 0])),
+        schedule_conservativeness=draw(st.sampled_from([1.0, 0.3])),
+        prefill_decode_interval=draw(st.sampled_from([0, 0, 2])),
+    )
+    cfg = EngineConfig(
+        backend=backend,
+        sglang=sglang,
+        timing_model=draw(st.sampled_from([PolynomialTimingSpec(), PolynomialTimingSpec(), PROFILE])),
+        num_gpu_blocks=blocks,
+        block_size=bs,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=draw(st.integers(max_seqs, 48)),
+        enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
+        enable_chunked_prefill=True if backend == "sglang" else draw(st.sampled_from([True, True, False])),
+        speedup_ratio=draw(st.sampled_from([1.0, 1.0, 7.0, 0.0])),
+        decode_speedup_ratio=draw(st.sampled_from([1.0, 1.0, 2.5, 0.0])),
+        preemption_mode=draw(st.sampled_from(["lifo", "fifo"])),
+        eviction_policy=draw(st.sampled_from(["lru", "lineage"])),
+    )
+    capacity = blocks * bs
+    limit = capacity if cfg.enable_chunked_prefill else min(capacity, cfg.max_num_batched_tokens)
+    if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included
+        limit = min(limit, capacity - 1)
+    if cfg.backend == "sglang":  # a prompt must leave room for output in the pool less a page (outputs are clipped)
+        limit = capacity - bs - 1
+    prefixes = [[p] * draw(st.integers(0, 3 * bs)) for p in range(3)]
+    shared_outputs = draw(st.booleans())
+    reqs = []
+    for i in range(draw(st.integers(1, 8))):
+        prompt = prefixes[draw(st.integers(0, 2))] + [1000 + 100 * i + k for k in range(draw(st.integers(1, 3 * bs)))]
+        max_tokens = draw(st.integers(1, 24))
+        if len(prompt) + max_tokens - 1 > limit:  # keep it acceptable: shrink output, then prompt
+            max_tokens = max(1, limit - len(prompt) + 1)
+            prompt = prompt[: limit - max_tokens + 1]
+        reqs.append(
+            Request(
+                request_id=f"r{i}",
+                token_ids=prompt,
+                max_tokens=max_tokens,
+                arrival_ns=draw(st.integers(0, 40)) * 3 * MS,
+                priority=draw(st.sampled_from([0, 0, 1])),
+                output_token_ids=[5] * max_tokens if shared_outputs else None,
+                kv_transfer=None if backend == "sglang" else draw(st.sampled_from([None, None, None, *TRANSFERS])),
+            )
+        )
+    checkpoints = sorted(draw(st.lists(st.integers(0, 300 * MS), max_size=6)))
+    return cfg, reqs, checkpoints
+
+
+def summary(records) -> dict:
+    return {
+        r.request_id: (
+            r.arrival_ns,
+            r.admitted_ns,
+            r.first_token_ns,
+            r.completion_ns,
+            r.engine_cached_tokens,
+            r.output_tokens,
+            r.preemptions,
+            tuple(r.token_times_ns),
+            r.kv_reserved_ns,
+            r.kv_activated_ns,
+        )
+        for r in records
+    }
+
+
+def transfers(eng) -> int:
+    """Decode legs whose KV is in transit (the SGLang flavour runs none)."""
+    return len(eng.scheduler.transfers) if isinstance(eng, EngineCore) else 0
+
+
+def cached_hashes(eng) -> set[int]:
+    return eng.pool.cached_hashes() if isinstance(eng, EngineCore) else eng.cache.cached_hashes()
+
+
+def stepwise(cfg, reqs):
+    eng = engine_core(cfg)
+    for r in reqs:
+        eng.add_request(r)
+    done, batches, firsts, preempted = [], [], [], []
+    announced: set[int] = set()
+    idle = 0
+    while (s := eng.next_pass_start_ns()) is not None:
+        res = eng.step(s)
+        eng.check_invariants()
+        if res.idle:  # a decode leg reserved its blocks; its transfer runs
+            idle += 1
+            assert transfers(eng) and idle < 1000, (s, eng)
+            continue
+        done += res.completed
+        firsts += [(rid, res.end_ns) for rid in res.first_tokens]
+        preempted += [(rid, res.end_ns) for rid in res.preempted]
+        if res.events is not None:
+            batch = res.kv_batch
+            batches.append(batch)
+            for ev in batch.events:  # stores are new blocks; removals name cached ones
+                if isinstance(ev, BlockStored):
+                    assert announced.isdisjoint(ev.block_hashes)
+                    announced.update(ev.block_hashes)
+                else:
+                    assert isinstance(ev, BlockRemoved) and ev.block_hashes[0] in announced
+                    announced.discard(ev.block_hashes[0])
+        # blocks announced minus blocks removed == what the pool caches, after every pass
+        assert announced == cached_hashes(eng)
+    assert len(done) == len(reqs)
+    return summary(done), batches, firsts, preempted, eng.passes
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.done, self.batches, self.firsts, self.preempted, self.passes = [], [], [], [], 0
+
+    def add(self, out: AdvanceResult) -> None:
+        self.done += out.completed
+        self.batches += out.kv_batches
+        self.firsts += out.first_tokens
+        self.preempted += out.preempted
+        self.passes += out.passes
+
+    def result(self, n: int):
+        assert len(self.done) == n
+        return summary(self.done), self.batches, self.firsts, self.preempted, self.passes
+
+
+def fast_forward(cfg, reqs, checkpoints, rng: random.Random):
+    """Host that adds requests lazily (never after advancing past their arrival) and advances in jumps."""
+    eng = engine_core(cfg)
+    pending = sorted(reqs, key=lambda r: r.arrival_ns)
+    c = Collect()
+    for t in checkpoints:
+        while pending and pending[0].arrival_ns < t:
+            eng.add_request(pending.pop(0))
+        if t >= eng.now_ns:
+            c.add(eng.advance_to(t))
+            eng.check_invariants()
+        while pending and pending[0].arrival_ns == eng.now_ns and rng.random() < 0.5:
+            eng.add_request(pending.pop(0))  # arriving exactly now: still joins the pass starting now
+    for r in pending:
+        eng.add_request(r)
+    c.add(eng.advance_to(MAX_TIME_NS))
+    eng.check_invariants()
+    assert eng.next_event_ns() is None and eng.num_unfinished == 0
+    return c.result(len(reqs))
+
+
+def event_driven(cfg, reqs):
+    """Host that jumps from one next_event_ns to the next and checks nothing visible happens earlier."""
+    eng = engine_core(cfg)
+    pending = sorted(reqs, key=lambda r: r.arrival_ns)
+    c = Collect()
+    stalls = 0
+    for _ in range(100_000):
+        te = eng.next_event_ns()
+        ta = pending[0].arrival_ns if pending else None
+        if te is None and ta is None:
+            break
+        if ta is not None and (te is None or ta <= te):
+            c.add(eng.advance_to(ta))
+            while pending and pending[0].arrival_ns == ta:
+                eng.add_request(pending.pop(0))
+            continue
+        assert te > eng.now_ns
+        if te - 1 > eng.now_ns:
+            quiet = eng.advance_to(te - 1)
+            assert not (quiet.first_tokens or quiet.completed or quiet.events or quiet.preempted), te
+            c.passes += quiet.passes
+        before = (eng.passes, eng.busy_until_ns, eng.num_running, transfers(eng))
+        out = eng.advance_to(te)
+        c.add(out)
+        after = (eng.passes, eng.busy_until_ns, eng.num_running, transfers(eng))
+        if out.passes or after != before or eng._inflight is not None:  # a pass, or a decode leg's reservation
+            stalls = 0
+        else:  # an idle engine found its waiting requests kept out by reserved KV: once, then it knows
+            stalls += 1
+            assert stalls == 1 and transfers(eng), te
+    else:  # pragma: no cover
+        raise AssertionError("event-driven host made no progress")
+    eng.check_invariants()
+    return c.result(len(reqs))
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads(), st.randoms(use_true_random=False))
+def test_fast_forward_equals_stepwise(work, rng):
+    cfg, reqs, checkpoints = work
+    ref = stepwise(cfg, reqs)
+    ff = fast_forward(cfg, reqs, checkpoints, rng)
+    assert ff[0] == ref[0]  # every request: admission, first token, every token time, completion, hits
+    assert ff[1] == ref[1]  # KV event batches, in order, with their timestamps
+    assert ff[2:] == ref[2:]
+    ev = event_driven(cfg, reqs)
+    assert ev[:4] == ref[:4]
+
+
+def test_long_run_with_eviction_and_preemption_matches_stepwise():
+    rng = random.Random(11)
+    cfg = EngineConfig(num_gpu_blocks=60, block_size=8, max_num_seqs=6, max_num_batched_tokens=96)
+    shared = [list(range(s * 100, s * 100 + 8 * rng.randint(1, 6))) for s in range(4)]
+    reqs = []
+    t = 0
+    for i in range(120):
+        t += rng.randint(0, 60) * MS
+        prompt = shared[rng.randrange(4)] + [10_000 + i * 50 + k for k in range(rng.randint(1, 40))]
+        reqs.append(Request(request_id=f"q{i}", token_ids=prompt, max_tokens=rng.randint(1, 150), arrival_ns=t))
+    ref = stepwise(cfg, reqs)
+    ff = fast_forward(cfg, reqs, sorted(rng.randrange(t) for _ in range(30)), rng)
+    assert ff == ref
+    summ = ref[0]
+    assert sum(v[6] for v in summ.values()) > 0, "the workload should preempt"
+    assert any(v[4] for v in summ.values()), "the workload should hit cached prefixes"
+
+
+def test_next_event_is_exact_during_a_decode_run():
+    cfg = EngineConfig(num_gpu_blocks=64, block_size=16)
+    eng = EngineCore(cfg)
+    rec = eng.add_request(Request(request_id="a", token_ids=list(range(20)), max_tokens=40))
+    eng.advance_to(1)  # the prefill pass is in flight
+    t_first = eng.next_event_ns()
+    out = eng.advance_to(t_first)
+    assert out.first_tokens == [("a", t_first)]
+    # the next visible change is the store of block 1 (positions 16..31), filled by decode pass 12
+    t_store = eng.next_event_ns()
+    quiet = eng.advance_to(t_store - 1)
+    assert not quiet.events and quiet.passes == 11
+    out = eng.advance_to(t_store)
+    assert len(out.events) == 1 and out.events[0].ts_ns == t_store
+    assert rec.token_times_ns[-1] == t_store and rec.output_tokens == 13
+    # from here on every reported time is exactly a store (blocks 2 at 48 tokens) or the completion
+    seen = []
+    while (t := eng.next_event_ns()) is not None:
+        out = eng.advance_to(t)
+        kinds = [("store", e.ts_ns) for e in out.events] + [("done", r.completion_ns) for r in out.completed]
+        assert kinds and all(ts == t for _, ts in kinds)
+        seen += [k for k, _ in kinds]
+    assert seen == ["store", "done"] and rec.output_tokens == 40 and rec.completion_ns == rec.token_times_ns[-1]
+
+
+def test_zero_duration_passes_are_reported_one_nanosecond_later():
+    eng = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, speedup_ratio=0))
+    rec = eng.add_request(Request(request_id="a", token_ids=list(range(6)), max_tokens=3, arrival_ns=500))
+    assert eng.next_event_ns() == 501
+    out = eng.advance_to(501)
+    assert rec.token_times_ns == [500, 500, 500] and [r.request_id for r in out.completed] == ["a"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads())
+def test_lru_and_lineage_evict_the_same_blocks(work):
+    # sequences release their blocks tail first, so LRU never evicts a block before its cached children
+    cfg, reqs, _ = work
+    lru = stepwise(msgspec.structs.replace(cfg, eviction_policy="lru"), reqs)
+    lineage = stepwise(msgspec.structs.replace(cfg, eviction_policy="lineage"), reqs)
+    assert lru == lineage
