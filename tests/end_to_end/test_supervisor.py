@@ -33,12 +33,15 @@ def scenario(tmp_path: Path, cluster: str = AGGREGATED, run: str = "", duration_
 
 
 def up(path: Path, out: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """``kvemu up`` of ``path``, its children tagged; returns it once its load generator runs, and the tag."""
+    """``kvemu up`` of ``path``, its children tagged; returns it once its load generator has started the run
+    (its start line: it has seen every worker), and the tag."""
     tag, env = tagged_env()
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "up", str(path), "-o", str(out), *args], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + 60
-    while not any(" loadgen " in c for c in tagged(tag).values()):
+    lines = path.with_suffix(".stdout")
+    with lines.open("w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "up", str(path), "-o", str(out), *args],
+                                cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 90
+    while '"role": "loadgen"' not in lines.read_text():
         assert time.monotonic() < deadline and proc.poll() is None, "the load generator did not start"
         time.sleep(0.1)
     return proc, tag
