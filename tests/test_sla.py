@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from harness.report import summarize, write_report
+from harness.report.summary import summarize, write_report
 from harness.scenario import ScenarioError, parse_scenario
-from harness.sla import Sla
+from harness.report.sla import Sla
 from kvemu.errors import InvalidArgument
 
 from tests.test_report import sample_run

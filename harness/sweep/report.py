@@ -8,7 +8,7 @@ other point is at least as good on both and better on one. The *chosen* point is
 no point does); without an SLA, with ``objective.ttft_ms``, the front's point of highest throughput per GPU
 whose p99 TTFT meets the bound (none if no point does); without either, the front's knee: after scaling both figures to [0, 1] over the front, the point farthest from
 the straight line between its two ends (ties, and fronts of one or two points: the higher throughput per GPU).
-Plots are PNGs drawn with ``harness.plots``' figure helpers (Agg, default style, fixed size).
+Plots are PNGs drawn with ``harness.report.plots``' figure helpers (Agg, default style, fixed size).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.plots import _figure, _legend_right, _no_data, _save, value_scale
-from harness.report import _fmt, _pct, _table
-from harness.sweep import DEFAULT_GOODPUT, Objective, Sweep
+from harness.report.plots import _figure, _legend_right, _no_data, _save, value_scale
+from harness.report.summary import _fmt, _pct, _table
+from harness.sweep.spec import DEFAULT_GOODPUT, Objective, Sweep
 
 __all__ = ["point_means", "pareto_front", "choose_point", "sla_shares", "render_sweep_markdown", "write_sweep_report",
            "THROUGHPUT", "TTFT"]

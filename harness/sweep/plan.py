@@ -25,8 +25,8 @@ import msgspec
 from kvemu.errors import InvalidArgument
 
 from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario, read_text_file
-from harness.sla import Sla
-from harness.sweep import MAX_RUNS, PointSpec, run_point
+from harness.report.sla import Sla
+from harness.sweep.spec import MAX_RUNS, PointSpec, run_point
 from harness.text import counted
 
 __all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
@@ -295,7 +295,7 @@ def _pct(x: float | None) -> str:
 
 def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
     """plan.md: the answer, the runs that bound it, every probe, the plot."""
-    from harness.report import _fmt, _table
+    from harness.report.summary import _fmt, _table
 
     out = ["# kvemu plan", "", f"**{answer_line(plan)}.**", "",
            f"{plan['runs']} runs in {plan['wall_time_s']:.1f} s (seeds {', '.join(map(str, plan['seeds']))}; "
@@ -321,7 +321,7 @@ def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
 
 
 def _draw(plan: dict[str, Any], path: Path) -> None:
-    from harness.plots import _figure, _save
+    from harness.report.plots import _figure, _save
 
     fig, ax = _figure("Share of requests meeting the SLA", "workers", "met SLA")
     rows = sorted((p for p in plan["probes"] if p["met_fraction"] is not None), key=lambda p: p["workers"])

@@ -1,6 +1,6 @@
 """The report of ``kvemu run``: summary.json, requests.jsonl, report.md and plots, from plain data.
 
-The plots are drawn by ``harness.plots``; this module imports neither matplotlib nor numpy until a report
+The plots are drawn by ``harness.report.plots``; this module imports neither matplotlib nor numpy until a report
 is written.
 
 Everything here is a pure function of a ``RunData`` (records from the hook ``Recorder``, periodic samples
@@ -16,7 +16,7 @@ latency statistics):
 * ``itl``  = every gap between consecutive token timestamps, pooled over all requests;
 * ``output_token_throughput_per_user`` = (output tokens − 1) / (completion − first token), tok/s,
   requests with ≥ 2 tokens and a positive decode time;
-* percentiles are ``harness.stats.percentile``: the value at the rounded rank, as Dynamo's replay report
+* percentiles are ``harness.report.stats.percentile``: the value at the rounded rank, as Dynamo's replay report
   computes them (no interpolation); ``median`` is p50, ``std`` is the population standard deviation; an
   empty set gives ``null``.
 
@@ -45,10 +45,10 @@ from kvemu.autoscale.records import AutoscaleLog
 from kvemu.errors import KvemuError
 from kvemu.records import RequestRecord, sequences_as_lists
 
-from harness.autoscale_report import autoscale_markdown, autoscale_summary, provisioned_seconds
-from harness.plots import PLOTS, start_plots, write_plots
-from harness.sla import Sla, goodput
-from harness.stats import percentile
+from harness.report.autoscale import autoscale_markdown, autoscale_summary, provisioned_seconds
+from harness.report.plots import PLOTS, start_plots, write_plots
+from harness.report.sla import Sla, goodput
+from harness.report.stats import percentile
 
 __all__ = [
     "Sample",
@@ -140,7 +140,7 @@ def _stats(values: Any, scale: float = 1.0) -> dict[str, float | None]:
     """mean/min/max/median/p75/p90/p95/p99/std of ``values`` divided by ``scale`` (None when empty).
 
     numpy (a matplotlib dependency) does the arithmetic: float64, pairwise sums, deterministic for a given
-    input; the percentiles use ``harness.stats.percentile`` on the sorted array.
+    input; the percentiles use ``harness.report.stats.percentile`` on the sorted array.
     """
     import numpy as np
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from kvemu.records import RequestRecord
 
-    from harness.report import RunData
+    from harness.report.summary import RunData
 
 __all__ = ["PLOTS", "write_plots", "start_plots", "background_renderer"]
 
@@ -454,8 +454,8 @@ def write_plots(data: RunData, outdir: Path) -> list[str]:
 def _renderer_command() -> list[str]:
     """This very module (whatever put it on sys.path), not the current directory's files (-P: a stray
     ``timeit.py`` there must not shadow the stdlib)."""
-    root = str(Path(__file__).absolute().parents[1])
-    code = f"import sys; sys.path.insert(0, {root!r}); from harness.plots import _serve; _serve()"
+    root = str(Path(__file__).absolute().parents[2])
+    code = f"import sys; sys.path.insert(0, {root!r}); from harness.report.plots import _serve; _serve()"
     return [sys.executable, "-P", "-c", code]
 
 
