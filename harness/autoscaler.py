@@ -30,7 +30,7 @@ from kvemu.hooks import Hooks
 from harness.cluster import Cluster
 from harness.plugins import import_callable
 from harness.report.recorder import Recorder
-from harness.report.summary import Sample
+from harness.report.run_data import Sample
 from harness.report.request_window import RequestWindow, percentiles
 from harness.scenario import AutoscalerSpec, Scenario, ScenarioError
 

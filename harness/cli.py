@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from harness.report.plots import background_renderer
-    from harness.report.summary import OutputError, prepare_outdir
+    from harness.report.files import OutputError, prepare_outdir
     from harness.runner import RunAborted, run_scenario
     from harness.scenario import ScenarioError
 
@@ -189,7 +189,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from harness.sweep.executors import MAX_JOBS, ExecutorError, executor_kind, open_executor
-    from harness.report.summary import OutputError
+    from harness.report.files import OutputError
     from harness.scenario import ScenarioError
     from harness.sweep.spec import SweepError, load_sweep, plan_runs
     from harness.sweep.results import SweepStore
@@ -306,7 +306,7 @@ def _plan(args: argparse.Namespace) -> int:
     from harness.sweep.executors import MAX_JOBS, ExecutorError, open_executor
     from harness.sweep.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
         scenario_for, write_partial_plan, write_plan
-    from harness.report.summary import OutputError, prepare_outdir
+    from harness.report.files import OutputError, prepare_outdir
     from harness.scenario import ScenarioError, parse_scenario
     from kvemu.errors import InvalidArgument
 

@@ -16,7 +16,7 @@ from kvemu.disagg import DECODE, PREFILL, DisaggRouter
 from kvemu.hooks import Hooks
 from kvemu.runtime.router import Router
 
-from harness.report.summary import Sample
+from harness.report.run_data import Sample
 from harness.scenario import ClusterSpec
 
 __all__ = ["AGGREGATED", "pool_sizes", "routing_block_size", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.report.summary import LATENCY_METRICS, PLOTS, STATS, dumps_summary, summarize, write_requests
+from harness.report.files import write_requests
+from harness.report.plots import PLOTS
+from harness.report.summary import LATENCY_METRICS, STATS, dumps_summary, summarize
 from harness.runner import run_scenario
 from harness.scenario import default_scenario_text, load_scenario, parse_scenario
 

@@ -7,7 +7,7 @@ import pytest
 
 from harness.report import plots
 from harness.report.plots import PLOTS, background_renderer, write_plots
-from harness.report.summary import write_report
+from harness.report.files import write_report
 from test_report import PNG_SIGNATURE, sample_run
 
 FILES = ("summary.json", "requests.jsonl", "report.md", *PLOTS)
@@ -85,7 +85,7 @@ def test_cdf_points_start_at_zero_and_keep_the_extremes(n):
 
 def _ranks_run(workers: int, dp: int = 2, capacity: int = 1000):
     """A run whose ranks (``workers`` x ``dp``) each sampled 30 times, one second apart."""
-    from harness.report.summary import RunData, Sample
+    from harness.report.run_data import RunData, Sample
 
     samples = [Sample(t * plots.NS_PER_S, w, r, (w + t) % 5, min(capacity, 10 * t * (w + 1)))
                for t in range(30) for w in range(workers) for r in range(dp)]
@@ -137,7 +137,7 @@ def test_legends_are_outside_every_axes(workers):
 
 
 def test_a_disaggregated_run_gets_a_panel_per_pool():
-    from harness.report.summary import RunData, Sample
+    from harness.report.run_data import RunData, Sample
 
     samples = [Sample(t * plots.NS_PER_S, w, 0, 1, 5 * t, "prefill" if w < 2 else "decode")
                for t in range(10) for w in range(14)]

@@ -10,7 +10,10 @@ import pytest
 
 from harness.report.compare import compare, main as compare_main
 from kvemu import RequestRecord
-from harness.report.summary import PLOTS, RunData, Sample, summarize, write_report
+from harness.report.files import write_report
+from harness.report.plots import PLOTS
+from harness.report.run_data import RunData, Sample
+from harness.report.summary import summarize
 from harness.report.stats import percentile
 
 MS = 1_000_000

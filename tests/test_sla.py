@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from harness.report.summary import summarize, write_report
+from harness.report.files import write_report
+from harness.report.summary import summarize
 from harness.scenario import ScenarioError, parse_scenario
 from harness.report.sla import Sla
 from kvemu.errors import InvalidArgument

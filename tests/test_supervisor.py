@@ -229,7 +229,7 @@ def test_kvemu_up_keeps_the_load_generators_report_when_its_directory_becomes_un
 def test_a_report_that_can_be_written_nowhere_prints_its_summary(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    from harness.report.summary import save_report
+    from harness.report.files import save_report
     from harness.runner import run_scenario
     from harness.scenario import parse_scenario
 

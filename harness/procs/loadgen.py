@@ -29,7 +29,8 @@ from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns
 from harness.pools import pool_sizes, routing_block_size, samples
-from harness.report.summary import RunData, Sample, save_report
+from harness.report.files import save_report
+from harness.report.run_data import RunData, Sample
 from harness.runner import count_requests
 from harness.sessions import awaiting, play_workload
 from harness.scenario import Scenario
@@ -427,5 +428,5 @@ def loadgen_report(scenario: Scenario, router: str, outdir: Path, expect_workers
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
     (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
     router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
-    where the report went (``harness.report.summary.save_report``)."""
+    where the report went (``harness.report.files.save_report``)."""
     return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))

@@ -23,7 +23,7 @@ from kvemu.messages import ClientRequest, encode
 from kvemu.wire import security
 
 from harness.chaos import Control, ControlReply, WorkerExited
-from harness.report.summary import Sample
+from harness.report.run_data import Sample
 from harness.scenario import ChaosEvent
 
 

@@ -51,7 +51,7 @@ from harness.pools import (
     worker_type_of,
 )
 from harness.report.recorder import Recorder
-from harness.report.summary import EXITED
+from harness.report.run_data import EXITED
 from harness.scenario import Scenario
 from harness.text import counted
 from harness.procs.protocol import (

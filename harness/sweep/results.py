@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from harness.report.summary import prepare_outdir
+from harness.report.files import prepare_outdir
 from harness.sweep.spec import PointSpec, Sweep, SweepError
 
 __all__ = ["SweepStore", "csv_text", "LOG", "CSV", "JSON", "MARKDOWN", "REWRITE_INTERVAL_S", "FORMAT"]

@@ -304,7 +304,8 @@ def _summary_keys() -> dict[str, str]:
     """Every dotted key of an (empty) run's summary.json -> ``value`` or ``section``."""
     global _KNOWN
     if _KNOWN is None:
-        from harness.report.summary import RunData, summarize
+        from harness.report.run_data import RunData
+        from harness.report.summary import summarize
 
         known: dict[str, str] = {}
 
