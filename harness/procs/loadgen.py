@@ -49,6 +49,7 @@ def _answer(waiters: deque[tuple[anyio.Event, list[_A]]], answer: _A) -> None:
         box.append(answer)
         event.set()
 
+
 class _RouterClient:
     """A DEALER to the router: submit requests, await their records, query stats."""
 

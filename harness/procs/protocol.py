@@ -109,6 +109,8 @@ def malformed_reply(data: bytes, exc: Exception, now_ns: int) -> RecordReply | C
 def log_start(role: str, **endpoints: Any) -> None:
     """The one structured line every process prints when it starts."""
     print(json.dumps({"event": "started", "role": role, "pid": os.getpid(), **endpoints}), flush=True)
+
+
 def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, timeout_s: float = 10.0) -> ControlReply:
     """Send one chaos event (or a worker's exit) to a router process's control channel and wait for its
     answer (blocking)."""
@@ -153,6 +155,8 @@ class HttpOptions(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL
     server: str = "uvicorn"
     """``uvicorn`` or ``granian`` (``--http-server``)."""
+
+
 def never_ran_record(req: ClientRequest, arrival_ns: int, failure: str | None = None) -> RequestRecord:
     """The record of a request that never ran: refused at the gateway, or never answered."""
     return RequestRecord(request_id=req.request_id, session_id=req.session_id, parent_session_id=req.parent_session_id,

@@ -102,6 +102,8 @@ class _Instance(TypedDict):
 def _quiet(fut: Any) -> None:
     if not fut.cancelled():
         fut.exception()  # a vanished peer: nothing to do
+
+
 async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None) -> None:
     clock = WallClock()
     hooks = Hooks()

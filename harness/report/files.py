@@ -41,6 +41,7 @@ def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None
     path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
     return len(ordered)
 
+
 class OutputError(KvemuError, OSError):
     """The report directory cannot be created or written."""
 

@@ -63,5 +63,7 @@ class RunData(msgspec.Struct, kw_only=True):
     """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
     autoscale: AutoscaleLog | None = None
     """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
+
+
 EXITED = "process_exited"
 """The reason of a worker the router fenced because its supervisor saw its process exit: ``process_exited (how)``."""
