@@ -41,7 +41,7 @@ from workers.engine import EngineCore
 from workers.request import Request
 from workers.trace import MooncakeRow, mooncake_request, read_mooncake
 
-from harness.stats import percentile
+from harness.report.stats import percentile
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 SHARES = 16  # the reference replays this trace on 16 workers

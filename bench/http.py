@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from harness.stats import percentile
-from harness.up import cli_command, cli_env
+from harness.report.stats import percentile
+from harness.procs.up import cli_command, cli_env
 from kvemu.runtime.loop import new_live_loop
 
 SCENARIO = """

@@ -17,7 +17,7 @@ and the reference alike. The reference ``RadixTree`` serves its calls on a backg
 bimodal (hot or cold thread), so the kvemu and reference repeats are interleaved (alternating which
 side goes first) and the best run of each side is reported, which is the fair comparison for both.
 The latency percentiles time each kvemu ``find_matches`` call on its own (timer overhead included) and
-use ``harness.stats.percentile``. All loops are bounded both in count and in time.
+use ``harness.report.stats.percentile``. All loops are bounded both in count and in time.
 
 Reference input form: ``RadixTree.apply_event(worker_id, bytes)`` takes only ``bytes`` holding the
 JSON of one ``KvCacheEvent`` (``str``, ``bytearray``, ``memoryview`` and MessagePack are refused;
@@ -52,7 +52,7 @@ from kvemu.index import PrefixIndex
 from kvemu.registry import WorkerSpec
 from kvemu.routing import RoutingCore
 
-from harness.stats import percentile
+from harness.report.stats import percentile
 from bench import verdict
 
 try:

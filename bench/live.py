@@ -1,7 +1,7 @@
 """kvemu as processes (kvemu up): 4 worker processes × 2 DP ranks, no engine delay, 128-token prompts,
 16 output tokens. Prints completed requests per second end to end and the router's routing overhead
 (request in → rank chosen) across processes. Loopback only; bounded in requests and time. Percentiles are
-``harness.stats.percentile``; exits 1 when a request did not complete (or the cluster failed).
+``harness.report.stats.percentile``; exits 1 when a request did not complete (or the cluster failed).
 Run: python -m bench.live [--quick]
 """
 
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 from bench.runtime import live_scenario
-from harness.stats import percentile
-from harness.up import cli_command, cli_env
+from harness.report.stats import percentile
+from harness.procs.up import cli_command, cli_env
 
 
 def main(argv: list[str] | None = None) -> int:

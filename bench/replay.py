@@ -62,7 +62,7 @@ reference loads through its ``dynamo_profile`` provider). Their figures are name
 (``kvemu trtllm round_robin mean ttft: ...``, ``trtllm round_robin mean ttft ratio vs reference: 1.00x``).
 
 Percentiles on both sides are the rounded-rank definition of Dynamo's replay report
-(``harness.stats.percentile``), so p50/p99 compare like for like. The exit status is 0 when every run
+(``harness.report.stats.percentile``), so p50/p99 compare like for like. The exit status is 0 when every run
 completed all its requests, 1 when one did not (or produced no TTFT) or its child process failed (the
 run is named and the child's stderr shown), 2 without a trace; a missed fidelity target is reported, not
 an error (the wall-time and memory ones depend on the machine).
@@ -304,7 +304,7 @@ def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine:
               speedup: float = 1.0, pools: dict[str, Any] | None = None,
               concurrency: int | None = None) -> tuple[dict[str, Any], float, float]:
     """kvemu's virtual replay of the example with ``router.policy=policy``: (summary, wall s, CPU s)."""
-    from harness.report import summarize
+    from harness.report.summary import summarize
     from harness.runner import run_scenario
     from harness.scenario import load_scenario
 

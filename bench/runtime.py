@@ -6,7 +6,7 @@ Prints, one per line:
   live completed requests: N per s            (2 workers × 2 DP ranks, speedup 0, 128-token prompts, 16 tokens)
   live routing overhead p50: N us             (request in → dispatch out)
   live routing overhead p99: N us
-Percentiles are ``harness.stats.percentile``. Exits 1 when a virtual or live request did not complete.
+Percentiles are ``harness.report.stats.percentile``. Exits 1 when a virtual or live request did not complete.
 Run: python -m bench.runtime [--quick]
 """
 
@@ -21,7 +21,7 @@ from kvemu.hooks import HookEvent
 
 from harness.runner import run_scenario
 from harness.scenario import parse_scenario
-from harness.stats import percentile
+from harness.report.stats import percentile
 from bench import verdict
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -4,8 +4,8 @@ Workload: the built-in quickstart (4 workers x 2 DP ranks, synthetic sessions) w
 (about 2-3 s of wall time a run here; ``--quick``: 30), at 8 seeds (7..14): 8 runs of the same size. The same
 8 ``PointSpec``s run three ways:
 
-* serially, in this process, one ``harness.sweep.run_point`` after another (kvemu already imported);
-* on a local pool of 2 processes (``harness.executors.open_executor(None, 2)``): its start (the fork server
+* serially, in this process, one ``harness.sweep.spec.run_point`` after another (kvemu already imported);
+* on a local pool of 2 processes (``harness.sweep.executors.open_executor(None, 2)``): its start (the fork server
   importing kvemu), the runs and its shutdown;
 * where ``distributed`` is installed, on a Dask scheduler and 2 single-threaded workers started as processes on
   127.0.0.1 (their start not timed; the client's connection and its check that kvemu imports on every worker
@@ -40,8 +40,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
-from harness.executors import open_executor
-from harness.sweep import PointSpec, parse_sweep, plan_runs, run_point
+from harness.sweep.executors import open_executor
+from harness.sweep.spec import PointSpec, parse_sweep, plan_runs, run_point
 from bench import verdict
 
 POINTS = 8

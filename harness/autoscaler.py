@@ -29,9 +29,9 @@ from kvemu.hooks import Hooks
 
 from harness.cluster import Cluster
 from harness.plugins import import_callable
-from harness.recorder import Recorder
-from harness.report import Sample
-from harness.request_window import RequestWindow, percentiles
+from harness.report.recorder import Recorder
+from harness.report.run_data import Sample
+from harness.report.request_window import RequestWindow, percentiles
 from harness.scenario import AutoscalerSpec, Scenario, ScenarioError
 
 __all__ = ["make_autoscaler", "AutoscalerShell"]

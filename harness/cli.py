@@ -82,8 +82,8 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.plots import background_renderer
-    from harness.report import OutputError, prepare_outdir
+    from harness.report.plots import background_renderer
+    from harness.report.files import OutputError, prepare_outdir
     from harness.runner import RunAborted, run_scenario
     from harness.scenario import ScenarioError
 
@@ -188,12 +188,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.executors import MAX_JOBS, ExecutorError, executor_kind, open_executor
-    from harness.report import OutputError
+    from harness.sweep.executors import MAX_JOBS, ExecutorError, executor_kind, open_executor
+    from harness.report.files import OutputError
     from harness.scenario import ScenarioError
-    from harness.sweep import SweepError, load_sweep, plan_runs
-    from harness.sweep_results import SweepStore
-    from harness.sweep_runner import run_sweep
+    from harness.sweep.spec import SweepError, load_sweep, plan_runs
+    from harness.sweep.results import SweepStore
+    from harness.sweep.runner import run_sweep
 
     console = Console(stderr=True)
 
@@ -303,10 +303,10 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.executors import MAX_JOBS, ExecutorError, open_executor
-    from harness.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
+    from harness.sweep.executors import MAX_JOBS, ExecutorError, open_executor
+    from harness.sweep.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
         scenario_for, write_partial_plan, write_plan
-    from harness.report import OutputError, prepare_outdir
+    from harness.report.files import OutputError, prepare_outdir
     from harness.scenario import ScenarioError, parse_scenario
     from kvemu.errors import InvalidArgument
 
@@ -486,7 +486,7 @@ def _process(args: argparse.Namespace) -> int:
             return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
     if args.command == "loadgen":
-        from harness.processes import NotStarted, loadgen_report
+        from harness.procs.loadgen import NotStarted, loadgen_report
 
         problem = _loadgen_chaos_problem(scenario, args.chaos)
         if problem:
@@ -504,7 +504,7 @@ def _process(args: argparse.Namespace) -> int:
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
-    from harness.up import NotStarted as ChildNotStarted, serve_main, up_main
+    from harness.procs.up import NotStarted as ChildNotStarted, serve_main, up_main
 
     try:
         if args.command == "serve":
@@ -522,10 +522,10 @@ def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
     from harness.scenario import ScenarioError
 
     if args.command == "router":
-        from harness.processes import router_main
+        from harness.procs.router import router_main
 
         return router_main(scenario, args.listen, args.grace, _http_options(args))
-    from harness.processes import worker_main, worker_pool
+    from harness.procs.worker import worker_main, worker_pool
 
     try:
         worker_pool(scenario, args.worker_type)
@@ -583,7 +583,7 @@ def _http_options(args: argparse.Namespace) -> Any:
     """The ``--http`` options of a router process (None without ``--http``)."""
     if not getattr(args, "http", None):
         return None
-    from harness.processes import HttpOptions
+    from harness.procs.protocol import HttpOptions
 
     return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model, server=args.http_server)
 
@@ -778,7 +778,7 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "tokenizer":
         return _tokenizer(args)
     if args.command == "compare":
-        from harness.compare import main as compare_main
+        from harness.report.compare import main as compare_main
 
         return compare_main([args.a, args.b])
     from harness.demo import run_demo

@@ -1,7 +1,7 @@
 """A cluster's pools as one: composing the pool routers behind their front, and reading them as one view.
 
 Shared by the in-process cluster (``harness.cluster``, virtual or live) and the router process
-(``harness.processes``): an aggregated cluster has one router, a disaggregated one a prefill and a decode
+(``harness.procs.router``): an aggregated cluster has one router, a disaggregated one a prefill and a decode
 router chained by a ``DisaggRouter``. Worker ids are unique across pools (prefill first, then decode), so a
 worker id names its pool's router.
 """
@@ -16,7 +16,7 @@ from kvemu.disagg import DECODE, PREFILL, DisaggRouter
 from kvemu.hooks import Hooks
 from kvemu.runtime.router import Router
 
-from harness.report import Sample
+from harness.report.run_data import Sample
 from harness.scenario import ClusterSpec
 
 __all__ = ["AGGREGATED", "pool_sizes", "routing_block_size", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",

@@ -22,9 +22,10 @@ from kvemu.tuning import tune_gc
 from harness.autoscaler import AutoscalerShell
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
-from harness.recorder import Recorder
+from harness.report.recorder import Recorder
 from harness.pools import affinity_stats, kv_stats, pool_sizes, routing_block_size, samples
-from harness.report import RunData, prepare_outdir, save_report
+from harness.report.files import prepare_outdir, save_report
+from harness.report.run_data import RunData
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import drain_deadline_s, play_workload
 from harness.trace_sessions import TraceSessions

@@ -36,7 +36,7 @@ from workers.config import EngineConfig
 from workers.profile import cached_profile_timing
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
-from harness.sla import Sla
+from harness.report.sla import Sla
 from harness.text import counted
 
 __all__ = [

@@ -14,7 +14,7 @@ from kvemu.records import RequestRecord
 from kvemu.messages import ClientRequest, decode_client_request, encode
 from kvemu.messages import MAX_PROMPT_TOKENS
 
-from harness.processes import _RouterClient
+from harness.procs.loadgen import _RouterClient
 
 from tests.end_to_end.test_hostile_peers import Stack, timed_requests
 

@@ -8,8 +8,10 @@ import msgspec
 
 from kvemu.messages import ClientRequest
 
-from harness.processes import CLIENT, _RouterClient, encode
-from harness.up import Children
+from harness.procs.loadgen import _RouterClient
+from harness.procs.protocol import CLIENT
+from kvemu.messages import encode
+from harness.procs.up import Children
 from tests.end_to_end.test_processes import registered, small
 
 

@@ -23,8 +23,8 @@ from kvemu.wire.codec import encode_batch
 from kvemu.kv_events import KVEventBatch
 from kvemu.wire.subscriber import sized_context
 
-from harness.processes import _RouterClient
-from harness.up import Children
+from harness.procs.loadgen import _RouterClient
+from harness.procs.up import Children
 
 HOST = "tcp://127.0.0.1:0"
 

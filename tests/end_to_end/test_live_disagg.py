@@ -31,11 +31,11 @@ from kvemu.messages import (
 )
 
 from harness.cluster import pool_router
-from harness.gate import WRONG_WORKER_TYPE, PoolGate
+from harness.procs.gate import WRONG_WORKER_TYPE, PoolGate
 from harness.pools import compose_pools
-from harness.processes import _RouterClient
+from harness.procs.loadgen import _RouterClient
 from harness.scenario import parse_scenario
-from harness.up import Children
+from harness.procs.up import Children
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "{block_size: 32, num_gpu_blocks: 2048, speedup_ratio: 20, decode_speedup_ratio: 20}"

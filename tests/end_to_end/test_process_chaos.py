@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from harness.chaos import CONTROL_TOKEN_ENV
-from harness.processes import send_control
+from harness.procs.protocol import send_control
 from harness.scenario import ChaosEvent
 from harness.sessions import SessionPlayer
-from harness.up import Children, cli_command, cli_env
+from harness.procs.up import Children, cli_command, cli_env
 from tests.process_output import json_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +185,7 @@ def test_the_load_generator_writes_a_partial_report_when_it_fails_itself(tmp_pat
     import msgspec
     import zmq
 
-    import harness.processes as processes
+    import harness.procs.loadgen as processes
     from harness.scenario import parse_scenario
 
     ctx = zmq.Context()
@@ -229,7 +229,7 @@ def test_an_unreachable_router_is_a_clear_error_not_a_traceback():
     import anyio
     import pytest
 
-    from harness.processes import RouterUnreachable, _await_router, _RouterClient
+    from harness.procs.loadgen import RouterUnreachable, _await_router, _RouterClient
 
     async def main():
         client = _RouterClient(f"tcp://127.0.0.1:{free_port()}")  # nobody listens there

@@ -19,8 +19,10 @@ from kvemu.messages import ClientRequest, decode_worker_message
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, decode_or_log
 
-from harness.processes import CLIENT, _RouterClient, encode
-from harness.up import Children
+from harness.procs.loadgen import _RouterClient
+from harness.procs.protocol import CLIENT
+from kvemu.messages import encode
+from harness.procs.up import Children
 from tests.process_output import json_events, tagged, tagged_env
 
 ROOT = Path(__file__).resolve().parents[2]

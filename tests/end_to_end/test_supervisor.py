@@ -232,7 +232,7 @@ def test_kvemu_up_keeps_the_load_generators_report_when_its_directory_becomes_un
 def test_a_report_that_can_be_written_nowhere_prints_its_summary(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    from harness.report import save_report
+    from harness.report.files import save_report
     from harness.runner import run_scenario
     from harness.scenario import parse_scenario
 
@@ -260,7 +260,7 @@ def _router(kids, path: Path, env: dict[str, str] | None = None) -> str:
 
 
 def test_a_worker_refused_for_a_squatted_id_says_so_in_one_line(tmp_path):
-    from harness.up import Children
+    from harness.procs.up import Children
 
     path = scenario(tmp_path)
     kids = Children()
@@ -278,7 +278,7 @@ def test_a_worker_refused_for_a_squatted_id_says_so_in_one_line(tmp_path):
 
 
 def test_a_worker_with_the_wrong_secret_says_so_within_seconds(tmp_path):
-    from harness.up import Children, cli_command, cli_env
+    from harness.procs.up import Children, cli_command, cli_env
 
     path = scenario(tmp_path)
     kids = Children()

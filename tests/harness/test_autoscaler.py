@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests import autoscale_policies
-from harness.autoscale_report import provisioned_seconds
+from harness.report.autoscale import provisioned_seconds
 from harness.cli import main
-from harness.plots import _plot_job
-from harness.request_window import RequestWindow, percentiles
+from harness.report.plots import _plot_job
+from harness.report.request_window import RequestWindow, percentiles
 from harness.runner import run_scenario
 from harness.scenario import ScenarioError, load_scenario, parse_scenario
 from kvemu.records import RequestRecord

@@ -23,7 +23,7 @@ from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest
 
 from harness.cluster import cluster
-from harness.recorder import Recorder
+from harness.report.recorder import Recorder
 from harness.scenario import ScenarioError, parse_scenario
 from tests.reference_cases import assert_same, kvemu_outcomes, reference_outcomes, write_trace
 
@@ -76,7 +76,7 @@ def test_busy_pools_stay_within_a_decode_pass_of_the_reference(dynamo_core, tmp_
 @pytest.mark.reference
 def test_a_mooncake_slice_on_4p4d_matches_the_reference_figures(dynamo_core, mooncake_trace, tmp_path):
     from harness.reference import run_reference_disagg, trace_head
-    from harness.report import summarize
+    from harness.report.summary import summarize
     from harness.runner import run_scenario
     from harness.scenario import load_scenario
 

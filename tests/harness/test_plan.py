@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.cli import main
-from harness.plan import PlanSpec, _candidates, parse_sla, plan_cluster
+from harness.sweep.plan import PlanSpec, _candidates, parse_sla, plan_cluster
 from harness.scenario import default_scenario_text
-from harness.sla import Sla
+from harness.report.sla import Sla
 from kvemu.errors import InvalidArgument
 
 
@@ -143,8 +143,8 @@ def test_kvemu_plan_says_when_no_size_passes_and_refuses_bad_input(tmp_path, cap
 
 
 def test_plan_bounds_the_runs_a_round_and_names_seeds(capsys):
-    from harness.plan import MAX_RUNS_A_ROUND
-    from harness.sweep import MAX_RUNS
+    from harness.sweep.plan import MAX_RUNS_A_ROUND
+    from harness.sweep.spec import MAX_RUNS
 
     assert MAX_RUNS_A_ROUND == MAX_RUNS == 10_000  # the documented bound: as a sweep's
     # 10^6 seeds were accepted (2.4 GB, 14 min): refused before a list of them is built
@@ -225,7 +225,7 @@ def test_the_first_sigterm_stops_a_command_without_a_handler_of_its_own_with_143
 
 
 def test_an_interrupted_plan_keeps_the_probes_that_finished(tmp_path):
-    from harness.plan import write_partial_plan
+    from harness.sweep.plan import write_partial_plan
     from harness.runner import Terminated
 
     class StopInRoundTwo(ModelExecutor):

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from harness import plots
-from harness.plots import PLOTS, background_renderer, write_plots
-from harness.report import write_report
+from harness.report import plots
+from harness.report.plots import PLOTS, background_renderer, write_plots
+from harness.report.files import write_report
 from tests.harness.test_report import PNG_SIGNATURE, sample_run
 
 FILES = ("summary.json", "requests.jsonl", "report.md", *PLOTS)
@@ -18,7 +18,7 @@ def _two_cpus(monkeypatch):
 
 
 def test_importing_the_cli_and_the_report_imports_neither_matplotlib_nor_numpy():
-    code = ("import sys, harness.cli, harness.report, harness.plots, harness.recorder; "
+    code = ("import sys, harness.cli, harness.report.summary, harness.report.plots, harness.report.recorder; "
             "print(sorted(m for m in ('matplotlib', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -85,7 +85,7 @@ def test_cdf_points_start_at_zero_and_keep_the_extremes(n):
 
 def _ranks_run(workers: int, dp: int = 2, capacity: int = 1000):
     """A run whose ranks (``workers`` x ``dp``) each sampled 30 times, one second apart."""
-    from harness.report import RunData, Sample
+    from harness.report.run_data import RunData, Sample
 
     samples = [Sample(t * plots.NS_PER_S, w, r, (w + t) % 5, min(capacity, 10 * t * (w + 1)))
                for t in range(30) for w in range(workers) for r in range(dp)]
@@ -137,7 +137,7 @@ def test_legends_are_outside_every_axes(workers):
 
 
 def test_a_disaggregated_run_gets_a_panel_per_pool():
-    from harness.report import RunData, Sample
+    from harness.report.run_data import RunData, Sample
 
     samples = [Sample(t * plots.NS_PER_S, w, 0, 1, 5 * t, "prefill" if w < 2 else "decode")
                for t in range(10) for w in range(14)]
@@ -149,7 +149,7 @@ def test_a_disaggregated_run_gets_a_panel_per_pool():
 
 
 def test_a_value_axis_spanning_decades_is_logarithmic(tmp_path):
-    from harness.sweep_report import _draw_against_axis
+    from harness.sweep.report import _draw_against_axis
 
     assert plots.value_scale([2.0, 50.0, 90.0]) == "log" and plots.value_scale([10.0, 200.0]) == "linear"
     rows = [{"point": i, "axes": {"cluster.workers": str(w)}, "figures": {"p99_ttft_ms": ttft}}

@@ -8,10 +8,13 @@ import time
 
 import pytest
 
-from harness.compare import compare, main as compare_main
+from harness.report.compare import compare, main as compare_main
 from kvemu import RequestRecord
-from harness.report import PLOTS, RunData, Sample, summarize, write_report
-from harness.stats import percentile
+from harness.report.files import write_report
+from harness.report.plots import PLOTS
+from harness.report.run_data import RunData, Sample
+from harness.report.summary import summarize
+from harness.report.stats import percentile
 
 MS = 1_000_000
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -71,7 +74,7 @@ def r6(x: float) -> float:
 
 
 def test_summary_percentiles_are_the_shared_rounded_rank_definition():
-    """Every summary percentile is ``harness.stats.percentile`` (Dynamo's rounded rank), never interpolated."""
+    """Every summary percentile is ``harness.report.stats.percentile`` (Dynamo's rounded rank), never interpolated."""
     rng = random.Random(3)
     for n in (1, 2, 3, 10, 101):
         ttfts = [rng.uniform(1, 100) for _ in range(n)]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from harness.report import OutputError
+from harness.report.files import OutputError
 from harness.runner import RunAborted, Terminated, run_scenario
 from harness.scenario import parse_scenario
 from workers.actor import WorkerActor

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import LATENCY_METRICS, PLOTS, STATS, dumps_summary, summarize, write_requests
+from harness.report.files import write_requests
+from harness.report.plots import PLOTS
+from harness.report.summary import LATENCY_METRICS, STATS, dumps_summary, summarize
 from harness.runner import run_scenario
 from harness.scenario import default_scenario_text, load_scenario, parse_scenario
 
@@ -216,7 +218,7 @@ def test_the_quickstart_twice_differs_only_where_the_readme_says(tmp_path):
     """README: requests.jsonl byte for byte; summary.json except its wall-clock keys, which it names."""
     import msgspec
 
-    from harness.report import WALL_CLOCK_KEYS
+    from harness.report.summary import WALL_CLOCK_KEYS
 
     outcomes = [run_scenario(load_scenario(ROOT / "examples" / "quickstart.yaml", ["run.duration_s=10"]),
                              tmp_path / name) for name in ("a", "b")]
@@ -233,7 +235,7 @@ def test_the_quickstart_twice_differs_only_where_the_readme_says(tmp_path):
     readme = " ".join((ROOT / "README.md").read_text().split())
     keys = ", ".join(f"`{k}`" for k in WALL_CLOCK_KEYS)
     assert (f"byte-identical `requests.jsonl` on every run, and the same `summary.json` except its one wall-clock "
-            f"key, {keys} (`harness.report.WALL_CLOCK_KEYS`)") in readme
+            f"key, {keys} (`harness.report.summary.WALL_CLOCK_KEYS`)") in readme
     assert "byte-identical `summary.json`" not in readme
 
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from harness.report import summarize, write_report
+from harness.report.files import write_report
+from harness.report.summary import summarize
 from harness.scenario import ScenarioError, parse_scenario
-from harness.sla import Sla
+from harness.report.sla import Sla
 from kvemu.errors import InvalidArgument
 
 from tests.harness.test_report import sample_run

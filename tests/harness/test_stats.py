@@ -1,4 +1,4 @@
-"""The one percentile definition (``harness.stats.percentile``): rounded rank, as Dynamo's replay report."""
+"""The one percentile definition (``harness.report.stats.percentile``): rounded rank, as Dynamo's replay report."""
 
 import json
 import math
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.stats import percentile
+from harness.report.stats import percentile
 
 
 def test_one_value_is_every_percentile():

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.sweep import load_sweep, parse_sweep, plan_runs, run_point
-from harness.sweep_results import SweepStore
-from harness.sweep_runner import run_sweep
+from harness.sweep.spec import load_sweep, parse_sweep, plan_runs, run_point
+from harness.sweep.results import SweepStore
+from harness.sweep.runner import run_sweep
 
 TINY = ("set: {run.duration_s: 3, workload.rate_rps: 1, workload.turns: 2, workload.think_time_s: 0.5,\n"
         "      cluster.engine.num_gpu_blocks: 512}\n")
@@ -168,7 +168,7 @@ def test_another_sweep_into_the_same_directory_is_refused_unless_forced(tmp_path
     out = tmp_path / "out"
     run(sweep, runs, out, InlineExecutor(), report=False)
     other, other_runs = sweep_of(SWEEP, tmp_path, name="other")
-    from harness.sweep import SweepError
+    from harness.sweep.spec import SweepError
 
     with pytest.raises(SweepError, match="holds sweep 's', not 'other'.*--force"):
         SweepStore(out, other, other_runs)
@@ -210,7 +210,7 @@ def _chosen(md: str) -> str:
 
 
 def test_with_an_sla_the_chosen_point_meets_it_at_the_goodput_target_in_every_seed(tmp_path):
-    from harness.sweep_report import render_sweep_markdown
+    from harness.sweep.report import render_sweep_markdown
 
     sweep, _ = sweep_of(SLA_SWEEP + "objective: {ttft_ms: 500}\n", tmp_path)
     chosen = _chosen(render_sweep_markdown(sweep, SLA_RESULTS))
@@ -229,7 +229,7 @@ def test_with_an_sla_the_chosen_point_meets_it_at_the_goodput_target_in_every_se
 
 
 def test_the_goodput_objective_is_a_share(tmp_path):
-    from harness.sweep import SweepError
+    from harness.sweep.spec import SweepError
 
     with pytest.raises(SweepError, match="objective.goodput"):
         sweep_of(SWEEP + "objective: {goodput: 95}\n", tmp_path)

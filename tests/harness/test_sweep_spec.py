@@ -3,8 +3,8 @@ and the Pareto front and chosen point of sweep.md."""
 
 import pytest
 
-from harness.sweep import MAX_RUNS, MAX_SWEEP_BYTES, SweepError, load_sweep, parse_sweep, plan_runs
-from harness.sweep_report import choose_point, pareto_front
+from harness.sweep.spec import MAX_RUNS, MAX_SWEEP_BYTES, SweepError, load_sweep, parse_sweep, plan_runs
+from harness.sweep.report import choose_point, pareto_front
 
 TINY = "set: {run.duration_s: 2, workload.rate_rps: 1}\n"
 

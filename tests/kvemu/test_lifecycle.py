@@ -431,7 +431,7 @@ def test_a_dispatch_that_does_not_encode_fails_the_request_locally_and_never_cha
 
 
 def test_a_refused_duplicate_id_does_not_mark_the_open_request_failed_in_the_recorder():
-    from harness.recorder import Recorder
+    from harness.report.recorder import Recorder
 
     h = Host(workers=(1,))
     rec = Recorder(h.hooks, block_size=4)

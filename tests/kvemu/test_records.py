@@ -14,7 +14,7 @@ from kvemu.messages import ClientRequest
 from workers import EngineConfig, MockWorker, Request
 
 from harness.cluster import cluster
-from harness.recorder import Recorder
+from harness.report.recorder import Recorder
 from harness.scenario import parse_scenario
 
 SCENARIO = """

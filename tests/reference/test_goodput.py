@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import summarize
+from harness.report.summary import summarize
 from tests.reference_cases import assert_same, kvemu_outcomes, kvemu_run, reference_outcomes, reference_run, write_trace
 
 pytestmark = pytest.mark.reference

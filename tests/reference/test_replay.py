@@ -77,7 +77,7 @@ def trace_slice(mooncake_trace, tmp_path_factory) -> Path:
 
 
 def run_kvemu(trace: Path, policy: str, workers: int, engine: dict[str, Any]) -> dict[str, Any]:
-    from harness.report import summarize
+    from harness.report.summary import summarize
     from harness.runner import run_scenario
     from harness.scenario import load_scenario
 

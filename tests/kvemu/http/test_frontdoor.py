@@ -17,7 +17,7 @@ from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import cluster
-from harness.frontdoor import front_door
+from harness.procs.frontdoor import front_door
 from harness.scenario import default_scenario_text, parse_scenario
 
 FAST = """

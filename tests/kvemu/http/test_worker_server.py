@@ -18,9 +18,9 @@ from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import cluster
-from harness.frontdoor import worker_door
+from harness.procs.frontdoor import worker_door
 from harness.scenario import parse_scenario
-from harness.up import cli_command, cli_env
+from harness.procs.up import cli_command, cli_env
 from workers.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 SCENARIO = """

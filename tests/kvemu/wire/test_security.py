@@ -13,9 +13,9 @@ from kvemu.kv_events import KVEventBatch
 from kvemu.wire.publisher import KvEventPublisher
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
-from harness.processes import send_control
+from harness.procs.protocol import send_control
 from harness.scenario import ChaosEvent
-from harness.up import Children, cli_command, cli_env
+from harness.procs.up import Children, cli_command, cli_env
 
 HOST = "tcp://127.0.0.1:0"
 

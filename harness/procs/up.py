@@ -32,7 +32,7 @@ from typing import Any
 from kvemu.errors import KvemuError
 
 from harness.chaos import CONTROL_TOKEN_ENV, WorkerExited
-from harness.processes import send_control
+from harness.procs.protocol import send_control
 from harness.text import counted
 from harness.scenario import Scenario
 

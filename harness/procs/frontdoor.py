@@ -43,7 +43,7 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
                 model: str = DEFAULT_MODEL) -> OpenAIApp:
     """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins)."""
-    from harness.worker_backend import WorkerBackend
+    from harness.procs.worker_backend import WorkerBackend
     from workers.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)

@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from harness.report import prepare_outdir
-from harness.sweep import PointSpec, Sweep, SweepError
+from harness.report.files import prepare_outdir
+from harness.sweep.spec import PointSpec, Sweep, SweepError
 
 __all__ = ["SweepStore", "csv_text", "LOG", "CSV", "JSON", "MARKDOWN", "REWRITE_INTERVAL_S", "FORMAT"]
 

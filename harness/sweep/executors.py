@@ -2,7 +2,7 @@
 
 ``open_executor(address, jobs)`` yields a ``concurrent.futures.Executor``: ``submit(fn, *args)`` returns a
 ``concurrent.futures.Future``, so ``as_completed`` and ``wait`` work the same on all three. ``fn`` and its
-arguments must be picklable and importable where they run (``harness.sweep.run_point`` and a ``PointSpec``
+arguments must be picklable and importable where they run (``harness.sweep.spec.run_point`` and a ``PointSpec``
 are). ``abort_executor`` stops one early: pending work is cancelled, running local work killed.
 
 Dask and Ray are imported only when asked for (``pip install 'kvemu[dask]'`` / ``'kvemu[ray]'``).
@@ -27,7 +27,7 @@ __all__ = ["MAX_JOBS", "ExecutorError", "open_executor", "abort_executor", "exec
 LOCAL_START_METHOD = "forkserver"
 """How local workers start: forked from a small server process that imported ``LOCAL_PRELOAD`` once. Not
 plain fork: the caller may hold threads (a Dask client's, a progress bar's) that a fork would copy mid-lock."""
-LOCAL_PRELOAD = ("harness.sweep", "harness.runner", "harness.report")
+LOCAL_PRELOAD = ("harness.sweep.spec", "harness.runner", "harness.report.summary")
 """Imported once by the fork server, so each worker starts with kvemu loaded instead of importing it."""
 DASK_WORKER_TIMEOUT_S = 60.0
 """How long to wait for a Dask cluster's first worker."""
@@ -161,7 +161,7 @@ def _dask(address: str) -> tuple[Executor, Callable[[], None]]:
 def _worker_has_kvemu() -> str | None:
     """On a Dask worker: None if the point runner imports there, else why not."""
     try:
-        importlib.import_module("harness.sweep")
+        importlib.import_module("harness.sweep.spec")
     except Exception as exc:  # noqa: BLE001 - any import failure is the answer
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -8,7 +8,7 @@ other point is at least as good on both and better on one. The *chosen* point is
 no point does); without an SLA, with ``objective.ttft_ms``, the front's point of highest throughput per GPU
 whose p99 TTFT meets the bound (none if no point does); without either, the front's knee: after scaling both figures to [0, 1] over the front, the point farthest from
 the straight line between its two ends (ties, and fronts of one or two points: the higher throughput per GPU).
-Plots are PNGs drawn with ``harness.plots``' figure helpers (Agg, default style, fixed size).
+Plots are PNGs drawn with ``harness.report.plots``' figure helpers (Agg, default style, fixed size).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.plots import _figure, _legend_right, _no_data, _save, value_scale
-from harness.report import _fmt, _pct, _table
-from harness.sweep import DEFAULT_GOODPUT, Objective, Sweep
+from harness.report.plots import new_figure, legend_right, no_data, save_png, value_scale
+from harness.report.markdown import fmt, pct, table
+from harness.sweep.spec import DEFAULT_GOODPUT, Objective, Sweep
 
 __all__ = ["point_means", "pareto_front", "choose_point", "sla_shares", "render_sweep_markdown", "write_sweep_report",
            "THROUGHPUT", "TTFT"]
@@ -87,9 +87,9 @@ def choose_point(items: Sequence[tuple[float, float]], front: Sequence[int],
     if ttft_bound is not None:
         meeting = [i for i in front if items[i][0] <= ttft_bound]
         if not meeting:
-            return None, f"no point meets the objective p99 TTFT <= {_fmt(ttft_bound)} ms"
+            return None, f"no point meets the objective p99 TTFT <= {fmt(ttft_bound)} ms"
         best = max(meeting, key=lambda i: (items[i][1], -items[i][0]))
-        return best, f"the highest throughput per GPU with p99 TTFT <= {_fmt(ttft_bound)} ms (objective.ttft_ms)"
+        return best, f"the highest throughput per GPU with p99 TTFT <= {fmt(ttft_bound)} ms (objective.ttft_ms)"
     why = "the knee of the Pareto front (no objective.ttft_ms set)"
     if len(front) <= 2:
         return max(front, key=lambda i: items[i][1]), why
@@ -144,7 +144,7 @@ def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
             + (")" if objective.goodput is not None else f", by default {100 * DEFAULT_GOODPUT:g} % with an SLA)"))
     bound = objective.ttft_ms
     if bound is not None:
-        rule += f" and p99 TTFT <= {_fmt(bound)} ms (objective.ttft_ms)"
+        rule += f" and p99 TTFT <= {fmt(bound)} ms (objective.ttft_ms)"
     eligible = [k for k, (ttft, _) in zip(usable, items)
                 if shares.get(rows[k]["point"], -1.0) >= target and (bound is None or ttft <= bound)]
     if not eligible:
@@ -174,7 +174,7 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
                        title: str, ylabel: str, path: Path) -> Any:
     """``series`` (figure key, label) against ``axis``: one colour per combination of the other axes, on a log
     scale when the values span decades; returns the figure (saved to ``path``)."""
-    fig, ax = _figure(title, axis, ylabel, legend=True)
+    fig, ax = new_figure(title, axis, ylabel, legend=True)
     xs, labels = _axis_positions(axis_values)
     x_of = dict(zip(axis_values, xs))
     groups: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
@@ -198,20 +198,20 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
             drawn += 1
     if drawn:
         ax.set_yscale(value_scale(values))  # latencies of a saturated point are decades above the others
-        _legend_right(ax)
+        legend_right(ax)
         if labels is not None:
             ax.set_xticks(xs, labels)
         elif len(xs) <= 12:
             ax.set_xticks(xs)
     else:
-        _no_data(ax)
-    _save(fig, path)
+        no_data(ax)
+    save_png(fig, path)
     return fig
 
 
 def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
                  bound: float | None, path: Path) -> None:
-    fig, ax = _figure("Output throughput per GPU vs p99 TTFT (Pareto front)", "p99 TTFT (ms)",
+    fig, ax = new_figure("Output throughput per GPU vs p99 TTFT (Pareto front)", "p99 TTFT (ms)",
                       "output tokens/s per GPU", legend=True)
     if usable:
         xs = [rows[k]["figures"][TTFT] for k in usable]
@@ -223,16 +223,16 @@ def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int]
         fy = [rows[k]["figures"][THROUGHPUT] for k in front]
         ax.plot(fx, fy, color="C1", marker="o", drawstyle="steps-post", label="Pareto front")
         if bound is not None:
-            ax.axvline(bound, color="C3", linestyle="--", label=f"objective p99 TTFT {_fmt(bound)} ms")
+            ax.axvline(bound, color="C3", linestyle="--", label=f"objective p99 TTFT {fmt(bound)} ms")
         if chosen is not None:
             f = rows[chosen]["figures"]
             ax.scatter([f[TTFT]], [f[THROUGHPUT]], marker="*", s=300, color="C2", zorder=3,
                        label=f"chosen: point {rows[chosen]['point']}")
         ax.set_xscale(value_scale(xs))
-        _legend_right(ax)
+        legend_right(ax)
     else:
-        _no_data(ax)
-    _save(fig, path)
+        no_data(ax)
+    save_png(fig, path)
 
 
 def _plots(sweep: Sweep, rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
@@ -294,10 +294,10 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     out += ["## Results", ""]
     shown = rows[:_MAX_TABLE_ROWS]
     met = ["met SLA (worst seed)"] if shares else []
-    out += _table(["point", *sweep.axes, "ok runs", *met, *figures],
+    out += table(["point", *sweep.axes, "ok runs", *met, *figures],
                   [(r["point"], *(r["axes"][a] for a in sweep.axes), f"{r['ok']}/{r['runs']}",
-                    *([_pct(shares.get(r["point"]))] if shares else []),
-                    *(_fmt(r["figures"].get(f)) for f in figures)) for r in shown])
+                    *([pct(shares.get(r["point"]))] if shares else []),
+                    *(fmt(r["figures"].get(f)) for f in figures)) for r in shown])
     if len(rows) > len(shown):
         out += ["", f"… and {len(rows) - len(shown)} more points (sweep.csv has them all)."]
     out += ["", "## Chosen point", ""]
@@ -309,15 +309,15 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
         c = rows[chosen]
         f = c["figures"]
         out += [f"**Point {c['point']}** ({', '.join(f'`{k}={v}`' for k, v in c['axes'].items())}): "
-                f"{_fmt(f.get(THROUGHPUT))} output tok/s per GPU on {_fmt(f.get('gpus'))} GPUs, "
-                f"p99 TTFT {_fmt(f.get(TTFT))} ms; {why}."]
+                f"{fmt(f.get(THROUGHPUT))} output tok/s per GPU on {fmt(f.get('gpus'))} GPUs, "
+                f"p99 TTFT {fmt(f.get(TTFT))} ms; {why}."]
     out += ["", "## Pareto front: output throughput per GPU vs p99 TTFT", "",
             "GPUs are the cluster's DP ranks as started (workers × dp_size over its pools). A point is on the front "
             "when no other point has both a lower p99 TTFT and a higher throughput per GPU.", ""]
     if front:
-        out += _table(["point", *sweep.axes, "p99 TTFT (ms)", "output tok/s per GPU", "GPUs", "chosen"],
-                      [(rows[k]["point"], *(rows[k]["axes"][a] for a in sweep.axes), _fmt(rows[k]["figures"][TTFT]),
-                        _fmt(rows[k]["figures"][THROUGHPUT]), _fmt(rows[k]["figures"].get("gpus")),
+        out += table(["point", *sweep.axes, "p99 TTFT (ms)", "output tok/s per GPU", "GPUs", "chosen"],
+                      [(rows[k]["point"], *(rows[k]["axes"][a] for a in sweep.axes), fmt(rows[k]["figures"][TTFT]),
+                        fmt(rows[k]["figures"][THROUGHPUT]), fmt(rows[k]["figures"].get("gpus")),
                         "**yes**" if k == chosen else "") for k in front])
     else:
         out += ["No point has both figures."]
@@ -330,7 +330,7 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     failed = [r for r in results if r["status"] in ("failed", "partial")]
     if failed:
         out += ["", "## Failed and partial runs", ""]
-        out += _table(["point", "seed", "status", "error"],
+        out += table(["point", "seed", "status", "error"],
                       [(r["point"], r["seed"], r["status"], (r.get("error") or "")[:300]) for r in failed[:200]])
     return "\n".join(out) + "\n"
 

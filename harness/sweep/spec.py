@@ -304,7 +304,8 @@ def _summary_keys() -> dict[str, str]:
     """Every dotted key of an (empty) run's summary.json -> ``value`` or ``section``."""
     global _KNOWN
     if _KNOWN is None:
-        from harness.report import RunData, summarize
+        from harness.report.run_data import RunData
+        from harness.report.summary import summarize
 
         known: dict[str, str] = {}
 
@@ -435,7 +436,7 @@ def run_point(point: PointSpec) -> dict[str, Any]:
     ``run_wall_time_ms`` (the run's own wall time). Only the last two depend on the machine.
     """
     from harness.pools import pool_sizes
-    from harness.report import summarize
+    from harness.report.summary import summarize
     from harness.runner import RunAborted, run_scenario
 
     started = time.perf_counter()

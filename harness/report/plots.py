@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from kvemu.records import RequestRecord
 
-    from harness.report import RunData
+    from harness.report.run_data import RunData
 
 __all__ = ["PLOTS", "write_plots", "start_plots", "background_renderer"]
 
@@ -201,8 +201,8 @@ def value_scale(values: Iterable[float]) -> str:
     return "log" if positive and max(positive) / min(positive) > _LOG_SPAN else "linear"
 
 
-def _figure(title: str, xlabel: str, ylabel: str, legend: bool = False) -> tuple[Any, Any]:
-    """A one-axes figure; with ``legend``, wider, with room right of the axes for one (``_legend_right``)."""
+def new_figure(title: str, xlabel: str, ylabel: str, legend: bool = False) -> tuple[Any, Any]:
+    """A one-axes figure; with ``legend``, wider, with room right of the axes for one (``legend_right``)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(_FIGSIZE[0] + 2.4, _FIGSIZE[1]) if legend else _FIGSIZE, dpi=_DPI)
@@ -215,25 +215,25 @@ def _figure(title: str, xlabel: str, ylabel: str, legend: bool = False) -> tuple
     return fig, ax
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_png(fig: Any, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig).print_png(path, metadata={"Software": None},
                                    pil_kwargs={"compress_level": _PNG_COMPRESS_LEVEL})
 
 
-def _no_data(ax: Any) -> None:
+def no_data(ax: Any) -> None:
     ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
 
 
 def _draw_cdf(points: tuple[Any, Any] | None, title: str, xlabel: str, path: Path) -> None:
-    fig, ax = _figure(title, xlabel, "fraction of completed requests")
+    fig, ax = new_figure(title, xlabel, "fraction of completed requests")
     if points is not None:
         ax.step(*points, where="post")
         ax.set_ylim(0, 1.02)
     else:
-        _no_data(ax)
-    _save(fig, path)
+        no_data(ax)
+    save_png(fig, path)
 
 
 _PANEL_IN = {"lines": 3.4, "aggregate": 1.9}
@@ -253,8 +253,8 @@ def series_figure(panels: list[dict[str, Any]], title: str, ylabel: str, marks: 
     for panel in panels:
         rows += [(panel, "lines")] if panel["form"] == "lines" else [(panel, "aggregate"), (panel, "heatmap")]
     if not rows:
-        fig, ax = _figure(title, "scenario time (s)", ylabel)
-        _no_data(ax)
+        fig, ax = new_figure(title, "scenario time (s)", ylabel)
+        no_data(ax)
         return fig
     heights = [_heatmap_in(len(p["ranks"])) if kind == "heatmap" else _PANEL_IN[kind] for p, kind in rows]
     top_in, bottom_in, gap_in = 0.45, 0.55, 0.55
@@ -283,11 +283,11 @@ def series_figure(panels: list[dict[str, Any]], title: str, ylabel: str, marks: 
         if i == 0 and twin is not None:
             handles += twin.get_legend_handles_labels()[0]
         if handles:
-            _legend_right(ax, handles, offset=0.1 if twin is not None else 0.01)  # past the workers' axis
+            legend_right(ax, handles, offset=0.1 if twin is not None else 0.01)  # past the workers' axis
     return fig
 
 
-def _legend_right(ax: Any, handles: list[Any] | None = None, offset: float = 0.01) -> Any:
+def legend_right(ax: Any, handles: list[Any] | None = None, offset: float = 0.01) -> Any:
     """A legend left-aligned just right of ``ax`` (outside it: it hides no data)."""
     if handles is None:
         handles, _ = ax.get_legend_handles_labels()
@@ -343,7 +343,7 @@ def _draw_heatmap(fig: Any, ax: Any, panel: dict[str, Any], label: str) -> None:
 
 def _draw_series(panels: list[dict[str, Any]], title: str, ylabel: str, path: Path,
                  marks: dict[str, Any] | None = None) -> None:
-    _save(series_figure(panels, title, ylabel, marks), path)
+    save_png(series_figure(panels, title, ylabel, marks), path)
 
 
 def _draw_marks(ax: Any, marks: dict[str, Any]) -> Any:
@@ -364,17 +364,17 @@ def _draw_marks(ax: Any, marks: dict[str, Any]) -> Any:
 
 
 def _draw_reuse(curves: tuple[int, Any, Any, Any, Any] | None, path: Path) -> None:
-    fig, ax = _figure("Prefix cache reuse (engine-found cached tokens / prompt tokens)",
+    fig, ax = new_figure("Prefix cache reuse (engine-found cached tokens / prompt tokens)",
                       "completion time (s)", "reused fraction", legend=True)
     if curves is not None:
         window, x1, y1, x2, y2 = curves
         ax.plot(x1, y1, linewidth=1, label=f"rolling, last {window} completions")
         ax.plot(x2, y2, linewidth=1.5, linestyle="--", label="cumulative")
         ax.set_ylim(0, 1.02)
-        _legend_right(ax)
+        legend_right(ax)
     else:
-        _no_data(ax)
-    _save(fig, path)
+        no_data(ax)
+    save_png(fig, path)
 
 
 # ---------------------------------------------------------------------------------- jobs
@@ -454,8 +454,8 @@ def write_plots(data: RunData, outdir: Path) -> list[str]:
 def _renderer_command() -> list[str]:
     """This very module (whatever put it on sys.path), not the current directory's files (-P: a stray
     ``timeit.py`` there must not shadow the stdlib)."""
-    root = str(Path(__file__).absolute().parents[1])
-    code = f"import sys; sys.path.insert(0, {root!r}); from harness.plots import _serve; _serve()"
+    root = str(Path(__file__).absolute().parents[2])
+    code = f"import sys; sys.path.insert(0, {root!r}); from harness.report.plots import _serve; _serve()"
     return [sys.executable, "-P", "-c", code]
 
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, as_completed
 from typing import Any
 
-from harness.executors import abort_executor
-from harness.sweep import PointSpec, run_point
-from harness.sweep_report import write_sweep_report
-from harness.sweep_results import SweepStore
+from harness.sweep.executors import abort_executor
+from harness.sweep.spec import PointSpec, run_point
+from harness.sweep.report import write_sweep_report
+from harness.sweep.results import SweepStore
 
 __all__ = ["SweepOutcome", "run_sweep", "OnResult"]
 

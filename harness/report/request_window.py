@@ -10,7 +10,7 @@ from kvemu.clock import NS_PER_MS
 from kvemu.records import RequestRecord
 from kvemu.hooks import HookEvent, Hooks
 
-from harness.stats import percentile
+from harness.report.stats import percentile
 
 __all__ = ["RequestWindow", "percentiles"]
 

@@ -25,8 +25,8 @@ import msgspec
 from kvemu.errors import InvalidArgument
 
 from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario, read_text_file
-from harness.sla import Sla
-from harness.sweep import MAX_RUNS, PointSpec, run_point
+from harness.report.sla import Sla
+from harness.sweep.spec import MAX_RUNS, PointSpec, run_point
 from harness.text import counted
 
 __all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
@@ -295,7 +295,7 @@ def _pct(x: float | None) -> str:
 
 def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
     """plan.md: the answer, the runs that bound it, every probe, the plot."""
-    from harness.report import _fmt, _table
+    from harness.report.markdown import fmt, table
 
     out = ["# kvemu plan", "", f"**{answer_line(plan)}.**", "",
            f"{plan['runs']} runs in {plan['wall_time_s']:.1f} s (seeds {', '.join(map(str, plan['seeds']))}; "
@@ -304,13 +304,13 @@ def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
     header = ["", "cluster", "met SLA", "goodput (req/s)", "throughput (req/s)", "p99 TTFT (ms)", "mean ITL (ms)"]
 
     def cells(row: dict[str, Any]) -> list[str]:
-        return [_cluster(row), _pct(row["met_fraction"]), _fmt(row["goodput_request_throughput_rps"]),
-                _fmt(row["request_throughput_rps"]), _fmt(row["p99_ttft_ms"]), _fmt(row["mean_itl_ms"])]
+        return [_cluster(row), _pct(row["met_fraction"]), fmt(row["goodput_request_throughput_rps"]),
+                fmt(row["request_throughput_rps"]), fmt(row["p99_ttft_ms"]), fmt(row["mean_itl_ms"])]
 
     out += ["## The runs that bound it", ""]
-    out += _table(header, [(name, *cells(row)) for name, row in bounds if row is not None])
+    out += table(header, [(name, *cells(row)) for name, row in bounds if row is not None])
     out += ["", "## Every probe", ""]
-    out += _table(header, [("passes" if (p["met_fraction"] or 0) >= plan["goodput_target"] else "fails", *cells(p))
+    out += table(header, [("passes" if (p["met_fraction"] or 0) >= plan["goodput_target"] else "fails", *cells(p))
                            for p in plan["probes"]])
     if plan["non_monotonic"]:
         out += ["", "Not monotonic: " + ", ".join(f"{a} workers passed where {b} failed"
@@ -321,9 +321,9 @@ def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
 
 
 def _draw(plan: dict[str, Any], path: Path) -> None:
-    from harness.plots import _figure, _save
+    from harness.report.plots import new_figure, save_png
 
-    fig, ax = _figure("Share of requests meeting the SLA", "workers", "met SLA")
+    fig, ax = new_figure("Share of requests meeting the SLA", "workers", "met SLA")
     rows = sorted((p for p in plan["probes"] if p["met_fraction"] is not None), key=lambda p: p["workers"])
     ax.plot([p["workers"] for p in rows], [p["met_fraction"] for p in rows], "o", color="tab:blue", label="probe")
     ax.axhline(plan["goodput_target"], color="tab:red", linestyle="--", label="target")
@@ -332,7 +332,7 @@ def _draw(plan: dict[str, Any], path: Path) -> None:
         ax.plot([a["workers"]], [a["met_fraction"]], "*", markersize=16, color="tab:green", label="answer")
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right")
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def write_plan(plan: dict[str, Any], outdir: Path) -> Path:

@@ -1,0 +1,351 @@
+"""The router process (``kvemu router``): the router actor and the client gateway on one ZeroMQ socket.
+
+It serves workers and clients (``harness.procs.protocol``) until SIGTERM. A disaggregated scenario's router
+process hosts its prefill and decode routers on that one socket (``harness.procs.gate`` gives each worker its
+own pool's router) behind a ``DisaggRouter``; chaos ``Control`` messages are applied here or forwarded to the
+workers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import signal
+import sys
+import uuid
+from typing import Any, TypedDict
+
+import anyio
+import msgspec
+
+from kvemu.clock import WallClock
+from kvemu.disagg import DECODE
+from kvemu.hooks import Hooks
+from kvemu.runtime.loop import run_live
+from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
+from kvemu.runtime.prompt_lane import PromptLane
+from kvemu.runtime.router import Router
+from kvemu.runtime.transport import ZmqRouterEnd
+from kvemu.tuning import tune_gc
+
+from harness.chaos import (
+    CONTROL_TOKEN_ENV,
+    MAX_TOKEN_BYTES,
+    SUPERVISOR_CHAOS,
+    Control,
+    ControlReply,
+    WorkerExited,
+    worker_chaos,
+)
+from harness.cluster import pool_router
+from harness.procs.gate import PoolGate
+from harness.pools import (
+    AGGREGATED,
+    affinity_stats,
+    compose_pools,
+    kv_stats,
+    owner,
+    routing_block_size,
+    samples,
+    worker_type_of,
+)
+from harness.report.recorder import Recorder
+from harness.report.run_data import EXITED
+from harness.scenario import Scenario
+from harness.text import counted
+from harness.procs.protocol import (
+    CLIENT,
+    ClientMessage,
+    LANE_FRAME_BYTES,
+    HttpOptions,
+    RecordReply,
+    Stats,
+    StatsQuery,
+    client_decoder,
+    client_request_key,
+    log_start,
+    malformed_reply,
+    never_ran_record,
+)
+
+
+
+class _SharedRouterEnd(ZmqRouterEnd):
+    """Worker traffic for the router actor; client traffic for the gateway (same ROUTER socket)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.clients_tx, self.clients_rx = anyio.create_memory_object_stream[tuple[bytes, bytes]](float("inf"))
+
+    async def receive(self) -> tuple[bytes, list[bytes]]:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) == 3 and frames[1] == CLIENT:  # a message is a msgpack map: never the bare marker
+                self.clients_tx.send_nowait((frames[0], frames[2]))
+            elif len(frames) >= 2:
+                return frames[0], frames[1:]
+
+    def reply(self, peer: bytes, data: bytes) -> None:
+        # zmq.asyncio's send_multipart returns a Future; its stubs declare only an Awaitable
+        self._sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)  # type: ignore[attr-defined]
+
+
+class _Instance(TypedDict):
+    """The router instance a process runs (a chaos restart replaces it)."""
+
+    id: str
+    started_ns: int
+
+
+
+def _quiet(fut: Any) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a vanished peer: nothing to do
+
+
+async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None) -> None:
+    clock = WallClock()
+    hooks = Hooks()
+    spec = scenario.cluster
+    recorder = Recorder(hooks, block_size=routing_block_size(spec))
+    lane = PromptLane(clock, routing_block_size(spec))
+    end = _SharedRouterEnd(listen)
+    routers: dict[str, Router] = {}
+    gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
+
+    def new_router(pool: str) -> Router:
+        return pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks,
+                           zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
+
+    pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,
+                                 retry_limit=scenario.router.settings().retry_limit)
+    routers.update(pools)
+    instance: _Instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
+    process_id = f"{os.getpid()}-{instance['id']}"
+    control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
+    server = None
+    if http is not None:
+        from kvemu.http.server import HttpServer
+
+        from harness.procs.frontdoor import front_door
+
+        assert not spec.disaggregated, "the CLI refuses --http for a disaggregated cluster"
+        def forget(rid: str) -> None:
+            recorder.records.pop(rid, None)  # the client has its answer
+
+        app = front_door(scenario, lambda: routers[AGGREGATED], hooks, clock, tokenizer=http.tokenizer,
+                         model=http.model, forget=forget)
+        server = HttpServer(app, http.listen, http.server)
+    in_flight: set[str] = set()
+
+    async def handle(peer: bytes, req: ClientRequest | None, frame: bytes = b"") -> None:
+        """Run one client request and reply with its record; a huge one (or a large ``frame`` still to decode)
+        works in the prompt lane, so that a burst of them leaves the loop to other requests between steps."""
+        async with lane.turn(bool(frame) or lane.is_huge(req.tokens)) as work:  # type: ignore[union-attr]
+            if req is None:
+                req = decode_request(peer, frame)
+                if req is None:
+                    return
+                await work.pause()
+            # requests are keyed by (client, request id): two clients may use the same id, and a reply goes
+            # only to the client that sent the request
+            key = client_request_key(peer, req.request_id)
+            if key in in_flight:  # this client's own id, still running: refuse the copy, keep the original
+                end.reply(peer, encode(RecordReply(record=never_ran_record(req, clock.now_ns(), "duplicate_request_id"))))
+                return
+            in_flight.add(key)
+            ended = anyio.Event()
+            try:
+                await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
+                front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+            except BaseException:
+                in_flight.discard(key)
+                raise
+        try:
+            await ended.wait()
+        finally:
+            in_flight.discard(key)
+            rec = recorder.records.pop(key, None)
+            if rec is not None:
+                rec.request_id = req.request_id
+                end.reply(peer, encode(RecordReply(record=rec)))
+
+    def decode_message(peer: bytes, data: bytes) -> ClientMessage | None:
+        """A client message decoded (a request's prompt packed: ``with_packed_prompt``); a malformed one is
+        answered where it can be attributed, and gives None."""
+        try:
+            return with_packed_prompt(client_decoder.decode(data))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
+            answer = malformed_reply(data, exc, clock.now_ns())
+            if answer is not None:  # the client waits for it: say what was wrong instead of nothing
+                end.reply(peer, encode(answer))
+            return None
+
+    def decode_request(peer: bytes, data: bytes) -> ClientRequest | None:
+        """A large client message decoded: a request, or None (answered when malformed; a query or control
+        message is never this large and is dropped, logged)."""
+        msg = decode_message(peer, data)
+        if msg is not None and type(msg) is not ClientRequest:
+            print(json.dumps({"event": "bad_client_message", "error": f"an oversized {type(msg).__name__}"}),
+                  file=sys.stderr)
+            return None
+        return msg
+
+    def stats() -> Stats:
+        now = clock.now_ns()
+        current = list(routers.values())
+        taken = samples(routers, now)
+        return Stats(now_ns=now, workers=sorted(w for r in current for w in r.workers),
+                     ranks=[(x.worker_id, x.dp_rank) for x in taken], samples=taken, kv_stats=kv_stats(current),
+                     affinity=affinity_stats(current), counters=dict(recorder.counters),
+                     worker_events=recorder.worker_events, router_id=instance["id"],
+                     router_started_ns=instance["started_ns"], process_id=process_id,
+                     records_held=len(recorder.records),
+                     pools={pool: sorted(r.workers) for pool, r in routers.items()})
+
+    scopes: dict[str, anyio.CancelScope] = {}
+
+    async def serve_pool(pool: str, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as scopes[pool]:
+            await routers[pool].serve(task_status=task_status)
+
+    async def restart(tg: anyio.abc.TaskGroup) -> None:
+        """Chaos: the router loses all its state, as if its process had been replaced on the same address
+        (an aggregated cluster: ``_RouterControl`` refuses it for a disaggregated one)."""
+        nonlocal front
+        old = routers[AGGREGATED]
+        old.stop("router_restart")  # each handler replies to its client
+        scopes[AGGREGATED].cancel()
+        await anyio.sleep(0)
+        front = routers[AGGREGATED] = new_router(AGGREGATED)
+        front.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
+        instance.update({"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()})
+        await tg.start(serve_pool, AGGREGATED)
+
+    hooks.subscribe(lambda ev: control.on_worker_added(routers, ev.worker_id), "worker_added")
+
+    async def gateway(tg: anyio.abc.TaskGroup) -> None:
+        async for peer, data in end.clients_rx:
+            if len(data) >= LANE_FRAME_BYTES:  # a huge prompt: decoded in the lane, after those before it
+                tg.start_soon(handle, peer, None, data)
+                continue
+            msg = decode_message(peer, data)
+            if msg is None:
+                continue
+            t = type(msg)
+            if t is StatsQuery:
+                end.reply(peer, encode(stats()))
+            elif t is WorkerExited:
+                end.reply(peer, encode(control.worker_exited(routers, msg)))  # type: ignore[arg-type]
+            elif t is Control:
+                reply = control.apply(routers, msg)  # type: ignore[arg-type]
+                end.reply(peer, encode(reply))
+                if reply.ok and msg.event.action == "restart_router":  # type: ignore[union-attr]
+                    await restart(tg)
+            else:  # a ClientRequest: the other types are handled above (mypy does not narrow through ``t``)
+                tg.start_soon(handle, peer, msg)  # type: ignore[arg-type]
+
+    async with anyio.create_task_group() as tg:
+        for pool in list(routers):
+            await tg.start(serve_pool, pool)
+        tg.start_soon(gate.serve)
+        tg.start_soon(gateway, tg)
+        if server is not None:
+            await tg.start(server.serve)
+        log_start("router", listen=end.endpoint, control=control.token is not None, pools=list(routers),
+                  **({"http": server.url} if server is not None else {}))
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        # drain: requests in flight (from ZeroMQ clients and over HTTP) get up to grace_s to finish, then fail
+        # with router_shutdown
+        with anyio.move_on_after(grace_s):
+            while in_flight or any(r.lifecycle.flights for r in routers.values()):
+                await anyio.sleep(0.01)
+        for router in routers.values():
+            router.stop("router_shutdown")  # ends them: each handler replies to its client
+        with anyio.move_on_after(1.0):
+            while in_flight:
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)  # let the replies leave the socket
+        tg.cancel_scope.cancel()
+    await end.aclose()
+
+
+class _RouterControl:
+    """The router process's control channel: checks the token and applies or forwards chaos events."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+        self.lag_ms: float | None = None
+        """The KV-event lag chaos set, for workers that register later too."""
+
+    def _refusal(self, token: str, action: str) -> ControlReply | None:
+        """Why a control message with ``token`` is refused (None: the token is right)."""
+        if self.token is None:
+            return ControlReply(ok=False, detail=f"this router takes no control messages: start it with "
+                                                 f"{CONTROL_TOKEN_ENV} set to a shared secret")
+        if len(token) > MAX_TOKEN_BYTES or not hmac.compare_digest(token.encode(), self.token.encode()):
+            print(json.dumps({"event": "control_refused", "action": action, "why": "wrong token"}), file=sys.stderr)
+            return ControlReply(ok=False, detail=f"wrong control token (see {CONTROL_TOKEN_ENV})")
+        return None
+
+    def worker_exited(self, routers: dict[str, Router], msg: WorkerExited) -> ControlReply:
+        """The supervisor saw a worker's process exit: fence it now (its requests are retried or fail as
+        ``worker_lost``), its ``worker_removed`` event saying how it exited."""
+        refused = self._refusal(msg.token, "worker_exited")
+        if refused is not None:
+            return refused
+        router = owner(routers.values(), msg.worker_id)
+        if router is None:
+            return ControlReply(ok=True, detail=f"worker {msg.worker_id} was not registered (or already fenced)")
+        router.remove_worker(msg.worker_id, reason=f"{EXITED} ({msg.how})")
+        return ControlReply(ok=True, detail=f"worker {msg.worker_id} fenced")
+
+    def apply(self, routers: dict[str, Router], msg: Control) -> ControlReply:
+        """Apply or forward one chaos event to the worker it names (in whichever pool it is registered)."""
+        ev = msg.event
+        refused = self._refusal(msg.token, ev.action)
+        if refused is not None:
+            return refused
+        if ev.action in SUPERVISOR_CHAOS:
+            return ControlReply(ok=False, detail=f"{ev.action} starts or stops a worker process: kvemu up applies it "
+                                                 "(with docker-compose, scale the worker service)")
+        print(json.dumps({"event": "control", "action": ev.action, "worker": ev.worker}), file=sys.stderr)
+        workers = sorted(w for r in routers.values() for w in r.workers)
+        if ev.action == "restart_router":
+            if AGGREGATED not in routers:
+                return ControlReply(ok=False, detail="restart_router: restarting the routers of a disaggregated "
+                                                     "cluster is not supported yet")
+            return ControlReply(ok=True, detail="restarting: the requests it holds fail with router_restart")
+        if ev.action == "delay_kv_events":
+            self.lag_ms = ev.lag_ms
+            for wid in workers:
+                owner(routers.values(), wid).send_chaos(wid, worker_chaos(ev))  # type: ignore[union-attr]
+            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {counted(len(workers), 'worker')} "
+                                                "and every later one")
+        if ev.worker is None and not workers:
+            return ControlReply(ok=False, detail=f"{ev.action}: no worker is registered")
+        target = ev.worker if ev.worker is not None else workers[0]
+        router = owner(routers.values(), target)
+        why = (router.send_chaos(target, worker_chaos(ev)) if router is not None else
+               f"worker {target} is not registered (registered: {workers[:16]})")
+        return ControlReply(ok=why is None, detail=why or f"{ev.action} sent to worker {target}")
+
+    def on_worker_added(self, routers: dict[str, Router], worker_id: int | None) -> None:
+        """A worker registered: give it the KV-event lag chaos set, if any."""
+        router = owner(routers.values(), worker_id) if worker_id is not None else None
+        if self.lag_ms is not None and router is not None:
+            router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))  # type: ignore[arg-type]
+
+
+def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: HttpOptions | None = None) -> int:
+    """``kvemu router``: serve until SIGTERM (with an OpenAI front door when ``http`` is given)."""
+    tune_gc()
+    run_live(lambda: _serve_router(scenario, listen, grace_s, http))
+    return 0
+
+
+# ---------------------------------------------------------------------------------- worker

@@ -1,0 +1,119 @@
+"""The worker process (``kvemu worker``): one mock engine serving one router over ZeroMQ.
+
+Each worker serves the pool its ``--worker-type`` names (``worker_pool``), publishes its KV events and, with
+``--http``, serves OpenAI clients directly; it shuts down cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import uuid
+
+import anyio
+import msgspec
+
+from kvemu.clock import WallClock
+from kvemu.runtime.loop import run_live
+from kvemu.runtime.transport import ZmqWorkerEnd
+from kvemu.tuning import tune_gc
+from kvemu.wire import security
+from kvemu.wire.publisher import KvEventPublisher
+from workers.actor import WorkerActor, WorkerRejected
+from workers.worker import MockWorker
+
+from harness.cluster import engine_config
+from harness.pools import AGGREGATED, worker_type_of
+from harness.scenario import Scenario, ScenarioError
+from harness.procs.protocol import HttpOptions, log_start
+
+
+async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: str, dp_size: int, kv_events: str,
+                        kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
+    spec = scenario.cluster
+    cfg = msgspec.structs.replace(engine_config(spec, pool), dp_size=dp_size)
+    mock = MockWorker(cfg, worker_id=worker_id)
+    pubs = [KvEventPublisher(kv_events, replay_endpoint=kv_replay, dp_rank=r, bind=True,
+                             vllm_version=spec.kv_events_version) for r in range(dp_size)]
+    end = ZmqWorkerEnd(router, worker_id)
+    actor = WorkerActor(mock, end, WallClock(), pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
+                        kv_endpoints=[_reachable(p.endpoint) for p in pubs],
+                        kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
+                        worker_type=worker_type_of(spec, pool))
+    actor.on_unanswered = lambda waited_s: print(
+        f"kvemu worker: worker {worker_id}: no answer from the router at {router} after {waited_s:g} s: is it running "
+        f"there, and does it have the same {security.SECRET_ENV} as this worker? (still trying for "
+        f"{actor.register_timeout_s - waited_s:g} s)", file=sys.stderr, flush=True)
+    actor.on_chaos = lambda msg, why: print(json.dumps({"event": "chaos_applied", "worker_id": worker_id,
+                                                        "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
+                                            file=sys.stderr, flush=True)
+    server = None
+    if http is not None:
+        from kvemu.http.server import HttpServer
+
+        from harness.procs.frontdoor import worker_door
+
+        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model), http.listen,
+                            http.server)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(actor.run)
+            if server is not None:
+                await tg.start(server.serve)
+            log_start("worker", worker_id=worker_id, pool=pool, router=router, kv_events=[p.endpoint for p in pubs],
+                      kv_replay=[p.replay_endpoint for p in pubs],
+                      **({"http": server.url} if server is not None else {}))
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            await actor.shutdown(grace_s)
+            await anyio.sleep(0.05)  # let the deregistration leave
+            tg.cancel_scope.cancel()
+    finally:
+        for p in pubs:
+            p.close(drain_timeout_s=0.2)
+        await end.aclose()
+
+
+def _reachable(endpoint: str) -> str:
+    """A bound wildcard endpoint as a peer can connect to it."""
+    return endpoint.replace("0.0.0.0", "127.0.0.1").replace("tcp://*", "tcp://127.0.0.1")
+
+
+def worker_pool(scenario: Scenario, worker_type: str | None) -> str:
+    """The pool a ``kvemu worker --worker-type`` serves: the aggregated pool by default, or the pool it names of
+    a disaggregated cluster (where it is required). ``ScenarioError`` naming the flag otherwise."""
+    pools = list(scenario.cluster.pools())
+    if worker_type is None and len(pools) == 1:
+        return pools[0]
+    if worker_type in pools:
+        return worker_type
+    choices = " or ".join(f"--worker-type {p}" for p in pools)
+    if worker_type is None:
+        raise ScenarioError(f"the scenario's cluster is disaggregated (cluster.prefill, cluster.decode): say which "
+                            f"pool this worker serves with {choices}")
+    raise ScenarioError(f"--worker-type {worker_type}: the scenario's cluster has no {worker_type} pool (its pools: "
+                        f"{', '.join(pools)}); " + ("drop --worker-type" if pools == [AGGREGATED] else f"use {choices}"))
+
+
+def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_size: int | None,
+                kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None,
+                worker_type: str | None = None) -> int:
+    """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given);
+    ``worker_type`` picks the pool (its engine and DP size) of a disaggregated cluster (``worker_pool``)."""
+    pool = worker_pool(scenario, worker_type)
+    tune_gc()
+    wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
+    try:
+        run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
+                                       kv_events, kv_replay, grace_s, http))
+    except BaseException as exc:  # the router refused it (a squatted id...) or never answered: one line, no traceback
+        rejected = exc.split(WorkerRejected)[0] if isinstance(exc, BaseExceptionGroup) else exc
+        while isinstance(rejected, BaseExceptionGroup) and rejected.exceptions:
+            rejected = rejected.exceptions[0]
+        if not isinstance(rejected, WorkerRejected):
+            raise
+        print(f"kvemu worker: {rejected}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,113 @@
+"""A run's report on disk: summary.json, requests.jsonl, report.md and the plots in one directory.
+
+The plots are drawn by ``harness.report.plots``; this module imports neither matplotlib nor numpy until a report
+is written. A report is never lost to a directory that became unwritable during the run (``save_report``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvemu.errors import KvemuError
+from kvemu.records import RequestRecord, sequences_as_lists
+
+from harness.report.plots import start_plots
+from harness.report.sla import Sla
+from harness.report.run_data import RunData
+from harness.report.summary import dumps_summary, sorted_records, summarize
+from harness.report.markdown import render_markdown
+
+
+class _SlaRow(RequestRecord, kw_only=True, gc=False, repr_omit_defaults=True):
+    """A requests.jsonl row of a run with an SLA: the record, then whether it met the SLA."""
+
+    met_sla: bool = False
+
+
+def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None = None) -> int:
+    """Write one msgspec-encoded record per line (field order of ``RequestRecord``, then ``met_sla`` when the
+    run has an SLA), by arrival then id."""
+    ordered: list[RequestRecord] = sorted_records(records)
+    if sla is not None:
+        ordered = [_SlaRow(**msgspec.structs.asdict(r), met_sla=sla.met(r)) for r in ordered]
+    path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
+    return len(ordered)
+
+
+class OutputError(KvemuError, OSError):
+    """The report directory cannot be created or written."""
+
+
+def prepare_outdir(outdir: str | Path) -> Path:
+    """Create the report directory and prove it writable now, so a bad path fails before the run, not after it."""
+    outdir = Path(outdir)
+    what = "cannot be created"
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+        what = "is not writable"
+        probe = outdir / f".kvemu-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except FileExistsError:
+        raise OutputError(f"report directory {outdir}: a file of that name exists") from None
+    except NotADirectoryError:
+        raise OutputError(f"report directory {outdir}: part of the path is a file, not a directory") from None
+    except OSError as exc:
+        raise OutputError(f"report directory {outdir} {what}: {exc.strerror or exc}") from None
+    return outdir
+
+
+def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
+    """Write summary.json, requests.jsonl, report.md and the plots into ``outdir``; return the summary. A run's
+    results are never lost to a directory that became unwritable meanwhile: see ``save_report``."""
+    return save_report(data, outdir)[0]
+
+
+def save_report(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
+    """``write_report``, and where the report went: ``outdir``; or, when that cannot be written (removed, made
+    read-only or replaced by a file while the run went), a new directory under the system's temporary directory,
+    named on stderr in one line; or None when that fails too, and the summary is printed on stderr instead."""
+    summary = summarize(data)
+    outdir = Path(outdir)
+    try:
+        _write_files(data, summary, outdir)
+        return summary, outdir
+    except OSError as exc:
+        why = _why_unwritable(exc)
+    try:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", data.scenario_name)[:60] or "run"
+        fallback = Path(tempfile.mkdtemp(prefix=f"kvemu-report-{name}-"))
+        _write_files(data, summary, fallback)
+    except OSError as exc:
+        print(f"kvemu: cannot write the report in {outdir} ({why}) nor in a temporary directory "
+              f"({_why_unwritable(exc)}); its summary follows", file=sys.stderr, flush=True)
+        print(dumps_summary(summary), file=sys.stderr, end="", flush=True)
+        return summary, None
+    print(f"kvemu: cannot write the report in {outdir} ({why}); wrote it to {fallback} instead", file=sys.stderr,
+          flush=True)
+    return summary, fallback
+
+
+def _write_files(data: RunData, summary: dict[str, Any], outdir: Path) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
+    try:
+        (outdir / "summary.json").write_text(dumps_summary(summary))
+        write_requests(data.records, outdir / "requests.jsonl", data.sla)
+    finally:
+        plots = finish_plots()  # the renderer is done with this job either way
+    (outdir / "report.md").write_text(render_markdown(summary, data, plots))
+
+
+def _why_unwritable(exc: OSError) -> str:
+    if isinstance(exc, (FileExistsError, NotADirectoryError)):
+        return "part of the path is a file, not a directory"
+    return exc.strerror or str(exc)

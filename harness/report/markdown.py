@@ -1,0 +1,201 @@
+"""report.md: the summary and the run, as tables a reader scans (and the shared cell formats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from harness.report.autoscale import autoscale_markdown
+from harness.report.plots import PLOTS
+from harness.report.run_data import RunData
+from harness.report.summary import KV_COUNTERS, NS_PER_S
+
+
+def fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}{unit}"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.3g}{unit}"
+        return f"{value:,.2f}{unit}" if abs(value) < 1e6 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}%"
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _goodput_rows(s: dict[str, Any], sla: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Headline rows for goodput next to throughput (none without an SLA)."""
+    if sla is None:
+        return []
+    targets = ", ".join(f"{name.removesuffix('_ms').upper()} ≤ {fmt(sla[name], ' ms')}"
+                        for name in ("ttft_ms", "itl_ms", "e2e_ms") if sla.get(name) is not None)
+    return [("SLA", targets),
+            ("requests meeting the SLA", f"{fmt(s['goodput_completed_requests'])} ({pct(sla['met_ratio'])})"),
+            ("goodput", fmt(s["goodput_request_throughput_rps"], " req/s")),
+            ("goodput output throughput", fmt(s["goodput_output_throughput_tok_s"], " tok/s"))]
+
+
+def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str] = PLOTS) -> str:
+    """report.md: what ran, the headline numbers, per-rank, routing truth, affinity, queue, KV events."""
+    k = summary["kvemu"]
+    s = summary
+    out: list[str] = [f"# kvemu run: {k['scenario']}", ""]
+    if k["partial"]:
+        why = f" ({k['stop_reason']})" if k.get("stop_reason") else ""
+        out += [f"> **PARTIAL RUN — this report covers only what finished before the run was interrupted{why}.**",
+                "> Requests still in flight are counted as unfinished; throughputs and latencies are incomplete.",
+                ""]
+    ranks = k["per_rank"]
+    workers = sorted({r["worker_id"] for r in ranks})
+    out += ["## What ran", "",
+            f"- scenario `{k['scenario']}`, mode `{k['mode']}`, seed {k['seed']}",
+            f"- {len(workers)} workers, {len(ranks)} ranks, router block size {k['block_size']}",
+            f"- scenario time {fmt(s['duration_ms'], ' ms')} (first arrival → last completion), "
+            f"wall time {fmt(s['wall_time_ms'], ' ms')}",
+            ""]
+    out += ["## Headline", ""]
+    out += table(["metric", "value"], [
+        ("requests", fmt(s["num_requests"])),
+        ("completed", fmt(s["completed_requests"])),
+        ("failed", fmt(k["failed_requests"])),
+        ("unfinished", fmt(k["unfinished_requests"])),
+        ("request throughput", fmt(s["request_throughput_rps"], " req/s")),
+        *_goodput_rows(s, k.get("sla")),
+        ("output throughput", fmt(s["output_throughput_tok_s"], " tok/s")),
+        ("total throughput", fmt(s["total_throughput_tok_s"], " tok/s")),
+        ("prefix cache reuse (engine)", pct(s["prefix_cache_reused_ratio"])),
+    ])
+    out += [""]
+    if k.get("concurrency") is not None:
+        out += [f"Closed loop: at most {k['concurrency']} sessions in flight, each next one starting when one "
+                "ended (arrival times are when they were sent).", ""]
+    out += table(["latency (ms)", "mean", "p50", "p90", "p99", "max"], [
+        (label, *(fmt(s[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99", "max")))
+        for label, name in (("TTFT", "ttft"), ("TTST", "ttst"), ("TPOT", "tpot"), ("ITL", "itl"),
+                            ("E2E", "e2e_latency"))
+    ])
+    out += ["", f"Per-user output speed: mean {fmt(s['mean_output_token_throughput_per_user'], ' tok/s')}, "
+                f"p50 {fmt(s['median_output_token_throughput_per_user'], ' tok/s')}.", ""]
+    out += ["## Per rank", ""]
+    out += table(["worker", "rank", "requests", "completed", "failed", "input tok", "output tok", "cache reuse",
+                   "mean active", "max active", "max KV blocks"],
+                  [(r["worker_id"], r["dp_rank"], fmt(r["requests"]), fmt(r["completed_requests"]),
+                    fmt(r["failed_requests"]), fmt(r["input_tokens"]), fmt(r["output_tokens"]),
+                    pct(r["prefix_cache_reused_ratio"]), fmt(r["mean_active_requests"]),
+                    fmt(r["max_active_requests"]), fmt(r["max_kv_blocks"])) for r in ranks])
+    idle = [f"{r['worker_id']}/{r['dp_rank']}" for r in ranks if r["requests"] == 0]
+    dis = k.get("disaggregated")
+    if idle and dis is None:
+        out += ["", f"Ranks that served no request: {', '.join(idle)}."]
+    if dis is not None:
+        pools = ", ".join(f"{p['workers']} {name} workers × {p['dp_size']} DP ranks" for name, p in dis["pools"].items())
+        out += ["", "## Disaggregated serving", "", f"Pools: {pools}. The per-rank table counts decode ranks; "
+                f"prefill ranks served {fmt(sum(dis['requests_per_prefill_rank'].values()))} prompts "
+                f"({', '.join(f'{r}: {n}' for r, n in dis['requests_per_prefill_rank'].items())}).", ""]
+        out += table(["per request (ms)", "mean", "p50", "p99", "max"], [
+            (label, *(fmt(dis[key][stat]) for stat in ("mean", "median", "p99", "max")))
+            for label, key in (("KV transfer (reserved → received)", "kv_transfer_ms"),
+                               ("wait for decode room (prefill end → reserved)", "decode_reservation_wait_ms"))])
+        out += ["", "KV blocks per rank: a prefill rank's are the blocks its router indexed from its KV events; a "
+                    "decode rank publishes none (its KV arrives by transfer), so its are the decode router's active "
+                    "blocks (booked prompts and outputs)."]
+        out += ["", f"Cost: prefill {fmt(s['prefill_worker_seconds'], ' worker-s')}, decode "
+                    f"{fmt(s['decode_worker_seconds'], ' worker-s')}, {fmt(s['gpu_hours'])} GPU hours."]
+    tiers = k.get("cache_tiers")
+    if tiers is not None:
+        out += ["", "## Cache hits per tier", "",
+                "Prompt tokens each request found cached at its first admission, on the GPU (g1) or loaded from "
+                "the engine's host tier.", ""]
+        out += table(["tier", "cached tokens", "of input tokens"], [
+            ("GPU (g1)", fmt(tiers["g1_cached_tokens"]), pct(tiers["g1_cached_ratio"])),
+            ("host", fmt(tiers["host_cached_tokens"]), pct(tiers["host_cached_ratio"]))])
+        out += ["", f"{fmt(tiers['requests_with_host_hits'])} of {fmt(tiers['requests'])} requests loaded blocks "
+                    "from the host."]
+    rt = k["routing"]
+    out += ["", "## Routing truth: predicted vs engine-found cache", "",
+            "The router predicts a cached prefix from its (possibly stale) view of KV events; the engine reports "
+            "the prefix it actually found at admission, so the gap measures how wrong the router's view was.", ""]
+    if "pools" in rt:
+        dec = rt["pools"]["decode"]
+        out += ["Disaggregated: the prediction figures are the **prefill pool's** (the prefill router's predicted "
+                "prefix against what the prefill engine found). The **decode pool** predicts no prefix: each decode "
+                f"leg receives its prompt's KV by transfer ({fmt(dec['requests_received_kv'])} requests, "
+                f"{fmt(dec['transferred_prompt_tokens'])} prompt tokens) and the decode router places it by its "
+                "ranks' active blocks (the per-rank KV blocks of decode ranks; routing reasons and attempts below "
+                "are the decode legs').", ""]
+    out += table(["figure", "value"], [
+        ("requests compared (completed, routed)", fmt(rt["requests_compared"])),
+        ("predicted cached tokens", fmt(rt["predicted_cached_tokens"])),
+        ("engine cached tokens", fmt(rt["engine_cached_tokens"])),
+        ("engine / predicted", pct(rt["engine_to_predicted_ratio"])),
+        ("mean absolute difference per request", fmt(rt["mean_abs_diff_tokens"], " tok")),
+        ("requests where the router overestimated", fmt(rt["overestimated_requests"])),
+        ("requests where the router underestimated", fmt(rt["underestimated_requests"])),
+        ("overlap of chosen rank / best overlap (blocks)",
+         f"{fmt(rt['selection_overlap_blocks'])} / {fmt(rt['best_overlap_blocks'])} "
+         f"({pct(rt['selection_to_best_ratio'])})"),
+        ("mean attempts", fmt(rt["mean_attempts"])),
+        ("retried requests", fmt(rt["retried_requests"])),
+        ("dispatch rejections", fmt(rt["dispatch_rejections"])),
+    ])
+    if rt["reasons"]:
+        out += ["", "Routing reasons: " + ", ".join(f"`{r}` {n}" for r, n in rt["reasons"].items()) + "."]
+    out += ["", "## Session affinity", ""]
+    if k["affinity"] is None:
+        out += ["Affinity was off."]
+    else:
+        out += table(["counter", "value"], [(name, fmt(v)) for name, v in k["affinity"].items()])
+    q = k["queue"]
+    out += ["", "## Policy queue", ""]
+    if not q["queued_requests"] and not q["queued_events"]:
+        out += ["No request was queued."]
+    else:
+        out += [f"{fmt(q['queued_requests'])} requests queued ({fmt(q['queued_events'])} queue events); wait "
+                f"before dispatch: mean {fmt(q['mean_queue_wait_ms'], ' ms')}, "
+                f"p99 {fmt(q['p99_queue_wait_ms'], ' ms')}, max {fmt(q['max_queue_wait_ms'], ' ms')}."]
+    kv = k["kv_events"]
+    out += ["", "## KV events", ""]
+    if not kv["per_worker"]:
+        out += ["No KV-event counters were recorded."]
+    else:
+        cols = list(KV_COUNTERS) + sorted({c for w in kv["per_worker"] for c in w} - set(KV_COUNTERS) - {"worker_id"})
+        out += table(["worker", *cols], [(w["worker_id"], *(fmt(w.get(c, 0)) for c in cols))
+                                         for w in kv["per_worker"]]
+                      + [("**total**", *(fmt(kv["totals"].get(c, 0)) for c in cols))])
+    out += ["", "## Failures", ""]
+    if not k["failed_requests_by_reason"]:
+        out += ["No request failed."]
+    else:
+        out += table(["reason", "requests"], list(k["failed_requests_by_reason"].items()))
+    if "autoscaler" in k:
+        out += autoscale_markdown(k["autoscaler"], fmt, table)
+    if data.worker_events:
+        out += ["", "## Worker events", ""]
+        shown = sorted(data.worker_events, key=lambda e: (e.get("time_ns") or 0, str(e.get("kind"))))
+        out += table(["time (s)", "event", "worker", "why"],
+                      [(f"{(e.get('time_ns') or 0) / NS_PER_S:.3f}", e.get("kind"), e.get("worker_id"),
+                        e.get("reason") or "") for e in shown[:50]])
+        if len(shown) > 50:
+            out += ["", f"… and {len(shown) - 50} more."]
+    if plots:
+        out += ["", "## Plots", ""]
+        out += [f"- [{name}]({name})" for name in plots]
+        out += [""] + [f"![{name.removesuffix('.png')}]({name})" for name in plots]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,69 @@
+"""The run model: everything a report is made of, as plain data (``RunData``, its ``Sample``s).
+
+The in-process runner and the load generator build it; the summary, report.md, requests.jsonl and the plots
+(``harness.report.summary``, ``markdown``, ``files``, ``plots``) are drawn from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvemu.autoscale.records import AutoscaleLog
+from kvemu.records import RequestRecord
+
+from harness.report.sla import Sla
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """One periodic sample of the router's view of one rank."""
+
+    time_ns: int
+    worker_id: int
+    dp_rank: int
+    active_requests: int
+    kv_blocks: int
+    """The router's indexed blocks of the rank (a decode rank's: its router's active blocks, see ``pools.samples``)."""
+    pool: str = "aggregated"
+    """The rank's pool: ``aggregated``, ``prefill`` or ``decode``."""
+
+
+class RunData(msgspec.Struct, kw_only=True):
+    """Everything a report is made of (plain data; built by the runner from the recorder and samplers)."""
+
+    records: list[RequestRecord] = []
+    """Per-request records, sorted by arrival (re-sorted by arrival then id where order matters)."""
+    scenario_name: str = "scenario"
+    mode: str = "virtual"
+    seed: int = 0
+    wall_time_ns: int = 0
+    partial: bool = False
+    """The run was interrupted (Ctrl-C, drain timeout...): the numbers cover only what finished."""
+    stop_reason: str | None = None
+    """Why a partial run stopped early (``SIGINT``, ``SIGTERM``, ``drain_timeout``, ``error: ...``)."""
+    block_size: int = 16
+    ranks: list[tuple[int, int]] = []
+    """Every (worker_id, dp_rank) of the cluster, so ranks that served nothing still show."""
+    samples: list[Sample] = []
+    kv_stats: dict[int, dict[str, int]] = {}
+    """Per worker KV-event counters (batches, events, blocks_stored, gaps, lost_batches...)."""
+    affinity: dict[str, int] | None = None
+    counters: dict[str, int] = {}
+    """Hook counts by kind (``queued``, ``dispatch_rejected``...)."""
+    failures: dict[str, int] = {}
+    """Failed requests by reason."""
+    worker_events: list[dict[str, Any]] = []
+    pools: dict[str, dict[str, int]] = {}
+    """The cluster's pools as started, ``pool -> {"workers", "dp_size", "kv_blocks"}`` (``kv_blocks``: a rank's
+    KV capacity, optional): ``aggregated``, or ``prefill`` and ``decode``."""
+    sla: Sla | None = None
+    """The run's latency targets (``run.sla``): the summary adds goodput, requests.jsonl ``met_sla``."""
+    concurrency: int | None = None
+    """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
+    autoscale: AutoscaleLog | None = None
+    """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
+
+
+EXITED = "process_exited"
+"""The reason of a worker the router fenced because its supervisor saw its process exit: ``process_exited (how)``."""
