@@ -93,6 +93,16 @@ class LoadMachine(RuleBasedStateMachine):
         self.t.add(rid, rank, blocks, prefill)
         self.live[rid] = (rank, blocks, prefill)
 
+    @rule(rank=st.sampled_from([(1, 0), (1, 1), (2, 0)]), data=st.data())
+    def add_any_blocks(self, rank, data):
+        """Any list of block ids (out of chain order, repeated): booked and freed one block at a time."""
+        rid = f"r{self.n}"
+        self.n += 1
+        every = sorted({b for prompt in self.prompts for b in prompt})
+        blocks = data.draw(st.lists(st.sampled_from(every), max_size=6))
+        self.t.add(rid, rank, blocks, 0)
+        self.live[rid] = (rank, blocks, 0)
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def prefill_done(self, data):
@@ -119,9 +129,29 @@ class LoadMachine(RuleBasedStateMachine):
             assert rl.active_requests == len(mine)
             assert rl.active_prefill_tokens == sum(v[2] for v in mine)
             assert rl.active_decode_blocks == len(distinct)
-            for prompt in self.prompts:
+            chains = all(any(v[1] == q[: len(v[1])] for q in self.prompts) for v in mine)
+            for prompt in self.prompts if chains else ():  # (a projection assumes prefix chains: a prefix-closed set)
                 expected = sum(1 for b in prompt if b not in distinct)
                 assert self.t.project(rank, prompt).additional_active_blocks == expected
+            refs: dict[int, int] = {}
+            for v in mine:
+                for b in v[1]:
+                    refs[b] = refs.get(b, 0) + 1
+            assert rl.block_refs == refs
+        ranks = {k: rl.bit for k, rl in self.t.ranks().items()}
+        masks: dict[int, int] = {}
+        for rank, blocks, _ in self.live.values():
+            for b in blocks:
+                masks[b] = masks.get(b, 0) | ranks[rank]
+        assert self.t._holders == masks
+        for prompt in self.prompts:
+            want = {}
+            for rank in ranks:
+                held = {b for v in self.live.values() if v[0] == rank for b in v[1]}
+                depth = next((i for i, b in enumerate(prompt) if b not in held), len(prompt))
+                if depth:
+                    want[rank] = depth
+            assert self.t.active_prefixes(prompt) == want
 
 
 TestLoadMachine = LoadMachine.TestCase
