@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, overload
 
 from kvemu.eligibility import AffinityTarget, Candidates
 from kvemu.errors import InvalidArgument, NoEndpoints
@@ -141,22 +141,14 @@ class CustomPolicy:
 
     def select(self, ctx: PolicyContext, candidates: Candidates, evaluation: Evaluation, rng: random.Random) -> Selection:
         """Run the pipeline over the evaluated candidates; raises ``NoEndpoints`` if filters reject all."""
+        if not self.filters and not self.scorers:  # a picker alone (round robin, random): rows only if it reads them
+            lazy = _LazyRows(evaluation)
+            choice = self.picker(ctx, lazy, [0] * len(lazy), rng)
+            if not isinstance(choice, int) or not 0 <= choice < len(lazy):
+                raise InvalidArgument(f"policy {self.name!r}: picker returned {choice!r}, not a row index < {len(lazy)}")
+            return selection_at(evaluation, choice, "policy")
         ev = evaluation.with_detail()
-        # evaluate() always records its inputs, so with_detail() fills every column: none is None here
-        rows = [
-            WorkerRow(
-                k[0],
-                k[1],
-                ev.overlap_blocks[i],  # type: ignore[index]
-                ev.effective_overlap_blocks[i],  # type: ignore[index]
-                ev.cached_tokens[i],  # type: ignore[index]
-                ev.active_prefill_tokens[i],  # type: ignore[index]
-                ev.potential_decode_blocks[i],  # type: ignore[index]
-                ev.active_requests[i],  # type: ignore[index]
-                ev.costs[i],
-            )
-            for i, k in enumerate(ev.ranks)
-        ]
+        rows = _rows(ev)
         index = list(range(len(rows)))
         for f in self.filters:
             index = [i for i in index if f(ctx, rows[i])]
@@ -169,6 +161,46 @@ class CustomPolicy:
         if not isinstance(choice, int) or not 0 <= choice < len(kept):
             raise InvalidArgument(f"policy {self.name!r}: picker returned {choice!r}, not a row index < {len(kept)}")
         return selection_at(ev, index[choice], "policy")
+
+
+def _rows(ev: Evaluation) -> list[WorkerRow]:
+    """One ``WorkerRow`` per rank of an evaluation with its detail columns."""
+    # evaluate() always records its inputs, so with_detail() fills every column: none is None here
+    return [
+        WorkerRow(
+            k[0],
+            k[1],
+            ev.overlap_blocks[i],  # type: ignore[index]
+            ev.effective_overlap_blocks[i],  # type: ignore[index]
+            ev.cached_tokens[i],  # type: ignore[index]
+            ev.active_prefill_tokens[i],  # type: ignore[index]
+            ev.potential_decode_blocks[i],  # type: ignore[index]
+            ev.active_requests[i],  # type: ignore[index]
+            ev.costs[i],
+        )
+        for i, k in enumerate(ev.ranks)
+    ]
+
+
+class _LazyRows(Sequence[WorkerRow]):
+    """The rows a lone picker is handed: its length is known at once, the rows are built on first access
+    (a round-robin or random pick reads none, so it costs no detail evaluation)."""
+
+    def __init__(self, evaluation: Evaluation) -> None:
+        self._evaluation = evaluation
+        self._rows: list[WorkerRow] | None = None
+
+    def __len__(self) -> int:
+        return len(self._evaluation.ranks)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerRow: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WorkerRow]: ...
+    def __getitem__(self, i: int | slice) -> WorkerRow | list[WorkerRow]:
+        if self._rows is None:
+            self._rows = _rows(self._evaluation.with_detail())
+        return self._rows[i]
 
 
 def round_robin_policy() -> CustomPolicy:

@@ -67,3 +67,35 @@ def test_pins_bypass_custom_policies():
     core = core_with(CustomPolicy("highest", picker=lambda ctx, rows, costs, rng: len(rows) - 1))
     sel = core.select(core.prepare([1, 2, 3, 4]), core.eligibility().pin(1, 0).build())
     assert sel.key == (1, 0) and sel.reason == "pinned"
+
+
+def test_a_lone_picker_reads_the_same_rows_and_a_round_robin_pick_evaluates_no_detail(monkeypatch):
+    """A picker with no filters or scorers gets rows built on first access, equal to the eager rows; round robin
+    reads none, so its selection evaluates only the chosen rank in detail."""
+    import kvemu.selector as selector
+
+    def scored(ctx, rows, costs, rng):  # filters/scorers present: the eager path
+        seen["eager"] = (list(rows), list(costs))
+        return 1
+
+    def lone(ctx, rows, costs, rng):
+        seen["lazy"] = (list(rows), list(costs))
+        assert rows[1:] == seen["lazy"][0][1:] and rows.index(rows[2]) == 2
+        return 1
+
+    seen: dict = {}
+    for picker, filters in ((scored, [lambda ctx, row: True]), (lone, [])):
+        core = core_with(CustomPolicy("p", filters=filters, scorers=(), picker=picker), workers=3, dp=2)
+        req = core.prepare(list(range(8)))
+        core.index.store(2, req.local_hashes, req.seq_hashes)
+        core.load.add("busy", (3, 1), req.seq_hashes[:1], 5)
+        assert core.select(req).key == (1, 1)
+    assert seen["lazy"] == seen["eager"] and [r.worker_id for r in seen["lazy"][0]] == [1, 1, 2, 2, 3, 3]
+    assert seen["lazy"][0][2].overlap_blocks == 2 and seen["lazy"][0][5].active_prefill_tokens == 5
+
+    widths = []
+    real = selector.evaluate
+    monkeypatch.setattr(selector, "evaluate", lambda ranks, **kw: widths.append((len(ranks), kw.get("detail"))) or real(ranks, **kw))
+    core = core_with(round_robin_policy(), workers=3, dp=2)
+    core.select(core.prepare(list(range(8))))
+    assert (6, True) not in widths and (1, True) in widths
