@@ -2,9 +2,9 @@
 
 Wall times on a shared 2-core machine swing by ±30 %; the instructions a run executes do not. This runs
 ``examples/mooncake-3600s.yaml`` in virtual mode (the same overrides as ``bench.profile``) for the first
-``--requests`` N and 3N requests, each in its own ``valgrind --tool=callgrind`` child, and prints the
-difference of their instruction totals per request: start-up, imports and the report cost the same in both,
-so they cancel out. Slow (~50× under valgrind): a few minutes at the default N.
+``--requests`` N and 3N requests, each in its own ``valgrind --tool=callgrind`` child (``PYTHONHASHSEED=0``: string
+hashing cannot move the count), and prints the difference of their instruction totals per request: start-up,
+imports and the report cost the same in both, so they cancel out. Slow (~50× under valgrind): a few minutes at the default N.
 
 Prints ``instructions per request: I`` (millions, per policy) and the build that ran (``kvemu.build``);
 exits 2 without valgrind or the trace, 1 if a run did not complete every request.
@@ -41,7 +41,7 @@ def instructions(policy: str, trace: Path, requests: int) -> int | None:
         out = Path(tmp) / "callgrind.out"
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", _CHILD,
                policy, str(trace), str(requests)]
-        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "0"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0 or not out.is_file():
             print(f"# {policy} {requests}: exit {done.returncode}: {done.stderr[-400:]}", flush=True)
