@@ -8,7 +8,6 @@ set is prefix-closed, which lets a projection find a request's already-active bl
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -36,18 +35,12 @@ def active_prefix_len(refs: dict[int, int], seq_hashes: Sequence[int]) -> int:
     return lo
 
 
-_PLUS_ONE = (1).__add__
-_MINUS_ONE = (-1).__add__
-
-
 class _Booking:
-    __slots__ = ("key", "blocks", "prefill_tokens", "output_weight", "created_ns", "runs")
+    __slots__ = ("key", "blocks", "prefill_tokens", "output_weight", "created_ns")
 
-    def __init__(self, key: WorkerKey, blocks: list[int], prefill_tokens: int, created_ns: int, runs: bool) -> None:
+    def __init__(self, key: WorkerKey, blocks: list[int], prefill_tokens: int, created_ns: int) -> None:
         self.key = key
         self.blocks = blocks
-        self.runs = runs
-        """Its blocks are distinct and were booked as runs, so they can be freed as runs."""
         self.prefill_tokens = prefill_tokens
         self.output_weight = 0.0
         self.created_ns = created_ns
@@ -143,21 +136,17 @@ class LoadTracker:
             load = self._ranks[key] = RankLoad(self._free_bits.pop() if self._free_bits else 1 << len(self._ranks))
             self._bit_keys[load.bit] = key
         blocks = list(block_ids)
-        n = len(blocks)
         refs = load.block_refs
         holders = self._holders
         bit = load.bit
-        present = list(map(refs.__contains__, blocks))
-        k = present.index(False) if False in present else n
-        runs = present.count(True) == k and len(set(blocks)) == n
-        if runs:  # the blocks already active here are a leading run (a prefix chain): both parts in bulk
-            if k:
-                pre = blocks[:k]
-                refs.update(zip(pre, map(_PLUS_ONE, map(refs.__getitem__, pre))))
-            if k < n:
-                fresh = blocks[k:]
-                refs.update(dict.fromkeys(fresh, 1))
-                holders.update(zip(fresh, map(bit.__or__, map(holders.get, fresh, repeat(0)))))
+        fresh = dict.fromkeys(blocks, 1)
+        if len(fresh) == len(blocks) and refs.keys().isdisjoint(fresh):  # no block active here yet: in bulk
+            refs.update(fresh)
+            if holders.keys().isdisjoint(fresh):
+                holders.update(dict.fromkeys(blocks, bit))
+            else:
+                for h in blocks:
+                    holders[h] = holders.get(h, 0) | bit
         else:
             for h in blocks:
                 c = refs.get(h)
@@ -170,7 +159,7 @@ class LoadTracker:
         if prefill_tokens:
             load.active_prefill_tokens += prefill_tokens
             load.prefilling += 1
-        self._bookings[request_id] = _Booking(key, blocks, prefill_tokens, now_ns, runs)
+        self._bookings[request_id] = _Booking(key, blocks, prefill_tokens, now_ns)
 
     def mark_prefill_completed(self, request_id: str) -> bool:
         """Drop the request's prefill tokens (first token seen); its blocks stay active. False if unknown."""
@@ -202,27 +191,17 @@ class LoadTracker:
         holders = self._holders
         bit = load.bit
         blocks = b.blocks
-        n = len(blocks)
-        counts = list(map(refs.__getitem__, blocks)) if b.runs else []
-        k = counts.index(1) if 1 in counts else n
-        if b.runs and counts.count(1) == n - k:
-            # the blocks only this booking holds are a trailing run (counts never grow along a chain): in bulk
-            if k:
-                refs.update(zip(blocks[:k], map(_MINUS_ONE, counts[:k])))
-            if k < n:
-                gone = blocks[k:]
-                deque(map(refs.__delitem__, gone), maxlen=0)
-                masks = list(map(bit.__xor__, map(holders.__getitem__, gone)))
-                z = masks.index(0) if 0 in masks else len(masks)
-                if masks.count(0) == len(masks) - z:  # the blocks no other rank holds: a trailing run too
-                    holders.update(zip(gone[:z], masks[:z]))
-                    deque(map(holders.__delitem__, gone[z:]), maxlen=0)
-                else:
-                    for h, mask in zip(gone, masks):
-                        if mask:
-                            holders[h] = mask
-                        else:
-                            del holders[h]
+        if list(map(refs.__getitem__, blocks)).count(1) == len(blocks):  # nobody else holds any: in bulk
+            deque(map(refs.__delitem__, blocks), maxlen=0)
+            if list(map(holders.__getitem__, blocks)).count(bit) == len(blocks):
+                deque(map(holders.__delitem__, blocks), maxlen=0)
+            else:
+                for h in blocks:
+                    mask = holders[h] ^ bit
+                    if mask:
+                        holders[h] = mask
+                    else:
+                        del holders[h]
         else:
             for h in blocks:
                 c = refs[h] - 1

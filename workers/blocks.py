@@ -42,10 +42,6 @@ STORED = 0
 REMOVED = 1
 CLEARED = 2
 
-_PLUS_ONE = (1).__add__
-_NEGATIVE = (0).__gt__
-"""``_NEGATIVE(v)``: ``0 > v``, an inactive block's mark."""
-
 
 class TokenSource(Protocol):
     """A sequence being computed: the token ids of its positions and the local hashes of its blocks."""
@@ -145,12 +141,16 @@ class BlockPool:
     def match_prefix(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
         """Length of the cached prefix of ``hashes[:limit]`` and how many of those blocks are inactive."""
         get = self.cached.get
-        if limit <= 0 or not hashes or get(hashes[0]) is None:
-            return 0, 0
-        values = list(map(get, islice(hashes, limit)))  # one C-level pass; the prefix ends at the first miss
-        if None in values:
-            del values[values.index(None) :]
-        return len(values), sum(map(_NEGATIVE, values))
+        n = 0
+        n_inactive = 0
+        for h in islice(hashes, limit):
+            v = get(h)
+            if v is None:
+                break
+            n += 1
+            if v < 0:
+                n_inactive += 1
+        return n, n_inactive
 
     # ---------------------------------------------------------------- mutations
 
@@ -158,12 +158,8 @@ class BlockPool:
         """Reference the first ``n`` blocks of ``hashes`` (all cached), reactivating inactive ones."""
         self.version += 1
         cached = self.cached
-        hits = hashes[:n] if isinstance(hashes, list) else list(islice(hashes, n))
-        values = list(map(cached.__getitem__, hits))  # KeyError here means the caller skipped match_prefix
-        if not values or (min(values) > 0 and len(set(hits)) == len(hits)):  # all active: one more reference each
-            cached.update(zip(hits, map(_PLUS_ONE, values)))
-            return
-        for h, v in zip(hits, values):
+        for h in islice(hashes, n):
+            v = cached[h]  # KeyError here means the caller skipped match_prefix
             if v > 0:
                 cached[h] = v + 1
             else:
