@@ -1,0 +1,145 @@
+"""Build hook: compile kvemu's hot modules with mypyc when it and a C compiler are available.
+
+The same ``.py`` files are installed either way and are the pure-Python fallback: if mypyc is missing, the
+compiler is missing or compilation fails, the install goes on pure Python and says so once. A successful build
+records each compiled module's source hash in ``kvemu/_mypyc_manifest.json``; ``kvemu._build`` reads it at
+import (stale extension -> pure Python, ``KVEMU_PURE_PYTHON=1`` -> pure Python). ``KVEMU_NO_COMPILE=1`` skips
+compilation. Everything else about the package lives in ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+MANIFEST = "kvemu/_mypyc_manifest.json"
+
+# The modules compiled (measured: docs/architecture.md, "The compiled build"). Keep in step with nothing else:
+# the manifest written below is what kvemu._build reads.
+COMPILED = [
+    "kvemu/events.py",
+    "kvemu/hashing.py",
+    "kvemu/index.py",
+    "kvemu/load.py",
+    "kvemu/selector.py",
+    "kvemu/eligibility.py",
+    "kvemu/queue.py",
+    "kvemu/routing.py",
+    "kvemu/lifecycle.py",
+    "kvemu/packed_tokens.py",
+    "kvemu/token_sequence.py",
+    "kvemu/wire/stream.py",
+    "workers/blocks.py",
+    "workers/core.py",
+    "workers/engine.py",
+    "workers/events.py",
+    "workers/scheduler.py",
+    "workers/sequence.py",
+    "workers/timing.py",
+    "workers/trace.py",
+]
+
+
+def _warn(reason: str) -> None:
+    """The one line a pure-Python install prints."""
+    print(f"kvemu: installing pure Python, not the compiled build ({reason})", file=sys.stderr, flush=True)
+
+
+def _module_name(path: str) -> str:
+    return path[: -len(".py")].replace("/", ".")
+
+
+def _source_hashes() -> dict[str, str]:
+    return {_module_name(p): hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in COMPILED}
+
+
+def _stale_outputs() -> list[Path]:
+    """Extensions and manifest a previous in-place (editable) build left in the source tree."""
+    found = [ROOT / MANIFEST]
+    for p in COMPILED:
+        found += (ROOT / p).parent.glob(Path(p).stem + ".cpython-*.so")
+        found += (ROOT / p).parent.glob(Path(p).stem + ".*.pyd")
+    found += ROOT.glob("*__mypyc.cpython-*.so")
+    return [f for f in found if f.exists()]
+
+
+class BuildExt(build_ext):
+    """build_ext that falls back to pure Python on any failure and writes the source-hash manifest."""
+
+    def run(self) -> None:
+        in_tree = self.inplace or getattr(self, "editable_mode", False)
+        if in_tree:
+            for stale in _stale_outputs():  # a failed rebuild must not leave old code shadowing the sources
+                stale.unlink()
+        if not self.extensions:
+            return
+        if os.environ.get("KVEMU_BUILD_JOBS") and not self.parallel:
+            self.parallel = int(os.environ["KVEMU_BUILD_JOBS"])
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means the pure-Python install
+            _warn(f"compilation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            for out in self.get_outputs():
+                Path(out).unlink(missing_ok=True)
+            for stale in _stale_outputs() if in_tree else []:
+                stale.unlink()
+            self.extensions = []
+            return
+        manifest = json.dumps({"modules": _source_hashes()}, indent=1, sort_keys=True) + "\n"
+        for base in {Path(self.build_lib), *([ROOT] if in_tree else [])}:
+            (base / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
+            (base / MANIFEST).write_text(manifest)
+
+    def get_outputs(self) -> list[str]:
+        outputs = super().get_outputs()
+        return [*outputs, str(Path(self.build_lib) / MANIFEST)] if self.extensions else outputs
+
+
+_BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop", "bdist"}
+
+
+def _ext_modules() -> list:
+    """mypyc's extensions, or none (pure Python) with the reason said once.
+
+    Only for a command that builds: pip also runs this file for metadata, which needs no type-check.
+    """
+    if not _BUILDS.intersection(sys.argv[1:]):
+        return []
+    if os.environ.get("KVEMU_NO_COMPILE") == "1":
+        _warn("KVEMU_NO_COMPILE=1")
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _warn("mypyc is not installed")
+        return []
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    compiler = new_compiler()
+    customize_compiler(compiler)
+    cc = getattr(compiler, "compiler_so", None) or ["cc"]
+    from shutil import which
+
+    if which(cc[0]) is None:
+        _warn(f"no C compiler ({cc[0]} not found)")
+        return []
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # mypy reads pyproject.toml's [tool.mypy] and resolves the paths from here
+    try:
+        return mypycify(COMPILED, opt_level=os.environ.get("KVEMU_MYPYC_OPT", "3"))
+    except BaseException as exc:  # mypycify exits on type errors
+        _warn(f"mypyc failed: {type(exc).__name__}: {exc}")
+        return []
+    finally:
+        os.chdir(cwd)
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": BuildExt})
