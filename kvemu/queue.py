@@ -325,7 +325,7 @@ class PolicyQueue:
     def _order_key(self, spec: QueueClass, e: QueueEntry) -> tuple:
         deadline = (0, e.deadline_ns) if e.deadline_ns is not None else (1, 0)
         if spec.policy == "fcfs":
-            policy_key: float | int = e.arrival_ns - e.priority_jump_ns  # int for fcfs/lcfs (mypyc: a boxed value)
+            policy_key: float = e.arrival_ns - e.priority_jump_ns
         elif spec.policy == "lcfs":
             policy_key = -(e.arrival_ns + e.priority_jump_ns)
         else:
