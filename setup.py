@@ -69,6 +69,25 @@ def _stale_outputs() -> list[Path]:
     return [f for f in found if f.exists()]
 
 
+def _parallel_compile(compiler, jobs: int) -> None:
+    """Compile one extension's C files ``jobs`` at a time (distutils compiles them one by one; mypyc's
+    multi-file output is one file per module, so the compile scales with the cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=False, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        todo = [(obj, *build[obj]) for obj in objects if obj in build]
+        with ThreadPoolExecutor(jobs) as pool:
+            for _ in pool.map(lambda t: compiler._compile(t[0], t[1], t[2], cc_args, extra_postargs, pp_opts), todo):
+                pass
+        return objects
+
+    compiler.compile = compile
+
+
 class BuildExt(build_ext):
     """build_ext that falls back to pure Python on any failure and writes the source-hash manifest."""
 
@@ -79,8 +98,6 @@ class BuildExt(build_ext):
                 stale.unlink()
         if not self.extensions:
             return
-        if os.environ.get("KVEMU_BUILD_JOBS") and not self.parallel:
-            self.parallel = int(os.environ["KVEMU_BUILD_JOBS"])
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any compiler failure means the pure-Python install
@@ -96,6 +113,12 @@ class BuildExt(build_ext):
             (base / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
             (base / MANIFEST).write_text(manifest)
 
+    def build_extensions(self) -> None:
+        jobs = int(os.environ.get("KVEMU_BUILD_JOBS", "0")) or os.cpu_count() or 1
+        if jobs > 1:
+            _parallel_compile(self.compiler, jobs)
+        super().build_extensions()
+
     def get_outputs(self) -> list[str]:
         outputs = super().get_outputs()
         return [*outputs, str(Path(self.build_lib) / MANIFEST)] if self.extensions else outputs
@@ -105,12 +128,21 @@ _BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "de
 
 
 def _ext_modules() -> list:
-    """mypyc's extensions, or none (pure Python) with the reason said once.
+    """mypyc's extensions, or none (pure Python, said once; an editable install then also deletes the extensions
+    a previous compiled install left in the tree, which would otherwise still be imported).
 
     Only for a command that builds: pip also runs this file for metadata, which needs no type-check.
     """
     if not _BUILDS.intersection(sys.argv[1:]):
         return []
+    exts = _compiled_ext_modules()
+    if not exts and {"editable_wheel", "develop"}.intersection(sys.argv[1:]):
+        for stale in _stale_outputs():
+            stale.unlink()
+    return exts
+
+
+def _compiled_ext_modules() -> list:
     if os.environ.get("KVEMU_NO_COMPILE") == "1":
         _warn("KVEMU_NO_COMPILE=1")
         return []
@@ -133,7 +165,7 @@ def _ext_modules() -> list:
     cwd = os.getcwd()
     os.chdir(ROOT)  # mypy reads pyproject.toml's [tool.mypy] and resolves the paths from here
     try:
-        return mypycify(COMPILED, opt_level=os.environ.get("KVEMU_MYPYC_OPT", "3"))
+        return mypycify(COMPILED, opt_level=os.environ.get("KVEMU_MYPYC_OPT", "3"), multi_file=True)
     except BaseException as exc:  # mypycify exits on type errors
         _warn(f"mypyc failed: {type(exc).__name__}: {exc}")
         return []
