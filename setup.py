@@ -55,8 +55,8 @@ def _module_name(path: str) -> str:
     return path[: -len(".py")].replace("/", ".")
 
 
-def _source_hashes() -> dict[str, str]:
-    return {_module_name(p): hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in COMPILED}
+def _source_hashes(paths: list[str]) -> dict[str, str]:
+    return {_module_name(p): hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths}
 
 
 def _stale_outputs() -> list[Path]:
@@ -108,7 +108,9 @@ class BuildExt(build_ext):
                 stale.unlink()
             self.extensions = []
             return
-        manifest = json.dumps({"modules": _source_hashes()}, indent=1, sort_keys=True) + "\n"
+        built = {str(Path(*ext.name.split(".")).with_suffix(".py")) for ext in self.extensions}
+        compiled = sorted(built & set(COMPILED))
+        manifest = json.dumps({"modules": _source_hashes(compiled)}, indent=1, sort_keys=True) + "\n"
         for base in {Path(self.build_lib), *([ROOT] if in_tree else [])}:
             (base / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
             (base / MANIFEST).write_text(manifest)
@@ -165,7 +167,9 @@ def _compiled_ext_modules() -> list:
     cwd = os.getcwd()
     os.chdir(ROOT)  # mypy reads pyproject.toml's [tool.mypy] and resolves the paths from here
     try:
-        return mypycify(COMPILED, opt_level=os.environ.get("KVEMU_MYPYC_OPT", "3"), multi_file=True)
+        only = os.environ.get("KVEMU_MYPYC_ONLY")  # for measuring a group: e.g. "workers/" or "kvemu/index.py"
+        paths = [p for p in COMPILED if any(p.startswith(o) for o in only.split(","))] if only else COMPILED
+        return mypycify(paths, opt_level=os.environ.get("KVEMU_MYPYC_OPT", "3"), multi_file=True)
     except BaseException as exc:  # mypycify exits on type errors
         _warn(f"mypyc failed: {type(exc).__name__}: {exc}")
         return []
