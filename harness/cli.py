@@ -660,10 +660,18 @@ def _version() -> str:
         return __version__
 
 
+def _build_name() -> str:
+    """``compiled`` or ``pure``: which build of the hot modules this process runs (``kvemu._build``)."""
+    import kvemu
+
+    return "compiled" if kvemu.compiled else "pure"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvemu`` argument parser: every subcommand and option, each with its help."""
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
-    parser.add_argument("--version", action="version", version=f"kvemu {_version()}", help="print the version")
+    parser.add_argument("--version", action="version", version=f"kvemu {_version()} ({_build_name()} build)",
+                        help="print the version and the build (compiled or pure Python)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
     run_parser = _add_run(sub)
     sweep_parser = _add_sweep(sub)

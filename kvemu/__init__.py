@@ -4,6 +4,8 @@ The names exported here are the public, stable embedding API (see ``docs/embeddi
 imported from a submodule and not listed here may change.
 """
 
+from kvemu import _build  # first: it decides whether the compiled modules or their sources load (isort: skip)
+
 from kvemu.affinity import AffinityEvent, AffinityMode, Hold, Lease, SessionAffinity, Wait, sibling_group_key
 from kvemu.approx import ApproxIndex
 from kvemu.clock import MAX_TIME_NS, Clock, ManualClock, WallClock, ns_to_seconds, seconds_to_ns
@@ -39,6 +41,9 @@ from kvemu.routing import PreparedRequest, RoutingCore
 from kvemu.selector import Selection, TierHits
 
 __version__ = "0.1.0"
+
+compiled: bool = _build.build_name() == "compiled"
+"""Whether the compiled (mypyc) build of the hot modules is the one imported (``KVEMU_PURE_PYTHON=1``: false)."""
 
 __all__ = [
     "AffinityEvent",
@@ -111,4 +116,5 @@ __all__ = [
     "sequence_hashes",
     "sibling_group_key",
     "__version__",
+    "compiled",
 ]

@@ -11,11 +11,11 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
 
 import xxhash
 
 from kvemu.errors import InvalidArgument
+from kvemu.hashing_protocol import SelfHashingTokens  # runtime_checkable: not compilable, kept apart
 
 __all__ = [
     "BASE_SEED",
@@ -35,22 +35,6 @@ U64_MASK = (1 << 64) - 1
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
 _BIG_ENDIAN = sys.byteorder == "big"
-
-
-@runtime_checkable
-class SelfHashingTokens(Protocol):
-    """A lazy prompt (e.g. a trace row's) that hashes its own blocks without being expanded.
-
-    ``local_block_hashes(block_size)`` must equal ``local_block_hashes(list(self), block_size)`` with the
-    base seed, and ``sequence_hashes(block_size)`` their ``sequence_hashes``; routers and engines use them
-    instead of hashing token by token, and may share the (unmutated) lists.
-    """
-
-    def __len__(self) -> int: ...
-
-    def local_block_hashes(self, block_size: int) -> list[int]: ...
-
-    def sequence_hashes(self, block_size: int) -> list[int]: ...
 
 
 def to_u64(value: int) -> int:

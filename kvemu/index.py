@@ -348,18 +348,19 @@ class PrefixIndex:
             return xext.get(seg.seqs[i], seg.exts[i])
         return seg.exts[i]
 
-    def _check_restore(self, slot: int, seg: _Seg, off: int, locs: Sequence[int], exts: Sequence[int]) -> None:
+    def _check_restore(self, slot: int, seg: _Seg | None, off: int, locs: Sequence[int], exts: Sequence[int]) -> None:
         """Reject a store naming a hash the rank already holds anywhere but at that very block."""
         lk = self._lookup[slot]
         for i, (loc, ext) in enumerate(zip(locs, exts)):
+            assert seg is not None  # (a None seg returned below)
             if off + 1 < len(seg.locs):
                 if seg.locs[off + 1] != loc:
-                    seg = None  # type: ignore[assignment]
+                    seg = None
                 else:
                     off += 1
             else:
                 child = seg.children.get(loc)
-                seg, off = (child, 0) if child is not None else (None, 0)  # type: ignore[assignment]
+                seg, off = (child, 0) if child is not None else (None, 0)
             if seg is None or slot not in seg.workers:
                 clash = [e for e in exts[i:] if e in lk]  # type: ignore[operator]
                 if clash:

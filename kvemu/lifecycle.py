@@ -32,7 +32,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -175,7 +175,7 @@ class Lifecycle:
         now = self.clock.now_ns()
         rid = req.request_id
         record = RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
-                               arrival_ns=now, isl=len(req.tokens), max_tokens=req.max_tokens)
+                               arrival_ns=now, isl=len(_prompt(req)), max_tokens=req.max_tokens)
         hooks = self.hooks
         if rid in self.flights or self.stopped:
             duplicate = rid in self.flights
@@ -189,13 +189,13 @@ class Lifecycle:
             return record
         if hooks.wants("request_arrived"):
             hooks.note("request_arrived", now, rid, data={
-                "isl": len(req.tokens), "max_tokens": req.max_tokens, "session_id": req.session_id,
+                "isl": len(_prompt(req)), "max_tokens": req.max_tokens, "session_id": req.session_id,
                 "parent_session_id": req.parent_session_id})
         try:
             reason = _validate(req)
             if reason is not None:
                 raise InvalidArgument(reason)
-            prepared = self.core.prepare(req.tokens, request_id=rid, session_id=req.session_id,
+            prepared = self.core.prepare(_prompt(req), request_id=rid, session_id=req.session_id,
                                          lora_name=req.lora_name, overrides=req.router_overrides)
         except KvemuError as exc:
             record.failure = f"invalid_request: {exc}"
@@ -595,7 +595,7 @@ class Lifecycle:
             self._announce(deadline)
         req = f.req
         try:
-            self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=req.tokens,
+            self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=_prompt(req),
                                      max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,
                                      priority=req.engine_priority, hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
         except Exception as exc:  # noqa: BLE001 - a local failure (the message does not encode): never the worker's
@@ -806,8 +806,14 @@ def _reason(exc: Exception) -> str:
     return f"{snake}: {exc}"
 
 
+def _prompt(req: ClientRequest) -> Any:
+    """``req.tokens`` as it is in process: any ``Sequence[int]`` (a lazy trace prompt), not only the wire's
+    ``list | bytes`` that the compiled build would check it against."""
+    return cast(Any, req).tokens
+
+
 def _validate(req: ClientRequest) -> str | None:
-    if not req.tokens:
+    if not _prompt(req):
         return "tokens: the prompt is empty"
     if req.max_tokens < 1:
         return f"max_tokens must be >= 1, got {req.max_tokens}"

@@ -163,7 +163,7 @@ def evaluate(
         rl = loads.get(key)
         if rl is None:
             p = nreq = 0
-            decode_blocks = float(n_blocks)
+            decode_blocks: float | int = float(n_blocks)  # an int below (mypyc: a boxed value)
         else:
             p = rl.active_prefill_tokens
             nreq = rl.active_requests
@@ -173,7 +173,7 @@ def evaluate(
         ocredit = credit * d
         if use_decay and p > p_min:  # type: ignore[operator]
             ocredit /= 1.0 + decay * ((p - p_min) / bs) / max(1, required)  # type: ignore[operator]
-        e: float = d
+        e: float | int = d
         if use_tiers:
             h = host.get(key, 0) if host is not None else 0
             k = disk.get(key, 0) if disk is not None else 0

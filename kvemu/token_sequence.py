@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import overload
 
+from mypy_extensions import mypyc_attr
+
 __all__ = ["TokenSequence"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed outside the compiled build (workers.trace)
 class TokenSequence(Sequence[int]):
     """Indexing, iteration and equality over ``_token(i)`` and ``_run(lo, hi)``; not hashable (as a list)."""
 

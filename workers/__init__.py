@@ -3,6 +3,7 @@
 Depends on ``kvemu`` only. The names exported here are the workers' public API.
 """
 
+import kvemu  # noqa: F401  first: kvemu._build picks the compiled or pure-Python modules before any loads (isort: skip)
 from workers.admission import RejectReason, RequestRejected
 from workers.blocks import BlockPool
 from workers.config import EngineConfig

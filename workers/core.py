@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
@@ -24,6 +26,7 @@ from workers.timing import AnyTimingModel, PassTimer
 __all__ = ["RankCore"]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed outside the compiled build
 class RankCore:
     """One DP rank's engine, told the time: never sleeps, never reads a clock."""
 

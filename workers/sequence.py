@@ -7,6 +7,8 @@ import sys
 from array import array
 from typing import Protocol, cast
 
+from mypy_extensions import mypyc_attr
+
 import xxhash
 
 from kvemu.hashing import BASE_SEED, extend_sequence_hashes, local_block_hashes, sequence_hashes
@@ -35,6 +37,7 @@ class _SelfHashingTokens(Protocol):
     def local_block_hashes(self, block_size: int) -> list[int]: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed outside the compiled build
 class SeqState:
     """A request inside an engine core: positions ``0 .. prompt_len-1`` are the prompt, then generated tokens.
 

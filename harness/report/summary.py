@@ -34,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from kvemu._build import build_name
 from kvemu.records import RequestRecord
 
 from harness.report.autoscale import autoscale_summary, provisioned_seconds
@@ -345,6 +346,7 @@ def summarize(data: RunData) -> dict[str, Any]:
         by_reason = Counter(r.failure.split(":")[0] for r in failed if r.failure)
     summary["kvemu"] = {
         "scenario": data.scenario_name,
+        "build": build_name(),  # "compiled" or "pure": the only key besides wall time the two builds differ in
         "mode": data.mode,
         "seed": data.seed,
         "partial": bool(data.partial),

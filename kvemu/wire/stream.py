@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from kvemu.errors import KvemuError
 from kvemu.events import (
     AllCleared,
@@ -46,12 +48,16 @@ MAX_HELD_BATCHES = 20_000
 """Most live batches one stream holds while a replay is under way."""
 
 
+_STAT_NAMES = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
+               "replayed_batches", "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors",
+               "restarts", "disconnects", "replay_failures", "connect_failures")
+"""``WorkerEventStats``' counters in report order (a compiled class has no ``__slots__`` to read back)."""
+
+
 class WorkerEventStats:
     """Per-worker KV-event counters for reports."""
 
-    __slots__ = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
-                 "replayed_batches", "lost_batches", "decode_errors", "block_size_mismatches", "apply_errors",
-                 "restarts", "disconnects", "replay_failures", "connect_failures")
+    __slots__ = _STAT_NAMES
     batches: int
     events: int
     blocks_stored: int
@@ -70,14 +76,15 @@ class WorkerEventStats:
     connect_failures: int
 
     def __init__(self) -> None:
-        for name in self.__slots__:
+        for name in _STAT_NAMES:
             setattr(self, name, 0)
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name."""
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in _STAT_NAMES}
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed outside the compiled build
 class EventStream:
     """Consumes one rank's batches: ordering, recovery, decoding, conversion, and the sink."""
 

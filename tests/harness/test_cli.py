@@ -281,12 +281,14 @@ def test_a_float_written_as_yaml_1_2_does_on_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_version_prints_the_installed_package_version():
+def test_version_prints_the_installed_package_version_and_build():
     from importlib.metadata import version
+
+    import kvemu as package
 
     proc = kvemu("--version")
     assert proc.returncode == 0
-    assert proc.stdout.strip() == f"kvemu {version('kvemu')}"
+    assert proc.stdout.strip() == f"kvemu {version('kvemu')} ({'compiled' if package.compiled else 'pure'} build)"
 
 
 def test_every_option_and_argument_of_every_command_has_help():

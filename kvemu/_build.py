@@ -1,0 +1,108 @@
+"""Which build runs: the mypyc-compiled hot modules or their pure-Python sources (the reference).
+
+``kvemu/__init__.py`` imports this first, before any compiled module can load. It reads the manifest the
+compiled build wrote (``kvemu/_mypyc_manifest.json``: each compiled module's source hash) and installs
+``PurePythonFinder`` on ``sys.meta_path``, so every compiled module is imported from its ``.py`` instead, when
+``KVEMU_PURE_PYTHON=1`` or when a source changed since the build (a stale extension must never run old code
+silently; that case warns once). Never compiled itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["COMPILED_MODULES", "PurePythonFinder", "build_name", "is_compiled", "STALE"]
+
+_MANIFEST = Path(__file__).with_name("_mypyc_manifest.json")
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _read_manifest() -> dict[str, str]:
+    """Module name -> source sha256 at build time; empty when no compiled build is installed."""
+    try:
+        return dict(json.loads(_MANIFEST.read_text())["modules"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _source(name: str) -> Path:
+    return _ROOT.joinpath(*name.split(".")).with_suffix(".py")
+
+
+def _stale(modules: dict[str, str]) -> list[str]:
+    """The compiled modules whose source no longer matches the one they were compiled from."""
+    out = []
+    for name, digest in modules.items():
+        try:
+            current = hashlib.sha256(_source(name).read_bytes()).hexdigest()
+        except OSError:
+            continue  # an install without the sources: nothing to compare, nothing to fall back to
+        if current != digest:
+            out.append(name)
+    return out
+
+
+class PurePythonFinder:
+    """A meta-path finder that imports the named modules from their ``.py`` files, never an extension."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
+        if fullname not in self.names:
+            return None
+        leaf = fullname.rpartition(".")[2] + ".py"
+        for entry in path if path is not None else sys.path:
+            candidate = os.path.join(entry, leaf)
+            if os.path.isfile(candidate):
+                loader = importlib.machinery.SourceFileLoader(fullname, candidate)
+                return importlib.util.spec_from_file_location(fullname, candidate, loader=loader)
+        return None
+
+
+_HASHES = _read_manifest()
+COMPILED_MODULES: tuple[str, ...] = tuple(sorted(_HASHES))
+"""The modules the installed build compiled (empty for a pure-Python install)."""
+
+STALE: tuple[str, ...] = ()
+"""Compiled modules found stale at import (their sources were edited after the build)."""
+
+_forced = os.environ.get("KVEMU_PURE_PYTHON", "") not in ("", "0")
+if COMPILED_MODULES:
+    if not _forced:
+        STALE = tuple(_stale(_HASHES))
+        if STALE:
+            warnings.warn(
+                f"kvemu: {len(STALE)} compiled module(s) are older than their sources ({', '.join(STALE[:3])}"
+                f"{', ...' if len(STALE) > 3 else ''}); running pure Python. Rebuild: pip install -e .",
+                RuntimeWarning, stacklevel=2)
+    if _forced or STALE:
+        sys.meta_path.insert(0, PurePythonFinder(COMPILED_MODULES))
+
+
+def is_compiled(module: ModuleType) -> bool:
+    """Whether ``module`` was loaded from an extension (compiled), not from Python source."""
+    return not str(getattr(module, "__file__", "") or "").endswith((".py", ".pyc"))
+
+
+def build_name() -> str:
+    """``"compiled"`` when every compiled module imported so far is the extension, ``"pure"`` when none is
+    (or no compiled build is installed), ``"mixed"`` otherwise (a bug: reported, not hidden)."""
+    loaded = [sys.modules[name] for name in COMPILED_MODULES if name in sys.modules]
+    flags = {is_compiled(m) for m in loaded}
+    if flags == {True}:
+        return "compiled"
+    if True in flags:
+        return "mixed"
+    return "pure"
