@@ -175,8 +175,10 @@ def _stats_once(router: str, workers: int = 0):  # noqa: ANN202 - a Stats
 
 def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_nothing_hangs(tmp_path):
     out = tmp_path / "out"
-    # kvemu up tells the router of each kill at once: a long heartbeat timeout only spares the survivors a
-    # fence when a busy machine starves them
+    # A killed worker is found out by its silence, as in a virtual run: dispatches it leaves unacknowledged, or its
+    # heartbeats (a long timeout here spares the survivors a false fence when a busy machine starves them). So how
+    # many of the two the router has removed by the end depends on the traffic each got after its kill; what must
+    # hold is that every request ended, each failure is typed and the survivors serve everything that comes later.
     chaos = DISAGG.replace("duration_s: 2", "duration_s: 3").replace("heartbeat_timeout_s: 1.5",
                                                                     "heartbeat_timeout_s: 10") + """chaos:
   - {at_s: 0.8, action: remove_worker, worker: 0, graceful: false}
@@ -193,7 +195,7 @@ def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_
     assert failures <= {"worker_lost", "kv_transfer_failed", "kv_source_lost"}, failures
     late = [r for r in records if r["arrival_ns"] > 2.5e9]  # after both kills: the survivors serve them
     assert late and all(r["failure"] is None and r["prefill_worker_id"] == 1 and r["worker_id"] == 2 for r in late)
-    assert k["worker_events"].get("worker_removed", 0) >= 2
+    assert 1 <= k["worker_events"].get("worker_removed", 0) <= 2
     no_children_left(tag)
 
 
