@@ -118,7 +118,14 @@ class LoadMachine(RuleBasedStateMachine):
         assert self.t.free(rid) == self.live.pop(rid)[0]
 
     @invariant()
+    def bookings_match_model(self):
+        """Without reading block state (a read settles the bookings not counted yet)."""
+        assert len(self.t) == len(self.live)
+        assert all(rid in self.t for rid in self.live)
+
+    @rule()
     def loads_match_model(self):
+        """Read everything: bookings made and freed since the last read must count exactly as if eager."""
         for rank in [(1, 0), (1, 1), (2, 0)]:
             mine = [v for v in self.live.values() if v[0] == rank]
             distinct = {b for v in mine for b in v[1]}
@@ -129,10 +136,6 @@ class LoadMachine(RuleBasedStateMachine):
             assert rl.active_requests == len(mine)
             assert rl.active_prefill_tokens == sum(v[2] for v in mine)
             assert rl.active_decode_blocks == len(distinct)
-            chains = all(any(v[1] == q[: len(v[1])] for q in self.prompts) for v in mine)
-            for prompt in self.prompts if chains else ():  # (a projection assumes prefix chains: a prefix-closed set)
-                expected = sum(1 for b in prompt if b not in distinct)
-                assert self.t.project(rank, prompt).additional_active_blocks == expected
             refs: dict[int, int] = {}
             for v in mine:
                 for b in v[1]:
@@ -144,14 +147,28 @@ class LoadMachine(RuleBasedStateMachine):
             for b in blocks:
                 masks[b] = masks.get(b, 0) | ranks[rank]
         assert self.t._holders == masks
-        for prompt in self.prompts:
-            want = {}
-            for rank in ranks:
-                held = {b for v in self.live.values() if v[0] == rank for b in v[1]}
-                depth = next((i for i, b in enumerate(prompt) if b not in held), len(prompt))
-                if depth:
-                    want[rank] = depth
-            assert self.t.active_prefixes(prompt) == want
+
+    @rule(rank=st.sampled_from([(1, 0), (1, 1), (2, 0)]))
+    def projections_match_model(self, rank):
+        """A projection is a read of its own (it settles what was booked since the last read)."""
+        mine = [v for v in self.live.values() if v[0] == rank]
+        distinct = {b for v in mine for b in v[1]}
+        chains = all(any(v[1] == q[: len(v[1])] for q in self.prompts) for v in mine)
+        for prompt in self.prompts if chains else ():  # (a projection assumes prefix chains: a prefix-closed set)
+            expected = sum(1 for b in prompt if b not in distinct)
+            assert self.t.project(rank, prompt).additional_active_blocks == expected
+
+    @rule(p=st.integers(0, 5))
+    def active_prefixes_match_model(self, p):
+        """So is ``active_prefixes``, the KV selector's one walk over all ranks."""
+        prompt = self.prompts[p]
+        want = {}
+        for rank in sorted({v[0] for v in self.live.values()}):
+            held = {b for v in self.live.values() if v[0] == rank for b in v[1]}
+            depth = next((i for i, b in enumerate(prompt) if b not in held), len(prompt))
+            if depth:
+                want[rank] = depth
+        assert self.t.active_prefixes(prompt) == want
 
 
 TestLoadMachine = LoadMachine.TestCase
