@@ -91,16 +91,13 @@ class LoadTracker:
         self._holders: dict[int, int] = {}  # active block -> bitmask of the ranks holding it
         self._bit_keys: dict[int, WorkerKey] = {}  # bit -> rank
         self._free_bits: list[int] = []
-        self._pending: dict[str, _Booking] = {}  # booked, blocks not counted yet: read by nobody so far
 
     def rank(self, key: WorkerKey) -> RankLoad | None:
         """The rank's load, or ``None`` if nothing was ever booked on it."""
-        self._settle()
         return self._ranks.get(key)
 
     def ranks(self) -> dict[WorkerKey, RankLoad]:
-        """Live view of all rank loads (do not mutate; call again after a booking to see its blocks)."""
-        self._settle()
+        """Live view of all rank loads (do not mutate)."""
         return self._ranks
 
     def __contains__(self, request_id: object) -> bool:
@@ -139,40 +136,30 @@ class LoadTracker:
             load = self._ranks[key] = RankLoad(self._free_bits.pop() if self._free_bits else 1 << len(self._ranks))
             self._bit_keys[load.bit] = key
         blocks = list(block_ids)
+        refs = load.block_refs
+        holders = self._holders
+        bit = load.bit
+        fresh = dict.fromkeys(blocks, 1)
+        if len(fresh) == len(blocks) and refs.keys().isdisjoint(fresh):  # no block active here yet: in bulk
+            refs.update(fresh)
+            if holders.keys().isdisjoint(fresh):
+                holders.update(dict.fromkeys(blocks, bit))
+            else:
+                for h in blocks:
+                    holders[h] = holders.get(h, 0) | bit
+        else:
+            for h in blocks:
+                c = refs.get(h)
+                if c:
+                    refs[h] = c + 1
+                else:
+                    refs[h] = 1
+                    holders[h] = holders.get(h, 0) | bit
         load.active_requests += 1
         if prefill_tokens:
             load.active_prefill_tokens += prefill_tokens
             load.prefilling += 1
-        self._bookings[request_id] = self._pending[request_id] = _Booking(key, blocks, prefill_tokens, now_ns)
-
-    def _settle(self) -> None:
-        """Count the blocks of the bookings made since the last read of block state."""
-        if not self._pending:
-            return
-        ranks = self._ranks
-        holders = self._holders
-        for b in self._pending.values():
-            load = ranks[b.key]
-            blocks = b.blocks
-            refs = load.block_refs
-            bit = load.bit
-            fresh = dict.fromkeys(blocks, 1)
-            if len(fresh) == len(blocks) and refs.keys().isdisjoint(fresh):  # no block active here yet: in bulk
-                refs.update(fresh)
-                if holders.keys().isdisjoint(fresh):
-                    holders.update(dict.fromkeys(blocks, bit))
-                else:
-                    for h in blocks:
-                        holders[h] = holders.get(h, 0) | bit
-            else:
-                for h in blocks:
-                    c = refs.get(h)
-                    if c:
-                        refs[h] = c + 1
-                    else:
-                        refs[h] = 1
-                        holders[h] = holders.get(h, 0) | bit
-        self._pending.clear()
+        self._bookings[request_id] = _Booking(key, blocks, prefill_tokens, now_ns)
 
     def mark_prefill_completed(self, request_id: str) -> bool:
         """Drop the request's prefill tokens (first token seen); its blocks stay active. False if unknown."""
@@ -200,20 +187,10 @@ class LoadTracker:
         if b is None:
             return None
         load = self._ranks[b.key]
-        if self._pending.pop(request_id, None) is None:  # its blocks were counted: uncount them
-            self._release(load, b.blocks)
-        if b.prefill_tokens:
-            load.active_prefill_tokens -= b.prefill_tokens
-            load.prefilling -= 1
-        load.active_requests -= 1
-        load.output_blocks = load.output_blocks - b.output_weight if load.active_requests else 0.0
-        return b.key
-
-    def _release(self, load: RankLoad, blocks: list[int]) -> None:
-        """Drop one reference to each of a freed booking's blocks on its rank."""
         refs = load.block_refs
         holders = self._holders
         bit = load.bit
+        blocks = b.blocks
         if list(map(refs.__getitem__, blocks)).count(1) == len(blocks):  # nobody else holds any: in bulk
             deque(map(refs.__delitem__, blocks), maxlen=0)
             if list(map(holders.__getitem__, blocks)).count(bit) == len(blocks):
@@ -237,6 +214,12 @@ class LoadTracker:
                         holders[h] = mask
                     else:
                         del holders[h]
+        if b.prefill_tokens:
+            load.active_prefill_tokens -= b.prefill_tokens
+            load.prefilling -= 1
+        load.active_requests -= 1
+        load.output_blocks = load.output_blocks - b.output_weight if load.active_requests else 0.0
+        return b.key
 
     def drop_worker(self, worker_id: int) -> list[str]:
         """Free every booking on any rank of ``worker_id``; returns the freed request ids (sorted)."""
@@ -255,7 +238,6 @@ class LoadTracker:
         One walk along the request for all ranks: the set of ranks holding block ``i`` only shrinks
         with ``i``, so ranks are settled whenever the holder mask changes.
         """
-        self._settle()
         holders = self._holders
         n = len(seq_hashes)
         if not n or not holders:
@@ -293,7 +275,6 @@ class LoadTracker:
 
     def project(self, key: WorkerKey, seq_hashes: Sequence[int]) -> LoadProjection:
         """The rank's load if a request with these prompt sequence hashes were added to it."""
-        self._settle()
         load = self._ranks.get(key)
         if load is None:
             return LoadProjection(key[0], key[1], 0, 0.0, len(seq_hashes), 0)
