@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, bisect_right
-from collections import Counter
-from itertools import accumulate
 from typing import Any
 
 from kvemu.clock import MAX_TIME_NS
@@ -386,7 +384,7 @@ class EngineCore(RankCore):
             arrival = MAX_TIME_NS + 1
         pool = self.pool
         decode_ns = self.timer.decode_ns
-        decode_series = self.timer.decode_series_ns
+        decode_prefix = self.timer.decode_prefix_ns
         rank = self.dp_rank
         n_run = len(running)
         kv = sum(seq.computed for seq in running) + n_run  # decode KV tokens of pass 1; pass j + 1: + j * n_run
@@ -403,12 +401,15 @@ class EngineCore(RankCore):
                 if T >= t_ns or T >= arrival:
                     break
                 cnt = jn - 1 - j
-                ends = list(accumulate(decode_series(kv + j * n_run, n_run, cnt), initial=T))
-                # pass i in 1..cnt runs from ends[i - 1] to ends[i]: it must end by t_ns and start before arrival
-                fit = min(bisect_right(ends, t_ns, 1) - 1, bisect_left(ends, arrival, 0, cnt))
+                sums, i = decode_prefix(kv + j * n_run, n_run, cnt)
+                at = T - sums[i]
+                # pass k in 1..cnt runs from at + sums[i + k - 1] to at + sums[i + k]: it must end by t_ns and
+                # start before arrival
+                fit = min(bisect_right(sums, t_ns - at, i + 1, i + cnt + 1) - 1,
+                          bisect_left(sums, arrival - at, i, i + cnt)) - i
                 if fit > 0:
-                    stamps += ends[1 : fit + 1]
-                    T = ends[fit]
+                    stamps += [at + v for v in sums[i + 1 : i + fit + 1]]
+                    T = at + sums[i + fit]
                     j += fit
                 if fit < cnt:
                     break
@@ -515,30 +516,27 @@ class EngineCore(RankCore):
             j_vis = min(j_vis, bs - max([(c + offset) % bs for c in computed]))
         # each request needs a block at pass n_alloc * bs - c + 1 from s, and every bs passes after it
         firsts = [seq.n_alloc * bs - c - offset + 1 for seq, c in zip(running, computed)]
-        if j_vis <= bs:
-            counts = Counter([k for k in firsts if k <= j_vis])
-        else:
-            counts = Counter([jn for k in firsts for jn in range(k, j_vis + 1, bs)])
+        counts: dict[int, int] = {}  # pass -> block needs in it
+        for k in firsts:
+            for jn in range(k, j_vis + 1, bs):
+                counts[jn] = counts.get(jn, 0) + 1
         arrival = self.scheduler.next_arrival_ns()
         timer = self.timer
         free = self.pool.free
         evictable = self.pool.num_inactive
         kv = sum(computed) + (offset + 1) * n_run  # decode KV tokens of pass 1 from s
         floor = started + 1
-        ends = [s]  # ends[k]: the end of pass k from s, i.e. the start of pass k + 1 (extended as needed)
         j = 0
         for jn in sorted(counts.keys() | {j_vis}):
-            n = len(ends)
-            if n <= jn:
-                series = timer.decode_series_ns(kv + (n - 1) * n_run, n_run, jn + 1 - n)
-                ends += list(accumulate(series, initial=ends[-1]))[1:]
-            if arrival is not None and ends[jn - 1] >= arrival:  # one of passes j+1 .. jn starts at/after it
-                return max(ends[bisect_left(ends, arrival, j, jn - 1)] + 1, floor)
+            sums, i = timer.decode_prefix_ns(kv, n_run, jn)  # pass k from s ends at at + sums[i + k]
+            at = s - sums[i]
+            if arrival is not None and at + sums[i + jn - 1] >= arrival:  # one of passes j+1 .. jn starts at/after it
+                return max(at + sums[bisect_left(sums, arrival - at, i + j, i + jn - 1)] + 1, floor)
             m = counts.get(jn, 0)
             if m > free + evictable:  # this pass preempts: its duration is not known before it starts
-                return max(ends[jn - 1] + 1, floor)
+                return max(at + sums[i + jn - 1] + 1, floor)
             if jn == j_vis or m > free:  # the first visible pass, or one that evicts
-                return max(ends[jn], floor)
+                return max(at + sums[i + jn], floor)
             free -= m
             j = jn
         raise AssertionError("unreachable")  # pragma: no cover

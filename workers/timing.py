@@ -15,6 +15,7 @@ requests sharing a 512-token prefix decode as fast as two disjoint ones.)
 from __future__ import annotations
 
 from array import array
+from itertools import accumulate
 from collections.abc import Iterable
 
 from kvemu.errors import InvalidArgument
@@ -153,7 +154,7 @@ class PassTimer:
         self._prefill_scale = NS_PER_MS / prefill_ratio if prefill_ratio > 0 else 0.0
         self._decode_scale = NS_PER_MS / decode_ratio if decode_ratio > 0 else 0.0
         self._decode_cache: dict[int | tuple[int, int], int] = {}  # by KV tokens (batch-aware: and batch size)
-        self._run: tuple[int, int, list[int]] | None = None  # (first KV tokens, step, durations)
+        self._run: tuple[int, int, list[int], list[int]] | None = None  # (first KV tokens, step, durations, sums)
         self.slowdown = 1.0
 
     def set_slowdown(self, factor: float) -> None:
@@ -197,22 +198,46 @@ class PassTimer:
         """Decode durations of ``count`` consecutive passes with ``first_kv_tokens``, ``+ step``, ... KV tokens.
 
         Element ``i`` equals ``decode_ns(first_kv_tokens + i * step, step)`` (a decode run of ``step``
-        requests: the batch grows by one token per request and pass). The last run computed is kept: an
-        engine asks for the same passes twice, once to find its next visible event and once to commit them.
+        requests: the batch grows by one token per request and pass).
+        """
+        values, _, i = self._cover(first_kv_tokens, step, count)
+        return values[i : i + count]
+
+    def decode_prefix_ns(self, first_kv_tokens: int, step: int, count: int) -> tuple[list[int], int]:
+        """Prefix sums of ``decode_series_ns(first_kv_tokens, step, count)``: ``(sums, i)`` with ``sums[i + k] -
+        sums[i]`` the time of its first ``k`` passes, ``k`` in ``0..count`` (do not mutate ``sums``).
+
+        The time to any pass of a decode run in O(1), and the pass a time falls in by bisection, whatever
+        the run's length: an engine finds its next visible event without a list per pass.
+        """
+        _, sums, i = self._cover(first_kv_tokens, step, count)
+        return sums, i
+
+    def _cover(self, first_kv_tokens: int, step: int, count: int) -> tuple[list[int], list[int], int]:
+        """The kept run (durations, prefix sums) extended to hold the asked passes, and the first one's index.
+
+        The last run is kept (up to ``_RUN_MAX`` passes) and extended: an engine asks for the same passes twice,
+        once to find its next visible event and once to commit them, and each decode run continues the last.
         """
         run = self._run
         if run is not None and step == run[1] and step:
             i, r = divmod(first_kv_tokens - run[0], step)
             values = run[2]
-            if not r and 0 <= i and i + count <= len(values):
-                return values[i : i + count]
-            if not r and i == len(values) and i + count <= _RUN_MAX:  # it continues the kept run
-                more = self._series(first_kv_tokens, step, count)
-                values += more
-                return more
+            n = len(values)
+            if not r and 0 <= i <= n:
+                if i + count <= n:
+                    return values, run[3], i
+                if i + count <= _RUN_MAX:  # it continues the kept run
+                    more = self._series(run[0] + n * step, step, i + count - n)
+                    sums = run[3]
+                    values += more
+                    sums += accumulate(more, initial=sums[-1])
+                    del sums[n + 1]  # (accumulate's first value repeats the last sum)
+                    return values, sums, i
         out = self._series(first_kv_tokens, step, count)
-        self._run = (first_kv_tokens, step, out[:]) if step and count <= _RUN_MAX else None
-        return out
+        sums = list(accumulate(out, initial=0))
+        self._run = (first_kv_tokens, step, out, sums) if step and count <= _RUN_MAX else None
+        return out, sums, 0
 
     def _series(self, first_kv_tokens: int, step: int, count: int) -> list[int]:
         scale = self._decode_scale

@@ -190,3 +190,28 @@ def test_decode_series_read_across_table_chunks_are_the_polynomials_values(first
     finally:
         timing._CHUNK, timing._CHUNKS_KEPT = saved
         timing._DECODE_TABLES.clear()
+
+
+@given(calls=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 30), st.sampled_from([1, 2, 3, 4, 0]),
+                                st.booleans()), max_size=30),
+       slow_at=st.integers(0, 30), run_max=st.sampled_from([8, 64, 1 << 14]))
+def test_prefix_sums_of_the_kept_run_time_any_stretch_of_passes(calls, slow_at, run_max):
+    """``decode_prefix_ns`` interleaved with ``decode_series_ns``: the sums over any k leading passes are those of
+    the per-pass durations, whether the kept run was reused, extended, capped (``_RUN_MAX``) or dropped."""
+    kept = timing._RUN_MAX
+    timing._RUN_MAX = run_max
+    try:
+        t = PassTimer(EngineConfig(num_gpu_blocks=1000, block_size=16, speedup_ratio=1.5))
+        base = 50_000
+        for n, (offset, count, step, prefix) in enumerate(calls):
+            if n == slow_at:
+                t.set_slowdown(2.0)
+            first = base + offset * max(step, 1)
+            passes = [t.decode_ns(first + k * step) for k in range(count)]
+            if prefix:
+                sums, i = t.decode_prefix_ns(first, step, count)
+                assert [sums[i + k] - sums[i] for k in range(count + 1)] == [sum(passes[:k]) for k in range(count + 1)]
+            else:
+                assert t.decode_series_ns(first, step, count) == passes
+    finally:
+        timing._RUN_MAX = kept
