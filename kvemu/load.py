@@ -3,6 +3,10 @@
 Blocks are the router's sequence hashes of each request's prompt blocks, reference-counted so that a
 prefix shared by live requests counts once. Because sequence hashes name whole prefixes, a rank's active
 set is prefix-closed, which lets a projection find a request's already-active blocks by binary search.
+
+One dict holds every active block with the bitmask of the ranks holding it; a rank keeps only its count of
+distinct blocks and the few blocks it holds more than once (a prefix shared by its live requests). A
+booking of blocks nobody holds, and its free, are then two bulk dict operations per block, not four.
 """
 
 from __future__ import annotations
@@ -35,6 +39,24 @@ def active_prefix_len(refs: dict[int, int], seq_hashes: Sequence[int]) -> int:
     return lo
 
 
+def _held_prefix_len(holders: dict[int, int], bit: int, seq_hashes: Sequence[int]) -> int:
+    """``active_prefix_len`` of the rank whose bit is ``bit``, read from the block → holders masks."""
+    lo, hi = 0, len(seq_hashes)
+    if not hi or not holders.get(seq_hashes[0], 0) & bit:
+        return 0
+    if holders.get(seq_hashes[hi - 1], 0) & bit:
+        return hi
+    lo = 1
+    hi -= 1
+    while lo < hi:  # invariant: seq[lo-1] held, seq[hi] not
+        mid = (lo + hi) >> 1
+        if holders.get(seq_hashes[mid], 0) & bit:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 class _Booking:
     __slots__ = ("key", "blocks", "prefill_tokens", "output_weight", "created_ns")
 
@@ -49,21 +71,32 @@ class _Booking:
 class RankLoad:
     """Load of one rank: live requests, prefill backlog and reference-counted active blocks."""
 
-    __slots__ = ("block_refs", "active_prefill_tokens", "active_requests", "output_blocks", "prefilling", "bit")
+    __slots__ = ("distinct_blocks", "extra_refs", "active_prefill_tokens", "active_requests", "output_blocks",
+                 "prefilling", "bit", "_holders")
 
-    def __init__(self, bit: int) -> None:
+    def __init__(self, bit: int, holders: dict[int, int]) -> None:
         self.bit = bit
         """This rank's bit in the tracker's block → holders masks."""
-        self.block_refs: dict[int, int] = {}
+        self._holders = holders
+        self.distinct_blocks = 0
+        """Active blocks on this rank, each counted once."""
+        self.extra_refs: dict[int, int] = {}
+        """Blocks this rank holds for more than one live booking: the references beyond the first."""
         self.active_prefill_tokens = 0
         self.active_requests = 0
         self.output_blocks = 0.0
         self.prefilling = 0
 
     @property
+    def block_refs(self) -> dict[int, int]:
+        """Every active block of this rank with its reference count (computed: a scan of all active blocks)."""
+        bit, extra = self.bit, self.extra_refs
+        return {h: 1 + extra.get(h, 0) for h, mask in self._holders.items() if mask & bit}
+
+    @property
     def active_decode_blocks(self) -> float:
         """Distinct active prompt blocks plus (weighted) output blocks."""
-        return len(self.block_refs) + self.output_blocks
+        return self.distinct_blocks + self.output_blocks
 
 
 class LoadProjection(NamedTuple):
@@ -133,28 +166,25 @@ class LoadTracker:
                                   field="prefill_tokens")
         load = self._ranks.get(key)
         if load is None:
-            load = self._ranks[key] = RankLoad(self._free_bits.pop() if self._free_bits else 1 << len(self._ranks))
+            load = self._ranks[key] = RankLoad(self._free_bits.pop() if self._free_bits else 1 << len(self._ranks),
+                                               self._holders)
             self._bit_keys[load.bit] = key
         blocks = list(block_ids)
-        refs = load.block_refs
         holders = self._holders
         bit = load.bit
-        fresh = dict.fromkeys(blocks, 1)
-        if len(fresh) == len(blocks) and refs.keys().isdisjoint(fresh):  # no block active here yet: in bulk
-            refs.update(fresh)
-            if holders.keys().isdisjoint(fresh):
-                holders.update(dict.fromkeys(blocks, bit))
-            else:
-                for h in blocks:
-                    holders[h] = holders.get(h, 0) | bit
+        fresh = dict.fromkeys(blocks, bit)
+        if len(fresh) == len(blocks) and holders.keys().isdisjoint(fresh):  # nobody holds any: in bulk
+            holders.update(fresh)
+            load.distinct_blocks += len(blocks)
         else:
+            extra = load.extra_refs
             for h in blocks:
-                c = refs.get(h)
-                if c:
-                    refs[h] = c + 1
+                mask = holders.get(h, 0)
+                if mask & bit:
+                    extra[h] = extra.get(h, 0) + 1
                 else:
-                    refs[h] = 1
-                    holders[h] = holders.get(h, 0) | bit
+                    holders[h] = mask | bit
+                    load.distinct_blocks += 1
         load.active_requests += 1
         if prefill_tokens:
             load.active_prefill_tokens += prefill_tokens
@@ -187,33 +217,29 @@ class LoadTracker:
         if b is None:
             return None
         load = self._ranks[b.key]
-        refs = load.block_refs
         holders = self._holders
         bit = load.bit
         blocks = b.blocks
-        if list(map(refs.__getitem__, blocks)).count(1) == len(blocks):  # nobody else holds any: in bulk
-            deque(map(refs.__delitem__, blocks), maxlen=0)
-            if list(map(holders.__getitem__, blocks)).count(bit) == len(blocks):
-                deque(map(holders.__delitem__, blocks), maxlen=0)
-            else:
-                for h in blocks:
-                    mask = holders[h] ^ bit
-                    if mask:
-                        holders[h] = mask
-                    else:
-                        del holders[h]
+        extra = load.extra_refs
+        if (list(map(holders.__getitem__, blocks)).count(bit) == len(blocks)
+                and (not extra or extra.keys().isdisjoint(blocks))):  # held by this booking alone: in bulk
+            deque(map(holders.__delitem__, blocks), maxlen=0)
+            load.distinct_blocks -= len(blocks)
         else:
             for h in blocks:
-                c = refs[h] - 1
-                if c:
-                    refs[h] = c
+                c = extra.get(h)
+                if c is not None:
+                    if c > 1:
+                        extra[h] = c - 1
+                    else:
+                        del extra[h]
                 else:
-                    del refs[h]
                     mask = holders[h] ^ bit
                     if mask:
                         holders[h] = mask
                     else:
                         del holders[h]
+                    load.distinct_blocks -= 1
         if b.prefill_tokens:
             load.active_prefill_tokens -= b.prefill_tokens
             load.prefilling -= 1
@@ -278,7 +304,7 @@ class LoadTracker:
         load = self._ranks.get(key)
         if load is None:
             return LoadProjection(key[0], key[1], 0, 0.0, len(seq_hashes), 0)
-        shared = active_prefix_len(load.block_refs, seq_hashes)
+        shared = _held_prefix_len(self._holders, load.bit, seq_hashes)
         return LoadProjection(
             key[0],
             key[1],

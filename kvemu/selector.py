@@ -169,7 +169,7 @@ def evaluate(
             nreq = rl.active_requests
             decode_blocks = n_blocks - active.get(key, 0)
             if track_blocks:
-                decode_blocks += len(rl.block_refs) + rl.output_blocks
+                decode_blocks += rl.distinct_blocks + rl.output_blocks
         ocredit = credit * d
         if use_decay and p > p_min:  # type: ignore[operator]
             ocredit /= 1.0 + decay * ((p - p_min) / bs) / max(1, required)  # type: ignore[operator]
