@@ -223,7 +223,7 @@ class PrefixIndex:
                     worker_id=worker_id, dp_rank=dp_rank, block_hash=parent_hash,
                 )
             seg = self._blocks[pseq]
-            off = seg.seqs.index(pseq)
+            off = _offset(seg.seqs, pseq)
         if n == 0:
             return
         if len(set(block_hashes)) != n or (parent_hash is not None and parent_hash in block_hashes):
