@@ -125,8 +125,6 @@ def _tabulated(first: int, step: int, count: int, total_kv_tokens: int, scale: f
 _DECODE_MEMO = 1 << 16
 _RUN_MAX = 1 << 14
 """Longest decode run kept for reuse (passes)."""
-_RUN_AHEAD = 64
-"""Passes a kept run is computed ahead of what is asked (an engine asks again for the passes that follow)."""
 
 
 def _to_ns(ms: float, scale: float, what: str) -> int:
@@ -229,17 +227,16 @@ class PassTimer:
             if not r and 0 <= i <= n:
                 if i + count <= n:
                     return values, run[3], i
-                if i + count <= _RUN_MAX:  # it continues the kept run (by at least _RUN_AHEAD passes)
-                    more = self._series(run[0] + n * step, step, min(max(i + count - n, _RUN_AHEAD), _RUN_MAX - n))
+                if i + count <= _RUN_MAX:  # it continues the kept run
+                    more = self._series(run[0] + n * step, step, i + count - n)
                     sums = run[3]
                     values += more
                     sums += accumulate(more, initial=sums[-1])
                     del sums[n + 1]  # (accumulate's first value repeats the last sum)
                     return values, sums, i
-        keep = step and count <= _RUN_MAX
-        out = self._series(first_kv_tokens, step, min(max(count, _RUN_AHEAD), _RUN_MAX) if keep else count)
+        out = self._series(first_kv_tokens, step, count)
         sums = list(accumulate(out, initial=0))
-        self._run = (first_kv_tokens, step, out, sums) if keep else None
+        self._run = (first_kv_tokens, step, out, sums) if step and count <= _RUN_MAX else None
         return out, sums, 0
 
     def _series(self, first_kv_tokens: int, step: int, count: int) -> list[int]:
