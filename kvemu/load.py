@@ -21,26 +21,9 @@ from kvemu.index import WorkerKey
 __all__ = ["RankLoad", "LoadTracker", "LoadProjection", "active_prefix_len"]
 
 
-def active_prefix_len(refs: dict[int, int], seq_hashes: Sequence[int]) -> int:
-    """Length of the longest prefix of ``seq_hashes`` present in ``refs`` (prefix-closed set)."""
-    lo, hi = 0, len(seq_hashes)
-    if not refs or not hi or seq_hashes[0] not in refs:
-        return 0
-    if seq_hashes[hi - 1] in refs:
-        return hi
-    lo = 1
-    hi -= 1
-    while lo < hi:  # invariant: seq[lo-1] present, seq[hi] absent
-        mid = (lo + hi) >> 1
-        if seq_hashes[mid] in refs:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def _held_prefix_len(holders: dict[int, int], bit: int, seq_hashes: Sequence[int]) -> int:
-    """``active_prefix_len`` of the rank whose bit is ``bit``, read from the block → holders masks."""
+def active_prefix_len(holders: dict[int, int], bit: int, seq_hashes: Sequence[int]) -> int:
+    """Length of the longest prefix of ``seq_hashes`` active on the rank whose bit is ``bit`` in the block →
+    holders masks (a prefix-closed set)."""
     lo, hi = 0, len(seq_hashes)
     if not hi or not holders.get(seq_hashes[0], 0) & bit:
         return 0
@@ -304,7 +287,7 @@ class LoadTracker:
         load = self._ranks.get(key)
         if load is None:
             return LoadProjection(key[0], key[1], 0, 0.0, len(seq_hashes), 0)
-        shared = _held_prefix_len(self._holders, load.bit, seq_hashes)
+        shared = active_prefix_len(self._holders, load.bit, seq_hashes)
         return LoadProjection(
             key[0],
             key[1],

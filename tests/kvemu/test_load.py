@@ -70,8 +70,8 @@ def test_expire_and_drop_worker():
 @pytest.mark.parametrize("present", range(0, 9))
 def test_active_prefix_len(present):
     seqs = list(range(8))
-    refs = {s: 1 for s in seqs[:present]}
-    assert active_prefix_len(refs, seqs) == min(present, 8)
+    holders = {s: 0b01 | (0b10 if i < present else 0) for i, s in enumerate(seqs)}  # rank 0b01 holds them all
+    assert active_prefix_len(holders, 0b10, seqs) == min(present, 8)
 
 
 class LoadMachine(RuleBasedStateMachine):
