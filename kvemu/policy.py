@@ -143,9 +143,7 @@ class CustomPolicy:
         """Run the pipeline over the evaluated candidates; raises ``NoEndpoints`` if filters reject all."""
         if not self.filters and not self.scorers:  # a picker alone (round robin, random): rows only if it reads them
             lazy = _LazyRows(evaluation)
-            choice = self.picker(ctx, lazy, [0] * len(lazy), rng)
-            if not isinstance(choice, int) or not 0 <= choice < len(lazy):
-                raise InvalidArgument(f"policy {self.name!r}: picker returned {choice!r}, not a row index < {len(lazy)}")
+            choice = self._checked(self.picker(ctx, lazy, [0] * len(lazy), rng), len(lazy))
             return selection_at(evaluation, choice, "policy")
         ev = evaluation.with_detail()
         rows = _rows(ev)
@@ -157,10 +155,14 @@ class CustomPolicy:
                               reason="filtered")
         kept = [rows[i] for i in index]
         costs = [sum(s(ctx, r) for s in self.scorers) for r in kept]
-        choice = self.picker(ctx, kept, costs, rng)
-        if not isinstance(choice, int) or not 0 <= choice < len(kept):
-            raise InvalidArgument(f"policy {self.name!r}: picker returned {choice!r}, not a row index < {len(kept)}")
+        choice = self._checked(self.picker(ctx, kept, costs, rng), len(kept))
         return selection_at(ev, index[choice], "policy")
+
+    def _checked(self, choice: object, n: int) -> int:
+        """The picker's answer, if it is a row index below ``n``."""
+        if not isinstance(choice, int) or not 0 <= choice < n:
+            raise InvalidArgument(f"policy {self.name!r}: picker returned {choice!r}, not a row index < {n}")
+        return choice
 
 
 def _rows(ev: Evaluation) -> list[WorkerRow]:
