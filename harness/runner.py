@@ -86,7 +86,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=routing_block_size(scenario.cluster))
+    recorder = Recorder(hooks)
     for observer in observers:
         hooks.subscribe(observer)
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}

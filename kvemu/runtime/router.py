@@ -421,8 +421,7 @@ class Router:
     async def handle(self, req: ClientRequest) -> RequestRecord:
         """Run one request to completion or failure and return its record (it never raises for routing failures).
 
-        The record holds what the router sees; ``best_overlap_blocks`` and ``token_times_ns`` are left to hook
-        observers (the harness recorder), which would otherwise cost every request.
+        The record is the one the lifecycle keeps and its hooks carry: routing, engine facts and token times.
         """
         ended = anyio.Event()
         record = self.submit(req, lambda _record: ended.set())
@@ -441,7 +440,7 @@ class Router:
             record = RequestRecord(request_id=req.request_id, arrival_ns=self.clock.now_ns(), isl=len(req.tokens),
                                    max_tokens=req.max_tokens,
                                    failure="invalid_request: kv_hold and kv_transfer are for disaggregated clusters")
-            self.hooks.note("failed", record.arrival_ns, req.request_id, data={"reason": record.failure})
+            self.hooks.note("failed", record.arrival_ns, req.request_id, record=record)
             on_end(record)
             return record
         return self.lifecycle.submit(req, on_end, can_retry, on_finished)

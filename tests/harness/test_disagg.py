@@ -131,7 +131,7 @@ def run_requests(requests: list[tuple[float, ClientRequest]], chaos=None, text: 
     scenario = parse_scenario(text)
     clock = ManualClock()
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=16)
+    recorder = Recorder(hooks)
     out: dict = {}
 
     async def main():
