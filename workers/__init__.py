@@ -12,12 +12,12 @@ from workers.events import PassEvents
 from workers.request import Request
 from workers.timing import PassTimer, PolynomialTiming, TimingModel
 from workers.trace import HashIdTokens, expand_hash_ids, mooncake_request
-from workers.worker import Dispatch, MockWorker
+from workers.worker import DispatchOutcome, MockWorker
 
 __all__ = [
     "AdvanceResult",
     "BlockPool",
-    "Dispatch",
+    "DispatchOutcome",
     "EngineConfig",
     "EngineCore",
     "HashIdTokens",
