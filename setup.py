@@ -37,12 +37,12 @@ COMPILED = [
     "kvemu/token_sequence.py",
     "kvemu/wire/stream.py",
     "workers/blocks.py",
-    "workers/core.py",
-    "workers/engine.py",
-    "workers/events.py",
+    "workers/engine_base.py",
+    "workers/pass_events.py",
     "workers/scheduler.py",
     "workers/sequence.py",
     "workers/timing.py",
+    "workers/vllm_engine.py",
 ]
 
 

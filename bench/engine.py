@@ -37,7 +37,7 @@ from kvemu.clock import MAX_TIME_NS
 from kvemu.hashing import sequence_hashes
 from kvemu.tuning import tune_gc
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers.trace import MooncakeRow, mooncake_request, read_mooncake
 

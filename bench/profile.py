@@ -52,12 +52,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                         "kvemu/queue.py", "kvemu/affinity.py", "kvemu/affinity_async.py", "kvemu/policy.py",
                         "kvemu/approx.py", "kvemu/registry.py")),
     ("prefix index", ("kvemu/index.py", "kvemu/events.py")),
-    ("KV events", ("kvemu/wire/", "kvemu/runtime/kv_bus.py", "kvemu/runtime/kv_ingest.py", "workers/events.py")),
+    ("KV events", ("kvemu/wire/", "kvemu/runtime/kv_bus.py", "kvemu/runtime/kv_ingest.py", "workers/pass_events.py")),
     ("hashing", ("kvemu/hashing.py", "workers/trace.py")),
-    ("engine", ("workers/engine.py", "workers/scheduler.py", "workers/blocks.py", "workers/sequence.py",
-                "workers/timing.py", "workers/worker.py", "workers/admission.py", "workers/request.py",
+    ("engine", ("workers/vllm_engine.py", "workers/scheduler.py", "workers/blocks.py", "workers/sequence.py",
+                "workers/timing.py", "workers/mock_worker.py", "workers/admission.py", "workers/request.py",
                 "workers/config.py")),
-    ("worker actor", ("workers/actor.py",)),
+    ("worker actor", ("workers/worker_actor.py",)),
     ("harness", ("harness/", "kvemu/tuning.py")),  # tuning.py: tune_gc's collection at the run's start
 ]
 """Python functions: the layer of the first entry with a pattern matching the function's file."""

@@ -27,9 +27,9 @@ from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
-from workers.actor import WorkerActor
+from workers.worker_actor import WorkerActor
 from workers.config import EngineConfig
-from workers.worker import MockWorker
+from workers.mock_worker import MockWorker
 
 from harness.plugins import ALLOW_LOCAL_POLICIES_ENV, import_callable
 from harness.pools import AGGREGATED, compose_pools, worker_type_of

@@ -20,8 +20,8 @@ from kvemu.runtime.transport import ZmqWorkerEnd
 from kvemu.tuning import tune_gc
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
-from workers.actor import WorkerActor, WorkerRejected
-from workers.worker import MockWorker
+from workers.worker_actor import WorkerActor, WorkerRejected
+from workers.mock_worker import MockWorker
 
 from harness.cluster import engine_config
 from harness.pools import AGGREGATED, worker_type_of

@@ -16,10 +16,10 @@ from kvemu.hashing import local_block_hashes
 from kvemu.routing import RoutingCore
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvemu.wire.stream import EventStream, WorkerEventStats
-from tests.workers.test_engine_fastforward import fast_forward, summary, workloads
+from tests.workers.test_engines_fastforward import fast_forward, summary, workloads
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, HostOffloadConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.host_tier import HOST_REMOVED, HOST_STORED, HostTier
 from workers.request import Request
 

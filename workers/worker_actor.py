@@ -44,7 +44,7 @@ from kvemu.transfer import KvTransfer
 from kvemu.kv_events import KVEventBatch
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
-from workers.worker import Core, MockWorker, engine_core
+from workers.mock_worker import Core, MockWorker, engine_core
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 

@@ -6,9 +6,9 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
-from workers.engine import AdvanceResult, EngineCore
+from workers.vllm_engine import AdvanceResult, EngineCore
 from workers.request import Request
-from workers.sglang import SglangCore
+from workers.sglang_engine import SglangCore
 from workers.timing import AnyTimingModel
 
 __all__ = ["MockWorker", "DispatchOutcome", "Core", "engine_core"]
