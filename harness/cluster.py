@@ -21,7 +21,7 @@ from kvemu.affinity import SessionAffinity
 from kvemu.clock import NS_PER_MS, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.router import Router

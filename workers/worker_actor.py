@@ -16,7 +16,7 @@ import anyio
 import msgspec
 
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
-from kvemu.events import EngineEvents
+from kvemu.router_events import EngineEvents
 from kvemu.records import RequestRecord
 from kvemu.messages import (
     Abort,

@@ -25,7 +25,7 @@ from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.ratelimit import TokenBucket
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.messages import (

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
-from kvemu.events import StorageTier
+from kvemu.router_events import StorageTier
 from kvemu.hashing import local_block_hashes
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvemu.wire.stream import EventStream, WorkerEventStats
 from tests.workers.test_engines_fastforward import fast_forward, summary, workloads
