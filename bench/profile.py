@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "workers/timing.py", "workers/mock_worker.py", "workers/admission.py", "workers/request.py",
                 "workers/config.py")),
     ("worker actor", ("workers/worker_actor.py",)),
-    ("harness", ("harness/", "kvemu/tuning.py")),  # tuning.py: tune_gc's collection at the run's start
+    ("harness", ("harness/",)),
 ]
 """Python functions: the layer of the first entry with a pattern matching the function's file."""
 
