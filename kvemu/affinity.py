@@ -3,8 +3,9 @@
 Entry states: absent → initializing (one request chooses; others get ``Wait``) → bound (target, active
 leases, idle deadline). A binding is committed only after the worker accepted the dispatch; the idle
 timer restarts at every lease release, and a binding with active leases never expires. Time comes from
-the injected clock: with a ``ManualClock`` expiry is evaluated lazily at virtual time; with a
-``WallClock`` the async shell runs a reaper every ``reaper_interval_ns``.
+the injected clock, and expiry is evaluated lazily on either clock: an idle binding goes when its session
+next acquires or when the table is full. Nothing reaps in the background; a host on a ``WallClock`` that
+wants idle bindings gone on time calls ``expire()`` every ``reaper_interval_ns``.
 """
 
 from __future__ import annotations
