@@ -375,6 +375,15 @@ class SessionAffinity:
         self.stats.invalidations += len(sessions)
         return sessions
 
+    def invalidate_all(self) -> list[str]:
+        """Drop every entry, bound or initializing (its router is going away); returns the sessions dropped.
+
+        Each counts as an invalidation, as ``invalidate(session)`` would: a bound session's observer hears
+        ``invalidated`` and the requests waiting for an initializer are woken (their ``on_settled`` callbacks
+        run), so none waits for a choice that will never come.
+        """
+        return [session for session in list(self._table) if self.invalidate(session)]
+
     def query_target(self, session: str) -> AffinityTarget | None:
         """The bound target, or ``None`` (absent, initializing, or idle past its deadline); read-only."""
         e = self._table.get(session)

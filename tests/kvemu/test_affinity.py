@@ -192,6 +192,22 @@ def test_invalidate_worker_drops_all_ranks_and_next_request_reselects():
     assert t.try_acquire("a").kind == "initialize"
 
 
+def test_invalidate_all_drops_every_entry_and_wakes_the_waiters():
+    clock, t, events = table()
+    bind(t, "a", (1, 0))
+    bind(t, "b", (2, 0))
+    init = t.try_acquire("c")
+    woke = []
+    t.on_settled(t.try_acquire("c"), lambda: woke.append(t.query_target("c")))
+    events.clear()
+    assert t.invalidate_all() == ["a", "b", "c"]
+    assert len(t) == 0 and woke == [None] and t.stats.invalidations == 3
+    assert [(e.kind, e.session) for e in events] == [("invalidated", "a"), ("invalidated", "b")]
+    assert t.invalidate_worker(1) == [] and t.invalidate_all() == []
+    assert t.commit(init, (3, 0)).bound is False  # the initializer's entry is gone: a detached lease
+    assert t.try_acquire("a").kind == "initialize"
+
+
 def test_invalidate_is_revision_checked():
     clock, t, _ = table()
     bind(t, "s")
