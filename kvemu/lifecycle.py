@@ -42,7 +42,7 @@ from kvemu.eligibility import Candidates
 from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, SchedulerError
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord, router_record
-from kvemu.routing import PreparedRequest, RoutingCore
+from kvemu.routing_core import PreparedRequest, RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 

@@ -28,7 +28,6 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.prompt_lane import PromptLane
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd
-from kvemu.tuning import tune_gc
 
 from harness.chaos import (
     CONTROL_TOKEN_ENV,
@@ -55,6 +54,7 @@ from harness.report.recorder import Recorder
 from harness.report.run_data import EXITED
 from harness.scenario import Scenario
 from harness.text import counted
+from harness.tuning import tune_gc
 from harness.procs.protocol import (
     CLIENT,
     ClientMessage,

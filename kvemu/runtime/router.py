@@ -25,7 +25,7 @@ from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.ratelimit import TokenBucket
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.messages import (
@@ -346,8 +346,7 @@ class Router:
         """This router instance goes away: every request it holds ends with ``reason``."""
         self.lifecycle.stop(reason)
         if self.affinity is not None:
-            for session in list(self.affinity._table):
-                self.affinity.invalidate(session)  # wakes requests waiting for an initializer
+            self.affinity.invalidate_all()  # wakes requests waiting for an initializer
 
     def drain_worker(self, worker_id: int) -> None:
         """Stop routing to a worker that is shutting down; its requests in flight finish normally."""

@@ -518,7 +518,7 @@ def test_a_scenario_with_a_bad_profile_is_refused_naming_the_key_and_line(tmp_pa
 
 def test_decode_time_uses_the_mean_context_of_the_batch():
     from workers.config import EngineConfig, InterpolatedTimingSpec
-    from workers.engine import EngineCore
+    from workers.vllm_engine import EngineCore
     from workers.request import Request
 
     eng = EngineCore(EngineConfig(timing_model=InterpolatedTimingSpec(path=str(TINY))))
