@@ -39,7 +39,8 @@ from collections import defaultdict
 from pathlib import Path, PurePath
 from typing import Any
 
-from bench.replay import ROOT, SCENARIO, existing_trace, incomplete
+from bench.replay import incomplete
+from bench.replay_inputs import ROOT, SCENARIO, existing_trace
 from bench import verdict
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -184,7 +185,7 @@ def describe(func: Func) -> str:
 
 
 def load(policy: str, trace: Path | None, requests: int) -> Any:
-    """The example scenario with the same overrides as ``bench.replay.run_kvemu``."""
+    """The example scenario with the same overrides as ``bench.replay_runs.run_kvemu``."""
     from harness.scenario import load_scenario
 
     overrides = [f"router.policy={policy}", "run.mode=virtual", f"run.max_requests={requests}"]
