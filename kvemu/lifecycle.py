@@ -47,11 +47,25 @@ from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 __all__ = ["Lifecycle", "LifecycleSettings", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
-           "ENDED"]
+           "ENDED", "TRANSITIONS"]
 
 WAITING, QUEUED, AFFINITY, DISPATCHED, RUNNING, ENDED = "waiting", "queued", "affinity", "dispatched", "running", "ended"
 """Stages: waiting for a first worker, in the policy queue, waiting for a session's binding to settle,
 dispatched (awaiting the worker's acknowledgement), running on a worker, ended."""
+
+_ATTEMPT = frozenset({AFFINITY, QUEUED, DISPATCHED, ENDED})
+"""Where an attempt leads: wait for the session's binding, queue, dispatch, or end (no rank, retries used up)."""
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    WAITING: _ATTEMPT,  # a first worker registered (or the grace ended): the first attempt
+    AFFINITY: _ATTEMPT,  # the binding settled: the attempt goes on, and may wait again
+    QUEUED: _ATTEMPT,  # released to a rank, or stranded (its every rank gone) and admitted over again
+    DISPATCHED: _ATTEMPT | {RUNNING},  # accepted; or refused, timed out, lost: the next attempt
+    RUNNING: _ATTEMPT,  # finished or failed; or lost before its first token: the next attempt
+    ENDED: frozenset(),
+}
+"""The stages a request may move to from each: every stage change goes through ``Lifecycle._enter``, which
+holds it to this table."""
 
 log = logging.getLogger("kvemu.lifecycle")
 
@@ -158,6 +172,8 @@ class Lifecycle:
         self._waiting: list[Flight] = []  # for a first worker
         self._grace_end_ns = clock.now_ns() + self.settings.startup_grace_ns
         self._ready: deque[Callable[[], None]] = deque()
+        self.transitions: list[tuple[str, str]] | None = None
+        """Set to a list to have every stage change appended to it as ``(from, to)`` (tests, tracing)."""
         self._running = False
         self.stopped: str | None = None
         """Why this lifecycle stopped taking requests (``stop``), or None."""
@@ -425,6 +441,14 @@ class Lifecycle:
             return None  # not this peer's request (late, stale or spoofed)
         return f
 
+    def _enter(self, f: Flight, stage: str) -> None:
+        """Move ``f`` to ``stage``, a move ``TRANSITIONS`` allows (any other is a bug in this machine)."""
+        if stage not in TRANSITIONS[f.stage]:
+            raise AssertionError(f"request {f.request_id!r}: no lifecycle transition {f.stage} -> {stage}")
+        if self.transitions is not None:
+            self.transitions.append((f.stage, stage))
+        f.stage = stage
+
     def _release_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
         for f in waiting:
@@ -484,7 +508,7 @@ class Lifecycle:
             self._end(f, _reason(exc))
             return
         if isinstance(got, Wait):
-            f.stage = AFFINITY
+            self._enter(f, AFFINITY)
             affinity.on_settled(got, lambda: self._ready.append(self._wake(self._settled, f)))
             return
         f.hold, candidates = got
@@ -517,7 +541,7 @@ class Lifecycle:
         queue.push(QueueEntry(f.request_id, ranks=ranks, arrival_ns=now, isl=isl, cached_tokens=cached,
                               tier=req.priority, pin=pin, payload=f),
                    num_workers=len(core.registry), do_not_queue=req.do_not_queue, now_ns=now)
-        f.stage = QUEUED
+        self._enter(f, QUEUED)
         f.record.queued_ns = now
         self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)}, record=f.record)
         self._release_queue()
@@ -574,7 +598,7 @@ class Lifecycle:
                 "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
             }, record=record)
         f.key = (wid, rank)
-        f.stage = DISPATCHED
+        self._enter(f, DISPATCHED)
         self._by_worker.setdefault(wid, {})[f.request_id] = None
         # book now, so that requests routed while this one awaits its acknowledgement see its load;
         # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
@@ -658,7 +682,7 @@ class Lifecycle:
             self._release_queue()
 
     def _accepted(self, f: Flight) -> None:
-        f.stage = RUNNING
+        self._enter(f, RUNNING)
         f.token += 1
         hold = f.hold
         if hold is not None:
@@ -764,7 +788,7 @@ class Lifecycle:
         if f.hold is not None and self.affinity is not None:  # an uncommitted hold: its waiters go on
             self.affinity.drop(f.hold)
             f.hold = None
-        f.stage = ENDED
+        self._enter(f, ENDED)
         f.token += 1
         if failure is not None and f.refusal is not None and failure.startswith("no_endpoints"):
             failure = f"{failure} (the last refusal, by {f.refusal})"  # what the workers said, not only the ranks

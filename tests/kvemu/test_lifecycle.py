@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvemu import ManualClock, RoutingCore, SessionAffinity
-from kvemu.lifecycle import DISPATCHED, RUNNING, Lifecycle, LifecycleSettings
+from kvemu.lifecycle import (AFFINITY, DISPATCHED, ENDED, QUEUED, RUNNING, TRANSITIONS, WAITING, Lifecycle,
+                             LifecycleSettings)
 from kvemu.registry import WorkerSpec
 from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
@@ -217,6 +218,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.h = Host(workers=(1, 2, 3), timeout_s=1.0, retry_limit=2, affinity=True, deadline_s=3.0)
+        self.h.lc.transitions = []
         self.n = 0
         self.alive = {1, 2, 3}
 
@@ -291,6 +293,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert all(self.h.ended[r].completion_ns is None for r in expired)
         if expired:
             event("a request expired")
+
+    @invariant()
+    def every_stage_change_is_in_the_table(self):
+        for before, after in self.h.lc.transitions:
+            assert after in TRANSITIONS[before], (before, after)
+            event(f"{before} -> {after}")
+        self.h.lc.transitions.clear()
+        assert all(f.stage != ENDED for f in self.h.lc.flights.values())
 
     def teardown(self):
         open_ = set(self.h.lc.flights)
@@ -441,3 +451,14 @@ def test_a_refused_duplicate_id_does_not_mark_the_open_request_failed_in_the_rec
     h.complete("a")
     assert h.ended["a"].failure is None and rec.records["a"].failure is None
     assert rec.failures["duplicate_request_id"] == 1
+
+
+def test_a_stage_change_outside_the_transition_table_is_refused():
+    h = Host(workers=(), grace_s=5.0)  # no worker yet: the request waits for a first one
+    h.submit("a")
+    f = h.lc.flights["a"]
+    with pytest.raises(AssertionError, match="no lifecycle transition waiting -> running"):
+        h.lc._enter(f, RUNNING)  # a request that was never dispatched cannot be running
+    assert f.stage == WAITING
+    assert TRANSITIONS[ENDED] == frozenset() and RUNNING in TRANSITIONS[DISPATCHED]
+    assert all(RUNNING not in TRANSITIONS[s] for s in (WAITING, QUEUED, AFFINITY, RUNNING))
