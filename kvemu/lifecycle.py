@@ -724,6 +724,7 @@ class Lifecycle:
         if f.stage == DISPATCHED:  # tokens before the acknowledgement: it was accepted
             self._accepted(f)
         record = f.record
+        record.add_token_times(times)
         core = self.core
         if record.first_token_ns is None:
             record.first_token_ns = times[0]
@@ -731,7 +732,6 @@ class Lifecycle:
             self.hooks.note("first_token", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
                             record=record)
             self._capacity_changed()
-        record.add_token_times(times)
         before = record.output_tokens
         record.output_tokens = after = before + len(times)
         core.note_output(f.request_id, record.isl, before, after, f.req.expected_output_tokens)
