@@ -204,8 +204,7 @@ class EngineCore(RankCore):
                             # (loads exist only with a host tier) its load is dropped
                             self.host.loaded(entry[2])  # type: ignore[union-attr]
                         if seq.host_load is not None:  # it held the blocks of a host load: they go back
-                            self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
-                            seq.n_alloc = seq.n_full = 0
+                            sch.free(seq)
                             seq.host_load = None
                             sch.loading -= 1
                         heap[i] = heap[-1]
