@@ -77,7 +77,7 @@ class RankCore:
     def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
         return 0
 
-    def _sample(self, sampled: Sequence[SeqState], end: int) -> list[SeqState]:
+    def _sample(self, sampled: list[SeqState], end: int) -> list[SeqState]:
         """Book the token each of ``sampled`` produced in the pass that ended at ``end`` (in batch order); returns
         those for which it was the first (the end of a prefill, or a decode leg's first pass)."""
         record_times = self._record_times

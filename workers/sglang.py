@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import cast
 
 from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
@@ -468,7 +469,7 @@ class SglangCore(RankCore):
     def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
         end = p.end
         page = self._page
-        sampled: list[_Seq] = []
+        sampled: list[SeqState] = []
         aborted = self._aborting  # aborted while the pass ran: it still does their work, nobody hears of it
         requeue: list[_Seq] = []
         for c in p.chunks:
@@ -482,7 +483,7 @@ class SglangCore(RankCore):
             sampled.append(seq)
         sampled += p.decode
         first = self._sample(sampled, end)
-        completed = [seq for seq in sampled if seq.n_out >= seq.out_limit]
+        completed = [seq for seq in cast("list[_Seq]", sampled) if seq.n_out >= seq.out_limit]
         for seq in reversed(requeue):
             self.waiting.appendleft(seq)
         if p.decode:
