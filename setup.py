@@ -25,24 +25,24 @@ MANIFEST = "kvemu/_mypyc_manifest.json"
 # kvemu._build reads. Not compiled on purpose: kvemu/queue.py (its exceptions must pickle with a __dict__ and its
 # spec checks see run-time types) and workers/trace.py (it validates untrusted rows by their run-time types).
 COMPILED = [
-    "kvemu/events.py",
+    "kvemu/router_events.py",
     "kvemu/hashing.py",
     "kvemu/index.py",
     "kvemu/load.py",
     "kvemu/selector.py",
     "kvemu/eligibility.py",
-    "kvemu/routing.py",
+    "kvemu/routing_core.py",
     "kvemu/lifecycle.py",
     "kvemu/packed_tokens.py",
     "kvemu/token_sequence.py",
     "kvemu/wire/stream.py",
     "workers/blocks.py",
-    "workers/core.py",
-    "workers/engine.py",
-    "workers/events.py",
+    "workers/engine_base.py",
+    "workers/pass_events.py",
     "workers/scheduler.py",
     "workers/sequence.py",
     "workers/timing.py",
+    "workers/vllm_engine.py",
 ]
 
 

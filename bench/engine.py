@@ -19,7 +19,7 @@ Prints, one per line (``figure name: value unit``):
   plus passes and virtual seconds per wall second, and the run's reuse and latency figures next to
   Dynamo 1.6.1's round-robin replay of the same trace on 16 workers (../shared/traces/README.md).
 Each rate is the best of several rounds (CPU time of this process), with the garbage-collector tuning
-the harness applies to its hosts (``kvemu.tuning.tune_gc``). Run: python -m bench.engine [--quick]
+the harness applies to its hosts (``harness.tuning.tune_gc``). Run: python -m bench.engine [--quick]
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ import msgspec
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.hashing import sequence_hashes
-from kvemu.tuning import tune_gc
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers.trace import MooncakeRow, mooncake_request, read_mooncake
 
 from harness.report.stats import percentile
+from harness.tuning import tune_gc
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 SHARES = 16  # the reference replays this trace on 16 workers

@@ -32,11 +32,12 @@ import zmq
 
 from kvemu import RoutingCore, WorkerSpec
 from kvemu.hashing import local_block_hashes, sequence_hashes
-from kvemu.tuning import tune_gc
 from kvemu.wire.codec import encode_batch, profile_for
 from kvemu.kv_events import BlockStored, KVEventBatch
 from kvemu.wire.publisher import KvEventPublisher
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+
+from harness.tuning import tune_gc
 from bench import verdict
 
 BLOCK = 16

@@ -50,7 +50,7 @@ from typing import NamedTuple
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 
 from harness.report.stats import percentile
 from bench import verdict

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from bench import verdict
-from bench.replay import ROOT, existing_trace
+from bench.replay_inputs import ROOT, existing_trace
 
 _CHILD = """
 import sys

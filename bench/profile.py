@@ -39,7 +39,8 @@ from collections import defaultdict
 from pathlib import Path, PurePath
 from typing import Any
 
-from bench.replay import ROOT, SCENARIO, existing_trace, incomplete
+from bench.replay import incomplete
+from bench.replay_inputs import ROOT, SCENARIO, existing_trace
 from bench import verdict
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -48,17 +49,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "kvemu/runtime/wakeup.py", "kvemu/clock.py")),
     ("router actor", ("kvemu/runtime/router.py", "kvemu/lifecycle.py", "kvemu/runtime/transport.py",
                       "kvemu/hooks.py", "kvemu/messages.py")),
-    ("routing policy", ("kvemu/routing.py", "kvemu/selector.py", "kvemu/eligibility.py", "kvemu/load.py",
-                        "kvemu/queue.py", "kvemu/affinity.py", "kvemu/affinity_async.py", "kvemu/policy.py",
-                        "kvemu/approx.py", "kvemu/registry.py")),
-    ("prefix index", ("kvemu/index.py", "kvemu/events.py")),
-    ("KV events", ("kvemu/wire/", "kvemu/runtime/kv_bus.py", "kvemu/runtime/kv_ingest.py", "workers/events.py")),
+    ("routing policy", ("kvemu/routing_core.py", "kvemu/selector.py", "kvemu/eligibility.py", "kvemu/load.py",
+                        "kvemu/queue.py", "kvemu/affinity.py", "kvemu/policy.py", "kvemu/approx.py",
+                        "kvemu/registry.py")),
+    ("prefix index", ("kvemu/index.py", "kvemu/router_events.py")),
+    ("KV events", ("kvemu/wire/", "kvemu/runtime/kv_bus.py", "kvemu/runtime/kv_ingest.py", "workers/pass_events.py")),
     ("hashing", ("kvemu/hashing.py", "workers/trace.py")),
-    ("engine", ("workers/engine.py", "workers/scheduler.py", "workers/blocks.py", "workers/sequence.py",
-                "workers/timing.py", "workers/worker.py", "workers/admission.py", "workers/request.py",
+    ("engine", ("workers/vllm_engine.py", "workers/scheduler.py", "workers/blocks.py", "workers/sequence.py",
+                "workers/timing.py", "workers/mock_worker.py", "workers/admission.py", "workers/request.py",
                 "workers/config.py")),
-    ("worker actor", ("workers/actor.py",)),
-    ("harness", ("harness/", "kvemu/tuning.py")),  # tuning.py: tune_gc's collection at the run's start
+    ("worker actor", ("workers/worker_actor.py",)),
+    ("harness", ("harness/",)),
 ]
 """Python functions: the layer of the first entry with a pattern matching the function's file."""
 
@@ -184,7 +185,7 @@ def describe(func: Func) -> str:
 
 
 def load(policy: str, trace: Path | None, requests: int) -> Any:
-    """The example scenario with the same overrides as ``bench.replay.run_kvemu``."""
+    """The example scenario with the same overrides as ``bench.replay_runs.run_kvemu``."""
     from harness.scenario import load_scenario
 
     overrides = [f"router.policy={policy}", "run.mode=virtual", f"run.max_requests={requests}"]

@@ -76,25 +76,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
-import textwrap
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import reference
 from bench import verdict
+from bench.replay_inputs import MAX_SCALE, ROOT, SCENARIO, existing_trace, scaled_trace, short_prompts
+from bench.replay_inputs import write_bench_profile
+from bench.replay_runs import Run, Variant, child, mean_run, spawn
 
 os.environ.setdefault("DYN_LOG", "warn")  # the reference logs every KV routing decision at INFO
 
-ROOT = Path(__file__).resolve().parents[1]
-SCENARIO = ROOT / "examples" / "mooncake-3600s.yaml"
-DISAGG_SCENARIO = ROOT / "examples" / "disagg-4p12d.yaml"
 QUICK_REQUESTS = 1000
 SIDES = ("kvemu", "reference")
 
@@ -113,9 +107,6 @@ ROUND_ROBIN_TARGETS = ("mean ttft", "p50 ttft", "p99 ttft", "mean e2e", "mean it
                        "goodput requests")
 """Round robin: kvemu within 5 % of the reference (goodput counts within 2 %)."""
 GOODPUT_TOLERANCE = 0.02
-BENCH_SLA = {"ttft_ms": 300.0, "itl_ms": 8.0}
-"""Every run's SLA (``run.sla``; the reference's ``sla_ttft_ms``/``sla_itl_ms``): inside the trace's TTFT and ITL
-distributions, so goodput counts the requests on both sides of each target."""
 KV_TARGETS = ("mean ttft", "p50 ttft", "p99 ttft", "mean e2e", "mean itl", "prefix-cache reuse ratio")
 """KV routing: the improvement over round robin has the reference's sign and is within ±20 % of its size."""
 COSTS: list[tuple[str, str, str, int, str | None]] = [
@@ -124,27 +115,6 @@ COSTS: list[tuple[str, str, str, int, str | None]] = [
     ("peak rss", "peak_rss_mb", "MB", 1, "no larger than"),
     ("cpu time", "cpu_s", "s", 2, None),  # all threads of the child: tells a busy machine from a slow run
 ]
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One configuration both sides replay: its name in the figures, the router policy, engine knobs."""
-
-    name: str
-    policy: str
-    engine: dict[str, Any]
-    tolerance: float = 0.05
-    pools: dict[str, Any] | None = None
-    """A disaggregated cluster: ``{"prefill": {...}, "decode": {...}}`` pool sections (``engine`` is unused)."""
-    reference_runs: int = 1
-    """The reference's runs averaged (its KV routing breaks ties at random: one run is not its figure)."""
-    max_input_tokens: int | None = None
-    """Both sides replay only the trace's rows with at most this many input tokens (where the reference fails)."""
-    concurrency: int | None = None
-    """Closed loop: at most this many requests in flight (``workload.concurrency``; the reference's
-    ``replay_concurrency``)."""
-    scale: int = 1
-    """``--scale N``: both sides replay the trace N times over (``scale_rows``), not the trace itself."""
 
 
 def engine_suite(directory: Path) -> list[Variant]:
@@ -175,115 +145,6 @@ HOST_OFFLOAD: dict[str, Any] = {"num_gpu_blocks": 4096, "kv_cache_bytes_per_toke
 and come back from the host), 8 MiB blocks (131,072 bytes a token) over 32 GB/s links, 32,768 host blocks."""
 
 
-def short_prompts(trace: Path, max_input_tokens: int, rows: int | None, directory: Path | str) -> Path:
-    """The trace's rows with at most ``max_input_tokens`` input tokens (the first ``rows`` of them), in a file."""
-    out = Path(directory) / f"input-le-{max_input_tokens}.jsonl"
-    kept = 0
-    with trace.open() as src, out.open("w") as dst:
-        for line in src:
-            if rows is not None and kept >= rows:
-                break
-            if line.strip() and json.loads(line).get("input_length", 0) <= max_input_tokens:
-                dst.write(line)
-                kept += 1
-    return out
-
-
-MAX_SCALE = 16
-SCALE_GAP_MS = 1000
-"""``--scale``: each copy of the trace starts this long after the previous one's last timestamp."""
-
-
-def scale_rows(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
-    """The trace's rows ``n`` times over: copy ``k`` (0 .. n-1) is every row, in order, its ``timestamp``
-    shifted by ``k`` × (the rows' span + ``SCALE_GAP_MS``), each hash id by ``k`` × (the largest hash id + 1),
-    and its ``session_id`` (if any) made distinct per copy (an integer shifted by ``k`` × (the largest + 1), a
-    string suffixed ``@k``); copy 0 is the rows unchanged. Rows without a ``timestamp`` (a session's later
-    turns, timed by their ``delay``) keep none. Copies never overlap, so sorted rows stay sorted."""
-    if n < 1:
-        raise ValueError(f"scale must be >= 1, not {n}")
-    stamps = [row["timestamp"] for row in rows if row.get("timestamp") is not None]
-    span = max(stamps) - min(stamps) if stamps else 0
-    hash_stride = max((h for row in rows for h in row.get("hash_ids") or ()), default=-1) + 1
-    int_sids = [row["session_id"] for row in rows if isinstance(row.get("session_id"), int)]
-    sid_stride = max(int_sids, default=-1) + 1
-    out = []
-    for k in range(n):
-        shift = k * (span + SCALE_GAP_MS)
-        for row in rows:
-            if k:
-                row = dict(row)
-                if row.get("timestamp") is not None:
-                    row["timestamp"] = row["timestamp"] + shift
-                if row.get("hash_ids") is not None:
-                    row["hash_ids"] = [h + k * hash_stride for h in row["hash_ids"]]
-                sid = row.get("session_id")
-                if isinstance(sid, int):
-                    row["session_id"] = sid + k * sid_stride
-                elif sid is not None:
-                    row["session_id"] = f"{sid}@{k}"
-            out.append(row)
-    return out
-
-
-def scaled_trace(trace: Path, n: int, rows: int | None, directory: Path | str) -> Path:
-    """The first ``rows`` rows of ``trace`` (all if ``None``), ``scale_rows``'d ``n`` times over, in a file."""
-    records = []
-    with trace.open() as src:
-        for line in src:
-            if rows is not None and len(records) >= rows:
-                break
-            if line.strip():
-                records.append(json.loads(line))
-    out = Path(directory) / f"scale-{n}.jsonl"
-    with out.open("w") as dst:
-        for record in scale_rows(records, n):
-            dst.write(json.dumps(record, separators=(",", ":")) + "\n")
-    return out
-
-
-def write_bench_profile(path: Path) -> None:
-    """A GPU profile for the interpolated engine: the polynomial's prefill at 24 prompt sizes, and a decode
-    grid whose time grows with the batch's mean context as well as its KV tokens (so both axes matter)."""
-    from workers.profile import ProfileData, save_profile
-    from workers.timing import PolynomialTiming
-
-    poly = PolynomialTiming()
-    isl = [1, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 7168, 8192, 10240, 12288, 16384,
-           20480, 24576, 32768, 49152, 65536, 131072]
-    active = [0, 4096, 16384, 65536, 131072, 262144, 524288, 786432, 1048576, 2097152]
-    context = [1, 1024, 4096, 8192, 16384, 32768, 65536, 131072]
-    total = 16384 * 64
-    save_profile(ProfileData(
-        prefill_isl=isl, prefill_ttft_ms=[poly.prefill_ms(n) for n in isl],
-        decode_active_kv_tokens=active, decode_context_length=context,
-        decode_itl=[[poly.decode_ms(a, total) * (1.0 + 0.05 * c / 32768) for c in context] for a in active]), path)
-
-
-@dataclass(frozen=True)
-class Run:
-    """What one run's child process reported."""
-
-    summary: dict[str, Any]
-    wall_s: float
-    peak_rss_mb: float
-    cpu_s: float
-
-
-def mean_run(runs: list[Run]) -> Run:
-    """The mean of several runs of one side (every numeric summary figure, the wall and CPU time; the peak RSS
-    is the largest)."""
-    if len(runs) == 1:
-        return runs[0]
-    summary = dict(runs[0].summary)
-    for key, v in summary.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
-                isinstance(r.summary.get(key), (int, float)) for r in runs):
-            summary[key] = sum(r.summary[key] for r in runs) / len(runs)
-    n = len(runs)
-    return Run(summary, sum(r.wall_s for r in runs) / n, max(r.peak_rss_mb for r in runs), sum(r.cpu_s for r in runs) / n)
-
-
 def emit(name: str, value: float | None, unit: str, digits: int = 1) -> None:
     text = "n/a" if value is None else f"{value:.{digits}f}"
     print(f"{name}: {text} {unit}".rstrip(), flush=True)
@@ -295,131 +156,6 @@ def note(msg: str) -> None:
 
 def digits_for(unit: str) -> int:
     return 2 if unit == "ms" else 4
-
-
-# ------------------------------------------------------------------------- the runs (in the child)
-
-
-def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine: dict[str, Any] | None = None,
-              speedup: float = 1.0, pools: dict[str, Any] | None = None,
-              concurrency: int | None = None) -> tuple[dict[str, Any], float, float]:
-    """kvemu's virtual replay of the example with ``router.policy=policy``: (summary, wall s, CPU s)."""
-    from harness.report.summary import summarize
-    from harness.runner import run_scenario
-    from harness.scenario import load_scenario
-
-    overrides = [f"router.policy={policy}", "run.mode=virtual", f"workload.arrival_speedup_ratio={speedup!r}",
-                 f"workload.concurrency={json.dumps(concurrency)}", *(f"run.sla.{k}={v!r}" for k, v in BENCH_SLA.items())]
-    overrides += [f"cluster.engine.{k}={json.dumps(v)}" for k, v in (engine or {}).items()]
-    if pools:  # the disaggregated example, its pools as given
-        overrides = [o for o in overrides if not o.startswith("cluster.engine.")]
-        overrides += [f"cluster.{pool}={json.dumps(spec)}" for pool, spec in pools.items()]
-    if trace is not None:
-        overrides.append(f"workload.trace={trace}")
-    if max_requests is not None:
-        overrides.append(f"run.max_requests={max_requests}")
-    scenario = load_scenario(DISAGG_SCENARIO if pools else SCENARIO, overrides)
-    t0, c0 = time.perf_counter(), time.process_time()
-    outcome = run_scenario(scenario, None)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return summarize(outcome.data), wall, cpu
-
-
-def run_reference(replay: Callable[..., Any], policy: str, trace: Path, engine: dict[str, Any] | None = None,
-                  speedup: float = 1.0, pools: dict[str, Any] | None = None,
-                  concurrency: int | None = None) -> tuple[dict[str, Any], float, float]:
-    """The reference's offline replay of ``trace`` on 16 workers: (summary, wall s, CPU s of all its threads)."""
-    options: dict[str, Any] = {"arrival_speedup_ratio": speedup, "replay_concurrency": concurrency,
-                               **{f"sla_{k}": v for k, v in BENCH_SLA.items()}}
-    t0, c0 = time.perf_counter(), time.process_time()
-    if pools:
-        summary = reference.run_reference_disagg(replay, trace, policy, prefill=pools["prefill"], decode=pools["decode"],
-                                                 **options)
-    else:
-        summary = reference.run_reference(replay, trace, policy, engine=engine, **options)
-    return summary, time.perf_counter() - t0, time.process_time() - c0
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set size, in MB (2^20 bytes).
-
-    ``VmHWM`` where /proc has it: unlike ``ru_maxrss``, which Linux carries over ``exec`` from the process
-    that forked it, it counts this process only.
-    """
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024
-
-
-def child(side: str, policy: str, trace: Path, max_requests: int | None, out: Path,
-          engine: dict[str, Any] | None = None, speedup: float = 1.0, pools: dict[str, Any] | None = None,
-          concurrency: int | None = None) -> None:
-    """One run in this process; its summary, wall and CPU seconds and peak RSS go to ``out`` as JSON."""
-    if side == "kvemu":
-        summary, wall, cpu = run_kvemu(policy, trace, max_requests, engine, speedup, pools, concurrency)
-    else:
-        entry = reference.replay_entry()
-        if entry is None:
-            raise SystemExit("bench.replay: the reference (ai-dynamo-runtime) cannot be imported")
-        summary, wall, cpu = run_reference(entry[1], policy, trace, engine, speedup, pools, concurrency)
-    out.write_text(json.dumps({"summary": summary, "wall_s": wall, "peak_rss_mb": peak_rss_mb(),
-                               "cpu_s": cpu}))
-
-
-# ------------------------------------------------------------------------ the runs (in the parent)
-
-
-def spawn(side: str, variant: Variant, trace: Path, max_requests: int | None, directory: Path | str,
-          speedup: float = 1.0) -> Run | str:
-    """``side``'s replay of ``variant`` in a child process: what it reported, or why it failed.
-
-    The child's stdout and stderr are passed on to stderr (stdout carries only the figures).
-    """
-    policy = variant.policy
-    out = Path(directory) / f"{side}-{variant.name.replace(' ', '-')}.json"
-    cmd = [sys.executable, "-m", "bench.replay", "--child", side, "--child-out", str(out), "--policy", policy,
-           "--trace", str(trace), "--engine-json", json.dumps({"engine": variant.engine, "pools": variant.pools,
-                                                    "concurrency": variant.concurrency}),
-           "--arrival-speedup", repr(speedup)]
-    if max_requests is not None:
-        cmd += ["--max-requests", str(max_requests)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode == 0 and out.is_file():
-        sys.stderr.write(proc.stdout + proc.stderr)
-        sys.stderr.flush()
-        data = json.loads(out.read_text())
-        return Run(data["summary"], float(data["wall_s"]), float(data["peak_rss_mb"]), float(data["cpu_s"]))
-    rc = proc.returncode
-    status = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}" if rc else "no result written"
-    output = textwrap.indent((proc.stderr + proc.stdout).strip() or "(nothing)", "    ")
-    return f"{side} {variant.name}: its child process failed ({status}); its stderr and stdout:\n{output}"
-
-
-def scenario_trace(trace: Path | None) -> Path:
-    """The trace the example replays (``--trace`` if given), resolved; it may not exist (checked by callers,
-    before loading the scenario, which would refuse a missing file)."""
-    if trace is not None:
-        return trace.resolve()
-    import yaml
-
-    declared = yaml.safe_load(SCENARIO.read_text())["workload"]["trace"]
-    return (SCENARIO.parent / declared).resolve()
-
-
-def existing_trace(prog: str, trace: Path | None) -> Path | None:
-    """``scenario_trace(trace)`` if it is a file; else ``None`` after telling the user where to get it."""
-    path = scenario_trace(trace)
-    if path.is_file():
-        return path
-    print(f"{prog}: trace not found: {path} (get conversation_trace.jsonl from the Mooncake repository, "
-          "FAST25-release/traces/, and pass --trace PATH)", file=sys.stderr)
-    return None
 
 
 # ------------------------------------------------------------------------------------------ output

@@ -21,15 +21,15 @@ from kvemu.affinity import SessionAffinity
 from kvemu.clock import NS_PER_MS, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
-from workers.actor import WorkerActor
+from workers.worker_actor import WorkerActor
 from workers.config import EngineConfig
-from workers.worker import MockWorker
+from workers.mock_worker import MockWorker
 
 from harness.plugins import ALLOW_LOCAL_POLICIES_ENV, import_callable
 from harness.pools import AGGREGATED, compose_pools, worker_type_of

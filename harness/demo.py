@@ -13,7 +13,7 @@ from typing import TextIO
 
 from kvemu.clock import ManualClock
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 
 from harness.text import counted
 

@@ -17,7 +17,6 @@ from kvemu.clock import NS_PER_MS, Clock, ManualClock, WallClock
 from kvemu.errors import KvemuError
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
-from kvemu.tuning import tune_gc
 
 from harness.autoscaler import AutoscalerShell
 from harness.chaos import worker_chaos
@@ -29,6 +28,7 @@ from harness.report.run_data import RunData
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import drain_deadline_s, play_workload
 from harness.trace_sessions import TraceSessions
+from harness.tuning import tune_gc
 from harness.workload import Session, build_sessions
 
 __all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
@@ -86,7 +86,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=routing_block_size(scenario.cluster))
+    recorder = Recorder(hooks)
     for observer in observers:
         hooks.subscribe(observer)
     state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}

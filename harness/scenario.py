@@ -12,16 +12,13 @@ and a Python caller are held to the same ranges.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
-from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypedDict
 
 import msgspec
-import msgspec.inspect as mi
 import yaml
 from msgspec import Meta
 
@@ -38,6 +35,7 @@ from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
 from harness.report.sla import Sla
 from harness.text import counted
+from harness.yaml_validation import describe_validation_error, floats_where_expected, key_location, line_of, value_at
 
 __all__ = [
     "EngineSpec",
@@ -485,56 +483,6 @@ def _check_synthetic(w: SyntheticWorkload, run: RunSpec) -> None:
 # ---------------------------------------------------------------------------------- loading
 
 
-def line_of(text: str, path: Sequence[str | int]) -> int | None:
-    """1-based line of the key at ``path`` (or of its nearest existing ancestor)."""
-    try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
-        return None
-    line = None
-    for part in path:
-        if isinstance(node, yaml.MappingNode):
-            entry = next(((k, v) for k, v in node.value if k.value == part), None)
-            if entry is None:
-                return line
-            line = entry[0].start_mark.line + 1
-            node = entry[1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
-def _value_at(data: Any, path: Sequence[str | int]) -> tuple[bool, Any]:
-    """``(True, value)`` at ``path`` in raw scenario data, or ``(False, None)`` where it does not exist."""
-    for part in path:
-        if isinstance(data, dict) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
-            data = data[part]
-        else:
-            return False, None
-    return True, data
-
-
-def _parse_path(where: str) -> list[str | int]:
-    parts: list[str | int] = []
-    for piece in where.removeprefix("$").split("."):
-        if not piece:
-            continue
-        while "[" in piece:
-            head, _, rest = piece.partition("[")
-            if head:
-                parts.append(head)
-            idx, _, piece = rest.partition("]")
-            parts.append(int(idx) if idx.isdigit() else idx)  # msgspec writes a mapping's value as [...]
-        if piece:
-            parts.append(piece)
-    return parts
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key.path=value`` overrides (values parsed as YAML scalars) to raw scenario data."""
     for item in overrides:
@@ -553,133 +501,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = child
         node[parts[-1]] = value
     return data
-
-
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "object": "a mapping of keys", "array": "a list", "null": "null"}
-"""msgspec's type names, as a person would say them."""
-
-
-def _expected(types: str) -> str:
-    """msgspec's ``int | null`` in words: ``an integer (or null)``."""
-    words = [_TYPE_WORDS.get(t.strip(), f"`{t.strip()}`") for t in types.split("|")]
-    rest = [w for w in words if w != "null"]
-    return " or ".join(rest) + (" (or null)" if "null" in words and rest else "")
-
-
-def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str, source: str, *,
-                              schema: Any = None, overridden: frozenset[str] | set[str] = frozenset()) -> str:
-    """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (parsed from ``text``).
-
-    Shared by every YAML file kvemu validates with msgspec (scenarios, sweeps), so their errors read alike. With
-    ``schema`` (the type ``raw`` was converted to) an unknown key gets a "did you mean"; a key under one of the
-    ``overridden`` key paths says it came from ``--set`` instead of citing a line it did not come from.
-    """
-    message, _, where = str(exc).partition(" - at `")
-    key = where.rstrip("`").removeprefix("$.").removeprefix("$")
-    cause = exc.__cause__
-    unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
-    if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
-        key = f"{key}.{cause.field}" if key else cause.field
-    elif unknown:
-        key = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-        message = "unknown key (check its spelling and section)"
-        guess = _close_key(raw, _parse_path(key), schema)
-        if guess:
-            message = f"unknown key; did you mean {guess}?"
-    parts = _parse_path(key)
-    if not isinstance(cause, InvalidArgument) and not unknown:
-        found, value = _value_at(raw, parts)
-        if found and not isinstance(value, (dict, list)):
-            mismatch = re.match(r"^Expected `(.+)`, got `.+`$", message)
-            if mismatch:  # "Expected `int`, got `str`": say what was expected in words, and the value once
-                message = f"expected {_expected(mismatch.group(1))}, got {value!r}"
-            else:
-                message = f"{message}, got {value!r}"
-    return f"{source}: {key or '(top level)'}{_where(text, parts, overridden)}: {message}"
-
-
-def _where(text: str, parts: Sequence[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
-    """`` (from --set)`` if the value at ``parts`` came from an override, else `` (line N)`` of the file (or ``""``)."""
-    dotted = [".".join(str(p) for p in parts[:n]) for n in range(1, len(parts) + 1)]
-    if any(d in overridden for d in dotted):
-        return " (from --set)"
-    line = line_of(text, parts)
-    return f" (line {line})" if line else ""
-
-
-def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
-    """The valid key path closest to the unknown ``parts`` (``router.policy`` for ``router.polcy``), if any."""
-    if schema is None or not parts or not isinstance(parts[-1], str):
-        return None
-    struct = _type_at(raw, parts[:-1], mi.type_info(schema))
-    if not isinstance(struct, mi.StructType):
-        return None
-    names = [f.encode_name for f in struct.fields if f.encode_name != "base_dir"]
-    match = difflib.get_close_matches(parts[-1], names, n=1)
-    if not match:
-        return None
-    head = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[:-1]).lstrip(".")
-    return f"{head}.{match[0]}" if head else match[0]
-
-
-def _struct_for(raw: Any, t: Any) -> Any:
-    """The type ``raw`` takes in ``t``: an optional or tagged union's member struct (by its tag), else ``t``."""
-    if isinstance(t, mi.Metadata):
-        t = t.type
-    if isinstance(t, mi.UnionType):
-        structs = [m for m in t.types if isinstance(m, mi.StructType)]
-        if isinstance(raw, dict) and structs:
-            tagged = [m for m in structs if m.tag_field and raw.get(m.tag_field) == m.tag]
-            return tagged[0] if tagged else structs[0] if len(structs) == 1 else None
-    return t
-
-
-def _type_at(raw: Any, parts: list[str | int], t: Any) -> Any:
-    """The type at key path ``parts`` of a value of type ``t`` (``raw`` picks union members); None if unknown."""
-    for part in parts:
-        t = _struct_for(raw, t)
-        if isinstance(t, mi.StructType) and isinstance(part, str):
-            field = next((f for f in t.fields if f.encode_name == part), None)
-            if field is None:
-                return None
-            t, raw = field.type, raw.get(part) if isinstance(raw, dict) else None
-        elif isinstance(t, mi.ListType) and isinstance(part, int):
-            t, raw = t.item_type, raw[part] if isinstance(raw, list) and part < len(raw) else None
-        else:
-            return None
-    return _struct_for(raw, t)
-
-
-_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
-"""A float as YAML 1.2 (and a person) writes it: ``1e2``, ``1E-3``, ``+1.5e3``, ``.5``. PyYAML follows YAML 1.1,
-which reads those without a dot, or with an unsigned exponent, as strings."""
-
-
-def floats_where_expected(raw: Any, schema: Any) -> Any:
-    """``raw`` with every string that spells a float (YAML 1.2) made a float where ``schema`` expects a number
-    (``run.duration_s: 1e2``); strings elsewhere (a name ``1e2``) stay strings. Changes ``raw`` in place."""
-    return _floats(raw, mi.type_info(schema))
-
-
-def _floats(raw: Any, t: Any) -> Any:
-    """``floats_where_expected`` on one value of (``msgspec.inspect``) type ``t``."""
-    t = _struct_for(raw, t)
-    if isinstance(raw, str):
-        members = t.types if isinstance(t, mi.UnionType) else [t]
-        if any(isinstance(m.type if isinstance(m, mi.Metadata) else m, mi.FloatType) for m in members) \
-                and _YAML12_FLOAT.fullmatch(raw.strip()):
-            return float(raw)
-    elif isinstance(raw, dict) and isinstance(t, mi.StructType):
-        for field in t.fields:
-            if field.encode_name in raw:
-                raw[field.encode_name] = _floats(raw[field.encode_name], field.type)
-    elif isinstance(raw, dict) and isinstance(t, mi.DictType):
-        for k in raw:
-            raw[k] = _floats(raw[k], t.value_type)
-    elif isinstance(raw, list) and isinstance(t, mi.ListType):
-        raw[:] = [_floats(item, t.item_type) for item in raw]
-    return raw
 
 
 def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str] | None = None,
@@ -703,14 +524,14 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     floats_where_expected(raw, Scenario)
     raw["base_dir"] = str(base_dir)
     for where in _ENGINES:
-        timing = _value_at(raw, [*where, "timing_model"])[1]
+        timing = value_at(raw, [*where, "timing_model"])[1]
         if isinstance(timing, dict) and isinstance(timing.get("path"), str) and timing["path"]:
             timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
     cluster_raw = raw.get("cluster")
     if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
         for key in ("workers", "dp_size", "engine"):
             if key in cluster_raw:
-                at = _where(text, ["cluster", key], overridden)
+                at = key_location(text, ["cluster", key], overridden)
                 raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
                                     f"cluster.prefill.{key} and cluster.decode.{key} instead")
     try:
@@ -721,17 +542,17 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     for where in _ENGINES:
-        spec = _value_at(msgspec.to_builtins(scenario), [*where, "timing_model"])[1]
+        spec = value_at(msgspec.to_builtins(scenario), [*where, "timing_model"])[1]
         if isinstance(spec, dict) and spec.get("type") == "interpolated":
             try:
                 cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
             except InvalidArgument as exc:
-                at = _where(text, [*where, "timing_model", "path"], overridden)
+                at = key_location(text, [*where, "timing_model", "path"], overridden)
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
         if not path.is_file():
-            at = _where(text, ["workload", "trace"], overridden)
+            at = key_location(text, ["workload", "trace"], overridden)
             raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
     return scenario
 

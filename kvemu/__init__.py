@@ -28,7 +28,7 @@ from kvemu.errors import (
     SchedulerError,
     UnknownWorker,
 )
-from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
+from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import block_seed, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.lifecycle import Flight, Lifecycle, LifecycleSettings
@@ -37,7 +37,7 @@ from kvemu.policy import CustomPolicy, PolicyContext, WorkerRow, random_policy, 
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueClass, QueueEntry, QueueLimits, QueueRejected
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerRegistry, WorkerSpec
-from kvemu.routing import PreparedRequest, RoutingCore
+from kvemu.routing_core import PreparedRequest, RoutingCore
 from kvemu.selector import Selection, TierHits
 
 __version__ = "0.1.0"

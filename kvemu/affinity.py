@@ -3,8 +3,9 @@
 Entry states: absent → initializing (one request chooses; others get ``Wait``) → bound (target, active
 leases, idle deadline). A binding is committed only after the worker accepted the dispatch; the idle
 timer restarts at every lease release, and a binding with active leases never expires. Time comes from
-the injected clock: with a ``ManualClock`` expiry is evaluated lazily at virtual time; with a
-``WallClock`` the async shell runs a reaper every ``reaper_interval_ns``.
+the injected clock, and expiry is evaluated lazily on either clock: an idle binding goes when its session
+next acquires or when the table is full. Nothing reaps in the background; a host on a ``WallClock`` that
+wants idle bindings gone on time calls ``expire()`` every ``reaper_interval_ns``.
 """
 
 from __future__ import annotations
@@ -373,6 +374,15 @@ class SessionAffinity:
             self._remove(s, self._table[s], "invalidated", now)
         self.stats.invalidations += len(sessions)
         return sessions
+
+    def invalidate_all(self) -> list[str]:
+        """Drop every entry, bound or initializing (its router is going away); returns the sessions dropped.
+
+        Each counts as an invalidation, as ``invalidate(session)`` would: a bound session's observer hears
+        ``invalidated`` and the requests waiting for an initializer are woken (their ``on_settled`` callbacks
+        run), so none waits for a choice that will never come.
+        """
+        return [session for session in list(self._table) if self.invalidate(session)]
 
     def query_target(self, session: str) -> AffinityTarget | None:
         """The bound target, or ``None`` (absent, initializing, or idle past its deadline); read-only."""

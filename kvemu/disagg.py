@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from kvemu.clock import Clock
-from kvemu.records import RequestRecord
+from kvemu.records import RequestRecord, router_record
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer
@@ -79,9 +79,8 @@ class DisaggRouter:
     def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord:
         """Start a request; ``on_end`` gets its record (both legs merged) when it ends."""
         now = self.clock.now_ns()
-        record = RequestRecord(request_id=req.request_id, session_id=req.session_id,
-                               parent_session_id=req.parent_session_id, arrival_ns=now, isl=len(req.tokens),
-                               max_tokens=req.max_tokens)
+        record = router_record(req.request_id, session_id=req.session_id, parent_session_id=req.parent_session_id,
+                               arrival_ns=now, isl=len(req.tokens), max_tokens=req.max_tokens)
         hooks = self.hooks
         reason = None
         if req.request_id in self.requests:
@@ -90,13 +89,10 @@ class DisaggRouter:
             reason = "invalid_request: kv_hold and kv_transfer are set by the router, not by clients"
         elif req.worker_id is not None and req.decode_worker_id is not None and req.worker_id != req.decode_worker_id:
             reason = "invalid_request: worker_id and decode_worker_id pin the decode leg to different workers"
-        if hooks.wants("request_arrived"):
-            hooks.note("request_arrived", now, req.request_id, data={
-                "isl": len(req.tokens), "max_tokens": req.max_tokens, "session_id": req.session_id,
-                "parent_session_id": req.parent_session_id})
+        hooks.note("request_arrived", now, req.request_id, record=record)
         if reason is not None:
             record.failure = reason
-            hooks.note("failed", now, req.request_id, data={"reason": reason})
+            hooks.note("failed", now, req.request_id, record=record)
             on_end(record)
             return record
         r = self.requests[req.request_id] = _Request(req, record, on_end)
@@ -147,15 +143,18 @@ class DisaggRouter:
         if r.ended:
             return
         record = r.record
+        if leg.routed_ns is not None:  # the prefill leg's routing: the leg whose engine finds the prefix
+            record.prefill_worker_id, record.prefill_dp_rank = leg.worker_id, leg.dp_rank
+            record.predicted_overlap_blocks = leg.predicted_overlap_blocks
+            record.best_overlap_blocks = leg.best_overlap_blocks
+        _latest_leg_times(record, leg)
         if leg.failure is not None:
             if leg.worker_id is not None:  # whatever the leg left on its worker (running, or its KV held) goes
                 self.prefill.tell(leg.worker_id, Abort(request_id=r.req.request_id, reason=leg.failure))
             self._end(r, leg.failure)
             return
-        record.prefill_worker_id, record.prefill_dp_rank = leg.worker_id, leg.dp_rank
         record.prefill_done_ns = leg.completion_ns
         record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
-        record.predicted_overlap_blocks = leg.predicted_overlap_blocks  # what the prefill router expected it to find
         record.engine_reused_tokens = leg.engine_reused_tokens
         record.preemptions = leg.preemptions
         if r.source is None:  # a worker that did not say where the KV is: on the rank that computed it
@@ -172,21 +171,25 @@ class DisaggRouter:
             return
         record = r.record
         record.worker_id, record.dp_rank = leg.worker_id, leg.dp_rank
+        if leg.routed_ns is not None:  # the decode leg's routing is the request's
+            record.routed_ns, record.attempts, record.routing_reason = leg.routed_ns, leg.attempts, leg.routing_reason
+        _latest_leg_times(record, leg)
+        if leg.first_token_ns is not None:  # what it streamed, also when it failed after
+            record.first_token_ns, record.token_times_ns = leg.first_token_ns, leg.token_times_ns
         record.preemptions += leg.preemptions
         if leg.preemptions:  # the decode rank recomputed it: what that re-admission reused counts too
             record.engine_reused_tokens = (record.engine_reused_tokens or 0) + (leg.engine_reused_tokens or 0)
         failure = leg.failure
         if failure is None:
-            record.first_token_ns, record.completion_ns = leg.first_token_ns, leg.completion_ns
-            record.output_tokens = leg.output_tokens
+            record.completion_ns, record.output_tokens = leg.completion_ns, leg.output_tokens
             self._end(r, None)  # (which releases the held KV)
             return
         self._release(r)
         restartable = failure.startswith(("worker_lost", "kv_source_lost")) and not r.streamed
         if restartable and r.restarts < self.retry_limit:
             r.restarts += 1
-            self.hooks.note("retried", self.clock.now_ns(), r.req.request_id, data={"reason": failure,
-                                                                                    "restart": r.restarts})
+            self.hooks.note("retried", self.clock.now_ns(), r.req.request_id,
+                            data={"reason": failure, "restart": r.restarts}, record=r.record)
             self._start_prefill(r)  # the KV is gone: compute the prompt again
             return
         self._end(r, failure if not restartable or failure.startswith("worker_lost") else
@@ -208,17 +211,10 @@ class DisaggRouter:
         rid = r.req.request_id
         record.failure = failure
         if failure is None:
-            if self.hooks.wants("completed"):
-                self.hooks.note("completed", now, rid, record.worker_id, record.dp_rank, data={
-                    "output_tokens": record.output_tokens, "cached_tokens": record.engine_cached_tokens or 0,
-                    "reused_tokens": record.engine_reused_tokens,
-                    "admitted_ns": record.admitted_ns, "preemptions": record.preemptions,
-                    "prefill_worker_id": record.prefill_worker_id, "prefill_dp_rank": record.prefill_dp_rank,
-                    "prefill_done_ns": record.prefill_done_ns, "kv_reserved_ns": record.kv_reserved_ns,
-                    "kv_activated_ns": record.kv_activated_ns})
+            self.hooks.note("completed", now, rid, record.worker_id, record.dp_rank, record=record)
         else:
             record.completion_ns = None
-            self.hooks.note("failed", now, rid, record.worker_id, record.dp_rank, data={"reason": failure})
+            self.hooks.note("failed", now, rid, record.worker_id, record.dp_rank, record=record)
         del self.requests[rid]
         r.on_end(record)
 
@@ -237,10 +233,18 @@ class DisaggRouter:
             if r is None or pool != DECODE or kind not in ("first_token", "tokens"):
                 return
             r.streamed = True
-            self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.data)
+            self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.data, r.record)
             return
         if not self.hooks.wants(kind):
             return
         data = dict(ev.data or {})
         data["pool"] = pool
-        self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, data)
+        self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, data, ev.record)
+
+
+def _latest_leg_times(record: RequestRecord, leg: RequestRecord) -> None:
+    """When the request last queued and was last accepted: its latest leg's times where that leg has them."""
+    if leg.queued_ns is not None:
+        record.queued_ns = leg.queued_ns
+    if leg.dispatch_ns is not None:
+        record.dispatch_ns = leg.dispatch_ns

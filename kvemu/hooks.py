@@ -5,12 +5,19 @@ Actors emit one ``HookEvent`` per lifecycle step; observers are plain callables 
 ``first_token``, ``tokens``, ``completed``, ``failed``, ``worker_added``, ``worker_removed``,
 ``worker_fenced``, ``affinity_bound``/``_rebound``/``_released``/``_expired``/``_invalidated``,
 ``queued``, ``kv_gap``, ``kv_replay``, ``kv_lost``, ``kv_restart``.
+
+A request-level event carries the request's ``RequestRecord`` itself (the one the router keeps, as it
+stands at that step: an observer that keeps events sees it change), so an observer reads a request's facts
+there; ``data`` holds what the record does not: one routing decision as it was made (attempt, reason,
+overlaps, cost, candidates), a token batch, a refusal's reason, a queue's depth.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from kvemu.records import RequestRecord
 
 __all__ = ["HookEvent", "Hooks", "KINDS"]
 
@@ -50,6 +57,8 @@ class HookEvent(NamedTuple):
     worker_id: int | None = None
     dp_rank: int | None = None
     data: dict[str, Any] | None = None
+    record: RequestRecord | None = None
+    """The request's record (request-level events; a disaggregated pool's leg events carry the leg's)."""
 
 
 Observer = Callable[[HookEvent], None]
@@ -77,10 +86,11 @@ class Hooks:
         return bool(self._all) or kind in self._by_kind
 
     def note(self, kind: str, time_ns: int, request_id: str | None = None, worker_id: int | None = None,
-             dp_rank: int | None = None, data: dict[str, Any] | None = None) -> None:
+             dp_rank: int | None = None, data: dict[str, Any] | None = None,
+             record: RequestRecord | None = None) -> None:
         """Emit a ``HookEvent`` of ``kind`` if anyone listens (the event is built only then)."""
         if self._all or kind in self._by_kind:
-            self.emit(HookEvent(kind, time_ns, request_id, worker_id, dp_rank, data))
+            self.emit(HookEvent(kind, time_ns, request_id, worker_id, dp_rank, data, record))
 
     def emit(self, event: HookEvent) -> None:
         """Deliver ``event`` to its observers."""

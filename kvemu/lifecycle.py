@@ -41,8 +41,8 @@ from kvemu.clock import NS_PER_S, Clock
 from kvemu.eligibility import Candidates
 from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, SchedulerError
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
-from kvemu.records import RequestRecord
-from kvemu.routing import PreparedRequest, RoutingCore
+from kvemu.records import RequestRecord, router_record
+from kvemu.routing_core import PreparedRequest, RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
@@ -174,23 +174,17 @@ class Lifecycle:
         ``on_finished`` is told the worker's ``Finished`` just before a completed request ends."""
         now = self.clock.now_ns()
         rid = req.request_id
-        record = RequestRecord(request_id=rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
+        record = router_record(rid, session_id=req.session_id, parent_session_id=req.parent_session_id,
                                arrival_ns=now, isl=len(_prompt(req)), max_tokens=req.max_tokens)
         hooks = self.hooks
         if rid in self.flights or self.stopped:
             duplicate = rid in self.flights
             record.failure = "duplicate_request_id" if duplicate else self.stopped
             # a refused duplicate's hook says so: its id is the open request's, whose record it must not touch
-            data: dict[str, Any] = {"reason": record.failure}
-            if duplicate:
-                data["duplicate"] = True
-            hooks.note("failed", now, rid, data=data)
+            hooks.note("failed", now, rid, data={"duplicate": True} if duplicate else None, record=record)
             on_end(record)
             return record
-        if hooks.wants("request_arrived"):
-            hooks.note("request_arrived", now, rid, data={
-                "isl": len(_prompt(req)), "max_tokens": req.max_tokens, "session_id": req.session_id,
-                "parent_session_id": req.parent_session_id})
+        hooks.note("request_arrived", now, rid, record=record)
         try:
             reason = _validate(req)
             if reason is not None:
@@ -199,7 +193,7 @@ class Lifecycle:
                                          lora_name=req.lora_name, overrides=req.router_overrides)
         except KvemuError as exc:
             record.failure = f"invalid_request: {exc}"
-            hooks.note("failed", now, rid, data={"reason": record.failure})
+            hooks.note("failed", now, rid, record=record)
             on_end(record)
             return record
         flight = self.flights[rid] = Flight(req, record, prepared, on_end, can_retry, on_finished)
@@ -449,7 +443,6 @@ class Lifecycle:
         f.failure = None
         f.key = f.hold = f.lease = None
         record = f.record
-        record.attempts = f.attempt + 1
         # a new attempt starts over on another rank (retries happen only before any token came back)
         record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
         record.engine_reused_tokens = record.engine_host_cached_tokens = None
@@ -526,7 +519,7 @@ class Lifecycle:
                    num_workers=len(core.registry), do_not_queue=req.do_not_queue, now_ns=now)
         f.stage = QUEUED
         f.record.queued_ns = now
-        self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)})
+        self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)}, record=f.record)
         self._release_queue()
         return True
 
@@ -567,19 +560,19 @@ class Lifecycle:
             return
         wid, rank = selection.worker_id, selection.dp_rank
         now = self.clock.now_ns()
+        ev = selection.evaluation
+        overlaps = ev.inputs["overlaps"] if ev.inputs is not None else core.overlaps(f.prepared)
         record = f.record
-        record.worker_id, record.dp_rank, record.routed_ns = wid, rank, now
+        record.worker_id, record.dp_rank, record.routed_ns, record.attempts = wid, rank, now, f.attempt + 1
         record.routing_reason, record.predicted_overlap_blocks = selection.reason, selection.overlap_blocks
+        record.best_overlap_blocks = max(overlaps.values(), default=0)
         hooks = self.hooks
         if hooks.wants("routed"):
-            ev = selection.evaluation
-            overlaps = ev.inputs["overlaps"] if ev.inputs is not None else core.overlaps(f.prepared)
             hooks.note("routed", now, f.request_id, wid, rank, data={
                 "attempt": f.attempt, "reason": selection.reason, "cost": selection.cost,
-                "overlap_blocks": selection.overlap_blocks,
-                "best_overlap_blocks": max(overlaps.values(), default=0),
+                "overlap_blocks": selection.overlap_blocks, "best_overlap_blocks": record.best_overlap_blocks,
                 "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
-            })
+            }, record=record)
         f.key = (wid, rank)
         f.stage = DISPATCHED
         self._by_worker.setdefault(wid, {})[f.request_id] = None
@@ -676,7 +669,7 @@ class Lifecycle:
                 log.info("affinity commit for %s: %s", f.request_id, exc)
         now = self.clock.now_ns()
         f.record.dispatch_ns = now
-        self.hooks.note("dispatch_accepted", now, f.request_id, *f.key)  # type: ignore[misc]
+        self.hooks.note("dispatch_accepted", now, f.request_id, *f.key, record=f.record)  # type: ignore[misc]
 
     def _refused(self, f: Flight) -> None:
         """The dispatch did not get the request admitted: free what it booked and try another rank."""
@@ -690,7 +683,8 @@ class Lifecycle:
             affinity.drop(hold)
             if hold.kind == "bound":  # the bound rank refused: let the session re-bind
                 affinity.invalidate(hold.session, hold.revision, hold.version)
-        self.hooks.note("dispatch_rejected", self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason})
+        self.hooks.note("dispatch_rejected", self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason},
+                        record=f.record)
         f.refusal = f"{wid}/{rank}: {reason}"
         self._retry(f)
 
@@ -711,14 +705,15 @@ class Lifecycle:
             record.first_token_ns = times[0]
             core.prefill_complete(f.request_id)
             self.hooks.note("first_token", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
-                            data={"time_ns": times[0]})
+                            record=record)
             self._capacity_changed()
+        record.add_token_times(times)
         before = record.output_tokens
         record.output_tokens = after = before + len(times)
         core.note_output(f.request_id, record.isl, before, after, f.req.expected_output_tokens)
         if self.hooks.wants("tokens"):
             self.hooks.note("tokens", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
-                            data={"times_ns": times})
+                            data={"times_ns": times}, record=record)
 
     def _finished(self, f: Flight, msg: Finished) -> None:
         if msg.times_ns:
@@ -732,7 +727,8 @@ class Lifecycle:
         record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
         if f.on_finished is not None:
             f.on_finished(msg)
-        record.completion_ns = msg.times_ns[-1] if msg.times_ns else self.clock.now_ns()
+        last = record.last_token_ns()
+        record.completion_ns = last if last is not None else self.clock.now_ns()
         self._done(f)
 
     def _done(self, f: Flight) -> None:
@@ -777,15 +773,10 @@ class Lifecycle:
         now = self.clock.now_ns()
         key: tuple[int | None, int | None] = f.key or (None, None)
         if failure is None:
-            if self.hooks.wants("completed"):
-                self.hooks.note("completed", now, f.request_id, *key, data={
-                    "output_tokens": record.output_tokens, "cached_tokens": record.engine_cached_tokens or 0,
-                    "reused_tokens": record.engine_reused_tokens,
-                    "host_cached_tokens": record.engine_host_cached_tokens,
-                    "admitted_ns": record.admitted_ns, "preemptions": record.preemptions})
+            self.hooks.note("completed", now, f.request_id, *key, record=record)
         else:
             record.completion_ns = None
-            self.hooks.note("failed", now, f.request_id, *key, data={"reason": failure})
+            self.hooks.note("failed", now, f.request_id, *key, record=record)
         del self.flights[f.request_id]
         f.on_end(record)
 

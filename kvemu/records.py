@@ -1,18 +1,20 @@
 """The one record of what happened to a request: kept by the engine, returned by the router, written to requests.jsonl.
 
-Each producer fills the facts it knows and leaves the others at their defaults: an engine core (the
-engine facts, on its hot path), the router actor (``Router.handle``'s result) and the harness recorder
-(one line of ``requests.jsonl``, built from lifecycle hooks). Times are nanoseconds on the producer's
-clock (virtual or wall; the report shifts them to scenario time).
+Two producers fill one each: an engine core keeps the engine's facts on its hot path, and the router's
+lifecycle (or a disaggregated router, merging its legs) keeps the request's: that record is what
+``Router.handle`` returns, what every request-level hook carries, and what the harness recorder keeps and
+writes as one line of ``requests.jsonl``. Times are nanoseconds on the producer's clock (virtual or wall;
+the report shifts them to scenario time).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["RequestRecord", "sequences_as_lists"]
+__all__ = ["RequestRecord", "router_record", "sequences_as_lists"]
 
 
 def sequences_as_lists(obj: object) -> object:
@@ -42,7 +44,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     worker_id: int | None = None
     dp_rank: int | None = None
     attempts: int = 0
-    """Routing attempts (1 + re-selections after rejected dispatches or lost workers)."""
+    """Times the request was routed to a rank (a selection that found no rank does not count): 1 + re-routings
+    after rejected dispatches or lost workers."""
     queued_ns: int | None = None
     """When it entered the router's policy queue (None: never queued)."""
     routed_ns: int | None = None
@@ -72,7 +75,7 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     """Output tokens produced so far."""
     token_times_ns: list[int] = []
     """Each output token's time (the end of the pass that produced it); empty if the engine does not record them.
-    Any sequence of ints in process (the harness recorder keeps an ``array('q')``, 8 bytes a token)."""
+    Any sequence of ints in process (a router's record keeps an ``array('q')``, 8 bytes a token)."""
     completion_ns: int | None = None
     """When the last token was produced (None while running and for failed requests)."""
     prefill_worker_id: int | None = None
@@ -92,3 +95,22 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     def done(self) -> bool:
         """Whether the request completed: every requested token produced, no failure."""
         return self.completion_ns is not None and self.failure is None
+
+    def add_token_times(self, times: Sequence[int]) -> None:
+        """Append output token times, whatever sequence holds them (compiled callers never see its type)."""
+        self.token_times_ns.extend(times)
+
+    def last_token_ns(self) -> int | None:
+        """The time of the last output token so far (None before the first)."""
+        times = self.token_times_ns
+        return times[-1] if len(times) else None
+
+
+def router_record(request_id: str, *, session_id: str | None, parent_session_id: str | None, arrival_ns: int,
+                  isl: int, max_tokens: int) -> RequestRecord:
+    """The record a router opens for a request it takes, its token times kept as an ``array('q')``."""
+    return RequestRecord(request_id=request_id, session_id=session_id, parent_session_id=parent_session_id,
+                         arrival_ns=arrival_ns, isl=isl, max_tokens=max_tokens,
+                         # 8 bytes a token, not a 32-byte int object and a list slot; the field is declared as the
+                         # list it decodes to (engines append and slice it as one)
+                         token_times_ns=array("q"))  # type: ignore[arg-type]

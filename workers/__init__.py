@@ -7,17 +7,17 @@ import kvemu  # noqa: F401  first: kvemu._build picks the compiled or pure-Pytho
 from workers.admission import RejectReason, RequestRejected
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
-from workers.engine import AdvanceResult, EngineCore, StepResult
-from workers.events import PassEvents
+from workers.vllm_engine import AdvanceResult, EngineCore, StepResult
+from workers.pass_events import PassEvents
 from workers.request import Request
 from workers.timing import PassTimer, PolynomialTiming, TimingModel
 from workers.trace import HashIdTokens, expand_hash_ids, mooncake_request
-from workers.worker import Dispatch, MockWorker
+from workers.mock_worker import DispatchOutcome, MockWorker
 
 __all__ = [
     "AdvanceResult",
     "BlockPool",
-    "Dispatch",
+    "DispatchOutcome",
     "EngineConfig",
     "EngineCore",
     "HashIdTokens",

@@ -34,7 +34,7 @@ from workers.config import EvictionPolicyName
 
 __all__ = ["BlockPool", "TokenSource", "STORED", "REMOVED", "CLEARED"]
 
-# Compact KV log entries (materialised into vLLM-style structs by ``workers.events``):
+# Compact KV log entries (materialised into vLLM-style structs by ``workers.pass_events``):
 #   (STORED, block_hashes, parent_hash_or_None, token_source, first_block_index)
 #   (REMOVED, block_hashes)     one BlockRemoved per hash when materialised, as vLLM sends them
 #   (CLEARED,)

@@ -18,7 +18,7 @@ from kvemu.clock import NS_PER_S
 from kvemu.records import RequestRecord
 
 if TYPE_CHECKING:
-    from workers.worker import Core
+    from workers.mock_worker import Core
 
 __all__ = ["VllmMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS"]
 

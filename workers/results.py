@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvemu.records import RequestRecord
 from kvemu.kv_events import KVEventBatch
-from workers.events import PassEvents
+from workers.pass_events import PassEvents
 
 __all__ = ["StepResult", "AdvanceResult"]
 

@@ -14,7 +14,7 @@ from kvemu.http.tokenizer import load_tokenizer
 from kvemu.hooks import Hooks
 from kvemu.runtime.router import Router
 
-from workers.actor import WorkerActor
+from workers.worker_actor import WorkerActor
 
 from harness.cluster import engine_config
 from harness.scenario import Scenario

@@ -24,10 +24,10 @@ from kvemu.disagg import DECODE
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
+from kvemu.records import RequestRecord
 from kvemu.runtime.prompt_lane import PromptLane
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd
-from kvemu.tuning import tune_gc
 
 from harness.chaos import (
     CONTROL_TOKEN_ENV,
@@ -54,6 +54,7 @@ from harness.report.recorder import Recorder
 from harness.report.run_data import EXITED
 from harness.scenario import Scenario
 from harness.text import counted
+from harness.tuning import tune_gc
 from harness.procs.protocol import (
     CLIENT,
     ClientMessage,
@@ -108,7 +109,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     clock = WallClock()
     hooks = Hooks()
     spec = scenario.cluster
-    recorder = Recorder(hooks, block_size=routing_block_size(spec))
+    recorder = Recorder(hooks)
     lane = PromptLane(clock, routing_block_size(spec))
     end = _SharedRouterEnd(listen)
     routers: dict[str, Router] = {}
@@ -156,9 +157,15 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 return
             in_flight.add(key)
             ended = anyio.Event()
+            records: list[RequestRecord] = []
+
+            def on_end(record: RequestRecord) -> None:
+                records.append(record)
+                ended.set()
+
             try:
                 await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
-                front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+                front.submit(msgspec.structs.replace(req, request_id=key), on_end)
             except BaseException:
                 in_flight.discard(key)
                 raise
@@ -166,8 +173,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             await ended.wait()
         finally:
             in_flight.discard(key)
-            rec = recorder.records.pop(key, None)
-            if rec is not None:
+            recorder.records.pop(key, None)  # the client has its answer
+            if records:
+                rec = records[0]
                 rec.request_id = req.request_id
                 end.reply(peer, encode(RecordReply(record=rec)))
 

@@ -17,15 +17,15 @@ import msgspec
 from kvemu.clock import WallClock
 from kvemu.runtime.loop import run_live
 from kvemu.runtime.transport import ZmqWorkerEnd
-from kvemu.tuning import tune_gc
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
-from workers.actor import WorkerActor, WorkerRejected
-from workers.worker import MockWorker
+from workers.worker_actor import WorkerActor, WorkerRejected
+from workers.mock_worker import MockWorker
 
 from harness.cluster import engine_config
 from harness.pools import AGGREGATED, worker_type_of
 from harness.scenario import Scenario, ScenarioError
+from harness.tuning import tune_gc
 from harness.procs.protocol import HttpOptions, log_start
 
 

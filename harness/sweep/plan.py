@@ -321,7 +321,7 @@ def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
 
 
 def _draw(plan: dict[str, Any], path: Path) -> None:
-    from harness.report.plots import new_figure, save_png
+    from harness.report.figures import new_figure, save_png
 
     fig, ax = new_figure("Share of requests meeting the SLA", "workers", "met SLA")
     rows = sorted((p for p in plan["probes"] if p["met_fraction"] is not None), key=lambda p: p["workers"])

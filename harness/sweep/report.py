@@ -8,7 +8,7 @@ other point is at least as good on both and better on one. The *chosen* point is
 no point does); without an SLA, with ``objective.ttft_ms``, the front's point of highest throughput per GPU
 whose p99 TTFT meets the bound (none if no point does); without either, the front's knee: after scaling both figures to [0, 1] over the front, the point farthest from
 the straight line between its two ends (ties, and fronts of one or two points: the higher throughput per GPU).
-Plots are PNGs drawn with ``harness.report.plots``' figure helpers (Agg, default style, fixed size).
+Plots are PNGs drawn with ``harness.report.figures``' helpers (Agg, default style, fixed size).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.report.plots import new_figure, legend_right, no_data, save_png, value_scale
+from harness.report.figures import new_figure, legend_right, no_data, save_png, value_scale
 from harness.report.markdown import fmt, pct, table
 from harness.sweep.spec import DEFAULT_GOODPUT, Objective, Sweep
 

@@ -42,13 +42,11 @@ from harness.scenario import (
     Scenario,
     ScenarioError,
     default_scenario_text,
-    describe_validation_error,
-    floats_where_expected,
-    line_of,
     parse_scenario,
     paths_from_cwd,
     read_text_file,
 )
+from harness.yaml_validation import describe_validation_error, floats_where_expected, line_of
 
 __all__ = [
     "SweepError",

@@ -107,13 +107,13 @@ class RouterCollector:
         self.predicted_cached_tokens += (ev.data or {}).get("overlap_blocks", 0) * self._router().core.block_size
 
     def _on_end(self, ev: HookEvent) -> None:
-        data = ev.data or {}
+        rec = ev.record
         if ev.kind == "failed":
-            reason = str(data.get("reason", "unknown")).split(":", 1)[0]
+            reason = ((rec.failure if rec is not None else None) or "unknown").split(":", 1)[0]
             self.failed[reason] = self.failed.get(reason, 0) + 1
             return
         self.completed += 1
-        self.engine_cached_tokens += data.get("cached_tokens") or 0
+        self.engine_cached_tokens += (rec.engine_cached_tokens if rec is not None else None) or 0
 
     def collect(self) -> Iterator[Any]:
         router = self._router()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from kvemu.errors import InvalidArgument
-from kvemu.events import EngineEvents
+from kvemu.router_events import EngineEvents
 from kvemu.wire.codec import profile_for
 from kvemu.kv_events import KVEventBatch
 from kvemu.wire.publisher import PublisherStats

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import anyio
 
-from kvemu.events import RouterEvent
-from kvemu.routing import RoutingCore
+from kvemu.router_events import RouterEvent
+from kvemu.routing_core import RoutingCore
 from kvemu.messages import Register
 from kvemu.wire.stream import EventStream, Payload, Replay, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec

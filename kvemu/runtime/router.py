@@ -25,7 +25,7 @@ from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
 from kvemu.ratelimit import TokenBucket
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.messages import (
@@ -346,8 +346,7 @@ class Router:
         """This router instance goes away: every request it holds ends with ``reason``."""
         self.lifecycle.stop(reason)
         if self.affinity is not None:
-            for session in list(self.affinity._table):
-                self.affinity.invalidate(session)  # wakes requests waiting for an initializer
+            self.affinity.invalidate_all()  # wakes requests waiting for an initializer
 
     def drain_worker(self, worker_id: int) -> None:
         """Stop routing to a worker that is shutting down; its requests in flight finish normally."""
@@ -421,8 +420,7 @@ class Router:
     async def handle(self, req: ClientRequest) -> RequestRecord:
         """Run one request to completion or failure and return its record (it never raises for routing failures).
 
-        The record holds what the router sees; ``best_overlap_blocks`` and ``token_times_ns`` are left to hook
-        observers (the harness recorder), which would otherwise cost every request.
+        The record is the one the lifecycle keeps and its hooks carry: routing, engine facts and token times.
         """
         ended = anyio.Event()
         record = self.submit(req, lambda _record: ended.set())
@@ -441,7 +439,7 @@ class Router:
             record = RequestRecord(request_id=req.request_id, arrival_ns=self.clock.now_ns(), isl=len(req.tokens),
                                    max_tokens=req.max_tokens,
                                    failure="invalid_request: kv_hold and kv_transfer are for disaggregated clusters")
-            self.hooks.note("failed", record.arrival_ns, req.request_id, data={"reason": record.failure})
+            self.hooks.note("failed", record.arrival_ns, req.request_id, record=record)
             on_end(record)
             return record
         return self.lifecycle.submit(req, on_end, can_retry, on_finished)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvemu.errors import KvCacheEventError
-from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
+from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import local_block_hashes, mm_hash_from_identifier
 from kvemu.kv_events import BlockRemoved, BlockStored, KvEvent
 

@@ -22,7 +22,7 @@ import zmq
 
 from kvemu.clock import NS_PER_S, Clock, WallClock
 from kvemu.errors import InvalidArgument
-from kvemu.events import EngineEvents
+from kvemu.router_events import EngineEvents
 from kvemu.wire import limits, security
 from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind

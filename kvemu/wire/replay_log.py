@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
-from kvemu.events import EngineEvents
+from kvemu.router_events import EngineEvents
 from kvemu.wire.codec import VllmProfile, encode_batch
 from kvemu.kv_events import KVEventBatch
 

@@ -16,7 +16,7 @@ from typing import Any
 from mypy_extensions import mypyc_attr
 
 from kvemu.errors import KvemuError
-from kvemu.events import (
+from kvemu.router_events import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,

@@ -15,7 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvemu.clock import NS_PER_S, Clock, WallClock
 from kvemu.errors import InvalidArgument
-from kvemu.events import RouterEvent
+from kvemu.router_events import RouterEvent
 from kvemu.wire import limits, security
 from kvemu.wire.endpoints import SEQ_END
 from kvemu.wire.stream import EventStream, WorkerEventStats

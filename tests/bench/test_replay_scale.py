@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.replay import SCALE_GAP_MS, scale_rows, scaled_trace
+from bench.replay_inputs import SCALE_GAP_MS, scale_rows, scaled_trace
 
 ROWS = [
     {"timestamp": 100, "input_length": 1024, "output_length": 10, "hash_ids": [0, 1]},

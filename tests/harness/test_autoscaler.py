@@ -12,7 +12,7 @@ import pytest
 from tests import autoscale_policies
 from harness.report.autoscale import provisioned_seconds
 from harness.cli import main
-from harness.report.plots import _plot_job
+from harness.report.plot_data import plot_job
 from harness.report.request_window import RequestWindow, percentiles
 from harness.runner import run_scenario
 from harness.scenario import ScenarioError, load_scenario, parse_scenario
@@ -82,7 +82,7 @@ def test_the_builtin_scales_up_under_a_burst_and_back_down(tmp_path):
 def test_the_plots_get_the_decisions_and_the_worker_counts(tmp_path):
     out = run_scenario(load_scenario(EXAMPLE))
     log = out.data.autoscale
-    marks = _plot_job(out.data, tmp_path)["autoscale"]
+    marks = plot_job(out.data, tmp_path)["autoscale"]
     assert marks["decisions"] == [(d.time_ns / S, d.action) for d in log.decisions if d.applied]
     points = [p for p in log.series if p.pool == "aggregated"]
     end = max(s.time_ns for s in out.data.samples)  # the last counts are drawn on to the run's last sample
@@ -90,7 +90,7 @@ def test_the_plots_get_the_decisions_and_the_worker_counts(tmp_path):
         (end / S, points[-1].running)]
     assert all(p >= r for p, r in zip(marks["provisioned"], marks["running"]))
     plain = run_scenario(parse_scenario(BASE))
-    assert _plot_job(plain.data, tmp_path)["autoscale"] is None
+    assert plot_job(plain.data, tmp_path)["autoscale"] is None
 
 
 def test_same_scenario_and_seed_give_byte_identical_reports(tmp_path):

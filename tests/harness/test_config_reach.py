@@ -13,7 +13,7 @@ import yaml
 from kvemu.clock import ManualClock
 from kvemu.config import RouterConfig
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest

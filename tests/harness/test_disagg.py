@@ -131,7 +131,7 @@ def run_requests(requests: list[tuple[float, ClientRequest]], chaos=None, text: 
     scenario = parse_scenario(text)
     clock = ManualClock()
     hooks = Hooks()
-    recorder = Recorder(hooks, block_size=16)
+    recorder = Recorder(hooks)
     out: dict = {}
 
     async def main():
@@ -163,7 +163,9 @@ def run_requests(requests: list[tuple[float, ClientRequest]], chaos=None, text: 
                                     sum(core.pool.num_active_blocks for core in a.worker.cores),
                                     sum(core.num_unfinished for core in a.worker.cores))
                               for wid, a in c.workers.items()}
-            out["bindings"] = {pool: dict(r.affinity._table) for pool, r in c.routers.items()}
+            sessions = sorted({r.session_id for _, r in requests if r.session_id is not None})
+            out["bindings"] = {pool: {s: r.affinity.query_target(s) for s in sessions}
+                               for pool, r in c.routers.items()}
     run_virtual(main, clock)
     out["recorder"] = recorder
     return out
@@ -202,12 +204,10 @@ def test_a_session_is_bound_once_per_pool_and_never_to_the_other_pools_workers()
         mine = [recs[f"s{s}-t{t}"] for t in range(3)]
         assert len({(r.prefill_worker_id, r.prefill_dp_rank) for r in mine}) == 1  # bound in the prefill pool
         assert len({(r.worker_id, r.dp_rank) for r in mine}) == 1  # and in the decode pool
-    for pool, table in out["bindings"].items():
-        for binding in table.values():
-            target = getattr(binding, "target", None) or getattr(binding, "key", None)
-            wid = target[0] if isinstance(target, tuple) else getattr(target, "worker_id", None)
-            if wid is not None:
-                assert pools[wid] == pool
+    for pool, targets in out["bindings"].items():
+        assert all(t is not None for t in targets.values()), pool  # every session is bound in both pools
+        for target in targets.values():
+            assert pools[target.worker_id] == pool
     no_leaks(out)
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from harness.report import plots
+from harness.report import figures, plot_data, plot_drawing, plot_renderer
 from harness.report.plots import PLOTS, background_renderer, write_plots
 from harness.report.files import write_report
 from tests.harness.test_report import PNG_SIGNATURE, sample_run
@@ -14,7 +14,7 @@ FILES = ("summary.json", "requests.jsonl", "report.md", *PLOTS)
 
 
 def _two_cpus(monkeypatch):
-    monkeypatch.setattr(plots, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(plot_renderer, "_usable_cpus", lambda: 2)
 
 
 def test_importing_the_cli_and_the_report_imports_neither_matplotlib_nor_numpy():
@@ -28,18 +28,18 @@ def test_the_renderer_process_writes_the_same_files_as_in_process(tmp_path, monk
     _two_cpus(monkeypatch)
     write_report(sample_run(), tmp_path / "here")
     with background_renderer():
-        renderer = plots._RENDERER
+        renderer = plot_renderer._RENDERER
         assert renderer is not None
         write_report(sample_run(), tmp_path / "there")
         assert renderer.result() and renderer.proc.returncode == 0  # the child drew them
-    assert plots._RENDERER is None and renderer.proc.poll() is not None
+    assert plot_renderer._RENDERER is None and renderer.proc.poll() is not None
     for name in FILES:
         assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "there" / name).read_bytes(), name
 
 
 def test_a_failed_renderer_falls_back_to_drawing_in_process(tmp_path, monkeypatch):
     _two_cpus(monkeypatch)
-    monkeypatch.setattr(plots, "_renderer_command", lambda: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    monkeypatch.setattr(plot_renderer, "_renderer_command", lambda: [sys.executable, "-c", "import sys; sys.exit(3)"])
     with background_renderer():
         assert write_plots(sample_run(), tmp_path) == list(PLOTS)
     for name in PLOTS:
@@ -49,12 +49,12 @@ def test_a_failed_renderer_falls_back_to_drawing_in_process(tmp_path, monkeypatc
 def test_an_unused_renderer_is_stopped_and_one_cpu_starts_none(monkeypatch):
     _two_cpus(monkeypatch)
     with background_renderer():
-        renderer = plots._RENDERER
+        renderer = plot_renderer._RENDERER
         assert renderer is not None
-    assert renderer.proc.poll() is not None and plots._RENDERER is None
-    monkeypatch.setattr(plots, "_usable_cpus", lambda: 1)
+    assert renderer.proc.poll() is not None and plot_renderer._RENDERER is None
+    monkeypatch.setattr(plot_renderer, "_usable_cpus", lambda: 1)
     with background_renderer():
-        assert plots._RENDERER is None
+        assert plot_renderer._RENDERER is None
 
 
 def test_a_renderer_takes_one_job_then_plots_are_drawn_in_process(tmp_path, monkeypatch):
@@ -70,13 +70,13 @@ def test_a_renderer_takes_one_job_then_plots_are_drawn_in_process(tmp_path, monk
 
 @pytest.mark.parametrize("n", [0, 1, 5, 4500])
 def test_cdf_points_start_at_zero_and_keep_the_extremes(n):
-    points = plots._cdf_points(range(n, 0, -1), n)
+    points = plot_data._cdf_points(range(n, 0, -1), n)
     if n == 0:
         assert points is None
         return
     xs, ys = points
-    assert len(xs) == len(ys) <= plots._MAX_POINTS + 2
-    assert (xs[0], ys[0]) == (1 / plots.NS_PER_MS, 0.0) and (xs[-1], ys[-1]) == (n / plots.NS_PER_MS, 1.0)
+    assert len(xs) == len(ys) <= plot_data._MAX_POINTS + 2
+    assert (xs[0], ys[0]) == (1 / plot_data.NS_PER_MS, 0.0) and (xs[-1], ys[-1]) == (n / plot_data.NS_PER_MS, 1.0)
     assert list(xs) == sorted(xs) and list(ys) == sorted(ys)
 
 
@@ -87,7 +87,7 @@ def _ranks_run(workers: int, dp: int = 2, capacity: int = 1000):
     """A run whose ranks (``workers`` x ``dp``) each sampled 30 times, one second apart."""
     from harness.report.run_data import RunData, Sample
 
-    samples = [Sample(t * plots.NS_PER_S, w, r, (w + t) % 5, min(capacity, 10 * t * (w + 1)))
+    samples = [Sample(t * plot_data.NS_PER_S, w, r, (w + t) % 5, min(capacity, 10 * t * (w + 1)))
                for t in range(30) for w in range(workers) for r in range(dp)]
     return RunData(samples=samples, pools={"aggregated": {"workers": workers, "dp_size": dp, "kv_blocks": capacity}})
 
@@ -95,13 +95,13 @@ def _ranks_run(workers: int, dp: int = 2, capacity: int = 1000):
 def _figure(data, field="kv_blocks"):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = plots.series_figure(plots._rank_panels(data, field), "title", "KV blocks")
+    fig = plot_drawing.series_figure(plot_data._rank_panels(data, field), "title", "KV blocks")
     FigureCanvasAgg(fig).draw()
     return fig
 
 
 def test_up_to_eight_ranks_are_lines_past_that_a_heatmap():
-    assert [plots.series_form(n) for n in (1, 8, 9, 16, 64)] == ["lines", "lines", "heatmap", "heatmap", "heatmap"]
+    assert [plot_data.series_form(n) for n in (1, 8, 9, 16, 64)] == ["lines", "lines", "heatmap", "heatmap", "heatmap"]
 
 
 def test_eight_ranks_get_eight_colours_and_the_capacity():
@@ -139,11 +139,11 @@ def test_legends_are_outside_every_axes(workers):
 def test_a_disaggregated_run_gets_a_panel_per_pool():
     from harness.report.run_data import RunData, Sample
 
-    samples = [Sample(t * plots.NS_PER_S, w, 0, 1, 5 * t, "prefill" if w < 2 else "decode")
+    samples = [Sample(t * plot_data.NS_PER_S, w, 0, 1, 5 * t, "prefill" if w < 2 else "decode")
                for t in range(10) for w in range(14)]
     data = RunData(samples=samples, pools={"prefill": {"workers": 2, "dp_size": 1, "kv_blocks": 100},
                                            "decode": {"workers": 12, "dp_size": 1, "kv_blocks": 200}})
-    panels = plots._rank_panels(data, "kv_blocks")
+    panels = plot_data._rank_panels(data, "kv_blocks")
     assert [(p["pool"], p["form"], p["capacity"]) for p in panels] == [("prefill", "lines", 100),
                                                                        ("decode", "heatmap", 200)]
 
@@ -151,7 +151,7 @@ def test_a_disaggregated_run_gets_a_panel_per_pool():
 def test_a_value_axis_spanning_decades_is_logarithmic(tmp_path):
     from harness.sweep.report import _draw_against_axis
 
-    assert plots.value_scale([2.0, 50.0, 90.0]) == "log" and plots.value_scale([10.0, 200.0]) == "linear"
+    assert figures.value_scale([2.0, 50.0, 90.0]) == "log" and figures.value_scale([10.0, 200.0]) == "linear"
     rows = [{"point": i, "axes": {"cluster.workers": str(w)}, "figures": {"p99_ttft_ms": ttft}}
             for i, (w, ttft) in enumerate([(1, 14_000.0), (2, 190.0), (4, 118.0)])]
     fig = _draw_against_axis(rows, "cluster.workers", ["1", "2", "4"], [("p99_ttft_ms", "p99")], "TTFT", "ms",

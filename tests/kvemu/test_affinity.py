@@ -1,13 +1,11 @@
 """Session affinity on a manual clock: every state transition, hard/soft modes, waiters, overflow."""
 
-import anyio
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait, sibling_group_key
-from kvemu.affinity_async import acquire, run_reaper
 from kvemu.clock import MAX_TIME_NS, ManualClock, WallClock, seconds_to_ns
 from kvemu.eligibility import AffinityTarget
 from kvemu.errors import InvalidArgument, PinnedWorkerNotAllowed, ResourceExhausted, SchedulerError
@@ -194,6 +192,22 @@ def test_invalidate_worker_drops_all_ranks_and_next_request_reselects():
     assert t.try_acquire("a").kind == "initialize"
 
 
+def test_invalidate_all_drops_every_entry_and_wakes_the_waiters():
+    clock, t, events = table()
+    bind(t, "a", (1, 0))
+    bind(t, "b", (2, 0))
+    init = t.try_acquire("c")
+    woke = []
+    t.on_settled(t.try_acquire("c"), lambda: woke.append(t.query_target("c")))
+    events.clear()
+    assert t.invalidate_all() == ["a", "b", "c"]
+    assert len(t) == 0 and woke == [None] and t.stats.invalidations == 3
+    assert [(e.kind, e.session) for e in events] == [("invalidated", "a"), ("invalidated", "b")]
+    assert t.invalidate_worker(1) == [] and t.invalidate_all() == []
+    assert t.commit(init, (3, 0)).bound is False  # the initializer's entry is gone: a detached lease
+    assert t.try_acquire("a").kind == "initialize"
+
+
 def test_invalidate_is_revision_checked():
     clock, t, _ = table()
     bind(t, "s")
@@ -253,33 +267,11 @@ def test_sibling_group_key():
     assert key == "\x01sg:" + __import__("blake3").blake3(b"parent-1").hexdigest()
 
 
-def test_async_acquire_awaits_the_initializer():
-    clock, t, _ = table()
-
-    async def main():
-        init = t.try_acquire("s")
-        got = []
-
-        async def second():
-            got.append(await acquire(t, "s"))
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(second)
-            await anyio.sleep(0)
-            assert not got
-            t.commit(init, (7, 0))
-        assert got[0].kind == "bound" and got[0].target == (7, 0)
-
-    anyio.run(main)
-
-
-def test_reaper_only_for_wall_clock():
+def test_reaper_interval_only_for_wall_clock():
     assert SessionAffinity(WallClock(), ttl_secs=100).reaper_interval_ns == S(30)
     assert SessionAffinity(WallClock(), ttl_secs=2).reaper_interval_ns == S(2)
     clock, t, _ = table()
     assert t.reaper_interval_ns is None
-    with pytest.raises(InvalidArgument, match="needs no reaper"):
-        anyio.run(run_reaper, t)
 
 
 class AffinityMachine(RuleBasedStateMachine):

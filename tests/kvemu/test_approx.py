@@ -8,7 +8,7 @@ from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument
 from kvemu.hashing import sequence_hashes
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 
 
 def chain(*locs):

@@ -13,7 +13,7 @@ from kvemu.errors import (
     SchedulerError,
 )
 from kvemu.registry import WorkerRegistry, WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 
 
 def registry() -> WorkerRegistry:

@@ -318,7 +318,7 @@ def test_a_request_whose_worker_goes_quiet_fails_at_its_deadline_and_frees_every
     rec = h.ended["a"]
     assert rec.failure == "deadline_exceeded" and rec.completion_ns is None and rec.output_tokens == 1
     assert len(h.core.load) == 0 and h.affinity.active_leases("s") == 0
-    assert [e.data["reason"] for e in h.events if e.kind == "failed"] == ["deadline_exceeded"]
+    assert [e.record.failure for e in h.events if e.kind == "failed"] == ["deadline_exceeded"]
     h.lc.on_finished(w, Finished(request_id="a", times_ns=[h.clock.now_ns()], cached_tokens=0, admitted_ns=0))
     assert len(h.sent) == 1 and h.lc.next_deadline_ns() is None  # the late reply changes nothing
 
@@ -434,7 +434,7 @@ def test_a_refused_duplicate_id_does_not_mark_the_open_request_failed_in_the_rec
     from harness.report.recorder import Recorder
 
     h = Host(workers=(1,))
-    rec = Recorder(h.hooks, block_size=4)
+    rec = Recorder(h.hooks)
     h.submit("a")
     dup = h.lc.submit(ClientRequest(request_id="a", tokens=[1, 2], max_tokens=1), lambda r: None)
     assert dup.failure == "duplicate_request_id" and h.lc.flights["a"].stage == DISPATCHED

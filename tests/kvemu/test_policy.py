@@ -5,7 +5,7 @@ import pytest
 from kvemu.errors import InvalidArgument, NoEndpoints
 from kvemu.policy import CustomPolicy, overlap_scorer, random_policy, round_robin_policy
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 
 
 def core_with(policy, workers=3, dp=1):

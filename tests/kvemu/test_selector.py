@@ -9,7 +9,7 @@ import pytest
 from kvemu.config import RouterConfig, RouterOverrides
 from kvemu.load import LoadTracker
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.selector import TierHits, evaluate, pick_argmin, pick_softmax
 
 

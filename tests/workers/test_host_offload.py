@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
-from kvemu.events import StorageTier
+from kvemu.router_events import StorageTier
 from kvemu.hashing import local_block_hashes
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvemu.wire.stream import EventStream, WorkerEventStats
 from tests.engine_runs import steps
-from tests.workers.test_engine_fastforward import fast_forward, summary, workloads
+from tests.workers.test_engines_fastforward import fast_forward, summary, workloads
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, HostOffloadConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.host_tier import HOST_REMOVED, HOST_STORED, HostTier
 from workers.request import Request
 

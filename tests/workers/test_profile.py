@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from workers import profile as prof
+from workers.profile import data as prof_data, files as prof_files, model as prof_model
 from workers.profile import ProfileData, ProfileTiming, load_profile, profile_from_model, save_profile
 from workers.timing import PolynomialTiming, TimingModel
 
@@ -109,7 +110,7 @@ def test_is_a_timing_model_with_a_readable_repr(tmp_path):
 
 
 def test_prefill_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(prof, "_PREFILL_MEMO", 8)
+    monkeypatch.setattr(prof_model, "_PREFILL_MEMO", 8)
     t = ProfileTiming(lin())
     values = [t.prefill_ms(n) for n in range(1, 100)]
     assert len(t._prefill_memo) <= 8
@@ -208,12 +209,12 @@ def test_invalid_data_names_the_field(changes, field, message):
 
 
 def test_sizes_are_bounded(monkeypatch):
-    monkeypatch.setattr(prof, "MAX_AXIS_POINTS", 3)
+    monkeypatch.setattr(prof_data, "MAX_AXIS_POINTS", 3)
     with pytest.raises(InvalidArgument, match="more than 3 points") as e:
         ProfileData(**fields(prefill_isl=range(1, 5), prefill_ttft_ms=[1, 2, 3, 4]))
     assert e.value.field == "prefill_isl"
-    monkeypatch.setattr(prof, "MAX_AXIS_POINTS", 100)
-    monkeypatch.setattr(prof, "MAX_GRID_CELLS", 5)
+    monkeypatch.setattr(prof_data, "MAX_AXIS_POINTS", 100)
+    monkeypatch.setattr(prof_data, "MAX_GRID_CELLS", 5)
     with pytest.raises(InvalidArgument, match="6 cells, more than 5") as e:
         ProfileData(**fields())
     assert e.value.field == "decode_itl"
@@ -351,7 +352,7 @@ def test_npz_missing_array_lists_what_the_file_has(tmp_path):
 
 def test_npz_shape_is_bounded_before_the_data_is_read(tmp_path, monkeypatch):
     path = save_npz(tmp_path / "p.npz", **lin_arrays())
-    monkeypatch.setattr(prof, "MAX_GRID_CELLS", 8)
+    monkeypatch.setattr(prof_files, "MAX_GRID_CELLS", 8)
     with pytest.raises(InvalidArgument, match=r"decode_itl has shape \(3, 3\), more than") as e:
         load_profile(path)
     assert e.value.field == "decode_itl"
@@ -379,7 +380,7 @@ def test_path_errors(tmp_path, monkeypatch):
         (tmp_path / "dir.csv").mkdir()
         load_profile(tmp_path / "dir.csv")
     path = write(tmp_path / "big.csv", GOOD_CSV)
-    monkeypatch.setattr(prof, "MAX_FILE_BYTES", 10)
+    monkeypatch.setattr(prof_files, "MAX_FILE_BYTES", 10)
     with pytest.raises(InvalidArgument, match=r"is \d+ bytes, more than the 10 allowed"):
         load_profile(path)
     with pytest.raises(InvalidArgument, match="needs a ProfileData"):
@@ -518,7 +519,7 @@ def test_a_scenario_with_a_bad_profile_is_refused_naming_the_key_and_line(tmp_pa
 
 def test_decode_time_uses_the_mean_context_of_the_batch():
     from workers.config import EngineConfig, InterpolatedTimingSpec
-    from workers.engine import EngineCore
+    from workers.vllm_engine import EngineCore
     from workers.request import Request
 
     eng = EngineCore(EngineConfig(timing_model=InterpolatedTimingSpec(path=str(TINY))))

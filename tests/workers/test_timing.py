@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers import timing
 from workers.timing import PassTimer, PolynomialTiming

@@ -10,7 +10,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from workers import trace
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.trace import (
     HashIdTokens,
     clamped_input_length,
@@ -66,7 +66,7 @@ def test_lazy_tokens_equal_the_expansion_and_hash_identically(ids, length, tbs, 
 def test_a_trace_prompt_is_hashed_once_for_router_and_engine():
     """The router's load tracking and the engine's cache use the same memoized sequence hashes."""
     from kvemu import RoutingCore
-    from workers.engine import EngineCore
+    from workers.vllm_engine import EngineCore
     from workers.config import EngineConfig
     from workers.request import Request
 

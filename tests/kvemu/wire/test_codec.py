@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
-from kvemu.events import StorageTier
+from kvemu.router_events import StorageTier
 from kvemu.wire.codec import PROFILES, WireDecodeError, decode_batch, encode_batch, profile_for
 from kvemu.wire.convert import medium_to_tier
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch

@@ -9,7 +9,7 @@ import pytest
 
 import kvemu
 from kvemu.errors import KvCacheEventError
-from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
+from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.wire.codec import decode_batch
 from kvemu.wire.convert import MAIN_GROUP_KINDS, BlockSizeMismatch, MissingTokens, convert_event, medium_to_tier

@@ -1,6 +1,6 @@
 """One DP rank's mock engine in the SGLang flavour (the reference mocker's), told the time (sans-IO).
 
-What differs from the vLLM flavour (``workers.engine``):
+What differs from the vLLM flavour (``workers.vllm_engine``):
 
 * **Passes are prefill-only ("extend") or decode-only.** While any prompt chunk can be admitted the
   running requests get no token; an extend pass lasts prefill(new tokens) and gives each request whose
@@ -38,9 +38,9 @@ from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected, sglang_max_len
 from workers.blocks import CLEARED
 from workers.config import EngineConfig
-from workers.core import RankCore
+from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
-from workers.events import PassEvents
+from workers.pass_events import PassEvents
 from workers.radix import RadixCache, RadixNode
 from workers.request import Request
 from workers.sequence import FINISHED, FUTURE, RUNNING, WAITING, SeqState

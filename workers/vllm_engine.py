@@ -1,4 +1,4 @@
-"""One DP rank's mock engine core: scheduler + KV block pool + timing, told the time (sans-IO).
+"""One DP rank's mock engine core, vLLM and TRT-LLM flavours: scheduler + KV block pool + timing, told the time (sans-IO).
 
 Time model: a forward pass that starts at ``s`` ends at ``s + duration``; everything it produces
 (tokens, first tokens, completions, KV events, freed slots) is stamped with its end. The next pass
@@ -52,10 +52,10 @@ from kvemu.clock import MAX_TIME_NS
 from kvemu.records import RequestRecord
 from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
-from workers.events import PassEvents
+from workers.pass_events import PassEvents
 from workers.host_tier import HostTier
 from workers.request import Request
-from workers.core import RankCore
+from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
 from workers.scheduler import Schedule, Scheduler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState

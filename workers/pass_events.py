@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvemu.events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
+from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
 from workers.blocks import CLEARED, REMOVED, STORED
 from workers.host_tier import HOST_REMOVED, HOST_STORED

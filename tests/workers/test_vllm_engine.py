@@ -10,9 +10,9 @@ from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from workers.config import EngineConfig
-from workers.engine import EngineCore, StepResult
+from workers.vllm_engine import EngineCore, StepResult
 from workers.request import Request
-from workers.worker import MockWorker
+from workers.mock_worker import MockWorker
 
 from tests.engine_runs import steps
 

@@ -16,7 +16,7 @@ import anyio
 import msgspec
 
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
-from kvemu.events import EngineEvents
+from kvemu.router_events import EngineEvents
 from kvemu.records import RequestRecord
 from kvemu.messages import (
     Abort,
@@ -44,7 +44,7 @@ from kvemu.transfer import KvTransfer
 from kvemu.kv_events import KVEventBatch
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
-from workers.worker import Core, MockWorker, engine_core
+from workers.mock_worker import Core, MockWorker, engine_core
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 

@@ -23,7 +23,7 @@ import json
 import pytest
 
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers.trace import mooncake_request, mooncake_row
 

@@ -7,9 +7,9 @@ import pytest
 from kvemu.errors import KvemuError
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
-from workers.worker import MockWorker
+from workers.mock_worker import MockWorker
 
 CFG = EngineConfig(num_gpu_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, dp_size=2)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from workers.admission import RequestRejected
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers.timing import PolynomialTiming
 

@@ -18,7 +18,7 @@ from kvemu.clock import Clock, ManualClock
 from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
 from kvemu.eligibility import Candidates, EligibilityBuilder
 from kvemu.errors import InvalidArgument
-from kvemu.events import RouterEvent, StorageTier, apply_event
+from kvemu.router_events import RouterEvent, StorageTier, apply_event
 from kvemu.hashing import BASE_SEED, block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker

@@ -13,8 +13,8 @@ from kvemu.clock import MAX_TIME_NS
 from kvemu.transfer import KvTransfer
 from kvemu.kv_events import BlockRemoved, BlockStored
 from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig
-from workers.engine import AdvanceResult, EngineCore
-from workers.worker import engine_core
+from workers.vllm_engine import AdvanceResult, EngineCore
+from workers.mock_worker import engine_core
 from workers.request import Request
 
 from tests.engine_runs import steps

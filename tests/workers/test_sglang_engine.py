@@ -12,9 +12,9 @@ from kvemu.kv_events import BlockRemoved, BlockStored
 from workers.admission import RequestRejected
 from workers.config import EngineConfig, SglangConfig
 from workers.request import Request
-from workers.sglang import SglangCore
+from workers.sglang_engine import SglangCore
 from workers.trace import HashIdTokens
-from workers.worker import MockWorker, engine_core
+from workers.mock_worker import MockWorker, engine_core
 
 MS = 1_000_000
 SG = EngineConfig(backend="sglang")

@@ -5,7 +5,7 @@ import pytest
 from kvemu.config import RouterConfig, RouterOverrides
 from kvemu.errors import DuplicateWorker, InvalidArgument, NoEndpoints, UnknownWorker
 from kvemu.registry import WorkerSpec
-from kvemu.routing import RoutingCore
+from kvemu.routing_core import RoutingCore
 
 
 def make(workers=2, dp=2, **kw):
@@ -120,7 +120,7 @@ def test_worker_spec_validation_names_fields():
 
 
 def stored(worker, req, n, *, rank=0, tier=None, parent=None, start=0):
-    from kvemu.events import BlocksStored, RouterEvent, StorageTier
+    from kvemu.router_events import BlocksStored, RouterEvent, StorageTier
 
     data = BlocksStored(req.seq_hashes[start:n], req.local_hashes[start:n], parent)
     return RouterEvent(worker_id=worker, dp_rank=rank, data=data,
@@ -128,7 +128,7 @@ def stored(worker, req, n, *, rank=0, tier=None, parent=None, start=0):
 
 
 def test_events_feed_device_and_lower_tier_indexes():
-    from kvemu.events import AllCleared, BlocksRemoved, RouterEvent, StorageTier
+    from kvemu.router_events import AllCleared, BlocksRemoved, RouterEvent, StorageTier
 
     core = make(workers=2, dp=1)
     req = core.prepare(list(range(40)))  # 10 blocks

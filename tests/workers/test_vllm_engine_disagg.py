@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvemu.transfer import KvTransfer, transfer_delay_ns, transfer_tokens
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers.timing import PolynomialTiming
 

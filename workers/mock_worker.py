@@ -6,12 +6,12 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
-from workers.engine import AdvanceResult, EngineCore
+from workers.vllm_engine import AdvanceResult, EngineCore
 from workers.request import Request
-from workers.sglang import SglangCore
+from workers.sglang_engine import SglangCore
 from workers.timing import AnyTimingModel
 
-__all__ = ["MockWorker", "Dispatch", "Core", "engine_core"]
+__all__ = ["MockWorker", "DispatchOutcome", "Core", "engine_core"]
 
 Core = EngineCore | SglangCore
 """One DP rank's engine: the vLLM/TRT-LLM flavours' ``EngineCore`` or the SGLang flavour's ``SglangCore``."""
@@ -24,7 +24,7 @@ def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingMode
     return EngineCore(config, dp_rank=dp_rank, timing=timing)
 
 
-class Dispatch:
+class DispatchOutcome:
     """Outcome of dispatching one request: accepted (with its live record) or rejected with a typed reason."""
 
     __slots__ = ("accepted", "reason", "message", "field", "record", "dp_rank")
@@ -56,8 +56,9 @@ class Dispatch:
 
     def __repr__(self) -> str:
         if self.accepted:
-            return f"Dispatch(accepted, rank={self.dp_rank})"
-        return f"Dispatch(rejected={self.reason.value if self.reason else None}, rank={self.dp_rank}, {self.message!r})"
+            return f"DispatchOutcome(accepted, rank={self.dp_rank})"
+        reason = self.reason.value if self.reason else None
+        return f"DispatchOutcome(rejected={reason}, rank={self.dp_rank}, {self.message!r})"
 
 
 class MockWorker:
@@ -107,10 +108,10 @@ class MockWorker:
             )
         return self.cores[i]
 
-    def dispatch(self, request: Request, dp_rank: int = 0) -> Dispatch:
+    def dispatch(self, request: Request, dp_rank: int = 0) -> DispatchOutcome:
         """Accept ``request`` on ``dp_rank`` or reject it with a typed reason (nothing changes on rejection)."""
         if self._shutting_down:
-            return Dispatch(
+            return DispatchOutcome(
                 False,
                 dp_rank=dp_rank,
                 reason=RejectReason.SHUTTING_DOWN,
@@ -118,7 +119,7 @@ class MockWorker:
             )
         i = dp_rank - self.dp_start_rank if isinstance(dp_rank, int) and not isinstance(dp_rank, bool) else -1
         if not 0 <= i < len(self.cores):
-            return Dispatch(
+            return DispatchOutcome(
                 False,
                 dp_rank=dp_rank,
                 reason=RejectReason.UNKNOWN_DP_RANK,
@@ -128,9 +129,9 @@ class MockWorker:
         try:
             record = self.cores[i].add_request(request)
         except RequestRejected as exc:
-            return Dispatch(False, dp_rank=dp_rank, reason=exc.reason, message=str(exc), field=exc.field)
+            return DispatchOutcome(False, dp_rank=dp_rank, reason=exc.reason, message=str(exc), field=exc.field)
         record.worker_id = self.worker_id
-        return Dispatch(True, dp_rank=dp_rank, record=record)
+        return DispatchOutcome(True, dp_rank=dp_rank, record=record)
 
     def advance_to(self, t_ns: int) -> list[AdvanceResult]:
         """Advance every rank to ``t_ns``; one result per rank, in rank order."""

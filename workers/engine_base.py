@@ -1,8 +1,8 @@
 """What every flavour's engine core of one DP rank shares: time bookkeeping, request records and the two drivers.
 
-A flavour (``workers.engine.EngineCore`` for vLLM and TRT-LLM, ``workers.sglang.SglangCore``) says how it
-queues a request, when its next pass starts, how it plans a pass and how a pass ends; this base runs
-``step`` and ``advance_to`` over those with the same contract for all (see ``workers.engine``).
+A flavour (``workers.vllm_engine.EngineCore`` for vLLM and TRT-LLM, ``workers.sglang_engine.SglangCore``) says
+how it queues a request, when its next pass starts, how it plans a pass and how a pass ends; this base runs
+``step`` and ``advance_to`` over those with the same contract for all (see ``workers.vllm_engine``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected, check_request
 from workers.config import EngineConfig
-from workers.events import PassEvents
+from workers.pass_events import PassEvents
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.sequence import SeqState

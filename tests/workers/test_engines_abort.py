@@ -7,12 +7,12 @@ from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
 from workers.config import EngineConfig
-from workers.engine import EngineCore
+from workers.vllm_engine import EngineCore
 from workers.request import Request
-from workers.worker import engine_core
+from workers.mock_worker import engine_core
 
 from tests.engine_runs import steps
-from tests.workers.test_engine_fastforward import MS, summary, workloads
+from tests.workers.test_engines_fastforward import MS, summary, workloads
 
 
 def _abort_plan(draw, reqs):

@@ -1,0 +1,67 @@
+"""The ``kvemu`` command line: run, sweep, plan, validate, compare, demo, and a live cluster's processes.
+
+``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every
+command's options), ``run`` (run, validate), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
+serve) with ``preflight`` (what those processes refuse before any starts), ``tools`` (tokenizer, compare, demo),
+and what they share: ``loading`` (the scenario a command names) and ``signals``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from harness.cli.parser import build_parser
+from harness.cli.plan import plan_command
+from harness.cli.processes import process_command
+from harness.cli.run import run_command, validate_command
+from harness.cli.signals import terminate_as_interrupt
+from harness.cli.sweep import sweep_command
+from harness.cli.tools import compare_command, demo_command, tokenizer_command
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvemu`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "overrides", None):
+        from harness.scenario import paths_from_cwd
+
+        args.overrides = paths_from_cwd(args.overrides)  # --set paths are from here, not the scenario's folder
+    if getattr(args, "allow_local_policies", False):
+        import os
+
+        from harness.cluster import ALLOW_LOCAL_POLICIES_ENV
+
+        os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
+    if args.command in ("router", "worker", "loadgen", "up", "serve"):
+        return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
+    from harness.runner import Terminated
+
+    try:
+        with terminate_as_interrupt():  # the first SIGTERM stops any command, as Ctrl-C does
+            return _command(parser, args)
+    except KeyboardInterrupt as exc:  # stopped where the command had no handler of its own (nothing written)
+        reason = getattr(exc, "reason", "SIGINT") if isinstance(exc, Terminated) else "SIGINT"
+        print(f"kvemu {args.command}: interrupted ({reason})", file=sys.stderr)
+        return 143 if reason == "SIGTERM" else 130
+
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run a batch command (not a process of a live cluster)."""
+    if args.command == "run":
+        return run_command(args)  # (the runner turns Ctrl-C and SIGTERM into a partial report)
+    if args.command == "sweep":
+        return sweep_command(args)
+    if args.command == "plan":
+        return plan_command(args)
+    if args.command == "validate":
+        return validate_command(args)
+    if args.command == "tokenizer":
+        return tokenizer_command(args)
+    if args.command == "compare":
+        return compare_command(args)
+    return demo_command(parser, args)

@@ -1,0 +1,49 @@
+"""The scenario a command names (its file or the built-in quickstart, with --set, --mode, --seed), and its shape
+in one line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.text import counted
+
+if TYPE_CHECKING:
+    from harness.scenario import Scenario
+
+__all__ = ["cluster_shape", "load_scenario_args"]
+
+
+def load_scenario_args(args: argparse.Namespace) -> Scenario:
+    from harness.scenario import default_scenario_text, load_scenario, parse_scenario
+
+    overrides = list(getattr(args, "overrides", []) or [])
+    if getattr(args, "mode", None):
+        overrides.append(f"run.mode={args.mode}")
+    if getattr(args, "seed", None) is not None:
+        overrides.append(f"run.seed={args.seed}")
+    if args.scenario:
+        scenario = load_scenario(args.scenario, overrides)
+    else:
+        scenario = parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides,
+                                  source="<built-in quickstart>")
+    from harness.cluster import make_policy
+
+    make_policy(scenario.router.policy)  # a custom policy must import before anything starts
+    if scenario.autoscaler is not None:
+        from harness.autoscaler import make_autoscaler
+
+        make_autoscaler(scenario.autoscaler)  # so must a custom autoscaler
+    return scenario
+
+
+def cluster_shape(scenario: Scenario) -> str:
+    """``4 workers × 1 DP rank``, or ``4 prefill workers × 1 + 12 decode workers × 2 DP ranks``."""
+    pools = scenario.cluster.pools()
+    if "aggregated" in pools:
+        n, dp, _ = pools["aggregated"]
+        return f"{counted(n, 'worker')} × {counted(dp, 'DP rank')}"
+    last_dp = list(pools.values())[-1][1]
+    return " + ".join(f"{counted(n, f'{pool} worker')} × {dp}" for pool, (n, dp, _) in pools.items()) + \
+        (" DP rank" if last_dp == 1 else " DP ranks")

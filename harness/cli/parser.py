@@ -1,0 +1,172 @@
+"""The ``kvemu`` argument parser: every command, option and help text (no command runs here)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["build_parser"]
+
+
+def _add_set(parser: argparse.ArgumentParser,
+            text: str = "override a scenario value, e.g. --set cluster.workers=8 (repeatable; a relative path is "
+                        "from the working directory)") -> None:
+    """The ``--set KEY.PATH=VALUE`` option, said once for every command that reads a scenario."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=text)
+
+
+def _add_http(parser: argparse.ArgumentParser, default: str | None) -> None:
+    """The options of the OpenAI front door a process serves (``--http`` and what it serves with)."""
+    parser.add_argument("--http", default=default, metavar="HOST:PORT",
+                        help="serve the OpenAI-compatible front door there (port 0: pick a free one)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="a local tokenizer.json (or a directory with one); default: kvemu's built-in tokenizer")
+    parser.add_argument("--model", default="kvemu", help="the model name clients use (default: kvemu)")
+    parser.add_argument("--http-server", choices=["uvicorn", "granian"], default="uvicorn",
+                        help="the HTTP server (granian: pip install 'kvemu[granian]')")
+
+
+def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
+    run.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
+    _add_set(run)
+    run.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
+    run.add_argument("--seed", type=int, help="override run.seed")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    return run
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    sweep = sub.add_parser("sweep", help="run a scenario at every point of a grid of overrides, in parallel; "
+                                         "writes sweep.csv, sweep.json and sweep.md")
+    sweep.add_argument("sweep", help="sweep YAML (base scenario, axes, seeds, figures)")
+    _add_set(sweep, "override a scenario value at every point (joins the sweep's set:; repeatable)")
+    sweep.add_argument("-o", "--outdir", help="output directory (default: out/<sweep name>); a re-run resumes there")
+    sweep.add_argument("--jobs", type=int, help="local worker processes (default: the CPU count)")
+    sweep.add_argument("--address", help="tcp://HOST:PORT: a Dask scheduler; ray://HOST:PORT or auto: a Ray "
+                                         "cluster (default: a local process pool)")
+    sweep.add_argument("--validate", action="store_true", help="check the sweep and every point, run nothing")
+    sweep.add_argument("--reports", action="store_true",
+                       help="also write each run's full report to OUTDIR/points/<point>-seed<seed>/ (on the "
+                            "machine that runs it: with --address, a filesystem the workers share)")
+    sweep.add_argument("--force", action="store_true", help="write into an OUTDIR that holds other files or "
+                                                            "another sweep (its results are discarded)")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    return sweep
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    plan = sub.add_parser("plan", help="find the smallest cluster that meets an SLA at a goodput target (a search, "
+                                       "in parallel); writes plan.md, plan.json and plan.png")
+    plan.add_argument("scenario", nargs="?", help="scenario YAML or Mooncake trace .jsonl (default: the built-in "
+                                                  "quickstart)")
+    plan.add_argument("--sla", help="ttft_ms=MS,itl_ms=MS or e2e_ms=MS (default: the scenario's run.sla)")
+    plan.add_argument("--goodput", type=float, default=0.95,
+                      help="share of requests that must meet the SLA, in (0, 1] (default 0.95)")
+    plan.add_argument("--min-workers", type=int, default=1, help="smallest cluster to consider (default 1)")
+    plan.add_argument("--max-workers", type=int, default=32, help="largest cluster to consider (default 32)")
+    plan.add_argument("--seeds", type=int, default=1, help="seeds per probe; a size passes when every seed does")
+    _add_set(plan)
+    plan.add_argument("-o", "--outdir", help="output directory (default: out/plan-<scenario name>)")
+    plan.add_argument("--jobs", type=int, help="local worker processes, and probes per round (default: CPU count)")
+    plan.add_argument("--address", help="tcp://HOST:PORT (Dask) or ray://HOST:PORT | auto (Ray), as for sweep")
+    plan.add_argument("--width", type=int, help="probes per round (default: --jobs, or 4 on Dask/Ray)")
+    return plan
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvemu")
+    except PackageNotFoundError:  # pragma: no cover - run from a checkout without installing
+        from kvemu import __version__
+
+        return __version__
+
+
+def _build_name() -> str:
+    """``compiled`` or ``pure``: which build of the hot modules this process runs (``kvemu._build``)."""
+    import kvemu
+
+    return "compiled" if kvemu.compiled else "pure"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvemu`` argument parser: every subcommand and option, each with its help."""
+    parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
+    parser.add_argument("--version", action="version", version=f"kvemu {_version()} ({_build_name()} build)",
+                        help="print the version and the build (compiled or pure Python)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
+    run_parser = _add_run(sub)
+    sweep_parser = _add_sweep(sub)
+    _add_plan(sub)
+    validate = sub.add_parser("validate", help="check a scenario without running it")
+    validate.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
+    _add_set(validate)
+    compare = sub.add_parser("compare", help="print two reports' summaries side by side with deltas")
+    compare.add_argument("a", help="the first report directory (A: has summary.json)")
+    compare.add_argument("b", help="the second report directory (B: deltas are B - A)")
+    router = sub.add_parser("router", help="run a router process (workers and load generators connect to it)")
+    router.add_argument("--listen", default="tcp://127.0.0.1:5555", help="ROUTER endpoint for workers and clients")
+    router.add_argument("--config", dest="scenario", help="scenario YAML for the router and engine settings")
+    _add_set(router)
+    router.add_argument("--grace", type=float, default=10.0, help="seconds to drain requests on SIGTERM")
+    worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
+    worker.add_argument("--router", required=True, help="the router's --listen endpoint")
+    worker.add_argument("--worker-id", type=int, help="default: random")
+    worker.add_argument("--dp-size", type=int, help="default: the scenario's cluster.dp_size (or its pool's)")
+    worker.add_argument("--worker-type", choices=("aggregated", "prefill", "decode"),
+                        help="the pool this worker serves, with that pool's engine and DP size: required for a "
+                             "disaggregated scenario (prefill or decode); default: aggregated")
+    worker.add_argument("--kv-events", default="tcp://127.0.0.1:0",
+                        help="PUB endpoint of rank 0 (rank r uses port + r; port 0 = pick one per rank)")
+    worker.add_argument("--kv-replay", default="tcp://127.0.0.1:0", help="replay ROUTER endpoint ('' to disable)")
+    worker.add_argument("--config", dest="scenario", help="scenario YAML for the engine settings")
+    _add_set(worker)
+    worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
+    _add_http(worker, None)
+    loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
+    loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
+    loadgen.add_argument("--router", required=True, help="the router's --listen endpoint")
+    loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
+    loadgen.add_argument("--router-pid", type=int,
+                         help="the router's process id on this machine: a silent router whose process is alive is "
+                              "waited for (run.router_stall_s), one whose process exited is lost at once")
+    loadgen.add_argument("--chaos", choices=["apply", "skip"],
+                         help="a scenario with a chaos timeline: apply it through the router's control channel "
+                              "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
+    _add_set(loadgen)
+    _add_http(router, None)
+    up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
+    up.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    _add_set(up)
+    up.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_http(up, None)
+    serve = sub.add_parser("serve", help="router with its OpenAI front door + workers as processes, until Ctrl-C")
+    serve.add_argument("scenario", nargs="?", help="scenario YAML for the cluster (default: the built-in quickstart)")
+    _add_set(serve)
+    _add_http(serve, "127.0.0.1:8000")
+    for command in (up, serve):
+        command.add_argument("--worker-http", action="store_true",
+                             help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
+                                  "(on a free 127.0.0.1 port each; printed at start)")
+    tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
+                                             help="what to do with it")
+    export = tokenizer_sub.add_parser("export", help="write tokenizer.json and its configs into DIR")
+    export.add_argument("directory", help="where to write them (created if missing)")
+    demo = sub.add_parser("demo", help="route a few multi-turn sessions with the policy core alone")
+    demo.add_argument("--workers", type=int, default=4, help="workers to route to (default 4)")
+    demo.add_argument("--dp-size", type=int, default=2, help="DP ranks per worker (default 2)")
+    demo.add_argument("--sessions", type=int, default=6, help="conversations (default 6)")
+    demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
+    for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve):
+        command.add_argument("--allow-local-policies", action="store_true",
+                             help="put the working directory on the import path for router.policy and "
+                                  "autoscaler.policy modules (a scenario can run code)")
+    return parser

@@ -1,0 +1,121 @@
+"""The processes of a live cluster: ``kvemu router``, ``kvemu worker``, ``kvemu loadgen``, and ``kvemu up`` and
+``kvemu serve``, which start them; each handles its own signals (a drain, a supervisor's stop)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.cli.loading import load_scenario_args
+from harness.cli.preflight import autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem
+
+if TYPE_CHECKING:
+    from harness.scenario import Scenario
+
+__all__ = ["process_command"]
+
+
+def process_command(args: argparse.Namespace) -> int:
+    from harness.scenario import ScenarioError
+
+    if args.command == "loadgen" and args.config_path and not args.scenario:
+        args.scenario = args.config_path
+    try:
+        scenario = load_scenario_args(args)
+    except ScenarioError as exc:
+        print(f"invalid scenario: {exc}", file=sys.stderr)
+        return 2
+    problem = http_problem(args) or disagg_problem(args, scenario) or autoscaler_problem(args, scenario)
+    if problem:
+        print(f"kvemu {args.command}: {problem}", file=sys.stderr)
+        return 2
+    if args.command in ("router", "worker"):
+        from kvemu.errors import InvalidArgument
+        from kvemu.http.server import ListenError
+
+        try:
+            return _serve_process(args, scenario)
+        except ListenError as exc:  # the --http port was taken after the check above
+            print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+            return 2
+        except InvalidArgument as exc:  # e.g. a --listen address in use
+            print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+            return 2
+    outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
+    if args.command == "loadgen":
+        from harness.procs.loadgen import NotStarted, loadgen_report
+
+        problem = loadgen_chaos_problem(scenario, args.chaos)
+        if problem:
+            print(f"kvemu loadgen: {problem}", file=sys.stderr)
+            return 2
+        try:
+            summary, where = loadgen_report(scenario, args.router, outdir, args.expect_workers,
+                                            apply_chaos=args.chaos == "apply", router_pid=args.router_pid)
+        except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
+            print(f"kvemu loadgen: {exc}", file=sys.stderr)
+            return 1
+        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
+              + (f"report in {where}/report.md" if where is not None else "no report could be written (its summary "
+                 "is above)"), file=sys.stderr)
+        if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
+            return 1  # the load generator failed (its partial report is written)
+        return 0 if not summary.get("partial") else 130
+    from harness.procs.up import NotStarted as ChildNotStarted, serve_main, up_main
+
+    try:
+        if args.command == "serve":
+            return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
+                              _worker_http_args(args))
+        return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
+                       _worker_http_args(args))
+    except ChildNotStarted as exc:  # the child printed why on the shared stderr
+        print(f"kvemu {args.command}: {exc}", file=sys.stderr)
+        return 2 if exc.code == 2 else 1
+
+
+def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
+    """``kvemu router`` or ``kvemu worker``: serve until SIGTERM."""
+    from harness.scenario import ScenarioError
+
+    if args.command == "router":
+        from harness.procs.router import router_main
+
+        return router_main(scenario, args.listen, args.grace, _http_options(args))
+    from harness.procs.worker import worker_main, worker_pool
+
+    try:
+        worker_pool(scenario, args.worker_type)
+    except ScenarioError as exc:
+        print(f"kvemu worker: {exc}", file=sys.stderr)
+        return 2
+    return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
+                       kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
+                       http=_http_options(args), worker_type=args.worker_type)
+
+
+def _http_options(args: argparse.Namespace) -> Any:
+    """The ``--http`` options of a router process (None without ``--http``)."""
+    if not getattr(args, "http", None):
+        return None
+    from harness.procs.protocol import HttpOptions
+
+    return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model, server=args.http_server)
+
+
+def _http_flags(args: argparse.Namespace, listen: str) -> list[str]:
+    """The HTTP options a child process gets to serve on ``listen``."""
+    flags = ["--http", listen, "--model", args.model, "--http-server", args.http_server]
+    return flags + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
+
+
+def _http_args(args: argparse.Namespace) -> list[str]:
+    """The ``--http`` options to pass on to a router process."""
+    return _http_flags(args, args.http) if getattr(args, "http", None) else []
+
+
+def _worker_http_args(args: argparse.Namespace) -> list[str]:
+    """What a worker process needs to serve its own OpenAI routes (``--worker-http``), else nothing."""
+    return _http_flags(args, "127.0.0.1:0") if getattr(args, "worker_http", False) else []

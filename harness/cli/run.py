@@ -1,0 +1,119 @@
+"""``kvemu run`` (one scenario in this process, then its report) and ``kvemu validate`` (the same checks, nothing
+run)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.cli.loading import cluster_shape, load_scenario_args
+from harness.cli.signals import terminate_as_interrupt
+from harness.text import counted
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from harness.runner import Progress as ProgressCallback
+
+__all__ = ["run_command", "validate_command"]
+
+
+@contextlib.contextmanager
+def _progress_bar(console: Console, enabled: bool) -> Iterator[ProgressCallback | None]:
+    """A progress bar on ``console`` and its ``run_scenario`` callback; None (and no rich.progress) if disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    last = {"t": 0, "done": 0}
+    with Progress(TextColumn("[bold]{task.fields[clock]}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} requests"), TextColumn("{task.fields[rate]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("run", total=None, clock="t=0s", rate="")
+
+        def progress(now_ns: int, done: int, total: int) -> None:
+            dt = (now_ns - last["t"]) / 1e9
+            rate = (done - last["done"]) / dt if dt > 0 else 0.0
+            last.update(t=now_ns, done=done)
+            bar.update(task, completed=done, total=total, clock=f"t={now_ns / 1e9:,.0f}s", rate=f"{rate:.1f} req/s")
+
+        yield progress
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from harness.report.plots import background_renderer
+    from harness.report.files import OutputError, prepare_outdir
+    from harness.runner import RunAborted, run_scenario
+    from harness.scenario import ScenarioError
+
+    console = Console(stderr=True)
+    try:
+        scenario = load_scenario_args(args)
+    except ScenarioError as exc:
+        console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
+    try:
+        prepare_outdir(outdir)
+        with terminate_as_interrupt():
+            console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
+                          f"{scenario.run.seed}) on {cluster_shape(scenario)}", soft_wrap=True, highlight=False)
+            # the plots' child process imports matplotlib while the scenario runs
+            with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
+                outcome = run_scenario(scenario, outdir, progress=progress)
+    except OutputError as exc:
+        console.print(f"[red]cannot write the report[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    except ScenarioError as exc:  # the workload (a trace file) is read when the run starts
+        console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return 2
+    except RunAborted as exc:
+        console.print(f"[red]kvemu: {escape(str(exc))}[/red]", soft_wrap=True, highlight=False)
+        return 1
+    summary = outcome.summary or {}
+    reason = outcome.data.stop_reason or "interrupted"
+    partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
+    # soft_wrap: rich would wrap at 80 columns in a pipe, breaking the path
+    where = (f"report in {escape(str(outcome.report_dir))}/report.md" if outcome.report_dir is not None else
+             "no report could be written (its summary is above)")
+    console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
+                  f"{partial}; {where}", soft_wrap=True, highlight=False)
+    if not outcome.data.partial:
+        return 0
+    return 143 if outcome.data.stop_reason == "SIGTERM" else 130
+
+
+def validate_command(args: argparse.Namespace) -> int:
+    from kvemu.errors import KvemuError
+
+    from harness.cluster import check_buildable
+    from harness.runner import count_requests
+    from harness.scenario import ScenarioError
+    from harness.trace_sessions import turn_count
+    from harness.workload import build_sessions
+
+    try:
+        scenario = load_scenario_args(args)
+        sessions = build_sessions(scenario)
+        check_buildable(scenario)
+    except ScenarioError as exc:
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 2
+    except (KvemuError, ValueError) as exc:  # a router or engine part that would not build
+        print(f"invalid: {exc}", file=sys.stderr)
+        return 2
+    turns = turn_count(sessions)
+    requests = count_requests(sessions)  # as run counts them: each sub-agent of a turn is a request too
+    detail = f" ({counted(turns, 'turn')} + {counted(requests - turns, 'sub-agent request')})" if requests > turns \
+        else ""
+    print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {counted(len(sessions), 'session')}, "
+          f"{counted(requests, 'request')}{detail}, {scenario.run.mode} mode")
+    return 0

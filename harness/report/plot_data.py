@@ -1,0 +1,173 @@
+"""What a run's plots show, reduced from its records and samples to compact numpy arrays of at most a few
+thousand points a line (plenty for 800 px): a plot job, picklable, to draw here or hand to a renderer process.
+numpy is imported when reducing only."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvemu.records import RequestRecord
+
+    from harness.report.run_data import RunData
+
+__all__ = ["NS_PER_MS", "NS_PER_S", "plot_job", "series_form"]
+
+NS_PER_MS = 1_000_000
+NS_PER_S = 1_000_000_000
+
+_MAX_POINTS = 2000
+_MAX_SERIES_POINTS = 800
+
+
+def _decimate(xs: Any, ys: Any, limit: int = _MAX_POINTS) -> tuple[Any, Any]:
+    """Every k-th point (and the last) so that at most about ``limit`` remain: plenty for an 800 px plot."""
+    import numpy as np
+
+    n = len(xs)
+    if n <= limit:
+        return xs, ys
+    step = math.ceil(n / limit)
+    idx = np.arange(0, n, step)
+    if idx[-1] != n - 1:
+        idx = np.append(idx, n - 1)
+    return xs[idx], ys[idx]
+
+
+def _first_token(rec: RequestRecord) -> int | None:
+    if rec.first_token_ns is not None:
+        return rec.first_token_ns
+    return rec.token_times_ns[0] if rec.token_times_ns else None
+
+
+# ---------------------------------------------------------------------------------- compact data
+
+
+def _cdf_points(values_ns: Iterable[int], count: int) -> tuple[Any, Any] | None:
+    """A decimated empirical CDF of ``values_ns`` as (sorted values in ms, fractions), starting at 0."""
+    import numpy as np
+
+    if not count:
+        return None
+    xs = np.sort(np.fromiter(values_ns, dtype=np.int64, count=count)) / NS_PER_MS
+    ys = np.arange(1, count + 1, dtype=np.float64) / count
+    xs, ys = _decimate(xs, ys)
+    return np.concatenate((xs[:1], xs)), np.concatenate(([0.0], ys))  # the step up from 0 at the smallest value
+
+
+_MAX_LINES = 8
+"""Ranks a pool's plot draws as lines, each in its own colour (tab10's first 8); past that, a heatmap."""
+_MAX_COLUMNS = 400
+"""Time columns of a heatmap at most (samples are merged, keeping each column's maximum)."""
+
+
+def series_form(ranks: int) -> str:
+    """How a pool's per-rank series are drawn: ``lines`` (legible up to ``_MAX_LINES`` ranks) or ``heatmap``
+    (rank x time, with the pool's mean and max per rank as lines above it)."""
+    return "lines" if ranks <= _MAX_LINES else "heatmap"
+
+
+def _heatmap(series: dict[tuple[int, int], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Ranks x time columns (at most ``_MAX_COLUMNS``; each cell the max of the value holding at its start and
+    its samples, NaN before a rank's first sample and after its last: not started yet, or gone) and the
+    columns' edges in s."""
+    import numpy as np
+
+    t0 = min(float(xs[0]) for xs, _ in series.values())
+    t1 = max(float(xs[-1]) for xs, _ in series.values())
+    times = np.unique(np.concatenate([xs for xs, _ in series.values()]))
+    columns = max(1, min(_MAX_COLUMNS, len(times)))
+    edges = np.linspace(t0, t1 if t1 > t0 else t0 + 1.0, columns + 1)
+    grid = np.full((len(series), columns), np.nan)
+    for row, (xs, ys) in enumerate(series.values()):
+        values = ys.astype(np.float64)
+        held = np.searchsorted(xs, edges[:-1], side="right") - 1  # the sample holding at each column's start
+        live = (held >= 0) & (edges[:-1] <= xs[-1])
+        grid[row, live] = values[held[live]]
+        idx = np.clip(np.searchsorted(edges, xs, side="right") - 1, 0, columns - 1)
+        np.fmax.at(grid[row], idx, values)  # and the column's own samples (fmax: over NaN too)
+    return edges, grid
+
+
+def _rank_panels(data: RunData, field: str) -> list[dict[str, Any]]:
+    """Per pool (in ``data.pools`` order): its ranks' sample series of ``field`` (times in s, by time), drawn as
+    lines or, past ``_MAX_LINES`` ranks, a heatmap with the pool's mean and max per rank; its rank capacity."""
+    import numpy as np
+
+    by_rank: dict[tuple[str, int, int], tuple[list[int], list[int]]] = {}
+    for smp in sorted(data.samples, key=lambda x: (x.worker_id, x.dp_rank, x.time_ns)):
+        ts, vs = by_rank.setdefault((smp.pool, smp.worker_id, smp.dp_rank), ([], []))
+        ts.append(smp.time_ns)
+        vs.append(getattr(smp, field))
+    order = {pool: i for i, pool in enumerate(data.pools)}
+    panels = []
+    for pool in sorted({p for p, _, _ in by_rank}, key=lambda p: (order.get(p, len(order)), p)):
+        full = {(w, r): (np.array(ts, dtype=np.int64) / NS_PER_S, np.array(vs, dtype=np.int64))
+                for (p, w, r), (ts, vs) in sorted(by_rank.items()) if p == pool}
+        panel: dict[str, Any] = {"pool": pool, "form": series_form(len(full)),
+                                 "capacity": data.pools.get(pool, {}).get("kv_blocks") if field == "kv_blocks" else None}
+        if panel["form"] == "lines":
+            panel["series"] = {key: _decimate(xs, ys, _MAX_SERIES_POINTS) for key, (xs, ys) in full.items()}
+        else:
+            edges, grid = _heatmap(full)
+            panel["ranks"] = [f"w{w}/r{r}" for w, r in full]
+            panel["edges"], panel["grid"] = edges, grid
+        panels.append(panel)
+    return panels
+
+
+def _autoscale_marks(data: RunData) -> dict[str, Any] | None:
+    """An autoscaled run's applied decisions (time in s, action) and its pool's running and provisioned
+    (running + starting + draining) workers as step series, or None without an autoscaler."""
+    log = data.autoscale
+    if log is None:
+        return None
+    points = [(p.time_ns, p.running, p.provisioned) for p in log.series if p.pool == log.pool][:_MAX_SERIES_POINTS]
+    end = max((s.time_ns for s in data.samples), default=0)
+    if points and end > points[-1][0]:  # the last counts hold until the run's last sample
+        points.append((end, *points[-1][1:]))
+    return {
+        "pool": log.pool,
+        "decisions": [(d.time_ns / NS_PER_S, d.action) for d in log.decisions if d.applied][:_MAX_SERIES_POINTS],
+        "times": [t / NS_PER_S for t, _, _ in points],
+        "running": [r for _, r, _ in points],
+        "provisioned": [p for _, _, p in points],
+    }
+
+
+def _reuse_curves(done: list[RequestRecord]) -> tuple[int, Any, Any, Any, Any] | None:
+    """Engine-found cached / prompt tokens by completion: (window, x1, rolling, x2, cumulative), decimated."""
+    import numpy as np
+
+    n = len(done)
+    if not n:
+        return None
+    ordered = sorted(done, key=lambda r: (r.completion_ns, r.request_id))
+    window = max(1, min(200, n // 20))
+    xs = np.fromiter((r.completion_ns for r in ordered), dtype=np.int64, count=n) / NS_PER_S
+    cached = np.cumsum(np.fromiter((r.engine_cached_tokens or 0 for r in ordered), dtype=np.int64, count=n))
+    prompt = np.cumsum(np.fromiter((r.isl for r in ordered), dtype=np.int64, count=n))
+    win_c, win_i = cached.copy(), prompt.copy()
+    win_c[window:] -= cached[:-window]  # the last ``window`` completions
+    win_i[window:] -= prompt[:-window]
+    rolling = np.divide(win_c, win_i, out=np.zeros(n), where=win_i != 0)
+    cumulative = np.divide(cached, prompt, out=np.zeros(n), where=prompt != 0)
+    return (window, *_decimate(xs, rolling), *_decimate(xs, cumulative))
+
+
+def plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
+    """Everything the plots show, as compact arrays (picklable, to hand to a renderer process)."""
+    done = sorted((r for r in data.records if r.done), key=lambda r: (r.arrival_ns, r.request_id))
+    ttft = [f - r.arrival_ns for r in done if (f := _first_token(r)) is not None]
+    return {
+        "outdir": str(Path(outdir).absolute()),
+        "ttft": _cdf_points(ttft, len(ttft)),
+        "e2e": _cdf_points((r.completion_ns - r.arrival_ns for r in done), len(done)),  # type: ignore[operator]
+        "active": _rank_panels(data, "active_requests"),
+        "blocks": _rank_panels(data, "kv_blocks"),
+        "reuse": _reuse_curves(done),
+        "autoscale": _autoscale_marks(data),
+    }
