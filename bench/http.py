@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from bench import verdict
 from harness.report.stats import percentile
 from harness.procs.up import cli_command, cli_env
 from kvemu.runtime.loop import new_live_loop
@@ -129,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             line = proc.stdout.readline()  # type: ignore[union-attr]
             if not line:
-                print("bench.http: FAILED: kvemu serve did not start", file=sys.stderr)
-                return 1
+                return verdict("http", ["kvemu serve did not start"])
             info = json.loads(line)
             loop = new_live_loop()
             good = True
@@ -147,10 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    if not good:
-        print("bench.http: FAILED: a request did not complete", file=sys.stderr)
-        return 1
-    return 0
+    return verdict("http", [] if good else ["a request did not complete"])
 
 
 if __name__ == "__main__":

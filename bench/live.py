@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import verdict
 from bench.runtime import live_scenario
 from harness.report.stats import percentile
 from harness.procs.up import cli_command, cli_env
@@ -43,10 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"live routing overhead p50: {percentile(overheads, 50):.0f} us")
     print(f"live routing overhead p99: {percentile(overheads, 99):.0f} us")
     print(f"live mean ttft: {summary['mean_ttft_ms']} ms")
+    problems = []
     if len(done) != summary["num_requests"]:
-        print(f"bench.live: FAILED: {len(done)} of {summary['num_requests']} requests completed", file=sys.stderr)
-        return 1
-    return 0
+        problems.append(f"{len(done)} of {summary['num_requests']} requests completed")
+    return verdict("live", problems)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,23 @@ class RankCore:
     def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
         return 0
 
+    def _sample(self, sampled: list[SeqState], end: int) -> list[SeqState]:
+        """Book the token each of ``sampled`` produced in the pass that ended at ``end`` (in batch order); returns
+        those for which it was the first (the end of a prefill, or a decode leg's first pass)."""
+        record_times = self._record_times
+        first: list[SeqState] = []
+        for seq in sampled:
+            seq.n_out += 1
+            seq.prefilling = False
+            rec = seq.record
+            rec.output_tokens += 1
+            if record_times:
+                rec.token_times_ns.append(end)
+            if rec.first_token_ns is None:
+                rec.first_token_ns = end
+                first.append(seq)
+        return first
+
     @staticmethod
     def _report(start: int, end: int, out: AdvanceResult | None, res: StepResult | None, *, admitted: list[Any],
                 preempted: list[Any], first: list[Any], completed: list[Any], sampled: list[Any],

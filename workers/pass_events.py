@@ -9,6 +9,7 @@ nobody reads. Materialising is deterministic and repeatable.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
@@ -68,45 +69,43 @@ class PassEvents:
 def materialize_events(entries: Iterable[tuple], block_size: int) -> list[KvEvent]:
     """Wire structs for compact log entries: one ``BlockStored`` per stored run, one ``BlockRemoved`` per block
     (medium ``GPU``, or ``CPU`` for the host tier's, with the same metadata)."""
-    out: list[KvEvent] = []
-    append = out.append
-    for e in entries:
-        kind = e[0]
-        if kind == REMOVED or kind == HOST_REMOVED:
-            medium = _MEDIUM[kind]
-            out += [BlockRemoved(block_hashes=[h], medium=medium) for h in e[1]]
-        elif kind == STORED or kind == HOST_STORED:
-            _, hashes, parent, source, first = e
-            lo = first * block_size
-            append(
-                BlockStored(
-                    block_hashes=list(hashes),
-                    parent_block_hash=parent,
-                    token_ids=source.token_slice(lo, lo + len(hashes) * block_size),
-                    block_size=block_size,
-                    medium=_MEDIUM[kind],
-                )
-            )
-        elif kind == CLEARED:
-            append(AllBlocksCleared())
-        else:  # pragma: no cover - the pool only writes the three kinds
-            raise AssertionError(f"unknown KV log entry {e!r}")
-    return out
+    return _walk(entries, block_size, True)
 
 
 def router_events(entries: Iterable[tuple]) -> list[EventData]:
     """Router-model events for compact log entries (no token ids: the engine knows its local hashes)."""
-    out: list[EventData] = []
+    return _walk(entries, 0, False)
+
+
+def _walk(entries: Iterable[tuple], block_size: int, wire: bool) -> list[Any]:
+    """The one reading of a compact log, entry by entry: as wire structs (``wire``) or as router-model events."""
+    out: list[Any] = []
     append = out.append
     for e in entries:
         kind = e[0]
         if kind == REMOVED or kind == HOST_REMOVED:
-            append(BlocksRemoved(list(e[1])))
+            if wire:
+                medium = _MEDIUM[kind]
+                out += [BlockRemoved(block_hashes=[h], medium=medium) for h in e[1]]
+            else:
+                append(BlocksRemoved(list(e[1])))
         elif kind == STORED or kind == HOST_STORED:
             _, hashes, parent, source, first = e
-            append(BlocksStored(list(hashes), source.local_hashes(first, first + len(hashes)), parent, True))
+            if wire:
+                lo = first * block_size
+                append(
+                    BlockStored(
+                        block_hashes=list(hashes),
+                        parent_block_hash=parent,
+                        token_ids=source.token_slice(lo, lo + len(hashes) * block_size),
+                        block_size=block_size,
+                        medium=_MEDIUM[kind],
+                    )
+                )
+            else:
+                append(BlocksStored(list(hashes), source.local_hashes(first, first + len(hashes)), parent, True))
         elif kind == CLEARED:
-            append(AllCleared())
+            append(AllBlocksCleared() if wire else AllCleared())
         else:  # pragma: no cover - the pool only writes the three kinds
             raise AssertionError(f"unknown KV log entry {e!r}")
     return out

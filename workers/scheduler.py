@@ -266,11 +266,15 @@ class Scheduler:
 
     def release_held(self, seq: SeqState) -> None:
         """A held prefill leg's KV was pulled: free its blocks (full ones stay cached)."""
+        self.free(seq)
+        seq.status = FINISHED
+        self.held -= 1
+
+    def free(self, seq: SeqState) -> None:
+        """Give back every block ``seq`` holds: its full ones stay cached (evictable once nobody holds them)."""
         self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
         seq.n_alloc = 0
         seq.n_full = 0
-        seq.status = FINISHED
-        self.held -= 1
 
     def _cache_filled(self, seq: SeqState, upto: int) -> None:
         """Blocks that the pass fills for ``seq`` (its KV through ``upto`` tokens) become cached now.
@@ -318,10 +322,8 @@ class Scheduler:
     def preempt(self, seq: SeqState) -> None:
         """Drop a running request's blocks and queue it again to be recomputed (its tokens are kept)."""
         self.running.remove(seq)
-        self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
+        self.free(seq)
         seq.computed = 0
-        seq.n_alloc = 0
-        seq.n_full = 0
         seq.prefilling = True
         seq.status = WAITING
         seq.record.preemptions += 1
@@ -469,7 +471,5 @@ class Scheduler:
     def complete(self, seq: SeqState) -> None:
         """A running request produced its last token: release its blocks (cached ones stay reusable)."""
         self.running.remove(seq)
-        self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
-        seq.n_alloc = 0
-        seq.n_full = 0
+        self.free(seq)
         seq.status = FINISHED

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import cast
 
 from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
@@ -468,10 +469,7 @@ class SglangCore(RankCore):
     def _finish(self, p: _Pass, out: AdvanceResult | None, res: StepResult | None) -> None:
         end = p.end
         page = self._page
-        record_times = self._record_times
-        first: list[_Seq] = []
-        sampled: list[_Seq] = []
-        completed: list[_Seq] = []
+        sampled: list[SeqState] = []
         aborted = self._aborting  # aborted while the pass ran: it still does their work, nobody hears of it
         requeue: list[_Seq] = []
         for c in p.chunks:
@@ -482,21 +480,10 @@ class SglangCore(RankCore):
                     seq.status = WAITING
                     requeue.append(seq)
                 continue
-            seq.prefilling = False
             sampled.append(seq)
-            if seq.record.first_token_ns is None:
-                first.append(seq)
         sampled += p.decode
-        for seq in sampled:
-            seq.n_out += 1
-            rec = seq.record
-            rec.output_tokens += 1
-            if record_times:
-                rec.token_times_ns.append(end)
-            if rec.first_token_ns is None:
-                rec.first_token_ns = end
-            if seq.n_out >= seq.out_limit:
-                completed.append(seq)
+        first = self._sample(sampled, end)
+        completed = [seq for seq in cast("list[_Seq]", sampled) if seq.n_out >= seq.out_limit]
         for seq in reversed(requeue):
             self.waiting.appendleft(seq)
         if p.decode:

@@ -204,8 +204,7 @@ class EngineCore(RankCore):
                             # (loads exist only with a host tier) its load is dropped
                             self.host.loaded(entry[2])  # type: ignore[union-attr]
                         if seq.host_load is not None:  # it held the blocks of a host load: they go back
-                            self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
-                            seq.n_alloc = seq.n_full = 0
+                            sch.free(seq)
                             seq.host_load = None
                             sch.loading -= 1
                         heap[i] = heap[-1]
@@ -277,26 +276,13 @@ class EngineCore(RankCore):
         sched = p.sched
         pool = self.pool
         bs = self._block_size
-        record_times = self._record_times
-        completed: list[SeqState] = []
-        first: list[SeqState] = []
         sampled: list[SeqState] = []
         for seq, n in sched.entries.items():
             seq.computed += n  # the blocks it filled were cached when the pass was scheduled
             if seq.computed == seq.prompt_len + seq.n_out:  # the pass produced a token for this request
-                seq.n_out += 1
-                rec = seq.record
-                rec.output_tokens += 1
-                if record_times:
-                    rec.token_times_ns.append(end)
                 sampled.append(seq)
-                if seq.prefilling:
-                    seq.prefilling = False
-                if rec.first_token_ns is None:  # the end of a prefill, or a decode leg's first pass
-                    rec.first_token_ns = end
-                    first.append(seq)
-                if seq.n_out == seq.max_tokens:
-                    completed.append(seq)
+        first = self._sample(sampled, end)
+        completed = [seq for seq in sampled if seq.n_out == seq.max_tokens]
         gone = self._aborting
         finished = completed
         if gone:

@@ -12,15 +12,14 @@ from harness.procs.loadgen import _RouterClient
 from harness.procs.protocol import CLIENT
 from kvemu.messages import encode
 from harness.procs.up import Children
-from tests.end_to_end.test_processes import registered, small
+from tests.end_to_end.test_processes import registered, router_and_worker, small
 
 
 def test_a_refused_request_keeps_the_workers_reason_and_a_malformed_one_gets_an_answer(tmp_path):
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "3", "--config", str(scenario)])
+        router = router_and_worker(kids, scenario, 3)
 
         async def main():
             client = _RouterClient(router["listen"])

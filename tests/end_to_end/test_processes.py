@@ -56,6 +56,16 @@ run: {mode: live, seed: 4, duration_s: 2}
     return scenario
 
 
+def router_and_worker(kids: Children, scenario: Path, worker_id: int, *worker_args: str,
+                      router_args: tuple[str, ...] = ()) -> dict:
+    """Start a router listening on a free port and worker ``worker_id`` (child ``w0``) registering with it, both
+    reading ``scenario``; the router's announcement."""
+    router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario), *router_args])
+    kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", str(worker_id), "--config", str(scenario),
+                      *worker_args])
+    return router
+
+
 def test_up_runs_the_stack_and_leaves_no_process_behind(tmp_path):
     out = tmp_path / "out"
     tag, env = tagged_env()
@@ -122,8 +132,7 @@ def test_duplicate_worker_id_is_refused_and_changes_nothing(tmp_path):
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "7", "--config", str(scenario)])
+        router = router_and_worker(kids, scenario, 7)
         dup = subprocess.run([sys.executable, "-m", "harness.cli", "worker", "--router", router["listen"],
                               "--worker-id", "7", "--config", str(scenario)], cwd=ROOT, capture_output=True,
                              text=True, timeout=30)
@@ -204,9 +213,7 @@ def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "3", "--config", str(scenario),
-                          "--set", "cluster.engine.speedup_ratio=1"])
+        router = router_and_worker(kids, scenario, 3, "--set", "cluster.engine.speedup_ratio=1")
 
         async def main():
             a, b = _RouterClient(router["listen"]), _RouterClient(router["listen"])
@@ -245,10 +252,9 @@ def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario),
-                                       "--grace", "0.5"])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "1", "--config", str(scenario),
-                          "--set", "cluster.engine.speedup_ratio=0.05"])  # 20x slower than the model: minutes
+        # a worker 20x slower than the model: minutes
+        router = router_and_worker(kids, scenario, 1, "--set", "cluster.engine.speedup_ratio=0.05",
+                                   router_args=("--grace", "0.5"))
 
         async def main():
             client = _RouterClient(router["listen"])
@@ -360,9 +366,7 @@ def test_ctrl_c_of_kvemu_up_still_leaves_the_load_generators_partial_report(tmp_
 
 def _one_worker_stack(kids: Children, scenario: Path, out: Path, *worker_args: str) -> subprocess.Popen:
     """A router and worker 0 as children, and a load generator playing ``scenario`` against them."""
-    router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
-    kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "0", "--config", str(scenario),
-                      *worker_args])
+    router = router_and_worker(kids, scenario, 0, *worker_args)
     return subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
                              "--expect-workers", "1", "-o", str(out), str(scenario)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -469,10 +473,8 @@ def test_a_router_sigterm_lets_http_requests_finish_within_the_grace_then_ends_t
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario),
-                                       "--grace", "1.5", "--http", "127.0.0.1:0"])
-        kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "1", "--config", str(scenario),
-                          "--set", "cluster.engine.speedup_ratio=0.2"])
+        router = router_and_worker(kids, scenario, 1, "--set", "cluster.engine.speedup_ratio=0.2",
+                                   router_args=("--grace", "1.5", "--http", "127.0.0.1:0"))
 
         async def main():
             client = _RouterClient(router["listen"])

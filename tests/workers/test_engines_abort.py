@@ -11,6 +11,7 @@ from workers.vllm_engine import EngineCore
 from workers.request import Request
 from workers.mock_worker import engine_core
 
+from tests.engine_runs import steps
 from tests.workers.test_engines_fastforward import MS, summary, workloads
 
 
@@ -22,11 +23,11 @@ def _abort_plan(draw, reqs):
 
 def _stepwise(cfg, reqs, aborts):
     eng = engine_core(cfg)
-    for r in reqs:
-        eng.add_request(r)
     done, batches = [], []
     plan = list(aborts)
-    while True:
+
+    def abort_due():
+        """The aborts due before the next pass starts, applied; then its start."""
         s = eng.next_pass_start_ns()
         while plan and (s is None or plan[0][0] <= s):
             t, rid = plan.pop(0)
@@ -35,10 +36,9 @@ def _stepwise(cfg, reqs, aborts):
             eng.abort(rid)
             eng.check_invariants()
             s = eng.next_pass_start_ns()
-        if s is None:
-            break
-        res = eng.step(s)
-        eng.check_invariants()
+        return s
+
+    for res in steps(eng, reqs, abort_due):
         done += res.completed
         if res.events is not None:
             batches.append(res.kv_batch)

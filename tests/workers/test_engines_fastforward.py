@@ -17,6 +17,8 @@ from workers.vllm_engine import AdvanceResult, EngineCore
 from workers.mock_worker import engine_core
 from workers.request import Request
 
+from tests.engine_runs import steps
+
 MS = 1_000_000
 
 
@@ -115,17 +117,13 @@ def cached_hashes(eng) -> set[int]:
 
 def stepwise(cfg, reqs):
     eng = engine_core(cfg)
-    for r in reqs:
-        eng.add_request(r)
     done, batches, firsts, preempted = [], [], [], []
     announced: set[int] = set()
     idle = 0
-    while (s := eng.next_pass_start_ns()) is not None:
-        res = eng.step(s)
-        eng.check_invariants()
+    for res in steps(eng, reqs):
         if res.idle:  # a decode leg reserved its blocks; its transfer runs
             idle += 1
-            assert transfers(eng) and idle < 1000, (s, eng)
+            assert transfers(eng) and idle < 1000, (res.start_ns, eng)
             continue
         done += res.completed
         firsts += [(rid, res.end_ns) for rid in res.first_tokens]

@@ -4,6 +4,7 @@ engine's two drivers agreeing with it on (hypothesis)."""
 from __future__ import annotations
 
 import random
+from itertools import islice
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +17,7 @@ from kvemu.hashing import local_block_hashes
 from kvemu.routing_core import RoutingCore
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 from kvemu.wire.stream import EventStream, WorkerEventStats
+from tests.engine_runs import steps
 from tests.workers.test_engines_fastforward import fast_forward, summary, workloads
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, HostOffloadConfig
@@ -214,15 +216,8 @@ def with_offload(cfg: EngineConfig, host_blocks: int, gbps: float) -> EngineConf
 
 def stepwise(cfg: EngineConfig, reqs: list[Request]):
     eng = EngineCore(cfg)
-    for r in reqs:
-        eng.add_request(r)
     done, batches, firsts, preempted = [], [], [], []
-    for _ in range(100_000):
-        s = eng.next_pass_start_ns()
-        if s is None:
-            break
-        res = eng.step(s)
-        eng.check_invariants()
+    for res in islice(steps(eng, reqs), 100_000):
         done += res.completed
         firsts += [(rid, res.end_ns) for rid in res.first_tokens]
         preempted += [(rid, res.end_ns) for rid in res.preempted]

@@ -14,6 +14,8 @@ from workers.vllm_engine import EngineCore, StepResult
 from workers.request import Request
 from workers.mock_worker import MockWorker
 
+from tests.engine_runs import steps
+
 
 def req(rid: str, tokens, max_tokens: int = 4, arrival_ns: int = 0, **kw) -> Request:
     return Request(request_id=rid, token_ids=list(tokens), max_tokens=max_tokens, arrival_ns=arrival_ns, **kw)
@@ -58,10 +60,8 @@ class Ledger:
 def run_steps(eng: EngineCore, ledger: Ledger | None = None) -> list[StepResult]:
     """Reference driver: step at every pass start until nothing is left, checking invariants each pass."""
     out = []
-    while (s := eng.next_pass_start_ns()) is not None:
-        r = eng.step(s)
+    for r in steps(eng):
         out.append(r)
-        eng.check_invariants()
         if ledger is not None and r.kv_batch is not None:
             ledger.apply(r.kv_batch)
             assert ledger.cached == eng.pool.cached_hashes()

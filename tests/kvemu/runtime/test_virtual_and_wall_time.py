@@ -72,21 +72,23 @@ def test_same_decisions_and_token_counts_in_both_modes():
     assert any(r[3] > 0 for r in routed_v)  # the shared prefix was found cached
 
 
-def test_live_mode_two_workers_two_ranks_on_loopback():
-    text = """
-name: live-smoke
+LIVE = """
 cluster:
   workers: 2
-  dp_size: 2
   engine: {block_size: 16, num_gpu_blocks: 2048, speedup_ratio: 10, decode_speedup_ratio: 10}
 router: {policy: kv}
-workload: {kind: synthetic, rate_rps: 20, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64, num_prefix_groups: 16,
+workload: {kind: synthetic, rate_rps: 20, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
            isl: {kind: constant, mean: 96}, osl: {kind: constant, mean: 8}}
 run: {mode: live, seed: 3, duration_s: 2.5}
 """
+"""A short live run of sessions on two workers (each test sets its name and DP size)."""
+
+
+def test_live_mode_two_workers_two_ranks_on_loopback():
     from harness.runner import run_scenario
 
-    out = run_scenario(parse_scenario(text))
+    out = run_scenario(parse_scenario(LIVE, overrides=["name=live-smoke", "cluster.dp_size=2",
+                                                       "workload.num_prefix_groups=16"]))
     records = out.data.records
     assert records and all(r.failure is None and len(r.token_times_ns) == 8 for r in records)
     assert {(r.worker_id, r.dp_rank) for r in records} == {(0, 0), (0, 1), (1, 0), (1, 1)}
@@ -97,16 +99,7 @@ run: {mode: live, seed: 3, duration_s: 2.5}
 
 
 def test_live_faults_drop_and_delay_kv_events_are_repaired():
-    text = """
-name: live-chaos
-cluster:
-  workers: 2
-  dp_size: 1
-  engine: {block_size: 16, num_gpu_blocks: 2048, speedup_ratio: 10, decode_speedup_ratio: 10}
-router: {policy: kv}
-workload: {kind: synthetic, rate_rps: 20, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
-           isl: {kind: constant, mean: 96}, osl: {kind: constant, mean: 8}}
-run: {mode: live, seed: 3, duration_s: 2.5}
+    text = LIVE + """
 chaos:
   - {at_s: 0.5, action: drop_kv_events, worker: 0, dp_rank: 0, count: 3}
   - {at_s: 0.5, action: drop_kv_events, worker: 1, dp_rank: 0, count: 3}
@@ -114,7 +107,7 @@ chaos:
 """
     from harness.runner import run_scenario
 
-    out = run_scenario(parse_scenario(text))
+    out = run_scenario(parse_scenario(text, overrides=["name=live-chaos", "cluster.dp_size=1"]))
     assert out.data.records and all(r.failure is None for r in out.data.records)
     stats = out.data.kv_stats
     assert sum(s["gaps"] for s in stats.values()) >= 1

@@ -149,22 +149,14 @@ def test_a_dropped_group_does_not_need_matching_block_size_or_tokens():
     assert conv(ev) is None
 
 
-MEDIA = {
-    None: StorageTier.DEVICE,
-    "GPU": StorageTier.DEVICE,
-    "DEVICE": StorageTier.DEVICE,
-    "CPU": StorageTier.HOST_PINNED,
-    "CPU_PINNED": StorageTier.HOST_PINNED,
-    "CPU_TIER1": StorageTier.HOST_PINNED,
-    "CPU_TIER2": StorageTier.DISK,
-    "DISK": StorageTier.DISK,
-    "NVME": StorageTier.DISK,
-    "STORAGE": StorageTier.DISK,
-    "EXTERNAL": StorageTier.EXTERNAL,
-    "NETWORK": StorageTier.EXTERNAL,
-    "REMOTE": StorageTier.EXTERNAL,
-    "SHARED": StorageTier.EXTERNAL,
+# Dynamo's mapping stated as its source states it, tier by tier (no medium at all counts as the device)
+TIER_MEDIA = {
+    StorageTier.DEVICE: [None, "GPU", "DEVICE"],
+    StorageTier.HOST_PINNED: ["CPU", "CPU_PINNED", "CPU_TIER1"],
+    StorageTier.DISK: ["CPU_TIER2", "DISK", "NVME", "STORAGE"],
+    StorageTier.EXTERNAL: ["EXTERNAL", "NETWORK", "REMOTE", "SHARED"],
 }
+MEDIA = {medium: tier for tier, media in TIER_MEDIA.items() for medium in media}
 
 
 @pytest.mark.parametrize("medium", list(MEDIA), ids=str)

@@ -179,6 +179,14 @@ def new_core(*workers: tuple[int, int]) -> kvemu.RoutingCore:
     return core
 
 
+def followed(net: Net, sub: KvEventSubscriber, *streams: tuple[int, int]) -> list[KvEventPublisher]:
+    """A new publisher for each (worker id, DP rank) of ``streams``, its stream (with replay) added to ``sub``."""
+    pubs = [net.publisher() for _ in streams]
+    for (worker_id, dp_rank), pub in zip(streams, pubs):
+        sub.add(StreamSpec(worker_id, dp_rank, pub.endpoint, pub.replay_endpoint))
+    return pubs
+
+
 def depth(core: kvemu.RoutingCore, tokens: list[int]) -> dict[tuple[int, int], int]:
     return core.overlaps(core.prepare(tokens))
 
@@ -432,9 +440,7 @@ def test_restarted_publisher_resets_the_rank(net):
 def test_garbage_payloads_are_counted_and_survived(net):
     core = new_core((5, 1), (6, 1))
     sub = net.subscriber(core.apply_event)
-    bad, good = net.publisher(), net.publisher()
-    sub.add(StreamSpec(5, 0, bad.endpoint, bad.replay_endpoint))
-    sub.add(StreamSpec(6, 0, good.endpoint, good.replay_endpoint))
+    bad, good = followed(net, sub, (5, 0), (6, 0))
     sync(sub, {(5, 0): bad, (6, 0): good})
     before5, before6 = counters(sub, 5), counters(sub, 6)
 
@@ -572,8 +578,7 @@ def test_payloads_that_crash_the_consumer(net, name, request):
     payload, _ = CRASHERS[name]
     core = new_core((5, 1))
     sub = net.subscriber(core.apply_event)
-    pub = net.publisher()
-    sub.add(StreamSpec(5, 0, pub.endpoint, pub.replay_endpoint))
+    (pub,) = followed(net, sub, (5, 0))
     sync(sub, {(5, 0): pub})
     before = counters(sub, 5)
     pub.publish_payload(payload)
@@ -588,9 +593,7 @@ def test_payloads_that_crash_the_consumer(net, name, request):
 def test_block_size_mismatch_is_counted_per_worker_and_nothing_is_indexed(net):
     core = new_core((1, 1), (2, 1))
     sub = net.subscriber(core.apply_event)
-    right, wrong = net.publisher(), net.publisher()
-    sub.add(StreamSpec(1, 0, right.endpoint, right.replay_endpoint))
-    sub.add(StreamSpec(2, 0, wrong.endpoint, wrong.replay_endpoint))
+    right, wrong = followed(net, sub, (1, 0), (2, 0))
     tokens = prompt(18, 4)
     right.publish(batch(*chain_events(tokens, per_event=2)))
     wrong_hashes = [101, 102]  # an engine with 32-token blocks: 2 blocks for the same 64 tokens
