@@ -5,7 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as vLL
 ``POST /detokenize``. No framework and no task group per response: a request is parsed, submitted, and its
 tokens are written as the backend reports them. One watcher per request notices the client leaving and
 cancels the request in the engine. The status line waits for the first token, so a request refused before
-producing anything gets a real status (400, 404, 429, 503) even when it asked for a stream.
+producing anything gets a real status (400, 404, 429, 503) even when it asked for a stream. How an answer is
+written (SSE chunks or one body, usage, nvext) is ``kvemu.http.reply``'s.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import msgspec
 
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.http.backend import Backend
-from kvemu.http.errors import ApiError, error_body, failure_status
+from kvemu.http.errors import ApiError, error_body
 from kvemu.http.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -37,16 +38,13 @@ from kvemu.http.protocol import (
     output_budget,
     prompts_of,
 )
+from kvemu.http.reply import CLOSE_HEADERS, Gen, Reply, Run, respond
 from kvemu.http.tokenizer import TextTokenizer
 from kvemu.records import RequestRecord
 from kvemu.messages import ClientRequest
 
 __all__ = ["OpenAIApp", "Metrics"]
 
-_JSON = [(b"content-type", b"application/json")]
-_CLOSE = [*_JSON, (b"connection", b"close")]
-_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.encode
 log = logging.getLogger("kvemu.http")
 
@@ -62,67 +60,6 @@ class Metrics(Protocol):
               records: list[RequestRecord | None], prompt_lens: list[int]) -> None: ...
 
     def render(self) -> tuple[bytes, str]: ...
-
-
-class _Run:
-    """The generations of one HTTP request: tokens not yet written, records of the ended, who waits."""
-
-    __slots__ = ("pending", "records", "left", "waiter", "gone")
-
-    def __init__(self, k: int) -> None:
-        self.pending = [0] * k
-        self.records: list[RequestRecord | None] = [None] * k
-        self.left = k
-        self.waiter: asyncio.Future | None = None
-        self.gone = False
-
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def tokens(self, i: int, n: int) -> None:
-        self.pending[i] += n
-        self._wake()
-
-    def ended(self, i: int, record: RequestRecord) -> None:
-        self.records[i] = record
-        self.left -= 1
-        self._wake()
-
-    def disconnected(self, _task: Any = None) -> None:
-        self.gone = True
-        self._wake()
-
-    def has_news(self) -> bool:
-        return self.gone or any(self.pending) or any(r is not None for r in self.records)
-
-    async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-
-
-class _Gen:
-    """One generation (one prompt) of a request: its id, prompt, output plan and what was written of it."""
-
-    __slots__ = ("rid", "prompt_len", "n_out", "budget", "texts", "written", "first_ns")
-
-    def __init__(self, rid: str, prompt_len: int, n_out: int, budget: int, texts: list[str]) -> None:
-        self.rid = rid
-        self.prompt_len = prompt_len
-        self.n_out = n_out
-        self.budget = budget
-        self.texts = texts
-        self.written = 0
-        self.first_ns: int | None = None
-        """When its first token was written to the client (the front end's clock)."""
-
-    @property
-    def finish_reason(self) -> str:
-        return "length" if self.n_out >= self.budget else "stop"
 
 
 class OpenAIApp:
@@ -199,10 +136,10 @@ class OpenAIApp:
             if self.metrics is not None and handler in (self._completions, self._chat):
                 self.metrics.refused("chat_completions" if handler == self._chat else "completions", False)
             # a refused body is not read: the connection cannot carry another request
-            await _respond(send, exc.status, exc.body, _CLOSE if exc.status in (408, 413) else None)
+            await respond(send, exc.status, exc.body, CLOSE_HEADERS if exc.status in (408, 413) else None)
         except Exception as exc:  # noqa: BLE001 - a bug must not cost the client its answer
             log.exception("%s %s failed", scope["method"], scope["path"])
-            await _respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
+            await respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     def _check_length(self, scope: dict) -> None:
         """413 before reading a body whose ``content-length`` is past the limit."""
@@ -241,22 +178,22 @@ class OpenAIApp:
     # ------------------------------------------------------------------ small routes
 
     async def _models(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await _respond(send, 200, _encode({"object": "list", "data": [{
+        await respond(send, 200, _encode({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created, "owned_by": "kvemu", "root": self.model,
             "parent": None, "max_model_len": self.backend.max_model_len, "permission": []}]}))
 
     async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
         why = self.backend.unavailable()
         if why is None:
-            await _respond(send, 200, b"", [])
+            await respond(send, 200, b"", [])
         else:
-            await _respond(send, 503, error_body(503, why))
+            await respond(send, 503, error_body(503, why))
 
     async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
         if self.metrics is None:
             raise ApiError(404, "this server exports no metrics")
         body, content_type = self.metrics.render()
-        await _respond(send, 200, body, [(b"content-type", content_type.encode())])
+        await respond(send, 200, body, [(b"content-type", content_type.encode())])
 
     async def _tokenize(self, scope: dict, receive: Callable, send: Callable) -> None:
         req = decode_body(await self._body(receive), TokenizeRequest)
@@ -269,7 +206,7 @@ class OpenAIApp:
             text = prompts_of(ChatRequest(messages=req.messages), self.tok)[0]
         self._check_text_size([text], reserve=0)
         ids = (await self._tokens([text]))[0]
-        await _respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
+        await respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
                                            "tokens": ids}))
 
     async def _detokenize(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -279,7 +216,7 @@ class OpenAIApp:
             text = self.tok.decode(req.tokens)
         except ValueError as exc:
             raise ApiError(400, f"tokens: {exc}", "tokens") from None
-        await _respond(send, 200, _encode({"prompt": text}))
+        await respond(send, 200, _encode({"prompt": text}))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
@@ -364,15 +301,16 @@ class OpenAIApp:
                 n_out = max(req.min_tokens, min(budget, max(1, self.output_lengths())))
             rid = base if len(prompts) == 1 else f"{base}-{i}"
             ids, texts = self.tok.output(rid, n_out)
-            gens.append(_Gen(rid, len(tokens), n_out, budget, texts))
+            gens.append(Gen(rid, len(tokens), n_out, budget, texts))
             reqs.append(_client_request(rid, tokens, n_out, ids, hints))
-        run = _Run(len(gens))
+        run = Run(len(gens))
         stream = req.stream
         if self.metrics is not None:
             self.metrics.started()
         watcher = asyncio.ensure_future(receive())  # completes when the client leaves (any awaitable: granian)
         watcher.add_done_callback(run.disconnected)
-        reply = _Reply(self, base, chat, gens, req, hints, send, arrived)
+        reply = Reply(base, chat, gens, req, hints, send, arrived, model=self.model, created_s=self._unix_s(),
+                      clock=self.clock, block_size=self.backend.block_size)
         status = "error"
         submitted = 0
         try:
@@ -447,182 +385,3 @@ def _headers_only(send: Callable) -> Callable:
             message = {**message, "body": b""}
         await send(message)
     return head_send
-
-
-async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": _JSON if headers is None else headers})
-        await send({"type": "http.response.body", "body": body})
-    except OSError:  # the client is gone
-        pass
-
-
-class _Reply:
-    """Writes one request's response: SSE chunks as tokens arrive, or one JSON body at the end."""
-
-    def __init__(self, app: OpenAIApp, rid: str, chat: bool, gens: list[_Gen], req: Any, hints: Hints,
-                 send: Callable, arrived_ns: int) -> None:
-        self.app = app
-        self.rid = rid
-        self.chat = chat
-        self.gens = gens
-        self.req = req
-        self.hints = hints
-        self.send = send
-        self.arrived_ns = arrived_ns
-        self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": app._unix_s(), "model": app.model}
-        opts = req.stream_options
-        self._out: list[bytes] = []
-        self.include_usage = bool(opts and opts.include_usage)
-        self.continuous = bool(opts and opts.continuous_usage_stats)
-
-    async def _failed_early(self, run: _Run) -> str | None:
-        """If a generation failed before anything was written, answer with its status; returns the status word."""
-        for rec in run.records:
-            if rec is not None and rec.failure is not None:
-                await _respond(self.send, failure_status(rec.failure),
-                               error_body(failure_status(rec.failure), f"request failed: {rec.failure}"))
-                return "error"
-        return None
-
-    async def whole(self, run: _Run) -> str:
-        while run.left and not run.gone:
-            if any(r is not None and r.failure for r in run.records):
-                break
-            await run.wait()
-        if run.gone:
-            return "cancelled"
-        failed = await self._failed_early(run)
-        if failed:
-            return failed
-        choices = []
-        for i, (g, rec) in enumerate(zip(self.gens, run.records)):
-            assert rec is not None
-            g.written = rec.output_tokens
-            text = "".join(g.texts[: rec.output_tokens])
-            if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                                "logprobs": None, "finish_reason": g.finish_reason, "stop_reason": None})
-            else:
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": g.finish_reason,
-                                "stop_reason": None, "prompt_logprobs": None})
-        body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.head["created"], "model": self.app.model, "choices": choices,
-                "usage": self._usage(run.records)}
-        self._nvext(body, run.records)
-        await _respond(self.send, 200, _encode(body))
-        return "success"
-
-    async def stream(self, run: _Run) -> str:
-        """SSE: what is ready at each wake-up leaves in one write (the events stay one per chunk, as vLLM's)."""
-        send = self.send
-        out = self._out
-        started = False
-        clock = self.app.clock
-        try:
-            while True:
-                if run.gone:
-                    return "cancelled"
-                if not started:
-                    if not run.has_news():
-                        await run.wait()
-                        continue
-                    if not any(run.pending) and (failed := await self._failed_early(run)):
-                        return failed
-                    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-                    started = True
-                    if self.chat:
-                        for i in range(len(self.gens)):
-                            self._chunk(i, {"role": "assistant", "content": ""}, None)
-                for i, g in enumerate(self.gens):
-                    n = run.pending[i]
-                    if not n:
-                        continue
-                    run.pending[i] = 0
-                    if g.first_ns is None:
-                        g.first_ns = clock.now_ns()
-                    lo, g.written = g.written, min(g.written + n, g.n_out)
-                    text = "".join(g.texts[lo:g.written])
-                    last = g.written >= g.n_out
-                    self._chunk(i, {"content": text} if self.chat else text, g.finish_reason if last else None)
-                failure = next((r.failure for r in run.records if r is not None and r.failure), None)
-                if failure is not None:
-                    out.append(b"data: " + error_body(failure_status(failure), f"request failed: {failure}") + b"\n\n")
-                    out.append(_DONE)
-                    await self._write(False)
-                    return "error"
-                if not run.left and not any(run.pending):
-                    break
-                if out:
-                    await self._write(True)
-                else:
-                    await run.wait()
-            if self.include_usage:
-                usage: dict[str, Any] = {**self.head, "choices": [], "usage": self._usage(run.records)}
-                self._nvext(usage, run.records)
-                out.append(b"data: " + _encode(usage) + b"\n\n")
-            out.append(_DONE)
-            await self._write(False)
-            return "success"
-        except OSError:  # the client went away while we wrote
-            run.gone = True
-            return "cancelled"
-
-    async def _write(self, more: bool) -> None:
-        body = b"".join(self._out)
-        self._out.clear()
-        await self.send({"type": "http.response.body", "body": body, "more_body": more})
-
-    def _chunk(self, i: int, delta: Any, finish: str | None) -> None:
-        if self.chat:
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        chunk: dict[str, Any] = {**self.head, "choices": [choice]}
-        if self.continuous:
-            g = self.gens[i]
-            chunk["usage"] = {"prompt_tokens": g.prompt_len, "completion_tokens": g.written,
-                              "total_tokens": g.prompt_len + g.written}
-        self._out.append(b"data: " + _encode(chunk) + b"\n\n")
-
-    def _usage(self, records: list[RequestRecord | None]) -> dict[str, Any]:
-        prompt = sum(g.prompt_len for g in self.gens)
-        out = sum(r.output_tokens for r in records if r is not None)
-        cached = sum(r.engine_cached_tokens or 0 for r in records if r is not None)
-        return {"prompt_tokens": prompt, "total_tokens": prompt + out, "completion_tokens": out,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def _nvext(self, body: dict[str, Any], records: list[RequestRecord | None]) -> None:
-        fields = self.hints.extra_fields
-        rec = records[0]
-        if not fields or rec is None:
-            return
-        nv: dict[str, Any] = {}
-        if "worker_id" in fields:
-            nv["worker_id"] = {"prefill_worker_id": rec.worker_id, "prefill_dp_rank": rec.dp_rank,
-                               "decode_worker_id": rec.worker_id, "decode_dp_rank": rec.dp_rank}
-        if "timing" in fields:
-            nv["timing"] = _timing(rec, self.app.backend.block_size)
-        body["nvext"] = nv
-
-
-def _ms(a: int | None, b: int | None) -> float | None:
-    return None if a is None or b is None else round((b - a) / 1e6, 3)
-
-
-def _timing(rec: RequestRecord, block_size: int) -> dict[str, Any]:
-    """Where the time of one request went, as the router and the engine saw it (milliseconds)."""
-    n = rec.output_tokens
-    return {
-        "queue_ms": _ms(rec.queued_ns, rec.routed_ns) if rec.queued_ns is not None else 0.0,
-        "routing_ms": _ms(rec.arrival_ns, rec.routed_ns),
-        "engine_queue_ms": _ms(rec.routed_ns, rec.admitted_ns),
-        "ttft_ms": _ms(rec.arrival_ns, rec.first_token_ns),
-        "itl_ms": (_ms(rec.first_token_ns, rec.completion_ns) or 0.0) / (n - 1) if n > 1 else None,
-        "total_time_ms": _ms(rec.arrival_ns, rec.completion_ns),
-        "cached_tokens": rec.engine_cached_tokens or 0,
-        "predicted_cached_tokens": (rec.predicted_overlap_blocks or 0) * block_size,
-        "kv_hit_rate": round((rec.engine_cached_tokens or 0) / rec.isl, 4) if rec.isl else 0.0,
-        "routing_reason": rec.routing_reason,
-    }
