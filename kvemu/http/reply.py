@@ -4,6 +4,7 @@ from it (SSE chunks as tokens arrive as vLLM streams them, or one JSON body at t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -64,23 +65,22 @@ class Run:
             self.waiter = None
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Gen:
     """One generation (one prompt) of a request: its id, prompt, output plan and what was written of it."""
 
-    __slots__ = ("rid", "prompt_len", "n_out", "budget", "texts", "written", "first_ns")
-
-    def __init__(self, rid: str, prompt_len: int, n_out: int, budget: int, texts: list[str]) -> None:
-        self.rid = rid
-        self.prompt_len = prompt_len
-        self.n_out = n_out
-        self.budget = budget
-        self.texts = texts
-        self.written = 0
-        self.first_ns: int | None = None
-        """When its first token was written to the client (the front end's clock)."""
+    rid: str
+    prompt_len: int
+    n_out: int
+    budget: int
+    texts: list[str]
+    written: int = 0
+    first_ns: int | None = None
+    """When its first token was written to the client (the front end's clock)."""
 
     @property
     def finish_reason(self) -> str:
+        """``length`` when the output ran to its budget, else ``stop``."""
         return "length" if self.n_out >= self.budget else "stop"
 
 
