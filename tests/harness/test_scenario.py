@@ -183,7 +183,7 @@ def test_nesting_encoding_and_size_fail_as_scenario_errors(tmp_path, monkeypatch
     path.write_bytes(b"name: ok\ncluster:\n  workers: 2 # caf\xe9\n")
     with pytest.raises(ScenarioError, match=r"s.yaml: line 3: not UTF-8 text"):
         load_scenario(path)
-    monkeypatch.setattr(scenario_module, "MAX_SCENARIO_BYTES", 16)
+    monkeypatch.setattr(scenario_module.loading, "MAX_SCENARIO_BYTES", 16)
     path.write_text("name: a-longer-name-than-sixteen-bytes\n")
     with pytest.raises(ScenarioError, match="larger than 16 bytes"):
         load_scenario(path)

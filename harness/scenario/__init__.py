@@ -1,0 +1,61 @@
+"""The scenario file: a cluster, a router, a workload, how to run it, and what to break.
+
+Every field is typed (msgspec) and documented with its default. Loading rejects unknown keys, wrong
+types, out-of-range values and missing files with an error naming the key path and its line; nothing
+runs on an invalid scenario. ``--set key.path=value`` overrides are applied before validation.
+
+``sections`` holds each section's fields and checks, ``schema`` the whole scenario and the checks across
+sections, ``loading`` reading, overriding and validating a file; this package re-exports their public names.
+"""
+
+from harness.scenario import loading, schema, sections
+from harness.scenario.loading import (
+    MAX_SCENARIO_BYTES,
+    PATH_KEYS,
+    ScenarioError,
+    apply_overrides,
+    default_scenario_text,
+    file_kind,
+    load_scenario,
+    parse_scenario,
+    paths_from_cwd,
+    read_text_file,
+    resolve,
+)
+from harness.scenario.schema import MAX_SYNTHETIC_TOKENS, Scenario
+from harness.scenario.sections import (
+    MAX_DP_SIZE,
+    MAX_RANKS,
+    MAX_REQUESTS,
+    MAX_SCENARIO_NS,
+    MAX_SCENARIO_S,
+    MAX_WORKERS,
+    AffinitySpec,
+    AutoscalerSpec,
+    ChaosEvent,
+    ClusterSpec,
+    Count,
+    Distribution,
+    EngineSpec,
+    Index,
+    NonNeg,
+    PoolSpec,
+    Positive,
+    PositiveSeconds,
+    RouterSpec,
+    RunSpec,
+    Seconds,
+    SyntheticWorkload,
+    Tokens,
+    TraceWorkload,
+)
+from harness.yaml_validation import describe_validation_error, floats_where_expected, line_of
+
+__all__ = [
+    *sections.__all__,
+    *schema.__all__,
+    *loading.__all__,
+    "floats_where_expected",
+    "describe_validation_error",
+    "line_of",
+]

@@ -1,0 +1,204 @@
+"""Loading a scenario: reading its file, applying ``--set`` overrides, resolving the paths it names, and
+validating it against the schema with errors that name the key path and its line."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import yaml
+
+from kvemu.errors import InvalidArgument, KvemuError
+from workers.profile import cached_profile_timing
+
+from harness.scenario.schema import Scenario
+from harness.scenario.sections import TraceWorkload
+from harness.yaml_validation import describe_validation_error, floats_where_expected, key_location, value_at
+
+__all__ = [
+    "ScenarioError",
+    "MAX_SCENARIO_BYTES",
+    "PATH_KEYS",
+    "load_scenario",
+    "parse_scenario",
+    "apply_overrides",
+    "paths_from_cwd",
+    "default_scenario_text",
+    "read_text_file",
+    "resolve",
+    "file_kind",
+]
+
+
+MAX_SCENARIO_BYTES = 1 << 20
+"""Largest scenario file read."""
+
+
+class ScenarioError(KvemuError, ValueError):
+    """An invalid scenario; the message names the key path (and line, when known)."""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` overrides (values parsed as YAML scalars) to raw scenario data."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ScenarioError(f"--set {item!r}: expected key.path=value")
+        value = yaml.safe_load(raw) if raw else ""
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ScenarioError(f"--set {key}: {part} is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str] | None = None,
+                   source: str = "<scenario>") -> Scenario:
+    """Validate scenario YAML text; raises ``ScenarioError`` naming the key path and line."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{source}: the scenario must be a mapping of sections, got {type(raw).__name__}")
+    if file_kind(raw) == "sweep":
+        raise ScenarioError(f"{source}: a sweep file (it has axes:), not a scenario: run it with kvemu sweep {source}")
+    apply_overrides(raw, overrides or [])
+    workload = raw.get("workload")
+    if isinstance(workload, dict) and "kind" not in workload:  # after the overrides: they may add the section
+        workload["kind"] = "trace" if "trace" in workload else "synthetic"
+    overridden = {item.partition("=")[0] for item in overrides or []}
+    floats_where_expected(raw, Scenario)
+    raw["base_dir"] = str(base_dir)
+    for where in _ENGINES:
+        timing = value_at(raw, [*where, "timing_model"])[1]
+        if isinstance(timing, dict) and isinstance(timing.get("path"), str) and timing["path"]:
+            timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
+    cluster_raw = raw.get("cluster")
+    if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
+        for key in ("workers", "dp_size", "engine"):
+            if key in cluster_raw:
+                at = key_location(text, ["cluster", key], overridden)
+                raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
+                                    f"cluster.prefill.{key} and cluster.decode.{key} instead")
+    try:
+        scenario = msgspec.convert(raw, Scenario, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(describe_validation_error(exc, raw, text, source, schema=Scenario,
+                                                      overridden=overridden)) from None
+    except InvalidArgument as exc:
+        raise ScenarioError(f"{source}: {exc}") from None
+    for where in _ENGINES:
+        spec = value_at(msgspec.to_builtins(scenario), [*where, "timing_model"])[1]
+        if isinstance(spec, dict) and spec.get("type") == "interpolated":
+            try:
+                cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
+            except InvalidArgument as exc:
+                at = key_location(text, [*where, "timing_model", "path"], overridden)
+                raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
+    if isinstance(scenario.workload, TraceWorkload):
+        path = resolve(scenario, scenario.workload.trace)
+        if not path.is_file():
+            at = key_location(text, ["workload", "trace"], overridden)
+            raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
+    return scenario
+
+
+_ENGINES: list[list[str]] = [["cluster", "engine"], ["cluster", "prefill", "engine"], ["cluster", "decode", "engine"]]
+"""Where engine sections are in a scenario."""
+PATH_KEYS = ("workload.trace", *(".".join(map(str, [*where, "timing_model", "path"])) for where in _ENGINES))
+"""Scenario keys that name files (relative to the scenario file, or, given with ``--set``, to the working
+directory)."""
+
+
+def paths_from_cwd(overrides: list[str], cwd: str | Path | None = None) -> list[str]:
+    """``--set`` overrides with the relative paths they give (``PATH_KEYS``, also inside a mapping value) made
+    absolute against ``cwd`` (default: the working directory): a path typed on a command line means one from
+    where it was typed, not from the scenario's folder."""
+    base = Path.cwd() if cwd is None else Path(cwd)
+    out = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if sep and key and raw:
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                value = None  # apply_overrides reports it
+            for path_key in PATH_KEYS:
+                if path_key == key and isinstance(value, str) and value:
+                    value = str(_resolve_in(base, value))
+                    item = f"{key}={json.dumps(value)}"  # JSON is YAML: the path stays a string
+                elif path_key.startswith(key + ".") and isinstance(value, dict):  # e.g. a whole timing_model
+                    node: Any = value
+                    *parents, leaf = path_key[len(key) + 1:].split(".")
+                    for part in parents:
+                        node = node.get(part) if isinstance(node, dict) else None
+                    if isinstance(node, dict) and isinstance(node.get(leaf), str) and node[leaf]:
+                        node[leaf] = str(_resolve_in(base, node[leaf]))
+                        item = f"{key}={json.dumps(value)}"
+        out.append(item)
+    return out
+
+
+_SCENARIO_KEYS = frozenset(("cluster", "router", "workload", "run", "chaos", "autoscaler"))
+"""Top-level keys only a scenario has."""
+
+
+def file_kind(raw: Any) -> Literal["scenario", "sweep"] | None:
+    """What a parsed YAML file is by its top-level keys (a sweep has ``axes``, a scenario sections such as
+    ``cluster``; None: cannot tell), so that a file given to the wrong command gets told which command it is for."""
+    if not isinstance(raw, dict):
+        return None
+    scenario, sweep = bool(_SCENARIO_KEYS & raw.keys()), "axes" in raw
+    return "scenario" if scenario and not sweep else "sweep" if sweep and not scenario else None
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    """Read and validate a scenario file."""
+    p = Path(path)
+    text = read_text_file(p, "scenario")
+    return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
+
+
+def read_text_file(path: Path, what: str, limit: int | None = None) -> str:
+    """The UTF-8 text of a small input file (a ``what``: scenario, sweep); ``ScenarioError`` past ``limit`` bytes
+    (default ``MAX_SCENARIO_BYTES``)."""
+    limit = MAX_SCENARIO_BYTES if limit is None else limit
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read the {what}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise ScenarioError(f"{path}: larger than {limit:,} bytes; is it a {what}?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ScenarioError(f"{path}: line {line}: not UTF-8 text") from None
+
+
+def resolve(scenario: Scenario, path: str) -> Path:
+    """A path from the scenario, resolved against its directory."""
+    return _resolve_in(scenario.base_dir, path)
+
+
+def _resolve_in(base_dir: str | Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path(base_dir) / p
+
+
+def default_scenario_text() -> str:
+    """The built-in default scenario (also ``examples/quickstart.yaml``), shipped as package data."""
+    return resources.files("harness").joinpath("quickstart.yaml").read_text(encoding="utf-8")

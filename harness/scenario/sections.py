@@ -1,0 +1,329 @@
+"""The scenario's sections, each with its fields, defaults, bounds and its own checks: the cluster (engine, pools),
+the router, the workload (synthetic or trace), the run, a chaos event, the autoscaler.
+
+Knobs are defined once: ``router`` takes every field of ``kvemu.RouterConfig`` and of
+``kvemu.runtime.router.RouterSettings`` plus how the harness runs the router, and ``cluster.engine`` every
+field of ``workers.EngineConfig``; their bounds are the configs' ``msgspec.Meta`` constraints, so a scenario
+and a Python caller are held to the same ranges. Checks across sections are the whole scenario's
+(``harness.scenario.schema``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypedDict
+
+import msgspec
+from msgspec import Meta
+
+from kvemu.autoscale.config import AutoscaleConfig
+from kvemu.clock import NS_PER_MS
+from kvemu.config import RouterConfig
+from kvemu.errors import InvalidArgument
+from kvemu.runtime.router import RouterSettings
+from kvemu.validation import check_struct
+from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
+from workers.config import EngineConfig
+from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
+
+from harness.report.sla import Sla
+
+__all__ = [
+    "EngineSpec",
+    "PoolSpec",
+    "ClusterSpec",
+    "AffinitySpec",
+    "RouterSpec",
+    "Distribution",
+    "SyntheticWorkload",
+    "TraceWorkload",
+    "RunSpec",
+    "ChaosEvent",
+    "AutoscalerSpec",
+    "MAX_WORKERS",
+    "MAX_DP_SIZE",
+    "MAX_RANKS",
+    "MAX_SCENARIO_S",
+    "MAX_SCENARIO_NS",
+    "MAX_REQUESTS",
+    "Count",
+    "Index",
+    "NonNeg",
+    "Positive",
+    "Seconds",
+    "PositiveSeconds",
+    "Tokens",
+]
+
+
+class _StructOptions(TypedDict):
+    """The ``msgspec`` options of every scenario section: passed to ``msgspec.defstruct`` and to a class whose base
+    mypy cannot see; the other ``class`` statements spell them out, where mypy reads them."""
+
+    kw_only: bool
+    forbid_unknown_fields: bool
+    frozen: bool
+
+
+_STRUCT: _StructOptions = dict(kw_only=True, forbid_unknown_fields=True, frozen=True)
+
+_ROUTER_LIMITS = RouterSettings()
+MAX_WORKERS = _ROUTER_LIMITS.max_workers
+MAX_DP_SIZE = _ROUTER_LIMITS.max_ranks_per_worker
+MAX_RANKS = _ROUTER_LIMITS.max_ranks
+"""Largest cluster a scenario may start (workers x dp_size): what a router registers by default."""
+MAX_SCENARIO_S = MAX_TRACE_MS / 1000
+"""Longest scenario time (about ten years, as for trace rows): durations, delays and chaos instants stay below it."""
+MAX_SCENARIO_NS = round(MAX_TRACE_MS * NS_PER_MS)
+MAX_REQUESTS = 10_000_000
+"""Most requests one scenario may send (a synthetic workload's expected count included)."""
+
+Count = Annotated[int, Meta(ge=1)]
+Index = Annotated[int, Meta(ge=0)]
+NonNeg = Annotated[float, Meta(ge=0)]
+Positive = Annotated[float, Meta(gt=0)]
+Seconds = Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S)]
+PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_SCENARIO_S)]
+Tokens = Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """A scenario section: its declared bounds also hold when it is built in Python (and floats are finite)."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+
+
+class _EngineSection(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    def __post_init__(self) -> None:
+        config = self.config(dp_size=1)  # EngineConfig's own checks, cross-field ones included
+        if self.block_size is None:  # type: ignore[attr-defined]
+            msgspec.structs.force_setattr(self, "block_size", config.block_size)  # the backend's default
+
+    def config(self, dp_size: int) -> EngineConfig:
+        """The engine configuration of every rank of a worker with ``dp_size`` ranks."""
+        return EngineConfig(dp_size=dp_size, **msgspec.structs.asdict(self))
+
+
+EngineSpec = msgspec.defstruct(
+    "EngineSpec",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(EngineConfig) if f.name != "dp_size"],
+    bases=(_EngineSection,), module=__name__, **_STRUCT,
+)
+"""Mock engine settings per DP rank: every ``EngineConfig`` knob, same names, defaults and bounds, except
+``dp_size``, which is ``cluster.dp_size``."""
+
+
+class PoolSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """One pool of a disaggregated cluster: its workers, their DP ranks and their engine."""
+
+    workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
+    dp_size: Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)] = 1
+    engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
+
+
+class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The workers: one aggregated pool (``workers``, ``dp_size``, ``engine``), or a prefill pool and a
+    decode pool (``prefill`` and ``decode``, each with its own; the top-level three are then unused)."""
+
+    workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 4
+    dp_size: Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)] = 1
+    worker_type: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
+    kv_events_version: str = DEFAULT_VLLM_VERSION
+    """vLLM version whose KV-event wire format the workers speak."""
+    heartbeat_interval_s: PositiveSeconds = 1.0
+    kv_wire_check: bool = False
+    """Virtual mode: carry every actor message and KV-event batch as the bytes live mode sends
+    (encoded and decoded on the way) instead of as objects. Same report, slower; proves the codecs."""
+    prefill: PoolSpec | None = None
+    """Disaggregated serving: the pool that computes prompts (its engine's ``kv_transfer_*`` knobs model the
+    link to the decode pool). Give ``decode`` too."""
+    decode: PoolSpec | None = None
+    """Disaggregated serving: the pool that receives the prompts' KV and produces the tokens."""
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the cluster has a prefill pool and a decode pool."""
+        return self.prefill is not None
+
+    def pools(self) -> dict[str, tuple[int, int, Any]]:
+        """``pool -> (workers, dp_size, engine spec)``: ``aggregated``, or ``prefill`` and ``decode``."""
+        if self.prefill is not None and self.decode is not None:
+            return {"prefill": (self.prefill.workers, self.prefill.dp_size, self.prefill.engine),
+                    "decode": (self.decode.workers, self.decode.dp_size, self.decode.engine)}
+        return {"aggregated": (self.workers, self.dp_size, self.engine)}
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if (self.prefill is None) != (self.decode is None):
+            raise InvalidArgument("a disaggregated cluster needs both pools: give cluster.prefill and cluster.decode",
+                                  field="prefill" if self.prefill is None else "decode")
+        if self.prefill is not None and self.decode is not None:
+            ranks = self.prefill.workers * self.prefill.dp_size + self.decode.workers * self.decode.dp_size
+            if ranks > MAX_RANKS:
+                raise InvalidArgument(f"the pools' {ranks} DP ranks are more than the {MAX_RANKS} ranks a scenario "
+                                      "may start", field="decode")
+            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+                # EngineSpec is built by msgspec.defstruct: mypy cannot see its fields
+                if pool.engine.backend == "sglang":  # type: ignore[attr-defined]
+                    raise InvalidArgument("the SGLang flavour runs no disaggregated "
+                                          "pools yet; use vllm or trtllm there", field=f"{name}.engine.backend")
+        if self.workers * self.dp_size > MAX_RANKS:
+            raise InvalidArgument(f"{self.workers} workers x {self.dp_size} DP ranks is more than the {MAX_RANKS} "
+                                  "ranks a scenario may start", field="workers")
+        try:
+            profile_for(self.kv_events_version)
+        except InvalidArgument as exc:
+            raise InvalidArgument(str(exc), field="kv_events_version") from None
+
+
+class AffinitySpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Session affinity (requests with a ``session_id`` or a parent session)."""
+
+    enabled: bool = False
+    ttl_secs: PositiveSeconds = 300.0
+    mode: Literal["hard", "soft"] = "hard"
+
+
+_RouterKnobs = msgspec.defstruct(
+    "_RouterKnobs",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(RouterSettings)],
+    bases=(RouterConfig,), module=__name__, **_STRUCT,
+)
+"""Every ``RouterConfig`` and ``RouterSettings`` knob: same names, defaults and bounds."""
+
+
+# _RouterKnobs is built by msgspec.defstruct: mypy sees a variable, not a class
+class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc]
+    """The router: every ``RouterConfig`` and ``RouterSettings`` knob, plus how the harness runs it."""
+
+    policy: str = "kv"
+    """``kv`` (default selector), ``round_robin``, ``random``, or ``module:callable`` returning a CustomPolicy."""
+    kv_event_lag_ms: NonNeg = 0.0
+    """Every KV publisher publishes this late, in order (the router's view of KV events lags; both modes)."""
+    network_latency_ms: NonNeg = 0.0
+    """One-way delivery latency between router and workers (virtual mode)."""
+    seed: int | None = None
+    """Seed of the router's tie-breaking generator (default: the run seed)."""
+    affinity: AffinitySpec = AffinitySpec()
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if self.policy not in ("kv", "round_robin", "random") and not re.fullmatch(r"[\w.]+:\w+", self.policy):
+            raise InvalidArgument(f"policy must be kv, round_robin, random or module:callable, got {self.policy!r}",
+                                  field="policy")
+
+    def config(self) -> RouterConfig:
+        """The ``RouterConfig`` part of this section."""
+        return RouterConfig(**{name: getattr(self, name) for name in RouterConfig.__struct_fields__})
+
+    def settings(self) -> RouterSettings:
+        """The ``RouterSettings`` part of this section."""
+        return RouterSettings(**{name: getattr(self, name) for name in RouterSettings.__struct_fields__})
+
+
+class Distribution(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """A positive integer distribution: ``constant``, ``uniform`` [low, high], ``normal`` or ``lognormal``."""
+
+    kind: Literal["constant", "uniform", "normal", "lognormal"] = "constant"
+    mean: Annotated[float, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 512
+    std: Annotated[float, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 0.0
+    low: Tokens = 1
+    high: Tokens = 1 << 20
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if self.low > self.high:
+            raise InvalidArgument(f"low ({self.low}) must be <= high ({self.high})", field="low")
+
+
+class _Workload(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    concurrency: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+    """Closed loop: at most this many sessions in flight, each next one (in start order) starting when one
+    ends; start times are ignored (the reference replay's ``replay_concurrency``). None: open loop."""
+
+
+class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind",
+                        kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Generated traffic: sessions of several turns, shared prefixes, sub-agents, pins."""
+
+    arrival: Literal["poisson", "constant"] = "poisson"
+    rate_rps: Annotated[float, Meta(gt=0, le=1e6)] = 4.0
+    """New sessions per second."""
+    isl: Distribution = Distribution(mean=1024, std=256, kind="normal", low=64, high=8192)
+    """Tokens added to the conversation per turn (the first turn's prompt)."""
+    osl: Distribution = Distribution(mean=128, std=32, kind="normal", low=8, high=2048)
+    turns: Annotated[int, Meta(ge=1, le=100_000)] = 3
+    think_time_s: Seconds = 2.0
+    system_prefix_tokens: Annotated[int, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 512
+    num_prefix_groups: Annotated[int, Meta(ge=1, le=1_000_000)] = 4
+    """Distinct system prompts; each session draws one."""
+    sub_agents: Annotated[int, Meta(ge=0, le=1000)] = 0
+    """Sibling sub-agent requests per turn, sharing the parent session's sibling-group affinity."""
+    pin_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    """Fraction of sessions whose requests pin an explicit worker."""
+    vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)] = 32000
+
+
+class TraceWorkload(_Workload, tag="trace", tag_field="kind",
+                    kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Replay of a Mooncake-format JSONL trace (``timestamp`` or ``delay``, ``hash_ids``...)."""
+
+    trace: str
+    """Path of the JSONL file, relative to the scenario file unless absolute."""
+    format: Literal["mooncake"] = "mooncake"
+    trace_block_size: Count = 512
+    arrival_speedup_ratio: Positive = 1.0
+
+
+class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """How to run: mode, seed, and when to stop."""
+
+    mode: Literal["virtual", "live"] = "virtual"
+    seed: int = 0
+    duration_s: PositiveSeconds | None = None
+    """Stop arrivals after this much scenario time, then drain."""
+    max_requests: Annotated[int, Meta(ge=1, le=MAX_REQUESTS)] | None = None
+    """Stop after this many requests (trace rows or synthetic turns)."""
+    drain_timeout_s: PositiveSeconds = 600.0
+    """Open loop: how long after the last session start the run may drain. Closed loop
+    (``workload.concurrency``): the run stops when no request has ended for this long."""
+    sla: Sla | None = None
+    """Latency targets (``ttft_ms`` and/or ``itl_ms``, or ``e2e_ms``): the report adds goodput and per-request
+    ``met_sla``."""
+    router_silence_s: PositiveSeconds | None = None
+    """``kvemu loadgen``: how long its router may stay silent before the load generator declares it lost (its open
+    requests fail with ``router_lost``); default five heartbeat intervals, at least 5 s."""
+    router_stall_s: PositiveSeconds = 120.0
+    """``kvemu up``: its load generator knows whether the router process is alive, and waits this long for one
+    that is alive but silent (stopped, or swamped) before declaring it lost; a router that exited is lost at once."""
+    stop_on_worker_exit: bool = False
+    """``kvemu up``/``serve``: stop the run when a worker process exits unasked (a crash, a kill). By default a
+    worker's death is a fault the cluster handles (the router fences it when its heartbeats stop; what it held
+    fails with ``worker_lost``) and the report shows, not a reason to stop."""
+
+
+class ChaosEvent(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """One scheduled fault."""
+
+    at_s: Seconds
+    action: Literal["remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
+                    "slow_worker", "restart_router"]
+    worker: Index | None = None
+    """Target worker id (``remove_worker``, ``kill_rank``, ``drop_kv_events``, ``slow_worker``)."""
+    dp_rank: Index = 0
+    graceful: bool = True
+    count: Annotated[int, Meta(ge=1, le=1 << 30)] = 1
+    """Batches to drop (``drop_kv_events``)."""
+    lag_ms: Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S * 1000)] = 0.0
+    factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    """Slowdown factor (``slow_worker``): durations are multiplied by it."""
+
+
+class AutoscalerSpec(AutoscaleConfig, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Add and remove workers of one pool as the load goes: every ``kvemu.autoscale.AutoscaleConfig`` knob."""
+
+    def managed_pool(self, cluster: ClusterSpec) -> str:
+        """The pool it scales: ``pool``, else the aggregated pool, or the decode pool of a disaggregated cluster."""
+        return self.pool or ("decode" if cluster.disaggregated else "aggregated")
