@@ -28,7 +28,7 @@ from kvemu.runtime.transport import message_socket
 from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns
-from harness.pools import pool_sizes, routing_block_size, samples
+from harness.pools import pool_sizes, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.runner import count_requests

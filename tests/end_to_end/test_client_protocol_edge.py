@@ -10,7 +10,6 @@ from kvemu.messages import ClientRequest
 
 from harness.procs.loadgen import _RouterClient
 from harness.procs.protocol import CLIENT
-from kvemu.messages import encode
 from harness.procs.up import Children
 from tests.end_to_end.test_processes import registered, router_and_worker, small
 
