@@ -1,9 +1,10 @@
-"""Speed work leaves reports alone: two scenarios' reports are pinned to those of the commit issue #28 started from.
+"""Speed and structure work leave reports alone: three scenarios' reports are pinned.
 
 The digests are of ``requests.jsonl`` as written and of ``summary.json`` without its wall-clock keys and
-``kvemu.build`` (absent at that commit), as canonical JSON. They were taken at eff05ba; whichever build this
-suite runs (pure in CI's first step, compiled in its fresh clone) must reproduce them. A change meant to move
-a report (a fidelity fix) updates them in the same commit and says why.
+``kvemu.build`` (absent at eff05ba), as canonical JSON. The quickstart and the chaos scenario were taken at
+eff05ba (where issue #28, speed, started), the disaggregated one at 2542e40 (where issue #29, structure,
+started); whichever build this suite runs (pure in CI's first step, compiled in its fresh clone) must reproduce
+them. A change meant to move a report (a fidelity fix) updates them in the same commit and says why.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ PINNED = {
     "chaos-virtual": (("examples/compose-chaos.yaml", "--set", "run.mode=virtual"),
                       "74cd34353ad9e06b517bbfa18be137cde8dafbcd65c97004cf7a346d1058503f",
                       "b56e6001e862a6f6cd50f8915b9c402b318145570695b3b5995df064a1653316"),
+    "disagg-virtual": (("examples/compose-disagg.yaml", "--set", "run.mode=virtual"),
+                       "cd779eccf6ba06c231291563afcd55a015a859f1df550714db536a1efd2cde1a",
+                       "5f4357514a7c52d84639591049bbbb7609f0b58525ee4b6230bb4191d50ddd06"),
 }
-"""Scenario → (``kvemu run`` arguments, summary digest, requests.jsonl digest), as of eff05ba."""
+"""Scenario → (``kvemu run`` arguments, summary digest, requests.jsonl digest)."""
 
 
 def summary_digest(summary: dict) -> str:
