@@ -60,11 +60,12 @@ def _source_hashes(paths: list[str]) -> dict[str, str]:
 
 
 def _stale_outputs() -> list[Path]:
-    """Extensions and manifest a previous in-place (editable) build left in the source tree."""
+    """Extensions and manifest a previous in-place (editable) build left in the source tree: every extension in
+    the compiled packages, so that one of a module since renamed or no longer compiled cannot still be imported."""
     found = [ROOT / MANIFEST]
-    for p in COMPILED:
-        found += (ROOT / p).parent.glob(Path(p).stem + ".cpython-*.so")
-        found += (ROOT / p).parent.glob(Path(p).stem + ".*.pyd")
+    for package in sorted({Path(p).parts[0] for p in COMPILED}):
+        found += (ROOT / package).rglob("*.cpython-*.so")
+        found += (ROOT / package).rglob("*.pyd")
     found += ROOT.glob("*__mypyc.cpython-*.so")
     return [f for f in found if f.exists()]
 

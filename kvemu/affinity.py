@@ -420,7 +420,8 @@ class SessionAffinity:
         """
         clock = self.clock
         if not isinstance(clock, ManualClock):
-            raise InvalidArgument("advance_clock needs a ManualClock; a WallClock table expires by its reaper")
+            raise InvalidArgument("advance_clock needs a ManualClock; a WallClock table expires idle bindings "
+                                  "when they are next looked at, or when its host calls expire()")
         if not isinstance(t_ns, int) or t_ns < clock.now_ns():
             raise InvalidArgument(f"advance_clock: {t_ns!r} is before the current time {clock.now_ns()} ns",
                                   field="t_ns")
