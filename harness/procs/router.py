@@ -157,15 +157,11 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 return
             in_flight.add(key)
             ended = anyio.Event()
-            records: list[RequestRecord] = []
-
-            def on_end(record: RequestRecord) -> None:
-                records.append(record)
-                ended.set()
-
+            record: RequestRecord | None = None
             try:
                 await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
-                front.submit(msgspec.structs.replace(req, request_id=key), on_end)
+                # the record submit returns is the one on_end is given, complete once the request ended
+                record = front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
             except BaseException:
                 in_flight.discard(key)
                 raise
@@ -174,10 +170,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         finally:
             in_flight.discard(key)
             recorder.records.pop(key, None)  # the client has its answer
-            if records:
-                rec = records[0]
-                rec.request_id = req.request_id
-                end.reply(peer, encode(RecordReply(record=rec)))
+            if record is not None and ended.is_set():
+                record.request_id = req.request_id
+                end.reply(peer, encode(RecordReply(record=record)))
 
     def decode_message(peer: bytes, data: bytes) -> ClientMessage | None:
         """A client message decoded (a request's prompt packed: ``with_packed_prompt``); a malformed one is
