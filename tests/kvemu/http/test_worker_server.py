@@ -35,9 +35,9 @@ run: {mode: live, seed: 5}
 BS = 16
 
 
-def serve_worker(body):
+def serve_worker(body, overrides: list[str] | None = None):
     """Run ``body(http, actor)`` against worker 0's own HTTP server in a live in-process cluster."""
-    sc = parse_scenario(SCENARIO)
+    sc = parse_scenario(SCENARIO, overrides=overrides)
     clock = WallClock()
 
     async def main():
