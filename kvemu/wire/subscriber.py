@@ -72,6 +72,25 @@ def open_file_limit(want: int) -> int:
         return want
 
 
+FILES_RECOUNT_NS = NS_PER_S // 10
+"""How long a count of this process's open files stands (a count costs about 2 ms per 4,000 files)."""
+
+
+def open_files() -> tuple[int, int] | None:
+    """This process's open files and its open-file limit now, or None where they cannot be counted cheaply
+    (no ``/proc/self/fd``)."""
+    try:
+        import os
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None
+        return len(os.listdir("/proc/self/fd")), soft
+    except (ImportError, OSError):  # pragma: no cover - not Linux
+        return None
+
+
 def sized_context(streams: int) -> zmq.Context:
     """A ZeroMQ context allowed enough sockets for ``streams`` ranks (ZeroMQ's default stops at 1,023), with
     the process's open-file limit raised towards what they need (up to the hard limit)."""
@@ -151,6 +170,11 @@ class KvEventSubscriber:
                 max_streams, self.file_limited = fit, True
         self.max_streams = max_streams
         """Most ranks consumed at once (``add`` refuses more): as asked, or what the open-file limit allows."""
+        self._files_counted_ns: int | None = None
+        self._files_free = 0
+        """Open files left at the last count, beyond ``FDS_RESERVED``: other connections (every peer that
+        connects to the router holds one) take from the same limit as the streams."""
+        self._connected_at_count = 0
         self._streams: dict[zmq.Socket, _Stream] = {}
         self._by_key: dict[tuple[int, int], _Stream] = {}
         self._poller = zmq.Poller()
@@ -198,8 +222,27 @@ class KvEventSubscriber:
             self._watch(stream)
 
     def streams_left(self) -> int | None:
-        """How many more streams ``add`` takes (None: no bound)."""
-        return None if self.max_streams is None else self.max_streams - len(self._by_key)
+        """How many more streams can be opened (None: no bound): what ``add`` takes, and fewer when other
+        connections (a flood of peers) hold the open files the streams were sized with."""
+        if self.max_streams is None:
+            return None
+        left = self.max_streams - len(self._by_key)
+        free = self._files_left()
+        return left if free is None else max(0, min(left, free // FDS_PER_STREAM - len(self._unconnected)))
+
+    def _files_left(self) -> int | None:
+        """Open files left beyond ``FDS_RESERVED`` (None: not countable): counted at most every
+        ``FILES_RECOUNT_NS``, less what the streams connected since then hold."""
+        connected = len(self._by_key) - len(self._unconnected)
+        now = self.clock.now_ns()
+        if self._files_counted_ns is None or now - self._files_counted_ns >= FILES_RECOUNT_NS:
+            counted = open_files()
+            if counted is None:
+                return None
+            used, limit = counted
+            self._files_counted_ns, self._connected_at_count = now, connected
+            self._files_free = limit - FDS_RESERVED - used
+        return self._files_free - FDS_PER_STREAM * (connected - self._connected_at_count)
 
     def _connect(self, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
         sub = self._ctx.socket(zmq.SUB)

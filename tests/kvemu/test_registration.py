@@ -1,6 +1,7 @@
 """Registration is bounded: ranks per worker, workers, ranks in total, endpoints and taints; a refused
 registration changes nothing, and a live subscriber is sized for the ranks it may have to consume."""
 
+import os
 import time
 
 import pytest
@@ -16,7 +17,8 @@ from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork
 from kvemu.wire.codec import encode_batch
 from kvemu.kv_events import KVEventBatch
-from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
+from kvemu.wire.subscriber import (FDS_PER_STREAM, FDS_RESERVED, FILES_RECOUNT_NS, KvEventSubscriber, StreamSpec,
+                                   open_files)
 
 from harness.cluster import cluster
 from harness.scenario import parse_scenario
@@ -91,6 +93,31 @@ def test_two_thousand_ranks_stream_into_one_subscriber():
         sub.close()
         pub.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.skipif(open_files() is None, reason="open files are counted through /proc/self/fd (Linux)")
+def test_open_files_held_by_other_connections_lower_the_streams_left():
+    """A flood of peers holds one open file each on the router: the streams budget counts them, so the router
+    refuses registrations before it runs out of files for its own sockets (it stopped answering at 4,096)."""
+    clock = ManualClock()
+    sub = KvEventSubscriber(lambda e: None, block_size=4, max_streams=100, replay_on_connect=False, clock=clock)
+    held = []
+    try:
+        used, limit = open_files()
+        before = sub.streams_left()
+        assert before == min(100, (limit - FDS_RESERVED - used) // FDS_PER_STREAM)
+        free = limit - FDS_RESERVED - used
+        assert free >= 60 * FDS_PER_STREAM  # the subscriber raised the limit for its 100 streams
+        held = [open(os.devnull) for _ in range(free - 60 * FDS_PER_STREAM)]  # what peers' connections would hold
+        assert sub.streams_left() == before  # the last count stands for FILES_RECOUNT_NS
+        clock.advance(FILES_RECOUNT_NS)
+        assert sub.streams_left() == 60
+        sub.add(StreamSpec(1, 0, "tcp://127.0.0.1:1", None))  # added, not yet connected: counted all the same
+        assert sub.streams_left() == 59
+    finally:
+        for f in held:
+            f.close()
+        sub.close()
 
 
 def test_a_token_bucket_spends_its_burst_then_refills_at_its_rate():
