@@ -2,7 +2,7 @@
 
 ``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every
 command's options), ``run`` (run, validate), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
-serve) with ``preflight`` (what those processes refuse before any starts), ``tools`` (tokenizer, compare, demo),
+serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts), ``tools`` (tokenizer, compare, demo),
 and what they share: ``loading`` (the scenario a command names) and ``signals``.
 """
 
@@ -39,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
     if args.command in ("router", "worker", "loadgen", "up", "serve"):
         return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
+    if args.command == "fleet":
+        from harness.cli.fleet import fleet_command
+
+        return fleet_command(args)
     from harness.runner import Terminated
 
     try:

@@ -18,6 +18,11 @@ def _add_http(parser: argparse.ArgumentParser, default: str | None) -> None:
     """The options of the OpenAI front door a process serves (``--http`` and what it serves with)."""
     parser.add_argument("--http", default=default, metavar="HOST:PORT",
                         help="serve the OpenAI-compatible front door there (port 0: pick a free one)")
+    _add_serving(parser)
+
+
+def _add_serving(parser: argparse.ArgumentParser) -> None:
+    """How an OpenAI server serves: its tokenizer, model name and HTTP server."""
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a local tokenizer.json (or a directory with one); default: kvemu's built-in tokenizer")
     parser.add_argument("--model", default="kvemu", help="the model name clients use (default: kvemu)")
@@ -114,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(router)
     router.add_argument("--grace", type=float, default=10.0, help="seconds to drain requests on SIGTERM")
     worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
-    worker.add_argument("--router", required=True, help="the router's --listen endpoint")
+    worker.add_argument("--router", help="the router's --listen endpoint (none: serve --http clients alone, as a "
+                                         "member of kvemu fleet with another router in front)")
     worker.add_argument("--worker-id", type=int, help="default: random")
     worker.add_argument("--dp-size", type=int, help="default: the scenario's cluster.dp_size (or its pool's)")
     worker.add_argument("--worker-type", choices=("aggregated", "prefill", "decode"),
@@ -130,7 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
     loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
     loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
-    loadgen.add_argument("--router", required=True, help="the router's --listen endpoint")
+    loadgen.add_argument("--router", help="the router's --listen endpoint (a kvemu router process)")
+    loadgen.add_argument("--http", metavar="URL", dest="http_url",
+                         help="instead of --router: any OpenAI-compatible server (a router in front of a kvemu "
+                              "fleet), sent streamed /v1/completions with X-Request-Id and session headers")
+    loadgen.add_argument("--fleet", metavar="FILE",
+                         help="with --http: kvemu fleet's start line (a file, or - for standard input), so the "
+                              "report has what each engine really did (worker, rank, cached tokens)")
+    loadgen.add_argument("--prompt", choices=["text", "tokens"], default="text",
+                         help="with --http: prompts as text the fleet's tokenizer maps back to the workload's ids "
+                              "(default; routers that hash text need it) or as token-id lists")
+    loadgen.add_argument("--tokenizer", metavar="PATH",
+                         help="with --http: the fleet's tokenizer.json (default: kvemu's built-in tokenizer)")
+    loadgen.add_argument("--model", default="kvemu", help="with --http: the model name (default: kvemu)")
     loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
     loadgen.add_argument("--router-pid", type=int,
@@ -154,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--worker-http", action="store_true",
                              help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
                                   "(on a free 127.0.0.1 port each; printed at start)")
+    fleet = sub.add_parser("fleet", help="the scenario's workers with no kvemu router (HTTP, KV events and replay "
+                                         "per rank), for any router to sit in front; prints where they are")
+    fleet.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    _add_set(fleet)
+    fleet.add_argument("--print-flags", choices=["vllm-router", "sglang-router"],
+                       help="also print the arguments that router takes for this fleet (a second line)")
+    fleet.add_argument("--processes", action="store_true",
+                       help="one process per worker (default: every worker in this process)")
+    _add_serving(fleet)
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
                                              help="what to do with it")
@@ -165,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sessions", type=int, default=6, help="conversations (default 6)")
     demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
-    for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve):
+    for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve, fleet):
         command.add_argument("--allow-local-policies", action="store_true",
                              help="put the working directory on the import path for router.policy and "
                                   "autoscaler.policy modules (a scenario can run code)")

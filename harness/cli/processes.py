@@ -27,6 +27,10 @@ def process_command(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"invalid scenario: {exc}", file=sys.stderr)
         return 2
+    if args.command == "loadgen" and not (args.router or args.http_url):
+        print("kvemu loadgen: give --router (a kvemu router process) or --http URL (any OpenAI-compatible server)",
+              file=sys.stderr)
+        return 2
     problem = http_problem(args) or disagg_problem(args, scenario) or autoscaler_problem(args, scenario)
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
@@ -44,6 +48,8 @@ def process_command(args: argparse.Namespace) -> int:
             print(f"kvemu {args.command}: {exc}", file=sys.stderr)
             return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
+    if args.command == "loadgen" and args.http_url:
+        return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
         from harness.procs.loadgen import NotStarted, loadgen_report
 
@@ -76,6 +82,34 @@ def process_command(args: argparse.Namespace) -> int:
         return 2 if exc.code == 2 else 1
 
 
+def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) -> int:
+    """``kvemu loadgen --http URL``: the workload against any OpenAI-compatible server."""
+    import msgspec
+
+    from harness.procs.fleet import FleetInfo
+    from harness.procs.http_loadgen import http_loadgen_report
+
+    if args.router:
+        print("kvemu loadgen: --router or --http, not both", file=sys.stderr)
+        return 2
+    if not args.http_url.startswith(("http://", "https://")):
+        print(f"kvemu loadgen: --http {args.http_url}: an http:// or https:// URL", file=sys.stderr)
+        return 2
+    fleet = None
+    if args.fleet:
+        try:
+            text = sys.stdin.readline() if args.fleet == "-" else Path(args.fleet).read_text().splitlines()[0]
+            fleet = msgspec.json.decode(text, type=FleetInfo)
+        except (OSError, IndexError, msgspec.DecodeError) as exc:
+            print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
+            return 2
+    summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
+                                         tokenizer=args.tokenizer, model=args.model)
+    print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
+          + (f"report in {where}/report.md" if where is not None else "no report could be written"), file=sys.stderr)
+    return 0 if not summary.get("partial") else 130
+
+
 def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
     """``kvemu router`` or ``kvemu worker``: serve until SIGTERM."""
     from harness.scenario import ScenarioError
@@ -85,6 +119,11 @@ def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
 
         return router_main(scenario, args.listen, args.grace, _http_options(args))
     from harness.procs.worker import worker_main, worker_pool
+
+    if args.router is None and not args.http:
+        print("kvemu worker: give --router (a kvemu router's --listen endpoint) or --http (serve clients, or "
+              "another router, directly): with neither, nothing could reach this worker", file=sys.stderr)
+        return 2
 
     try:
         worker_pool(scenario, args.worker_type)

@@ -17,6 +17,7 @@ from kvemu.runtime.router import Router
 from workers.worker_actor import WorkerActor
 
 from harness.cluster import engine_config
+from harness.procs.engine_truth import EngineTruth
 from harness.scenario import Scenario
 from harness.workload import output_lengths
 
@@ -41,12 +42,14 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
 
 
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
-                model: str = DEFAULT_MODEL) -> OpenAIApp:
-    """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins)."""
+                model: str = DEFAULT_MODEL, truth: EngineTruth | None = None) -> OpenAIApp:
+    """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins);
+    with ``truth``, also what its engines did per request and per rank (``/kvemu/requests``, ``/kvemu/load``)."""
     from harness.procs.worker_backend import WorkerBackend
     from workers.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)
     actor.on_end = metrics.finished
-    return OpenAIApp(WorkerBackend(actor), load_tokenizer(tokenizer), model=model, clock=actor.clock,
-                     metrics=metrics, output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank")
+    return OpenAIApp(WorkerBackend(actor, truth), load_tokenizer(tokenizer), model=model, clock=actor.clock,
+                     metrics=metrics, output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank",
+                     extra_routes=truth.routes() if truth is not None else None)

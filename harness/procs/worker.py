@@ -1,7 +1,9 @@
 """The worker process (``kvemu worker``): one mock engine serving one router over ZeroMQ.
 
 Each worker serves the pool its ``--worker-type`` names (``worker_pool``), publishes its KV events and, with
-``--http``, serves OpenAI clients directly; it shuts down cleanly on SIGTERM.
+``--http``, serves OpenAI clients directly; with no ``--router`` it serves them alone (a member of
+``kvemu fleet``: another router in front of it), and what its engines did per request (``/kvemu/requests``).
+It shuts down cleanly on SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import msgspec
 
 from kvemu.clock import WallClock
 from kvemu.runtime.loop import run_live
-from kvemu.runtime.transport import ZmqWorkerEnd
+from kvemu.runtime.transport import NoRouterEnd, WorkerEnd, ZmqWorkerEnd
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
 from workers.worker_actor import WorkerActor, WorkerRejected
@@ -26,21 +28,44 @@ from harness.cluster import engine_config
 from harness.pools import AGGREGATED, worker_type_of
 from harness.scenario import Scenario, ScenarioError
 from harness.tuning import tune_gc
+from harness.procs.engine_truth import EngineTruth
 from harness.procs.protocol import HttpOptions, log_start
 
 
-async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: str, dp_size: int, kv_events: str,
-                        kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
+def build_worker(scenario: Scenario, worker_id: int, pool: str, dp_size: int, kv_events: str,
+                 kv_replay: str | None, end: WorkerEnd) -> tuple[WorkerActor, list[KvEventPublisher]]:
+    """One live worker of ``pool``: its engine ranks, a KV-event publisher per rank (bound on ``kv_events``, port
+    + rank; ``kv_replay`` likewise, or none) and its actor on ``end`` (a router's link, or ``NoRouterEnd``)."""
     spec = scenario.cluster
     cfg = msgspec.structs.replace(engine_config(spec, pool), dp_size=dp_size)
     mock = MockWorker(cfg, worker_id=worker_id)
-    pubs = [KvEventPublisher(kv_events, replay_endpoint=kv_replay, dp_rank=r, bind=True,
-                             vllm_version=spec.kv_events_version) for r in range(dp_size)]
-    end = ZmqWorkerEnd(router, worker_id)
+    pubs: list[KvEventPublisher] = []
+    try:
+        for r in range(dp_size):
+            pubs.append(KvEventPublisher(kv_events, replay_endpoint=kv_replay, dp_rank=r, bind=True,
+                                         vllm_version=spec.kv_events_version))
+    except BaseException:
+        for p in pubs:
+            p.close(drain_timeout_s=0)
+        raise
     actor = WorkerActor(mock, end, WallClock(), pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
-                        kv_endpoints=[_reachable(p.endpoint) for p in pubs],
-                        kv_replay_endpoints=[_reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
+                        kv_endpoints=[reachable(p.endpoint) for p in pubs],
+                        kv_replay_endpoints=[reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
                         worker_type=worker_type_of(spec, pool))
+    return actor, pubs
+
+
+async def sample_load(truth: EngineTruth, actor: WorkerActor, interval_s: float) -> None:
+    """Record each live rank's load every ``interval_s`` until cancelled (``/kvemu/load``)."""
+    while True:
+        truth.sample(actor.clock.now_ns(), actor.worker.cores, actor.dead_ranks.__contains__)
+        await anyio.sleep(interval_s)
+
+
+async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, pool: str, dp_size: int,
+                        kv_events: str, kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
+    end: WorkerEnd = ZmqWorkerEnd(router, worker_id) if router is not None else NoRouterEnd()
+    actor, pubs = build_worker(scenario, worker_id, pool, dp_size, kv_events, kv_replay, end)
     actor.on_unanswered = lambda waited_s: print(
         f"kvemu worker: worker {worker_id}: no answer from the router at {router} after {waited_s:g} s: is it running "
         f"there, and does it have the same {security.SECRET_ENV} as this worker? (still trying for "
@@ -49,20 +74,24 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: s
                                                         "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
                                             file=sys.stderr, flush=True)
     server = None
+    truth = EngineTruth(worker_id) if router is None else None  # no router: what its engines did is served
     if http is not None:
         from kvemu.http.server import HttpServer
 
         from harness.procs.frontdoor import worker_door
 
-        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model), http.listen,
-                            http.server)
+        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth),
+                            http.listen, http.server)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(actor.run)
             if server is not None:
                 await tg.start(server.serve)
+            if truth is not None:
+                tg.start_soon(sample_load, truth, actor, LOAD_SAMPLE_S)
             log_start("worker", worker_id=worker_id, pool=pool, router=router, kv_events=[p.endpoint for p in pubs],
-                      kv_replay=[p.replay_endpoint for p in pubs],
+                      kv_replay=[p.replay_endpoint for p in pubs], dp_size=dp_size,
+                      block_size=actor.register_msg.block_size,
                       **({"http": server.url} if server is not None else {}))
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
@@ -76,7 +105,11 @@ async def _serve_worker(scenario: Scenario, router: str, worker_id: int, pool: s
         await end.aclose()
 
 
-def _reachable(endpoint: str) -> str:
+LOAD_SAMPLE_S = 0.1
+"""How often a worker with no kvemu router records its ranks' load (``/kvemu/load``)."""
+
+
+def reachable(endpoint: str) -> str:
     """A bound wildcard endpoint as a peer can connect to it."""
     return endpoint.replace("0.0.0.0", "127.0.0.1").replace("tcp://*", "tcp://127.0.0.1")
 
@@ -97,10 +130,11 @@ def worker_pool(scenario: Scenario, worker_type: str | None) -> str:
                         f"{', '.join(pools)}); " + ("drop --worker-type" if pools == [AGGREGATED] else f"use {choices}"))
 
 
-def worker_main(scenario: Scenario, router: str, *, worker_id: int | None, dp_size: int | None,
+def worker_main(scenario: Scenario, router: str | None, *, worker_id: int | None, dp_size: int | None,
                 kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None,
                 worker_type: str | None = None) -> int:
-    """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given);
+    """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given; with
+    no ``router``, them alone: a member of ``kvemu fleet``, another router in front of it);
     ``worker_type`` picks the pool (its engine and DP size) of a disaggregated cluster (``worker_pool``)."""
     pool = worker_pool(scenario, worker_type)
     tune_gc()

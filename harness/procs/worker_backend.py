@@ -12,14 +12,18 @@ from kvemu.records import RequestRecord
 from kvemu.messages import ClientRequest, Finished, RequestFailed, TokenBatch
 from workers.worker_actor import WorkerActor
 
+from harness.procs.engine_truth import EngineTruth
+
 __all__ = ["WorkerBackend"]
 
 
 class WorkerBackend:
     """Runs HTTP requests on one worker's ranks through its actor."""
 
-    def __init__(self, actor: WorkerActor) -> None:
+    def __init__(self, actor: WorkerActor, truth: EngineTruth | None = None) -> None:
         self.actor = actor
+        self.truth = truth
+        """Told every request that ends here (``/kvemu/requests``)."""
         cfg = actor.worker.config
         self.max_model_len = cfg.capacity_tokens
         self.block_size = cfg.resolved_block_size
@@ -33,6 +37,9 @@ class WorkerBackend:
         return ranks[self._next]
 
     def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
+        if self.truth is not None:
+            self.truth.arrived(self.actor.clock.now_ns())
+            on_end = self._told(on_end, self.truth)
         rank = req.dp_rank if req.dp_rank is not None else self._rank()
         record = RequestRecord(request_id=req.request_id, arrival_ns=self.actor.clock.now_ns(), isl=len(req.tokens),
                                max_tokens=req.max_tokens, worker_id=self.actor.worker_id, dp_rank=rank)
@@ -70,6 +77,13 @@ class WorkerBackend:
         if why is not None:
             record.failure = why
             on_end(record)
+
+    @staticmethod
+    def _told(on_end: OnEnd, truth: EngineTruth) -> OnEnd:
+        def ended(record: RequestRecord) -> None:
+            truth.ended(record)
+            on_end(record)
+        return ended
 
     def cancel(self, request_id: str, reason: str) -> None:
         self.actor.abort(request_id, reason)

@@ -75,7 +75,8 @@ class OpenAIApp:
                  metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
                  rank_header: str = "x-dp-rank",
                  max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
-                 off_loop_chars: int = 64 << 10) -> None:
+                 off_loop_chars: int = 64 << 10,
+                 extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None) -> None:
         self.backend = backend
         self.tok = tokenizer
         self.model = model
@@ -106,6 +107,7 @@ class OpenAIApp:
             ("POST", "/tokenize"): self._tokenize,
             ("POST", "/detokenize"): self._detokenize,
         }
+        self._routes.update(extra_routes or {})  # (method, path) -> async handler(scope, receive, send)
         self._paths = {path for _, path in self._routes}
         self._to_tokenize: list[tuple[list[str], asyncio.Future]] = []
 

@@ -23,7 +23,8 @@ import zmq.asyncio
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
-from kvemu.messages import RouterMessage, WorkerMessage, decode_router_message, decode_worker_message, encode
+from kvemu.messages import (Register, RegisterAck, RouterMessage, WorkerMessage, decode_router_message,
+                            decode_worker_message, encode)
 from kvemu.wire import limits, security
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "MemoryNetwork",
     "ZmqRouterEnd",
     "ZmqWorkerEnd",
+    "NoRouterEnd",
     "peer_id",
     "message_socket",
     "decode_or_log",
@@ -87,6 +89,36 @@ class WorkerEnd(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class NoRouterEnd:
+    """A worker's end when no kvemu router is in front of it (``kvemu fleet``: another router, or clients,
+    reach its HTTP server): its registration is accepted at once, and what else it says (heartbeats, its
+    requests' ends) has no one to go to."""
+
+    def __init__(self) -> None:
+        self._handler: WorkerHandler | None = None
+        self._unanswered: list[RegisterAck] = []
+        self._closed = anyio.Event()
+
+    async def serve(self, handler: WorkerHandler) -> None:
+        """Answer the registration, then wait until closed."""
+        self._handler = handler
+        while self._unanswered:
+            handler(self._unanswered.pop(0))
+        await self._closed.wait()
+
+    def send_nowait(self, msg: msgspec.Struct) -> None:
+        """A registration is accepted (once ``serve`` runs); anything else is dropped."""
+        if type(msg) is Register:
+            ack = RegisterAck(worker_id=msg.worker_id, accepted=True)
+            if self._handler is None:
+                self._unanswered.append(ack)
+            else:
+                self._handler(ack)
+
+    async def aclose(self) -> None:
+        self._closed.set()
 
 
 # ------------------------------------------------------------------------------------- in memory

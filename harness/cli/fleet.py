@@ -1,0 +1,72 @@
+"""``kvemu fleet``: start the scenario's workers with no kvemu router, say where they are, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+
+from harness.cli.loading import load_scenario_args
+from harness.cli.preflight import autoscaler_problem, http_problem
+
+__all__ = ["fleet_command"]
+
+
+def fleet_command(args: argparse.Namespace) -> int:
+    """Serve the fleet until SIGTERM/SIGINT; its start line (and ``--print-flags``' line) go to standard output."""
+    from harness.scenario import ScenarioError
+
+    try:
+        scenario = load_scenario_args(args)
+    except ScenarioError as exc:
+        print(f"invalid scenario: {exc}", file=sys.stderr)
+        return 2
+    from harness.procs.fleet import fleet_chaos_problems
+
+    problems = [p for p in (http_problem(args), autoscaler_problem(args, scenario)) if p]
+    problems += fleet_chaos_problems(scenario, args.processes)
+    if problems:
+        for problem in problems:
+            print(f"kvemu fleet: {problem}", file=sys.stderr)
+        return 2
+    from kvemu.runtime.loop import run_live
+
+    from harness.external_routers import fleet_flags
+    from harness.procs.fleet import Fleet
+    from harness.procs.protocol import HttpOptions
+    from harness.text import counted
+    from harness.tuning import tune_gc
+
+    http = HttpOptions(listen="127.0.0.1:0", tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
+                       model=args.model, server=args.http_server)
+    sets = [x for o in args.overrides for x in ("--set", o)]
+    config = (["--config", str(Path(args.scenario).resolve())] if args.scenario else []) + sets
+
+    async def serve() -> None:
+        fleet = Fleet(scenario, http=http, processes=args.processes, config_args=config)
+        async with anyio.create_task_group() as tg:
+            info = await tg.start(fleet.run)
+            print(_json(info), flush=True)
+            if args.print_flags:
+                print(shlex.join(fleet_flags(args.print_flags, info)), flush=True)
+            print(f"kvemu fleet: {counted(len(info.workers), 'worker')} serving (no kvemu router: put yours in front; "
+                  f"kvemu fleet --print-flags vllm-router|sglang-router says how); Ctrl-C stops",
+                  file=sys.stderr, flush=True)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            tg.cancel_scope.cancel()
+
+    tune_gc()
+    run_live(serve)
+    return 0
+
+
+def _json(info: object) -> str:
+    import msgspec
+
+    return msgspec.json.encode(info).decode()

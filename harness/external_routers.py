@@ -1,0 +1,152 @@
+"""Routers that are not kvemu's, in front of a kvemu fleet: the flags each takes for a fleet, and how to start it.
+
+Known routers come from their PyPI packages (``pip install 'kvemu[routers]'``): ``vllm-router`` (vLLM's
+router; its ``kv_aware`` policy consumes the workers' vLLM KV events) and ``sglang-router`` (SGLang's model
+gateway; its ``cache_aware`` policy keeps an approximate radix tree of the text it routed). Any other router
+is a ``cmd:`` template whose ``{flags}``, ``{port}``, ``{workers}`` and ``{policy}`` are filled in.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import msgspec
+
+from harness.procs.fleet import FleetInfo
+from harness.pools import AGGREGATED
+
+__all__ = ["RouterSpec", "KNOWN_ROUTERS", "parse_router", "fleet_flags", "router_command", "RouterSpecError"]
+
+KNOWN_ROUTERS = ("vllm-router", "sglang-router")
+
+
+class RouterSpecError(ValueError):
+    """A ``--router`` value that names no router kvemu can start."""
+
+
+class RouterSpec(msgspec.Struct, frozen=True):
+    """One router to put in front of a fleet: ``kvemu``, a known router with a policy, or a command template."""
+
+    kind: str
+    """``kvemu``, ``vllm-router``, ``sglang-router`` or ``cmd``."""
+    policy: str = ""
+    command: str = ""
+    """``cmd``: the command line, with ``{flags}`` etc. to fill in."""
+
+    @property
+    def label(self) -> str:
+        """How reports name it: ``vllm-router:kv_aware``, ``kvemu``, ``cmd:<first word>``."""
+        if self.kind == "cmd":
+            return f"cmd:{shlex.split(self.command)[0] if self.command.strip() else ''}"
+        return f"{self.kind}:{self.policy}" if self.policy else self.kind
+
+
+POLICIES = {
+    "vllm-router": ("random", "round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
+                    "sticky_least_loaded"),
+    "sglang-router": ("random", "round_robin", "cache_aware", "power_of_two"),
+}
+DEFAULT_POLICY = {"vllm-router": "kv_aware", "sglang-router": "cache_aware"}
+
+
+def parse_router(text: str) -> RouterSpec:
+    """``kvemu``, ``vllm-router[:POLICY]``, ``sglang-router[:POLICY]`` or ``cmd:COMMAND`` (``RouterSpecError``
+    naming the choices otherwise)."""
+    if text == "kvemu":
+        return RouterSpec("kvemu")
+    if text.startswith("cmd:"):
+        command = text[4:].strip()
+        if not command:
+            raise RouterSpecError("--router cmd:COMMAND: the command is empty")
+        return RouterSpec("cmd", command=command)
+    kind, _, policy = text.partition(":")
+    if kind not in POLICIES:
+        raise RouterSpecError(f"--router {text!r}: one of kvemu, {', '.join(k + '[:POLICY]' for k in KNOWN_ROUTERS)} "
+                              "or 'cmd:COMMAND WITH {flags}'")
+    policy = policy or DEFAULT_POLICY[kind]
+    if policy not in POLICIES[kind]:
+        raise RouterSpecError(f"--router {text!r}: {kind}'s policies are {', '.join(POLICIES[kind])}")
+    return RouterSpec(kind, policy)
+
+
+def _uniform_dp(workers: list) -> int:
+    sizes = {w.dp_size for w in workers}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def fleet_flags(router: str, fleet: FleetInfo, policy: str | None = None) -> list[str]:
+    """The arguments ``router`` (``vllm-router`` or ``sglang-router``) takes to put ``fleet`` behind it: its
+    workers (prefill and decode lists for a disaggregated fleet), their DP size, and for vllm-router the KV-event
+    and replay sources per worker and their block size."""
+    agg, prefill, decode = fleet.pool(AGGREGATED), fleet.pool("prefill"), fleet.pool("decode")
+    every = agg or prefill + decode
+    dp = _uniform_dp(every)
+    flags: list[str] = []
+    if router == "vllm-router":
+        if agg:
+            flags += ["--worker-urls", *[w.url for w in agg]]
+        else:
+            flags += ["--vllm-pd-disaggregation"]
+            for w in prefill:
+                flags += ["--prefill", w.url]
+            for w in decode:
+                flags += ["--decode", w.url]
+        if dp > 1:
+            flags += ["--intra-node-data-parallel-size", str(dp)]
+        sources = agg or prefill  # the ranks whose cache a request's prompt lands in
+        if sources and (policy is None or policy == "kv_aware"):
+            flags += ["--kv-event-block-size", str(sources[0].block_size), "--kv-event-model", fleet.model]
+            name = "--kv-event-source" if agg else "--pd-kv-events"
+            for w in sources:
+                flags += [name, f"{w.url}={','.join(w.kv_events)}"]
+            if agg:
+                for w in agg:
+                    if all(w.kv_replay):
+                        flags += ["--kv-event-replay-source", f"{w.url}={','.join(w.kv_replay)}"]
+    elif router == "sglang-router":
+        if agg:
+            flags += ["--worker-urls", *[w.url for w in agg]]
+        else:
+            flags += ["--pd-disaggregation"]
+            for w in prefill:
+                flags += ["--prefill", w.url]
+            for w in decode:
+                flags += ["--decode", w.url]
+        if dp > 1:
+            flags += ["--dp-aware"]
+    else:
+        raise RouterSpecError(f"--print-flags {router!r}: one of {', '.join(KNOWN_ROUTERS)}")
+    if policy is not None:
+        flags += ["--policy", policy]
+    return flags
+
+
+def _executable(name: str) -> str:
+    """A router's executable: beside this Python's (its virtual environment), else on PATH."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        raise RouterSpecError(f"{name} is not installed: pip install 'kvemu[routers]' (or pip install {name})")
+    return found
+
+
+def router_command(spec: RouterSpec, fleet: FleetInfo, port: int) -> list[str]:
+    """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet`` (not ``kvemu``: kvemu's
+    own router is started by ``kvemu up``'s machinery)."""
+    if spec.kind == "vllm-router":
+        return [_executable("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                *fleet_flags("vllm-router", fleet, spec.policy)]
+    if spec.kind == "sglang-router":
+        return [_executable("sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
+                *fleet_flags("sglang-router", fleet, spec.policy)]
+    if spec.kind == "cmd":
+        flags = fleet_flags("vllm-router", fleet, None)
+        filled = spec.command.format(flags=shlex.join(flags), port=port,
+                                     workers=" ".join(w.url for w in fleet.workers), policy=spec.policy)
+        return shlex.split(filled)
+    raise RouterSpecError(f"router {spec.kind!r} is not started as a command")

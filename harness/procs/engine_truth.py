@@ -1,0 +1,162 @@
+"""What a worker's engines really did, per request and per rank, served at ``/kvemu/requests`` and
+``/kvemu/load``.
+
+A router's own metrics say what it *predicted*; these say what the engine found (cached tokens, the rank
+that served, preemptions, queue time), so a load generator in front of any router can judge it by the
+engines (``kvemu loadgen --http ... --fleet``). Times are ``CLOCK_MONOTONIC`` nanoseconds, one clock for
+every process of this machine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import parse_qs
+
+import msgspec
+
+from kvemu.http.errors import ApiError
+from kvemu.http.reply import respond
+from kvemu.records import RequestRecord
+
+__all__ = ["EngineTruth", "TruthRecord", "LoadSample", "TruthPage", "LoadPage"]
+
+MAX_PAGE = 10_000
+"""Most records (or samples) one answer carries; ``after`` pages on."""
+
+
+class TruthRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request as the engine saw it."""
+
+    request_id: str
+    worker_id: int
+    dp_rank: int | None = None
+    isl: int = 0
+    output_tokens: int = 0
+    arrival_ns: int = 0
+    """When it reached the worker's HTTP server."""
+    admitted_ns: int | None = None
+    """When the engine first scheduled it (arrival → admitted is its queue time at the engine)."""
+    first_token_ns: int | None = None
+    completion_ns: int | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens the engine found cached at admission."""
+    preemptions: int = 0
+    failure: str | None = None
+
+
+class LoadSample(msgspec.Struct, array_like=True):
+    """One rank's load at one instant."""
+
+    t_ns: int
+    worker_id: int
+    dp_rank: int
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class TruthPage(msgspec.Struct):
+    """An answer of ``/kvemu/requests``: records ``after``.. ``next`` - 1 (a client asks again from ``next``)."""
+
+    records: list[TruthRecord]
+    next: int
+    dropped: int
+    """Records no longer kept (past ``max_records``): a client that asks too late misses them, and is told."""
+    first_arrival_ns: int | None = None
+    """When the first request reached this worker (None: none yet)."""
+
+
+class LoadPage(msgspec.Struct):
+    """An answer of ``/kvemu/load``."""
+
+    samples: list[LoadSample]
+    next: int
+    dropped: int
+
+
+class _Log:
+    """A bounded log numbered from 0: the oldest entries go first, and how many went is counted."""
+
+    def __init__(self, bound: int) -> None:
+        self.items: deque[Any] = deque(maxlen=bound)
+        self.total = 0
+
+    def add(self, item: Any) -> None:
+        self.items.append(item)
+        self.total += 1
+
+    def page(self, after: int, limit: int) -> tuple[list[Any], int, int]:
+        dropped = self.total - len(self.items)
+        start = max(after, dropped)
+        end = min(self.total, start + limit)
+        items = self.items
+        return [items[i - dropped] for i in range(start, end)], end, dropped
+
+
+class EngineTruth:
+    """Per-request facts and per-rank load samples of one worker, bounded in memory."""
+
+    def __init__(self, worker_id: int, *, max_records: int = 1_000_000, max_samples: int = 1_000_000) -> None:
+        self.worker_id = worker_id
+        self._records = _Log(max_records)
+        self._samples = _Log(max_samples)
+        self.first_arrival_ns: int | None = None
+        """When the first request reached this worker (a fleet's chaos timeline counts from the first of all)."""
+
+    def arrived(self, now_ns: int) -> None:
+        """A request reached this worker."""
+        if self.first_arrival_ns is None:
+            self.first_arrival_ns = now_ns
+
+    def ended(self, rec: RequestRecord) -> None:
+        """A request ended on this worker (completed or failed)."""
+        self._records.add(TruthRecord(
+            request_id=rec.request_id, worker_id=self.worker_id, dp_rank=rec.dp_rank, isl=rec.isl,
+            output_tokens=rec.output_tokens, arrival_ns=rec.arrival_ns, admitted_ns=rec.admitted_ns,
+            first_token_ns=rec.first_token_ns, completion_ns=rec.completion_ns,
+            cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, failure=rec.failure))
+
+    def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool]) -> None:
+        """Each live rank's load now (running, waiting, KV usage)."""
+        for core in cores:
+            if not dead(core.dp_rank):
+                self._samples.add(LoadSample(now_ns, self.worker_id, core.dp_rank, core.num_running,
+                                             core.num_waiting, round(core.kv_usage, 4)))
+
+    @property
+    def records_total(self) -> int:
+        """Requests that ended here so far."""
+        return self._records.total
+
+    def records_page(self, after: int = 0, limit: int = MAX_PAGE) -> TruthPage:
+        """Records from number ``after`` on."""
+        return TruthPage(*self._records.page(after, limit), first_arrival_ns=self.first_arrival_ns)
+
+    def load_page(self, after: int = 0, limit: int = MAX_PAGE) -> LoadPage:
+        """Load samples from number ``after`` on."""
+        return LoadPage(*self._samples.page(after, limit))
+
+    def routes(self) -> dict[tuple[str, str], Callable[..., Any]]:
+        """The HTTP routes serving them (``GET /kvemu/requests?after=N``, ``GET /kvemu/load?after=N``)."""
+
+        async def requests(scope: dict, receive: Callable, send: Callable) -> None:
+            await respond(send, 200, msgspec.json.encode(self.records_page(*_paging(scope))))
+
+        async def load(scope: dict, receive: Callable, send: Callable) -> None:
+            await respond(send, 200, msgspec.json.encode(self.load_page(*_paging(scope))))
+
+        return {("GET", "/kvemu/requests"): requests, ("GET", "/kvemu/load"): load}
+
+
+def _paging(scope: dict) -> tuple[int, int]:
+    """``after`` and ``limit`` from the query string (400 naming the parameter when not a small integer)."""
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    out = []
+    for name, default in (("after", 0), ("limit", MAX_PAGE)):
+        raw = query.get(name, [str(default)])[-1]
+        if not raw.isdigit() or len(raw) > 12:
+            raise ApiError(400, f"{name}: a non-negative integer, not {raw[:32]!r}", name)
+        out.append(int(raw))
+    return out[0], max(1, min(out[1], MAX_PAGE))

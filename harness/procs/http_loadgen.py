@@ -1,0 +1,271 @@
+"""``kvemu loadgen --http URL``: a scenario's workload sent to any OpenAI-compatible server, judged by the engines.
+
+Each request is one streamed ``/v1/completions`` call with ``X-Request-Id`` (and the session headers), so a
+router in front of a kvemu fleet passes the id on to the worker that serves it. Prompts keep the workload's
+prefix identity: as token ids (``prompt_form="tokens"``) or as text the fleet's tokenizer maps back to exactly
+those ids (``"text"``, the default: what a router that hashes text needs). The report is kvemu's usual one,
+from client-side times, with the engine-side truth of a fleet (``harness.procs.engine_truth``) merged in by
+request id: the worker and rank that served, the tokens its engine found cached, preemptions, admission.
+
+``compress`` > 1 plays the workload that many times faster against engines made that many times faster
+(``kvemu bench-router`` sets both); every time in the report is scaled back, so latencies read as uncompressed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any, Literal, TypeVar
+
+import anyio
+import msgspec
+
+from kvemu.http.tokenizer import TextTokenizer, load_tokenizer
+from kvemu.messages import ClientRequest
+from kvemu.records import RequestRecord
+from kvemu.runtime.loop import run_live
+
+from harness.cluster import engine_config
+from harness.pools import pool_sizes, routing_block_size
+from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, TruthRecord
+from harness.procs.fleet import FleetInfo
+from harness.report.files import save_report
+from harness.report.run_data import RunData, Sample
+from harness.runner import count_requests
+from harness.scenario import Scenario
+from harness.sessions import awaiting, play_workload
+from harness.workload import build_sessions
+
+__all__ = ["HttpTarget", "http_loadgen_report", "fetch_truth", "PromptForm"]
+
+PromptForm = Literal["text", "tokens"]
+MAX_ERROR_BODY = 512
+"""The most of a failed response's body a record's failure quotes."""
+_SPECIAL_IDS = 8
+"""The built-in tokenizer's special tokens (``<unk>``, roles...) come first: a prompt never uses them."""
+
+
+class _MonoClock:
+    """Monotonic nanoseconds since the run's start (``play_workload``'s clock)."""
+
+    is_virtual = False
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic_ns()
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns() - self.t0
+
+
+class HttpTarget:
+    """Sends requests as streamed ``/v1/completions`` calls to one URL and records what the client saw."""
+
+    def __init__(self, url: str, *, model: str, tokenizer: TextTokenizer, prompt_form: PromptForm = "text",
+                 clock: _MonoClock | None = None, timeout_s: float = 600.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.tok = tokenizer
+        self.prompt_form = prompt_form
+        self.clock = clock or _MonoClock()
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._httpx = httpx
+
+    def prompt_ids(self, tokens: Any) -> list[int]:
+        """The workload's ids, in the tokenizer's ordinary vocabulary (the same ids map to the same ids, so
+        shared prefixes stay shared)."""
+        span = self.tok.vocab_size - _SPECIAL_IDS
+        return [t if _SPECIAL_IDS <= t < self.tok.vocab_size else _SPECIAL_IDS + t % span for t in tokens]
+
+    def body(self, req: ClientRequest) -> dict[str, Any]:
+        """The request's JSON body: its prompt, exactly ``max_tokens`` streamed tokens."""
+        ids = self.prompt_ids(req.tokens)
+        prompt: Any = ids if self.prompt_form == "tokens" else self.tok.decode(ids)
+        return {"model": self.model, "prompt": prompt, "max_tokens": req.max_tokens, "min_tokens": req.max_tokens,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+    def headers(self, req: ClientRequest) -> dict[str, str]:
+        """``X-Request-Id`` (what matches the engine's record), and the session headers routers read."""
+        h = {"X-Request-Id": req.request_id}
+        if req.session_id is not None:
+            h["X-Session-Id"] = req.session_id
+        if req.parent_session_id is not None:
+            h["X-Parent-Session-Id"] = req.parent_session_id
+        return h
+
+    async def submit(self, req: ClientRequest) -> RequestRecord:
+        """Send one request and stream its answer; the record says what the client saw (its failure: the status
+        and the server's words, or the connection's error)."""
+        clock = self.clock
+        rec = RequestRecord(request_id=req.request_id, session_id=req.session_id,
+                            parent_session_id=req.parent_session_id, arrival_ns=clock.now_ns(), isl=len(req.tokens),
+                            max_tokens=req.max_tokens, attempts=1)
+        try:
+            async with self._client.stream("POST", self.url, json=self.body(req), headers=self.headers(req)) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread())[:MAX_ERROR_BODY].decode("utf-8", "replace")
+                    rec.failure = f"http_{resp.status_code}: {' '.join(text.split())}"
+                    return rec
+                async for line in resp.aiter_lines():
+                    self._on_line(rec, line)
+        except self._httpx.HTTPError as exc:
+            rec.failure = f"connection: {type(exc).__name__}: {str(exc)[:200]}"
+            return rec
+        if rec.failure is None:
+            if rec.output_tokens >= req.max_tokens:
+                rec.completion_ns = rec.last_token_ns()
+            else:
+                rec.failure = f"short_answer: {rec.output_tokens} of {req.max_tokens} tokens"
+        return rec
+
+    def _on_line(self, rec: RequestRecord, line: str) -> None:
+        if not line.startswith("data:"):
+            return
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            rec.failure = f"bad_stream: {data[:100]!r}"
+            return
+        if "error" in chunk:
+            rec.failure = f"stream_error: {str(chunk['error'])[:200]}"
+            return
+        now = self.clock.now_ns()
+        for choice in chunk.get("choices") or ():
+            n = len(self.tok.encode(choice.get("text") or ""))
+            if n:
+                if rec.first_token_ns is None:
+                    rec.first_token_ns = now
+                rec.add_token_times([now] * n)
+                rec.output_tokens += n
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def fetch_truth(fleet: FleetInfo, timeout_s: float = 10.0) -> tuple[list[TruthRecord], list[LoadSample], list[str]]:
+    """Every worker's engine records and load samples (paged), and a line per worker that did not answer fully."""
+    records: list[TruthRecord] = []
+    samples: list[LoadSample] = []
+    problems: list[str] = []
+    for w in fleet.workers:
+        try:
+            for page in _pages(f"{w.url}/kvemu/requests", TruthPage, timeout_s, problems):
+                records.extend(page.records)
+            for load in _pages(f"{w.url}/kvemu/load", LoadPage, timeout_s, problems):
+                samples.extend(load.samples)
+        except (OSError, msgspec.DecodeError) as exc:
+            problems.append(f"worker {w.worker_id} ({w.url}): {exc}")
+    return records, samples, problems
+
+
+_P = TypeVar("_P", TruthPage, LoadPage)
+
+
+def _pages(url: str, page_type: type[_P], timeout_s: float, problems: list[str]) -> Iterator[_P]:
+    after = 0
+    while True:
+        with urllib.request.urlopen(f"{url}?after={after}", timeout=timeout_s) as resp:  # noqa: S310 - the fleet's
+            page = msgspec.json.decode(resp.read(256 << 20), type=page_type)
+        if page.dropped > after:
+            problems.append(f"{url}: {page.dropped - after} entries no longer kept")
+        if page.next == after:
+            return
+        yield page
+        after = page.next
+
+
+def _merge(rec: RequestRecord, truth: TruthRecord | None, t0: int, scale: float) -> RequestRecord:
+    """The client's record with the engine's facts, times from the run's start and scaled back by ``scale``."""
+    def back(t: int | None, base: int = 0) -> int | None:
+        return None if t is None else round((t - base) * scale)
+
+    out = msgspec.structs.replace(
+        rec, arrival_ns=back(rec.arrival_ns) or 0, first_token_ns=back(rec.first_token_ns),
+        completion_ns=back(rec.completion_ns), token_times_ns=[round(t * scale) for t in rec.token_times_ns])
+    if truth is not None:
+        out.worker_id, out.dp_rank = truth.worker_id, truth.dp_rank
+        out.engine_cached_tokens = truth.cached_tokens
+        out.engine_reused_tokens = truth.cached_tokens
+        out.preemptions = truth.preemptions
+        out.admitted_ns = back(truth.admitted_ns, t0)
+        out.dispatch_ns = back(truth.arrival_ns, t0)
+        if out.failure is None and truth.failure is not None:
+            out.failure = truth.failure
+    return out
+
+
+async def _play(scenario: Scenario, target: HttpTarget) -> tuple[list[RequestRecord], bool, str | None]:
+    sessions = build_sessions(scenario)
+    records: dict[str, RequestRecord] = {}
+    print(json.dumps({"event": "started", "role": "loadgen", "http": target.url,
+                      "requests": count_requests(sessions)}), flush=True)
+
+    async def submit(req: ClientRequest) -> RequestRecord:
+        rec = await target.submit(req)
+        records[rec.request_id] = rec
+        return rec
+
+    stopped = None
+    finished = False
+    try:
+        async with anyio.create_task_group() as play:
+            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock)
+            play.cancel_scope.cancel()
+    except KeyboardInterrupt:
+        stopped = "SIGINT"
+    finally:
+        with anyio.CancelScope(shield=True):
+            await target.aclose()
+    return list(records.values()), finished, stopped
+
+
+def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: FleetInfo | None = None,
+                        prompt_form: PromptForm = "text", tokenizer: str | None = None, model: str = "kvemu",
+                        compress: float = 1.0) -> tuple[dict[str, Any], Path | None]:
+    """Play the scenario against ``url``, gather ``fleet``'s engine truth, write the report; returns its summary and
+    where it went."""
+    target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
+    wall0 = time.perf_counter_ns()
+    client_records, finished, stopped = run_live(lambda: _play(scenario, target))
+    truth: dict[str, TruthRecord] = {}
+    samples: list[Sample] = []
+    problems: list[str] = []
+    ranks: list[tuple[int, int]] = []
+    if fleet is not None:
+        got, load, problems = fetch_truth(fleet)
+        truth = {t.request_id: t for t in got}
+        ranks = sorted((w.worker_id, r) for w in fleet.workers for r in range(w.dp_size))
+        blocks = {pool: engine_config(scenario.cluster, pool).num_gpu_blocks for pool in scenario.cluster.pools()}
+        pool_of = {w.worker_id: w.pool for w in fleet.workers}
+        samples = [Sample(time_ns=round((s.t_ns - target.clock.t0) * compress), worker_id=s.worker_id,
+                          dp_rank=s.dp_rank, active_requests=s.running + s.waiting,
+                          kv_blocks=round(s.kv_usage * blocks[pool_of[s.worker_id]]), pool=pool_of[s.worker_id])
+                   for s in load if s.t_ns >= target.clock.t0]
+    for p in problems:
+        print(f"kvemu loadgen: engine truth: {p}", file=sys.stderr)
+    records = [_merge(r, truth.get(r.request_id), target.clock.t0, compress) for r in client_records]
+    failures: dict[str, int] = {}
+    for r in records:
+        if r.failure:
+            key = r.failure.split(":")[0]
+            failures[key] = failures.get(key, 0) + 1
+    matched = sum(1 for r in client_records if r.request_id in truth)
+    counters = {"engine_truth_matched": matched, "engine_truth_unmatched": len(client_records) - matched,
+                "engine_truth_unclaimed": len(set(truth) - {r.request_id for r in client_records})}
+    data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
+                   mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
+                   partial=not finished or stopped is not None,
+                   stop_reason=stopped or (None if finished else "drain_timeout"),
+                   block_size=routing_block_size(scenario.cluster), ranks=ranks, samples=samples,
+                   counters=counters, failures=failures, pools=pool_sizes(scenario.cluster),
+                   sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
+    return save_report(data, outdir)
