@@ -43,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.cli.fleet import fleet_command
 
         return fleet_command(args)
+    if args.command == "bench-router":
+        from harness.cli.fleet import bench_router_command
+
+        return bench_router_command(args)
     from harness.runner import Terminated
 
     try:

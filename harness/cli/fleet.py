@@ -1,4 +1,5 @@
-"""``kvemu fleet``: start the scenario's workers with no kvemu router, say where they are, serve until Ctrl-C."""
+"""``kvemu fleet`` (the scenario's workers with no kvemu router, until Ctrl-C) and ``kvemu bench-router`` (the
+workload through several routers, each in front of a fresh fleet)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import anyio
 from harness.cli.loading import load_scenario_args
 from harness.cli.preflight import autoscaler_problem, http_problem
 
-__all__ = ["fleet_command"]
+__all__ = ["fleet_command", "bench_router_command"]
+
+DEFAULT_ROUTERS = ("kvemu", "vllm-router:kv_aware", "vllm-router:cache_aware", "vllm-router:round_robin",
+                   "sglang-router:cache_aware")
 
 
 def fleet_command(args: argparse.Namespace) -> int:
@@ -70,3 +74,32 @@ def _json(info: object) -> str:
     import msgspec
 
     return msgspec.json.encode(info).decode()
+
+
+def bench_router_command(args: argparse.Namespace) -> int:
+    """Run the workload through each router; the table goes to standard output."""
+    from harness.external_routers import RouterSpecError, parse_router
+    from harness.router_bench import bench_routers
+    from harness.scenario import ScenarioError
+
+    try:
+        routers = [parse_router(r) for r in (args.routers or DEFAULT_ROUTERS)]
+        scenario = load_scenario_args(args)
+    except (RouterSpecError, ScenarioError) as exc:
+        print(f"kvemu bench-router: {exc}", file=sys.stderr)
+        return 2
+    if not 1 <= args.compress <= 1000:
+        print(f"kvemu bench-router: --compress {args.compress:g}: between 1 and 1000", file=sys.stderr)
+        return 2
+    problem = autoscaler_problem(args, scenario)
+    if problem or scenario.chaos:
+        print(f"kvemu bench-router: {problem or 'a chaos timeline: not applied by bench-router (each router gets the same fleet; run kvemu fleet for chaos)'}", file=sys.stderr)
+        return 2
+    outdir = Path(args.outdir) if args.outdir else Path("out") / f"{scenario.name}-routers"
+    try:
+        rows, table = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt)
+    except ScenarioError as exc:
+        print(f"kvemu bench-router: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    return 0 if all(r["completed"] and not r.get("error") for r in rows) else 1

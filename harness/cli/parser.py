@@ -181,6 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--processes", action="store_true",
                        help="one process per worker (default: every worker in this process)")
     _add_serving(fleet)
+    bench = sub.add_parser("bench-router", help="the scenario's workload through each --router in front of a fresh "
+                                                "fleet; writes routers.md, routers.json and routers.png")
+    bench.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    _add_set(bench)
+    bench.add_argument("--router", dest="routers", action="append", default=[], metavar="ROUTER",
+                       help="kvemu, vllm-router[:POLICY], sglang-router[:POLICY] or 'cmd:COMMAND WITH {flags} {port}' "
+                            "(repeatable; default: kvemu, vllm-router:kv_aware, vllm-router:cache_aware, "
+                            "vllm-router:round_robin, sglang-router:cache_aware)")
+    bench.add_argument("-o", "--outdir", help="where the reports go (default: out/<scenario name>-routers)")
+    bench.add_argument("--compress", type=float, default=1.0,
+                       help="run arrivals and engine passes this many times faster; latencies are reported scaled "
+                            "back (default 1)")
+    bench.add_argument("--prompt", choices=["text", "tokens"], default="text",
+                       help="prompts as text (default; routers that hash text need it) or token-id lists")
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
                                              help="what to do with it")
@@ -192,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sessions", type=int, default=6, help="conversations (default 6)")
     demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
-    for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve, fleet):
+    for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve, fleet, bench):
         command.add_argument("--allow-local-policies", action="store_true",
                              help="put the working directory on the import path for router.policy and "
                                   "autoscaler.policy modules (a scenario can run code)")

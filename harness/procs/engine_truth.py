@@ -110,13 +110,15 @@ class EngineTruth:
         if self.first_arrival_ns is None:
             self.first_arrival_ns = now_ns
 
-    def ended(self, rec: RequestRecord) -> None:
-        """A request ended on this worker (completed or failed)."""
+    def ended(self, rec: RequestRecord, reason: str = "length") -> None:
+        """A request ended on this worker's engine (the engine's record; ``reason``: vLLM's finish reason,
+        ``length``, or ``abort`` for one cancelled or lost with its rank)."""
+        failure = rec.failure or (None if reason != "abort" else "aborted")
         self._records.add(TruthRecord(
             request_id=rec.request_id, worker_id=self.worker_id, dp_rank=rec.dp_rank, isl=rec.isl,
             output_tokens=rec.output_tokens, arrival_ns=rec.arrival_ns, admitted_ns=rec.admitted_ns,
             first_token_ns=rec.first_token_ns, completion_ns=rec.completion_ns,
-            cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, failure=rec.failure))
+            cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, failure=failure))
 
     def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool]) -> None:
         """Each live rank's load now (running, waiting, KV usage)."""

@@ -12,6 +12,7 @@ from kvemu.http.backend import RouterBackend
 from kvemu.http.metrics import FrontMetrics, RouterCollector
 from kvemu.http.tokenizer import load_tokenizer
 from kvemu.hooks import Hooks
+from kvemu.records import RequestRecord
 from kvemu.runtime.router import Router
 
 from workers.worker_actor import WorkerActor
@@ -44,12 +45,19 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
                 model: str = DEFAULT_MODEL, truth: EngineTruth | None = None) -> OpenAIApp:
     """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins);
-    with ``truth``, also what its engines did per request and per rank (``/kvemu/requests``, ``/kvemu/load``)."""
+    with ``truth``, also what its engines did per request (whoever sent it: a client, a router over HTTP or
+    kvemu's router over ZeroMQ) and per rank (``/kvemu/requests``, ``/kvemu/load``)."""
     from harness.procs.worker_backend import WorkerBackend
     from workers.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)
-    actor.on_end = metrics.finished
+    if truth is None:
+        actor.on_end = metrics.finished
+    else:
+        def ended(rec: RequestRecord, reason: str) -> None:
+            metrics.finished(rec, reason)
+            truth.ended(rec, reason)
+        actor.on_end = ended
     return OpenAIApp(WorkerBackend(actor, truth), load_tokenizer(tokenizer), model=model, clock=actor.clock,
                      metrics=metrics, output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank",
                      extra_routes=truth.routes() if truth is not None else None)

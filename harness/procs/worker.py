@@ -74,7 +74,7 @@ async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, 
                                                         "action": msg.action, "dp_rank": msg.dp_rank, "error": why}),
                                             file=sys.stderr, flush=True)
     server = None
-    truth = EngineTruth(worker_id) if router is None else None  # no router: what its engines did is served
+    truth = EngineTruth(worker_id)  # served with its HTTP routes: what its engines did, per request and rank
     if http is not None:
         from kvemu.http.server import HttpServer
 
@@ -87,7 +87,7 @@ async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, 
             tg.start_soon(actor.run)
             if server is not None:
                 await tg.start(server.serve)
-            if truth is not None:
+            if server is not None:
                 tg.start_soon(sample_load, truth, actor, LOAD_SAMPLE_S)
             log_start("worker", worker_id=worker_id, pool=pool, router=router, kv_events=[p.endpoint for p in pubs],
                       kv_replay=[p.replay_endpoint for p in pubs], dp_size=dp_size,

@@ -23,7 +23,7 @@ class WorkerBackend:
     def __init__(self, actor: WorkerActor, truth: EngineTruth | None = None) -> None:
         self.actor = actor
         self.truth = truth
-        """Told every request that ends here (``/kvemu/requests``)."""
+        """Told when each request arrives (its first: a fleet's chaos timeline starts there)."""
         cfg = actor.worker.config
         self.max_model_len = cfg.capacity_tokens
         self.block_size = cfg.resolved_block_size
@@ -39,7 +39,6 @@ class WorkerBackend:
     def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
         if self.truth is not None:
             self.truth.arrived(self.actor.clock.now_ns())
-            on_end = self._told(on_end, self.truth)
         rank = req.dp_rank if req.dp_rank is not None else self._rank()
         record = RequestRecord(request_id=req.request_id, arrival_ns=self.actor.clock.now_ns(), isl=len(req.tokens),
                                max_tokens=req.max_tokens, worker_id=self.actor.worker_id, dp_rank=rank)
@@ -77,13 +76,6 @@ class WorkerBackend:
         if why is not None:
             record.failure = why
             on_end(record)
-
-    @staticmethod
-    def _told(on_end: OnEnd, truth: EngineTruth) -> OnEnd:
-        def ended(record: RequestRecord) -> None:
-            truth.ended(record)
-            on_end(record)
-        return ended
 
     def cancel(self, request_id: str, reason: str) -> None:
         self.actor.abort(request_id, reason)

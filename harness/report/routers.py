@@ -1,0 +1,105 @@
+"""``kvemu bench-router``'s report: one row per router, from each run's summary (engine-side truth included).
+
+``routers.json`` holds every figure, ``routers.md`` the table, ``routers.png`` bars of prefix reuse, TTFT
+and load imbalance. Load imbalance is the largest rank's share of prompt tokens over the mean rank's (1.00:
+perfectly even), from the engines' own per-rank counts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["router_row", "write_router_report", "COLUMNS"]
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("completed", "completed", "{:d}"),
+    ("failed", "failed", "{:d}"),
+    ("prefix_reuse", "prefix reuse (engine)", "{:.3f}"),
+    ("p50_ttft_ms", "TTFT p50 ms", "{:.1f}"),
+    ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
+    ("p50_itl_ms", "ITL p50 ms", "{:.2f}"),
+    ("p99_itl_ms", "ITL p99 ms", "{:.2f}"),
+    ("p50_e2e_ms", "E2E p50 ms", "{:.0f}"),
+    ("p99_e2e_ms", "E2E p99 ms", "{:.0f}"),
+    ("goodput_rps", "goodput req/s", "{:.3f}"),
+    ("load_imbalance", "load imbalance", "{:.2f}"),
+    ("wall_s", "wall s", "{:.0f}"),
+)
+
+
+def router_row(label: str, summary: dict[str, Any], wall_s: float, failures: dict[str, int] | None = None,
+               error: str | None = None) -> dict[str, Any]:
+    """One router's figures from its run's summary."""
+    kv = summary.get("kvemu", {})
+    per_rank = kv.get("per_rank") or []
+    loads = [r.get("input_tokens", 0) for r in per_rank]
+    mean = sum(loads) / len(loads) if loads else 0
+    return {
+        "router": label,
+        "completed": summary.get("completed_requests") or 0,
+        "failed": kv.get("failed_requests") or 0,
+        "failures": failures if failures is not None else kv.get("failed_requests_by_reason") or {},
+        "prefix_reuse": summary.get("prefix_cache_reused_ratio"),
+        "p50_ttft_ms": summary.get("median_ttft_ms"), "p99_ttft_ms": summary.get("p99_ttft_ms"),
+        "p50_itl_ms": summary.get("median_itl_ms"), "p99_itl_ms": summary.get("p99_itl_ms"),
+        "p50_e2e_ms": summary.get("median_e2e_latency_ms"), "p99_e2e_ms": summary.get("p99_e2e_latency_ms"),
+        "goodput_rps": summary.get("goodput_request_throughput_rps"),
+        "load_imbalance": max(loads) / mean if mean else None,
+        "engine_truth_matched": (kv.get("hook_counts") or {}).get("engine_truth_matched"),
+        "wall_s": wall_s,
+        "error": error,
+    }
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "–"
+    return fmt.format(int(value)) if fmt == "{:d}" else fmt.format(value)
+
+
+def write_router_report(rows: list[dict[str, Any]], outdir: Path, about: dict[str, Any]) -> str:
+    """Write routers.json, routers.md and routers.png in ``outdir``; returns the markdown table."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "routers.json").write_text(json.dumps({"about": about, "routers": rows}, indent=2, sort_keys=True) + "\n")
+    head = "| router | " + " | ".join(name for _, name, _ in COLUMNS) + " |"
+    rule = "|---|" + "---:|" * len(COLUMNS)
+    lines = [head, rule]
+    for row in rows:
+        cells = [_cell(row.get(key), fmt) for key, _, fmt in COLUMNS]
+        lines.append(f"| {row['router']} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    notes = [f"# Routers on {about.get('scenario')}", "",
+             f"{about.get('requests')} requests, {about.get('workers')} workers x {about.get('dp_size')} ranks; "
+             f"each router in front of a fresh kvemu fleet, the same workload replayed through it.", "",
+             f"Engine time compressed {about.get('compress'):g}x (arrivals and engine passes); every latency is "
+             "scaled back to uncompressed time. Prefix reuse is what the engines found cached (not what a router "
+             "predicted); load imbalance is the busiest rank's prompt tokens over the mean rank's.", "", table, ""]
+    for row in rows:
+        if row.get("failures") or row.get("error"):
+            notes.append(f"- {row['router']}: " + (f"error: {row['error']}; " if row.get("error") else "")
+                         + ", ".join(f"{k}: {v}" for k, v in sorted((row.get("failures") or {}).items())))
+    (outdir / "routers.md").write_text("\n".join(notes) + "\n")
+    _plot(rows, outdir / "routers.png")
+    return table
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("prefix_reuse", "prefix reuse (engine-found)"), ("p50_ttft_ms", "TTFT p50 (ms)"),
+              ("p99_ttft_ms", "TTFT p99 (ms)"), ("load_imbalance", "load imbalance (max/mean rank)"))
+    labels = [r["router"] for r in rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (key, title) in zip(axes, panels):
+        values = [r.get(key) or 0 for r in rows]
+        ax.bar(range(len(rows)), values, color="#4c72b0")
+        ax.set_xticks(range(len(rows)), labels, rotation=35, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

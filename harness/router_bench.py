@@ -1,0 +1,176 @@
+"""``kvemu bench-router``: the same workload through several routers, each in front of a fresh kvemu fleet.
+
+For each router: a fleet (``kvemu fleet``; for ``kvemu``, ``kvemu serve`` with its workers' HTTP routes), the
+router started with the flags for that fleet (``harness.external_routers``), the workload replayed through it
+over HTTP (``harness.procs.http_loadgen``, engine truth merged), everything stopped; then ``routers.md``,
+``routers.json`` and ``routers.png`` (``harness.report.routers``). With ``compress`` > 1, arrivals and engine
+passes run that many times faster and the report's latencies are scaled back.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from harness.cluster import engine_config
+from harness.external_routers import RouterSpec, RouterSpecError, router_command
+from harness.procs.fleet import FleetInfo, FleetWorker
+from harness.procs.http_loadgen import PromptForm, http_loadgen_report
+from harness.report.routers import router_row, write_router_report
+from harness.scenario import Scenario, ScenarioError, default_scenario_text, load_scenario, parse_scenario
+from harness.scenario.sections import TraceWorkload
+from harness.text import counted
+
+__all__ = ["bench_routers", "compress_overrides", "READY_TIMEOUT_S"]
+
+READY_TIMEOUT_S = 60.0
+"""How long a router may take to answer ``/health`` and ``/v1/models`` before its run is given up."""
+
+
+def compress_overrides(scenario: Scenario, factor: float) -> list[str]:
+    """The ``--set`` overrides that run ``scenario`` ``factor`` times faster: arrivals (a trace's
+    ``arrival_speedup_ratio``; a synthetic workload's rate and think time) and every engine pass."""
+    if factor == 1:
+        return []
+    if scenario.cluster.disaggregated:
+        raise ScenarioError("bench-router --compress: a disaggregated cluster is not supported yet (run it with "
+                            "--compress 1)")
+    w = scenario.workload
+    out = [f"cluster.engine.speedup_ratio={engine_config(scenario.cluster).speedup_ratio * factor:g}"]
+    if isinstance(w, TraceWorkload):
+        out.append(f"workload.arrival_speedup_ratio={w.arrival_speedup_ratio * factor:g}")
+    else:
+        out += [f"workload.rate_rps={w.rate_rps * factor:g}", f"workload.think_time_s={w.think_time_s / factor:g}"]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - a 127.0.0.1 URL this process made
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def _wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """Wait until the router answers ``/health`` and ``/v1/models``; why not (None: ready)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the router exited with code {proc.returncode} before it was ready"
+        if _answers(f"{base}/health") and _answers(f"{base}/v1/models"):
+            return None
+        time.sleep(0.25)
+    return f"the router did not answer /health and /v1/models within {timeout_s:g} s"
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _kvemu_fleet(started: dict[str, Any], scenario: Scenario) -> FleetInfo:
+    """``kvemu serve --worker-http``'s start line as a fleet (its workers, behind kvemu's router)."""
+    dp = scenario.cluster.dp_size
+    return FleetInfo(model="kvemu", kv_events_version=scenario.cluster.kv_events_version, workers=[
+        FleetWorker(worker_id=w["worker_id"], pool="aggregated", url=w["http"], dp_size=dp,
+                    block_size=engine_config(scenario.cluster).resolved_block_size, kv_events=list(w["kv_events"] or []),
+                    kv_replay=[e or "" for e in w["kv_replay"] or []]) for w in started["worker_info"]])
+
+
+def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Path, compress: float,
+             prompt_form: PromptForm) -> dict[str, Any]:
+    from harness.procs.up import Children
+
+    kids = Children()
+    router: subprocess.Popen | None = None
+    t0 = time.monotonic()
+    label = spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
+    where = outdir / label.replace(":", "-").replace("/", "-")
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        if spec.kind == "kvemu":
+            started = kids.start("serve", ["serve", *config, "--http", "127.0.0.1:0", "--worker-http"], timeout_s=120)
+            fleet, url = _kvemu_fleet(started, scenario), started["http"]
+        else:
+            fleet = _fleet_info(kids.start("fleet", ["fleet", *config], timeout_s=120))
+            port = _free_port()
+            cmd = router_command(spec, fleet, port)
+            (where / "router-command.txt").write_text(" ".join(cmd) + "\n")
+            with open(where / "router.log", "wb") as log:
+                router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            url = f"http://127.0.0.1:{port}"
+            why = _wait_ready(url, router, READY_TIMEOUT_S)
+            if why is not None:
+                return router_row(label, {}, time.monotonic() - t0, error=f"{why} (see {where / 'router.log'})")
+        print(f"kvemu bench-router: {label}: replaying through {url}", file=sys.stderr, flush=True)
+        summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
+                                         compress=compress)
+        return router_row(label, summary, time.monotonic() - t0)
+    except (RouterSpecError, OSError) as exc:
+        return router_row(label, {}, time.monotonic() - t0, error=str(exc))
+    finally:
+        _stop(router)
+        kids.stop_all()
+
+
+def _fleet_info(started: dict[str, Any]) -> FleetInfo:
+    import msgspec
+
+    return msgspec.convert(started, FleetInfo)
+
+
+def bench_routers(scenario_path: str | None, overrides: list[str], routers: list[RouterSpec], outdir: Path,
+                  compress: float = 1.0, prompt_form: PromptForm = "text") -> tuple[list[dict[str, Any]], str]:
+    """Run the workload through each router; returns the rows and the markdown table (also written in
+    ``outdir``)."""
+    base = _load(scenario_path, overrides)
+    overrides = [*overrides, *compress_overrides(base, compress)]
+    scenario = _load(scenario_path, overrides)
+    config = (["--config", str(Path(scenario_path).resolve())] if scenario_path else []) + \
+        [x for o in overrides for x in ("--set", o)]
+    rows = []
+    started = time.monotonic()
+    for spec in routers:
+        row = _run_one(spec, scenario, config, outdir, compress, prompt_form)
+        rows.append(row)
+        print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
+              + (f"; {row['error']}" if row.get("error") else "") + f" ({row['wall_s']:.0f} s)", file=sys.stderr,
+              flush=True)
+    from harness.workload import build_sessions
+    from harness.runner import count_requests
+
+    about = {"scenario": scenario.name, "requests": count_requests(build_sessions(scenario)),
+             "workers": scenario.cluster.workers, "dp_size": scenario.cluster.dp_size, "compress": compress,
+             "prompt": prompt_form, "wall_s": round(time.monotonic() - started, 1),
+             "routers": [r["router"] for r in rows]}
+    table = write_router_report(rows, outdir, about)
+    print(f"kvemu bench-router: {counted(len(rows), 'router')} in {about['wall_s']:g} s; "
+          f"{outdir / 'routers.md'}", file=sys.stderr)
+    return rows, table
+
+
+def _load(scenario_path: str | None, overrides: list[str]) -> Scenario:
+    if scenario_path:
+        return load_scenario(scenario_path, overrides)
+    return parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides,
+                          source="<built-in quickstart>")
+
