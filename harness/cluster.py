@@ -249,7 +249,8 @@ class Cluster:
         else:
             end = ZmqWorkerEnd(router.end.endpoint, wid)  # type: ignore[attr-defined]
             pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
-                                     vllm_version=spec.kv_events_version) for r in range(dp_size)]
+                                     vllm_version=spec.kv_events_version, hash_form=spec.kv_events_hash_form)
+                    for r in range(dp_size)]
             self._publishers[wid] = pubs
             self.kv_publishers[wid] = pubs
             actor = WorkerActor(mock, end, self.clock, pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
@@ -342,7 +343,8 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
             assert isinstance(clock, ManualClock)
             net = c.nets[pool] = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS),
                                                wire_check=spec.kv_wire_check)
-            c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check)
+            c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check,
+                                        hash_form=spec.kv_events_hash_form)
             ends[pool] = net.router_end()
         else:
             assert not clock.is_virtual

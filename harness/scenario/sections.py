@@ -132,6 +132,10 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
     engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
     kv_events_version: str = DEFAULT_VLLM_VERSION
     """vLLM version whose KV-event wire format the workers speak."""
+    kv_events_hash_form: Literal["int", "bytes"] = "int"
+    """How the workers' KV events carry block hashes: ``int`` (vLLM's default, the low 64 bits of the digest as a
+    msgpack uint64) or ``bytes`` (its ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: a 32-byte digest ending in the
+    same 64 bits; vLLM >= 0.11 only). Routing is the same either way."""
     heartbeat_interval_s: PositiveSeconds = 1.0
     kv_wire_check: bool = False
     """Virtual mode: carry every actor message and KV-event batch as the bytes live mode sends
@@ -176,6 +180,11 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
             profile_for(self.kv_events_version)
         except InvalidArgument as exc:
             raise InvalidArgument(str(exc), field="kv_events_version") from None
+        try:
+            profile_for(self.kv_events_version, self.kv_events_hash_form)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"kv_events_hash_form {self.kv_events_hash_form!r} with kv_events_version "
+                                  f"{self.kv_events_version!r}: {exc}", field="kv_events_hash_form") from None
 
 
 class AffinitySpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):

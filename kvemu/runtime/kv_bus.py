@@ -4,8 +4,8 @@ A ``MemoryKvPublisher`` numbers batches like the ZeroMQ publisher, keeps the las
 replay, and delivers ``(seq, payload)`` to the bus's subscriber; like every publisher it can publish
 ``lag_ns`` late (the bus's ``lag_ns`` is every new publisher's). The payload is the
 engine's batch in the router's model (``EventBatch``: no token ids, no encoding), or, with
-``wire_check=True``, the exact bytes of the bus's vLLM version, as a ZeroMQ publisher would send them
-(a ready-made ``KVEventBatch`` always travels as its bytes). Chaos can drop deliveries (they stay
+``wire_check=True``, the exact bytes of the bus's vLLM version (and block-hash form), as a ZeroMQ publisher
+would send them (a ready-made ``KVEventBatch`` always travels as its bytes). Chaos can drop deliveries (they stay
 replayable) or change the lag.
 """
 
@@ -30,11 +30,12 @@ Deliver = Callable[[int, int, int, Payload], None]
 class MemoryKvPublisher(LoggedPublisher):
     """One rank's publisher on a ``MemoryKvBus`` (same interface as ``KvEventPublisher.publish``)."""
 
-    def __init__(self, bus: MemoryKvBus, worker_id: int, dp_rank: int, vllm_version: str, buffer_steps: int) -> None:
+    def __init__(self, bus: MemoryKvBus, worker_id: int, dp_rank: int, vllm_version: str, buffer_steps: int,
+                 hash_form: str = "int") -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.dp_rank = dp_rank
-        self.profile = profile_for(vllm_version)
+        self.profile = profile_for(vllm_version, hash_form)
         self._log: ReplayLog[Payload] = ReplayLog(buffer_steps)
         self.stats = PublisherStats()
         self.lag_ns = bus.lag_ns
@@ -70,13 +71,16 @@ class MemoryKvBus:
     """Connects the in-memory publishers of all workers to one router intake."""
 
     def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000,
-                 wire_check: bool = False) -> None:
+                 wire_check: bool = False, hash_form: str = "int") -> None:
         if lag_ns < 0:
             raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}", field="lag_ns")
+        profile_for(vllm_version, hash_form)  # refuse a form the version cannot send now, not at the first publisher
         self._lag_ns = lag_ns
         self.wire_check = wire_check
         """Carry engine batches as vLLM bytes (encoded and decoded) instead of router-model structs."""
         self.vllm_version = vllm_version
+        self.hash_form = hash_form
+        """Block hashes in wire-check bytes: ``int`` or ``bytes`` (digests, vLLM >= 0.11)."""
         self.buffer_steps = buffer_steps
         self._intake: Deliver | None = None
         self._publishers: dict[tuple[int, int], MemoryKvPublisher] = {}
@@ -103,7 +107,8 @@ class MemoryKvBus:
         key = (worker_id, dp_rank)
         pub = self._publishers.get(key)
         if pub is None:
-            pub = self._publishers[key] = MemoryKvPublisher(self, worker_id, dp_rank, self.vllm_version, self.buffer_steps)
+            pub = self._publishers[key] = MemoryKvPublisher(self, worker_id, dp_rank, self.vllm_version,
+                                                            self.buffer_steps, self.hash_form)
         return pub
 
     def replay(self, worker_id: int, dp_rank: int) -> Callable[[int], Iterator[tuple[int, Payload]]]:

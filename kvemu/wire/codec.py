@@ -6,11 +6,18 @@ replay replies (topic frame from 0.26). Encoders are msgspec structs built from 
 so the bytes are what that release's own structs produce. The decoder accepts array or map batches
 and events, a missing rank, extra trailing fields, signed or unsigned or bytes hashes, and Eagle
 token pairs; anything else raises ``WireDecodeError`` with the bytes that failed.
+
+Block hashes go out in one of vLLM's two forms (``ExternalBlockHash = bytes | int``, from 0.11): the default
+integer (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low 64 bits of the digest, a msgpack uint64),
+or with ``profile_for(version, "bytes")`` the raw digest (the variable at 0): 32 bytes, as vLLM's default
+``sha256`` block hash is, whose last 8 bytes big-endian are kvemu's integer hash (``block_hash_digest``), so
+either form decodes to the same hash and routes the same.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypedDict
 
@@ -24,7 +31,11 @@ __all__ = [
     "VllmProfile",
     "PROFILES",
     "DEFAULT_VLLM_VERSION",
+    "HASH_FORMS",
+    "DEFAULT_HASH_FORM",
+    "BYTES_HASHES_SINCE",
     "profile_for",
+    "block_hash_digest",
     "WireDecodeError",
     "encode_batch",
     "decode_batch",
@@ -33,6 +44,14 @@ __all__ = [
 ]
 
 DEFAULT_VLLM_VERSION = "0.33"
+HASH_FORMS = ("int", "bytes")
+"""How block hashes go on the wire: msgpack uint64 (vLLM's default) or the digest's raw bytes."""
+DEFAULT_HASH_FORM = "int"
+BYTES_HASHES_SINCE = (0, 11)
+"""The first release whose events can carry digest bytes (``ExternalBlockHash``; the int form is then
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, its default)."""
+DIGEST_BYTES = 32
+"""Length of a block hash in bytes form: vLLM's default block hash is a sha256 digest."""
 
 STORED_FIELDS: tuple[str, ...] = BlockStored.__struct_fields__
 """Every ``BlockStored`` field ever sent, in wire order (each release sends a prefix of this list); the
@@ -66,6 +85,8 @@ class VllmProfile(NamedTuple):
     has_dp_rank: bool
     replay_topic: bool
     """Replay replies carry the topic frame (``[id, "", topic, seq, payload]``), from 0.26."""
+    bytes_hashes: bool = False
+    """Block hashes go out as digest bytes (``block_hash_digest``) instead of integers (from 0.11, on request)."""
 
     @property
     def name(self) -> str:
@@ -91,8 +112,12 @@ PROFILES: dict[tuple[int, int], VllmProfile] = {
 """The release where each wire change appeared; releases in between send what the previous one did."""
 
 
-def profile_for(version: str | tuple[int, int] = DEFAULT_VLLM_VERSION) -> VllmProfile:
-    """The wire profile of a vLLM version (``"0.25.1"`` → the 0.24 profile)."""
+def profile_for(version: str | tuple[int, int] = DEFAULT_VLLM_VERSION,
+                hash_form: str = DEFAULT_HASH_FORM) -> VllmProfile:
+    """The wire profile of a vLLM version (``"0.25.1"`` → the 0.24 profile), its block hashes in ``hash_form``
+    (``"int"``, or ``"bytes"`` from 0.11: ``InvalidArgument`` for an older release or another form)."""
+    if hash_form not in HASH_FORMS:
+        raise InvalidArgument(f"hash_form must be 'int' or 'bytes', got {hash_form!r}")
     if isinstance(version, str):
         try:
             parts = tuple(int(x) for x in version.split(".")[:2])
@@ -104,7 +129,22 @@ def profile_for(version: str | tuple[int, int] = DEFAULT_VLLM_VERSION) -> VllmPr
     eligible = [v for v in PROFILES if v <= key]
     if not eligible:
         raise InvalidArgument(f"vllm_version {version!r} is older than 0.9, the first release with KV events")
-    return PROFILES[max(eligible)]
+    profile = PROFILES[max(eligible)]
+    if hash_form == "int":
+        return profile
+    if profile.version < BYTES_HASHES_SINCE:
+        raise InvalidArgument(f"vLLM {version!r} sends block hashes as integers only; bytes hashes need vLLM "
+                              f"{BYTES_HASHES_SINCE[0]}.{BYTES_HASHES_SINCE[1]} or later")
+    return profile._replace(bytes_hashes=True)
+
+
+def block_hash_digest(block_hash: int) -> bytes:
+    """The 32 bytes a block hash goes out as in bytes form: a digest whose last 8 bytes are ``block_hash`` (as
+    u64) big-endian, so that vLLM's int form of it (the digest's low 64 bits) is ``block_hash`` again. The first
+    24 come from sha256 of those 8 bytes: fixed per hash (stores, removals and parents agree, in every process)
+    and digest-like, as vLLM's are."""
+    low = (block_hash & U64_MASK).to_bytes(8, "big")
+    return hashlib.sha256(low).digest()[: DIGEST_BYTES - 8] + low
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -151,13 +191,22 @@ def encode_batch(batch: KVEventBatch, profile: VllmProfile | None = None) -> byt
     profile = profile or profile_for()
     batch_cls, stored_cls, removed_cls, cleared_cls = _structs(profile)
     ns, nr = profile.stored_fields, profile.removed_fields
+    digests = profile.bytes_hashes
     out = []
     for ev in batch.events:
         t = type(ev)
         if t is BlockStored:  # the neutral structs list their fields in wire order
-            out.append(stored_cls(*_astuple(ev)[:ns]))
+            fields = _astuple(ev)[:ns]
+            if digests:  # block_hashes, parent_block_hash come first
+                parent = fields[1]
+                fields = ([block_hash_digest(h) for h in fields[0]],
+                          None if parent is None else block_hash_digest(parent), *fields[2:])
+            out.append(stored_cls(*fields))
         elif t is BlockRemoved:
-            out.append(removed_cls(*_astuple(ev)[:nr]))
+            fields = _astuple(ev)[:nr]
+            if digests:
+                fields = ([block_hash_digest(h) for h in fields[0]], *fields[1:])
+            out.append(removed_cls(*fields))
         elif t is AllBlocksCleared:
             out.append(cleared_cls())
         else:

@@ -57,7 +57,8 @@ class PublisherStats:
 
 
 class KvEventPublisher(LoggedPublisher):
-    """Publishes ``KVEventBatch``es of one DP rank in the wire format of a chosen vLLM version."""
+    """Publishes ``KVEventBatch``es of one DP rank in the wire format of a chosen vLLM version, block hashes
+    as integers or (``hash_form="bytes"``, vLLM >= 0.11) as digest bytes."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class KvEventPublisher(LoggedPublisher):
         dp_rank: int = 0,
         topic: str = "",
         vllm_version: str = "0.33",
+        hash_form: str = "int",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         bind: bool | None = None,
@@ -86,7 +88,7 @@ class KvEventPublisher(LoggedPublisher):
         self._clock: Clock = clock or WallClock()  # times a stalled replay answer
         # identity -> (next sequence number to send, or -1 when only the end marker is left; when it last moved)
         self._answers: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self.profile: VllmProfile = profile_for(vllm_version)
+        self.profile: VllmProfile = profile_for(vllm_version, hash_form)  # before any socket: it may refuse
         self.dp_rank = dp_rank
         self.topic = topic.encode()
         self.stats = PublisherStats()

@@ -10,19 +10,22 @@ import msgspec
 import pytest
 import yaml
 
-from kvemu.clock import ManualClock
+from kvemu.clock import ManualClock, WallClock
 from kvemu.config import RouterConfig
 from kvemu.registry import WorkerSpec
 from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
-from kvemu.runtime.loop import run_virtual
+from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.messages import ClientRequest
 from kvemu.runtime.router import RouterSettings
+from kvemu.runtime.transport import NoRouterEnd
+from kvemu.wire.codec import profile_for
 from pathlib import Path
 
 from workers.config import EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, SglangConfig
 
 from harness.cluster import cluster
+from harness.procs import worker as worker_proc
 from harness.scenario import parse_scenario
 
 ROUTER_VALUES = {
@@ -152,6 +155,40 @@ def _set(data: dict, path: str, value):
         node = node.setdefault(part, {})
     node[leaf] = msgspec.to_builtins(value)
     return data
+
+
+BYTES_FORM = "cluster: {workers: 2, dp_size: 2, kv_events_version: '0.24', kv_events_hash_form: bytes}\n"
+
+
+@pytest.mark.parametrize("mode", ["virtual", "live"])
+def test_kv_events_hash_form_reaches_every_publisher(mode):
+    """``cluster.kv_events_hash_form`` (with ``kv_events_version``): every rank's KV publisher encodes in it,
+    in-memory (virtual) and ZeroMQ (live)."""
+    scenario = parse_scenario(BYTES_FORM + f"run: {{mode: {mode}}}\n")
+    clock = ManualClock() if mode == "virtual" else WallClock()
+
+    async def main():
+        async with cluster(scenario, clock, Hooks()) as c:
+            return [pub.profile for pubs in c.kv_publishers.values() for pub in pubs]
+
+    profiles = run_virtual(main, clock) if mode == "virtual" else run_live(main)
+    assert profiles == [profile_for("0.24", "bytes")] * 4
+
+
+def test_kv_events_hash_form_reaches_the_worker_process_publishers():
+    """``kvemu worker`` (with a router, or alone in a ``kvemu fleet``) builds its ranks' publishers with the
+    scenario's hash form."""
+
+    async def main():
+        _, pubs = worker_proc.build_worker(parse_scenario(BYTES_FORM), 1, "aggregated", 2, "tcp://127.0.0.1:0", None,
+                                           NoRouterEnd())
+        try:
+            return [pub.profile for pub in pubs]
+        finally:
+            for pub in pubs:
+                pub.close(drain_timeout_s=0)
+
+    assert anyio.run(main) == [profile_for("0.24", "bytes")] * 2
 
 
 def test_approximate_index_knobs_reach_the_approximate_index():

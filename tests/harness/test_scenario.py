@@ -67,6 +67,7 @@ def test_unknown_keys_name_the_key_path_and_line(text, key, line):
         ("router:\n  affinity:\n    mode: sticky\n", "router.affinity.mode", 3, "Invalid enum value 'sticky'"),
         ("workload:\n  kind: weird\n", "workload.kind", 2, "Invalid value 'weird'"),
         ("chaos:\n  - at_s: 1\n    action: explode\n", "chaos[0].action", 3, "Invalid enum value 'explode'"),
+        ("cluster:\n  kv_events_hash_form: hex\n", "cluster.kv_events_hash_form", 2, "Invalid enum value 'hex'"),
         ("cluster: 4\n", "cluster", 1, "expected a mapping of keys, got 4"),
     ],
 )
@@ -97,6 +98,11 @@ def test_wrong_types_name_the_key_path_and_line(text, key, line, expected):
          "cluster.engine.max_num_batched_tokens", 4, "(8) must be >= max_num_seqs (16)"),
         ("workload:\n  isl: {low: 9, high: 3}\n", "workload.isl.low", 2, "low (9) must be <= high (3)"),
         ("cluster:\n  kv_events_version: '0.2'\n", "cluster.kv_events_version", 2, "older than 0.9"),
+        ("cluster:\n  kv_events_version: '0.10'\n  kv_events_hash_form: bytes\n", "cluster.kv_events_hash_form", 3,
+         "kv_events_hash_form 'bytes' with kv_events_version '0.10': vLLM '0.10' sends block hashes as integers "
+         "only; bytes hashes need vLLM 0.11 or later"),
+        ("cluster:\n  kv_events_hash_form: bytes\n  kv_events_version: '0.9.2'\n", "cluster.kv_events_hash_form", 2,
+         "bytes hashes need vLLM 0.11"),
         # bounds on what a run would have to build (a typo must not exhaust the machine)
         ("cluster:\n  workers: 1000000000\n", "cluster.workers", 2, "Expected `int` <= 4096, got 1000000000"),
         ("cluster:\n  workers: 4096\n  dp_size: 4\n", "cluster.workers", 2, "more than the 8192 ranks"),
@@ -203,6 +209,7 @@ def test_empty_scenario_is_all_defaults():
     assert scenario == Scenario(base_dir=".")
     assert isinstance(scenario.workload, SyntheticWorkload)
     assert scenario.cluster.engine.block_size == 64 and scenario.cluster.engine.num_gpu_blocks == 16384
+    assert (scenario.cluster.kv_events_version, scenario.cluster.kv_events_hash_form) == ("0.33", "int")
 
 
 # ---------------------------------------------------------------------------------------- overrides

@@ -2,14 +2,19 @@
 
 The expected bytes are built here from the field tables of ``/work/shared/spec/vllm-kv-events.md`` §1
 with plain Python lists/dicts and ``msgspec.msgpack.encode`` -- independently of kvemu's struct
-machinery -- and stored in ``tests/data/kv_events_golden.json``. Regenerate (and review the diff!) with
+machinery -- and stored in ``tests/data/kv_events_golden.json``. Each release from 0.11 has a second set
+with the block hashes in bytes form (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``): every hash a 32-byte
+digest (``digest`` below, written out here again) whose last 8 bytes are the integer hash, so both sets
+decode to the same events. Regenerate (and review the diff!) with
 
     python tests/kvemu/wire/test_codec.py --regen
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import struct
 import sys
 from pathlib import Path
@@ -21,8 +26,11 @@ from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from kvemu.router_events import StorageTier
-from kvemu.wire.codec import PROFILES, WireDecodeError, decode_batch, encode_batch, profile_for
-from kvemu.wire.convert import medium_to_tier
+import kvemu
+from kvemu.hashing import local_block_hashes, sequence_hashes
+from kvemu.wire.codec import (BYTES_HASHES_SINCE, PROFILES, WireDecodeError, block_hash_digest, decode_batch,
+                              encode_batch, profile_for)
+from kvemu.wire.convert import convert_event, medium_to_tier
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 GOLDEN_PATH = Path(__file__).parents[2] / "data" / "kv_events_golden.json"
@@ -79,6 +87,30 @@ def spec_is_map(version: tuple[int, int]) -> bool:
 
 def spec_has_rank(version: tuple[int, int]) -> bool:
     return version >= (0, 10)
+
+
+# vLLM 0.11 is the first release whose events can carry digest bytes (ExternalBlockHash = bytes | int).
+BYTES_VERSIONS = [v for v in SPEC_VERSIONS if v >= (0, 11)]
+
+
+def digest(block_hash: int) -> bytes:
+    """A block hash in bytes form: 32 bytes, the size of vLLM's default sha256 block hash, ending in the integer
+    big-endian (vLLM's int form is the digest's low 64 bits); the first 24 are sha256 of those 8 bytes."""
+    low = struct.pack(">Q", block_hash)
+    return hashlib.sha256(low).digest()[:24] + low
+
+
+def as_bytes_form(spec_batch: dict) -> dict:
+    """``spec_batch`` with every block hash (stored, parent, removed) in bytes form."""
+    events = []
+    for ev in spec_batch["events"]:
+        ev = dict(ev)
+        if "block_hashes" in ev:
+            ev["block_hashes"] = [digest(h) for h in ev["block_hashes"]]
+        if ev.get("parent_block_hash") is not None:
+            ev["parent_block_hash"] = digest(ev["parent_block_hash"])
+        events.append(ev)
+    return {**spec_batch, "events": events}
 
 
 ALL_STORED, ALL_REMOVED = spec_fields((0, 33))
@@ -201,6 +233,10 @@ def generate_golden() -> dict:
             name: {_vname(v): independent_payload(batch, v).hex() for v in SPEC_VERSIONS}
             for name, batch in GOLDEN_BATCHES.items()
         },
+        "bytes_hash_payloads": {
+            name: {_vname(v): independent_payload(as_bytes_form(batch), v).hex() for v in BYTES_VERSIONS}
+            for name, batch in GOLDEN_BATCHES.items()
+        },
     }
 
 
@@ -245,6 +281,80 @@ def test_encode_matches_golden_bytes(name, version):
     got = encode_batch(kvemu_batch(GOLDEN_BATCHES[name]), PROFILES[version])
     assert got.hex() == stored_hex
     assert got == expected
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_BATCHES))
+@pytest.mark.parametrize("version", BYTES_VERSIONS, ids=_vname)
+def test_encode_bytes_form_matches_golden_bytes(name, version):
+    stored_hex = _load_golden()["bytes_hash_payloads"][name][_vname(version)]
+    expected = independent_payload(as_bytes_form(GOLDEN_BATCHES[name]), version)
+    got = encode_batch(kvemu_batch(GOLDEN_BATCHES[name]), profile_for(_vname(version), "bytes"))
+    assert got.hex() == stored_hex
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_BATCHES))
+@pytest.mark.parametrize("version", BYTES_VERSIONS, ids=_vname)
+def test_bytes_form_golden_decodes_as_the_int_form(name, version):
+    golden = _load_golden()
+    as_int = decode_batch(bytes.fromhex(golden["payloads"][name][_vname(version)]))
+    as_bytes = decode_batch(bytes.fromhex(golden["bytes_hash_payloads"][name][_vname(version)]))
+    assert as_bytes == as_int == project(kvemu_batch(GOLDEN_BATCHES[name]), version)
+
+
+def test_bytes_form_exists_from_0_11_on():
+    assert BYTES_HASHES_SINCE == (0, 11)
+    assert set(_load_golden()["bytes_hash_payloads"]["basic"]) == {_vname(v) for v in PROFILES if v >= (0, 11)}
+    assert len(BYTES_VERSIONS) >= 8
+    for v in PROFILES:
+        if v < (0, 11):
+            with pytest.raises(InvalidArgument, match="bytes hashes need vLLM 0.11"):
+                profile_for(_vname(v), "bytes")
+        else:
+            assert profile_for(_vname(v), "bytes") == PROFILES[v]._replace(bytes_hashes=True)
+            assert profile_for(_vname(v), "int") is PROFILES[v] and not PROFILES[v].bytes_hashes
+    with pytest.raises(InvalidArgument, match="'int' or 'bytes'"):
+        profile_for("0.33", "hex")
+
+
+def test_bytes_form_spot_checks():
+    """A hash in bytes form is a msgpack bin8 of 32 bytes ending in the integer big-endian."""
+    golden = _load_golden()["bytes_hash_payloads"]
+    for version in ("0.11", "0.22", "0.33"):
+        payload = bytes.fromhex(golden["basic"][version])
+        for h in (0x1234, BIG, 777):
+            assert b"\xc4\x20" + digest(h) in payload
+        raw = msgspec.msgpack.decode(payload)
+        first = raw[1][0]["block_hashes"] if version == "0.33" else raw[1][0][1]
+        assert [len(x) for x in first] == [32, 32]
+        assert [int.from_bytes(x, "big") & U64 for x in first] == [0x1234, BIG]
+        assert b"\xcf" + BIG.to_bytes(8, "big") not in payload  # no hash goes out as an integer too
+    assert block_hash_digest(BIG) == digest(BIG) and len(digest(0)) == 32
+    assert block_hash_digest(-2) == digest(BIG)  # signed hashes are reinterpreted as u64 first, as decoding does
+
+
+def test_bytes_form_indexes_the_same_blocks():
+    """A chain of stores and an eviction, sent in either form, leaves the router's index in the same state."""
+    rng = random.Random(5)
+    tokens = [rng.getrandbits(32) for _ in range(6 * 16)]
+    hashes = sequence_hashes(local_block_hashes(tokens, 16))
+    events = [BlockStored(block_hashes=hashes[:2], parent_block_hash=None, token_ids=tokens[:32], block_size=16),
+              BlockStored(block_hashes=hashes[2:6], parent_block_hash=hashes[1], token_ids=tokens[32:], block_size=16),
+              BlockRemoved(block_hashes=[hashes[5]])]
+    batch = KVEventBatch(ts=1.0, events=events, data_parallel_rank=1)
+    for version in ("0.11", "0.22", "0.24", "0.33"):
+        cores = {}
+        for form in ("int", "bytes"):
+            core = cores[form] = kvemu.RoutingCore(block_size=16)
+            core.add_worker(kvemu.WorkerSpec(worker_id=3, dp_size=2))
+            for ev in decode_batch(encode_batch(batch, profile_for(version, form))).events:
+                converted = convert_event(ev, worker_id=3, dp_rank=1, block_size=16)
+                assert converted is not None
+                core.apply_event(converted)
+        for form, core in cores.items():
+            assert core.overlaps(core.prepare(tokens)) == {(3, 1): 5}, (version, form)
+            assert [core.index.holds(3, h, 1) for h in hashes] == [True] * 5 + [False], (version, form)
+            assert core.index.tree_size(3, 1) == 5
 
 
 def test_golden_bytes_spot_checks():
@@ -382,6 +492,17 @@ def test_round_trip(version, batch):
         version,
     )
     assert decode_batch(payload) == project(batch, version)
+
+
+@pytest.mark.parametrize("version", BYTES_VERSIONS, ids=_vname)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches)
+def test_bytes_form_round_trip(version, batch):
+    payload = encode_batch(batch, profile_for(_vname(version), "bytes"))
+    as_dict = {"ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank,
+               "events": [{"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in batch.events]}
+    assert payload == independent_payload(as_bytes_form(as_dict), version)
+    assert decode_batch(payload) == decode_batch(encode_batch(batch, PROFILES[version])) == project(batch, version)
 
 
 # --------------------------------------------------------------------------- tolerance

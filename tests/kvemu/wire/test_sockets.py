@@ -22,6 +22,7 @@ import zmq
 
 import kvemu
 from kvemu.hashing import local_block_hashes, sequence_hashes
+from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.transport import message_socket
 from kvemu.wire import limits
 from kvemu.wire.codec import PROFILES, encode_batch, profile_for
@@ -730,6 +731,66 @@ def test_first_sequence_number_is_zero(net):
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])
     assert dealer.poll(int(TIMEOUT_S * 1000))
     assert dealer.recv_multipart()[-2] == (0).to_bytes(8, "big")
+
+
+@pytest.mark.parametrize("version", ["0.11", "0.24", "0.33"])
+def test_bytes_hashes_index_the_same_blocks_as_int_hashes(net, version):
+    """One worker publishes block hashes as digest bytes (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), one
+    as integers, the same events (a gap repaired by replay among them): the index holds the same blocks."""
+    core = new_core((1, 1), (2, 1))
+    sub = net.subscriber(core.apply_event)
+    pubs = {1: net.publisher(vllm_version=version), 2: net.publisher(vllm_version=version, hash_form="bytes")}
+    for worker_id, pub in pubs.items():
+        sub.add(StreamSpec(worker_id, 0, pub.endpoint, pub.replay_endpoint))
+    streams = {(w, 0): p for w, p in pubs.items()}
+    sync(sub, streams)
+    before = {w: counters(sub, w) for w in pubs}
+    tokens, other = prompt(40, 4), prompt(41, 2)
+    hashes = hashes_of(tokens)
+    for pub in pubs.values():
+        a, b, c, d = chain_events(tokens)
+        pub.publish(batch(a))
+        pub.drop_next = 1
+        pub.publish(batch(b))  # not sent live: only the replay brings it
+        pub.publish(batch(c, *chain_events(other, per_event=2)))
+        pub.publish(batch(d))
+        pub.publish(batch(BlockRemoved(block_hashes=[hashes[3]])))
+    sync(sub, streams)
+
+    assert depth(core, tokens) == {(1, 0): 3, (2, 0): 3}
+    assert depth(core, other) == {(1, 0): 2, (2, 0): 2}
+    for h in hashes + hashes_of(other):
+        assert core.index.holds(1, h, 0) == core.index.holds(2, h, 0)
+    assert core.index.tree_size(1, 0) == core.index.tree_size(2, 0) == 5
+    d1, d2 = delta(before[1], counters(sub, 1)), delta(before[2], counters(sub, 2))
+    assert d1 == d2 and d1["gaps"] == 1 and d1["blocks_stored"] == 6 and d1["blocks_removed"] == 1
+    assert counters(sub, 2)["decode_errors"] == 0 and counters(sub, 2)["apply_errors"] == 0
+
+    # what went out: every hash a 32-byte digest ending in the integer hash (read back through a replay)
+    dealer = net.socket(zmq.DEALER)
+    dealer.connect(pubs[2].replay_endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    payloads = []
+    while True:
+        assert dealer.poll(int(TIMEOUT_S * 1000)), "no replay reply"
+        frames = dealer.recv_multipart()
+        if frames[-2] == SEQ_END:
+            break
+        payloads.append(frames[-1])
+    sent = [msgspec.msgpack.decode(p)[1] for p in payloads]
+    stored = [e for events in sent for e in events
+              if (e["type"] if isinstance(e, dict) else e[0]) == "BlockStored"]
+    wire_hashes = [h for e in stored for h in (e["block_hashes"] if isinstance(e, dict) else e[1])]
+    assert len(wire_hashes) == 6 and all(type(h) is bytes and len(h) == 32 for h in wire_hashes)
+    assert {int.from_bytes(h[-8:], "big") for h in wire_hashes} == set(hashes + hashes_of(other))
+
+
+def test_bytes_hashes_before_vllm_0_11_are_refused(net):
+    with pytest.raises(kvemu.InvalidArgument, match="bytes hashes need vLLM 0.11"):
+        net.publisher(vllm_version="0.10", hash_form="bytes")
+    with pytest.raises(kvemu.InvalidArgument, match="bytes hashes need vLLM 0.11"):
+        MemoryKvBus(vllm_version="0.9", hash_form="bytes")
+    assert MemoryKvBus(vllm_version="0.11", hash_form="bytes").publisher(0, 0).profile.bytes_hashes
 
 
 # --------------------------------------------------------------------------- a consumer nobody here wrote
