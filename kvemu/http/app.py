@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP application: a thin raw-ASGI app over a ``Backend``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as vLLM streams them, or whole),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (and ``HEAD`` on each GET route), ``POST /tokenize``,
-``POST /detokenize``. No framework and no task group per response: a request is parsed, submitted, and its
+``GET /v1/models``, ``GET /health`` (and SGLang's ``/health_generate``), ``GET /metrics``, SGLang's ``GET
+/server_info`` and ``/model_info`` (and their old ``/get_`` names) and, on a worker, ``/get_load`` (and ``HEAD``
+on each GET route), ``POST /tokenize``, ``POST /detokenize``. No framework and no task group per response: a request is parsed, submitted, and its
 tokens are written as the backend reports them. One watcher per request notices the client leaving and
 cancels the request in the engine. The status line waits for the first token, so a request refused before
 producing anything gets a real status (400, 404, 429, 503) even when it asked for a stream. How an answer is
@@ -27,6 +28,7 @@ import msgspec
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.http.backend import Backend
 from kvemu.http.errors import ApiError, error_body
+from kvemu.http.info import ServerInfo, load_body, model_info_body, models_body, server_info_body
 from kvemu.http.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -68,12 +70,13 @@ class OpenAIApp:
     ``output_lengths`` draws how long an answer is when the client did not set ``ignore_eos`` (the
     scenario's output-length distribution; capped by ``max_tokens``, at least ``min_tokens``); without it
     every answer runs to its budget. ``rank_header`` is the header that pins a DP rank (the front door takes
-    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``).
+    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``). ``info`` is what the server says of itself
+    (``/server_info``, ``/get_load``).
     """
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
                  metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
-                 rank_header: str = "x-dp-rank",
+                 rank_header: str = "x-dp-rank", info: ServerInfo | None = None,
                  max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
                  off_loop_chars: int = 64 << 10,
                  extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None) -> None:
@@ -84,6 +87,7 @@ class OpenAIApp:
         self.metrics = metrics
         self.output_lengths = output_lengths
         self.rank_header = rank_header
+        self.info = info if info is not None else ServerInfo()
         self.max_body_bytes = max_body_bytes
         """Larger bodies are refused with 413: at once when ``content-length`` says so, else when they reach it."""
         self.body_timeout_s = body_timeout_s
@@ -103,10 +107,17 @@ class OpenAIApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
+            ("GET", "/health_generate"): self._health,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/server_info"): self._server_info,
+            ("GET", "/get_server_info"): self._server_info,
+            ("GET", "/model_info"): self._model_info,
+            ("GET", "/get_model_info"): self._model_info,
             ("POST", "/tokenize"): self._tokenize,
             ("POST", "/detokenize"): self._detokenize,
         }
+        if self.info.loads is not None:
+            self._routes[("GET", "/get_load")] = self._load
         self._routes.update(extra_routes or {})  # (method, path) -> async handler(scope, receive, send)
         self._paths = {path for _, path in self._routes}
         self._to_tokenize: list[tuple[list[str], asyncio.Future]] = []
@@ -180,9 +191,19 @@ class OpenAIApp:
     # ------------------------------------------------------------------ small routes
 
     async def _models(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await respond(send, 200, _encode({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "kvemu", "root": self.model,
-            "parent": None, "max_model_len": self.backend.max_model_len, "permission": []}]}))
+        await respond(send, 200, _encode(models_body(self.model, self.created, self.backend.max_model_len)))
+
+    async def _server_info(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await respond(send, 200, _encode(server_info_body(self.model, self.backend.max_model_len,
+                                                          self.backend.block_size, self.info)))
+
+    async def _model_info(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await respond(send, 200, _encode(model_info_body(self.model, self.info)))
+
+    async def _load(self, scope: dict, receive: Callable, send: Callable) -> None:
+        loads = self.info.loads
+        assert loads is not None  # the route exists only then
+        await respond(send, 200, _encode(load_body(loads())))
 
     async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
         why = self.backend.unavailable()

@@ -78,6 +78,49 @@ def test_the_rank_header_pins_and_round_robin_spreads():
     assert status == 400 and "dp_rank" in message
 
 
+def test_a_worker_describes_itself_as_vllm_and_sglang_servers_do():
+    """What sglang-router and vllm-router read of a worker before routing to it: its DP size, page (block) size,
+    model and context length, and per-rank load."""
+    async def body(http, actor):
+        got = {path: (await http.get(path)) for path in (
+            "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/v1/models", "/get_load",
+            "/health", "/health_generate")}
+        return got
+
+    got = serve_worker(body)
+    assert {path: r.status_code for path, r in got.items()} == dict.fromkeys(got, 200)
+    info = got["/server_info"].json()
+    assert info == got["/get_server_info"].json()
+    assert {k: info[k] for k in ("dp_size", "page_size", "block_size", "model_path", "served_model_name",
+                                 "tokenizer_path", "max_model_len", "context_length", "max_total_num_tokens",
+                                 "disaggregation_mode")} == {
+        "dp_size": 2, "page_size": BS, "block_size": BS, "model_path": "kvemu", "served_model_name": "kvemu",
+        "tokenizer_path": "kvemu", "max_model_len": 2048 * BS, "context_length": 2048 * BS,
+        "max_total_num_tokens": 2048 * BS, "disaggregation_mode": "null"}
+    model = got["/model_info"].json()
+    assert model == got["/get_model_info"].json()
+    assert model["model_path"] == "kvemu" and model["is_generation"] is True
+    assert [m["id"] for m in got["/v1/models"].json()["data"]] == ["kvemu"]
+    assert got["/get_load"].json() == [{"dp_rank": r, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+                                       for r in (0, 1)]
+
+
+def test_get_load_counts_each_ranks_requests_and_kv_tokens():
+    async def body(http, actor):
+        async with http.stream("POST", "/v1/completions", headers={"X-data-parallel-rank": "1"},
+                               json={"model": "kvemu", "prompt": list(range(1, 1 + 4 * BS)), "max_tokens": 20000,
+                                     "ignore_eos": True, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break
+            return (await http.get("/get_load")).json()
+
+    load = serve_worker(body)
+    assert load[0] == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert load[1]["dp_rank"] == 1 and load[1]["num_reqs"] == 1 and load[1]["num_waiting_reqs"] == 0
+    assert load[1]["num_tokens"] >= 4 * BS
+
+
 def test_vllm_metrics_count_what_the_engines_did():
     prompt = list(range(1, 1 + 6 * BS))
 
