@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as vLLM streams them, or whole),
 ``GET /v1/models``, ``GET /health`` (and SGLang's ``/health_generate``), ``GET /metrics``, SGLang's ``GET
 /server_info`` and ``/model_info`` (and their old ``/get_`` names) and, on a worker, ``/get_load`` (and ``HEAD``
-on each GET route), ``POST /tokenize``, ``POST /detokenize``. No framework and no task group per response: a request is parsed, submitted, and its
+on each GET route), ``POST /tokenize``, ``POST /detokenize``, and vLLM's ``POST /v1/completions/render`` and
+``/v1/chat/completions/render`` (a request's token ids, which vllm-router asks a worker for before routing
+text). No framework and no task group per response: a request is parsed, submitted, and its
 tokens are written as the backend reports them. One watcher per request notices the client leaving and
 cancels the request in the engine. The status line waits for the first token, so a request refused before
 producing anything gets a real status (400, 404, 429, 503) even when it asked for a stream. How an answer is
@@ -35,6 +37,7 @@ from kvemu.http.protocol import (
     DetokenizeRequest,
     Hints,
     TokenizeRequest,
+    check_prompt_length,
     decode_body,
     hints_of,
     output_budget,
@@ -115,6 +118,8 @@ class OpenAIApp:
             ("GET", "/get_model_info"): self._model_info,
             ("POST", "/tokenize"): self._tokenize,
             ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/completions/render"): self._render_completions,
+            ("POST", "/v1/chat/completions/render"): self._render_chat,
         }
         if self.info.loads is not None:
             self._routes[("GET", "/get_load")] = self._load
@@ -241,6 +246,29 @@ class OpenAIApp:
             raise ApiError(400, f"tokens: {exc}", "tokens") from None
         await respond(send, 200, _encode({"prompt": text}))
 
+    async def _render_completions(self, scope: dict, receive: Callable, send: Callable) -> None:
+        req = decode_body(await self._body(receive), CompletionRequest)
+        await respond(send, 200, _encode(await self._render(scope, req, False)))
+
+    async def _render_chat(self, scope: dict, receive: Callable, send: Callable) -> None:
+        req = decode_body(await self._body(receive), ChatRequest)
+        await respond(send, 200, _encode((await self._render(scope, req, True))[0]))
+
+    async def _render(self, scope: dict, req: Any, chat: bool) -> list[dict[str, Any]]:
+        """vLLM's render: each prompt's token ids as one generate request (the chat route answers its one
+        prompt's alone), validated as a generation's prompts are, nothing run."""
+        self._check_model(req.model)
+        raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
+        self._check_text_size(raw_prompts)
+        prompts = await self._tokens(raw_prompts)
+        for ids in prompts:
+            check_prompt_length(len(ids), self.backend.max_model_len)
+        base = _request_id(_headers(scope), chat)
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return [{"request_id": base if len(prompts) == 1 else f"{base}-{i}", "token_ids": ids, "model": self.model,
+                 "sampling_params": {"max_tokens": asked, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos}}
+                for i, ids in enumerate(prompts)]
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
             raise ApiError(404, f"The model `{model}` does not exist.", "model")
@@ -309,7 +337,7 @@ class OpenAIApp:
     async def _generate(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool) -> None:
         arrived = self.clock.now_ns()
         self._check_model(req.model)  # none given: the served model, as vLLM does
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = _headers(scope)
         hints = hints_of(req, headers, rank_header=self.rank_header)
         raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
         self._check_text_size(raw_prompts)
@@ -390,6 +418,11 @@ def _client_request(rid: str, tokens: list[int], n_out: int, ids: list[int], hin
 
 _ids = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12]  # ids stay unique across processes and restarts
+
+
+def _headers(scope: dict) -> dict[str, str]:
+    """A request's headers by lower-case name."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
 def _request_id(headers: dict[str, str], chat: bool) -> str:

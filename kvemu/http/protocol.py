@@ -27,6 +27,7 @@ __all__ = [
     "prompts_of",
     "hints_of",
     "output_budget",
+    "check_prompt_length",
     "MAX_PROMPTS",
     "MAX_ID_BYTES",
 ]
@@ -161,7 +162,7 @@ def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer,
     if not p:
         raise ApiError(400, "prompt: the list is empty", "prompt")
     if type(p[0]) is int:
-        _check_ids_length(len(p), max_model_len)
+        check_prompt_length(len(p), max_model_len)
         if all(type(x) is int for x in p):
             return [_ids(p, tok, "prompt")]
     if len(p) > MAX_PROMPTS:
@@ -170,14 +171,15 @@ def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer,
         return list(p)
     if all(isinstance(x, list) for x in p):
         for x in p:
-            _check_ids_length(len(x), max_model_len)
+            check_prompt_length(len(x), max_model_len)
         if all(all(type(y) is int for y in x) for x in p):
             return [_ids(x, tok, f"prompt[{i}]") for i, x in enumerate(p)]
     raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of lists of "
                         "token ids", "prompt")
 
 
-def _check_ids_length(n: int, max_model_len: int | None) -> None:
+def check_prompt_length(n: int, max_model_len: int | None) -> None:
+    """A prompt of ``n`` tokens must leave room for one output token in ``max_model_len`` (None: no bound)."""
     if max_model_len is not None and n + 1 > max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                             f"has {n} tokens. Please reduce the length of the prompt.", "prompt")

@@ -296,9 +296,10 @@ def test_the_front_door_describes_itself_as_its_workers_do_with_one_rank():
             for path in ("/v1/models", "/server_info", "/model_info", "/get_load"):
                 out[path] = [(r.status_code, r.json()) for r in (await http.get(path), await worker.get(path))]
             ignored = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "data_parallel_rank": 9})
-        return out, ignored.status_code
+            render = await http.post("/v1/completions/render", json={"prompt": "Hello, world"})
+        return out, ignored.status_code, render.json()
 
-    out, ignored = serve(body)
+    out, ignored, render = serve(body)
     (front_status, front), (worker_status, own) = out["/v1/models"]
     assert front_status == worker_status == 200
     assert [{k: v for k, v in m.items() if k != "created"} for m in front["data"]] == \
@@ -309,6 +310,7 @@ def test_the_front_door_describes_itself_as_its_workers_do_with_one_rank():
     assert {k: v for k, v in front.items() if k != "dp_size"} == {k: v for k, v in own.items() if k != "dp_size"}
     assert out["/get_load"][0][0] == 404 and len(out["/get_load"][1][1]) == 2
     assert ignored == 200
+    assert [r["token_ids"] for r in render] == [builtin_tokenizer().encode("Hello, world")]
 
 
 @pytest.mark.parametrize("server", ["uvicorn", "granian"])

@@ -80,14 +80,22 @@ def test_the_rank_header_pins_and_round_robin_spreads():
 
 def test_a_worker_describes_itself_as_vllm_and_sglang_servers_do():
     """What sglang-router and vllm-router read of a worker before routing to it: its DP size, page (block) size,
-    model and context length, and per-rank load."""
+    model and context length, per-rank load, and the token ids of a text prompt (vLLM's render)."""
     async def body(http, actor):
         got = {path: (await http.get(path)) for path in (
             "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/v1/models", "/get_load",
             "/health", "/health_generate")}
-        return got
+        ids = (await http.post("/tokenize", json={"prompt": "render me, please"})).json()["tokens"]
+        chat_ids = (await http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()["tokens"]
+        render = await http.post("/v1/completions/render", json={"model": "kvemu", "max_tokens": 5,
+                                                                 "prompt": ["render me, please", "render me, please"]})
+        render_ids = await http.post("/v1/completions/render", json={"prompt": [7, 8]})
+        render_chat = await http.post("/v1/chat/completions/render",
+                                      json={"model": "kvemu", "messages": [{"role": "user", "content": "hi"}]})
+        wrong_model = await http.post("/v1/completions/render", json={"model": "other", "prompt": "x"})
+        return got, ids, chat_ids, render, render_ids.json(), render_chat, wrong_model
 
-    got = serve_worker(body)
+    got, ids, chat_ids, render, render_ids, render_chat, wrong_model = serve_worker(body)
     assert {path: r.status_code for path, r in got.items()} == dict.fromkeys(got, 200)
     info = got["/server_info"].json()
     assert info == got["/get_server_info"].json()
@@ -103,6 +111,14 @@ def test_a_worker_describes_itself_as_vllm_and_sglang_servers_do():
     assert [m["id"] for m in got["/v1/models"].json()["data"]] == ["kvemu"]
     assert got["/get_load"].json() == [{"dp_rank": r, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
                                        for r in (0, 1)]
+    assert render.status_code == 200 and render_chat.status_code == 200
+    prompts = render.json()
+    assert [p["token_ids"] for p in prompts] == [ids, ids]
+    assert len({p["request_id"] for p in prompts}) == 2
+    assert all(p["model"] == "kvemu" and p["sampling_params"]["max_tokens"] == 5 for p in prompts)
+    assert [p["token_ids"] for p in render_ids] == [[7, 8]]
+    assert render_chat.json()["token_ids"] == chat_ids
+    assert wrong_model.status_code == 404
 
 
 def test_get_load_counts_each_ranks_requests_and_kv_tokens():
