@@ -73,8 +73,8 @@ class OpenAIApp:
     ``output_lengths`` draws how long an answer is when the client did not set ``ignore_eos`` (the
     scenario's output-length distribution; capped by ``max_tokens``, at least ``min_tokens``); without it
     every answer runs to its budget. ``rank_header`` is the header that pins a DP rank (the front door takes
-    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``). ``info`` is what the server says of itself
-    (``/server_info``, ``/get_load``).
+    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``, or SGLang's ``data_parallel_rank``, one of
+    ``info.dp_ranks``). ``info`` is what the server says of itself (``/server_info``, ``/get_load``).
     """
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
@@ -91,6 +91,8 @@ class OpenAIApp:
         self.output_lengths = output_lengths
         self.rank_header = rank_header
         self.info = info if info is not None else ServerInfo()
+        self._own_ranks = self.info.dp_ranks if rank_header != "x-dp-rank" else None
+        """The ranks a request may pin bare (a worker's own server); None at the front door (a rank names a worker)."""
         self.max_body_bytes = max_body_bytes
         """Larger bodies are refused with 413: at once when ``content-length`` says so, else when they reach it."""
         self.body_timeout_s = body_timeout_s
@@ -338,7 +340,7 @@ class OpenAIApp:
         arrived = self.clock.now_ns()
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = _headers(scope)
-        hints = hints_of(req, headers, rank_header=self.rank_header)
+        hints = hints_of(req, headers, rank_header=self.rank_header, ranks=self._own_ranks)
         raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
         self._check_text_size(raw_prompts)
         prompts = await self._tokens(raw_prompts)

@@ -7,7 +7,7 @@ frontend takes them: ``nvext`` in the body and the session and pin headers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -82,6 +82,9 @@ class _Generate(msgspec.Struct):
     priority: I64 = 0
     seed: I64 | None = None
     """Taken (as vLLM takes it) and bounded; the emulator's output does not depend on it."""
+    data_parallel_rank: Any = None
+    """SGLang's rank pin (sglang-router ``--dp-aware`` sets it): a worker's own server takes it, checked in
+    ``hints_of``; the front door, which picks ranks itself, ignores it as any engine field it has no use for."""
     nvext: NvExt | None = None
 
 
@@ -229,11 +232,14 @@ _SESSION_HEADERS = ("x-dynamo-session-id", "x-session-id", "session-id")
 _PARENT_HEADERS = ("x-dynamo-parent-session-id", "x-parent-session-id")
 
 
-def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "x-dp-rank") -> Hints:
+def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "x-dp-rank",
+             ranks: Sequence[int] | None = None) -> Hints:
     """Session, parent session, pins, priority, expected output length and extra response fields.
 
     ``rank_header`` pins a DP rank (``x-dp-rank`` is taken too). The router's rank pin must name its worker
-    too; a worker's own server (another ``rank_header``) takes a bare rank of its own."""
+    too; a worker's own server (another ``rank_header``, its ``ranks`` given) takes a bare rank of its own,
+    from that header (vLLM's ``X-data-parallel-rank``), the body's ``data_parallel_rank`` (SGLang's) or
+    ``nvext.dp_rank``: one that is not among ``ranks``, or two that disagree, is a 400 naming the field."""
     nv = req.nvext or NvExt()
     hints = nv.agent_hints or AgentHints()
     session = _first(headers, _SESSION_HEADERS)
@@ -252,13 +258,43 @@ def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "
     if hints.osl is not None and hints.osl < 0:
         raise ApiError(400, "nvext.agent_hints.osl: must be >= 0", "nvext.agent_hints.osl")
     worker_id = worker if worker is not None else nv.backend_instance_id
-    dp_rank = rank if rank is not None else nv.dp_rank
+    if ranks is not None:
+        dp_rank = _own_rank(((rank_name, rank), ("data_parallel_rank", _body_rank(req.data_parallel_rank)),
+                             ("nvext.dp_rank", nv.dp_rank)), ranks)
+    else:
+        dp_rank = rank if rank is not None else nv.dp_rank
     if rank_header == "x-dp-rank" and dp_rank is not None and worker_id is None:
         name = rank_name if rank is not None else "nvext.dp_rank"
         raise ApiError(400, f"{name}: a DP rank pins a rank of one worker; give the worker too "
                             f"(x-worker-instance-id header or nvext.backend_instance_id)", name)
     return Hints(session_id=session, parent_session_id=parent, worker_id=worker_id, dp_rank=dp_rank,
                  priority=hints.priority or 0, engine_priority=req.priority, osl=hints.osl, extra_fields=extra)
+
+
+def _body_rank(value: Any) -> int | None:
+    """The body's ``data_parallel_rank``: None, or an integer in 0..``RANK_MAX`` (not a bool, not a float)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= RANK_MAX:
+        raise ApiError(400, f"data_parallel_rank: must be an integer in 0..{RANK_MAX}, got {str(value)[:40]!r}",
+                       "data_parallel_rank")
+    return value
+
+
+def _own_rank(given: tuple[tuple[str, int | None], ...], ranks: Sequence[int]) -> int | None:
+    """The rank a request pins on a worker's own server, from wherever it was given; a 400 naming the field when
+    two places disagree or the rank is not one of ``ranks``."""
+    named = [(name, r) for name, r in given if r is not None]
+    if not named:
+        return None
+    name, rank = named[0]
+    for other, r in named[1:]:
+        if r != rank:
+            raise ApiError(400, f"{other}: {r} disagrees with {name}: {rank}; give one rank", other)
+    if rank not in ranks:
+        raise ApiError(400, f"{name}: {rank} is not a rank of this server (its ranks: "
+                            f"{', '.join(map(str, ranks))})", name)
+    return rank
 
 
 def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:

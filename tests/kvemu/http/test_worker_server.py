@@ -75,7 +75,35 @@ def test_the_rank_header_pins_and_round_robin_spreads():
     pinned, spread, status, message = serve_worker(body)
     assert all(want == got for want, got in pinned)
     assert sorted(spread) == [0, 0, 1, 1]
-    assert status == 400 and "dp_rank" in message
+    assert status == 400 and message == "x-data-parallel-rank: 7 is not a rank of this server (its ranks: 0, 1)"
+
+
+def test_sglangs_body_rank_pins_and_a_bad_rank_is_a_400_naming_its_field():
+    async def body(http, actor):
+        async def post(rank_field, headers=None):
+            return await http.post("/v1/completions", headers=headers or {},
+                                   json={"model": "kvemu", "prompt": "pin this", "max_tokens": 2,
+                                         "nvext": {"extra_fields": ["worker_id"]}, **rank_field})
+        pinned = []
+        for rank in (1, 1, 0):
+            r = await post({"data_parallel_rank": rank})
+            pinned.append(r.json()["nvext"]["worker_id"]["decode_dp_rank"])
+        agree = await post({"data_parallel_rank": 1}, {"X-data-parallel-rank": "1"})
+        bad = [await post(field, headers) for field, headers in (
+            ({"data_parallel_rank": 2}, None), ({"data_parallel_rank": -1}, None), ({"data_parallel_rank": True}, None),
+            ({"data_parallel_rank": 1.0}, None), ({"data_parallel_rank": "1"}, None),
+            ({"data_parallel_rank": 0}, {"X-data-parallel-rank": "1"}),
+            ({"nvext": {"dp_rank": 0, "extra_fields": []}}, {"X-data-parallel-rank": "1"}))]
+        return pinned, agree.json()["nvext"]["worker_id"]["decode_dp_rank"], [
+            (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) for r in bad]
+
+    pinned, agreed, bad = serve_worker(body)
+    assert pinned == [1, 1, 0] and agreed == 1
+    assert bad[0] == (400, "data_parallel_rank", "data_parallel_rank: 2 is not a rank of this server (its ranks: 0, 1)")
+    assert [(status, param) for status, param, _ in bad[1:5]] == [(400, "data_parallel_rank")] * 4
+    assert bad[5] == (400, "data_parallel_rank", "data_parallel_rank: 0 disagrees with x-data-parallel-rank: 1; "
+                                                  "give one rank")
+    assert bad[6][:2] == (400, "nvext.dp_rank")
 
 
 def test_a_worker_describes_itself_as_vllm_and_sglang_servers_do():
