@@ -113,9 +113,10 @@ class EngineCore(RankCore):
 
     @property
     def kv_usage(self) -> float:
-        """Share of the pool's blocks in use by requests (neither free nor merely cached)."""
+        """Share of the pool's blocks in use by requests (neither free nor merely cached: a cached block a request
+        holds is in use)."""
         pool = self.pool
-        return 1.0 - (pool.free + len(pool.cached)) / pool.num_blocks if pool.num_blocks else 0.0
+        return pool.num_active_blocks / pool.num_blocks if pool.num_blocks else 0.0
 
     @property
     def num_waiting(self) -> int:

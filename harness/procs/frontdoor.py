@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from kvemu.clock import Clock
 from kvemu.http import DEFAULT_MODEL
 from kvemu.http.app import OpenAIApp
 from kvemu.http.backend import RouterBackend
+from kvemu.http.info import RankLoad, ServerInfo
 from kvemu.http.metrics import FrontMetrics, RouterCollector
-from kvemu.http.tokenizer import load_tokenizer
+from kvemu.http.tokenizer import TextTokenizer, load_tokenizer
 from kvemu.hooks import Hooks
 from kvemu.records import RequestRecord
 from kvemu.runtime.router import Router
 
+from workers.config import EngineConfig
 from workers.worker_actor import WorkerActor
 
 from harness.cluster import engine_config
@@ -38,8 +41,9 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
     backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.resolved_block_size,
                             forget=forget)
     metrics = FrontMetrics(model, (RouterCollector(router, hooks),))
-    return OpenAIApp(backend, load_tokenizer(tokenizer), model=model, clock=clock, metrics=metrics,
-                     output_lengths=output_lengths(scenario))
+    tok = load_tokenizer(tokenizer)
+    return OpenAIApp(backend, tok, model=model, clock=clock, metrics=metrics, output_lengths=output_lengths(scenario),
+                     info=_server_info(engine, tok if tokenizer else None))
 
 
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
@@ -58,6 +62,22 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
             metrics.finished(rec, reason)
             truth.ended(rec, reason)
         actor.on_end = ended
-    return OpenAIApp(WorkerBackend(actor, truth), load_tokenizer(tokenizer), model=model, clock=actor.clock,
-                     metrics=metrics, output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank",
+    engine = actor.worker.config
+    tok = load_tokenizer(tokenizer)
+    capacity = engine.capacity_tokens
+
+    def loads() -> list[RankLoad]:
+        return [RankLoad(c.dp_rank, c.num_running, c.num_waiting, round(c.kv_usage * capacity))
+                for c in actor.worker.cores]
+
+    info = _server_info(engine, tok if tokenizer else None, dp_ranks=tuple(actor.worker.dp_ranks), loads=loads,
+                        disaggregation_mode="null" if actor.worker_type == "aggregated" else actor.worker_type)
+    return OpenAIApp(WorkerBackend(actor, truth), tok, model=model, clock=actor.clock, metrics=metrics,
+                     output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank", info=info,
                      extra_routes=truth.routes() if truth is not None else None)
+
+
+def _server_info(engine: EngineConfig, tok: TextTokenizer | None, **kw: Any) -> ServerInfo:
+    """What a server built on ``engine``'s ranks says of itself (``tok``: a tokenizer.json given, else None)."""
+    return ServerInfo(kv_tokens_per_rank=engine.capacity_tokens, max_running_requests=engine.max_num_seqs,
+                      engine=engine.backend, tokenizer=tok.name if tok is not None else None, **kw)

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP application: a thin raw-ASGI app over a ``Backend``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as vLLM streams them, or whole),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (and ``HEAD`` on each GET route), ``POST /tokenize``,
-``POST /detokenize``. No framework and no task group per response: a request is parsed, submitted, and its
+``GET /v1/models``, ``GET /health`` (and SGLang's ``/health_generate``), ``GET /metrics``, SGLang's ``GET
+/server_info`` and ``/model_info`` (and their old ``/get_`` names) and, on a worker, ``/get_load`` (and ``HEAD``
+on each GET route), ``POST /tokenize``, ``POST /detokenize``, and vLLM's ``POST /v1/completions/render`` and
+``/v1/chat/completions/render`` (a request's token ids, which vllm-router asks a worker for before routing
+text). No framework and no task group per response: a request is parsed, submitted, and its
 tokens are written as the backend reports them. One watcher per request notices the client leaving and
 cancels the request in the engine. The status line waits for the first token, so a request refused before
 producing anything gets a real status (400, 404, 429, 503) even when it asked for a stream. How an answer is
@@ -27,12 +30,14 @@ import msgspec
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.http.backend import Backend
 from kvemu.http.errors import ApiError, error_body
+from kvemu.http.info import ServerInfo, load_body, model_info_body, models_body, server_info_body
 from kvemu.http.protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     Hints,
     TokenizeRequest,
+    check_prompt_length,
     decode_body,
     hints_of,
     output_budget,
@@ -68,12 +73,13 @@ class OpenAIApp:
     ``output_lengths`` draws how long an answer is when the client did not set ``ignore_eos`` (the
     scenario's output-length distribution; capped by ``max_tokens``, at least ``min_tokens``); without it
     every answer runs to its budget. ``rank_header`` is the header that pins a DP rank (the front door takes
-    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``).
+    Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``, or SGLang's ``data_parallel_rank``, one of
+    ``info.dp_ranks``). ``info`` is what the server says of itself (``/server_info``, ``/get_load``).
     """
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
                  metrics: Metrics | None = None, output_lengths: Callable[[], int] | None = None,
-                 rank_header: str = "x-dp-rank",
+                 rank_header: str = "x-dp-rank", info: ServerInfo | None = None,
                  max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
                  off_loop_chars: int = 64 << 10,
                  extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None) -> None:
@@ -84,6 +90,9 @@ class OpenAIApp:
         self.metrics = metrics
         self.output_lengths = output_lengths
         self.rank_header = rank_header
+        self.info = info if info is not None else ServerInfo()
+        self._own_ranks = self.info.dp_ranks if rank_header != "x-dp-rank" else None
+        """The ranks a request may pin bare (a worker's own server); None at the front door (a rank names a worker)."""
         self.max_body_bytes = max_body_bytes
         """Larger bodies are refused with 413: at once when ``content-length`` says so, else when they reach it."""
         self.body_timeout_s = body_timeout_s
@@ -103,10 +112,19 @@ class OpenAIApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
+            ("GET", "/health_generate"): self._health,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/server_info"): self._server_info,
+            ("GET", "/get_server_info"): self._server_info,
+            ("GET", "/model_info"): self._model_info,
+            ("GET", "/get_model_info"): self._model_info,
             ("POST", "/tokenize"): self._tokenize,
             ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/completions/render"): self._render_completions,
+            ("POST", "/v1/chat/completions/render"): self._render_chat,
         }
+        if self.info.loads is not None:
+            self._routes[("GET", "/get_load")] = self._load
         self._routes.update(extra_routes or {})  # (method, path) -> async handler(scope, receive, send)
         self._paths = {path for _, path in self._routes}
         self._to_tokenize: list[tuple[list[str], asyncio.Future]] = []
@@ -180,9 +198,19 @@ class OpenAIApp:
     # ------------------------------------------------------------------ small routes
 
     async def _models(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await respond(send, 200, _encode({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "kvemu", "root": self.model,
-            "parent": None, "max_model_len": self.backend.max_model_len, "permission": []}]}))
+        await respond(send, 200, _encode(models_body(self.model, self.created, self.backend.max_model_len)))
+
+    async def _server_info(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await respond(send, 200, _encode(server_info_body(self.model, self.backend.max_model_len,
+                                                          self.backend.block_size, self.info)))
+
+    async def _model_info(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await respond(send, 200, _encode(model_info_body(self.model, self.info)))
+
+    async def _load(self, scope: dict, receive: Callable, send: Callable) -> None:
+        loads = self.info.loads
+        assert loads is not None  # the route exists only then
+        await respond(send, 200, _encode(load_body(loads())))
 
     async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
         why = self.backend.unavailable()
@@ -219,6 +247,29 @@ class OpenAIApp:
         except ValueError as exc:
             raise ApiError(400, f"tokens: {exc}", "tokens") from None
         await respond(send, 200, _encode({"prompt": text}))
+
+    async def _render_completions(self, scope: dict, receive: Callable, send: Callable) -> None:
+        req = decode_body(await self._body(receive), CompletionRequest)
+        await respond(send, 200, _encode(await self._render(scope, req, False)))
+
+    async def _render_chat(self, scope: dict, receive: Callable, send: Callable) -> None:
+        req = decode_body(await self._body(receive), ChatRequest)
+        await respond(send, 200, _encode((await self._render(scope, req, True))[0]))
+
+    async def _render(self, scope: dict, req: Any, chat: bool) -> list[dict[str, Any]]:
+        """vLLM's render: each prompt's token ids as one generate request (the chat route answers its one
+        prompt's alone), validated as a generation's prompts are, nothing run."""
+        self._check_model(req.model)
+        raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
+        self._check_text_size(raw_prompts)
+        prompts = await self._tokens(raw_prompts)
+        for ids in prompts:
+            check_prompt_length(len(ids), self.backend.max_model_len)
+        base = _request_id(_headers(scope), chat)
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return [{"request_id": base if len(prompts) == 1 else f"{base}-{i}", "token_ids": ids, "model": self.model,
+                 "sampling_params": {"max_tokens": asked, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos}}
+                for i, ids in enumerate(prompts)]
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
@@ -288,8 +339,8 @@ class OpenAIApp:
     async def _generate(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool) -> None:
         arrived = self.clock.now_ns()
         self._check_model(req.model)  # none given: the served model, as vLLM does
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        hints = hints_of(req, headers, rank_header=self.rank_header)
+        headers = _headers(scope)
+        hints = hints_of(req, headers, rank_header=self.rank_header, ranks=self._own_ranks)
         raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
         self._check_text_size(raw_prompts)
         prompts = await self._tokens(raw_prompts)
@@ -369,6 +420,11 @@ def _client_request(rid: str, tokens: list[int], n_out: int, ids: list[int], hin
 
 _ids = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12]  # ids stay unique across processes and restarts
+
+
+def _headers(scope: dict) -> dict[str, str]:
+    """A request's headers by lower-case name."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
 def _request_id(headers: dict[str, str], chat: bool) -> str:

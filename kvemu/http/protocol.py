@@ -7,7 +7,7 @@ frontend takes them: ``nvext`` in the body and the session and pin headers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -27,6 +27,7 @@ __all__ = [
     "prompts_of",
     "hints_of",
     "output_budget",
+    "check_prompt_length",
     "MAX_PROMPTS",
     "MAX_ID_BYTES",
 ]
@@ -81,6 +82,9 @@ class _Generate(msgspec.Struct):
     priority: I64 = 0
     seed: I64 | None = None
     """Taken (as vLLM takes it) and bounded; the emulator's output does not depend on it."""
+    data_parallel_rank: Any = None
+    """SGLang's rank pin (sglang-router ``--dp-aware`` sets it): a worker's own server takes it, checked in
+    ``hints_of``; the front door, which picks ranks itself, ignores it as any engine field it has no use for."""
     nvext: NvExt | None = None
 
 
@@ -161,7 +165,7 @@ def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer,
     if not p:
         raise ApiError(400, "prompt: the list is empty", "prompt")
     if type(p[0]) is int:
-        _check_ids_length(len(p), max_model_len)
+        check_prompt_length(len(p), max_model_len)
         if all(type(x) is int for x in p):
             return [_ids(p, tok, "prompt")]
     if len(p) > MAX_PROMPTS:
@@ -170,14 +174,15 @@ def prompts_of(req: CompletionRequest | ChatRequest, tok: TextTokenizer,
         return list(p)
     if all(isinstance(x, list) for x in p):
         for x in p:
-            _check_ids_length(len(x), max_model_len)
+            check_prompt_length(len(x), max_model_len)
         if all(all(type(y) is int for y in x) for x in p):
             return [_ids(x, tok, f"prompt[{i}]") for i, x in enumerate(p)]
     raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids or a list of lists of "
                         "token ids", "prompt")
 
 
-def _check_ids_length(n: int, max_model_len: int | None) -> None:
+def check_prompt_length(n: int, max_model_len: int | None) -> None:
+    """A prompt of ``n`` tokens must leave room for one output token in ``max_model_len`` (None: no bound)."""
     if max_model_len is not None and n + 1 > max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                             f"has {n} tokens. Please reduce the length of the prompt.", "prompt")
@@ -227,11 +232,14 @@ _SESSION_HEADERS = ("x-dynamo-session-id", "x-session-id", "session-id")
 _PARENT_HEADERS = ("x-dynamo-parent-session-id", "x-parent-session-id")
 
 
-def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "x-dp-rank") -> Hints:
+def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "x-dp-rank",
+             ranks: Sequence[int] | None = None) -> Hints:
     """Session, parent session, pins, priority, expected output length and extra response fields.
 
     ``rank_header`` pins a DP rank (``x-dp-rank`` is taken too). The router's rank pin must name its worker
-    too; a worker's own server (another ``rank_header``) takes a bare rank of its own."""
+    too; a worker's own server (another ``rank_header``, its ``ranks`` given) takes a bare rank of its own,
+    from that header (vLLM's ``X-data-parallel-rank``), the body's ``data_parallel_rank`` (SGLang's) or
+    ``nvext.dp_rank``: one that is not among ``ranks``, or two that disagree, is a 400 naming the field."""
     nv = req.nvext or NvExt()
     hints = nv.agent_hints or AgentHints()
     session = _first(headers, _SESSION_HEADERS)
@@ -250,13 +258,43 @@ def hints_of(req: _Generate, headers: Mapping[str, str], *, rank_header: str = "
     if hints.osl is not None and hints.osl < 0:
         raise ApiError(400, "nvext.agent_hints.osl: must be >= 0", "nvext.agent_hints.osl")
     worker_id = worker if worker is not None else nv.backend_instance_id
-    dp_rank = rank if rank is not None else nv.dp_rank
+    if ranks is not None:
+        dp_rank = _own_rank(((rank_name, rank), ("data_parallel_rank", _body_rank(req.data_parallel_rank)),
+                             ("nvext.dp_rank", nv.dp_rank)), ranks)
+    else:
+        dp_rank = rank if rank is not None else nv.dp_rank
     if rank_header == "x-dp-rank" and dp_rank is not None and worker_id is None:
         name = rank_name if rank is not None else "nvext.dp_rank"
         raise ApiError(400, f"{name}: a DP rank pins a rank of one worker; give the worker too "
                             f"(x-worker-instance-id header or nvext.backend_instance_id)", name)
     return Hints(session_id=session, parent_session_id=parent, worker_id=worker_id, dp_rank=dp_rank,
                  priority=hints.priority or 0, engine_priority=req.priority, osl=hints.osl, extra_fields=extra)
+
+
+def _body_rank(value: Any) -> int | None:
+    """The body's ``data_parallel_rank``: None, or an integer in 0..``RANK_MAX`` (not a bool, not a float)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= RANK_MAX:
+        raise ApiError(400, f"data_parallel_rank: must be an integer in 0..{RANK_MAX}, got {str(value)[:40]!r}",
+                       "data_parallel_rank")
+    return value
+
+
+def _own_rank(given: tuple[tuple[str, int | None], ...], ranks: Sequence[int]) -> int | None:
+    """The rank a request pins on a worker's own server, from wherever it was given; a 400 naming the field when
+    two places disagree or the rank is not one of ``ranks``."""
+    named = [(name, r) for name, r in given if r is not None]
+    if not named:
+        return None
+    name, rank = named[0]
+    for other, r in named[1:]:
+        if r != rank:
+            raise ApiError(400, f"{other}: {r} disagrees with {name}: {rank}; give one rank", other)
+    if rank not in ranks:
+        raise ApiError(400, f"{name}: {rank} is not a rank of this server (its ranks: "
+                            f"{', '.join(map(str, ranks))})", name)
+    return rank
 
 
 def _first(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:

@@ -98,6 +98,16 @@ def test_prefix_hit_on_a_finished_request_skips_cached_blocks():
     assert steps[0].kv_batch.events[0].block_hashes == a_hashes  # prompt blocks carry the sequence hashes
 
 
+def test_kv_usage_counts_the_blocks_requests_hold_and_not_the_merely_cached():
+    eng = EngineCore(small())
+    assert eng.kv_usage == 0.0
+    eng.add_request(req("a", range(40), max_tokens=8))
+    eng.step(eng.next_pass_start_ns())  # the prompt's 10 full blocks are cached and held by "a"
+    assert eng.kv_usage == eng.pool.num_active_blocks / 64 >= 10 / 64
+    run_steps(eng)
+    assert eng.kv_usage == 0.0 and eng.pool.cached_hashes()  # finished: still cached, no longer in use
+
+
 def test_identical_prompt_recomputes_only_the_last_block():
     eng = EngineCore(small())
     eng.add_request(req("a", range(40), max_tokens=1))

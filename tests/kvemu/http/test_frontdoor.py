@@ -17,7 +17,7 @@ from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import cluster
-from harness.procs.frontdoor import front_door
+from harness.procs.frontdoor import front_door, worker_door
 from harness.scenario import default_scenario_text, parse_scenario
 
 FAST = """
@@ -280,6 +280,37 @@ def test_models_health_tokenize_detokenize():
     assert tok["count"] == len(tok["tokens"]) == 5  # hel lo , wor ld
     assert detok["prompt"] == "hel lo , wor ld"
     assert (bad, missing, wrong) == (400, 404, 405)
+
+
+def test_the_front_door_describes_itself_as_its_workers_do_with_one_rank():
+    """The front door and a worker's own server answer the metadata routes from one definition: the same model,
+    block size and context; the front door is one endpoint (``dp_size`` 1, it picks ranks itself: a body rank is
+    an engine field it ignores), and only a worker has per-rank load."""
+    sc = parse_scenario(FAST)
+
+    async def body(client, http, c):
+        actor = c.workers[min(c.workers)]
+        worker = httpx.AsyncClient(transport=httpx.ASGITransport(app=worker_door(sc, actor)), base_url="http://w")
+        async with worker:
+            out = {}
+            for path in ("/v1/models", "/server_info", "/model_info", "/get_load"):
+                out[path] = [(r.status_code, r.json()) for r in (await http.get(path), await worker.get(path))]
+            ignored = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "data_parallel_rank": 9})
+            render = await http.post("/v1/completions/render", json={"prompt": "Hello, world"})
+        return out, ignored.status_code, render.json()
+
+    out, ignored, render = serve(body)
+    (front_status, front), (worker_status, own) = out["/v1/models"]
+    assert front_status == worker_status == 200
+    assert [{k: v for k, v in m.items() if k != "created"} for m in front["data"]] == \
+        [{k: v for k, v in m.items() if k != "created"} for m in own["data"]]
+    assert out["/model_info"][0] == out["/model_info"][1]
+    (_, front), (_, own) = out["/server_info"]
+    assert front["dp_size"] == 1 and own["dp_size"] == 2
+    assert {k: v for k, v in front.items() if k != "dp_size"} == {k: v for k, v in own.items() if k != "dp_size"}
+    assert out["/get_load"][0][0] == 404 and len(out["/get_load"][1][1]) == 2
+    assert ignored == 200
+    assert [r["token_ids"] for r in render] == [builtin_tokenizer().encode("Hello, world")]
 
 
 @pytest.mark.parametrize("server", ["uvicorn", "granian"])

@@ -75,7 +75,94 @@ def test_the_rank_header_pins_and_round_robin_spreads():
     pinned, spread, status, message = serve_worker(body)
     assert all(want == got for want, got in pinned)
     assert sorted(spread) == [0, 0, 1, 1]
-    assert status == 400 and "dp_rank" in message
+    assert status == 400 and message == "x-data-parallel-rank: 7 is not a rank of this server (its ranks: 0, 1)"
+
+
+def test_sglangs_body_rank_pins_and_a_bad_rank_is_a_400_naming_its_field():
+    async def body(http, actor):
+        async def post(rank_field, headers=None):
+            return await http.post("/v1/completions", headers=headers or {},
+                                   json={"model": "kvemu", "prompt": "pin this", "max_tokens": 2,
+                                         "nvext": {"extra_fields": ["worker_id"]}, **rank_field})
+        pinned = []
+        for rank in (1, 1, 0):
+            r = await post({"data_parallel_rank": rank})
+            pinned.append(r.json()["nvext"]["worker_id"]["decode_dp_rank"])
+        agree = await post({"data_parallel_rank": 1}, {"X-data-parallel-rank": "1"})
+        bad = [await post(field, headers) for field, headers in (
+            ({"data_parallel_rank": 2}, None), ({"data_parallel_rank": -1}, None), ({"data_parallel_rank": True}, None),
+            ({"data_parallel_rank": 1.0}, None), ({"data_parallel_rank": "1"}, None),
+            ({"data_parallel_rank": 0}, {"X-data-parallel-rank": "1"}),
+            ({"nvext": {"dp_rank": 0, "extra_fields": []}}, {"X-data-parallel-rank": "1"}))]
+        return pinned, agree.json()["nvext"]["worker_id"]["decode_dp_rank"], [
+            (r.status_code, r.json()["error"]["param"], r.json()["error"]["message"]) for r in bad]
+
+    pinned, agreed, bad = serve_worker(body)
+    assert pinned == [1, 1, 0] and agreed == 1
+    assert bad[0] == (400, "data_parallel_rank", "data_parallel_rank: 2 is not a rank of this server (its ranks: 0, 1)")
+    assert [(status, param) for status, param, _ in bad[1:5]] == [(400, "data_parallel_rank")] * 4
+    assert bad[5] == (400, "data_parallel_rank", "data_parallel_rank: 0 disagrees with x-data-parallel-rank: 1; "
+                                                  "give one rank")
+    assert bad[6][:2] == (400, "nvext.dp_rank")
+
+
+def test_a_worker_describes_itself_as_vllm_and_sglang_servers_do():
+    """What sglang-router and vllm-router read of a worker before routing to it: its DP size, page (block) size,
+    model and context length, per-rank load, and the token ids of a text prompt (vLLM's render)."""
+    async def body(http, actor):
+        got = {path: (await http.get(path)) for path in (
+            "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/v1/models", "/get_load",
+            "/health", "/health_generate")}
+        ids = (await http.post("/tokenize", json={"prompt": "render me, please"})).json()["tokens"]
+        chat_ids = (await http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()["tokens"]
+        render = await http.post("/v1/completions/render", json={"model": "kvemu", "max_tokens": 5,
+                                                                 "prompt": ["render me, please", "render me, please"]})
+        render_ids = await http.post("/v1/completions/render", json={"prompt": [7, 8]})
+        render_chat = await http.post("/v1/chat/completions/render",
+                                      json={"model": "kvemu", "messages": [{"role": "user", "content": "hi"}]})
+        wrong_model = await http.post("/v1/completions/render", json={"model": "other", "prompt": "x"})
+        return got, ids, chat_ids, render, render_ids.json(), render_chat, wrong_model
+
+    got, ids, chat_ids, render, render_ids, render_chat, wrong_model = serve_worker(body)
+    assert {path: r.status_code for path, r in got.items()} == dict.fromkeys(got, 200)
+    info = got["/server_info"].json()
+    assert info == got["/get_server_info"].json()
+    assert {k: info[k] for k in ("dp_size", "page_size", "block_size", "model_path", "served_model_name",
+                                 "tokenizer_path", "max_model_len", "context_length", "max_total_num_tokens",
+                                 "disaggregation_mode")} == {
+        "dp_size": 2, "page_size": BS, "block_size": BS, "model_path": "kvemu", "served_model_name": "kvemu",
+        "tokenizer_path": "kvemu", "max_model_len": 2048 * BS, "context_length": 2048 * BS,
+        "max_total_num_tokens": 2048 * BS, "disaggregation_mode": "null"}
+    model = got["/model_info"].json()
+    assert model == got["/get_model_info"].json()
+    assert model["model_path"] == "kvemu" and model["is_generation"] is True
+    assert [m["id"] for m in got["/v1/models"].json()["data"]] == ["kvemu"]
+    assert got["/get_load"].json() == [{"dp_rank": r, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+                                       for r in (0, 1)]
+    assert render.status_code == 200 and render_chat.status_code == 200
+    prompts = render.json()
+    assert [p["token_ids"] for p in prompts] == [ids, ids]
+    assert len({p["request_id"] for p in prompts}) == 2
+    assert all(p["model"] == "kvemu" and p["sampling_params"]["max_tokens"] == 5 for p in prompts)
+    assert [p["token_ids"] for p in render_ids] == [[7, 8]]
+    assert render_chat.json()["token_ids"] == chat_ids
+    assert wrong_model.status_code == 404
+
+
+def test_get_load_counts_each_ranks_requests_and_kv_tokens():
+    async def body(http, actor):
+        async with http.stream("POST", "/v1/completions", headers={"X-data-parallel-rank": "1"},
+                               json={"model": "kvemu", "prompt": list(range(1, 1 + 4 * BS)), "max_tokens": 20000,
+                                     "ignore_eos": True, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break
+            return (await http.get("/get_load")).json()
+
+    load = serve_worker(body)
+    assert load[0] == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    assert load[1]["dp_rank"] == 1 and load[1]["num_reqs"] == 1 and load[1]["num_waiting_reqs"] == 0
+    assert load[1]["num_tokens"] >= 4 * BS
 
 
 def test_vllm_metrics_count_what_the_engines_did():
