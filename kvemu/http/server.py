@@ -92,6 +92,9 @@ class _BoundedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Any) -> None:
         self._head_bytes = 0
+        """Bytes of the request head read so far (its line and headers, up to the blank line)."""
+        self._tail = b""
+        """The last bytes of an unfinished head: its blank line may straddle two reads."""
         self._in_head = True
         """No request line and headers complete since the last request ended (or the connection opened)."""
         self._received = 0
@@ -125,12 +128,15 @@ class _BoundedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # what the client still sends after its refusal is dropped unparsed
-        in_head = self._in_head
-        super().data_received(data)
-        if in_head and self._in_head and not self.transport.is_closing():  # the head is still incomplete
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes:
+        if self._in_head:  # measured before parsing: one read may hold a head and a whole body after it
+            seen = self._tail + data
+            end = seen.find(b"\r\n\r\n")
+            size = self._head_bytes + (len(data) if end < 0 else end + 4 - len(self._tail))
+            if size > self.max_head_bytes:
                 self._refuse()
+                return
+            self._head_bytes, self._tail = (size, bytes(seen[-3:])) if end < 0 else (0, b"")
+        super().data_received(data)
 
     def _refuse(self) -> None:
         """Answer 431 and close; reading goes on (dropped) for a second, so the answer is not lost to the
@@ -145,7 +151,7 @@ class _BoundedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._head_bytes = 0
+        self._head_bytes, self._tail = 0, b""
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
