@@ -3,7 +3,7 @@
 Known routers come from their PyPI packages (``pip install 'kvemu[routers]'``): ``vllm-router`` (vLLM's
 router; its ``kv_aware`` policy consumes the workers' vLLM KV events) and ``sglang-router`` (SGLang's model
 gateway; its ``cache_aware`` policy keeps an approximate radix tree of the text it routed). Any other router
-is a ``cmd:`` template whose ``{flags}``, ``{port}``, ``{workers}`` and ``{policy}`` are filled in.
+is a ``cmd:`` template whose ``{flags}``, ``{sglang_flags}``, ``{workers}`` and ``{port}`` are filled in.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import msgspec
 from harness.procs.fleet import FleetInfo
 from harness.pools import AGGREGATED
 
-__all__ = ["RouterSpec", "KNOWN_ROUTERS", "parse_router", "fleet_flags", "router_command", "RouterSpecError"]
+__all__ = ["RouterSpec", "KNOWN_ROUTERS", "READY_PATHS", "parse_router", "fleet_flags", "fill_command", "router_command",
+           "RouterSpecError"]
 
 KNOWN_ROUTERS = ("vllm-router", "sglang-router")
 
@@ -61,6 +62,7 @@ def parse_router(text: str) -> RouterSpec:
         command = text[4:].strip()
         if not command:
             raise RouterSpecError("--router cmd:COMMAND: the command is empty")
+        fill_command(command, FleetInfo(model="m", workers=[], kv_events_version="0.33"), 1)  # its fields exist
         return RouterSpec("cmd", command=command)
     kind, _, policy = text.partition(":")
     if kind not in POLICIES:
@@ -70,6 +72,18 @@ def parse_router(text: str) -> RouterSpec:
     if policy not in POLICIES[kind]:
         raise RouterSpecError(f"--router {text!r}: {kind}'s policies are {', '.join(POLICIES[kind])}")
     return RouterSpec(kind, policy)
+
+
+def fill_command(command: str, fleet: FleetInfo, port: int) -> str:
+    """A ``cmd:`` router's command with ``{flags}`` (vllm-router's form of the fleet: workers, DP size, KV-event
+    sources), ``{sglang_flags}``, ``{workers}`` (the URLs) and ``{port}`` filled in."""
+    try:
+        return command.format(flags=shlex.join(fleet_flags("vllm-router", fleet)), port=port,
+                              sglang_flags=shlex.join(fleet_flags("sglang-router", fleet)),
+                              workers=" ".join(w.url for w in fleet.workers))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise RouterSpecError(f"--router cmd:{command}: {exc!r} is not one of {{flags}}, {{sglang_flags}}, "
+                              "{workers}, {port} (write {{ and }} for a literal brace)") from None
 
 
 def _uniform_dp(workers: list) -> int:
@@ -135,18 +149,19 @@ def _executable(name: str) -> str:
     return found
 
 
-def router_command(spec: RouterSpec, fleet: FleetInfo, port: int) -> list[str]:
-    """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet`` (not ``kvemu``: kvemu's
-    own router is started by ``kvemu up``'s machinery)."""
-    if spec.kind == "vllm-router":
-        return [_executable("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-                *fleet_flags("vllm-router", fleet, spec.policy)]
-    if spec.kind == "sglang-router":
-        return [_executable("sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
-                *fleet_flags("sglang-router", fleet, spec.policy)]
+READY_PATHS = {"vllm-router": ("/health", "/v1/models"), "sglang-router": ("/readiness", "/v1/models"),
+               "cmd": ("/health",), "kvemu": ("/health", "/v1/models")}
+"""What answers 200 once a router can route (sglang-router's ``/health`` does before any worker registered)."""
+
+
+def router_command(spec: RouterSpec, fleet: FleetInfo, port: int, metrics_port: int) -> list[str]:
+    """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet``, its Prometheus
+    endpoint on 127.0.0.1:``metrics_port`` (both routers default to 0.0.0.0:29000: runs side by side would
+    collide). Not ``kvemu``: kvemu's own router is started by ``kvemu serve``."""
+    if spec.kind in KNOWN_ROUTERS:
+        launch = ["launch"] if spec.kind == "sglang-router" else []
+        return [_executable(spec.kind), *launch, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
+                "127.0.0.1", "--prometheus-port", str(metrics_port), *fleet_flags(spec.kind, fleet, spec.policy)]
     if spec.kind == "cmd":
-        flags = fleet_flags("vllm-router", fleet, None)
-        filled = spec.command.format(flags=shlex.join(flags), port=port,
-                                     workers=" ".join(w.url for w in fleet.workers), policy=spec.policy)
-        return shlex.split(filled)
+        return shlex.split(fill_command(spec.command, fleet, port))
     raise RouterSpecError(f"router {spec.kind!r} is not started as a command")

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.cluster import engine_config
-from harness.external_routers import RouterSpec, RouterSpecError, router_command
+from harness.external_routers import READY_PATHS, RouterSpec, RouterSpecError, router_command
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
+from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
 from harness.scenario import Scenario, ScenarioError, default_scenario_text, load_scenario, parse_scenario
 from harness.scenario.sections import TraceWorkload
@@ -47,6 +48,8 @@ def compress_overrides(scenario: Scenario, factor: float) -> list[str]:
         out.append(f"workload.arrival_speedup_ratio={w.arrival_speedup_ratio * factor:g}")
     else:
         out += [f"workload.rate_rps={w.rate_rps * factor:g}", f"workload.think_time_s={w.think_time_s / factor:g}"]
+    if scenario.run.duration_s is not None:  # the same sessions in a shorter time, not more of them
+        out.append(f"run.duration_s={scenario.run.duration_s / factor:g}")
     return out
 
 
@@ -64,16 +67,16 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
-    """Wait until the router answers ``/health`` and ``/v1/models``; why not (None: ready)."""
+def _wait_ready(base: str, proc: subprocess.Popen, paths: tuple[str, ...], timeout_s: float) -> str | None:
+    """Wait until the router answers 200 on every one of ``paths``; why not (None: ready)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return f"the router exited with code {proc.returncode} before it was ready"
-        if _answers(f"{base}/health") and _answers(f"{base}/v1/models"):
+        if all(_answers(f"{base}{p}") for p in paths):
             return None
         time.sleep(0.25)
-    return f"the router did not answer /health and /v1/models within {timeout_s:g} s"
+    return f"the router did not answer {' and '.join(paths)} within {timeout_s:g} s"
 
 
 def _stop(proc: subprocess.Popen | None) -> None:
@@ -98,7 +101,6 @@ def _kvemu_fleet(started: dict[str, Any], scenario: Scenario) -> FleetInfo:
 
 def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Path, compress: float,
              prompt_form: PromptForm) -> dict[str, Any]:
-    from harness.procs.up import Children
 
     kids = Children()
     router: subprocess.Popen | None = None
@@ -113,19 +115,19 @@ def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Pa
         else:
             fleet = _fleet_info(kids.start("fleet", ["fleet", *config], timeout_s=120))
             port = _free_port()
-            cmd = router_command(spec, fleet, port)
+            cmd = router_command(spec, fleet, port, _free_port())
             (where / "router-command.txt").write_text(" ".join(cmd) + "\n")
             with open(where / "router.log", "wb") as log:
                 router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             url = f"http://127.0.0.1:{port}"
-            why = _wait_ready(url, router, READY_TIMEOUT_S)
+            why = _wait_ready(url, router, READY_PATHS[spec.kind], READY_TIMEOUT_S)
             if why is not None:
                 return router_row(label, {}, time.monotonic() - t0, error=f"{why} (see {where / 'router.log'})")
         print(f"kvemu bench-router: {label}: replaying through {url}", file=sys.stderr, flush=True)
         summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
                                          compress=compress)
         return router_row(label, summary, time.monotonic() - t0)
-    except (RouterSpecError, OSError) as exc:
+    except (RouterSpecError, OSError, NotStarted) as exc:
         return router_row(label, {}, time.monotonic() - t0, error=str(exc))
     finally:
         _stop(router)
@@ -145,8 +147,8 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     base = _load(scenario_path, overrides)
     overrides = [*overrides, *compress_overrides(base, compress)]
     scenario = _load(scenario_path, overrides)
-    config = (["--config", str(Path(scenario_path).resolve())] if scenario_path else []) + \
-        [x for o in overrides for x in ("--set", o)]
+    config = ([str(Path(scenario_path).resolve())] if scenario_path else []) + \
+        [x for o in overrides for x in ("--set", o)]  # kvemu serve's and kvemu fleet's arguments
     rows = []
     started = time.monotonic()
     for spec in routers:

@@ -91,9 +91,15 @@ def bench_router_command(args: argparse.Namespace) -> int:
     if not 1 <= args.compress <= 1000:
         print(f"kvemu bench-router: --compress {args.compress:g}: between 1 and 1000", file=sys.stderr)
         return 2
-    problem = autoscaler_problem(args, scenario)
-    if problem or scenario.chaos:
-        print(f"kvemu bench-router: {problem or 'a chaos timeline: not applied by bench-router (each router gets the same fleet; run kvemu fleet for chaos)'}", file=sys.stderr)
+    from harness.procs.fleet import fleet_chaos_problems
+
+    problems = [p for p in [autoscaler_problem(args, scenario), *fleet_chaos_problems(scenario, False)] if p]
+    if scenario.chaos and any(r.kind == "kvemu" for r in routers):
+        problems.append("a chaos timeline applies to the fleets of other routers (kvemu fleet), not to kvemu's own "
+                        "(kvemu serve has none): drop --router kvemu, or the chaos section")
+    if problems:
+        for problem in problems:
+            print(f"kvemu bench-router: {problem}", file=sys.stderr)
         return 2
     outdir = Path(args.outdir) if args.outdir else Path("out") / f"{scenario.name}-routers"
     try:

@@ -6,6 +6,8 @@ prefix identity: as token ids (``prompt_form="tokens"``) or as text the fleet's 
 those ids (``"text"``, the default: what a router that hashes text needs). The report is kvemu's usual one,
 from client-side times, with the engine-side truth of a fleet (``harness.procs.engine_truth``) merged in by
 request id: the worker and rank that served, the tokens its engine found cached, preemptions, admission.
+A chunk that carries several tokens (servers coalesce them) has them spread evenly since the previous chunk,
+so inter-token latencies read as the engine's passes, not as zeros.
 
 ``compress`` > 1 plays the workload that many times faster against engines made that many times faster
 (``kvemu bench-router`` sets both); every time in the report is scaled back, so latencies read as uncompressed.
@@ -141,11 +143,15 @@ class HttpTarget:
         now = self.clock.now_ns()
         for choice in chunk.get("choices") or ():
             n = len(self.tok.encode(choice.get("text") or ""))
-            if n:
-                if rec.first_token_ns is None:
-                    rec.first_token_ns = now
+            if not n:
+                continue
+            last = rec.last_token_ns()
+            if last is None:
+                rec.first_token_ns = now
                 rec.add_token_times([now] * n)
-                rec.output_tokens += n
+            else:  # a server that sends several tokens in one chunk made them one pass apart: spread them evenly
+                rec.add_token_times([last + (now - last) * (i + 1) // n for i in range(n)])
+            rec.output_tokens += n
 
     async def aclose(self) -> None:
         await self._client.aclose()

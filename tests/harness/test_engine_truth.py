@@ -1,0 +1,83 @@
+"""A worker's engine truth: every request's facts and its ranks' load, bounded, paged, and served over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from kvemu.records import RequestRecord
+
+from harness.procs.engine_truth import EngineTruth, TruthPage
+
+
+def _rec(i: int, **kw) -> RequestRecord:
+    return RequestRecord(request_id=f"r{i}", arrival_ns=i, isl=100, dp_rank=1, engine_cached_tokens=64, **kw)
+
+
+def test_records_page_on_and_the_oldest_are_dropped_past_the_bound_and_counted():
+    truth = EngineTruth(7, max_records=3)
+    for i in range(5):
+        truth.ended(_rec(i))
+    page = truth.records_page(0)
+    assert [r.request_id for r in page.records] == ["r2", "r3", "r4"] and page.dropped == 2 and page.next == 5
+    assert page.records[0].worker_id == 7 and page.records[0].cached_tokens == 64 and page.records[0].dp_rank == 1
+    assert truth.records_page(4).records[0].request_id == "r4"
+    assert truth.records_page(5).records == [] and truth.records_page(5).next == 5
+    assert [r.request_id for r in truth.records_page(0, limit=1).records] == ["r2"]
+
+
+def test_an_aborted_request_is_recorded_as_failed():
+    truth = EngineTruth(0)
+    truth.ended(_rec(0), "abort")
+    truth.ended(_rec(1, failure="rank_lost"), "abort")
+    assert [r.failure for r in truth.records_page().records] == ["aborted", "rank_lost"]
+
+
+def test_the_first_arrival_is_kept():
+    truth = EngineTruth(0)
+    assert truth.records_page().first_arrival_ns is None
+    truth.arrived(50)
+    truth.arrived(90)
+    assert truth.records_page().first_arrival_ns == 50
+
+
+class _Core:
+    def __init__(self, rank: int) -> None:
+        self.dp_rank, self.num_running, self.num_waiting, self.kv_usage = rank, rank + 1, 2, 0.123456
+
+
+def test_load_samples_skip_dead_ranks():
+    truth = EngineTruth(3)
+    truth.sample(10, [_Core(0), _Core(1)], lambda r: r == 1)
+    samples = truth.load_page().samples
+    assert [(s.t_ns, s.worker_id, s.dp_rank, s.running, s.waiting, s.kv_usage) for s in samples] == \
+        [(10, 3, 0, 1, 2, 0.1235)]
+
+
+def _get(route, query: bytes) -> tuple[int, bytes]:
+    sent: list[dict] = []
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b""}
+
+    asyncio.run(route({"query_string": query}, receive, send))
+    return sent[0]["status"], sent[1]["body"]
+
+
+def test_the_routes_serve_pages_and_refuse_a_bad_parameter_by_name():
+    truth = EngineTruth(1)
+    truth.ended(_rec(0))
+    routes = truth.routes()
+    status, body = _get(routes[("GET", "/kvemu/requests")], b"after=0")
+    assert status == 200 and msgspec.json.decode(body, type=TruthPage).records[0].request_id == "r0"
+    from kvemu.http.errors import ApiError
+
+    with pytest.raises(ApiError, match="after"):
+        _get(routes[("GET", "/kvemu/requests")], b"after=-1")
+    with pytest.raises(ApiError, match="limit"):
+        _get(routes[("GET", "/kvemu/load")], b"limit=1e9")

@@ -1,0 +1,77 @@
+"""The flags kvemu writes for third-party routers in front of a fleet, and the router specs bench-router takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.external_routers import RouterSpec, RouterSpecError, fill_command, fleet_flags, parse_router
+from harness.procs.fleet import FleetInfo, FleetWorker
+
+
+def _worker(wid: int, pool: str = "aggregated", dp: int = 2) -> FleetWorker:
+    return FleetWorker(worker_id=wid, pool=pool, url=f"http://127.0.0.1:{9000 + wid}", dp_size=dp, block_size=64,
+                       kv_events=[f"tcp://127.0.0.1:{7000 + 10 * wid + r}" for r in range(dp)],
+                       kv_replay=[f"tcp://127.0.0.1:{8000 + 10 * wid + r}" for r in range(dp)])
+
+
+AGG = FleetInfo(model="m", kv_events_version="0.33", workers=[_worker(0), _worker(1)])
+PD = FleetInfo(model="m", kv_events_version="0.33",
+               workers=[_worker(0, "prefill", 1), _worker(1, "decode", 1), _worker(2, "decode", 1)])
+
+
+def test_vllm_router_gets_every_worker_its_ranks_kv_sources_in_rank_order_and_the_block_size():
+    flags = fleet_flags("vllm-router", AGG)
+    assert flags[:3] == ["--worker-urls", "http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+    assert flags[flags.index("--intra-node-data-parallel-size") + 1] == "2"
+    assert flags[flags.index("--kv-event-block-size") + 1] == "64"
+    assert flags[flags.index("--kv-event-model") + 1] == "m"  # vllm-router refuses static sources without it
+    sources = [flags[i + 1] for i, f in enumerate(flags) if f == "--kv-event-source"]
+    assert sources == ["http://127.0.0.1:9000=tcp://127.0.0.1:7000,tcp://127.0.0.1:7001",
+                       "http://127.0.0.1:9001=tcp://127.0.0.1:7010,tcp://127.0.0.1:7011"]
+    replays = [flags[i + 1] for i, f in enumerate(flags) if f == "--kv-event-replay-source"]
+    assert replays[0] == "http://127.0.0.1:9000=tcp://127.0.0.1:8000,tcp://127.0.0.1:8001"
+
+
+def test_a_policy_other_than_kv_aware_gets_no_kv_event_sources():
+    flags = fleet_flags("vllm-router", AGG, "round_robin")
+    assert "--kv-event-source" not in flags and flags[-2:] == ["--policy", "round_robin"]
+
+
+def test_sglang_router_learns_the_ranks_itself():
+    assert fleet_flags("sglang-router", AGG) == ["--worker-urls", "http://127.0.0.1:9000", "http://127.0.0.1:9001",
+                                                 "--dp-aware"]
+
+
+def test_a_disaggregated_fleet_is_given_as_prefill_and_decode_lists():
+    flags = fleet_flags("vllm-router", PD)
+    assert flags[:7] == ["--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:9000", "--decode",
+                         "http://127.0.0.1:9001", "--decode", "http://127.0.0.1:9002"]
+    assert flags[flags.index("--pd-kv-events") + 1] == "http://127.0.0.1:9000=tcp://127.0.0.1:7000"
+    assert fleet_flags("sglang-router", PD)[:2] == ["--pd-disaggregation", "--prefill"]
+
+
+@pytest.mark.parametrize("text, spec", [
+    ("kvemu", RouterSpec("kvemu")),
+    ("vllm-router", RouterSpec("vllm-router", "kv_aware")),
+    ("vllm-router:round_robin", RouterSpec("vllm-router", "round_robin")),
+    ("sglang-router", RouterSpec("sglang-router", "cache_aware")),
+    ("cmd:my-router --port {port} {flags}", RouterSpec("cmd", command="my-router --port {port} {flags}")),
+])
+def test_router_specs(text, spec):
+    assert parse_router(text) == spec
+
+
+@pytest.mark.parametrize("text, words", [
+    ("nginx", "one of kvemu"),
+    ("sglang-router:kv_aware", "sglang-router's policies are"),
+    ("cmd:", "the command is empty"),
+    ("cmd:x {nope}", "is not one of"),
+])
+def test_a_bad_router_spec_says_what_it_takes(text, words):
+    with pytest.raises(RouterSpecError, match=words):
+        parse_router(text)
+
+
+def test_a_command_template_gets_the_fleet_filled_in():
+    filled = fill_command("proxy --port {port} --to {workers} -- {flags}", AGG, 1234)
+    assert filled.startswith("proxy --port 1234 --to http://127.0.0.1:9000 http://127.0.0.1:9001 -- --worker-urls")
