@@ -1,6 +1,7 @@
 """``kvemu bench-router``: the same workload through several routers, each in front of a fresh kvemu fleet.
 
-For each router: a fleet (``kvemu fleet``; for ``kvemu``, ``kvemu serve`` with its workers' HTTP routes), the
+For each router: a fleet (``kvemu fleet``; for ``kvemu``, ``kvemu serve --in-process``: its router, workers and
+front door in one process, as a fleet's workers share one), the
 router started with the flags for that fleet (``harness.external_routers``), the workload replayed through it
 over HTTP (``harness.procs.http_loadgen``, engine truth merged), everything stopped; then ``routers.md``,
 ``routers.json`` and ``routers.png`` (``harness.report.routers``). With ``compress`` > 1, arrivals and engine
@@ -79,6 +80,15 @@ def _wait_ready(base: str, proc: subprocess.Popen, paths: tuple[str, ...], timeo
     return f"the router did not answer {' and '.join(paths)} within {timeout_s:g} s"
 
 
+def _save(url: str, path: Path) -> None:
+    """A router's Prometheus page, as it was at the end of its run (nothing when it does not answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - a 127.0.0.1 URL this process made
+            path.write_bytes(resp.read(64 << 20))
+    except OSError:
+        pass
+
+
 def _stop(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -91,12 +101,24 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def _kvemu_fleet(started: dict[str, Any], scenario: Scenario) -> FleetInfo:
-    """``kvemu serve --worker-http``'s start line as a fleet (its workers, behind kvemu's router)."""
-    dp = scenario.cluster.dp_size
+    """``kvemu serve --in-process``'s start line as a fleet: its workers, whose engine truth its front door
+    serves (so every worker's ``url`` is the front door's)."""
     return FleetInfo(model="kvemu", kv_events_version=scenario.cluster.kv_events_version, workers=[
-        FleetWorker(worker_id=w["worker_id"], pool="aggregated", url=w["http"], dp_size=dp,
-                    block_size=engine_config(scenario.cluster).resolved_block_size, kv_events=list(w["kv_events"] or []),
-                    kv_replay=[e or "" for e in w["kv_replay"] or []]) for w in started["worker_info"]])
+        FleetWorker(worker_id=wid, pool="aggregated", url=started["http"], dp_size=started["dp_size"],
+                    block_size=engine_config(scenario.cluster).resolved_block_size, kv_events=[], kv_replay=[])
+        for wid in started["worker_ids"]])
+
+
+TOKEN_ID_ROUTERS = frozenset({"kvemu", "vllm-router"})
+"""Routers that take token-id prompts (vllm-router hashes them as they are; for text it asks every worker to
+tokenize it). The others get text, which the fleet's tokenizer maps back to the same ids."""
+
+
+def prompt_form_for(spec: RouterSpec, asked: str) -> PromptForm:
+    """The prompt form ``spec`` gets: as ``asked``, or for ``auto`` token ids where the router takes them."""
+    if asked == "auto":
+        return "tokens" if spec.kind in TOKEN_ID_ROUTERS else "text"
+    return "tokens" if asked == "tokens" else "text"
 
 
 def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Path, compress: float,
@@ -110,12 +132,12 @@ def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Pa
     where.mkdir(parents=True, exist_ok=True)
     try:
         if spec.kind == "kvemu":
-            started = kids.start("serve", ["serve", *config, "--http", "127.0.0.1:0", "--worker-http"], timeout_s=120)
+            started = kids.start("serve", ["serve", *config, "--http", "127.0.0.1:0", "--in-process"], timeout_s=120)
             fleet, url = _kvemu_fleet(started, scenario), started["http"]
         else:
             fleet = _fleet_info(kids.start("fleet", ["fleet", *config], timeout_s=120))
-            port = _free_port()
-            cmd = router_command(spec, fleet, port, _free_port())
+            port, metrics_port = _free_port(), _free_port()
+            cmd = router_command(spec, fleet, port, metrics_port)
             (where / "router-command.txt").write_text(" ".join(cmd) + "\n")
             with open(where / "router.log", "wb") as log:
                 router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -126,7 +148,9 @@ def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Pa
         print(f"kvemu bench-router: {label}: replaying through {url}", file=sys.stderr, flush=True)
         summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
                                          compress=compress)
-        return router_row(label, summary, time.monotonic() - t0)
+        if router is not None:  # what the router says it did (its retries, errors): beside the report
+            _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
+        return {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form}
     except (RouterSpecError, OSError, NotStarted) as exc:
         return router_row(label, {}, time.monotonic() - t0, error=str(exc))
     finally:
@@ -141,7 +165,7 @@ def _fleet_info(started: dict[str, Any]) -> FleetInfo:
 
 
 def bench_routers(scenario_path: str | None, overrides: list[str], routers: list[RouterSpec], outdir: Path,
-                  compress: float = 1.0, prompt_form: PromptForm = "text") -> tuple[list[dict[str, Any]], str]:
+                  compress: float = 1.0, prompt_form: str = "auto") -> tuple[list[dict[str, Any]], str]:
     """Run the workload through each router; returns the rows and the markdown table (also written in
     ``outdir``)."""
     base = _load(scenario_path, overrides)
@@ -152,7 +176,7 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     rows = []
     started = time.monotonic()
     for spec in routers:
-        row = _run_one(spec, scenario, config, outdir, compress, prompt_form)
+        row = _run_one(spec, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form))
         rows.append(row)
         print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
               + (f"; {row['error']}" if row.get("error") else "") + f" ({row['wall_s']:.0f} s)", file=sys.stderr,

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("scenario", nargs="?", help="scenario YAML for the cluster (default: the built-in quickstart)")
     _add_set(serve)
     _add_http(serve, "127.0.0.1:8000")
+    serve.add_argument("--in-process", action="store_true",
+                       help="router, workers and front door in this one process (no --worker-http); the front door "
+                            "also serves the engines' truth at /kvemu/requests")
     for command in (up, serve):
         command.add_argument("--worker-http", action="store_true",
                              help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
@@ -193,8 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compress", type=float, default=1.0,
                        help="run arrivals and engine passes this many times faster; latencies are reported scaled "
                             "back (default 1)")
-    bench.add_argument("--prompt", choices=["text", "tokens"], default="text",
-                       help="prompts as text (default; routers that hash text need it) or token-id lists")
+    bench.add_argument("--prompt", choices=["auto", "text", "tokens"], default="auto",
+                       help="prompts as token-id lists where the router takes them (kvemu, vllm-router) and text "
+                            "the fleet's tokenizer maps back to those ids elsewhere (auto, the default), or all "
+                            "as text, or all as token ids")
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
                                              help="what to do with it")

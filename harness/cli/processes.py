@@ -71,6 +71,13 @@ def process_command(args: argparse.Namespace) -> int:
         return 0 if not summary.get("partial") else 130
     from harness.procs.up import NotStarted as ChildNotStarted, serve_main, up_main
 
+    if args.command == "serve" and args.in_process:
+        if args.worker_http:
+            print("kvemu serve: --in-process serves the front door only (drop --worker-http)", file=sys.stderr)
+            return 2
+        from harness.procs.serve_in_process import serve_in_process
+
+        return serve_in_process(scenario, _http_options(args))
     try:
         if args.command == "serve":
             return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),

@@ -115,17 +115,20 @@ class EngineTruth:
         ``length``, or ``abort`` for one cancelled or lost with its rank)."""
         failure = rec.failure or (None if reason != "abort" else "aborted")
         self._records.add(TruthRecord(
-            request_id=rec.request_id, worker_id=self.worker_id, dp_rank=rec.dp_rank, isl=rec.isl,
+            request_id=rec.request_id, worker_id=self.worker_id if rec.worker_id is None else rec.worker_id,
+            dp_rank=rec.dp_rank, isl=rec.isl,
             output_tokens=rec.output_tokens, arrival_ns=rec.arrival_ns, admitted_ns=rec.admitted_ns,
             first_token_ns=rec.first_token_ns, completion_ns=rec.completion_ns,
             cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, failure=failure))
 
-    def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool]) -> None:
-        """Each live rank's load now (running, waiting, KV usage)."""
+    def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool],
+               worker_id: int | None = None) -> None:
+        """Each live rank's load now (running, waiting, KV usage), of this worker (or of ``worker_id``)."""
+        wid = self.worker_id if worker_id is None else worker_id
         for core in cores:
             if not dead(core.dp_rank):
-                self._samples.add(LoadSample(now_ns, self.worker_id, core.dp_rank, core.num_running,
-                                             core.num_waiting, round(core.kv_usage, 4)))
+                self._samples.add(LoadSample(now_ns, wid, core.dp_rank, core.num_running, core.num_waiting,
+                                             round(core.kv_usage, 4)))
 
     @property
     def records_total(self) -> int:

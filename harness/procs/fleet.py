@@ -33,7 +33,8 @@ from harness.procs.protocol import HttpOptions
 from harness.procs.worker import LOAD_SAMPLE_S, build_worker, sample_load
 from harness.scenario import ChaosEvent, Scenario
 
-__all__ = ["FleetWorker", "FleetInfo", "Fleet", "IN_PROCESS_CHAOS", "PROCESS_CHAOS", "fleet_chaos_problems"]
+__all__ = ["FleetWorker", "FleetInfo", "Fleet", "IN_PROCESS_CHAOS", "PROCESS_CHAOS", "fleet_chaos_problems",
+           "fleet_disagg_problem"]
 
 IN_PROCESS_CHAOS = frozenset({"remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
                               "slow_worker"})
@@ -68,6 +69,17 @@ class FleetInfo(msgspec.Struct, kw_only=True, tag="fleet", tag_field="event"):
     def pool(self, name: str) -> list[FleetWorker]:
         """The workers of one pool, in id order."""
         return [w for w in self.workers if w.pool == name]
+
+
+def fleet_disagg_problem(scenario: Scenario) -> str | None:
+    """Why a fleet cannot serve this scenario's disaggregated cluster to another router (None: aggregated)."""
+    if not scenario.cluster.disaggregated:
+        return None
+    return ("a disaggregated cluster (cluster.prefill, cluster.decode) cannot be a fleet yet: vllm-router's PD mode "
+            "sends the prefill leg (max_tokens 1, kv_transfer_params) and then the decode leg with the prefill's "
+            "kv_transfer_params, and sglang-router's sends both legs at once with a bootstrap room; kvemu's "
+            "prefill and decode workers hand the KV over only through kvemu's router (hold_kv, KvTransfer, "
+            "ReleaseKv), so over HTTP each leg would recompute the prompt. Run it with kvemu run or kvemu up")
 
 
 def fleet_chaos_problems(scenario: Scenario, processes: bool) -> list[str]:

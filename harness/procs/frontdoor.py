@@ -34,7 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, clock: Clock, *,
                tokenizer: str | None = None, model: str = DEFAULT_MODEL,
-               forget: Callable[[str], None] | None = None) -> OpenAIApp:
+               forget: Callable[[str], None] | None = None, truth: EngineTruth | None = None) -> OpenAIApp:
     """The ASGI app serving OpenAI routes through ``router`` (a getter: chaos may replace the router);
     ``forget`` is told every request id that ended (a recorder drops its copy)."""
     engine = engine_config(scenario.cluster)
@@ -43,7 +43,8 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
     metrics = FrontMetrics(model, (RouterCollector(router, hooks),))
     tok = load_tokenizer(tokenizer)
     return OpenAIApp(backend, tok, model=model, clock=clock, metrics=metrics, output_lengths=output_lengths(scenario),
-                     info=_server_info(engine, tok if tokenizer else None))
+                     info=_server_info(engine, tok if tokenizer else None),
+                     extra_routes=truth.routes() if truth is not None else None)
 
 
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,

@@ -101,13 +101,16 @@ class HttpTarget:
             h["X-Parent-Session-Id"] = req.parent_session_id
         return h
 
-    async def submit(self, req: ClientRequest) -> RequestRecord:
+    def record(self, req: ClientRequest) -> RequestRecord:
+        """A request's record as it is sent (``submit`` fills it in)."""
+        return RequestRecord(request_id=req.request_id, session_id=req.session_id,
+                             parent_session_id=req.parent_session_id, arrival_ns=self.clock.now_ns(),
+                             isl=len(req.tokens), max_tokens=req.max_tokens, attempts=1)
+
+    async def submit(self, req: ClientRequest, rec: RequestRecord | None = None) -> RequestRecord:
         """Send one request and stream its answer; the record says what the client saw (its failure: the status
-        and the server's words, or the connection's error)."""
-        clock = self.clock
-        rec = RequestRecord(request_id=req.request_id, session_id=req.session_id,
-                            parent_session_id=req.parent_session_id, arrival_ns=clock.now_ns(), isl=len(req.tokens),
-                            max_tokens=req.max_tokens, attempts=1)
+        and the server's words, or the connection's error; cancelled: unanswered when the run stopped)."""
+        rec = rec if rec is not None else self.record(req)
         try:
             async with self._client.stream("POST", self.url, json=self.body(req), headers=self.headers(req)) as resp:
                 if resp.status_code != 200:
@@ -119,6 +122,10 @@ class HttpTarget:
         except self._httpx.HTTPError as exc:
             rec.failure = f"connection: {type(exc).__name__}: {str(exc)[:200]}"
             return rec
+        except anyio.get_cancelled_exc_class():
+            if rec.failure is None:
+                rec.failure = f"unanswered: {rec.output_tokens} of {req.max_tokens} tokens when the run stopped"
+            raise
         if rec.failure is None:
             if rec.output_tokens >= req.max_tokens:
                 rec.completion_ns = rec.last_token_ns()
@@ -162,14 +169,14 @@ def fetch_truth(fleet: FleetInfo, timeout_s: float = 10.0) -> tuple[list[TruthRe
     records: list[TruthRecord] = []
     samples: list[LoadSample] = []
     problems: list[str] = []
-    for w in fleet.workers:
+    for url in dict.fromkeys(w.url for w in fleet.workers):  # one server may speak for several workers
         try:
-            for page in _pages(f"{w.url}/kvemu/requests", TruthPage, timeout_s, problems):
+            for page in _pages(f"{url}/kvemu/requests", TruthPage, timeout_s, problems):
                 records.extend(page.records)
-            for load in _pages(f"{w.url}/kvemu/load", LoadPage, timeout_s, problems):
+            for load in _pages(f"{url}/kvemu/load", LoadPage, timeout_s, problems):
                 samples.extend(load.samples)
         except (OSError, msgspec.DecodeError) as exc:
-            problems.append(f"worker {w.worker_id} ({w.url}): {exc}")
+            problems.append(f"{url}: {exc}")
     return records, samples, problems
 
 
@@ -216,9 +223,8 @@ async def _play(scenario: Scenario, target: HttpTarget) -> tuple[list[RequestRec
                       "requests": count_requests(sessions)}), flush=True)
 
     async def submit(req: ClientRequest) -> RequestRecord:
-        rec = await target.submit(req)
-        records[rec.request_id] = rec
-        return rec
+        rec = records[req.request_id] = target.record(req)  # kept even if the run stops before it ends
+        return await target.submit(req, rec)
 
     stopped = None
     finished = False

@@ -14,6 +14,7 @@ from typing import Any
 __all__ = ["router_row", "write_router_report", "COLUMNS"]
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("prompt", "prompts", "{}"),
     ("completed", "completed", "{:d}"),
     ("failed", "failed", "{:d}"),
     ("prefix_reuse", "prefix reuse (engine)", "{:.3f}"),

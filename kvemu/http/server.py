@@ -219,6 +219,15 @@ class HttpServer:
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
+            # cancelled, uvicorn leaves its listening socket accepting and its connections open, their requests
+            # waiting: close and drop them, as a process that died would (a client or router in front sees
+            # connections refused and dropped, not a minute of silence)
+            for listener in getattr(self._server, "servers", ()):
+                listener.close()
+            for conn in list(self._server.server_state.connections):
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.abort()
             self.sock.close()
 
     async def _serve_granian(self, task_status: anyio.abc.TaskStatus) -> None:

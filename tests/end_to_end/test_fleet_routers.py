@@ -88,7 +88,7 @@ def test_the_engine_truth_of_a_fleet_is_every_request_and_agrees_with_the_worker
         assert cached > 0  # the sessions' later turns find their prefix
         assert _metric_total(target.url, "vllm:request_success_total") == n
         assert _metric_total(target.url, "vllm:prefix_cache_hits_total") == cached
-        assert _metric_total(target.url, "vllm:prompt_tokens_total") == sum(r["isl"] for r in recs) - cached
+        assert _metric_total(target.url, "vllm:prompt_tokens_total") == sum(r["isl"] for r in recs)
         assert _metric_total(fleet.workers[1].url, "vllm:request_success_total") == 0
     finally:
         kids.stop_all()
@@ -132,12 +132,38 @@ def test_a_worker_removed_behind_vllm_router_ends_every_request_with_a_reason(tm
     assert all(r["worker_id"] == 1 for r in recs if r["arrival_ns"] > 3 * 10**9 and r["failure"] is None)
 
 
-def test_bench_router_runs_any_router_given_as_a_command(tmp_path):
-    """``cmd:`` with a trivial round-robin proxy: bench-router fills in its port and the fleet's workers."""
+def test_bench_router_runs_kvemus_own_router_and_any_router_given_as_a_command(tmp_path):
+    """``kvemu`` (kvemu serve --in-process, whose front door serves its engines' truth) and ``cmd:`` with a
+    trivial round-robin proxy, for which bench-router fills in its port and the fleet's workers; kvemu's
+    router takes token-id prompts, the proxy text (``--prompt auto``)."""
     path = _scenario(tmp_path)
     proxy = Path(__file__).with_name("tiny_proxy.py")
-    spec = parse_router(f"cmd:{sys.executable} {proxy} {{port}} {{workers}}")
-    rows, table = bench_routers(str(path), [], [spec], tmp_path / "bench")
-    assert rows[0]["error"] is None and rows[0]["failed"] == 0 and rows[0]["completed"] >= 10, table
-    assert rows[0]["engine_truth_matched"] == rows[0]["completed"]
-    assert rows[0]["router"] == f"cmd:{sys.executable}"
+    specs = [parse_router("kvemu"), parse_router(f"cmd:{sys.executable} {proxy} {{port}} {{workers}}")]
+    rows, table = bench_routers(str(path), [], specs, tmp_path / "bench")
+    assert [(r["router"], r["prompt"]) for r in rows] == [("kvemu:kv", "tokens"), (f"cmd:{sys.executable}", "text")]
+    for row in rows:
+        assert row["error"] is None and row["failed"] == 0 and row["completed"] >= 10, table
+        assert row["engine_truth_matched"] == row["completed"], table
+    kvemu = _requests(tmp_path / "bench" / "kvemu-kv")
+    assert sum(r["engine_cached_tokens"] for r in kvemu) > 0 and {r["dp_rank"] for r in kvemu} == {0, 1}
+
+
+def test_a_fleet_of_processes_says_where_each_worker_is_and_serves_its_truth(tmp_path):
+    """``kvemu fleet --processes``: one ``kvemu worker`` process per worker, no router; the start line names
+    them, and a request sent to one is in that worker's /kvemu/requests, served by the rank it was pinned to."""
+    path = _scenario(tmp_path)
+    kids = Children()
+    try:
+        fleet = msgspec.convert(kids.start("fleet", ["fleet", str(path), "--processes"], timeout_s=60), FleetInfo)
+        assert fleet.processes and [w.worker_id for w in fleet.workers] == [0, 1]
+        w = fleet.workers[1]
+        assert httpx.get(f"{w.url}/server_info", timeout=10).json()["dp_size"] == 2
+        r = httpx.post(f"{w.url}/v1/completions", json={"model": "kvemu", "prompt": "hello there", "max_tokens": 3},
+                       headers={"X-Request-Id": "one", "X-data-parallel-rank": "1"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        recs = httpx.get(f"{w.url}/kvemu/requests", timeout=10).json()["records"]
+        assert [(x["request_id"], x["worker_id"], x["dp_rank"], x["output_tokens"]) for x in recs] == \
+            [("one", 1, 1, 3)]
+        assert httpx.get(f"{fleet.workers[0].url}/kvemu/requests", timeout=10).json()["records"] == []
+    finally:
+        kids.stop_all()

@@ -75,3 +75,26 @@ def test_a_bad_router_spec_says_what_it_takes(text, words):
 def test_a_command_template_gets_the_fleet_filled_in():
     filled = fill_command("proxy --port {port} --to {workers} -- {flags}", AGG, 1234)
     assert filled.startswith("proxy --port 1234 --to http://127.0.0.1:9000 http://127.0.0.1:9001 -- --worker-urls")
+
+
+# ---------------------------------------------------------------------- what the commands refuse before starting
+
+EXAMPLES = __import__("pathlib").Path(__file__).parents[2] / "examples"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["fleet", str(EXAMPLES / "compose-disagg.yaml")], "cannot be a fleet yet"),
+    (["bench-router", str(EXAMPLES / "compose-disagg.yaml"), "--router", "vllm-router"], "cannot be a fleet yet"),
+    (["fleet", str(EXAMPLES / "compose-chaos.yaml")], "cannot be applied by kvemu fleet"),
+    (["bench-router", "--router", "nginx"], "one of kvemu"),
+    (["bench-router", "--compress", "0.5"], "between 1 and 1000"),
+    (["bench-router", str(EXAMPLES / "compose-chaos.yaml"), "--router", "kvemu"], "cannot be applied|not to kvemu's"),
+    (["loadgen"], "give --router"),
+    (["loadgen", "--http", "127.0.0.1:8000"], "an http:// or https:// URL"),
+    (["worker"], "give --router"),
+])
+def test_the_fleet_commands_refuse_what_they_cannot_do_before_starting_anything(argv, words, capsys):
+    from harness.cli import main
+
+    assert main(argv) == 2
+    assert __import__("re").search(words, capsys.readouterr().err)

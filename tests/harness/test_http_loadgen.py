@@ -1,0 +1,67 @@
+"""``kvemu loadgen --http``'s client: prompts that keep the workload's prefix identity, and a record for every
+request, whatever the server does."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+import anyio
+
+from kvemu.http.tokenizer import builtin_tokenizer
+from kvemu.messages import ClientRequest
+
+from harness.procs.http_loadgen import HttpTarget
+
+
+def _target(url: str = "http://127.0.0.1:9", form: str = "text") -> HttpTarget:
+    return HttpTarget(url, model="kvemu", tokenizer=builtin_tokenizer(), prompt_form=form)  # type: ignore[arg-type]
+
+
+def test_a_text_prompt_tokenizes_back_to_the_workloads_ids_and_shared_prefixes_stay_shared():
+    target = _target()
+    r = random.Random(3)
+    prefix = [r.randrange(0, 1 << 31) for _ in range(300)]  # a trace's ids may be anywhere in 32 bits
+    a, b = prefix + [r.randrange(0, 1 << 31) for _ in range(50)], prefix + [r.randrange(0, 1 << 31) for _ in range(50)]
+    ta, tb = (target.body(ClientRequest(request_id=x, tokens=t, max_tokens=4))["prompt"] for x, t in (("a", a), ("b", b)))
+    ids_a, ids_b = target.tok.encode(ta), target.tok.encode(tb)
+    assert ids_a == target.prompt_ids(a) and len(ids_a) == len(a)
+    assert ids_a[:300] == ids_b[:300] and ids_a[300:] != ids_b[300:]
+    assert min(ids_a) >= 8  # never a special token
+
+
+def test_token_id_prompts_and_the_headers_that_match_a_request_to_its_engine_record():
+    target = _target(form="tokens")
+    req = ClientRequest(request_id="s1-t2", tokens=[5, 9, 70000], max_tokens=3, session_id="s1")
+    body = target.body(req)
+    assert body["prompt"] == target.prompt_ids([5, 9, 70000]) and body["max_tokens"] == body["min_tokens"] == 3
+    assert body["stream"] and body["ignore_eos"]
+    assert target.headers(req) == {"X-Request-Id": "s1-t2", "X-Session-Id": "s1"}
+
+
+def test_a_request_the_server_never_answers_is_recorded_when_the_run_stops():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        held: list[socket.socket] = []
+        threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
+        target = _target(f"http://127.0.0.1:{listener.getsockname()[1]}")
+        req = ClientRequest(request_id="r", tokens=[10, 11], max_tokens=2)
+        rec = target.record(req)
+
+        async def main() -> None:
+            with anyio.move_on_after(0.5):
+                await target.submit(req, rec)
+            await target.aclose()
+
+        anyio.run(main)
+        for s in held:
+            s.close()
+    assert rec.failure == "unanswered: 0 of 2 tokens when the run stopped" and rec.completion_ns is None
+
+
+def test_a_refused_connection_is_a_failure_with_its_reason():
+    target = _target("http://127.0.0.1:9")  # nothing listens on the discard port here
+    rec = anyio.run(target.submit, ClientRequest(request_id="r", tokens=[10], max_tokens=2))
+    assert rec.failure is not None and rec.failure.startswith("connection: ConnectError")
