@@ -41,7 +41,7 @@ workload:
   num_prefix_groups: 2
   isl: {kind: constant, mean: 96}
   osl: {kind: constant, mean: 8}
-run: {mode: live, duration_s: 3, seed: 1, drain_timeout_s: 60}
+run: {mode: virtual, duration_s: 3, seed: 1, drain_timeout_s: 60}
 """
 
 
