@@ -96,18 +96,15 @@ def fleet_flags(router: str, fleet: FleetInfo, policy: str | None = None) -> lis
     workers (prefill and decode lists for a disaggregated fleet), their DP size, and for vllm-router the KV-event
     and replay sources per worker and their block size."""
     agg, prefill, decode = fleet.pool(AGGREGATED), fleet.pool("prefill"), fleet.pool("decode")
-    every = agg or prefill + decode
-    dp = _uniform_dp(every)
-    flags: list[str] = []
+    dp = _uniform_dp(agg or prefill + decode)
+    if router not in KNOWN_ROUTERS:
+        raise RouterSpecError(f"--print-flags {router!r}: one of {', '.join(KNOWN_ROUTERS)}")
+    if agg:
+        flags = ["--worker-urls", *[w.url for w in agg]]
+    else:  # each router's PD mode: prefill and decode lists
+        flags = ["--vllm-pd-disaggregation" if router == "vllm-router" else "--pd-disaggregation"]
+        flags += [x for w in prefill for x in ("--prefill", w.url)] + [x for w in decode for x in ("--decode", w.url)]
     if router == "vllm-router":
-        if agg:
-            flags += ["--worker-urls", *[w.url for w in agg]]
-        else:
-            flags += ["--vllm-pd-disaggregation"]
-            for w in prefill:
-                flags += ["--prefill", w.url]
-            for w in decode:
-                flags += ["--decode", w.url]
         if dp > 1:
             flags += ["--intra-node-data-parallel-size", str(dp)]
         sources = agg or prefill  # the ranks whose cache a request's prompt lands in
@@ -120,19 +117,8 @@ def fleet_flags(router: str, fleet: FleetInfo, policy: str | None = None) -> lis
                 for w in agg:
                     if all(w.kv_replay):
                         flags += ["--kv-event-replay-source", f"{w.url}={','.join(w.kv_replay)}"]
-    elif router == "sglang-router":
-        if agg:
-            flags += ["--worker-urls", *[w.url for w in agg]]
-        else:
-            flags += ["--pd-disaggregation"]
-            for w in prefill:
-                flags += ["--prefill", w.url]
-            for w in decode:
-                flags += ["--decode", w.url]
-        if dp > 1:
-            flags += ["--dp-aware"]
-    else:
-        raise RouterSpecError(f"--print-flags {router!r}: one of {', '.join(KNOWN_ROUTERS)}")
+    elif dp > 1:  # sglang-router asks each worker's /server_info for its DP size
+        flags += ["--dp-aware"]
     if policy is not None:
         flags += ["--policy", policy]
     return flags

@@ -21,7 +21,6 @@ import anyio
 import anyio.abc
 import msgspec
 
-from kvemu.http import DEFAULT_MODEL
 from kvemu.runtime.transport import NoRouterEnd
 from kvemu.wire.publisher import KvEventPublisher
 from workers.worker_actor import WorkerActor
