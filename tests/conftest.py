@@ -149,3 +149,19 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
             report.longrepr = (f"{REQUIRE_ENV}=1: the module {collector.nodeid}, which has reference tests, "
                                f"skipped itself while being collected: {_skip_reason(report.longrepr)}")
     return report
+
+
+RERUN_ENV = "KVEMU_CI_COMPILED_RERUN"
+"""Set by ``.ci/fresh-clone``: the compiled build's run of the suite, after the pure-Python one."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On ``.ci/run``'s compiled re-run, the tests that drive third-party routers over HTTP are skipped: they
+    exercise kvemu's HTTP servers and processes, which the compiled build does not change, and the first step
+    has run them (this keeps ``.ci/run`` inside its time budget)."""
+    if os.environ.get(RERUN_ENV) != "1":
+        return
+    skip = pytest.mark.skip(reason=f"{RERUN_ENV}=1: third-party routers ran on .ci/run's first step")
+    for item in items:
+        if "third_party_routers" in item.keywords:
+            item.add_marker(skip)
