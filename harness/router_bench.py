@@ -25,7 +25,7 @@ from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
-from harness.scenario import Scenario, ScenarioError, default_scenario_text, load_scenario, parse_scenario
+from harness.scenario import Scenario, default_scenario_text, load_scenario, parse_scenario
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
 
@@ -40,9 +40,6 @@ def compress_overrides(scenario: Scenario, factor: float) -> list[str]:
     ``arrival_speedup_ratio``; a synthetic workload's rate and think time) and every engine pass."""
     if factor == 1:
         return []
-    if scenario.cluster.disaggregated:
-        raise ScenarioError("bench-router --compress: a disaggregated cluster is not supported yet (run it with "
-                            "--compress 1)")
     w = scenario.workload
     out = [f"cluster.engine.speedup_ratio={engine_config(scenario.cluster).speedup_ratio * factor:g}"]
     if isinstance(w, TraceWorkload):

@@ -130,11 +130,6 @@ class EngineTruth:
                 self._samples.add(LoadSample(now_ns, wid, core.dp_rank, core.num_running, core.num_waiting,
                                              round(core.kv_usage, 4)))
 
-    @property
-    def records_total(self) -> int:
-        """Requests that ended here so far."""
-        return self._records.total
-
     def records_page(self, after: int = 0, limit: int = MAX_PAGE) -> TruthPage:
         """Records from number ``after`` on."""
         return TruthPage(*self._records.page(after, limit), first_arrival_ns=self.first_arrival_ns)
