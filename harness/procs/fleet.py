@@ -177,9 +177,7 @@ class Fleet:
         if self._infos.pop(worker_id, None) is None:
             return False
         if self.processes:
-            name = f"worker-{worker_id}"
-            self._kids.signal(name, signal.SIGTERM if graceful else signal.SIGKILL)
-            self._kids.procs[f"gone-{name}"] = self._kids.procs.pop(name)
+            self._kids.retire(f"worker-{worker_id}", signal.SIGTERM if graceful else signal.SIGKILL)
             return True
         m = self._members.pop(worker_id)
         if graceful and self._tg is not None:

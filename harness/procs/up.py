@@ -120,6 +120,11 @@ class Children:
         if proc is not None and proc.poll() is None:
             proc.send_signal(sig)
 
+    def retire(self, name: str, sig: int) -> None:
+        """Stop a child on purpose (``sig``): it is renamed ``gone-NAME``, so its exit counts as no crash."""
+        self.signal(name, sig)
+        self.procs[f"gone-{name}"] = self.procs.pop(name)
+
     def crashed(self, workers_too: bool = True) -> str | None:
         """A child that exited while the run needs it (a signal counts: a killed router is a crash), if any;
         workers the chaos timeline removed are named ``gone-...`` and the load generator ends the run itself.
@@ -356,9 +361,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                                           "detail": f"worker {target} is not running"}), file=sys.stderr)
                         continue
                     live.remove(target)
-                    name = f"worker-{target}"
-                    kids.signal(name, signal.SIGTERM if ev.graceful else signal.SIGKILL)
-                    kids.procs[f"gone-{name}"] = kids.procs.pop(name)
+                    kids.retire(f"worker-{target}", signal.SIGTERM if ev.graceful else signal.SIGKILL)
                 else:  # through the router's control channel
                     reply = send_control(router, token, ev)
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
