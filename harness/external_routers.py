@@ -12,6 +12,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -103,7 +104,9 @@ def fleet_flags(router: str, fleet: FleetInfo, policy: str | None = None) -> lis
         flags = ["--worker-urls", *[w.url for w in agg]]
     else:  # each router's PD mode: prefill and decode lists
         flags = ["--vllm-pd-disaggregation" if router == "vllm-router" else "--pd-disaggregation"]
-        flags += [x for w in prefill for x in ("--prefill", w.url)] + [x for w in decode for x in ("--decode", w.url)]
+        for w in prefill:  # sglang's bootstrap server is the prefill worker's own port (kvemu/kv/room)
+            flags += ["--prefill", w.url, *([str(urlsplit(w.url).port)] if router == "sglang-router" else [])]
+        flags += [x for w in decode for x in ("--decode", w.url)]
     if router == "vllm-router":
         if dp > 1:
             flags += ["--intra-node-data-parallel-size", str(dp)]

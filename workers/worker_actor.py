@@ -141,6 +141,9 @@ class WorkerActor:
         self.on_end: Callable[[RequestRecord, str], None] | None = None
         """Told every request that ends on this worker, with vLLM's finish reason (``length`` or ``abort``):
         the worker's metrics."""
+        self.on_pulled: Callable[[str], None] | None = None
+        """Told each decode leg that came directly (``local``) once its rank has pulled the prompt's KV: the
+        prefill worker holding it can free it (over HTTP, as vLLM's NIXL connector notifies the producer)."""
 
     def kill_rank(self, dp_rank: int) -> list[str]:
         """Chaos: one rank dies. Its requests fail (``rank_lost``), its cache is gone, it takes no more work."""
@@ -317,7 +320,7 @@ class WorkerActor:
         self.local[req.request_id] = reply
         why = self._admit(Dispatch(request_id=req.request_id, dp_rank=dp_rank, tokens=req.tokens,
                                    max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,
-                                   priority=req.engine_priority))
+                                   priority=req.engine_priority, hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
         if why is not None:
             self.local.pop(req.request_id, None)
         return why
@@ -440,11 +443,18 @@ class WorkerActor:
                     self._sent[rid] = 1
                     reply(TokenBatch(request_id=rid, times_ns=[t]))
             for rid, reserved, activated in res.pulled:
-                if rid in self._records:
-                    self._send(KvPulled(request_id=rid, reserved_ns=reserved, activated_ns=activated))
+                self._pulled(rid, reserved, activated)
             for rec in res.completed:
                 if rec.request_id in self._records:
                     self._finish(rec)
+
+    def _pulled(self, rid: str, reserved_ns: int, activated_ns: int) -> None:
+        """A decode rank took a request's KV: the router is told, or for a local request ``on_pulled``."""
+        if rid in self.local:
+            if self.on_pulled is not None:
+                self.on_pulled(rid)
+        elif rid in self._records:
+            self._send(KvPulled(request_id=rid, reserved_ns=reserved_ns, activated_ns=activated_ns))
 
     def _finish(self, rec: RequestRecord) -> None:
         rid = rec.request_id
@@ -498,8 +508,7 @@ class WorkerActor:
         interval = self.stream_interval_ns
         flushed = self._flushed_at
         for rid, reserved, activated in res.pulled:
-            if rid in self._records:
-                self._send(KvPulled(request_id=rid, reserved_ns=reserved, activated_ns=activated))
+            self._pulled(rid, reserved, activated)
         for rid in res.tokens:
             if rid in done or rid in self._legs:
                 continue

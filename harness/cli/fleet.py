@@ -29,10 +29,9 @@ def fleet_command(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"invalid scenario: {exc}", file=sys.stderr)
         return 2
-    from harness.procs.fleet import fleet_chaos_problems, fleet_disagg_problem
+    from harness.procs.fleet import fleet_chaos_problems
 
-    problems = [p for p in (http_problem(args), autoscaler_problem(args, scenario), fleet_disagg_problem(scenario))
-                if p]
+    problems = [p for p in (http_problem(args), autoscaler_problem(args, scenario)) if p]
     problems += fleet_chaos_problems(scenario, args.processes)
     if problems:
         for problem in problems:
@@ -92,10 +91,12 @@ def bench_router_command(args: argparse.Namespace) -> int:
     if not 1 <= args.compress <= 1000:
         print(f"kvemu bench-router: --compress {args.compress:g}: between 1 and 1000", file=sys.stderr)
         return 2
-    from harness.procs.fleet import fleet_chaos_problems, fleet_disagg_problem
+    from harness.procs.fleet import fleet_chaos_problems
 
-    problems = [p for p in [autoscaler_problem(args, scenario), fleet_disagg_problem(scenario),
-                            *fleet_chaos_problems(scenario, False)] if p]
+    problems = [p for p in [autoscaler_problem(args, scenario), *fleet_chaos_problems(scenario, False)] if p]
+    if scenario.cluster.disaggregated and any(r.kind == "kvemu" for r in routers):
+        problems.append("kvemu's own front door (kvemu serve) does not serve a disaggregated cluster (cluster.prefill, "
+                        "cluster.decode); its virtual run does (kvemu run): drop --router kvemu here")
     if scenario.chaos and any(r.kind == "kvemu" for r in routers):
         problems.append("a chaos timeline applies to the fleets of other routers (kvemu fleet), not to kvemu's own "
                         "(kvemu serve has none): drop --router kvemu, or the chaos section")

@@ -39,7 +39,10 @@ def http_problem(args: argparse.Namespace) -> str | None:
 
 
 def disagg_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
-    """What a disaggregated cluster's processes cannot do yet (None: nothing): serve OpenAI routes."""
+    """What a disaggregated cluster's processes cannot do yet (None: nothing): serve OpenAI routes at kvemu's
+    front door (a prefill or decode worker's own server takes another router's legs: ``kv_handoff``)."""
+    if args.command == "worker":
+        return None
     if scenario.cluster.disaggregated and (getattr(args, "http", None) or getattr(args, "worker_http", False)):
         return ("the OpenAI front door (--http, --worker-http, kvemu serve) does not serve a disaggregated cluster "
                 "(cluster.prefill, cluster.decode) yet: run it without them (kvemu up, or router, workers and loadgen)")

@@ -32,8 +32,7 @@ from harness.procs.protocol import HttpOptions
 from harness.procs.worker import LOAD_SAMPLE_S, build_worker, sample_load
 from harness.scenario import ChaosEvent, Scenario
 
-__all__ = ["FleetWorker", "FleetInfo", "Fleet", "IN_PROCESS_CHAOS", "PROCESS_CHAOS", "fleet_chaos_problems",
-           "fleet_disagg_problem"]
+__all__ = ["FleetWorker", "FleetInfo", "Fleet", "IN_PROCESS_CHAOS", "PROCESS_CHAOS", "fleet_chaos_problems"]
 
 IN_PROCESS_CHAOS = frozenset({"remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
                               "slow_worker"})
@@ -68,17 +67,6 @@ class FleetInfo(msgspec.Struct, kw_only=True, tag="fleet", tag_field="event"):
     def pool(self, name: str) -> list[FleetWorker]:
         """The workers of one pool, in id order."""
         return [w for w in self.workers if w.pool == name]
-
-
-def fleet_disagg_problem(scenario: Scenario) -> str | None:
-    """Why a fleet cannot serve this scenario's disaggregated cluster to another router (None: aggregated)."""
-    if not scenario.cluster.disaggregated:
-        return None
-    return ("a disaggregated cluster (cluster.prefill, cluster.decode) cannot be a fleet yet: vllm-router's PD mode "
-            "sends the prefill leg (max_tokens 1, kv_transfer_params) and then the decode leg with the prefill's "
-            "kv_transfer_params, and sglang-router's sends both legs at once with a bootstrap room; kvemu's "
-            "prefill and decode workers hand the KV over only through kvemu's router (hold_kv, KvTransfer, "
-            "ReleaseKv), so over HTTP each leg would recompute the prompt. Run it with kvemu run or kvemu up")
 
 
 def fleet_chaos_problems(scenario: Scenario, processes: bool) -> list[str]:
@@ -195,7 +183,7 @@ class Fleet:
                             task_status: anyio.abc.TaskStatus[FleetWorker] = anyio.TASK_STATUS_IGNORED) -> None:
         from kvemu.http.server import HttpServer
 
-        from harness.procs.frontdoor import worker_door
+        from harness.procs.frontdoor import worker_closing, worker_door, worker_listening
 
         end = NoRouterEnd()
         dp_size = self.scenario.cluster.pools()[pool][1]
@@ -206,19 +194,22 @@ class Fleet:
                                 kv_events=list(actor.register_msg.kv_endpoints),
                                 kv_replay=list(actor.register_msg.kv_replay_endpoints)), actor, pubs, truth, end)
         http = self.http
-        server = HttpServer(worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth),
-                            http.listen, http.server)
+        app = worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth)
+        server = HttpServer(app, http.listen, http.server)
         try:
             with anyio.CancelScope() as scope:
                 m.scope = scope
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(actor.run)
                     await tg.start(server.serve)
+                    worker_listening(app, server.url)
                     tg.start_soon(sample_load, truth, actor, LOAD_SAMPLE_S)
                     m.info.url = server.url
                     self._members[wid] = m
                     task_status.started(m.info)
         finally:
+            with anyio.move_on_after(5.0, shield=True):
+                await worker_closing(app)
             for p in pubs:
                 p.close(drain_timeout_s=0.0)
             await end.aclose()

@@ -25,7 +25,7 @@ from harness.procs.engine_truth import EngineTruth
 from harness.scenario import Scenario
 from harness.workload import output_lengths
 
-__all__ = ["front_door", "worker_door"]
+__all__ = ["front_door", "worker_door", "worker_listening", "worker_closing"]
 
 # a server tokenizes the prompts of one loop turn in one call: spreading that call over threads only competes
 # with the engines and the event loop for the same cores
@@ -51,7 +51,10 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
                 model: str = DEFAULT_MODEL, truth: EngineTruth | None = None) -> OpenAIApp:
     """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins);
     with ``truth``, also what its engines did per request (whoever sent it: a client, a router over HTTP or
-    kvemu's router over ZeroMQ) and per rank (``/kvemu/requests``, ``/kvemu/load``)."""
+    kvemu's router over ZeroMQ) and per rank (``/kvemu/requests``, ``/kvemu/load``). A prefill or decode
+    worker takes another router's disaggregated legs (``harness.procs.kv_handoff``; tell its ``handoff.url``
+    where the server listens)."""
+    from harness.procs.kv_handoff import KvHandoff
     from harness.procs.worker_backend import WorkerBackend
     from workers.metrics import VllmMetrics
 
@@ -73,9 +76,27 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
 
     info = _server_info(engine, tok if tokenizer else None, dp_ranks=tuple(actor.worker.dp_ranks), loads=loads,
                         disaggregation_mode="null" if actor.worker_type == "aggregated" else actor.worker_type)
-    return OpenAIApp(WorkerBackend(actor, truth), tok, model=model, clock=actor.clock, metrics=metrics,
+    handoff = KvHandoff(actor) if actor.worker_type in ("prefill", "decode") else None
+    routes = {**(truth.routes() if truth is not None else {}), **(handoff.routes() if handoff is not None else {})}
+    return OpenAIApp(WorkerBackend(actor, truth, handoff), tok, model=model, clock=actor.clock, metrics=metrics,
                      output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank", info=info,
-                     extra_routes=truth.routes() if truth is not None else None)
+                     extra_routes=routes, handoff=handoff)
+
+
+def worker_listening(app: OpenAIApp, url: str) -> None:
+    """Tell a worker's app where its server listens (a prefill worker's ``kv_transfer_params`` name it)."""
+    from harness.procs.kv_handoff import KvHandoff
+
+    if isinstance(app.handoff, KvHandoff):
+        app.handoff.url = url
+
+
+async def worker_closing(app: OpenAIApp) -> None:
+    """A worker's app is done: deliver the KV releases it still owes prefill workers."""
+    from harness.procs.kv_handoff import KvHandoff
+
+    if isinstance(app.handoff, KvHandoff):
+        await app.handoff.aclose()
 
 
 def _server_info(engine: EngineConfig, tok: TextTokenizer | None, **kw: Any) -> ServerInfo:

@@ -5,7 +5,9 @@ router in front of a kvemu fleet passes the id on to the worker that serves it. 
 prefix identity: as token ids (``prompt_form="tokens"``) or as text the fleet's tokenizer maps back to exactly
 those ids (``"text"``, the default: what a router that hashes text needs). The report is kvemu's usual one,
 from client-side times, with the engine-side truth of a fleet (``harness.procs.engine_truth``) merged in by
-request id: the worker and rank that served, the tokens its engine found cached, preemptions, admission.
+request id: the worker and rank that served, the tokens its engine found cached, preemptions, admission. A
+router that gives the legs its own id (vllm-router's PD mode) is matched by the id the answer carries; a
+disaggregated request's prefill leg says what the prompt found cached and where, its decode leg who served.
 A chunk that carries several tokens (servers coalesce them) has them spread evenly since the previous chunk,
 so inter-token latencies read as the engine's passes, not as zeros.
 
@@ -42,7 +44,7 @@ from harness.scenario import Scenario
 from harness.sessions import awaiting, play_workload
 from harness.workload import build_sessions
 
-__all__ = ["HttpTarget", "http_loadgen_report", "fetch_truth", "PromptForm"]
+__all__ = ["HttpTarget", "Legs", "http_loadgen_report", "fetch_truth", "legs_by_id", "PromptForm"]
 
 PromptForm = Literal["text", "tokens"]
 MAX_ERROR_BODY = 512
@@ -78,6 +80,9 @@ class HttpTarget:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self._httpx = httpx
+        self.engine_ids: dict[str, str] = {}
+        """The id an answer carried, by the client's request id, where the two differ (a router that replaced
+        ``X-Request-Id``: the engines' records carry the answer's)."""
 
     def prompt_ids(self, tokens: Any) -> list[int]:
         """The workload's ids, in the tokenizer's ordinary vocabulary (the same ids map to the same ids, so
@@ -147,6 +152,9 @@ class HttpTarget:
         if "error" in chunk:
             rec.failure = f"stream_error: {str(chunk['error'])[:200]}"
             return
+        answer_id = chunk.get("id")
+        if answer_id and answer_id != rec.request_id and rec.request_id not in self.engine_ids:
+            self.engine_ids[rec.request_id] = str(answer_id)[:512]
         now = self.clock.now_ns()
         for choice in chunk.get("choices") or ():
             n = len(self.tok.encode(choice.get("text") or ""))
@@ -196,7 +204,27 @@ def _pages(url: str, page_type: type[_P], timeout_s: float, problems: list[str])
         after = page.next
 
 
-def _merge(rec: RequestRecord, truth: TruthRecord | None, t0: int, scale: float) -> RequestRecord:
+class Legs(msgspec.Struct):
+    """The engine truth of one request: the leg that served it (aggregated, or the decode leg) and the prefill
+    leg of a disaggregated one."""
+
+    serving: TruthRecord | None = None
+    prefill: TruthRecord | None = None
+
+
+def legs_by_id(records: list[TruthRecord], pool_of: dict[int, str]) -> dict[str, Legs]:
+    """Each request id's legs (a prefill worker's record is the prefill leg)."""
+    out: dict[str, Legs] = {}
+    for t in records:
+        legs = out.setdefault(t.request_id, Legs())
+        if pool_of.get(t.worker_id) == "prefill":
+            legs.prefill = t
+        else:
+            legs.serving = t
+    return out
+
+
+def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> RequestRecord:
     """The client's record with the engine's facts, times from the run's start and scaled back by ``scale``."""
     def back(t: int | None, base: int = 0) -> int | None:
         return None if t is None else round((t - base) * scale)
@@ -204,15 +232,24 @@ def _merge(rec: RequestRecord, truth: TruthRecord | None, t0: int, scale: float)
     out = msgspec.structs.replace(
         rec, arrival_ns=back(rec.arrival_ns) or 0, first_token_ns=back(rec.first_token_ns),
         completion_ns=back(rec.completion_ns), token_times_ns=[round(t * scale) for t in rec.token_times_ns])
-    if truth is not None:
+    if legs is None:
+        return out
+    for truth in (legs.serving, legs.prefill):
+        if truth is not None and out.failure is None and truth.failure is not None:
+            out.failure = truth.failure
+    if (truth := legs.serving) is not None:
         out.worker_id, out.dp_rank = truth.worker_id, truth.dp_rank
         out.engine_cached_tokens = truth.cached_tokens
         out.engine_reused_tokens = truth.cached_tokens
         out.preemptions = truth.preemptions
         out.admitted_ns = back(truth.admitted_ns, t0)
         out.dispatch_ns = back(truth.arrival_ns, t0)
-        if out.failure is None and truth.failure is not None:
-            out.failure = truth.failure
+    if (pre := legs.prefill) is not None:  # the prompt's cache was found where it was computed
+        out.prefill_worker_id, out.prefill_dp_rank = pre.worker_id, pre.dp_rank
+        out.prefill_done_ns = back(pre.completion_ns, t0)
+        out.engine_cached_tokens = out.engine_reused_tokens = pre.cached_tokens
+        out.preemptions += pre.preemptions
+        out.dispatch_ns = back(pre.arrival_ns, t0)
     return out
 
 
@@ -248,31 +285,33 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
     client_records, finished, stopped = run_live(lambda: _play(scenario, target))
-    truth: dict[str, TruthRecord] = {}
+    truth: dict[str, Legs] = {}
     samples: list[Sample] = []
     problems: list[str] = []
     ranks: list[tuple[int, int]] = []
     if fleet is not None:
         got, load, problems = fetch_truth(fleet)
-        truth = {t.request_id: t for t in got}
+        pool_of = {w.worker_id: w.pool for w in fleet.workers}
+        truth = legs_by_id(got, pool_of)
         ranks = sorted((w.worker_id, r) for w in fleet.workers for r in range(w.dp_size))
         blocks = {pool: engine_config(scenario.cluster, pool).num_gpu_blocks for pool in scenario.cluster.pools()}
-        pool_of = {w.worker_id: w.pool for w in fleet.workers}
         samples = [Sample(time_ns=round((s.t_ns - target.clock.t0) * compress), worker_id=s.worker_id,
                           dp_rank=s.dp_rank, active_requests=s.running + s.waiting,
                           kv_blocks=round(s.kv_usage * blocks[pool_of[s.worker_id]]), pool=pool_of[s.worker_id])
                    for s in load if s.t_ns >= target.clock.t0]
     for p in problems:
         print(f"kvemu loadgen: engine truth: {p}", file=sys.stderr)
-    records = [_merge(r, truth.get(r.request_id), target.clock.t0, compress) for r in client_records]
+    truth_id = {r.request_id: r.request_id if r.request_id in truth
+                else target.engine_ids.get(r.request_id, r.request_id) for r in client_records}
+    records = [_merge(r, truth.get(truth_id[r.request_id]), target.clock.t0, compress) for r in client_records]
     failures: dict[str, int] = {}
     for r in records:
         if r.failure:
             key = r.failure.split(":")[0]
             failures[key] = failures.get(key, 0) + 1
-    matched = sum(1 for r in client_records if r.request_id in truth)
+    matched = sum(1 for k in truth_id.values() if k in truth)
     counters = {"engine_truth_matched": matched, "engine_truth_unmatched": len(client_records) - matched,
-                "engine_truth_unclaimed": len(set(truth) - {r.request_id for r in client_records})}
+                "engine_truth_unclaimed": len(set(truth) - set(truth_id.values()))}
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
                    mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
                    partial=not finished or stopped is not None,

@@ -78,16 +78,16 @@ async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, 
     if http is not None:
         from kvemu.http.server import HttpServer
 
-        from harness.procs.frontdoor import worker_door
+        from harness.procs.frontdoor import worker_door, worker_listening
 
-        server = HttpServer(worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth),
-                            http.listen, http.server)
+        app = worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth)
+        server = HttpServer(app, http.listen, http.server)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(actor.run)
             if server is not None:
                 await tg.start(server.serve)
-            if server is not None:
+                worker_listening(app, server.url)
                 tg.start_soon(sample_load, truth, actor, LOAD_SAMPLE_S)
             log_start("worker", worker_id=worker_id, pool=pool, router=router, kv_events=[p.endpoint for p in pubs],
                       kv_replay=[p.replay_endpoint for p in pubs], dp_size=dp_size,
@@ -100,6 +100,11 @@ async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, 
             await anyio.sleep(0.05)  # let the deregistration leave
             tg.cancel_scope.cancel()
     finally:
+        if server is not None:
+            from harness.procs.frontdoor import worker_closing
+
+            with anyio.move_on_after(5.0, shield=True):
+                await worker_closing(app)
         for p in pubs:
             p.close(drain_timeout_s=0.2)
         await end.aclose()

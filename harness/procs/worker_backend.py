@@ -13,6 +13,7 @@ from kvemu.messages import ClientRequest, Finished, RequestFailed, TokenBatch
 from workers.worker_actor import WorkerActor
 
 from harness.procs.engine_truth import EngineTruth
+from harness.procs.kv_handoff import KvHandoff
 
 __all__ = ["WorkerBackend"]
 
@@ -20,10 +21,12 @@ __all__ = ["WorkerBackend"]
 class WorkerBackend:
     """Runs HTTP requests on one worker's ranks through its actor."""
 
-    def __init__(self, actor: WorkerActor, truth: EngineTruth | None = None) -> None:
+    def __init__(self, actor: WorkerActor, truth: EngineTruth | None = None, handoff: KvHandoff | None = None) -> None:
         self.actor = actor
         self.truth = truth
         """Told when each request arrives (its first: a fleet's chaos timeline starts there)."""
+        self.handoff = handoff
+        """Told how each leg of another router's disaggregated serving ended (a prefill or decode worker)."""
         cfg = actor.worker.config
         self.max_model_len = cfg.capacity_tokens
         self.block_size = cfg.resolved_block_size
@@ -42,13 +45,17 @@ class WorkerBackend:
         rank = req.dp_rank if req.dp_rank is not None else self._rank()
         record = RequestRecord(request_id=req.request_id, arrival_ns=self.actor.clock.now_ns(), isl=len(req.tokens),
                                max_tokens=req.max_tokens, worker_id=self.actor.worker_id, dp_rank=rank)
+        handoff = self.handoff
+        why = None
         if req.worker_id is not None and req.worker_id != self.actor.worker_id:
-            record.failure = (f"pinned_worker_not_allowed: this is worker {self.actor.worker_id}, the request is "
-                              f"pinned to worker {req.worker_id}")
-            on_end(record)
-            return
-        if rank is None:
-            record.failure = "no_endpoints: every rank of this worker is down"
+            why = (f"pinned_worker_not_allowed: this is worker {self.actor.worker_id}, the request is pinned to worker "
+                   f"{req.worker_id}")
+        elif rank is None:
+            why = "no_endpoints: every rank of this worker is down"
+        if why is not None or rank is None:
+            record.failure = why
+            if handoff is not None:
+                handoff.ended(record.request_id, why)
             on_end(record)
             return
 
@@ -68,17 +75,25 @@ class WorkerBackend:
                 record.engine_cached_tokens = msg.cached_tokens  # type: ignore[union-attr]
                 record.admitted_ns = msg.admitted_ns  # type: ignore[union-attr]
                 record.preemptions = msg.preemptions  # type: ignore[union-attr]
+                if handoff is not None and msg.kv_transfer is not None:  # type: ignore[union-attr]
+                    handoff.held(record.request_id, msg.kv_transfer)  # type: ignore[union-attr]
             else:
                 record.failure = msg.reason  # type: ignore[union-attr]
+            if handoff is not None:
+                handoff.ended(record.request_id, record.failure)
             on_end(record)
 
         why = self.actor.submit_local(req, rank, reply)
         if why is not None:
             record.failure = why
+            if handoff is not None:
+                handoff.ended(record.request_id, why)
             on_end(record)
 
     def cancel(self, request_id: str, reason: str) -> None:
         self.actor.abort(request_id, reason)
+        if self.handoff is not None:
+            self.handoff.ended(request_id, reason)
 
     def unavailable(self) -> str | None:
         if self.actor.worker.shutting_down:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvemu.clock import NS_PER_S, Clock
-from kvemu.http.backend import Backend
+from kvemu.http.backend import Backend, Handoff
 from kvemu.http.errors import ApiError, error_body
 from kvemu.http.info import ServerInfo, load_body, model_info_body, models_body, server_info_body
 from kvemu.http.protocol import (
@@ -48,7 +48,7 @@ from kvemu.http.tokenizer import TextTokenizer
 from kvemu.records import RequestRecord
 from kvemu.messages import ClientRequest
 
-__all__ = ["OpenAIApp", "Metrics"]
+__all__ = ["OpenAIApp", "Metrics", "read_body"]
 
 _encode = msgspec.json.encode
 log = logging.getLogger("kvemu.http")
@@ -75,6 +75,8 @@ class OpenAIApp:
     every answer runs to its budget. ``rank_header`` is the header that pins a DP rank (the front door takes
     Dynamo's ``x-dp-rank``, a worker vLLM's ``x-data-parallel-rank``, or SGLang's ``data_parallel_rank``, one of
     ``info.dp_ranks``). ``info`` is what the server says of itself (``/server_info``, ``/get_load``).
+    ``handoff`` (a prefill or decode worker) takes the legs of another router's disaggregated serving; without
+    it their fields are ignored, as by a vLLM server with no KV connector.
     """
 
     def __init__(self, backend: Backend, tokenizer: TextTokenizer, *, model: str, clock: Clock,
@@ -82,8 +84,10 @@ class OpenAIApp:
                  rank_header: str = "x-dp-rank", info: ServerInfo | None = None,
                  max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
                  off_loop_chars: int = 64 << 10,
-                 extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None) -> None:
+                 extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None,
+                 handoff: Handoff | None = None) -> None:
         self.backend = backend
+        self.handoff = handoff
         self.tok = tokenizer
         self.model = model
         self.clock = clock
@@ -181,19 +185,7 @@ class OpenAIApp:
             raise ApiError(408, f"the request body took more than {self.body_timeout_s:g} s to arrive") from None
 
     async def _read_body(self, receive: Callable) -> bytes:
-        chunks = []
-        size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ApiError(400, "the client went away before sending its body")
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                return b"".join(chunks)
+        return await read_body(receive, self.max_body_bytes)
 
     # ------------------------------------------------------------------ small routes
 
@@ -346,6 +338,10 @@ class OpenAIApp:
         prompts = await self._tokens(raw_prompts)
         base = _request_id(headers, chat)
         default = None if chat else 16  # chat: what the context leaves, as vLLM
+        handoff = self.handoff if req.kv_transfer_params is not None or req.bootstrap_room is not None else None
+        if handoff is not None and len(prompts) != 1:
+            raise ApiError(400, f"prompt: a disaggregated leg (kv_transfer_params, bootstrap_room) carries one prompt, "
+                                f"not {len(prompts)}", "prompt")
         gens, reqs = [], []
         for i, tokens in enumerate(prompts):
             budget = output_budget(req, len(tokens), self.backend.max_model_len, default)
@@ -353,9 +349,14 @@ class OpenAIApp:
             if not req.ignore_eos and self.output_lengths is not None:
                 n_out = max(req.min_tokens, min(budget, max(1, self.output_lengths())))
             rid = base if len(prompts) == 1 else f"{base}-{i}"
+            leg = None
+            if handoff is not None:
+                leg = await handoff.leg(_client_request(rid, tokens, n_out, [], hints), req)
+                n_out = budget = leg.max_tokens  # a prefill leg computes one token
             ids, texts = self.tok.output(rid, n_out)
             gens.append(Gen(rid, len(tokens), n_out, budget, texts))
-            reqs.append(_client_request(rid, tokens, n_out, ids, hints))
+            reqs.append(_client_request(rid, tokens, n_out, ids, hints) if leg is None
+                        else msgspec.structs.replace(leg, output_token_ids=ids))
         run = Run(len(gens))
         stream = req.stream
         if self.metrics is not None:
@@ -363,7 +364,8 @@ class OpenAIApp:
         watcher = asyncio.ensure_future(receive())  # completes when the client leaves (any awaitable: granian)
         watcher.add_done_callback(run.disconnected)
         reply = Reply(base, chat, gens, req, hints, send, arrived, model=self.model, created_s=self._unix_s(),
-                      clock=self.clock, block_size=self.backend.block_size)
+                      clock=self.clock, block_size=self.backend.block_size,
+                      kv_answer=handoff.answer if handoff is not None else None)
         status = "error"
         submitted = 0
         try:
@@ -383,6 +385,23 @@ class OpenAIApp:
                 first = min((g.first_ns for g in gens if g.first_ns is not None), default=None)
                 self.metrics.ended("chat_completions" if chat else "completions", stream, status, first, arrived,
                                    self.clock.now_ns(), run.records, [g.prompt_len for g in gens])
+
+
+async def read_body(receive: Callable, limit: int) -> bytes:
+    """A request's whole body; 413 past ``limit`` bytes, 400 when the client leaves first."""
+    chunks = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ApiError(400, "the client went away before sending its body")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
 
 
 def _encode_large(tok: TextTokenizer, texts: list[str]) -> list[list[int]]:

@@ -8,14 +8,14 @@ went away): the router frees its load and binding and the engine its blocks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvemu.records import RequestRecord
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.messages import ClientRequest
 from kvemu.runtime.router import Router
 
-__all__ = ["Backend", "RouterBackend", "OnTokens", "OnEnd"]
+__all__ = ["Backend", "Handoff", "RouterBackend", "OnTokens", "OnEnd"]
 
 OnTokens = Callable[[int], None]
 OnEnd = Callable[[RequestRecord], None]
@@ -38,6 +38,21 @@ class Backend(Protocol):
 
     def unavailable(self) -> str | None:
         """Why no request can be served now (``/health`` answers 503 with it), or None."""
+        ...
+
+
+class Handoff(Protocol):
+    """A worker's part in disaggregated serving driven by another router over HTTP: what a leg's body
+    (``kv_transfer_params``, SGLang's ``bootstrap_room``) makes of a request, and what a finished prefill leg
+    answers with."""
+
+    async def leg(self, req: ClientRequest, body: Any) -> ClientRequest:
+        """``req`` as this worker runs it (a prefill leg that holds its KV, a decode leg that pulls it); an
+        ``ApiError`` naming the field when the body's leg does not fit this worker."""
+        ...
+
+    def answer(self, request_id: str) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a finished prefill leg's answer carries (None: none)."""
         ...
 
 

@@ -83,6 +83,7 @@ def server_info_body(model: str, max_model_len: int, block_size: int, info: Serv
         "max_req_input_len": max_model_len - 1,
         "max_running_requests": info.max_running_requests,
         "disaggregation_mode": info.disaggregation_mode,
+        "load_balance_method": "follow_bootstrap_room" if info.disaggregation_mode == "prefill" else "round_robin",
         "enable_dp_attention": False,
         "engine": info.engine,
         "version": kvemu.__version__,

@@ -16,6 +16,7 @@ from msgspec import Meta
 from kvemu.errors import InvalidArgument
 from kvemu.http.errors import ApiError
 from kvemu.http.tokenizer import ROLES, TextTokenizer
+from kvemu.transfer import KvTransfer
 
 __all__ = [
     "CompletionRequest",
@@ -23,6 +24,7 @@ __all__ = [
     "TokenizeRequest",
     "DetokenizeRequest",
     "Hints",
+    "KvTransferParams",
     "decode_body",
     "prompts_of",
     "hints_of",
@@ -68,6 +70,32 @@ class NvExt(msgspec.Struct):
     extra_fields: list[str] | None = None
 
 
+Text = Annotated[str, Meta(max_length=512)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+MAX_BLOCK_IDS = 1 << 17
+"""Block ids one ``kv_transfer_params`` may list (2M tokens of 16-token blocks)."""
+
+
+class KvTransferParams(msgspec.Struct):
+    """vLLM's ``kv_transfer_params`` (its NIXL connector's fields), with kvemu's own beside them.
+
+    A prefill leg carries ``do_remote_decode``; its answer carries what a decode leg needs
+    (``do_remote_prefill``, where the KV is), which the router copies into the decode leg as it is."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: Text | None = None
+    remote_request_id: Text | None = None
+    remote_block_ids: Annotated[list[Any], Meta(max_length=MAX_BLOCK_IDS)] | None = None
+    remote_host: Text | None = None
+    remote_port: Port | None = None
+    tp_size: Count | None = None
+    kvemu_source: KvTransfer | None = None
+    """The prefill rank that holds the KV and its link model (what the decode rank's transfer takes)."""
+    kvemu_release_token: Annotated[str, Meta(max_length=128)] | None = None
+    """What the decode worker shows the prefill worker to free the held KV (only whoever got the answer can)."""
+
+
 class _Generate(msgspec.Struct):
     model: str | None = None
     max_tokens: I64 | None = None
@@ -86,6 +114,13 @@ class _Generate(msgspec.Struct):
     """SGLang's rank pin (sglang-router ``--dp-aware`` sets it): a worker's own server takes it, checked in
     ``hints_of``; the front door, which picks ranks itself, ignores it as any engine field it has no use for."""
     nvext: NvExt | None = None
+    kv_transfer_params: KvTransferParams | None = None
+    """vLLM's disaggregated legs (vllm-router ``--vllm-pd-disaggregation``); see ``KvTransferParams``."""
+    bootstrap_host: Text | None = None
+    """SGLang's disaggregated legs (sglang-router ``--pd-disaggregation``): both legs name the prefill worker's
+    bootstrap server and one room, where the decode leg finds the prefill leg's KV."""
+    bootstrap_port: Port | None = None
+    bootstrap_room: Count | None = None
 
 
 class CompletionRequest(_Generate):

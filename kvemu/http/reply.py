@@ -97,8 +97,11 @@ class Reply:
     """Writes one request's response: SSE chunks as tokens arrive, or one JSON body at the end."""
 
     def __init__(self, rid: str, chat: bool, gens: list[Gen], req: Any, hints: Hints, send: Callable, arrived_ns: int,
-                 *, model: str, created_s: int, clock: Clock, block_size: int) -> None:
+                 *, model: str, created_s: int, clock: Clock, block_size: int,
+                 kv_answer: Callable[[str], dict[str, Any] | None] | None = None) -> None:
         self.model = model
+        self.kv_answer = kv_answer
+        """A finished prefill leg's ``kv_transfer_params`` by request id (its answer carries them, as vLLM's)."""
         self.clock = clock
         self.block_size = block_size
         self.rid = rid
@@ -148,6 +151,8 @@ class Reply:
         body = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.head["created"], "model": self.model, "choices": choices,
                 "usage": self._usage(run.records)}
+        if self.kv_answer is not None and (params := self.kv_answer(self.rid)) is not None:
+            body["kv_transfer_params"] = params
         self._nvext(body, run.records)
         await respond(self.send, 200, _encode(body))
         return "success"

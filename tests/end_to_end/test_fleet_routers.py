@@ -138,6 +138,44 @@ def test_a_worker_removed_behind_vllm_router_ends_every_request_with_a_reason(tm
     assert all(r["worker_id"] == 1 for r in recs if r["arrival_ns"] > 3 * 10**9 and r["failure"] is None)
 
 
+PD_CLUSTER = """
+cluster:
+  prefill:
+    workers: 1
+    dp_size: 2
+    engine: {block_size: 16, num_gpu_blocks: 4096, speedup_ratio: 20, decode_speedup_ratio: 2,
+             kv_transfer_bandwidth: 25.0, kv_transfer_bytes_per_token: 131072}
+  decode:
+    workers: 2
+    engine: {block_size: 16, num_gpu_blocks: 4096, speedup_ratio: 20, decode_speedup_ratio: 2}
+"""
+
+
+@pytest.mark.third_party_routers
+def test_a_disaggregated_fleet_serves_both_routers_pd_modes_with_the_kv_handed_over(tmp_path):
+    """vllm-router's PD mode (prefill leg, then the decode leg with the prefill's kv_transfer_params) and
+    sglang-router's (both legs at once, one bootstrap room) in front of one prefill and two decode workers:
+    every request ends, its prefill leg ran on the prefill worker and its decode leg on a decode worker (matched
+    by the id the answer carried where vllm-router replaced the client's), and later turns find their prompt
+    cached where it was computed."""
+    _need("vllm-router")
+    _need("sglang-router")
+    path = tmp_path / "pd.yaml"
+    path.write_text(SCENARIO.replace("cluster:\n  workers: 2\n  dp_size: 2\n  engine: {block_size: 16, "
+                                     "num_gpu_blocks: 4096, speedup_ratio: 20, decode_speedup_ratio: 2}\n",
+                                     PD_CLUSTER.lstrip()))
+    assert load_scenario(path).cluster.disaggregated
+    routers = [parse_router(r) for r in ("vllm-router:round_robin", "sglang-router:round_robin")]
+    rows, table = bench_routers(str(path), [], routers, tmp_path / "bench")
+    for row in rows:
+        assert row["error"] is None and row["failed"] == 0 and row["completed"] >= 10, table
+        assert row["engine_truth_matched"] == row["completed"], table
+    for name in ("vllm-router-round_robin", "sglang-router-round_robin"):
+        recs = _requests(tmp_path / "bench" / name)
+        assert all(r["prefill_worker_id"] == 0 and r["worker_id"] in (1, 2) for r in recs), name
+        assert sum(r["engine_cached_tokens"] for r in recs) > 0, name
+
+
 def test_bench_router_runs_kvemus_own_router_and_any_router_given_as_a_command(tmp_path):
     """``kvemu`` (kvemu serve --in-process, whose front door serves its engines' truth) and ``cmd:`` with a
     trivial round-robin proxy, for which bench-router fills in its port and the fleet's workers; kvemu's

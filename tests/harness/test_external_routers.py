@@ -47,7 +47,8 @@ def test_a_disaggregated_fleet_is_given_as_prefill_and_decode_lists():
     assert flags[:7] == ["--vllm-pd-disaggregation", "--prefill", "http://127.0.0.1:9000", "--decode",
                          "http://127.0.0.1:9001", "--decode", "http://127.0.0.1:9002"]
     assert flags[flags.index("--pd-kv-events") + 1] == "http://127.0.0.1:9000=tcp://127.0.0.1:7000"
-    assert fleet_flags("sglang-router", PD)[:2] == ["--pd-disaggregation", "--prefill"]
+    assert fleet_flags("sglang-router", PD)[:6] == ["--pd-disaggregation", "--prefill", "http://127.0.0.1:9000", "9000",
+                                                    "--decode", "http://127.0.0.1:9001"]  # the bootstrap port
 
 
 @pytest.mark.parametrize("text, spec", [
@@ -83,8 +84,8 @@ EXAMPLES = __import__("pathlib").Path(__file__).parents[2] / "examples"
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["fleet", str(EXAMPLES / "compose-disagg.yaml")], "cannot be a fleet yet"),
-    (["bench-router", str(EXAMPLES / "compose-disagg.yaml"), "--router", "vllm-router"], "cannot be a fleet yet"),
+    (["bench-router", str(EXAMPLES / "compose-disagg.yaml"), "--router", "kvemu"],
+     "does not serve a disaggregated cluster"),
     (["fleet", str(EXAMPLES / "compose-chaos.yaml")], "cannot be applied by kvemu fleet"),
     (["bench-router", "--router", "nginx"], "one of kvemu"),
     (["bench-router", "--compress", "0.5"], "between 1 and 1000"),

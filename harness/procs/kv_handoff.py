@@ -1,0 +1,339 @@
+"""A prefill or decode worker's part in another router's disaggregated serving, over HTTP.
+
+Two routers split a request into a prefill leg and a decode leg, each their own way:
+
+- **vLLM style** (vllm-router ``--vllm-pd-disaggregation``, vLLM's NIXL connector): the prefill leg carries
+  ``kv_transfer_params: {do_remote_decode: true}``; the prefill worker computes the prompt (one token), keeps
+  its KV and answers with ``kv_transfer_params`` saying where the KV is; the router copies those into the
+  decode leg. Here they name the prefill rank and its link model (``kvemu_source``) and a release token.
+- **SGLang style** (sglang-router ``--pd-disaggregation``): both legs arrive at once with one
+  ``bootstrap_room`` and the prefill worker's bootstrap address; the decode worker asks that address
+  (``GET /kvemu/kv/room``, which this module serves on the prefill worker's HTTP port) for the room and
+  waits until the prefill leg has finished.
+
+Either way the decode rank then pulls the KV as it does behind kvemu's router (``KvTransfer``: reserve, the
+link's delay, join), and once it has, tells the prefill worker to free its copy (``POST /kvemu/kv/release``
+with the token, as NIXL notifies the producer). KV nobody claims is freed after ``hold_timeout_s`` (vLLM's
+``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). A release that cannot be delivered is logged and counted, never
+retried against another peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import msgspec
+
+from kvemu.http.app import read_body
+from kvemu.http.errors import ApiError
+from kvemu.http.protocol import KvTransferParams, decode_body
+from kvemu.http.reply import respond
+from kvemu.messages import ClientRequest
+from kvemu.transfer import KvTransfer
+from workers.worker_actor import WorkerActor
+
+__all__ = ["KvHandoff", "HOLD_TIMEOUT_S", "ROOM_TIMEOUT_S"]
+
+log = logging.getLogger("kvemu.handoff")
+
+HOLD_TIMEOUT_S = 480.0
+"""How long a finished prefill leg's KV waits for its decode leg (vLLM's NIXL abort timeout)."""
+ROOM_TIMEOUT_S = 300.0
+"""How long an SGLang-style decode leg waits for its prefill leg to finish."""
+ROOM_POLL_S = 10.0
+"""The longest one ``GET /kvemu/kv/room`` waits before answering 404 (the decode worker asks again)."""
+MAX_ROOMS = 100_000
+"""Rooms a prefill worker keeps open at once (more: the leg is refused with 503)."""
+
+
+class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /kvemu/kv/release``: free a finished prefill leg's KV."""
+
+    request_id: str
+    token: str
+
+
+class _Held:
+    __slots__ = ("answer", "token", "timer")
+
+    def __init__(self, answer: dict[str, Any], token: str, timer: asyncio.TimerHandle) -> None:
+        self.answer = answer
+        self.token = token
+        self.timer = timer
+
+
+class _Source(msgspec.Struct, frozen=True):
+    """Where a decode leg's KV is, and how to free it there."""
+
+    url: str
+    request_id: str
+    token: str
+
+
+class KvHandoff:
+    """The handoff of one prefill or decode worker (``actor.worker_type``); ``url`` is set once it listens."""
+
+    def __init__(self, actor: WorkerActor, *, hold_timeout_s: float | None = None,
+                 room_timeout_s: float | None = None) -> None:
+        if actor.worker_type not in ("prefill", "decode"):
+            raise ValueError(f"a handoff is for prefill or decode workers, not {actor.worker_type}")
+        self.actor = actor
+        self.role = actor.worker_type
+        self.url = ""
+        self.hold_timeout_s = HOLD_TIMEOUT_S if hold_timeout_s is None else hold_timeout_s
+        self.room_timeout_s = ROOM_TIMEOUT_S if room_timeout_s is None else room_timeout_s
+        self._held: dict[str, _Held] = {}
+        """Prefill: finished legs whose KV waits for its decode leg, by request id."""
+        self._rooms: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        """Prefill: SGLang rooms, resolved with the leg's answer (or its failure) when it ends."""
+        self._room_of: dict[str, int] = {}
+        self._sources: dict[str, _Source] = {}
+        """Decode: legs whose KV is still held on a prefill worker, by request id."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._client: Any = None  # httpx.AsyncClient, made on first use
+        self.released = 0
+        """Decode: releases the prefill worker acknowledged."""
+        self.release_failures = 0
+        """Decode: releases that could not be delivered (the prefill worker is gone, or refused)."""
+        self.expired = 0
+        """Prefill: held KV freed because no decode leg claimed it in time."""
+        actor.on_pulled = self._pulled
+
+    # ------------------------------------------------------------------ legs
+
+    async def leg(self, req: ClientRequest, body: Any) -> ClientRequest:
+        params: KvTransferParams | None = body.kv_transfer_params
+        room: int | None = body.bootstrap_room
+        if self.role == "prefill":
+            if params is not None and params.do_remote_prefill:
+                raise ApiError(400, "kv_transfer_params.do_remote_prefill: this is a prefill worker; the decode leg "
+                                    "goes to a decode worker", "kv_transfer_params.do_remote_prefill")
+            if room is not None:
+                if len(self._rooms) >= MAX_ROOMS and room not in self._rooms:
+                    raise ApiError(503, f"bootstrap_room: {MAX_ROOMS} rooms are open on this worker; retry later",
+                                   "bootstrap_room")
+                self._room(room)
+                self._room_of[req.request_id] = room
+                if req.dp_rank is None:  # SGLang's follow_bootstrap_room: the room names the prefill rank
+                    ranks = self.actor.worker.dp_ranks
+                    req = msgspec.structs.replace(req, dp_rank=ranks[room % len(ranks)])
+            elif params is None or not params.do_remote_decode:
+                return req
+            return msgspec.structs.replace(req, kv_hold=True, max_tokens=1)
+        if params is not None and params.do_remote_decode:
+            raise ApiError(400, "kv_transfer_params.do_remote_decode: this is a decode worker; the prefill leg goes "
+                                "to a prefill worker", "kv_transfer_params.do_remote_decode")
+        if params is None or not params.do_remote_prefill:
+            if room is None:
+                return req
+            params = await self._fetch_room(body.bootstrap_host, body.bootstrap_port, room)
+        source, how = _source_of(params)
+        if req.request_id in self._sources:
+            raise ApiError(400, f"x-request-id: {req.request_id!r} is a decode leg this worker is already running",
+                           "x-request-id")
+        self._sources[req.request_id] = how
+        return msgspec.structs.replace(req, kv_transfer=source)
+
+    def answer(self, request_id: str) -> dict[str, Any] | None:
+        held = self._held.get(request_id)
+        return held.answer if held is not None else None
+
+    # ------------------------------------------------------------------ told by the worker's backend
+
+    def held(self, request_id: str, transfer: KvTransfer) -> None:
+        """A prefill leg finished and its rank holds the KV: make its answer, start its timeout, open its room."""
+        host, port = _host_port(self.url)
+        token = secrets.token_urlsafe(24)
+        answer = {"do_remote_prefill": True, "do_remote_decode": False,
+                  "remote_engine_id": f"kvemu-{transfer.source_worker_id}-dp{transfer.source_dp_rank}",
+                  "remote_request_id": request_id, "remote_host": host, "remote_port": port, "tp_size": 1,
+                  "kvemu_source": msgspec.to_builtins(transfer), "kvemu_release_token": token}
+        timer = asyncio.get_running_loop().call_later(self.hold_timeout_s, self._expire, request_id)
+        old = self._held.pop(request_id, None)
+        if old is not None:
+            old.timer.cancel()
+        self._held[request_id] = _Held(answer, token, timer)
+        room = self._room_of.pop(request_id, None)
+        if room is not None:
+            fut = self._room(room)
+            if not fut.done():
+                fut.set_result(answer)
+
+    def ended(self, request_id: str, failure: str | None) -> None:
+        """A leg ended here: a failed prefill leg fails its room; a decode leg that never pulled its KV (it
+        failed or was cancelled first) frees it on the prefill worker now rather than at the timeout."""
+        room = self._room_of.pop(request_id, None)
+        if room is not None:
+            fut = self._room(room)
+            if not fut.done():
+                fut.set_result({"failure": failure or "ended without holding its KV"})
+        if request_id in self._sources:
+            self._release(request_id)
+
+    def _pulled(self, request_id: str) -> None:
+        if request_id in self._sources:
+            self._release(request_id)
+
+    def _expire(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.expired += 1
+            log.warning("the KV of %s was held %g s and never claimed: freed", request_id, self.hold_timeout_s)
+            self.actor.release_kv(request_id)
+            self._drop_room(held.answer)
+
+    def _drop_room(self, answer: dict[str, Any]) -> None:
+        for room, fut in list(self._rooms.items()):
+            if fut.done() and fut.result() is answer:
+                del self._rooms[room]
+
+    # ------------------------------------------------------------------ the wire
+
+    def _room(self, room: int) -> asyncio.Future[dict[str, Any]]:
+        fut = self._rooms.get(room)
+        if fut is None:
+            fut = self._rooms[room] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(ROOM_POLL_S + 5.0),
+                                             limits=httpx.Limits(max_connections=64))
+        return self._client
+
+    async def _fetch_room(self, host: str | None, port: int | None, room: int) -> KvTransferParams:
+        """Wait for the prefill leg of ``room`` at its bootstrap server; its answer's ``kv_transfer_params``."""
+        if not host or port is None:
+            raise ApiError(400, "bootstrap_port: a decode leg with a bootstrap_room needs the prefill worker's "
+                                "bootstrap_host and bootstrap_port (sglang-router --prefill URL BOOTSTRAP_PORT)",
+                           "bootstrap_port")
+        import httpx
+
+        url = f"http://{host}:{port}/kvemu/kv/room"
+        deadline = asyncio.get_running_loop().time() + self.room_timeout_s
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                resp = await self._http().get(url, params={"room": room, "wait_s": min(ROOM_POLL_S, left)})
+            except httpx.HTTPError as exc:
+                raise ApiError(502, f"kv_transfer_failed: the prefill worker's bootstrap server {host}:{port} did not "
+                                    f"answer: {type(exc).__name__}: {exc}") from None
+            if resp.status_code == 200:
+                return decode_body(resp.content, KvTransferParams)
+            if resp.status_code != 404:
+                raise ApiError(502, f"kv_transfer_failed: room {room} at {host}:{port}: {resp.text[:300]}")
+        raise ApiError(504, f"kv_transfer_failed: the prefill leg of room {room} did not finish within "
+                            f"{self.room_timeout_s:g} s")
+
+    def _release(self, request_id: str) -> None:
+        how = self._sources.pop(request_id)
+        task = asyncio.get_running_loop().create_task(self._send_release(how))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_release(self, how: _Source) -> None:
+        import httpx
+
+        try:
+            resp = await self._http().post(f"{how.url}/kvemu/kv/release",
+                                           json={"request_id": how.request_id, "token": how.token})
+        except httpx.HTTPError as exc:
+            self.release_failures += 1
+            log.warning("could not free the KV of %s at %s: %s: %s", how.request_id, how.url, type(exc).__name__, exc)
+            return
+        if resp.status_code == 200:
+            self.released += 1
+        else:
+            self.release_failures += 1
+            log.warning("%s would not free the KV of %s: %s %s", how.url, how.request_id, resp.status_code,
+                        resp.text[:200])
+
+    async def aclose(self) -> None:
+        """Deliver the releases under way, close the client, free what is still held."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5.0)
+        if self._client is not None:
+            await self._client.aclose()
+        for held in self._held.values():
+            held.timer.cancel()
+
+    # ------------------------------------------------------------------ routes
+
+    def routes(self) -> dict[tuple[str, str], Callable[..., Any]]:
+        """A prefill worker's ``POST /kvemu/kv/release`` and ``GET /kvemu/kv/room`` (its bootstrap server)."""
+        if self.role != "prefill":
+            return {}
+
+        async def release(scope: dict, receive: Callable, send: Callable) -> None:
+            body = decode_body(await read_body(receive, 64 << 10), ReleaseBody)
+            held = self._held.get(body.request_id)
+            if held is None:
+                raise ApiError(404, f"request_id: no KV of {body.request_id[:200]!r} is held here (freed, timed out, "
+                                    f"or never held)", "request_id")
+            if not hmac.compare_digest(held.token.encode(), body.token.encode()):
+                raise ApiError(403, "token: not the token this KV was handed out with", "token")
+            del self._held[body.request_id]
+            held.timer.cancel()
+            self._drop_room(held.answer)
+            self.actor.release_kv(body.request_id)
+            await respond(send, 200, b'{"released":true}')
+
+        async def room(scope: dict, receive: Callable, send: Callable) -> None:
+            number, wait_s = _room_query(scope)
+            created = number not in self._rooms
+            if created and len(self._rooms) >= MAX_ROOMS:
+                raise ApiError(503, f"room: {MAX_ROOMS} rooms are open on this worker; retry later", "room")
+            fut = self._room(number)
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(fut), wait_s)
+            except TimeoutError:
+                if created and not fut.done() and number not in self._room_of.values():
+                    self._rooms.pop(number, None)  # no prefill leg yet: the decode worker asks again
+                raise ApiError(404, f"room {number}: its prefill leg has not finished yet", "room") from None
+            self._rooms.pop(number, None)  # one decode leg per room
+            if "failure" in answer:
+                raise ApiError(410, f"room {number}: its prefill leg failed: {answer['failure']}", "room")
+            await respond(send, 200, msgspec.json.encode(answer))
+
+        return {("POST", "/kvemu/kv/release"): release, ("GET", "/kvemu/kv/room"): room}
+
+
+def _source_of(params: KvTransferParams) -> tuple[KvTransfer, _Source]:
+    """The transfer a decode leg's ``kv_transfer_params`` describe, and where to free the KV once pulled."""
+    missing = [name for name in ("kvemu_source", "kvemu_release_token", "remote_host", "remote_port",
+                                 "remote_request_id") if getattr(params, name) is None]
+    if missing:
+        raise ApiError(400, f"kv_transfer_params.{missing[0]}: missing; a decode leg takes the kv_transfer_params a "
+                            f"kvemu prefill worker answered with, as they are", f"kv_transfer_params.{missing[0]}")
+    assert params.kvemu_source is not None and params.kvemu_release_token is not None
+    assert params.remote_request_id is not None
+    return params.kvemu_source, _Source(f"http://{params.remote_host}:{params.remote_port}", params.remote_request_id,
+                                        params.kvemu_release_token)
+
+
+def _host_port(url: str) -> tuple[str, int | None]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port
+
+
+def _room_query(scope: dict) -> tuple[int, float]:
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    raw = query.get("room", [""])[-1]
+    if not raw.isdigit() or len(raw) > 19 or int(raw) >= 1 << 63:
+        raise ApiError(400, f"room: an integer in 0..2^63-1, not {raw[:32]!r}", "room")
+    wait = query.get("wait_s", ["0"])[-1]
+    try:
+        wait_s = float(wait)
+    except ValueError:
+        raise ApiError(400, f"wait_s: a number of seconds, not {wait[:32]!r}", "wait_s") from None
+    if not 0 <= wait_s <= ROOM_POLL_S:
+        raise ApiError(400, f"wait_s: 0..{ROOM_POLL_S:g} seconds, not {wait_s:g}", "wait_s")
+    return int(raw), wait_s
+
