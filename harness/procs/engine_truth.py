@@ -43,6 +43,10 @@ class TruthRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int | None = None
     """Prompt tokens the engine found cached at admission."""
     preemptions: int = 0
+    kv_reserved_ns: int | None = None
+    """A decode leg: when its rank reserved room for the prompt's KV (the transfer began)."""
+    kv_activated_ns: int | None = None
+    """A decode leg: when the transfer was over and it joined the rank's passes."""
     failure: str | None = None
 
 
@@ -119,7 +123,8 @@ class EngineTruth:
             dp_rank=rec.dp_rank, isl=rec.isl,
             output_tokens=rec.output_tokens, arrival_ns=rec.arrival_ns, admitted_ns=rec.admitted_ns,
             first_token_ns=rec.first_token_ns, completion_ns=rec.completion_ns,
-            cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, failure=failure))
+            cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, kv_reserved_ns=rec.kv_reserved_ns,
+            kv_activated_ns=rec.kv_activated_ns, failure=failure))
 
     def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool],
                worker_id: int | None = None) -> None:

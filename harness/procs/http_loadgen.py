@@ -244,6 +244,7 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
         out.preemptions = truth.preemptions
         out.admitted_ns = back(truth.admitted_ns, t0)
         out.dispatch_ns = back(truth.arrival_ns, t0)
+        out.kv_reserved_ns, out.kv_activated_ns = back(truth.kv_reserved_ns, t0), back(truth.kv_activated_ns, t0)
     if (pre := legs.prefill) is not None:  # the prompt's cache was found where it was computed
         out.prefill_worker_id, out.prefill_dp_rank = pre.worker_id, pre.dp_rank
         out.prefill_done_ns = back(pre.completion_ns, t0)

@@ -173,6 +173,8 @@ def test_a_disaggregated_fleet_serves_both_routers_pd_modes_with_the_kv_handed_o
     for name in ("vllm-router-round_robin", "sglang-router-round_robin"):
         recs = _requests(tmp_path / "bench" / name)
         assert all(r["prefill_worker_id"] == 0 and r["worker_id"] in (1, 2) for r in recs), name
+        assert all(r["prefill_done_ns"] <= r["kv_reserved_ns"] <= r["kv_activated_ns"] <= r["first_token_ns"]
+                   for r in recs), name  # the KV moved from the prefill to the decode rank before the first token
         assert sum(r["engine_cached_tokens"] for r in recs) > 0, name
 
 
