@@ -21,6 +21,7 @@ from typing import Any
 
 from harness.cluster import engine_config
 from harness.external_routers import READY_PATHS, RouterSpec, RouterSpecError, router_command
+from harness.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
@@ -37,11 +38,18 @@ READY_TIMEOUT_S = 60.0
 
 def compress_overrides(scenario: Scenario, factor: float) -> list[str]:
     """The ``--set`` overrides that run ``scenario`` ``factor`` times faster: arrivals (a trace's
-    ``arrival_speedup_ratio``; a synthetic workload's rate and think time) and every engine pass."""
+    ``arrival_speedup_ratio``; a synthetic workload's rate and think time), every engine pass of every pool,
+    and a disaggregated cluster's KV transfers (their link, which no speed-up ratio shortens)."""
     if factor == 1:
         return []
     w = scenario.workload
-    out = [f"cluster.engine.speedup_ratio={engine_config(scenario.cluster).speedup_ratio * factor:g}"]
+    out = []
+    for pool in scenario.cluster.pools():
+        engine = engine_config(scenario.cluster, pool)
+        at = "cluster.engine" if pool == AGGREGATED else f"cluster.{pool}.engine"
+        out.append(f"{at}.speedup_ratio={engine.speedup_ratio * factor:g}")
+        if engine.kv_transfer_bandwidth is not None:
+            out.append(f"{at}.kv_transfer_bandwidth={engine.kv_transfer_bandwidth * factor:g}")
     if isinstance(w, TraceWorkload):
         out.append(f"workload.arrival_speedup_ratio={w.arrival_speedup_ratio * factor:g}")
     else:

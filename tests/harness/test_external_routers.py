@@ -99,3 +99,23 @@ def test_the_fleet_commands_refuse_what_they_cannot_do_before_starting_anything(
 
     assert main(argv) == 2
     assert __import__("re").search(words, capsys.readouterr().err)
+
+
+def test_compression_speeds_up_every_pool_and_a_disaggregated_clusters_link():
+    """``--compress 10``: arrivals, every pool's engine passes and the KV link ten times faster (a transfer is
+    not shortened by a speed-up ratio), so that latencies scaled back by 10 read as uncompressed."""
+    from harness.cluster import engine_config
+    from harness.router_bench import compress_overrides
+    from harness.scenario import load_scenario
+
+    agg = load_scenario(EXAMPLES / "quickstart.yaml")
+    fast = load_scenario(EXAMPLES / "quickstart.yaml", compress_overrides(agg, 10))
+    assert engine_config(fast.cluster).speedup_ratio == 10 * engine_config(agg.cluster).speedup_ratio
+    assert fast.workload.rate_rps == 10 * agg.workload.rate_rps  # type: ignore[union-attr]
+    pd = load_scenario(EXAMPLES / "compose-disagg.yaml")
+    fast = load_scenario(EXAMPLES / "compose-disagg.yaml", compress_overrides(pd, 10))
+    for pool in ("prefill", "decode"):
+        assert engine_config(fast.cluster, pool).speedup_ratio == 10 * engine_config(pd.cluster, pool).speedup_ratio
+    assert engine_config(fast.cluster, "prefill").kv_transfer_bandwidth == 250.0
+    assert engine_config(fast.cluster, "decode").kv_transfer_bandwidth is None
+    assert compress_overrides(pd, 1) == []
