@@ -19,8 +19,8 @@ import msgspec
 from harness.procs.fleet import FleetInfo
 from harness.pools import AGGREGATED
 
-__all__ = ["RouterSpec", "KNOWN_ROUTERS", "READY_PATHS", "parse_router", "fleet_flags", "fill_command", "router_command",
-           "RouterSpecError"]
+__all__ = ["RouterSpec", "KNOWN_ROUTERS", "READY_PATHS", "parse_router", "fleet_flags", "fill_command", "flag_caveats",
+           "router_command", "RouterSpecError"]
 
 KNOWN_ROUTERS = ("vllm-router", "sglang-router")
 
@@ -125,6 +125,25 @@ def fleet_flags(router: str, fleet: FleetInfo, policy: str | None = None) -> lis
     if policy is not None:
         flags += ["--policy", policy]
     return flags
+
+
+PD_KV_EVENT_BLOCK_SIZE = 16
+"""vllm-router's ``--pd-kv-events`` hashes 16-token blocks whatever ``--kv-event-block-size`` says (its --help,
+0.1.17; checked: with 64-token engine blocks its PD ``kv_aware`` credits no prefix at all)."""
+
+
+def flag_caveats(router: str, fleet: FleetInfo, policy: str | None = None) -> list[str]:
+    """What ``router`` cannot do for ``fleet`` with the flags it takes (a line each; empty: nothing known)."""
+    prefill = fleet.pool("prefill")
+    out = []
+    if router == "vllm-router" and prefill and policy in (None, "kv_aware"):
+        sizes = sorted({w.block_size for w in prefill})
+        if sizes != [PD_KV_EVENT_BLOCK_SIZE]:
+            out.append(f"vllm-router's PD mode reads KV events as {PD_KV_EVENT_BLOCK_SIZE}-token blocks (--pd-kv-events "
+                       f"has no block size), and this fleet's prefill workers publish {'/'.join(map(str, sizes))}-token "
+                       f"blocks: its kv_aware prefill policy will find no prefix (set the prefill engine's "
+                       f"block_size to {PD_KV_EVENT_BLOCK_SIZE} to compare it fairly)")
+    return out
 
 
 def _executable(name: str) -> str:

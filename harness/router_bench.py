@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cluster import engine_config
-from harness.external_routers import READY_PATHS, RouterSpec, RouterSpecError, router_command
+from harness.external_routers import READY_PATHS, RouterSpec, RouterSpecError, flag_caveats, router_command
 from harness.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
@@ -131,6 +131,7 @@ def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Pa
 
     kids = Children()
     router: subprocess.Popen | None = None
+    caveats: list[str] = []
     t0 = time.monotonic()
     label = spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
     where = outdir / label.replace(":", "-").replace("/", "-")
@@ -144,6 +145,8 @@ def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Pa
             port, metrics_port = _free_port(), _free_port()
             cmd = router_command(spec, fleet, port, metrics_port)
             (where / "router-command.txt").write_text(" ".join(cmd) + "\n")
+            for caveat in (caveats := flag_caveats(spec.kind, fleet, spec.policy)):
+                print(f"kvemu bench-router: {label}: {caveat}", file=sys.stderr, flush=True)
             with open(where / "router.log", "wb") as log:
                 router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             url = f"http://127.0.0.1:{port}"
@@ -155,7 +158,7 @@ def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Pa
                                          compress=compress)
         if router is not None:  # what the router says it did (its retries, errors): beside the report
             _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
-        return {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form}
+        return {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}
     except (RouterSpecError, OSError, NotStarted) as exc:
         return router_row(label, {}, time.monotonic() - t0, error=str(exc))
     finally:
@@ -189,8 +192,10 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     from harness.workload import build_sessions
     from harness.runner import count_requests
 
+    pools = scenario.cluster.pools()
     about = {"scenario": scenario.name, "requests": count_requests(build_sessions(scenario)),
-             "workers": scenario.cluster.workers, "dp_size": scenario.cluster.dp_size, "compress": compress,
+             "pools": {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in pools.items()},
+             "workers": sum(n for n, _, _ in pools.values()), "compress": compress,
              "prompt": prompt_form, "wall_s": round(time.monotonic() - started, 1),
              "routers": [r["router"] for r in rows]}
     table = write_router_report(rows, outdir, about)

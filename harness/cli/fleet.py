@@ -39,7 +39,7 @@ def fleet_command(args: argparse.Namespace) -> int:
         return 2
     from kvemu.runtime.loop import run_live
 
-    from harness.external_routers import fleet_flags
+    from harness.external_routers import flag_caveats, fleet_flags
     from harness.procs.fleet import Fleet
     from harness.procs.protocol import HttpOptions
     from harness.text import counted
@@ -57,6 +57,8 @@ def fleet_command(args: argparse.Namespace) -> int:
             print(_json(info), flush=True)
             if args.print_flags:
                 print(shlex.join(fleet_flags(args.print_flags, info)), flush=True)
+                for caveat in flag_caveats(args.print_flags, info):
+                    print(f"kvemu fleet: {caveat}", file=sys.stderr, flush=True)
             print(f"kvemu fleet: {counted(len(info.workers), 'worker')} serving (no kvemu router: put yours in front; "
                   f"kvemu fleet --print-flags vllm-router|sglang-router says how); Ctrl-C stops",
                   file=sys.stderr, flush=True)

@@ -72,8 +72,8 @@ def write_router_report(rows: list[dict[str, Any]], outdir: Path, about: dict[st
         lines.append(f"| {row['router']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     notes = [f"# Routers on {about.get('scenario')}", "",
-             f"{about.get('requests')} requests, {about.get('workers')} workers x {about.get('dp_size')} ranks; "
-             f"each router in front of a fresh kvemu fleet, the same workload replayed through it.", "",
+             f"{about.get('requests')} requests, {_pools(about.get('pools') or {})}; each router in front of a "
+             f"fresh kvemu fleet, the same workload replayed through it.", "",
              f"Engine time compressed {about.get('compress'):g}x (arrivals and engine passes); every latency is "
              "scaled back to uncompressed time. Prefix reuse is what the engines found cached (not what a router "
              "predicted); load imbalance is the busiest rank's prompt tokens over the mean rank's.", "", table, ""]
@@ -81,9 +81,16 @@ def write_router_report(rows: list[dict[str, Any]], outdir: Path, about: dict[st
         if row.get("failures") or row.get("error"):
             notes.append(f"- {row['router']}: " + (f"error: {row['error']}; " if row.get("error") else "")
                          + ", ".join(f"{k}: {v}" for k, v in sorted((row.get("failures") or {}).items())))
+        notes += [f"- {row['router']}: {caveat}" for caveat in row.get("caveats") or ()]
     (outdir / "routers.md").write_text("\n".join(notes) + "\n")
     _plot(rows, outdir / "routers.png")
     return table
+
+
+def _pools(pools: dict[str, Any]) -> str:
+    """``16 workers x 1 rank``, or ``4 prefill workers x 1 rank + 12 decode workers x 1 rank``."""
+    return " + ".join(f"{p['workers']} {'' if name == 'aggregated' else name + ' '}workers x {p['dp_size']} "
+                      f"rank{'s' if p['dp_size'] != 1 else ''}" for name, p in pools.items())
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from harness.external_routers import RouterSpec, RouterSpecError, fill_command, fleet_flags, parse_router
@@ -119,3 +120,27 @@ def test_compression_speeds_up_every_pool_and_a_disaggregated_clusters_link():
     assert engine_config(fast.cluster, "prefill").kv_transfer_bandwidth == 250.0
     assert engine_config(fast.cluster, "decode").kv_transfer_bandwidth is None
     assert compress_overrides(pd, 1) == []
+
+
+def test_a_caveat_says_when_vllm_routers_pd_kv_aware_cannot_read_the_fleets_blocks():
+    from harness.external_routers import flag_caveats
+
+    (caveat,) = flag_caveats("vllm-router", PD)  # 64-token blocks; --pd-kv-events reads 16
+    assert "16-token blocks" in caveat and "64-token" in caveat and "block_size to 16" in caveat
+    assert flag_caveats("vllm-router", PD, "round_robin") == [] and flag_caveats("sglang-router", PD) == []
+    assert flag_caveats("vllm-router", AGG) == []  # --kv-event-block-size serves the aggregated sources
+    small = FleetInfo(model="m", kv_events_version="0.33",
+                      workers=[msgspec.structs.replace(w, block_size=16) for w in PD.workers])
+    assert flag_caveats("vllm-router", small) == []
+
+
+def test_the_routers_report_names_each_pool_and_every_caveat(tmp_path):
+    from harness.report.routers import router_row, write_router_report
+
+    row = {**router_row("vllm-router:kv_aware", {}, 1.0), "caveats": ["reads 16-token blocks"]}
+    write_router_report([row], tmp_path, {"scenario": "s", "requests": 3, "compress": 1.0,
+                                          "pools": {"prefill": {"workers": 4, "dp_size": 1},
+                                                    "decode": {"workers": 12, "dp_size": 2}}})
+    text = (tmp_path / "routers.md").read_text()
+    assert "4 prefill workers x 1 rank + 12 decode workers x 2 ranks" in text
+    assert "- vllm-router:kv_aware: reads 16-token blocks" in text
