@@ -77,6 +77,8 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     info = _server_info(engine, tok if tokenizer else None, dp_ranks=tuple(actor.worker.dp_ranks), loads=loads,
                         disaggregation_mode="null" if actor.worker_type == "aggregated" else actor.worker_type)
     handoff = KvHandoff(actor) if actor.worker_type in ("prefill", "decode") else None
+    if handoff is not None:
+        metrics.registry.register(handoff)
     routes = {**(truth.routes() if truth is not None else {}), **(handoff.routes() if handoff is not None else {})}
     return OpenAIApp(WorkerBackend(actor, truth, handoff), tok, model=model, clock=actor.clock, metrics=metrics,
                      output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank", info=info,

@@ -24,7 +24,7 @@ import asyncio
 import hmac
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -263,6 +263,21 @@ class KvHandoff:
             await self._client.aclose()
         for held in self._held.values():
             held.timer.cancel()
+
+    def collect(self) -> Iterator[Any]:
+        """Its Prometheus series (a worker's ``/metrics`` registers it): what is held, and every release."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        held = GaugeMetricFamily("kvemu_kv_handoff_held", "Finished prefill legs whose KV waits for its decode leg")
+        held.add_metric([], len(self._held))
+        yield held
+        for name, value, what in (
+                ("released", self.released, "KV copies freed on the prefill worker once this decode worker had them"),
+                ("release_failures", self.release_failures, "Releases the prefill worker did not take (gone, refused)"),
+                ("expired", self.expired, "Held KV freed because no decode leg claimed it in time")):
+            family = CounterMetricFamily(f"kvemu_kv_handoff_{name}", what)
+            family.add_metric([], value)
+            yield family
 
     # ------------------------------------------------------------------ routes
 

@@ -98,6 +98,12 @@ def test_vllm_style_the_decode_leg_pulls_the_prefill_legs_kv_and_frees_it(tmp_pa
                                   json={"request_id": params["remote_request_id"], "token": params["kvemu_release_token"]})
         assert again.status_code == 404  # freed once, by the decode worker
 
+        async def acknowledged() -> bool:  # the decode worker counts the release when the prefill worker answers
+            return "kvemu_kv_handoff_released_total 1.0" in (await client.get(f"{dec.url}/metrics")).text
+        await _eventually(acknowledged)
+        assert "kvemu_kv_handoff_release_failures_total 0.0" in (await client.get(f"{dec.url}/metrics")).text
+        assert "kvemu_kv_handoff_held 0.0" in (await client.get(f"{pre.url}/metrics")).text
+
         # the prefill worker still has the prompt cached: the next prefill leg on that rank finds it
         r = await client.post(f"{pre.url}/v1/completions", headers={"X-Request-Id": "p2", "X-data-parallel-rank": "1"},
                               json=_leg({"kv_transfer_params": {"do_remote_decode": True}}, max_tokens=1))
@@ -143,6 +149,7 @@ def test_kv_no_decode_leg_claims_is_freed_after_the_hold_timeout(tmp_path, monke
         async def freed() -> bool:
             return await _held_tokens(client, pre.url) == 0
         await _eventually(freed)
+        assert "kvemu_kv_handoff_expired_total 1.0" in (await client.get(f"{pre.url}/metrics")).text
 
     _run(tmp_path, body)
 
