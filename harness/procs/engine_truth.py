@@ -20,34 +20,10 @@ from kvemu.http.errors import ApiError
 from kvemu.http.reply import respond
 from kvemu.records import RequestRecord
 
-__all__ = ["EngineTruth", "TruthRecord", "LoadSample", "TruthPage", "LoadPage"]
+__all__ = ["EngineTruth", "LoadSample", "TruthPage", "LoadPage"]
 
 MAX_PAGE = 10_000
 """Most records (or samples) one answer carries; ``after`` pages on."""
-
-
-class TruthRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One request as the engine saw it."""
-
-    request_id: str
-    worker_id: int
-    dp_rank: int | None = None
-    isl: int = 0
-    output_tokens: int = 0
-    arrival_ns: int = 0
-    """When it reached the worker's HTTP server."""
-    admitted_ns: int | None = None
-    """When the engine first scheduled it (arrival → admitted is its queue time at the engine)."""
-    first_token_ns: int | None = None
-    completion_ns: int | None = None
-    cached_tokens: int | None = None
-    """Prompt tokens the engine found cached at admission."""
-    preemptions: int = 0
-    kv_reserved_ns: int | None = None
-    """A decode leg: when its rank reserved room for the prompt's KV (the transfer began)."""
-    kv_activated_ns: int | None = None
-    """A decode leg: when the transfer was over and it joined the rank's passes."""
-    failure: str | None = None
 
 
 class LoadSample(msgspec.Struct, array_like=True):
@@ -64,7 +40,10 @@ class LoadSample(msgspec.Struct, array_like=True):
 class TruthPage(msgspec.Struct):
     """An answer of ``/kvemu/requests``: records ``after``.. ``next`` - 1 (a client asks again from ``next``)."""
 
-    records: list[TruthRecord]
+    records: list[RequestRecord]
+    """Each request as its engine saw it: the engine's own record without its token times (the rank that
+    served, ``arrival_ns`` at this worker, ``admitted_ns``, ``engine_cached_tokens``, preemptions, a decode
+    leg's ``kv_reserved_ns``/``kv_activated_ns``, its failure)."""
     next: int
     dropped: int
     """Records no longer kept (past ``max_records``): a client that asks too late misses them, and is told."""
@@ -117,14 +96,9 @@ class EngineTruth:
     def ended(self, rec: RequestRecord, reason: str = "length") -> None:
         """A request ended on this worker's engine (the engine's record; ``reason``: vLLM's finish reason,
         ``length``, or ``abort`` for one cancelled or lost with its rank)."""
-        failure = rec.failure or (None if reason != "abort" else "aborted")
-        self._records.add(TruthRecord(
-            request_id=rec.request_id, worker_id=self.worker_id if rec.worker_id is None else rec.worker_id,
-            dp_rank=rec.dp_rank, isl=rec.isl,
-            output_tokens=rec.output_tokens, arrival_ns=rec.arrival_ns, admitted_ns=rec.admitted_ns,
-            first_token_ns=rec.first_token_ns, completion_ns=rec.completion_ns,
-            cached_tokens=rec.engine_cached_tokens, preemptions=rec.preemptions, kv_reserved_ns=rec.kv_reserved_ns,
-            kv_activated_ns=rec.kv_activated_ns, failure=failure))
+        self._records.add(msgspec.structs.replace(
+            rec, token_times_ns=[], worker_id=self.worker_id if rec.worker_id is None else rec.worker_id,
+            failure=rec.failure or (None if reason != "abort" else "aborted")))
 
     def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool],
                worker_id: int | None = None) -> None:

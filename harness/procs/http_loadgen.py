@@ -35,7 +35,7 @@ from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
 from harness.pools import pool_sizes, routing_block_size
-from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, TruthRecord
+from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage
 from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
@@ -172,9 +172,9 @@ class HttpTarget:
         await self._client.aclose()
 
 
-def fetch_truth(fleet: FleetInfo, timeout_s: float = 10.0) -> tuple[list[TruthRecord], list[LoadSample], list[str]]:
+def fetch_truth(fleet: FleetInfo, timeout_s: float = 10.0) -> tuple[list[RequestRecord], list[LoadSample], list[str]]:
     """Every worker's engine records and load samples (paged), and a line per worker that did not answer fully."""
-    records: list[TruthRecord] = []
+    records: list[RequestRecord] = []
     samples: list[LoadSample] = []
     problems: list[str] = []
     for url in dict.fromkeys(w.url for w in fleet.workers):  # one server may speak for several workers
@@ -208,16 +208,16 @@ class Legs(msgspec.Struct):
     """The engine truth of one request: the leg that served it (aggregated, or the decode leg) and the prefill
     leg of a disaggregated one."""
 
-    serving: TruthRecord | None = None
-    prefill: TruthRecord | None = None
+    serving: RequestRecord | None = None
+    prefill: RequestRecord | None = None
 
 
-def legs_by_id(records: list[TruthRecord], pool_of: dict[int, str]) -> dict[str, Legs]:
+def legs_by_id(records: list[RequestRecord], pool_of: dict[int, str]) -> dict[str, Legs]:
     """Each request id's legs (a prefill worker's record is the prefill leg)."""
     out: dict[str, Legs] = {}
     for t in records:
         legs = out.setdefault(t.request_id, Legs())
-        if pool_of.get(t.worker_id) == "prefill":
+        if t.worker_id is not None and pool_of.get(t.worker_id) == "prefill":
             legs.prefill = t
         else:
             legs.serving = t
@@ -239,8 +239,8 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
             out.failure = truth.failure
     if (truth := legs.serving) is not None:
         out.worker_id, out.dp_rank = truth.worker_id, truth.dp_rank
-        out.engine_cached_tokens = truth.cached_tokens
-        out.engine_reused_tokens = truth.cached_tokens
+        out.engine_cached_tokens, out.engine_reused_tokens = truth.engine_cached_tokens, truth.engine_reused_tokens
+        out.engine_host_cached_tokens = truth.engine_host_cached_tokens
         out.preemptions = truth.preemptions
         out.admitted_ns = back(truth.admitted_ns, t0)
         out.dispatch_ns = back(truth.arrival_ns, t0)
@@ -248,7 +248,8 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
     if (pre := legs.prefill) is not None:  # the prompt's cache was found where it was computed
         out.prefill_worker_id, out.prefill_dp_rank = pre.worker_id, pre.dp_rank
         out.prefill_done_ns = back(pre.completion_ns, t0)
-        out.engine_cached_tokens = out.engine_reused_tokens = pre.cached_tokens
+        out.engine_cached_tokens, out.engine_reused_tokens = pre.engine_cached_tokens, pre.engine_reused_tokens
+        out.engine_host_cached_tokens = pre.engine_host_cached_tokens
         out.preemptions += pre.preemptions
         out.dispatch_ns = back(pre.arrival_ns, t0)
     return out

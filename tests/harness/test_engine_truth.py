@@ -22,7 +22,7 @@ def test_records_page_on_and_the_oldest_are_dropped_past_the_bound_and_counted()
         truth.ended(_rec(i))
     page = truth.records_page(0)
     assert [r.request_id for r in page.records] == ["r2", "r3", "r4"] and page.dropped == 2 and page.next == 5
-    assert page.records[0].worker_id == 7 and page.records[0].cached_tokens == 64 and page.records[0].dp_rank == 1
+    assert page.records[0].worker_id == 7 and page.records[0].engine_cached_tokens == 64 and page.records[0].dp_rank == 1
     assert truth.records_page(4).records[0].request_id == "r4"
     assert truth.records_page(5).records == [] and truth.records_page(5).next == 5
     assert [r.request_id for r in truth.records_page(0, limit=1).records] == ["r2"]
@@ -81,3 +81,12 @@ def test_the_routes_serve_pages_and_refuse_a_bad_parameter_by_name():
         _get(routes[("GET", "/kvemu/requests")], b"after=-1")
     with pytest.raises(ApiError, match="limit"):
         _get(routes[("GET", "/kvemu/load")], b"limit=1e9")
+
+
+def test_a_served_record_is_the_engines_own_without_its_token_times():
+    truth = EngineTruth(4)
+    rec = _rec(0, token_times_ns=[5, 6, 7], output_tokens=3, kv_reserved_ns=2, worker_id=None)
+    truth.ended(rec)
+    (served,) = truth.records_page().records
+    assert served.token_times_ns == [] and rec.token_times_ns == [5, 6, 7]  # the engine's record is not touched
+    assert (served.worker_id, served.output_tokens, served.kv_reserved_ns, served.engine_cached_tokens) == (4, 3, 2, 64)
