@@ -60,12 +60,15 @@ class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _Held:
-    __slots__ = ("answer", "token", "timer")
+    """A finished prefill leg's KV: its answer, who may free it, its timeout, and its SGLang room (if any)."""
 
-    def __init__(self, answer: dict[str, Any], token: str, timer: asyncio.TimerHandle) -> None:
+    __slots__ = ("answer", "token", "timer", "room")
+
+    def __init__(self, answer: dict[str, Any], token: str, timer: asyncio.TimerHandle, room: int | None) -> None:
         self.answer = answer
         self.token = token
         self.timer = timer
+        self.room = room
 
 
 class _Source(msgspec.Struct, frozen=True):
@@ -158,8 +161,8 @@ class KvHandoff:
         old = self._held.pop(request_id, None)
         if old is not None:
             old.timer.cancel()
-        self._held[request_id] = _Held(answer, token, timer)
         room = self._room_of.pop(request_id, None)
+        self._held[request_id] = _Held(answer, token, timer, room)
         if room is not None:
             fut = self._room(room)
             if not fut.done():
@@ -186,12 +189,13 @@ class KvHandoff:
             self.expired += 1
             log.warning("the KV of %s was held %g s and never claimed: freed", request_id, self.hold_timeout_s)
             self.actor.release_kv(request_id)
-            self._drop_room(held.answer)
+            self._drop_room(held)
 
-    def _drop_room(self, answer: dict[str, Any]) -> None:
-        for room, fut in list(self._rooms.items()):
-            if fut.done() and fut.result() is answer:
-                del self._rooms[room]
+    def _drop_room(self, held: _Held) -> None:
+        """Close a freed leg's room if no decode leg took it (one that did closed it)."""
+        if held.room is not None and (fut := self._rooms.get(held.room)) is not None and fut.done() \
+                and fut.result() is held.answer:
+            del self._rooms[held.room]
 
     # ------------------------------------------------------------------ the wire
 
@@ -296,7 +300,7 @@ class KvHandoff:
                 raise ApiError(403, "token: not the token this KV was handed out with", "token")
             del self._held[body.request_id]
             held.timer.cancel()
-            self._drop_room(held.answer)
+            self._drop_room(held)
             self.actor.release_kv(body.request_id)
             await respond(send, 200, b'{"released":true}')
 

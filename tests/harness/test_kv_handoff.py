@@ -205,3 +205,23 @@ def test_the_room_route_refuses_a_bad_query_by_name(tmp_path, query, param):
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
     _run(tmp_path, body)
+
+
+def test_a_room_whose_kv_expired_is_closed_and_no_decode_leg_pulls_freed_kv(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_handoff, "HOLD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(kv_handoff, "ROOM_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(kv_handoff, "ROOM_POLL_S", 0.2)
+
+    async def body(info: FleetInfo, client: httpx.AsyncClient) -> None:
+        (pre,), (dec, _) = info.pool("prefill"), info.pool("decode")
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": int(pre.url.rsplit(":", 1)[1]), "bootstrap_room": 5}
+        r = await client.post(f"{pre.url}/v1/completions", json=_leg(room))
+        assert r.status_code == 200 and await _held_tokens(client, pre.url) == 64
+
+        async def freed() -> bool:
+            return await _held_tokens(client, pre.url) == 0
+        await _eventually(freed)
+        r = await client.post(f"{dec.url}/v1/completions", json=_leg(room))  # too late: the room went with the KV
+        assert r.status_code == 504 and (await client.get(f"{dec.url}/kvemu/requests")).json()["records"] == []
+
+    _run(tmp_path, body)
