@@ -138,6 +138,7 @@ def test_a_worker_removed_behind_vllm_router_ends_every_request_with_a_reason(tm
     assert all(r["worker_id"] == 1 for r in recs if r["arrival_ns"] > 3 * 10**9 and r["failure"] is None)
 
 
+LIVE_TIMER_SLACK_NS = 10_000_000
 PD_CLUSTER = """
 cluster:
   prefill:
@@ -173,8 +174,11 @@ def test_a_disaggregated_fleet_serves_both_routers_pd_modes_with_the_kv_handed_o
     for name in ("vllm-router-round_robin", "sglang-router-round_robin"):
         recs = _requests(tmp_path / "bench" / name)
         assert all(r["prefill_worker_id"] == 0 and r["worker_id"] in (1, 2) for r in recs), name
-        assert all(r["prefill_done_ns"] <= r["kv_reserved_ns"] <= r["kv_activated_ns"] <= r["first_token_ns"]
-                   for r in recs), name  # the KV moved from the prefill to the decode rank before the first token
+        # the KV moved from the prefill to the decode rank before the first token; a live engine hands a pass's
+        # results over after sleeping its duration, which the event loop's millisecond timers may end before the
+        # pass's stamped end (0.17 ms seen), so the decode rank may reserve a little before the prefill's stamp
+        assert all(r["prefill_done_ns"] - LIVE_TIMER_SLACK_NS <= r["kv_reserved_ns"] <= r["kv_activated_ns"]
+                   <= r["first_token_ns"] for r in recs), name
         assert sum(r["engine_cached_tokens"] for r in recs) > 0, name
 
 
