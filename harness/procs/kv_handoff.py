@@ -260,7 +260,8 @@ class KvHandoff:
                         resp.text[:200])
 
     async def aclose(self) -> None:
-        """Deliver the releases under way, close the client, free what is still held."""
+        """Deliver the releases under way, close the client, stop the timeouts of what is still held (the
+        worker's engines, and the KV with them, are going)."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5.0)
         if self._client is not None:
