@@ -41,6 +41,7 @@ COMPILED = [
     "workers/pass_events.py",
     "workers/scheduler.py",
     "workers/sequence.py",
+    "workers/speculative.py",
     "workers/timing.py",
     "workers/vllm_engine.py",
 ]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import msgspec
+
 from kvemu.clock import Clock
 from kvemu.disagg import DECODE, PREFILL, DisaggRouter
 from kvemu.hooks import Hooks
@@ -19,7 +21,7 @@ from kvemu.runtime.router import Router
 from harness.report.run_data import Sample
 from harness.scenario import ClusterSpec
 
-__all__ = ["AGGREGATED", "pool_sizes", "routing_block_size", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",
+__all__ = ["AGGREGATED", "pool_sizes", "speculative_settings", "routing_block_size", "worker_type_of", "compose_pools", "owner", "samples", "kv_stats",
            "affinity_stats"]
 
 AGGREGATED = "aggregated"
@@ -30,6 +32,18 @@ def pool_sizes(spec: ClusterSpec) -> dict[str, dict[str, int]]:
     ``RunData.pools`` wants it."""
     return {pool: {"workers": n, "dp_size": dp, "kv_blocks": engine.num_gpu_blocks}
             for pool, (n, dp, engine) in spec.pools().items()}
+
+
+def speculative_settings(spec: ClusterSpec) -> dict[str, Any] | None:
+    """The decoding pool's speculative decoding (``RunData.speculative``): the aggregated pool's, or the decode
+    pool's; None when it decodes one token a pass."""
+    pools = spec.pools()
+    engine = pools[DECODE if DECODE in pools else AGGREGATED][2]
+    cfg = engine.speculative
+    if cfg is None:
+        return None
+    return {**msgspec.structs.asdict(cfg), "conditional_rates": cfg.conditional_rates,
+            "expected_tokens_per_pass": cfg.mean_tokens_per_pass}
 
 
 def routing_block_size(spec: ClusterSpec) -> int:

@@ -22,7 +22,8 @@ from harness.autoscaler import AutoscalerShell
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.report.recorder import Recorder
-from harness.pools import affinity_stats, kv_stats, pool_sizes, routing_block_size, samples
+from harness.pools import (affinity_stats, kv_stats, pool_sizes, routing_block_size, samples,
+                           speculative_settings)
 from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
@@ -126,7 +127,8 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         block_size=routing_block_size(scenario.cluster), ranks=sorted(state["ranks"]), samples=state["samples"],
         kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
-        pools=pool_sizes(scenario.cluster), sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
+        pools=pool_sizes(scenario.cluster), speculative=speculative_settings(scenario.cluster), sla=scenario.run.sla,
+        concurrency=scenario.workload.concurrency,
         autoscale=shell.log if shell is not None else None,
     )
     outcome = RunOutcome(data, recorder)

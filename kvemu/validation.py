@@ -48,7 +48,9 @@ def _accepts(t: mi.Type, value: Any) -> bool:
         return isinstance(value, str)
     if isinstance(t, mi.LiteralType):
         return value in t.values
-    return True  # containers and structs: their own types check them
+    if isinstance(t, (mi.ListType, mi.TupleType, mi.VarTupleType)):
+        return isinstance(value, (list, tuple))
+    return True  # other containers and structs: their own types check them
 
 
 def _describe(types: tuple[mi.Type, ...]) -> str:
@@ -63,18 +65,32 @@ def _describe(types: tuple[mi.Type, ...]) -> str:
 
 
 def check_struct(obj: msgspec.Struct) -> None:
-    """Raise ``InvalidArgument`` naming the first field of ``obj`` that breaks its declared type or bounds."""
+    """Raise ``InvalidArgument`` naming the first field of ``obj`` that breaks its declared type or bounds
+    (a list of numbers: each item's)."""
     for name, types in _plan(type(obj)):
         value = getattr(obj, name)
         t = next((t for t in types if _accepts(t, value)), None)
         if t is None:
             raise InvalidArgument(f"{name} must be {_describe(types)}, got {value!r}", field=name)
-        if isinstance(t, mi.FloatType) and not math.isfinite(value):
-            raise InvalidArgument(f"{name} must be a finite number, got {value!r}", field=name)
-        if isinstance(t, (mi.IntType, mi.FloatType)):
-            for attr, op, ok in _BOUNDS:
-                bound = getattr(t, attr)
-                if bound is not None and not ok(value, bound):
-                    raise InvalidArgument(f"{name} must be {op} {bound}, got {value!r}", field=name)
-        if isinstance(t, mi.StrType) and t.pattern is not None and not re.search(t.pattern, value):
-            raise InvalidArgument(f"{name} must match {t.pattern}, got {value!r}", field=name)
+        if isinstance(t, (mi.ListType, mi.VarTupleType)) and isinstance(t.item_type, (mi.IntType, mi.FloatType)):
+            for i, item in enumerate(value):
+                _check_value(f"{name}[{i}]", name, (t.item_type,), item)
+            continue
+        _check_value(name, name, types, value, t)
+
+
+def _check_value(label: str, name: str, types: tuple[mi.Type, ...], value: Any, t: mi.Type | None = None) -> None:
+    """Check one value (a field's, or ``label`` an item of it) against the first of ``types`` it is."""
+    if t is None:
+        t = next((t for t in types if _accepts(t, value)), None)
+        if t is None:
+            raise InvalidArgument(f"{label} must be {_describe(types)}, got {value!r}", field=name)
+    if isinstance(t, mi.FloatType) and not math.isfinite(value):
+        raise InvalidArgument(f"{label} must be a finite number, got {value!r}", field=name)
+    if isinstance(t, (mi.IntType, mi.FloatType)):
+        for attr, op, ok in _BOUNDS:
+            bound = getattr(t, attr)
+            if bound is not None and not ok(value, bound):
+                raise InvalidArgument(f"{label} must be {op} {bound}, got {value!r}", field=name)
+    if isinstance(t, mi.StrType) and t.pattern is not None and not re.search(t.pattern, value):
+        raise InvalidArgument(f"{label} must match {t.pattern}, got {value!r}", field=name)

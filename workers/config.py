@@ -17,7 +17,8 @@ from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
-           "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig"]
+           "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
+           "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -97,6 +98,64 @@ class HostOffloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         check_struct(self)
 
 
+MAX_SPECULATIVE_TOKENS = 16
+"""Longest draft kvemu models (vLLM allows more; a tree or a draft past 16 tokens is not a decode any more)."""
+DEFAULT_ACCEPTANCE_RATES = (0.85, 0.3, 0.0, 0.0, 0.0)
+"""Dynamo's mocker default conditional acceptance rates (``aic_nextn_accept_rates``), zero-padded or cut to k."""
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding: each decode pass verifies ``num_speculative_tokens`` drafts per request and emits
+    1 + the accepted prefix of them (Dynamo's mocker MTP burst sampling; ``workers/speculative.py``)."""
+
+    method: Literal["mtp", "eagle", "ngram"]
+    """Who drafts: MTP heads or an EAGLE draft model (``draft_cost`` per draft token), or n-gram prompt lookup
+    (free)."""
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=MAX_SPECULATIVE_TOKENS)]
+    """Draft tokens verified per decode pass and request (vLLM's name; Dynamo's ``aic_nextn``)."""
+    acceptance_rates: list[Annotated[float, Meta(ge=0, le=1)]] | Annotated[float, Meta(ge=0, le=1)] | None = None
+    """Conditional acceptance: entry i is P(draft i accepted | drafts before it accepted); one number for every
+    position; a shorter list is zero-padded. None: Dynamo's default (0.85, 0.3, 0, 0, 0), cut to k."""
+    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] = 42
+    """Seeds each rank's own acceptance stream (mixed with the worker id and DP rank; Dynamo's ``aic_mtp_seed``)."""
+    draft_cost: Annotated[float, Meta(ge=0, le=10)] = 0.0
+    """Cost of drafting one token as a fraction of a target pass (MTP/EAGLE: the draft runs k steps per decode
+    pass and once over each prompt chunk); n-gram drafts cost nothing, so it must stay 0 there."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        rates = self.acceptance_rates
+        if isinstance(rates, list) and len(rates) > self.num_speculative_tokens:
+            raise InvalidArgument(
+                f"speculative.acceptance_rates has {len(rates)} entries for num_speculative_tokens "
+                f"{self.num_speculative_tokens}: give at most one per draft position", field="speculative.acceptance_rates")
+        if self.method == "ngram" and self.draft_cost:
+            raise InvalidArgument("speculative.draft_cost must be 0 for method ngram (prompt lookup runs no draft "
+                                  "model); remove it or pick mtp/eagle", field="speculative.draft_cost")
+
+    @property
+    def conditional_rates(self) -> list[float]:
+        """The k conditional acceptance rates this config means (the default or a number spread, zero-padded)."""
+        k = self.num_speculative_tokens
+        rates = self.acceptance_rates
+        if rates is None:
+            given = list(DEFAULT_ACCEPTANCE_RATES[:k])
+        elif isinstance(rates, list):
+            given = [float(r) for r in rates]
+        else:
+            given = [float(rates)] * k
+        return given + [0.0] * (k - len(given))
+
+    @property
+    def mean_tokens_per_pass(self) -> float:
+        """Expected tokens a decode pass emits per request: 1 + r1 + r1*r2 + ... (before a max_tokens cut)."""
+        total = prob = 1.0
+        for r in self.conditional_rates:
+            prob *= r
+            total += prob
+        return total
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One DP rank's engine knobs (names and defaults of the reference mocker, vLLM flavour).
 
@@ -138,6 +197,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """KV bytes per token on this rank; sizes host-tier blocks (``native_host_offload`` requires it)."""
     native_host_offload: HostOffloadConfig | None = None
     """A host-memory KV tier behind the GPU pool (vLLM backend with prefix caching only); None: off."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM and TRT-LLM flavours): drafts verified per decode pass; None: off."""
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -147,6 +208,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
         if self.backend == "sglang":
             self._check_sglang()
+        if self.speculative is not None:
+            self._check_speculative()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise InvalidArgument(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -164,6 +227,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"({self.block_size}, the SGLang page size)", field="sglang.chunked_prefill_size")
         if self.sglang.schedule_conservativeness != self.sglang.schedule_conservativeness:
             raise InvalidArgument("sglang.schedule_conservativeness must be a number", field="sglang.schedule_conservativeness")
+
+    def _check_speculative(self) -> None:
+        if self.backend == "sglang":
+            raise InvalidArgument("speculative: supported for backends vllm and trtllm; the sglang flavour does not "
+                                  "model it yet (remove speculative or pick backend vllm)", field="speculative")
+        if self.decode_speedup_ratio != 1.0:
+            raise InvalidArgument(
+                f"speculative: needs decode_speedup_ratio 1, got {self.decode_speedup_ratio} (the speed-up comes from "
+                "the tokens each pass emits, as in Dynamo's mocker); remove decode_speedup_ratio", field="speculative")
 
     def _check_host_offload(self) -> None:
         """The reference's cross-checks of ``native_host_offload``."""

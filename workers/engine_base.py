@@ -21,6 +21,7 @@ from workers.pass_events import PassEvents
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.sequence import SeqState
+from workers.speculative import DraftSampler
 from workers.timing import AnyTimingModel, PassTimer
 
 __all__ = ["RankCore"]
@@ -32,12 +33,15 @@ class RankCore:
 
     _steady = False  # a flavour with a decode-run fast path sets it when the next passes only decode
 
-    def __init__(self, config: EngineConfig, dp_rank: int, timing: AnyTimingModel | None) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int, timing: AnyTimingModel | None, worker_id: int = 0) -> None:
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise InvalidArgument(f"dp_rank must be an integer >= 0, got {dp_rank!r}", field="dp_rank")
         self.config = config
         self.dp_rank = dp_rank
         self.timer = PassTimer(config, timing)
+        spec = config.speculative
+        self.spec: DraftSampler | None = DraftSampler(spec, worker_id, dp_rank) if spec is not None else None
+        """Speculative decoding's draws and counts on this rank (None: off)."""
         self._record_times = config.record_token_times
         self._seqs: dict[str, Any] = {}
         self._order = 0

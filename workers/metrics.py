@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
@@ -131,11 +131,27 @@ class _Gauges:
         running = GaugeMetricFamily("vllm:num_requests_running", "Requests in model execution batches", labels=labels)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be processed", labels=labels)
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage (1 means 100 percent)", labels=labels)
+        spec = [CounterMetricFamily(f"vllm:spec_decode_num_{name}", doc, labels=labels) for name, doc in (
+            ("drafts", "Decode passes that verified drafts, per request"), ("draft_tokens", "Draft tokens verified"),
+            ("accepted_tokens", "Draft tokens accepted"))]
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Drafts accepted per position",
+                                      labels=[*labels, "position"])
+        speculative = False
         for core in owner._cores():
             key = [owner.model, str(core.dp_rank)]
             running.add_metric(key, core.num_running)
             waiting.add_metric(key, core.num_waiting)
             usage.add_metric(key, core.kv_usage)
+            draws = core.spec
+            if draws is not None:  # vLLM exports these only with speculative decoding on
+                speculative = True
+                for family, value in zip(spec, (draws.drafts, draws.draft_tokens, draws.accepted)):
+                    family.add_metric(key, value)
+                for pos, value in enumerate(draws.accepted_per_pos):
+                    per_pos.add_metric([*key, str(pos)], value)
         yield running
         yield waiting
         yield usage
+        if speculative:
+            yield from spec
+            yield per_pos

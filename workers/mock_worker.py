@@ -17,11 +17,12 @@ Core = EngineCore | SglangCore
 """One DP rank's engine: the vLLM/TRT-LLM flavours' ``EngineCore`` or the SGLang flavour's ``SglangCore``."""
 
 
-def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingModel | None = None) -> Core:
-    """The engine core for ``config.backend``."""
+def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
+                worker_id: int = 0) -> Core:
+    """The engine core for ``config.backend`` (``worker_id`` seeds its own random streams)."""
     if config.backend == "sglang":
         return SglangCore(config, dp_rank=dp_rank, timing=timing)
-    return EngineCore(config, dp_rank=dp_rank, timing=timing)
+    return EngineCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
 
 
 class DispatchOutcome:
@@ -80,7 +81,8 @@ class MockWorker:
         self.worker_id = worker_id
         self.dp_start_rank = dp_start_rank
         self.cores: list[Core] = [
-            engine_core(self.config, dp_rank=dp_start_rank + i, timing=timing) for i in range(self.config.dp_size)
+            engine_core(self.config, dp_rank=dp_start_rank + i, timing=timing, worker_id=worker_id)
+            for i in range(self.config.dp_size)
         ]
         self._shutting_down = False
 

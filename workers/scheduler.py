@@ -1,8 +1,10 @@
 """vLLM-flavour scheduler of one engine core: who runs in the next forward pass and with how many tokens.
 
 Per pass, with one token budget (``max_num_batched_tokens``): running requests that decode get one
-token each, then running requests still in (chunked) prefill get the next chunk, then waiting requests
-are admitted in queue order while the budget, ``max_num_seqs`` and free blocks allow. Admission costs
+token each (with speculative decoding a decode computes the KV of the tokens it emits, drawn as it is
+scheduled, but still takes one token of the budget), then running requests still in (chunked) prefill
+get the next chunk, then waiting requests are admitted in queue order while the budget,
+``max_num_seqs`` and free blocks allow. Admission costs
 the uncached prompt tokens only (prefix hits are free), but the head of the queue waits unless blocks
 for its whole known sequence (less its cached prefix blocks in use) are free or evictable, although only
 the pass's chunk is allocated (the reference mocker's vLLM gate). Blocks a pass fills are cached as it is
@@ -44,6 +46,7 @@ from kvemu.transfer import transfer_delay_ns, transfer_tokens
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
 from workers.host_tier import HostTier
+from workers.speculative import DraftSampler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 
 __all__ = ["Scheduler", "Schedule"]
@@ -92,6 +95,7 @@ class Scheduler:
         "host",
         "loads",
         "loading",
+        "spec",
     )
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
@@ -119,6 +123,8 @@ class Scheduler:
         """The host tier (``native_host_offload``), set by the engine."""
         self.loading = 0
         """Requests holding blocks for a host load (running it, or waiting with it done)."""
+        self.spec: DraftSampler | None = None
+        """Speculative decoding: the rank's draws, one per decode scheduled (set by the engine)."""
         self.loads: list[tuple[int, int, list[int], SeqState]] = []
         """Requests out of the queue until their host blocks are loaded (or a store they wait for ends): heap of
         (ready, order, blocks loaded, seq)."""
@@ -177,6 +183,7 @@ class Scheduler:
         pool = self.pool
         running = self.running
         caching = self.prefix_caching
+        spec = self.spec
         for decoding in (True, False):
             for seq in list(running):
                 if seq.status != RUNNING or seq.prefilling == decoding:
@@ -186,6 +193,11 @@ class Scheduler:
                 n = seq.prompt_len + seq.n_out - seq.computed
                 if n > budget:
                     n = budget
+                spent = n
+                if spec is not None and decoding and seq.n_out:  # it verifies drafts: 1 + accepted tokens
+                    n = spec.next()
+                    if n > seq.max_tokens - seq.n_out:
+                        n = seq.max_tokens - seq.n_out
                 need = -(-(seq.computed + n) // bs) - seq.n_alloc
                 if need > pool.available:
                     if self.reserve:  # cannot happen under the reservation; never preempt: stop here
@@ -199,7 +211,7 @@ class Scheduler:
                 if caching:
                     self._cache_filled(seq, seq.computed + n)
                 entries[seq] = n
-                budget -= n
+                budget -= spent  # (a decode takes one token of the budget, drafts or not, as in Dynamo's mocker)
                 if decoding:
                     sched.decodes += 1
                 else:
@@ -310,7 +322,7 @@ class Scheduler:
             sched.preempted.append(victim)
             n = sched.entries.pop(victim, None)
             if n is not None:
-                freed += n
+                freed += n if was_prefilling else 1  # (a decode spent one token, whatever it emits)
                 if was_prefilling:
                     sched.prefill_tokens -= n
                 else:

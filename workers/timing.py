@@ -137,6 +137,7 @@ class PassTimer:
     """Turns a pass's composition into an integer-nanosecond duration for one engine configuration.
 
     Prefill time / ``speedup_ratio``, decode time / (``speedup_ratio * decode_speedup_ratio``); ratio 0: 0 ns.
+    A speculative model's draft cost multiplies them: prefill by 1 + ``draft_cost``, decode by 1 + k x ``draft_cost``.
     """
     # Decode durations depend only on the decode KV tokens, so they are memoised (the memo is bounded).
 
@@ -153,6 +154,10 @@ class PassTimer:
         # nanoseconds per unscaled millisecond; 0 means the part takes no time at all
         self._prefill_scale = NS_PER_MS / prefill_ratio if prefill_ratio > 0 else 0.0
         self._decode_scale = NS_PER_MS / decode_ratio if decode_ratio > 0 else 0.0
+        spec = config.speculative
+        if spec is not None and spec.draft_cost:  # the draft model runs once per prompt chunk, k times per decode
+            self._prefill_scale *= 1.0 + spec.draft_cost
+            self._decode_scale *= 1.0 + spec.num_speculative_tokens * spec.draft_cost
         self._decode_cache: dict[int | tuple[int, int], int] = {}  # by KV tokens (batch-aware: and batch size)
         self._run: tuple[int, int, list[int], list[int]] | None = None  # (first KV tokens, step, durations, sums)
         self.slowdown = 1.0

@@ -83,13 +83,16 @@ class EngineCore(RankCore):
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
+        worker_id: int = 0,
     ) -> None:
-        super().__init__(config if config is not None else EngineConfig(), dp_rank, timing)
+        super().__init__(config if config is not None else EngineConfig(), dp_rank, timing, worker_id)
         cfg = self.config
         bs = cfg.resolved_block_size
         self.pool = BlockPool(cfg.num_gpu_blocks, bs, cfg.eviction_policy)
         self.scheduler = Scheduler(cfg, self.pool)
+        self.scheduler.spec = self.spec
+        self._spec_k = cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
         """The host KV tier (None: ``native_host_offload`` is off)."""
@@ -258,6 +261,7 @@ class EngineCore(RankCore):
                 if not seq.n_out and n:
                     return self.timer.pass_ns(n, 0, 0)
         b = ends = starts = decodes = decode_kv = 0
+        k = self._spec_k
         for seq, n in entries.items():
             c = seq.computed
             p = seq.prompt_len
@@ -265,9 +269,10 @@ class EngineCore(RankCore):
                 b += 1
                 starts += c
                 ends += c + n if c + n < p else p
-            if c + n == p + seq.n_out and (seq.n_out or not n or not seq.prefilling):
+            if c + n >= p + seq.n_out and (seq.n_out or not n or not seq.prefilling):
                 decodes += 1
-                decode_kv += c + n
+                # (a speculative decode verifies k drafts after its last token, whatever it accepts)
+                decode_kv += c + 1 + k if k and seq.n_out and not seq.prefilling else c + n
         prefill = b * (ends // b - starts // b) if b else 0
         return self.timer.pass_ns(prefill, decodes, decode_kv)
 
@@ -280,8 +285,10 @@ class EngineCore(RankCore):
         sampled: list[SeqState] = []
         for seq, n in sched.entries.items():
             seq.computed += n  # the blocks it filled were cached when the pass was scheduled
-            if seq.computed == seq.prompt_len + seq.n_out:  # the pass produced a token for this request
+            if seq.computed >= seq.prompt_len + seq.n_out:  # the pass produced a token for this request
                 sampled.append(seq)
+        if self._spec_k:
+            self._book_accepted(sampled, end)
         first = self._sample(sampled, end)
         completed = [seq for seq in sampled if seq.n_out == seq.max_tokens]
         gone = self._aborting
@@ -335,6 +342,19 @@ class EngineCore(RankCore):
         self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
                      completed=completed, sampled=sampled, events=events, pulled=sched.activated)
 
+    def _book_accepted(self, sampled: list[SeqState], end: int) -> None:
+        """Speculative decoding: book the accepted drafts a decode emitted before its last token (``_sample``
+        books that one), all stamped with the pass's end."""
+        record_times = self._record_times
+        for seq in sampled:
+            extra = seq.computed - seq.prompt_len - seq.n_out
+            if extra > 0:
+                seq.n_out += extra
+                rec = seq.record
+                rec.output_tokens += extra
+                if record_times:
+                    rec.token_times_ns.extend([end] * extra)
+
     # --------------------------------------------------------- fast-forward
 
     def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
@@ -342,6 +362,8 @@ class EngineCore(RankCore):
 
         Stops before a pass that would complete a request, preempt, start at/after the next arrival or ``t_ns``.
         """
+        if self._spec_k:
+            return self._burst_run(s, t_ns, out)
         # With arrived requests waiting it also stops before any block event (a cache change could make
         # one admissible). Between passes a decoding request holds ceil(computed / block_size) blocks, so
         # its first block need and first block fill fall within the next block_size passes and recur
@@ -448,6 +470,82 @@ class EngineCore(RankCore):
             out.passes += j
         return j
 
+    def _burst_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
+        """``_decode_run`` with speculative decoding: pass by pass, each request's burst read from the rank's
+        draws (as the scheduler would draw them), committed as stepping would; the same stops."""
+        sch = self.scheduler
+        running = sch.running
+        spec = self.spec
+        assert spec is not None
+        bs = self._block_size
+        caching = self._caching
+        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
+        arrival = sch.next_arrival_ns()
+        if arrival is None:
+            arrival = MAX_TIME_NS + 1
+        pool = self.pool
+        timer = self.timer
+        rank = self.dp_rank
+        record_times = self._record_times
+        n_run = len(running)
+        width = n_run * (1 + self._spec_k)
+        kv = sum(seq.computed for seq in running)
+        bursts = [0] * n_run
+        j = 0
+        T = s
+        while T < t_ns and T < arrival:
+            d = timer.decode_ns(kv + width, n_run)
+            if T + d > t_ns:
+                break
+            m = 0
+            events = False
+            for i, seq in enumerate(running):
+                b = spec.peek(i)
+                left = seq.max_tokens - seq.n_out
+                if b >= left:
+                    return self._burst_commit(j, T, out)  # a completion: the scheduler's business
+                bursts[i] = b
+                c = seq.computed + b
+                need = -(-c // bs) - seq.n_alloc
+                if need > 0:
+                    m += need
+                if caching and c // bs > seq.n_full:
+                    events = True
+            if m > pool.free + pool.num_inactive or (quiet_only and (m or events)):
+                break
+            spec.take(n_run)
+            T += d
+            for i, seq in enumerate(running):
+                b = bursts[i]
+                c = seq.computed + b
+                need = -(-c // bs) - seq.n_alloc
+                if need > 0:
+                    pool.allocate(need)
+                    seq.n_alloc += need
+                if caching and c // bs > seq.n_full:
+                    nf = c // bs
+                    pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
+                    seq.n_full = nf
+                seq.computed = c
+                seq.n_out += b
+                kv += b
+                rec = seq.record
+                rec.output_tokens += b
+                if record_times:
+                    rec.token_times_ns.extend([T] * b)
+            j += 1
+            if pool.log:
+                out.events.append(PassEvents(T, rank, pool.log, bs))
+                pool.log = []
+        return self._burst_commit(j, T, out)
+
+    def _burst_commit(self, j: int, T: int, out: AdvanceResult) -> int:
+        if j:
+            self._free_at = T
+            self.passes += j
+            out.passes += j
+        return j
+
     # ------------------------------------------------------------- horizon
 
     def next_event_ns(self) -> int | None:
@@ -461,6 +559,8 @@ class EngineCore(RankCore):
         if fl is not None:
             if self._aborting or not self._pass_quiet(fl) or (self.host is not None and self.host.busy):
                 return fl.end if fl.end > fl.start else fl.start + 1
+            if self._spec_k:
+                return self._burst_horizon(fl.end, fl.start, fl.sched.entries)
             return self._quiet_horizon(fl.end, 1, fl.start)
         s = self._next_start()
         if s is None:
@@ -470,6 +570,8 @@ class EngineCore(RankCore):
             self._steady or (sch.running and not sch.waiting and not sch.incoming
                              and not any(q.prefilling or not q.n_out for q in sch.running))
         ):  # (a decode leg's first pass gives its first token: visible)
+            if self._spec_k:
+                return self._burst_horizon(s, s, None)
             return self._quiet_horizon(s, 0, s)  # the next passes decode the same batch
         return s + 1
 
@@ -483,12 +585,68 @@ class EngineCore(RankCore):
         if (self.scheduler.waiting or self.scheduler.incoming) and self._cache_version() != p.version:
             return False
         bs = self._block_size
-        for seq in sched.entries:
-            if seq.n_out + 1 >= seq.max_tokens or not seq.n_out:  # a completion, or a decode leg's first token
+        for seq, n in sched.entries.items():
+            if seq.n_out + n >= seq.max_tokens or not seq.n_out:  # a completion, or a decode leg's first token
                 return False
-            if self._caching and (seq.computed + 1) % bs == 0:
+            if self._caching and (seq.computed + n) // bs > seq.computed // bs:
                 return False
         return True
+
+    def _burst_horizon(self, s: int, started: int, ahead: dict[SeqState, int] | None) -> int:
+        """``_quiet_horizon`` with speculative decoding: the passes from ``s`` read ahead in the rank's draws
+        (each request already ``ahead[seq]`` tokens on when a pass is in flight)."""
+        sch = self.scheduler
+        running = sch.running
+        spec = self.spec
+        assert spec is not None
+        bs = self._block_size
+        caching = self._caching
+        comp = [seq.computed for seq in running]
+        outs = [seq.n_out for seq in running]
+        alloc = [seq.n_alloc for seq in running]
+        if ahead is not None:
+            for i, seq in enumerate(running):
+                b = ahead[seq]
+                comp[i] += b
+                outs[i] += b
+        fulls = [seq.n_full for seq in running]
+        arrival = sch.next_arrival_ns()
+        free = self.pool.free
+        evictable = self.pool.num_inactive
+        n_run = len(running)
+        width = n_run * (1 + self._spec_k)
+        kv = sum(comp)
+        floor = started + 1
+        T = s
+        drawn = 0
+        while True:
+            if arrival is not None and T >= arrival:
+                return max(T + 1, floor)
+            d = self.timer.decode_ns(kv + width, n_run)
+            m = 0
+            visible = False
+            for i, seq in enumerate(running):
+                b = spec.peek(drawn + i)
+                if b >= seq.max_tokens - outs[i]:
+                    b = seq.max_tokens - outs[i]
+                    visible = True
+                c = comp[i] + b
+                need = -(-c // bs) - alloc[i]
+                if need > 0:
+                    m += need
+                    alloc[i] += need
+                if caching and c // bs > fulls[i]:
+                    visible = True
+                comp[i] = c
+                outs[i] += b
+                kv += b
+            if m > free + evictable:  # this pass preempts: its duration is not known before it starts
+                return max(T + 1, floor)
+            if visible or m > free:
+                return max(T + d, floor)
+            free -= m
+            T += d
+            drawn += n_run
 
     def _quiet_horizon(self, s: int, offset: int, started: int) -> int:
         """First visible pass end of a decode run from ``s``, each request already ``offset`` passes ahead."""

@@ -34,7 +34,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
-from harness.pools import pool_sizes, routing_block_size
+from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage
 from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
@@ -320,5 +320,6 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
                    stop_reason=stopped or (None if finished else "drain_timeout"),
                    block_size=routing_block_size(scenario.cluster), ranks=ranks, samples=samples,
                    counters=counters, failures=failures, pools=pool_sizes(scenario.cluster),
+                   speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
     return save_report(data, outdir)

@@ -28,7 +28,7 @@ from kvemu.runtime.transport import message_socket
 from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns
-from harness.pools import pool_sizes, routing_block_size
+from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.runner import count_requests
@@ -302,6 +302,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    block_size=routing_block_size(scenario.cluster), ranks=final.ranks, samples=samples,
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
+                   speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
     return save_report(data, outdir)
 

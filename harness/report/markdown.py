@@ -93,6 +93,14 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     ])
     out += ["", f"Per-user output speed: mean {fmt(s['mean_output_token_throughput_per_user'], ' tok/s')}, "
                 f"p50 {fmt(s['median_output_token_throughput_per_user'], ' tok/s')}.", ""]
+    spec = k.get("speculative")
+    if spec is not None:
+        gaps = spec["itl_per_pass_ms"]
+        out += [f"Speculative decoding ({spec['method']}, {spec['num_speculative_tokens']} draft tokens): "
+                f"{fmt(spec['tokens_per_decode_pass'])} tokens per decode pass (expected "
+                f"{fmt(spec['expected_tokens_per_decode_pass'])}). A pass's tokens arrive together, so ITL counts "
+                f"their zero gaps; between passes: mean {fmt(gaps['mean'], ' ms')}, p50 {fmt(gaps['median'], ' ms')}, "
+                f"p99 {fmt(gaps['p99'], ' ms')}. TPOT is the per-request mean, per token.", ""]
     out += ["## Per rank", ""]
     out += table(["worker", "rank", "requests", "completed", "failed", "input tok", "output tok", "cache reuse",
                    "mean active", "max active", "max KV blocks"],

@@ -63,6 +63,9 @@ class RunData(msgspec.Struct, kw_only=True):
     """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
     autoscale: AutoscaleLog | None = None
     """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
+    speculative: dict[str, Any] | None = None
+    """The decoding engines' speculative-decoding settings (``workers.config.SpeculativeConfig`` as a dict; None:
+    off): the summary then reports acceptance and the gaps between passes."""
 
 
 EXITED = "process_exited"

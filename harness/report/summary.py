@@ -374,12 +374,45 @@ def summarize(data: RunData) -> dict[str, Any]:
         summary["kvemu"]["cache_tiers"] = tiers
     if data.autoscale is not None:
         summary["kvemu"]["autoscaler"] = autoscale_summary(data.autoscale)
+    if data.speculative is not None:
+        summary["kvemu"]["speculative"] = _speculative(data.speculative, done)
     exits = {str(e["worker_id"]): str(e["reason"])[len(EXITED) + 2:-1] for e in data.worker_events
              if e.get("kind") == "worker_removed" and str(e.get("reason", "")).startswith(EXITED)}
     if exits:  # worker processes its supervisor saw exit (kvemu up, serve), and how
         summary["kvemu"]["worker_exits"] = dict(sorted(exits.items(), key=lambda kv: int(kv[0])))
     return _round(summary)
 
+
+
+def _speculative(settings: dict[str, Any], done: list[RequestRecord]) -> dict[str, Any]:
+    """What speculative decoding did, from the token times: a decode pass's tokens share its end, so a request's
+    passes after its first token are its distinct later timestamps; ``itl_per_pass_ms`` pools the gaps between
+    them (what a streaming client sees between chunks; ``itl`` counts a burst's zero gaps, as Dynamo's replay)."""
+    import numpy as np
+
+    tokens = passes = 0
+    gaps = []
+    for rec in done:
+        times = rec.token_times_ns
+        if len(times) < 2:
+            continue
+        d = np.diff(np.asarray(times, dtype=np.int64))
+        chunk = d[d > 0]
+        tokens += len(times) - 1
+        passes += len(chunk)
+        gaps.append(chunk)
+    pooled = np.concatenate(gaps) if gaps else np.zeros(0, dtype=np.int64)
+    return {
+        "method": settings["method"],
+        "num_speculative_tokens": settings["num_speculative_tokens"],
+        "conditional_acceptance_rates": settings["conditional_rates"],
+        "draft_cost": settings["draft_cost"],
+        "expected_tokens_per_decode_pass": settings["expected_tokens_per_pass"],
+        "decode_tokens": tokens,
+        "decode_passes": passes,
+        "tokens_per_decode_pass": _ratio(tokens, passes),
+        "itl_per_pass_ms": _stats(pooled, NS_PER_MS),
+    }
 
 
 def _cache_tiers(done: list[RequestRecord]) -> dict[str, Any] | None:

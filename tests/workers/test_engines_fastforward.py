@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvemu.clock import MAX_TIME_NS
 from kvemu.transfer import KvTransfer
 from kvemu.kv_events import BlockRemoved, BlockStored
-from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig
+from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig, SpeculativeConfig
 from workers.vllm_engine import AdvanceResult, EngineCore
 from workers.mock_worker import engine_core
 from workers.request import Request
@@ -228,6 +228,42 @@ def test_fast_forward_equals_stepwise(work, rng):
     assert ff[2:] == ref[2:]
     ev = event_driven(cfg, reqs)
     assert ev[:4] == ref[:4]
+
+
+@st.composite
+def speculative_workloads(draw):
+    """``workloads`` on a vLLM or TRT-LLM engine that decodes speculatively (bursts of 1 .. k + 1 tokens)."""
+    cfg, reqs, checkpoints = draw(workloads())
+    k = draw(st.integers(1, 4))
+    rates = draw(st.one_of(st.none(), st.floats(0, 1), st.lists(st.floats(0, 1), min_size=1, max_size=k)))
+    spec = SpeculativeConfig(method=draw(st.sampled_from(["mtp", "eagle", "ngram"])), num_speculative_tokens=k,
+                             acceptance_rates=rates, seed=draw(st.integers(0, 3)))
+    cfg = msgspec.structs.replace(cfg, backend=draw(st.sampled_from(["vllm", "trtllm"])), decode_speedup_ratio=1.0,
+                                  speculative=spec, enable_chunked_prefill=True)
+    if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included
+        limit = cfg.capacity_tokens - 1
+        reqs = [msgspec.structs.replace(r, token_ids=r.token_ids[: max(1, limit - r.max_tokens + 1)],
+                                        max_tokens=min(r.max_tokens, limit)) for r in reqs]
+    return cfg, reqs, checkpoints
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(speculative_workloads(), st.randoms(use_true_random=False))
+def test_fast_forward_equals_stepwise_with_speculative_decoding(work, rng):
+    # decode runs and look-ahead read the rank's draws ahead; they must use exactly the draws stepping uses
+    cfg, reqs, checkpoints = work
+    ref = stepwise(cfg, reqs)
+    assert ff_equal(cfg, reqs, checkpoints, rng, ref)
+
+
+def ff_equal(cfg, reqs, checkpoints, rng, ref) -> bool:
+    ff = fast_forward(cfg, reqs, checkpoints, rng)
+    assert ff[0] == ref[0]
+    assert ff[1] == ref[1]
+    assert ff[2:] == ref[2:]
+    ev = event_driven(cfg, reqs)
+    assert ev[:4] == ref[:4]
+    return True
 
 
 def test_long_run_with_eviction_and_preemption_matches_stepwise():
