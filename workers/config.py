@@ -198,7 +198,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     native_host_offload: HostOffloadConfig | None = None
     """A host-memory KV tier behind the GPU pool (vLLM backend with prefix caching only); None: off."""
     speculative: SpeculativeConfig | None = None
-    """Speculative decoding (vLLM and TRT-LLM flavours): drafts verified per decode pass; None: off."""
+    """Speculative decoding: drafts verified per decode pass (every backend); None: off."""
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -229,9 +229,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise InvalidArgument("sglang.schedule_conservativeness must be a number", field="sglang.schedule_conservativeness")
 
     def _check_speculative(self) -> None:
-        if self.backend == "sglang":
-            raise InvalidArgument("speculative: supported for backends vllm and trtllm; the sglang flavour does not "
-                                  "model it yet (remove speculative or pick backend vllm)", field="speculative")
         if self.decode_speedup_ratio != 1.0:
             raise InvalidArgument(
                 f"speculative: needs decode_speedup_ratio 1, got {self.decode_speedup_ratio} (the speed-up comes from "

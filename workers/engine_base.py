@@ -42,6 +42,7 @@ class RankCore:
         spec = config.speculative
         self.spec: DraftSampler | None = DraftSampler(spec, worker_id, dp_rank) if spec is not None else None
         """Speculative decoding's draws and counts on this rank (None: off)."""
+        self._spec_k = spec.num_speculative_tokens if spec is not None else 0
         self._record_times = config.record_token_times
         self._seqs: dict[str, Any] = {}
         self._order = 0
@@ -97,6 +98,15 @@ class RankCore:
                 rec.first_token_ns = end
                 first.append(seq)
         return first
+
+    def _book_burst(self, seq: SeqState, extra: int, end: int) -> None:
+        """Speculative decoding: book the ``extra`` accepted drafts a decode emitted before its last token (which
+        ``_sample`` books), all stamped with the pass's end."""
+        seq.n_out += extra
+        rec = seq.record
+        rec.output_tokens += extra
+        if self._record_times:
+            rec.token_times_ns.extend([end] * extra)
 
     @staticmethod
     def _report(start: int, end: int, out: AdvanceResult | None, res: StepResult | None, *, admitted: list[Any],

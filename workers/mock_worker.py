@@ -21,7 +21,7 @@ def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingMode
                 worker_id: int = 0) -> Core:
     """The engine core for ``config.backend`` (``worker_id`` seeds its own random streams)."""
     if config.backend == "sglang":
-        return SglangCore(config, dp_rank=dp_rank, timing=timing)
+        return SglangCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
     return EngineCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
 
 

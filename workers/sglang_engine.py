@@ -55,6 +55,11 @@ _LPM_MAX_WAITING = 128  # beyond this many waiting requests LPM falls back to ar
 _LOOKAHEAD_PASSES = 4096  # how far next_event_ns looks through a decode run (further: it answers again then)
 
 
+def _pages(computed: int, tokens: int, page: int) -> int:
+    """New pages a request with ``computed`` tokens of KV takes to compute ``tokens`` more."""
+    return -(-(computed + tokens) // page) + (computed // -page)
+
+
 class _Seq(SeqState):
     """A request in an SGLang rank: ``computed`` is its materialized KV; pages on its cached path are locked."""
 
@@ -84,7 +89,7 @@ class _Chunk:
 class _Pass:
     """A planned pass: its chunks (an extend pass) or its batch (a decode pass)."""
 
-    __slots__ = ("start", "end", "chunks", "decode", "retracted")
+    __slots__ = ("start", "end", "chunks", "decode", "retracted", "bursts")
 
     def __init__(self, start: int) -> None:
         self.start = start
@@ -92,6 +97,8 @@ class _Pass:
         self.chunks: list[_Chunk] = []
         self.decode: list[_Seq] = []
         self.retracted: list[_Seq] = []
+        self.bursts: list[int] = []
+        """Speculative decoding: the tokens each of ``decode`` emits (empty: one each)."""
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decode or self.retracted)
@@ -101,12 +108,13 @@ class SglangCore(RankCore):
     """The SGLang-flavour mock engine of one DP rank; same host contract as ``EngineCore``."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None
+        self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
+        worker_id: int = 0,
     ) -> None:
         cfg = config if config is not None else EngineConfig(backend="sglang")
         if cfg.backend != "sglang":
             raise InvalidArgument(f"backend: SglangCore runs backend sglang, got {cfg.backend!r}", field="backend")
-        super().__init__(cfg, dp_rank, timing)
+        super().__init__(cfg, dp_rank, timing, worker_id)
         sg = cfg.sglang
         self._sg = sg
         self._page = cfg.resolved_block_size
@@ -275,6 +283,8 @@ class SglangCore(RankCore):
         running = self.running
         if not running or self.waiting or (self.future and self.future[0][0] <= s):
             return s + 1
+        if self._spec_k:
+            return self._burst_horizon(s)
         page = self._page
         cache = self.cache
         free = cache.free
@@ -300,6 +310,53 @@ class SglangCore(RankCore):
             room -= need
             kv += n
             t = end
+            if arrival is not None and t >= arrival:  # the next pass may admit it
+                return t + 1
+        return t
+
+    def _burst_horizon(self, s: int) -> int:
+        """``next_event_ns``'s look-ahead through speculative decode passes, reading the rank's draws ahead."""
+        spec = self.spec
+        assert spec is not None
+        k = self._spec_k
+        page = self._page
+        running = self.running
+        cache = self.cache
+        free = cache.free
+        room = free + cache.evictable
+        n = len(running)
+        comp = [q.computed for q in running]
+        left = [q.out_limit - q.n_out for q in running]
+        kv = sum(q.num_tokens for q in running)
+        arrival = self.future[0][0] if self.future else None
+        defer = self.defer_kv_events
+        pass_ns = self.timer.pass_ns
+        t = s
+        drawn = 0
+        for _ in range(_LOOKAHEAD_PASSES):
+            if sum(_pages(c, min(k + 1, r), page) for c, r in zip(comp, left)) > room:
+                return t + 1  # it retracts at its start
+            need = grown = 0
+            completes = False
+            for i in range(n):
+                b = spec.peek(drawn + i)
+                if b >= left[i]:
+                    b = left[i]
+                    completes = True
+                need += _pages(comp[i], b, page)
+                comp[i] += b
+                left[i] -= b
+                grown += b
+            end = t + pass_ns(0, n, kv + n * k)
+            if end == t:
+                return t + 1
+            if completes or (need > free and not defer):
+                return end
+            free = free - need if need <= free else 0
+            room -= need
+            kv += grown
+            t = end
+            drawn += n
             if arrival is not None and t >= arrival:  # the next pass may admit it
                 return t + 1
         return t
@@ -427,8 +484,12 @@ class SglangCore(RankCore):
         cache = self.cache
         page = self._page
         running = self.running
+        k = self._spec_k
         while True:
-            need = sum(1 for s in running if not s.computed % page)
+            if k:  # room for the longest burst each may emit, as SGLang checks before verifying drafts
+                need = sum(_pages(s.computed, min(k + 1, s.out_limit - s.n_out), page) for s in running)
+            else:
+                need = sum(1 for s in running if not s.computed % page)
             if cache.free + cache.evictable >= need:
                 break
             if len(running) > 1:
@@ -444,6 +505,10 @@ class SglangCore(RankCore):
             self.ratio = self._init_ratio
         if not running:
             return
+        p.decode = list(running)
+        if k:
+            self._plan_bursts(p)
+            return
         self._take(need)
         ctx = 0
         for s in running:
@@ -451,8 +516,30 @@ class SglangCore(RankCore):
                 s.owned += 1
             ctx += s.num_tokens
             s.computed += 1
-        p.decode = list(running)
         p.end = p.start + self.timer.pass_ns(0, len(running), ctx)
+
+    def _plan_bursts(self, p: _Pass) -> None:
+        """A speculative decode pass: each request verifies k drafts after its last token (their KV attended)
+        and computes the KV of what it emits, drawn from the rank's stream in batch order."""
+        spec = self.spec
+        assert spec is not None
+        page = self._page
+        k = self._spec_k
+        bursts = p.bursts
+        taken = ctx = 0
+        for s in p.decode:
+            b = spec.next()
+            left = s.out_limit - s.n_out
+            if b > left:
+                b = left
+            grow = _pages(s.computed, b, page)
+            s.owned += grow
+            taken += grow
+            ctx += s.num_tokens + k
+            s.computed += b
+            bursts.append(b)
+        self._take(taken)
+        p.end = p.start + self.timer.pass_ns(0, len(p.decode), ctx)
 
     def _retract(self, seq: _Seq) -> None:
         self.running.remove(seq)
@@ -482,6 +569,9 @@ class SglangCore(RankCore):
                 continue
             sampled.append(seq)
         sampled += p.decode
+        for seq, b in zip(p.decode, p.bursts):
+            if b > 1:
+                self._book_burst(seq, b - 1, end)
         first = self._sample(sampled, end)
         completed = [seq for seq in cast("list[_Seq]", sampled) if seq.n_out >= seq.out_limit]
         for seq in reversed(requeue):

@@ -92,7 +92,6 @@ class EngineCore(RankCore):
         self.pool = BlockPool(cfg.num_gpu_blocks, bs, cfg.eviction_policy)
         self.scheduler = Scheduler(cfg, self.pool)
         self.scheduler.spec = self.spec
-        self._spec_k = cfg.speculative.num_speculative_tokens if cfg.speculative is not None else 0
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
         """The host KV tier (None: ``native_host_offload`` is off)."""
@@ -288,7 +287,10 @@ class EngineCore(RankCore):
             if seq.computed >= seq.prompt_len + seq.n_out:  # the pass produced a token for this request
                 sampled.append(seq)
         if self._spec_k:
-            self._book_accepted(sampled, end)
+            for seq in sampled:  # a decode computed the KV of all it emitted: all but the newest token
+                extra = seq.computed - seq.prompt_len - seq.n_out
+                if extra > 0:
+                    self._book_burst(seq, extra, end)
         first = self._sample(sampled, end)
         completed = [seq for seq in sampled if seq.n_out == seq.max_tokens]
         gone = self._aborting
@@ -341,19 +343,6 @@ class EngineCore(RankCore):
         )
         self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
                      completed=completed, sampled=sampled, events=events, pulled=sched.activated)
-
-    def _book_accepted(self, sampled: list[SeqState], end: int) -> None:
-        """Speculative decoding: book the accepted drafts a decode emitted before its last token (``_sample``
-        books that one), all stamped with the pass's end."""
-        record_times = self._record_times
-        for seq in sampled:
-            extra = seq.computed - seq.prompt_len - seq.n_out
-            if extra > 0:
-                seq.n_out += extra
-                rec = seq.record
-                rec.output_tokens += extra
-                if record_times:
-                    rec.token_times_ns.extend([end] * extra)
 
     # --------------------------------------------------------- fast-forward
 

@@ -232,18 +232,13 @@ def test_fast_forward_equals_stepwise(work, rng):
 
 @st.composite
 def speculative_workloads(draw):
-    """``workloads`` on a vLLM or TRT-LLM engine that decodes speculatively (bursts of 1 .. k + 1 tokens)."""
+    """``workloads`` on an engine that decodes speculatively (bursts of 1 .. k + 1 tokens)."""
     cfg, reqs, checkpoints = draw(workloads())
     k = draw(st.integers(1, 4))
     rates = draw(st.one_of(st.none(), st.floats(0, 1), st.lists(st.floats(0, 1), min_size=1, max_size=k)))
     spec = SpeculativeConfig(method=draw(st.sampled_from(["mtp", "eagle", "ngram"])), num_speculative_tokens=k,
                              acceptance_rates=rates, seed=draw(st.integers(0, 3)))
-    cfg = msgspec.structs.replace(cfg, backend=draw(st.sampled_from(["vllm", "trtllm"])), decode_speedup_ratio=1.0,
-                                  speculative=spec, enable_chunked_prefill=True)
-    if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included
-        limit = cfg.capacity_tokens - 1
-        reqs = [msgspec.structs.replace(r, token_ids=r.token_ids[: max(1, limit - r.max_tokens + 1)],
-                                        max_tokens=min(r.max_tokens, limit)) for r in reqs]
+    cfg = msgspec.structs.replace(cfg, decode_speedup_ratio=1.0, speculative=spec)
     return cfg, reqs, checkpoints
 
 

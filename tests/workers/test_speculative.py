@@ -11,6 +11,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.kv_events import BlockStored
 from workers.config import DEFAULT_ACCEPTANCE_RATES, EngineConfig, SpeculativeConfig
 from workers.request import Request
+from workers.sglang_engine import SglangCore
 from workers.speculative import DraftSampler
 from workers.vllm_engine import EngineCore
 
@@ -39,7 +40,6 @@ def test_rates_default_to_dynamos_cut_or_padded_to_k():
     (lambda: spec(17), "num_speculative_tokens"),
     (lambda: spec(2, 1.5), "acceptance_rates"),
     (lambda: spec(2, [0.5, -0.1]), "acceptance_rates"),
-    (lambda: EngineConfig(backend="sglang", speculative=spec()), "speculative"),
     (lambda: EngineConfig(decode_speedup_ratio=2.0, speculative=spec()), "speculative"),
 ])
 def test_bad_configs_are_refused_naming_the_field(build, field):
@@ -173,6 +173,17 @@ def test_bursts_make_decoding_take_fewer_passes_at_the_expected_rate():
     assert (plain.passes - 1) / (fast.passes - 1) == pytest.approx(cfg.mean_tokens_per_pass, rel=0.1)
     assert fast.spec is not None
     assert 1 + fast.spec.accepted / fast.spec.drafts == pytest.approx(cfg.mean_tokens_per_pass, rel=0.05)
+
+
+def test_the_sglang_flavour_emits_bursts_and_takes_a_page_per_token():
+    eng = SglangCore(EngineConfig(backend="sglang", num_gpu_blocks=256, speculative=spec(2, 1.0)))
+    rec = run_to_end(eng, [Request(request_id="a", token_ids=list(range(10)), max_tokens=8)])["a"]
+    groups = [rec.token_times_ns.count(t) for t in sorted(set(rec.token_times_ns))]
+    assert groups == [1, 3, 3, 1] and rec.output_tokens == 8
+    # it let go of the same sequence, cached page by page, as without drafts
+    plain = SglangCore(EngineConfig(backend="sglang", num_gpu_blocks=256))
+    run_to_end(plain, [Request(request_id="a", token_ids=list(range(10)), max_tokens=8)])
+    assert eng.cache.cached_hashes() == plain.cache.cached_hashes() and len(plain.cache.cached_hashes()) == 18
 
 
 def test_off_by_default():
