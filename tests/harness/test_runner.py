@@ -318,3 +318,32 @@ def test_closed_loop_keeps_at_most_n_sessions_in_flight_and_fills_every_slot():
     assert starts[3:] == ends[: len(starts) - 3]  # each later session starts the moment one ended
     summary = summarize(data)
     assert summary["kvemu"]["concurrency"] == 3 and 0 < summary["goodput_completed_requests"] <= len(data.records)
+
+
+def test_a_speculative_run_reports_its_bursts_and_the_gaps_between_passes(tmp_path):
+    make_trace(tmp_path / "trace.jsonl", rows=40)
+    spec = "{method: eagle, num_speculative_tokens: 3, acceptance_rates: [0.9, 0.7, 0.5], draft_cost: 0.1}"
+    scenario = parse_scenario(trace_scenario_text(), base_dir=tmp_path,
+                              overrides=[f"cluster.engine.speculative={spec}"])
+    out = run_scenario(scenario, tmp_path / "out")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    section = summary["kvemu"]["speculative"]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").read_text().splitlines()]
+    times = [r["token_times_ns"] for r in rows if r.get("token_times_ns")]
+    # the first token comes alone; every later pass stamps all its tokens with its end
+    passes = sum(len(set(t[1:]) - {t[0]}) for t in times)
+    tokens = sum(len(t) - 1 for t in times)
+    assert (section["decode_tokens"], section["decode_passes"]) == (tokens, passes) and passes < tokens
+    assert section["tokens_per_decode_pass"] == pytest.approx(tokens / passes, rel=1e-5)
+    assert section["expected_tokens_per_decode_pass"] == pytest.approx(1 + 0.9 + 0.9 * 0.7 + 0.9 * 0.7 * 0.5)
+    assert section["conditional_acceptance_rates"] == [0.9, 0.7, 0.5] and section["method"] == "eagle"
+    gaps = sorted(b - a for t in times for a, b in zip(t, t[1:]) if b > a)
+    assert section["itl_per_pass_ms"]["max"] == pytest.approx(gaps[-1] / 1e6, rel=1e-5)
+    assert summary["min_itl_ms"] == 0  # a burst's tokens are 0 ms apart
+    assert "Speculative decoding (eagle, 3 draft tokens)" in (tmp_path / "out" / "report.md").read_text()
+    assert out.data.speculative is not None
+
+
+def test_a_run_without_speculative_decoding_has_no_such_section(trace_run):
+    d, _ = trace_run
+    assert "speculative" not in json.loads((d / "out" / "summary.json").read_text())["kvemu"]

@@ -204,6 +204,28 @@ def test_vllm_metrics_count_what_the_engines_did():
     assert buckets["vllm:inter_token_latency_seconds"] == list(ITL_BUCKETS)
     assert buckets["vllm:e2e_request_latency_seconds"] == list(REQUEST_LATENCY_BUCKETS)
     assert buckets["vllm:request_queue_time_seconds"] == list(REQUEST_LATENCY_BUCKETS)
+    assert not any(name.startswith("vllm:spec_decode") for name in fams)  # vLLM exports them only when speculating
+
+
+def test_a_speculating_worker_exports_vllms_draft_counters():
+    async def body(http, actor):
+        r = await http.post("/v1/completions", headers={"X-data-parallel-rank": "0"},
+                            json={"model": "kvemu", "prompt": list(range(1, 40)), "max_tokens": 7, "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 7
+        return (await http.get("/metrics")).text
+
+    text = serve_worker(body, ["cluster.engine.decode_speedup_ratio=1",
+                               "cluster.engine.speculative={method: mtp, num_speculative_tokens: 2, acceptance_rates: 1}"])
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in text_string_to_metric_families(text) for s in f.samples}
+    r0 = (("engine", "0"), ("model_name", "kvemu"))
+    # 1 token at the prefill's end, then passes of 3, 3: two drafts of 2 tokens, all accepted
+    assert value[("vllm:spec_decode_num_drafts_total", r0)] == 2
+    assert value[("vllm:spec_decode_num_draft_tokens_total", r0)] == 4
+    assert value[("vllm:spec_decode_num_accepted_tokens_total", r0)] == 4
+    assert [value[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (r0[0], r0[1], ("position", str(p))))]
+            for p in (0, 1)] == [2, 2]
+    assert value[("vllm:spec_decode_num_drafts_total", (("engine", "1"), ("model_name", "kvemu")))] == 0
 
 
 def test_a_cancelled_direct_request_is_counted_as_aborted_and_frees_its_blocks():
