@@ -130,7 +130,7 @@ class TraceSessionsBuilder:
         self._end = array("q")  # ... the earliest its latest turn starts (ns; responses add to it)
         self._in_order = True
 
-    def __contains__(self, session_id: str) -> bool:
+    def __contains__(self, session_id: object) -> bool:
         return session_id in self._open
 
     def turn(self, row: MooncakeRow) -> int:

@@ -16,7 +16,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import TextIO
 
-from kvemu.clock import NS_PER_MS, NS_PER_S
+from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from workers.trace import MAX_TRACE_ROWS, read_mooncake
 
@@ -31,6 +31,7 @@ from harness.scenario import (
     resolve,
 )
 from harness.trace_sessions import TraceSessions, TraceSessionsBuilder
+from harness.traces.mooncake import mooncake_turns
 from harness.turns import Session, Turn
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
@@ -52,33 +53,26 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
     if progress is None and sys.stderr is not None and sys.stderr.isatty():
         progress = sys.stderr
     store = TraceSessionsBuilder(workload.trace_block_size)
-    speed = workload.arrival_speedup_ratio
-    last_ts = 0.0
-    rows = read_mooncake(path, max_requests, workload.trace_block_size, max_rows=max_rows)
+    turns = mooncake_turns(path, store, max_requests, workload.trace_block_size,
+                           speed=workload.arrival_speedup_ratio, max_rows=max_rows)
     count = 0
     while True:
         try:
-            item = next(rows, None)
+            item = next(turns, None)
         except InvalidArgument as exc:
             raise ScenarioError(str(exc)) from None
         if item is None:
             break
-        lineno, row = item
+        lineno, row = item.line, item.row
         count += 1
         if progress is not None and count % PROGRESS_EVERY_ROWS == 0:
             print(f"kvemu: reading {path}: {count:,} rows (line {lineno:,})", file=progress, flush=True)
         r = store.turn(row)
-        sid = row.session_id
-        delay_ms = row.delay or 0.0
-        if row.timestamp is not None:
-            last_ts = row.timestamp
-        if sid is not None and sid in store:
-            _check_time(store.follow(sid, r, round(delay_ms * NS_PER_MS / speed)), path, lineno)
+        if item.follows:
+            _check_time(store.follow(row.session_id, r, item.time_ns), path, lineno)  # type: ignore[arg-type]
             continue
-        start_ms = last_ts if row.timestamp is not None else last_ts + delay_ms
-        start_ns = round(start_ms * NS_PER_MS / speed)
-        _check_time(start_ns, path, lineno)
-        store.open(r, lineno, start_ns, sid)
+        _check_time(item.time_ns, path, lineno)
+        store.open(r, lineno, item.time_ns, row.session_id)
     return store.build()
 
 
