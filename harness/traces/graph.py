@@ -226,6 +226,9 @@ class GraphBuilder:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._index
 
+    def __len__(self) -> int:
+        return len(self._output)
+
     def request_id_of(self, i: int) -> str:
         """Node ``i``'s request id (while loading)."""
         lo = self._rid_end[i - 1] if i else 0
