@@ -140,6 +140,10 @@ class TraceGraph:
         """Every node, in file order."""
         return map(self.node, range(len(self)))
 
+    def turn_count(self) -> int:
+        """How many requests replay sends: one a node (as ``TraceSessions.turn_count`` counts rows)."""
+        return len(self)
+
     def edge_count(self) -> int:
         """How many edges the graph holds."""
         return len(self.edge_source)
