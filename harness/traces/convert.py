@@ -103,7 +103,16 @@ def notes(g: TraceGraph, fmt: str) -> list[str]:
     if g.api_time_ns:
         out.append(f"{len(g.api_time_ns):,} recorded API times")
     if fmt == "agentic_mooncake_legacy":
+        first: dict[int, str] = {}
+        for i in g.roots():
+            first.setdefault(g.play_of(i), g.request_id(i))
+        plays = [name for p, name in enumerate(g.plays) if name != f"legacy-play:{first.get(p)}"]
+        if plays:
+            out.append(_count("play ids (legacy rows name a play legacy-play:<its first root>)", plays))
         return out
+    plays = [g.plays[g.session_play[s]] for s in range(len(g.sessions)) if g.plays[g.session_play[s]] != g.sessions[s]]
+    if plays:
+        out.append(_count("play ids (a Mooncake session is its own play)", plays))
     turn: dict[int, int] = {}
     ids = []
     for i in range(len(g)):

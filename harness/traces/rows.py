@@ -35,8 +35,10 @@ def error(file: str, line: int, field: str, what: str) -> InvalidArgument:
 
 
 def ms_to_ns(ms: float) -> int:
-    """Milliseconds (a trace's float) as integer nanoseconds."""
-    return round(ms * 1_000_000)
+    """Milliseconds (a trace's float) as integer nanoseconds: the whole part exactly (unix times in ms are
+    beyond a float's nanoseconds), the fraction rounded."""
+    whole = math.floor(ms)
+    return int(whole) * 1_000_000 + round((ms - whole) * 1_000_000)
 
 
 def ns_to_ms(ns: int) -> float | int:
