@@ -81,7 +81,12 @@ def _components(rows: list[_Parsed]) -> list[int]:
 
 def load_agentic_legacy(path: Path, block_size: int, *, max_rows: int = MAX_TRACE_ROWS) -> TraceGraph:
     """A legacy agentic_mooncake file as a graph (see the module doc)."""
-    rows = [_parse(row, block_size) for row in json_lines(path, max_rows=max_rows)]
+    rows = []
+    for row in json_lines(path, max_rows=max_rows):
+        if row.has("schema"):
+            raise row.error("schema", f"this is a header ({row.data['schema']!r}), which legacy agentic_mooncake "
+                                      "rows have none of; read the file as agentic_mooncake")
+        rows.append(_parse(row, block_size))
     if not rows:
         raise Row(str(path), 1, {}).error("request_id", "the trace did not contain any requests")
     comp = _components(rows)

@@ -92,7 +92,7 @@ def load_graph(path: Path, fmt: str = "auto", block_size: int | None = None, *,
         return load_mooncake_delta(path, bs, max_rows=max_rows)
     if fmt == "agentic_mooncake":
         first = _first_row(path)
-        if first is not None and is_header(first):
+        if first is not None and ("schema" in first or "version" in first):  # (a header, maybe a bad one)
             return load_agentic_v2(path, block_size, max_rows=max_rows)
         return load_agentic_legacy(path, bs, max_rows=max_rows)
     if fmt == "agentic_mooncake_legacy":
