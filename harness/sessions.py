@@ -25,13 +25,13 @@ from typing import Any
 
 import anyio
 
-from kvemu.clock import NS_PER_S, Clock
+from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
 from workers.trace import HashIdTokens
 
 from harness.scenario import Scenario
 from harness.trace_sessions import start_times
-from harness.traces.graph import COMPLETION, DISPATCH, TraceGraph
+from harness.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
 from harness.turns import Session, Sessions, Turn
 
 __all__ = ["SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
@@ -243,22 +243,18 @@ class GraphPlayer(_Player):
         self.graph = graph
         g = graph
         n = len(g)
-        self._pending = array("I", (g.edge_end[i] - (g.edge_end[i - 1] if i else 0) for i in range(n)))
-        self._due = array("q", [0]) * n
-        out: list[list[int]] = [[] for _ in range(n)]  # node → its outgoing edges (edge indices)
-        for e, src in enumerate(g.edge_source):
-            out[src].append(e)
-        self._out = out
-        self._target = array("I", bytes(4 * g.edge_count()))
+        self._pending = indegrees(g.edge_end)
+        self._due = array("q", bytes(8 * n))
+        self._out_start, self._out = successors(g.edge_end, g.edge_source)
+        self._target = targets(g.edge_end)
+        plays = len(g.plays)
+        self._play = array("I", (g.session_play[s] for s in g.session))  # node → its play
+        self._play_start, self._members = grouped(self._play, plays)
+        self._left = array("I", (self._play_start[p + 1] - self._play_start[p] for p in range(plays)))
+        self._first = array("q", [MAX_TIME_NS]) * plays  # play → its earliest root's not_before
         for i in range(n):
-            for e in range(g.edge_end[i - 1] if i else 0, g.edge_end[i]):
-                self._target[e] = i
-        members: list[list[int]] = [[] for _ in g.plays]
-        for i in range(n):
-            members[g.play_of(i)].append(i)
-        self._members = members
-        self._left = array("I", (len(m) for m in members))
-        self._first = [min((g.not_before_ns[i] for i in m if not self._pending[i]), default=0) for m in members]
+            if not self._pending[i] and g.not_before_ns[i] < self._first[self._play[i]]:
+                self._first[self._play[i]] = g.not_before_ns[i]
         self._queue: Iterator[int] = iter(())
 
     def _units(self) -> int:
@@ -282,7 +278,7 @@ class GraphPlayer(_Player):
     def _open_play(self, p: int, origin_ns: int) -> None:
         """Play ``p`` begins at ``origin_ns`` (its times count from there): its roots are timed."""
         g = self.graph
-        for i in self._members[p]:
+        for i in self._members[self._play_start[p]:self._play_start[p + 1]]:
             self._due[i] = origin_ns + g.not_before_ns[i]
             if not self._pending[i]:
                 self._at(self._due[i], self._release, i)
@@ -295,8 +291,8 @@ class GraphPlayer(_Player):
         def ended(_outcome: Any) -> None:
             self._loop.call_soon(self._ended, i)  # type: ignore[union-attr]
 
-        req = ClientRequest(request_id=g.request_id(i),
-                            tokens=HashIdTokens(g.hash_ids(i), g.input_length[i], g.block_size),  # type: ignore[arg-type]
+        prompt = HashIdTokens(g.hash_ids(i), g.input_length[i], g.block_size)
+        req = ClientRequest(request_id=g.request_id(i), tokens=prompt,  # type: ignore[arg-type]
                             max_tokens=max(1, g.output_length[i]), session_id=g.sessions[g.session[i]])
         self._submit(req, ended)
         self._fire(i, DISPATCH)
@@ -305,7 +301,7 @@ class GraphPlayer(_Player):
         if self._stopped:
             return
         self._fire(i, COMPLETION)
-        p = self.graph.play_of(i)
+        p = self._play[i]
         self._left[p] -= 1
         if not self._left[p]:
             self._unit_ended()
@@ -314,7 +310,7 @@ class GraphPlayer(_Player):
         """Node ``i``'s ``trigger`` happened now: each edge it times counts down its target."""
         g = self.graph
         now = self.clock.now_ns()
-        for e in self._out[i]:
+        for e in self._out[self._out_start[i]:self._out_start[i + 1]]:
             if g.edge_kind[e] & 1 != trigger:
                 continue
             j = self._target[e]

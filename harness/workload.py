@@ -221,7 +221,8 @@ def output_lengths(scenario: Scenario) -> Callable[[], int]:
     path = resolve(scenario, w.trace)
     fmt = trace_format(w, path)
     if fmt != "mooncake":
-        lengths = array("I", (max(1, n) for n in load_trace_graph(w, path, fmt, scenario.run.max_requests).output_length))
+        graph = load_trace_graph(w, path, fmt, scenario.run.max_requests)
+        lengths = array("I", (max(1, n) for n in graph.output_length))
     else:
         lengths = array("I")  # (a 10^7-row trace: 40 MB, not a list of ints)
         for _, row in read_mooncake(path, scenario.run.max_requests, w.block_size):

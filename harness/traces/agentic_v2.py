@@ -119,7 +119,8 @@ def v2_rows(g: TraceGraph) -> Iterator[dict[str, Any]]:
         length = min(n.input_length, len(n.hash_ids) * bs)
         row: dict[str, Any] = {"request_id": n.request_id, "play_id": n.play, "session_id": n.session,
                                "model": n.model, "input_length": length, "output_length": n.output_length,
-                               "hash_ids": list(n.hash_ids[:-(-length // bs)]), "not_before_ms": ns_to_ms(n.not_before_ns)}
+                               "hash_ids": list(n.hash_ids[:-(-length // bs)]),
+                               "not_before_ms": ns_to_ms(n.not_before_ns)}
         if n.edges:
             row["dependencies"] = [{"request_id": g.request_id(e.source), "trigger": TRIGGERS[e.trigger],
                                     "delay_ms": ns_to_ms(e.delay_ns), "relation": RELATIONS[e.relation]}

@@ -27,7 +27,7 @@ from workers.trace import MAX_TRACE_ROWS
 from harness.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
     TraceGraph
 from harness.traces.mooncake import DEFAULT_MODEL
-from harness.traces.rows import MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ms_to_ns
+from harness.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ms_to_ns
 
 __all__ = ["SCHEMA", "load_dynamo"]
 
@@ -96,7 +96,8 @@ def _request(ev: Row, explicit_block: int | None) -> _Request:
         parent = ctx.string("parent_session_id", required=False) or None
     return _Request(start, end, rid, ev.line, session, parent, req.string("model", required=False,
                                                                           default=DEFAULT_MODEL),
-                    req.integer("output_tokens", high=1 << 31, required=False, default=1), block, length, hashes)
+                    req.integer("output_tokens", high=MAX_OUTPUT_TOKENS, required=False, default=1), block, length,
+                    hashes)
 
 
 def _tool(ev: Row) -> _Tool | None:

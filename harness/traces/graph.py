@@ -20,9 +20,12 @@ from typing import NamedTuple
 
 from kvemu.errors import InvalidArgument
 
-__all__ = ["DISPATCH", "COMPLETION", "TRIGGERS", "RELATIONS", "SEQUENCE", "SPAWN", "JOIN", "REPLAY_BARRIER",
+__all__ = ["grouped", "successors", "targets", "indegrees", "DISPATCH", "COMPLETION", "TRIGGERS", "RELATIONS",
+           "SEQUENCE", "SPAWN", "JOIN", "REPLAY_BARRIER", "MAX_SESSION_BYTES",
            "Dependency", "Edge", "Node", "TraceGraph", "GraphBuilder", "Source"]
 
+MAX_SESSION_BYTES = 256
+"""Longest session id (bytes): a router refuses a longer affinity key, so a loader refuses it first."""
 DISPATCH, COMPLETION = 0, 1
 TRIGGERS = ("dispatch", "completion")
 """Trigger names by code: the predecessor's dispatch (it was sent) or its completion (it ended)."""
@@ -32,6 +35,42 @@ RELATIONS = ("sequence", "spawn", "join", "replay_barrier")
 ALLOWED = {(SEQUENCE, COMPLETION), (SPAWN, DISPATCH), (SPAWN, COMPLETION), (JOIN, COMPLETION),
            (REPLAY_BARRIER, COMPLETION)}
 """The (relation, trigger) pairs Agentic Mooncake v2 allows."""
+
+
+def grouped(keys: Sequence[int], groups: int) -> tuple[array[int], array[int]]:
+    """Indices grouped by key, compact: those with key ``k`` are ``items[start[k]:start[k + 1]]``, in index
+    order (a counting sort; no list per group)."""
+    start = array("Q", bytes(8 * (groups + 1)))
+    for k in keys:
+        start[k + 1] += 1
+    for k in range(groups):
+        start[k + 1] += start[k]
+    fill = array("Q", start[:groups])
+    items = array("Q", bytes(8 * len(keys)))
+    for i, k in enumerate(keys):
+        items[fill[k]] = i
+        fill[k] += 1
+    return start, items
+
+
+def successors(edge_end: Sequence[int], edge_source: Sequence[int]) -> tuple[array[int], array[int]]:
+    """Outgoing edges by source node: node ``i``'s edge indices are ``edges[start[i]:start[i + 1]]``."""
+    return grouped(edge_source, len(edge_end))
+
+
+def targets(edge_end: Sequence[int]) -> array[int]:
+    """Each edge's target node (the node whose incoming edges it is among)."""
+    out = array("I")
+    lo = 0
+    for i, hi in enumerate(edge_end):
+        out.extend([i] * (hi - lo))
+        lo = hi
+    return out
+
+
+def indegrees(edge_end: Sequence[int]) -> array[int]:
+    """Each node's number of incoming edges."""
+    return array("I", (hi - (edge_end[i - 1] if i else 0) for i, hi in enumerate(edge_end)))
 
 
 class Dependency(NamedTuple):
@@ -247,6 +286,9 @@ class GraphBuilder:
         if request_id in self._index:
             raise self.error(line, id_field, f"request id {request_id!r} repeats line "
                              f"{self._line[self._index[request_id]]}; request ids must be unique")
+        if len(session.encode()) > MAX_SESSION_BYTES:
+            raise self.error(line, "session_id", f"the session id {session[:60]!r}... is {len(session.encode())} "
+                             f"bytes, more than the {MAX_SESSION_BYTES} a router takes as an affinity key; shorten it")
         self._index[request_id] = i
         self._rid += request_id.encode()
         self._rid_end.append(len(self._rid))
@@ -317,21 +359,16 @@ class GraphBuilder:
     def _check_acyclic(self) -> None:
         """Kahn's algorithm over the edges; a node left over sits on a cycle (or after one)."""
         n = len(self._output)
-        indegree = array("I", [0]) * n
-        out: list[list[int]] = [[] for _ in range(n)]
-        lo = 0
-        for i in range(n):
-            hi = self._edge_end[i]
-            indegree[i] = hi - lo
-            for e in range(lo, hi):
-                out[self._edge_source[e]].append(i)
-            lo = hi
+        indegree = indegrees(self._edge_end)
+        start, out = successors(self._edge_end, self._edge_source)
+        target = targets(self._edge_end)
         ready = [i for i in range(n) if not indegree[i]]
         seen = 0
         while ready:
             i = ready.pop()
             seen += 1
-            for j in out[i]:
+            for e in out[start[i]:start[i + 1]]:
+                j = target[e]
                 indegree[j] -= 1
                 if not indegree[j]:
                     ready.append(j)

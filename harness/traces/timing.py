@@ -10,26 +10,24 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 
-from harness.traces.graph import DISPATCH, TraceGraph
+from harness.traces.graph import DISPATCH, TraceGraph, indegrees, successors, targets
 
 __all__ = ["release_times", "topological_order"]
 
 
 def topological_order(g: TraceGraph) -> list[int]:
     """The nodes so that every edge's source comes before its target (file order where it already is)."""
-    n = len(g)
-    indegree = array("I", (g.edge_end[i] - (g.edge_end[i - 1] if i else 0) for i in range(n)))
-    out: list[list[int]] = [[] for _ in range(n)]
-    for i in range(n):
-        for e in g.edges(i):
-            out[e.source].append(i)
+    indegree = indegrees(g.edge_end)
+    start, out = successors(g.edge_end, g.edge_source)
+    target = targets(g.edge_end)
     order: list[int] = []
-    ready = [i for i in range(n) if not indegree[i]]
+    ready = [i for i in range(len(g)) if not indegree[i]]
     ready.reverse()
     while ready:
         i = ready.pop()
         order.append(i)
-        for j in reversed(out[i]):
+        for e in reversed(out[start[i]:start[i + 1]]):
+            j = target[e]
             indegree[j] -= 1
             if not indegree[j]:
                 ready.append(j)

@@ -33,7 +33,7 @@ from workers.trace import MAX_TRACE_ROWS
 
 from harness.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
     TraceGraph
-from harness.traces.rows import MAX_PROMPT_TOKENS, Row, error, json_lines
+from harness.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, error, json_lines
 
 __all__ = ["load_weka", "MAX_WEKA_BYTES"]
 
@@ -99,7 +99,7 @@ def _request(row: Row, models: set[str]) -> _Req:
         raise row.error("model", f"{model!r} is not in the trace's models; list it there")
     length = row.integer("in", low=1, high=MAX_PROMPT_TOKENS)
     api = row.seconds("api_time", default_ns=-1)
-    return _Req(row, row.seconds("t", required=True), model, length, row.integer("out", high=1 << 31),
+    return _Req(row, row.seconds("t", required=True), model, length, row.integer("out", high=MAX_OUTPUT_TOKENS),
                 row.hash_ids("hash_ids", required=False), None if api < 0 else api)
 
 
@@ -161,7 +161,8 @@ def load_weka(path: Path, block_size: int | None = None, *, max_rows: int = MAX_
     size = corpus[0][3]
     for rel, obj, _, block, _ in corpus:
         if block != size or (block_size is not None and block != block_size):
-            raise obj.error("block_size", f"is {block}, but {'the corpus has ' + str(size) if block != size else str(block_size) + ' was given'}; one block size per corpus")
+            other = f"the corpus has {size}" if block != size else f"{block_size} was given"
+            raise obj.error("block_size", f"is {block}, but {other}; one block size per corpus")
     relative = any(c.t < s.t - _EPS_NS for _, _, entries, _, _ in corpus for s in entries if isinstance(s, _Sub)
                    for c in s.requests)
     digest = blake3.blake3()
