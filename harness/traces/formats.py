@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvemu.errors import InvalidArgument
-from workers.trace import DEFAULT_TRACE_BLOCK_SIZE, MAX_TRACE_LINE_BYTES, MAX_TRACE_ROWS
+from workers.trace import DEFAULT_TRACE_BLOCK_SIZE, MAX_TRACE_ROWS, trace_lines
 
 from harness.traces.agentic_legacy import legacy_rows, load_agentic_legacy
 from harness.traces.agentic_v2 import is_header, load_agentic_v2, v2_rows
@@ -42,13 +42,12 @@ def writer(fmt: str) -> Callable[[TraceGraph], Iterator[dict[str, Any]]]:
 def _first_row(path: Path) -> dict[str, Any] | None:
     """The first non-blank line of a JSON Lines file, decoded (None: empty, or not a JSON object)."""
     with open_text(path) as fh:
-        for raw in iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""):
-            if raw.strip():
-                try:
-                    data = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-                    return None
-                return data if isinstance(data, dict) else None
+        for _, text in trace_lines(fh, path):
+            try:
+                data = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            return data if isinstance(data, dict) else None
     return None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvemu.errors import InvalidArgument
 
@@ -297,18 +297,12 @@ class GraphBuilder:
         self._input.append(input_length)
         self._output.append(output_length)
         self._not_before.append(not_before_ns)
-        p = self._play_index.setdefault(play, len(self._plays))
-        if p == len(self._plays):
-            self._plays.append(play)
-        s = self._session_index.setdefault((p, session), len(self._session_names))
-        if s == len(self._session_names):
-            self._session_names.append(session)
+        p = _intern(self._play_index, self._plays, play, play)
+        s = _intern(self._session_index, self._session_names, (p, session), session)
+        if s == len(self._session_play):
             self._session_play.append(p)
         self._session.append(s)
-        m = self._model_index.setdefault(model, len(self._models))
-        if m == len(self._models):
-            self._models.append(model)
-        self._model.append(m)
+        self._model.append(_intern(self._model_index, self._models, model, model))
         self._line.append(line)
         for d in deps:
             self._pending.append(d.request_id)
@@ -411,3 +405,11 @@ class GraphBuilder:
             if not has_root[p]:
                 raise self.error(line, "dependencies", f"play {self._plays[p]!r} has no root (a request without "
                                  "dependencies): nothing in it could start")
+
+
+def _intern(index: dict[Any, int], names: list[str], key: Any, name: str) -> int:
+    """``key``'s number in ``index``, a new one (and ``name`` appended to ``names``) the first time."""
+    k = index.setdefault(key, len(names))
+    if k == len(names):
+        names.append(name)
+    return k

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_LINE_BYTES, MAX_TRACE_MS, MAX_TRACE_ROWS
+from workers.trace import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_MS, MAX_TRACE_ROWS, trace_lines
 
 __all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "open_text", "ms_to_ns",
            "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_ROWS", "error"]
@@ -63,17 +63,7 @@ def json_lines(path: Path, *, max_rows: int = MAX_TRACE_ROWS, what: str = "JSON 
     file = str(path)
     rows = 0
     with open_text(path) as fh:
-        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
-            if len(raw) > MAX_TRACE_LINE_BYTES:
-                raise InvalidArgument(f"{file}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes; split "
-                                      "the row or check that the file is JSON Lines")
-            try:
-                text = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as exc:
-                raise InvalidArgument(f"{file}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                      f"{exc.start + 1})") from None
-            if not text:
-                continue
+        for lineno, text in trace_lines(fh, file):
             rows += 1
             if rows > max_rows:
                 raise InvalidArgument(f"{file}:{lineno}: more than {max_rows:,} rows, the most a trace may hold; "
