@@ -63,7 +63,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="find the smallest cluster that meets an SLA at a goodput target (a search, "
                                        "in parallel); writes plan.md, plan.json and plan.png")
-    plan.add_argument("scenario", nargs="?", help="scenario YAML or Mooncake trace .jsonl (default: the built-in "
+    plan.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in "
                                                   "quickstart)")
     plan.add_argument("--sla", help="ttft_ms=MS,itl_ms=MS or e2e_ms=MS (default: the scenario's run.sla)")
     plan.add_argument("--goodput", type=float, default=0.95,

@@ -1,8 +1,9 @@
 """The trace formats by name: which loader reads each, which writer writes it, and telling them apart.
 
-``detect_format`` decides from the path and the first row only where that is unambiguous (a v2 header, a
-Dynamo schema, a Weka object, an applied-compute session row, a row with ``wait_for``, a Mooncake row);
-``mooncake-delta`` rows look like Mooncake rows and are never guessed. ``load_graph`` reads any format as a
+``detect_format`` decides from the path and the first row where that shows a format (a v2 header, a Dynamo
+schema, a Weka object, an applied-compute session row, a row with ``wait_for``); anything else is read as
+Mooncake, kvemu's default, whose reader names what a row lacks. ``mooncake-delta`` rows look like Mooncake rows
+and are never guessed. ``load_graph`` reads any format as a
 ``TraceGraph``.
 """
 
@@ -52,7 +53,7 @@ def _first_row(path: Path) -> dict[str, Any] | None:
 
 
 def detect_format(path: Path) -> str:
-    """The format of the trace at ``path``, from its first row; ``InvalidArgument`` when it cannot tell."""
+    """The format of the trace at ``path``, from its first row (``mooncake`` when nothing else shows)."""
     if path.is_dir() or path.suffix == ".json":
         return "weka"
     row = _first_row(path)
@@ -68,10 +69,7 @@ def detect_format(path: Path) -> str:
             return "applied_compute_agentic"
         if "wait_for" in row or "tool_wait_ms" in row:
             return "agentic_mooncake_legacy"
-        if "hash_ids" in row:
-            return "mooncake"
-    raise InvalidArgument(f"{path}:1: cannot tell the trace format from the first row; name it (workload.format "
-                          f"or --from: {', '.join(FORMATS)})", field="format")
+    return "mooncake"  # kvemu's own format (and its default): its reader names what a row lacks
 
 
 def load_graph(path: Path, fmt: str = "auto", block_size: int | None = None, *,

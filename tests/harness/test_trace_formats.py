@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvemu.errors import InvalidArgument
 from harness.traces.convert import convert_trace
 from harness.traces.formats import detect_format, load_graph
 from harness.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Edge, TraceGraph
@@ -225,8 +226,19 @@ def test_dynamo_agentic_chains_sessions_and_links_children_by_tool_or_by_time(tm
 # ------------------------------------------------------------------------------------- detection
 
 
-def test_detection_reads_the_first_row_and_refuses_to_guess(tmp_path):
+def test_detection_reads_the_first_row_and_falls_back_to_mooncake(tmp_path):
     assert detect_format(v2_file(tmp_path)) == "agentic_mooncake"
     assert detect_format(write(tmp_path / "l.jsonl", [legacy_row("b", "a")])) == "agentic_mooncake_legacy"
-    with pytest.raises(Exception, match=r"x.jsonl:1: cannot tell the trace format.*--from"):
-        detect_format(write(tmp_path / "x.jsonl", [{"hello": 1}]))
+    unknown = write(tmp_path / "x.jsonl", [{"hello": 1}])
+    assert detect_format(unknown) == "mooncake"  # kvemu's default: its reader then names what is missing
+    with pytest.raises(InvalidArgument, match=r"x.jsonl:1: not a Mooncake trace row: missing field 'hash_ids'"):
+        load_graph(unknown)
+
+
+def test_the_scenario_format_names_every_format():
+    from typing import get_args, get_type_hints
+
+    from harness.scenario import TraceWorkload
+    from harness.traces.names import FORMATS
+
+    assert get_args(get_type_hints(TraceWorkload)["format"]) == ("auto", *FORMATS)
