@@ -234,8 +234,9 @@ class GraphPlayer(_Player):
     Open loop: a root goes at its ``not_before``. Closed loop (``concurrency`` plays at a time, in order of their
     first root): a play's times count from when it started. Any other node goes once every incoming edge's
     trigger (its source's dispatch, or its end, completed or failed) happened plus the edge's delay, and not
-    before its own ``not_before``. A request carries its node's session as its affinity key: a sub-agent, being
-    its own session, keeps its own."""
+    before its own ``not_before``. A request carries its node's session as its affinity key (``<play>:<session>``
+    where plays share a session name): a sub-agent, being its own session, keeps its own. A failed request
+    counts as ended: what waits for it still goes."""
 
     def __init__(self, graph: TraceGraph, submit: Submit, clock: Clock, *, concurrency: int | None = None,
                  stall_timeout_ns: int | None = None) -> None:
@@ -293,7 +294,7 @@ class GraphPlayer(_Player):
 
         prompt = HashIdTokens(g.hash_ids(i), g.input_length[i], g.block_size)
         req = ClientRequest(request_id=g.request_id(i), tokens=prompt,  # type: ignore[arg-type]
-                            max_tokens=max(1, g.output_length[i]), session_id=g.sessions[g.session[i]])
+                            max_tokens=max(1, g.output_length[i]), session_id=g.session_keys[g.session[i]])
         self._submit(req, ended)
         self._fire(i, DISPATCH)
 

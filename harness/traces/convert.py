@@ -70,10 +70,10 @@ def losses(g: TraceGraph, fmt: str) -> list[str]:
     if other:
         out.append(_count("requests with dependencies other than the previous turn of their session "
                           "(spawn, join, barrier, dispatch triggers, or a later root in a session)", other))
-    shared = _shared_session_names(g)
+    shared = sorted({g.sessions[s] for s, key in enumerate(g.session_keys) if key != g.sessions[s]})
     if shared:
         out.append(_count("session names used in several plays (Mooncake would join them into one session)",
-                          sorted(shared)))
+                          shared))
     plays = len(g.plays) != len(g.sessions)
     if plays:
         out.append(f"{len(g.plays):,} plays holding {len(g.sessions):,} sessions (Mooncake: one session each)")
@@ -83,16 +83,6 @@ def losses(g: TraceGraph, fmt: str) -> list[str]:
             out.append(_count("turns whose prompt does not extend the previous turn's (a delta holds only new "
                               "blocks)", bad))
     return out
-
-
-def _shared_session_names(g: TraceGraph) -> set[str]:
-    """The session names that more than one play uses."""
-    seen: dict[str, int] = {}
-    shared = set()
-    for s, name in enumerate(g.sessions):
-        if seen.setdefault(name, g.session_play[s]) != g.session_play[s]:
-            shared.add(name)
-    return shared
 
 
 def _extends(g: TraceGraph, p: int, i: int) -> bool:
@@ -142,10 +132,9 @@ def notes(g: TraceGraph, fmt: str) -> list[str]:
 def as_chains(g: TraceGraph) -> TraceGraph:
     """``g`` as chains, a session a play: a session's first request at its release time if every request took
     no time, each later one after its predecessor's completion by its own delay (or the gap between releases).
-    A session name that several plays use becomes ``<play>:<session>``."""
+    A session is named by its affinity key (``<play>:<session>`` where several plays use its name)."""
     release = release_times(g)
     prev = _previous_in_session(g)
-    shared = _shared_session_names(g)
     b = GraphBuilder(g.block_size, g.file, g.source)
     for i in range(len(g)):
         n = g.node(i)
@@ -156,7 +145,7 @@ def as_chains(g: TraceGraph) -> TraceGraph:
             same = [e.delay_ns for e in n.edges if e.source == p and e.trigger == COMPLETION]
             delay = same[0] if same else max(0, release[i] - release[p])
             deps, floor = [Dependency(g.request_id(p), COMPLETION, SEQUENCE, delay, "")], 0
-        session = f"{n.play}:{n.session}" if n.session in shared else n.session
+        session = g.session_keys[g.session[i]]
         b.add(n.request_id, session, session, n.model, n.hash_ids, n.input_length, n.output_length, floor,
               g.line[i], deps, output_token_ids=n.output_token_ids, api_time_ns=n.api_time_ns)
     return b.finish()

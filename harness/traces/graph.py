@@ -135,6 +135,7 @@ class TraceGraph:
         self.model = b._model  # node → model index
         self.line = b._line  # node → its line in the file read (not part of equality)
         self.sessions = b._session_names  # session index → its name
+        self.session_keys = b._session_keys  # session index → its affinity key (see ``GraphBuilder.finish``)
         self.session_play = b._session_play  # session index → play index
         self.plays = b._plays  # play index → its name
         self.models = b._models
@@ -250,6 +251,7 @@ class GraphBuilder:
         self._model = array("I")
         self._line = array("Q")
         self._session_names: list[str] = []
+        self._session_keys: list[str] = []
         self._session_play = array("I")
         self._plays: list[str] = []
         self._models: list[str] = []
@@ -344,11 +346,33 @@ class GraphBuilder:
                 e += 1
         self._check_acyclic()
         self._check_roots()
+        self._session_keys = self._affinity_keys()
         self._index = {}
         self._pending = []
         self._fields = []
         self._session_index = {}
         return TraceGraph(self, self.file)
+
+    def _affinity_keys(self) -> list[str]:
+        """Each session's affinity key: its name, or ``<play>:<name>`` when several plays use the name (plays are
+        separate runs: a conversation of one must not pin another's); refused past ``MAX_SESSION_BYTES``."""
+        plays: dict[str, int] = {}
+        shared = set()
+        for s, name in enumerate(self._session_names):
+            if plays.setdefault(name, self._session_play[s]) != self._session_play[s]:
+                shared.add(name)
+        if not shared:
+            return self._session_names
+        keys = []
+        for s, name in enumerate(self._session_names):
+            key = f"{self._plays[self._session_play[s]]}:{name}" if name in shared else name
+            if len(key.encode()) > MAX_SESSION_BYTES:
+                line = self._line[self._session.index(s)]
+                raise self.error(line, "session_id", f"session {name!r} is used by several plays, so its affinity "
+                                 f"key is <play>:<session>, {len(key.encode())} bytes, more than "
+                                 f"{MAX_SESSION_BYTES}; give the plays' sessions their own names")
+            keys.append(key)
+        return keys
 
     def _check_acyclic(self) -> None:
         """Kahn's algorithm over the edges; a node left over sits on a cycle (or after one)."""

@@ -76,6 +76,14 @@ def test_a_closed_loop_plays_one_play_at_a_time_with_its_own_times(tmp_path):
     assert log["p0"][0] == 20 * MS and log["c0"][0] == 25 * MS and log["p2"][0] == 510 * MS
 
 
+def test_plays_that_share_a_session_name_keep_their_own_affinity_keys(tmp_path):
+    g = load_graph(write(tmp_path / "g.jsonl", [HEADER, v2_row("a0", play="a", session="agent"),
+                                                 v2_row("b0", play="b", session="agent"),
+                                                 v2_row("b1", play="b", session="solo")]))
+    log = play(g, lambda rid: 1)
+    assert {rid: sid for rid, (_, sid) in log.items()} == {"a0": "a:agent", "b0": "b:agent", "b1": "solo"}
+
+
 @st.composite
 def dags(draw) -> list[dict]:
     """v2 rows of a random DAG in one play (edges from earlier rows), sessions, triggers, delays and floors."""
