@@ -1,4 +1,5 @@
-"""Dynamo's request trace (``dynamo.request.trace.v1``, JSONL or gzip JSONL): recorded events lowered to a graph.
+"""Dynamo's request trace (``dynamo.request.trace.v1``, JSONL or gzip JSONL; a directory: its shards, sorted),
+lowered to a graph.
 
 A record (or its nested ``event`` object) has ``schema``, ``event_type``, ``event_time_unix_ms``, optional
 ``agent_context {session_id, parent_session_id}``, ``request {request_id, model, output_tokens,
@@ -19,6 +20,7 @@ connected component, named ``dynamo-play:<its first request>``.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,7 +29,7 @@ from workers.trace import MAX_TRACE_ROWS
 from harness.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
     TraceGraph
 from harness.traces.mooncake import DEFAULT_MODEL
-from harness.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ms_to_ns
+from harness.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, check_capacity, error, json_lines, ms_to_ns
 
 __all__ = ["SCHEMA", "load_dynamo"]
 
@@ -40,6 +42,7 @@ class _Request(NamedTuple):
     start: int  # ns since the epoch
     end: int
     request_id: str
+    file: str
     line: int
     session: str | None
     parent: str | None
@@ -51,6 +54,7 @@ class _Request(NamedTuple):
 
 
 class _Tool(NamedTuple):
+    file: str
     line: int
     field: str
     source: str
@@ -94,7 +98,7 @@ def _request(ev: Row, explicit_block: int | None) -> _Request:
     if ctx is not None:
         session = ctx.string("session_id")
         parent = ctx.string("parent_session_id", required=False) or None
-    return _Request(start, end, rid, ev.line, session, parent, req.string("model", required=False,
+    return _Request(start, end, rid, ev.file, ev.line, session, parent, req.string("model", required=False,
                                                                           default=DEFAULT_MODEL),
                     req.integer("output_tokens", high=MAX_OUTPUT_TOKENS, required=False, default=1), block, length,
                     hashes)
@@ -112,16 +116,35 @@ def _tool(ev: Row) -> _Tool | None:
     if not child:
         return None
     consumer = claude.string("consumer_request_id", required=False) or None
-    return _Tool(ev.line, claude.name("child_session_id"), claude.string("source_request_id"),
+    return _Tool(ev.file, ev.line, claude.name("child_session_id"), claude.string("source_request_id"),
                  consumer if mode == "blocking" else None, child)
+
+
+def _rows(path: Path, max_rows: int) -> Iterator[Row]:
+    """The records of a trace file, or of every ``.jsonl``/``.jsonl.gz`` shard under a directory (sorted)."""
+    if not path.is_dir():
+        yield from json_lines(path, max_rows=max_rows)
+        return
+    shards = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
+    if not shards:
+        raise error(str(path), 1, "event_type", "the directory holds no .jsonl or .jsonl.gz shard")
+    left = max_rows
+    for shard in shards:
+        for row in json_lines(shard, max_rows=left):
+            left -= 1
+            yield row
+
+
+def _where(r: _Request) -> str:
+    return f"{r.file}:{r.line}"
 
 
 def _read(path: Path, block_size: int | None, max_rows: int) -> tuple[list[_Request], list[_Tool]]:
     requests: list[_Request] = []
     tools: list[_Tool] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, _Request] = {}
     first: _Request | None = None
-    for row in json_lines(path, max_rows=max_rows):
+    for row in _rows(path, max_rows):
         ev = _event(row)
         kind = ev.data.get("event_type")
         if kind in _SKIPPED:
@@ -129,16 +152,16 @@ def _read(path: Path, block_size: int | None, max_rows: int) -> tuple[list[_Requ
         if kind == "request_end":
             r = _request(ev, block_size)
             if r.request_id in seen:
-                raise ev.error("request.request_id", f"{r.request_id!r} ends twice (line {seen[r.request_id]} "
+                raise ev.error("request.request_id", f"{r.request_id!r} ends twice ({_where(seen[r.request_id])} "
                                                      "too); request ids must be unique")
-            seen[r.request_id] = r.line
+            seen[r.request_id] = r
             if first is None:
                 first = r
             elif r.block != first.block:
-                raise ev.error("request.replay.trace_block_size", f"is {r.block} but line {first.line} has "
+                raise ev.error("request.replay.trace_block_size", f"is {r.block} but {_where(first)} has "
                                                                   f"{first.block}; one block size per trace")
             elif (r.session is None) != (first.session is None):
-                raise ev.error("agent_context", f"line {first.line} {'has' if first.session else 'has no'} "
+                raise ev.error("agent_context", f"{_where(first)} {'has' if first.session else 'has no'} "
                                "agent_context and this one differs; a trace is all agentic or all standard")
             requests.append(r)
         elif kind in ("tool_end", "tool_error"):
@@ -163,7 +186,7 @@ def load_dynamo(path: Path, block_size: int | None = None, *, max_rows: int = MA
             b.add(r.request_id, r.request_id, r.request_id, r.model, r.hashes, r.length, r.output,
                   r.start - origin, r.line, [])
         return b.finish()
-    deps = _agentic_edges(str(path), requests, tools)
+    deps = _agentic_edges(requests, tools)
     plays = _plays(requests, deps)
     for r in sorted(requests, key=lambda r: (r.start, r.end, r.request_id)):
         mine = deps.get(r.request_id, [])
@@ -172,7 +195,7 @@ def load_dynamo(path: Path, block_size: int | None = None, *, max_rows: int = MA
     return b.finish()
 
 
-def _agentic_edges(file: str, requests: list[_Request], tools: list[_Tool]) -> dict[str, list[Dependency]]:
+def _agentic_edges(requests: list[_Request], tools: list[_Tool]) -> dict[str, list[Dependency]]:
     """Each request's incoming edges: its session's chain, then spawns and joins of child sessions."""
     by_id = {r.request_id: r for r in requests}
     sessions: dict[str, list[_Request]] = {}
@@ -192,7 +215,7 @@ def _agentic_edges(file: str, requests: list[_Request], tools: list[_Tool]) -> d
     for chain in sessions.values():
         for r in chain:
             if r.parent is not None and parents.setdefault(r.session or "", r.parent) != r.parent:
-                raise Row(file, r.line, {}).error("agent_context.parent_session_id", f"session {r.session!r} names "
+                raise Row(r.file, r.line, {}).error("agent_context.parent_session_id", f"session {r.session!r} names "
                                                 f"parent {r.parent!r} here and {parents[r.session or '']!r} before")
     by_child = {t.child: t for t in tools}
     for child, parent in parents.items():
@@ -203,7 +226,7 @@ def _agentic_edges(file: str, requests: list[_Request], tools: list[_Tool]) -> d
         if tool is not None:
             src = by_id.get(tool.source)
             if src is None:
-                raise Row(file, tool.line, {}).error(tool.field.replace("child_session_id", "source_request_id"),
+                raise Row(tool.file, tool.line, {}).error(tool.field.replace("child_session_id", "source_request_id"),
                                                    f"names request {tool.source!r}, which the trace has no "
                                                    "request_end for")
             edge(src, head, DISPATCH, SPAWN, "tool.claude.source_request_id")
@@ -212,12 +235,12 @@ def _agentic_edges(file: str, requests: list[_Request], tools: list[_Tool]) -> d
                 edge(tail, consumer, COMPLETION, JOIN, "tool.claude.consumer_request_id")
             continue
         if not mother:
-            raise Row(file, head.line, {}).error("agent_context.parent_session_id", f"parent session {parent!r} has "
+            raise Row(head.file, head.line, {}).error("agent_context.parent_session_id", f"parent session {parent!r} has "
                                                "no request in the trace")
         starts = [m.start for m in mother]
         k = bisect_right(starts, head.start) - 1
         if k < 0:
-            raise Row(file, head.line, {}).error("agent_context.parent_session_id", f"session {child!r} starts "
+            raise Row(head.file, head.line, {}).error("agent_context.parent_session_id", f"session {child!r} starts "
                                                f"before any request of its parent {parent!r}")
         edge(mother[k], head, DISPATCH, SPAWN, "agent_context.parent_session_id")
         j = bisect_left(starts, tail.end)

@@ -54,7 +54,10 @@ def _first_row(path: Path) -> dict[str, Any] | None:
 
 def detect_format(path: Path) -> str:
     """The format of the trace at ``path``, from its first row (``mooncake`` when nothing else shows)."""
-    if path.is_dir() or path.suffix == ".json":
+    if path.is_dir():  # a Weka corpus, or a Dynamo trace's shards: as its first file is
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith((".json", ".jsonl", ".gz")))
+        return "weka" if not files or files[0].suffix == ".json" else detect_format(files[0])
+    if path.suffix == ".json":
         return "weka"
     row = _first_row(path)
     if row is not None:
@@ -80,8 +83,9 @@ def load_graph(path: Path, fmt: str = "auto", block_size: int | None = None, *,
         fmt = detect_format(path)
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown trace format {fmt!r}; kvemu reads {', '.join(FORMATS)}", field="format")
-    if path.is_dir() and fmt != "weka":
-        raise InvalidArgument(f"{path} is a directory; only a weka corpus may be one", field="trace")
+    if path.is_dir() and fmt not in ("weka", "dynamo"):
+        raise InvalidArgument(f"{path} is a directory; only a weka corpus or a dynamo trace's shards may be one",
+                              field="trace")
     bs = DEFAULT_TRACE_BLOCK_SIZE if block_size is None else block_size
     if fmt == "mooncake":
         return load_mooncake(path, bs, max_rows=max_rows)

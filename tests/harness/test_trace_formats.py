@@ -223,6 +223,21 @@ def test_dynamo_agentic_chains_sessions_and_links_children_by_tool_or_by_time(tm
     assert roundtrip(g, tmp_path, "agentic_mooncake") == g
 
 
+def test_a_dynamo_trace_in_shards_reads_as_the_whole(tmp_path):
+    t0 = 1_700_000_000_000
+    records = [dynamo_end("p0", t0, 100, session="main"), dynamo_end("c0", t0 + 50, 200, session="kid", parent="main"),
+               dynamo_end("p1", t0 + 400, 100, session="main")]
+    whole = load_graph(write(tmp_path / "whole.jsonl", records))
+    (tmp_path / "shards").mkdir()
+    write(tmp_path / "shards" / "a.jsonl", records[:1])
+    (tmp_path / "shards" / "b.jsonl.gz").write_bytes(gzip.compress(write(tmp_path / "b", records[1:]).read_bytes()))
+    assert detect_format(tmp_path / "shards") == "dynamo"
+    assert load_graph(tmp_path / "shards") == whole
+    write(tmp_path / "shards" / "c.jsonl", [dynamo_end("p0", t0, 1, session="x")])
+    with pytest.raises(InvalidArgument, match=r"c.jsonl:1: request.request_id: 'p0' ends twice \(.*a.jsonl:1 too\)"):
+        load_graph(tmp_path / "shards")
+
+
 # ------------------------------------------------------------------------------------- detection
 
 
