@@ -5,14 +5,18 @@ list of entries tagged ``type``: ``n``/``s`` requests (``t`` seconds, ``model``,
 ``api_time`` seconds) and ``subagent`` markers (``t``, ``agent_id``, ``duration_ms``, ``status``: ``completed``
 is blocking, ``async_launched`` background, and their own ``requests``).
 
-Lowering (AISimulate's, without its chain detection: kvemu keeps the outer requests as one chain rather than
-splitting concurrent worker chains by shared hash prefixes):
-- the outer requests form session ``<ns>:session:root``, each waiting for its predecessor's completion plus
-  ``t − (pred.t + pred.api_time)``; a sub-agent's requests form ``<ns>:session:subagent:<i>:<agent_id>`` the same way;
+Lowering (after AISimulate's, simplified: no preamble split, seam splicing or replay barriers):
+- a stream (the outer requests; a sub-agent's requests) splits into chains: a request extends the chain whose
+  tail's full blocks prefix its hash ids, of the same model, that ended by its start; else it starts a worker
+  chain, spawned by the latest request of the chain it shares the longest prefix with. Each request waits for
+  its chain predecessor's completion plus ``t − (pred.t + pred.api_time)``. The outer stream's first chain is
+  session ``<ns>:session:root``, a sub-agent's ``<ns>:session:subagent:<i>:<agent_id>``, further chains
+  ``<that>:worker:<k>``;
 - a sub-agent's first request is spawned by the latest outer request before its marker: on its dispatch (delay from
   its ``t``) if the child starts before that request ends, else on its completion; a blocking sub-agent's last
   request joins the first later outer request whose ``t`` is at or after the sub-agent's end (marker +
-  ``duration_ms``, else its requests' latest end; an understated ``duration_ms`` is refused);
+  ``duration_ms``, else its requests' latest end; an understated ``duration_ms`` is refused), from the tail of
+  each of its chains;
 - every node's ``not_before`` is its ``t`` after the play's first ``t`` (each play starts at 0); delays are clamped at 0;
 - nested ``t`` are absolute, unless some child starts before its marker (then all are relative to their marker);
 - hash ids are renamed per source file: a full block's id is blake3 of its source id and the file, a partial last
@@ -188,61 +192,109 @@ def _lower(b: GraphBuilder, rel: str, obj: Row, entries: list[_Req | _Sub], bloc
         raise obj.error("requests", "the trace has no requests")
     origin = min(times)
     outer = [(i, e) for i, e in enumerate(entries) if isinstance(e, _Req)]
-    root_session = f"{ns}:session:root"
 
-    def end(t: int, r: _Req) -> int:
-        return t + (r.api or 0)
+    def add(item: _Timed, session: str, deps: list[Dependency]) -> None:
+        r = item.req
+        b.add(item.rid, play, session, r.model, _hashes(rel, r, item.rid, block), r.length, r.output, item.t - origin,
+              r.row.line, deps, api_time_ns=r.api, id_field=r.row.name("t"))
 
-    def add(rid: str, session: str, r: _Req, t: int, deps: list[Dependency]) -> None:
-        b.add(rid, play, session, r.model, _hashes(rel, r, rid, block), r.length, r.output, t - origin, r.row.line,
-              deps, api_time_ns=r.api, id_field=r.row.name("t"))
-
-    prev: tuple[str, int, _Req] | None = None
-    joins: dict[int, list[Dependency]] = {}  # outer entry index → join edges into it
+    main = [_Timed(f"{ns}:request:outer:{i}", r.t, r) for i, r in outer]
+    main_sessions, main_deps, _ = _streams(main, f"{ns}:session:root", block)
     subs = [e for e in entries if isinstance(e, _Sub)]
+    lowered = []
     for s in subs:
-        if not s.requests:
+        items = [_Timed(f"{ns}:request:outer:{s.position}:inner:{j}", when(s, c), c) for j, c in enumerate(s.requests)]
+        sessions, deps, tails = _streams(items, f"{ns}:session:subagent:{s.position}:{s.agent}", block)
+        lowered.append((items, sessions, deps))
+        if not items:
             continue
-        last_t = when(s, s.requests[-1])
-        tail_end = max(end(when(s, c), c) for c in s.requests)
+        tail_end = max(it.end for it in items)
         if s.duration is not None and s.t + s.duration < tail_end - _EPS_NS:
             raise s.row.error("duration_ms", f"says the sub-agent ended {s.duration / 1e6:g} ms after its marker, "
                                              f"but its requests run until {(tail_end - s.t) / 1e6:g} ms; fix it or "
                                              "drop it")
+        owner = None
+        for k, (i, r) in enumerate(outer):
+            if i < s.position and r.t <= s.t + _EPS_NS:
+                owner = main[k]
+        if owner is not None:
+            deps[0].append(_spawn(owner, items[0], s.row.name("t")))
         if s.blocking:
             done = s.t + s.duration if s.duration is not None else tail_end
-            target = next((i for i, e in outer if i > s.position and e.t >= done - _EPS_NS), None)
+            target = next((k for k, (i, r) in enumerate(outer) if i > s.position and r.t >= done - _EPS_NS), None)
             if target is not None:
-                tail = f"{ns}:request:outer:{s.position}:inner:{len(s.requests) - 1}"
-                last = s.requests[-1]
-                joins.setdefault(target, []).append(Dependency(
-                    tail, COMPLETION, JOIN, max(0, entries[target].t - end(last_t, last)), s.row.name("status")))
-    # outer chain, then each sub-agent's chain (ids referenced before their node are resolved at finish)
-    for i, r in outer:
-        rid = f"{ns}:request:outer:{i}"
-        deps = [] if prev is None else [Dependency(prev[0], COMPLETION, SEQUENCE, max(0, r.t - end(prev[1], prev[2])),
-                                                   r.row.name("t"))]
-        add(rid, root_session, r, r.t, deps + joins.get(i, []))
-        prev = (rid, r.t, r)
-    for s in subs:
-        session = f"{ns}:session:subagent:{s.position}:{s.agent}"
-        owner = None
-        for i, r in outer:
-            if i < s.position and r.t <= s.t + _EPS_NS:
-                owner = (i, r)
-        before: tuple[str, int, _Req] | None = None
-        for j, c in enumerate(s.requests):
-            t = when(s, c)
-            rid = f"{ns}:request:outer:{s.position}:inner:{j}"
-            chain: list[Dependency] = []
-            if before is not None:
-                chain.append(Dependency(before[0], COMPLETION, SEQUENCE, max(0, t - end(before[1], before[2])),
-                                       c.row.name("t")))
-            elif owner is not None:
-                oi, o = owner
-                dispatch = t < end(o.t, o)
-                chain.append(Dependency(f"{ns}:request:outer:{oi}", DISPATCH if dispatch else COMPLETION, SPAWN,
-                                       max(0, t - (o.t if dispatch else end(o.t, o))), s.row.name("t")))
-            add(rid, session, c, t, chain)
-            before = (rid, t, c)
+                t = main[target].t
+                main_deps[target] += [Dependency(items[k].rid, COMPLETION, JOIN, max(0, t - items[k].end),
+                                                 s.row.name("status")) for k in tails]
+    for k, item in enumerate(main):
+        add(item, main_sessions[k], main_deps[k])
+    for items, sessions, deps in lowered:
+        for k, item in enumerate(items):
+            add(item, sessions[k], deps[k])
 
+
+class _Timed(NamedTuple):
+    """A request of a stream with its id and its start (ns, on the corpus's time basis)."""
+
+    rid: str
+    t: int
+    req: _Req
+
+    @property
+    def end(self) -> int:
+        """When it ended as recorded: its start plus its API time."""
+        return self.t + (self.req.api or 0)
+
+
+def _spawn(parent: _Timed, child: _Timed, field: str) -> Dependency:
+    """``child`` started by ``parent``: on its dispatch if the child starts before it ended, else on its end."""
+    if child.t < parent.end:
+        return Dependency(parent.rid, DISPATCH, SPAWN, max(0, child.t - parent.t), field)
+    return Dependency(parent.rid, COMPLETION, SPAWN, max(0, child.t - parent.end), field)
+
+
+def _streams(items: list[_Timed], session: str, block: int
+             ) -> tuple[list[str], list[list[Dependency]], list[int]]:
+    """A stream's requests split into chains (each request's session and incoming edges; each chain's tail).
+
+    A request extends the chain whose tail's full blocks prefix its hash ids, of the same model, that ended by
+    its start (the longest such tail); else it starts a chain (session ``<session>:worker:<k>``), spawned by
+    the latest request, started by then, of the chain it shares the longest prefix with."""
+    chains: list[list[int]] = []
+    sessions: list[str] = []
+    deps: list[list[Dependency]] = []
+    for k, it in enumerate(items):
+        ids = it.req.hashes
+        best, best_len = -1, -1
+        for c, chain in enumerate(chains):
+            tail = items[chain[-1]]
+            full = tail.req.hashes[:tail.req.length // block]
+            if (tail.req.model == it.req.model and tail.end <= it.t + _EPS_NS and ids[:len(full)] == full
+                    and len(full) > best_len):
+                best, best_len = c, len(full)
+        field = it.req.row.name("t")
+        if best >= 0:
+            tail = items[chains[best][-1]]
+            deps.append([Dependency(tail.rid, COMPLETION, SEQUENCE, max(0, it.t - tail.end), field)])
+            chains[best].append(k)
+            sessions.append(session if best == 0 else f"{session}:worker:{best}")
+            continue
+        mine: list[Dependency] = []
+        if chains:
+            parent = max(range(len(chains)), key=lambda c: (_common(items[chains[c][-1]].req.hashes, ids), -c))
+            started = [j for j in chains[parent] if items[j].t <= it.t + _EPS_NS]
+            mine.append(_spawn(items[started[-1] if started else chains[parent][0]], it, field))
+        chains.append([k])
+        deps.append(mine)
+        sessions.append(session if len(chains) == 1 else f"{session}:worker:{len(chains) - 1}")
+    return sessions, deps, [chain[-1] for chain in chains]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of two hash id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -163,6 +163,19 @@ def test_weka_lowers_a_blocking_sub_agent_to_spawn_and_join(tmp_path):
     assert roundtrip(g, tmp_path, "agentic_mooncake") == g
 
 
+def test_weka_splits_overlapping_requests_into_worker_chains_by_shared_prefix(tmp_path):
+    requests = [weka_request(0.0, isl=8, ids=(1, 2), api=1.0),      # the main chain
+                weka_request(0.5, isl=8, ids=(1, 5), api=1.0),      # starts while the first runs: a worker
+                weka_request(2.0, isl=12, ids=(1, 2, 3), api=1.0),  # extends the main chain's prompt
+                weka_request(2.5, isl=12, ids=(1, 5, 6), api=1.0)]  # extends the worker's
+    g = load_graph(write(tmp_path / "w.jsonl", [weka_trace("p", requests)]))
+    n = list(g.nodes())
+    assert [x.session.rsplit(":session:", 1)[1] for x in n] == ["root", "root:worker:1", "root", "root:worker:1"]
+    assert n[1].edges == (Edge(0, DISPATCH, SPAWN, 500 * MS),)
+    assert n[2].edges == (Edge(0, COMPLETION, SEQUENCE, 1000 * MS),)
+    assert n[3].edges == (Edge(1, COMPLETION, SEQUENCE, 1000 * MS),)
+
+
 def test_weka_reads_a_json_object_and_a_directory_in_sorted_order(tmp_path):
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "b.json").write_text(json.dumps(weka_trace("b")))
