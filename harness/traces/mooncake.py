@@ -20,7 +20,7 @@ from kvemu.clock import NS_PER_MS
 from workers.trace import MAX_TRACE_ROWS, MooncakeRow, read_mooncake
 
 from harness.traces.graph import COMPLETION, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
-from harness.traces.rows import ns_to_ms
+from harness.traces.rows import MAX_PROMPT_TOKENS, error, ns_to_ms
 
 __all__ = ["DEFAULT_MODEL", "MooncakeTurn", "mooncake_turns", "load_mooncake", "load_mooncake_delta",
            "mooncake_rows", "mooncake_delta_rows"]
@@ -66,6 +66,9 @@ def _load(path: Path, block_size: int, max_rows: int, delta: bool, name: str) ->
             prev, session, k, prev_ids, prev_len = last[row.session_id]
             if delta:
                 ids, length = prev_ids + ids, prev_len + length
+                if length > MAX_PROMPT_TOKENS:
+                    raise error(str(path), t.line, "input_length", f"the session's prompt grows to {length:,} "
+                                f"tokens, longer than kvemu simulates ({MAX_PROMPT_TOKENS:,})")
             deps = [Dependency(b.request_id_of(prev), COMPLETION, SEQUENCE, t.time_ns, "delay")]
             not_before = 0
         else:

@@ -28,6 +28,9 @@ CASES: list[tuple[str, str, list[Any], int, str]] = [
     ("mooncake missing output_length", "mooncake", [{"input_length": 4, "hash_ids": [1]}], 1, "output_length"),
     ("mooncake-delta bad delay", "mooncake-delta", ["", {"input_length": 4, "output_length": 1, "hash_ids": [1],
                                                         "delay": -1}], 2, "delay"),
+    ("mooncake-delta prompt too long", "mooncake-delta",
+     [{"session_id": "a", "input_length": 1 << 22, "output_length": 1, "hash_ids": list(range(1 << 20))},
+      {"session_id": "a", "input_length": 4, "output_length": 1, "hash_ids": [1]}], 2, "input_length"),
     # legacy agentic_mooncake
     ("legacy empty request_id", "agentic_mooncake_legacy", [legacy_row("")], 1, "request_id"),
     ("legacy missing request_id", "agentic_mooncake_legacy", [{"input_length": 4, "output_length": 1,
