@@ -29,8 +29,10 @@ from harness.report.run_data import RunData
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import drain_deadline_s, play_workload
 from harness.trace_sessions import TraceSessions
+from harness.traces.graph import TraceGraph
+from harness.turns import Sessions
 from harness.tuning import tune_gc
-from harness.workload import Session, build_sessions
+from harness.workload import build_sessions
 
 __all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
 
@@ -38,9 +40,10 @@ Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
 
 
-def count_requests(sessions: Sequence[Session]) -> int:
-    """How many requests the sessions will send (turns and their sub-agents; a loaded trace counts its rows)."""
-    if isinstance(sessions, TraceSessions):
+def count_requests(sessions: Sessions) -> int:
+    """How many requests the sessions will send (turns and their sub-agents; a loaded trace counts its rows, a
+    graph its nodes)."""
+    if isinstance(sessions, (TraceSessions, TraceGraph)):
         return sessions.turn_count()  # (a trace turn has no sub-agents)
     return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
 
@@ -161,7 +164,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(leaf).__name__}: {leaf}"
 
 
-async def _main(scenario: Scenario, sessions: Sequence[Session], clock: Clock, hooks: Hooks, recorder: Recorder,
+async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hooks, recorder: Recorder,
                 state: dict[str, Any], progress: Progress | None, total: int) -> None:
     run_clock: Clock = clock if scenario.run.mode == "virtual" else _ShiftedClock(clock)
     async with cluster(scenario, run_clock, hooks) as c:

@@ -9,26 +9,32 @@ Closed loop (``concurrency=N``, the reference replay's ``replay_concurrency``): 
 first N sessions start at once and each next one, in start order, when a session ends (a session holds its
 slot through its think times). A closed loop has no last start to time a drain from, so it stops instead when
 no request has ended for ``stall_timeout_ns`` while some were in flight.
+
+A trace's dependency graph (``harness.traces``) plays the same way with plays for sessions (``GraphPlayer``):
+a request goes when the requests it depends on were sent or ended, as its edges say.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from array import array
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
 import anyio
 
-from kvemu.clock import NS_PER_S, Clock
+from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
+from workers.trace import HashIdTokens
 
 from harness.scenario import Scenario
 from harness.trace_sessions import start_times
-from harness.turns import Session, Turn
+from harness.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
+from harness.turns import Session, Sessions, Turn
 
-__all__ = ["SessionPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
+__all__ = ["SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
 
 Submit = Callable[[ClientRequest, Callable[[Any], None]], None]
 """Starts one request; the callable is called once with its outcome when it ended."""
@@ -46,14 +52,13 @@ def awaiting(tg: anyio.abc.TaskGroup, submit: Callable[[ClientRequest], Awaitabl
     return start
 
 
-class SessionPlayer:
-    """Runs every session to its end (see the module doc); ``run`` returns when all have ended.
+class _Player:
+    """What every player shares: units (sessions, plays) started open or closed loop, requests submitted and
+    counted, timers in exact virtual nanoseconds, the closed loop's stall watch. ``run`` returns when every unit
+    ended; a subclass says how many units there are, how one starts and when one ended (``_unit_ended``)."""
 
-    A session is taken from ``sessions`` only when it starts (a loaded trace materializes it then)."""
-
-    def __init__(self, sessions: Sequence[Session], submit: Submit, clock: Clock, *, concurrency: int | None = None,
+    def __init__(self, submit: Submit, clock: Clock, *, concurrency: int | None = None,
                  stall_timeout_ns: int | None = None) -> None:
-        self.sessions = sessions
         self.submit = submit
         self.clock = clock
         self.concurrency = concurrency
@@ -64,29 +69,42 @@ class SessionPlayer:
         self._done: anyio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
-        self._queue: Iterator[Session] = iter(())  # closed loop: the sessions not started yet, in start order
         self._in_flight = 0
         self._last_end_ns = 0
         self._watching = False
 
+    def _units(self) -> int:
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        """Start the units: at their start times (open loop), or the first ``concurrency`` of them."""
+        raise NotImplementedError
+
+    def _start_next(self) -> None:
+        """Closed loop: a unit ended; start the next one not started yet, if any."""
+        raise NotImplementedError
+
     async def run(self) -> None:
-        """Start the sessions (at their start times, or closed loop), then wait until every session ended."""
+        """Start the units (at their start times, or closed loop), then wait until every unit ended."""
         self._loop = asyncio.get_running_loop()
         self._done = anyio.Event()
-        self._open = len(self.sessions)
+        self._open = self._units()
         if not self._open:
             return
-        if self.concurrency is None:
-            for i, start_ns in enumerate(start_times(self.sessions)):
-                self._at(start_ns, self._start, i)
-        else:
-            self._queue = iter(self.sessions)
-            for s in islice(self._queue, self.concurrency):
-                self._turn(s, 0)
+        self._begin()
         try:
             await self._done.wait()
         finally:  # finished, or cancelled (a drain deadline, a lost router): timers still set send nothing
             self._stopped = True
+
+    def _unit_ended(self) -> None:
+        self._open -= 1
+        if not self._open:
+            assert self._done is not None
+            self._done.set()
+            return
+        if self.concurrency is not None:  # its slot goes to the next unit
+            self._start_next()
 
     def _watch(self) -> None:
         """Closed loop: stop when requests are in flight and none ended (or started) for the stall timeout."""
@@ -128,6 +146,35 @@ class SessionPlayer:
             call_at_ns(when_ns, fn, *args)
         else:
             loop.call_later(delay / NS_PER_S, fn, *args)
+
+
+class SessionPlayer(_Player):
+    """Runs every session to its end (see the module doc); ``run`` returns when all have ended.
+
+    A session is taken from ``sessions`` only when it starts (a loaded trace materializes it then)."""
+
+    def __init__(self, sessions: Sequence[Session], submit: Submit, clock: Clock, *, concurrency: int | None = None,
+                 stall_timeout_ns: int | None = None) -> None:
+        super().__init__(submit, clock, concurrency=concurrency, stall_timeout_ns=stall_timeout_ns)
+        self.sessions = sessions
+        self._queue: Iterator[Session] = iter(())  # closed loop: the sessions not started yet, in start order
+
+    def _units(self) -> int:
+        return len(self.sessions)
+
+    def _begin(self) -> None:
+        if self.concurrency is None:
+            for i, start_ns in enumerate(start_times(self.sessions)):
+                self._at(start_ns, self._start, i)
+        else:
+            self._queue = iter(self.sessions)
+            for s in islice(self._queue, self.concurrency):
+                self._turn(s, 0)
+
+    def _start_next(self) -> None:
+        following = next(self._queue, None)
+        if following is not None:
+            self._turn(following, 0)
 
     def _start(self, i: int) -> None:
         """Open loop: session ``i`` is due (its index waited in the timer, not the session)."""
@@ -178,15 +225,100 @@ class SessionPlayer:
         if k + 1 < len(s.turns):
             self._turn(s, k + 1)
             return
-        self._open -= 1
-        if not self._open:
-            assert self._done is not None
-            self._done.set()
+        self._unit_ended()
+
+
+class GraphPlayer(_Player):
+    """Plays a trace's dependency graph (``harness.traces``): a unit is a play.
+
+    Open loop: a root goes at its ``not_before``. Closed loop (``concurrency`` plays at a time, in order of their
+    first root): a play's times count from when it started. Any other node goes once every incoming edge's
+    trigger (its source's dispatch, or its end, completed or failed) happened plus the edge's delay, and not
+    before its own ``not_before``. A request carries its node's session as its affinity key (``<play>:<session>``
+    where plays share a session name): a sub-agent, being its own session, keeps its own. A failed request
+    counts as ended: what waits for it still goes."""
+
+    def __init__(self, graph: TraceGraph, submit: Submit, clock: Clock, *, concurrency: int | None = None,
+                 stall_timeout_ns: int | None = None) -> None:
+        super().__init__(submit, clock, concurrency=concurrency, stall_timeout_ns=stall_timeout_ns)
+        self.graph = graph
+        g = graph
+        n = len(g)
+        self._pending = indegrees(g.edge_end)
+        self._due = array("q", bytes(8 * n))
+        self._out_start, self._out = successors(g.edge_end, g.edge_source)
+        self._target = targets(g.edge_end)
+        plays = len(g.plays)
+        self._play = array("I", (g.session_play[s] for s in g.session))  # node → its play
+        self._play_start, self._members = grouped(self._play, plays)
+        self._left = array("I", (self._play_start[p + 1] - self._play_start[p] for p in range(plays)))
+        self._first = array("q", [MAX_TIME_NS]) * plays  # play → its earliest root's not_before
+        for i in range(n):
+            if not self._pending[i] and g.not_before_ns[i] < self._first[self._play[i]]:
+                self._first[self._play[i]] = g.not_before_ns[i]
+        self._queue: Iterator[int] = iter(())
+
+    def _units(self) -> int:
+        return len(self.graph.plays)
+
+    def _begin(self) -> None:
+        if self.concurrency is None:
+            for p in range(len(self.graph.plays)):
+                self._open_play(p, 0)
             return
-        if self.concurrency is not None:  # its slot goes to the next session
-            following = next(self._queue, None)
-            if following is not None:
-                self._turn(following, 0)
+        order = sorted(range(len(self.graph.plays)), key=self._first.__getitem__)
+        self._queue = iter(order)
+        for p in islice(self._queue, self.concurrency):
+            self._open_play(p, self.clock.now_ns() - self._first[p])
+
+    def _start_next(self) -> None:
+        p = next(self._queue, None)
+        if p is not None:
+            self._open_play(p, self.clock.now_ns() - self._first[p])
+
+    def _open_play(self, p: int, origin_ns: int) -> None:
+        """Play ``p`` begins at ``origin_ns`` (its times count from there): its roots are timed."""
+        g = self.graph
+        for i in self._members[self._play_start[p]:self._play_start[p + 1]]:
+            self._due[i] = origin_ns + g.not_before_ns[i]
+            if not self._pending[i]:
+                self._at(self._due[i], self._release, i)
+
+    def _release(self, i: int) -> None:
+        if self._stopped:
+            return
+        g = self.graph
+
+        def ended(_outcome: Any) -> None:
+            self._loop.call_soon(self._ended, i)  # type: ignore[union-attr]
+
+        prompt = HashIdTokens(g.hash_ids(i), g.input_length[i], g.block_size)
+        req = ClientRequest(request_id=g.request_id(i), tokens=prompt,  # type: ignore[arg-type]
+                            max_tokens=max(1, g.output_length[i]), session_id=g.session_keys[g.session[i]])
+        self._submit(req, ended)
+        self._fire(i, DISPATCH)
+
+    def _ended(self, i: int) -> None:
+        if self._stopped:
+            return
+        self._fire(i, COMPLETION)
+        p = self._play[i]
+        self._left[p] -= 1
+        if not self._left[p]:
+            self._unit_ended()
+
+    def _fire(self, i: int, trigger: int) -> None:
+        """Node ``i``'s ``trigger`` happened now: each edge it times counts down its target."""
+        g = self.graph
+        now = self.clock.now_ns()
+        for e in self._out[self._out_start[i]:self._out_start[i + 1]]:
+            if g.edge_kind[e] & 1 != trigger:
+                continue
+            j = self._target[e]
+            self._due[j] = max(self._due[j], now + g.edge_delay_ns[e])
+            self._pending[j] -= 1
+            if not self._pending[j]:
+                self._at(self._due[j], self._release, j)
 
 
 def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -> ClientRequest:
@@ -196,7 +328,7 @@ def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -
                          parent_session_id=parent, worker_id=turn.worker_id)
 
 
-def drain_deadline_s(scenario: Scenario, sessions: Sequence[Session]) -> float:
+def drain_deadline_s(scenario: Scenario, sessions: Sessions) -> float:
     """Scenario seconds after which an open-loop run stops waiting: the last session start plus
     ``run.drain_timeout_s`` (a closed loop has none: it watches for stalls instead)."""
     if scenario.workload.concurrency is not None:
@@ -205,10 +337,17 @@ def drain_deadline_s(scenario: Scenario, sessions: Sequence[Session]) -> float:
     return last + scenario.run.drain_timeout_s
 
 
-async def play_workload(scenario: Scenario, sessions: Sequence[Session], submit: Submit, clock: Clock) -> bool:
-    """Play ``sessions`` as the scenario says (open or closed loop, drain deadline); False if cut short."""
-    player = SessionPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,
-                           stall_timeout_ns=round(scenario.run.drain_timeout_s * NS_PER_S))
+async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, clock: Clock) -> bool:
+    """Play ``sessions`` (or a trace's graph) as the scenario says (open or closed loop, drain deadline); False
+    if cut short."""
+    stall = round(scenario.run.drain_timeout_s * NS_PER_S)
+    player: _Player
+    if isinstance(sessions, TraceGraph):
+        player = GraphPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,
+                             stall_timeout_ns=stall)
+    else:
+        player = SessionPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,
+                               stall_timeout_ns=stall)
     with anyio.move_on_after(drain_deadline_s(scenario, sessions)) as scope:
         await player.run()
     return not (scope.cancelled_caught or player.stalled)

@@ -19,7 +19,8 @@ from typing import overload
 
 from workers.trace import MooncakeRow
 
-from harness.turns import Session, Turn
+from harness.traces.graph import TraceGraph
+from harness.turns import Session, Sessions, Turn
 
 __all__ = ["TraceSessions", "TraceSessionsBuilder", "start_times", "turn_count"]
 
@@ -130,7 +131,7 @@ class TraceSessionsBuilder:
         self._end = array("q")  # ... the earliest its latest turn starts (ns; responses add to it)
         self._in_order = True
 
-    def __contains__(self, session_id: str) -> bool:
+    def __contains__(self, session_id: object) -> bool:
         return session_id in self._open
 
     def turn(self, row: MooncakeRow) -> int:
@@ -191,15 +192,20 @@ class TraceSessionsBuilder:
                              self._input_length, start, first, line, turns, names, len(start))
 
 
-def start_times(sessions: Sequence[Session]) -> Iterable[int]:
-    """Each session's start (ns), in order, without materializing a loaded trace's sessions."""
+def start_times(sessions: Sessions) -> Iterable[int]:
+    """Each session's start (ns), in order, without materializing a loaded trace's sessions (a graph: its
+    roots' ready times)."""
+    if isinstance(sessions, TraceGraph):
+        return (sessions.not_before_ns[i] for i in sessions.roots())
     if isinstance(sessions, TraceSessions):
         return sessions.start_times()
     return (s.start_ns for s in sessions)
 
 
-def turn_count(sessions: Sequence[Session]) -> int:
-    """How many turns the sessions hold, without materializing a loaded trace's sessions."""
+def turn_count(sessions: Sessions) -> int:
+    """How many turns the sessions hold, without materializing a loaded trace's sessions (a graph: its nodes)."""
+    if isinstance(sessions, TraceGraph):
+        return len(sessions)
     if isinstance(sessions, TraceSessions):
         return sessions.turn_count()
     return sum(len(s.turns) for s in sessions)

@@ -11,7 +11,9 @@ from typing import NamedTuple
 
 from workers.trace import HashIdTokens
 
-__all__ = ["Turn", "Session"]
+from harness.traces.graph import TraceGraph
+
+__all__ = ["Turn", "Session", "Sessions"]
 
 
 class Turn(NamedTuple):
@@ -47,3 +49,7 @@ class Session(NamedTuple):
     turns: list[Turn]
     sticky: bool = False
     """Whether its requests carry the session id (affinity); trace rows without one do not."""
+
+
+Sessions = Sequence[Session] | TraceGraph
+"""What a workload plays: sessions of turns, or a trace's dependency graph (``harness.traces``)."""

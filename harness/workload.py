@@ -16,7 +16,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import TextIO
 
-from kvemu.clock import NS_PER_MS, NS_PER_S
+from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from workers.trace import MAX_TRACE_ROWS, read_mooncake
 
@@ -31,7 +31,10 @@ from harness.scenario import (
     resolve,
 )
 from harness.trace_sessions import TraceSessions, TraceSessionsBuilder
-from harness.turns import Session, Turn
+from harness.traces.formats import detect_format, load_graph
+from harness.traces.graph import TraceGraph
+from harness.traces.mooncake import mooncake_turns
+from harness.turns import Session, Sessions, Turn
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
 
@@ -51,34 +54,27 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
     """
     if progress is None and sys.stderr is not None and sys.stderr.isatty():
         progress = sys.stderr
-    store = TraceSessionsBuilder(workload.trace_block_size)
-    speed = workload.arrival_speedup_ratio
-    last_ts = 0.0
-    rows = read_mooncake(path, max_requests, workload.trace_block_size, max_rows=max_rows)
+    store = TraceSessionsBuilder(workload.block_size)
+    turns = mooncake_turns(path, store, max_requests, workload.block_size,
+                           speed=workload.arrival_speedup_ratio, max_rows=max_rows)
     count = 0
     while True:
         try:
-            item = next(rows, None)
+            item = next(turns, None)
         except InvalidArgument as exc:
             raise ScenarioError(str(exc)) from None
         if item is None:
             break
-        lineno, row = item
+        lineno, row = item.line, item.row
         count += 1
         if progress is not None and count % PROGRESS_EVERY_ROWS == 0:
             print(f"kvemu: reading {path}: {count:,} rows (line {lineno:,})", file=progress, flush=True)
         r = store.turn(row)
-        sid = row.session_id
-        delay_ms = row.delay or 0.0
-        if row.timestamp is not None:
-            last_ts = row.timestamp
-        if sid is not None and sid in store:
-            _check_time(store.follow(sid, r, round(delay_ms * NS_PER_MS / speed)), path, lineno)
+        if item.follows:
+            _check_time(store.follow(row.session_id, r, item.time_ns), path, lineno)  # type: ignore[arg-type]
             continue
-        start_ms = last_ts if row.timestamp is not None else last_ts + delay_ms
-        start_ns = round(start_ms * NS_PER_MS / speed)
-        _check_time(start_ns, path, lineno)
-        store.open(r, lineno, start_ns, sid)
+        _check_time(item.time_ns, path, lineno)
+        store.open(r, lineno, item.time_ns, row.session_id)
     return store.build()
 
 
@@ -146,18 +142,63 @@ def _tokens(rng: random.Random, vocab: int, count: int) -> list[int]:
     return out
 
 
-def build_sessions(scenario: Scenario) -> Sequence[Session]:
-    """The scenario's sessions, cut to ``run.duration_s`` / ``run.max_requests`` as configured."""
+def trace_format(workload: TraceWorkload, path: Path) -> str:
+    """The workload's trace format: ``format``, or the one its file shows (``auto``)."""
+    if workload.format != "auto":
+        return workload.format
+    try:
+        return detect_format(path)
+    except InvalidArgument as exc:
+        raise ScenarioError(f"workload.format: {exc}") from None
+
+
+def load_trace_graph(workload: TraceWorkload, path: Path, fmt: str, max_requests: int | None = None, *,
+                     max_rows: int = MAX_TRACE_ROWS) -> TraceGraph:
+    """A trace of any format as a graph, faster by ``arrival_speedup_ratio`` and cut to its first
+    ``max_requests`` nodes (a node whose dependency was cut goes too); a bad file is a ``ScenarioError``."""
+    try:
+        graph = load_graph(path, fmt, workload.trace_block_size, max_rows=max_rows)
+    except (InvalidArgument, OSError) as exc:
+        raise ScenarioError(str(exc)) from None
+    last = max(graph.not_before_ns, default=0) / workload.arrival_speedup_ratio
+    if last > MAX_SCENARIO_NS:
+        raise ScenarioError(f"{path}: a request is ready {last / NS_PER_S:.3g} s into the run, past the "
+                            f"{MAX_SCENARIO_S:.2g} s kvemu simulates")
+    graph = graph.scaled(workload.arrival_speedup_ratio)
+    if max_requests is not None and max_requests < len(graph):
+        graph = graph.select([i < max_requests for i in range(len(graph))])
+    return graph
+
+
+def build_sessions(scenario: Scenario) -> Sessions:
+    """The scenario's sessions (a graph for an agentic trace), cut to ``run.duration_s`` / ``run.max_requests``
+    as configured (a graph keeps the plays whose first request is ready by ``duration_s``)."""
     w = scenario.workload
     run = scenario.run
     if isinstance(w, TraceWorkload):
-        loaded = load_trace(w, resolve(scenario, w.trace), run.max_requests)
+        path = resolve(scenario, w.trace)
+        fmt = trace_format(w, path)
+        if fmt != "mooncake":
+            graph = load_trace_graph(w, path, fmt, run.max_requests)
+            return graph if run.duration_s is None else _plays_by(graph, round(run.duration_s * NS_PER_S))
+        loaded = load_trace(w, path, run.max_requests)
         return loaded if run.duration_s is None else loaded.starting_by(round(run.duration_s * NS_PER_S))
     duration = run.duration_s if run.duration_s is not None else 60.0
     sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers)
     if run.max_requests is not None:
         sessions = list(_cut(sessions, run.max_requests))
     return sessions
+
+
+def _plays_by(graph: TraceGraph, limit_ns: int) -> TraceGraph:
+    """The plays whose first root is ready at or before ``limit_ns``."""
+    first = [MAX_SCENARIO_NS + 1] * len(graph.plays)
+    for i in graph.roots():
+        p = graph.play_of(i)
+        first[p] = min(first[p], graph.not_before_ns[i])
+    if all(t <= limit_ns for t in first):
+        return graph
+    return graph.select([first[graph.play_of(i)] <= limit_ns for i in range(len(graph))])
 
 
 def _cut(sessions: list[Session], limit: int) -> Iterator[Session]:
@@ -177,10 +218,15 @@ def output_lengths(scenario: Scenario) -> Callable[[], int]:
     w = scenario.workload
     if isinstance(w, SyntheticWorkload):
         return lambda: sample(w.osl, rng)
-    rows = read_mooncake(resolve(scenario, w.trace), scenario.run.max_requests, w.trace_block_size)
-    lengths = array("I")  # (a 10^7-row trace: 40 MB, not a list of ints)
-    for _, row in rows:
-        lengths.append(row.output_length)
+    path = resolve(scenario, w.trace)
+    fmt = trace_format(w, path)
+    if fmt != "mooncake":
+        graph = load_trace_graph(w, path, fmt, scenario.run.max_requests)
+        lengths = array("I", (max(1, n) for n in graph.output_length))
+    else:
+        lengths = array("I")  # (a 10^7-row trace: 40 MB, not a list of ints)
+        for _, row in read_mooncake(path, scenario.run.max_requests, w.block_size):
+            lengths.append(row.output_length)
     if not lengths:
         raise ScenarioError(f"workload.trace: {w.trace} has no rows to draw output lengths from")
     return lambda: lengths[rng.randrange(len(lengths))]

@@ -34,6 +34,7 @@ __all__ = [
     "MooncakeRow",
     "mooncake_row",
     "read_mooncake",
+    "trace_lines",
     "clamped_input_length",
     "expand_hash_ids",
     "HashIdTokens",
@@ -182,16 +183,7 @@ def read_mooncake(path: str | Path, limit: int | None = None,
             if past is not None:
                 raise InvalidArgument(_too_many_rows(path, past, max_rows), field="max_requests")
             fh.seek(0)
-        for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
-            if len(raw) > MAX_TRACE_LINE_BYTES:
-                raise InvalidArgument(f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes")
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as exc:
-                raise InvalidArgument(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                      f"{exc.start + 1})") from None
-            if not line:
-                continue
+        for lineno, line in trace_lines(fh, path):
             if n >= limit:  # (the file grew after the count)
                 raise InvalidArgument(_too_many_rows(path, lineno, max_rows), field="max_requests")
             row = _fast_row(line, trace_block_size) if fast else None
@@ -206,6 +198,21 @@ def read_mooncake(path: str | Path, limit: int | None = None,
             n += 1
             if n >= limit and not bounded:
                 return
+
+
+def trace_lines(fh: Any, path: str | Path) -> Iterator[tuple[int, str]]:
+    """``(line number, stripped text)`` of each non-blank line of a binary file; a line longer than
+    ``MAX_TRACE_LINE_BYTES`` or not UTF-8 is refused naming the file and line (every trace reader's lines)."""
+    for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
+        if len(raw) > MAX_TRACE_LINE_BYTES:
+            raise InvalidArgument(f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes")
+        try:
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                  f"{exc.start + 1})") from None
+        if line:
+            yield lineno, line
 
 
 def _too_many_rows(path: str | Path, lineno: int, max_rows: int) -> str:

@@ -2,8 +2,8 @@
 
 ``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every
 command's options), ``run`` (run, validate), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
-serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts), ``tools`` (tokenizer, compare, demo),
-and what they share: ``loading`` (the scenario a command names) and ``signals``.
+serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts),
+``trace`` (validate and convert trace files), ``tools`` (tokenizer, compare, demo), and what they share: ``loading`` (the scenario a command names) and ``signals``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return plan_command(args)
     if args.command == "validate":
         return validate_command(args)
+    if args.command == "trace":
+        from harness.cli.trace import trace_command
+
+        return trace_command(args)
     if args.command == "tokenizer":
         return tokenizer_command(args)
     if args.command == "compare":

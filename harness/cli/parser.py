@@ -63,7 +63,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="find the smallest cluster that meets an SLA at a goodput target (a search, "
                                        "in parallel); writes plan.md, plan.json and plan.png")
-    plan.add_argument("scenario", nargs="?", help="scenario YAML or Mooncake trace .jsonl (default: the built-in "
+    plan.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in "
                                                   "quickstart)")
     plan.add_argument("--sla", help="ttft_ms=MS,itl_ms=MS or e2e_ms=MS (default: the scenario's run.sla)")
     plan.add_argument("--goodput", type=float, default=0.95,
@@ -77,6 +77,29 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--address", help="tcp://HOST:PORT (Dask) or ray://HOST:PORT | auto (Ray), as for sweep")
     plan.add_argument("--width", type=int, help="probes per round (default: --jobs, or 4 on Dask/Ray)")
     return plan
+
+
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    """``kvemu trace validate`` and ``kvemu trace convert``."""
+    from harness.traces.names import FORMATS, WRITABLE
+
+    trace = sub.add_parser("trace", help="check a trace file, or convert it to another format (docs/traces.md)")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="COMMAND", help="what to do")
+    validate = trace_sub.add_parser("validate", help="read a trace and print its requests, edges, sessions, plays")
+    validate.add_argument("input", metavar="FILE", help="the trace (a file; a directory for weka)")
+    convert = trace_sub.add_parser("convert", help="write a trace as another format (refused where that would "
+                                                   "change its replay, unless --allow-lossy)")
+    convert.add_argument("input", metavar="IN", help="the trace to read")
+    convert.add_argument("output", metavar="OUT", help="the file to write")
+    convert.add_argument("--to", required=True, choices=WRITABLE, help="the format to write")
+    convert.add_argument("--allow-lossy", action="store_true",
+                         help="write even where the target cannot hold every edge, trigger or delay (Mooncake: "
+                              "sessions become chains); prints what was dropped")
+    for command in (validate, convert):
+        command.add_argument("--from", dest="from_format", default="auto", choices=("auto", *FORMATS),
+                             help="the input's format (default: detected from the file where unambiguous)")
+        command.add_argument("--block-size", type=int, metavar="N",
+                             help="tokens per hash id (default: the file's own, or 512 where the format has none)")
 
 
 def _version() -> str:
@@ -200,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts as token-id lists where the router takes them (kvemu, vllm-router) and text "
                             "the fleet's tokenizer maps back to those ids elsewhere (auto, the default), or all "
                             "as text, or all as token ids")
+    _add_trace(sub)
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
                                              help="what to do with it")

@@ -109,7 +109,7 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
-        if not path.is_file():
+        if not (path.is_file() or path.is_dir()):  # (a directory: a Weka corpus)
             at = key_location(text, ["workload", "trace"], overridden)
             raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
     return scenario

@@ -277,13 +277,23 @@ class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind",
 
 class TraceWorkload(_Workload, tag="trace", tag_field="kind",
                     kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Replay of a Mooncake-format JSONL trace (``timestamp`` or ``delay``, ``hash_ids``...)."""
+    """Replay of a trace file: Mooncake JSONL (``timestamp`` or ``delay``, ``hash_ids``...) or any format of
+    ``harness.traces`` (docs/traces.md), agentic graphs included."""
 
     trace: str
-    """Path of the JSONL file, relative to the scenario file unless absolute."""
-    format: Literal["mooncake"] = "mooncake"
-    trace_block_size: Count = 512
+    """Path of the trace, relative to the scenario file unless absolute (a directory: a Weka corpus)."""
+    format: Literal["auto", "mooncake", "mooncake-delta", "agentic_mooncake", "agentic_mooncake_legacy",
+                    "applied_compute_agentic", "weka", "dynamo"] = "auto"
+    """The trace's format; ``auto`` tells it from the file where that is unambiguous (never ``mooncake-delta``)."""
+    trace_block_size: Count | None = None
+    """Tokens per hash id. None: the file's own (Agentic Mooncake v2, Weka, Dynamo say it), else 512; a value
+    given for such a file must agree with it."""
     arrival_speedup_ratio: Positive = 1.0
+
+    @property
+    def block_size(self) -> int:
+        """``trace_block_size``, or 512 when not given (for the formats whose files do not say it)."""
+        return 512 if self.trace_block_size is None else self.trace_block_size
 
 
 class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
