@@ -95,6 +95,16 @@ def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_toke
                 f"prompt ({n} tokens) leaves no room for output in {limit}, the longest sequence an SGLang pool "
                 f"of {config.num_gpu_blocks} pages x {config.block_size} tokens holds (SGLang aborts such requests)",
             )
+    elif config.kv_groups:  # hybrid KV groups: the blocks it may hold at once over every group must fit the pool
+        from workers.hybrid import max_blocks  # (only hybrid engines pay for the import)
+
+        need = max_blocks(config, kv_tokens)
+        if need > config.pool_blocks:
+            raise _malformed(
+                "token_ids",
+                f"prompt ({n}) + max_tokens ({mt}) - 1 = {kv_tokens} KV tokens need up to {need} blocks over the "
+                f"model's KV cache groups, more than the pool's {config.pool_blocks}",
+            )
     elif kv_tokens > config.capacity_tokens:
         raise _malformed(
             "token_ids",

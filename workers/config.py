@@ -18,7 +18,8 @@ from kvemu.validation import check_struct
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
            "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
-           "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS"]
+           "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS", "KvGroupSpec", "KvCacheGroup",
+           "KV_GROUP_KINDS"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -156,6 +157,43 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         return total
 
 
+KV_GROUP_KINDS = ("full_attention", "sliding_window", "state")
+
+
+class KvGroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One kind of layer of a hybrid model (``kv_groups``): how many layers, and how they keep KV.
+
+    ``full_attention`` keeps every token's KV; ``sliding_window`` keeps the last ``window`` tokens (vLLM frees a
+    block once all its tokens are before ``computed - window + 1``); ``state`` is a recurrent (Mamba-like) layer
+    with a fixed state per request, one block per state (vLLM's ``MambaSpec``; the page is taken as already
+    unified with the attention page, as vLLM pads it). See docs/hybrid-kv.md.
+    """
+
+    kind: Literal["full_attention", "sliding_window", "state"]
+    layers: Annotated[int, Meta(ge=1, le=100_000)]
+    """How many layers of this kind the model has (vLLM groups them as in ``KvCacheGroup``)."""
+    window: Annotated[int, Meta(ge=2, le=1 << 40)] | None = None
+    """``sliding_window`` only: the window in tokens (vLLM's ``sliding_window``)."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if (self.kind == "sliding_window") != (self.window is not None):
+            raise InvalidArgument(
+                f"kv_groups: kind {self.kind!r} " + ("needs a window (tokens)" if self.window is None
+                                                     else "takes no window; only sliding_window does"),
+                field="kv_groups.window")
+
+
+class KvCacheGroup(msgspec.Struct, frozen=True):
+    """One KV cache group as vLLM forms them: layers sharing one block table (``KVCacheGroupSpec``)."""
+
+    kind: str
+    """``full_attention``, ``sliding_window`` or ``state``."""
+    window: int | None
+    layers: int
+    """Layers of the model in this group (the last group of a kind may be padded up to ``group_size``)."""
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One DP rank's engine knobs (names and defaults of the reference mocker, vLLM flavour).
 
@@ -199,9 +237,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """A host-memory KV tier behind the GPU pool (vLLM backend with prefix caching only); None: off."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding: drafts verified per decode pass (every backend); None: off."""
+    kv_groups: list[KvGroupSpec] | None = None
+    """A hybrid model's layers by kind (vLLM's hybrid KV cache manager; vLLM flavour only); None: every layer is
+    full attention (one group, the plain engine). ``num_gpu_blocks`` then stays the blocks of the memory a
+    full-attention model of the same layer count would get; see ``kv_cache_groups`` and docs/hybrid-kv.md."""
 
     def __post_init__(self) -> None:
         check_struct(self)
+        if self.kv_groups is not None:
+            self._check_kv_groups()
         if self.native_host_offload is not None:
             self._check_host_offload()
         if self.block_size is None:
@@ -216,6 +260,69 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"({self.max_num_seqs}) so every running request can decode in one pass",
                 field="max_num_batched_tokens",
             )
+
+    def _check_kv_groups(self) -> None:
+        groups = self.kv_groups
+        assert groups is not None
+        if not groups:
+            raise InvalidArgument("kv_groups: give at least one layer kind, or leave kv_groups out", field="kv_groups")
+        if self.backend != "vllm":
+            raise InvalidArgument(f"kv_groups: supported only with backend vllm (its hybrid KV cache manager), got "
+                                  f"{self.backend!r}", field="kv_groups")
+        keys = [(g.kind, g.window) for g in groups]
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("kv_groups: give each (kind, window) once, with all its layers", field="kv_groups")
+        if self.native_host_offload is not None:
+            raise InvalidArgument("kv_groups: not supported with native_host_offload yet; remove one of them",
+                                  field="kv_groups")
+        windowed = any(g.kind == "sliding_window" or (g.kind == "state" and self.enable_prefix_caching) for g in groups)
+        if self.eviction_policy == "lineage" and windowed:
+            raise InvalidArgument(
+                "kv_groups: eviction_policy lineage assumes a request holds a prefix of its blocks, but sliding-window "
+                "and cached state groups free their oldest blocks first; use lru (vLLM's free queue)",
+                field="eviction_policy")
+
+    @property
+    def kv_cache_groups(self) -> list[KvCacheGroup]:
+        """The KV cache groups vLLM forms from ``kv_groups`` (empty list: off), in ``group_idx`` order.
+
+        One kind only: one group. Otherwise vLLM's rule: ``group_size`` = the fewest layers of a kind (the most,
+        if that is under 1.5 times the fewest), each kind split into ``ceil(layers / group_size)`` groups of
+        ``group_size`` layers (the last padded), kinds in the order given.
+        """
+        specs = self.kv_groups
+        if not specs:
+            return []
+        if len(specs) == 1:
+            g = specs[0]
+            return [KvCacheGroup(g.kind, g.window, g.layers)]
+        size = self.kv_group_size
+        out: list[KvCacheGroup] = []
+        for g in specs:
+            for _ in range(-(-g.layers // size)):
+                out.append(KvCacheGroup(g.kind, g.window, size))
+        return out
+
+    @property
+    def kv_group_size(self) -> int:
+        """Layers per KV cache group (vLLM's ``group_size``; the layer count of the one kind if only one)."""
+        specs = self.kv_groups
+        if not specs:
+            return 0
+        counts = [g.layers for g in specs]
+        lo, hi = min(counts), max(counts)
+        return hi if len(counts) == 1 or hi < 1.5 * lo else lo
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the engine's one block pool. Plain engine: ``num_gpu_blocks``. With ``kv_groups`` the memory
+        is that of ``num_gpu_blocks`` full-attention blocks over all the model's layers, and a block is one page
+        in each layer of a group (vLLM: ``num_blocks = memory // (page x group_size)``, shared by every group):
+        ``num_gpu_blocks x total layers // group_size``."""
+        specs = self.kv_groups
+        if not specs:
+            return self.num_gpu_blocks
+        return max(1, self.num_gpu_blocks * sum(g.layers for g in specs) // self.kv_group_size)
 
     def _check_sglang(self) -> None:
         if not self.enable_chunked_prefill:

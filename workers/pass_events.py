@@ -26,19 +26,23 @@ NS_PER_S = 1_000_000_000
 class PassEvents:
     """The KV log entries of one pass (or reset) of one rank, stamped with the virtual time they become visible."""
 
-    __slots__ = ("ts_ns", "dp_rank", "entries", "block_size")
+    __slots__ = ("ts_ns", "dp_rank", "entries", "block_size", "groups")
 
-    def __init__(self, ts_ns: int, dp_rank: int, entries: list[tuple], block_size: int) -> None:
+    def __init__(self, ts_ns: int, dp_rank: int, entries: list[tuple], block_size: int,
+                 groups: list[tuple[str, int | None]] | None = None) -> None:
         self.ts_ns = ts_ns
         self.dp_rank = dp_rank
         self.entries = entries
         self.block_size = block_size
+        self.groups = groups
+        """Hybrid KV groups: (``kv_cache_spec_kind``, sliding window) per ``group_idx``; the log's block keys carry
+        the group above 64 bits (``workers.hybrid``). None: one plain group."""
 
     def batch(self) -> KVEventBatch:
         """This pass's events as one ``KVEventBatch`` (``ts`` in float seconds of virtual time)."""
         return KVEventBatch(
             ts=self.ts_ns / NS_PER_S,
-            events=materialize_events(self.entries, self.block_size),
+            events=materialize_events(self.entries, self.block_size, self.groups),
             data_parallel_rank=self.dp_rank,
         )
 
@@ -66,10 +70,45 @@ class PassEvents:
         return f"PassEvents(ts_ns={self.ts_ns}, dp_rank={self.dp_rank}, entries={len(self.entries)})"
 
 
-def materialize_events(entries: Iterable[tuple], block_size: int) -> list[KvEvent]:
+def materialize_events(entries: Iterable[tuple], block_size: int,
+                       groups: list[tuple[str, int | None]] | None = None) -> list[KvEvent]:
     """Wire structs for compact log entries: one ``BlockStored`` per stored run, one ``BlockRemoved`` per block
-    (medium ``GPU``, or ``CPU`` for the host tier's, with the same metadata)."""
+    (medium ``GPU``, or ``CPU`` for the host tier's, with the same metadata). With hybrid KV ``groups`` every
+    event carries its ``group_idx`` (stores also the group's spec kind and window), as vLLM >= 0.22 sends them."""
+    if groups is not None:
+        return _walk_groups(entries, block_size, groups)
     return _walk(entries, block_size, True)
+
+
+_U64 = (1 << 64) - 1
+
+
+def _walk_groups(entries: Iterable[tuple], block_size: int, groups: list[tuple[str, int | None]]) -> list[KvEvent]:
+    """``_walk`` for a hybrid engine: block keys are ``hash + (group_idx << 64)``."""
+    out: list[KvEvent] = []
+    for e in entries:
+        kind = e[0]
+        if kind == REMOVED:
+            out += [BlockRemoved(block_hashes=[h & _U64], group_idx=h >> 64) for h in e[1]]
+        elif kind == STORED:
+            _, keys, parent, source, first = e
+            g = keys[0] >> 64
+            spec, window = groups[g]
+            lo = first * block_size
+            out.append(BlockStored(
+                block_hashes=[h & _U64 for h in keys],
+                parent_block_hash=None if parent is None else parent & _U64,
+                token_ids=source.token_slice(lo, lo + len(keys) * block_size),
+                block_size=block_size,
+                group_idx=g,
+                kv_cache_spec_kind=spec,
+                kv_cache_spec_sliding_window=window,
+            ))
+        elif kind == CLEARED:
+            out.append(AllBlocksCleared())
+        else:  # pragma: no cover - a hybrid engine has no host tier
+            raise AssertionError(f"unknown KV log entry {e!r}")
+    return out
 
 
 def router_events(entries: Iterable[tuple]) -> list[EventData]:

@@ -46,6 +46,7 @@ from kvemu.transfer import transfer_delay_ns, transfer_tokens
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
 from workers.host_tier import HostTier
+from workers.hybrid import HybridKV
 from workers.speculative import DraftSampler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 
@@ -96,6 +97,7 @@ class Scheduler:
         "loads",
         "loading",
         "spec",
+        "hybrid",
     )
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
@@ -125,6 +127,8 @@ class Scheduler:
         """Requests holding blocks for a host load (running it, or waiting with it done)."""
         self.spec: DraftSampler | None = None
         """Speculative decoding: the rank's draws, one per decode scheduled (set by the engine)."""
+        self.hybrid: HybridKV | None = None
+        """Hybrid KV cache groups (``workers.hybrid``; vLLM flavour), set by the engine; None: one group."""
         self.loads: list[tuple[int, int, list[int], SeqState]] = []
         """Requests out of the queue until their host blocks are loaded (or a store they wait for ends): heap of
         (ready, order, blocks loaded, seq)."""
@@ -184,6 +188,7 @@ class Scheduler:
         running = self.running
         caching = self.prefix_caching
         spec = self.spec
+        hybrid = self.hybrid
         for decoding in (True, False):
             for seq in list(running):
                 if seq.status != RUNNING or seq.prefilling == decoding:
@@ -198,7 +203,10 @@ class Scheduler:
                     n = spec.next()
                     if n > seq.max_tokens - seq.n_out:
                         n = seq.max_tokens - seq.n_out
-                need = -(-(seq.computed + n) // bs) - seq.n_alloc
+                need = grow = -(-(seq.computed + n) // bs) - seq.n_alloc
+                if hybrid is not None:
+                    hybrid.skip(pool, seq)  # out-of-window blocks go first (vLLM's allocate_slots order)
+                    need = hybrid.grow_need(grow)
                 if need > pool.available:
                     if self.reserve:  # cannot happen under the reservation; never preempt: stop here
                         break
@@ -207,7 +215,8 @@ class Scheduler:
                         continue
                 if need > 0:
                     pool.allocate(need)
-                    seq.n_alloc += need
+                if grow > 0:  # (block positions: the same as need but with hybrid groups)
+                    seq.n_alloc += grow
                 if caching:
                     self._cache_filled(seq, seq.computed + n)
                 entries[seq] = n
@@ -284,7 +293,10 @@ class Scheduler:
 
     def free(self, seq: SeqState) -> None:
         """Give back every block ``seq`` holds: its full ones stay cached (evictable once nobody holds them)."""
-        self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
+        if self.hybrid is not None:
+            self.hybrid.free(self.pool, seq)
+        else:
+            self.pool.release(seq.hashes, seq.n_full, seq.n_alloc - seq.n_full)
         seq.n_alloc = 0
         seq.n_full = 0
 
@@ -297,7 +309,11 @@ class Scheduler:
         """
         nf = upto // self.block_size
         if nf > seq.n_full:
-            self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
+            if self.hybrid is not None:
+                seq.ensure_hashes(nf)
+                self.hybrid.promote(self.pool, seq, seq.n_full, nf, seq)
+            else:
+                self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
             seq.n_full = nf
         if self.host is not None and seq.prefilling:
             # vLLM's store cursor: the prompt blocks the request holds past it, found on the GPU or loaded from
@@ -349,19 +365,24 @@ class Scheduler:
         reserve = self.reserve
         reserved = self._reserved_blocks() if reserve and waiting else 0
         host = self.host
+        hybrid = self.hybrid
         blocked = False
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0][3]
             total = seq.prompt_len + seq.n_out
             loaded = seq.host_load
             extra = 0  # blocks loaded from the host tier, right after the GPU prefix
+            taken = 0  # hybrid: blocks its hit takes from the cache over every group
             if loaded is not None:
                 # its host load ended: it holds its GPU prefix and the loaded blocks, all full (no new lookup)
                 hits, inactive_hits, extra = seq.n_full, 0, loaded[2] - loaded[0]
             elif self.prefix_caching:
                 # vLLM always computes the last prompt token (it yields logits); TRT-LLM reuses whole blocks
                 limit = total // bs if reserve else (total - 1) // bs
-                hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(limit), limit)
+                if hybrid is not None:
+                    hits, taken, inactive_hits = hybrid.lookup(pool, seq, limit)
+                else:
+                    hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(limit), limit)
             else:
                 hits = inactive_hits = limit = 0
             if host is not None and loaded is None:
@@ -379,13 +400,19 @@ class Scheduler:
                 n = budget
             owned = hits if loaded is None else seq.n_alloc  # blocks it will hold before this chunk's
             need = -(-(cached + n) // bs) - owned
+            whole = -(-total // bs)
+            held = owned
+            if hybrid is not None:  # over every group; a sliding window holds at most its cap
+                need = hybrid.admit_need(need + owned, owned)
+                whole = hybrid.whole(total)
+                held = taken if hits else 0
             if need > pool.available - inactive_hits:
                 blocked = True
                 break
             # vLLM (the reference mocker's gate): blocks for the whole known sequence, less its cached prefix
             # blocks in use (inactive hits still count), must be free or evictable now, although only this
             # pass's chunk is allocated; the head waits, nothing overtakes it
-            if not reserve and -(-total // bs) - (owned - inactive_hits) > pool.available:
+            if not reserve and whole - (held - inactive_hits) > pool.available:
                 blocked = True
                 break
             if reserve:
@@ -397,9 +424,16 @@ class Scheduler:
             if loaded is not None:
                 seq.host_load = None
                 self.loading -= 1
-            if hits and loaded is None:
-                pool.take_hits(seq.hashes, hits)
-            pool.allocate(need)
+            if hybrid is not None:
+                hybrid.start(seq)
+                if hits:
+                    hybrid.take(pool, seq, hits)
+                pool.allocate(need)
+                need = -(-(cached + n) // bs) - owned  # block positions
+            else:
+                if hits and loaded is None:
+                    pool.take_hits(seq.hashes, hits)
+                pool.allocate(need)
             seq.computed = cached
             seq.n_full = hits
             seq.n_alloc = owned + need

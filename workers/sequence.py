@@ -63,6 +63,7 @@ class SeqState:
         "order",
         "host_load",
         "host_stored",
+        "glo",
         "_out_ids",
         "_out_base",
     )
@@ -103,6 +104,8 @@ class SeqState:
         for its next admission; while set, the request holds its GPU prefix and the loaded blocks."""
         self.host_stored = 0
         """Host offload: the prompt blocks before this index were offered to the host tier (vLLM's store cursor)."""
+        self.glo: list[int] | None = None
+        """Hybrid KV groups (``workers.hybrid``): the first block position each group still holds; None: off."""
         self._out_ids = req.output_token_ids
         # below 2**31, so base + i stays a valid u32 token id for any output length that fits a pool
         self._out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), 0) & 0x7FFFFFFF

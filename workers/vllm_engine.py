@@ -54,6 +54,8 @@ from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.pass_events import PassEvents
 from workers.host_tier import HostTier
+from workers.hybrid import HybridKV
+from workers.admission import RejectReason, RequestRejected
 from workers.request import Request
 from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
@@ -89,9 +91,17 @@ class EngineCore(RankCore):
         super().__init__(config if config is not None else EngineConfig(), dp_rank, timing, worker_id)
         cfg = self.config
         bs = cfg.resolved_block_size
-        self.pool = BlockPool(cfg.num_gpu_blocks, bs, cfg.eviction_policy)
+        self.pool = BlockPool(cfg.pool_blocks, bs, cfg.eviction_policy)
         self.scheduler = Scheduler(cfg, self.pool)
         self.scheduler.spec = self.spec
+        groups = cfg.kv_cache_groups
+        self.hybrid: HybridKV | None = None
+        """Hybrid KV cache groups (``kv_groups``; ``workers.hybrid``); None: the plain one-group engine."""
+        self._groups_meta: list[tuple[str, int | None]] | None = None
+        if groups:
+            self.hybrid = self.scheduler.hybrid = HybridKV(groups, bs, cfg.enable_prefix_caching,
+                                                           cfg.max_num_batched_tokens)
+            self._groups_meta = self.hybrid.meta
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
         """The host KV tier (None: ``native_host_offload`` is off)."""
@@ -120,6 +130,20 @@ class EngineCore(RankCore):
         pool = self.pool
         return pool.num_active_blocks / pool.num_blocks if pool.num_blocks else 0.0
 
+    def group_usage(self) -> list[tuple[str, int | None, int]] | None:
+        """Hybrid KV groups: (kind, window, blocks requests hold) per group, in ``group_idx`` order; None: off.
+
+        Blocks of one shared pool (vLLM has no per-group metric; kvemu counts each group's block tables)."""
+        hybrid = self.hybrid
+        if hybrid is None:
+            return None
+        sch = self.scheduler
+        counts = [0] * len(hybrid.kinds)
+        for seq in [*sch.running, *self._held.values()]:
+            for g, n in enumerate(hybrid.held(seq)):
+                counts[g] += n
+        return [(g.kind, g.window, n) for g, n in zip(hybrid.groups, counts)]
+
     @property
     def num_waiting(self) -> int:
         """Accepted requests not running (arrived or not yet arrived)."""
@@ -143,6 +167,9 @@ class EngineCore(RankCore):
     # ------------------------------------------------------------- admission
 
     def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
+        if self.hybrid is not None and req.kv_transfer is not None:
+            raise RequestRejected(RejectReason.MALFORMED, "kv_transfer: a decode leg cannot land on an engine with "
+                                  "kv_groups yet (hybrid KV transfers are not modelled)", field="kv_transfer")
         return SeqState(req, record, self._block_size, self._order)
 
     def _enqueue(self, seq: SeqState) -> None:
@@ -323,7 +350,7 @@ class EngineCore(RankCore):
             self.host.submit(end)
         events = None
         if pool.log:
-            events = PassEvents(end, self.dp_rank, pool.log, bs)
+            events = PassEvents(end, self.dp_rank, pool.log, bs, self._groups_meta)
             pool.log = []
         self._free_at = end
         self.passes += 1
@@ -340,6 +367,7 @@ class EngineCore(RankCore):
             and len(sched.entries) == len(running)
             and (not (self.scheduler.waiting or self.scheduler.incoming) or self._cache_version() == p.version)
             and (self.host is None or not self.host.busy)
+            and self.hybrid is None  # hybrid groups: no decode runs, pass by pass
         )
         self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
                      completed=completed, sampled=sampled, events=events, pulled=sched.activated)
@@ -545,6 +573,8 @@ class EngineCore(RankCore):
         out; ask again after ``add_request``.
         """
         fl = self._inflight
+        if fl is not None and self.hybrid is not None:  # hybrid groups: every pass end may be visible
+            return fl.end if fl.end > fl.start else fl.start + 1
         if fl is not None:
             if self._aborting or not self._pass_quiet(fl) or (self.host is not None and self.host.busy):
                 return fl.end if fl.end > fl.start else fl.start + 1
@@ -555,6 +585,8 @@ class EngineCore(RankCore):
         if s is None:
             return None
         sch = self.scheduler
+        if self.hybrid is not None:
+            return s + 1
         if s == self._free_at and (self.host is None or not self.host.busy) and (
             self._steady or (sch.running and not sch.waiting and not sch.incoming
                              and not any(q.prefilling or not q.n_out for q in sch.running))
@@ -686,7 +718,7 @@ class EngineCore(RankCore):
         self._steady = False
         entries = self.pool.log
         self.pool.log = []
-        return PassEvents(max(now_ns, self._free_at), self.dp_rank, entries, self._block_size)
+        return PassEvents(max(now_ns, self._free_at), self.dp_rank, entries, self._block_size, self._groups_meta)
 
     def check_invariants(self) -> None:
         """Assert pool/scheduler consistency (tests): block accounting, holdings, statuses."""
@@ -705,8 +737,14 @@ class EngineCore(RankCore):
             assert seq.status in (RUNNING, HELD, WAITING), seq
             assert 0 <= seq.n_full <= seq.n_alloc, seq
             assert seq.computed <= seq.n_alloc * self._block_size, seq
-            partial += seq.n_alloc - seq.n_full
-            for h in seq.hashes[: seq.n_full]:
+            if self.hybrid is not None:
+                held = self.hybrid.held(seq)
+                keys = self.hybrid.held_keys(seq)
+                partial += sum(held) - len(keys)
+            else:
+                partial += seq.n_alloc - seq.n_full
+                keys = seq.hashes[: seq.n_full]
+            for h in keys:
                 refs[h] = refs.get(h, 0) + 1
         assert refs == pool.active, "active block refcounts must equal the running sequences' holdings"
         assert pool.free + partial + len(pool.cached) == pool.num_blocks, pool

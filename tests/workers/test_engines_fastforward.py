@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from kvemu.clock import MAX_TIME_NS
 from kvemu.transfer import KvTransfer
 from kvemu.kv_events import BlockRemoved, BlockStored
-from workers.config import EngineConfig, InterpolatedTimingSpec, PolynomialTimingSpec, SglangConfig, SpeculativeConfig
+from workers.config import (EngineConfig, InterpolatedTimingSpec, KvGroupSpec, PolynomialTimingSpec, SglangConfig,
+                            SpeculativeConfig)
+from workers.hybrid import max_blocks
 from workers.vllm_engine import AdvanceResult, EngineCore
 from workers.mock_worker import engine_core
 from workers.request import Request
@@ -29,8 +31,19 @@ PROFILE = InterpolatedTimingSpec(path=str(Path(__file__).parents[1] / "data" / "
 """A batch-aware timing model: decode time depends on the mean context as well."""
 
 
+def kv_groups(draw, bs: int):
+    """A hybrid model's layer kinds (full attention, sliding windows of a few blocks, state layers)."""
+    window = draw(st.sampled_from([2, 3, bs + 1, 2 * bs, 3 * bs + 2]))
+    layers = st.integers(1, 4)
+    full = KvGroupSpec(kind="full_attention", layers=draw(layers))
+    swa = KvGroupSpec(kind="sliding_window", layers=draw(layers), window=window)
+    state = KvGroupSpec(kind="state", layers=draw(layers))
+    return draw(st.sampled_from([[full, swa], [swa, full], [full, state], [swa], [state], [full, swa, state],
+                                 [full, KvGroupSpec(kind="sliding_window", layers=1, window=window + bs), swa]]))
+
+
 @st.composite
-def workloads(draw):
+def workloads(draw, hybrid: float = 0.0):
     bs = draw(st.sampled_from([1, 2, 4, 8]))
     blocks = draw(st.integers(3, 40))
     max_seqs = draw(st.integers(1, 5))
@@ -58,12 +71,20 @@ def workloads(draw):
         preemption_mode=draw(st.sampled_from(["lifo", "fifo"])),
         eviction_policy=draw(st.sampled_from(["lru", "lineage"])),
     )
+    if backend == "vllm" and hybrid and draw(st.floats(0, 1)) < hybrid:
+        cfg = msgspec.structs.replace(cfg, kv_groups=kv_groups(draw, bs), eviction_policy="lru")
     capacity = blocks * bs
     limit = capacity if cfg.enable_chunked_prefill else min(capacity, cfg.max_num_batched_tokens)
     if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included
         limit = min(limit, capacity - 1)
     if cfg.backend == "sglang":  # a prompt must leave room for output in the pool less a page (outputs are clipped)
         limit = capacity - bs - 1
+    if cfg.kv_groups:  # what one request may hold at once over every group must fit the pool
+        limit = cfg.pool_blocks * bs
+        if not cfg.enable_chunked_prefill:
+            limit = min(limit, cfg.max_num_batched_tokens)
+        while max_blocks(cfg, limit) > cfg.pool_blocks:
+            limit -= 1
     prefixes = [[p] * draw(st.integers(0, 3 * bs)) for p in range(3)]
     shared_outputs = draw(st.booleans())
     reqs = []
@@ -81,7 +102,8 @@ def workloads(draw):
                 arrival_ns=draw(st.integers(0, 40)) * 3 * MS,
                 priority=draw(st.sampled_from([0, 0, 1])),
                 output_token_ids=[5] * max_tokens if shared_outputs else None,
-                kv_transfer=None if backend == "sglang" else draw(st.sampled_from([None, None, None, *TRANSFERS])),
+                kv_transfer=None if backend == "sglang" or cfg.kv_groups
+                else draw(st.sampled_from([None, None, None, *TRANSFERS])),
             )
         )
     checkpoints = sorted(draw(st.lists(st.integers(0, 300 * MS), max_size=6)))
@@ -131,13 +153,15 @@ def stepwise(cfg, reqs):
         if res.events is not None:
             batch = res.kv_batch
             batches.append(batch)
-            for ev in batch.events:  # stores are new blocks; removals name cached ones
+            for ev in batch.events:  # stores are new blocks; removals name cached ones (per KV cache group)
+                group = (ev.group_idx or 0) << 64
                 if isinstance(ev, BlockStored):
-                    assert announced.isdisjoint(ev.block_hashes)
-                    announced.update(ev.block_hashes)
+                    keys = [h + group for h in ev.block_hashes]
+                    assert announced.isdisjoint(keys)
+                    announced.update(keys)
                 else:
-                    assert isinstance(ev, BlockRemoved) and ev.block_hashes[0] in announced
-                    announced.discard(ev.block_hashes[0])
+                    assert isinstance(ev, BlockRemoved) and ev.block_hashes[0] + group in announced
+                    announced.discard(ev.block_hashes[0] + group)
         # blocks announced minus blocks removed == what the pool caches, after every pass
         assert announced == cached_hashes(eng)
     assert len(done) == len(reqs)
@@ -228,6 +252,15 @@ def test_fast_forward_equals_stepwise(work, rng):
     assert ff[2:] == ref[2:]
     ev = event_driven(cfg, reqs)
     assert ev[:4] == ref[:4]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(workloads(hybrid=1.0), st.randoms(use_true_random=False))
+def test_fast_forward_equals_stepwise_with_kv_groups(work, rng):
+    # hybrid KV cache groups (full attention, sliding windows, state layers in one pool): the same contract
+    cfg, reqs, checkpoints = work
+    ref = stepwise(cfg, reqs)
+    assert ff_equal(cfg, reqs, checkpoints, rng, ref)
 
 
 @st.composite

@@ -1,0 +1,290 @@
+"""Hybrid KV cache groups of the vLLM-flavour engine (``EngineConfig.kv_groups``): vLLM's hybrid KV cache manager.
+
+A hybrid model's layers form KV cache groups (``EngineConfig.kv_cache_groups``), each with its own block table
+but all drawing on **one** block pool (vLLM: one ``BlockPool`` for every group, blocks compete dynamically).
+Every group has the engine's block size (vLLM unifies page sizes; kvemu takes the unified size as given).
+
+How a group keeps a request's blocks (as vLLM's per-group managers do):
+
+* ``full_attention``: every block, as the plain engine.
+* ``sliding_window`` W: before each pass (``allocate_slots`` order) the blocks whose tokens are all before
+  ``n - W + 1`` (``n`` = computed tokens before the pass) are freed, keeping their hash: they stay cached
+  (evictable) until their block is reused.
+* ``state`` with prefix caching: the state after every full block is a cached checkpoint (vLLM's Mamba ``all``
+  cache mode), and only the running state's block is kept: vLLM's rule ``skipped tokens = n - 1``, i.e. a
+  sliding window of 2 tokens, which is how kvemu runs it. Without prefix caching a request holds exactly one
+  state block (vLLM sizes it to the whole model length). vLLM's ``align`` mode (checkpoints only at scheduler
+  step ends, with block-aligned prefill chunks) is not modelled.
+
+Keys: the pool is keyed by block hash, so group ``g``'s block ``i`` is keyed ``hash_i + (g << 64)`` (group 0
+keeps the plain 64-bit sequence hash); ``key & U64`` is the wire hash and ``key >> 64`` the ``group_idx``.
+
+Prefix hits (vLLM's hybrid coordinator, a fixed point): the largest block count every group accepts. A full
+attention group accepts its leading run of cached blocks; a sliding-window (or state) group needs the
+``ceil((W - 1) / block_size)`` blocks right before the hit point cached (searched right to left; a shorter run
+from block 0 also counts); the lookup repeats with the shrunk length until no group shrinks it.
+
+Per request, ``SeqState.n_alloc`` / ``n_full`` count block positions (the same in every group that grows) and
+``SeqState.glo[g]`` is the first position group ``g`` still holds (0 for full attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+from workers.blocks import BlockPool, TokenSource
+from workers.config import EngineConfig, KvCacheGroup
+from workers.sequence import SeqState
+
+__all__ = ["HybridKV", "GroupKeys", "max_blocks", "FULL", "WINDOW", "ONE", "U64", "SPEC_KIND"]
+
+FULL = 0
+WINDOW = 1
+ONE = 2  # a state group without prefix caching: one block per request
+U64 = (1 << 64) - 1
+SPEC_KIND = {"full_attention": "full_attention", "sliding_window": "sliding_window", "state": "mamba"}
+"""``kv_cache_spec_kind`` vLLM sends for each group kind (its ``KVCacheSpecKind`` values)."""
+
+
+class GroupKeys(Sequence[int]):
+    """A request's pool keys in one group: its sequence hashes offset by ``g << 64`` (indexable, sliceable)."""
+
+    __slots__ = ("hashes", "off")
+
+    def __init__(self, hashes: list[int], off: int) -> None:
+        self.hashes = hashes
+        self.off = off
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        off = self.off
+        if isinstance(i, slice):
+            return [h + off for h in self.hashes[i]]
+        return self.hashes[i] + off
+
+
+class HybridKV:
+    """The groups of one engine and every per-request block operation that depends on them."""
+
+    __slots__ = ("groups", "block_size", "kinds", "windows", "targets", "n_grow", "n_one", "order", "caps", "meta")
+
+    def __init__(self, groups: list[KvCacheGroup], block_size: int, caching: bool, max_batched: int) -> None:
+        self.groups = groups
+        self.block_size = bs = block_size
+        self.kinds: list[int] = []
+        self.windows: list[int] = []
+        for g in groups:
+            if g.kind == "full_attention":
+                self.kinds.append(FULL)
+                self.windows.append(0)
+            elif g.kind == "sliding_window":
+                assert g.window is not None
+                self.kinds.append(WINDOW)
+                self.windows.append(g.window)
+            else:
+                self.kinds.append(WINDOW if caching else ONE)
+                self.windows.append(2 if caching else 0)
+        self.targets = [-(-(w - 1) // bs) if k == WINDOW else 0 for k, w in zip(self.kinds, self.windows)]
+        """Blocks before a hit point a group needs cached (full attention: all of them, marked 0)."""
+        self.n_grow = sum(1 for k in self.kinds if k != ONE)
+        """Groups that take a block for every block position a request reaches."""
+        self.n_one = len(self.kinds) - self.n_grow
+        self.order = [g for g in range(len(groups)) if self.kinds[g] == FULL]
+        self.order += [g for g in range(len(groups)) if self.kinds[g] != FULL]
+        """Lookup order: full attention first (vLLM sorts it first)."""
+        self.caps = [-(-(w - 1 + max_batched) // bs) + 1 if k == WINDOW else 0 for k, w in zip(self.kinds, self.windows)]
+        """Most blocks a sliding-window group holds per request (vLLM's ``max_admission_blocks_per_request``)."""
+        self.meta: list[tuple[str, int | None]] = [(SPEC_KIND[g.kind], g.window) for g in groups]
+        """(``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) per group, for KV events."""
+
+    def keys(self, seq: SeqState, g: int) -> Sequence[int]:
+        return seq.hashes if g == 0 else GroupKeys(seq.hashes, g << 64)
+
+    def start(self, seq: SeqState) -> None:
+        """A request that holds nothing (new, preempted or freed)."""
+        seq.glo = [0] * len(self.kinds)
+
+    # ----------------------------------------------------------------- lookup
+
+    def lookup(self, pool: BlockPool, seq: SeqState, limit: int) -> tuple[int, int, int]:
+        """Prefix hit of ``seq`` capped at ``limit`` blocks: (hit blocks, blocks it would take from the cache over
+        all groups, how many of those are inactive)."""
+        if limit <= 0:
+            return 0, 0, 0
+        hashes = seq.ensure_hashes(limit)
+        cached = pool.cached
+        kinds = self.kinds
+        targets = self.targets
+        curr = limit
+        leading: dict[int, int] = {}
+        while True:
+            before = curr
+            for g in self.order:
+                if not curr:
+                    break
+                kind = kinds[g]
+                if kind == FULL:
+                    run = leading.get(g)
+                    if run is None:
+                        off = g << 64
+                        run = 0
+                        for h in hashes[:curr]:
+                            if h + off not in cached:
+                                break
+                            run += 1
+                        leading[g] = run
+                    if run < curr:
+                        curr = run
+                elif kind == WINDOW:
+                    curr = _window_hit(cached, hashes, g << 64, curr, targets[g])
+            if curr == before or not curr:
+                break
+        if not curr:
+            return 0, 0, 0
+        taken = inactive = 0
+        for g, kind in enumerate(kinds):
+            if kind == ONE:
+                continue
+            lo = 0 if kind == FULL else max(0, curr - targets[g])
+            off = g << 64
+            for h in hashes[lo:curr]:
+                taken += 1
+                if cached[h + off] < 0:
+                    inactive += 1
+        return curr, taken, inactive
+
+    def take(self, pool: BlockPool, seq: SeqState, hit: int) -> None:
+        """``seq`` (holding nothing) references its ``hit`` cached blocks in every group (as ``lookup`` found)."""
+        glo = seq.glo
+        assert glo is not None
+        for g, kind in enumerate(self.kinds):
+            if kind == ONE:
+                continue
+            lo = 0 if kind == FULL else max(0, hit - self.targets[g])
+            glo[g] = lo
+            if hit > lo:
+                pool.take_hits(self.keys(seq, g)[lo:hit], hit - lo)
+
+    # ----------------------------------------------------------------- blocks
+
+    def skip(self, pool: BlockPool, seq: SeqState) -> None:
+        """Free the blocks a sliding-window group no longer needs before ``seq``'s next pass (vLLM's
+        ``remove_skipped_blocks`` with the tokens computed so far): they stay cached when full."""
+        glo = seq.glo
+        assert glo is not None
+        c = seq.computed
+        bs = self.block_size
+        nf = seq.n_full
+        for g, w in enumerate(self.windows):
+            if self.kinds[g] != WINDOW or c - w + 1 <= 0:
+                continue
+            new_lo = min((c - w + 1) // bs, seq.n_alloc)
+            lo = glo[g]
+            if new_lo <= lo:
+                continue
+            full_hi = min(new_lo, nf)
+            n_cached = full_hi - lo if full_hi > lo else 0
+            n_partial = new_lo - max(lo, nf) if new_lo > max(lo, nf) else 0
+            pool.release(self.keys(seq, g)[lo:full_hi] if n_cached else [], n_cached, n_partial)
+            glo[g] = new_lo
+
+    def promote(self, pool: BlockPool, seq: SeqState, lo: int, hi: int, source: TokenSource) -> None:
+        """Block positions ``lo .. hi-1`` of ``seq`` became full: cached in every group that holds them, in group
+        order (vLLM: one ``BlockStored`` per request and group)."""
+        glo = seq.glo
+        assert glo is not None
+        for g, kind in enumerate(self.kinds):
+            if kind == ONE:
+                continue
+            a = lo if lo > glo[g] else glo[g]
+            if a < hi:
+                pool.promote(self.keys(seq, g), a, hi, source)
+
+    def free(self, pool: BlockPool, seq: SeqState) -> None:
+        """``seq`` drops every block it holds, group by group, each tail first (vLLM's ``free`` order)."""
+        glo = seq.glo
+        if glo is None:
+            return
+        nf = seq.n_full
+        na = seq.n_alloc
+        for g, kind in enumerate(self.kinds):
+            if kind == ONE:
+                if na:
+                    pool.release([], 0, 1)
+                continue
+            lo = glo[g]
+            n_cached = nf - lo if nf > lo else 0
+            held = na - lo if na > lo else 0
+            pool.release(self.keys(seq, g)[lo:nf] if n_cached else [], n_cached, held - n_cached)
+        self.start(seq)
+
+    def grow_need(self, blocks: int) -> int:
+        """Pool blocks for ``blocks`` more block positions of a request already holding its state blocks."""
+        return self.n_grow * blocks
+
+    def admit_need(self, positions: int, hit: int) -> int:
+        """Pool blocks a new admission allocates: ``positions`` block positions, ``hit`` of them cached."""
+        return self.n_grow * (positions - hit) + self.n_one
+
+    def whole(self, total: int) -> int:
+        """Blocks a request of ``total`` known tokens needs at most at once, over all groups (the admission gate)."""
+        positions = -(-total // self.block_size)
+        n = 0
+        for g, kind in enumerate(self.kinds):
+            if kind == FULL:
+                n += positions
+            elif kind == WINDOW:
+                cap = self.caps[g]
+                n += positions if positions < cap else cap
+            else:
+                n += 1
+        return n
+
+    def held(self, seq: SeqState) -> list[int]:
+        """Blocks ``seq`` holds in each group."""
+        glo = seq.glo
+        na = seq.n_alloc
+        if glo is None or not na:
+            return [0] * len(self.kinds)
+        return [1 if kind == ONE else max(0, na - glo[g]) for g, kind in enumerate(self.kinds)]
+
+    def held_keys(self, seq: SeqState) -> list[int]:
+        """Pool keys of the cached (full) blocks ``seq`` holds, every group (checks)."""
+        glo = seq.glo
+        if glo is None:
+            return []
+        out: list[int] = []
+        for g, kind in enumerate(self.kinds):
+            if kind != ONE and seq.n_full > glo[g]:
+                out += self.keys(seq, g)[glo[g]:seq.n_full]
+        return out
+
+
+def max_blocks(config: EngineConfig, tokens: int) -> int:
+    """Most pool blocks one request of ``tokens`` KV tokens holds at once, over every group of ``config``."""
+    hyb = HybridKV(config.kv_cache_groups, config.resolved_block_size, config.enable_prefix_caching,
+                   config.max_num_batched_tokens)
+    return hyb.whole(tokens)
+
+
+def _window_hit(cached: dict[int, int], hashes: list[int], off: int, curr: int, target: int) -> int:
+    """A sliding-window group's hit within ``curr`` blocks: right to left, the first run of ``target`` cached
+    blocks ends the hit; without one, the run from block 0 (vLLM's ``SlidingWindowManager``)."""
+    run = 0
+    for i in range(curr - 1, -1, -1):
+        if hashes[i] + off in cached:
+            run += 1
+            if run >= target:
+                return i + run
+        else:
+            run = 0
+    return run
