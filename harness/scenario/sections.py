@@ -22,7 +22,7 @@ from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
-from kvemu.wire.codec import DEFAULT_VLLM_VERSION, profile_for
+from kvemu.wire.codec import DEFAULT_VLLM_VERSION, STORED_FIELDS, profile_for
 from workers.config import EngineConfig
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
@@ -185,6 +185,21 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
         except InvalidArgument as exc:
             raise InvalidArgument(f"kv_events_hash_form {self.kv_events_hash_form!r} with kv_events_version "
                                   f"{self.kv_events_version!r}: {exc}", field="kv_events_hash_form") from None
+        self._check_kv_groups_wire()
+
+    def _check_kv_groups_wire(self) -> None:
+        """Hybrid KV groups need KV events that name the group (``group_idx``, vLLM >= 0.20)."""
+        profile = profile_for(self.kv_events_version)
+        if "group_idx" in STORED_FIELDS[:profile.stored_fields]:
+            return
+        for name, (_, _, engine) in self.pools().items():
+            if engine.kv_groups:
+                where = "engine" if name == "aggregated" else f"{name}.engine"
+                raise InvalidArgument(
+                    f"{where}.kv_groups needs kv_events_version 0.20 or later: vLLM {self.kv_events_version}'s KV "
+                    "events have no group_idx field, so they cannot say which KV cache group a block belongs to (and "
+                    "vLLM before 0.20 turns its hybrid KV cache manager off when KV events are on)",
+                    field="kv_events_version")
 
 
 class AffinitySpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):

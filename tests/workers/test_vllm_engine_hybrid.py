@@ -1,0 +1,207 @@
+"""Hybrid KV cache groups (``kv_groups``): vLLM's hybrid KV cache manager in the vLLM-flavour engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvemu.errors import InvalidArgument
+from kvemu.wire.codec import decode_batch, encode_batch, profile_for
+from workers.blocks import BlockPool
+from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
+from workers.hybrid import HybridKV, max_blocks
+from workers.request import Request
+from workers.sequence import SeqState
+from workers.vllm_engine import EngineCore
+from kvemu.records import RequestRecord
+
+from tests.engine_runs import run_to_end, steps
+
+FULL = KvGroupSpec(kind="full_attention", layers=4)
+
+
+def swa(window: int, layers: int = 4) -> KvGroupSpec:
+    return KvGroupSpec(kind="sliding_window", layers=layers, window=window)
+
+
+def cfg(groups, **kw) -> EngineConfig:
+    base = dict(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, kv_groups=groups)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def req(rid: str, tokens, max_tokens: int = 4, arrival_ns: int = 0) -> Request:
+    return Request(request_id=rid, token_ids=list(tokens), max_tokens=max_tokens, arrival_ns=arrival_ns)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def test_groups_follow_vllms_layer_grouping():
+    # vLLM's docstring example: 10 full + 20 sliding-window layers -> 3 groups of 10 (1 full, 2 sliding window)
+    c = cfg([KvGroupSpec(kind="full_attention", layers=10), swa(128, 20)], num_gpu_blocks=100)
+    assert c.kv_cache_groups == [KvCacheGroup("full_attention", None, 10), KvCacheGroup("sliding_window", 128, 10),
+                                 KvCacheGroup("sliding_window", 128, 10)]
+    assert c.kv_group_size == 10 and c.pool_blocks == 100 * 30 // 10
+    # gpt-oss: 12 sliding + 13 full -> max < 1.5 min, so groups of 13 (the sliding group padded)
+    g = cfg([swa(128, 12), KvGroupSpec(kind="full_attention", layers=13)], num_gpu_blocks=130)
+    assert [x.kind for x in g.kv_cache_groups] == ["sliding_window", "full_attention"]
+    assert g.kv_group_size == 13 and g.pool_blocks == 130 * 25 // 13
+    # one kind: one group, the plain pool size
+    assert cfg([FULL]).pool_blocks == 64 and len(cfg([FULL]).kv_cache_groups) == 1
+    assert EngineConfig().kv_cache_groups == [] and EngineConfig().pool_blocks == EngineConfig().num_gpu_blocks
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(kv_groups=[KvGroupSpec(kind="full_attention", layers=1)], backend="sglang"), "kv_groups"),
+    (dict(kv_groups=[FULL, swa(8)], eviction_policy="lineage"), "eviction_policy"),
+    (dict(kv_groups=[FULL, FULL]), "kv_groups"),
+    (dict(kv_groups=[]), "kv_groups"),
+])
+def test_bad_kv_groups_are_refused(kw, field):
+    with pytest.raises(InvalidArgument) as exc:
+        EngineConfig(**kw)
+    assert exc.value.field == field
+
+
+def test_a_window_is_required_exactly_for_sliding_window():
+    with pytest.raises(InvalidArgument):
+        KvGroupSpec(kind="sliding_window", layers=2)
+    with pytest.raises(InvalidArgument):
+        KvGroupSpec(kind="state", layers=2, window=8)
+
+
+# ------------------------------------------------------------------------------------------------ lookup
+
+
+def _seq(n_blocks: int, bs: int = 4) -> SeqState:
+    r = req("q", range(n_blocks * bs + 1))
+    return SeqState(r, RequestRecord(request_id="q", dp_rank=0, arrival_ns=0, isl=len(r.token_ids), max_tokens=4),
+                    bs, 0)
+
+
+def _pool_with(seq: SeqState, cached: dict[int, list[int]]) -> BlockPool:
+    """A pool caching, for each group, the given block positions of ``seq`` (inactive)."""
+    pool = BlockPool(1000, 4)
+    for g, positions in cached.items():
+        for i in positions:
+            pool.cached[seq.hashes[i] + (g << 64)] = -1
+    return pool
+
+
+@pytest.mark.parametrize("full, window, expect", [
+    (range(10), [6, 7, 8], 9),  # the window's 2 blocks before the hit point: 7, 8 -> 9 blocks
+    (range(10), [2, 3], 4),  # further left
+    (range(10), [0], 1),  # no full run: the run from block 0 counts
+    (range(10), [1, 5, 8], 0),  # no two adjacent blocks, none from block 0
+    (range(5), [6, 7, 8], 0),  # the full attention prefix stops at 5: the window must end by it
+    (range(5), [2, 3, 7, 8], 4),
+])
+def test_sliding_window_hit_needs_the_window_before_the_hit_point(full, window, expect):
+    seq = _seq(12)
+    hyb = HybridKV([KvCacheGroup("full_attention", None, 1), KvCacheGroup("sliding_window", 8, 1)], 4, True, 64)
+    assert hyb.targets == [0, 2]  # ceil((8 - 1) / 4)
+    pool = _pool_with(seq, {0: list(full), 1: window})
+    hit, taken, inactive = hyb.lookup(pool, seq, 10)
+    assert hit == expect
+    assert taken == inactive == (hit + min(2, hit) if hit else 0)
+
+
+def test_hits_are_a_fixed_point_over_every_group():
+    # group 1 (window 8: 2 blocks) allows 8, group 2 (a state checkpoint: 1 block) then allows 6, group 1 again 4
+    seq = _seq(12)
+    groups = [KvCacheGroup("full_attention", None, 1), KvCacheGroup("sliding_window", 8, 1), KvCacheGroup("state", None, 1)]
+    hyb = HybridKV(groups, 4, True, 64)
+    pool = _pool_with(seq, {0: list(range(10)), 1: [2, 3, 6, 7], 2: [3, 5]})
+    assert hyb.lookup(pool, seq, 10)[0] == 4
+    # a state group needs a checkpoint exactly at the hit point
+    pool = _pool_with(seq, {0: list(range(10)), 1: [2]})  # (the state group is group 1 here)
+    assert HybridKV([groups[0], groups[2]], 4, True, 64).lookup(pool, seq, 10)[0] == 3
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+def test_a_sliding_window_group_frees_blocks_that_left_the_window():
+    # block size 4, window 6: before a pass after n computed tokens, blocks wholly before n - 5 are freed
+    eng = EngineCore(cfg([FULL, swa(6)], max_num_batched_tokens=8))
+    eng.add_request(req("a", range(30), max_tokens=8))
+    held = []
+    for res in steps(eng):
+        seq = next(iter(eng.scheduler.running), None)
+        if seq is None:
+            break
+        n = seq.computed
+        usage = eng.group_usage()
+        held.append((n, usage[0][2], usage[1][2]))
+        before = n - res.prefill_tokens - res.decodes  # computed before the pass (one request)
+        assert seq.glo[1] == max(0, (before - 5) // 4)
+    # full attention holds every block; the window at most ceil((6 - 1 + 8) / 4) + 1 = 5
+    assert held[-1][1] == -(-held[-1][0] // 4) and all(w <= 5 for _, _, w in held)
+    assert any(w < f for _, f, w in held)
+    # freed window blocks stay cached (evictable), in both groups
+    pool = eng.pool
+    a = eng._seqs["a"] if "a" in eng._seqs else None
+    assert a is None and pool.num_inactive == 2 * (37 // 4)
+
+
+def test_prefix_hits_reuse_every_group_and_events_carry_the_group():
+    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4)]))
+    first = run_to_end(eng, [req("a", range(40), max_tokens=2)])
+    assert first["a"].engine_cached_tokens == 0
+    second = run_to_end(eng, [req("b", range(40), max_tokens=2, arrival_ns=eng.now_ns)])
+    assert second["b"].engine_cached_tokens == 36  # the last prompt token is always computed: 9 blocks
+
+
+def test_events_name_their_group_kind_and_window_and_encode_by_version():
+    eng = EngineCore(cfg([FULL, swa(6)]))
+    eng.add_request(req("a", range(9), max_tokens=1))
+    res = eng.step(0)
+    events = res.events.batch().events
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in events] == [
+        (0, "full_attention", None), (1, "sliding_window", 6)]
+    assert events[0].block_hashes == events[1].block_hashes and events[0].token_ids == events[1].token_ids
+    batch = res.events.batch()
+    assert decode_batch(encode_batch(batch, profile_for("0.22"))).events == events
+    older = decode_batch(encode_batch(batch, profile_for("0.20"))).events
+    assert [(e.group_idx, e.kv_cache_spec_kind) for e in older] == [(0, None), (1, None)]
+
+
+def test_a_hybrid_model_holds_more_concurrent_requests_in_the_same_memory():
+    # 8 layers: all full attention vs 2 full + 6 sliding-window (window 8) in the same memory
+    plain = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=32, max_num_batched_tokens=64))
+    hybrid = EngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)], max_num_seqs=32,
+                            max_num_batched_tokens=64))
+    assert hybrid.pool.num_blocks == 64 * 8 // 2
+
+    def peak(eng: EngineCore) -> int:
+        for i in range(32):
+            eng.add_request(req(f"r{i}", [i] * 3 + list(range(60)), max_tokens=20))
+        most = 0
+        while (t := eng.next_event_ns()) is not None:
+            eng.advance_to(t)
+            most = max(most, eng.num_running)
+        return most
+
+    assert peak(hybrid) > 2 * peak(plain)
+
+
+def test_requests_that_can_never_fit_every_group_are_refused():
+    from workers.admission import RequestRejected
+    c = cfg([FULL, swa(6)], num_gpu_blocks=8, max_num_batched_tokens=8)  # 16 pool blocks
+    assert c.pool_blocks == 16
+    assert max_blocks(c, 32) == 8 + 5  # full: 8 blocks; window: at most ceil((6 - 1 + 8) / 4) + 1
+    eng = EngineCore(c)
+    with pytest.raises(RequestRejected):
+        eng.add_request(req("long", range(60), max_tokens=5))  # 64 KV tokens: 16 + 5 blocks
+    eng.add_request(req("ok", range(40), max_tokens=5))  # 44 KV tokens: 11 + 5 (more than the plain 32)
+    assert run_to_end(eng, [])["ok"].output_tokens == 5
+
+
+def test_a_scenario_with_kv_groups_needs_group_aware_kv_events():
+    from harness.scenario.loading import ScenarioError, parse_scenario
+    text = ("cluster:\n  kv_events_version: '{v}'\n  engine:\n    kv_groups:\n"
+            "      - {{kind: full_attention, layers: 8}}\n      - {{kind: sliding_window, layers: 24, window: 128}}\n")
+    with pytest.raises(ScenarioError, match="group_idx"):
+        parse_scenario(text.format(v="0.19"))
+    for v in ("0.20", "0.22", "0.33"):
+        assert len(parse_scenario(text.format(v=v)).cluster.engine.config(1).kv_cache_groups) == 4
