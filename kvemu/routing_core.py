@@ -18,7 +18,8 @@ from kvemu.clock import Clock, ManualClock
 from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
 from kvemu.eligibility import Candidates, EligibilityBuilder
 from kvemu.errors import InvalidArgument
-from kvemu.router_events import RouterEvent, StorageTier, apply_event
+from kvemu.group_index import GroupBlocks, is_tagged
+from kvemu.router_events import AllCleared, BlocksStored, RouterEvent, StorageTier, apply_event
 from kvemu.hashing import BASE_SEED, block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
@@ -105,6 +106,8 @@ class RoutingCore:
         self.load = LoadTracker()
         self.selector = DefaultWorkerSelector()
         self.approx: ApproxIndex | None = None
+        self.groups: GroupBlocks | None = None
+        """Hybrid engines' non-main KV cache groups (``kvemu.group_index``), from their first tagged event."""
         self.tier_indexes: dict[StorageTier, TierIndex] = {}
         """Lower-tier (host, disk, external) prefix indexes, created by the first event for a tier."""
         if self.config.use_kv_events:
@@ -135,6 +138,8 @@ class RoutingCore:
         self.registry.remove(worker_id)
         for tier_index in self.tier_indexes.values():
             tier_index.remove_worker(worker_id)
+        if self.groups is not None:
+            self.groups.remove_worker(worker_id)
         if self.approx is not None:
             self.approx.remove_worker(worker_id)
         else:
@@ -150,12 +155,34 @@ class RoutingCore:
                     "(use_kv_events=False) and learns from its own routing decisions",
                     worker_id=event.worker_id, dp_rank=event.dp_rank,
                 )
+            if self._apply_group_event(event):
+                return
             apply_event(self.index, event)
             return
         tier_index = self.tier_indexes.get(event.tier)
         if tier_index is None:
             tier_index = self.tier_indexes[event.tier] = TierIndex()
         apply_event(tier_index, event)
+
+    def _apply_group_event(self, event: RouterEvent) -> bool:
+        """A hybrid engine's event for a non-main KV cache group (tagged hashes): kept aside, True; else False
+        (a clear clears both)."""
+        data = event.data
+        if isinstance(data, AllCleared):
+            if self.groups is not None:
+                self.groups.clear((event.worker_id, event.dp_rank))
+            return False
+        hashes = data.block_hashes
+        if not hashes or not is_tagged(hashes[0]):
+            return False
+        key = (event.worker_id, event.dp_rank)
+        if self.groups is None:
+            self.groups = GroupBlocks()
+        if isinstance(data, BlocksStored):
+            self.groups.store(key, hashes)
+        else:
+            self.groups.remove(key, hashes)
+        return True
 
     def tier_hits(self, request: PreparedRequest, device: dict[WorkerKey, int]) -> TierHits | None:
         """Lower-tier extension hits per rank: blocks each tier holds contiguously past what the faster tiers
@@ -239,7 +266,10 @@ class RoutingCore:
         """Cached prefix depth per rank for the request."""
         if self.approx is not None:
             return self.approx.find_matches(request.local_hashes)
-        return self.index.find_matches(request.local_hashes)
+        matches = self.index.find_matches(request.local_hashes)
+        if self.groups is not None and matches:  # hybrid engines: a hit only where every group has it
+            return self.groups.limit(matches, request.seq_hashes)
+        return matches
 
     def select(self, request: PreparedRequest, candidates: Candidates | None = None) -> Selection:
         """Score the candidates and pick one; changes no state (the generator aside)."""

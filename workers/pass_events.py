@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvemu.group_index import group_tag
 from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
 from workers.blocks import CLEARED, REMOVED, STORED
@@ -49,6 +50,9 @@ class PassEvents:
     def router_batch(self) -> EventBatch:
         """This pass's events in the router's model: a stored run with its local hashes, a removal run as one event."""
         entries = self.entries
+        if self.groups is not None:
+            return EventBatch(ts_ns=self.ts_ns, dp_rank=self.dp_rank, block_size=self.block_size,
+                              events=_router_groups(entries, self.groups, self.block_size))
         if not any(e[0] >= HOST_STORED for e in entries):
             return EventBatch(ts_ns=self.ts_ns, dp_rank=self.dp_rank, block_size=self.block_size,
                               events=router_events(entries))
@@ -81,6 +85,42 @@ def materialize_events(entries: Iterable[tuple], block_size: int,
 
 
 _U64 = (1 << 64) - 1
+
+
+def _router_groups(entries: Iterable[tuple], groups: list[tuple[str, int | None]], block_size: int) -> list[EventData]:
+    """Router-model events of a hybrid engine: the main group's (its first full-attention group) as a plain engine's,
+    every other group's with tagged hashes and no local hashes (``kvemu.group_index``)."""
+    main = -1
+    tags: list[int] = []
+    for g, (spec, window) in enumerate(groups):
+        if spec == "full_attention" and main < 0:
+            main = g
+            tags.append(0)
+        elif window is not None:
+            tags.append(group_tag(g, -(-(window - 1) // block_size)))
+        else:
+            tags.append(group_tag(g, 1 if spec == "mamba" else 0))
+    out: list[EventData] = []
+    for e in entries:
+        kind = e[0]
+        if kind == REMOVED:
+            plain = [k & _U64 for k in e[1] if k >> 64 == main]
+            tagged = [(k & _U64) | tags[k >> 64] for k in e[1] if k >> 64 != main]
+            if plain:
+                out.append(BlocksRemoved(plain))
+            if tagged:
+                out.append(BlocksRemoved(tagged))
+        elif kind == STORED:
+            _, keys, parent, source, first = e
+            g = keys[0] >> 64
+            if g == main:
+                out.append(BlocksStored([k & _U64 for k in keys], source.local_hashes(first, first + len(keys)),
+                                        None if parent is None else parent & _U64, True))
+            else:
+                out.append(BlocksStored([(k & _U64) | tags[g] for k in keys], [], None, True))
+        elif kind == CLEARED:
+            out.append(AllCleared())
+    return out
 
 
 def _walk_groups(entries: Iterable[tuple], block_size: int, groups: list[tuple[str, int | None]]) -> list[KvEvent]:

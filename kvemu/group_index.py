@@ -1,0 +1,108 @@
+"""The router's view of a hybrid model's other KV cache groups (engines with ``kv_groups``).
+
+The prefix index (``kvemu.index``) holds each rank's *main* group: its first full-attention group, whose hashes
+are the plain block hashes. The blocks of every other group arrive as router events whose block hashes are
+*tagged*: ``hash | (tag << 64)`` with ``tag = (group_idx + 1) | (target << TARGET_SHIFT)``, ``target`` being the
+blocks a hit needs right before its end in that group (``ceil((window - 1) / block_size)`` for a sliding window,
+1 for a state group's checkpoint; 0 for another full-attention group, which needs the whole prefix).
+
+These groups cannot live in the prefix tree: a sliding-window group frees its oldest blocks first, so its cached
+blocks are not prefixes (the tree's cascading removals would drop the rest). They are flat sets of hashes per
+rank and group. A rank's overlap is then what its engine would find (vLLM's fixed point, ``workers.hybrid``):
+the largest block count within the main group's prefix that every group accepts. It never exceeds the main
+group's match, so a hybrid rank is scored a hit only when every group has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["GroupBlocks", "TARGET_SHIFT", "group_tag", "is_tagged"]
+
+TARGET_SHIFT = 20
+_U64 = (1 << 64) - 1
+WorkerKey = tuple[int, int]
+
+
+def group_tag(group_idx: int, target: int) -> int:
+    """The bits above 64 that mark a block of a non-main group."""
+    return ((group_idx + 1) | (target << TARGET_SHIFT)) << 64
+
+
+def is_tagged(block_hash: int) -> bool:
+    return block_hash > _U64
+
+
+class GroupBlocks:
+    """Per rank and non-main group: the plain hashes of the cached blocks, and the group's hit target."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[WorkerKey, dict[int, tuple[int, set[int]]]] = {}
+        """rank -> group_idx -> (target, hashes)."""
+
+    def store(self, key: WorkerKey, tagged: Sequence[int]) -> None:
+        groups = self.held.setdefault(key, {})
+        for h in tagged:
+            tag = h >> 64
+            g = (tag & ((1 << TARGET_SHIFT) - 1)) - 1
+            entry = groups.get(g)
+            if entry is None:
+                entry = groups[g] = (tag >> TARGET_SHIFT, set())
+            entry[1].add(h & _U64)
+
+    def remove(self, key: WorkerKey, tagged: Sequence[int]) -> None:
+        groups = self.held.get(key)
+        if groups is None:
+            return
+        for h in tagged:
+            entry = groups.get(((h >> 64) & ((1 << TARGET_SHIFT) - 1)) - 1)
+            if entry is not None:
+                entry[1].discard(h & _U64)
+
+    def clear(self, key: WorkerKey) -> None:
+        self.held.pop(key, None)
+
+    def remove_worker(self, worker_id: int) -> None:
+        for key in [k for k in self.held if k[0] == worker_id]:
+            del self.held[key]
+
+    def limit(self, matches: dict[WorkerKey, int], seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """``matches`` (main-group prefix per rank) cut to what every group of each rank accepts."""
+        out: dict[WorkerKey, int] = {}
+        for key, k in matches.items():
+            groups = self.held.get(key)
+            if groups and k:
+                k = _fixed_point(groups, seq_hashes, k)
+            out[key] = k
+        return out
+
+
+def _fixed_point(groups: dict[int, tuple[int, set[int]]], seq_hashes: Sequence[int], k: int) -> int:
+    curr = k
+    while curr:
+        before = curr
+        for target, held in groups.values():
+            if not curr:
+                break
+            if target == 0:  # another full-attention group: its leading run
+                run = 0
+                while run < curr and seq_hashes[run] in held:
+                    run += 1
+                curr = run
+            else:  # the first run of ``target`` blocks from the right ends the hit; else the run from block 0
+                run = 0
+                found = -1
+                for i in range(curr - 1, -1, -1):
+                    if seq_hashes[i] in held:
+                        run += 1
+                        if run >= target:
+                            found = i + run
+                            break
+                    else:
+                        run = 0
+                curr = found if found >= 0 else run
+        if curr == before:
+            break
+    return curr
