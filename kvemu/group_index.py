@@ -1,23 +1,25 @@
-"""The router's view of a hybrid model's other KV cache groups (engines with ``kv_groups``).
+"""The router's view of a hybrid model's KV cache groups (engines with ``kv_groups``; vLLM's hybrid KV cache manager).
 
-The prefix index (``kvemu.index``) holds each rank's *main* group: its first full-attention group, whose hashes
-are the plain block hashes. The blocks of every other group arrive as router events whose block hashes are
-*tagged*: ``hash | (tag << 64)`` with ``tag = (group_idx + 1) | (target << TARGET_SHIFT)``, ``target`` being the
-blocks a hit needs right before its end in that group (``ceil((window - 1) / block_size)`` for a sliding window,
-1 for a state group's checkpoint; 0 for another full-attention group, which needs the whole prefix).
+Group 0's events carry the plain block hashes, as any engine's. Every other group's carry *tagged* hashes:
+``hash | (tag << 64)`` with ``tag = (group_idx + 1) | (target << TARGET_SHIFT)``, ``target`` being the blocks a hit
+needs right before its end in that group: 0 for full attention (the whole prefix), ``ceil((window - 1) /
+block_size)`` for a sliding window, 1 for a state group's checkpoint. A sliding-window or state group's stores come
+tagged even in group 0 (their kind says so); removals name only the group (vLLM's ``BlockRemoved`` has no kind).
 
-These groups cannot live in the prefix tree: a sliding-window group frees its oldest blocks first, so its cached
-blocks are not prefixes (the tree's cascading removals would drop the rest). They are flat sets of hashes per
-rank and group. A rank's overlap is then what its engine would find (vLLM's fixed point, ``workers.hybrid``):
-the largest block count within the main group's prefix that every group accepts. It never exceeds the main
-group's match, so a hybrid rank is scored a hit only when every group has it.
+Per rank, one full-attention group is *main*: its blocks live in the prefix index (``kvemu.index``), which scores
+prefixes as for any engine (group 0 when it is full attention, else the first full-attention group seen). Every
+other group's blocks live here, as flat sets of hashes per rank and group: a sliding-window group frees its oldest
+blocks first, so its cached blocks are not prefixes (the tree's cascading removals would drop the rest), and a
+second full-attention group evicts in its own order. A rank's overlap is then what its engine would find (vLLM's
+fixed point, ``workers.hybrid``): the largest block count within the main group's prefix that every group
+accepts. It never exceeds the prefix index's match, so a hybrid rank is scored a hit only when every group has it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["GroupBlocks", "TARGET_SHIFT", "group_tag", "is_tagged"]
+__all__ = ["GroupBlocks", "TARGET_SHIFT", "group_tag", "group_target", "is_tagged", "group_of", "target_of"]
 
 TARGET_SHIFT = 20
 _U64 = (1 << 64) - 1
@@ -29,18 +31,42 @@ def group_tag(group_idx: int, target: int) -> int:
     return ((group_idx + 1) | (target << TARGET_SHIFT)) << 64
 
 
+def group_target(kind: str, window: int | None, block_size: int) -> int:
+    """Blocks right before a hit point a group needs (0: the whole prefix, full attention), by
+    ``kv_cache_spec_kind``; -1 for a kind the router cannot judge."""
+    if kind in ("full_attention", "mla_attention", "sink_full_attention"):
+        return 0
+    if kind in ("sliding_window", "sliding_window_mla") and window is not None and window >= 2:
+        return -(-(window - 1) // block_size)
+    if kind == "mamba":
+        return 1
+    return -1
+
+
+def target_of(tagged: int) -> int:
+    """The hit target a tagged hash carries (0: full attention)."""
+    return tagged >> (64 + TARGET_SHIFT)
+
+
 def is_tagged(block_hash: int) -> bool:
     return block_hash > _U64
+
+
+def group_of(tagged: int) -> int:
+    """The ``group_idx`` a tagged hash names."""
+    return ((tagged >> 64) & ((1 << TARGET_SHIFT) - 1)) - 1
 
 
 class GroupBlocks:
     """Per rank and non-main group: the plain hashes of the cached blocks, and the group's hit target."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "main")
 
     def __init__(self) -> None:
         self.held: dict[WorkerKey, dict[int, tuple[int, set[int]]]] = {}
-        """rank -> group_idx -> (target, hashes)."""
+        """rank -> group_idx -> (target, hashes), every group but the main one."""
+        self.main: dict[WorkerKey, int] = {}
+        """rank -> its main group (whose blocks are in the prefix index), once known."""
 
     def store(self, key: WorkerKey, tagged: Sequence[int]) -> None:
         groups = self.held.setdefault(key, {})
@@ -51,6 +77,11 @@ class GroupBlocks:
             if entry is None:
                 entry = groups[g] = (tag >> TARGET_SHIFT, set())
             entry[1].add(h & _U64)
+
+    def knows(self, key: WorkerKey, group_idx: int) -> bool:
+        """Whether blocks of this rank's group were stored here (a sliding-window or state group)."""
+        groups = self.held.get(key)
+        return groups is not None and group_idx in groups
 
     def remove(self, key: WorkerKey, tagged: Sequence[int]) -> None:
         groups = self.held.get(key)
@@ -63,10 +94,13 @@ class GroupBlocks:
 
     def clear(self, key: WorkerKey) -> None:
         self.held.pop(key, None)
+        self.main.pop(key, None)
 
     def remove_worker(self, worker_id: int) -> None:
         for key in [k for k in self.held if k[0] == worker_id]:
             del self.held[key]
+        for key in [k for k in self.main if k[0] == worker_id]:
+            del self.main[key]
 
     def limit(self, matches: dict[WorkerKey, int], seq_hashes: Sequence[int]) -> dict[WorkerKey, int]:
         """``matches`` (main-group prefix per rank) cut to what every group of each rank accepts."""

@@ -18,9 +18,9 @@ from kvemu.clock import Clock, ManualClock
 from kvemu.config import BusyThresholds, RouterConfig, RouterOverrides
 from kvemu.eligibility import Candidates, EligibilityBuilder
 from kvemu.errors import InvalidArgument
-from kvemu.group_index import GroupBlocks, is_tagged
-from kvemu.router_events import AllCleared, BlocksStored, RouterEvent, StorageTier, apply_event
-from kvemu.hashing import BASE_SEED, block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
+from kvemu.group_index import GroupBlocks, group_of, group_tag, is_tagged, target_of
+from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier, apply_event
+from kvemu.hashing import BASE_SEED, U64_MASK, block_seed, extend_sequence_hashes, local_block_hashes, sequence_hashes
 from kvemu.index import PrefixIndex, WorkerKey
 from kvemu.load import LoadProjection, LoadTracker
 from kvemu.policy import CustomPolicy, PolicyContext
@@ -165,24 +165,50 @@ class RoutingCore:
         apply_event(tier_index, event)
 
     def _apply_group_event(self, event: RouterEvent) -> bool:
-        """A hybrid engine's event for a non-main KV cache group (tagged hashes): kept aside, True; else False
-        (a clear clears both)."""
+        """A hybrid engine's event (``kvemu.group_index``): True when it was applied here (to the groups kept aside,
+        or, a main group's tagged one, stripped to the prefix index); False: the prefix index takes it as it is."""
         data = event.data
+        groups = self.groups
         if isinstance(data, AllCleared):
-            if self.groups is not None:
-                self.groups.clear((event.worker_id, event.dp_rank))
+            if groups is not None:
+                groups.clear((event.worker_id, event.dp_rank))
             return False
         hashes = data.block_hashes
-        if not hashes or not is_tagged(hashes[0]):
+        if not hashes:
             return False
+        tagged = is_tagged(hashes[0])
+        if groups is None:
+            if not tagged:
+                return False
+            groups = self.groups = GroupBlocks()
         key = (event.worker_id, event.dp_rank)
-        if self.groups is None:
-            self.groups = GroupBlocks()
+        main = groups.main.get(key)
+        if not tagged:  # group 0
+            if main is None or main == 0:
+                if isinstance(data, BlocksStored):
+                    groups.main[key] = 0
+                return False
+            groups.remove(key, [h | group_tag(0, 0) for h in hashes])  # (a sliding-window or state group 0)
+            return True
+        g = group_of(hashes[0])
         if isinstance(data, BlocksStored):
-            self.groups.store(key, hashes)
-        else:
-            self.groups.remove(key, hashes)
-        return True
+            if target_of(hashes[0]) == 0 and main is None:  # the first full-attention group seen is the main one
+                main = groups.main[key] = 0 if self.index.tree_size(event.worker_id, event.dp_rank) else g
+            if g == main:
+                apply_event(self.index, RouterEvent(
+                    worker_id=event.worker_id, dp_rank=event.dp_rank, tier=event.tier, event_id=event.event_id,
+                    data=BlocksStored([h & U64_MASK for h in hashes], data.local_hashes, data.parent_hash,
+                                      data.sequence_hashed)))
+            else:
+                groups.store(key, hashes)
+            return True
+        if g == main:
+            apply_event(self.index, RouterEvent(worker_id=event.worker_id, dp_rank=event.dp_rank, tier=event.tier,
+                                                event_id=event.event_id,
+                                                data=BlocksRemoved([h & U64_MASK for h in hashes])))
+        elif groups.knows(key, g):
+            groups.remove(key, hashes)
+        return True  # (a group the router cannot judge: dropped)
 
     def tier_hits(self, request: PreparedRequest, device: dict[WorkerKey, int]) -> TierHits | None:
         """Lower-tier extension hits per rank: blocks each tier holds contiguously past what the faster tiers

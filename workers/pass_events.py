@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvemu.group_index import group_tag
+from kvemu.group_index import group_tag, group_target
 from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
 from workers.blocks import CLEARED, REMOVED, STORED
@@ -88,36 +88,29 @@ _U64 = (1 << 64) - 1
 
 
 def _router_groups(entries: Iterable[tuple], groups: list[tuple[str, int | None]], block_size: int) -> list[EventData]:
-    """Router-model events of a hybrid engine: the main group's (its first full-attention group) as a plain engine's,
-    every other group's with tagged hashes and no local hashes (``kvemu.group_index``)."""
-    main = -1
-    tags: list[int] = []
-    for g, (spec, window) in enumerate(groups):
-        if spec == "full_attention" and main < 0:
-            main = g
-            tags.append(0)
-        elif window is not None:
-            tags.append(group_tag(g, -(-(window - 1) // block_size)))
-        else:
-            tags.append(group_tag(g, 1 if spec == "mamba" else 0))
+    """Router-model events of a hybrid engine, as ``kvemu.wire.convert`` makes them of its wire events
+    (``kvemu.group_index``): group 0's plain if it is full attention, every other group's (and a sliding-window or
+    state group 0's stores) tagged; a full-attention group's stores keep their local hashes and parent."""
+    tags = [0 if g == 0 and spec == "full_attention" else group_tag(g, group_target(spec, window, block_size))
+            for g, (spec, window) in enumerate(groups)]
     out: list[EventData] = []
     for e in entries:
         kind = e[0]
         if kind == REMOVED:
-            plain = [k & _U64 for k in e[1] if k >> 64 == main]
-            tagged = [(k & _U64) | tags[k >> 64] for k in e[1] if k >> 64 != main]
-            if plain:
-                out.append(BlocksRemoved(plain))
-            if tagged:
-                out.append(BlocksRemoved(tagged))
+            by_group: dict[int, list[int]] = {}  # one removal per group (each names its group)
+            for k in e[1]:
+                g = k >> 64
+                by_group.setdefault(g, []).append((k & _U64) | group_tag(g, 0) if g else k)
+            out += [BlocksRemoved(hashes) for hashes in by_group.values()]
         elif kind == STORED:
             _, keys, parent, source, first = e
             g = keys[0] >> 64
-            if g == main:
-                out.append(BlocksStored([k & _U64 for k in keys], source.local_hashes(first, first + len(keys)),
+            tag = tags[g]
+            if groups[g][0] == "full_attention":
+                out.append(BlocksStored([(k & _U64) | tag for k in keys], source.local_hashes(first, first + len(keys)),
                                         None if parent is None else parent & _U64, True))
             else:
-                out.append(BlocksStored([(k & _U64) | tags[g] for k in keys], [], None, True))
+                out.append(BlocksStored([(k & _U64) | tag for k in keys], [], None, True))
         elif kind == CLEARED:
             out.append(AllCleared())
     return out

@@ -1,15 +1,19 @@
 """From vLLM wire events to the router's event model, with Dynamo's conversion rules.
 
 Local hashes are recomputed from each block's ``token_ids`` (with the LoRA seed and multimodal keys),
-the engine's block hash becomes the external hash, non-main KV groups are dropped and ``medium`` picks
-the storage tier. A block-size mismatch is a loud, typed error — never a silent zero-match.
+the engine's block hash becomes the external hash and ``medium`` picks the storage tier. Non-main KV groups are
+dropped as Dynamo drops them, except a hybrid model's groups whose kind the router can judge (full attention,
+sliding window, state; vLLM >= 0.22 names the kind): their blocks come tagged with the group unless it is a
+full-attention group 0 (``kvemu.group_index``), so the router scores a hit only when every group has it; so do
+removals of any group but 0 (vLLM's ``BlockRemoved`` names only the group). A block-size mismatch is a loud, typed error — never a silent zero-match.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from kvemu.errors import KvCacheEventError
+from kvemu.group_index import group_tag, group_target
 from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import local_block_hashes, mm_hash_from_identifier
 from kvemu.kv_events import BlockRemoved, BlockStored, KvEvent
@@ -57,6 +61,24 @@ def _is_main_group(ev: BlockStored | BlockRemoved) -> bool:
     return not ev.group_idx
 
 
+def _group_stored(ev: BlockStored, worker_id: int, dp_rank: int, block_size: int, event_id: int) -> RouterEvent | None:
+    """A hybrid model's sliding-window or state group's stored blocks, tagged with the group and the blocks a hit
+    needs before its end (``kvemu.group_index``); None (dropped, as Dynamo drops them) for a kind the router cannot
+    judge (no kind before vLLM 0.22, chunked local attention...)."""
+    kind = ev.kv_cache_spec_kind
+    target = group_target(kind, ev.kv_cache_spec_sliding_window, ev.block_size) if kind is not None else -1
+    if target <= 0 or not ev.block_hashes:
+        return None
+    if ev.block_size != block_size:
+        raise BlockSizeMismatch(
+            f"worker {worker_id} rank {dp_rank} sent blocks of {ev.block_size} tokens but the router uses block_size "
+            f"{block_size}; its {len(ev.block_hashes)} blocks were not indexed (configure both the same)",
+            worker_id=worker_id, dp_rank=dp_rank)
+    tag = group_tag(ev.group_idx or 0, target)
+    return RouterEvent(worker_id=worker_id, dp_rank=dp_rank, data=BlocksStored([h | tag for h in ev.block_hashes], []),
+                       tier=medium_to_tier(ev.medium), event_id=event_id)
+
+
 def _mm_hashes(extra_keys: Any, n_blocks: int) -> dict[int, list[int]] | None:
     """Multimodal hashes per block: 64-hex identifiers (optionally paired with an offset) in extra_keys."""
     if not extra_keys:
@@ -98,7 +120,7 @@ def convert_event(
     t = type(ev)
     if t is BlockStored:
         if not _is_main_group(ev):  # type: ignore[arg-type]
-            return None
+            return _group_stored(ev, worker_id, dp_rank, block_size, event_id)  # type: ignore[arg-type]
         hashes = ev.block_hashes  # type: ignore[union-attr]
         n = len(hashes)
         parent = ev.parent_block_hash  # type: ignore[union-attr]
@@ -125,6 +147,9 @@ def convert_event(
             block_mm_hashes=_mm_hashes(ev.extra_keys, n),  # type: ignore[union-attr]
             eagle=eagle,
         )
+        if ev.group_idx:  # type: ignore[union-attr]  # a hybrid model's other full-attention group: tagged
+            tag = group_tag(ev.group_idx, 0)  # type: ignore[union-attr]
+            hashes = [h | tag for h in hashes]
         return RouterEvent(
             worker_id=worker_id,
             dp_rank=dp_rank,
@@ -133,8 +158,12 @@ def convert_event(
             event_id=event_id,
         )
     if t is BlockRemoved:
-        if not _is_main_group(ev):  # type: ignore[arg-type]
-            return None
+        removed = cast(BlockRemoved, ev)
+        if not _is_main_group(removed):  # a hybrid model's other group: its blocks tagged with it (kvemu.group_index)
+            tag = group_tag(removed.group_idx or 0, 0)
+            return RouterEvent(worker_id=worker_id, dp_rank=dp_rank,
+                               data=BlocksRemoved([h | tag for h in removed.block_hashes]),
+                               tier=medium_to_tier(removed.medium), event_id=event_id)
         return RouterEvent(
             worker_id=worker_id,
             dp_rank=dp_rank,

@@ -210,22 +210,27 @@ def test_a_scenario_with_kv_groups_needs_group_aware_kv_events():
 # ------------------------------------------------------------------------------------------------ router
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
-    # a hybrid engine under eviction pressure; its router-model events feed a routing core, whose overlap for any
-    # prompt (capped as the engine caps its lookup) is then exactly the engine's own hybrid hit
+    # a hybrid engine under eviction pressure; its router-model events feed a routing core (and its vLLM 0.22 wire
+    # events, converted, another), whose overlap for any prompt (capped as the engine caps its lookup) is then
+    # exactly the engine's own hybrid hit
     import random
 
     from kvemu.config import RouterConfig
     from kvemu.hashing import local_block_hashes
     from kvemu.router_events import RouterEvent
     from kvemu.routing_core import PreparedRequest, RoutingCore
+    from kvemu.wire.convert import convert_event
 
     rng = random.Random(seed)
-    groups = rng.choice([[FULL, swa(6)], [swa(9), FULL], [FULL, KvGroupSpec(kind="state", layers=4)],
-                         [FULL, swa(6), KvGroupSpec(kind="state", layers=4)]])
+    groups = [[FULL, swa(6)], [swa(9), FULL], [FULL, KvGroupSpec(kind="state", layers=4)],
+              [FULL, swa(6), KvGroupSpec(kind="state", layers=4)],
+              [KvGroupSpec(kind="full_attention", layers=8), swa(6)],  # two full-attention groups
+              [swa(6), KvGroupSpec(kind="full_attention", layers=8)]][seed % 6]
     eng = EngineCore(cfg(groups, num_gpu_blocks=24, max_num_batched_tokens=16))
     core = RoutingCore(block_size=4)
+    wire = RoutingCore(block_size=4)
     prefixes = [list(range(p * 100, p * 100 + rng.randint(4, 40))) for p in range(3)]
     prompts = [rng.choice(prefixes) + [1000 + i] * rng.randint(1, 8) for i in range(30)]
     reqs = [req(f"r{i}", p, max_tokens=rng.randint(1, 6), arrival_ns=i * 20_000_000) for i, p in enumerate(prompts)]
@@ -235,6 +240,10 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
         for batch in eng.advance_to(t).events:
             for data in batch.router_batch().events:
                 core.apply_event(RouterEvent(worker_id=1, data=data))
+            for ev in batch.batch().events:
+                converted = convert_event(ev, worker_id=1, dp_rank=0, block_size=4)
+                assert converted is not None
+                wire.apply_event(converted)
     assert eng.pool.log == [] and eng.pool.num_inactive
     hits = 0
     for p in prefixes + prompts:
@@ -246,5 +255,6 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
         local = local_block_hashes(p, 4)[:limit]
         seen = core.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0)
         assert seen == hit, (p, seen, hit)
+        assert wire.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0) == hit
         hits += hit
     assert hits

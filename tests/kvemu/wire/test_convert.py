@@ -12,6 +12,7 @@ from kvemu.errors import KvCacheEventError
 from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, RouterEvent, StorageTier
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.wire.codec import decode_batch
+from kvemu.group_index import group_of, group_tag
 from kvemu.wire.convert import MAIN_GROUP_KINDS, BlockSizeMismatch, MissingTokens, convert_event, medium_to_tier
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -128,16 +129,33 @@ def test_missing_tokens():
 def test_non_main_kv_groups_are_dropped(group_idx, kept):
     got = conv(stored(group_idx=group_idx))
     assert (got is not None) is kept
+    # a removal names only its group: another group's comes tagged with it (kvemu.group_index), for the router to
+    # apply to that group (or, a full-attention group's, to the prefix index)
     rem = conv(BlockRemoved(block_hashes=[HASHES[0]], group_idx=group_idx))
-    assert (rem is not None) is kept
+    assert rem is not None
+    if kept:
+        assert rem.data.block_hashes == [HASHES[0]]
+    else:
+        assert [group_of(h) for h in rem.data.block_hashes] == [group_idx]
+        assert [h & (2**64 - 1) for h in rem.data.block_hashes] == [HASHES[0]]
 
 
 @pytest.mark.parametrize("kind", sorted(MAIN_GROUP_KINDS) + ["sliding_window", "chunked_local_attention",
                                                             "mamba", "cross_attention", ""])
 @pytest.mark.parametrize("group_idx", [None, 0, 1])
 def test_kv_cache_spec_kind_decides_when_present(kind, group_idx):
-    got = conv(stored(group_idx=group_idx, kv_cache_spec_kind=kind))
-    assert (got is not None) is (kind in {"full_attention", "mla_attention", "sink_full_attention"})
+    window = 9 if kind == "sliding_window" else None
+    got = conv(stored(group_idx=group_idx, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window))
+    if kind in {"full_attention", "mla_attention", "sink_full_attention"}:  # group 0 plain, another tagged
+        tag = group_tag(group_idx, 0) if group_idx else 0
+        assert got is not None and got.data.block_hashes == [h | tag for h in HASHES]
+        assert got.data.local_hashes == LOCALS
+    elif kind in ("sliding_window", "mamba"):  # a hybrid model's other group: kept aside for the router, tagged
+        target = -(-(9 - 1) // BS) if kind == "sliding_window" else 1
+        assert got.data.block_hashes == [h | group_tag(group_idx or 0, target) for h in HASHES]
+        assert got.data.local_hashes == []
+    else:
+        assert got is None
 
 
 def test_main_group_kinds_are_the_spec_list():
