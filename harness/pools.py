@@ -74,7 +74,20 @@ def owner(routers: Iterable[Router], worker_id: int) -> Router | None:
     return next((r for r in routers if worker_id in r.workers), None)
 
 
-def samples(routers: Mapping[str, Router], now_ns: int) -> list[Sample]:
+def engine_group_usage(workers: Mapping[int, Any]) -> dict[tuple[int, int], dict[int, int]]:
+    """Blocks held per KV cache group of every hybrid engine among in-process workers (``worker_id -> actor``)."""
+    out: dict[tuple[int, int], dict[int, int]] = {}
+    for wid, actor in workers.items():
+        for core in getattr(getattr(actor, "worker", None), "cores", ()):
+            usage = getattr(core, "group_usage", None)
+            groups = usage() if usage is not None else None
+            if groups is not None:
+                out[(wid, core.dp_rank)] = {g: n for g, (_, _, n) in enumerate(groups)}
+    return out
+
+
+def samples(routers: Mapping[str, Router], now_ns: int,
+            held: Mapping[tuple[int, int], dict[int, int]] | None = None) -> list[Sample]:
     """One sample of every registered rank of every pool (``pool -> router``).
 
     A rank's KV blocks are the blocks its router's index holds for it, except on decode ranks: they publish no
@@ -90,7 +103,9 @@ def samples(routers: Mapping[str, Router], now_ns: int) -> list[Sample]:
                 blocks = round(rl.active_decode_blocks) if rl else 0
             else:
                 blocks = core.index.tree_size(*key)
-            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, blocks, pool))
+            groups = core.groups.sizes(key, blocks) if core.groups is not None and pool != DECODE else None
+            out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, blocks, pool, groups,
+                              held.get(key) if held else None))
     return out
 
 

@@ -22,7 +22,7 @@ from harness.autoscaler import AutoscalerShell
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.report.recorder import Recorder
-from harness.pools import (affinity_stats, kv_stats, pool_sizes, routing_block_size, samples,
+from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_sizes, routing_block_size, samples,
                            speculative_settings)
 from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData
@@ -191,7 +191,8 @@ async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hoo
 
 
 def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:
-    taken = samples(c.routers, clock.now_ns())
+    # (hybrid engines in virtual mode: their blocks held per KV cache group too)
+    taken = samples(c.routers, clock.now_ns(), engine_group_usage(c.workers) if c.mode == "virtual" else None)
     state["ranks"].update((x.worker_id, x.dp_rank) for x in taken)
     state["samples"].extend(taken)
 

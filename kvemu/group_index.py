@@ -78,6 +78,18 @@ class GroupBlocks:
                 entry = groups[g] = (tag >> TARGET_SHIFT, set())
             entry[1].add(h & _U64)
 
+    def sizes(self, key: WorkerKey, main_blocks: int) -> dict[int, int] | None:
+        """Blocks the rank holds per ``group_idx`` (the main group's: ``main_blocks``, the prefix index's); None for a
+        rank with no other group."""
+        groups = self.held.get(key)
+        main = self.main.get(key)
+        if groups is None and main is None:
+            return None
+        out = {g: len(entry[1]) for g, entry in (groups or {}).items()}
+        if main is not None:
+            out[main] = main_blocks
+        return dict(sorted(out.items()))
+
     def knows(self, key: WorkerKey, group_idx: int) -> bool:
         """Whether blocks of this rank's group were stored here (a sliding-window or state group)."""
         groups = self.held.get(key)

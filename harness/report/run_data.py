@@ -27,6 +27,12 @@ class Sample(msgspec.Struct, frozen=True):
     """The router's indexed blocks of the rank (a decode rank's: its router's active blocks, see ``pools.samples``)."""
     pool: str = "aggregated"
     """The rank's pool: ``aggregated``, ``prefill`` or ``decode``."""
+    group_blocks: dict[int, int] | None = None
+    """Hybrid KV cache groups (``kv_groups``): the router's indexed blocks of the rank per ``group_idx`` (its main
+    full-attention group's are ``kv_blocks``); None for a plain rank."""
+    group_held: dict[int, int] | None = None
+    """Hybrid KV cache groups, virtual mode: the blocks the rank's requests hold per ``group_idx`` (its engine's
+    count; freed sliding-window blocks that stay cached are not held); None otherwise."""
 
 
 class RunData(msgspec.Struct, kw_only=True):

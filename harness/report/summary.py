@@ -257,9 +257,19 @@ def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any
             row["failed_requests"] += 1
     active: dict[tuple[int, int], list[int]] = defaultdict(list)
     blocks: dict[tuple[int, int], list[int]] = defaultdict(list)
+    groups: dict[tuple[int, int], dict[int, list[int]]] = {}
+    held: dict[tuple[int, int], dict[int, list[int]]] = {}
     for s in data.samples:
         active[(s.worker_id, s.dp_rank)].append(s.active_requests)
         blocks[(s.worker_id, s.dp_rank)].append(s.kv_blocks)
+        if s.group_blocks is not None:  # hybrid KV cache groups: per group too
+            per = groups.setdefault((s.worker_id, s.dp_rank), {})
+            for g, n in s.group_blocks.items():
+                per.setdefault(g, []).append(n)
+        if s.group_held is not None:
+            per = held.setdefault((s.worker_id, s.dp_rank), {})
+            for g, n in s.group_held.items():
+                per.setdefault(g, []).append(n)
     out = []
     for key, row in rows.items():
         row["prefix_cache_reused_ratio"] = _ratio(row.pop("_cached"), row.pop("_isl_done"))
@@ -268,6 +278,10 @@ def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any
         row["max_active_requests"] = max(a) if a else None
         row["mean_kv_blocks"] = _mean(b)
         row["max_kv_blocks"] = max(b) if b else None
+        if key in groups:  # hybrid KV cache groups: the router's indexed blocks, and the engine's held ones
+            row["kv_blocks_per_group"] = {str(g): {"mean": _mean(v), "max": max(v)} for g, v in groups[key].items()}
+        if key in held:
+            row["held_blocks_per_group"] = {str(g): {"mean": _mean(v), "max": max(v)} for g, v in held[key].items()}
         out.append(row)
     return out
 
