@@ -22,7 +22,8 @@ from kvemu.runtime.transport import NoRouterEnd
 from kvemu.wire.codec import profile_for
 from pathlib import Path
 
-from workers.config import EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, SglangConfig
+from workers.config import (EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, KvGroupSpec, SglangConfig,
+                            SpeculativeConfig)
 
 from harness.cluster import cluster
 from harness.procs import worker as worker_proc
@@ -88,6 +89,8 @@ ENGINE_VALUES = {
                            clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
     "kv_cache_bytes_per_token": 4096,
     "native_host_offload": HostOffloadConfig(num_host_blocks=64),
+    "speculative": SpeculativeConfig(method="mtp", num_speculative_tokens=2),
+    "kv_groups": [KvGroupSpec(kind="full_attention", layers=2), KvGroupSpec(kind="sliding_window", layers=6, window=256)],
 }
 SINGLE_VALUED = {"trtllm"}
 """Sections whose knobs take one value only (the reference's), so no non-default value exists."""
