@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from kvemu.wire.codec import decode_batch, encode_batch, profile_for
@@ -258,3 +260,58 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
         assert wire.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0) == hit
         hits += hit
     assert hits
+
+
+@st.composite
+def cached_groups(draw):
+    n = draw(st.integers(0, 14))
+    kinds = draw(st.lists(st.sampled_from(["full_attention", "sliding_window", "state"]), min_size=1, max_size=4))
+    groups = [KvCacheGroup(k, draw(st.integers(2, 13)) if k == "sliding_window" else None, 1) for k in kinds]
+    cached = {g: draw(st.sets(st.integers(0, n - 1), max_size=n)) if n else set() for g in range(len(groups))}
+    return groups, cached, n, draw(st.integers(0, n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cached_groups())
+def test_the_hit_is_the_longest_length_every_group_accepts(case):
+    # vLLM's fixed point equals the brute-force definition: the largest k where every full-attention group has
+    # blocks 0..k-1 and every other group the ceil((W - 1) / bs) blocks before k (all of 0..k-1 when fewer)
+    groups, cached, n, limit = case
+    hyb = HybridKV(groups, 4, True, 64)
+    seq = _seq(n)
+    pool = _pool_with(seq, cached)
+
+    def accepts(k: int) -> bool:
+        for g in range(len(groups)):
+            lo = 0 if hyb.targets[g] == 0 else max(0, k - hyb.targets[g])
+            if not set(range(lo, k)) <= cached[g]:
+                return False
+        return True
+
+    assert hyb.lookup(pool, seq, limit)[0] == max(k for k in range(limit + 1) if accepts(k))
+
+
+def test_without_prefix_caching_a_state_group_holds_one_block_per_request():
+    eng = EngineCore(cfg([FULL, KvGroupSpec(kind="state", layers=4)], enable_prefix_caching=False,
+                         max_num_batched_tokens=8))
+    for i in range(3):
+        eng.add_request(req(f"r{i}", range(i * 50, i * 50 + 21), max_tokens=6))
+    for _ in steps(eng):
+        usage = eng.group_usage()
+        running = eng.scheduler.running
+        assert usage[1][2] == len(running)  # one state block each
+        assert usage[0][2] == sum(-(-q.computed // 4) for q in running)
+    assert eng.pool.free == eng.pool.num_blocks  # nothing cached, everything back
+
+
+def test_preemption_gives_back_every_groups_blocks():
+    # a pool too small for all: requests are preempted and recomputed; the invariants hold after every pass
+    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4)], num_gpu_blocks=12,
+                         max_num_batched_tokens=16, max_num_seqs=4))
+    reqs = [req(f"r{i}", range(i * 100, i * 100 + 14), max_tokens=20) for i in range(4)]
+    done = {}
+    for res in steps(eng, reqs):
+        for rec in res.completed:
+            done[rec.request_id] = rec
+    assert len(done) == 4 and sum(r.preemptions for r in done.values()) > 0
+    assert eng.pool.num_active_blocks == 0 and eng.group_usage() == [(g.kind, g.window, 0) for g in eng.hybrid.groups]
