@@ -188,7 +188,11 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
         self._check_kv_groups_wire()
 
     def _check_kv_groups_wire(self) -> None:
-        """Hybrid KV groups need KV events that name the group (``group_idx``, vLLM >= 0.20)."""
+        """Hybrid KV groups need KV events that name the group (``group_idx``, vLLM >= 0.20), and no decode pool."""
+        if self.decode is not None and self.decode.engine.kv_groups:  # type: ignore[attr-defined]
+            raise InvalidArgument("decode.engine.kv_groups: a decode pool cannot run hybrid KV cache groups yet "
+                                  "(hybrid KV transfers are not modelled); give kv_groups to the prefill pool only",
+                                  field="decode.engine.kv_groups")
         profile = profile_for(self.kv_events_version)
         if "group_idx" in STORED_FIELDS[:profile.stored_fields]:
             return

@@ -257,8 +257,12 @@ def test_fast_forward_equals_stepwise(work, rng):
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads(hybrid=1.0), st.randoms(use_true_random=False))
 def test_fast_forward_equals_stepwise_with_kv_groups(work, rng):
-    # hybrid KV cache groups (full attention, sliding windows, state layers in one pool): the same contract
+    # hybrid KV cache groups (full attention, sliding windows, state layers in one pool): the same contract,
+    # with speculative decoding on a third of them
     cfg, reqs, checkpoints = work
+    if cfg.kv_groups and rng.random() < 0.33:
+        cfg = msgspec.structs.replace(cfg, decode_speedup_ratio=1.0, speculative=SpeculativeConfig(
+            method="mtp", num_speculative_tokens=rng.randint(1, 3), seed=rng.randint(0, 3)))
     ref = stepwise(cfg, reqs)
     assert ff_equal(cfg, reqs, checkpoints, rng, ref)
 

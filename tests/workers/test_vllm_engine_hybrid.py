@@ -315,3 +315,12 @@ def test_preemption_gives_back_every_groups_blocks():
             done[rec.request_id] = rec
     assert len(done) == 4 and sum(r.preemptions for r in done.values()) > 0
     assert eng.pool.num_active_blocks == 0 and eng.group_usage() == [(g.kind, g.window, 0) for g in eng.hybrid.groups]
+
+
+def test_a_decode_pool_cannot_run_kv_groups():
+    from harness.scenario.loading import ScenarioError, parse_scenario
+    groups = "kv_groups: [{kind: full_attention, layers: 8}, {kind: sliding_window, layers: 24, window: 128}]"
+    text = f"cluster:\n  prefill: {{workers: 1, engine: {{{groups}}}}}\n  decode: {{workers: 1{{}}}}\n"
+    assert parse_scenario(text.replace("{}", "")).cluster.prefill.engine.kv_groups
+    with pytest.raises(ScenarioError, match="decode pool"):
+        parse_scenario(text.replace("{}", f", engine: {{{groups}}}"))
