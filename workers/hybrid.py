@@ -197,6 +197,20 @@ class HybridKV:
             pool.release(self.keys(seq, g)[lo:full_hi] if n_cached else [], n_cached, n_partial)
             glo[g] = new_lo
 
+    def skippable(self, seq: SeqState) -> int:
+        """How many blocks ``skip`` would free for ``seq`` now."""
+        glo = seq.glo
+        assert glo is not None
+        c = seq.computed
+        bs = self.block_size
+        n = 0
+        for g, w in enumerate(self.windows):
+            if self.kinds[g] == WINDOW and c - w + 1 > 0:
+                new_lo = min((c - w + 1) // bs, seq.n_alloc)
+                if new_lo > glo[g]:
+                    n += new_lo - glo[g]
+        return n
+
     def promote(self, pool: BlockPool, seq: SeqState, lo: int, hi: int, source: TokenSource) -> None:
         """Block positions ``lo .. hi-1`` of ``seq`` became full: cached in every group that holds them, in group
         order (vLLM: one ``BlockStored`` per request and group)."""

@@ -54,7 +54,7 @@ from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.pass_events import PassEvents
 from workers.host_tier import HostTier
-from workers.hybrid import HybridKV
+from workers.hybrid import WINDOW, HybridKV
 from workers.admission import RejectReason, RequestRejected
 from workers.request import Request
 from workers.engine_base import RankCore
@@ -367,7 +367,7 @@ class EngineCore(RankCore):
             and len(sched.entries) == len(running)
             and (not (self.scheduler.waiting or self.scheduler.incoming) or self._cache_version() == p.version)
             and (self.host is None or not self.host.busy)
-            and self.hybrid is None  # hybrid groups: no decode runs, pass by pass
+            and not (self.hybrid is not None and self._spec_k)  # (hybrid groups with drafts: pass by pass)
         )
         self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
                      completed=completed, sampled=sampled, events=events, pulled=sched.activated)
@@ -379,6 +379,8 @@ class EngineCore(RankCore):
 
         Stops before a pass that would complete a request, preempt, start at/after the next arrival or ``t_ns``.
         """
+        if self.hybrid is not None:
+            return self._hybrid_run(s, t_ns, out)
         if self._spec_k:
             return self._burst_run(s, t_ns, out)
         # With arrived requests waiting it also stops before any block event (a cache change could make
@@ -556,6 +558,136 @@ class EngineCore(RankCore):
                 pool.log = []
         return self._burst_commit(j, T, out)
 
+    def _hybrid_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
+        """``_decode_run`` with hybrid KV cache groups: pass by pass, each request's window blocks freed, its blocks
+        allocated and filled ones cached as the scheduler would (request by request, in running order); the same
+        stops (with arrived requests waiting, before any pass that frees, takes or fills a block)."""
+        sch = self.scheduler
+        running = sch.running
+        hybrid = self.hybrid
+        assert hybrid is not None
+        bs = self._block_size
+        caching = self._caching
+        quiet_only = bool(sch.waiting or sch.incoming)
+        arrival = sch.next_arrival_ns()
+        if arrival is None:
+            arrival = MAX_TIME_NS + 1
+        pool = self.pool
+        timer = self.timer
+        rank = self.dp_rank
+        record_times = self._record_times
+        n_run = len(running)
+        n_grow = hybrid.n_grow
+        kv = sum(seq.computed for seq in running)
+        j = 0
+        T = s
+        while T < t_ns and T < arrival:
+            d = timer.decode_ns(kv + n_run, n_run)
+            if T + d > t_ns:
+                break
+            avail = pool.free + pool.num_inactive
+            for seq in running:
+                if seq.max_tokens - seq.n_out <= 1:
+                    return self._burst_commit(j, T, out)  # a completion: the scheduler's business
+                c = seq.computed
+                freed = hybrid.skippable(seq)
+                need = n_grow * (-(-(c + 1) // bs) - seq.n_alloc)
+                if quiet_only and (freed or need or (caching and (c + 1) // bs > seq.n_full)):
+                    return self._burst_commit(j, T, out)
+                avail += freed
+                if need > avail:
+                    return self._burst_commit(j, T, out)  # a preemption
+                avail -= need
+            T += d
+            for seq in running:
+                c = seq.computed
+                hybrid.skip(pool, seq)
+                grow = -(-(c + 1) // bs) - seq.n_alloc
+                if grow > 0:
+                    pool.allocate(n_grow * grow)
+                    seq.n_alloc += grow
+                if caching and (c + 1) // bs > seq.n_full:
+                    nf = (c + 1) // bs
+                    seq.ensure_hashes(nf)
+                    hybrid.promote(pool, seq, seq.n_full, nf, seq)
+                    seq.n_full = nf
+                seq.computed = c + 1
+                seq.n_out += 1
+                rec = seq.record
+                rec.output_tokens += 1
+                if record_times:
+                    rec.token_times_ns.append(T)
+            kv += n_run
+            j += 1
+            if pool.log:
+                out.events.append(PassEvents(T, rank, pool.log, bs, self._groups_meta))
+                pool.log = []
+        return self._burst_commit(j, T, out)
+
+    def _hybrid_horizon(self, s: int, offset: int, started: int) -> int:
+        """``_quiet_horizon`` with hybrid KV cache groups: the passes from ``s`` simulated on copies (each request
+        ``offset`` passes on when a pass is in flight) until the first visible one: a store, a completion, an eviction
+        or a preemption, or one starting at/after the next arrival."""
+        sch = self.scheduler
+        running = sch.running
+        hybrid = self.hybrid
+        assert hybrid is not None
+        bs = self._block_size
+        caching = self._caching
+        windows = [(g, w) for g, w in enumerate(hybrid.windows) if hybrid.kinds[g] == WINDOW]
+        comp = [seq.computed + offset for seq in running]
+        outs = [seq.n_out + offset for seq in running]
+        alloc = [seq.n_alloc for seq in running]
+        fulls = [seq.n_full for seq in running]
+        glos = [list(seq.glo or ()) for seq in running]
+        arrival = sch.next_arrival_ns()
+        free = self.pool.free
+        evictable = self.pool.num_inactive
+        n_run = len(running)
+        n_grow = hybrid.n_grow
+        kv = sum(comp)
+        floor = started + 1
+        T = s
+        while True:
+            if arrival is not None and T >= arrival:
+                return max(T + 1, floor)
+            d = self.timer.decode_ns(kv + n_run, n_run)
+            evicts = False
+            for i, seq in enumerate(running):
+                if outs[i] + 1 >= seq.max_tokens:
+                    return max(T + d, floor)  # a completion
+                c = comp[i]
+                glo = glos[i]
+                for g, w in windows:  # the blocks this pass's schedule frees first
+                    if c - w + 1 > 0:
+                        new_lo = min((c - w + 1) // bs, alloc[i])
+                        if new_lo > glo[g]:
+                            cached = min(new_lo, fulls[i]) - glo[g]
+                            cached = cached if cached > 0 else 0
+                            evictable += cached
+                            free += new_lo - glo[g] - cached
+                            glo[g] = new_lo
+                grow = -(-(c + 1) // bs) - alloc[i]
+                need = n_grow * grow
+                if need > free + evictable:  # a preemption: its duration is not known before it starts
+                    return max(T + 1, floor)
+                if need > free:
+                    evictable -= need - free
+                    free = 0
+                    evicts = True
+                else:
+                    free -= need
+                if grow > 0:
+                    alloc[i] += grow
+                if caching and (c + 1) // bs > fulls[i]:
+                    evicts = True  # a store
+                comp[i] = c + 1
+                outs[i] += 1
+            if evicts:
+                return max(T + d, floor)
+            kv += n_run
+            T += d
+
     def _burst_commit(self, j: int, T: int, out: AdvanceResult) -> int:
         if j:
             self._free_at = T
@@ -573,8 +705,10 @@ class EngineCore(RankCore):
         out; ask again after ``add_request``.
         """
         fl = self._inflight
-        if fl is not None and self.hybrid is not None:  # hybrid groups: every pass end may be visible
-            return fl.end if fl.end > fl.start else fl.start + 1
+        if fl is not None and self.hybrid is not None:
+            if self._aborting or self._spec_k or not self._pass_quiet(fl):
+                return fl.end if fl.end > fl.start else fl.start + 1
+            return self._hybrid_horizon(fl.end, 1, fl.start)
         if fl is not None:
             if self._aborting or not self._pass_quiet(fl) or (self.host is not None and self.host.busy):
                 return fl.end if fl.end > fl.start else fl.start + 1
@@ -586,6 +720,10 @@ class EngineCore(RankCore):
             return None
         sch = self.scheduler
         if self.hybrid is not None:
+            if not self._spec_k and s == self._free_at and (
+                self._steady or (sch.running and not sch.waiting and not sch.incoming
+                                 and not any(q.prefilling or not q.n_out for q in sch.running))):
+                return self._hybrid_horizon(s, 0, s)
             return s + 1
         if s == self._free_at and (self.host is None or not self.host.busy) and (
             self._steady or (sch.running and not sch.waiting and not sch.incoming
