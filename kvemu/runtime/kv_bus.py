@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 from kvemu.errors import InvalidArgument
 from kvemu.router_events import EngineEvents
-from kvemu.wire.codec import profile_for
+from kvemu.wire.codec import STORED_FIELDS, profile_for
 from kvemu.kv_events import KVEventBatch
 from kvemu.wire.publisher import PublisherStats
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
@@ -36,6 +36,8 @@ class MemoryKvPublisher(LoggedPublisher):
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.profile = profile_for(vllm_version, hash_form)
+        self._kinds = "kv_cache_spec_kind" in STORED_FIELDS[:self.profile.stored_fields]
+        """Its events name each KV cache group's kind (vLLM >= 0.22)."""
         self._log: ReplayLog[Payload] = ReplayLog(buffer_steps)
         self.stats = PublisherStats()
         self.lag_ns = bus.lag_ns
@@ -43,7 +45,10 @@ class MemoryKvPublisher(LoggedPublisher):
     def _publish_now(self, batch: KVEventBatch | EngineEvents) -> bool:
         """Buffer and deliver one batch; False if it was dropped (still replayable)."""
         payload: Payload
-        if type(batch) is not KVEventBatch and not self.bus.wire_check:
+        # (hybrid KV groups on a vLLM version whose events do not name the group's kind: as the bytes say, so the
+        # router sees only what that version tells it, as with wire_check)
+        if type(batch) is not KVEventBatch and not self.bus.wire_check and not (
+                getattr(batch, "groups", None) is not None and not self._kinds):
             payload = batch.router_batch()
         else:
             payload = wire_payload(batch, self.dp_rank, self.profile)

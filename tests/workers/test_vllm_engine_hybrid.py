@@ -324,3 +324,20 @@ def test_a_decode_pool_cannot_run_kv_groups():
     assert parse_scenario(text.replace("{}", "")).cluster.prefill.engine.kv_groups
     with pytest.raises(ScenarioError, match="decode pool"):
         parse_scenario(text.replace("{}", f", engine: {{{groups}}}"))
+
+
+@pytest.mark.parametrize("version, as_bytes", [("0.20", True), ("0.21", True), ("0.22", False), ("0.33", False)])
+def test_in_memory_delivery_of_hybrid_events_says_only_what_the_version_can(version, as_bytes):
+    # before vLLM 0.22 the events carry no group kind: an in-memory bus sends such a hybrid batch as its bytes, so
+    # the router sees what it would over ZeroMQ (kv_wire_check gives the same report)
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.router_events import EventBatch
+
+    bus = MemoryKvBus(vllm_version=version)
+    got = []
+    bus.connect(lambda wid, rank, seq, payload: got.append(payload))
+    pub = bus.publisher(1, 0)
+    eng = EngineCore(cfg([FULL, swa(6)]))
+    eng.add_request(req("a", range(9), max_tokens=1))
+    assert pub._publish_now(eng.step(0).events)
+    assert isinstance(got[0], bytes) is as_bytes and isinstance(got[0], EventBatch) is not as_bytes
