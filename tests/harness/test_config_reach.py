@@ -22,7 +22,7 @@ from kvemu.runtime.transport import NoRouterEnd
 from kvemu.wire.codec import profile_for
 from pathlib import Path
 
-from workers.config import EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, SglangConfig
+from workers.config import EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, SglangConfig, SpeculativeConfig
 
 from harness.cluster import cluster
 from harness.procs import worker as worker_proc
@@ -88,6 +88,8 @@ ENGINE_VALUES = {
                            clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
     "kv_cache_bytes_per_token": 4096,
     "native_host_offload": HostOffloadConfig(num_host_blocks=64),
+    "speculative": SpeculativeConfig(method="eagle", num_speculative_tokens=2, acceptance_rates=[0.5, 0.25],
+                                     seed=7, draft_cost=0.1),
 }
 SINGLE_VALUED = {"trtllm"}
 """Sections whose knobs take one value only (the reference's), so no non-default value exists."""
@@ -146,6 +148,8 @@ def test_engine_knob_is_set_from_yaml_and_reaches_every_rank(name):
         assert len(mock.cores) == mock.config.dp_size
         for core in mock.cores:
             assert getattr(core.config, name) == value
+            if name == "speculative":  # each rank draws from its own stream
+                assert core.spec is not None and core.spec.rates == [0.5, 0.25]
 
 
 def _set(data: dict, path: str, value):
