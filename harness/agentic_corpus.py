@@ -79,9 +79,9 @@ def corpus_rows(plays: int = 8, seed: int = 31) -> list[dict[str, Any]]:
             prompt = prompt + fresh(rng.randint(2, 8))  # the reply and the tool result
             prev = rid
         # a last turn joins what is still blocking
-        if joins:
+        if joins and prev is not None:
             rows.append(row(f"{play}:main:final", play, main, prompt,
-                            [(prev, "completion", "sequence", 500.0)] + [(j, "completion", "join", 0.0) for j in joins],  # type: ignore[list-item]
+                            [(prev, "completion", "sequence", 500.0)] + [(j, "completion", "join", 0.0) for j in joins],
                             rng.randint(40, 200)))
     return rows
 

@@ -429,8 +429,8 @@ class LanePlayer(_Player):
         if inst.ended or inst.left:
             return
         inst.ended = True
-        if self._closing:
-            return
+        if self._closing or self.clock.now_ns() >= self._deadline:
+            return  # (the deadline's own timer closes the run)
         nxt = self._new_instance(inst.lane)
         if nxt is None:
             self._unit_ended()
