@@ -355,6 +355,16 @@ def test_a_lanes_run_reports_its_phases_and_counts_only_the_profile(tmp_path):
     assert all(r["max_tokens"] == 1 for r in rows if r["phase"] != "profile")
     assert lanes["requests_issued"] == len(profile)
     assert "Lanes: 3 lanes recycling the corpus" in (tmp_path / "out" / "report.md").read_text()
+    # the engine's view: a recycled instance's first request finds nothing cached (the corpus's plays share their
+    # system prompt, but each instance has its own blocks); its later turns find their own prefix
+    firsts: dict[str, dict] = {}
+    for r in sorted(profile, key=lambda r: r["arrival_ns"]):
+        firsts.setdefault(r["request_id"].split(":", 1)[0], r)
+    recycled = [r for k, r in firsts.items() if int(k[1:]) >= 3]
+    assert recycled and all(r["engine_cached_tokens"] == 0 for r in recycled if r["failure"] is None)
+    later = [r for r in profile if r["request_id"].split(":", 1)[0] in {k for k in firsts if int(k[1:]) >= 3}
+             and r not in recycled and r["failure"] is None]
+    assert sum(r["engine_cached_tokens"] or 0 for r in later) > 0
 
 
 def test_two_lanes_runs_are_byte_identical(tmp_path):
