@@ -46,12 +46,15 @@ from harness.traces.graph import COMPLETION, DISPATCH, MAX_SESSION_BYTES, SPAWN,
 from harness.traces.graph import successors, targets
 from harness.traces.timing import release_times
 
-__all__ = ["LanePlayer", "Cancel", "PRIMER", "WARMUP", "PROFILE", "DEADLINE_REASON", "conversation_parents",
+__all__ = ["LanePlayer", "Cancel", "PRIMER", "WARMUP", "PROFILE", "DEADLINE_REASON", "WARMUP_FAILED_REASON",
+           "conversation_parents",
            "snapshot_cut"]
 
 PRIMER, WARMUP, PROFILE = "primer", "warmup", "profile"
 DEADLINE_REASON = "lanes_deadline"
 """The failure of a request still open when the grace period after ``duration_s`` ended."""
+WARMUP_FAILED_REASON = "warmup_failed"
+"""The failure of a warm-up request still open when another one failed (the run stops)."""
 SNAPSHOT_DOMAIN = b"kvemu.lanes.snapshot.v1"
 
 Cancel = Callable[[str, str], Any]
@@ -246,6 +249,7 @@ class LanePlayer(_Player):
                 inst.due[j] = origin + inst.floor[j]
                 if not inst.pending[j]:
                     self._time(inst, j)
+        self._tree_guard(inst)  # (a snapshot's first request may wait long on its history)
 
     # ------------------------------------------------------------------ snapshot
 
@@ -505,7 +509,7 @@ class LanePlayer(_Player):
                 node[0].state[node[1]] = _DROPPED
             self.counts["requests_cancelled"] += 1
             if self.cancel is not None:
-                self.cancel(rid, DEADLINE_REASON)
+                self.cancel(rid, WARMUP_FAILED_REASON if self.failed_preparation else DEADLINE_REASON)
         self._open_ids.clear()
 
     def report(self) -> dict[str, Any]:
