@@ -51,9 +51,6 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
             _check_autoscaler(self, self.autoscaler)
         if isinstance(self.workload, SyntheticWorkload):
             _check_synthetic(self.workload, self.run)
-        elif self.workload.lanes is not None and self.run.duration_s is not None:
-            raise InvalidArgument("with workload.lanes, workload.lanes.duration_s bounds the run (from the start of "
-                                  "measurement); drop run.duration_s", field="run.duration_s")
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")

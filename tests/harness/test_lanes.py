@@ -397,10 +397,6 @@ def test_lanes_that_make_no_sense_are_refused_naming_the_field(tmp_path, lanes, 
         parse_scenario(text, base_dir=tmp_path)
 
 
-def test_more_lanes_than_plays_run_once_and_run_duration_are_refused(tmp_path):
+def test_more_lanes_than_plays_run_once_are_refused(tmp_path):
     with pytest.raises(ScenarioError, match="lanes for a corpus of 4 plays run once"):
         run_scenario(lanes_scenario(tmp_path, lanes=5, duration_s=None, snapshot_seed=None, warmup=False))
-    write(tmp_path / "c.jsonl", corpus_rows(4))
-    with pytest.raises((ScenarioError, InvalidArgument), match="drop run.duration_s"):
-        parse_scenario("workload: {kind: trace, trace: c.jsonl, lanes: {lanes: 2}}\nrun: {duration_s: 5}\n",
-                       base_dir=tmp_path)
