@@ -172,7 +172,6 @@ class LanePlayer(_Player):
         self._deadline = MAX_TIME_NS
         self._closing = False  # the deadline passed: nothing new is sent
         self._open_ids: dict[str, tuple[_Instance, int] | None] = {}  # in flight → (instance, node); None: warm-up
-        self._prep_failed = False
         self.failed_preparation = False
         """The warm-up stopped the run: one of its requests failed."""
         self.counts = {"requests_issued": 0, "requests_cancelled": 0, "requests_never_issued": 0,
@@ -314,7 +313,7 @@ class LanePlayer(_Player):
             self._barrier()
 
     def _prep_step(self, inst: _Instance, plan: list[tuple[str, int]], n: int, waiting: list[int]) -> None:
-        if self._stopped or self._prep_failed:
+        if self._stopped or self.failed_preparation:
             return
         if n == len(plan):
             waiting[0] -= 1
@@ -338,9 +337,9 @@ class LanePlayer(_Player):
         self._send(inst, j, rid, phase, 1, ended)
 
     def _fail_preparation(self) -> None:
-        if self._prep_failed:
+        if self.failed_preparation:
             return
-        self._prep_failed = self.failed_preparation = True
+        self.failed_preparation = True
         self._stopped = True
         assert self._done is not None
         self._done.set()

@@ -354,6 +354,13 @@ def test_a_lanes_run_reports_its_phases_and_counts_only_the_profile(tmp_path):
     assert s["total_input_tokens"] == sum(r["isl"] for r in profile if r["completion_ns"] and not r["failure"])
     assert all(r["max_tokens"] == 1 for r in rows if r["phase"] != "profile")
     assert lanes["requests_issued"] == len(profile)
+    per: dict[str, tuple[int, int]] = {}  # the records alone: at most 3 play instances at a time
+    for r in profile:
+        k = r["request_id"].split(":", 1)[0]
+        end = r["completion_ns"] if r["completion_ns"] is not None else r["arrival_ns"]
+        lo, hi = per.get(k, (r["arrival_ns"], end))
+        per[k] = (min(lo, r["arrival_ns"]), max(hi, end))
+    assert most_concurrent(list(per.values())) <= 3 and len(per) > 3
     assert "Lanes: 3 lanes recycling the corpus" in (tmp_path / "out" / "report.md").read_text()
     # the engine's view: a recycled instance's first request finds nothing cached (the corpus's plays share their
     # system prompt, but each instance has its own blocks); its later turns find their own prefix
