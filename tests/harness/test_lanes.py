@@ -279,6 +279,24 @@ def test_a_snapshot_is_the_same_for_a_seed_and_starts_each_lane_part_way(tmp_pat
     assert not roots & {rid for rid, _ in a}  # every lane's first turn was history
 
 
+def test_a_snapshot_turns_history_edges_into_timers_from_the_cut(tmp_path):
+    # a chain recorded at 0, 10, 20, 30 s, each request 2 s long and 8 s of tool time before the next
+    rows = [HEADER]
+    for t in range(4):
+        deps = [(f"r{t - 1}", "completion", "sequence", 8_000)] if t else []
+        rows.append(v2_row(f"r{t}", *deps, at=10_000 * t, recorded_api_time_ms=2_000))
+    g = load_graph(write(tmp_path / "chain.jsonl", rows))
+    for seed in range(5):
+        log, player, _ = play(g, LanesSpec(lanes=1, snapshot_seed=seed))
+        cut = snapshot_cut(seed, "p", 0, 0, 0, 30 * S)
+        live = [t for t in range(4) if t * 10 * S >= cut]
+        assert sorted(log) == [f"i0:r{t}" for t in live]
+        first = log[f"i0:r{live[0]}"]
+        assert first.at == live[0] * 10 * S - cut  # its recorded start, counted from the cut
+        for t in live[1:]:  # live edges stay edges; the authored start stays a floor, counted from the cut
+            assert log[f"i0:r{t}"].at == max(log[f"i0:r{t - 1}"].end + 8 * S, t * 10 * S - cut)
+
+
 def test_a_warm_up_primes_each_conversation_then_warms_each_lane_with_one_token_requests(tmp_path):
     g = corpus(tmp_path, plays=4)
     spec = LanesSpec(lanes=3, snapshot_seed=5, warmup=True, warmup_requests=4)
