@@ -403,6 +403,16 @@ def test_two_lanes_runs_are_byte_identical(tmp_path):
     assert digests[0] == digests[1]
 
 
+def test_validate_says_the_lanes(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "validate", str(ROOT / "examples" / "agentic-lanes.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip().endswith(", on 6 lanes (recycling the corpus for 300 s)")
+
+
 def test_the_example_runs(tmp_path):
     out = run_scenario(load_scenario(ROOT / "examples" / "agentic-lanes.yaml",
                                      ["workload.lanes.duration_s=30"]), tmp_path / "out")
