@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -404,9 +406,6 @@ def test_two_lanes_runs_are_byte_identical(tmp_path):
 
 
 def test_validate_says_the_lanes(tmp_path):
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "validate", str(ROOT / "examples" / "agentic-lanes.yaml")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
