@@ -133,6 +133,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         pools=pool_sizes(scenario.cluster), speculative=speculative_settings(scenario.cluster), sla=scenario.run.sla,
         concurrency=scenario.workload.concurrency,
         autoscale=shell.log if shell is not None else None,
+        lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
@@ -176,9 +177,14 @@ async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hoo
                     tg.start_soon(_chaos, c, ev, state)
                 if "autoscaler" in state:
                     tg.start_soon(state["autoscaler"].run, c, tg, run_clock, state["samples"])
-                if not await play_workload(scenario, sessions, c.submit, run_clock):
+                played: dict[str, Any] = {}
+                state["played"] = played
+                if not await play_workload(scenario, sessions, c.submit, run_clock,
+                                           cancel=lambda rid, why: c.front.cancel(rid, why), out=played):
                     state["partial"] = True
-                    state["stop_reason"] = "drain_timeout"
+                    lanes = played.get("lanes")
+                    state["stop_reason"] = ("warmup_failed" if lanes is not None and lanes["failed_preparation"]
+                                            else "drain_timeout")
                 _take_sample(c, state, run_clock)
                 tg.cancel_scope.cancel()
         finally:

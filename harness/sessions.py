@@ -331,17 +331,32 @@ def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -
 def drain_deadline_s(scenario: Scenario, sessions: Sessions) -> float:
     """Scenario seconds after which an open-loop run stops waiting: the last session start plus
     ``run.drain_timeout_s`` (a closed loop has none: it watches for stalls instead)."""
-    if scenario.workload.concurrency is not None:
+    if scenario.workload.concurrency is not None or getattr(scenario.workload, "lanes", None) is not None:
         return math.inf
     last = max(start_times(sessions), default=0) / NS_PER_S
     return last + scenario.run.drain_timeout_s
 
 
-async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, clock: Clock) -> bool:
-    """Play ``sessions`` (or a trace's graph) as the scenario says (open or closed loop, drain deadline); False
-    if cut short."""
+async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, clock: Clock, *,
+                        cancel: Callable[[str, str], Any] | None = None, out: dict[str, Any] | None = None) -> bool:
+    """Play ``sessions`` (or a trace's graph) as the scenario says (open or closed loop, drain deadline, or lanes);
+    False if cut short. With ``workload.lanes``, ``cancel(request_id, reason)`` ends the requests still open after
+    the grace period (without it they are only given up on), and ``out`` gets the lanes' figures (``lanes``) and
+    each request's phase (``phases``)."""
     stall = round(scenario.run.drain_timeout_s * NS_PER_S)
     player: _Player
+    lanes = getattr(scenario.workload, "lanes", None)
+    if lanes is not None and isinstance(sessions, TraceGraph):
+        from harness.lanes import LanePlayer  # (it builds on this module)
+
+        lane_player = LanePlayer(sessions, lanes, submit, clock, cancel=cancel, stall_timeout_ns=stall)
+        try:
+            await lane_player.run()
+        finally:
+            if out is not None:
+                out["lanes"] = lane_player.report()
+                out["phases"] = lane_player.phases
+        return not (lane_player.stalled or lane_player.failed_preparation)
     if isinstance(sessions, TraceGraph):
         player = GraphPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,
                              stall_timeout_ns=stall)

@@ -24,6 +24,7 @@ from harness.scenario import (
     MAX_SCENARIO_NS,
     MAX_SCENARIO_S,
     Distribution,
+    LanesSpec,
     Scenario,
     ScenarioError,
     SyntheticWorkload,
@@ -178,8 +179,13 @@ def build_sessions(scenario: Scenario) -> Sessions:
     if isinstance(w, TraceWorkload):
         path = resolve(scenario, w.trace)
         fmt = trace_format(w, path)
+        if w.lanes is not None and fmt in ("mooncake", "mooncake-delta"):
+            raise ScenarioError(f"workload.lanes: {w.trace} is a {fmt} trace, which has no plays (each session is "
+                                "its own chain) for lanes to replay; use an agentic format or drop workload.lanes")
         if fmt != "mooncake":
             graph = load_trace_graph(w, path, fmt, run.max_requests)
+            if w.lanes is not None:
+                _check_lanes(w.lanes, graph)
             return graph if run.duration_s is None else _plays_by(graph, round(run.duration_s * NS_PER_S))
         loaded = load_trace(w, path, run.max_requests)
         return loaded if run.duration_s is None else loaded.starting_by(round(run.duration_s * NS_PER_S))
@@ -188,6 +194,17 @@ def build_sessions(scenario: Scenario) -> Sessions:
     if run.max_requests is not None:
         sessions = list(_cut(sessions, run.max_requests))
     return sessions
+
+
+def _check_lanes(lanes: LanesSpec, graph: TraceGraph) -> None:
+    """Lanes that run the corpus once need a play each."""
+    plays = len(graph.plays)
+    if not plays:
+        raise ScenarioError("workload.lanes: the trace has no requests to replay")
+    if lanes.duration_s is None and lanes.snapshot_seed is None and lanes.lanes > plays:
+        raise ScenarioError(f"workload.lanes.lanes: {lanes.lanes} lanes for a corpus of {plays} plays run once: "
+                            "some lanes would never get a play; use at most that many lanes, or set "
+                            "workload.lanes.duration_s to recycle the corpus")
 
 
 def _plays_by(graph: TraceGraph, limit_ns: int) -> TraceGraph:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from harness.runner import Progress as ProgressCallback
+    from harness.scenario import Scenario
 
 __all__ = ["run_command", "validate_command"]
 
@@ -114,7 +115,8 @@ def validate_command(args: argparse.Namespace) -> int:
     if isinstance(sessions, TraceGraph):
         print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {counted(len(sessions.plays), 'play')} of "
               f"{counted(len(sessions.sessions), 'session')}, {counted(len(sessions), 'request')} "
-              f"({counted(sessions.edge_count(), 'dependency', 'dependencies')}), {scenario.run.mode} mode")
+              f"({counted(sessions.edge_count(), 'dependency', 'dependencies')}), {scenario.run.mode} mode"
+              + _lanes_note(scenario))
         return 0
     turns = turn_count(sessions)
     requests = count_requests(sessions)  # as run counts them: each sub-agent of a turn is a request too
@@ -123,3 +125,12 @@ def validate_command(args: argparse.Namespace) -> int:
     print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {counted(len(sessions), 'session')}, "
           f"{counted(requests, 'request')}{detail}, {scenario.run.mode} mode")
     return 0
+
+
+def _lanes_note(scenario: Scenario) -> str:
+    """``validate``'s words for a workload on lanes: how many, and for how long."""
+    lanes = getattr(scenario.workload, "lanes", None)
+    if lanes is None:
+        return ""
+    span = f"recycling the corpus for {lanes.duration_s:g} s" if lanes.duration_s is not None else "the corpus once"
+    return f", on {counted(lanes.lanes, 'lane')} ({span})"

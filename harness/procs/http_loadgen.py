@@ -255,7 +255,8 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
     return out
 
 
-async def _play(scenario: Scenario, target: HttpTarget) -> tuple[list[RequestRecord], bool, str | None]:
+async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any]
+                ) -> tuple[list[RequestRecord], bool, str | None]:
     sessions = build_sessions(scenario)
     records: dict[str, RequestRecord] = {}
     print(json.dumps({"event": "started", "role": "loadgen", "http": target.url,
@@ -269,7 +270,7 @@ async def _play(scenario: Scenario, target: HttpTarget) -> tuple[list[RequestRec
     finished = False
     try:
         async with anyio.create_task_group() as play:
-            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock)
+            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock, out=played)
             play.cancel_scope.cancel()
     except KeyboardInterrupt:
         stopped = "SIGINT"
@@ -286,7 +287,8 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
     where it went."""
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
-    client_records, finished, stopped = run_live(lambda: _play(scenario, target))
+    played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
+    client_records, finished, stopped = run_live(lambda: _play(scenario, target, played))
     truth: dict[str, Legs] = {}
     samples: list[Sample] = []
     problems: list[str] = []
@@ -321,5 +323,6 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
                    block_size=routing_block_size(scenario.cluster), ranks=ranks, samples=samples,
                    counters=counters, failures=failures, pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
-                   sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
+                   sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
+                   lanes=played.get("lanes"), phases=played.get("phases"))
     return save_report(data, outdir)

@@ -193,6 +193,7 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
     samples: list[Sample] = []
     token = os.environ.get(CONTROL_TOKEN_ENV, "")
     run = _LoadgenRun()
+    played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
     t0 = 0
     try:
         async with anyio.create_task_group() as tg:
@@ -276,7 +277,8 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
             finished = True
             with play_scope:
                 async with anyio.create_task_group() as play:
-                    finished = await play_workload(scenario, sessions, awaiting(play, client.submit), clock)
+                    finished = await play_workload(scenario, sessions, awaiting(play, client.submit), clock,
+                                                   out=played)
                     play.cancel_scope.cancel()  # cut short: the requests still out are abandoned
             run.partial = not finished or client.lost is not None or run.stopped is not None
             if client.lost is None and run.stopped is None:
@@ -303,7 +305,8 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                    kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
-                   sla=scenario.run.sla, concurrency=scenario.workload.concurrency)
+                   sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
+                   lanes=played.get("lanes"), phases=played.get("phases"))
     return save_report(data, outdir)
 
 

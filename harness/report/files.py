@@ -32,11 +32,26 @@ class _SlaRow(RequestRecord, kw_only=True, gc=False, repr_omit_defaults=True):
     met_sla: bool = False
 
 
-def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None = None) -> int:
+class _PhaseRow(RequestRecord, kw_only=True, gc=False, repr_omit_defaults=True):
+    """A requests.jsonl row of a run on lanes: the record, then its phase."""
+
+    phase: str
+
+
+class _SlaPhaseRow(_SlaRow, kw_only=True, gc=False, repr_omit_defaults=True):
+    phase: str
+
+
+def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None = None,
+                   phases: dict[str, str] | None = None) -> int:
     """Write one msgspec-encoded record per line (field order of ``RequestRecord``, then ``met_sla`` when the
-    run has an SLA), by arrival then id."""
+    run has an SLA, then ``phase`` when it ran on lanes), by arrival then id."""
     ordered: list[RequestRecord] = sorted_records(records)
-    if sla is not None:
+    if phases is not None:
+        ordered = [(_SlaPhaseRow(**msgspec.structs.asdict(r), met_sla=sla.met(r), phase=phases.get(r.request_id, "profile"))
+                    if sla is not None else _PhaseRow(**msgspec.structs.asdict(r),
+                                                       phase=phases.get(r.request_id, "profile"))) for r in ordered]
+    elif sla is not None:
         ordered = [_SlaRow(**msgspec.structs.asdict(r), met_sla=sla.met(r)) for r in ordered]
     path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
     return len(ordered)
@@ -101,7 +116,7 @@ def _write_files(data: RunData, summary: dict[str, Any], outdir: Path) -> None:
     finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
     try:
         (outdir / "summary.json").write_text(dumps_summary(summary))
-        write_requests(data.records, outdir / "requests.jsonl", data.sla)
+        write_requests(data.records, outdir / "requests.jsonl", data.sla, data.phases)
     finally:
         plots = finish_plots()  # the renderer is done with this job either way
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))

@@ -86,6 +86,8 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     if k.get("concurrency") is not None:
         out += [f"Closed loop: at most {k['concurrency']} sessions in flight, each next one starting when one "
                 "ended (arrival times are when they were sent).", ""]
+    if k.get("lanes") is not None:
+        out += _lanes_lines(k["lanes"])
     out += table(["latency (ms)", "mean", "p50", "p90", "p99", "max"], [
         (label, *(fmt(s[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99", "max")))
         for label, name in (("TTFT", "ttft"), ("TTST", "ttst"), ("TPOT", "tpot"), ("ITL", "itl"),
@@ -207,3 +209,18 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
         out += [f"- [{name}]({name})" for name in plots]
         out += [""] + [f"![{name.removesuffix('.png')}]({name})" for name in plots]
     return "\n".join(out) + "\n"
+
+
+def _lanes_lines(lanes: dict[str, Any]) -> list[str]:
+    """report.md's lanes paragraph and phase table: the headline above is the profile phase's."""
+    recycle = (f"recycling the corpus for {fmt(lanes['duration_s'], ' s')} (+{fmt(lanes['grace_s'], ' s')} grace)"
+               if lanes["duration_s"] is not None else "the corpus once")
+    out = [f"Lanes: {lanes['lanes']} lanes {recycle}; {fmt(lanes['plays_started'])} plays started, "
+           f"{fmt(lanes['plays_completed'])} completed, {fmt(lanes['plays_cut'])} cut at the deadline; "
+           f"{fmt(lanes['requests_issued'])} requests issued, {fmt(lanes['requests_cancelled'])} cancelled, "
+           f"{fmt(lanes['requests_never_issued'])} never issued; idle shifts {fmt(lanes['idle_shifts_tree'])} (play), "
+           f"{fmt(lanes['idle_shifts_global'])} (client). The figures above are the profile phase's.", ""]
+    out += table(["phase", "requests", "completed", "failed", "duration"],
+                 [(phase, fmt(p["requests"]), fmt(p["completed_requests"]), fmt(p["failed_requests"]),
+                   fmt(p["duration_ms"], " ms")) for phase, p in lanes["phases"].items()])
+    return out + [""]

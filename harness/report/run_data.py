@@ -69,6 +69,11 @@ class RunData(msgspec.Struct, kw_only=True):
     """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
     autoscale: AutoscaleLog | None = None
     """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
+    lanes: dict[str, Any] | None = None
+    """Continuous agentic lanes (``workload.lanes``): the lane player's figures (``harness.lanes``); None: off."""
+    phases: dict[str, str] | None = None
+    """With lanes: each request's phase (``primer``, ``warmup``, ``profile``); the headline figures are the
+    profile's, and requests.jsonl gives each row's ``phase``."""
     speculative: dict[str, Any] | None = None
     """The decoding engines' speculative-decoding settings (``workers.config.SpeculativeConfig`` as a dict; None:
     off): the summary then reports acceptance and the gaps between passes."""

@@ -311,8 +311,13 @@ def _kv_events(data: RunData) -> dict[str, Any]:
 
 
 def summarize(data: RunData) -> dict[str, Any]:
-    """The content of summary.json: the reference's replay keys at top level, kvemu's own under ``kvemu``."""
+    """The content of summary.json: the reference's replay keys at top level, kvemu's own under ``kvemu``. With
+    lanes, every figure but ``kvemu.lanes`` is the profile phase's (its requests only)."""
     records = sorted_records(data.records)
+    every = records
+    if data.phases is not None:
+        phases = data.phases
+        records = [r for r in records if phases.get(r.request_id, "profile") == "profile"]
     done = [r for r in records if r.done]
     total_in = sum(r.isl for r in done)
     total_out = sum(len(r.token_times_ns) for r in done)
@@ -390,12 +395,35 @@ def summarize(data: RunData) -> dict[str, Any]:
         summary["kvemu"]["autoscaler"] = autoscale_summary(data.autoscale)
     if data.speculative is not None:
         summary["kvemu"]["speculative"] = _speculative(data.speculative, done)
+    if data.lanes is not None:
+        summary["kvemu"]["lanes"] = _lanes(data.lanes, data.phases or {}, every)
     exits = {str(e["worker_id"]): str(e["reason"])[len(EXITED) + 2:-1] for e in data.worker_events
              if e.get("kind") == "worker_removed" and str(e.get("reason", "")).startswith(EXITED)}
     if exits:  # worker processes its supervisor saw exit (kvemu up, serve), and how
         summary["kvemu"]["worker_exits"] = dict(sorted(exits.items(), key=lambda kv: int(kv[0])))
     return _round(summary)
 
+
+
+def _lanes(lanes: dict[str, Any], phases: dict[str, str], records: list[RequestRecord]) -> dict[str, Any]:
+    """The lane player's figures, and per phase its requests (sent, completed, failed) and span (first arrival to
+    last end, ms; what the player timed when it sent nothing)."""
+    per: dict[str, dict[str, Any]] = {}
+    for phase in ("primer", "warmup", "profile"):
+        mine = [r for r in records if phases.get(r.request_id, "profile") == phase]
+        ends = [r.completion_ns for r in mine if r.completion_ns is not None]
+        timed = lanes.get("phase_times_ms", {}).get(phase)
+        per[phase] = {
+            "requests": len(mine),
+            "completed_requests": sum(1 for r in mine if r.done),
+            "failed_requests": sum(1 for r in mine if r.failure is not None),
+            "start_ms": min(r.arrival_ns for r in mine) / NS_PER_MS if mine else (timed[0] if timed else None),
+            "end_ms": max(ends) / NS_PER_MS if ends else (timed[1] if timed else None),
+        }
+        span = per[phase]
+        span["duration_ms"] = (span["end_ms"] - span["start_ms"] if span["start_ms"] is not None
+                               and span["end_ms"] is not None else None)
+    return {**{k: v for k, v in sorted(lanes.items()) if k != "phase_times_ms"}, "phases": per}
 
 
 def _speculative(settings: dict[str, Any], done: list[RequestRecord]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from harness.scenario.sections import (
     Distribution,
     EngineSpec,
     Index,
+    LanesSpec,
     NonNeg,
     PoolSpec,
     Positive,

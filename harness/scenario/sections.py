@@ -37,6 +37,7 @@ __all__ = [
     "Distribution",
     "SyntheticWorkload",
     "TraceWorkload",
+    "LanesSpec",
     "RunSpec",
     "ChaosEvent",
     "AutoscalerSpec",
@@ -294,6 +295,44 @@ class SyntheticWorkload(_Workload, tag="synthetic", tag_field="kind",
     vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)] = 32000
 
 
+MAX_LANES = 100_000
+"""Most lanes (concurrent play instances) a scenario may run."""
+
+
+class LanesSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Continuous agentic lanes (docs/lanes.md): ``lanes`` client lanes, each replaying whole plays of the trace
+    one after another, taken from one shared corpus cursor; optionally a seeded snapshot cut of the first plays,
+    a warm-up before measuring, and a continuous profile recycling the corpus for ``duration_s``."""
+
+    lanes: Annotated[int, Meta(ge=1, le=MAX_LANES)]
+    """Play instances in flight at most; a lane that finished its play takes the next one."""
+    duration_s: PositiveSeconds | None = None
+    """Continuous profile: admit plays (the cursor wraps around the corpus, each instance afresh) and requests for
+    this long from the start of measurement. None: the corpus (or, with a snapshot, the lanes' first plays) once."""
+    grace_s: Seconds = 30.0
+    """After ``duration_s``: responses still count for this long; then what is still open is cancelled."""
+    tree_idle_cap_s: PositiveSeconds | None = 300.0
+    """Continuous profile: a play with nothing in flight waits at most this long for its next request (its pending
+    timers move earlier, keeping their gaps). None: no cap."""
+    global_idle_cap_s: PositiveSeconds | None = 10.0
+    """Continuous profile: the whole client with nothing in flight waits at most this long (every pending timer
+    moves earlier by the same amount). None: no cap."""
+    snapshot_seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    """Start each lane's first play part way (a seeded cut between 25% and 75% of its recorded span): what came
+    before is history and is not replayed. None: plays start at their first request."""
+    warmup: bool = False
+    """With a snapshot: before measuring, prime each conversation with history (its last historical prompt, one
+    output token), then send ``warmup_requests`` per lane; neither counts in the report's headline figures."""
+    warmup_requests: Annotated[int, Meta(ge=0, le=10_000)] = 10
+    """Warm-up requests per lane (each repeats one of the lane's primer prompts, one output token)."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if self.warmup and self.snapshot_seed is None:
+            raise InvalidArgument("a warm-up primes the history a snapshot cut off: give snapshot_seed too, or drop "
+                                  "warmup", field="warmup")
+
+
 class TraceWorkload(_Workload, tag="trace", tag_field="kind",
                     kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Replay of a trace file: Mooncake JSONL (``timestamp`` or ``delay``, ``hash_ids``...) or any format of
@@ -308,6 +347,17 @@ class TraceWorkload(_Workload, tag="trace", tag_field="kind",
     """Tokens per hash id. None: the file's own (Agentic Mooncake v2, Weka, Dynamo say it), else 512; a value
     given for such a file must agree with it."""
     arrival_speedup_ratio: Positive = 1.0
+    lanes: LanesSpec | None = None
+    """Continuous agentic lanes (docs/lanes.md): plays replayed by a fixed number of client lanes, in phases."""
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if self.lanes is not None and self.concurrency is not None:
+            raise InvalidArgument("lanes already bound the plays in flight: give workload.lanes or "
+                                  "workload.concurrency, not both", field="lanes")
+        if self.lanes is not None and self.format in ("mooncake", "mooncake-delta"):
+            raise InvalidArgument(f"a {self.format} trace has no plays (a session per row chain) for lanes to "
+                                  "replay; use an agentic format or drop workload.lanes", field="lanes")
 
     @property
     def block_size(self) -> int:

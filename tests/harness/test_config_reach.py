@@ -89,7 +89,8 @@ ENGINE_VALUES = {
                            clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
     "kv_cache_bytes_per_token": 4096,
     "native_host_offload": HostOffloadConfig(num_host_blocks=64),
-    "speculative": SpeculativeConfig(method="mtp", num_speculative_tokens=2),
+    "speculative": SpeculativeConfig(method="eagle", num_speculative_tokens=2, acceptance_rates=[0.5, 0.25],
+                                     seed=7, draft_cost=0.1),
     "kv_groups": [KvGroupSpec(kind="full_attention", layers=2), KvGroupSpec(kind="sliding_window", layers=6, window=256)],
 }
 SINGLE_VALUED = {"trtllm"}
@@ -149,6 +150,8 @@ def test_engine_knob_is_set_from_yaml_and_reaches_every_rank(name):
         assert len(mock.cores) == mock.config.dp_size
         for core in mock.cores:
             assert getattr(core.config, name) == value
+            if name == "speculative":  # each rank draws from its own stream
+                assert core.spec is not None and core.spec.rates == [0.5, 0.25]
 
 
 def _set(data: dict, path: str, value):
