@@ -19,6 +19,10 @@ overtakes it) and nothing is ever preempted. Its prefix cache reuses every cache
 block-aligned prompt that is fully cached computes no prompt token and samples its first token in a
 pass whose decode part counts its prompt.
 
+Hybrid KV cache groups (``kv_groups``; ``workers.hybrid``): a request's block need is summed over the groups,
+each sliding-window group first freeing the blocks that left its window (vLLM's ``allocate_slots`` order), a
+prefix hit is the length every group accepts, and the admission gate counts each group's most blocks at once.
+
 Disaggregated decode legs (requests whose prompt KV comes from a prefill rank) do not queue with the
 others: at each pass boundary the first of them that arrived reserves blocks for its prompt (less what is
 cached here) and a sequence slot, in arrival order, the head waiting until it fits; its transfer then
