@@ -41,7 +41,7 @@ from kvemu.messages import ClientRequest
 from workers.trace import HashIdTokens
 
 from harness.scenario import LanesSpec
-from harness.sessions import Submit, _Player
+from harness.sessions import Submit, Player
 from harness.traces.graph import COMPLETION, DISPATCH, MAX_SESSION_BYTES, SPAWN, TraceGraph, grouped, indegrees
 from harness.traces.graph import successors, targets
 from harness.traces.timing import release_times
@@ -129,7 +129,7 @@ class _Instance:
         self.cut = False  # the deadline dropped some of its requests
 
 
-class LanePlayer(_Player):
+class LanePlayer(Player):
     """Plays a trace graph on lanes (see the module doc); ``run`` returns when the lanes are done, or the deadline
     and its grace passed. ``phases`` maps each sent request id to its phase; ``report()`` is the run's figures."""
 

@@ -34,7 +34,7 @@ from harness.trace_sessions import start_times
 from harness.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
 from harness.turns import Session, Sessions, Turn
 
-__all__ = ["SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
+__all__ = ["Player", "SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
 
 Submit = Callable[[ClientRequest, Callable[[Any], None]], None]
 """Starts one request; the callable is called once with its outcome when it ended."""
@@ -52,7 +52,7 @@ def awaiting(tg: anyio.abc.TaskGroup, submit: Callable[[ClientRequest], Awaitabl
     return start
 
 
-class _Player:
+class Player:
     """What every player shares: units (sessions, plays) started open or closed loop, requests submitted and
     counted, timers in exact virtual nanoseconds, the closed loop's stall watch. ``run`` returns when every unit
     ended; a subclass says how many units there are, how one starts and when one ended (``_unit_ended``)."""
@@ -148,7 +148,7 @@ class _Player:
             loop.call_later(delay / NS_PER_S, fn, *args)
 
 
-class SessionPlayer(_Player):
+class SessionPlayer(Player):
     """Runs every session to its end (see the module doc); ``run`` returns when all have ended.
 
     A session is taken from ``sessions`` only when it starts (a loaded trace materializes it then)."""
@@ -228,7 +228,7 @@ class SessionPlayer(_Player):
         self._unit_ended()
 
 
-class GraphPlayer(_Player):
+class GraphPlayer(Player):
     """Plays a trace's dependency graph (``harness.traces``): a unit is a play.
 
     Open loop: a root goes at its ``not_before``. Closed loop (``concurrency`` plays at a time, in order of their
@@ -344,7 +344,7 @@ async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, 
     the grace period (without it they are only given up on), and ``out`` gets the lanes' figures (``lanes``) and
     each request's phase (``phases``)."""
     stall = round(scenario.run.drain_timeout_s * NS_PER_S)
-    player: _Player
+    player: Player
     lanes = getattr(scenario.workload, "lanes", None)
     if lanes is not None and isinstance(sessions, TraceGraph):
         from harness.lanes import LanePlayer  # (it builds on this module)
