@@ -8,8 +8,10 @@ What differs from the vLLM flavour (``workers.vllm_engine``):
 * **Admission** walks the waiting queue (arrival order, or longest cached prefix first with ``lpm``)
   with per-pass budgets (``chunked_prefill_size``, ``max_prefill_tokens``) and a KV check that reserves
   each running request's remaining output (capped at ``clip_max_new_tokens``) times a ratio that starts
-  at 0.7 and decays with every decode pass. A prompt longer than what is left of the chunk budget is
-  chunked; a half-prefilled request goes back to the head of the queue.
+  at 0.7 and decays with every decode pass. A cached prefix nobody holds is part of the free + evictable
+  pages the check starts from and is not charged again when the request locks it (as in the reference's
+  replay; its own new pages must still fit what is left once it does). A prompt longer than what is left of
+  the chunk budget is chunked; a half-prefilled request goes back to the head of the queue.
 * **The cache is a radix tree of pages** (``workers.radix``; page = ``block_size``, 1 token by default):
   a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
   when it lets go, and the least recently used leaves lose pages from their tails when room is needed.
@@ -380,19 +382,21 @@ class SglangCore(RankCore):
             # what it holds back for its output: the reserve, which covers that slot (with clip_max_new_tokens 0,
             # the slot alone: the reference would over-commit the pool there and spin)
             reserve = max(min(seq.out_limit - seq.n_out, clip) if final else 0, (-(-slot // page) - -(-end // page)) * page)
-            if (charged + reserve >= rem_total - unheld * page or charged > rem_chunk
+            if (charged + reserve >= rem_total or charged > rem_chunk
                     or (charged > rem_input and p.chunks)):  # (a lone chunk always fits max_prefill_tokens, as in SGLang)
+                break
+            had = -(-done // page)
+            need = -(-slot // page) - had
+            if need > cache.free + cache.evictable - unheld:  # its pages must fit once its prefix is locked
                 break
             waiting.popleft()
             if fresh and done:
                 self._match(seq, done // page)
-            had = -(-done // page)
-            need = -(-slot // page) - had
             self._take(need)
             seq.owned += need
             seq.computed = slot
             prefix = done
-            rem_total -= (-(-end // page) - had + unheld) * page + reserve
+            rem_total -= (-(-end // page) - had) * page + reserve
             rem_input -= charged
             rem_chunk -= charged
             p.chunks.append(_Chunk(seq, prefix, end, final))
@@ -402,7 +406,10 @@ class SglangCore(RankCore):
                 if rec.admitted_ns is None:
                     rec.admitted_ns = p.start
                     rec.engine_cached_tokens = prefix
-                rec.engine_reused_tokens = prefix
+                # the most any of its admissions found cached: what the reference's replay reports for a request
+                # retracted and re-admitted (a later admission may find less, what the others evicted meanwhile)
+                if rec.engine_reused_tokens is None or prefix > rec.engine_reused_tokens:
+                    rec.engine_reused_tokens = prefix
             if final:
                 self.running.append(seq)
             if rem_chunk <= 0 or not final:
