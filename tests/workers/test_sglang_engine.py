@@ -116,6 +116,17 @@ def test_a_cached_prefix_nobody_holds_is_not_charged_twice_at_admission():
     assert ms(done["b"].completion_ns) == pytest.approx(100 + 13345.227343, abs=1e-3)
 
 
+def test_a_retracted_request_reports_the_most_any_admission_found_cached():
+    # c finds a's 1,000 tokens, is retracted at 5 s; b's growth then evicts c's tail and 200 of a's tokens, so c's
+    # re-admission finds 800: its reuse stays 1,000 (the reference reports the largest of a request's admissions)
+    cfg = EngineConfig(backend="sglang", num_gpu_blocks=3000)
+    _, done = run([req("a", 1000, 1, 0, [1, 2]), req("b", 1200, 1000, 100, [3, 4, 5]),
+                   req("c", 1500, 300, 200, [1, 2, 6])], cfg)
+    c = done["c"]
+    assert c.preemptions == 1 and c.engine_cached_tokens == 1000
+    assert c.engine_reused_tokens == 1000
+
+
 def test_retraction_takes_the_request_with_fewest_tokens_and_keeps_its_cache():
     _, done = run([req("a", 6000, 3000), req("b", 6000, 3000, at_ms=10)])
     a, b = done["a"], done["b"]
