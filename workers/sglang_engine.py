@@ -60,7 +60,7 @@ _LOOKAHEAD_PASSES = 4096  # how far next_event_ns looks through a decode run (fu
 class _Seq(SeqState):
     """A request in an SGLang rank: ``computed`` is its materialized KV; pages on its cached path are locked."""
 
-    __slots__ = ("node", "cached_pages", "owned", "out_limit")
+    __slots__ = ("node", "cached_pages", "owned", "out_limit", "owed")
 
     def __init__(self, req: Request, record: RequestRecord, page: int, order: int, out_limit: int) -> None:
         super().__init__(req, record, page, order)
@@ -71,6 +71,9 @@ class _Seq(SeqState):
         """Pages it holds outside the tree."""
         self.out_limit = out_limit
         """Output tokens it will produce: ``max_tokens`` clipped to what fits the pool."""
+        self.owed = 0
+        """1 while its first token has no KV slot yet (no page was left when its prompt was admitted, as the
+        reference allows): its next decode pass takes that slot's page too."""
 
 
 class _Chunk:
@@ -248,6 +251,7 @@ class SglangCore(RankCore):
             seq.node = None
         seq.cached_pages = 0
         seq.computed = 0
+        seq.owed = 0
         self._version += 1
 
     # ------------------------------------------------------------- stepping
@@ -276,6 +280,8 @@ class SglangCore(RankCore):
             return None
         running = self.running
         if not running or self.waiting or (self.future and self.future[0][0] <= s):
+            return s + 1
+        if any(q.owed for q in running):  # its first decode pass takes a page more for one of them: plan it
             return s + 1
         page = self._page
         cache = self.cache
@@ -386,12 +392,17 @@ class SglangCore(RankCore):
                     or (charged > rem_input and p.chunks)):  # (a lone chunk always fits max_prefill_tokens, as in SGLang)
                 break
             had = -(-done // page)
-            need = -(-slot // page) - had
-            if need > cache.free + cache.evictable - unheld:  # its pages must fit once its prefix is locked
+            need = -(-end // page) - had
+            if need > cache.free + cache.evictable - unheld:  # its prompt's pages must fit once its prefix is locked
                 break
             waiting.popleft()
             if fresh and done:
                 self._match(seq, done // page)
+            if -(-slot // page) > -(-end // page) and not cache.free + cache.evictable - need:
+                # no page left for its first token's slot: as in the reference, it gets it at its next decode pass
+                seq.owed = slot - end
+                slot = end
+            need = -(-slot // page) - had
             self._take(need)
             seq.owned += need
             seq.computed = slot
@@ -435,7 +446,8 @@ class SglangCore(RankCore):
         page = self._page
         running = self.running
         while True:
-            need = sum(1 for s in running if not s.computed % page)
+            need = sum(1 if not s.owed else -(-(s.computed + 1 + s.owed) // page) - -(-s.computed // page)
+                       for s in running if s.owed or not s.computed % page)
             if cache.free + cache.evictable >= need:
                 break
             if len(running) > 1:
@@ -454,7 +466,11 @@ class SglangCore(RankCore):
         self._take(need)
         ctx = 0
         for s in running:
-            if not s.computed % page:
+            if s.owed:  # the slot of its first token too
+                s.owned += -(-(s.computed + 1 + s.owed) // page) - -(-s.computed // page)
+                s.computed += s.owed
+                s.owed = 0
+            elif not s.computed % page:
                 s.owned += 1
             ctx += s.num_tokens
             s.computed += 1

@@ -117,14 +117,17 @@ def test_a_cached_prefix_nobody_holds_is_not_charged_twice_at_admission():
 
 
 def test_a_retracted_request_reports_the_most_any_admission_found_cached():
-    # c finds a's 1,000 tokens, is retracted at 5 s; b's growth then evicts c's tail and 200 of a's tokens, so c's
-    # re-admission finds 800: its reuse stays 1,000 (the reference reports the largest of a request's admissions)
+    # c finds a's 1,000 tokens; retracted at 5.03 s, it is re-admitted at 5.22 s finding 1,647 (its whole sequence
+    # but the last token) though only its prompt's last page is left: its first token's slot waits for its next
+    # decode pass, which retracts it again; b's growth then evicts all of c's tokens but 800 of a's. The reference
+    # admits it at the same three moments finding the same (1,000, 1,647, 800) and reports the largest
     cfg = EngineConfig(backend="sglang", num_gpu_blocks=3000)
     _, done = run([req("a", 1000, 1, 0, [1, 2]), req("b", 1200, 1000, 100, [3, 4, 5]),
                    req("c", 1500, 300, 200, [1, 2, 6])], cfg)
     c = done["c"]
-    assert c.preemptions == 1 and c.engine_cached_tokens == 1000
-    assert c.engine_reused_tokens == 1000
+    assert c.preemptions == 2 and c.engine_cached_tokens == 1000
+    assert c.engine_reused_tokens == 1647
+    assert ms(done["b"].completion_ns) == pytest.approx(100 + 29322.247342, abs=1e-3)  # the reference's to 1 us
 
 
 def test_retraction_takes_the_request_with_fewest_tokens_and_keeps_its_cache():
