@@ -10,7 +10,8 @@ What differs from the vLLM flavour (``workers.vllm_engine``):
   each running request's remaining output (capped at ``clip_max_new_tokens``) times a ratio that starts
   at 0.7 and decays with every decode pass. A cached prefix nobody holds is part of the free + evictable
   pages the check starts from and is not charged again when the request locks it (as in the reference's
-  replay; its own new pages must still fit what is left once it does). A prompt longer than what is left of
+  replay; its prompt's own pages must still fit what is left once it does, and its first token's slot, when
+  no page is left for it, waits for its next decode pass, as there). A prompt longer than what is left of
   the chunk budget is chunked; a half-prefilled request goes back to the head of the queue.
 * **The cache is a radix tree of pages** (``workers.radix``; page = ``block_size``, 1 token by default):
   a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
