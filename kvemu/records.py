@@ -64,7 +64,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     """Prompt tokens the engine actually found cached at first admission (the physical-cache check)."""
     engine_reused_tokens: int | None = None
     """Tokens the engine found cached at its last admission (a re-admission after preemption reuses what of
-    it survived): what the reference's ``prefix_cache_reused_ratio`` counts."""
+    it survived; the SGLang flavour: the most any of its admissions found, as the reference reports a retracted
+    request): what the reference's ``prefix_cache_reused_ratio`` counts."""
     engine_host_cached_tokens: int | None = None
     """Host offload: the part of ``engine_cached_tokens`` loaded from the host tier (the rest was on the GPU);
     None when the engine has no host tier."""

@@ -8,8 +8,11 @@ What differs from the vLLM flavour (``workers.vllm_engine``):
 * **Admission** walks the waiting queue (arrival order, or longest cached prefix first with ``lpm``)
   with per-pass budgets (``chunked_prefill_size``, ``max_prefill_tokens``) and a KV check that reserves
   each running request's remaining output (capped at ``clip_max_new_tokens``) times a ratio that starts
-  at 0.7 and decays with every decode pass. A prompt longer than what is left of the chunk budget is
-  chunked; a half-prefilled request goes back to the head of the queue.
+  at 0.7 and decays with every decode pass. A cached prefix nobody holds is part of the free + evictable
+  pages the check starts from and is not charged again when the request locks it (as in the reference's
+  replay; its prompt's own pages must still fit what is left once it does, and its first token's slot, when
+  no page is left for it, waits for its next decode pass, as there). A prompt longer than what is left of
+  the chunk budget is chunked; a half-prefilled request goes back to the head of the queue.
 * **The cache is a radix tree of pages** (``workers.radix``; page = ``block_size``, 1 token by default):
   a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
   when it lets go, and the least recently used leaves lose pages from their tails when room is needed.
@@ -63,7 +66,7 @@ def _pages(computed: int, tokens: int, page: int) -> int:
 class _Seq(SeqState):
     """A request in an SGLang rank: ``computed`` is its materialized KV; pages on its cached path are locked."""
 
-    __slots__ = ("node", "cached_pages", "owned", "out_limit")
+    __slots__ = ("node", "cached_pages", "owned", "out_limit", "owed")
 
     def __init__(self, req: Request, record: RequestRecord, page: int, order: int, out_limit: int) -> None:
         super().__init__(req, record, page, order)
@@ -74,6 +77,9 @@ class _Seq(SeqState):
         """Pages it holds outside the tree."""
         self.out_limit = out_limit
         """Output tokens it will produce: ``max_tokens`` clipped to what fits the pool."""
+        self.owed = 0
+        """1 while its first token has no KV slot yet (no page was left when its prompt was admitted, as the
+        reference allows): its next decode pass takes that slot's page too."""
 
 
 class _Chunk:
@@ -254,6 +260,7 @@ class SglangCore(RankCore):
             seq.node = None
         seq.cached_pages = 0
         seq.computed = 0
+        seq.owed = 0
         self._version += 1
 
     # ------------------------------------------------------------- stepping
@@ -282,6 +289,8 @@ class SglangCore(RankCore):
             return None
         running = self.running
         if not running or self.waiting or (self.future and self.future[0][0] <= s):
+            return s + 1
+        if any(q.owed for q in running):  # its first decode pass takes a page more for one of them: plan it
             return s + 1
         if self._spec_k:
             return self._burst_horizon(s)
@@ -437,19 +446,26 @@ class SglangCore(RankCore):
             # what it holds back for its output: the reserve, which covers that slot (with clip_max_new_tokens 0,
             # the slot alone: the reference would over-commit the pool there and spin)
             reserve = max(min(seq.out_limit - seq.n_out, clip) if final else 0, (-(-slot // page) - -(-end // page)) * page)
-            if (charged + reserve >= rem_total - unheld * page or charged > rem_chunk
+            if (charged + reserve >= rem_total or charged > rem_chunk
                     or (charged > rem_input and p.chunks)):  # (a lone chunk always fits max_prefill_tokens, as in SGLang)
+                break
+            had = -(-done // page)
+            need = -(-end // page) - had
+            if need > cache.free + cache.evictable - unheld:  # its prompt's pages must fit once its prefix is locked
                 break
             waiting.popleft()
             if fresh and done:
                 self._match(seq, done // page)
-            had = -(-done // page)
+            if -(-slot // page) > -(-end // page) and not cache.free + cache.evictable - need:
+                # no page left for its first token's slot: as in the reference, it gets it at its next decode pass
+                seq.owed = slot - end
+                slot = end
             need = -(-slot // page) - had
             self._take(need)
             seq.owned += need
             seq.computed = slot
             prefix = done
-            rem_total -= (-(-end // page) - had + unheld) * page + reserve
+            rem_total -= (-(-end // page) - had) * page + reserve
             rem_input -= charged
             rem_chunk -= charged
             p.chunks.append(_Chunk(seq, prefix, end, final))
@@ -459,7 +475,10 @@ class SglangCore(RankCore):
                 if rec.admitted_ns is None:
                     rec.admitted_ns = p.start
                     rec.engine_cached_tokens = prefix
-                rec.engine_reused_tokens = prefix
+                # the most any of its admissions found cached: what the reference's replay reports for a request
+                # retracted and re-admitted (a later admission may find less, what the others evicted meanwhile)
+                if rec.engine_reused_tokens is None or prefix > rec.engine_reused_tokens:
+                    rec.engine_reused_tokens = prefix
             if final:
                 self.running.append(seq)
             if rem_chunk <= 0 or not final:
@@ -487,9 +506,9 @@ class SglangCore(RankCore):
         k = self._spec_k
         while True:
             if k:  # room for the longest burst each may emit, as SGLang checks before verifying drafts
-                need = sum(_pages(s.computed, min(k + 1, s.out_limit - s.n_out), page) for s in running)
-            else:
-                need = sum(1 for s in running if not s.computed % page)
+                need = sum(_pages(s.computed, s.owed + min(k + 1, s.out_limit - s.n_out), page) for s in running)
+            else:  # (a request owed its first token's slot takes it now too)
+                need = sum(_pages(s.computed, 1 + s.owed, page) for s in running)
             if cache.free + cache.evictable >= need:
                 break
             if len(running) > 1:
@@ -512,10 +531,10 @@ class SglangCore(RankCore):
         self._take(need)
         ctx = 0
         for s in running:
-            if not s.computed % page:
-                s.owned += 1
+            s.owned += _pages(s.computed, 1 + s.owed, page)  # (and the slot of its first token, if owed)
             ctx += s.num_tokens
-            s.computed += 1
+            s.computed += 1 + s.owed
+            s.owed = 0
         p.end = p.start + self.timer.pass_ns(0, len(running), ctx)
 
     def _plan_bursts(self, p: _Pass) -> None:
@@ -532,11 +551,12 @@ class SglangCore(RankCore):
             left = s.out_limit - s.n_out
             if b > left:
                 b = left
-            grow = _pages(s.computed, b, page)
+            grow = _pages(s.computed, s.owed + b, page)  # (and the slot of its first token, if owed)
             s.owned += grow
             taken += grow
             ctx += s.num_tokens + k
-            s.computed += b
+            s.computed += s.owed + b
+            s.owed = 0
             bursts.append(b)
         self._take(taken)
         p.end = p.start + self.timer.pass_ns(0, len(p.decode), ctx)

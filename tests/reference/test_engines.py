@@ -55,6 +55,9 @@ SGLANG_CASES = {
     "ratio-gated admission": (rows((0, 6000, 4000, list(range(1, 13))), (100, 8000, 10, list(range(21, 37)))), {}),
     "chunks do not decay the ratio": (rows((0, 12000, 4000, list(range(1, 25))), (300, 2000, 10, [101, 102, 103, 104])),
                                       {"sglang": {"chunked_prefill_size": 2048}}),
+    # c's prefix is a's, cached and unheld: admission charges it nothing more than the free + evictable pages do
+    "cached prefix nobody holds": (rows((0, 1000, 1, [1, 2]), (100, 1200, 500, [3, 4, 5]), (200, 1500, 20, [1, 2, 6])),
+                                   {"num_gpu_blocks": 2900}),
     "retraction keeps the cache": (rows((0, 6000, 3000, list(range(1, 13))), (10, 6000, 3000, list(range(101, 113)))), {}),
     "retraction tie": (rows((0, 5000, 4000, list(range(1, 11))), (0, 6000, 4000, list(range(101, 113)))), {}),
     "lru tail eviction": (rows((0, 1000, 1, [1, 2]), (100, 1000, 1, [3, 4]), (200, 1000, 1, [1, 2]),

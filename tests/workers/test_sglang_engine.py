@@ -100,6 +100,36 @@ def test_admission_waits_until_the_decaying_ratio_leaves_room():
     assert ms(done["b"].admitted_ns) == pytest.approx(2764.003701, abs=1e-3)
 
 
+def test_a_cached_prefix_nobody_holds_is_not_charged_twice_at_admission():
+    # c's first 1,000 tokens are a's, cached and held by nobody: the pool's free + evictable pages already count
+    # them, so locking them costs c's budget nothing more (the reference's check: charged + reserved output <
+    # free + evictable - running outputs x ratio). Charged once more, c (500 new + 20 reserved) would wait ~13 s
+    # for b to end; the reference admits it at its arrival (tests/reference/test_engines.py, same case).
+    cfg = EngineConfig(backend="sglang", num_gpu_blocks=2900)
+    _, done = run([req("a", 1000, 1, 0, [1, 2]), req("b", 1200, 500, 100, [3, 4, 5]),
+                   req("c", 1500, 20, 200, [1, 2, 6])], cfg)
+    c = done["c"]
+    assert c.engine_reused_tokens == 1000
+    assert ms(c.admitted_ns) == 206.440337  # at the end of b's decode pass in flight when it arrives
+    assert ms(c.first_token_ns) == pytest.approx(200 + 30.638727, abs=1e-3)
+    assert ms(c.completion_ns) == pytest.approx(200 + 672.065969, abs=1e-3)
+    assert ms(done["b"].completion_ns) == pytest.approx(100 + 13345.227343, abs=1e-3)
+
+
+def test_a_retracted_request_reports_the_most_any_admission_found_cached():
+    # c finds a's 1,000 tokens; retracted at 5.03 s, it is re-admitted at 5.22 s finding 1,647 (its whole sequence
+    # but the last token) though only its prompt's last page is left: its first token's slot waits for its next
+    # decode pass, which retracts it again; b's growth then evicts all of c's tokens but 800 of a's. The reference
+    # admits it at the same three moments finding the same (1,000, 1,647, 800) and reports the largest
+    cfg = EngineConfig(backend="sglang", num_gpu_blocks=3000)
+    _, done = run([req("a", 1000, 1, 0, [1, 2]), req("b", 1200, 1000, 100, [3, 4, 5]),
+                   req("c", 1500, 300, 200, [1, 2, 6])], cfg)
+    c = done["c"]
+    assert c.preemptions == 2 and c.engine_cached_tokens == 1000
+    assert c.engine_reused_tokens == 1647
+    assert ms(done["b"].completion_ns) == pytest.approx(100 + 29322.247342, abs=1e-3)  # the reference's to 1 us
+
+
 def test_retraction_takes_the_request_with_fewest_tokens_and_keeps_its_cache():
     _, done = run([req("a", 6000, 3000), req("b", 6000, 3000, at_ms=10)])
     a, b = done["a"], done["b"]
