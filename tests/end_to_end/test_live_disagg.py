@@ -177,8 +177,9 @@ def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_
     out = tmp_path / "out"
     # A killed worker is found out by its silence, as in a virtual run: dispatches it leaves unacknowledged, or its
     # heartbeats (a long timeout here spares the survivors a false fence when a busy machine starves them). So how
-    # many of the two the router has removed by the end depends on the traffic each got after its kill; what must
-    # hold is that every request ended, each failure is typed and the survivors serve everything that comes later.
+    # many of the two the router has removed by the end (none to two) depends on the traffic each got after its
+    # kill; what must hold is that every request ended, each failure is typed and the survivors serve everything
+    # that comes later.
     chaos = DISAGG.replace("duration_s: 2", "duration_s: 3").replace("heartbeat_timeout_s: 1.5",
                                                                     "heartbeat_timeout_s: 10") + """chaos:
   - {at_s: 0.8, action: remove_worker, worker: 0, graceful: false}
@@ -195,7 +196,10 @@ def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_
     assert failures <= {"worker_lost", "kv_transfer_failed", "kv_source_lost"}, failures
     late = [r for r in records if r["arrival_ns"] > 2.5e9]  # after both kills: the survivors serve them
     assert late and all(r["failure"] is None and r["prefill_worker_id"] == 1 and r["worker_id"] == 2 for r in late)
-    assert 1 <= k["worker_events"].get("worker_removed", 0) <= 2
+    # each kill is found out only if a request went to the dead worker before the run ended (a busy machine can
+    # route every later one elsewhere, as a CI run showed); test_kill_9_of_a_worker_loses_nothing_silently
+    # holds the router to noticing the silence
+    assert k["worker_events"].get("worker_removed", 0) <= 2
     no_children_left(tag)
 
 
