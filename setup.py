@@ -44,6 +44,7 @@ COMPILED = [
     "workers/speculative.py",
     "workers/timing.py",
     "workers/vllm_engine.py",
+    "workers/vllm_fast_forward.py",
 ]
 
 
