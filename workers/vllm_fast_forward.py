@@ -44,6 +44,11 @@ class FastForward:
         self.enabled = not (hybrid is not None and self.spec_k)
         """Whether the rank may run or look ahead at all (hybrid groups with drafts go pass by pass)."""
 
+    def _arrival(self) -> int:
+        """When the next request arrives (past every instant when none is known): a run stops before it."""
+        arrival = self.scheduler.next_arrival_ns()
+        return MAX_TIME_NS + 1 if arrival is None else arrival
+
     def horizon(self, s: int, started: int, ahead: dict[SeqState, int] | None) -> int:
         """First visible pass end of a decode run from ``s``; ``ahead``: the tokens each request is already on when a
         pass started at ``started`` is in flight (None: none is)."""
@@ -87,9 +92,7 @@ class FastForward:
                     seq.ensure_hashes(seq.n_full + (j_stop - 1 - first_fill) // bs + 1)
         period.sort()
         n_ev = len(period)
-        arrival = self.scheduler.next_arrival_ns()
-        if arrival is None:
-            arrival = MAX_TIME_NS + 1
+        arrival = self._arrival()
         pool = self.pool
         decode_ns = self.timer.decode_ns
         decode_prefix = self.timer.decode_prefix_ns
@@ -173,15 +176,11 @@ class FastForward:
         running = sch.running
         spec = self.spec
         assert spec is not None
+        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
+        arrival = self._arrival()
         bs = self.block_size
         caching = self.caching
-        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
-        arrival = sch.next_arrival_ns()
-        if arrival is None:
-            arrival = MAX_TIME_NS + 1
         pool = self.pool
-        timer = self.timer
-        rank = self.rank
         record_times = self.record_times
         n_run = len(running)
         width = n_run * (1 + self.spec_k)
@@ -190,7 +189,7 @@ class FastForward:
         j = 0
         T = s
         while T < t_ns and T < arrival:
-            d = timer.decode_ns(kv + width, n_run)
+            d = self.timer.decode_ns(kv + width, n_run)
             if T + d > t_ns:
                 break
             m = 0
@@ -231,7 +230,7 @@ class FastForward:
                     rec.token_times_ns.extend([T] * b)
             j += 1
             if pool.log:
-                out.events.append(PassEvents(T, rank, pool.log, bs))
+                out.events.append(PassEvents(T, self.rank, pool.log, bs))
                 pool.log = []
         return j, T
 
@@ -243,15 +242,11 @@ class FastForward:
         running = sch.running
         hybrid = self.hybrid
         assert hybrid is not None
+        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
+        arrival = self._arrival()
         bs = self.block_size
         caching = self.caching
-        quiet_only = bool(sch.waiting or sch.incoming)
-        arrival = sch.next_arrival_ns()
-        if arrival is None:
-            arrival = MAX_TIME_NS + 1
         pool = self.pool
-        timer = self.timer
-        rank = self.rank
         record_times = self.record_times
         n_run = len(running)
         n_grow = hybrid.n_grow
@@ -259,7 +254,7 @@ class FastForward:
         j = 0
         T = s
         while T < t_ns and T < arrival:
-            d = timer.decode_ns(kv + n_run, n_run)
+            d = self.timer.decode_ns(kv + n_run, n_run)
             if T + d > t_ns:
                 break
             avail = pool.free + pool.num_inactive
@@ -297,7 +292,7 @@ class FastForward:
             kv += n_run
             j += 1
             if pool.log:
-                out.events.append(PassEvents(T, rank, pool.log, bs, self.groups_meta))
+                out.events.append(PassEvents(T, self.rank, pool.log, bs, self.groups_meta))
                 pool.log = []
         return j, T
 
