@@ -66,6 +66,9 @@ InServer = Callable[[], Awaitable[int | None]]
 """``await in_server()``: how many requests the server's workers still work for (unfinished, KV held for a
 transfer, being offloaded); 0 when the server has settled, None when it cannot tell (a worker did not answer).
 The warm-up's barrier waits for 0."""
+CANCEL_DRAIN_S = 10.0
+"""A live load generator that cancelled requests at the deadline waits at most this long (wall clock) for the
+server to acknowledge them (their records back, or the workers settled) before it reports."""
 SETTLE_POLL_NS = 10_000_000
 """How often the barrier asks the server whether it settled (10 ms; virtual time in a virtual run)."""
 

@@ -34,6 +34,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
+from harness.lanes import CANCEL_DRAIN_S
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
 from harness.procs.fleet import FleetInfo
@@ -53,9 +54,6 @@ _SPECIAL_IDS = 8
 """The built-in tokenizer's special tokens (``<unk>``, roles...) come first: a prompt never uses them."""
 UNSETTLED_TIMEOUT_S = 5.0
 """How long one worker may take to answer ``/kvemu/unsettled``."""
-CANCEL_DRAIN_S = 10.0
-"""After the lanes cancelled their open requests (their streams closed, so the workers abort them): how long,
-at most, to wait for the workers to have settled before their engine records are fetched."""
 DRAIN_POLL_S = 0.01
 
 
@@ -325,7 +323,8 @@ async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], 
 
 
 async def _drain(in_server: Callable[[], Awaitable[int | None]]) -> None:
-    """Wait until the workers settled (they aborted the requests whose streams closed), at most ``CANCEL_DRAIN_S``."""
+    """Wait until the workers settled (they aborted the requests whose streams closed, so their engine records say
+    so), at most ``CANCEL_DRAIN_S``."""
     with anyio.move_on_after(CANCEL_DRAIN_S):
         while await in_server() != 0:
             await anyio.sleep(DRAIN_POLL_S)
