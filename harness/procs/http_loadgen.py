@@ -55,6 +55,7 @@ _SPECIAL_IDS = 8
 UNSETTLED_TIMEOUT_S = 5.0
 """How long one worker may take to answer ``/kvemu/unsettled``."""
 DRAIN_POLL_S = 0.01
+"""How often the cancel drain asks the workers whether they settled."""
 
 
 class _MonoClock:
