@@ -209,6 +209,12 @@ class Cluster:
             if actor is not None:
                 actor.sync()
 
+    def unsettled(self) -> int:
+        """Requests the workers still work for (unfinished, KV held for a transfer, being offloaded): 0 when the
+        server has settled. Read-only; virtual time: the engines as of now (deferred KV events aside)."""
+        now = self.clock.now_ns()
+        return sum(actor.worker.unsettled(now) for actor in self.workers.values())
+
     async def _start_router(self, router: Router) -> None:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
             router.sync_before_select(self.sync_workers)

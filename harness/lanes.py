@@ -13,7 +13,8 @@ shared corpus cursor, in the corpus order (plays by their first root, then by in
 * Warm-up (``warmup``): before measuring, each lane sends, one after another, a *primer* per conversation that
   has history and requests left (the input of its last historical request, 1 output token), then
   ``warmup_requests`` requests repeating its primers (or its earliest remaining request), 1 output token each.
-  When every lane is done (the barrier), measurement starts and the plays' timers start.
+  When every lane is done and the server settled (``in_server`` is 0, or ``settle_timeout_s`` passed: the barrier),
+  measurement starts and the plays' timers start.
 * Continuous profile (``duration_s``): lanes keep taking plays, the cursor wrapping around the corpus, until
   ``duration_s`` after the start of measurement. Then nothing new is sent; responses count for ``grace_s`` more,
   and what is still open is then cancelled (reason ``lanes_deadline``). Idle guards: a play with nothing in flight
@@ -30,10 +31,12 @@ the seed and the play, and no set of strings is iterated.
 
 from __future__ import annotations
 
+import asyncio
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import blake3
 
 from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
@@ -59,6 +62,15 @@ SNAPSHOT_DOMAIN = b"kvemu.lanes.snapshot.v1"
 
 Cancel = Callable[[str, str], Any]
 """``cancel(request_id, reason)``: ends an open request at the server (the router's ``cancel``)."""
+InServer = Callable[[], Awaitable[int | None]]
+"""``await in_server()``: how many requests the server's workers still work for (unfinished, KV held for a
+transfer, being offloaded); 0 when the server has settled, None when it cannot tell (a worker did not answer).
+The warm-up's barrier waits for 0."""
+CANCEL_DRAIN_S = 10.0
+"""A live load generator that cancelled requests at the deadline waits at most this long (wall clock) for the
+server to acknowledge them (their records back, or the workers settled) before it reports."""
+SETTLE_POLL_NS = 10_000_000
+"""How often the barrier asks the server whether it settled (10 ms; virtual time in a virtual run)."""
 
 # a node's state within its instance
 _WAITING, _TIMED, _SENT, _ENDED, _HISTORY, _DROPPED = range(6)
@@ -134,11 +146,19 @@ class LanePlayer(Player):
     and its grace passed. ``phases`` maps each sent request id to its phase; ``report()`` is the run's figures."""
 
     def __init__(self, graph: TraceGraph, spec: LanesSpec, submit: Submit, clock: Clock, *,
-                 cancel: Cancel | None = None, stall_timeout_ns: int | None = None) -> None:
+                 cancel: Cancel | None = None, in_server: InServer | None = None,
+                 stall_timeout_ns: int | None = None) -> None:
         super().__init__(submit, clock, concurrency=spec.lanes, stall_timeout_ns=stall_timeout_ns)
         self.graph = g = graph
         self.spec = spec
         self.cancel = cancel
+        self.in_server = in_server
+        """Asked at the warm-up's barrier until the server settled (None: the barrier does not wait for it)."""
+        self.unsettled: int | None = None
+        """Requests still in the server when the barrier opened (its settle timeout passed first when > 0);
+        None: no warm-up, nobody to ask, or the server could not tell at the timeout."""
+        self._settling: asyncio.Task[None] | None = None
+        self._settle_error: BaseException | None = None
         plays = len(g.plays)
         if not plays:
             raise ValueError("the trace has no plays")
@@ -187,7 +207,13 @@ class LanePlayer(Player):
         """A lane takes its next play itself (``_check_done``)."""
 
     async def run(self) -> None:
-        await super().run()
+        try:
+            await super().run()
+        finally:
+            if self._settling is not None and not self._settling.done():
+                self._settling.cancel()
+        if self._settle_error is not None:
+            raise self._settle_error
         self._close_open()
 
     def _begin(self) -> None:
@@ -347,7 +373,35 @@ class LanePlayer(Player):
     def _barrier(self) -> None:
         if PRIMER in self.times and WARMUP not in self.times:
             self.times[WARMUP] = list(self.times[PRIMER][1:] * 2)
-        self._measure()
+        if self.in_server is None:
+            self._measure()
+            return
+        assert self._loop is not None
+        self._settling = self._loop.create_task(self._settle(self.in_server))
+
+    async def _settle(self, in_server: InServer) -> None:
+        """The barrier's second half: wait until the server settled (no request running, waiting, holding KV for
+        a transfer or being offloaded), asking every ``SETTLE_POLL_NS``, at most ``settle_timeout_s``; then
+        measure, recording what was still in the server."""
+        try:
+            limit = self.clock.now_ns() + round(self.spec.settle_timeout_s * NS_PER_S)
+            while True:
+                n = await in_server()
+                now = self.clock.now_ns()
+                if self._stopped:
+                    return
+                if n == 0 or now >= limit:
+                    break
+                woken = anyio.Event()
+                self._at(min(now + SETTLE_POLL_NS, limit), woken.set)
+                await woken.wait()
+            self.unsettled = n
+            self._measure()
+        except Exception as exc:  # noqa: BLE001 - handed to run(), which raises it
+            self._settle_error = exc
+            self._stopped = True
+            assert self._done is not None
+            self._done.set()
 
     # ------------------------------------------------------------------ replay
 
@@ -523,6 +577,7 @@ class LanePlayer(Player):
             "corpus_plays": len(self.order),
             "corpus_cursor": self.cursor,
             "failed_preparation": self.failed_preparation,
+            "unsettled_server_requests": self.unsettled,
             **self.counts,
             "plays_completed": sum(1 for inst in self.instances if inst.ended and not inst.cut),
             "plays_cut": sum(1 for inst in self.instances if inst.started and (inst.cut or not inst.ended)),

@@ -179,8 +179,13 @@ async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hoo
                     tg.start_soon(state["autoscaler"].run, c, tg, run_clock, state["samples"])
                 played: dict[str, Any] = {}
                 state["played"] = played
+
+                async def in_server() -> int:  # the engines in process: read as they are now
+                    return c.unsettled()
+
                 if not await play_workload(scenario, sessions, c.submit, run_clock,
-                                           cancel=lambda rid, why: c.front.cancel(rid, why), out=played):
+                                           cancel=lambda rid, why: c.front.cancel(rid, why), in_server=in_server,
+                                           out=played):
                     state["partial"] = True
                     lanes = played.get("lanes")
                     state["stop_reason"] = ("warmup_failed" if lanes is not None and lanes["failed_preparation"]

@@ -338,18 +338,22 @@ def drain_deadline_s(scenario: Scenario, sessions: Sessions) -> float:
 
 
 async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, clock: Clock, *,
-                        cancel: Callable[[str, str], Any] | None = None, out: dict[str, Any] | None = None) -> bool:
+                        cancel: Callable[[str, str], Any] | None = None,
+                        in_server: Callable[[], Awaitable[int | None]] | None = None,
+                        out: dict[str, Any] | None = None) -> bool:
     """Play ``sessions`` (or a trace's graph) as the scenario says (open or closed loop, drain deadline, or lanes);
     False if cut short. With ``workload.lanes``, ``cancel(request_id, reason)`` ends the requests still open after
-    the grace period (without it they are only given up on), and ``out`` gets the lanes' figures (``lanes``) and
-    each request's phase (``phases``)."""
+    the grace period (without it they are only given up on), the warm-up's barrier waits until ``await
+    in_server()`` (requests the workers still work for) is 0 (without it, only for the warm-up's responses), and
+    ``out`` gets the lanes' figures (``lanes``) and each request's phase (``phases``)."""
     stall = round(scenario.run.drain_timeout_s * NS_PER_S)
     player: Player
     lanes = getattr(scenario.workload, "lanes", None)
     if lanes is not None and isinstance(sessions, TraceGraph):
         from harness.lanes import LanePlayer  # (it builds on this module)
 
-        lane_player = LanePlayer(sessions, lanes, submit, clock, cancel=cancel, stall_timeout_ns=stall)
+        lane_player = LanePlayer(sessions, lanes, submit, clock, cancel=cancel, in_server=in_server,
+                                 stall_timeout_ns=stall)
         try:
             await lane_player.run()
         finally:

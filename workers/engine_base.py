@@ -148,6 +148,11 @@ class RankCore:
         """Accepted requests that have not completed."""
         return len(self._seqs)
 
+    def unsettled(self, now_ns: int) -> int:
+        """Requests this rank still works for at ``now_ns``: unfinished ones, and aborted ones the pass in flight
+        still holds (a subclass adds KV held for a transfer or being offloaded). 0: the rank has settled."""
+        return len(self._seqs) + len(self._aborting)
+
     def has_request(self, request_id: str) -> bool:
         """Whether an unfinished request with this id is on this rank."""
         return request_id in self._seqs

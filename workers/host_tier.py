@@ -43,6 +43,7 @@ class StagedSource(TokenSource, Protocol):
     that also has the sequence hashes of its blocks."""
 
     hashes: list[int]
+    rid: str
 
 
 class HostTier:

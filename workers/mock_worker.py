@@ -155,5 +155,10 @@ class MockWorker:
         """No rank holds an unfinished request."""
         return all(core.num_unfinished == 0 for core in self.cores)
 
+    def unsettled(self, now_ns: int) -> int:
+        """Requests this worker still works for at ``now_ns``, over its ranks: unfinished, holding KV for a decode
+        rank, or being offloaded to the host tier (``Core.unsettled``). 0: settled (a read-only query)."""
+        return sum(core.unsettled(now_ns) for core in self.cores)
+
     def __repr__(self) -> str:
         return f"MockWorker(id={self.worker_id}, ranks={self.dp_ranks}, shutting_down={self._shutting_down})"

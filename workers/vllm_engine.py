@@ -214,6 +214,18 @@ class EngineCore(RankCore):
         """Finished prefill legs whose KV is held for a decode rank."""
         return len(self._held)
 
+    def unsettled(self, now_ns: int) -> int:
+        """Requests this rank still works for at ``now_ns``: unfinished ones, aborted or released ones the pass in
+        flight still holds, finished prefill legs holding their KV for a decode rank, and requests whose prompt
+        blocks are still being copied to the host tier (a store that ended by ``now_ns`` is done, even before an
+        idle engine's next pass applies it). 0: the rank has settled."""
+        ids = {*self._seqs, *self._held, *(s.rid for s in self._aborting), *(s.rid for s in self._releasing)}
+        host = self.host
+        if host is not None and host.busy:
+            ids.update(store[3].rid for store in host.stores if store[0] > now_ns)
+            ids.update(source.rid for source in host.staged)
+        return len(ids)
+
     def _release(self, seq: SeqState) -> None:
         sch = self.scheduler
         if seq.status == RUNNING:

@@ -51,6 +51,13 @@ class TruthPage(msgspec.Struct):
     """When the first request reached this worker (None: none yet)."""
 
 
+class Unsettled(msgspec.Struct):
+    """An answer of ``/kvemu/unsettled``: what the worker's engines still work for now."""
+
+    requests: int
+    """Requests unfinished, holding KV for a decode rank, or being offloaded to host memory (0: settled)."""
+
+
 class LoadPage(msgspec.Struct):
     """An answer of ``/kvemu/load``."""
 

@@ -6,12 +6,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from kvemu.clock import Clock
 from kvemu.http import DEFAULT_MODEL
 from kvemu.http.app import OpenAIApp
 from kvemu.http.backend import RouterBackend
 from kvemu.http.info import RankLoad, ServerInfo
 from kvemu.http.metrics import FrontMetrics, RouterCollector
+from kvemu.http.reply import respond
 from kvemu.http.tokenizer import TextTokenizer, load_tokenizer
 from kvemu.hooks import Hooks
 from kvemu.records import RequestRecord
@@ -21,7 +24,7 @@ from workers.config import EngineConfig
 from workers.worker_actor import WorkerActor
 
 from harness.cluster import engine_config
-from harness.procs.engine_truth import EngineTruth
+from harness.procs.engine_truth import EngineTruth, Unsettled
 from harness.scenario import Scenario
 from harness.workload import output_lengths
 
@@ -79,7 +82,12 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     handoff = KvHandoff(actor) if actor.worker_type in ("prefill", "decode") else None
     if handoff is not None:
         metrics.registry.register(handoff)
-    routes = {**(truth.routes() if truth is not None else {}), **(handoff.routes() if handoff is not None else {})}
+    async def unsettled(scope: dict, receive: Callable, send: Callable) -> None:
+        """``GET /kvemu/unsettled``: what the engines still work for (a lanes barrier waits for 0)."""
+        await respond(send, 200, msgspec.json.encode(Unsettled(actor.worker.unsettled(actor.clock.now_ns()))))
+
+    routes = {**(truth.routes() if truth is not None else {}), **(handoff.routes() if handoff is not None else {}),
+              ("GET", "/kvemu/unsettled"): unsettled}
     return OpenAIApp(WorkerBackend(actor, truth, handoff), tok, model=model, clock=actor.clock, metrics=metrics,
                      output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank", info=info,
                      extra_routes=routes, handoff=handoff)

@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -34,8 +34,9 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
+from harness.lanes import CANCEL_DRAIN_S
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
-from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage
+from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
 from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
@@ -51,6 +52,10 @@ MAX_ERROR_BODY = 512
 """The most of a failed response's body a record's failure quotes."""
 _SPECIAL_IDS = 8
 """The built-in tokenizer's special tokens (``<unk>``, roles...) come first: a prompt never uses them."""
+UNSETTLED_TIMEOUT_S = 5.0
+"""How long one worker may take to answer ``/kvemu/unsettled``."""
+DRAIN_POLL_S = 0.01
+"""How often the cancel drain asks the workers whether they settled."""
 
 
 class _MonoClock:
@@ -168,6 +173,20 @@ class HttpTarget:
                 rec.add_token_times([last + (now - last) * (i + 1) // n for i in range(n)])
             rec.output_tokens += n
 
+    async def unsettled(self, workers: Sequence[str]) -> int | None:
+        """Requests the workers at these URLs still work for (``GET /kvemu/unsettled``: unfinished, holding KV for
+        a transfer, being offloaded); None when one of them did not answer."""
+        total = 0
+        for url in workers:
+            try:
+                resp = await self._client.get(f"{url.rstrip('/')}/kvemu/unsettled", timeout=UNSETTLED_TIMEOUT_S)
+                if resp.status_code != 200:
+                    return None
+                total += msgspec.json.decode(resp.content, type=Unsettled).requests
+            except (self._httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError):
+                return None
+        return total
+
     async def aclose(self) -> None:
         await self._client.aclose()
 
@@ -255,29 +274,61 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
     return out
 
 
-async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any]
+async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], workers: Sequence[str] = ()
                 ) -> tuple[list[RequestRecord], bool, str | None]:
+    """Play the workload against ``target``. With lanes, a request cancelled at their deadline has its stream
+    closed (the worker aborts it; its record says why), and, given the ``workers``' URLs, the warm-up's barrier
+    waits for them to settle and the run waits (at most ``CANCEL_DRAIN_S``) for them to abort what it cancelled."""
     sessions = build_sessions(scenario)
     records: dict[str, RequestRecord] = {}
+    scopes: dict[str, anyio.CancelScope] = {}  # the requests in flight
     print(json.dumps({"event": "started", "role": "loadgen", "http": target.url,
                       "requests": count_requests(sessions)}), flush=True)
 
     async def submit(req: ClientRequest) -> RequestRecord:
         rec = records[req.request_id] = target.record(req)  # kept even if the run stops before it ends
-        return await target.submit(req, rec)
+        with anyio.CancelScope() as scope:
+            scopes[req.request_id] = scope
+            try:
+                return await target.submit(req, rec)
+            finally:
+                del scopes[req.request_id]
+        return rec  # cancelled: its stream is closed
+
+    def cancel(request_id: str, reason: str) -> None:
+        scope = scopes.get(request_id)
+        if scope is not None:
+            records[request_id].failure = reason
+            scope.cancel()
+
+    in_server: Callable[[], Awaitable[int | None]] | None = None
+    if workers:
+        async def in_server() -> int | None:
+            return await target.unsettled(workers)
 
     stopped = None
     finished = False
     try:
         async with anyio.create_task_group() as play:
-            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock, out=played)
+            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock, cancel=cancel,
+                                           in_server=in_server, out=played)
             play.cancel_scope.cancel()
+        if in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
+            await _drain(in_server)
     except KeyboardInterrupt:
         stopped = "SIGINT"
     finally:
         with anyio.CancelScope(shield=True):
             await target.aclose()
     return list(records.values()), finished, stopped
+
+
+async def _drain(in_server: Callable[[], Awaitable[int | None]]) -> None:
+    """Wait until the workers settled (they aborted the requests whose streams closed, so their engine records say
+    so), at most ``CANCEL_DRAIN_S``."""
+    with anyio.move_on_after(CANCEL_DRAIN_S):
+        while await in_server() != 0:
+            await anyio.sleep(DRAIN_POLL_S)
 
 
 def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: FleetInfo | None = None,
@@ -288,7 +339,8 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
     played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
-    client_records, finished, stopped = run_live(lambda: _play(scenario, target, played))
+    workers = list(dict.fromkeys(w.url for w in fleet.workers)) if fleet is not None else []
+    client_records, finished, stopped = run_live(lambda: _play(scenario, target, played, workers))
     truth: dict[str, Legs] = {}
     samples: list[Sample] = []
     problems: list[str] = []

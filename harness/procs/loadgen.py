@@ -36,7 +36,8 @@ from harness.sessions import awaiting, play_workload
 from harness.scenario import Scenario
 from harness.text import counted
 from harness.workload import build_sessions
-from harness.procs.protocol import CLIENT, RecordReply, Stats, StatsQuery, log_start, never_ran_record, reply_decoder
+from harness.procs.protocol import CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record, reply_decoder
+from harness.lanes import CANCEL_DRAIN_S
 
 
 _A = TypeVar("_A")
@@ -104,6 +105,17 @@ class _RouterClient:
         await ev.wait()
         self._sent.pop(req.request_id, None)
         return self.records.get(req.request_id)
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        """Ask the router to end a request still awaiting its answer now (its worker aborts it); the record comes
+        back as usual, failed with ``reason``."""
+        if request_id in self._sent and request_id not in self.records and self.lost is None:
+            await self.sock.send_multipart([CLIENT, encode(CancelRequest(request_id=request_id, reason=reason))])
+
+    @property
+    def awaiting(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._sent)
 
     def open_records(self) -> list[RequestRecord]:
         """Records for the requests sent and not answered (a stopped run reports them unfinished)."""
@@ -277,8 +289,15 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
             finished = True
             with play_scope:
                 async with anyio.create_task_group() as play:
+                    def cancel(request_id: str, reason: str) -> None:  # (lanes: at the deadline)
+                        play.start_soon(client.cancel, request_id, reason)
+
                     finished = await play_workload(scenario, sessions, awaiting(play, client.submit), clock,
-                                                   out=played)
+                                                   cancel=cancel, out=played)
+                    if played.get("lanes", {}).get("requests_cancelled"):  # their records come back, failed
+                        with anyio.move_on_after(CANCEL_DRAIN_S):
+                            while client.awaiting:
+                                await anyio.sleep(0.01)
                     play.cancel_scope.cancel()  # cut short: the requests still out are abandoned
             run.partial = not finished or client.lost is not None or run.stopped is not None
             if client.lost is None and run.stopped is None:

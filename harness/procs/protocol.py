@@ -2,9 +2,9 @@
 
 One ROUTER socket on the router's ``--listen`` address serves both workers (2-frame messages:
 identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
-and get back each request's ``kvemu.RequestRecord`` when it ends; ``StatsQuery`` returns the router's view
-(ranks, per-rank load and cache, KV-event and affinity counters); a ``Control`` message (``send_control``)
-injects a chaos event. Every process logs one JSON line when it starts (``log_start``), with its endpoints.
+and get back each request's ``kvemu.RequestRecord`` when it ends (``CancelRequest`` ends one early);
+``StatsQuery`` returns the router's view (ranks, per-rank load and cache, KV-event and affinity counters); a
+``Control`` message (``send_control``) injects a chaos event. Every process logs one JSON line when it starts (``log_start``), with its endpoints.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import zmq
@@ -63,7 +63,15 @@ class RecordReply(msgspec.Struct, tag=True, kw_only=True):
     record: RequestRecord
 
 
-ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited
+class CancelRequest(msgspec.Struct, tag=True, frozen=True):
+    """End one of this client's open requests now: the router frees it and tells its worker to abort it; its
+    record comes back as any request's, failed with ``reason``. Unknown or ended: nothing happens."""
+
+    request_id: str
+    reason: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z_]+$")] = "cancelled"
+
+
+ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited | CancelRequest
 ReplyMessage = RecordReply | Stats | ControlReply
 client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)

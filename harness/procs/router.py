@@ -57,6 +57,7 @@ from harness.text import counted
 from harness.tuning import tune_gc
 from harness.procs.protocol import (
     CLIENT,
+    CancelRequest,
     ClientMessage,
     LANE_FRAME_BYTES,
     HttpOptions,
@@ -139,6 +140,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                          model=http.model, forget=forget)
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
+    cancelling: dict[str, str] = {}  # cancelled while still decoding or hashing in the lane: key -> reason
 
     async def handle(peer: bytes, req: ClientRequest | None, frame: bytes = b"") -> None:
         """Run one client request and reply with its record; a huge one (or a large ``frame`` still to decode)
@@ -162,6 +164,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
                 # the record submit returns is the one on_end is given, complete once the request ended
                 record = front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+                if key in cancelling:
+                    front.cancel(key, cancelling.pop(key))
             except BaseException:
                 in_flight.discard(key)
                 raise
@@ -169,6 +173,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             await ended.wait()
         finally:
             in_flight.discard(key)
+            cancelling.pop(key, None)
             recorder.records.pop(key, None)  # the client has its answer
             if record is not None and ended.is_set():
                 record.request_id = req.request_id
@@ -240,6 +245,10 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             t = type(msg)
             if t is StatsQuery:
                 end.reply(peer, encode(stats()))
+            elif t is CancelRequest:  # its handler replies with the record, failed with the reason
+                key = client_request_key(peer, msg.request_id)  # type: ignore[union-attr]
+                if key in in_flight and not front.cancel(key, msg.reason):  # type: ignore[union-attr]
+                    cancelling[key] = msg.reason  # type: ignore[union-attr]  # (not submitted yet)
             elif t is WorkerExited:
                 end.reply(peer, encode(control.worker_exited(routers, msg)))  # type: ignore[arg-type]
             elif t is Control:

@@ -325,6 +325,10 @@ class LanesSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True)
     output token), then send ``warmup_requests`` per lane; neither counts in the report's headline figures."""
     warmup_requests: Annotated[int, Meta(ge=0, le=10_000)] = 10
     """Warm-up requests per lane (each repeats one of the lane's primer prompts, one output token)."""
+    settle_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    """With a warm-up: after its last response, measurement waits for the server to settle (no request running
+    or waiting, no KV transfer or offload in flight) at most this long; then it starts anyway, and the report
+    counts what was still in the server (``unsettled_server_requests``)."""
 
     def __post_init__(self) -> None:
         check_struct(self)

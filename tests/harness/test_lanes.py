@@ -39,9 +39,10 @@ class Sent(SimpleNamespace):
     """One request the fake server took: its request, arrival, end and failure."""
 
 
-def play(g: TraceGraph, spec: LanesSpec, service_ms: Any = lambda req: 10, fail: Any = lambda req: False
-         ) -> tuple[dict[str, Sent], LanePlayer, list[tuple[str, str]]]:
-    """Run a lane player against a fake server whose request ``req`` takes ``service_ms(req)`` ms."""
+def play(g: TraceGraph, spec: LanesSpec, service_ms: Any = lambda req: 10, fail: Any = lambda req: False,
+         busy: Any = None) -> tuple[dict[str, Sent], LanePlayer, list[tuple[str, str]]]:
+    """Run a lane player against a fake server whose request ``req`` takes ``service_ms(req)`` ms; ``busy(now_ns,
+    log)``: what the server still works for besides (None: the player does not ask)."""
     clock = ManualClock()
     log: dict[str, Sent] = {}
     cancelled: list[tuple[str, str]] = []
@@ -67,7 +68,10 @@ def play(g: TraceGraph, spec: LanesSpec, service_ms: Any = lambda req: 10, fail:
             log[rid].end, log[rid].failure = clock.now_ns(), why
             on_end(SimpleNamespace(failure=why))
 
-    player = LanePlayer(g, spec, submit, clock, cancel=cancel)
+    async def in_server() -> int:
+        return len(handles) + busy(clock.now_ns(), log)
+
+    player = LanePlayer(g, spec, submit, clock, cancel=cancel, in_server=in_server if busy is not None else None)
 
     async def main() -> None:
         await player.run()
@@ -321,6 +325,44 @@ def test_a_warm_up_primes_each_conversation_then_warms_each_lane_with_one_token_
         assert s.req.tokens.hash_ids in mine or not mine
 
 
+def _server_busy_until(t_ns: Any) -> Any:
+    """A server that still works for 2 requests not owned by the lanes until ``t_ns(log)`` (e.g. KV transfers)."""
+    return lambda now, log: 2 if now < t_ns(log) else 0
+
+
+def _last_warmup_end(log: dict[str, Sent]) -> int:
+    return max(s.end for rid, s in log.items() if ":warmup:" in rid or ":primer:" in rid)
+
+
+def test_the_barrier_waits_for_the_server_to_settle_after_the_last_warm_up_response(tmp_path):
+    g = corpus(tmp_path, plays=4)
+    spec = LanesSpec(lanes=3, snapshot_seed=5, warmup=True, warmup_requests=4)
+    _, base, _ = play(g, spec, busy=lambda now, log: 0)  # settled at once: the barrier opens at the last response
+    assert base.unsettled == 0 and base.times["profile"][0] == base.times["warmup"][1]
+    log, player, _ = play(g, spec, busy=_server_busy_until(lambda log: _last_warmup_end(log) + 1234 * MS))
+    last = _last_warmup_end(log)
+    first_profile = min(s.at for rid, s in log.items() if player.phases[rid] == "profile")
+    # the server was busy for 1234 ms more: asked every 10 ms, the barrier opens at the first answer of 0
+    assert player.times["profile"][0] == last + 1240 * MS <= first_profile
+    assert player.unsettled == 0 and player.report()["unsettled_server_requests"] == 0
+    assert player.times["warmup"][1] == last
+
+
+def test_a_server_that_does_not_settle_in_time_opens_the_barrier_at_the_timeout_and_is_counted(tmp_path):
+    g = corpus(tmp_path, plays=4)
+    spec = LanesSpec(lanes=3, snapshot_seed=5, warmup=True, warmup_requests=4, settle_timeout_s=0.25)
+    log, player, _ = play(g, spec, busy=_server_busy_until(lambda log: _last_warmup_end(log) + 10 * S))
+    assert player.times["profile"][0] == _last_warmup_end(log) + 250 * MS
+    assert player.unsettled == 2 and player.report()["unsettled_server_requests"] == 2
+    assert any(player.phases[rid] == "profile" for rid in log)  # measurement went on
+
+
+def test_a_settle_timeout_out_of_bounds_is_refused_naming_the_field():
+    for bad in (0, 3601):
+        with pytest.raises(Exception, match="settle_timeout_s"):
+            parse_scenario(f"workload: {{kind: trace, trace: c.jsonl, lanes: {{lanes: 1, settle_timeout_s: {bad}}}}}\n")
+
+
 def test_a_failed_warm_up_request_stops_the_run(tmp_path):
     g = corpus(tmp_path, plays=2)
     log, player, _ = play(g, LanesSpec(lanes=2, snapshot_seed=1, warmup=True),
@@ -392,6 +434,31 @@ def test_a_lanes_run_reports_its_phases_and_counts_only_the_profile(tmp_path):
     later = [r for r in profile if r["request_id"].split(":", 1)[0] in {k for k in firsts if int(k[1:]) >= 3}
              and r not in recycled and r["failure"] is None]
     assert sum(r["engine_cached_tokens"] or 0 for r in later) > 0
+
+
+def _profile_start_ms(tmp_path: Path, name: str, latency_ms: float, **lanes: Any) -> tuple[float, Any]:
+    """A lanes run on engines that offload prompt blocks to host memory, each copy taking ``latency_ms`` to start:
+    when measurement started (its first profile request) and what the barrier found still in the server."""
+    write(tmp_path / "c.jsonl", corpus_rows(4))
+    body = {"lanes": 3, "duration_s": 5, "grace_s": 1, "snapshot_seed": 3, "warmup": True, **lanes}
+    text = ("name: lanes\ncluster: {workers: 2, engine: {block_size: 64, kv_cache_bytes_per_token: 1024, "
+            f"native_host_offload: {{num_host_blocks: 4096, latency_to_first_byte_ms: {latency_ms}}}}}}}\n"
+            f"workload: {{kind: trace, trace: c.jsonl, lanes: {json.dumps(body)}}}\n")
+    out = run_scenario(parse_scenario(text, base_dir=tmp_path), tmp_path / name)
+    assert out.summary is not None
+    lanes_out = out.summary["kvemu"]["lanes"]
+    return lanes_out["phases"]["profile"]["start_ms"], lanes_out["unsettled_server_requests"]
+
+
+def test_measurement_waits_for_the_engines_offload_after_the_last_warm_up_response(tmp_path):
+    """Engines still copying the warm-up's prompt blocks to host memory when its last response arrives: the
+    barrier waits until they finished; past ``settle_timeout_s`` it opens anyway, counting what was left."""
+    instant, left = _profile_start_ms(tmp_path, "o0", 0.0)
+    assert left == 0
+    slow, left = _profile_start_ms(tmp_path, "o1", 1500.0)
+    assert left == 0 and slow - instant >= 1500  # (the plays' timers run from the barrier)
+    cut, left = _profile_start_ms(tmp_path, "o2", 1500.0, settle_timeout_s=0.3)
+    assert left > 0 and cut - instant == pytest.approx(300, abs=1e-6)
 
 
 def test_two_lanes_runs_are_byte_identical(tmp_path):
