@@ -22,6 +22,8 @@ pass whose decode part counts its prompt.
 Hybrid KV cache groups (``kv_groups``; ``workers.hybrid``): a request's block need is summed over the groups,
 each sliding-window group first freeing the blocks that left its window (vLLM's ``allocate_slots`` order), a
 prefix hit is the length every group accepts, and the admission gate counts each group's most blocks at once.
+With a Mamba ``align`` state group a fresh request's prefill chunks are whole blocks, cut at the prompt's last
+block boundary (``HybridKV.chunk``); a request whose chunk rounds to nothing is not scheduled in that pass.
 
 Disaggregated decode legs (requests whose prompt KV comes from a prefill rank) do not queue with the
 others: at each pass boundary the first of them that arrived reserves blocks for its prompt (less what is
@@ -202,6 +204,10 @@ class Scheduler:
                 n = seq.prompt_len + seq.n_out - seq.computed
                 if n > budget:
                     n = budget
+                if hybrid is not None and not seq.n_out:
+                    n = hybrid.chunk(seq, seq.computed, n)  # (an align state group: block-aligned chunks)
+                    if not n:
+                        continue
                 spent = n
                 if spec is not None and decoding and seq.n_out:  # it verifies drafts: 1 + accepted tokens
                     n = spec.next()
@@ -315,7 +321,7 @@ class Scheduler:
         if nf > seq.n_full:
             if self.hybrid is not None:
                 seq.ensure_hashes(nf)
-                self.hybrid.promote(self.pool, seq, seq.n_full, nf, seq)
+                self.hybrid.promote(self.pool, seq, seq.n_full, nf, seq, upto)
             else:
                 self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
             seq.n_full = nf
@@ -402,6 +408,11 @@ class Scheduler:
                 if not self.chunked_prefill:
                     break
                 n = budget
+            if hybrid is not None and not seq.n_out:
+                n = hybrid.chunk(seq, cached, n)  # (an align state group: block-aligned chunks)
+                if not n:
+                    blocked = True
+                    break
             owned = hits if loaded is None else seq.n_alloc  # blocks it will hold before this chunk's
             need = -(-(cached + n) // bs) - owned
             whole = -(-total // bs)

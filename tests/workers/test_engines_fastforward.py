@@ -37,7 +37,7 @@ def kv_groups(draw, bs: int):
     layers = st.integers(1, 4)
     full = KvGroupSpec(kind="full_attention", layers=draw(layers))
     swa = KvGroupSpec(kind="sliding_window", layers=draw(layers), window=window)
-    state = KvGroupSpec(kind="state", layers=draw(layers))
+    state = KvGroupSpec(kind="state", layers=draw(layers), cache_mode=draw(st.sampled_from([None, "align", "all"])))
     return draw(st.sampled_from([[full, swa], [swa, full], [full, state], [swa], [state], [full, swa, state],
                                  [full, KvGroupSpec(kind="sliding_window", layers=1, window=window + bs), swa]]))
 
@@ -72,7 +72,8 @@ def workloads(draw, hybrid: float = 0.0):
         eviction_policy=draw(st.sampled_from(["lru", "lineage"])),
     )
     if backend == "vllm" and hybrid and draw(st.floats(0, 1)) < hybrid:
-        cfg = msgspec.structs.replace(cfg, kv_groups=kv_groups(draw, bs), eviction_policy="lru")
+        cfg = msgspec.structs.replace(cfg, kv_groups=kv_groups(draw, bs), eviction_policy="lru",
+                                      max_num_batched_tokens=max(cfg.max_num_batched_tokens, bs))  # (align: >= a block)
     capacity = blocks * bs
     limit = capacity if cfg.enable_chunked_prefill else min(capacity, cfg.max_num_batched_tokens)
     if cfg.backend == "trtllm":  # it reserves prompt + max_tokens, the last token's KV included

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
+from kvemu.kv_events import BlockStored
 from kvemu.wire.codec import decode_batch, encode_batch, profile_for
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
@@ -146,12 +147,17 @@ def test_a_sliding_window_group_frees_blocks_that_left_the_window():
     assert a is None and pool.num_inactive == 2 * (37 // 4)
 
 
-def test_prefix_hits_reuse_every_group_and_events_carry_the_group():
-    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4)]))
-    first = run_to_end(eng, [req("a", range(40), max_tokens=2)])
+@pytest.mark.parametrize("mode, prompt, hit", [
+    ("all", 40, 36),  # a checkpoint after every block; the last prompt token is always computed: 9 blocks
+    ("align", 40, 0),  # the one checkpoint is at 40 (the pass's end), past the 39 tokens a lookup may hit
+    ("align", 41, 40),  # the prefill is cut at 40, the prompt's last block boundary, which caches the state there
+])
+def test_prefix_hits_reuse_every_group(mode, prompt, hit):
+    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4, cache_mode=mode)]))
+    first = run_to_end(eng, [req("a", range(prompt), max_tokens=2)])
     assert first["a"].engine_cached_tokens == 0
-    second = run_to_end(eng, [req("b", range(40), max_tokens=2, arrival_ns=eng.now_ns)])
-    assert second["b"].engine_cached_tokens == 36  # the last prompt token is always computed: 9 blocks
+    second = run_to_end(eng, [req("b", range(prompt), max_tokens=2, arrival_ns=eng.now_ns)])
+    assert second["b"].engine_cached_tokens == hit
 
 
 def test_events_name_their_group_kind_and_window_and_encode_by_version():
@@ -229,7 +235,8 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
     groups = [[FULL, swa(6)], [swa(9), FULL], [FULL, KvGroupSpec(kind="state", layers=4)],
               [FULL, swa(6), KvGroupSpec(kind="state", layers=4)],
               [KvGroupSpec(kind="full_attention", layers=8), swa(6)],  # two full-attention groups
-              [swa(6), KvGroupSpec(kind="full_attention", layers=8)]][seed % 6]
+              [swa(6), KvGroupSpec(kind="full_attention", layers=8)],
+              [FULL, KvGroupSpec(kind="state", layers=4, cache_mode="all")]][seed % 7]
     eng = EngineCore(cfg(groups, num_gpu_blocks=24, max_num_batched_tokens=16))
     core = RoutingCore(block_size=4)
     wire = RoutingCore(block_size=4)
@@ -341,3 +348,105 @@ def test_in_memory_delivery_of_hybrid_events_says_only_what_the_version_can(vers
     eng.add_request(req("a", range(9), max_tokens=1))
     assert pub._publish_now(eng.step(0).events)
     assert isinstance(got[0], bytes) is as_bytes and isinstance(got[0], EventBatch) is not as_bytes
+
+
+# ------------------------------------------------------------------------------------------------ Mamba align mode
+
+
+def state(mode: str | None = None) -> KvGroupSpec:
+    return KvGroupSpec(kind="state", layers=4, cache_mode=mode)
+
+
+def test_state_cache_mode_defaults_to_align_and_belongs_to_state_groups():
+    assert state().mode == "align" and state("all").mode == "all" and FULL.mode is None
+    assert [g.cache_mode for g in cfg([FULL, state()]).kv_cache_groups] == [None, "align"]
+    with pytest.raises(InvalidArgument) as exc:
+        KvGroupSpec(kind="sliding_window", layers=2, window=8, cache_mode="align")
+    assert exc.value.field == "kv_groups.cache_mode"
+    # a chunk under one block is never scheduled: a token budget under one block could never prefill
+    with pytest.raises(InvalidArgument) as exc:
+        cfg([FULL, state()], max_num_batched_tokens=3, max_num_seqs=1)
+    assert exc.value.field == "max_num_batched_tokens"
+    assert cfg([FULL, state("all")], max_num_batched_tokens=3, max_num_seqs=1).kv_groups
+    assert cfg([FULL, state()], max_num_batched_tokens=3, max_num_seqs=1, enable_prefix_caching=False).kv_groups
+
+
+@pytest.mark.parametrize("mode, budget, chunks", [
+    ("align", 64, [28, 2]),  # cut at the prompt's last block boundary (28 of 30 tokens)
+    ("align", 10, [8, 8, 8, 4, 2]),  # whole blocks, then the cut at 28, then the rest
+    ("all", 10, [10, 10, 10]),
+])
+def test_align_mode_cuts_prefill_chunks_at_block_boundaries(mode, budget, chunks):
+    eng = EngineCore(cfg([FULL, state(mode)], max_num_batched_tokens=budget, max_num_seqs=1))
+    eng.add_request(req("a", range(30), max_tokens=2))
+    got = []
+    for res in steps(eng):
+        got.append(res.prefill_tokens)
+        if len(got) == len(chunks):
+            break
+    assert got == chunks
+
+
+@st.composite
+def align_workloads(draw):
+    bs = draw(st.sampled_from([2, 4]))
+    budget = draw(st.integers(1, 24))
+    blocks = draw(st.integers(4, 24))
+    reqs = [req(f"r{i}", range(1000 * i, 1000 * i + draw(st.integers(1, 30))), max_tokens=draw(st.integers(1, 16)),
+                arrival_ns=draw(st.integers(0, 5)) * 10_000_000) for i in range(draw(st.integers(1, 5)))]
+    return bs, budget, blocks, reqs
+
+
+@settings(max_examples=150, deadline=None)
+@given(align_workloads())
+def test_align_mode_checkpoints_only_where_a_pass_ends_on_a_block_boundary(work):
+    # every state block a pass stores is the state at the pass's end for its request, on a block boundary; each
+    # such pass end is cached right after the pass; a fresh request's prefill chunks before the prompt's last block
+    # boundary are whole blocks and stop there; a request holds at most 2 state blocks
+    bs, budget, blocks, reqs = work
+    eng = EngineCore(cfg([FULL, swa(5), state()], block_size=bs, num_gpu_blocks=blocks, max_num_batched_tokens=max(
+        budget, 4), max_num_seqs=4))
+    if any(max_blocks(eng.config, len(r.token_ids) + r.max_tokens) > eng.pool.num_blocks for r in reqs):
+        return
+    owner: dict[int, tuple[str, int]] = {}
+    seqs: dict[str, SeqState] = {}
+    for r in reqs:
+        eng.add_request(r)
+    while (s := eng.next_pass_start_ns()) is not None:
+        seqs.update(eng._seqs)
+        before = {rid: (q.computed, q.n_out) for rid, q in seqs.items()}
+        res = eng.step(s)
+        eng.check_invariants()
+        ends: dict[str, int] = {}  # this pass's end, per request in it
+        for rid, q in seqs.items():
+            for i, h in enumerate(q.ensure_hashes(q.n_full)):
+                owner[h] = (rid, i)
+            c0, out0 = before[rid]
+            if q.computed and q.computed != c0:
+                end = ends[rid] = q.computed
+                if not out0 and end < q.prompt_len:  # a fresh request's prefill chunk
+                    last = q.prompt_len - q.prompt_len % bs
+                    assert c0 >= last or (end % bs == 0 and end <= last)  # (past the last boundary: any chunk)
+                if end % bs == 0:
+                    assert eng.pool.is_cached(q.hashes[end // bs - 1] + (2 << 64))
+        if res.events is not None:
+            for ev in res.events.batch().events:
+                if isinstance(ev, BlockStored) and ev.group_idx == 2:
+                    for h in ev.block_hashes:
+                        rid, i = owner[h]
+                        assert ends.get(rid) == (i + 1) * bs
+        assert all(n <= 2 for q in eng.scheduler.running for n in eng.hybrid.held(q)[2:])
+    assert eng.pool.num_active_blocks == 0
+
+
+def test_align_mode_holds_the_state_read_and_the_state_written():
+    # a 2-block hit: the request reads the checkpoint at 8 and writes a new state block; the older one goes before
+    # the next pass, cached (a checkpoint, evictable), so one state block is held while it decodes within a block
+    eng = EngineCore(cfg([FULL, state()], max_num_batched_tokens=64))
+    run_to_end(eng, [req("a", range(9), max_tokens=1)])  # cut at 8: the state there is cached
+    eng.add_request(req("b", range(9), max_tokens=3, arrival_ns=eng.now_ns))
+    res = eng.step(eng.next_pass_start_ns())
+    b = eng._seqs["b"]
+    assert b.record.engine_cached_tokens == 8 and eng.hybrid.held(b)[1] == 2 and res.prefill_tokens == 1
+    eng.step(eng.next_pass_start_ns())
+    assert eng.hybrid.held(b)[1] == 1
