@@ -36,11 +36,11 @@ Per request, ``SeqState.n_alloc`` / ``n_full`` count block positions (the same i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import overload
 
 from workers.blocks import BlockPool, TokenSource
-from workers.config import EngineConfig, KvCacheGroup
+from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
 from workers.sequence import SeqState
 
 __all__ = ["HybridKV", "GroupKeys", "max_blocks", "FULL", "WINDOW", "ONE", "ALIGN", "U64", "SPEC_KIND"]
@@ -83,9 +83,10 @@ class HybridKV:
     """The groups of one engine and every per-request block operation that depends on them."""
 
     __slots__ = ("groups", "block_size", "kinds", "windows", "targets", "n_grow", "n_one", "n_align", "order", "caps",
-                 "meta")
+                 "meta", "cost")
 
-    def __init__(self, groups: list[KvCacheGroup], block_size: int, caching: bool, max_batched: int) -> None:
+    def __init__(self, groups: list[KvCacheGroup], block_size: int, caching: bool, max_batched: int,
+                 specs: Sequence[KvGroupSpec] = ()) -> None:
         self.groups = groups
         self.block_size = bs = block_size
         self.kinds: list[int] = []
@@ -117,6 +118,26 @@ class HybridKV:
         ``align`` state group 2 (vLLM's ``MambaSpec.max_memory_usage_bytes``)."""
         self.meta: list[tuple[str, int | None]] = [(SPEC_KIND[g.kind], g.window) for g in groups]
         """(``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) per group, for KV events."""
+        full = sum(g.layers for g in specs if g.kind == "full_attention")
+        total = sum(g.layers for g in specs)
+        self.cost: tuple[int, list[tuple[int, int]], int] = (
+            (full, [(g.layers, g.window) for g in specs if g.window is not None], total) if total else (1, [], 1))
+        """The model's layers for pass timing (``decode_kv``): (full attention, [(sliding window, W)], all);
+        without ``specs``, every layer counts as full attention."""
+
+    def decode_kv(self, contexts: Iterable[int]) -> int:
+        """The decode KV tokens a pass's attention reads, in tokens of all the model's layers: each request's context
+        counted whole by full-attention layers, up to W by a sliding window's, not at all by state layers (a
+        recurrent layer's cost does not grow with the context); the layer-weighted sum, floored."""
+        full, windows, total = self.cost
+        if full == total:
+            return sum(contexts)
+        n = 0
+        for c in contexts:
+            n += full * c
+            for layers, w in windows:
+                n += layers * (c if c < w else w)
+        return n // total
 
     def keys(self, seq: SeqState, g: int) -> Sequence[int]:
         return seq.hashes if g == 0 else GroupKeys(seq.hashes, g << 64)
@@ -263,6 +284,35 @@ class HybridKV:
                 if new_lo > glo[g]:
                     n += new_lo - glo[g]
         return n
+
+    def skip_ahead(self, glo: list[int], c: int, n_alloc: int, n_full: int, src_cached: bool) -> tuple[int, int]:
+        """What ``skip`` frees before a pass of a request simulated on copies (look-ahead): its ``glo`` (updated in
+        place), ``c`` tokens computed, ``n_alloc`` / ``n_full`` block positions, whether its ``align`` state read is
+        a checkpoint. Returns (blocks that stay cached, blocks freed outright)."""
+        bs = self.block_size
+        cached = uncached = 0
+        for g, kind in enumerate(self.kinds):
+            if kind == ALIGN:
+                new_lo = -(-c // bs) - 1
+                if new_lo > glo[g]:
+                    if glo[g] >= 0:
+                        if src_cached:
+                            cached += 1
+                        else:
+                            uncached += 1
+                    glo[g] = new_lo
+            elif kind == WINDOW:
+                w = self.windows[g]
+                if c - w + 1 > 0:
+                    new_lo = min((c - w + 1) // bs, n_alloc)
+                    lo = glo[g]
+                    if new_lo > lo:
+                        k = min(new_lo, n_full) - lo
+                        k = k if k > 0 else 0
+                        cached += k
+                        uncached += new_lo - lo - k
+                        glo[g] = new_lo
+        return cached, uncached
 
     def promote(self, pool: BlockPool, seq: SeqState, lo: int, hi: int, source: TokenSource,
                 end: int | None = None) -> None:

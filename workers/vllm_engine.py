@@ -54,7 +54,7 @@ from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.pass_events import PassEvents
 from workers.host_tier import HostTier
-from workers.hybrid import WINDOW, HybridKV
+from workers.hybrid import HybridKV
 from workers.admission import RejectReason, RequestRejected
 from workers.request import Request
 from workers.engine_base import RankCore
@@ -100,7 +100,7 @@ class EngineCore(RankCore):
         self._groups_meta: list[tuple[str, int | None]] | None = None
         if groups:
             self.hybrid = self.scheduler.hybrid = HybridKV(groups, bs, cfg.enable_prefix_caching,
-                                                           cfg.max_num_batched_tokens)
+                                                           cfg.max_num_batched_tokens, cfg.kv_groups or ())
             self._groups_meta = self.hybrid.meta
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
@@ -279,7 +279,8 @@ class EngineCore(RankCore):
         pass - mean before it) new tokens, each mean floored (up to b - 1 tokens fewer than the sum).
         Decode part: the requests that sample a token and either sampled one before (decoding, or a preempted
         request whose recomputation catches up in this pass), or compute nothing (a TRT-LLM prompt wholly
-        cached), or are a decode leg's first pass, their context lengths summed.
+        cached), or are a decode leg's first pass, their context lengths summed (hybrid KV groups: layer-weighted,
+        ``HybridKV.decode_kv``).
         """
         entries = sched.entries
         if not sched.decodes and len(entries) == 1:  # the common lone prefill chunk of a fresh request
@@ -288,6 +289,7 @@ class EngineCore(RankCore):
                     return self.timer.pass_ns(n, 0, 0)
         b = ends = starts = decodes = decode_kv = 0
         k = self._spec_k
+        contexts: list[int] | None = [] if self.hybrid is not None else None
         for seq, n in entries.items():
             c = seq.computed
             p = seq.prompt_len
@@ -298,7 +300,12 @@ class EngineCore(RankCore):
             if c + n >= p + seq.n_out and (seq.n_out or not n or not seq.prefilling):
                 decodes += 1
                 # (a speculative decode verifies k drafts after its last token, whatever it accepts)
-                decode_kv += c + 1 + k if k and seq.n_out and not seq.prefilling else c + n
+                ctx = c + 1 + k if k and seq.n_out and not seq.prefilling else c + n
+                decode_kv += ctx
+                if contexts is not None:
+                    contexts.append(ctx)
+        if contexts is not None and self.hybrid is not None:
+            decode_kv = self.hybrid.decode_kv(contexts)
         prefill = b * (ends // b - starts // b) if b else 0
         return self.timer.pass_ns(prefill, decodes, decode_kv)
 
@@ -578,11 +585,10 @@ class EngineCore(RankCore):
         record_times = self._record_times
         n_run = len(running)
         n_grow = hybrid.n_grow
-        kv = sum(seq.computed for seq in running)
         j = 0
         T = s
         while T < t_ns and T < arrival:
-            d = timer.decode_ns(kv + n_run, n_run)
+            d = timer.decode_ns(hybrid.decode_kv([seq.computed + 1 for seq in running]), n_run)
             if T + d > t_ns:
                 break
             avail = pool.free + pool.num_inactive
@@ -617,7 +623,6 @@ class EngineCore(RankCore):
                 rec.output_tokens += 1
                 if record_times:
                     rec.token_times_ns.append(T)
-            kv += n_run
             j += 1
             if pool.log:
                 out.events.append(PassEvents(T, rank, pool.log, bs, self._groups_meta))
@@ -627,14 +632,16 @@ class EngineCore(RankCore):
     def _hybrid_horizon(self, s: int, offset: int, started: int) -> int:
         """``_quiet_horizon`` with hybrid KV cache groups: the passes from ``s`` simulated on copies (each request
         ``offset`` passes on when a pass is in flight) until the first visible one: a store, a completion, an eviction
-        or a preemption, or one starting at/after the next arrival."""
+        or a preemption, or one starting at/after the next arrival; with requests waiting, one that frees, takes or
+        fills a block (a cache change may admit one)."""
         sch = self.scheduler
         running = sch.running
         hybrid = self.hybrid
         assert hybrid is not None
         bs = self._block_size
         caching = self._caching
-        windows = [(g, w) for g, w in enumerate(hybrid.windows) if hybrid.kinds[g] == WINDOW]
+        quiet_only = bool(sch.waiting or sch.incoming)
+        flags = [seq.src_cached for seq in running]
         comp = [seq.computed + offset for seq in running]
         outs = [seq.n_out + offset for seq in running]
         alloc = [seq.n_alloc for seq in running]
@@ -645,29 +652,25 @@ class EngineCore(RankCore):
         evictable = self.pool.num_inactive
         n_run = len(running)
         n_grow = hybrid.n_grow
-        kv = sum(comp)
         floor = started + 1
         T = s
         while True:
             if arrival is not None and T >= arrival:
                 return max(T + 1, floor)
-            d = self.timer.decode_ns(kv + n_run, n_run)
+            d = self.timer.decode_ns(hybrid.decode_kv([c + 1 for c in comp]), n_run)
             evicts = False
             for i, seq in enumerate(running):
                 if outs[i] + 1 >= seq.max_tokens:
-                    return max(T + d, floor)  # a completion
+                    evicts = True  # a completion: at the pass's end, unless a request after it is preempted
                 c = comp[i]
-                glo = glos[i]
-                for g, w in windows:  # the blocks this pass's schedule frees first
-                    if c - w + 1 > 0:
-                        new_lo = min((c - w + 1) // bs, alloc[i])
-                        if new_lo > glo[g]:
-                            cached = min(new_lo, fulls[i]) - glo[g]
-                            cached = cached if cached > 0 else 0
-                            evictable += cached
-                            free += new_lo - glo[g] - cached
-                            glo[g] = new_lo
+                # the blocks this pass's schedule frees first (the state read next: a checkpoint iff c is on a boundary)
+                cached, uncached = hybrid.skip_ahead(glos[i], c, alloc[i], fulls[i], flags[i])
+                flags[i] = c > 0 and not c % bs
+                evictable += cached
+                free += uncached
                 grow = -(-(c + 1) // bs) - alloc[i]
+                if quiet_only and (cached or uncached or grow > 0 or (caching and (c + 1) // bs > fulls[i])):
+                    return max(T + 1, floor)
                 need = n_grow * grow
                 if need > free + evictable:  # a preemption: its duration is not known before it starts
                     return max(T + 1, floor)
@@ -685,7 +688,6 @@ class EngineCore(RankCore):
                 outs[i] += 1
             if evicts:
                 return max(T + d, floor)
-            kv += n_run
             T += d
 
     def _burst_commit(self, j: int, T: int, out: AdvanceResult) -> int:

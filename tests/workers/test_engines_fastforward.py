@@ -358,3 +358,26 @@ def test_lru_and_lineage_evict_the_same_blocks(work):
     lru = stepwise(msgspec.structs.replace(cfg, eviction_policy="lru"), reqs)
     lineage = stepwise(msgspec.structs.replace(cfg, eviction_policy="lineage"), reqs)
     assert lru == lineage
+
+
+def test_hybrid_look_ahead_stops_where_a_freed_block_may_admit_a_waiting_request():
+    # a request waits for blocks while one decodes; the window frees a block before a pass: the look-ahead must not
+    # jump past that pass (found by the explore profile: the waiting request's first token came before the horizon)
+    cfg = EngineConfig(num_gpu_blocks=6, block_size=4, max_num_seqs=2, max_num_batched_tokens=13, kv_groups=[
+        KvGroupSpec(kind="full_attention", layers=1), KvGroupSpec(kind="sliding_window", layers=1, window=3)])
+    z = [0] * 12
+    reqs = [Request(request_id="r0", token_ids=z + [1000], max_tokens=1, arrival_ns=36 * MS),
+            Request(request_id="r1", token_ids=z + [1100], max_tokens=1),
+            Request(request_id="r2", token_ids=z + [1200], max_tokens=1),
+            Request(request_id="r3", token_ids=z + list(range(1300, 1307)), max_tokens=6)]
+    assert event_driven(cfg, reqs)[:4] == stepwise(cfg, reqs)[:4]
+
+
+def test_hybrid_look_ahead_sees_a_preemption_in_a_completing_pass():
+    # r0 completes in the pass that preempts r1, which makes the pass shorter: the look-ahead must not promise
+    # the completion at the end of the pass as if both decoded (found by the explore profile)
+    cfg = EngineConfig(num_gpu_blocks=3, block_size=1, max_num_seqs=2, max_num_batched_tokens=2, kv_groups=[
+        KvGroupSpec(kind="full_attention", layers=1), KvGroupSpec(kind="sliding_window", layers=1, window=2)])
+    reqs = [Request(request_id="r0", token_ids=[1000], max_tokens=2),
+            Request(request_id="r1", token_ids=[1100], max_tokens=2)]
+    assert event_driven(cfg, reqs)[:4] == stepwise(cfg, reqs)[:4]

@@ -450,3 +450,34 @@ def test_align_mode_holds_the_state_read_and_the_state_written():
     assert b.record.engine_cached_tokens == 8 and eng.hybrid.held(b)[1] == 2 and res.prefill_tokens == 1
     eng.step(eng.next_pass_start_ns())
     assert eng.hybrid.held(b)[1] == 1
+
+
+# ------------------------------------------------------------------------------------------------ pass timing
+
+
+def _gaps(eng: EngineCore, prompt: int, out: int) -> list[int]:
+    rec = run_to_end(eng, [req("a", range(prompt), max_tokens=out)])["a"]
+    return [b - a for a, b in zip(rec.token_times_ns, rec.token_times_ns[1:])]
+
+
+def test_decode_timing_counts_each_layers_context():
+    # 2 full-attention + 6 sliding-window layers (window 8), plain pool of 64 blocks of 4 tokens: a decode with
+    # context c reads (2c + 6 min(c, 8)) / 8 tokens' worth; state layers read none
+    hyb = HybridKV([], 4, True, 64, [KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)])
+    assert hyb.decode_kv([4, 8]) == 12  # under the window: the plain sum
+    assert hyb.decode_kv([100, 40]) == (2 * 100 + 6 * 8 + 2 * 40 + 6 * 8) // 8
+    hyb = HybridKV([], 4, True, 64, [KvGroupSpec(kind="full_attention", layers=1), swa(8, 1), state()])
+    assert hyb.decode_kv([30]) == (30 + 8) // 6  # (4 state layers)
+
+
+def test_a_window_model_decodes_as_the_plain_one_within_its_window_and_faster_beyond():
+    plain = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    groups = [KvGroupSpec(kind="full_attention", layers=2), swa(64, 6)]
+    wide = EngineCore(cfg(groups))
+    assert _gaps(wide, 20, 12) == _gaps(plain, 20, 12)  # every context under 64 tokens
+    narrow = EngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)]))
+    got = _gaps(narrow, 100, 12)
+    timer = plain.timer
+    assert got == [timer.decode_ns((2 * c + 6 * 8) // 8, 1) for c in range(101, 112)]  # context: computed + 1
+    assert sum(got) < sum(_gaps(EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)),
+                                100, 12))
