@@ -11,7 +11,7 @@ from kvemu.kv_events import BlockStored
 from kvemu.wire.codec import decode_batch, encode_batch, profile_for
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
-from workers.hybrid import HybridKV, max_blocks
+from workers.hybrid import SPEC_KIND, HybridKV, max_blocks
 from workers.request import Request
 from workers.sequence import SeqState
 from workers.vllm_engine import EngineCore
@@ -240,6 +240,8 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
     eng = EngineCore(cfg(groups, num_gpu_blocks=24, max_num_batched_tokens=16))
     core = RoutingCore(block_size=4)
     wire = RoutingCore(block_size=4)
+    old = RoutingCore(block_size=4)  # vLLM 0.20 bytes (group_idx, no kind): the kinds from the engine's config
+    kinds = [(SPEC_KIND[g.kind], g.window) for g in eng.config.kv_cache_groups]
     prefixes = [list(range(p * 100, p * 100 + rng.randint(4, 40))) for p in range(3)]
     prompts = [rng.choice(prefixes) + [1000 + i] * rng.randint(1, 8) for i in range(30)]
     reqs = [req(f"r{i}", p, max_tokens=rng.randint(1, 6), arrival_ns=i * 20_000_000) for i, p in enumerate(prompts)]
@@ -253,6 +255,11 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
                 converted = convert_event(ev, worker_id=1, dp_rank=0, block_size=4)
                 assert converted is not None
                 wire.apply_event(converted)
+            for ev in decode_batch(encode_batch(batch.batch(), profile_for("0.20"))).events:
+                assert getattr(ev, "kv_cache_spec_kind", None) is None
+                converted = convert_event(ev, worker_id=1, dp_rank=0, block_size=4, groups=kinds)
+                assert converted is not None
+                old.apply_event(converted)
     assert eng.pool.log == [] and eng.pool.num_inactive
     hits = 0
     for p in prefixes + prompts:
@@ -265,6 +272,7 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
         seen = core.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0)
         assert seen == hit, (p, seen, hit)
         assert wire.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0) == hit
+        assert old.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0) == hit
         hits += hit
     assert hits
 
@@ -481,3 +489,50 @@ def test_a_window_model_decodes_as_the_plain_one_within_its_window_and_faster_be
     assert got == [timer.decode_ns((2 * c + 6 * 8) // 8, 1) for c in range(101, 112)]  # context: computed + 1
     assert sum(got) < sum(_gaps(EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)),
                                 100, 12))
+
+
+def test_the_router_takes_group_kinds_from_the_registration_when_events_name_none():
+    # vLLM 0.20 bytes name no group kind: a hybrid worker announces its groups when it registers (from its engine
+    # config), so the router's intake judges every group; the sliding window's blocks, freed and evicted, then
+    # stop the hit where the engine stops it
+    from kvemu.config import RouterConfig
+    from kvemu.hashing import local_block_hashes
+    from kvemu.messages import Register
+    from kvemu.registry import WorkerSpec
+    from kvemu.routing_core import PreparedRequest, RoutingCore
+    from kvemu.runtime.kv_ingest import KvIngest
+
+    eng = EngineCore(cfg([FULL, swa(6)], num_gpu_blocks=24, max_num_batched_tokens=16))
+    kinds = [(SPEC_KIND[g.kind], g.window) for g in eng.config.kv_cache_groups]
+    cores = {}
+    for name, groups in (("told", kinds), ("blind", [])):
+        core = cores[name] = RoutingCore(block_size=4)
+        core.add_worker(WorkerSpec(worker_id=1, block_size=4))
+        ingest = KvIngest(core, replay_on_connect=False)
+        ingest.add_worker(Register(worker_id=1, block_size=4, kv_groups=groups))
+        assert ingest.streams[(1, 0)].groups == (groups or None)
+        cores[name] = (core, ingest)
+    reqs = [req(f"r{i}", list(range(i % 3 * 100, i % 3 * 100 + 30)) + [1000 + i], max_tokens=3,
+                arrival_ns=i * 20_000_000) for i in range(12)]
+    reqs += [req(f"f{i}", range(5000 + 100 * i, 5000 + 100 * i + 20), max_tokens=2, arrival_ns=(12 + i) * 20_000_000)
+             for i in range(4)]  # later prompts evict the oldest released blocks: the windows' first
+    for r in reqs:
+        eng.add_request(r)
+    seq_no = 0
+    while (t := eng.next_event_ns()) is not None:
+        for batch in eng.advance_to(t).events:
+            payload = encode_batch(batch.batch(), profile_for("0.20"))
+            for core, ingest in cores.values():
+                ingest.intake(1, 0, seq_no, payload)
+            seq_no += 1
+    differ = 0
+    for p in [list(range(k * 100, k * 100 + 30)) + [7] for k in range(3)]:
+        seq = _seq(0)
+        seq.prompt, seq.prompt_len, seq.hashes, seq.block_locals = p, len(p), [], []
+        hit = eng.hybrid.lookup(eng.pool, seq, (len(p) - 1) // 4)[0]
+        local = local_block_hashes(p, 4)[: (len(p) - 1) // 4]
+        told, blind = (c.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0)
+                       for c, _ in cores.values())
+        assert told == hit and blind >= hit
+        differ += blind != hit
+    assert differ  # without the kinds the router scores blocks the window no longer holds
