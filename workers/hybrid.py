@@ -82,13 +82,14 @@ class GroupKeys(Sequence[int]):
 class HybridKV:
     """The groups of one engine and every per-request block operation that depends on them."""
 
-    __slots__ = ("groups", "block_size", "kinds", "windows", "targets", "n_grow", "n_one", "n_align", "order", "caps",
-                 "meta", "cost")
+    __slots__ = ("groups", "block_size", "caching", "kinds", "windows", "targets", "n_grow", "n_one", "n_align", "order",
+                 "caps", "meta", "cost")
 
     def __init__(self, groups: list[KvCacheGroup], block_size: int, caching: bool, max_batched: int,
                  specs: Sequence[KvGroupSpec] = ()) -> None:
         self.groups = groups
         self.block_size = bs = block_size
+        self.caching = caching
         self.kinds: list[int] = []
         self.windows: list[int] = []
         for g in groups:
@@ -224,6 +225,63 @@ class HybridKV:
             if hit > lo:
                 pool.take_hits(self.keys(seq, g)[lo:hit], hit - lo)
         seq.src_cached = True  # (an align group's state read: the checkpoint at the hit point)
+
+    # ----------------------------------------------------------- decode legs
+
+    def land(self, pool: BlockPool, seq: SeqState, prompt: int, take: bool, missing_only: bool = False
+             ) -> tuple[int, int, int, int]:
+        """A decode leg's prompt KV lands here: per group what it still holds, full attention every block, a sliding
+        window the blocks its first pass (computing position ``prompt - 1``) reads, a state group the running state's.
+        Cached blocks count where every full-attention group has the leading run, up to the first block a window
+        holds (so a window's blocks are all carried). Returns (cached blocks, blocks to allocate, inactive cached
+        blocks taken, tokens the transfer moves: per layer, full attention the prompt (``missing_only``: the blocks
+        not cached here), a window what it holds, a state layer one page; their mean over the model's layers); with
+        ``take`` it also takes the cached blocks and sets ``seq.glo`` (``seq`` holding nothing)."""
+        bs = self.block_size
+        whole = -(-prompt // bs)
+        seq.ensure_hashes(prompt // bs)
+        los = [0 if k != WINDOW else min(whole, (prompt - w) // bs if prompt > w else 0)
+               for k, w in zip(self.kinds, self.windows)]
+        hit = min([lo for k, lo in zip(self.kinds, los) if k == WINDOW] + [prompt // bs])
+        cached = pool.cached if self.caching else None
+        for g, kind in enumerate(self.kinds):
+            if kind == FULL and hit:
+                run = 0
+                if cached is not None:
+                    keys = self.keys(seq, g)
+                    while run < hit and keys[run] in cached:
+                        run += 1
+                hit = run
+        if not any(k == FULL for k in self.kinds) or cached is None:
+            hit = 0
+        need = inactive = 0
+        full, windows, total = self.cost
+        for g, kind in enumerate(self.kinds):
+            if kind == FULL:
+                need += whole - hit
+                if hit and cached is not None:
+                    inactive += sum(1 for k in self.keys(seq, g)[:hit] if cached[k] < 0)
+            elif kind == WINDOW:
+                need += whole - los[g]
+            else:
+                need += 1
+        if take:
+            self.start(seq)
+            glo = seq.glo
+            assert glo is not None
+            for g, kind in enumerate(self.kinds):
+                if kind == FULL and hit:
+                    pool.take_hits(self.keys(seq, g), hit)
+                elif kind == WINDOW:
+                    glo[g] = los[g]
+                elif kind == ALIGN:
+                    glo[g] = whole - 1
+        state = total - full - sum(n for n, _ in windows)
+        weighted = full * ((whole - hit) * bs if missing_only else prompt) + state * bs
+        for layers, w in windows:
+            lo = min(whole, (prompt - w) // bs if prompt > w else 0)
+            weighted += layers * ((whole - lo) * bs if missing_only else prompt - lo * bs)
+        return hit, need, inactive, weighted // total
 
     # ----------------------------------------------------------------- blocks
 

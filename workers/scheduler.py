@@ -251,26 +251,35 @@ class Scheduler:
         pool = self.pool
         bs = self.block_size
         transfers = self.transfers
+        hybrid = self.hybrid
         while incoming and len(self.running) + len(transfers) < self.max_num_seqs:
             seq = incoming[0]
+            xfer = seq.req.kv_transfer
+            assert xfer is not None
             whole = -(-seq.prompt_len // bs)
             full = seq.prompt_len // bs
-            hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(full), full) if self.prefix_caching else (0, 0)
-            need = whole - hits
+            carried = 0
+            if hybrid is not None:  # per group what it still holds (workers.hybrid)
+                hits, need, inactive_hits, carried = hybrid.land(pool, seq, seq.prompt_len, False,
+                                                                 xfer.mode != "full_prompt")
+            else:
+                hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(full), full) if self.prefix_caching else (0, 0)
+                need = whole - hits
             if need > pool.available - inactive_hits:
                 break  # the head waits for room; nothing overtakes it
             if self.reserve and (-(-(seq.prompt_len + seq.max_tokens) // bs) - (hits - inactive_hits)
                                  > pool.available - self._reserved_blocks()):
                 break  # TRT-LLM: its whole KV must be reservable too
             incoming.popleft()
-            if hits:
+            if hybrid is not None:
+                hybrid.land(pool, seq, seq.prompt_len, True)
+            elif hits:
                 pool.take_hits(seq.hashes, hits)
             pool.allocate(need)
             seq.n_full = hits
             seq.n_alloc = whole
-            xfer = seq.req.kv_transfer
-            assert xfer is not None
-            ready = now_ns + transfer_delay_ns(xfer, transfer_tokens(xfer.mode, seq.prompt_len, need, bs))
+            tokens = carried if hybrid is not None else transfer_tokens(xfer.mode, seq.prompt_len, need, bs)
+            ready = now_ns + transfer_delay_ns(xfer, tokens)
             seq.record.kv_reserved_ns = now_ns
             heapq.heappush(transfers, (ready, seq.record.arrival_ns, seq.order, seq))
             sched.reserved += 1
@@ -278,7 +287,11 @@ class Scheduler:
             seq = heapq.heappop(transfers)[3]
             full = seq.prompt_len // bs
             if self.prefix_caching and full > seq.n_full:  # the prompt's KV is here now: its full blocks are cached
-                pool.promote(seq.ensure_hashes(full), seq.n_full, full, seq)
+                if self.hybrid is not None:
+                    seq.ensure_hashes(full)
+                    self.hybrid.promote(pool, seq, seq.n_full, full, seq, seq.prompt_len)
+                else:
+                    pool.promote(seq.ensure_hashes(full), seq.n_full, full, seq)
                 seq.n_full = full
             seq.computed = seq.prompt_len - 1  # the next pass computes the last prompt position: token 1
             seq.prefilling = False

@@ -55,7 +55,6 @@ from workers.config import EngineConfig
 from workers.pass_events import PassEvents
 from workers.host_tier import HostTier
 from workers.hybrid import HybridKV
-from workers.admission import RejectReason, RequestRejected
 from workers.request import Request
 from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
@@ -167,9 +166,6 @@ class EngineCore(RankCore):
     # ------------------------------------------------------------- admission
 
     def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
-        if self.hybrid is not None and req.kv_transfer is not None:
-            raise RequestRejected(RejectReason.MALFORMED, "kv_transfer: a decode leg cannot land on an engine with "
-                                  "kv_groups yet (hybrid KV transfers are not modelled)", field="kv_transfer")
         return SeqState(req, record, self._block_size, self._order)
 
     def _enqueue(self, seq: SeqState) -> None:

@@ -103,8 +103,7 @@ def workloads(draw, hybrid: float = 0.0):
                 arrival_ns=draw(st.integers(0, 40)) * 3 * MS,
                 priority=draw(st.sampled_from([0, 0, 1])),
                 output_token_ids=[5] * max_tokens if shared_outputs else None,
-                kv_transfer=None if backend == "sglang" or cfg.kv_groups
-                else draw(st.sampled_from([None, None, None, *TRANSFERS])),
+                kv_transfer=None if backend == "sglang" else draw(st.sampled_from([None, None, None, *TRANSFERS])),
             )
         )
     checkpoints = sorted(draw(st.lists(st.integers(0, 300 * MS), max_size=6)))

@@ -332,13 +332,42 @@ def test_preemption_gives_back_every_groups_blocks():
     assert eng.pool.num_active_blocks == 0 and eng.group_usage() == [(g.kind, g.window, 0) for g in eng.hybrid.groups]
 
 
-def test_a_decode_pool_cannot_run_kv_groups():
+def test_a_decode_pool_may_run_the_prefill_pools_kv_groups():
     from harness.scenario.loading import ScenarioError, parse_scenario
     groups = "kv_groups: [{kind: full_attention, layers: 8}, {kind: sliding_window, layers: 24, window: 128}]"
-    text = f"cluster:\n  prefill: {{workers: 1, engine: {{{groups}}}}}\n  decode: {{workers: 1{{}}}}\n"
-    assert parse_scenario(text.replace("{}", "")).cluster.prefill.engine.kv_groups
-    with pytest.raises(ScenarioError, match="decode pool"):
-        parse_scenario(text.replace("{}", f", engine: {{{groups}}}"))
+    text = f"cluster:\n  prefill: {{workers: 1, engine: {{{groups}}}}}\n  decode: {{workers: 1, engine: {{{groups}}}}}\n"
+    assert len(parse_scenario(text).cluster.decode.engine.config(1).kv_cache_groups) == 4
+    with pytest.raises(ScenarioError, match="same model"):  # a decode leg lands the groups its prefill leg computed
+        parse_scenario(text.replace("window: 128}]}}\n  decode", "window: 64}]}}\n  decode"))
+
+
+@pytest.mark.parametrize("mode", ["full_prompt", "destination_missing"])
+def test_a_decode_leg_lands_what_each_group_still_holds(mode):
+    # 1 full-attention + 1 sliding-window (window 6) + 2 state layers, 30-token prompt in blocks of 4: full
+    # attention carries all 8 blocks, the window the blocks its first pass reads (from (30 - 6) // 4 = 6), the
+    # state its running block; the transfer moves, per layer, the prompt, the window's 6 tokens, one 4-token page
+    from kvemu.transfer import KvTransfer
+    groups = [KvGroupSpec(kind="full_attention", layers=1), swa(6, 1), KvGroupSpec(kind="state", layers=2)]
+    eng = EngineCore(cfg(groups, num_gpu_blocks=40))
+    xfer = KvTransfer(source_worker_id=9, bandwidth_gbps=1e-3, bytes_per_token=300, mode=mode)
+    r = Request(request_id="leg", token_ids=list(range(30)), max_tokens=3, kv_transfer=xfer)
+    eng.add_request(r)
+    eng.step(0)
+    seq = eng._seqs["leg"]
+    assert eng.hybrid.held(seq) == [8, 2, 1, 1]  # (2 state groups of 1 layer; align mode: one block each)
+    tokens = (1 * (30 if mode == "full_prompt" else 32) + 1 * (6 if mode == "full_prompt" else 8) + 2 * 4) // 4
+    ready = eng.scheduler.transfers[0][0]
+    assert ready == round(tokens * 300 / 1e-3)
+    done = run_to_end(eng, [])
+    assert done["leg"].output_tokens == 3 and eng.pool.num_active_blocks == 0
+    # its prompt's full blocks were cached on arrival: a second leg of the same prompt finds full attention's
+    # blocks up to the window's first block here
+    eng.add_request(Request(request_id="again", token_ids=list(range(30)), max_tokens=2, kv_transfer=xfer,
+                            arrival_ns=eng.now_ns))
+    eng.step(eng.next_pass_start_ns())
+    again = eng._seqs["again"]
+    assert again.n_full == 6 and eng.hybrid.held(again) == [8, 2, 1, 1]
+    assert run_to_end(eng, [])["again"].output_tokens == 2
 
 
 @pytest.mark.parametrize("version, as_bytes", [("0.20", True), ("0.21", True), ("0.22", False), ("0.33", False)])
