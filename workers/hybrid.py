@@ -30,6 +30,9 @@ attention group accepts its leading run of cached blocks; a sliding-window (or s
 ``ceil((W - 1) / block_size)`` blocks right before the hit point cached (searched right to left; a shorter run
 from block 0 also counts); the lookup repeats with the shrunk length until no group shrinks it.
 
+Pass timing (``decode_kv``): a decode's context counts whole in full-attention layers, up to W in a window's, not
+in state layers. A disaggregated decode leg lands per group what the request still holds (``land``).
+
 Per request, ``SeqState.n_alloc`` / ``n_full`` count block positions (the same in every group that grows) and
 ``SeqState.glo[g]`` is the first position group ``g`` still holds (0 for full attention).
 """
@@ -233,7 +236,7 @@ class HybridKV:
         """A decode leg's prompt KV lands here: per group what it still holds, full attention every block, a sliding
         window the blocks its first pass (computing position ``prompt - 1``) reads, a state group the running state's.
         Cached blocks count where every full-attention group has the leading run, up to the first block a window
-        holds (so a window's blocks are all carried). Returns (cached blocks, blocks to allocate, inactive cached
+        holds (so a window's blocks are all carried) and before an ``align`` group's block. Returns (cached blocks, blocks to allocate, inactive cached
         blocks taken, tokens the transfer moves: per layer, full attention the prompt (``missing_only``: the blocks
         not cached here), a window what it holds, a state layer one page; their mean over the model's layers); with
         ``take`` it also takes the cached blocks and sets ``seq.glo`` (``seq`` holding nothing)."""
@@ -242,7 +245,9 @@ class HybridKV:
         seq.ensure_hashes(prompt // bs)
         los = [0 if k != WINDOW else min(whole, (prompt - w) // bs if prompt > w else 0)
                for k, w in zip(self.kinds, self.windows)]
-        hit = min([lo for k, lo in zip(self.kinds, los) if k == WINDOW] + [prompt // bs])
+        # (an align state group's running block is a checkpoint iff n_full reaches it: it lands uncached, so the hit
+        # stops before it)
+        hit = min([lo for k, lo in zip(self.kinds, los) if k == WINDOW] + [whole - 1 if self.n_align else prompt // bs])
         cached = pool.cached if self.caching else None
         for g, kind in enumerate(self.kinds):
             if kind == FULL and hit:

@@ -380,3 +380,15 @@ def test_hybrid_look_ahead_sees_a_preemption_in_a_completing_pass():
     reqs = [Request(request_id="r0", token_ids=[1000], max_tokens=2),
             Request(request_id="r1", token_ids=[1100], max_tokens=2)]
     assert event_driven(cfg, reqs)[:4] == stepwise(cfg, reqs)[:4]
+
+
+def test_a_decode_leg_lands_an_align_state_block_uncached_even_when_its_prompt_is_cached():
+    # the whole 1-block prompt is cached here (r0 computed it); the leg's align state block lands uncached, so its
+    # cached prefix stops before that block (found by the explore profile: the engine's holdings lost count)
+    cfg = EngineConfig(num_gpu_blocks=3, block_size=1, max_num_seqs=1, max_num_batched_tokens=1,
+                       enable_chunked_prefill=False, kv_groups=[KvGroupSpec(kind="full_attention", layers=1),
+                                                                KvGroupSpec(kind="state", layers=1)])
+    reqs = [Request(request_id="r0", token_ids=[1], max_tokens=1),
+            Request(request_id="r1", token_ids=[1], max_tokens=1, arrival_ns=3 * MS, kv_transfer=TRANSFERS[0])]
+    ref = stepwise(cfg, reqs)
+    assert event_driven(cfg, reqs)[:4] == ref[:4]
