@@ -127,6 +127,10 @@ class Register(msgspec.Struct, **_OPTS):
     kv_endpoints: list[str] = []
     """One KV-event endpoint per rank (live mode); empty when events travel in ``KvBatch`` messages."""
     kv_replay_endpoints: list[str] = []
+    kv_groups: list[tuple[str, int | None]] = []
+    """A hybrid engine's KV cache groups by ``group_idx``: (``kv_cache_spec_kind``, sliding window), from its engine
+    config; the router judges by them the events that do not name their group's kind (vLLM 0.20/0.21). Empty:
+    one group, or not known."""
 
 
 class RegisterAck(msgspec.Struct, **_OPTS):

@@ -174,6 +174,10 @@ class KvGroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """How many layers of this kind the model has (vLLM groups them as in ``KvCacheGroup``)."""
     window: Annotated[int, Meta(ge=2, le=1 << 40)] | None = None
     """``sliding_window`` only: the window in tokens (vLLM's ``sliding_window``)."""
+    cache_mode: Literal["align", "all"] | None = None
+    """``state`` only, with prefix caching: which states vLLM caches (``mamba_cache_mode``). ``align`` (the default;
+    the only mode of vLLM 0.34, also in 0.15 to ~0.30): only where a scheduler step ends on a block boundary, with
+    block-aligned prefill chunks; ``all`` (0.12, and 0.15 to ~0.30 for models that support it): after every block."""
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -182,6 +186,16 @@ class KvGroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"kv_groups: kind {self.kind!r} " + ("needs a window (tokens)" if self.window is None
                                                      else "takes no window; only sliding_window does"),
                 field="kv_groups.window")
+        if self.cache_mode is not None and self.kind != "state":
+            raise InvalidArgument(f"kv_groups: kind {self.kind!r} takes no cache_mode; only state does",
+                                  field="kv_groups.cache_mode")
+
+    @property
+    def mode(self) -> str | None:
+        """The state cache mode in force (``align`` unless ``all`` is given); None for attention kinds."""
+        if self.kind != "state":
+            return None
+        return self.cache_mode or "align"
 
 
 class KvCacheGroup(msgspec.Struct, frozen=True):
@@ -192,6 +206,8 @@ class KvCacheGroup(msgspec.Struct, frozen=True):
     window: int | None
     layers: int
     """Layers of the model in this group (the last group of a kind may be padded up to ``group_size``)."""
+    cache_mode: str | None = None
+    """``state`` groups: ``align`` or ``all`` (``KvGroupSpec.cache_mode``; None is ``align``)."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -275,6 +291,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.native_host_offload is not None:
             raise InvalidArgument("kv_groups: not supported with native_host_offload yet; remove one of them",
                                   field="kv_groups")
+        bs = self.block_size if self.block_size is not None else DEFAULT_BLOCK_SIZE[self.backend]
+        if self.enable_prefix_caching and any(g.mode == "align" for g in groups) and self.max_num_batched_tokens < bs:
+            raise InvalidArgument(
+                f"kv_groups: a state group in cache_mode align computes prefill chunks of whole blocks, so "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({bs}); raise it, "
+                "or use cache_mode all", field="max_num_batched_tokens")
         windowed = any(g.kind == "sliding_window" or (g.kind == "state" and self.enable_prefix_caching) for g in groups)
         if self.eviction_policy == "lineage" and windowed:
             raise InvalidArgument(
@@ -295,12 +317,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return []
         if len(specs) == 1:
             g = specs[0]
-            return [KvCacheGroup(g.kind, g.window, g.layers)]
+            return [KvCacheGroup(g.kind, g.window, g.layers, g.mode)]
         size = self.kv_group_size
         out: list[KvCacheGroup] = []
         for g in specs:
             for _ in range(-(-g.layers // size)):
-                out.append(KvCacheGroup(g.kind, g.window, size))
+                out.append(KvCacheGroup(g.kind, g.window, size, g.mode))
         return out
 
     @property

@@ -22,6 +22,8 @@ pass whose decode part counts its prompt.
 Hybrid KV cache groups (``kv_groups``; ``workers.hybrid``): a request's block need is summed over the groups,
 each sliding-window group first freeing the blocks that left its window (vLLM's ``allocate_slots`` order), a
 prefix hit is the length every group accepts, and the admission gate counts each group's most blocks at once.
+With a Mamba ``align`` state group a fresh request's prefill chunks are whole blocks, cut at the prompt's last
+block boundary (``HybridKV.chunk``); a request whose chunk rounds to nothing is not scheduled in that pass.
 
 Disaggregated decode legs (requests whose prompt KV comes from a prefill rank) do not queue with the
 others: at each pass boundary the first of them that arrived reserves blocks for its prompt (less what is
@@ -202,6 +204,10 @@ class Scheduler:
                 n = seq.prompt_len + seq.n_out - seq.computed
                 if n > budget:
                     n = budget
+                if hybrid is not None and not seq.n_out:
+                    n = hybrid.chunk(seq, seq.computed, n)  # (an align state group: block-aligned chunks)
+                    if not n:
+                        continue
                 spent = n
                 if spec is not None and decoding and seq.n_out:  # it verifies drafts: 1 + accepted tokens
                     n = spec.next()
@@ -245,26 +251,35 @@ class Scheduler:
         pool = self.pool
         bs = self.block_size
         transfers = self.transfers
+        hybrid = self.hybrid
         while incoming and len(self.running) + len(transfers) < self.max_num_seqs:
             seq = incoming[0]
+            xfer = seq.req.kv_transfer
+            assert xfer is not None
             whole = -(-seq.prompt_len // bs)
             full = seq.prompt_len // bs
-            hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(full), full) if self.prefix_caching else (0, 0)
-            need = whole - hits
+            carried = 0
+            if hybrid is not None:  # per group what it still holds (workers.hybrid)
+                hits, need, inactive_hits, carried = hybrid.land(pool, seq, seq.prompt_len, False,
+                                                                 xfer.mode != "full_prompt")
+            else:
+                hits, inactive_hits = pool.match_prefix(seq.ensure_hashes(full), full) if self.prefix_caching else (0, 0)
+                need = whole - hits
             if need > pool.available - inactive_hits:
                 break  # the head waits for room; nothing overtakes it
             if self.reserve and (-(-(seq.prompt_len + seq.max_tokens) // bs) - (hits - inactive_hits)
                                  > pool.available - self._reserved_blocks()):
                 break  # TRT-LLM: its whole KV must be reservable too
             incoming.popleft()
-            if hits:
+            if hybrid is not None:
+                hybrid.land(pool, seq, seq.prompt_len, True)
+            elif hits:
                 pool.take_hits(seq.hashes, hits)
             pool.allocate(need)
             seq.n_full = hits
             seq.n_alloc = whole
-            xfer = seq.req.kv_transfer
-            assert xfer is not None
-            ready = now_ns + transfer_delay_ns(xfer, transfer_tokens(xfer.mode, seq.prompt_len, need, bs))
+            tokens = carried if hybrid is not None else transfer_tokens(xfer.mode, seq.prompt_len, need, bs)
+            ready = now_ns + transfer_delay_ns(xfer, tokens)
             seq.record.kv_reserved_ns = now_ns
             heapq.heappush(transfers, (ready, seq.record.arrival_ns, seq.order, seq))
             sched.reserved += 1
@@ -272,7 +287,11 @@ class Scheduler:
             seq = heapq.heappop(transfers)[3]
             full = seq.prompt_len // bs
             if self.prefix_caching and full > seq.n_full:  # the prompt's KV is here now: its full blocks are cached
-                pool.promote(seq.ensure_hashes(full), seq.n_full, full, seq)
+                if self.hybrid is not None:
+                    seq.ensure_hashes(full)
+                    self.hybrid.promote(pool, seq, seq.n_full, full, seq, seq.prompt_len)
+                else:
+                    pool.promote(seq.ensure_hashes(full), seq.n_full, full, seq)
                 seq.n_full = full
             seq.computed = seq.prompt_len - 1  # the next pass computes the last prompt position: token 1
             seq.prefilling = False
@@ -315,7 +334,7 @@ class Scheduler:
         if nf > seq.n_full:
             if self.hybrid is not None:
                 seq.ensure_hashes(nf)
-                self.hybrid.promote(self.pool, seq, seq.n_full, nf, seq)
+                self.hybrid.promote(self.pool, seq, seq.n_full, nf, seq, upto)
             else:
                 self.pool.promote(seq.ensure_hashes(nf), seq.n_full, nf, seq)
             seq.n_full = nf
@@ -402,6 +421,11 @@ class Scheduler:
                 if not self.chunked_prefill:
                     break
                 n = budget
+            if hybrid is not None and not seq.n_out:
+                n = hybrid.chunk(seq, cached, n)  # (an align state group: block-aligned chunks)
+                if not n:
+                    blocked = True
+                    break
             owned = hits if loaded is None else seq.n_alloc  # blocks it will hold before this chunk's
             need = -(-(cached + n) // bs) - owned
             whole = -(-total // bs)

@@ -64,6 +64,7 @@ class SeqState:
         "host_load",
         "host_stored",
         "glo",
+        "src_cached",
         "_out_ids",
         "_out_base",
     )
@@ -106,6 +107,8 @@ class SeqState:
         """Host offload: the prompt blocks before this index were offered to the host tier (vLLM's store cursor)."""
         self.glo: list[int] | None = None
         """Hybrid KV groups (``workers.hybrid``): the first block position each group still holds; None: off."""
+        self.src_cached = False
+        """Hybrid KV, Mamba ``align`` state groups: whether the older of the two state blocks held is a checkpoint."""
         self._out_ids = req.output_token_ids
         # below 2**31, so base + i stays a valid u32 token id for any output length that fits a pool
         self._out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), 0) & 0x7FFFFFFF

@@ -53,7 +53,6 @@ from workers.config import EngineConfig
 from workers.pass_events import PassEvents
 from workers.host_tier import HostTier
 from workers.hybrid import HybridKV
-from workers.admission import RejectReason, RequestRejected
 from workers.request import Request
 from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
@@ -99,7 +98,7 @@ class EngineCore(RankCore):
         self._groups_meta: list[tuple[str, int | None]] | None = None
         if groups:
             self.hybrid = self.scheduler.hybrid = HybridKV(groups, bs, cfg.enable_prefix_caching,
-                                                           cfg.max_num_batched_tokens)
+                                                           cfg.max_num_batched_tokens, cfg.kv_groups or ())
             self._groups_meta = self.hybrid.meta
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
@@ -114,6 +113,8 @@ class EngineCore(RankCore):
         self._releasing: list[SeqState] = []  # held KV released while a pass is in flight: freed at its end
         self._steady = False
         self._dropped = 0  # requests aborted out of a queue
+        self.run_passes = 0
+        """Passes committed by decode runs as a whole rather than scheduled one by one (the fast path's share)."""
         self.fast = FastForward(self.scheduler, self.pool, self.timer, self.spec, self.hybrid, rank=self.dp_rank,
                                 record_times=self._record_times, groups_meta=self._groups_meta)
         """Decode runs and look-ahead (``workers.vllm_fast_forward``)."""
@@ -169,9 +170,6 @@ class EngineCore(RankCore):
     # ------------------------------------------------------------- admission
 
     def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
-        if self.hybrid is not None and req.kv_transfer is not None:
-            raise RequestRejected(RejectReason.MALFORMED, "kv_transfer: a decode leg cannot land on an engine with "
-                                  "kv_groups yet (hybrid KV transfers are not modelled)", field="kv_transfer")
         return SeqState(req, record, self._block_size, self._order)
 
     def _enqueue(self, seq: SeqState) -> None:
@@ -293,7 +291,8 @@ class EngineCore(RankCore):
         pass - mean before it) new tokens, each mean floored (up to b - 1 tokens fewer than the sum).
         Decode part: the requests that sample a token and either sampled one before (decoding, or a preempted
         request whose recomputation catches up in this pass), or compute nothing (a TRT-LLM prompt wholly
-        cached), or are a decode leg's first pass, their context lengths summed.
+        cached), or are a decode leg's first pass, their context lengths summed (hybrid KV groups: layer-weighted,
+        ``HybridKV.decode_kv``).
         """
         entries = sched.entries
         if not sched.decodes and len(entries) == 1:  # the common lone prefill chunk of a fresh request
@@ -302,6 +301,7 @@ class EngineCore(RankCore):
                     return self.timer.pass_ns(n, 0, 0)
         b = ends = starts = decodes = decode_kv = 0
         k = self._spec_k
+        contexts: list[int] | None = [] if self.hybrid is not None else None
         for seq, n in entries.items():
             c = seq.computed
             p = seq.prompt_len
@@ -312,7 +312,12 @@ class EngineCore(RankCore):
             if c + n >= p + seq.n_out and (seq.n_out or not n or not seq.prefilling):
                 decodes += 1
                 # (a speculative decode verifies k drafts after its last token, whatever it accepts)
-                decode_kv += c + 1 + k if k and seq.n_out and not seq.prefilling else c + n
+                ctx = c + 1 + k if k and seq.n_out and not seq.prefilling else c + n
+                decode_kv += ctx
+                if contexts is not None:
+                    contexts.append(ctx)
+        if contexts is not None and self.hybrid is not None:
+            decode_kv = self.hybrid.decode_kv(contexts)
         prefill = b * (ends // b - starts // b) if b else 0
         return self.timer.pass_ns(prefill, decodes, decode_kv)
 
@@ -385,6 +390,18 @@ class EngineCore(RankCore):
         )
         self._report(p.start, end, out, res, admitted=sched.admitted, preempted=sched.preempted, first=first,
                      completed=completed, sampled=sampled, events=events, pulled=sched.activated)
+
+    # --------------------------------------------------------- fast-forward
+
+    def _decode_run(self, s: int, t_ns: int, out: AdvanceResult) -> int:
+        """Commit a run of pure decode passes from ``s`` (``FastForward.run``); returns how many it committed."""
+        j, T = self.fast.run(s, t_ns, out)
+        if j:
+            self._free_at = T
+            self.passes += j
+            self.run_passes += j
+            out.passes += j
+        return j
 
     # ------------------------------------------------------------- horizon
 

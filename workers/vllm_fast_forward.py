@@ -12,7 +12,7 @@ from bisect import bisect_left, bisect_right
 
 from kvemu.clock import MAX_TIME_NS
 from workers.blocks import BlockPool
-from workers.hybrid import WINDOW, HybridKV
+from workers.hybrid import HybridKV
 from workers.pass_events import PassEvents
 from workers.results import AdvanceResult
 from workers.scheduler import Scheduler
@@ -250,11 +250,10 @@ class FastForward:
         record_times = self.record_times
         n_run = len(running)
         n_grow = hybrid.n_grow
-        kv = sum(seq.computed for seq in running)
         j = 0
         T = s
         while T < t_ns and T < arrival:
-            d = self.timer.decode_ns(kv + n_run, n_run)
+            d = self.timer.decode_ns(hybrid.decode_kv([seq.computed + 1 for seq in running]), n_run)
             if T + d > t_ns:
                 break
             avail = pool.free + pool.num_inactive
@@ -289,7 +288,6 @@ class FastForward:
                 rec.output_tokens += 1
                 if record_times:
                     rec.token_times_ns.append(T)
-            kv += n_run
             j += 1
             if pool.log:
                 out.events.append(PassEvents(T, self.rank, pool.log, bs, self.groups_meta))
@@ -299,14 +297,16 @@ class FastForward:
     def _hybrid_horizon(self, s: int, offset: int, started: int) -> int:
         """``_quiet_horizon`` with hybrid KV cache groups: the passes from ``s`` simulated on copies (each request
         ``offset`` passes on when a pass is in flight) until the first visible one: a store, a completion, an eviction
-        or a preemption, or one starting at/after the next arrival."""
+        or a preemption, or one starting at/after the next arrival; with requests waiting, one that frees, takes or
+        fills a block (a cache change may admit one)."""
         sch = self.scheduler
         running = sch.running
         hybrid = self.hybrid
         assert hybrid is not None
         bs = self.block_size
         caching = self.caching
-        windows = [(g, w) for g, w in enumerate(hybrid.windows) if hybrid.kinds[g] == WINDOW]
+        quiet_only = bool(sch.waiting or sch.incoming)
+        flags = [seq.src_cached for seq in running]
         comp = [seq.computed + offset for seq in running]
         outs = [seq.n_out + offset for seq in running]
         alloc = [seq.n_alloc for seq in running]
@@ -317,29 +317,25 @@ class FastForward:
         evictable = self.pool.num_inactive
         n_run = len(running)
         n_grow = hybrid.n_grow
-        kv = sum(comp)
         floor = started + 1
         T = s
         while True:
             if arrival is not None and T >= arrival:
                 return max(T + 1, floor)
-            d = self.timer.decode_ns(kv + n_run, n_run)
+            d = self.timer.decode_ns(hybrid.decode_kv([c + 1 for c in comp]), n_run)
             evicts = False
             for i, seq in enumerate(running):
                 if outs[i] + 1 >= seq.max_tokens:
-                    return max(T + d, floor)  # a completion
+                    evicts = True  # a completion: at the pass's end, unless a request after it is preempted
                 c = comp[i]
-                glo = glos[i]
-                for g, w in windows:  # the blocks this pass's schedule frees first
-                    if c - w + 1 > 0:
-                        new_lo = min((c - w + 1) // bs, alloc[i])
-                        if new_lo > glo[g]:
-                            cached = min(new_lo, fulls[i]) - glo[g]
-                            cached = cached if cached > 0 else 0
-                            evictable += cached
-                            free += new_lo - glo[g] - cached
-                            glo[g] = new_lo
+                # the blocks this pass's schedule frees first (the state read next: a checkpoint iff c is on a boundary)
+                cached, uncached = hybrid.skip_ahead(glos[i], c, alloc[i], fulls[i], flags[i])
+                flags[i] = c > 0 and not c % bs
+                evictable += cached
+                free += uncached
                 grow = -(-(c + 1) // bs) - alloc[i]
+                if quiet_only and (cached or uncached or grow > 0 or (caching and (c + 1) // bs > fulls[i])):
+                    return max(T + 1, floor)
                 need = n_grow * grow
                 if need > free + evictable:  # a preemption: its duration is not known before it starts
                     return max(T + 1, floor)
@@ -357,7 +353,6 @@ class FastForward:
                 outs[i] += 1
             if evicts:
                 return max(T + d, floor)
-            kv += n_run
             T += d
 
     def _burst_horizon(self, s: int, started: int, ahead: dict[SeqState, int] | None) -> int:

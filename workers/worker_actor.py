@@ -45,6 +45,7 @@ from kvemu.kv_events import KVEventBatch
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
+from workers.hybrid import SPEC_KIND
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 
@@ -109,6 +110,7 @@ class WorkerActor:
             taints=list(taints),
             kv_endpoints=list(kv_endpoints),
             kv_replay_endpoints=list(kv_replay_endpoints),
+            kv_groups=[(SPEC_KIND[g.kind], g.window) for g in cfg.kv_cache_groups],
         )
         self.on_chaos: Callable[[Chaos, str | None], None] | None = None
         """Told each fault the router asked for, and why it could not be applied (None: it was)."""

@@ -189,11 +189,12 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
         self._check_kv_groups_wire()
 
     def _check_kv_groups_wire(self) -> None:
-        """Hybrid KV groups need KV events that name the group (``group_idx``, vLLM >= 0.20), and no decode pool."""
-        if self.decode is not None and self.decode.engine.kv_groups:  # type: ignore[attr-defined]
-            raise InvalidArgument("decode.engine.kv_groups: a decode pool cannot run hybrid KV cache groups yet "
-                                  "(hybrid KV transfers are not modelled); give kv_groups to the prefill pool only",
-                                  field="decode.engine.kv_groups")
+        """Hybrid KV groups need KV events that name the group (``group_idx``, vLLM >= 0.20); a hybrid decode pool
+        runs the prefill pool's model (a decode leg lands the groups its prefill leg computed)."""
+        if self.decode is not None and self.prefill is not None and self.decode.engine.kv_groups and (  # type: ignore[attr-defined]
+                self.decode.engine.kv_groups != self.prefill.engine.kv_groups):  # type: ignore[attr-defined]
+            raise InvalidArgument("decode.engine.kv_groups must be the prefill pool's (the same model's layers): give "
+                                  "prefill.engine the same kv_groups", field="decode.engine.kv_groups")
         profile = profile_for(self.kv_events_version)
         if "group_idx" in STORED_FIELDS[:profile.stored_fields]:
             return

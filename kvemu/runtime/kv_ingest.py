@@ -51,11 +51,12 @@ class KvIngest:
         wid = msg.worker_id
         stats = self.stats.setdefault(wid, WorkerEventStats())
         ranks = range(msg.dp_start, msg.dp_start + msg.dp_size)
+        groups = list(msg.kv_groups)  # (kind, window) per group_idx: for events that name no kind (vLLM 0.20/0.21)
         for rank in ranks:
             replay = self._replay(wid, rank) if self._replay else None
             self.streams[(wid, rank)] = EventStream(
                 wid, rank, sink=self._apply, block_size=self.core.block_size, stats=stats, replay=replay,
-                replay_on_connect=self.replay_on_connect, observer=self.observer,
+                replay_on_connect=self.replay_on_connect, observer=self.observer, groups=groups or None,
             )
         if self.replay_on_connect:
             for rank in ranks:
@@ -63,7 +64,8 @@ class KvIngest:
         if self.subscriber is not None:
             for r, endpoint in enumerate(msg.kv_endpoints):
                 replay_endpoint = msg.kv_replay_endpoints[r] if r < len(msg.kv_replay_endpoints) else ""
-                self.subscriber.add(StreamSpec(wid, msg.dp_start + r, endpoint, replay_endpoint or None))
+                self.subscriber.add(StreamSpec(wid, msg.dp_start + r, endpoint, replay_endpoint or None,
+                                               tuple(groups)))
 
     def streams_left(self) -> int | None:
         """How many more ranks' ZeroMQ streams can be opened (None: no bound, or no ZeroMQ)."""

@@ -4,12 +4,14 @@ Local hashes are recomputed from each block's ``token_ids`` (with the LoRA seed 
 the engine's block hash becomes the external hash and ``medium`` picks the storage tier. Non-main KV groups are
 dropped as Dynamo drops them, except a hybrid model's groups whose kind the router can judge (full attention,
 sliding window, state; vLLM >= 0.22 names the kind): their blocks come tagged with the group unless it is a
-full-attention group 0 (``kvemu.group_index``), so the router scores a hit only when every group has it; so do
+full-attention group 0 (``kvemu.group_index``), so the router scores a hit only when every group has it (with
+vLLM 0.20/0.21, whose events name no kind, the kinds come from the engine's ``Register.kv_groups``); so do
 removals of any group but 0 (vLLM's ``BlockRemoved`` names only the group). A block-size mismatch is a loud, typed error — never a silent zero-match.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 from kvemu.errors import KvCacheEventError
@@ -54,19 +56,35 @@ def medium_to_tier(medium: str | None) -> StorageTier:
     return _TIERS.get(medium.upper(), StorageTier.DEVICE)
 
 
-def _is_main_group(ev: BlockStored | BlockRemoved) -> bool:
+GroupKinds = Sequence[tuple[str, int | None]]
+"""A hybrid engine's (``kv_cache_spec_kind``, sliding window) per ``group_idx``, known from its engine config."""
+
+
+def _kind(ev: BlockStored | BlockRemoved, groups: GroupKinds | None) -> tuple[str | None, int | None]:
+    """The event's group kind and window: as it names them, else from ``groups`` (vLLM 0.20/0.21 name no kind)."""
     kind = getattr(ev, "kv_cache_spec_kind", None)
+    if kind is not None:
+        return kind, getattr(ev, "kv_cache_spec_sliding_window", None)
+    g = ev.group_idx
+    if groups is not None and g is not None and 0 <= g < len(groups):
+        return groups[g]
+    return None, None
+
+
+def _is_main_group(ev: BlockStored | BlockRemoved, groups: GroupKinds | None = None) -> bool:
+    kind = _kind(ev, groups)[0]
     if kind is not None:
         return kind in MAIN_GROUP_KINDS
     return not ev.group_idx
 
 
-def _group_stored(ev: BlockStored, worker_id: int, dp_rank: int, block_size: int, event_id: int) -> RouterEvent | None:
+def _group_stored(ev: BlockStored, worker_id: int, dp_rank: int, block_size: int, event_id: int,
+                  groups: GroupKinds | None = None) -> RouterEvent | None:
     """A hybrid model's sliding-window or state group's stored blocks, tagged with the group and the blocks a hit
     needs before its end (``kvemu.group_index``); None (dropped, as Dynamo drops them) for a kind the router cannot
-    judge (no kind before vLLM 0.22, chunked local attention...)."""
-    kind = ev.kv_cache_spec_kind
-    target = group_target(kind, ev.kv_cache_spec_sliding_window, ev.block_size) if kind is not None else -1
+    judge (no kind before vLLM 0.22 and no ``groups`` known, chunked local attention...)."""
+    kind, window = _kind(ev, groups)
+    target = group_target(kind, window, ev.block_size) if kind is not None else -1
     if target <= 0 or not ev.block_hashes:
         return None
     if ev.block_size != block_size:
@@ -114,13 +132,15 @@ def convert_event(
     block_size: int,
     event_id: int = 0,
     eagle: bool = False,
+    groups: GroupKinds | None = None,
 ) -> RouterEvent | None:
     """The router event for one wire event, or ``None`` when Dynamo would drop it (non-main group,
-    repeated hashes). Raises ``BlockSizeMismatch`` / ``MissingTokens`` for stores it cannot use."""
+    repeated hashes). Raises ``BlockSizeMismatch`` / ``MissingTokens`` for stores it cannot use. ``groups``: a
+    hybrid engine's group kinds, for events that do not name theirs."""
     t = type(ev)
     if t is BlockStored:
-        if not _is_main_group(ev):  # type: ignore[arg-type]
-            return _group_stored(ev, worker_id, dp_rank, block_size, event_id)  # type: ignore[arg-type]
+        if not _is_main_group(ev, groups):  # type: ignore[arg-type]
+            return _group_stored(ev, worker_id, dp_rank, block_size, event_id, groups)  # type: ignore[arg-type]
         hashes = ev.block_hashes  # type: ignore[union-attr]
         n = len(hashes)
         parent = ev.parent_block_hash  # type: ignore[union-attr]

@@ -89,7 +89,7 @@ class EventStream:
     """Consumes one rank's batches: ordering, recovery, decoding, conversion, and the sink."""
 
     __slots__ = ("worker_id", "dp_rank", "sink", "block_size", "stats", "replay", "replay_on_connect", "eagle",
-                 "observer", "endpoint", "expected", "event_id", "_want", "_got", "_replayed", "_held")
+                 "observer", "endpoint", "groups", "expected", "event_id", "_want", "_got", "_replayed", "_held")
 
     def __init__(
         self,
@@ -104,6 +104,7 @@ class EventStream:
         eagle: bool = False,
         observer: Callable[[str, int, int, dict], None] | None = None,
         endpoint: str | None = None,
+        groups: list[tuple[str, int | None]] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
@@ -116,6 +117,8 @@ class EventStream:
         self.observer = observer
         """Told ``(kind, worker_id, dp_rank, details)`` for ``gap``, ``replay``, ``lost`` and ``restart``."""
         self.endpoint = endpoint
+        self.groups = groups
+        """A hybrid engine's (kind, window) per ``group_idx`` (``Register.kv_groups``), for events that name no kind."""
         self.expected: int | None = None
         self.event_id = 0
         self._want: tuple[int, int | None] | None = None
@@ -291,7 +294,7 @@ class EventStream:
 
     def _convert(self, ev: KvEvent, rank: int) -> RouterEvent | None:
         return convert_event(ev, worker_id=self.worker_id, dp_rank=rank, block_size=self.block_size,
-                             event_id=self.event_id, eagle=self.eagle)
+                             event_id=self.event_id, eagle=self.eagle, groups=self.groups)
 
     def _model_items(self, batch: EventBatch) -> Iterator[tuple[EventData, StorageTier, int]]:
         """The events of a router-model batch, under the same rules as converted wire events."""

@@ -45,6 +45,8 @@ class StreamSpec(NamedTuple):
     dp_rank: int
     endpoint: str
     replay_endpoint: str | None = None
+    groups: tuple[tuple[str, int | None], ...] = ()
+    """A hybrid engine's KV cache groups (``Register.kv_groups``), for events that do not name their kind."""
 
 
 SOCKETS_PER_STREAM = 3
@@ -203,7 +205,7 @@ class KvEventSubscriber:
             spec.worker_id, spec.dp_rank, sink=self.sink, block_size=self.block_size, stats=stats,
             replay=(lambda start: self._ask_replay(stream, start)) if spec.replay_endpoint else None,
             replay_on_connect=self.replay_on_connect, eagle=self.eagle, observer=self.observer,
-            endpoint=spec.endpoint,
+            endpoint=spec.endpoint, groups=list(spec.groups) or None,
         )
         self._by_key[key] = stream
         self._unconnected[key] = stream  # sockets are made in poll, a few per turn: a burst of

@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
+from kvemu.kv_events import BlockStored
 from kvemu.wire.codec import decode_batch, encode_batch, profile_for
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
-from workers.hybrid import HybridKV, max_blocks
+from workers.hybrid import SPEC_KIND, HybridKV, max_blocks
 from workers.request import Request
 from workers.sequence import SeqState
 from workers.vllm_engine import EngineCore
@@ -146,12 +147,17 @@ def test_a_sliding_window_group_frees_blocks_that_left_the_window():
     assert a is None and pool.num_inactive == 2 * (37 // 4)
 
 
-def test_prefix_hits_reuse_every_group_and_events_carry_the_group():
-    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4)]))
-    first = run_to_end(eng, [req("a", range(40), max_tokens=2)])
+@pytest.mark.parametrize("mode, prompt, hit", [
+    ("all", 40, 36),  # a checkpoint after every block; the last prompt token is always computed: 9 blocks
+    ("align", 40, 0),  # the one checkpoint is at 40 (the pass's end), past the 39 tokens a lookup may hit
+    ("align", 41, 40),  # the prefill is cut at 40, the prompt's last block boundary, which caches the state there
+])
+def test_prefix_hits_reuse_every_group(mode, prompt, hit):
+    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4, cache_mode=mode)]))
+    first = run_to_end(eng, [req("a", range(prompt), max_tokens=2)])
     assert first["a"].engine_cached_tokens == 0
-    second = run_to_end(eng, [req("b", range(40), max_tokens=2, arrival_ns=eng.now_ns)])
-    assert second["b"].engine_cached_tokens == 36  # the last prompt token is always computed: 9 blocks
+    second = run_to_end(eng, [req("b", range(prompt), max_tokens=2, arrival_ns=eng.now_ns)])
+    assert second["b"].engine_cached_tokens == hit
 
 
 def test_events_name_their_group_kind_and_window_and_encode_by_version():
@@ -229,10 +235,13 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
     groups = [[FULL, swa(6)], [swa(9), FULL], [FULL, KvGroupSpec(kind="state", layers=4)],
               [FULL, swa(6), KvGroupSpec(kind="state", layers=4)],
               [KvGroupSpec(kind="full_attention", layers=8), swa(6)],  # two full-attention groups
-              [swa(6), KvGroupSpec(kind="full_attention", layers=8)]][seed % 6]
+              [swa(6), KvGroupSpec(kind="full_attention", layers=8)],
+              [FULL, KvGroupSpec(kind="state", layers=4, cache_mode="all")]][seed % 7]
     eng = EngineCore(cfg(groups, num_gpu_blocks=24, max_num_batched_tokens=16))
     core = RoutingCore(block_size=4)
     wire = RoutingCore(block_size=4)
+    old = RoutingCore(block_size=4)  # vLLM 0.20 bytes (group_idx, no kind): the kinds from the engine's config
+    kinds = [(SPEC_KIND[g.kind], g.window) for g in eng.config.kv_cache_groups]
     prefixes = [list(range(p * 100, p * 100 + rng.randint(4, 40))) for p in range(3)]
     prompts = [rng.choice(prefixes) + [1000 + i] * rng.randint(1, 8) for i in range(30)]
     reqs = [req(f"r{i}", p, max_tokens=rng.randint(1, 6), arrival_ns=i * 20_000_000) for i, p in enumerate(prompts)]
@@ -246,6 +255,11 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
                 converted = convert_event(ev, worker_id=1, dp_rank=0, block_size=4)
                 assert converted is not None
                 wire.apply_event(converted)
+            for ev in decode_batch(encode_batch(batch.batch(), profile_for("0.20"))).events:
+                assert getattr(ev, "kv_cache_spec_kind", None) is None
+                converted = convert_event(ev, worker_id=1, dp_rank=0, block_size=4, groups=kinds)
+                assert converted is not None
+                old.apply_event(converted)
     assert eng.pool.log == [] and eng.pool.num_inactive
     hits = 0
     for p in prefixes + prompts:
@@ -258,6 +272,7 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
         seen = core.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0)
         assert seen == hit, (p, seen, hit)
         assert wire.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0) == hit
+        assert old.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0) == hit
         hits += hit
     assert hits
 
@@ -317,13 +332,42 @@ def test_preemption_gives_back_every_groups_blocks():
     assert eng.pool.num_active_blocks == 0 and eng.group_usage() == [(g.kind, g.window, 0) for g in eng.hybrid.groups]
 
 
-def test_a_decode_pool_cannot_run_kv_groups():
+def test_a_decode_pool_may_run_the_prefill_pools_kv_groups():
     from harness.scenario.loading import ScenarioError, parse_scenario
     groups = "kv_groups: [{kind: full_attention, layers: 8}, {kind: sliding_window, layers: 24, window: 128}]"
-    text = f"cluster:\n  prefill: {{workers: 1, engine: {{{groups}}}}}\n  decode: {{workers: 1{{}}}}\n"
-    assert parse_scenario(text.replace("{}", "")).cluster.prefill.engine.kv_groups
-    with pytest.raises(ScenarioError, match="decode pool"):
-        parse_scenario(text.replace("{}", f", engine: {{{groups}}}"))
+    text = f"cluster:\n  prefill: {{workers: 1, engine: {{{groups}}}}}\n  decode: {{workers: 1, engine: {{{groups}}}}}\n"
+    assert len(parse_scenario(text).cluster.decode.engine.config(1).kv_cache_groups) == 4
+    with pytest.raises(ScenarioError, match="same model"):  # a decode leg lands the groups its prefill leg computed
+        parse_scenario(text.replace("window: 128}]}}\n  decode", "window: 64}]}}\n  decode"))
+
+
+@pytest.mark.parametrize("mode", ["full_prompt", "destination_missing"])
+def test_a_decode_leg_lands_what_each_group_still_holds(mode):
+    # 1 full-attention + 1 sliding-window (window 6) + 2 state layers, 30-token prompt in blocks of 4: full
+    # attention carries all 8 blocks, the window the blocks its first pass reads (from (30 - 6) // 4 = 6), the
+    # state its running block; the transfer moves, per layer, the prompt, the window's 6 tokens, one 4-token page
+    from kvemu.transfer import KvTransfer
+    groups = [KvGroupSpec(kind="full_attention", layers=1), swa(6, 1), KvGroupSpec(kind="state", layers=2)]
+    eng = EngineCore(cfg(groups, num_gpu_blocks=40))
+    xfer = KvTransfer(source_worker_id=9, bandwidth_gbps=1e-3, bytes_per_token=300, mode=mode)
+    r = Request(request_id="leg", token_ids=list(range(30)), max_tokens=3, kv_transfer=xfer)
+    eng.add_request(r)
+    eng.step(0)
+    seq = eng._seqs["leg"]
+    assert eng.hybrid.held(seq) == [8, 2, 1, 1]  # (2 state groups of 1 layer; align mode: one block each)
+    tokens = (1 * (30 if mode == "full_prompt" else 32) + 1 * (6 if mode == "full_prompt" else 8) + 2 * 4) // 4
+    ready = eng.scheduler.transfers[0][0]
+    assert ready == round(tokens * 300 / 1e-3)
+    done = run_to_end(eng, [])
+    assert done["leg"].output_tokens == 3 and eng.pool.num_active_blocks == 0
+    # its prompt's full blocks were cached on arrival: a second leg of the same prompt finds full attention's
+    # blocks up to the window's first block here
+    eng.add_request(Request(request_id="again", token_ids=list(range(30)), max_tokens=2, kv_transfer=xfer,
+                            arrival_ns=eng.now_ns))
+    eng.step(eng.next_pass_start_ns())
+    again = eng._seqs["again"]
+    assert again.n_full == 6 and eng.hybrid.held(again) == [8, 2, 1, 1]
+    assert run_to_end(eng, [])["again"].output_tokens == 2
 
 
 @pytest.mark.parametrize("version, as_bytes", [("0.20", True), ("0.21", True), ("0.22", False), ("0.33", False)])
@@ -341,3 +385,183 @@ def test_in_memory_delivery_of_hybrid_events_says_only_what_the_version_can(vers
     eng.add_request(req("a", range(9), max_tokens=1))
     assert pub._publish_now(eng.step(0).events)
     assert isinstance(got[0], bytes) is as_bytes and isinstance(got[0], EventBatch) is not as_bytes
+
+
+# ------------------------------------------------------------------------------------------------ Mamba align mode
+
+
+def state(mode: str | None = None) -> KvGroupSpec:
+    return KvGroupSpec(kind="state", layers=4, cache_mode=mode)
+
+
+def test_state_cache_mode_defaults_to_align_and_belongs_to_state_groups():
+    assert state().mode == "align" and state("all").mode == "all" and FULL.mode is None
+    assert [g.cache_mode for g in cfg([FULL, state()]).kv_cache_groups] == [None, "align"]
+    with pytest.raises(InvalidArgument) as exc:
+        KvGroupSpec(kind="sliding_window", layers=2, window=8, cache_mode="align")
+    assert exc.value.field == "kv_groups.cache_mode"
+    # a chunk under one block is never scheduled: a token budget under one block could never prefill
+    with pytest.raises(InvalidArgument) as exc:
+        cfg([FULL, state()], max_num_batched_tokens=3, max_num_seqs=1)
+    assert exc.value.field == "max_num_batched_tokens"
+    assert cfg([FULL, state("all")], max_num_batched_tokens=3, max_num_seqs=1).kv_groups
+    assert cfg([FULL, state()], max_num_batched_tokens=3, max_num_seqs=1, enable_prefix_caching=False).kv_groups
+
+
+@pytest.mark.parametrize("mode, budget, chunks", [
+    ("align", 64, [28, 2]),  # cut at the prompt's last block boundary (28 of 30 tokens)
+    ("align", 10, [8, 8, 8, 4, 2]),  # whole blocks, then the cut at 28, then the rest
+    ("all", 10, [10, 10, 10]),
+])
+def test_align_mode_cuts_prefill_chunks_at_block_boundaries(mode, budget, chunks):
+    eng = EngineCore(cfg([FULL, state(mode)], max_num_batched_tokens=budget, max_num_seqs=1))
+    eng.add_request(req("a", range(30), max_tokens=2))
+    got = []
+    for res in steps(eng):
+        got.append(res.prefill_tokens)
+        if len(got) == len(chunks):
+            break
+    assert got == chunks
+
+
+@st.composite
+def align_workloads(draw):
+    bs = draw(st.sampled_from([2, 4]))
+    budget = draw(st.integers(1, 24))
+    blocks = draw(st.integers(4, 24))
+    reqs = [req(f"r{i}", range(1000 * i, 1000 * i + draw(st.integers(1, 30))), max_tokens=draw(st.integers(1, 16)),
+                arrival_ns=draw(st.integers(0, 5)) * 10_000_000) for i in range(draw(st.integers(1, 5)))]
+    return bs, budget, blocks, reqs
+
+
+@settings(max_examples=150, deadline=None)
+@given(align_workloads())
+def test_align_mode_checkpoints_only_where_a_pass_ends_on_a_block_boundary(work):
+    # every state block a pass stores is the state at the pass's end for its request, on a block boundary; each
+    # such pass end is cached right after the pass; a fresh request's prefill chunks before the prompt's last block
+    # boundary are whole blocks and stop there; a request holds at most 2 state blocks
+    bs, budget, blocks, reqs = work
+    eng = EngineCore(cfg([FULL, swa(5), state()], block_size=bs, num_gpu_blocks=blocks, max_num_batched_tokens=max(
+        budget, 4), max_num_seqs=4))
+    if any(max_blocks(eng.config, len(r.token_ids) + r.max_tokens) > eng.pool.num_blocks for r in reqs):
+        return
+    owner: dict[int, tuple[str, int]] = {}
+    seqs: dict[str, SeqState] = {}
+    for r in reqs:
+        eng.add_request(r)
+    while (s := eng.next_pass_start_ns()) is not None:
+        seqs.update(eng._seqs)
+        before = {rid: (q.computed, q.n_out) for rid, q in seqs.items()}
+        res = eng.step(s)
+        eng.check_invariants()
+        ends: dict[str, int] = {}  # this pass's end, per request in it
+        for rid, q in seqs.items():
+            for i, h in enumerate(q.ensure_hashes(q.n_full)):
+                owner[h] = (rid, i)
+            c0, out0 = before[rid]
+            if q.computed and q.computed != c0:
+                end = ends[rid] = q.computed
+                if not out0 and end < q.prompt_len:  # a fresh request's prefill chunk
+                    last = q.prompt_len - q.prompt_len % bs
+                    assert c0 >= last or (end % bs == 0 and end <= last)  # (past the last boundary: any chunk)
+                if end % bs == 0:
+                    assert eng.pool.is_cached(q.hashes[end // bs - 1] + (2 << 64))
+        if res.events is not None:
+            for ev in res.events.batch().events:
+                if isinstance(ev, BlockStored) and ev.group_idx == 2:
+                    for h in ev.block_hashes:
+                        rid, i = owner[h]
+                        assert ends.get(rid) == (i + 1) * bs
+        assert all(n <= 2 for q in eng.scheduler.running for n in eng.hybrid.held(q)[2:])
+    assert eng.pool.num_active_blocks == 0
+
+
+def test_align_mode_holds_the_state_read_and_the_state_written():
+    # a 2-block hit: the request reads the checkpoint at 8 and writes a new state block; the older one goes before
+    # the next pass, cached (a checkpoint, evictable), so one state block is held while it decodes within a block
+    eng = EngineCore(cfg([FULL, state()], max_num_batched_tokens=64))
+    run_to_end(eng, [req("a", range(9), max_tokens=1)])  # cut at 8: the state there is cached
+    eng.add_request(req("b", range(9), max_tokens=3, arrival_ns=eng.now_ns))
+    res = eng.step(eng.next_pass_start_ns())
+    b = eng._seqs["b"]
+    assert b.record.engine_cached_tokens == 8 and eng.hybrid.held(b)[1] == 2 and res.prefill_tokens == 1
+    eng.step(eng.next_pass_start_ns())
+    assert eng.hybrid.held(b)[1] == 1
+
+
+# ------------------------------------------------------------------------------------------------ pass timing
+
+
+def _gaps(eng: EngineCore, prompt: int, out: int) -> list[int]:
+    rec = run_to_end(eng, [req("a", range(prompt), max_tokens=out)])["a"]
+    return [b - a for a, b in zip(rec.token_times_ns, rec.token_times_ns[1:])]
+
+
+def test_decode_timing_counts_each_layers_context():
+    # 2 full-attention + 6 sliding-window layers (window 8), plain pool of 64 blocks of 4 tokens: a decode with
+    # context c reads (2c + 6 min(c, 8)) / 8 tokens' worth; state layers read none
+    hyb = HybridKV([], 4, True, 64, [KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)])
+    assert hyb.decode_kv([4, 8]) == 12  # under the window: the plain sum
+    assert hyb.decode_kv([100, 40]) == (2 * 100 + 6 * 8 + 2 * 40 + 6 * 8) // 8
+    hyb = HybridKV([], 4, True, 64, [KvGroupSpec(kind="full_attention", layers=1), swa(8, 1), state()])
+    assert hyb.decode_kv([30]) == (30 + 8) // 6  # (4 state layers)
+
+
+def test_a_window_model_decodes_as_the_plain_one_within_its_window_and_faster_beyond():
+    plain = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    groups = [KvGroupSpec(kind="full_attention", layers=2), swa(64, 6)]
+    wide = EngineCore(cfg(groups))
+    assert _gaps(wide, 20, 12) == _gaps(plain, 20, 12)  # every context under 64 tokens
+    narrow = EngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)]))
+    got = _gaps(narrow, 100, 12)
+    timer = plain.timer
+    assert got == [timer.decode_ns((2 * c + 6 * 8) // 8, 1) for c in range(101, 112)]  # context: computed + 1
+    assert sum(got) < sum(_gaps(EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)),
+                                100, 12))
+
+
+def test_the_router_takes_group_kinds_from_the_registration_when_events_name_none():
+    # vLLM 0.20 bytes name no group kind: a hybrid worker announces its groups when it registers (from its engine
+    # config), so the router's intake judges every group; the sliding window's blocks, freed and evicted, then
+    # stop the hit where the engine stops it
+    from kvemu.config import RouterConfig
+    from kvemu.hashing import local_block_hashes
+    from kvemu.messages import Register
+    from kvemu.registry import WorkerSpec
+    from kvemu.routing_core import PreparedRequest, RoutingCore
+    from kvemu.runtime.kv_ingest import KvIngest
+
+    eng = EngineCore(cfg([FULL, swa(6)], num_gpu_blocks=24, max_num_batched_tokens=16))
+    kinds = [(SPEC_KIND[g.kind], g.window) for g in eng.config.kv_cache_groups]
+    cores = {}
+    for name, groups in (("told", kinds), ("blind", [])):
+        core = cores[name] = RoutingCore(block_size=4)
+        core.add_worker(WorkerSpec(worker_id=1, block_size=4))
+        ingest = KvIngest(core, replay_on_connect=False)
+        ingest.add_worker(Register(worker_id=1, block_size=4, kv_groups=groups))
+        assert ingest.streams[(1, 0)].groups == (groups or None)
+        cores[name] = (core, ingest)
+    reqs = [req(f"r{i}", list(range(i % 3 * 100, i % 3 * 100 + 30)) + [1000 + i], max_tokens=3,
+                arrival_ns=i * 20_000_000) for i in range(12)]
+    reqs += [req(f"f{i}", range(5000 + 100 * i, 5000 + 100 * i + 20), max_tokens=2, arrival_ns=(12 + i) * 20_000_000)
+             for i in range(4)]  # later prompts evict the oldest released blocks: the windows' first
+    for r in reqs:
+        eng.add_request(r)
+    seq_no = 0
+    while (t := eng.next_event_ns()) is not None:
+        for batch in eng.advance_to(t).events:
+            payload = encode_batch(batch.batch(), profile_for("0.20"))
+            for core, ingest in cores.values():
+                ingest.intake(1, 0, seq_no, payload)
+            seq_no += 1
+    differ = 0
+    for p in [list(range(k * 100, k * 100 + 30)) + [7] for k in range(3)]:
+        seq = _seq(0)
+        seq.prompt, seq.prompt_len, seq.hashes, seq.block_locals = p, len(p), [], []
+        hit = eng.hybrid.lookup(eng.pool, seq, (len(p) - 1) // 4)[0]
+        local = local_block_hashes(p, 4)[: (len(p) - 1) // 4]
+        told, blind = (c.overlaps(PreparedRequest(len(p), local, RouterConfig())).get((1, 0), 0)
+                       for c, _ in cores.values())
+        assert told == hit and blind >= hit
+        differ += blind != hit
+    assert differ  # without the kinds the router scores blocks the window no longer holds
