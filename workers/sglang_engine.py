@@ -452,6 +452,8 @@ class SglangCore(RankCore):
             had = -(-done // page)
             need = -(-end // page) - had
             if need > cache.free + cache.evictable - unheld:  # its prompt's pages must fit once its prefix is locked
+                if fresh and done:  # the reference looks its prefix up (and so refreshes it) before finding no room
+                    cache.match(seq.ensure_hashes(limit), limit)
                 break
             waiting.popleft()
             if fresh and done:
