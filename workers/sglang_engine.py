@@ -11,8 +11,11 @@ What differs from the vLLM flavour (``workers.vllm_engine``):
   at 0.7 and decays with every decode pass. A cached prefix nobody holds is part of the free + evictable
   pages the check starts from and is not charged again when the request locks it (as in the reference's
   replay; its prompt's own pages must still fit what is left once it does, and its first token's slot, when
-  no page is left for it, waits for its next decode pass, as there). A prompt longer than what is left of
-  the chunk budget is chunked; a half-prefilled request goes back to the head of the queue.
+  no page is left for it, waits for its next decode pass, as there). A request stopped there, its own pages
+  not fitting, has still looked its cached prefix up, which makes that prefix the most recently used (the
+  reference matches before it allocates): a blocked head of the queue keeps its prefix from being evicted.
+  A prompt longer than what is left of the chunk budget is chunked; a half-prefilled request goes back to the
+  head of the queue.
 * **The cache is a radix tree of pages** (``workers.radix``; page = ``block_size``, 1 token by default):
   a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
   when it lets go, and the least recently used leaves lose pages from their tails when room is needed.
@@ -452,6 +455,8 @@ class SglangCore(RankCore):
             had = -(-done // page)
             need = -(-end // page) - had
             if need > cache.free + cache.evictable - unheld:  # its prompt's pages must fit once its prefix is locked
+                if fresh and done:  # the reference looks its prefix up (and so refreshes it) before finding no room
+                    cache.match(seq.ensure_hashes(limit), limit)
                 break
             waiting.popleft()
             if fresh and done:

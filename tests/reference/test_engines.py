@@ -63,6 +63,12 @@ SGLANG_CASES = {
     "lru tail eviction": (rows((0, 1000, 1, [1, 2]), (100, 1000, 1, [3, 4]), (200, 1000, 1, [1, 2]),
                                (300, 1500, 1, [5, 6, 7]), (400, 1000, 1, [3, 4]), (500, 1000, 1, [1, 2])),
                           {"num_gpu_blocks": 3000}),
+    # e cannot have its pages once its cached prefix (a's) is locked: each pass it tries, it looks that prefix up,
+    # which keeps a's leaf the most recently used; the decode passes evict b's finished tokens instead
+    "a request that cannot fit refreshes its prefix": (
+        rows((0, 6207, 269, list(range(1, 14))), (2000, 3906, 320, [20, 21, 22, 23, 24, 25, 26, 27]),
+             (7000, 7638, 260, [20, 21, 22, 23, *range(30, 41)]), (9000, 3254, 440, list(range(50, 57))),
+             (13500, 5856, 395, [*range(1, 8), *range(60, 65)])), {}),
     "pages of 16": (rows((0, 1000, 1, [1, 2]), (100, 1000, 1, [3, 4]), (200, 1000, 1, [1, 2]), (300, 1500, 1, [5, 6, 7]),
                          (400, 1000, 1, [3, 4]), (500, 1000, 1, [1, 2])), {"num_gpu_blocks": 200, "block_size": 16}),
     "lpm": (rows((0, 1024, 1, [1, 2]), (100, 500, 50, [50]), (200, 600, 1, [60, 61]), (300, 1500, 1, [1, 2, 3])),

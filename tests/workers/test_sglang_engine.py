@@ -150,6 +150,23 @@ def test_lru_evicts_exactly_the_tokens_needed_from_the_coldest_leaf():
     assert done["a3"].engine_reused_tokens == 500  # b2 refilled its tail at a's expense
 
 
+def test_a_request_that_cannot_fit_keeps_its_cached_prefix_warm():
+    # e (13.5 s) shares 3,584 tokens with a, finished and cached, but cannot have its own pages once that prefix is
+    # locked until c ends at 16.0 s. Every pass it tries, it looks its prefix up, as the reference does, so a's
+    # leaf is the most recently used and the decode passes evict b's finished tokens: e finds the 2,999 of a's
+    # tokens left when it arrived (2,837 if the lookups touched nothing). Times are the reference's to 1 us
+    _, done = run([req("a", 6207, 269, 0, list(range(1, 14))),
+                   req("b", 3906, 320, 2000, [20, 21, 22, 23, 24, 25, 26, 27]),
+                   req("c", 7638, 260, 7000, [20, 21, 22, 23, *range(30, 41)]),
+                   req("d", 3254, 440, 9000, list(range(50, 57))),
+                   req("e", 5856, 395, 13500, [*range(1, 8), *range(60, 65)])])
+    e = done["e"]
+    assert e.engine_reused_tokens == 2999
+    assert ms(e.first_token_ns) == pytest.approx(13500 + 2559.501064, abs=1e-3)
+    assert ms(e.completion_ns) == pytest.approx(13500 + 12742.895592, abs=1e-3)
+    assert ms(done["d"].completion_ns) == pytest.approx(9000 + 13409.371541, abs=1e-3)
+
+
 def test_lpm_admits_the_longest_cached_prefix_first():
     cfg = EngineConfig(backend="sglang", max_num_seqs=1, sglang=SglangConfig(schedule_policy="lpm"))
     reqs = [req("a", 1024, 1, 0, [1, 2]), req("b", 500, 50, 100, [50]), req("c", 600, 1, 200, [60, 61]),
