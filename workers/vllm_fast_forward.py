@@ -64,21 +64,23 @@ class FastForward:
         Stops before a pass that would complete a request, preempt, start at/after the next arrival or ``t_ns``.
         Returns how many passes it committed and when the last one ended (the caller books them).
         """
+        sch = self.scheduler
+        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
+        arrival = self._arrival()
         if self.hybrid is not None:
-            return self._hybrid_run(s, t_ns, out)
+            return self._hybrid_run(s, t_ns, out, quiet_only, arrival)
         if self.spec_k:
-            return self._burst_run(s, t_ns, out)
+            return self._burst_run(s, t_ns, out, quiet_only, arrival)
         # With arrived requests waiting it also stops before any block event (a cache change could make
         # one admissible). Between passes a decoding request holds ceil(computed / block_size) blocks, so
         # its first block need and first block fill fall within the next block_size passes and recur
         # every block_size passes: one sorted period of events describes the whole run.
-        running = self.scheduler.running
+        running = sch.running
         bs = self.block_size
         caching = self.caching
         j_stop = min(seq.max_tokens - seq.n_out for seq in running)  # the first completing pass
         if j_stop <= 1:
             return 0, s
-        quiet_only = bool(self.scheduler.waiting or self.scheduler.incoming)
         # (first pass index in 1..bs, position, 0 need / 1 fill): within a pass, request by request in running
         # order, its block need before its fill, as the scheduler allocates and caches them
         period: list[tuple[int, int, int]] = []
@@ -92,7 +94,6 @@ class FastForward:
                     seq.ensure_hashes(seq.n_full + (j_stop - 1 - first_fill) // bs + 1)
         period.sort()
         n_ev = len(period)
-        arrival = self._arrival()
         pool = self.pool
         decode_ns = self.timer.decode_ns
         decode_prefix = self.timer.decode_prefix_ns
@@ -169,15 +170,13 @@ class FastForward:
                     rec.token_times_ns.extend(stamps)
         return j, T
 
-    def _burst_run(self, s: int, t_ns: int, out: AdvanceResult) -> tuple[int, int]:
+    def _burst_run(self, s: int, t_ns: int, out: AdvanceResult, quiet_only: bool,
+                   arrival: int) -> tuple[int, int]:
         """``run`` with speculative decoding: pass by pass, each request's burst read from the rank's
         draws (as the scheduler would draw them), committed as stepping would; the same stops."""
-        sch = self.scheduler
-        running = sch.running
+        running = self.scheduler.running
         spec = self.spec
         assert spec is not None
-        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
-        arrival = self._arrival()
         bs = self.block_size
         caching = self.caching
         pool = self.pool
@@ -234,16 +233,14 @@ class FastForward:
                 pool.log = []
         return j, T
 
-    def _hybrid_run(self, s: int, t_ns: int, out: AdvanceResult) -> tuple[int, int]:
+    def _hybrid_run(self, s: int, t_ns: int, out: AdvanceResult, quiet_only: bool,
+                    arrival: int) -> tuple[int, int]:
         """``run`` with hybrid KV cache groups: pass by pass, each request's window blocks freed, its blocks
         allocated and filled ones cached as the scheduler would (request by request, in running order); the same
         stops (with arrived requests waiting, before any pass that frees, takes or fills a block)."""
-        sch = self.scheduler
-        running = sch.running
+        running = self.scheduler.running
         hybrid = self.hybrid
         assert hybrid is not None
-        quiet_only = bool(sch.waiting or sch.incoming)  # then stop before any block event
-        arrival = self._arrival()
         bs = self.block_size
         caching = self.caching
         pool = self.pool
