@@ -2,8 +2,9 @@
 
 Client → router: ``ClientRequest``. Router ↔ worker: ``Register``/``RegisterAck``, ``Heartbeat``,
 ``Dispatch``/``DispatchAck``, ``TokenBatch``, ``Finished``, ``RequestFailed``, ``Draining``,
-``RankDown``, ``Deregister``, ``Abort`` (the client went away: drop the request), ``Chaos`` (a fault the router asks a worker to apply to itself), and, on
-in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload with its sequence number).
+``RankDown``, ``Deregister``, ``Abort`` (the client went away: drop the request), ``Chaos`` (a fault the router
+asks a worker to apply to itself), and, on in-memory transports, ``KvBatch`` (a vLLM-encoded KV-event payload
+with its sequence number).
 Disaggregated serving adds ``KvPulled`` (a decode rank took a request's KV) and ``ReleaseKv`` (the
 prefill rank that held it may free it).
 """

@@ -36,7 +36,8 @@ from harness.sessions import awaiting, play_workload
 from harness.scenario import Scenario
 from harness.text import counted
 from harness.workload import build_sessions
-from harness.procs.protocol import CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record, reply_decoder
+from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
+                                     reply_decoder)
 from harness.lanes import CANCEL_DRAIN_S
 
 

@@ -4,7 +4,8 @@ One ROUTER socket on the router's ``--listen`` address serves both workers (2-fr
 identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
 and get back each request's ``kvemu.RequestRecord`` when it ends (``CancelRequest`` ends one early);
 ``StatsQuery`` returns the router's view (ranks, per-rank load and cache, KV-event and affinity counters); a
-``Control`` message (``send_control``) injects a chaos event. Every process logs one JSON line when it starts (``log_start``), with its endpoints.
+``Control`` message (``send_control``) injects a chaos event. Every process logs one JSON line when it starts
+(``log_start``), with its endpoints.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ dropped as Dynamo drops them, except a hybrid model's groups whose kind the rout
 sliding window, state; vLLM >= 0.22 names the kind): their blocks come tagged with the group unless it is a
 full-attention group 0 (``kvemu.group_index``), so the router scores a hit only when every group has it (with
 vLLM 0.20/0.21, whose events name no kind, the kinds come from the engine's ``Register.kv_groups``); so do
-removals of any group but 0 (vLLM's ``BlockRemoved`` names only the group). A block-size mismatch is a loud, typed error — never a silent zero-match.
+removals of any group but 0 (vLLM's ``BlockRemoved`` names only the group). A block-size mismatch is a loud,
+typed error — never a silent zero-match.
 """
 
 from __future__ import annotations
