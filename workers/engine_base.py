@@ -153,6 +153,11 @@ class RankCore:
         still holds (a subclass adds KV held for a transfer or being offloaded). 0: the rank has settled."""
         return len(self._seqs) + len(self._aborting)
 
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt (its full blocks' sequence hashes) this rank has cached now, as an
+        admission here would find them; read-only (nothing becomes more recently used). The routing truth's probe."""
+        raise NotImplementedError
+
     def has_request(self, request_id: str) -> bool:
         """Whether an unfinished request with this id is on this rank."""
         return request_id in self._seqs

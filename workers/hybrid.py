@@ -169,12 +169,8 @@ class HybridKV:
 
     # ----------------------------------------------------------------- lookup
 
-    def lookup(self, pool: BlockPool, seq: SeqState, limit: int) -> tuple[int, int, int]:
-        """Prefix hit of ``seq`` capped at ``limit`` blocks: (hit blocks, blocks it would take from the cache over
-        all groups, how many of those are inactive)."""
-        if limit <= 0:
-            return 0, 0, 0
-        hashes = seq.ensure_hashes(limit)
+    def hit(self, pool: BlockPool, hashes: list[int], limit: int) -> int:
+        """The longest prefix of ``hashes[:limit]`` every group accepts (vLLM's fixed point); read-only."""
         cached = pool.cached
         kinds = self.kinds
         targets = self.targets
@@ -202,8 +198,20 @@ class HybridKV:
                     curr = _window_hit(cached, hashes, g << 64, curr, targets[g])
             if curr == before or not curr:
                 break
+        return curr
+
+    def lookup(self, pool: BlockPool, seq: SeqState, limit: int) -> tuple[int, int, int]:
+        """Prefix hit of ``seq`` capped at ``limit`` blocks: (hit blocks, blocks it would take from the cache over
+        all groups, how many of those are inactive)."""
+        if limit <= 0:
+            return 0, 0, 0
+        hashes = seq.ensure_hashes(limit)
+        curr = self.hit(pool, hashes, limit)
         if not curr:
             return 0, 0, 0
+        cached = pool.cached
+        kinds = self.kinds
+        targets = self.targets
         taken = inactive = 0
         for g, kind in enumerate(kinds):
             if kind == ONE:

@@ -162,6 +162,12 @@ class SglangCore(RankCore):
         """Always 0: the SGLang flavour runs no disaggregated prefill legs."""
         return 0
 
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """Leading pages of ``hashes`` in this rank's radix cache now; read-only (the LRU order stays)."""
+        if not self._caching:
+            return 0
+        return self.cache.peek(hashes, len(hashes))[0]
+
     @property
     def kv_usage(self) -> float:
         """Share of the pool's pages that hold KV nobody may evict (requests' own and locked cached pages)."""

@@ -212,6 +212,15 @@ class EngineCore(RankCore):
         """Finished prefill legs whose KV is held for a decode rank."""
         return len(self._held)
 
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` cached on this rank's GPU now (hybrid groups: the length every group accepts);
+        read-only. Blocks only its host tier holds do not count."""
+        if not self._caching:
+            return 0
+        if self.hybrid is not None:
+            return self.hybrid.hit(self.pool, hashes, len(hashes))
+        return self.pool.match_prefix(hashes, len(hashes))[0]
+
     def unsettled(self, now_ns: int) -> int:
         """Requests this rank still works for at ``now_ns``: unfinished ones, aborted or released ones the pass in
         flight still holds, finished prefill legs holding their KV for a decode rank, and requests whose prompt
