@@ -27,11 +27,13 @@ from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
+from workers.engine_base import RankCore
 from workers.worker_actor import WorkerActor
 from workers.config import EngineConfig
 from workers.mock_worker import MockWorker
 
 from harness.plugins import ALLOW_LOCAL_POLICIES_ENV, import_callable
+from harness.routing_truth import RoutingTruth
 from harness.pools import AGGREGATED, compose_pools, worker_type_of
 from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 
@@ -215,9 +217,18 @@ class Cluster:
         now = self.clock.now_ns()
         return sum(actor.worker.unsettled(now) for actor in self.workers.values())
 
+    def core(self, worker_id: int, dp_rank: int) -> RankCore | None:
+        """The engine of one rank of a running worker (None: gone), for the routing truth's probe."""
+        actor = self.workers.get(worker_id)
+        if actor is None or dp_rank in actor.dead_ranks:
+            return None
+        return actor.worker.core(dp_rank)
+
     async def _start_router(self, router: Router) -> None:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
             router.sync_before_select(self.sync_workers)
+        if router.pool != DECODE:  # (a decode leg's KV comes by transfer: no prefix to choose by)
+            router.lifecycle.truth = RoutingTruth(self.core)
         scope = anyio.CancelScope()
         self._router_scope = scope
         started = anyio.Event()

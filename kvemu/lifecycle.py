@@ -46,7 +46,7 @@ from kvemu.routing_core import PreparedRequest, RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
-__all__ = ["Lifecycle", "LifecycleSettings", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
+__all__ = ["Lifecycle", "LifecycleSettings", "TruthProbe", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
            "ENDED", "TRANSITIONS"]
 
 WAITING, QUEUED, AFFINITY, DISPATCHED, RUNNING, ENDED = "waiting", "queued", "affinity", "dispatched", "running", "ended"
@@ -70,6 +70,10 @@ holds it to this table."""
 log = logging.getLogger("kvemu.lifecycle")
 
 Send = Callable[[int, Dispatch | Abort], None]
+TruthProbe = Callable[[list[int], "tuple[tuple[int, int], ...]", tuple[int, int], "str | None"],
+                      "tuple[int, int, str | None]"]
+"""``truth(prompt sequence hashes, eligible ranks, chosen rank, session id)`` -> (chosen rank's cached blocks, the
+most any eligible rank has, where the lost blocks were: ``peer`` | ``cache_owner`` | ``shared`` | None)."""
 """Delivers a message to a worker (by worker id): a ``Dispatch``, or an ``Abort`` for a cancelled request."""
 
 
@@ -163,6 +167,9 @@ class Lifecycle:
         self.before_select: Callable[[], None] | None = None
         """Called before every selection: a host whose workers publish KV events lazily brings them up to
         the present here, so the router decides on what the engines did up to now."""
+        self.truth: TruthProbe | None = None
+        """Asked at every selection what the eligible ranks' engines really hold of the prompt (a host whose
+        engines it can read: the routing truth's regret); fills the record's ``truth_*`` and ``regret_source``."""
         self._send = send
         self.flights: dict[str, Flight] = {}
         self._by_worker: dict[int, dict[str, None]] = {}
@@ -590,6 +597,9 @@ class Lifecycle:
         record.worker_id, record.dp_rank, record.routed_ns, record.attempts = wid, rank, now, f.attempt + 1
         record.routing_reason, record.predicted_overlap_blocks = selection.reason, selection.overlap_blocks
         record.best_overlap_blocks = max(overlaps.values(), default=0)
+        if self.truth is not None:
+            record.truth_overlap_blocks, record.truth_best_overlap_blocks, record.regret_source = self.truth(
+                f.prepared.seq_hashes, ev.ranks, (wid, rank), f.req.session_id)
         hooks = self.hooks
         if hooks.wants("routed"):
             hooks.note("routed", now, f.request_id, wid, rank, data={

@@ -58,6 +58,14 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     prefill leg's, the leg whose engine found ``engine_cached_tokens``; the decode leg's KV comes by transfer)."""
     best_overlap_blocks: int | None = None
     """The deepest overlap any rank had at that moment (disaggregated: in the prefill pool)."""
+    truth_overlap_blocks: int | None = None
+    """Engine truth at the routing decision: the prompt's leading blocks the chosen rank really had cached (None:
+    no truth probe, e.g. separate processes)."""
+    truth_best_overlap_blocks: int | None = None
+    """Engine truth at the same instant: the most any eligible rank really had (lost = this - the chosen's)."""
+    regret_source: str | None = None
+    """Where the lost blocks were (Dynamo's locality classes): ``peer`` (another DP rank of the chosen worker),
+    ``cache_owner`` (the rank the session last ran on), ``shared`` (another rank); None: nothing was lost."""
     admitted_ns: int | None = None
     """When the engine first scheduled it (start of that pass)."""
     engine_cached_tokens: int | None = None
