@@ -219,6 +219,49 @@ def _decode_truth(done: list[RequestRecord]) -> dict[str, Any]:
             "transferred_prompt_tokens": sum(r.isl for r in moved)}
 
 
+REGRET_BUCKET_S = 60
+"""Width of ``kvemu.routing.regret.over_time``'s buckets (by the routing decision's time)."""
+
+
+def _regret(data: RunData, records: list[RequestRecord]) -> dict[str, Any] | None:
+    """Routing regret against the engines' truth at each decision (Dynamo's locality-metrics proposal): lost =
+    best eligible rank's cached blocks - the chosen rank's, novel = prompt blocks - best; the ratio lost / (novel +
+    lost) overall and per minute, and the lost blocks by where they were. None: no truth (separate processes)."""
+    bs = data.block_size
+    t0 = min((r.arrival_ns for r in records), default=0)  # (the report's time zero: the first arrival)
+    lost = novel = with_loss = compared = 0
+    by_source: Counter[str] = Counter()
+    buckets: dict[int, list[int]] = {}
+    for rec in records:
+        chosen, best = rec.truth_overlap_blocks, rec.truth_best_overlap_blocks
+        if chosen is None or best is None or rec.routed_ns is None:
+            continue
+        compared += 1
+        miss = best - chosen
+        new = max(rec.isl // bs - best, 0)
+        lost += miss
+        novel += new
+        if miss > 0:
+            with_loss += 1
+            by_source[rec.regret_source or "shared"] += miss
+        bucket = buckets.setdefault((rec.routed_ns - t0) // (REGRET_BUCKET_S * NS_PER_S), [0, 0])
+        bucket[0] += miss
+        bucket[1] += new
+    if not compared:
+        return None
+    return {
+        "requests_compared": compared,
+        "requests_with_loss": with_loss,
+        "lost_blocks": lost,
+        "novel_blocks": novel,
+        "regret_ratio": _ratio(lost, novel + lost),
+        "recoverable_prefill_blocks": {k: by_source.get(k, 0) for k in ("peer", "cache_owner", "shared")},
+        "unrecoverable_prefill_blocks": novel,
+        "over_time": [{"t_s": b * REGRET_BUCKET_S, "regret_ratio": _ratio(m, m + n), "lost_blocks": m}
+                      for b, (m, n) in sorted(buckets.items())],
+    }
+
+
 def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
     truth = _prediction_truth(data, records, done)
     reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
@@ -231,6 +274,7 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
         "max_attempts": max((r.attempts for r in routed), default=0),
         "retried_requests": sum(r.attempts > 1 for r in routed),
         "dispatch_rejections": int(data.counters.get("dispatch_rejected", 0)),
+        "regret": _regret(data, records),
     }
     if "prefill" in data.pools:  # the figures above are the prefill pool's; each pool's own truth
         out["pools"] = {"prefill": truth, "decode": _decode_truth(done)}
