@@ -167,6 +167,7 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     ])
     if rt["reasons"]:
         out += ["", "Routing reasons: " + ", ".join(f"`{r}` {n}" for r, n in rt["reasons"].items()) + "."]
+    out += _regret_section(rt.get("regret"))
     out += ["", "## Session affinity", ""]
     if k["affinity"] is None:
         out += ["Affinity was off."]
@@ -224,3 +225,24 @@ def _lanes_lines(lanes: dict[str, Any]) -> list[str]:
                  [(phase, fmt(p["requests"]), fmt(p["completed_requests"]), fmt(p["failed_requests"]),
                    fmt(p["duration_ms"], " ms")) for phase, p in lanes["phases"].items()])
     return out + [""]
+
+
+def _regret_section(rg: dict[str, Any] | None) -> list[str]:
+    """Routing regret against the engines' truth at each decision (``kvemu.routing.regret``)."""
+    out = ["", "### Routing regret", ""]
+    if rg is None:
+        return out + ["No engine truth at the routing decisions (the engines ran in other processes)."]
+    src = rg["recoverable_prefill_blocks"]
+    out += ["At each decision the engines were read: *lost* blocks were cached on a better eligible rank than the "
+            "chosen one, *novel* blocks nowhere; regret = lost / (novel + lost), as Dynamo's locality-metrics "
+            "proposal defines it.", ""]
+    out += table(["figure", "value"], [
+        ("requests compared / with lost blocks", f"{fmt(rg['requests_compared'])} / {fmt(rg['requests_with_loss'])}"),
+        ("lost blocks (recoverable)", fmt(rg["lost_blocks"])),
+        ("… on a peer rank / the session's last rank / another rank",
+         f"{fmt(src['peer'])} / {fmt(src['cache_owner'])} / {fmt(src['shared'])}"),
+        ("novel blocks (unrecoverable)", fmt(rg["unrecoverable_prefill_blocks"])),
+        ("regret ratio", pct(rg["regret_ratio"])),
+    ])
+    return out
+
