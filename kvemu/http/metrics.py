@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
@@ -20,12 +20,14 @@ from kvemu.records import RequestRecord
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.router import Router
 
-__all__ = ["FrontMetrics", "RouterCollector", "LATENCY_BUCKETS"]
+__all__ = ["FrontMetrics", "RouterCollector", "LATENCY_BUCKETS", "REGRET_BUCKETS"]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _PREFIX = "dynamo_frontend"
+REGRET_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))
+"""Upper bounds of the regret-ratio histogram (Dynamo's ``router_kv_hit_rate`` steps of 0.05)."""
 
 
 class FrontMetrics:
@@ -100,11 +102,33 @@ class RouterCollector:
         self.engine_cached_tokens = 0
         self.completed = 0
         self.failed: dict[str, int] = {}
+        self.lost_blocks = 0
+        self.recoverable = {"peer": 0, "cache_owner": 0, "shared": 0}
+        self.unrecoverable_blocks = 0
+        self.regret_buckets = [0] * len(REGRET_BUCKETS)
+        self.regret_sum = 0.0
+        self.regret_count = 0
         hooks.subscribe(self._on_end, "completed", "failed")
         hooks.subscribe(self._on_routed, "routed")
 
     def _on_routed(self, ev: HookEvent) -> None:
-        self.predicted_cached_tokens += (ev.data or {}).get("overlap_blocks", 0) * self._router().core.block_size
+        bs = self._router().core.block_size
+        self.predicted_cached_tokens += (ev.data or {}).get("overlap_blocks", 0) * bs
+        rec = ev.record
+        if rec is None or rec.truth_overlap_blocks is None or rec.truth_best_overlap_blocks is None:
+            return
+        lost = rec.truth_best_overlap_blocks - rec.truth_overlap_blocks
+        novel = max(rec.isl // bs - rec.truth_best_overlap_blocks, 0)
+        self.unrecoverable_blocks += novel
+        if lost > 0:  # (Dynamo's proposal: the ratio of a request that lost something, in (0, 1])
+            self.lost_blocks += lost
+            self.recoverable[rec.regret_source or "shared"] += lost
+            ratio = lost / (novel + lost)
+            self.regret_sum += ratio
+            self.regret_count += 1
+            for i, bound in enumerate(REGRET_BUCKETS):
+                if ratio <= bound:
+                    self.regret_buckets[i] += 1
 
     def _on_end(self, ev: HookEvent) -> None:
         rec = ev.record
@@ -139,6 +163,7 @@ class RouterCollector:
         c.add_metric(["predicted"], self.predicted_cached_tokens)
         c.add_metric(["engine"], self.engine_cached_tokens)
         yield c
+        yield from self._regret()
         done = CounterMetricFamily("kvemu_router_requests", "Requests the router ended", labels=["outcome"])
         done.add_metric(["completed"], self.completed)
         for reason in sorted(self.failed):
@@ -150,3 +175,27 @@ class RouterCollector:
             for name, value in stats.as_dict().items():
                 kv.add_metric([str(wid), name], value)
         yield kv
+
+    def _regret(self) -> Iterator[Any]:
+        """Routing regret against the engines' truth (Dynamo's locality-metrics proposal, under kvemu's names)."""
+        lost = CounterMetricFamily("kvemu_router_overlap_blocks_lost", "Prompt blocks a better eligible rank had "
+                                   "cached than the chosen one, at each routing decision")
+        lost.add_metric([], self.lost_blocks)
+        yield lost
+        rec = CounterMetricFamily("kvemu_router_recoverable_prefill_blocks", "Lost blocks by where they were cached: "
+                                  "another rank of the chosen worker, the session's last rank, another rank",
+                                  labels=["source_class"])
+        for name, value in self.recoverable.items():
+            rec.add_metric([name], value)
+        yield rec
+        unrec = CounterMetricFamily("kvemu_router_unrecoverable_prefill_blocks", "Prompt blocks no eligible rank "
+                                    "had cached at the routing decision")
+        unrec.add_metric([], self.unrecoverable_blocks)
+        yield unrec
+        h = HistogramMetricFamily("kvemu_router_overlap_regret_ratio", "lost / (novel + lost) of each request that "
+                                  "lost blocks")
+        # (the counts are cumulative already: a ratio counts in every bucket whose bound is at least it)
+        h.add_metric([], [(str(b), n) for b, n in zip(REGRET_BUCKETS, self.regret_buckets)]
+                     + [("+Inf", self.regret_count)], sum_value=self.regret_sum)
+        yield h
+
