@@ -147,6 +147,9 @@ class DisaggRouter:
             record.prefill_worker_id, record.prefill_dp_rank = leg.worker_id, leg.dp_rank
             record.predicted_overlap_blocks = leg.predicted_overlap_blocks
             record.best_overlap_blocks = leg.best_overlap_blocks
+            record.truth_overlap_blocks = leg.truth_overlap_blocks
+            record.truth_best_overlap_blocks = leg.truth_best_overlap_blocks
+            record.regret_source = leg.regret_source
         _latest_leg_times(record, leg)
         if leg.failure is not None:
             if leg.worker_id is not None:  # whatever the leg left on its worker (running, or its KV held) goes
