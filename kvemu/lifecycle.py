@@ -46,8 +46,8 @@ from kvemu.routing_core import PreparedRequest, RoutingCore
 from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
-__all__ = ["Lifecycle", "LifecycleSettings", "TruthProbe", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED", "RUNNING",
-           "ENDED", "TRANSITIONS"]
+__all__ = ["Lifecycle", "LifecycleSettings", "TruthProbe", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED",
+           "RUNNING", "ENDED", "TRANSITIONS"]
 
 WAITING, QUEUED, AFFINITY, DISPATCHED, RUNNING, ENDED = "waiting", "queued", "affinity", "dispatched", "running", "ended"
 """Stages: waiting for a first worker, in the policy queue, waiting for a session's binding to settle,
@@ -70,11 +70,11 @@ holds it to this table."""
 log = logging.getLogger("kvemu.lifecycle")
 
 Send = Callable[[int, Dispatch | Abort], None]
+"""Delivers a message to a worker (by worker id): a ``Dispatch``, or an ``Abort`` for a cancelled request."""
 TruthProbe = Callable[[list[int], "tuple[tuple[int, int], ...]", tuple[int, int], "str | None"],
                       "tuple[int, int, str | None]"]
 """``truth(prompt sequence hashes, eligible ranks, chosen rank, session id)`` -> (chosen rank's cached blocks, the
 most any eligible rank has, where the lost blocks were: ``peer`` | ``cache_owner`` | ``shared`` | None)."""
-"""Delivers a message to a worker (by worker id): a ``Dispatch``, or an ``Abort`` for a cancelled request."""
 
 
 class LifecycleSettings:

@@ -30,7 +30,8 @@ def _routed(hooks: Hooks, isl: int, chosen: int | None, best: int | None, source
 
 def test_regret_counters_follow_the_truth_on_each_routed_request():
     hooks = Hooks()
-    collector = RouterCollector(lambda: SimpleNamespace(core=SimpleNamespace(block_size=16)), hooks)  # type: ignore[arg-type,return-value]
+    router = SimpleNamespace(core=SimpleNamespace(block_size=16))
+    collector = RouterCollector(lambda: router, hooks)  # type: ignore[arg-type,return-value]
     _routed(hooks, 160, 2, 6, "peer")        # 10 blocks: lost 4, novel 4 -> ratio 0.5
     _routed(hooks, 160, 0, 9, "cache_owner")  # lost 9, novel 1 -> 0.9
     _routed(hooks, 160, 5, 5, None)          # nothing lost, novel 5
