@@ -1,0 +1,53 @@
+"""Which router replica a request reaches (``router.replica_front``), as the load balancer in front of them picks.
+
+* ``round_robin``: replicas in turn.
+* ``random``: uniformly, from this front's own seeded generator.
+* ``session``: a hash of the session id, so every turn of a session reaches one replica (the consistent hashing
+  vllm-router and SGLang's gateway offer on a session header); a request without a session goes round robin.
+
+Sans-IO and deterministic: the same requests in the same order reach the same replicas.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+import xxhash
+
+from kvemu.errors import InvalidArgument
+
+__all__ = ["ReplicaFront", "FRONT_MODES", "FrontMode"]
+
+FrontMode = Literal["round_robin", "random", "session"]
+FRONT_MODES: tuple[FrontMode, ...] = ("round_robin", "random", "session")
+
+
+class ReplicaFront:
+    """Picks one of ``replicas`` router replicas per request."""
+
+    __slots__ = ("replicas", "mode", "_next", "_rng")
+
+    def __init__(self, replicas: int, mode: FrontMode = "round_robin", seed: int = 0) -> None:
+        if not isinstance(replicas, int) or replicas < 1:
+            raise InvalidArgument(f"router.replicas must be an integer >= 1, got {replicas!r}", field="replicas")
+        if mode not in FRONT_MODES:
+            raise InvalidArgument(f"router.replica_front must be one of {', '.join(FRONT_MODES)}, got {mode!r}",
+                                  field="replica_front")
+        self.replicas = replicas
+        self.mode = mode
+        self._next = 0
+        self._rng = random.Random(f"kvemu-replica-front:{seed}")
+
+    def pick(self, session_id: str | None = None) -> int:
+        """The replica for the next request (of ``session_id``, if it has one)."""
+        n = self.replicas
+        if n == 1:
+            return 0
+        if self.mode == "session" and session_id is not None:
+            return xxhash.xxh3_64_intdigest(session_id.encode()) % n
+        if self.mode == "random":
+            return self._rng.randrange(n)
+        i = self._next
+        self._next = (i + 1) % n
+        return i

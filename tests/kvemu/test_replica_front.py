@@ -1,0 +1,44 @@
+"""ReplicaFront: how requests spread over router replicas."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvemu.errors import InvalidArgument
+from kvemu.replica_front import ReplicaFront
+
+
+def test_round_robin_takes_replicas_in_turn():
+    front = ReplicaFront(3)
+    assert [front.pick(f"s{i}") for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_session_hashing_keeps_a_session_on_one_replica_and_spreads_sessions():
+    front = ReplicaFront(4, "session")
+    picks = {s: front.pick(s) for s in (f"session-{i}" for i in range(400))}
+    assert all(front.pick(s) == r for s, r in picks.items())  # every later turn lands where the first did
+    counts = Counter(picks.values())
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 60
+    assert [front.pick(None) for _ in range(3)] == [0, 1, 2]  # no session: round robin
+
+
+def test_random_is_seeded_and_uniform():
+    a = [ReplicaFront(4, "random", seed=5).pick() for _ in range(1)]
+    fa, fb, fc = ReplicaFront(4, "random", seed=5), ReplicaFront(4, "random", seed=5), ReplicaFront(4, "random", 6)
+    sa = [fa.pick() for _ in range(400)]
+    assert sa == [fb.pick() for _ in range(400)] and sa != [fc.pick() for _ in range(400)] and a == sa[:1]
+    assert min(Counter(sa).values()) > 70
+
+
+def test_one_replica_always_gets_everything():
+    assert {ReplicaFront(1, mode).pick("s") for mode in ("round_robin", "random", "session")} == {0}
+
+
+@pytest.mark.parametrize("kwargs, field", [({"replicas": 0}, "replicas"), ({"replicas": 2, "mode": "hash"},
+                                                                              "replica_front")])
+def test_bad_settings_name_their_field(kwargs, field):
+    with pytest.raises(InvalidArgument) as exc:
+        ReplicaFront(**kwargs)
+    assert exc.value.field == field
