@@ -73,7 +73,7 @@ class MemoryKvPublisher(LoggedPublisher):
 
 
 class MemoryKvBus:
-    """Connects the in-memory publishers of all workers to one router intake."""
+    """Connects the in-memory publishers of all workers to the router's intake (one per router replica)."""
 
     def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000,
                  wire_check: bool = False, hash_form: str = "int") -> None:
@@ -87,7 +87,8 @@ class MemoryKvBus:
         self.hash_form = hash_form
         """Block hashes in wire-check bytes: ``int`` or ``bytes`` (digests, vLLM >= 0.11)."""
         self.buffer_steps = buffer_steps
-        self._intake: Deliver | None = None
+        self._intakes: dict[int, Deliver] = {}
+        self._deliver_to: list[Deliver] = []  # the intakes in replica order
         self._publishers: dict[tuple[int, int], MemoryKvPublisher] = {}
 
     @property
@@ -103,9 +104,11 @@ class MemoryKvBus:
         for pub in self._publishers.values():
             pub.lag_ns = value
 
-    def connect(self, intake: Deliver) -> None:
-        """Where delivered batches go (the router)."""
-        self._intake = intake
+    def connect(self, intake: Deliver, replica: int = 0) -> None:
+        """Where delivered batches go: one router replica's intake (connecting a replica again replaces its intake:
+        a restarted router). Every replica gets every batch, in replica order."""
+        self._intakes[replica] = intake
+        self._deliver_to = [self._intakes[k] for k in sorted(self._intakes)]
 
     def publisher(self, worker_id: int, dp_rank: int) -> MemoryKvPublisher:
         """The publisher of one rank (created on first use)."""
@@ -126,6 +129,5 @@ class MemoryKvBus:
             del self._publishers[key]
 
     def _deliver(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
-        intake = self._intake
-        if intake is not None:
+        for intake in self._deliver_to:
             intake(worker_id, dp_rank, seq, payload)

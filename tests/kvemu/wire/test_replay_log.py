@@ -63,3 +63,18 @@ def test_a_lagging_publisher_numbers_its_batches_when_it_publishes_them_in_order
     run_virtual(main, clock)
     # rank 0's second batch waits for its first (order kept), rank 1's goes after the shorter lag
     assert got == [(2_000_000, 1, 0), (5_000_000, 0, 0), (5_000_000, 0, 1)]
+
+
+def test_every_router_replica_gets_every_batch_and_a_restarted_one_replaces_its_intake():
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.kv_events import AllBlocksCleared, KVEventBatch
+
+    bus = MemoryKvBus()
+    got: dict[str, list[tuple[int, int]]] = {"a": [], "b": [], "b2": []}
+    bus.connect(lambda w, r, seq, payload: got["b"].append((w, seq)), replica=1)
+    bus.connect(lambda w, r, seq, payload: got["a"].append((w, seq)), replica=0)
+    batch = KVEventBatch(ts=0.0, events=[AllBlocksCleared()])
+    bus.publisher(3, 0).publish(batch)
+    bus.connect(lambda w, r, seq, payload: got["b2"].append((w, seq)), replica=1)  # replica 1 restarted
+    bus.publisher(3, 0).publish(batch)
+    assert got == {"a": [(3, 0), (3, 1)], "b": [(3, 0)], "b2": [(3, 1)]}
