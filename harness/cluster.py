@@ -18,12 +18,16 @@ import anyio
 import msgspec
 
 from kvemu.affinity import SessionAffinity
-from kvemu.clock import NS_PER_MS, Clock, ManualClock
+from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
 from kvemu.hooks import Hooks
-from kvemu.runtime.kv_bus import MemoryKvBus
+from kvemu.hooks import HookEvent
+from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
+from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus
+from kvemu.runtime.replica_link import ReplicaEnds
+from kvemu.runtime.replica_sync_bus import MemorySyncBus
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
@@ -165,7 +169,18 @@ class Cluster:
         """How late every publisher publishes (``router.kv_event_lag_ms``; chaos changes it)."""
         self._next_id = 0
         self._make_router: Any = None
-        self._router_scope = anyio.CancelScope()
+        self._router_scopes: dict[int, anyio.CancelScope] = {}
+        self.replicas: list[Router] = []
+        """The aggregated pool's router replicas (``router.replicas``); ``router`` is the first."""
+        self.replica_nets: list[MemoryNetwork] = []
+        """Virtual time, several replicas: each replica's network to the workers."""
+        self.feeds: list[FeedTap] = []
+        """Virtual time, several replicas: each replica's KV feed (chaos drops or delays one)."""
+        self.sync: MemorySyncBus | None = None
+        """The replicas' booking announcements (``router.replica_sync``), or None."""
+        self.restarts: list[int] = []
+        """Per replica, times it was restarted."""
+        self._truth = RoutingTruth(self.core)  # (one for the cluster: which rank a session last ran on is a fact)
 
     @property
     def mode(self) -> str:
@@ -190,19 +205,26 @@ class Cluster:
             for pub in pubs:
                 pub.lag_ns = lag_ns
 
-    async def restart_router(self) -> None:
-        """Chaos: the router process dies and a new one starts on the same address.
+    async def restart_router(self, replica: int = 0) -> None:
+        """Chaos: a router process (replica ``replica``) dies and a new one starts on the same address.
 
         Requests it held end with ``router_restart``; workers register again when the new router
-        hears from them, and it rebuilds its index from their KV-event replay buffers.
+        hears from them, and it rebuilds its index from their KV-event replay buffers. Its load view starts
+        empty: with replica sync it hears only what the others announce from now on.
         """
         if self.scenario.cluster.disaggregated:
             raise ValueError("restart_router is not supported for disaggregated clusters yet")
-        old = self.router
-        old.stop()
-        self._router_scope.cancel()
-        self.router = self.front = self.routers["aggregated"] = self._make_router()
-        await self._start_router(self.router)
+        if not 0 <= replica < len(self.replicas):
+            raise ValueError(f"replica {replica} does not exist (router.replicas is {len(self.replicas)})")
+        self.replicas[replica].stop()
+        self._router_scopes.pop(replica).cancel()
+        new = self.replicas[replica] = self._make_router(replica)
+        self.restarts[replica] += 1
+        if replica == 0:
+            self.router = self.routers["aggregated"] = new
+            if len(self.replicas) == 1:
+                self.front = new
+        await self._start_router(new, replica)
 
     def sync_workers(self) -> None:
         """Virtual time: bring the engines of every worker that defers KV events to now and publish them."""
@@ -224,13 +246,14 @@ class Cluster:
             return None
         return actor.worker.core(dp_rank)
 
-    async def _start_router(self, router: Router) -> None:
+    async def _start_router(self, router: Router, replica: int = 0) -> None:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
             router.sync_before_select(self.sync_workers)
         if router.pool != DECODE:  # (a decode leg's KV comes by transfer: no prefix to choose by)
-            router.lifecycle.truth = RoutingTruth(self.core)
+            router.lifecycle.truth = self._truth
         scope = anyio.CancelScope()
-        self._router_scope = scope
+        if router.pool != DECODE:
+            self._router_scopes[replica] = scope
         started = anyio.Event()
 
         async def serve() -> None:
@@ -257,14 +280,17 @@ class Cluster:
         worker_type = worker_type_of(spec, pool)
         router = self.routers[pool]
         mock = MockWorker(engine_config(spec, pool), worker_id=wid)
+        many = pool == AGGREGATED and len(self.replicas) > 1
         if self.mode == "virtual":
-            end = self.nets[pool].worker_end(wid)
+            end = (self._replica_ends([net.worker_end(wid) for net in self.replica_nets]) if many
+                   else self.nets[pool].worker_end(wid))
             pubs: list[Any] = [self.buses[pool].publisher(wid, r) for r in range(dp_size)]
             self.kv_publishers[wid] = pubs
             actor = WorkerActor(mock, end, self.clock, pubs, mode="virtual",
                                 heartbeat_interval_s=spec.heartbeat_interval_s, worker_type=worker_type)
         else:
-            end = ZmqWorkerEnd(router.end.endpoint, wid)  # type: ignore[attr-defined]
+            end = (self._replica_ends([ZmqWorkerEnd(r.end.endpoint, wid) for r in self.replicas]) if many  # type: ignore[attr-defined]
+                   else ZmqWorkerEnd(router.end.endpoint, wid))  # type: ignore[attr-defined]
             pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
                                      vllm_version=spec.kv_events_version, hash_form=spec.kv_events_hash_form)
                     for r in range(dp_size)]
@@ -290,14 +316,18 @@ class Cluster:
 
         self._tg.start_soon(serve)
         with anyio.fail_after(30):  # woken by each registration: in virtual time, starting takes no time
-            while wid not in self.routers[pool].workers:
-                router = self.routers[pool]
-                if router.registered.is_set():
-                    router.registered = anyio.Event()
-                await router.registered.wait()
+            for router in (self.replicas if many else [self.routers[pool]]):
+                while wid not in router.workers:
+                    if router.registered.is_set():
+                        router.registered = anyio.Event()
+                    await router.registered.wait()
         self.starting.discard(wid)
         self._changed()
         return wid
+
+    def _replica_ends(self, ends: list[Any]) -> ReplicaEnds:
+        """A worker's one link over every replica's end (it keeps each replica hearing from it)."""
+        return ReplicaEnds(ends, self.clock.now_ns, round(self.scenario.cluster.heartbeat_interval_s * NS_PER_S))
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -329,8 +359,30 @@ class Cluster:
         self.leaving.discard(worker_id)
         self._changed()
         await actor.end.aclose()
+        bus = self.buses.get(self.worker_pool[worker_id])
+        if bus is not None and len(self.replicas) > 1:  # (not when one replica drops it: the rest still replay)
+            bus.forget(worker_id)
         for pub in self._publishers.pop(worker_id, []):
             pub.close(drain_timeout_s=0)
+
+
+REQUEST_KINDS = ("request_arrived", "routed", "dispatch_accepted", "dispatch_rejected", "queued", "first_token",
+                 "tokens", "completed", "failed")
+"""What a second router replica tells the run's hooks: its requests' steps (its view of the workers and of the KV
+events is its own: ``kvemu.replicas`` in the summary)."""
+
+
+def _request_hooks(hooks: Hooks) -> Hooks:
+    """Hooks that pass a replica's request events on to ``hooks`` (the kinds ``hooks`` wants) and keep the rest."""
+    own = Hooks()
+
+    def forward(ev: HookEvent) -> None:
+        hooks.emit(ev)
+
+    kinds = [k for k in REQUEST_KINDS if hooks.wants(k)]
+    if kinds:
+        own.subscribe(forward, *kinds)
+    return own
 
 
 class _Started:
@@ -354,37 +406,65 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     """
     c = Cluster(scenario, clock, hooks)
     spec, rspec = scenario.cluster, scenario.router
-    ends: dict[str, Any] = {}
+    n = rspec.replicas
+    ends: dict[str, list[Any]] = {}
     for pool in spec.pools():
         if scenario.run.mode == "virtual":
             assert isinstance(clock, ManualClock)
-            net = c.nets[pool] = MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS),
-                                               wire_check=spec.kv_wire_check)
+            nets = [MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS), wire_check=spec.kv_wire_check)
+                    for _ in range(n if pool == AGGREGATED else 1)]
+            c.nets[pool] = nets[0]
+            if len(nets) > 1:
+                c.replica_nets = nets
             c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check,
                                         hash_form=spec.kv_events_hash_form)
-            ends[pool] = net.router_end()
+            ends[pool] = [net.router_end() for net in nets]
         else:
             assert not clock.is_virtual
-            ends[pool] = ZmqRouterEnd("tcp://127.0.0.1:0")
+            ends[pool] = [ZmqRouterEnd("tcp://127.0.0.1:0") for _ in range(n if pool == AGGREGATED else 1)]
+    taps = n > 1 or any(ev.replica is not None and ev.action != "restart_router" for ev in scenario.chaos)
+    if n > 1 and rspec.replica_sync.enabled:
+        c.sync = MemorySyncBus(clock, round(rspec.replica_sync.delay_ms * NS_PER_MS))
 
-    def make(pool: str) -> Router:
+    def make(pool: str, replica: int = 0) -> Router:
         bus = c.buses.get(pool)
-        router = pool_router(scenario, pool, clock=clock, end=ends[pool], hooks=hooks,
-                             kv_replay=bus.replay if bus else None, on_worker_removed=bus.forget if bus else None,
+        router = pool_router(scenario, pool, clock=clock, end=ends[pool][replica],
+                             hooks=hooks if replica == 0 else _request_hooks(hooks),
+                             kv_replay=bus.replay if bus else None,
+                             on_worker_removed=bus.forget if bus and n == 1 else None,
                              zmq_kv_events=bus is None and pool != DECODE)
         if bus is not None and pool != DECODE:
-            bus.connect(router.kv_intake)
+            if taps:
+                feed = FeedTap(router.kv_intake)
+                if replica < len(c.feeds):  # a restarted replica: its feed's faults stay (they are the network's)
+                    old = c.feeds[replica]
+                    feed.drop_next, feed.lag_ns, feed.dropped = old.drop_next, old.lag_ns, old.dropped
+                    c.feeds[replica] = feed
+                else:
+                    c.feeds.append(feed)
+                bus.connect(feed, replica=replica)
+            else:
+                bus.connect(router.kv_intake)
+        if c.sync is not None:
+            c.sync.attach(replica, router.core, router.lifecycle.capacity_changed)
         return router
 
     c.routers, c.front = compose_pools(spec, make, clock=clock, hooks=hooks, retry_limit=rspec.settings().retry_limit)
     first = next(iter(c.routers))
     c.router = c.routers[first]
     c.net, c.bus = c.nets.get(first), c.buses.get(first)
-    c._make_router = lambda: make(AGGREGATED)
+    c._make_router = lambda replica: make(AGGREGATED, replica)
+    if not spec.disaggregated:
+        c.replicas = [c.router] + [make(AGGREGATED, i) for i in range(1, n)]
+        if n > 1:
+            c.front = ReplicaFrontDoor(c.replicas, ReplicaFront(n, rspec.replica_front, scenario.run.seed))  # type: ignore[arg-type]
+    c.restarts = [0] * n
     async with anyio.create_task_group() as tg:
         c._tg = tg
         for router in c.routers.values():
             await c._start_router(router)
+        for i in range(1, len(c.replicas)):
+            await c._start_router(c.replicas[i], i)
         for pool, (n, _, _) in spec.pools().items():
             for _ in range(n):
                 await c.add_worker(pool)
@@ -395,5 +475,5 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     for wid in list(c._publishers):
         for pub in c._publishers.pop(wid):
             pub.close(drain_timeout_s=0)
-    for router in c.routers.values():
+    for router in [*c.routers.values(), *c.replicas[1:]]:
         await router.end.aclose()

@@ -21,6 +21,7 @@ from kvemu.runtime.loop import run_live, run_virtual
 from harness.autoscaler import AutoscalerShell
 from harness.chaos import worker_chaos
 from harness.cluster import Cluster, cluster
+from harness.replica_stats import replica_stats
 from harness.report.recorder import Recorder
 from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_sizes, routing_block_size, samples,
                            speculative_settings)
@@ -133,7 +134,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         pools=pool_sizes(scenario.cluster), speculative=speculative_settings(scenario.cluster), sla=scenario.run.sla,
         concurrency=scenario.workload.concurrency,
         autoscale=shell.log if shell is not None else None,
-        lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
+        replicas=state.get("replicas"), lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
@@ -195,7 +196,8 @@ async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hoo
         finally:
             routers = list(c.routers.values())
             state["kv_stats"] = kv_stats(routers)
-            affinity = affinity_stats(routers)
+            state["replicas"] = replica_stats(c)
+            affinity = affinity_stats([*routers, *c.replicas[1:]])  # (every replica binds its own sessions)
             if affinity is not None:
                 state["affinity"] = affinity
             state["ranks"].update(c.ranks())
@@ -230,10 +232,14 @@ async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
     elif ev.action == "remove_worker":
         target = ev.worker if ev.worker is not None else min(w for w in c.workers if w not in c.leaving)
         await c.remove_worker(target, graceful=ev.graceful)
+    elif ev.action == "delay_kv_events" and ev.replica is not None:
+        c.feeds[ev.replica].lag_ns = round(ev.lag_ms * NS_PER_MS)  # that replica's feed alone
     elif ev.action == "delay_kv_events":
         c.set_kv_lag(round(ev.lag_ms * NS_PER_MS))  # every publisher, present and future
+    elif ev.action == "drop_kv_events" and ev.replica is not None:
+        c.feeds[ev.replica].drop_next += ev.count
     elif ev.action == "restart_router":
-        await c.restart_router()
+        await c.restart_router(ev.replica or 0)
     else:  # the worker applies it to itself, as a worker process does when the router forwards it
         target = ev.worker if ev.worker is not None else min(c.workers)
         actor = c.workers.get(target)

@@ -838,6 +838,8 @@ def _prompt(req: ClientRequest) -> Any:
 
 
 def _validate(req: ClientRequest) -> str | None:
+    if req.request_id.startswith("\x00"):  # (the load view keys peer replicas' bookings so)
+        return "request_id must not start with a NUL character"
     if not _prompt(req):
         return "tokens: the prompt is empty"
     if req.max_tokens < 1:

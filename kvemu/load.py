@@ -127,6 +127,11 @@ class LoadTracker:
         b = self._bookings.get(request_id)
         return None if b is None else b.key
 
+    def booked_ns(self, request_id: str) -> int | None:
+        """When a request was booked (``now_ns`` given to ``add``), or ``None``."""
+        b = self._bookings.get(request_id)
+        return None if b is None else b.created_ns
+
     def add(
         self,
         request_id: str,

@@ -11,13 +11,14 @@ Sans-IO and deterministic: the same requests in the same order reach the same re
 from __future__ import annotations
 
 import random
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
 
 import xxhash
 
 from kvemu.errors import InvalidArgument
 
-__all__ = ["ReplicaFront", "FRONT_MODES", "FrontMode"]
+__all__ = ["ReplicaFront", "ReplicaFrontDoor", "FRONT_MODES", "FrontMode"]
 
 FrontMode = Literal["round_robin", "random", "session"]
 FRONT_MODES: tuple[FrontMode, ...] = ("round_robin", "random", "session")
@@ -51,3 +52,35 @@ class ReplicaFront:
         i = self._next
         self._next = (i + 1) % n
         return i
+
+
+class Front(Protocol):
+    """What a replica is to the front door: something requests are submitted to and cancelled at."""
+
+    def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any: ...
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool: ...
+
+
+class ReplicaFrontDoor:
+    """The load balancer in front of router replicas, in one process: each request goes to the replica
+    ``ReplicaFront`` picks, and its cancel to the same one. ``replicas[i]`` may be replaced (a restarted replica)."""
+
+    def __init__(self, replicas: list[Front], front: ReplicaFront) -> None:
+        if len(replicas) != front.replicas:
+            raise InvalidArgument(f"{len(replicas)} replicas for a front of {front.replicas}", field="replicas")
+        self.replicas = replicas
+        self.front = front
+        self.replica_of: dict[str, int] = {}
+        """Each request id submitted: the replica it went to (the report groups by it)."""
+
+    def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any:
+        """Submit ``req`` to its replica; returns that replica's record."""
+        i = self.front.pick(req.session_id)
+        self.replica_of[req.request_id] = i
+        return self.replicas[i].submit(req, on_end)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Cancel a request at the replica it went to (False: unknown, or over)."""
+        i = self.replica_of.get(request_id)
+        return i is not None and self.replicas[i].cancel(request_id, reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from kvemu.affinity import AffinityMode, Hold, SessionAffinity, Wait
 from kvemu.approx import ApproxIndex
@@ -29,7 +30,17 @@ from kvemu.registry import DEFAULT_MAX_NUM_BATCHED_TOKENS, WorkerRegistry, Worke
 from kvemu.selector import DefaultWorkerSelector, Selection, TierHits, evaluate, taint_factors
 from kvemu.tier_index import TierIndex
 
-__all__ = ["PreparedRequest", "RoutingCore"]
+__all__ = ["PreparedRequest", "RoutingCore", "LoadListener"]
+
+
+class LoadListener(Protocol):
+    """What ``RoutingCore`` tells about its load view's changes (``kvemu.replica_sync.SyncOutbox``)."""
+
+    def booked(self, request_id: str, key: WorkerKey, blocks: list[int], prefill_tokens: int) -> None: ...
+
+    def prefill_done(self, request_id: str) -> None: ...
+
+    def freed(self, request_id: str) -> None: ...
 
 
 class PreparedRequest:
@@ -108,6 +119,8 @@ class RoutingCore:
         self.approx: ApproxIndex | None = None
         self.groups: GroupBlocks | None = None
         """Hybrid engines' non-main KV cache groups (``kvemu.group_index``), from their first tagged event."""
+        self.load_listener: LoadListener | None = None
+        """Told every booking, prefill completion and free (router replicas announce them: ``kvemu.replica_sync``)."""
         self.tier_indexes: dict[StorageTier, TierIndex] = {}
         """Lower-tier (host, disk, external) prefix indexes, created by the first event for a tier."""
         if self.config.use_kv_events:
@@ -409,16 +422,25 @@ class RoutingCore:
                 blocks = [self.rng.getrandbits(64) for _ in blocks]
         prefill = selection.prefill_tokens if config.router_track_prefill_tokens else 0
         self.load.add(request_id, selection.key, blocks, prefill, now_ns=self.clock.now_ns())
+        listener = self.load_listener
+        if listener is not None:
+            listener.booked(request_id, selection.key, list(blocks), prefill)
         if self.approx is not None:
             self.approx.record(selection.worker_id, selection.dp_rank, request.local_hashes, request.seq_hashes)
 
     def prefill_complete(self, request_id: str) -> bool:
         """The request's first token arrived: its prefill no longer loads the rank."""
-        return self.load.mark_prefill_completed(request_id)
+        done = self.load.mark_prefill_completed(request_id)
+        if done and self.load_listener is not None:
+            self.load_listener.prefill_done(request_id)
+        return done
 
     def free(self, request_id: str) -> WorkerKey | None:
         """The request finished (or failed): release its load; returns the rank it was on."""
-        return self.load.free(request_id)
+        key = self.load.free(request_id)
+        if key is not None and self.load_listener is not None:
+            self.load_listener.freed(request_id)
+        return key
 
     def note_output(self, request_id: str, isl: int, before: int, after: int, osl: int | None = None) -> None:
         """The response grew from ``before`` to ``after`` tokens: with ``router_track_output_blocks`` each

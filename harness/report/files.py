@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,34 +26,26 @@ from harness.report.summary import dumps_summary, sorted_records, summarize
 from harness.report.markdown import render_markdown
 
 
-class _SlaRow(RequestRecord, kw_only=True, gc=False, repr_omit_defaults=True):
-    """A requests.jsonl row of a run with an SLA: the record, then whether it met the SLA."""
-
-    met_sla: bool = False
-
-
-class _PhaseRow(RequestRecord, kw_only=True, gc=False, repr_omit_defaults=True):
-    """A requests.jsonl row of a run on lanes: the record, then its phase."""
-
-    phase: str
-
-
-class _SlaPhaseRow(_SlaRow, kw_only=True, gc=False, repr_omit_defaults=True):
-    phase: str
-
-
 def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None = None,
-                   phases: dict[str, str] | None = None) -> int:
+                   phases: dict[str, str] | None = None, replica_of: dict[str, int] | None = None) -> int:
     """Write one msgspec-encoded record per line (field order of ``RequestRecord``, then ``met_sla`` when the
-    run has an SLA, then ``phase`` when it ran on lanes), by arrival then id."""
+    run has an SLA, ``phase`` when it ran on lanes, ``router_replica`` when it had router replicas), by arrival then
+    id."""
     ordered: list[RequestRecord] = sorted_records(records)
+    encoder = msgspec.json.Encoder(enc_hook=sequences_as_lists)
+    columns: list[tuple[bytes, Callable[[RequestRecord], object]]] = []
+    if sla is not None:
+        columns.append((b',"met_sla":', sla.met))
     if phases is not None:
-        ordered = [(_SlaPhaseRow(**msgspec.structs.asdict(r), met_sla=sla.met(r), phase=phases.get(r.request_id, "profile"))
-                    if sla is not None else _PhaseRow(**msgspec.structs.asdict(r),
-                                                       phase=phases.get(r.request_id, "profile"))) for r in ordered]
-    elif sla is not None:
-        ordered = [_SlaRow(**msgspec.structs.asdict(r), met_sla=sla.met(r)) for r in ordered]
-    path.write_bytes(msgspec.json.Encoder(enc_hook=sequences_as_lists).encode_lines(ordered))
+        columns.append((b',"phase":', lambda r: phases.get(r.request_id, "profile")))
+    if replica_of is not None:
+        columns.append((b',"router_replica":', lambda r: replica_of.get(r.request_id)))
+    if not columns:
+        path.write_bytes(encoder.encode_lines(ordered))
+    else:  # (the record's object, its closing brace replaced by the extra columns)
+        encode = encoder.encode
+        path.write_bytes(b"".join(encode(r)[:-1] + b"".join(key + encode(column(r)) for key, column in columns)
+                                  + b"}\n" for r in ordered))
     return len(ordered)
 
 
@@ -116,7 +108,8 @@ def _write_files(data: RunData, summary: dict[str, Any], outdir: Path) -> None:
     finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
     try:
         (outdir / "summary.json").write_text(dumps_summary(summary))
-        write_requests(data.records, outdir / "requests.jsonl", data.sla, data.phases)
+        write_requests(data.records, outdir / "requests.jsonl", data.sla, data.phases,
+                       data.replicas["replica_of"] if data.replicas is not None else None)
     finally:
         plots = finish_plots()  # the renderer is done with this job either way
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))

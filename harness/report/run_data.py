@@ -74,6 +74,10 @@ class RunData(msgspec.Struct, kw_only=True):
     phases: dict[str, str] | None = None
     """With lanes: each request's phase (``primer``, ``warmup``, ``profile``); the headline figures are the
     profile's, and requests.jsonl gives each row's ``phase``."""
+    replicas: dict[str, Any] | None = None
+    """Router replicas (``router.replicas`` > 1): ``count``, ``front``, ``sync``, ``replica_of`` (request id -> the
+    replica it reached), ``per_replica`` (each replica's own counters: KV feed, sync, restarts) and ``chaos`` (the
+    timeline's events, for the plot's marks); None: one router."""
     speculative: dict[str, Any] | None = None
     """The decoding engines' speculative-decoding settings (``workers.config.SpeculativeConfig`` as a dict; None:
     off): the summary then reports acceptance and the gaps between passes."""

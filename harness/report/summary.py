@@ -262,10 +262,41 @@ def _regret(data: RunData, records: list[RequestRecord]) -> dict[str, Any] | Non
     }
 
 
+def _replicas(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
+    """Router replicas: per replica its requests, the reuse its engines found, its routing regret (as
+    ``kvemu.routing.regret``, of its decisions alone) and its own counters."""
+    rep = data.replicas
+    assert rep is not None
+    of: dict[str, int] = rep["replica_of"]
+    mine: list[list[RequestRecord]] = [[] for _ in range(rep["count"])]
+    for rec in records:
+        i = of.get(rec.request_id)
+        if i is not None:
+            mine[i].append(rec)
+    per = []
+    for row, recs in zip(rep["per_replica"], mine):
+        done = [r for r in recs if r.done]
+        reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
+                     for r in done)
+        regret = _regret(data, recs)
+        per.append({
+            "replica": row["replica"],
+            "requests": len(recs),
+            "completed_requests": len(done),
+            "failed_requests": sum(r.failure is not None for r in recs),
+            "prefix_cache_reused_ratio": _ratio(reused, sum(r.isl for r in done)),
+            "regret_ratio": regret["regret_ratio"] if regret is not None else None,
+            "regret": regret,
+            **{k: v for k, v in row.items() if k != "replica"},
+        })
+    return {"count": rep["count"], "front": rep["front"], "sync": rep["sync"], "per_replica": per}
+
+
 def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
     truth = _prediction_truth(data, records, done)
     reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
     routed = [r for r in records if r.attempts > 0]
+    regret = _regret(data, records)
     out = {
         **truth,
         "reasons": dict(sorted(reasons.items())),
@@ -274,7 +305,8 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
         "max_attempts": max((r.attempts for r in routed), default=0),
         "retried_requests": sum(r.attempts > 1 for r in routed),
         "dispatch_rejections": int(data.counters.get("dispatch_rejected", 0)),
-        "regret": _regret(data, records),
+        "regret": regret,
+        "regret_ratio": regret["regret_ratio"] if regret is not None else None,
     }
     if "prefill" in data.pools:  # the figures above are the prefill pool's; each pool's own truth
         out["pools"] = {"prefill": truth, "decode": _decode_truth(done)}
@@ -439,6 +471,8 @@ def summarize(data: RunData) -> dict[str, Any]:
         summary["kvemu"]["autoscaler"] = autoscale_summary(data.autoscale)
     if data.speculative is not None:
         summary["kvemu"]["speculative"] = _speculative(data.speculative, done)
+    if data.replicas is not None:
+        summary["kvemu"]["replicas"] = _replicas(data, records)
     if data.lanes is not None:
         summary["kvemu"]["lanes"] = _lanes(data.lanes, data.phases or {}, every)
     exits = {str(e["worker_id"]): str(e["reason"])[len(EXITED) + 2:-1] for e in data.worker_events

@@ -46,6 +46,12 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         if not _NAME.fullmatch(self.name):
             raise InvalidArgument(f"{self.name!r} is not a plain name: up to 100 letters, digits, '.', '_' or '-', "
                                   "starting with a letter or digit (it names the output directory)", field="name")
+        if self.router.replicas > 1 and self.cluster.disaggregated:
+            raise InvalidArgument("router.replicas > 1 with a disaggregated cluster is not supported yet: run the "
+                                  "replicas in front of an aggregated cluster", field="router.replicas")
+        if self.router.replicas > 1 and self.autoscaler is not None:
+            raise InvalidArgument("router.replicas > 1 with an autoscaler is not supported yet (it reads one router's "
+                                  "load view)", field="router.replicas")
         _check_chaos(self)
         if self.autoscaler is not None:
             _check_autoscaler(self, self.autoscaler)
@@ -77,6 +83,10 @@ def _check_chaos(s: Scenario) -> None:
         if ev.action == "restart_router" and s.cluster.disaggregated:
             raise InvalidArgument(f"{at}: restarting the routers of a disaggregated cluster is not supported yet",
                                   field=f"chaos[{i}].action")
+        if ev.replica is not None:
+            _check_replica_target(s, ev, at, f"chaos[{i}].replica")
+            if ev.action in ("drop_kv_events", "delay_kv_events"):
+                continue  # (a replica's feed: no worker)
         if ev.action not in _WORKER_ACTIONS:
             if ev.worker is not None:
                 raise InvalidArgument(f"{at} takes no worker" + (f" (the new worker will be {next_id})"
@@ -104,6 +114,22 @@ def _check_chaos(s: Scenario) -> None:
                                   "DP ranks)", field=f"chaos[{i}].dp_rank")
         if ev.action == "remove_worker":
             live.remove(target)
+
+
+def _check_replica_target(s: Scenario, ev: ChaosEvent, at: str, field: str) -> None:
+    """A chaos event aimed at one router replica: the replica exists, the action hits a replica, and a replica's
+    KV feed can be faulted (its batches pass through this process only in virtual mode)."""
+    if ev.action not in ("restart_router", "drop_kv_events", "delay_kv_events"):
+        raise InvalidArgument(f"{at} takes no replica (replica targets: restart_router, drop_kv_events, "
+                              "delay_kv_events)", field=field)
+    if ev.replica is not None and ev.replica >= s.router.replicas:
+        raise InvalidArgument(f"{at}: replica {ev.replica} does not exist (router.replicas is {s.router.replicas})",
+                              field=field)
+    if ev.action != "restart_router" and ev.worker is not None:
+        raise InvalidArgument(f"{at}: give a worker or a replica, not both", field=field)
+    if ev.action != "restart_router" and s.run.mode != "virtual":
+        raise InvalidArgument(f"{at}: faulting one replica's KV feed needs run.mode virtual (live, each replica "
+                              "subscribes to the workers' publishers itself)", field=field)
 
 
 def _check_autoscaler(s: Scenario, a: AutoscalerSpec) -> None:

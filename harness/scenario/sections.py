@@ -20,6 +20,7 @@ from kvemu.autoscale.config import AutoscaleConfig
 from kvemu.clock import NS_PER_MS
 from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument
+from kvemu.replica_sync import MAX_REPLICAS
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, STORED_FIELDS, profile_for
@@ -216,6 +217,15 @@ class AffinitySpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     mode: Literal["hard", "soft"] = "hard"
 
 
+class ReplicaSyncSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Router replicas announce their bookings, prefill completions and frees to each other (Dynamo's
+    ``router_replica_sync``): each replica's load view then holds every replica's bookings, ``delay_ms`` late."""
+
+    enabled: bool = False
+    delay_ms: Annotated[float, Meta(ge=0, le=60_000)] = 1.0
+    """From a replica's first announcement of a batch to the others applying it (Dynamo batches 1 ms)."""
+
+
 _RouterKnobs = msgspec.defstruct(
     "_RouterKnobs",
     [(f.name, f.type, f.default) for f in msgspec.structs.fields(RouterSettings)],
@@ -237,6 +247,13 @@ class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc]
     seed: int | None = None
     """Seed of the router's tie-breaking generator (default: the run seed)."""
     affinity: AffinitySpec = AffinitySpec()
+    replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS)] = 1
+    """Router replicas behind one load balancer: each a full router (its own prefix index, load view, queue and
+    affinity table) fed by the same KV events; the workers serve them all."""
+    replica_front: Literal["round_robin", "random", "session"] = "round_robin"
+    """How the load balancer spreads requests over the replicas: in turn, at random (seeded), or by a hash of
+    the session id (a session's turns reach one replica; requests without one go in turn)."""
+    replica_sync: ReplicaSyncSpec = ReplicaSyncSpec()
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -412,6 +429,9 @@ class ChaosEvent(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True
     lag_ms: Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S * 1000)] = 0.0
     factor: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
     """Slowdown factor (``slow_worker``): durations are multiplied by it."""
+    replica: Annotated[int, Meta(ge=0, lt=MAX_REPLICAS)] | None = None
+    """With ``router.replicas``: the router replica it hits (``restart_router``: that replica, default 0;
+    ``drop_kv_events``, ``delay_kv_events``: that replica's KV feed instead of a worker's publisher)."""
 
 
 class AutoscalerSpec(AutoscaleConfig, kw_only=True, forbid_unknown_fields=True, frozen=True):

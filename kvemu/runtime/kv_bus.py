@@ -11,8 +11,10 @@ replayable) or change the lag.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 
+from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from kvemu.router_events import EngineEvents
 from kvemu.wire.codec import STORED_FIELDS, profile_for
@@ -21,7 +23,7 @@ from kvemu.wire.publisher import PublisherStats
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 from kvemu.wire.stream import Payload
 
-__all__ = ["MemoryKvBus", "MemoryKvPublisher"]
+__all__ = ["MemoryKvBus", "MemoryKvPublisher", "FeedTap"]
 
 Deliver = Callable[[int, int, int, Payload], None]
 """``deliver(worker_id, dp_rank, seq, payload)``: the router's intake."""
@@ -70,6 +72,36 @@ class MemoryKvPublisher(LoggedPublisher):
     def restart(self) -> None:
         """Simulate an engine restart: the sequence starts again at 0 and the buffer is empty."""
         self._log.restart()
+
+
+class FeedTap:
+    """One router replica's KV feed with its own faults (chaos): the next ``drop_next`` batches are lost on the
+    way (the replica's stream sees the gap and asks for a replay), and batches arrive ``lag_ns`` late, in order."""
+
+    def __init__(self, intake: Deliver) -> None:
+        self.intake = intake
+        self.drop_next = 0
+        self.dropped = 0
+        """Batches lost on the way so far."""
+        self.lag_ns = 0
+        self._late_until = 0.0  # loop time of the last batch held back by the lag
+
+    def __call__(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
+        if self.drop_next:
+            self.drop_next -= 1
+            self.dropped += 1
+            return
+        if not self.lag_ns and not self._late_until:
+            self.intake(worker_id, dp_rank, seq, payload)
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if not self.lag_ns and self._late_until <= now:
+            self._late_until = 0.0
+            self.intake(worker_id, dp_rank, seq, payload)
+            return
+        due = self._late_until = max(now + self.lag_ns / NS_PER_S, self._late_until)
+        loop.call_at(due, self.intake, worker_id, dp_rank, seq, payload)
 
 
 class MemoryKvBus:

@@ -15,6 +15,7 @@ worker actor keeps talking to one ``WorkerEnd``; this end fans its messages out 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -25,6 +26,7 @@ from kvemu.messages import (
     Dispatch,
     DispatchAck,
     Finished,
+    Heartbeat,
     KvPulled,
     Register,
     RegisterAck,
@@ -49,10 +51,15 @@ MAX_RETRY_S = 60.0
 class ReplicaEnds:
     """One ``WorkerEnd`` over one end per router replica (index = replica)."""
 
-    def __init__(self, ends: list[WorkerEnd]) -> None:
+    def __init__(self, ends: list[WorkerEnd], now_ns: Callable[[], int] | None = None,
+                 heartbeat_interval_ns: int = 0) -> None:
         if not ends:
             raise ValueError("ReplicaEnds needs at least one end")
         self.ends = ends
+        self._now = now_ns
+        self._beat = heartbeat_interval_ns
+        self._sent = [0] * len(ends)  # when each replica last heard from this worker
+        self._oldest = 0  # min(self._sent): no replica can be owed a heartbeat before _oldest + _beat
         self.owner: dict[str, int] = {}
         """Open requests: the replica that dispatched each."""
         self.held: dict[str, int] = {}
@@ -75,6 +82,8 @@ class ReplicaEnds:
             i = self.owner.get(rid)
             if i is None:
                 return  # (an aborted request's late words: nobody is waiting for them)
+            if self._now is not None:
+                self._keep_alive(i)
             if t is Finished:
                 del self.owner[rid]  # (a prefill leg's KV stays held: ``held``)
             elif t is RequestFailed or (t is DispatchAck and not msg.accepted):  # type: ignore[attr-defined]
@@ -90,6 +99,25 @@ class ReplicaEnds:
             return
         for end in self.ends:
             end.send_nowait(msg)
+        if self._now is not None:
+            self._sent = [self._now()] * len(self.ends)
+            self._oldest = self._sent[0]
+
+    def _keep_alive(self, i: int) -> None:
+        """A busy worker sends its owner's replica request messages, which prove it alive there, and no heartbeat
+        (``WorkerActor`` beats only when silent): every other replica that heard nothing for an interval gets one."""
+        assert self._now is not None
+        now = self._now()
+        sent = self._sent
+        sent[i] = now
+        if not self._beat or now - self._oldest < self._beat or self._register is None:
+            return
+        beat = Heartbeat(worker_id=self._register.worker_id)
+        for j, end in enumerate(self.ends):
+            if now - sent[j] >= self._beat and self.state[j] == _ACCEPTED:
+                end.send_nowait(beat)
+                sent[j] = now
+        self._oldest = min(sent)
 
     # ------------------------------------------------------------------ from the replicas
 

@@ -1,0 +1,173 @@
+"""Router replicas share their bookings (``router.replica_sync``), as Dynamo's ``router_replica_sync`` does.
+
+Each replica keeps its own prefix index (fed by the same KV events) and its own load view. With sync on, a
+replica announces what changes its load view, and every other replica applies it to its own:
+
+* ``SyncBook``: a request booked on a rank (its prompt blocks and the prefill tokens it costs there);
+* ``SyncPrefillDone``: its first token arrived (its prefill no longer loads the rank);
+* ``SyncFree``: it ended.
+
+As in Dynamo: output-block growth stays local; nothing of the prefix index or of session affinity is shared;
+events carry no time (the receiver books at receive time); a replica skips its own; an event about a request the
+receiver does not know changes nothing; there is no snapshot (a restarted replica starts with an empty view and
+hears only what is announced after); a peer's booking whose ``SyncFree`` never came (its replica died) expires
+after ``PEER_BOOKING_TTL_NS``. Announcements leave in batches (``SyncBatch``): the first event of a batch opens it,
+and the transport delivers it, whole and in order, after the configured delay.
+
+Sans-IO: ``SyncOutbox`` collects one replica's announcements (``RoutingCore.load_listener``), ``SyncInbox`` applies
+peers' batches to one replica's load tracker, told the time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+from kvemu.clock import NS_PER_S
+from kvemu.index import WorkerKey
+from kvemu.load import LoadTracker
+
+__all__ = ["SyncBook", "SyncPrefillDone", "SyncFree", "SyncEvent", "SyncBatch", "SyncOutbox", "SyncInbox",
+           "PEER_BOOKING_TTL_NS", "MAX_SYNC_BATCH_EVENTS", "MAX_REPLICAS"]
+
+MAX_REPLICAS = 64
+"""Most router replicas one cluster runs (``router.replicas``)."""
+MAX_SYNC_BATCH_EVENTS = 4096
+"""Most events one batch may carry (a bigger one is refused whole at decoding)."""
+PEER_BOOKING_TTL_NS = 300 * NS_PER_S
+"""A peer's booking is forgotten this long after it arrived if its ``SyncFree`` never came (Dynamo's default
+active-request expiry)."""
+
+_Id = Annotated[str, Meta(max_length=1024)]
+_Int = Annotated[int, Meta(ge=0, le=1 << 31)]
+_U64 = Annotated[int, Meta(ge=0, le=(1 << 64) - 1)]
+
+
+class SyncBook(msgspec.Struct, tag="book", frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A replica booked a request on a rank."""
+
+    request_id: _Id
+    worker_id: _Int
+    dp_rank: _Int
+    blocks: Annotated[list[_U64], Meta(max_length=1 << 20)]
+    """The prompt blocks it holds there (the sequence hashes, or the booking's own ids without assumed reuse)."""
+    prefill_tokens: _Int
+
+
+class SyncPrefillDone(msgspec.Struct, tag="prefill_done", frozen=True, forbid_unknown_fields=True, array_like=True):
+    """The request's first token arrived."""
+
+    request_id: _Id
+
+
+class SyncFree(msgspec.Struct, tag="free", frozen=True, forbid_unknown_fields=True, array_like=True):
+    """The request ended (completed, failed, or left the rank)."""
+
+    request_id: _Id
+
+
+SyncEvent = Union[SyncBook, SyncPrefillDone, SyncFree]
+
+
+class SyncBatch(msgspec.Struct, tag="sync_batch", frozen=True, forbid_unknown_fields=True):
+    """Announcements of one replica, in the order they happened."""
+
+    origin: Annotated[int, Meta(ge=0, lt=MAX_REPLICAS)]
+    events: Annotated[list[SyncEvent], Meta(max_length=MAX_SYNC_BATCH_EVENTS)]
+
+
+class SyncOutbox:
+    """One replica's announcements; the routing core tells it (``RoutingCore.load_listener``)."""
+
+    __slots__ = ("origin", "events", "on_open", "sent")
+
+    def __init__(self, origin: int) -> None:
+        self.origin = origin
+        self.events: list[SyncEvent] = []
+        self.on_open: object = None
+        """Called with no argument when an event opens a new batch (the transport schedules its delivery)."""
+        self.sent = 0
+        """Events announced so far."""
+
+    def _add(self, event: SyncEvent) -> None:
+        events = self.events
+        events.append(event)
+        self.sent += 1
+        if len(events) == 1 and callable(self.on_open):
+            self.on_open()
+
+    def booked(self, request_id: str, key: WorkerKey, blocks: list[int], prefill_tokens: int) -> None:
+        """The core booked ``request_id`` on ``key``."""
+        self._add(SyncBook(request_id, key[0], key[1], blocks, prefill_tokens))
+
+    def prefill_done(self, request_id: str) -> None:
+        """The core dropped the request's prefill load."""
+        self._add(SyncPrefillDone(request_id))
+
+    def freed(self, request_id: str) -> None:
+        """The core freed the request's booking."""
+        self._add(SyncFree(request_id))
+
+    def take(self) -> SyncBatch | None:
+        """The open batch, closed (None: nothing announced since the last)."""
+        if not self.events:
+            return None
+        batch = SyncBatch(self.origin, self.events)
+        self.events = []
+        return batch
+
+
+class SyncInbox:
+    """Applies peers' batches to one replica's load tracker (bookings as its own, keyed apart from them)."""
+
+    __slots__ = ("replica", "load", "applied", "ignored", "refused", "expired", "_arrivals")
+
+    def __init__(self, replica: int, load: LoadTracker) -> None:
+        self.replica = replica
+        self.load = load
+        self.applied = 0
+        """Events that changed this replica's view."""
+        self.ignored = 0
+        """Events about requests this replica does not know (their booking never arrived, or expired)."""
+        self.refused = 0
+        """Bookings refused (the id is booked already)."""
+        self.expired = 0
+        """Peer bookings forgotten after ``PEER_BOOKING_TTL_NS`` without their ``SyncFree``."""
+        self._arrivals: deque[tuple[int, str]] = deque()  # (arrival, key) of peer bookings, in arrival order
+
+    def apply(self, batch: SyncBatch, now_ns: int) -> None:
+        """Apply a peer's batch now (this replica's own is skipped)."""
+        if batch.origin == self.replica:
+            return
+        self._expire(now_ns)
+        load = self.load
+        prefix = f"\x00{batch.origin}\x00"  # (a request id may not start with a NUL: peers' keys stay apart)
+        for ev in batch.events:
+            rid = prefix + ev.request_id
+            if type(ev) is SyncBook:
+                if rid in load:
+                    self.refused += 1
+                    continue
+                load.add(rid, (ev.worker_id, ev.dp_rank), ev.blocks, ev.prefill_tokens, now_ns=now_ns)
+                self._arrivals.append((now_ns, rid))
+                self.applied += 1
+            elif type(ev) is SyncPrefillDone:
+                if load.mark_prefill_completed(rid):
+                    self.applied += 1
+                else:
+                    self.ignored += 1
+            elif load.free(rid) is not None:
+                self.applied += 1
+            else:
+                self.ignored += 1
+
+    def _expire(self, now_ns: int) -> None:
+        arrivals, load = self._arrivals, self.load
+        while arrivals and arrivals[0][0] + PEER_BOOKING_TTL_NS <= now_ns:
+            at, rid = arrivals.popleft()
+            if load.booked_ns(rid) == at:  # (a freed one is gone; a re-booked one has its own entry)
+                load.free(rid)
+                self.expired += 1
