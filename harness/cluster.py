@@ -424,7 +424,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
             ends[pool] = [ZmqRouterEnd("tcp://127.0.0.1:0") for _ in range(n if pool == AGGREGATED else 1)]
     taps = n > 1 or any(ev.replica is not None and ev.action != "restart_router" for ev in scenario.chaos)
     if n > 1 and rspec.replica_sync.enabled:
-        c.sync = MemorySyncBus(clock, round(rspec.replica_sync.delay_ms * NS_PER_MS))
+        c.sync = MemorySyncBus(clock, round(rspec.replica_sync.delay_ms * NS_PER_MS), rspec.replica_sync.predictions)
 
     def make(pool: str, replica: int = 0) -> Router:
         bus = c.buses.get(pool)

@@ -7,6 +7,10 @@ replica announces what changes its load view, and every other replica applies it
 * ``SyncPrefillDone``: its first token arrived (its prefill no longer loads the rank);
 * ``SyncFree``: it ended.
 
+Optionally (``predictions``, off by default) a booking also carries the prompt's block hashes, and a replica that
+routes without KV events (approximate index) inserts them into its index as if it had routed the prompt itself:
+SGLang's gateway mesh syncs its prefix-tree inserts so; Dynamo shares no predicted entries.
+
 As in Dynamo: output-block growth stays local; nothing of the prefix index or of session affinity is shared;
 events carry no time (the receiver books at receive time); a replica skips its own; an event about a request the
 receiver does not know changes nothing; there is no snapshot (a restarted replica starts with an empty view and
@@ -26,6 +30,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta
 
+from kvemu.approx import ApproxIndex
 from kvemu.clock import NS_PER_S
 from kvemu.index import WorkerKey
 from kvemu.load import LoadTracker
@@ -55,6 +60,9 @@ class SyncBook(msgspec.Struct, tag="book", frozen=True, forbid_unknown_fields=Tr
     blocks: Annotated[list[_U64], Meta(max_length=1 << 20)]
     """The prompt blocks it holds there (the sequence hashes, or the booking's own ids without assumed reuse)."""
     prefill_tokens: _Int
+    local_hashes: Annotated[list[_U64], Meta(max_length=1 << 20)] = []
+    """With ``predictions``: the prompt's block hashes, for the receiver's approximate prefix index."""
+    seq_hashes: Annotated[list[_U64], Meta(max_length=1 << 20)] = []
 
 
 class SyncPrefillDone(msgspec.Struct, tag="prefill_done", frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -82,10 +90,12 @@ class SyncBatch(msgspec.Struct, tag="sync_batch", frozen=True, forbid_unknown_fi
 class SyncOutbox:
     """One replica's announcements; the routing core tells it (``RoutingCore.load_listener``)."""
 
-    __slots__ = ("origin", "events", "on_open", "sent")
+    __slots__ = ("origin", "events", "on_open", "sent", "predictions")
 
-    def __init__(self, origin: int) -> None:
+    def __init__(self, origin: int, predictions: bool = False) -> None:
         self.origin = origin
+        self.predictions = predictions
+        """Bookings carry the prompt's hashes (peers without KV events insert them into their approximate index)."""
         self.events: list[SyncEvent] = []
         self.on_open: object = None
         """Called with no argument when an event opens a new batch (the transport schedules its delivery)."""
@@ -99,9 +109,13 @@ class SyncOutbox:
         if len(events) == 1 and callable(self.on_open):
             self.on_open()
 
-    def booked(self, request_id: str, key: WorkerKey, blocks: list[int], prefill_tokens: int) -> None:
+    def booked(self, request_id: str, key: WorkerKey, blocks: list[int], prefill_tokens: int,
+               local_hashes: list[int], seq_hashes: list[int]) -> None:
         """The core booked ``request_id`` on ``key``."""
-        self._add(SyncBook(request_id, key[0], key[1], blocks, prefill_tokens))
+        if self.predictions:
+            self._add(SyncBook(request_id, key[0], key[1], blocks, prefill_tokens, local_hashes, seq_hashes))
+        else:
+            self._add(SyncBook(request_id, key[0], key[1], blocks, prefill_tokens))
 
     def prefill_done(self, request_id: str) -> None:
         """The core dropped the request's prefill load."""
@@ -123,11 +137,13 @@ class SyncOutbox:
 class SyncInbox:
     """Applies peers' batches to one replica's load tracker (bookings as its own, keyed apart from them)."""
 
-    __slots__ = ("replica", "load", "applied", "ignored", "refused", "expired", "_arrivals")
+    __slots__ = ("replica", "load", "approx", "applied", "ignored", "refused", "expired", "_arrivals")
 
-    def __init__(self, replica: int, load: LoadTracker) -> None:
+    def __init__(self, replica: int, load: LoadTracker, approx: ApproxIndex | None = None) -> None:
         self.replica = replica
         self.load = load
+        self.approx = approx
+        """A router without KV events: where a peer's booked prompt is inserted when the booking carries it."""
         self.applied = 0
         """Events that changed this replica's view."""
         self.ignored = 0
@@ -152,6 +168,8 @@ class SyncInbox:
                     self.refused += 1
                     continue
                 load.add(rid, (ev.worker_id, ev.dp_rank), ev.blocks, ev.prefill_tokens, now_ns=now_ns)
+                if self.approx is not None and ev.seq_hashes and len(ev.seq_hashes) == len(ev.local_hashes):
+                    self.approx.record(ev.worker_id, ev.dp_rank, ev.local_hashes, ev.seq_hashes)
                 self._arrivals.append((now_ns, rid))
                 self.applied += 1
             elif type(ev) is SyncPrefillDone:

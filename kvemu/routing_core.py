@@ -36,7 +36,8 @@ __all__ = ["PreparedRequest", "RoutingCore", "LoadListener"]
 class LoadListener(Protocol):
     """What ``RoutingCore`` tells about its load view's changes (``kvemu.replica_sync.SyncOutbox``)."""
 
-    def booked(self, request_id: str, key: WorkerKey, blocks: list[int], prefill_tokens: int) -> None: ...
+    def booked(self, request_id: str, key: WorkerKey, blocks: list[int], prefill_tokens: int,
+               local_hashes: list[int], seq_hashes: list[int]) -> None: ...
 
     def prefill_done(self, request_id: str) -> None: ...
 
@@ -424,7 +425,7 @@ class RoutingCore:
         self.load.add(request_id, selection.key, blocks, prefill, now_ns=self.clock.now_ns())
         listener = self.load_listener
         if listener is not None:
-            listener.booked(request_id, selection.key, list(blocks), prefill)
+            listener.booked(request_id, selection.key, list(blocks), prefill, request.local_hashes, request.seq_hashes)
         if self.approx is not None:
             self.approx.record(selection.worker_id, selection.dp_rank, request.local_hashes, request.seq_hashes)
 

@@ -224,6 +224,10 @@ class ReplicaSyncSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen
     enabled: bool = False
     delay_ms: Annotated[float, Meta(ge=0, le=60_000)] = 1.0
     """From a replica's first announcement of a batch to the others applying it (Dynamo batches 1 ms)."""
+    predictions: bool = False
+    """Routers without KV events (``use_kv_events: false``): a booking also carries the prompt's block hashes, and
+    every other replica inserts them into its approximate prefix index, as SGLang's gateway mesh syncs its tree
+    inserts (Dynamo shares no predicted entries: off by default)."""
 
 
 _RouterKnobs = msgspec.defstruct(
@@ -260,6 +264,10 @@ class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc]
         if self.policy not in ("kv", "round_robin", "random") and not re.fullmatch(r"[\w.]+:\w+", self.policy):
             raise InvalidArgument(f"policy must be kv, round_robin, random or module:callable, got {self.policy!r}",
                                   field="policy")
+        if self.replica_sync.predictions and self.use_kv_events:
+            raise InvalidArgument("replica_sync.predictions shares approximate-index inserts: it needs use_kv_events: "
+                                  "false (with KV events every replica's index is fed by the workers already)",
+                                  field="replica_sync.predictions")
 
     def config(self) -> RouterConfig:
         """The ``RouterConfig`` part of this section."""

@@ -21,11 +21,13 @@ __all__ = ["MemorySyncBus"]
 class MemorySyncBus:
     """Connects the router replicas of one pool: every replica hears every other's bookings, ``delay_ns`` late."""
 
-    def __init__(self, clock: Clock, delay_ns: int) -> None:
+    def __init__(self, clock: Clock, delay_ns: int, predictions: bool = False) -> None:
         if delay_ns < 0:
             raise InvalidArgument(f"replica sync delay must be >= 0 ns, got {delay_ns}", field="delay_ms")
         self.clock = clock
         self.delay_ns = delay_ns
+        self.predictions = predictions
+        """Bookings carry the prompt's hashes into peers' approximate indexes (``kvemu.replica_sync``)."""
         self.inboxes: dict[int, SyncInbox] = {}
         self.outboxes: dict[int, SyncOutbox] = {}
         self._woken: dict[int, Callable[[], None]] = {}
@@ -34,11 +36,11 @@ class MemorySyncBus:
 
     def attach(self, replica: int, core: RoutingCore, capacity_changed: Callable[[], None]) -> None:
         """Connect a replica's routing core (again: a restarted replica starts with an empty view)."""
-        outbox = SyncOutbox(replica)
+        outbox = SyncOutbox(replica, self.predictions)
         outbox.on_open = lambda: self._schedule(outbox)
         core.load_listener = outbox
         self.outboxes[replica] = outbox
-        self.inboxes[replica] = SyncInbox(replica, core.load)
+        self.inboxes[replica] = SyncInbox(replica, core.load, core.approx)
         self._woken[replica] = capacity_changed
 
     def _schedule(self, outbox: SyncOutbox) -> None:
