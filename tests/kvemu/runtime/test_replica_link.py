@@ -168,3 +168,24 @@ def test_a_rate_limited_replica_is_asked_again_after_its_retry_time():
 def test_at_least_one_end():
     with pytest.raises(ValueError):
         ReplicaEnds([])
+
+
+def test_a_busy_worker_keeps_every_replica_hearing_from_it():
+    """A worker busy with one replica's requests sends no heartbeat (any message proves it alive); the other
+    replicas get one once they heard nothing for an interval, so none of them fences a working worker."""
+    clock = ManualClock()
+    ends = [_End() for _ in range(3)]
+    link = ReplicaEnds(ends, clock.now_ns, heartbeat_interval_ns=1000)  # type: ignore[arg-type]
+    link.bind(lambda msg: None)
+    link.send_nowait(Register(worker_id=7))
+    for i in range(3):
+        link.receive(i, RegisterAck(worker_id=7, accepted=True))
+    link.receive(0, _dispatch("a"))
+    beats = [0, 0, 0]
+    for t in range(100, 5001, 100):
+        clock.advance_to(t)
+        link.send_nowait(TokenBatch(request_id="a", times_ns=[t]))
+        beats = [sum(type(m) is Heartbeat for m in end.sent) for end in ends]
+    assert beats[0] == 0, "the owner hears the tokens"
+    assert beats[1] == beats[2] == 5, "the others: one heartbeat per interval of silence"
+    assert all(type(m) in (Register, Heartbeat) for end in ends[1:] for m in end.sent)

@@ -204,13 +204,16 @@ def test_pin_and_allow_list_errors_are_reasons_not_crashes():
         b = await router.handle(req("b", worker_id=2, allowed_worker_ids=[1]))
         c = await router.handle(req("c", worker_id=2))
         d = await router.handle(ClientRequest(request_id="d", tokens=[], max_tokens=1))
-        return a, b, c, d
+        e = await router.handle(req("\x00e"))
+        return a, b, c, d, e
 
-    a, b, c, d = run(clock, router, ws, body)
+    a, b, c, d, e = run(clock, router, ws, body)
     assert a.failure.startswith("no_endpoints")
     assert b.failure.startswith("pinned_worker_not_allowed")
     assert c.failure is None and c.worker_id == 2
     assert d.failure.startswith("invalid_request: tokens: the prompt is empty")
+    assert e.failure.startswith("invalid_request: request_id must not start with a NUL")  # (peer replicas' keys)
+    assert e.attempts == 0 and len(router.core.load) == 0
 
 
 def test_affinity_wait_while_another_request_initialises_the_session():
