@@ -256,10 +256,11 @@ def _replicas_section(rp: dict[str, Any], plotted: bool) -> list[str]:
     """Router replicas (``kvemu.replicas``): how requests reached them, their sync, and each one's own figures."""
     sync = rp["sync"]
     how = (f"replica sync on, {fmt(sync['delay_ms'], ' ms')} delay" if sync["enabled"]
-           else "no replica sync (each replica knows its own bookings only)")
+           else "no replica sync (each replica's load view holds its own bookings only)")
     out = ["", "## Router replicas", "",
            f"{rp['count']} router replicas, front `{rp['front']}`, {how}. Each replica routes the requests that "
-           "reach it from its own view (its KV feed, its bookings); its regret is of its own decisions."
+           "reach it from its own view (its prefix index, fed by its KV feed, and its load view); its regret is "
+           "of its own decisions."
            + (f" Regret per replica over time, with the chaos events: [{REGRET_PLOT}]({REGRET_PLOT})." if plotted
               else ""), ""]
     rows = rp["per_replica"]
