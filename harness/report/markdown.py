@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from harness.report.autoscale import autoscale_markdown
+from harness.report.plot_drawing import REGRET_PLOT
 from harness.report.plots import PLOTS
 from harness.report.run_data import RunData
 from harness.report.summary import KV_COUNTERS, NS_PER_S
@@ -167,7 +168,9 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     ])
     if rt["reasons"]:
         out += ["", "Routing reasons: " + ", ".join(f"`{r}` {n}" for r, n in rt["reasons"].items()) + "."]
-    out += _regret_section(rt.get("regret"))
+    out += _regret_section(rt.get("regret"), REGRET_PLOT in plots)
+    if "replicas" in k:
+        out += _replicas_section(k["replicas"], REGRET_PLOT in plots)
     out += ["", "## Session affinity", ""]
     if k["affinity"] is None:
         out += ["Affinity was off."]
@@ -227,7 +230,7 @@ def _lanes_lines(lanes: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
-def _regret_section(rg: dict[str, Any] | None) -> list[str]:
+def _regret_section(rg: dict[str, Any] | None, plotted: bool = False) -> list[str]:
     """Routing regret against the engines' truth at each decision (``kvemu.routing.regret``)."""
     out = ["", "### Routing regret", ""]
     if rg is None:
@@ -244,5 +247,38 @@ def _regret_section(rg: dict[str, Any] | None) -> list[str]:
         ("novel blocks (unrecoverable)", fmt(rg["unrecoverable_prefill_blocks"])),
         ("regret ratio", pct(rg["regret_ratio"])),
     ])
+    if plotted:
+        out += ["", f"Over time: [{REGRET_PLOT}]({REGRET_PLOT})."]
     return out
+
+
+def _replicas_section(rp: dict[str, Any], plotted: bool) -> list[str]:
+    """Router replicas (``kvemu.replicas``): how requests reached them, their sync, and each one's own figures."""
+    sync = rp["sync"]
+    how = (f"replica sync on, {fmt(sync['delay_ms'], ' ms')} delay" if sync["enabled"]
+           else "no replica sync (each replica's load view holds its own bookings only)")
+    out = ["", "## Router replicas", "",
+           f"{rp['count']} router replicas, front `{rp['front']}`, {how}. Each replica routes the requests that "
+           "reach it from its own view (its prefix index, fed by its KV feed, and its load view); its regret is "
+           "of its own decisions."
+           + (f" Regret per replica over time, with the chaos events: [{REGRET_PLOT}]({REGRET_PLOT})." if plotted
+              else ""), ""]
+    rows = rp["per_replica"]
+    synced = any("sync" in r for r in rows)
+    header = ["replica", "requests", "completed", "reuse", "regret", "lost / novel blocks", "KV batches",
+              "KV gaps", "KV replays", "feed batches dropped", "restarts"]
+    header += ["sync announced / applied"] if synced else []
+    body = []
+    for r in rows:
+        rg, kv = r["regret"], r["kv_events"]
+        row = [r["replica"], fmt(r["requests"]), fmt(r["completed_requests"]), pct(r["prefix_cache_reused_ratio"]),
+               pct(r["regret_ratio"]),
+               "—" if rg is None else f"{fmt(rg['lost_blocks'])} / {fmt(rg['novel_blocks'])}",
+               fmt(kv["batches"]), fmt(kv["gaps"]), fmt(kv["replays"]), fmt(r["kv_feed_dropped_batches"]),
+               fmt(r["restarts"])]
+        if synced:
+            sy = r.get("sync")
+            row.append("—" if sy is None else f"{fmt(sy['announced'])} / {fmt(sy['applied'])}")
+        body.append(row)
+    return out + table(header, body)
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from harness.report.run_data import RunData
 
-__all__ = ["NS_PER_MS", "NS_PER_S", "plot_job", "series_form"]
+__all__ = ["NS_PER_MS", "NS_PER_S", "plot_job", "regret_bucket_s", "regret_curves", "series_form"]
 
 NS_PER_MS = 1_000_000
 NS_PER_S = 1_000_000_000
@@ -158,6 +158,66 @@ def _reuse_curves(done: list[RequestRecord]) -> tuple[int, Any, Any, Any, Any] |
     return (window, *_decimate(xs, rolling), *_decimate(xs, cumulative))
 
 
+_LONG_RUN_S = 600
+"""Routing decisions spanning more than this are bucketed by the minute for the regret plot, shorter ones by 10 s."""
+
+
+def regret_bucket_s(span_s: float) -> int:
+    """The regret plot's bucket width for decisions spanning ``span_s`` seconds: 60 s past ten minutes, else 10 s
+    (enough decisions a bucket for a ratio, enough buckets for a curve)."""
+    return 60 if span_s > _LONG_RUN_S else 10
+
+
+def _chaos_label(ev: dict[str, Any]) -> str:
+    """A chaos event's short label: its action, target and lag (``restart_router r2``, ``delay_kv_events r1 5000
+    ms``)."""
+    words = [str(ev["action"])]
+    words += [f"r{ev['replica']}"] if ev.get("replica") is not None else []
+    words += [f"w{ev['worker']}"] if ev.get("worker") is not None else []
+    words += [f"{ev['lag_ms']:g} ms"] if ev.get("lag_ms") is not None else []
+    return " ".join(words)
+
+
+def regret_curves(data: RunData) -> dict[str, Any] | None:
+    """Routing regret (lost / (novel + lost) blocks, as ``kvemu.routing.regret``) per time bucket of the routing
+    decisions, for the cluster and, with router replicas, each replica; the chaos timeline's events as marks.
+    Times in s since the first arrival; a bucket without blocks is NaN. None: no routing truth in the run."""
+    import numpy as np
+
+    from harness.report.summary import regret_blocks
+
+    judged = [(r, blk) for r in data.records if (blk := regret_blocks(r, data.block_size)) is not None]
+    if not judged:
+        return None
+    t0 = min(r.arrival_ns for r in data.records)
+    routed = [(r.routed_ns - t0 if r.routed_ns is not None else 0, r.request_id, blk) for r, blk in judged]
+    width = regret_bucket_s(max(t for t, _, _ in routed) / NS_PER_S)
+    buckets = max(t for t, _, _ in routed) // (width * NS_PER_S) + 1
+    rep = data.replicas
+    names = ["cluster"] + ([f"replica {i}" for i in range(rep["count"])] if rep is not None else [])
+    blocks = np.zeros((len(names), 2, buckets), dtype=np.int64)  # line x (lost, novel) x bucket
+    for t, rid, (lost, novel) in routed:
+        bucket = t // (width * NS_PER_S)
+        rows = [0]
+        if rep is not None and (i := rep["replica_of"].get(rid)) is not None:
+            rows.append(1 + i)
+        for line in rows:
+            blocks[line, 0, bucket] += lost
+            blocks[line, 1, bucket] += novel
+    total = blocks.sum(axis=1)
+    ratio = np.divide(blocks[:, 0], total, out=np.full(total.shape, np.nan), where=total != 0)
+    overall = blocks.sum(axis=2)
+    chaos = rep.get("chaos", []) if rep is not None else []
+    return {
+        "bucket_s": width,
+        "times": (np.arange(buckets) + 0.5) * width,  # each bucket's middle
+        "lines": {name: ratio[i] for i, name in enumerate(names)},
+        "overall": {name: (float(overall[i, 0] / overall[i].sum()) if overall[i].sum() else None)
+                    for i, name in enumerate(names)},
+        "marks": sorted((ev["t_s"] - t0 / NS_PER_S, _chaos_label(ev)) for ev in chaos),
+    }
+
+
 def plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
     """Everything the plots show, as compact arrays (picklable, to hand to a renderer process)."""
     done = sorted((r for r in data.records if r.done), key=lambda r: (r.arrival_ns, r.request_id))
@@ -170,4 +230,5 @@ def plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
         "blocks": _rank_panels(data, "kv_blocks"),
         "reuse": _reuse_curves(done),
         "autoscale": _autoscale_marks(data),
+        "regret": regret_curves(data),
     }

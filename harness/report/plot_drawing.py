@@ -14,9 +14,17 @@ from harness.report.figures import DPI, FIGSIZE, legend_right, new_figure, no_da
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["PLOTS", "render", "series_figure"]
+__all__ = ["PLOTS", "REGRET_PLOT", "plot_names", "render", "series_figure"]
 
 PLOTS = ("ttft_cdf.png", "e2e_cdf.png", "active_requests.png", "kv_usage.png", "cache_reuse.png")
+"""The plots of every run."""
+REGRET_PLOT = "routing_regret.png"
+"""The plot of a run with routing truth (the engines in process) only."""
+
+
+def plot_names(job: dict[str, Any]) -> list[str]:
+    """The plots a job draws: ``PLOTS``, and ``REGRET_PLOT`` when it has routing truth."""
+    return [*PLOTS, *([REGRET_PLOT] if job.get("regret") is not None else [])]
 
 
 def _draw_cdf(points: tuple[Any, Any] | None, title: str, xlabel: str, path: Path) -> None:
@@ -162,6 +170,27 @@ def _draw_reuse(curves: tuple[int, Any, Any, Any, Any] | None, path: Path) -> No
     save_png(fig, path)
 
 
+def _draw_regret(curves: dict[str, Any], path: Path) -> None:
+    """Regret per time bucket: the cluster's (black) and each replica's, chaos events as labelled dotted lines."""
+    width = curves["bucket_s"]
+    fig, ax = new_figure("Routing regret over time (lost / (novel + lost) blocks)",
+                         f"time since the first arrival (s), {width} s buckets", "regret ratio", legend=True)
+    xs = curves["times"]
+    for i, (name, ys) in enumerate(curves["lines"].items()):
+        overall = curves["overall"][name]
+        label = f"{name} ({'—' if overall is None else f'{100 * overall:.1f}%'} overall)"
+        style = ({"color": "black", "linewidth": 1.8} if name == "cluster"
+                 else {"color": f"C{(i - 1) % 10}", "linewidth": 1})
+        ax.plot(xs, ys, marker="o", markersize=2.5, label=label, **style)
+    ax.set_ylim(0, 1.02)
+    for t, label in curves["marks"]:
+        ax.axvline(t, color="tab:red", linewidth=0.9, linestyle=":", alpha=0.8)
+        ax.text(t, 0.98, f" {label}", transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right",
+                fontsize="x-small", color="tab:red")
+    legend_right(ax)
+    save_png(fig, path)
+
+
 def _draw(job: dict[str, Any], name: str, path: Path) -> None:
     if name == "ttft_cdf.png":
         _draw_cdf(job["ttft"], "TTFT CDF", "time to first token (ms)", path)
@@ -174,16 +203,21 @@ def _draw(job: dict[str, Any], name: str, path: Path) -> None:
         _draw_series(job["blocks"], "KV blocks per rank (router's view)", "KV blocks", path, job.get("autoscale"))
     elif name == "cache_reuse.png":
         _draw_reuse(job["reuse"], path)
+    elif name == REGRET_PLOT:
+        _draw_regret(job["regret"], path)
     else:
         raise ValueError(f"no plot named {name!r}")
 
 
-def render(job: dict[str, Any], names: Iterable[str] = PLOTS) -> list[str]:
-    """Draw the plots ``names`` of a job (all by default) into its directory; return every plot's name."""
+def render(job: dict[str, Any], names: Iterable[str] | None = None) -> list[str]:
+    """Draw those of the plots ``names`` the job has (all by default) into its directory; return every plot's name
+    (``plot_names``)."""
     import matplotlib.style
 
     outdir = Path(job["outdir"])
+    drawn = plot_names(job)
     with matplotlib.style.context("default"):
-        for name in names:
-            _draw(job, name, outdir / name)
-    return list(PLOTS)
+        for name in drawn if names is None else names:
+            if name in drawn or name not in (*PLOTS, REGRET_PLOT):  # (an unknown name: its error)
+                _draw(job, name, outdir / name)
+    return drawn

@@ -19,15 +19,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from harness.report.plot_drawing import PLOTS, render
+from harness.report.plot_drawing import REGRET_PLOT, plot_names, render
 
 __all__ = ["background_renderer", "submit_to_renderer"]
 
 _RENDER_TIMEOUT_S = 120.0
 
 
-_HALVES: tuple[tuple[str, ...], tuple[str, ...]] = (("ttft_cdf.png", "e2e_cdf.png", "cache_reuse.png"), ("active_requests.png", "kv_usage.png"))
-"""The plots in two sets of about equal drawing time (the renderer process draws one, its fork the other)."""
+_HALVES: tuple[tuple[str, ...], tuple[str, ...]] = (("ttft_cdf.png", "e2e_cdf.png", "cache_reuse.png", REGRET_PLOT),
+                                                    ("active_requests.png", "kv_usage.png"))
+"""The plots in two sets of about equal drawing time (the renderer process draws one, its fork the other; a plot
+the job has not is skipped)."""
 
 
 def _renderer_command() -> list[str]:
@@ -160,7 +162,7 @@ def _serve() -> None:
         finally:
             os._exit(code)
     if pid < 0:
-        mine = PLOTS
+        mine = tuple(plot_names(job))
     render(job, mine)
     if pid > 0 and os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
         render(job, theirs)  # the fork failed: draw its half here (an error then shows)

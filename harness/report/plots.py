@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.report.plot_data import plot_job
-from harness.report.plot_drawing import PLOTS, render
+from harness.report.plot_drawing import PLOTS, plot_names, render
 from harness.report.plot_renderer import background_renderer, submit_to_renderer
 
 if TYPE_CHECKING:
@@ -35,11 +35,12 @@ def start_plots(data: RunData, outdir: Path) -> Callable[[], list[str]]:
         def finish() -> list[str]:
             if not waited():
                 return render(job)  # the renderer failed: draw here, so a real error shows
-            return list(PLOTS)
+            return plot_names(job)
         return finish
     return lambda: render(job)
 
 
 def write_plots(data: RunData, outdir: Path) -> list[str]:
-    """Write the PNG plots of ``PLOTS`` (fixed size and dpi, default style, no timestamps); return their names."""
+    """Write the PNG plots (``PLOTS``, and ``routing_regret.png`` with routing truth; fixed size and dpi, default
+    style, no timestamps); return their names."""
     return start_plots(data, outdir)()

@@ -223,6 +223,15 @@ REGRET_BUCKET_S = 60
 """Width of ``kvemu.routing.regret.over_time``'s buckets (by the routing decision's time)."""
 
 
+def regret_blocks(rec: RequestRecord, block_size: int) -> tuple[int, int] | None:
+    """A routed request's (lost, novel) prompt blocks against the engines' truth at its decision: lost = the best
+    eligible rank's cached blocks - the chosen rank's, novel = prompt blocks cached nowhere; None without truth."""
+    chosen, best = rec.truth_overlap_blocks, rec.truth_best_overlap_blocks
+    if chosen is None or best is None or rec.routed_ns is None:
+        return None
+    return best - chosen, max(rec.isl // block_size - best, 0)
+
+
 def _regret(data: RunData, records: list[RequestRecord]) -> dict[str, Any] | None:
     """Routing regret against the engines' truth at each decision (Dynamo's locality-metrics proposal): lost =
     best eligible rank's cached blocks - the chosen rank's, novel = prompt blocks - best; the ratio lost / (novel +
@@ -233,12 +242,11 @@ def _regret(data: RunData, records: list[RequestRecord]) -> dict[str, Any] | Non
     by_source: Counter[str] = Counter()
     buckets: dict[int, list[int]] = {}
     for rec in records:
-        chosen, best = rec.truth_overlap_blocks, rec.truth_best_overlap_blocks
-        if chosen is None or best is None or rec.routed_ns is None:
+        blocks = regret_blocks(rec, bs)
+        if blocks is None or rec.routed_ns is None:
             continue
         compared += 1
-        miss = best - chosen
-        new = max(rec.isl // bs - best, 0)
+        miss, new = blocks
         lost += miss
         novel += new
         if miss > 0:
