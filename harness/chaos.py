@@ -9,7 +9,7 @@ Starting and stopping worker processes (``add_worker``, ``remove_worker``) is fo
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -19,8 +19,8 @@ from kvemu.messages import WORKER_CHAOS, Chaos
 
 from harness.scenario import ChaosEvent
 
-__all__ = ["Control", "ControlReply", "WorkerExited", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS", "SUPERVISOR_CHAOS", "worker_chaos",
-           "chaos_problems"]
+__all__ = ["Control", "ControlReply", "WorkerExited", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS", "SUPERVISOR_CHAOS",
+           "worker_chaos", "timeline", "chaos_problems"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
 """The environment variable holding the shared control token; a router without one refuses every control."""
@@ -65,6 +65,12 @@ def chaos_problems(events: list[ChaosEvent], applies: frozenset[str], who: str) 
     """One line per event ``who`` cannot apply (empty: it can apply the whole timeline)."""
     return [f"chaos[{i}] {ev.action} at {ev.at_s:g} s cannot be applied by {who}" for i, ev in enumerate(events)
             if ev.action not in applies]
+
+
+def timeline(events: list[ChaosEvent]) -> list[dict[str, Any]]:
+    """The chaos timeline as the report marks it (``RunData.chaos``): when, what, and whom."""
+    return [{"t_s": ev.at_s, "action": ev.action, "replica": ev.replica, "worker": ev.worker,
+             "lag_ms": ev.lag_ms if ev.action == "delay_kv_events" else None} for ev in events]
 
 
 def at_ns(ev: ChaosEvent) -> int:

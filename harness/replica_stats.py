@@ -42,6 +42,4 @@ def replica_stats(c: Cluster) -> dict[str, Any] | None:
         "sync": {"enabled": c.sync is not None, "delay_ms": rspec.replica_sync.delay_ms},
         "replica_of": dict(getattr(front, "replica_of", {})),
         "per_replica": per,
-        "chaos": [{"t_s": ev.at_s, "action": ev.action, "replica": ev.replica, "worker": ev.worker,
-                   "lag_ms": ev.lag_ms if ev.action == "delay_kv_events" else None} for ev in c.scenario.chaos],
     }

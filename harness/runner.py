@@ -19,7 +19,7 @@ from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 
 from harness.autoscaler import AutoscalerShell
-from harness.chaos import worker_chaos
+from harness.chaos import timeline, worker_chaos
 from harness.cluster import Cluster, cluster
 from harness.replica_stats import replica_stats
 from harness.report.recorder import Recorder
@@ -134,7 +134,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         pools=pool_sizes(scenario.cluster), speculative=speculative_settings(scenario.cluster), sla=scenario.run.sla,
         concurrency=scenario.workload.concurrency,
         autoscale=shell.log if shell is not None else None,
-        replicas=state.get("replicas"), lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
+        replicas=state.get("replicas"), chaos=timeline(scenario.chaos), lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:

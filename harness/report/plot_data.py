@@ -207,7 +207,7 @@ def regret_curves(data: RunData) -> dict[str, Any] | None:
     total = blocks.sum(axis=1)
     ratio = np.divide(blocks[:, 0], total, out=np.full(total.shape, np.nan), where=total != 0)
     overall = blocks.sum(axis=2)
-    chaos = rep.get("chaos", []) if rep is not None else []
+    chaos = data.chaos
     return {
         "bucket_s": width,
         "times": (np.arange(buckets) + 0.5) * width,  # each bucket's middle

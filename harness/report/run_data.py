@@ -76,8 +76,11 @@ class RunData(msgspec.Struct, kw_only=True):
     profile's, and requests.jsonl gives each row's ``phase``."""
     replicas: dict[str, Any] | None = None
     """Router replicas (``router.replicas`` > 1): ``count``, ``front``, ``sync``, ``replica_of`` (request id -> the
-    replica it reached), ``per_replica`` (each replica's own counters: KV feed, sync, restarts) and ``chaos`` (the
-    timeline's events, for the plot's marks); None: one router."""
+    replica it reached) and ``per_replica`` (each replica's own counters: KV feed, sync, restarts); None: one
+    router."""
+    chaos: list[dict[str, Any]] = []
+    """The scenario's chaos timeline (``harness.chaos.timeline``: ``t_s``, ``action``, ``replica``, ``worker``,
+    ``lag_ms``), for the plots' marks."""
     speculative: dict[str, Any] | None = None
     """The decoding engines' speculative-decoding settings (``workers.config.SpeculativeConfig`` as a dict; None:
     off): the summary then reports acceptance and the gaps between passes."""

@@ -232,12 +232,13 @@ def regret_blocks(rec: RequestRecord, block_size: int) -> tuple[int, int] | None
     return best - chosen, max(rec.isl // block_size - best, 0)
 
 
-def _regret(data: RunData, records: list[RequestRecord]) -> dict[str, Any] | None:
+def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) -> dict[str, Any] | None:
     """Routing regret against the engines' truth at each decision (Dynamo's locality-metrics proposal): lost =
     best eligible rank's cached blocks - the chosen rank's, novel = prompt blocks - best; the ratio lost / (novel +
     lost) overall and per minute, and the lost blocks by where they were. None: no truth (separate processes)."""
     bs = data.block_size
-    t0 = min((r.arrival_ns for r in records), default=0)  # (the report's time zero: the first arrival)
+    if t0 is None:  # (the report's time zero: the first arrival)
+        t0 = min((r.arrival_ns for r in records), default=0)
     lost = novel = with_loss = compared = 0
     by_source: Counter[str] = Counter()
     buckets: dict[int, list[int]] = {}
@@ -277,6 +278,7 @@ def _replicas(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
     assert rep is not None
     of: dict[str, int] = rep["replica_of"]
     mine: list[list[RequestRecord]] = [[] for _ in range(rep["count"])]
+    t0 = min((r.arrival_ns for r in records), default=0)  # (every replica's over_time from the cluster's time zero)
     for rec in records:
         i = of.get(rec.request_id)
         if i is not None:
@@ -286,7 +288,7 @@ def _replicas(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
         done = [r for r in recs if r.done]
         reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
                      for r in done)
-        regret = _regret(data, recs)
+        regret = _regret(data, recs, t0)
         per.append({
             "replica": row["replica"],
             "requests": len(recs),

@@ -8,7 +8,9 @@ them. A change meant to move a report (a fidelity fix) updates them in the same 
 
 Updated once since, by the routing regret (#32): ``requests.jsonl`` records gained ``truth_overlap_blocks``,
 ``truth_best_overlap_blocks`` and ``regret_source`` and ``summary.json`` gained ``kvemu.routing.regret``; with
-those removed, the three reports were checked equal to the ones pinned before.
+those removed, the three reports were checked equal to the ones pinned before. Then the router replicas (#32):
+``summary.json`` gained ``kvemu.routing.regret_ratio`` (the issue's headline key, a copy of
+``kvemu.routing.regret.regret_ratio``); ``requests.jsonl`` did not move.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from harness.report.summary import WALL_CLOCK_KEYS
 ROOT = Path(__file__).resolve().parents[2]
 
 PINNED = {
-    "quickstart": ((), "437e407a85fef10280d72d28e0207c57854728b05f9ba0759926a319ce8430f6",
+    "quickstart": ((), "65b568bfac53c8a0d67e2b0e7927acd3816b0423f0834efc95cd86ac49a3f743",
                    "9d053041fc3eb8844891f642bedfd697f1cc458642a94e451768a760f02458f5"),
     "chaos-virtual": (("examples/compose-chaos.yaml", "--set", "run.mode=virtual"),
-                      "a56c9227604b4b66c1425e0091d4ecdbb7ade80c6a9041f76575c7c7b60a854d",
+                      "cd5327335b5d0f5398e4b16832f701246574a05891f60d583042e46d60badfe3",
                       "7a8fb97babd3eb31161302da7be199f48f1b41ec8e7d0dd64c9cd73c20c11c14"),
     "disagg-virtual": (("examples/compose-disagg.yaml", "--set", "run.mode=virtual"),
-                       "1fc83b8b6375aa12fd6b556c4d6f00c6962093056b32001d69610a0a2450d8bb",
+                       "765978902fa978689df3b37179a070fdc9446f6bd93e1ef7ddba42867cb26f8a",
                        "58c170b5e6a5dbe7f988d2b2688deb32b15dfb1e3335c1c34bea1647f3042d37"),
 }
 """Scenario → (``kvemu run`` arguments, summary digest, requests.jsonl digest)."""

@@ -37,7 +37,7 @@ def two_replica_run(records: list[RequestRecord], replica_of: dict[str, int], ch
             for i in range(2)]
     return RunData(records=records, block_size=16, ranks=[(0, 0)], replicas={
         "count": 2, "front": "round_robin", "sync": {"enabled": True, "delay_ms": 25.0},
-        "replica_of": replica_of, "per_replica": rows, "chaos": list(chaos)})
+        "replica_of": replica_of, "per_replica": rows}, chaos=list(chaos))
 
 
 def records_over_30_s() -> list[RequestRecord]:
