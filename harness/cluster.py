@@ -396,9 +396,11 @@ class _Started:
 
 
 @contextlib.asynccontextmanager
-async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterator[Cluster]:
+async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
+                  keep_history: bool = True) -> AsyncIterator[Cluster]:
     """Start each pool's router and its workers on the running loop (prefill worker ids first, then decode);
-    stop them on exit.
+    stop them on exit. ``keep_history``: with router replicas, the front remembers which replica every request
+    reached (a run's report needs it; a server keeps only its open requests').
 
     A disaggregated cluster's pools each have their own router and network (or ZeroMQ socket), chained by a
     ``DisaggRouter``; decode workers publish their KV events to nobody, as the reference's do: the decode
@@ -457,7 +459,8 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks) -> AsyncIterat
     if not spec.disaggregated:
         c.replicas = [c.router] + [make(AGGREGATED, i) for i in range(1, n)]
         if n > 1:
-            c.front = ReplicaFrontDoor(c.replicas, ReplicaFront(n, rspec.replica_front, scenario.run.seed))  # type: ignore[arg-type]
+            c.front = ReplicaFrontDoor(c.replicas, ReplicaFront(n, rspec.replica_front, scenario.run.seed),  # type: ignore[arg-type]
+                                       keep_history)
     c.restarts = [0] * n
     async with anyio.create_task_group() as tg:
         c._tg = tg

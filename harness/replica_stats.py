@@ -40,6 +40,6 @@ def replica_stats(c: Cluster) -> dict[str, Any] | None:
         "count": len(c.replicas),
         "front": rspec.replica_front,
         "sync": {"enabled": c.sync is not None, "delay_ms": rspec.replica_sync.delay_ms},
-        "replica_of": dict(getattr(front, "replica_of", {})),
+        "replica_of": dict(getattr(front, "replica_of", None) or {}),
         "per_replica": per,
     }

@@ -66,21 +66,34 @@ class ReplicaFrontDoor:
     """The load balancer in front of router replicas, in one process: each request goes to the replica
     ``ReplicaFront`` picks, and its cancel to the same one. ``replicas[i]`` may be replaced (a restarted replica)."""
 
-    def __init__(self, replicas: list[Front], front: ReplicaFront) -> None:
+    def __init__(self, replicas: list[Front], front: ReplicaFront, keep_history: bool = True) -> None:
         if len(replicas) != front.replicas:
             raise InvalidArgument(f"{len(replicas)} replicas for a front of {front.replicas}", field="replicas")
         self.replicas = replicas
         self.front = front
-        self.replica_of: dict[str, int] = {}
-        """Each request id submitted: the replica it went to (the report groups by it)."""
+        self.replica_of: dict[str, int] | None = {} if keep_history else None
+        """Each request id submitted: the replica it went to (a run's report groups by it); None: not kept (a
+        server that runs for ever keeps only its open requests')."""
+        self.open: dict[str, int] = {}
+        """Requests not ended yet: their replica (a cancel goes there)."""
 
     def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any:
         """Submit ``req`` to its replica; returns that replica's record."""
+        rid = req.request_id
         i = self.front.pick(req.session_id)
-        self.replica_of[req.request_id] = i
-        return self.replicas[i].submit(req, on_end)
+        if self.replica_of is not None:
+            self.replica_of.setdefault(rid, i)  # (a reused id keeps its first, as the run's records do)
+        opened = self.open
+
+        def ended(record: Any) -> None:
+            if opened.get(rid) == i:
+                del opened[rid]
+            on_end(record)
+
+        opened.setdefault(rid, i)
+        return self.replicas[i].submit(req, ended)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Cancel a request at the replica it went to (False: unknown, or over)."""
-        i = self.replica_of.get(request_id)
+        i = self.open.get(request_id)
         return i is not None and self.replicas[i].cancel(request_id, reason)

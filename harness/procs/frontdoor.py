@@ -37,12 +37,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, clock: Clock, *,
                tokenizer: str | None = None, model: str = DEFAULT_MODEL,
-               forget: Callable[[str], None] | None = None, truth: EngineTruth | None = None) -> OpenAIApp:
-    """The ASGI app serving OpenAI routes through ``router`` (a getter: chaos may replace the router);
-    ``forget`` is told every request id that ended (a recorder drops its copy)."""
+               forget: Callable[[str], None] | None = None, truth: EngineTruth | None = None,
+               front: Callable[[], Any] | None = None) -> OpenAIApp:
+    """The ASGI app serving OpenAI routes through ``router`` (a getter: chaos may replace the router), or
+    through ``front`` (the router replicas' front door) when given; ``forget`` is told every request id that
+    ended (a recorder drops its copy)."""
     engine = engine_config(scenario.cluster)
     backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.resolved_block_size,
-                            forget=forget)
+                            forget=forget, front=front)
     metrics = FrontMetrics(model, (RouterCollector(router, hooks),))
     tok = load_tokenizer(tokenizer)
     return OpenAIApp(backend, tok, model=model, clock=clock, metrics=metrics, output_lengths=output_lengths(scenario),

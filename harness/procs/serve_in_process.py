@@ -53,9 +53,9 @@ async def _serve(scenario: Scenario, http: HttpOptions) -> None:
             truth.ended(ev.record, "length" if ev.kind == "completed" else "abort")
 
     hooks.subscribe(ended, "completed", "failed")
-    async with cluster(scenario, clock, hooks) as c:
+    async with cluster(scenario, clock, hooks, keep_history=False) as c:
         app = front_door(scenario, lambda: c.router, hooks, clock, tokenizer=http.tokenizer, model=http.model,
-                         truth=truth)
+                         truth=truth, front=lambda: c.front)
         server = HttpServer(app, http.listen, http.server)
         async with anyio.create_task_group() as tg:
             await tg.start(server.serve)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from kvemu.records import RequestRecord
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.messages import ClientRequest
+from kvemu.replica_front import Front
 from kvemu.runtime.router import Router
 
 __all__ = ["Backend", "Handoff", "RouterBackend", "OnTokens", "OnEnd"]
@@ -64,8 +65,10 @@ class RouterBackend:
     """
 
     def __init__(self, router: Callable[[], Router], hooks: Hooks, *, max_model_len: int, block_size: int,
-                 forget: Callable[[str], None] | None = None) -> None:
+                 forget: Callable[[str], None] | None = None, front: Callable[[], Front] | None = None) -> None:
         self._router = router
+        self._front: Callable[[], Front] = front or router
+        """Where requests go: the router, or the front door of several router replicas."""
         self.max_model_len = max_model_len
         self.block_size = block_size
         self._forget = forget
@@ -97,11 +100,11 @@ class RouterBackend:
             if forget is not None:
                 forget(rid)
 
-        self._router().submit(req, ended)
+        self._front().submit(req, ended)
 
     def cancel(self, request_id: str, reason: str) -> None:
         self._streams.pop(request_id, None)
-        self._router().cancel(request_id, reason)
+        self._front().cancel(request_id, reason)
 
     def unavailable(self) -> str | None:
         router = self._router()

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from kvemu.errors import InvalidArgument
-from kvemu.replica_front import ReplicaFront
+from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
 
 
 def test_round_robin_takes_replicas_in_turn():
@@ -42,3 +42,51 @@ def test_bad_settings_name_their_field(kwargs, field):
     with pytest.raises(InvalidArgument) as exc:
         ReplicaFront(**kwargs)
     assert exc.value.field == field
+
+
+class _Replica:
+    """A replica that ends requests when told: what it was given and cancelled."""
+
+    def __init__(self) -> None:
+        self.open: dict = {}
+        self.cancelled: list = []
+
+    def submit(self, req, on_end):
+        self.open[req.request_id] = on_end
+        return req.request_id
+
+    def cancel(self, request_id, reason="cancelled"):
+        if request_id not in self.open:
+            return False
+        self.cancelled.append((request_id, reason))
+        return True
+
+    def end(self, request_id):
+        self.open.pop(request_id)(request_id)
+
+
+class _Req:
+    def __init__(self, rid, session=None):
+        self.request_id, self.session_id = rid, session
+
+
+def test_the_front_door_cancels_at_the_replica_a_request_went_to():
+    replicas = [_Replica(), _Replica()]
+    door = ReplicaFrontDoor(replicas, ReplicaFront(2))
+    ended = []
+    door.submit(_Req("a"), ended.append)
+    door.submit(_Req("b"), ended.append)
+    assert door.cancel("b", "deadline") and replicas[1].cancelled == [("b", "deadline")]
+    assert replicas[0].cancelled == []
+    replicas[0].end("a")
+    assert ended == ["a"] and not door.cancel("a"), "an ended request is not the front's any more"
+    assert door.replica_of == {"a": 0, "b": 1}
+
+
+def test_a_server_front_door_keeps_only_its_open_requests():
+    replicas = [_Replica(), _Replica()]
+    door = ReplicaFrontDoor(replicas, ReplicaFront(2), keep_history=False)
+    for i in range(100):
+        door.submit(_Req(f"r{i}"), lambda _r: None)
+        replicas[i % 2].end(f"r{i}")
+    assert door.replica_of is None and door.open == {}
