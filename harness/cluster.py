@@ -459,8 +459,9 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
     if not spec.disaggregated:
         c.replicas = [c.router] + [make(AGGREGATED, i) for i in range(1, n)]
         if n > 1:
-            c.front = ReplicaFrontDoor(c.replicas, ReplicaFront(n, rspec.replica_front, scenario.run.seed),  # type: ignore[arg-type]
-                                       keep_history)
+            front = ReplicaFront(n, rspec.replica_front, scenario.run.seed,
+                                 rspec.replica_prefix_tokens)
+            c.front = ReplicaFrontDoor(c.replicas, front, keep_history)  # type: ignore[arg-type]
     c.restarts = [0] * n
     async with anyio.create_task_group() as tg:
         c._tg = tg

@@ -4,6 +4,9 @@
 * ``random``: uniformly, from this front's own seeded generator.
 * ``session``: a hash of the session id, so every turn of a session reaches one replica (the consistent hashing
   vllm-router and SGLang's gateway offer on a session header); a request without a session goes round robin.
+* ``prefix``: a hash of the prompt's first ``prefix_tokens`` tokens, so prompts that start alike (a
+  conversation's turns, when the trace names no session) reach one replica, as SGLang's gateway's
+  ``prefix_hash`` policy picks a worker.
 
 Sans-IO and deterministic: the same requests in the same order reach the same replicas.
 """
@@ -11,7 +14,9 @@ Sans-IO and deterministic: the same requests in the same order reach the same re
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any, Literal, Protocol
 
 import xxhash
@@ -20,33 +25,42 @@ from kvemu.errors import InvalidArgument
 
 __all__ = ["ReplicaFront", "ReplicaFrontDoor", "FRONT_MODES", "FrontMode"]
 
-FrontMode = Literal["round_robin", "random", "session"]
-FRONT_MODES: tuple[FrontMode, ...] = ("round_robin", "random", "session")
+FrontMode = Literal["round_robin", "random", "session", "prefix"]
+FRONT_MODES: tuple[FrontMode, ...] = ("round_robin", "random", "session", "prefix")
+MAX_PREFIX_TOKENS = 1 << 20
 
 
 class ReplicaFront:
     """Picks one of ``replicas`` router replicas per request."""
 
-    __slots__ = ("replicas", "mode", "_next", "_rng")
+    __slots__ = ("replicas", "mode", "prefix_tokens", "_next", "_rng")
 
-    def __init__(self, replicas: int, mode: FrontMode = "round_robin", seed: int = 0) -> None:
+    def __init__(self, replicas: int, mode: FrontMode = "round_robin", seed: int = 0, prefix_tokens: int = 256) -> None:
         if not isinstance(replicas, int) or replicas < 1:
             raise InvalidArgument(f"router.replicas must be an integer >= 1, got {replicas!r}", field="replicas")
         if mode not in FRONT_MODES:
             raise InvalidArgument(f"router.replica_front must be one of {', '.join(FRONT_MODES)}, got {mode!r}",
                                   field="replica_front")
+        if not isinstance(prefix_tokens, int) or not 1 <= prefix_tokens <= MAX_PREFIX_TOKENS:
+            raise InvalidArgument(f"router.replica_prefix_tokens must be an integer in 1..{MAX_PREFIX_TOKENS}, got "
+                                  f"{prefix_tokens!r}", field="replica_prefix_tokens")
         self.replicas = replicas
         self.mode = mode
+        self.prefix_tokens = prefix_tokens
         self._next = 0
         self._rng = random.Random(f"kvemu-replica-front:{seed}")
 
-    def pick(self, session_id: str | None = None) -> int:
-        """The replica for the next request (of ``session_id``, if it has one)."""
+    def pick(self, session_id: str | None = None, tokens: Iterable[int] = ()) -> int:
+        """The replica for the next request (of ``session_id``, if it has one; with prompt ``tokens``)."""
         n = self.replicas
         if n == 1:
             return 0
         if self.mode == "session" and session_id is not None:
             return xxhash.xxh3_64_intdigest(session_id.encode()) % n
+        if self.mode == "prefix":
+            head = array("Q", islice(tokens, self.prefix_tokens))
+            if head:
+                return xxhash.xxh3_64_intdigest(head.tobytes()) % n
         if self.mode == "random":
             return self._rng.randrange(n)
         i = self._next
@@ -80,7 +94,7 @@ class ReplicaFrontDoor:
     def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any:
         """Submit ``req`` to its replica; returns that replica's record."""
         rid = req.request_id
-        i = self.front.pick(req.session_id)
+        i = self.front.pick(req.session_id, req.tokens if self.front.mode == "prefix" else ())
         if self.replica_of is not None:
             self.replica_of.setdefault(rid, i)  # (a reused id keeps its first, as the run's records do)
         opened = self.open

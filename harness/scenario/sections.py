@@ -254,9 +254,12 @@ class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc]
     replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS)] = 1
     """Router replicas behind one load balancer: each a full router (its own prefix index, load view, queue and
     affinity table) fed by the same KV events; the workers serve them all."""
-    replica_front: Literal["round_robin", "random", "session"] = "round_robin"
-    """How the load balancer spreads requests over the replicas: in turn, at random (seeded), or by a hash of
-    the session id (a session's turns reach one replica; requests without one go in turn)."""
+    replica_front: Literal["round_robin", "random", "session", "prefix"] = "round_robin"
+    """How the load balancer spreads requests over the replicas: in turn, at random (seeded), by a hash of the
+    session id (a session's turns reach one replica; requests without one go in turn), or by a hash of the
+    prompt's first ``replica_prefix_tokens`` tokens (SGLang's gateway's ``prefix_hash``)."""
+    replica_prefix_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
+    """``replica_front: prefix``: how many leading prompt tokens choose the replica (SGLang's default 256)."""
     replica_sync: ReplicaSyncSpec = ReplicaSyncSpec()
 
     def __post_init__(self) -> None:

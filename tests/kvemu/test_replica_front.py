@@ -90,3 +90,13 @@ def test_a_server_front_door_keeps_only_its_open_requests():
         door.submit(_Req(f"r{i}"), lambda _r: None)
         replicas[i % 2].end(f"r{i}")
     assert door.replica_of is None and door.open == {}
+
+
+def test_prefix_hashing_sends_prompts_that_start_alike_to_one_replica():
+    front = ReplicaFront(4, "prefix", prefix_tokens=3)
+    picks = {p: front.pick(None, [p, p + 1, p + 2, 99]) for p in range(200)}
+    assert all(front.pick("any", [p, p + 1, p + 2, 7, 7]) == r for p, r in picks.items())  # only the head counts
+    assert set(Counter(picks.values())) == {0, 1, 2, 3}
+    assert [front.pick(None, []) for _ in range(3)] == [0, 1, 2]  # no prompt: round robin
+    with pytest.raises(InvalidArgument, match="replica_prefix_tokens"):
+        ReplicaFront(2, "prefix", prefix_tokens=0)
