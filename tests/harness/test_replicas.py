@@ -12,6 +12,8 @@ import json
 
 import pytest
 
+from kvemu.runtime.router import RouterSettings
+
 from harness.report.files import write_requests
 from harness.report.summary import summarize
 from harness.runner import run_scenario
@@ -217,3 +219,21 @@ run: {mode: live, seed: 1, duration_s: 1.5}
     assert [r["requests"] > 0 for r in rows] == [True, True]
     assert all(r["kv_events"]["batches"] > 0 and r["workers_registered"] == 2 for r in rows)
     assert all(r["sync"]["applied"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("graceful", [True, False])
+def test_a_worker_leaving_leaves_every_replica(graceful):
+    out = run_scenario(scenario(replicas=3, kv_events=True, chaos=f"""
+  - {{at_s: 40, action: remove_worker, worker: 2, graceful: {str(graceful).lower()}}}
+"""))
+    s = summarize(out.data)
+    records = out.data.records
+    if graceful:  # drained first: nothing fails
+        assert all(r.done for r in records)
+    else:  # what it held fails with worker_lost (or ran again elsewhere), each with its reason
+        assert all(r.done or r.failure.startswith("worker_lost") for r in records)
+    assert all(r["workers_registered"] == 7 for r in s["kvemu"]["replicas"]["per_replica"])
+    t0 = min(r.arrival_ns for r in records)
+    fenced = 40e9 + RouterSettings().heartbeat_timeout_s * 1e9 * 1.5  # (abruptly: noticed by its silence)
+    assert not [r for r in records if r.worker_id == 2 and r.routed_ns - t0 > fenced], \
+        "no replica routes to a worker that left"
