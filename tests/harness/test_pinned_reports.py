@@ -10,7 +10,9 @@ Updated once since, by the routing regret (#32): ``requests.jsonl`` records gain
 ``truth_best_overlap_blocks`` and ``regret_source`` and ``summary.json`` gained ``kvemu.routing.regret``; with
 those removed, the three reports were checked equal to the ones pinned before. Then the router replicas (#32):
 ``summary.json`` gained ``kvemu.routing.regret_ratio`` (the issue's headline key, a copy of
-``kvemu.routing.regret.regret_ratio``); ``requests.jsonl`` did not move.
+``kvemu.routing.regret.regret_ratio``); ``requests.jsonl`` did not move. The router replicas' own scenario
+(``examples/replicas-chaos.yaml``: three replicas, sync, a fault on each) was pinned then, from the compiled build,
+after checking the pure build writes the same bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ PINNED = {
     "disagg-virtual": (("examples/compose-disagg.yaml", "--set", "run.mode=virtual"),
                        "765978902fa978689df3b37179a070fdc9446f6bd93e1ef7ddba42867cb26f8a",
                        "58c170b5e6a5dbe7f988d2b2688deb32b15dfb1e3335c1c34bea1647f3042d37"),
+    "replicas-chaos": (("examples/replicas-chaos.yaml",),
+                       "f34e20e7a232c7479f830cbf33d9b98c869770f2b866b86bfcc800d3d90870cb",
+                       "638945dda90d3d09a217d2963395896bdc1e4033eeba8377b94264d957fea02d"),
 }
 """Scenario → (``kvemu run`` arguments, summary digest, requests.jsonl digest)."""
 
