@@ -1,0 +1,115 @@
+"""Router replicas as processes (``router.replicas`` under kvemu up): every replica a router process, every worker
+registered with each, the load generator spreading requests over them, replica sync between them over ZeroMQ."""
+
+import json
+
+import zmq
+
+from kvemu.messages import encode
+
+from harness.procs.protocol import CLIENT, Stats, StatsQuery, reply_decoder
+from harness.procs.up import Children
+from tests.end_to_end.test_processes import FAST, _gone, kvemu, small
+from tests.process_output import json_events, tagged_env
+
+REPLICAS = "router: {policy: kv, heartbeat_timeout_s: 1.5, replicas: 2, replica_front: random, " \
+           "replica_sync: {enabled: true}}\n"
+
+
+def _scenario(tmp_path, extra: str = ""):
+    path = small(tmp_path)
+    text = path.read_text().replace(
+        "router: {policy: kv, affinity: {enabled: true, ttl_secs: 30}, heartbeat_timeout_s: 1.5}\n", REPLICAS)
+    assert "replicas: 2" in text
+    path.write_text(text + extra)
+    return path
+
+
+def test_up_with_two_router_replicas_spreads_requests_and_syncs_their_bookings(tmp_path):
+    out = tmp_path / "out"
+    tag, env = tagged_env()
+    res = kvemu("up", str(_scenario(tmp_path)), *FAST, "-o", str(out), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json_events(res.stdout, "started")[0]["routers"][1]  # the load generator's: both router replicas
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_requests"] > 0 and summary["completed_requests"] == summary["num_requests"]
+    rep = summary["kvemu"]["replicas"]
+    assert rep["count"] == 2 and rep["front"] == "random" and rep["sync"]["enabled"]
+    per = rep["per_replica"]
+    assert all(row["requests"] > 0 for row in per)  # both replicas served requests
+    assert sum(row["requests"] for row in per) == summary["num_requests"]
+    assert all(row["workers_registered"] == 2 for row in per)  # each worker registered with both routers
+    assert all(row["kv_events"]["batches"] > 0 for row in per)  # and each router subscribed to its KV events
+    for me, peer in ((per[0], per[1]), (per[1], per[0])):
+        sync = me["sync"]
+        assert sync["batches_applied"] > 0 and sync["applied"] > 0  # sync batches applied by both
+        assert sync["applied"] <= peer["sync"]["announced"]  # (only what the peer announced)
+        assert sync["dropped_foreign"] == sync["dropped_malformed"] == sync["dropped_oversize"] == 0
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert [sum(r["router_replica"] == i for r in rows) for i in (0, 1)] == [row["requests"] for row in per]
+    assert _gone(tag)  # every router replica, worker and the load generator exited
+
+
+def test_restart_router_chaos_restarts_the_replica_it_names(tmp_path):
+    out = tmp_path / "out"
+    path = _scenario(tmp_path, "chaos:\n  - {at_s: 1.0, action: restart_router, replica: 1}\n")
+    res = kvemu("up", str(path), *FAST, "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [(e["action"], e["ok"]) for e in json_events(res.stderr, "chaos")] == [("restart_router", True)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [row["restarts"] for row in summary["kvemu"]["replicas"]["per_replica"]] == [0, 1]
+    k = summary["kvemu"]
+    assert k["unfinished_requests"] == 0
+    assert summary["completed_requests"] + k["failed_requests"] == summary["num_requests"] > 0
+
+
+def _stats(router: str) -> Stats:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(router)
+        sock.send_multipart([CLIENT, encode(StatsQuery())])
+        assert sock.poll(10_000), f"no answer from {router}"
+        reply = reply_decoder.decode(sock.recv_multipart()[1])
+        assert type(reply) is Stats
+        return reply
+    finally:
+        sock.close(linger=0)
+
+
+def test_a_worker_with_two_router_flags_registers_with_both(tmp_path):
+    import time
+
+    path = _scenario(tmp_path)
+    kids = Children()
+    try:
+        r0 = kids.start("r0", ["router", "--listen", "tcp://127.0.0.1:0", "--replica", "0", "--config", str(path)])
+        r1 = kids.start("r1", ["router", "--listen", "tcp://127.0.0.1:0", "--replica", "1", "--config", str(path),
+                               "--sync-peer", f"0={r0['sync']}"])
+        w = kids.start("w", ["worker", "--router", r0["listen"], "--router", r1["listen"], "--worker-id", "7",
+                             "--config", str(path)])
+        assert w["routers"] == [r0["listen"], r1["listen"]]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            views = [_stats(r0["listen"]), _stats(r1["listen"])]
+            if all(v.workers == [7] for v in views):
+                break
+            time.sleep(0.1)
+        assert [(v.replica, v.workers) for v in views] == [(0, [7]), (1, [7])]
+        assert views[1].sync is not None and views[1].sync["dropped_malformed"] == 0
+    finally:
+        kids.stop_all()
+
+
+def test_replica_flags_that_do_not_fit_the_scenario_are_refused(tmp_path):
+    path = _scenario(tmp_path)
+    res = kvemu("router", "--replica", "2", "--config", str(path), check=False)
+    assert res.returncode == 2 and "--replica 2" in res.stderr and "router.replicas is 2" in res.stderr
+    res = kvemu("router", "--replica", "1", "--sync-peer", "1=tcp://127.0.0.1:9", "--config", str(path), check=False)
+    assert res.returncode == 2 and "--sync-peer 1=tcp://127.0.0.1:9" in res.stderr
+    res = kvemu("loadgen", "--router", "tcp://127.0.0.1:9", str(path), check=False)
+    assert res.returncode == 2 and "1 --router flags for router.replicas 2" in res.stderr
+    res = kvemu("up", str(path), "--http", "127.0.0.1:0", check=False)
+    assert res.returncode == 2 and "does not spread requests over router replicas" in res.stderr
+    res = kvemu("serve", str(path), check=False)
+    assert res.returncode == 2 and "does not spread requests over router replicas" in res.stderr
