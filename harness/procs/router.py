@@ -3,7 +3,9 @@
 It serves workers and clients (``harness.procs.protocol``) until SIGTERM. A disaggregated scenario's router
 process hosts its prefill and decode routers on that one socket (``harness.procs.gate`` gives each worker its
 own pool's router) behind a ``DisaggRouter``; chaos ``Control`` messages are applied here or forwarded to the
-workers.
+workers. With ``router.replicas`` it is one replica (``--replica``); with ``router.replica_sync`` it shares its
+bookings with its peers over ZeroMQ (``kvemu.runtime.replica_sync_zmq``; peers from ``--sync-peer`` or a
+``SyncPeers`` control message).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Children die with their parent (Linux parent-death signal) and are terminated on
 crash and on exit, so ``kvemu up`` never leaves an orphan. It applies the whole chaos timeline: it starts
 (``add_worker``) and stops (``remove_worker``: SIGTERM, or SIGKILL) worker processes itself and sends every
 other action to the router's control channel (``harness.chaos``) with a token only it and the router know.
+With ``router.replicas`` it starts one router process per replica, tells each where its peers publish their
+sync batches, gives every worker and the load generator every replica's address, and sends ``restart_router`` to
+the replica the event names (other actions to the first replica, which forwards them to the workers).
 
 Children run ``python -P -m harness.cli``: ``-P`` (Python 3.11) keeps the working directory off their import
 path, so a project with its own ``harness/``, ``workers/`` or ``kvemu/`` folder cannot shadow kvemu's packages

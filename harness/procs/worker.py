@@ -3,6 +3,8 @@
 Each worker serves the pool its ``--worker-type`` names (``worker_pool``), publishes its KV events and, with
 ``--http``, serves OpenAI clients directly; with no ``--router`` it serves them alone (a member of
 ``kvemu fleet``: another router in front of it), and what its engines did per request (``/kvemu/requests``).
+With ``--router`` repeated it serves every replica of one router (``router.replicas``) over one link
+(``ReplicaEnds``).
 It shuts down cleanly on SIGTERM.
 """
 
