@@ -5,9 +5,10 @@ import json
 
 import zmq
 
-from kvemu.messages import encode
+from kvemu.messages import ClientRequest, encode
 
-from harness.procs.protocol import CLIENT, Stats, StatsQuery, reply_decoder
+from harness.chaos import SyncPeers
+from harness.procs.protocol import CLIENT, RecordReply, Stats, StatsQuery, reply_decoder, send_control
 from harness.procs.up import Children
 from tests.end_to_end.test_processes import FAST, _gone, kvemu, small
 from tests.process_output import json_events, tagged_env
@@ -63,18 +64,23 @@ def test_restart_router_chaos_restarts_the_replica_it_names(tmp_path):
     assert summary["completed_requests"] + k["failed_requests"] == summary["num_requests"] > 0
 
 
-def _stats(router: str) -> Stats:
+def _ask(router: str, msg, kind):
+    """Send one client message to a router process and return its answer of type ``kind``."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(router)
-        sock.send_multipart([CLIENT, encode(StatsQuery())])
-        assert sock.poll(10_000), f"no answer from {router}"
+        sock.send_multipart([CLIENT, encode(msg)])
+        assert sock.poll(20_000), f"no answer from {router}"
         reply = reply_decoder.decode(sock.recv_multipart()[1])
-        assert type(reply) is Stats
+        assert type(reply) is kind, reply
         return reply
     finally:
         sock.close(linger=0)
+
+
+def _stats(router: str) -> Stats:
+    return _ask(router, StatsQuery(), Stats)
 
 
 def test_a_worker_with_two_router_flags_registers_with_both(tmp_path):
@@ -96,7 +102,17 @@ def test_a_worker_with_two_router_flags_registers_with_both(tmp_path):
                 break
             time.sleep(0.1)
         assert [(v.replica, v.workers) for v in views] == [(0, [7]), (1, [7])]
-        assert views[1].sync is not None and views[1].sync["dropped_malformed"] == 0
+        # replica 1 subscribed to replica 0 by its --sync-peer flag: a request replica 0 runs reaches its view
+        reply = _ask(r0["listen"], ClientRequest(request_id="q", tokens=list(range(64)), max_tokens=2), RecordReply)
+        assert reply.record.failure is None and reply.record.worker_id == 7
+        deadline = time.monotonic() + 10
+        while _stats(r1["listen"]).sync["applied"] < 3 and time.monotonic() < deadline:  # booked, prefilled, freed
+            time.sleep(0.05)
+        sync = _stats(r1["listen"]).sync
+        assert sync["applied"] == _stats(r0["listen"]).sync["announced"] == 3 and sync["batches_applied"] >= 1
+        # these routers take no control messages (no token): where peers publish is not taken from anyone
+        refused = send_control(r0["listen"], "", SyncPeers(token="", peers={1: r1["sync"]}))
+        assert not refused.ok and "takes no control messages" in refused.detail
     finally:
         kids.stop_all()
 
