@@ -99,11 +99,12 @@ class ReplicaClients:
 
 
 def merged_counters(counters: list[dict[str, int]]) -> dict[str, int]:
-    """The run's counters from each replica's: the first replica's whole, the others' request steps only (each
-    replica sees every worker come and go; a request runs on one), as one process's cluster counts them."""
+    """The run's counters from each replica's: the first replica's whole, the others' request steps and restarts
+    only (each replica sees every worker come and go; a request runs on one), as one process's cluster counts
+    them."""
     out = dict(counters[0])
     for more in counters[1:]:
-        for k in REQUEST_KINDS:
+        for k in (*REQUEST_KINDS, "router_restarts"):
             if more.get(k):
                 out[k] = out.get(k, 0) + more[k]
     return out

@@ -60,7 +60,7 @@ def test_restart_router_chaos_restarts_the_replica_it_names(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert [row["restarts"] for row in summary["kvemu"]["replicas"]["per_replica"]] == [0, 1]
     k = summary["kvemu"]
-    assert k["unfinished_requests"] == 0
+    assert k["unfinished_requests"] == 0 and k["hook_counts"]["router_restarts"] == 1
     assert summary["completed_requests"] + k["failed_requests"] == summary["num_requests"] > 0
 
 
@@ -129,3 +129,37 @@ def test_replica_flags_that_do_not_fit_the_scenario_are_refused(tmp_path):
     assert res.returncode == 2 and "does not spread requests over router replicas" in res.stderr
     res = kvemu("serve", str(path), check=False)
     assert res.returncode == 2 and "does not spread requests over router replicas" in res.stderr
+
+
+def test_the_load_generator_spreads_over_replicas_it_did_not_start_and_carries_their_chaos(tmp_path):
+    """As in docker-compose: router replicas and workers started by hand, the load generator given every replica
+    (--router per replica) applies the timeline itself; restart_router reaches the replica it names."""
+    import subprocess
+
+    from harness.chaos import CONTROL_TOKEN_ENV
+    from harness.procs.up import cli_command, cli_env
+
+    path = _scenario(tmp_path, "chaos:\n  - {at_s: 1.0, action: restart_router, replica: 1}\n")
+    out = tmp_path / "out"
+    kids = Children()
+    env = {CONTROL_TOKEN_ENV: "tok"}
+    try:
+        routers = [kids.start(f"r{i}", ["router", "--listen", "tcp://127.0.0.1:0", "--replica", str(i),
+                                        "--config", str(path), *FAST], env=env) for i in (0, 1)]
+        for i, r in enumerate(routers):
+            assert send_control(r["listen"], "tok", SyncPeers(token="tok", peers={1 - i: routers[1 - i]["sync"]})).ok
+        for w in (0, 1):
+            kids.start(f"w{w}", ["worker", "--router", routers[0]["listen"], "--router", routers[1]["listen"],
+                                 "--worker-id", str(w), "--config", str(path), *FAST])
+        res = subprocess.run(cli_command("loadgen", "--router", routers[0]["listen"], "--router", routers[1]["listen"],
+                                         "--chaos", "apply", "--expect-workers", "2", "-o", str(out), str(path),
+                                         *FAST), env={**cli_env(), **env}, capture_output=True, text=True, timeout=120)
+    finally:
+        kids.stop_all()
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [(e["action"], e["ok"]) for e in json_events(res.stderr, "chaos")] == [("restart_router", True)]
+    summary = json.loads((out / "summary.json").read_text())
+    per = summary["kvemu"]["replicas"]["per_replica"]
+    assert [row["restarts"] for row in per] == [0, 1] and all(row["requests"] > 0 for row in per)
+    assert summary["kvemu"]["hook_counts"]["router_restarts"] == 1
+    assert all(row["sync"]["batches_applied"] > 0 for row in per)
