@@ -200,9 +200,11 @@ def process_alive(pid: int) -> bool:
     return "State:\tZ" not in status and "State:\tX" not in status
 
 
-async def _loadgen(scenario: Scenario, routers: list[str], outdir: Path, expect_workers: int | None,
+async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
                    apply_chaos: bool = False,
-                   router_pids: list[int] | None = None) -> tuple[dict[str, Any], Path | None]:
+                   router_pid: int | list[int] | None = None) -> tuple[dict[str, Any], Path | None]:
+    routers = [router] if isinstance(router, str) else list(router)
+    pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
     sessions = build_sessions(scenario)
     clients = [_RouterClient(r) for r in routers]
     spread = None  # several router replicas: requests spread over them as ReplicaFront picks
@@ -210,7 +212,6 @@ async def _loadgen(scenario: Scenario, routers: list[str], outdir: Path, expect_
         spread = ReplicaClients(clients, ReplicaFront(len(clients), scenario.router.replica_front, scenario.run.seed))
     client: Any = spread or clients[0]
     router = routers[0]
-    pids = router_pids or []
     wall0 = time.perf_counter_ns()
     samples: list[Sample] = []
     token = os.environ.get(CONTROL_TOKEN_ENV, "")
@@ -479,6 +480,4 @@ def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, ex
     router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
     where the report went (``harness.report.files.save_report``). Several routers: the replicas of one router
     (``router.replicas``), in replica order, each ``router_pid`` that of the same replica."""
-    routers = [router] if isinstance(router, str) else list(router)
-    pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
-    return run_live(lambda: _loadgen(scenario, routers, outdir, expect_workers, apply_chaos, pids))
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))
