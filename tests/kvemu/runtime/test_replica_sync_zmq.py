@@ -9,6 +9,8 @@ from typing import Any
 
 import anyio
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvemu.clock import WallClock
 from kvemu.load import LoadTracker
@@ -96,3 +98,19 @@ def test_a_large_batch_leaves_split_within_the_bounds_and_whole() -> None:
     assert left_out == 1 and all(len(m) <= 64 << 10 for m in messages) and len(messages) > 2
     assert all(b.origin == 2 and len(b.events) <= MAX_SYNC_BATCH_EVENTS for b in decoded)
     assert [e for b in decoded for e in b.events] == [e for e in events if e.request_id != "huge"]
+
+
+_events = st.lists(st.one_of(
+    st.builds(SyncBook, st.text(max_size=8), st.integers(0, 9), st.integers(0, 3),
+              st.lists(st.integers(0, (1 << 64) - 1), max_size=300), st.integers(0, 1 << 20)),
+    st.builds(SyncFree, st.text(max_size=8))), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_events, st.integers(64, 4096))
+def test_wire_messages_keep_every_event_that_fits_in_order(events, max_bytes) -> None:
+    messages, left_out = wire_messages(SyncBatch(1, events), max_bytes=max_bytes)
+    assert all(len(m) <= max_bytes for m in messages)
+    sent = [e for m in messages for e in msgspec.msgpack.decode(m, type=SyncBatch).events]
+    too_big = [e for e in events if len(msgspec.msgpack.encode(SyncBatch(1, [e]))) > max_bytes]
+    assert left_out == len(too_big) and sent == [e for e in events if e not in too_big]
