@@ -4,7 +4,8 @@ A supervisor (``kvemu up``) or a load generator (``kvemu loadgen --chaos apply``
 ``Control`` to the router on the client socket. The router checks the shared control token, restarts itself
 (``restart_router``) or forwards a ``Chaos`` message to the worker it names, which applies the fault to itself.
 Starting and stopping worker processes (``add_worker``, ``remove_worker``) is for a supervisor only, and so is
-``WorkerExited``: a worker process it runs exited unasked, so the router fences it at once.
+``WorkerExited``: a worker process it runs exited unasked, so the router fences it at once, and ``SyncPeers``:
+where a router replica's peers publish their sync batches.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from msgspec import Meta
 
 from kvemu.clock import NS_PER_S
 from kvemu.messages import WORKER_CHAOS, Chaos
+from kvemu.replica_sync import MAX_REPLICAS
 
 from harness.scenario import ChaosEvent
 
-__all__ = ["Control", "ControlReply", "WorkerExited", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS", "SUPERVISOR_CHAOS",
-           "worker_chaos", "timeline", "chaos_problems"]
+__all__ = ["Control", "ControlReply", "WorkerExited", "SyncPeers", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS",
+           "SUPERVISOR_CHAOS", "worker_chaos", "timeline", "chaos_problems"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
 """The environment variable holding the shared control token; a router without one refuses every control."""
@@ -46,6 +48,15 @@ class WorkerExited(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=
     worker_id: Annotated[int, Meta(ge=0, le=1 << 31)]
     how: Annotated[str, Meta(max_length=64)]
     """``signal SIGKILL``, ``code 1``."""
+
+
+class SyncPeers(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Where the other router replicas publish their sync batches (supervisor → router replica): subscribe to
+    each (``router.replica_sync``; a replica's endpoint is known only once it started, so it comes after)."""
+
+    token: str
+    peers: Annotated[dict[Annotated[int, Meta(ge=0, lt=MAX_REPLICAS)], Annotated[str, Meta(max_length=256)]],
+                     Meta(max_length=MAX_REPLICAS)]
 
 
 class ControlReply(msgspec.Struct, tag=True, frozen=True):

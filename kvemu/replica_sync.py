@@ -25,7 +25,7 @@ peers' batches to one replica's load tracker, told the time.
 from __future__ import annotations
 
 from collections import deque
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 from msgspec import Meta
@@ -36,7 +36,7 @@ from kvemu.index import WorkerKey
 from kvemu.load import LoadTracker
 
 __all__ = ["SyncBook", "SyncPrefillDone", "SyncFree", "SyncEvent", "SyncBatch", "SyncOutbox", "SyncInbox",
-           "PEER_BOOKING_TTL_NS", "MAX_SYNC_BATCH_EVENTS", "MAX_REPLICAS"]
+           "attach_core", "frees_load", "PEER_BOOKING_TTL_NS", "MAX_SYNC_BATCH_EVENTS", "MAX_REPLICAS"]
 
 MAX_REPLICAS = 64
 """Most router replicas one cluster runs (``router.replicas``)."""
@@ -48,7 +48,7 @@ active-request expiry)."""
 
 _Id = Annotated[str, Meta(max_length=1024)]
 _Int = Annotated[int, Meta(ge=0, le=1 << 31)]
-_U64 = Annotated[int, Meta(ge=0)]  # (msgpack carries at most 64 bits)
+_U64 = Annotated[int, Meta(ge=0)]  # (msgpack integers stop at 2**64 - 1; msgspec bounds only fit int64)
 
 
 class SyncBook(msgspec.Struct, tag="book", frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -189,3 +189,17 @@ class SyncInbox:
             if load.booked_ns(rid) == at:  # (a freed one is gone; a re-booked one has its own entry)
                 load.free(rid)
                 self.expired += 1
+
+
+def attach_core(replica: int, core: Any, predictions: bool = False) -> tuple[SyncOutbox, SyncInbox]:
+    """Connect a replica's routing core to sync: a new outbox, made the core's ``load_listener``, and a new inbox
+    over its load view (and approximate index). A restarted replica gets new ones: it starts with an empty view."""
+    outbox = SyncOutbox(replica, predictions)
+    core.load_listener = outbox
+    return outbox, SyncInbox(replica, core.load, core.approx)
+
+
+def frees_load(batch: SyncBatch) -> bool:
+    """Whether applying ``batch`` may take load off a rank (a prefill done, a free): the receiving replica's queue
+    should then look again, as Dynamo's receiver wakes its queue."""
+    return any(type(ev) is not SyncBook for ev in batch.events)

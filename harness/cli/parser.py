@@ -141,9 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--config", dest="scenario", help="scenario YAML for the router and engine settings")
     _add_set(router)
     router.add_argument("--grace", type=float, default=10.0, help="seconds to drain requests on SIGTERM")
+    router.add_argument("--replica", type=int, default=0, metavar="I",
+                        help="with router.replicas: which replica this router is (0 .. replicas-1; default 0)")
+    router.add_argument("--sync-listen", default="tcp://127.0.0.1:0", metavar="ENDPOINT",
+                        help="with router.replica_sync: PUB endpoint of this replica's sync batches (port 0 = a free "
+                             "one, printed at start)")
+    router.add_argument("--sync-peer", action="append", default=[], metavar="I=ENDPOINT",
+                        help="with router.replica_sync: replica I's --sync-listen endpoint, to subscribe to "
+                             "(repeat per peer)")
     worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
-    worker.add_argument("--router", help="the router's --listen endpoint (none: serve --http clients alone, as a "
-                                         "member of kvemu fleet with another router in front)")
+    worker.add_argument("--router", action="append",
+                        help="the router's --listen endpoint (none: serve --http clients alone, as a member of "
+                             "kvemu fleet with another router in front); repeat it for each router replica")
     worker.add_argument("--worker-id", type=int, help="default: random")
     worker.add_argument("--dp-size", type=int, help="default: the scenario's cluster.dp_size (or its pool's)")
     worker.add_argument("--worker-type", choices=("aggregated", "prefill", "decode"),
@@ -159,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
     loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
     loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
-    loadgen.add_argument("--router", help="the router's --listen endpoint (a kvemu router process)")
+    loadgen.add_argument("--router", action="append",
+                         help="the router's --listen endpoint (a kvemu router process); repeat it for each router "
+                              "replica, in replica order (requests are spread by router.replica_front)")
     loadgen.add_argument("--http", metavar="URL", dest="http_url",
                          help="instead of --router: any OpenAI-compatible server (a router in front of a kvemu "
                               "fleet), sent streamed /v1/completions with X-Request-Id and session headers")
@@ -174,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen.add_argument("--model", default="kvemu", help="with --http: the model name (default: kvemu)")
     loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
-    loadgen.add_argument("--router-pid", type=int,
+    loadgen.add_argument("--router-pid", type=int, action="append",
                          help="the router's process id on this machine: a silent router whose process is alive is "
-                              "waited for (run.router_stall_s), one whose process exited is lost at once")
+                              "waited for (run.router_stall_s), one whose process exited is lost at once (repeat "
+                              "it per --router)")
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.cli.loading import load_scenario_args
-from harness.cli.preflight import autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem
+from harness.cli.preflight import (autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem,
+                                   replicas_problem)
 
 if TYPE_CHECKING:
     from harness.scenario import Scenario
@@ -31,7 +32,8 @@ def process_command(args: argparse.Namespace) -> int:
         print("kvemu loadgen: give --router (a kvemu router process) or --http URL (any OpenAI-compatible server)",
               file=sys.stderr)
         return 2
-    problem = http_problem(args) or disagg_problem(args, scenario) or autoscaler_problem(args, scenario)
+    problem = (http_problem(args) or disagg_problem(args, scenario) or autoscaler_problem(args, scenario)
+               or replicas_problem(args, scenario))
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
         return 2
@@ -53,7 +55,7 @@ def process_command(args: argparse.Namespace) -> int:
     if args.command == "loadgen":
         from harness.procs.loadgen import NotStarted, loadgen_report
 
-        problem = loadgen_chaos_problem(scenario, args.chaos)
+        problem = loadgen_chaos_problem(scenario, args.chaos) or _loadgen_routers_problem(args, scenario)
         if problem:
             print(f"kvemu loadgen: {problem}", file=sys.stderr)
             return 2
@@ -87,6 +89,17 @@ def process_command(args: argparse.Namespace) -> int:
     except ChildNotStarted as exc:  # the child printed why on the shared stderr
         print(f"kvemu {args.command}: {exc}", file=sys.stderr)
         return 2 if exc.code == 2 else 1
+
+
+def _loadgen_routers_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
+    """Whether the load generator's ``--router`` (and ``--router-pid``) flags fit the scenario's router replicas."""
+    n, given = scenario.router.replicas, len(args.router)
+    if given != n:
+        return (f"{given} --router flags for router.replicas {n}: give each router replica's --listen endpoint, in "
+                "replica order" if n > 1 else f"{given} --router flags: give one (router.replicas is 1)")
+    if args.router_pid and len(args.router_pid) != given:
+        return f"{len(args.router_pid)} --router-pid flags for {given} --router: give one per router, in the same order"
+    return None
 
 
 def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) -> int:
@@ -124,7 +137,12 @@ def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
     if args.command == "router":
         from harness.procs.router import router_main
 
-        return router_main(scenario, args.listen, args.grace, _http_options(args))
+        peers, problem = _replica_flags(args, scenario)
+        if problem:
+            print(f"kvemu router: {problem}", file=sys.stderr)
+            return 2
+        return router_main(scenario, args.listen, args.grace, _http_options(args), args.replica, args.sync_listen,
+                           peers)
     from harness.procs.worker import worker_main, worker_pool
 
     if args.router is None and not args.http:
@@ -140,6 +158,22 @@ def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
     return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
                        kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
                        http=_http_options(args), worker_type=args.worker_type)
+
+
+def _replica_flags(args: argparse.Namespace, scenario: Scenario) -> tuple[dict[int, str], str | None]:
+    """A router replica's ``--sync-peer I=ENDPOINT`` flags as {replica: endpoint}, and what is wrong with its
+    replica flags (None: nothing)."""
+    n = scenario.router.replicas
+    if not 0 <= args.replica < n:
+        return {}, f"--replica {args.replica}: the scenario's router.replicas is {n} (replicas 0 .. {n - 1})"
+    peers: dict[int, str] = {}
+    for flag in args.sync_peer:
+        index, _, endpoint = flag.partition("=")
+        if not index.strip().isdigit() or not endpoint or not 0 <= int(index) < n or int(index) == args.replica:
+            return {}, (f"--sync-peer {flag}: give I=ENDPOINT with I another replica (0 .. {n - 1}, not this one, "
+                        f"{args.replica}) and ENDPOINT its --sync-listen address")
+        peers[int(index)] = endpoint
+    return peers, None
 
 
 def _http_options(args: argparse.Namespace) -> Any:

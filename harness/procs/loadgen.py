@@ -24,6 +24,7 @@ from kvemu.clock import NS_PER_S
 from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 from kvemu.messages import ClientRequest, encode
+from kvemu.replica_front import ReplicaFront
 from kvemu.runtime.transport import message_socket
 from kvemu.wire import security
 
@@ -39,6 +40,7 @@ from harness.workload import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
                                      reply_decoder)
 from harness.lanes import CANCEL_DRAIN_S
+from harness.procs.replica_clients import ReplicaClients, merged_affinity, merged_counters, replica_report
 
 
 _A = TypeVar("_A")
@@ -198,14 +200,23 @@ def process_alive(pid: int) -> bool:
     return "State:\tZ" not in status and "State:\tX" not in status
 
 
-async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None,
-                   apply_chaos: bool = False, router_pid: int | None = None) -> tuple[dict[str, Any], Path | None]:
+async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
+                   apply_chaos: bool = False,
+                   router_pid: int | list[int] | None = None) -> tuple[dict[str, Any], Path | None]:
+    routers = [router] if isinstance(router, str) else list(router)
+    pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
     sessions = build_sessions(scenario)
-    client = _RouterClient(router)
+    clients = [_RouterClient(r) for r in routers]
+    spread = None  # several router replicas: requests spread over them as ReplicaFront picks
+    if len(clients) > 1:
+        spread = ReplicaClients(clients, ReplicaFront(len(clients), scenario.router.replica_front, scenario.run.seed))
+    client: Any = spread or clients[0]
+    router = routers[0]
     wall0 = time.perf_counter_ns()
     samples: list[Sample] = []
     token = os.environ.get(CONTROL_TOKEN_ENV, "")
-    run = _LoadgenRun()
+    runs = [_LoadgenRun() for _ in clients]
+    run = runs[0]
     played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
     t0 = 0
     try:
@@ -234,18 +245,22 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
 
             await tg.start(on_signal)  # from the start: a signal while waiting for the router is not fatal
             with wait_scope:
-                st = await _await_router(client, router, expect_workers, CONNECT_WAIT_S)
+                firsts = [await _await_router(c, r, expect_workers, CONNECT_WAIT_S) for c, r in zip(clients, routers)]
             if wait_scope.cancelled_caught:
                 raise NotStarted(f"the router process exited before the run started ({router})" if client.lost
                                  else f"stopped by {run.stopped} before the run started")
+            st = firsts[0]
             t0 = st.now_ns
-            log_start("loadgen", router=router, workers=st.workers, requests=count_requests(sessions))
-            run.last = st
+            log_start("loadgen", router=router, **({"routers": routers} if spread else {}), workers=st.workers,
+                      requests=count_requests(sessions))
+            for r, first in zip(runs, firsts):
+                r.last = first
             lost_after_ns = round(router_silence_s(scenario) * NS_PER_S)
             stall_ns = round(max(scenario.run.router_stall_s, lost_after_ns / NS_PER_S) * NS_PER_S)
 
-            async def sampler() -> None:
+            async def sampler(i: int) -> None:  # of router replica i (the report's samples are the first's view)
                 waiting = False  # for a silent router whose process is alive
+                client, run, router_pid = clients[i], runs[i], pids[i] if i < len(pids) else None
                 while True:
                     try:
                         s = await client.stats(timeout_s=1.0)
@@ -268,7 +283,8 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                         waiting = False
                         print(json.dumps({"event": "router_answering"}), file=sys.stderr, flush=True)
                     run.observe(s, client)
-                    samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
+                    if i == 0:
+                        samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
                     await anyio.sleep(0.25)
 
             clock = _Since(t0, st.now_ns)
@@ -280,11 +296,12 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                     await anyio.sleep(max(0, at_ns(ev) - clock.now_ns()) / NS_PER_S)
                     if ev.worker is not None and ev.worker < len(ids):
                         ev = msgspec.structs.replace(ev, worker=ids[ev.worker])
-                    reply = await client.control(Control(token=token, event=ev))
+                    reply = await clients[ev.replica or 0].control(Control(token=token, event=ev))
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
                                       "detail": reply.detail}), file=sys.stderr)
 
-            tg.start_soon(sampler)
+            for i in range(len(clients)):
+                tg.start_soon(sampler, i)
             if apply_chaos:
                 tg.start_soon(chaos)
             finished = True
@@ -302,10 +319,11 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
                     play.cancel_scope.cancel()  # cut short: the requests still out are abandoned
             run.partial = not finished or client.lost is not None or run.stopped is not None
             if client.lost is None and run.stopped is None:
-                try:
-                    run.observe(await client.stats(timeout_s=5.0), client)
-                except TimeoutError:
-                    pass
+                for c, r in zip(clients, runs):
+                    try:
+                        r.observe(await c.stats(timeout_s=5.0), c)
+                    except TimeoutError:
+                        pass
             tg.cancel_scope.cancel()
     except Exception as exc:  # noqa: BLE001 - a bug or a broken router: still report what ran, marked partial
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # the task group's: name the cause
@@ -317,16 +335,22 @@ async def _loadgen(scenario: Scenario, router: str, outdir: Path, expect_workers
         print(json.dumps({"event": "loadgen_error", "error": run.stopped}), file=sys.stderr)
     records = [_shift(r, t0) for r in [*client.records.values(), *client.open_records()]]
     final = run.last
+    counters, affinity, replicas = run.counters(), final.affinity, None
+    if spread is not None:
+        counters = merged_counters([r.counters() for r in runs])
+        affinity = merged_affinity([r.last.affinity for r in runs])
+        replicas = replica_report(scenario, [r.last for r in runs], [r.restarts for r in runs],
+                                  [r.kv_stats() for r in runs], spread.replica_of)
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
                    mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
                    partial=run.partial,
                    stop_reason=client.lost or run.stopped or ("drain_timeout" if run.partial else None),
                    block_size=routing_block_size(scenario.cluster), ranks=final.ranks, samples=samples,
-                   kv_stats=run.kv_stats(), affinity=final.affinity, counters=run.counters(),
+                   kv_stats=run.kv_stats(), affinity=affinity, counters=counters,
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
-                   lanes=played.get("lanes"), phases=played.get("phases"))
+                   lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas)
     return save_report(data, outdir)
 
 
@@ -442,16 +466,18 @@ def _failures(records: list[RequestRecord]) -> dict[str, int]:
     return out
 
 
-def loadgen_main(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
-                 apply_chaos: bool = False, router_pid: int | None = None) -> dict[str, Any]:
+def loadgen_main(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None = None,
+                 apply_chaos: bool = False, router_pid: int | list[int] | None = None) -> dict[str, Any]:
     """``loadgen_report``'s summary."""
     return loadgen_report(scenario, router, outdir, expect_workers, apply_chaos, router_pid)[0]
 
 
-def loadgen_report(scenario: Scenario, router: str, outdir: Path, expect_workers: int | None = None,
-                   apply_chaos: bool = False, router_pid: int | None = None) -> tuple[dict[str, Any], Path | None]:
+def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None = None,
+                   apply_chaos: bool = False,
+                   router_pid: int | list[int] | None = None) -> tuple[dict[str, Any], Path | None]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
     (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
     router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
-    where the report went (``harness.report.files.save_report``)."""
+    where the report went (``harness.report.files.save_report``). Several routers: the replicas of one router
+    (``router.replicas``), in replica order, each ``router_pid`` that of the same replica."""
     return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))

@@ -23,7 +23,7 @@ from kvemu.records import RequestRecord
 from kvemu.messages import ClientRequest, encode
 from kvemu.wire import security
 
-from harness.chaos import Control, ControlReply, WorkerExited
+from harness.chaos import Control, ControlReply, SyncPeers, WorkerExited
 from harness.report.run_data import Sample
 from harness.scenario import ChaosEvent
 
@@ -56,6 +56,10 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     """Request records the router process still keeps (those of requests still open): a leak shows here."""
     pools: dict[str, list[int]] = {}
     """The workers registered with each pool's router: ``aggregated``, or ``prefill`` and ``decode``."""
+    replica: int = 0
+    """Which router replica answered (``router.replicas``)."""
+    sync: dict[str, int] | None = None
+    """Its replica sync's counters (``ZmqSyncLink.stats``), or None: sync is off."""
 
 
 class RecordReply(msgspec.Struct, tag=True, kw_only=True):
@@ -72,7 +76,7 @@ class CancelRequest(msgspec.Struct, tag=True, frozen=True):
     reason: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z_]+$")] = "cancelled"
 
 
-ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited | CancelRequest
+ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited | CancelRequest | SyncPeers
 ReplyMessage = RecordReply | Stats | ControlReply
 client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
@@ -110,7 +114,7 @@ def malformed_reply(data: bytes, exc: Exception, now_ns: int) -> RecordReply | C
         if 0 < len(rid) <= MAX_CLIENT_ID_CHARS:
             return RecordReply(record=RequestRecord(request_id=rid, arrival_ns=now_ns,
                                                     failure=f"invalid_request: malformed ClientRequest: {why}"))
-    elif head.type == "Control":
+    elif head.type in ("Control", "SyncPeers"):
         return ControlReply(ok=False, detail=f"malformed control message: {why}")
     return None
 
@@ -120,9 +124,10 @@ def log_start(role: str, **endpoints: Any) -> None:
     print(json.dumps({"event": "started", "role": role, "pid": os.getpid(), **endpoints}), flush=True)
 
 
-def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, timeout_s: float = 10.0) -> ControlReply:
-    """Send one chaos event (or a worker's exit) to a router process's control channel and wait for its
-    answer (blocking)."""
+def send_control(router: str, token: str, event: ChaosEvent | WorkerExited | SyncPeers,
+                 timeout_s: float = 10.0) -> ControlReply:
+    """Send one chaos event (or a worker's exit, or a replica's sync peers) to a router process's control channel
+    and wait for its answer (blocking)."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     # a router that refused the handshake (a different KVEMU_SECRET) leaves no peer to queue for: without a
@@ -132,7 +137,7 @@ def send_control(router: str, token: str, event: ChaosEvent | WorkerExited, time
     deadline = time.monotonic() + timeout_s
     try:
         sock.connect(router)
-        msg = event if isinstance(event, WorkerExited) else Control(token=token, event=event)
+        msg = event if isinstance(event, (WorkerExited, SyncPeers)) else Control(token=token, event=event)
         try:
             sock.send_multipart([CLIENT, encode(msg)])
         except zmq.Again:

@@ -3,7 +3,9 @@
 It serves workers and clients (``harness.procs.protocol``) until SIGTERM. A disaggregated scenario's router
 process hosts its prefill and decode routers on that one socket (``harness.procs.gate`` gives each worker its
 own pool's router) behind a ``DisaggRouter``; chaos ``Control`` messages are applied here or forwarded to the
-workers.
+workers. With ``router.replicas`` it is one replica (``--replica``); with ``router.replica_sync`` it shares its
+bookings with its peers over ZeroMQ (``kvemu.runtime.replica_sync_zmq``; peers from ``--sync-peer`` or a
+``SyncPeers`` control message).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from typing import Any, TypedDict
 
 import anyio
 import msgspec
+import zmq
 
-from kvemu.clock import WallClock
+from kvemu.clock import NS_PER_MS, WallClock
 from kvemu.disagg import DECODE
+from kvemu.errors import InvalidArgument
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
 from kvemu.records import RequestRecord
 from kvemu.runtime.prompt_lane import PromptLane
+from kvemu.runtime.replica_sync_zmq import ZmqSyncLink
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import ZmqRouterEnd
 
@@ -35,6 +40,7 @@ from harness.chaos import (
     SUPERVISOR_CHAOS,
     Control,
     ControlReply,
+    SyncPeers,
     WorkerExited,
     worker_chaos,
 )
@@ -106,7 +112,22 @@ def _quiet(fut: Any) -> None:
         fut.exception()  # a vanished peer: nothing to do
 
 
-async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None) -> None:
+def _sync_link(scenario: Scenario, replica: int, listen: str, peers: dict[int, str],
+               clock: WallClock) -> ZmqSyncLink | None:
+    """Replica ``replica``'s sync with its peers (``router.replica_sync``; None: one router, or sync off)."""
+    rspec = scenario.router
+    if rspec.replicas < 2 or not rspec.replica_sync.enabled or scenario.cluster.disaggregated:
+        return None
+    link = ZmqSyncLink(replica, clock, round(rspec.replica_sync.delay_ms * NS_PER_MS),
+                       rspec.replica_sync.predictions, listen)
+    for peer, endpoint in sorted(peers.items()):
+        link.connect(peer, endpoint)
+    return link
+
+
+async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None,
+                        replica: int = 0, sync_listen: str = "tcp://127.0.0.1:0",
+                        sync_peers: dict[int, str] | None = None) -> None:
     clock = WallClock()
     hooks = Hooks()
     spec = scenario.cluster
@@ -123,6 +144,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,
                                  retry_limit=scenario.router.settings().retry_limit)
     routers.update(pools)
+    sync = _sync_link(scenario, replica, sync_listen, sync_peers or {}, clock)
+    if sync is not None:
+        sync.attach(routers[AGGREGATED].core, routers[AGGREGATED].lifecycle.capacity_changed)
     instance: _Instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
@@ -211,7 +235,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                      worker_events=recorder.worker_events, router_id=instance["id"],
                      router_started_ns=instance["started_ns"], process_id=process_id,
                      records_held=len(recorder.records),
-                     pools={pool: sorted(r.workers) for pool, r in routers.items()})
+                     pools={pool: sorted(r.workers) for pool, r in routers.items()}, replica=replica,
+                     sync=sync.stats() if sync is not None else None)
 
     scopes: dict[str, anyio.CancelScope] = {}
 
@@ -229,6 +254,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         await anyio.sleep(0)
         front = routers[AGGREGATED] = new_router(AGGREGATED)
         front.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
+        if sync is not None:  # its load view starts empty: it hears only what its peers announce from now on
+            sync.attach(front.core, front.lifecycle.capacity_changed)
         instance.update({"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()})
         await tg.start(serve_pool, AGGREGATED)
 
@@ -249,6 +276,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 key = client_request_key(peer, msg.request_id)  # type: ignore[union-attr]
                 if key in in_flight and not front.cancel(key, msg.reason):  # type: ignore[union-attr]
                     cancelling[key] = msg.reason  # type: ignore[union-attr]  # (not submitted yet)
+            elif t is SyncPeers:
+                end.reply(peer, encode(control.sync_peers(sync, msg)))  # type: ignore[arg-type]
             elif t is WorkerExited:
                 end.reply(peer, encode(control.worker_exited(routers, msg)))  # type: ignore[arg-type]
             elif t is Control:
@@ -266,8 +295,12 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         tg.start_soon(gateway, tg)
         if server is not None:
             await tg.start(server.serve)
+        if sync is not None:
+            await tg.start(sync.serve)
+        replicas = ({"replica": replica, "sync": sync.endpoint if sync is not None else None}
+                    if scenario.router.replicas > 1 else {})
         log_start("router", listen=end.endpoint, control=control.token is not None, pools=list(routers),
-                  **({"http": server.url} if server is not None else {}))
+                  **({"http": server.url} if server is not None else {}), **replicas)
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
@@ -283,6 +316,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 await anyio.sleep(0.01)
         await anyio.sleep(0.05)  # let the replies leave the socket
         tg.cancel_scope.cancel()
+    if sync is not None:
+        await sync.aclose()
     await end.aclose()
 
 
@@ -346,6 +381,21 @@ class _RouterControl:
                f"worker {target} is not registered (registered: {workers[:16]})")
         return ControlReply(ok=why is None, detail=why or f"{ev.action} sent to worker {target}")
 
+    def sync_peers(self, sync: ZmqSyncLink | None, msg: SyncPeers) -> ControlReply:
+        """The supervisor tells this replica where its peers publish their sync batches: subscribe to each."""
+        refused = self._refusal(msg.token, "sync_peers")
+        if refused is not None:
+            return refused
+        if sync is None:
+            return ControlReply(ok=False, detail="replica sync is off here (router.replicas > 1 and "
+                                                 "router.replica_sync.enabled turn it on)")
+        try:
+            for peer, endpoint in sorted(msg.peers.items()):
+                sync.connect(peer, endpoint)
+        except (InvalidArgument, zmq.ZMQError) as exc:
+            return ControlReply(ok=False, detail=f"sync_peers: {exc}"[:300])
+        return ControlReply(ok=True, detail=f"subscribed to {counted(len(msg.peers), 'peer')}")
+
     def on_worker_added(self, routers: dict[str, Router], worker_id: int | None) -> None:
         """A worker registered: give it the KV-event lag chaos set, if any."""
         router = owner(routers.values(), worker_id) if worker_id is not None else None
@@ -353,10 +403,14 @@ class _RouterControl:
             router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))  # type: ignore[arg-type]
 
 
-def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: HttpOptions | None = None) -> int:
-    """``kvemu router``: serve until SIGTERM (with an OpenAI front door when ``http`` is given)."""
+def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: HttpOptions | None = None,
+                replica: int = 0, sync_listen: str = "tcp://127.0.0.1:0",
+                sync_peers: dict[int, str] | None = None) -> int:
+    """``kvemu router``: serve until SIGTERM (with an OpenAI front door when ``http`` is given); with
+    ``router.replicas``, as replica ``replica``, its sync PUB on ``sync_listen`` and subscribed to ``sync_peers``
+    (more can be given later: ``SyncPeers`` on the control channel)."""
     tune_gc()
-    run_live(lambda: _serve_router(scenario, listen, grace_s, http))
+    run_live(lambda: _serve_router(scenario, listen, grace_s, http, replica, sync_listen, sync_peers))
     return 0
 
 

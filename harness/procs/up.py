@@ -5,6 +5,9 @@ Children die with their parent (Linux parent-death signal) and are terminated on
 crash and on exit, so ``kvemu up`` never leaves an orphan. It applies the whole chaos timeline: it starts
 (``add_worker``) and stops (``remove_worker``: SIGTERM, or SIGKILL) worker processes itself and sends every
 other action to the router's control channel (``harness.chaos``) with a token only it and the router know.
+With ``router.replicas`` it starts one router process per replica, tells each where its peers publish their
+sync batches, gives every worker and the load generator every replica's address, and sends ``restart_router`` to
+the replica the event names (other actions to the first replica, which forwards them to the workers).
 
 Children run ``python -P -m harness.cli``: ``-P`` (Python 3.11) keeps the working directory off their import
 path, so a project with its own ``harness/``, ``workers/`` or ``kvemu/`` folder cannot shadow kvemu's packages
@@ -31,7 +34,7 @@ from typing import Any
 
 from kvemu.errors import KvemuError
 
-from harness.chaos import CONTROL_TOKEN_ENV, WorkerExited
+from harness.chaos import CONTROL_TOKEN_ENV, SyncPeers, WorkerExited
 from harness.procs.protocol import send_control
 from harness.text import counted
 from harness.scenario import Scenario
@@ -172,10 +175,10 @@ def _how(code: int) -> str:
     return f"code {code}"
 
 
-def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str, router: str,
+def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str, routers: list[str],
                   token: str) -> str | None:
-    """Log each worker process that exited unasked, drop it from ``live`` and tell the router, which fences
-    it at once (the report's worker events say how it exited); returns why to stop the run
+    """Log each worker process that exited unasked, drop it from ``live`` and tell the routers (every replica),
+    which fence it at once (the report's worker events say how it exited); returns why to stop the run
     (``run.stop_on_worker_exit``), or None: the cluster carries on without it."""
     for problem in kids.lost_workers():
         wid = int(problem.split()[0].removeprefix("worker-"))
@@ -185,9 +188,10 @@ def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str,
             return problem
         how = problem.split("(", 1)[1][:-1]
         print(json.dumps({"event": "worker_exited", "worker_id": wid, "how": how}), file=sys.stderr)
-        reply = send_control(router, token, WorkerExited(token=token, worker_id=wid, how=how[:64]))
+        exited = WorkerExited(token=token, worker_id=wid, how=how[:64])
+        fenced = all([send_control(router, token, exited).ok for router in routers])
         print(f"{who}: {problem}; the cluster carries on without it (the router "
-              f"{'fenced it' if reply.ok else 'did not answer: it fences it when its heartbeats stop'}; "
+              f"{'fenced it' if fenced else 'did not answer: it fences it when its heartbeats stop'}; "
               "run.stop_on_worker_exit: true would stop the run)", file=sys.stderr, flush=True)
     return None
 
@@ -250,10 +254,11 @@ def _config(scenario_path: str, overrides: list[str]) -> list[str]:
 
 
 class _Stack:
-    """A router process and its worker processes, started in order (each once it reported its endpoints)."""
+    """A router process (one per replica with ``router.replicas``) and its worker processes, started in order
+    (each once it reported its endpoints)."""
 
     def __init__(self, kids: Children, config: list[str], http: list[str], token: str,
-                 worker_http: list[str] | None = None) -> None:
+                 worker_http: list[str] | None = None, replicas: int = 1) -> None:
         self.kids = kids
         self.config = config
         self.token = token
@@ -261,12 +266,36 @@ class _Stack:
         self.worker_http = worker_http or []
         self.worker_info: list[dict[str, Any]] = []
         """Each worker's start line: id, KV-event and replay endpoints, HTTP URL (for clients and routers)."""
+        self.routers: list[str] = []
+        """Every router replica's endpoint, in replica order (the first is ``router``)."""
         started = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *http, *config],
-                             env={CONTROL_TOKEN_ENV: token})
+                             env={CONTROL_TOKEN_ENV: token}) if replicas == 1 else self._start_replicas(replicas)
         self.router: str = started["listen"]
+        if replicas == 1:
+            self.routers = [self.router]
         self.http: str | None = started.get("http")
         self.next_id = 0
         self.live: list[int] = []
+
+    def _start_replicas(self, n: int) -> dict[str, Any]:
+        """Router replicas 0 .. n-1 (the first named ``router``, the others ``router-I``); with replica sync, each
+        is then told where the others publish. Returns the first's start line."""
+        lines = [self.kids.start(replica_name(i), ["router", "--listen", "tcp://127.0.0.1:0", "--replica", str(i),
+                                                   *self.config], env={CONTROL_TOKEN_ENV: self.token})
+                 for i in range(n)]
+        self.routers = [line["listen"] for line in lines]
+        pubs = {i: line["sync"] for i, line in enumerate(lines) if line.get("sync")}
+        for i, router in enumerate(self.routers):
+            if i in pubs:
+                reply = send_control(router, self.token, SyncPeers(token=self.token, peers={
+                    j: pub for j, pub in pubs.items() if j != i}))
+                if not reply.ok:
+                    raise NotStarted(f"router replica {i} refused its sync peers: {reply.detail}", None)
+        return lines[0]
+
+    def router_pids(self) -> list[int]:
+        """Each router replica's process id, in replica order."""
+        return [self.kids.procs[replica_name(i)].pid for i in range(len(self.routers))]
 
     def start_workers(self, scenario: Scenario) -> int:
         """The scenario's workers, pool by pool (a disaggregated cluster's prefill ids first, then decode, as in
@@ -281,12 +310,18 @@ class _Stack:
         """One more worker process (of the pool ``worker_type`` names, for a disaggregated cluster)."""
         wid = self.next_id
         pool = ["--worker-type", worker_type] if worker_type else []
-        info = self.kids.start(f"worker-{wid}", ["worker", "--router", self.router, "--worker-id", str(wid), *pool,
+        routers = [x for r in self.routers for x in ("--router", r)]
+        info = self.kids.start(f"worker-{wid}", ["worker", *routers, "--worker-id", str(wid), *pool,
                                                  "--kv-events", "tcp://127.0.0.1:0", "--kv-replay",
                                                  "tcp://127.0.0.1:0", *self.worker_http, *self.config])
         self.worker_info.append({k: info.get(k) for k in ("worker_id", "kv_events", "kv_replay", "http")})
         self.live.append(wid)
         self.next_id += 1
+
+
+def replica_name(i: int) -> str:
+    """The child name of router replica ``i`` (``router`` for the first, as with one router)."""
+    return "router" if i == 0 else f"router-{i}"
 
 
 def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
@@ -303,7 +338,7 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
               f"{counted(scenario.cluster.dp_size, 'rank')}); Ctrl-C stops", file=sys.stderr, flush=True)
         with _terminate_as_interrupt():
             while (problem := kids.crashed(workers_too=False)
-                   or _worker_exits(kids, scenario, stack.live, "kvemu serve", stack.router, stack.token)) is None:
+                   or _worker_exits(kids, scenario, stack.live, "kvemu serve", stack.routers, stack.token)) is None:
                 time.sleep(0.2)
         print(f"kvemu serve: {problem}; stopping", file=sys.stderr)
         return 1
@@ -331,15 +366,15 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
     started_wall = time.time()
     try:
         token = secrets.token_hex(16)  # the router's control channel answers this process alone
-        stack = _Stack(kids, config, http or [], token, worker_http)
+        stack = _Stack(kids, config, http or [], token, worker_http, scenario.router.replicas)
         router, live = stack.router, stack.live
         workers = stack.start_workers(scenario)
         added = None if not scenario.cluster.disaggregated else "decode"  # add_worker adds to the last pool
         if stack.http:
             print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
-        loadgen = subprocess.Popen(cli_command("loadgen", "--router", router, "-o", str(outdir), "--chaos", "skip",
-                                               "--expect-workers", str(workers),
-                                               "--router-pid", str(kids.procs["router"].pid), *config),
+        each = [x for r, pid in zip(stack.routers, stack.router_pids()) for x in ("--router", r, "--router-pid", str(pid))]
+        loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--chaos", "skip",
+                                               "--expect-workers", str(workers), *config),
                                    env=cli_env(), stdout=subprocess.PIPE, text=True,
                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
@@ -362,14 +397,16 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                         continue
                     live.remove(target)
                     kids.retire(f"worker-{target}", signal.SIGTERM if ev.graceful else signal.SIGKILL)
-                else:  # through the router's control channel
-                    reply = send_control(router, token, ev)
+                else:  # through the router's control channel (restart_router: that replica's)
+                    target_router = stack.routers[ev.replica or 0] if ev.action == "restart_router" else router
+                    reply = send_control(target_router, token, ev)
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
                                       "detail": reply.detail}), file=sys.stderr)
-            problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up", router, token)
+            problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up", stack.routers,
+                                                                       token)
             if problem:
                 print(f"kvemu up: {problem}; stopping", file=sys.stderr)
-                if problem.startswith("router "):  # the load generator fails what is open at once and reports
+                if problem.startswith("router"):  # the load generator fails what is open at once and reports
                     _let_report(loadgen, outdir, started_wall, "partial report", stop=signal.SIGUSR1)
                 return 1
             time.sleep(0.05)

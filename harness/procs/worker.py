@@ -3,6 +3,8 @@
 Each worker serves the pool its ``--worker-type`` names (``worker_pool``), publishes its KV events and, with
 ``--http``, serves OpenAI clients directly; with no ``--router`` it serves them alone (a member of
 ``kvemu fleet``: another router in front of it), and what its engines did per request (``/kvemu/requests``).
+With ``--router`` repeated it serves every replica of one router (``router.replicas``) over one link
+(``ReplicaEnds``).
 It shuts down cleanly on SIGTERM.
 """
 
@@ -16,8 +18,9 @@ import uuid
 import anyio
 import msgspec
 
-from kvemu.clock import WallClock
+from kvemu.clock import NS_PER_S, WallClock
 from kvemu.runtime.loop import run_live
+from kvemu.runtime.replica_link import ReplicaEnds
 from kvemu.runtime.transport import NoRouterEnd, WorkerEnd, ZmqWorkerEnd
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
@@ -62,9 +65,21 @@ async def sample_load(truth: EngineTruth, actor: WorkerActor, interval_s: float)
         await anyio.sleep(interval_s)
 
 
-async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, pool: str, dp_size: int,
+def router_link(routers: list[str], worker_id: int, heartbeat_interval_s: float) -> WorkerEnd:
+    """A worker's link: to its router, to no router (``NoRouterEnd``), or to every router replica as one link
+    (``ReplicaEnds``, keeping each replica hearing from it while another keeps it busy)."""
+    if not routers:
+        return NoRouterEnd()
+    if len(routers) == 1:
+        return ZmqWorkerEnd(routers[0], worker_id)
+    return ReplicaEnds([ZmqWorkerEnd(r, worker_id) for r in routers], WallClock().now_ns,
+                       round(heartbeat_interval_s * NS_PER_S))
+
+
+async def _serve_worker(scenario: Scenario, routers: list[str], worker_id: int, pool: str, dp_size: int,
                         kv_events: str, kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
-    end: WorkerEnd = ZmqWorkerEnd(router, worker_id) if router is not None else NoRouterEnd()
+    end = router_link(routers, worker_id, scenario.cluster.heartbeat_interval_s)
+    router = ", ".join(routers)
     actor, pubs = build_worker(scenario, worker_id, pool, dp_size, kv_events, kv_replay, end)
     actor.on_unanswered = lambda waited_s: print(
         f"kvemu worker: worker {worker_id}: no answer from the router at {router} after {waited_s:g} s: is it running "
@@ -89,7 +104,8 @@ async def _serve_worker(scenario: Scenario, router: str | None, worker_id: int, 
                 await tg.start(server.serve)
                 worker_listening(app, server.url)
                 tg.start_soon(sample_load, truth, actor, LOAD_SAMPLE_S)
-            log_start("worker", worker_id=worker_id, pool=pool, router=router, kv_events=[p.endpoint for p in pubs],
+            log_start("worker", worker_id=worker_id, pool=pool, router=routers[0] if routers else None,
+                      **({"routers": routers} if len(routers) > 1 else {}), kv_events=[p.endpoint for p in pubs],
                       kv_replay=[p.replay_endpoint for p in pubs], dp_size=dp_size,
                       block_size=actor.register_msg.block_size,
                       **({"http": server.url} if server is not None else {}))
@@ -135,17 +151,19 @@ def worker_pool(scenario: Scenario, worker_type: str | None) -> str:
                         f"{', '.join(pools)}); " + ("drop --worker-type" if pools == [AGGREGATED] else f"use {choices}"))
 
 
-def worker_main(scenario: Scenario, router: str | None, *, worker_id: int | None, dp_size: int | None,
+def worker_main(scenario: Scenario, router: str | list[str] | None, *, worker_id: int | None, dp_size: int | None,
                 kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None,
                 worker_type: str | None = None) -> int:
     """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given; with
     no ``router``, them alone: a member of ``kvemu fleet``, another router in front of it);
-    ``worker_type`` picks the pool (its engine and DP size) of a disaggregated cluster (``worker_pool``)."""
+    ``worker_type`` picks the pool (its engine and DP size) of a disaggregated cluster (``worker_pool``); several
+    routers: the replicas of one router (``router.replicas``), each registering and dispatching to this worker."""
     pool = worker_pool(scenario, worker_type)
+    routers = [router] if isinstance(router, str) else list(router or [])
     tune_gc()
     wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
     try:
-        run_live(lambda: _serve_worker(scenario, router, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
+        run_live(lambda: _serve_worker(scenario, routers, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
                                        kv_events, kv_replay, grace_s, http))
     except BaseException as exc:  # the router refused it (a squatted id...) or never answered: one line, no traceback
         rejected = exc.split(WorkerRejected)[0] if isinstance(exc, BaseExceptionGroup) else exc

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.errors import InvalidArgument
-from kvemu.replica_sync import SyncBatch, SyncBook, SyncInbox, SyncOutbox
+from kvemu.replica_sync import SyncBatch, SyncInbox, SyncOutbox, attach_core, frees_load
 from kvemu.routing_core import RoutingCore
 
 __all__ = ["MemorySyncBus"]
@@ -36,11 +36,9 @@ class MemorySyncBus:
 
     def attach(self, replica: int, core: RoutingCore, capacity_changed: Callable[[], None]) -> None:
         """Connect a replica's routing core (again: a restarted replica starts with an empty view)."""
-        outbox = SyncOutbox(replica, self.predictions)
+        outbox, self.inboxes[replica] = attach_core(replica, core, self.predictions)
         outbox.on_open = lambda: self._schedule(outbox)
-        core.load_listener = outbox
         self.outboxes[replica] = outbox
-        self.inboxes[replica] = SyncInbox(replica, core.load, core.approx)
         self._woken[replica] = capacity_changed
 
     def _schedule(self, outbox: SyncOutbox) -> None:
@@ -57,7 +55,7 @@ class MemorySyncBus:
     def deliver(self, batch: SyncBatch) -> None:
         """Apply one batch at every replica but its origin, now."""
         now = self.clock.now_ns()
-        frees = any(type(ev) is not SyncBook for ev in batch.events)
+        frees = frees_load(batch)
         for i in sorted(self.inboxes):
             if i == batch.origin:
                 continue
