@@ -126,9 +126,9 @@ def test_replica_flags_that_do_not_fit_the_scenario_are_refused(tmp_path):
     res = kvemu("loadgen", "--router", "tcp://127.0.0.1:9", str(path), check=False)
     assert res.returncode == 2 and "1 --router flags for router.replicas 2" in res.stderr
     res = kvemu("up", str(path), "--http", "127.0.0.1:0", check=False)
-    assert res.returncode == 2 and "does not spread requests over router replicas" in res.stderr
+    assert res.returncode == 2 and "does not spread requests over router processes" in res.stderr
     res = kvemu("serve", str(path), check=False)
-    assert res.returncode == 2 and "does not spread requests over router replicas" in res.stderr
+    assert res.returncode == 2 and "does not spread requests over router processes" in res.stderr
 
 
 def test_the_load_generator_spreads_over_replicas_it_did_not_start_and_carries_their_chaos(tmp_path):

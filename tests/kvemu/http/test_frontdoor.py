@@ -548,3 +548,39 @@ def test_routing_hints_map_as_dynamo_takes_them():
         with pytest.raises(ApiError) as err:
             hints_of(parsed, headers)
         assert err.value.status == 400
+
+
+def test_an_in_process_front_door_spreads_over_router_replicas():
+    """``kvemu serve --in-process`` with ``router.replicas``: requests go through the replicas' front door (here by
+    session hash: a session's turns reach one replica, sessions spread), streamed and cancellable as with one."""
+    sc = parse_scenario(FAST, overrides=["router.replicas=3", "router.replica_front=session"])
+    hooks = Hooks()
+    clock = WallClock()
+
+    async def main():
+        async with cluster(sc, clock, hooks) as c:
+            app = front_door(sc, lambda: c.router, hooks, clock, front=lambda: c.front)
+            http_server = HttpServer(app, "127.0.0.1:0", "uvicorn")
+            async with anyio.create_task_group() as tg:
+                await tg.start(http_server.serve)
+                client = openai.AsyncOpenAI(base_url=f"{http_server.url}/v1", api_key="none", max_retries=0)
+                try:
+                    with anyio.fail_after(60):
+                        for s in range(6):
+                            for turn in range(2):
+                                resp = await client.completions.create(
+                                    model="kvemu", prompt=f"{PROMPT} session {s} turn {turn}", max_tokens=4,
+                                    extra_headers={"X-Dynamo-Session-ID": f"conv-{s}"})
+                                assert resp.usage.completion_tokens == 4
+                    return dict(c.front.replica_of), c.front.open
+                finally:
+                    await client.close()
+                    tg.cancel_scope.cancel()
+
+    replica_of, still_open = run_live(main)
+    assert len(replica_of) == 12 and not still_open
+    by_session = {}
+    for rid, i in replica_of.items():
+        by_session.setdefault(i, 0)
+        by_session[i] += 1
+    assert len(by_session) > 1 and all(n % 2 == 0 for n in by_session.values())  # whole sessions per replica
