@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import xxhash
 
 from kvemu.affinity import SessionAffinity
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
@@ -43,7 +44,8 @@ from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Cluster", "ALLOW_LOCAL_POLICIES_ENV", "make_policy", "engine_config", "build_router", "pool_router", "cluster"]
+__all__ = ["Cluster", "ALLOW_LOCAL_POLICIES_ENV", "make_policy", "engine_config", "build_router", "pool_router", "replica_seed",
+           "cluster"]
 
 
 def make_policy(name: str) -> CustomPolicy | None:
@@ -96,13 +98,22 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool)
 
 
-def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks: Hooks, **kv: Any) -> Router:
+def replica_seed(seed: int, replica: int) -> int:
+    """The tie-breaking seed of router replica ``replica``: the first keeps ``seed``; the others get their own, as
+    separate router processes' generators are (the same seed everywhere would make them all break ties alike)."""
+    return seed if replica == 0 else xxhash.xxh3_64_intdigest(f"kvemu-replica:{seed}:{replica}".encode()) >> 1
+
+
+def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks: Hooks, replica: int = 0,
+                **kv: Any) -> Router:
     """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
     block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
-    ``DisaggRouter`` passes their events on to ``hooks``). ``kv``: how it gets KV events (``build_router``)."""
-    spec = scenario.cluster
-    router = build_router(scenario.router, block_size=spec.pools()[pool][2].block_size, clock=clock,
-                          seed=scenario.run.seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
+    ``DisaggRouter`` passes their events on to ``hooks``). ``replica``: which router replica (its seed).
+    ``kv``: how it gets KV events (``build_router``)."""
+    spec, rspec = scenario.cluster, scenario.router
+    seed = replica_seed(rspec.seed if rspec.seed is not None else scenario.run.seed, replica)
+    router = build_router(msgspec.structs.replace(rspec, seed=seed), block_size=spec.pools()[pool][2].block_size,
+                          clock=clock, seed=seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
                           pool=None if pool == AGGREGATED else pool, **kv)
     fit, need = router.kv.streams_left(), pool_ranks(scenario, pool)
     if fit is not None and fit < need:  # only a cluster that does not fit hears of the open-file limit
@@ -430,7 +441,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
 
     def make(pool: str, replica: int = 0) -> Router:
         bus = c.buses.get(pool)
-        router = pool_router(scenario, pool, clock=clock, end=ends[pool][replica],
+        router = pool_router(scenario, pool, clock=clock, end=ends[pool][replica], replica=replica,
                              hooks=hooks if replica == 0 else _request_hooks(hooks),
                              kv_replay=bus.replay if bus else None,
                              on_worker_removed=bus.forget if bus and n == 1 else None,

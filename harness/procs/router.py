@@ -138,7 +138,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
 
     def new_router(pool: str) -> Router:
-        return pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks,
+        return pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks, replica=replica,
                            zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
 
     pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,

@@ -39,8 +39,8 @@ PINNED = {
                        "765978902fa978689df3b37179a070fdc9446f6bd93e1ef7ddba42867cb26f8a",
                        "58c170b5e6a5dbe7f988d2b2688deb32b15dfb1e3335c1c34bea1647f3042d37"),
     "replicas-chaos": (("examples/replicas-chaos.yaml",),
-                       "f34e20e7a232c7479f830cbf33d9b98c869770f2b866b86bfcc800d3d90870cb",
-                       "638945dda90d3d09a217d2963395896bdc1e4033eeba8377b94264d957fea02d"),
+                       "b8ec14b8a703395004ff996cf3f7b9ceca9343d47b50bcc099a9bdf465106bb1",
+                       "13c2999754e2678e67f7a737ecb57de0b391811e13fbc6f036cf56ff4d620fd7"),
 }
 """Scenario → (``kvemu run`` arguments, summary digest, requests.jsonl digest)."""
 

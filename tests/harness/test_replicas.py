@@ -142,18 +142,18 @@ def lost_by_replica(out):
 
 def test_with_kv_events_a_lagging_feed_costs_regret_in_its_window_only():
     """Two system prompts, each cached on several ranks: a replica that has not heard where a conversation went
-    picks among them by load. Its feed lags 20 s from 30 s to 60 s (what was held back lands by 80 s)."""
+    picks among them by load. Its feed lags 20 s from 30 s to 90 s (what was held back lands by 110 s)."""
     lag = """
   - {at_s: 30, action: delay_kv_events, replica: 1, lag_ms: 20000}
-  - {at_s: 60, action: delay_kv_events, replica: 1, lag_ms: 0}
+  - {at_s: 90, action: delay_kv_events, replica: 1, lag_ms: 0}
 """
     text = BASE.replace("num_prefix_groups: 16", "num_prefix_groups: 2")
     params = {"replicas": 4, "front": "random", "sync": "false", "predictions": "false", "kv_events": "true"}
     faulted = run_scenario(parse_scenario(text % params + "chaos:" + lag))
     quiet = run_scenario(parse_scenario(text % params))
     mine = [(t, n) for i, t, n in lost_by_replica(faulted) if i == 1]
-    assert sum(n for _, n in mine) > 100, "the lagging replica routed worse"
-    assert all(30 <= t <= 80 for t, _ in mine), "only while it lagged"
+    assert sum(n for _, n in mine) > 50, "the lagging replica routed worse"
+    assert all(30 <= t <= 110 for t, _ in mine), "only while it lagged"
     assert not [x for x in lost_by_replica(quiet) if x[0] == 1], "and not at all without the lag"
     early = [x for x in lost_by_replica(faulted) if x[1] < 30]
     assert early == [x for x in lost_by_replica(quiet) if x[1] < 30], "before the fault both runs are one run"
