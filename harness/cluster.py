@@ -23,8 +23,7 @@ from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
-from kvemu.hooks import Hooks
-from kvemu.hooks import HookEvent
+from kvemu.hooks import HookEvent, Hooks
 from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
 from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus
 from kvemu.runtime.replica_link import ReplicaEnds
@@ -186,7 +185,7 @@ class Cluster:
         self.replica_nets: list[MemoryNetwork] = []
         """Virtual time, several replicas: each replica's network to the workers."""
         self.feeds: list[FeedTap] = []
-        """Virtual time, several replicas: each replica's KV feed (chaos drops or delays one)."""
+        """Virtual time, with replicas (or a fault aimed at a replica's feed): each replica's KV feed."""
         self.sync: MemorySyncBus | None = None
         """The replicas' booking announcements (``router.replica_sync``), or None."""
         self.restarts: list[int] = []
