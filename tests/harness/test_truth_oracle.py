@@ -9,6 +9,7 @@ from kvemu.messages import ClientRequest, Register
 from kvemu.records import RequestRecord
 
 from harness.procs.truth_oracle import TruthOracle
+from harness.scenario import ScenarioError, parse_scenario
 from harness.routing_truth import RegretJudge, RoutingTruth
 from tests.kvemu.wire.test_sockets import BS, batch, chain_events, net, prompt, wait_until  # noqa: F401 (fixture)
 
@@ -127,3 +128,10 @@ def test_the_judge_classes_as_the_engines_probe_does():
     # session s last ran on (0, 1): its blocks there are the cache owner's, elsewhere shared
     assert judge({(0, 1): 4, (1, 0): 0}, ((0, 1), (1, 0)), (1, 0), 0, "s") == (0, 4, "cache_owner")
     assert judge({(0, 1): 4, (1, 0): 0}, ((0, 1), (1, 0)), (1, 0), 0, "u") == (0, 4, "shared")
+
+
+def test_event_truth_with_a_disaggregated_cluster_is_refused_naming_the_field():
+    with pytest.raises(ScenarioError) as err:
+        parse_scenario("name: bad\ncluster: {prefill: {workers: 1}, decode: {workers: 1}}\nrun: {event_truth: true}\n")
+    assert "run.event_truth" in str(err.value)
+    assert parse_scenario("name: ok\nrun: {event_truth: true}\n").run.event_truth
