@@ -370,7 +370,8 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
                    lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas,
-                   truth_source=TRUTH_SOURCE if oracle is not None else None)
+                   truth_source=TRUTH_SOURCE if oracle is not None else None,
+                   truth_feed=oracle.feed() if oracle is not None else None)
     return save_report(data, outdir)
 
 

@@ -30,10 +30,12 @@ from kvemu.runtime.router import worker_spec
 
 from harness.routing_truth import RegretJudge
 
-__all__ = ["TruthOracle", "TRUTH_SOURCE"]
+__all__ = ["TruthOracle", "TRUTH_SOURCE", "FEED_KEYS"]
 
 TRUTH_SOURCE = "kv_events"
 """``kvemu.routing.regret.truth`` of a run whose truth is the oracle's (absent: the engines were read)."""
+FEED_KEYS = ("batches", "gaps", "replays", "replayed_batches", "lost_batches")
+"""The oracle's feed counters the report gives (``kvemu.routing.regret.truth_feed``)."""
 
 
 class TruthOracle:
@@ -89,6 +91,16 @@ class TruthOracle:
         record.truth_overlap_blocks, record.truth_best_overlap_blocks, record.regret_source = self._judge(
             held, ranks, chosen, have.get(chosen, 0), record.session_id)
         self.judged += 1
+
+    def feed(self) -> dict[str, int]:
+        """The oracle's own KV feed over every worker it followed: batches, gaps, replays, replayed and lost
+        batches (a lost batch leaves its view, and so the truth, short of what the workers hold)."""
+        out = dict.fromkeys(FEED_KEYS, 0)
+        for stats in self.kv.stats.values():
+            counts = stats.as_dict()
+            for k in FEED_KEYS:
+                out[k] += counts.get(k, 0)
+        return out
 
     def forget(self, request_id: str) -> None:
         """A request that will not be judged (failed without an answer)."""

@@ -242,6 +242,10 @@ def _regret_section(rg: dict[str, Any] | None, plotted: bool = False) -> list[st
                 "events' own delay included, no chaos fault on a router's feed applied to it). *lost* blocks were "
                 "cached on a better registered rank than the chosen one, *novel* blocks nowhere; regret = lost / "
                 "(novel + lost), as Dynamo's locality-metrics proposal defines it.", ""]
+        feed = rg.get("truth_feed")
+        if feed is not None:
+            out += [f"The load generator's KV feed: {fmt(feed['batches'])} batches, {fmt(feed['gaps'])} gaps, "
+                    f"{fmt(feed['replays'])} replays, {fmt(feed['lost_batches'])} batches lost.", ""]
     else:
         out += ["At each decision the engines were read: *lost* blocks were cached on a better eligible rank than "
                 "the chosen one, *novel* blocks nowhere; regret = lost / (novel + lost), as Dynamo's "

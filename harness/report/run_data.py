@@ -81,6 +81,8 @@ class RunData(msgspec.Struct, kw_only=True):
     truth_source: str | None = None
     """Where the routing truth came from when not from the engines themselves: ``kv_events`` (the load generator's
     oracle, ``harness.procs.truth_oracle``)."""
+    truth_feed: dict[str, int] | None = None
+    """With ``truth_source`` ``kv_events``: the oracle's own KV feed (batches, gaps, replays, lost batches)."""
     chaos: list[dict[str, Any]] = []
     """The scenario's chaos timeline (``harness.chaos.timeline``: ``t_s``, ``action``, ``replica``, ``worker``,
     ``lag_ms``), for the plots' marks."""

@@ -311,6 +311,8 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
     reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
     routed = [r for r in records if r.attempts > 0]
     regret = _regret(data, records)
+    if regret is not None and data.truth_feed is not None:  # (the oracle's feed: the cluster's figures only)
+        regret["truth_feed"] = data.truth_feed
     out = {
         **truth,
         "reasons": dict(sorted(reasons.items())),

@@ -29,6 +29,8 @@ def _consistent(summary: dict, rows: list[dict]) -> dict:
     """The regret figures agree with the rows' truth fields; returns ``kvemu.routing.regret``."""
     rg = summary["kvemu"]["routing"]["regret"]
     assert rg is not None and rg["truth"] == "kv_events"
+    feed = rg["truth_feed"]  # the load generator's own KV feed: it heard the workers, and lost nothing
+    assert feed["batches"] > 0 and feed["lost_batches"] == 0
     done = [r for r in rows if r["completion_ns"] is not None]
     assert done and all(r["truth_overlap_blocks"] is not None for r in done)  # every routed request judged
     judged = [r for r in rows if r["truth_best_overlap_blocks"] is not None]
@@ -49,7 +51,8 @@ def test_one_router_on_a_quiet_workload_has_event_derived_regret_and_little_of_i
     assert rg["novel_blocks"] > 0 and rg["regret_ratio"] <= 0.05  # a KV-event router, affinity, no faults
     # the oracle saw the caches the engines found: a second turn's truth is its session's first turn's blocks
     assert any(r["truth_overlap_blocks"] > 4 for r in rows)  # (beyond the 4 blocks of the system prefix)
-    assert "from the workers' KV events" in md.split("### Routing regret", 1)[1]
+    section = md.split("### Routing regret", 1)[1]
+    assert "from the workers' KV events" in section and "The load generator's KV feed:" in section
 
 
 def test_two_replicas_on_approximate_indexes_and_a_random_front_regret_more_than_one_router(tmp_path):

@@ -92,6 +92,8 @@ def test_the_oracle_judges_each_request_from_the_events_as_of_its_send(cluster):
     oracle.judge(unsent)
     assert truth(unsent) == (None, None, None)
     assert oracle.judged == 4 and not oracle._pending
+    feed = oracle.feed()
+    assert feed["batches"] >= 5 and feed["lost_batches"] == 0  # (the stores, and the probes while waiting)
 
 
 def test_a_worker_no_replica_lists_any_more_is_forgotten(cluster):
@@ -106,6 +108,10 @@ def test_a_worker_no_replica_lists_any_more_is_forgotten(cluster):
     rec = routed("r1", (0, 0))
     oracle.judge(rec)
     assert truth(rec) == (0, 0, None)  # its cache went with it
+    oracle.learn(regs, replica=1)  # listed again (a restarted router): rebuilt from its publisher's replay buffer
+    sub, core = oracle.kv.subscriber, oracle.core
+    wait_until(lambda: core.overlaps(core.prepare(A)) == {(1, 0): 8}, [sub], tick=lambda: pubs[1, 0].publish(batch()),
+               what="worker 1's cache replayed")
 
 
 def test_the_judge_classes_as_the_engines_probe_does():
