@@ -21,6 +21,7 @@ so (``kvemu.routing.regret.truth``: ``kv_events``).
 from __future__ import annotations
 
 from kvemu.config import RouterConfig
+from kvemu.errors import KvemuError
 from kvemu.index import WorkerKey
 from kvemu.messages import ClientRequest, Register
 from kvemu.records import RequestRecord
@@ -76,7 +77,10 @@ class TruthOracle:
         """``req`` leaves for the router: read every rank's cached prefix of its prompt now."""
         if self.kv.subscriber is not None:
             self.kv.subscriber.poll(0)  # (what has arrived counts)
-        prepared = self.core.prepare(req.tokens, lora_name=req.lora_name)
+        try:
+            prepared = self.core.prepare(req.tokens, lora_name=req.lora_name)
+        except KvemuError:  # (an empty prompt: the router fails it as invalid, there is nothing to judge)
+            return
         self._pending[req.request_id] = (self.core.overlaps(prepared), self.ranks())
 
     def judge(self, record: RequestRecord) -> None:

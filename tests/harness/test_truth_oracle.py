@@ -88,6 +88,7 @@ def test_the_oracle_judges_each_request_from_the_events_as_of_its_send(cluster):
     failed = RequestRecord(request_id="r5", failure="no_worker")  # never routed: no truth
     oracle.judge(failed)
     assert truth(failed) == (None, None, None)
+    oracle.sent(req("r7", []))  # an empty prompt (the router fails it): nothing to read, nothing raised
     unsent = routed("r6", (0, 0))  # never sent through the oracle: no truth either
     oracle.judge(unsent)
     assert truth(unsent) == (None, None, None)
