@@ -10,16 +10,17 @@ Dynamo's locality-metrics proposal (``lib/kv-router/src/scheduling/DESIGN-kv-loc
 * ``shared``: some other rank had them (a prefix shared across sessions).
 
 Regret is then ``lost / (novel + lost)`` with ``lost = best - chosen`` and ``novel = prompt blocks - best``.
-Reading an engine changes nothing in it (``RankCore.cached_prefix_blocks``).
+Reading an engine changes nothing in it (``RankCore.cached_prefix_blocks``). The classification (``RegretJudge``)
+is shared with the event-derived truth of separate processes (``harness.procs.truth_oracle``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from workers.engine_base import RankCore
 
-__all__ = ["RoutingTruth", "MAX_SESSIONS"]
+__all__ = ["RoutingTruth", "RegretJudge", "MAX_SESSIONS"]
 
 MAX_SESSIONS = 1 << 16
 """Sessions whose last rank is remembered (the oldest is forgotten first)."""
@@ -27,22 +28,18 @@ MAX_SESSIONS = 1 << 16
 RankKey = tuple[int, int]
 
 
-class RoutingTruth:
-    """``Lifecycle.truth`` over engines the host can read: ``core(worker_id, dp_rank)`` (None: gone)."""
+class RegretJudge:
+    """Classifies a decision's lost blocks from what each rank held, remembering the rank each session last ran on
+    (the ``cache_owner`` class); told the decisions in order."""
 
-    def __init__(self, core: Callable[[int, int], RankCore | None]) -> None:
-        self._core = core
+    def __init__(self) -> None:
         self._last: dict[str, RankKey] = {}
 
-    def _held(self, key: RankKey, hashes: list[int]) -> int:
-        core = self._core(*key)
-        return core.cached_prefix_blocks(hashes) if core is not None else 0
-
-    def __call__(self, hashes: list[int], ranks: tuple[RankKey, ...], chosen: RankKey,
+    def __call__(self, have: Mapping[RankKey, int], ranks: tuple[RankKey, ...], chosen: RankKey, mine: int,
                  session: str | None) -> tuple[int, int, str | None]:
-        have = {key: self._held(key, hashes) for key in ranks}
-        mine = have[chosen] if chosen in have else self._held(chosen, hashes)
-        best = max(mine, max(have.values(), default=0))
+        """(``mine``, the best of ``mine`` and the eligible ranks' ``have``, where the lost blocks were) for a
+        decision that chose ``chosen``; then ``session`` last ran on ``chosen``."""
+        best = max(mine, max((have[key] for key in ranks), default=0))
         source: str | None = None
         if best > mine:
             holders = [key for key in ranks if have[key] == best]
@@ -59,3 +56,21 @@ class RoutingTruth:
             if len(last) > MAX_SESSIONS:
                 del last[next(iter(last))]
         return mine, best, source
+
+
+class RoutingTruth:
+    """``Lifecycle.truth`` over engines the host can read: ``core(worker_id, dp_rank)`` (None: gone)."""
+
+    def __init__(self, core: Callable[[int, int], RankCore | None]) -> None:
+        self._core = core
+        self._judge = RegretJudge()
+
+    def _held(self, key: RankKey, hashes: list[int]) -> int:
+        core = self._core(*key)
+        return core.cached_prefix_blocks(hashes) if core is not None else 0
+
+    def __call__(self, hashes: list[int], ranks: tuple[RankKey, ...], chosen: RankKey,
+                 session: str | None) -> tuple[int, int, str | None]:
+        have = {key: self._held(key, hashes) for key in ranks}
+        mine = have[chosen] if chosen in have else self._held(chosen, hashes)
+        return self._judge(have, ranks, chosen, mine, session)

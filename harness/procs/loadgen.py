@@ -40,6 +40,7 @@ from harness.workload import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
                                      reply_decoder)
 from harness.lanes import CANCEL_DRAIN_S
+from harness.procs.truth_oracle import TRUTH_SOURCE, TruthOracle
 from harness.procs.replica_clients import ReplicaClients, merged_affinity, merged_counters, replica_report
 
 
@@ -75,6 +76,8 @@ class _RouterClient:
         self.router_now: Callable[[], int] = time.monotonic_ns
         """The router's clock, for the records of requests it never answered."""
         self._sent: dict[str, tuple[ClientRequest, int]] = {}  # awaiting a reply: the request, when it was sent
+        self.oracle: TruthOracle | None = None
+        """With ``run.event_truth``: reads the ranks' caches as each request leaves and judges its record."""
     async def listen(self) -> None:
         while True:
             frames = await self.sock.recv_multipart()
@@ -87,6 +90,8 @@ class _RouterClient:
                 print(json.dumps({"event": "bad_router_message", "error": str(exc)[:200]}), file=sys.stderr)
                 continue
             if type(msg) is RecordReply:
+                if self.oracle is not None:
+                    self.oracle.judge(msg.record)
                 if self.replies is not None:
                     self.replies.append(msg.record)
                 rid = msg.record.request_id
@@ -104,6 +109,8 @@ class _RouterClient:
             return self._failed(req, self.lost)
         ev = self._waiting[req.request_id] = anyio.Event()
         self._sent[req.request_id] = (req, self.router_now())
+        if self.oracle is not None:
+            self.oracle.sent(req)
         await self.sock.send_multipart([CLIENT, encode(req)])
         await ev.wait()
         self._sent.pop(req.request_id, None)
@@ -141,6 +148,8 @@ class _RouterClient:
                if rid not in self.records and (before_ns is None or sent < before_ns)]
         for rid in ids:
             self._failed(self._sent[rid][0], reason)
+            if self.oracle is not None:
+                self.oracle.forget(rid)
             ev = self._waiting.pop(rid, None)
             if ev is not None:
                 ev.set()
@@ -151,10 +160,13 @@ class _RouterClient:
         return rec
 
     async def stats(self, timeout_s: float = 30.0) -> Stats:
-        """The router's current view (``TimeoutError`` if it does not answer in time)."""
-        answer = await self._ask(StatsQuery(), self._stats_waiters, timeout_s)
+        """The router's current view (``TimeoutError`` if it does not answer in time); with an oracle, the KV-event
+        publishers too, which it learns."""
+        answer = await self._ask(StatsQuery(publishers=self.oracle is not None), self._stats_waiters, timeout_s)
         if answer is None:
             raise TimeoutError(f"no answer from the router within {timeout_s:g} s")
+        if self.oracle is not None:
+            self.oracle.learn(answer.publishers, answer.replica)
         return answer
 
     async def control(self, msg: Control, timeout_s: float = 10.0) -> ControlReply:
@@ -211,6 +223,11 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
     if len(clients) > 1:
         spread = ReplicaClients(clients, ReplicaFront(len(clients), scenario.router.replica_front, scenario.run.seed))
     client: Any = spread or clients[0]
+    oracle = None  # run.event_truth: the routing truth from the workers' KV events
+    if scenario.run.event_truth and not scenario.cluster.disaggregated:
+        oracle = TruthOracle(routing_block_size(scenario.cluster))
+        for c in clients:
+            c.oracle = oracle
     router = routers[0]
     wall0 = time.perf_counter_ns()
     samples: list[Sample] = []
@@ -222,6 +239,8 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.listen)
+            if oracle is not None:
+                tg.start_soon(oracle.run)
             play_scope, wait_scope = anyio.CancelScope(), anyio.CancelScope()
 
             def lose(**details: Any) -> None:
@@ -350,7 +369,9 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
-                   lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas)
+                   lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas,
+                   truth_source=TRUTH_SOURCE if oracle is not None else None,
+                   truth_feed=oracle.feed() if oracle is not None else None)
     return save_report(data, outdir)
 
 

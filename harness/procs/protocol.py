@@ -20,7 +20,7 @@ import zmq
 
 from kvemu.http import DEFAULT_MODEL
 from kvemu.records import RequestRecord
-from kvemu.messages import ClientRequest, encode
+from kvemu.messages import ClientRequest, Register, encode
 from kvemu.wire import security
 
 from harness.chaos import Control, ControlReply, SyncPeers, WorkerExited
@@ -33,6 +33,9 @@ CLIENT = b"C"
 
 class StatsQuery(msgspec.Struct, tag=True, frozen=True):
     """Ask the router for its current view."""
+
+    publishers: bool = False
+    """Also say where the workers publish their KV events (``Stats.publishers``)."""
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):
@@ -60,6 +63,9 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     """Which router replica answered (``router.replicas``)."""
     sync: dict[str, int] | None = None
     """Its replica sync's counters (``ZmqSyncLink.stats``), or None: sync is off."""
+    publishers: list[Register] = []
+    """Asked for (``StatsQuery.publishers``): the registrations of the workers whose KV events the router follows
+    (the aggregated pool, or the prefill pool), as they came; the load generator's truth oracle subscribes to them."""
 
 
 class RecordReply(msgspec.Struct, tag=True, kw_only=True):

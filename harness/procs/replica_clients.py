@@ -136,6 +136,7 @@ def replica_report(scenario: Scenario, views: list[Stats], restarts: list[int],
             for k in _KV_KEYS:
                 kv[k] += counts.get(k, 0)
         row: dict[str, Any] = {"replica": i, "restarts": restarts[i], "kv_events": kv,
+                               "kv_feed_dropped_batches": 0,  # (faulting a feed needs virtual time)
                                "workers_registered": len(view.workers)}
         if view.affinity is not None:
             row["affinity"] = dict(sorted(view.affinity.items()))

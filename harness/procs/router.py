@@ -225,7 +225,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             return None
         return msg
 
-    def stats() -> Stats:
+    def stats(publishers: bool = False) -> Stats:
         now = clock.now_ns()
         current = list(routers.values())
         taken = samples(routers, now)
@@ -236,7 +236,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                      router_started_ns=instance["started_ns"], process_id=process_id,
                      records_held=len(recorder.records),
                      pools={pool: sorted(r.workers) for pool, r in routers.items()}, replica=replica,
-                     sync=sync.stats() if sync is not None else None)
+                     sync=sync.stats() if sync is not None else None,
+                     publishers=[m for pool, r in routers.items() if pool != DECODE for m in r.registrations()
+                                 if m.kv_endpoints] if publishers else [])
 
     scopes: dict[str, anyio.CancelScope] = {}
 
@@ -271,7 +273,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 continue
             t = type(msg)
             if t is StatsQuery:
-                end.reply(peer, encode(stats()))
+                end.reply(peer, encode(stats(msg.publishers)))  # type: ignore[union-attr]
             elif t is CancelRequest:  # its handler replies with the record, failed with the reason
                 key = client_request_key(peer, msg.request_id)  # type: ignore[union-attr]
                 if key in in_flight and not front.cancel(key, msg.reason):  # type: ignore[union-attr]

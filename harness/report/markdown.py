@@ -236,9 +236,20 @@ def _regret_section(rg: dict[str, Any] | None, plotted: bool = False) -> list[st
     if rg is None:
         return out + ["No engine truth at the routing decisions (the engines ran in other processes)."]
     src = rg["recoverable_prefill_blocks"]
-    out += ["At each decision the engines were read: *lost* blocks were cached on a better eligible rank than the "
-            "chosen one, *novel* blocks nowhere; regret = lost / (novel + lost), as Dynamo's locality-metrics "
-            "proposal defines it.", ""]
+    if rg.get("truth") == "kv_events":
+        out += ["The engines ran in other processes: the truth is the load generator's own view of every rank's "
+                "cache from the workers' KV events, read as each request was sent (not a probe of the engines; the "
+                "events' own delay included, no chaos fault on a router's feed applied to it). *lost* blocks were "
+                "cached on a better registered rank than the chosen one, *novel* blocks nowhere; regret = lost / "
+                "(novel + lost), as Dynamo's locality-metrics proposal defines it.", ""]
+        feed = rg.get("truth_feed")
+        if feed is not None:
+            out += [f"The load generator's KV feed: {fmt(feed['batches'])} batches, {fmt(feed['gaps'])} gaps, "
+                    f"{fmt(feed['replays'])} replays, {fmt(feed['lost_batches'])} batches lost.", ""]
+    else:
+        out += ["At each decision the engines were read: *lost* blocks were cached on a better eligible rank than "
+                "the chosen one, *novel* blocks nowhere; regret = lost / (novel + lost), as Dynamo's "
+                "locality-metrics proposal defines it.", ""]
     out += table(["figure", "value"], [
         ("requests compared / with lost blocks", f"{fmt(rg['requests_compared'])} / {fmt(rg['requests_with_loss'])}"),
         ("lost blocks (recoverable)", fmt(rg["lost_blocks"])),

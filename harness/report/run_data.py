@@ -78,6 +78,11 @@ class RunData(msgspec.Struct, kw_only=True):
     """Router replicas (``router.replicas`` > 1): ``count``, ``front``, ``sync``, ``replica_of`` (request id -> the
     replica it reached) and ``per_replica`` (each replica's own counters: KV feed, sync, restarts); None: one
     router."""
+    truth_source: str | None = None
+    """Where the routing truth came from when not from the engines themselves: ``kv_events`` (the load generator's
+    oracle, ``harness.procs.truth_oracle``)."""
+    truth_feed: dict[str, int] | None = None
+    """With ``truth_source`` ``kv_events``: the oracle's own KV feed (batches, gaps, replays, lost batches)."""
     chaos: list[dict[str, Any]] = []
     """The scenario's chaos timeline (``harness.chaos.timeline``: ``t_s``, ``action``, ``replica``, ``worker``,
     ``lag_ms``), for the plots' marks."""

@@ -235,7 +235,8 @@ def regret_blocks(rec: RequestRecord, block_size: int) -> tuple[int, int] | None
 def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) -> dict[str, Any] | None:
     """Routing regret against the engines' truth at each decision (Dynamo's locality-metrics proposal): lost =
     best eligible rank's cached blocks - the chosen rank's, novel = prompt blocks - best; the ratio lost / (novel +
-    lost) overall and per minute, and the lost blocks by where they were. None: no truth (separate processes)."""
+    lost) overall and per minute, and the lost blocks by where they were; ``truth``: ``kv_events`` when the truth is
+    the load generator's view from the KV events (``run.event_truth``). None: no truth (separate processes)."""
     bs = data.block_size
     if t0 is None:  # (the report's time zero: the first arrival)
         t0 = min((r.arrival_ns for r in records), default=0)
@@ -258,7 +259,7 @@ def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) 
         bucket[1] += new
     if not compared:
         return None
-    return {
+    out: dict[str, Any] = {
         "requests_compared": compared,
         "requests_with_loss": with_loss,
         "lost_blocks": lost,
@@ -269,6 +270,9 @@ def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) 
         "over_time": [{"t_s": b * REGRET_BUCKET_S, "regret_ratio": _ratio(m, m + n), "lost_blocks": m}
                       for b, (m, n) in sorted(buckets.items())],
     }
+    if data.truth_source is not None:  # (absent: the engines were read at each decision)
+        out["truth"] = data.truth_source
+    return out
 
 
 def _replicas(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
@@ -307,6 +311,8 @@ def _routing(data: RunData, records: list[RequestRecord], done: list[RequestReco
     reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
     routed = [r for r in records if r.attempts > 0]
     regret = _regret(data, records)
+    if regret is not None and data.truth_feed is not None:  # (the oracle's feed: the cluster's figures only)
+        regret["truth_feed"] = data.truth_feed
     out = {
         **truth,
         "reasons": dict(sorted(reasons.items())),

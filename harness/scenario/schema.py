@@ -49,6 +49,9 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
         if self.router.replicas > 1 and self.cluster.disaggregated:
             raise InvalidArgument("router.replicas > 1 with a disaggregated cluster is not supported yet: run the "
                                   "replicas in front of an aggregated cluster", field="router.replicas")
+        if self.run.event_truth and self.cluster.disaggregated:
+            raise InvalidArgument("run.event_truth with a disaggregated cluster is not supported yet (the load "
+                                  "generator judges one pool's routing): drop run.event_truth", field="run.event_truth")
         if self.router.replicas > 1 and self.autoscaler is not None:
             raise InvalidArgument("router.replicas > 1 with an autoscaler is not supported yet (it reads one router's "
                                   "load view)", field="router.replicas")

@@ -419,6 +419,11 @@ class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     router_stall_s: PositiveSeconds = 120.0
     """``kvemu up``: its load generator knows whether the router process is alive, and waits this long for one
     that is alive but silent (stopped, or swamped) before declaring it lost; a router that exited is lost at once."""
+    event_truth: bool = False
+    """``kvemu up``/``loadgen``: derive the routing truth (``kvemu.routing.regret``) from the workers' KV events,
+    which the load generator then follows itself (``harness.procs.truth_oracle``); the engines of separate processes
+    cannot be read at the decision. Off: no regret figures in processes mode. Elsewhere the engines are read and
+    this changes nothing."""
     stop_on_worker_exit: bool = False
     """``kvemu up``/``serve``: stop the run when a worker process exits unasked (a crash, a kill). By default a
     worker's death is a fault the cluster handles (the router fences it when its heartbeats stop; what it held

@@ -51,7 +51,7 @@ from kvemu.runtime.wakeup import Wakeup
 from kvemu.validation import check_struct
 from kvemu.wire.stream import Replay
 
-__all__ = ["RouterSettings", "Router"]
+__all__ = ["RouterSettings", "Router", "worker_spec"]
 
 log = logging.getLogger("kvemu.router")
 
@@ -95,13 +95,25 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         check_struct(self)
 
 
-class _WorkerState:
-    __slots__ = ("spec", "peer", "last_seen_ns")
+def worker_spec(msg: Register) -> WorkerSpec:
+    """What the routing core registers of a worker's ``Register``."""
+    return WorkerSpec(
+        worker_id=msg.worker_id, dp_start=msg.dp_start, dp_size=msg.dp_size,
+        taints=frozenset(msg.taints), worker_type=msg.worker_type,  # type: ignore[arg-type]
+        block_size=msg.block_size, total_kv_blocks=msg.total_kv_blocks,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+    )
 
-    def __init__(self, spec: WorkerSpec, peer: bytes, now_ns: int) -> None:
+
+class _WorkerState:
+    __slots__ = ("spec", "peer", "last_seen_ns", "register")
+
+    def __init__(self, spec: WorkerSpec, peer: bytes, now_ns: int, register: Register) -> None:
         self.spec = spec
         self.peer = peer
         self.last_seen_ns = now_ns
+        self.register = register
+        """Its registration as it came (its KV-event endpoints: ``Router.registrations``)."""
 
 
 class Router:
@@ -274,12 +286,7 @@ class Router:
         spec = None
         if reason is None:
             try:
-                spec = WorkerSpec(
-                    worker_id=msg.worker_id, dp_start=msg.dp_start, dp_size=msg.dp_size,
-                    taints=frozenset(msg.taints), worker_type=msg.worker_type,  # type: ignore[arg-type]
-                    block_size=msg.block_size, total_kv_blocks=msg.total_kv_blocks,
-                    max_num_batched_tokens=msg.max_num_batched_tokens,
-                )
+                spec = worker_spec(msg)
                 self.core.add_worker(spec)
             except (KvemuError, ValueError, TypeError) as exc:
                 reason = str(exc)
@@ -293,7 +300,7 @@ class Router:
                 self._asked.discard(peer)  # a registered worker's next heartbeat is answered with Reregister
             return
         assert spec is not None
-        self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now())
+        self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now(), msg)
         self._peers[peer] = msg.worker_id
         self._asked.discard(peer)
         self.kv.add_worker(msg)
@@ -329,6 +336,10 @@ class Router:
         if len(msg.taints) > 64 or any(len(t) > 128 for t in msg.taints):
             return f"worker {wid}: at most 64 taints of <= 128 characters"
         return None
+
+    def registrations(self) -> list[Register]:
+        """The registered workers' ``Register`` messages, by worker id (where their KV events are published)."""
+        return [self.workers[wid].register for wid in sorted(self.workers)]
 
     def serves_peer(self, peer: bytes) -> bool:
         """Whether ``peer`` (a transport identity) is the connection of a worker registered here."""

@@ -52,4 +52,5 @@ def test_sessions_remembered_are_bounded():
     truth, _ = _truth({(0, 0): 1})
     for i in range(MAX_SESSIONS + 5):
         truth(H, ((0, 0),), (0, 0), f"s{i}")
-    assert len(truth._last) == MAX_SESSIONS and "s0" not in truth._last and f"s{MAX_SESSIONS + 4}" in truth._last
+    last = truth._judge._last  # (the judge remembers them)
+    assert len(last) == MAX_SESSIONS and "s0" not in last and f"s{MAX_SESSIONS + 4}" in last
