@@ -185,7 +185,7 @@ class Cluster:
         self.replica_nets: list[MemoryNetwork] = []
         """Virtual time, several replicas: each replica's network to the workers."""
         self.feeds: list[FeedTap] = []
-        """Virtual time, with replicas (or a fault aimed at a replica's feed): each replica's KV feed."""
+        """With replicas (or a fault aimed at a replica's feed): each replica's KV feed, faults and all."""
         self.sync: MemorySyncBus | None = None
         """The replicas' booking announcements (``router.replica_sync``), or None."""
         self.restarts: list[int] = []
@@ -376,6 +376,11 @@ class Cluster:
             pub.close(drain_timeout_s=0)
 
 
+def _receive(stream: Any, seq: int, payload: bytes) -> None:
+    """A live batch into its stream (what a replica's feed does when it lets one through)."""
+    stream.receive(seq, payload)
+
+
 REQUEST_KINDS = ("request_arrived", "routed", "dispatch_accepted", "dispatch_rejected", "queued", "first_token",
                  "tokens", "completed", "failed")
 """What a second router replica tells the run's hooks: its requests' steps (its view of the workers and of the KV
@@ -445,18 +450,21 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
                              kv_replay=bus.replay if bus else None,
                              on_worker_removed=bus.forget if bus and n == 1 else None,
                              zmq_kv_events=bus is None and pool != DECODE)
-        if bus is not None and pool != DECODE:
-            if taps:
-                feed = FeedTap(router.kv_intake)
-                if replica < len(c.feeds):  # a restarted replica: its feed's faults stay (they are the network's)
-                    old = c.feeds[replica]
-                    feed.drop_next, feed.lag_ns, feed.dropped = old.drop_next, old.lag_ns, old.dropped
-                    c.feeds[replica] = feed
-                else:
-                    c.feeds.append(feed)
-                bus.connect(feed, replica=replica)
+        subscriber = router.kv.subscriber
+        if taps and pool != DECODE:
+            feed = FeedTap(router.kv_intake if bus is not None else _receive)
+            if replica < len(c.feeds):  # a restarted replica: its feed's faults stay (they are the network's)
+                old = c.feeds[replica]
+                feed.drop_next, feed.lag_ns, feed.dropped = old.drop_next, old.lag_ns, old.dropped
+                c.feeds[replica] = feed
             else:
-                bus.connect(router.kv_intake)
+                c.feeds.append(feed)
+            if bus is not None:
+                bus.connect(feed, replica=replica)
+            elif subscriber is not None:  # live: the replica's own subscriber hands its batches to the feed
+                subscriber.feed = feed
+        elif bus is not None and pool != DECODE:
+            bus.connect(router.kv_intake)
         if c.sync is not None:
             c.sync.attach(replica, router.core, router.lifecycle.capacity_changed)
         return router

@@ -130,9 +130,6 @@ def _check_replica_target(s: Scenario, ev: ChaosEvent, at: str, field: str) -> N
                               field=field)
     if ev.action != "restart_router" and ev.worker is not None:
         raise InvalidArgument(f"{at}: give a worker or a replica, not both", field=field)
-    if ev.action != "restart_router" and s.run.mode != "virtual":
-        raise InvalidArgument(f"{at}: faulting one replica's KV feed needs run.mode virtual (live, each replica "
-                              "subscribes to the workers' publishers itself)", field=field)
 
 
 def _check_autoscaler(s: Scenario, a: AutoscalerSpec) -> None:

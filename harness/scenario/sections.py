@@ -447,7 +447,8 @@ class ChaosEvent(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True
     """Slowdown factor (``slow_worker``): durations are multiplied by it."""
     replica: Annotated[int, Meta(ge=0, lt=MAX_REPLICAS)] | None = None
     """With ``router.replicas``: the router replica it hits (``restart_router``: that replica, default 0;
-    ``drop_kv_events``, ``delay_kv_events``: that replica's KV feed instead of a worker's publisher)."""
+    ``drop_kv_events``, ``delay_kv_events``: that replica's KV feed instead of a worker's publisher, in one process
+    only: ``kvemu run``, virtual or live)."""
 
 
 class AutoscalerSpec(AutoscaleConfig, kw_only=True, forbid_unknown_fields=True, frozen=True):

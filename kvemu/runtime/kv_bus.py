@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
@@ -76,9 +77,11 @@ class MemoryKvPublisher(LoggedPublisher):
 
 class FeedTap:
     """One router replica's KV feed with its own faults (chaos): the next ``drop_next`` batches are lost on the
-    way (the replica's stream sees the gap and asks for a replay), and batches arrive ``lag_ns`` late, in order."""
+    way (the replica's stream sees the gap and asks for a replay), and batches arrive ``lag_ns`` late, in order.
+    It passes each batch's arguments on to ``intake`` as they came (the in-memory bus's ``(worker_id, dp_rank,
+    seq, payload)``, or a ZeroMQ subscriber's ``(stream, seq, payload)``)."""
 
-    def __init__(self, intake: Deliver) -> None:
+    def __init__(self, intake: Callable[..., None]) -> None:
         self.intake = intake
         self.drop_next = 0
         self.dropped = 0
@@ -86,22 +89,22 @@ class FeedTap:
         self.lag_ns = 0
         self._late_until = 0.0  # loop time of the last batch held back by the lag
 
-    def __call__(self, worker_id: int, dp_rank: int, seq: int, payload: Payload) -> None:
+    def __call__(self, *batch: Any) -> None:
         if self.drop_next:
             self.drop_next -= 1
             self.dropped += 1
             return
         if not self.lag_ns and not self._late_until:
-            self.intake(worker_id, dp_rank, seq, payload)
+            self.intake(*batch)
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
         if not self.lag_ns and self._late_until <= now:
             self._late_until = 0.0
-            self.intake(worker_id, dp_rank, seq, payload)
+            self.intake(*batch)
             return
         due = self._late_until = max(now + self.lag_ns / NS_PER_S, self._late_until)
-        loop.call_at(due, self.intake, worker_id, dp_rank, seq, payload)
+        loop.call_at(due, self.intake, *batch)
 
 
 class MemoryKvBus:

@@ -160,6 +160,9 @@ class KvEventSubscriber:
         """Told ``(kind, worker_id, dp_rank, details)`` for ``gap``, ``replay``, ``lost``, ``restart``."""
         self.clock = clock or WallClock()
         """Times replays (live mode: wall time)."""
+        self.feed: Callable[[EventStream, int, bytes], None] | None = None
+        """Where a live batch goes instead of straight into its stream (``feed(stream, seq, payload)``): a router
+        replica's feed with its own faults (``kvemu.runtime.kv_bus.FeedTap``); None: straight in."""
         self._own_ctx = context is None and max_streams is not None
         self._ctx = context or (sized_context(max_streams) if max_streams is not None else zmq.Context.instance())
         self.file_limited = False
@@ -382,7 +385,10 @@ class KvEventSubscriber:
             stream.events.stats.decode_errors += 1
             log.warning("worker %s rank %s: malformed frame (%d parts)", *stream.spec[:2], len(frames))
             return
-        stream.events.receive(int.from_bytes(frames[1], "big"), frames[2])
+        if self.feed is not None:
+            self.feed(stream.events, int.from_bytes(frames[1], "big"), frames[2])
+        else:
+            stream.events.receive(int.from_bytes(frames[1], "big"), frames[2])
 
     def _ask_replay(self, stream: _Stream, start: int) -> tuple[()] | None:
         """Ask the rank's replay endpoint for the batches from ``start``; the answer is read by ``poll``.

@@ -14,6 +14,7 @@ import pytest
 
 from kvemu.runtime.router import RouterSettings
 
+from harness.chaos import ROUTER_CHAOS, chaos_problems
 from harness.report.files import write_requests
 from harness.report.summary import summarize
 from harness.runner import run_scenario
@@ -188,8 +189,6 @@ def test_restarting_one_replica_leaves_the_others_serving():
     ("cluster: {prefill: {workers: 1}, decode: {workers: 1}}\nrouter: {replicas: 2}\n", "router.replicas"),
     ("router: {replicas: 2}\nchaos: [{at_s: 1, action: restart_router, replica: 2}]\n", "chaos[0].replica"),
     ("router: {replicas: 2}\nchaos: [{at_s: 1, action: remove_worker, replica: 1}]\n", "chaos[0].replica"),
-    ("router: {replicas: 2}\nrun: {mode: live}\nchaos: [{at_s: 1, action: drop_kv_events, replica: 1}]\n",
-     "chaos[0].replica"),
     ("router: {replicas: 2, replica_sync: {enabled: true, predictions: true}}\n", "replica_sync.predictions"),
     ("router: {replicas: 65}\n", "replicas"),
     ("router: {replica_front: sticky}\n", "replica_front"),
@@ -200,9 +199,18 @@ def test_bad_replica_settings_name_the_field(text, field):
     assert field in str(err.value)
 
 
+def test_between_processes_a_replica_feed_fault_is_refused_with_its_reason():
+    scen = parse_scenario("name: x\nrouter: {replicas: 2}\nrun: {mode: live}\n"
+                          "chaos: [{at_s: 1, action: drop_kv_events, replica: 1}, {at_s: 2, action: restart_router, "
+                          "replica: 1}]\n")
+    problems = chaos_problems(scen.chaos, ROUTER_CHAOS, "the load generator")
+    assert len(problems) == 1 and "chaos[0]" in problems[0] and "kvemu run" in problems[0]
+
+
 def test_live_replicas_over_zeromq_serve_every_request():
     """Live, in one process: two replicas on 127.0.0.1, each subscribing to the workers' KV publishers itself,
-    booking sync on; every request completes and both replicas routed by what the engines published."""
+    booking sync on, a fault on each replica's feed; every request completes and both replicas routed by what the
+    engines published."""
     scen = parse_scenario("""
 name: live-replicas
 cluster: {workers: 2, engine: {block_size: 16, num_gpu_blocks: 512, speedup_ratio: 20, decode_speedup_ratio: 20}}
@@ -210,6 +218,9 @@ router: {policy: kv, replicas: 2, replica_front: round_robin, replica_sync: {ena
 workload: {kind: synthetic, rate_rps: 8, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
            isl: {kind: constant, mean: 64}, osl: {kind: constant, mean: 4}}
 run: {mode: live, seed: 1, duration_s: 1.5}
+chaos:
+  - {at_s: 0.3, action: drop_kv_events, replica: 1, count: 2}
+  - {at_s: 0.6, action: delay_kv_events, replica: 0, lag_ms: 50}
 """)
     out = run_scenario(scen)
     s = summarize(out.data)
@@ -219,6 +230,10 @@ run: {mode: live, seed: 1, duration_s: 1.5}
     assert [r["requests"] > 0 for r in rows] == [True, True]
     assert all(r["kv_events"]["batches"] > 0 and r["workers_registered"] == 2 for r in rows)
     assert all(r["sync"]["applied"] > 0 for r in rows)
+    # replica 1's own subscriber lost two live batches on the way and got them back by replay; replica 0's lagged
+    assert [r["kv_feed_dropped_batches"] for r in rows] == [0, 2]
+    assert rows[1]["kv_events"]["gaps"] >= 1 and rows[1]["kv_events"]["lost_batches"] == 0
+    assert rows[0]["kv_events"]["gaps"] == 0
 
 
 @pytest.mark.parametrize("graceful", [True, False])
