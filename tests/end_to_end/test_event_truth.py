@@ -3,7 +3,11 @@ routing regret the engines of separate processes cannot give (``harness.procs.tr
 
 import json
 
+import pytest
+
 from tests.end_to_end.test_processes import FAST, kvemu
+
+pytestmark = pytest.mark.process_supervision
 
 WORKLOAD = """
 name: etruth

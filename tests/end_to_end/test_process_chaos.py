@@ -11,12 +11,16 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from harness.chaos import CONTROL_TOKEN_ENV
 from harness.procs.protocol import send_control
 from harness.scenario import ChaosEvent
 from harness.sessions import SessionPlayer
 from harness.procs.up import Children, cli_command, cli_env
 from tests.process_output import json_events
+
+pytestmark = pytest.mark.process_supervision
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--set", "cluster.engine.speedup_ratio=20", "--set", "cluster.engine.decode_speedup_ratio=20"]
@@ -227,7 +231,6 @@ def test_the_load_generator_writes_a_partial_report_when_it_fails_itself(tmp_pat
 
 def test_an_unreachable_router_is_a_clear_error_not_a_traceback():
     import anyio
-    import pytest
 
     from harness.procs.loadgen import RouterUnreachable, _await_router, _RouterClient
 

@@ -3,6 +3,8 @@ registered with each, the load generator spreading requests over them, replica s
 
 import json
 
+import pytest
+
 import zmq
 
 from kvemu.messages import ClientRequest, encode
@@ -12,6 +14,8 @@ from harness.procs.protocol import CLIENT, RecordReply, Stats, StatsQuery, reply
 from harness.procs.up import Children
 from tests.end_to_end.test_processes import FAST, _gone, kvemu, small
 from tests.process_output import json_events, tagged_env
+
+pytestmark = pytest.mark.process_supervision
 
 REPLICAS = "router: {policy: kv, heartbeat_timeout_s: 1.5, replicas: 2, replica_front: random, " \
            "replica_sync: {enabled: true}}\n"

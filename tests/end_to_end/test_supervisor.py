@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.process_output import json_events, tagged, tagged_env
+
+pytestmark = pytest.mark.process_supervision
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "{num_gpu_blocks: 2048, block_size: 16, speedup_ratio: 20, decode_speedup_ratio: 20}"
