@@ -73,17 +73,9 @@ def worker_chaos(ev: ChaosEvent) -> Chaos:
 
 
 def chaos_problems(events: list[ChaosEvent], applies: frozenset[str], who: str) -> list[str]:
-    """One line per event ``who`` cannot apply (empty: it can apply the whole timeline). A fault on one router
-    replica's KV feed is applied in one process only (``kvemu run``): between processes each replica subscribes to
-    the workers' publishers itself."""
-    out = []
-    for i, ev in enumerate(events):
-        if ev.action not in applies:
-            out.append(f"chaos[{i}] {ev.action} at {ev.at_s:g} s cannot be applied by {who}")
-        elif ev.replica is not None and ev.action in ("drop_kv_events", "delay_kv_events"):
-            out.append(f"chaos[{i}] {ev.action} at {ev.at_s:g} s on replica {ev.replica}'s KV feed cannot be applied "
-                       "between processes (each replica subscribes to the workers itself): run it with kvemu run")
-    return out
+    """One line per event ``who`` cannot apply (empty: it can apply the whole timeline)."""
+    return [f"chaos[{i}] {ev.action} at {ev.at_s:g} s cannot be applied by {who}" for i, ev in enumerate(events)
+            if ev.action not in applies]
 
 
 def timeline(events: list[ChaosEvent]) -> list[dict[str, Any]]:

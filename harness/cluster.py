@@ -25,7 +25,7 @@ from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
-from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus
+from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus, into_stream
 from kvemu.runtime.replica_link import ReplicaEnds
 from kvemu.runtime.replica_sync_bus import MemorySyncBus
 from kvemu.runtime.router import Router
@@ -376,11 +376,6 @@ class Cluster:
             pub.close(drain_timeout_s=0)
 
 
-def _receive(stream: Any, seq: int, payload: bytes) -> None:
-    """A live batch into its stream (what a replica's feed does when it lets one through)."""
-    stream.receive(seq, payload)
-
-
 REQUEST_KINDS = ("request_arrived", "routed", "dispatch_accepted", "dispatch_rejected", "queued", "first_token",
                  "tokens", "completed", "failed")
 """What a second router replica tells the run's hooks: its requests' steps (its view of the workers and of the KV
@@ -452,7 +447,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
                              zmq_kv_events=bus is None and pool != DECODE)
         subscriber = router.kv.subscriber
         if taps and pool != DECODE:
-            feed = FeedTap(router.kv_intake if bus is not None else _receive)
+            feed = FeedTap(router.kv_intake if bus is not None else into_stream)
             if replica < len(c.feeds):  # a restarted replica: its feed's faults stay (they are the network's)
                 old = c.feeds[replica]
                 feed.drop_next, feed.lag_ns, feed.dropped = old.drop_next, old.lag_ns, old.dropped

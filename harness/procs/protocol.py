@@ -63,6 +63,8 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     """Which router replica answered (``router.replicas``)."""
     sync: dict[str, int] | None = None
     """Its replica sync's counters (``ZmqSyncLink.stats``), or None: sync is off."""
+    feed_dropped: int = 0
+    """KV batches chaos made this replica's own feed lose (``drop_kv_events`` naming the replica)."""
     publishers: list[Register] = []
     """Asked for (``StatsQuery.publishers``): the registrations of the workers whose KV events the router follows
     (the aggregated pool, or the prefill pool), as they came; the load generator's truth oracle subscribes to them."""

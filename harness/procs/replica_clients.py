@@ -136,7 +136,7 @@ def replica_report(scenario: Scenario, views: list[Stats], restarts: list[int],
             for k in _KV_KEYS:
                 kv[k] += counts.get(k, 0)
         row: dict[str, Any] = {"replica": i, "restarts": restarts[i], "kv_events": kv,
-                               "kv_feed_dropped_batches": 0,  # (faulting a feed needs virtual time)
+                               "kv_feed_dropped_batches": view.feed_dropped,
                                "workers_registered": len(view.workers)}
         if view.affinity is not None:
             row["affinity"] = dict(sorted(view.affinity.items()))
@@ -149,6 +149,4 @@ def replica_report(scenario: Scenario, views: list[Stats], restarts: list[int],
         "sync": {"enabled": rspec.replica_sync.enabled, "delay_ms": rspec.replica_sync.delay_ms},
         "replica_of": replica_of,
         "per_replica": per,
-        "chaos": [{"t_s": ev.at_s, "action": ev.action, "replica": ev.replica, "worker": ev.worker}
-                  for ev in scenario.chaos],
     }

@@ -29,6 +29,7 @@ from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
 from kvemu.records import RequestRecord
+from kvemu.runtime.kv_bus import FeedTap, into_stream
 from kvemu.runtime.prompt_lane import PromptLane
 from kvemu.runtime.replica_sync_zmq import ZmqSyncLink
 from kvemu.runtime.router import Router
@@ -58,7 +59,7 @@ from harness.pools import (
 )
 from harness.report.recorder import Recorder
 from harness.report.run_data import EXITED
-from harness.scenario import Scenario
+from harness.scenario import ChaosEvent, Scenario
 from harness.text import counted
 from harness.tuning import tune_gc
 from harness.procs.protocol import (
@@ -137,9 +138,15 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     routers: dict[str, Router] = {}
     gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
 
+    # a replica's own KV feed, between its subscriber and its streams (chaos naming this replica faults it)
+    feed = FeedTap(into_stream) if scenario.router.replicas > 1 else None
+
     def new_router(pool: str) -> Router:
-        return pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks, replica=replica,
-                           zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
+        router = pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks, replica=replica,
+                             zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
+        if feed is not None and router.kv.subscriber is not None:  # (a restarted router: the same feed)
+            router.kv.subscriber.feed = feed
+        return router
 
     pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,
                                  retry_limit=scenario.router.settings().retry_limit)
@@ -150,6 +157,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     instance: _Instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
+    control.feed = feed
     server = None
     if http is not None:
         from kvemu.http.server import HttpServer
@@ -237,6 +245,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                      records_held=len(recorder.records),
                      pools={pool: sorted(r.workers) for pool, r in routers.items()}, replica=replica,
                      sync=sync.stats() if sync is not None else None,
+                     feed_dropped=feed.dropped if feed is not None else 0,
                      publishers=[m for pool, r in routers.items() if pool != DECODE for m in r.registrations()
                                  if m.kv_endpoints] if publishers else [])
 
@@ -330,6 +339,8 @@ class _RouterControl:
         self.token = token
         self.lag_ms: float | None = None
         """The KV-event lag chaos set, for workers that register later too."""
+        self.feed: FeedTap | None = None
+        """This replica's own KV feed (``router.replicas`` > 1): chaos naming a replica faults it here."""
 
     def _refusal(self, token: str, action: str) -> ControlReply | None:
         """Why a control message with ``token`` is refused (None: the token is right)."""
@@ -364,6 +375,8 @@ class _RouterControl:
                                                  "(with docker-compose, scale the worker service)")
         print(json.dumps({"event": "control", "action": ev.action, "worker": ev.worker}), file=sys.stderr)
         workers = sorted(w for r in routers.values() for w in r.workers)
+        if ev.replica is not None and ev.action in ("drop_kv_events", "delay_kv_events"):
+            return self._fault_feed(ev)
         if ev.action == "restart_router":
             if AGGREGATED not in routers:
                 return ControlReply(ok=False, detail="restart_router: restarting the routers of a disaggregated "
@@ -397,6 +410,18 @@ class _RouterControl:
         except (InvalidArgument, zmq.ZMQError) as exc:
             return ControlReply(ok=False, detail=f"sync_peers: {exc}"[:300])
         return ControlReply(ok=True, detail=f"subscribed to {counted(len(msg.peers), 'peer')}")
+
+    def _fault_feed(self, ev: ChaosEvent) -> ControlReply:
+        """Chaos aimed at this replica's own KV feed: lose its next batches, or deliver them late."""
+        feed = self.feed
+        if feed is None:
+            return ControlReply(ok=False, detail=f"{ev.action} on replica {ev.replica}: this router is no replica "
+                                                 "(router.replicas is 1)")
+        if ev.action == "drop_kv_events":
+            feed.drop_next += ev.count
+            return ControlReply(ok=True, detail=f"the next {counted(ev.count, 'KV batch')} of this replica's feed lost")
+        feed.lag_ns = round(ev.lag_ms * NS_PER_MS)
+        return ControlReply(ok=True, detail=f"this replica's KV feed {ev.lag_ms:g} ms late")
 
     def on_worker_added(self, routers: dict[str, Router], worker_id: int | None) -> None:
         """A worker registered: give it the KV-event lag chaos set, if any."""

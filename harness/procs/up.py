@@ -398,7 +398,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                     live.remove(target)
                     kids.retire(f"worker-{target}", signal.SIGTERM if ev.graceful else signal.SIGKILL)
                 else:  # through the router's control channel (restart_router: that replica's)
-                    target_router = stack.routers[ev.replica or 0] if ev.action == "restart_router" else router
+                    target_router = stack.routers[ev.replica] if ev.replica is not None else router
                     reply = send_control(target_router, token, ev)
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
                                       "detail": reply.detail}), file=sys.stderr)

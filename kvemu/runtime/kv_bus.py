@@ -24,7 +24,7 @@ from kvemu.wire.publisher import PublisherStats
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
 from kvemu.wire.stream import Payload
 
-__all__ = ["MemoryKvBus", "MemoryKvPublisher", "FeedTap"]
+__all__ = ["MemoryKvBus", "MemoryKvPublisher", "FeedTap", "into_stream"]
 
 Deliver = Callable[[int, int, int, Payload], None]
 """``deliver(worker_id, dp_rank, seq, payload)``: the router's intake."""
@@ -105,6 +105,12 @@ class FeedTap:
             return
         due = self._late_until = max(now + self.lag_ns / NS_PER_S, self._late_until)
         loop.call_at(due, self.intake, *batch)
+
+
+def into_stream(stream: Any, seq: int, payload: Payload) -> None:
+    """A live batch into its stream: what a replica's ``FeedTap`` over a ZeroMQ subscriber lets through
+    (``KvEventSubscriber.feed``)."""
+    stream.receive(seq, payload)
 
 
 class MemoryKvBus:

@@ -56,13 +56,21 @@ def test_up_with_two_router_replicas_spreads_requests_and_syncs_their_bookings(t
 
 
 def test_restart_router_chaos_restarts_the_replica_it_names(tmp_path):
+    """Chaos naming a replica reaches that router process: a restart, and faults on its own KV feed (the next
+    batches lost on the way and recovered by replay; a lag), while the other replica's feed is left alone."""
     out = tmp_path / "out"
-    path = _scenario(tmp_path, "chaos:\n  - {at_s: 1.0, action: restart_router, replica: 1}\n")
+    path = _scenario(tmp_path, "chaos:\n  - {at_s: 0.5, action: drop_kv_events, replica: 0, count: 2}\n"
+                               "  - {at_s: 0.7, action: delay_kv_events, replica: 0, lag_ms: 20}\n"
+                               "  - {at_s: 1.0, action: restart_router, replica: 1}\n")
     res = kvemu("up", str(path), *FAST, "-o", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert [(e["action"], e["ok"]) for e in json_events(res.stderr, "chaos")] == [("restart_router", True)]
+    assert [(e["action"], e["ok"]) for e in json_events(res.stderr, "chaos")] == [
+        ("drop_kv_events", True), ("delay_kv_events", True), ("restart_router", True)]
     summary = json.loads((out / "summary.json").read_text())
-    assert [row["restarts"] for row in summary["kvemu"]["replicas"]["per_replica"]] == [0, 1]
+    per = summary["kvemu"]["replicas"]["per_replica"]
+    assert [row["restarts"] for row in per] == [0, 1]
+    assert [row["kv_feed_dropped_batches"] for row in per] == [2, 0]
+    assert per[0]["kv_events"]["gaps"] >= 1 and per[0]["kv_events"]["lost_batches"] == 0
     k = summary["kvemu"]
     assert k["unfinished_requests"] == 0 and k["hook_counts"]["router_restarts"] == 1
     assert summary["completed_requests"] + k["failed_requests"] == summary["num_requests"] > 0

@@ -14,7 +14,6 @@ import pytest
 
 from kvemu.runtime.router import RouterSettings
 
-from harness.chaos import ROUTER_CHAOS, chaos_problems
 from harness.report.files import write_requests
 from harness.report.summary import summarize
 from harness.runner import run_scenario
@@ -197,14 +196,6 @@ def test_bad_replica_settings_name_the_field(text, field):
     with pytest.raises(ScenarioError) as err:
         parse_scenario("name: bad\n" + text)
     assert field in str(err.value)
-
-
-def test_between_processes_a_replica_feed_fault_is_refused_with_its_reason():
-    scen = parse_scenario("name: x\nrouter: {replicas: 2}\nrun: {mode: live}\n"
-                          "chaos: [{at_s: 1, action: drop_kv_events, replica: 1}, {at_s: 2, action: restart_router, "
-                          "replica: 1}]\n")
-    problems = chaos_problems(scen.chaos, ROUTER_CHAOS, "the load generator")
-    assert len(problems) == 1 and "chaos[0]" in problems[0] and "kvemu run" in problems[0]
 
 
 def test_live_replicas_over_zeromq_serve_every_request():
