@@ -28,7 +28,7 @@ from kvemu.replica_front import ReplicaFront
 from kvemu.runtime.transport import message_socket
 from kvemu.wire import security
 
-from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns
+from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns, timeline
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
@@ -370,7 +370,7 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
                    lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas,
-                   truth_source=TRUTH_SOURCE if oracle is not None else None,
+                   chaos=timeline(scenario.chaos), truth_source=TRUTH_SOURCE if oracle is not None else None,
                    truth_feed=oracle.feed() if oracle is not None else None)
     return save_report(data, outdir)
 
