@@ -1,5 +1,7 @@
 # One image for every kvemu role (router, worker, loadgen); compose picks the command.
 FROM python:3.11-slim
+# Marks kvemu's images, so a rebuild's superseded image can be pruned without touching anyone else's.
+LABEL org.kvemu.image=kvemu
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY kvemu kvemu

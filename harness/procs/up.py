@@ -6,8 +6,9 @@ crash and on exit, so ``kvemu up`` never leaves an orphan. It applies the whole 
 (``add_worker``) and stops (``remove_worker``: SIGTERM, or SIGKILL) worker processes itself and sends every
 other action to the router's control channel (``harness.chaos``) with a token only it and the router know.
 With ``router.replicas`` it starts one router process per replica, tells each where its peers publish their
-sync batches, gives every worker and the load generator every replica's address, and sends ``restart_router`` to
-the replica the event names (other actions to the first replica, which forwards them to the workers).
+sync batches, gives every worker and the load generator every replica's address, and sends an action that
+names a replica (``restart_router``, a fault on its KV feed) to that replica's control channel; the others go to
+the first replica, which forwards them to the workers.
 
 Children run ``python -P -m harness.cli``: ``-P`` (Python 3.11) keeps the working directory off their import
 path, so a project with its own ``harness/``, ``workers/`` or ``kvemu/`` folder cannot shadow kvemu's packages
@@ -397,7 +398,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
                         continue
                     live.remove(target)
                     kids.retire(f"worker-{target}", signal.SIGTERM if ev.graceful else signal.SIGKILL)
-                else:  # through the router's control channel (restart_router: that replica's)
+                else:  # through the router's control channel (the named replica's, else the first)
                     target_router = stack.routers[ev.replica] if ev.replica is not None else router
                     reply = send_control(target_router, token, ev)
                     print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,

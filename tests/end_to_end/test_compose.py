@@ -26,6 +26,8 @@ UP = ["up", "--build", "--scale", "worker=3", "--abort-on-container-exit", "--ex
 UP_DISAGG = ["--profile", "disagg", "up", "--build", "--scale", "prefill=1", "--scale", "decode=2",
              "--abort-on-container-exit", "--exit-code-from", "loadgen-disagg", "prefill", "decode", "loadgen-disagg"]
 """The command lines docker-compose.yml's comment gives."""
+IMAGE_LABEL = "org.kvemu.image=kvemu"
+"""The label the Dockerfile puts on kvemu's image."""
 
 
 def compose_up(tmp_path, probe=None, up=UP, **env_extra: str) -> subprocess.CompletedProcess:
@@ -46,8 +48,23 @@ def compose_up(tmp_path, probe=None, up=UP, **env_extra: str) -> subprocess.Comp
     finally:
         subprocess.run(["docker-compose", "-p", "kvemutest", "--profile", "disagg", "down", "--timeout", "5"],
                        cwd=ROOT, env=env, capture_output=True, timeout=120)
+        # Each --build leaves the image it superseded dangling (~0.5 GB, several GB on vfs storage): prune
+        # kvemu's own dangling images only, so repeated runs do not fill the disk.
+        subprocess.run(["docker", "image", "prune", "--force", "--filter", f"label={IMAGE_LABEL}"],
+                       env=env, capture_output=True, timeout=120)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
+
+
+def assert_no_superseded_image() -> None:
+    """Every ``--build`` supersedes the last image; ``compose_up`` prunes it (repeated CI runs once filled the
+    disk with them), and leaves kvemu:latest, which carries the Dockerfile's label."""
+    def images(*filters: str) -> list[str]:
+        args = [a for f in filters for a in ("--filter", f)]
+        return subprocess.run(["docker", "images", "--quiet", *args], capture_output=True, text=True, timeout=60,
+                              check=True).stdout.split()
+    assert images("dangling=true", f"label={IMAGE_LABEL}") == []
+    assert len(images(f"label={IMAGE_LABEL}")) == 1
 
 
 def _free_port() -> int:
@@ -98,6 +115,7 @@ def test_compose_runs_the_chaos_timeline_from_the_load_generator(tmp_path):
     k = summary["kvemu"]
     assert k["hook_counts"]["router_restarts"] == 1 and k["unfinished_requests"] == 0
     assert summary["completed_requests"] + k["failed_requests"] == summary["num_requests"] > 0
+    assert_no_superseded_image()
 
 
 @compose
@@ -107,6 +125,7 @@ def test_compose_disagg_profile_serves_every_request_through_both_pools(tmp_path
     assert summary["num_requests"] > 0 and summary["completed_requests"] == summary["num_requests"]
     dis = summary["kvemu"]["disaggregated"]
     assert len(dis["requests_per_prefill_rank"]) == 2 and len(dis["requests_per_decode_rank"]) == 2
+    assert_no_superseded_image()
 
 
 def test_the_disagg_profile_starts_prefill_and_decode_workers_beside_the_default_stack():

@@ -173,6 +173,7 @@ def _stats_once(router: str, workers: int = 0):  # noqa: ANN202 - a Stats
     return run_live(main)
 
 
+@pytest.mark.process_supervision
 def test_killed_prefill_and_decode_workers_end_in_retries_or_typed_failures_and_nothing_hangs(tmp_path):
     out = tmp_path / "out"
     # A killed worker is found out by its silence, as in a virtual run: dispatches it leaves unacknowledged, or its

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,6 +88,7 @@ def _gone(tag: str, within_s: float = 5.0) -> bool:
     return not tagged(tag)
 
 
+@pytest.mark.process_supervision
 def test_kill_9_of_a_worker_loses_nothing_silently(tmp_path):
     out = tmp_path / "out"
     scenario = small(tmp_path, ["chaos:\n  - {at_s: 1.0, action: remove_worker, worker: 1, graceful: false}\n"])
@@ -103,6 +105,7 @@ def test_kill_9_of_a_worker_loses_nothing_silently(tmp_path):
     assert late and all(r["worker_id"] == 0 for r in late)  # sessions re-bound to the live worker
 
 
+@pytest.mark.process_supervision
 def test_sigterm_drains_a_worker_gracefully(tmp_path):
     scenario = small(tmp_path)
     kids = Children()
@@ -248,6 +251,7 @@ def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
                                                                     ("same", 40, None)]
 
 
+@pytest.mark.process_supervision
 def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp_path):
     scenario = small(tmp_path)
     kids = Children()
@@ -283,6 +287,7 @@ def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp
     assert record.failure == "router_shutdown" and record.completion_ns is None
 
 
+@pytest.mark.process_supervision
 def test_a_killed_router_fails_the_open_requests_with_router_lost_and_the_report_is_written(tmp_path):
     out = tmp_path / "out"
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 20}\n"])
@@ -307,6 +312,7 @@ def test_a_killed_router_fails_the_open_requests_with_router_lost_and_the_report
     assert summary["completed_requests"] + k["failed_requests"] + k["unfinished_requests"] == summary["num_requests"]
 
 
+@pytest.mark.process_supervision
 def test_kvemu_up_counts_a_router_killed_by_a_signal_as_a_crash():
     kids = Children()
     kids.procs["router"] = subprocess.Popen(["sleep", "30"])
@@ -323,6 +329,7 @@ def test_kvemu_up_counts_a_router_killed_by_a_signal_as_a_crash():
         kids.stop_all()
 
 
+@pytest.mark.process_supervision
 def test_a_stopped_load_generator_reports_what_ran_and_what_was_still_open(tmp_path):
     out = tmp_path / "out"
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
@@ -344,6 +351,7 @@ def test_a_stopped_load_generator_reports_what_ran_and_what_was_still_open(tmp_p
     assert len((out / "requests.jsonl").read_text().splitlines()) == summary["num_requests"]
 
 
+@pytest.mark.process_supervision
 def test_ctrl_c_of_kvemu_up_still_leaves_the_load_generators_partial_report(tmp_path):
     out = tmp_path / "out"
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
@@ -467,6 +475,7 @@ def test_the_router_process_keeps_nothing_of_answered_http_requests(tmp_path):
         kids.stop_all()
 
 
+@pytest.mark.process_supervision
 def test_a_router_sigterm_lets_http_requests_finish_within_the_grace_then_ends_the_rest_in_their_streams(tmp_path):
     import httpx
 

@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.process_supervision
 @pytest.mark.parametrize(("sig", "code", "reason"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_ctrl_c_and_sigterm_write_a_partial_report(tmp_path, sig, code, reason):
     out = tmp_path / "out"

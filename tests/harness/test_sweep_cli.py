@@ -66,6 +66,7 @@ def test_another_sweep_into_the_same_outdir_is_refused(tmp_path):
     assert proc.returncode == 0 and [r["cluster.workers"] for r in rows(tmp_path / "out")] == ["3"]
 
 
+@pytest.mark.process_supervision
 @pytest.mark.parametrize(("sig", "code", "reason"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_a_signal_stops_the_sweep_and_the_same_command_resumes(tmp_path, sig, code, reason):
     (tmp_path / "s.yaml").write_text("set: {run.duration_s: 30}\naxes:\n  cluster.workers: [1, 2, 3, 4, 5, 6]\n"
