@@ -44,7 +44,7 @@ from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
 log = logging.getLogger(__name__)
 
 __all__ = ["Cluster", "ALLOW_LOCAL_POLICIES_ENV", "make_policy", "engine_config", "build_router", "pool_router", "replica_seed",
-           "cluster"]
+           "replica_front", "cluster"]
 
 
 def make_policy(name: str) -> CustomPolicy | None:
@@ -101,6 +101,13 @@ def replica_seed(seed: int, replica: int) -> int:
     """The tie-breaking seed of router replica ``replica``: the first keeps ``seed``; the others get their own, as
     separate router processes' generators are (the same seed everywhere would make them all break ties alike)."""
     return seed if replica == 0 else xxhash.xxh3_64_intdigest(f"kvemu-replica:{seed}:{replica}".encode()) >> 1
+
+
+def replica_front(scenario: Scenario) -> ReplicaFront:
+    """The picker before the scenario's router replicas (``router.replica_front``, its prefix length, the run's
+    seed): the same in one process, in the load generator and in ``kvemu front``."""
+    rspec = scenario.router
+    return ReplicaFront(rspec.replicas, rspec.replica_front, scenario.run.seed, rspec.replica_prefix_tokens)
 
 
 def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks: Hooks, replica: int = 0,
@@ -472,9 +479,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
     if not spec.disaggregated:
         c.replicas = [c.router] + [make(AGGREGATED, i) for i in range(1, n)]
         if n > 1:
-            front = ReplicaFront(n, rspec.replica_front, scenario.run.seed,
-                                 rspec.replica_prefix_tokens)
-            c.front = ReplicaFrontDoor(c.replicas, front, keep_history)  # type: ignore[arg-type]
+            c.front = ReplicaFrontDoor(c.replicas, replica_front(scenario), keep_history)  # type: ignore[arg-type]
     c.restarts = [0] * n
     async with anyio.create_task_group() as tg:
         c._tg = tg

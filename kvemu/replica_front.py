@@ -68,6 +68,11 @@ class ReplicaFront:
         return i
 
 
+    def pick_request(self, req: Any) -> int:
+        """The replica for request ``req`` (a ``ClientRequest``: its session id, and its prompt for ``prefix``)."""
+        return self.pick(req.session_id, req.tokens if self.mode == "prefix" else ())
+
+
 class Front(Protocol):
     """What a replica is to the front door: something requests are submitted to and cancelled at."""
 
@@ -94,7 +99,7 @@ class ReplicaFrontDoor:
     def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any:
         """Submit ``req`` to its replica; returns that replica's record."""
         rid = req.request_id
-        i = self.front.pick(req.session_id, req.tokens if self.front.mode == "prefix" else ())
+        i = self.front.pick_request(req)
         if self.replica_of is not None:
             self.replica_of.setdefault(rid, i)  # (a reused id keeps its first, as the run's records do)
         opened = self.open

@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.cluster import ALLOW_LOCAL_POLICIES_ENV
 
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
-    if args.command in ("router", "worker", "loadgen", "up", "serve"):
+    if args.command in ("router", "worker", "front", "loadgen", "up", "serve"):
         return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
     if args.command == "fleet":
         from harness.cli.fleet import fleet_command

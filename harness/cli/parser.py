@@ -149,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--sync-peer", action="append", default=[], metavar="I=ENDPOINT",
                         help="with router.replica_sync: replica I's --sync-listen endpoint, to subscribe to "
                              "(repeat per peer)")
+    front = sub.add_parser("front", help="run an OpenAI front door that spreads requests over router processes "
+                                         "(router.replicas), as kvemu up --http and kvemu serve start it")
+    front.add_argument("--router", action="append", required=True,
+                       help="a router replica's --listen endpoint; repeat it for each replica, in replica order "
+                            "(requests are spread by router.replica_front)")
+    front.add_argument("--config", dest="scenario", help="scenario YAML (its router replicas and engine settings)")
+    _add_set(front)
+    front.add_argument("--grace", type=float, default=10.0, help="seconds open requests get to end on SIGTERM")
+    _add_http(front, "127.0.0.1:8000")
     worker = sub.add_parser("worker", help="run a mock worker process with its DP ranks")
     worker.add_argument("--router", action="append",
                         help="the router's --listen endpoint (none: serve --http clients alone, as a member of "

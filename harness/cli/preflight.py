@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from harness.scenario import Scenario
 
-__all__ = ["autoscaler_problem", "disagg_problem", "http_problem", "loadgen_chaos_problem", "replicas_problem"]
+__all__ = ["autoscaler_problem", "disagg_problem", "http_problem", "loadgen_chaos_problem"]
 
 
 def http_problem(args: argparse.Namespace) -> str | None:
@@ -49,26 +49,10 @@ def disagg_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
     return None
 
 
-def replicas_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
-    """What router replicas as processes cannot do yet (None: nothing): an OpenAI front door spreading over router
-    processes (``kvemu serve``, ``kvemu up --http``: the front door lives in one router process). ``kvemu serve
-    --in-process`` spreads over its replicas in the same process."""
-    if scenario.router.replicas < 2 or args.command not in ("up", "serve"):
-        return None
-    if args.command == "serve" and getattr(args, "in_process", False):
-        return None
-    if args.command == "serve" or getattr(args, "http", None):
-        return (f"router.replicas {scenario.router.replicas}: the OpenAI front door (--http, kvemu serve) serves one "
-                "router process and does not spread requests over router processes yet: run kvemu serve --in-process "
-                "(its front door spreads over the replicas in its process), kvemu up without --http (its load "
-                "generator spreads them by router.replica_front), or kvemu run")
-    return None
-
-
 def autoscaler_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
     """Why processes cannot run this scenario's autoscaler (None: it has none, or this process does not play the
     scenario's timeline)."""
-    if scenario.autoscaler is None or args.command in ("router", "worker"):
+    if scenario.autoscaler is None or args.command in ("router", "worker", "front"):
         return None
     return ("autoscaler: not supported with processes (kvemu up, loadgen, serve, docker-compose): the supervisor "
             "that starts and stops worker processes sees neither the requests' latencies nor the engines' queues "

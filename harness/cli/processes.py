@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.cli.loading import load_scenario_args
-from harness.cli.preflight import (autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem,
-                                   replicas_problem)
+from harness.cli.preflight import autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem
 
 if TYPE_CHECKING:
     from harness.scenario import Scenario
@@ -32,12 +31,11 @@ def process_command(args: argparse.Namespace) -> int:
         print("kvemu loadgen: give --router (a kvemu router process) or --http URL (any OpenAI-compatible server)",
               file=sys.stderr)
         return 2
-    problem = (http_problem(args) or disagg_problem(args, scenario) or autoscaler_problem(args, scenario)
-               or replicas_problem(args, scenario))
+    problem = http_problem(args) or disagg_problem(args, scenario) or autoscaler_problem(args, scenario)
     if problem:
         print(f"kvemu {args.command}: {problem}", file=sys.stderr)
         return 2
-    if args.command in ("router", "worker"):
+    if args.command in ("router", "worker", "front"):
         from kvemu.errors import InvalidArgument
         from kvemu.http.server import ListenError
 
@@ -131,9 +129,18 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
 
 
 def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
-    """``kvemu router`` or ``kvemu worker``: serve until SIGTERM."""
+    """``kvemu router``, ``kvemu front`` or ``kvemu worker``: serve until SIGTERM."""
     from harness.scenario import ScenarioError
 
+    if args.command == "front":
+        from harness.procs.replica_door import front_main
+
+        n = scenario.router.replicas
+        if len(args.router) != n:
+            print(f"kvemu front: {len(args.router)} --router flags for router.replicas {n}: give each router "
+                  "replica's --listen endpoint, in replica order", file=sys.stderr)
+            return 2
+        return front_main(scenario, args.router, _http_options(args), args.grace)
     if args.command == "router":
         from harness.procs.router import router_main
 

@@ -23,12 +23,13 @@ from kvemu.runtime.router import Router
 from workers.config import EngineConfig
 from workers.worker_actor import WorkerActor
 
-from harness.cluster import engine_config
+from harness.cluster import engine_config, replica_front
 from harness.procs.engine_truth import EngineTruth, Unsettled
+from harness.procs.replica_door import ReplicaCollector, RouterLink, RouterProcesses
 from harness.scenario import Scenario
 from harness.workload import output_lengths
 
-__all__ = ["front_door", "worker_door", "worker_listening", "worker_closing"]
+__all__ = ["front_door", "replicas_front_door", "worker_door", "worker_listening", "worker_closing"]
 
 # a server tokenizes the prompts of one loop turn in one call: spreading that call over threads only competes
 # with the engines and the event loop for the same cores
@@ -50,6 +51,19 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
     return OpenAIApp(backend, tok, model=model, clock=clock, metrics=metrics, output_lengths=output_lengths(scenario),
                      info=_server_info(engine, tok if tokenizer else None),
                      extra_routes=truth.routes() if truth is not None else None)
+
+
+def replicas_front_door(scenario: Scenario, links: list[RouterLink], clock: Clock, *, tokenizer: str | None = None,
+                        model: str = DEFAULT_MODEL) -> tuple[OpenAIApp, RouterProcesses]:
+    """The ASGI app of ``kvemu front``, and its backend: OpenAI routes over router processes (``links``, one per
+    replica, spread by ``router.replica_front``), with each replica's requests and state in ``/metrics``."""
+    engine = engine_config(scenario.cluster)
+    backend = RouterProcesses(links, replica_front(scenario), clock, max_model_len=engine.capacity_tokens,
+                              block_size=engine.resolved_block_size)
+    tok = load_tokenizer(tokenizer)
+    app = OpenAIApp(backend, tok, model=model, clock=clock, metrics=FrontMetrics(model, (ReplicaCollector(backend),)),
+                    output_lengths=output_lengths(scenario), info=_server_info(engine, tok if tokenizer else None))
+    return app, backend
 
 
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,

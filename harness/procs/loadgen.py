@@ -24,11 +24,11 @@ from kvemu.clock import NS_PER_S
 from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 from kvemu.messages import ClientRequest, encode
-from kvemu.replica_front import ReplicaFront
 from kvemu.runtime.transport import message_socket
 from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns, timeline
+from harness.cluster import replica_front
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
@@ -221,7 +221,7 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
     clients = [_RouterClient(r) for r in routers]
     spread = None  # several router replicas: requests spread over them as ReplicaFront picks
     if len(clients) > 1:
-        spread = ReplicaClients(clients, ReplicaFront(len(clients), scenario.router.replica_front, scenario.run.seed))
+        spread = ReplicaClients(clients, replica_front(scenario))
     client: Any = spread or clients[0]
     oracle = None  # run.event_truth: the routing truth from the workers' KV events
     if scenario.run.event_truth and not scenario.cluster.disaggregated:

@@ -2,7 +2,8 @@
 
 One ROUTER socket on the router's ``--listen`` address serves both workers (2-frame messages:
 identity, payload) and clients (3 frames: identity, ``b"C"``, payload). Clients send ``ClientRequest``s
-and get back each request's ``kvemu.RequestRecord`` when it ends (``CancelRequest`` ends one early);
+and get back each request's ``kvemu.RequestRecord`` when it ends (``CancelRequest`` ends one early; after
+``StreamTokens``, ``TokensReply``s as its output grows);
 ``StatsQuery`` returns the router's view (ranks, per-rank load and cache, KV-event and affinity counters); a
 ``Control`` message (``send_control``) injects a chaos event. Every process logs one JSON line when it starts
 (``log_start``), with its endpoints.
@@ -20,7 +21,7 @@ import zmq
 
 from kvemu.http import DEFAULT_MODEL
 from kvemu.records import RequestRecord
-from kvemu.messages import ClientRequest, Register, encode
+from kvemu.messages import MAX_OUTPUT_TOKENS, ClientRequest, Register, encode
 from kvemu.wire import security
 
 from harness.chaos import Control, ControlReply, SyncPeers, WorkerExited
@@ -84,8 +85,24 @@ class CancelRequest(msgspec.Struct, tag=True, frozen=True):
     reason: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z_]+$")] = "cancelled"
 
 
-ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited | CancelRequest | SyncPeers
-ReplyMessage = RecordReply | Stats | ControlReply
+class StreamTokens(msgspec.Struct, tag=True, frozen=True):
+    """From now on, tell this client whenever one of its requests has more output tokens (``TokensReply``), as an
+    OpenAI front door in another process needs to stream them (``kvemu front``). Sent once per connection;
+    other clients get records only."""
+
+
+class TokensReply(msgspec.Struct, tag=True, frozen=True):
+    """``n`` more output tokens of one of this client's open requests (only to a client that sent
+    ``StreamTokens``); its ``RecordReply`` follows when it ends."""
+
+    request_id: str
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_OUTPUT_TOKENS)]
+
+
+ClientMessage = ClientRequest | StatsQuery | Control | WorkerExited | CancelRequest | SyncPeers | StreamTokens
+ReplyMessage = RecordReply | Stats | ControlReply | TokensReply
+MAX_STREAMING_CLIENTS = 64
+"""Clients a router process streams tokens to (``StreamTokens``); a new one past that replaces the oldest."""
 client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 

@@ -58,7 +58,7 @@ class ReplicaClients:
 
     async def submit(self, req: ClientRequest) -> RequestRecord | None:
         """Send ``req`` to its replica and await its record."""
-        i = self.front.pick(req.session_id)
+        i = self.front.pick_request(req)
         self.replica_of[req.request_id] = i
         return await self.clients[i].submit(req)
 

@@ -25,7 +25,7 @@ import zmq
 from kvemu.clock import NS_PER_MS, WallClock
 from kvemu.disagg import DECODE
 from kvemu.errors import InvalidArgument
-from kvemu.hooks import Hooks
+from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
 from kvemu.records import RequestRecord
@@ -67,10 +67,13 @@ from harness.procs.protocol import (
     CancelRequest,
     ClientMessage,
     LANE_FRAME_BYTES,
+    MAX_STREAMING_CLIENTS,
     HttpOptions,
     RecordReply,
     Stats,
     StatsQuery,
+    StreamTokens,
+    TokensReply,
     client_decoder,
     client_request_key,
     log_start,
@@ -173,6 +176,21 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
     cancelling: dict[str, str] = {}  # cancelled while still decoding or hashing in the lane: key -> reason
+    streaming: dict[bytes, None] = {}  # clients that asked for their requests' tokens (StreamTokens), oldest first
+    streams: dict[str, tuple[bytes, str]] = {}  # their open requests: key -> (client, its request id)
+
+    def stream_tokens(ev: HookEvent) -> None:
+        to = streams.get(ev.request_id)  # type: ignore[arg-type]
+        if to is not None:
+            end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.data["times_ns"]))))  # type: ignore[index]
+
+    def wants_tokens(peer: bytes) -> None:
+        """``peer`` asked for its requests' tokens (``StreamTokens``)."""
+        if peer not in streaming and len(streaming) >= MAX_STREAMING_CLIENTS:
+            del streaming[next(iter(streaming))]  # the oldest: a front door long replaced, most likely
+        streaming[peer] = None
+
+    hooks.subscribe(stream_tokens, "tokens")  # (the recorder listens to every kind: the events are built anyway)
 
     async def handle(peer: bytes, req: ClientRequest | None, frame: bytes = b"") -> None:
         """Run one client request and reply with its record; a huge one (or a large ``frame`` still to decode)
@@ -190,6 +208,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 end.reply(peer, encode(RecordReply(record=never_ran_record(req, clock.now_ns(), "duplicate_request_id"))))
                 return
             in_flight.add(key)
+            if peer in streaming:
+                streams[key] = (peer, req.request_id)
             ended = anyio.Event()
             record: RequestRecord | None = None
             try:
@@ -200,11 +220,13 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                     front.cancel(key, cancelling.pop(key))
             except BaseException:
                 in_flight.discard(key)
+                streams.pop(key, None)
                 raise
         try:
             await ended.wait()
         finally:
             in_flight.discard(key)
+            streams.pop(key, None)
             cancelling.pop(key, None)
             recorder.records.pop(key, None)  # the client has its answer
             if record is not None and ended.is_set():
@@ -287,6 +309,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 key = client_request_key(peer, msg.request_id)  # type: ignore[union-attr]
                 if key in in_flight and not front.cancel(key, msg.reason):  # type: ignore[union-attr]
                     cancelling[key] = msg.reason  # type: ignore[union-attr]  # (not submitted yet)
+            elif t is StreamTokens:
+                wants_tokens(peer)
             elif t is SyncPeers:
                 end.reply(peer, encode(control.sync_peers(sync, msg)))  # type: ignore[arg-type]
             elif t is WorkerExited:

@@ -5,7 +5,8 @@ Children die with their parent (Linux parent-death signal) and are terminated on
 crash and on exit, so ``kvemu up`` never leaves an orphan. It applies the whole chaos timeline: it starts
 (``add_worker``) and stops (``remove_worker``: SIGTERM, or SIGKILL) worker processes itself and sends every
 other action to the router's control channel (``harness.chaos``) with a token only it and the router know.
-With ``router.replicas`` it starts one router process per replica, tells each where its peers publish their
+With ``router.replicas`` it starts one router process per replica (and, with ``--http``, ``kvemu front``, the
+OpenAI front door spreading over them), tells each where its peers publish their
 sync batches, gives every worker and the load generator every replica's address, and sends an action that
 names a replica (``restart_router``, a fault on its KV feed) to that replica's control channel; the others go to
 the first replica, which forwards them to the workers.
@@ -274,6 +275,9 @@ class _Stack:
         self.router: str = started["listen"]
         if replicas == 1:
             self.routers = [self.router]
+        elif http:  # the OpenAI front door: a process of its own, spreading over the router replicas
+            started = kids.start("front", ["front", *(x for r in self.routers for x in ("--router", r)), *http,
+                                           *config])
         self.http: str | None = started.get("http")
         self.next_id = 0
         self.live: list[int] = []
@@ -330,13 +334,15 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
     """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM."""
     kids = Children()
     try:
-        stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http)
+        stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http,
+                       scenario.router.replicas)
         stack.start_workers(scenario)
-        print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router,
+        print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router, "routers": stack.routers,
                           "workers": scenario.cluster.workers, "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
                           "worker_info": stack.worker_info}), flush=True)
+        behind = f" behind {len(stack.routers)} router replicas" if len(stack.routers) > 1 else ""
         print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({counted(scenario.cluster.workers, 'worker')} x "
-              f"{counted(scenario.cluster.dp_size, 'rank')}); Ctrl-C stops", file=sys.stderr, flush=True)
+              f"{counted(scenario.cluster.dp_size, 'rank')}{behind}); Ctrl-C stops", file=sys.stderr, flush=True)
         with _terminate_as_interrupt():
             while (problem := kids.crashed(workers_too=False)
                    or _worker_exits(kids, scenario, stack.live, "kvemu serve", stack.routers, stack.token)) is None:

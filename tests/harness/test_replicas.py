@@ -243,3 +243,44 @@ def test_a_worker_leaving_leaves_every_replica(graceful):
     fenced = 40e9 + RouterSettings().heartbeat_timeout_s * 1e9 * 1.5  # (abruptly: noticed by its silence)
     assert not [r for r in records if r.worker_id == 2 and r.routed_ns - t0 > fenced], \
         "no replica routes to a worker that left"
+
+
+def test_the_load_generator_and_the_front_door_process_pick_replicas_as_one_process_does():
+    """``replica_front`` is the one picker of a scenario's replicas (its rule, seed and prefix length): the load
+    generator's ``ReplicaClients`` picks by it from the whole request (a prefix front hashes the prompt, not round
+    robin), as ``ReplicaFrontDoor`` does in one process."""
+    import anyio
+
+    from kvemu.messages import ClientRequest
+    from kvemu.replica_front import ReplicaFrontDoor
+
+    from harness.cluster import replica_front
+    from harness.procs.replica_clients import ReplicaClients
+    from harness.scenario import parse_scenario
+
+    scenario = parse_scenario("name: t\nrouter: {replicas: 3, replica_front: prefix, replica_prefix_tokens: 4}\n")
+    front = replica_front(scenario)
+    assert (front.replicas, front.mode, front.prefix_tokens) == (3, "prefix", 4)
+
+    class Client:
+        def __init__(self) -> None:
+            self.got: list[str] = []
+
+        async def submit(self, req: ClientRequest) -> None:
+            self.got.append(req.request_id)
+
+    clients = [Client() for _ in range(3)]
+    spread = ReplicaClients(clients, replica_front(scenario))
+    in_process = ReplicaFrontDoor([object()] * 3, replica_front(scenario))  # type: ignore[list-item]  # (picks only)
+    reqs = [ClientRequest(request_id=f"r{i}", tokens=[i % 5, 7, 7, 7, i], max_tokens=1) for i in range(30)]
+
+    async def send() -> None:
+        for req in reqs:
+            await spread.submit(req)
+
+    anyio.run(send)
+    expect = [in_process.front.pick_request(req) for req in reqs]
+    assert [spread.replica_of[r.request_id] for r in reqs] == expect
+    for head in range(5):  # the same first 4 tokens (the 5th differs): one replica
+        assert len({spread.replica_of[r.request_id] for r in reqs if r.tokens[0] == head}) == 1
+    assert len(set(expect)) > 1

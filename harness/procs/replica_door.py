@@ -1,0 +1,290 @@
+"""``kvemu front``: an OpenAI front door in a process of its own, in front of router processes.
+
+With ``router.replicas``, ``kvemu up --http`` and ``kvemu serve`` run one router process per replica and this
+front door before them, as a load balancer sits before Dynamo's frontends or SGLang's gateway replicas. Each
+request goes to the replica ``router.replica_front`` picks (the same rule and seed as in one process and in the
+load generator), its cancel to the same one, and its tokens stream back from there (``StreamTokens``). A router
+that has not answered for ``lost_after_s`` is lost: its open requests fail with ``router_lost``, requests for it
+fail at once and ``/health`` says so, until it answers again.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+import zmq
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvemu.clock import Clock, WallClock
+from kvemu.http.backend import OnEnd, OnTokens
+from kvemu.messages import ClientRequest, encode
+from kvemu.records import RequestRecord
+from kvemu.replica_front import ReplicaFront
+from kvemu.runtime.loop import run_live
+from kvemu.runtime.transport import message_socket
+from kvemu.wire import security
+
+from harness.procs.protocol import (CLIENT, CancelRequest, HttpOptions, RecordReply, Stats, StatsQuery, StreamTokens,
+                                    TokensReply, log_start, never_ran_record, reply_decoder)
+from harness.scenario import Scenario
+
+__all__ = ["RouterLink", "RouterProcesses", "ReplicaCollector", "front_main", "PING_S", "LOST_AFTER_S"]
+
+PING_S = 1.0
+"""How often the front door asks each router for its view (workers registered; that it still answers)."""
+LOST_AFTER_S = 10.0
+"""A router silent this long is lost (its process may be gone: ``kvemu up`` and ``kvemu serve`` stop then)."""
+MAX_QUEUED = 4096
+"""Messages one router's socket may have waiting to be written; a request past that fails at once."""
+
+
+class RouterLink:
+    """One router process as the front door reaches it: a DEALER of its own, so that only that router's tokens,
+    records and views come back on it (another router cannot end this one's requests)."""
+
+    def __init__(self, replica: int, endpoint: str, clock: Clock, lost_after_s: float = LOST_AFTER_S,
+                 ping_s: float = PING_S) -> None:
+        self.replica = replica
+        self.endpoint = endpoint
+        self._clock = clock
+        self._ping_s = ping_s
+        self._lost_after_ns = int(lost_after_s * 1e9)
+        self.open: dict[str, tuple[ClientRequest, OnTokens, OnEnd]] = {}
+        """Requests sent and not ended: the request and its callbacks."""
+        self._cancelled: set[str] = set()
+        """Request ids cancelled here whose records the router has not sent back yet (the id is still in use there)."""
+        self.heard_ns = clock.now_ns()
+        self.workers = 0
+        """Workers registered with the router, as its last view said."""
+        self.lost: str | None = None
+        """Why the router is considered gone, or None."""
+        self.sent = 0
+        self.unmatched = 0
+        """Replies for no open request of this link (cancelled or failed here before the router answered)."""
+        self.malformed = 0
+        self._tx, self._rx = anyio.create_memory_object_stream[bytes](MAX_QUEUED)
+
+    def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
+        """Send ``req`` to the router; ``on_end`` gets its record (at once if it cannot be sent)."""
+        rid = req.request_id
+        if self.lost is not None:
+            on_end(never_ran_record(req, self._clock.now_ns(), f"router_lost: {self.lost}"))
+            return
+        if rid in self._cancelled:
+            on_end(never_ran_record(req, self._clock.now_ns(), f"duplicate_request_id: {rid!r} was cancelled and "
+                                    f"router replica {self.replica} has not ended it yet"))
+            return
+        try:
+            self._tx.send_nowait(encode(req))
+        except anyio.WouldBlock:
+            on_end(never_ran_record(req, self._clock.now_ns(), f"front_door_overloaded: {MAX_QUEUED} messages wait "
+                                    f"for router replica {self.replica}"))
+            return
+        self.open[rid] = (req, on_tokens, on_end)
+        self.sent += 1
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """End an open request: the router frees it; nothing more is reported for it."""
+        if self.open.pop(request_id, None) is None:
+            return
+        self._cancelled.add(request_id)
+        try:
+            self._tx.send_nowait(encode(CancelRequest(request_id=request_id, reason=reason)))
+        except anyio.WouldBlock:  # the router runs it to its end; its record is then dropped here
+            pass
+
+    async def serve(self, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Connect, ask for tokens, then write, read and ping until cancelled."""
+        sock = message_socket(zmq.DEALER)
+        security.connect_securely(sock)
+        sock.connect(self.endpoint)
+        try:
+            await sock.send_multipart([CLIENT, encode(StreamTokens())])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write, sock)
+                tg.start_soon(self._read, sock)
+                tg.start_soon(self._ping)
+                task_status.started()
+        finally:
+            sock.close(linger=0)
+
+    async def _write(self, sock: Any) -> None:
+        async for data in self._rx:
+            await sock.send_multipart([CLIENT, data])
+
+    async def _read(self, sock: Any) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2 or frames[0] != CLIENT:
+                self.malformed += 1
+                continue
+            try:
+                msg = reply_decoder.decode(frames[1])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.malformed += 1
+                continue
+            self.heard_ns = self._clock.now_ns()
+            if self.lost is not None:
+                print(json.dumps({"event": "router_found", "replica": self.replica, "was": self.lost}), file=sys.stderr)
+                self.lost = None
+            t = type(msg)
+            if t is TokensReply:
+                opened = self.open.get(msg.request_id)  # type: ignore[union-attr]
+                if opened is None:
+                    self.unmatched += 1
+                else:
+                    opened[1](msg.n)  # type: ignore[union-attr]
+            elif t is RecordReply:
+                record: RequestRecord = msg.record  # type: ignore[union-attr]
+                self._cancelled.discard(record.request_id)
+                ended = self.open.pop(record.request_id, None)
+                if ended is None:
+                    self.unmatched += 1
+                else:
+                    ended[2](record)
+            elif t is Stats:
+                self.workers = len(msg.workers)  # type: ignore[union-attr]
+
+    async def _ping(self) -> None:
+        query = encode(StatsQuery())
+        while True:
+            try:
+                self._tx.send_nowait(query)
+            except anyio.WouldBlock:
+                pass
+            await anyio.sleep(self._ping_s)
+            silent_ns = self._clock.now_ns() - self.heard_ns
+            if self.lost is None and silent_ns > self._lost_after_ns:
+                self.lose(f"router replica {self.replica} at {self.endpoint} did not answer for "
+                          f"{silent_ns / 1e9:.1f} s")
+
+    def lose(self, why: str) -> None:
+        """The router is gone: fail its open requests with ``router_lost``."""
+        print(json.dumps({"event": "router_lost", "replica": self.replica, "why": why}), file=sys.stderr)
+        self.lost = why
+        self.workers = 0
+        opened, self.open = self.open, {}
+        self._cancelled.clear()
+        now = self._clock.now_ns()
+        for req, _, on_end in opened.values():
+            on_end(never_ran_record(req, now, f"router_lost: {why}"))
+
+
+class RouterProcesses:
+    """The front door's backend (``kvemu.http.backend.Backend``): each request goes to the router process
+    ``front`` picks; its tokens and record come back from that router alone."""
+
+    def __init__(self, links: list[RouterLink], front: ReplicaFront, clock: Clock, *, max_model_len: int,
+                 block_size: int) -> None:
+        if len(links) != front.replicas:
+            raise ValueError(f"{len(links)} routers for a front of {front.replicas}")
+        self.links = links
+        self.front = front
+        self._clock = clock
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self._where: dict[str, RouterLink] = {}
+        """Open requests: the router each went to."""
+
+    def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
+        rid = req.request_id
+        where = self._where
+        if rid in where:  # the id of an open request: refused here, and nothing of that request is touched
+            on_end(never_ran_record(req, self._clock.now_ns(),
+                                    f"duplicate_request_id: {rid!r} is in use by a request still open"))
+            return
+        link = self.links[self.front.pick_request(req)]
+        where[rid] = link
+
+        def ended(record: RequestRecord) -> None:
+            if where.get(rid) is link:
+                del where[rid]
+            on_end(record)
+
+        link.submit(req, on_tokens, ended)
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        link = self._where.pop(request_id, None)
+        if link is not None:
+            link.cancel(request_id, reason)
+
+    def unavailable(self) -> str | None:
+        for link in self.links:
+            if link.lost is not None:
+                return link.lost
+        for link in self.links:
+            if link.workers == 0:
+                return f"no worker is registered with router replica {link.replica}"
+        return None
+
+    async def serve(self, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            for link in self.links:
+                await tg.start(link.serve)
+            task_status.started()
+
+
+class ReplicaCollector:
+    """The front door's view of each router replica, for ``/metrics``."""
+
+    def __init__(self, backend: RouterProcesses) -> None:
+        self._backend = backend
+
+    def collect(self) -> Any:
+        sent = CounterMetricFamily("kvemu_front_replica_requests", "Requests the front door sent to each router "
+                                   "replica", labels=["replica"])
+        opened = GaugeMetricFamily("kvemu_front_replica_open_requests", "Requests open at each router replica",
+                                   labels=["replica"])
+        up = GaugeMetricFamily("kvemu_front_replica_up", "1 while the router replica answers, 0 once it is lost",
+                               labels=["replica"])
+        workers = GaugeMetricFamily("kvemu_front_replica_workers", "Workers registered with each router replica",
+                                    labels=["replica"])
+        for link in self._backend.links:
+            label = [str(link.replica)]
+            sent.add_metric(label, link.sent)
+            opened.add_metric(label, len(link.open))
+            up.add_metric(label, 0 if link.lost is not None else 1)
+            workers.add_metric(label, link.workers)
+        yield from (sent, opened, up, workers)
+
+
+async def _serve_front(scenario: Scenario, routers: list[str], http: HttpOptions, grace_s: float) -> None:
+    from kvemu.http.server import HttpServer
+
+    from harness.procs.frontdoor import replicas_front_door
+
+    clock = WallClock()
+    links = [RouterLink(i, endpoint, clock) for i, endpoint in enumerate(routers)]
+    app, backend = replicas_front_door(scenario, links, clock, tokenizer=http.tokenizer, model=http.model)
+    server = HttpServer(app, http.listen, http.server)
+    async with anyio.create_task_group() as tg:
+        await tg.start(backend.serve)
+        await tg.start(server.serve)
+        log_start("front", http=server.url, routers=routers, replica_front=scenario.router.replica_front)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                break
+        # drain: open requests get up to grace_s to end (their routers answer them), then the rest fail here
+        with anyio.move_on_after(grace_s):
+            while any(link.open for link in links):
+                await anyio.sleep(0.01)
+        for link in links:
+            opened, link.open = link.open, {}
+            for req, _, on_end in opened.values():
+                on_end(never_ran_record(req, clock.now_ns(), "front_door_shutdown"))
+        await anyio.sleep(0.05)  # let the streams write their ends
+        tg.cancel_scope.cancel()
+
+
+def front_main(scenario: Scenario, routers: list[str], http: HttpOptions, grace_s: float = 10.0) -> int:
+    """``kvemu front``: serve until SIGTERM/SIGINT."""
+    if len(routers) != scenario.router.replicas:
+        raise ValueError(f"{len(routers)} routers for router.replicas {scenario.router.replicas}")
+    run_live(lambda: _serve_front(scenario, routers, http, grace_s))
+    return 0
