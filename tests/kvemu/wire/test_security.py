@@ -67,6 +67,7 @@ def test_kv_events_reach_only_subscribers_with_the_secret(monkeypatch):
         ctx.destroy(linger=0)
 
 
+@pytest.mark.process_supervision
 def test_a_cluster_with_a_secret_runs_and_answers_no_one_without_it(tmp_path, monkeypatch):
     path = tmp_path / "s.yaml"
     path.write_text("""
