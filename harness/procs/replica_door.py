@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.abc
@@ -44,6 +44,14 @@ MAX_QUEUED = 4096
 """Messages one router's socket may have waiting to be written; a request past that fails at once."""
 
 
+class _Open(NamedTuple):
+    """A request sent to a router and not ended yet, with the callbacks its tokens and record go to."""
+
+    req: ClientRequest
+    on_tokens: OnTokens
+    on_end: OnEnd
+
+
 class RouterLink:
     """One router process as the front door reaches it: a DEALER of its own, so that only that router's tokens,
     records and views come back on it (another router cannot end this one's requests)."""
@@ -55,8 +63,8 @@ class RouterLink:
         self._clock = clock
         self._ping_s = ping_s
         self._lost_after_ns = int(lost_after_s * 1e9)
-        self.open: dict[str, tuple[ClientRequest, OnTokens, OnEnd]] = {}
-        """Requests sent and not ended: the request and its callbacks."""
+        self.open: dict[str, _Open] = {}
+        """Requests sent and not ended, by id."""
         self._cancelled: set[str] = set()
         """Request ids cancelled here whose records the router has not sent back yet (the id is still in use there)."""
         self.heard_ns = clock.now_ns()
@@ -86,7 +94,7 @@ class RouterLink:
             on_end(never_ran_record(req, self._clock.now_ns(), f"front_door_overloaded: {MAX_QUEUED} messages wait "
                                     f"for router replica {self.replica}"))
             return
-        self.open[rid] = (req, on_tokens, on_end)
+        self.open[rid] = _Open(req, on_tokens, on_end)
         self.sent += 1
 
     def cancel(self, request_id: str, reason: str) -> None:
@@ -139,7 +147,7 @@ class RouterLink:
                 if opened is None:
                     self.unmatched += 1
                 else:
-                    opened[1](msg.n)  # type: ignore[union-attr]
+                    opened.on_tokens(msg.n)  # type: ignore[union-attr]
             elif t is RecordReply:
                 record: RequestRecord = msg.record  # type: ignore[union-attr]
                 self._cancelled.discard(record.request_id)
@@ -147,7 +155,7 @@ class RouterLink:
                 if ended is None:
                     self.unmatched += 1
                 else:
-                    ended[2](record)
+                    ended.on_end(record)
             elif t is Stats:
                 self.workers = len(msg.workers)  # type: ignore[union-attr]
 
@@ -172,8 +180,8 @@ class RouterLink:
         opened, self.open = self.open, {}
         self._cancelled.clear()
         now = self._clock.now_ns()
-        for req, _, on_end in opened.values():
-            on_end(never_ran_record(req, now, f"router_lost: {why}"))
+        for o in opened.values():
+            o.on_end(never_ran_record(o.req, now, f"router_lost: {why}"))
 
 
 class RouterProcesses:
@@ -276,8 +284,8 @@ async def _serve_front(scenario: Scenario, routers: list[str], http: HttpOptions
                 await anyio.sleep(0.01)
         for link in links:
             opened, link.open = link.open, {}
-            for req, _, on_end in opened.values():
-                on_end(never_ran_record(req, clock.now_ns(), "front_door_shutdown"))
+            for o in opened.values():
+                o.on_end(never_ran_record(o.req, clock.now_ns(), "front_door_shutdown"))
         await anyio.sleep(0.05)  # let the streams write their ends
         tg.cancel_scope.cancel()
 
