@@ -163,6 +163,7 @@ def test_a_kv_replay_that_never_ends_does_not_stop_the_router_serving(tmp_path, 
     assert sum(took) < 10.0 and max(took) < 5.0, took  # not one 20 s freeze; typically tens of ms each
 
 
+@pytest.mark.process_supervision
 def test_a_registration_flood_does_not_delay_real_requests(tmp_path):
     """2,000 fake registrations of 4 ranks each, every rank announcing a KV endpoint, used to hold real requests
     back for seconds and then crash the router (out of open files). The requests are pinned to the real worker:

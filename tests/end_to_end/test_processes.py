@@ -380,6 +380,7 @@ def _one_worker_stack(kids: Children, scenario: Path, out: Path, *worker_args: s
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.process_supervision
 def test_up_applies_every_chaos_action_to_the_processes(tmp_path):
     """One run of kvemu up with each chaos action once: each is applied (the router's control channel, or the
     supervisor), every request ends completed or failed with a reason, the report shows the faults, no
@@ -416,6 +417,7 @@ def test_up_applies_every_chaos_action_to_the_processes(tmp_path):
     assert _gone(tag)
 
 
+@pytest.mark.process_supervision
 def test_the_front_door_metrics_of_a_run_agree_with_its_report(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 

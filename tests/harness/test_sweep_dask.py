@@ -22,6 +22,7 @@ def dask_cluster(tmp_path):
         yield address
 
 
+@pytest.mark.sweep_executors
 def test_a_sweep_on_dask_equals_the_local_pool_byte_for_byte(tmp_path, dask_cluster):
     (tmp_path / "s.yaml").write_text(SWEEP)
     local = kvemu("sweep", "s.yaml", "--jobs", "2", "-o", "local", "--quiet", cwd=tmp_path)

@@ -50,6 +50,7 @@ def namespace_problem() -> str | None:
     return None
 
 
+@pytest.mark.sweep_executors
 def test_a_sweep_on_ray_equals_the_local_pool_byte_for_byte(tmp_path):
     problem = namespace_problem()
     ray_cli = Path(sys.executable).with_name("ray")
