@@ -2,7 +2,8 @@
 
 It tracks the sequence number it expects next. A gap asks ``replay(start)`` for the missing batches and
 applies them in order before the live one; a sequence going backwards means the engine restarted, so
-that rank is cleared and rebuilt from a replay from 0. What cannot be recovered is counted as lost.
+that rank is cleared and rebuilt from a replay from 0, unless the batch is one a rebuilding replay
+already brought (the live socket delivers it too). What cannot be recovered is counted as lost.
 Undecodable payloads, block-size mismatches and unappliable events are counted; none stops the stream.
 The transport (ZeroMQ sockets, or in-memory links in virtual time) supplies frames and replays.
 """
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import xxhash
 from mypy_extensions import mypyc_attr
 
 from kvemu.errors import KvemuError
@@ -46,6 +48,13 @@ Replay = Callable[[int], Iterable[tuple[int, Payload]] | None]
 
 MAX_HELD_BATCHES = 20_000
 """Most live batches one stream holds while a replay is under way."""
+
+
+def _payload_key(payload: Payload) -> object:
+    """What tells two deliveries of one batch apart from a restarted engine's batch of the same number."""
+    if type(payload) is bytes:
+        return xxhash.xxh3_64_intdigest(payload)
+    return payload  # decoded structs and model batches compare by value
 
 
 _STAT_NAMES = ("batches", "events", "blocks_stored", "blocks_removed", "clears", "gaps", "replays",
@@ -89,7 +98,8 @@ class EventStream:
     """Consumes one rank's batches: ordering, recovery, decoding, conversion, and the sink."""
 
     __slots__ = ("worker_id", "dp_rank", "sink", "block_size", "stats", "replay", "replay_on_connect", "eagle",
-                 "observer", "endpoint", "groups", "expected", "event_id", "_want", "_got", "_replayed", "_held")
+                 "observer", "endpoint", "groups", "expected", "event_id", "_want", "_got", "_replayed", "_held",
+                 "_rebuilt")
 
     def __init__(
         self,
@@ -126,6 +136,9 @@ class EventStream:
         self._got = 0
         self._replayed = 0
         self._held: list[tuple[int, Payload]] = []
+        self._rebuilt: dict[int, object] | None = None
+        """The batches the last rebuilding replay brought (``sync``), by sequence number, until a live batch
+        past them arrives: the live socket may deliver them again, and that is no restart."""
 
     def receive(self, seq: int, payload: Payload) -> None:
         """Handle the live batch ``seq``, recovering whatever came before it that was missed."""
@@ -141,6 +154,10 @@ class EventStream:
                     return
                 self._lost(0, seq)
         elif seq < expected:
+            rebuilt = self._rebuilt
+            if rebuilt is not None and seq in rebuilt and rebuilt[seq] == _payload_key(payload):
+                return  # brought by the rebuilding replay, and now live too
+            self._rebuilt = None
             self.stats.restarts += 1
             self._notify("restart", {"seq": seq, "expected": expected})
             self.sink(RouterEvent(worker_id=self.worker_id, dp_rank=self.dp_rank, data=AllCleared()))
@@ -153,6 +170,7 @@ class EventStream:
             self._notify("gap", {"from": expected, "to": seq})
             self._recover(expected, seq, seq, payload)
             return
+        self._rebuilt = None
         self.apply(seq, payload)
         self.expected = seq + 1
 
@@ -181,6 +199,7 @@ class EventStream:
 
     def _ask(self, start: int, until: int | None) -> None:
         self._want = (start, until)
+        self._rebuilt = {} if until is None else None
         self._got = start
         self._replayed = 0
         supplied = self.replay(start)  # type: ignore[misc]
@@ -210,6 +229,9 @@ class EventStream:
         self._got = seq + 1
         if until is None:
             self.expected = seq + 1
+            rebuilt = self._rebuilt
+            if rebuilt is not None:
+                rebuilt[seq] = _payload_key(payload)
         return until is None or seq + 1 < until
 
     def replay_end(self) -> None:

@@ -126,3 +126,73 @@ def test_a_restart_during_a_replay_is_handled_after_it():
     s.replay_batch(0, None)
     s.replay_end()
     assert s.applied == [0, 1, 2, 0, 1] and s.expected == 2
+
+
+def _payload(seq: int, epoch: int = 0) -> bytes:
+    return f"epoch {epoch} batch {seq}".encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    joined=st.integers(0, 10),
+    answered_after=st.integers(0, 10),
+    read_during=st.integers(0, 10),
+    later=st.integers(0, 10),
+)
+def test_batches_a_rebuild_brings_and_the_live_socket_delivers_too_are_applied_once(
+        joined, answered_after, read_during, later):
+    """A router connects: batches before ``joined`` reach it only by the rebuilding replay; those published
+    after the subscription took effect but before the replay was answered come both ways. None is applied
+    twice, none is mistaken for a restart, none is lost."""
+    published: list[int] = []
+    live: list[int] = []  # delivered by the live socket, not yet read
+    s = stream(lambda start: None)
+
+    def publish(k: int) -> None:
+        for _ in range(k):
+            seq = len(published)
+            published.append(seq)
+            if seq >= joined:
+                live.append(seq)
+
+    def read(k: int) -> None:
+        for _ in range(min(k, len(live))):
+            seq = live.pop(0)
+            s.receive(seq, _payload(seq))
+
+    publish(joined)
+    s.sync()  # the connection's handshake
+    publish(answered_after)
+    read(read_during)  # held behind the replay
+    for seq in published:
+        assert s.replay_batch(seq, _payload(seq))
+    s.replay_end()
+    publish(later)
+    read(len(live))
+    assert s.applied == list(range(len(published)))
+    assert (s.stats.restarts, s.stats.lost_batches, s.stats.gaps) == (0, 0, 0)
+
+
+def test_a_restart_just_after_a_rebuild_is_still_a_restart():
+    cleared = []
+    s = Recording(1, 0, sink=cleared.append, block_size=4, stats=WorkerEventStats(), replay=lambda start: None)
+    s.applied = []
+    s.sync()
+    for seq in range(3):
+        s.replay_batch(seq, _payload(seq))
+    s.replay_end()
+    s.receive(2, _payload(2))  # the live copy of a replayed batch: skipped
+    assert s.applied == [0, 1, 2] and s.stats.restarts == 0 and not cleared
+    s.receive(0, _payload(0, epoch=1))  # a restarted engine's first batch: same number, other content
+    assert s.stats.restarts == 1 and len(cleared) == 1 and s.applied == [0, 1, 2, 0] and s.expected == 1
+
+
+def test_once_a_newer_live_batch_arrived_an_older_one_is_a_restart_even_if_replayed():
+    s = stream(lambda start: None)
+    s.sync()
+    for seq in range(3):
+        s.replay_batch(seq, _payload(seq))
+    s.replay_end()
+    s.receive(3, _payload(3))
+    s.receive(1, _payload(1))  # the overlap is over: going backwards now means the engine restarted
+    assert s.stats.restarts == 1 and s.replaying
