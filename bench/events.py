@@ -6,14 +6,14 @@ Prints, one per line:
   publish live drops: N batches / publish received: N batches   (by that SUB)
   receive+decode+apply: N batches per s       (publisher in another process, SUB + decode + index here)
   receive applied: N batches / receive lost batches: N   (after gap recovery by replay; must be 0)
-  receive gaps: N / receive replays: N
+  receive gaps: N / receive replays: N / receive restarts: N   (the publisher never restarts: must be 0)
 Batches hold one BlockStored of 8 blocks × 16 tokens, as in the issue. Counts and times are bounded.
 
 ZeroMQ's slow joiner: a SUB gets only what is published after its subscription reached the publisher,
 so before any timed batch the publishing side sends probe batches (no events) every 10 ms until the
 consuming side acknowledges one; no acknowledgement within 10 s is an error. Consumers skip the probes.
 The exit status is 1 when a batch went missing (lost after recovery, or fewer received or applied than
-sent and not counted as a live drop), and an exception (no subscriber, a child process gone, a bound
+sent and not counted as a live drop), when one was applied twice or taken for a restart, and an exception (no subscriber, a child process gone, a bound
 exceeded) also ends the run with a non-zero status. ``--quick`` sends 5,000 batches instead of 100,000.
 Run: python -m bench.events [--quick]
 """
@@ -180,11 +180,11 @@ def _publish(endpoint_q: Any, count: int, acked: Any, probes_q: Any, start: Any,
         ctx.term()
 
 
-def bench_receive(count: int) -> tuple[float, int, int, int, int]:
-    """(rate, data batches applied, lost, gaps, replays) for receive+decode+apply into a RoutingCore.
+def bench_receive(count: int) -> tuple[float, int, int, int, int, int]:
+    """(rate, data batches applied, lost, gaps, replays, restarts) for receive+decode+apply into a RoutingCore.
 
     Gaps and replays count the data phase only: the probes sent before the SUB connected always come
-    back by one replay. Lost counts the whole run.
+    back by one replay. Lost and restarts count the whole run.
     """
     endpoint_q: mp.Queue = mp.Queue()
     probes_q: mp.Queue = mp.Queue()
@@ -229,7 +229,7 @@ def bench_receive(count: int) -> tuple[float, int, int, int, int]:
             proc.terminate()
     applied = stats.batches - base
     gaps, replays = stats.gaps - base_gaps, stats.replays - base_replays
-    return (applied - first) / elapsed, applied, stats.lost_batches, gaps, replays
+    return (applied - first) / elapsed, applied, stats.lost_batches, gaps, replays, stats.restarts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,14 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"publish received: {received} batches", flush=True)
     if received != n - dropped:
         problems.append(f"the subscriber received {received} of {n - dropped} batches sent live")
-    rate, applied, lost, gaps, replays = bench_receive(n)
+    rate, applied, lost, gaps, replays, restarts = bench_receive(n)
     print(f"receive+decode+apply: {rate:.0f} batches per s", flush=True)
     print(f"receive applied: {applied} batches", flush=True)
     print(f"receive lost batches: {lost}", flush=True)
     print(f"receive gaps: {gaps}", flush=True)
     print(f"receive replays: {replays}", flush=True)
+    print(f"receive restarts: {restarts}", flush=True)
     if lost or applied != n:
         problems.append(f"receive: {applied} of {n} batches applied, {lost} lost")
+    if restarts:
+        problems.append(f"receive: {restarts} restarts of a publisher that never restarted")
     return verdict("events", problems)
 
 
