@@ -70,6 +70,7 @@ def _metric_total(url: str, name: str) -> float:
     return total
 
 
+@pytest.mark.process_supervision
 def test_the_engine_truth_of_a_fleet_is_every_request_and_agrees_with_the_workers_metrics(tmp_path):
     """No router: the workload straight to one worker of a 2-worker fleet. Every request ends, each is matched
     to its engine record by id, and the engines' totals are what that worker's /metrics count."""
@@ -182,6 +183,7 @@ def test_a_disaggregated_fleet_serves_both_routers_pd_modes_with_the_kv_handed_o
         assert sum(r["engine_cached_tokens"] for r in recs) > 0, name
 
 
+@pytest.mark.process_supervision
 def test_bench_router_runs_kvemus_own_router_and_any_router_given_as_a_command(tmp_path):
     """``kvemu`` (kvemu serve --in-process, whose front door serves its engines' truth) and ``cmd:`` with a
     trivial round-robin proxy, for which bench-router fills in its port and the fleet's workers; kvemu's
@@ -198,6 +200,7 @@ def test_bench_router_runs_kvemus_own_router_and_any_router_given_as_a_command(t
     assert sum(r["engine_cached_tokens"] for r in kvemu) > 0 and {r["dp_rank"] for r in kvemu} == {0, 1}
 
 
+@pytest.mark.process_supervision
 def test_a_fleet_of_processes_says_where_each_worker_is_and_serves_its_truth(tmp_path):
     """``kvemu fleet --processes``: one ``kvemu worker`` process per worker, no router; the start line names
     them, and a request sent to one is in that worker's /kvemu/requests, served by the rank it was pinned to."""

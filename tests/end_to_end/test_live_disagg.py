@@ -91,6 +91,7 @@ def assert_both_pools_served(summary: dict, records: list[dict]) -> None:
         == summary["num_requests"]
 
 
+@pytest.mark.process_supervision
 def test_kvemu_up_runs_a_disaggregated_cluster_as_processes(tmp_path):
     out = tmp_path / "out"
     tag, env = tagged_env()

@@ -19,6 +19,7 @@ raise ImportError("decoy {name} imported instead of kvemu's")
 """
 
 
+@pytest.mark.process_supervision
 @pytest.mark.parametrize("decoys", [("harness", "workers", "kvemu"), ("workers",)], ids=["all", "workers"])
 def test_up_children_do_not_import_the_working_directorys_packages(tmp_path, decoys):
     project = tmp_path / "project"

@@ -179,6 +179,7 @@ def test_a_huge_width_is_clamped_to_the_sizes_there_are():
     assert plan["answer"]["workers"] == 1
 
 
+@pytest.mark.process_supervision
 def test_the_first_sigterm_stops_kvemu_plan_with_143(tmp_path):
     import os
     import signal
@@ -204,6 +205,7 @@ def test_the_first_sigterm_stops_kvemu_plan_with_143(tmp_path):
         proc.wait()
 
 
+@pytest.mark.process_supervision
 def test_the_first_sigterm_stops_a_command_without_a_handler_of_its_own_with_143():
     """kvemu validate building a large workload: the default SIGTERM killed it (-15, no word); now it says so."""
     import signal
