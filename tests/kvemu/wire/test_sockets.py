@@ -351,6 +351,50 @@ def test_batches_published_before_the_subscription_took_hold_arrive_with_nothing
     assert sub.stats[2].lost_batches == 0
 
 
+def test_a_batch_the_connect_replay_brings_and_the_live_socket_delivers_too_is_no_restart(net):
+    """Batches published after the subscription took hold but before the connect-time replay was answered come
+    both ways. Each is applied once, and the rank is not cleared as if its engine had restarted (it was: a CI
+    run of bench.events applied 5,001 of 5,000 batches)."""
+    core = new_core((2, 1))
+    pub = net.publisher(replay=False)
+    late = net.socket(zmq.ROUTER)  # a replay endpoint that answers when this test says
+    late.bind(HOST)
+    early, after = prompt(31, 2), prompt(33, 1)
+    payloads = [encode_batch(batch(*chain_events(early)), pub.profile)]
+    pub.publish_payload(payloads[0])  # before the subscriber: only the replay brings it
+    sub = net.subscriber(core.apply_event)
+    live: list[int] = []
+
+    def feed(stream, seq, payload):
+        live.append(seq)
+        stream.receive(seq, payload)
+
+    sub.feed = feed
+    sub.add(StreamSpec(2, 0, pub.endpoint, late.getsockopt_string(zmq.LAST_ENDPOINT)))
+    wait_until(lambda: late.poll(0), [sub], what="the connect-time replay request")
+    ident, _, start = late.recv_multipart()
+    assert int.from_bytes(start, "big") == 0
+    live_socket = sub._by_key[(2, 0)].sub  # not read while the replay is under way: peek at it
+
+    def published_one_that_arrives():
+        payloads.append(encode_batch(batch(), pub.profile))
+        pub.publish_payload(payloads[-1])
+        return live_socket.poll(50) != 0
+
+    wait_until(published_one_that_arrives, what="a batch on the live socket")  # the subscription took hold
+    for seq, payload in enumerate(payloads):
+        late.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+    late.send_multipart([ident, b"", SEQ_END, b""])
+    pub.publish(batch(*chain_events(after)))
+    wait_until(lambda: depth(core, after) == {(2, 0): 1}, [sub], what="the batch after the overlap")
+    overlap = len(payloads) - 1
+    assert overlap in live and live[-1] == overlap + 1  # the last replayed batch came live too
+    stats = counters(sub, 2)
+    assert (stats["restarts"], stats["clears"], stats["lost_batches"]) == (0, 0, 0), stats
+    assert stats["batches"] == len(payloads) + 1
+    assert depth(core, early) == {(2, 0): 2}
+
+
 def test_without_replay_endpoint_lost_batches_are_counted_and_the_stream_continues(net):
     core = new_core((3, 1))
     sub = net.subscriber(core.apply_event)
