@@ -13,8 +13,9 @@ ZeroMQ's slow joiner: a SUB gets only what is published after its subscription r
 so before any timed batch the publishing side sends probe batches (no events) every 10 ms until the
 consuming side acknowledges one; no acknowledgement within 10 s is an error. Consumers skip the probes.
 The exit status is 1 when a batch went missing (lost after recovery, or fewer received or applied than
-sent and not counted as a live drop), when one was applied twice or taken for a restart, and an exception (no subscriber, a child process gone, a bound
-exceeded) also ends the run with a non-zero status. ``--quick`` sends 5,000 batches instead of 100,000.
+sent and not counted as a live drop) or was applied twice or taken for a restart, and an exception (no
+subscriber, a child process gone, a bound exceeded) also ends the run with a non-zero status.
+``--quick`` sends 5,000 batches instead of 100,000.
 Run: python -m bench.events [--quick]
 """
 
