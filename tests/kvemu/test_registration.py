@@ -17,6 +17,7 @@ from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork
 from kvemu.wire.codec import encode_batch
 from kvemu.kv_events import KVEventBatch
+import kvemu.wire.subscriber as subscriber_module
 from kvemu.wire.subscriber import (FDS_PER_STREAM, FDS_RESERVED, FILES_RECOUNT_NS, KvEventSubscriber, StreamSpec,
                                    open_files)
 
@@ -95,29 +96,42 @@ def test_two_thousand_ranks_stream_into_one_subscriber():
         ctx.term()
 
 
-@pytest.mark.skipif(open_files() is None, reason="open files are counted through /proc/self/fd (Linux)")
-def test_open_files_held_by_other_connections_lower_the_streams_left():
+def test_open_files_held_by_other_connections_lower_the_streams_left(monkeypatch):
     """A flood of peers holds one open file each on the router: the streams budget counts them, so the router
-    refuses registrations before it runs out of files for its own sockets (it stopped answering at 4,096)."""
+    refuses registrations before it runs out of files for its own sockets (it stopped answering at 4,096).
+    The process's open files are the test's own count here: other threads (earlier tests' ZeroMQ contexts)
+    open and close files whenever they like."""
+    limit, used = 10_000, [200]
+    monkeypatch.setattr(subscriber_module, "open_files", lambda: (used[0], limit))
     clock = ManualClock()
     sub = KvEventSubscriber(lambda e: None, block_size=4, max_streams=100, replay_on_connect=False, clock=clock)
-    held = []
     try:
-        used, limit = open_files()
         before = sub.streams_left()
-        assert before == min(100, (limit - FDS_RESERVED - used) // FDS_PER_STREAM)
-        free = limit - FDS_RESERVED - used
-        assert free >= 60 * FDS_PER_STREAM  # the subscriber raised the limit for its 100 streams
-        held = [open(os.devnull) for _ in range(free - 60 * FDS_PER_STREAM)]  # what peers' connections would hold
+        assert before == min(100, (limit - FDS_RESERVED - used[0]) // FDS_PER_STREAM) == 100
+        used[0] = limit - FDS_RESERVED - 60 * FDS_PER_STREAM  # what peers' connections now hold
         assert sub.streams_left() == before  # the last count stands for FILES_RECOUNT_NS
         clock.advance(FILES_RECOUNT_NS)
         assert sub.streams_left() == 60
         sub.add(StreamSpec(1, 0, "tcp://127.0.0.1:1", None))  # added, not yet connected: counted all the same
         assert sub.streams_left() == 59
+        used[0] = limit  # no file left beyond the reserve
+        clock.advance(FILES_RECOUNT_NS)
+        assert sub.streams_left() == 0
+    finally:
+        sub.close()
+
+
+@pytest.mark.skipif(open_files() is None, reason="open files are counted through /proc/self/fd (Linux)")
+def test_open_files_counts_this_processs_open_files():
+    used, limit = open_files()
+    held = [open(os.devnull) for _ in range(50)]
+    try:
+        now, same_limit = open_files()
     finally:
         for f in held:
             f.close()
-        sub.close()
+    assert same_limit == limit
+    assert abs(now - used - 50) <= 4  # other threads may open or close a few meanwhile
 
 
 def test_a_token_bucket_spends_its_burst_then_refills_at_its_rate():
