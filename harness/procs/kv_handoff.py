@@ -488,6 +488,7 @@ def peer_url(host: str, port: int, path: str, *, host_field: str, port_field: st
         ip = ipaddress.ip_address(host)
     except ValueError:
         ip = None
+    if ip is None or getattr(ip, "scope_id", None):  # (a scoped IPv6 address: not a peer a leg can name)
         if len(host) > MAX_HOST_CHARS or not _HOSTNAME.match(host):
             raise ApiError(400, f"{host_field}: an IP address or a host name (letters, digits, '-' and '.', at most "
                                 f"{MAX_HOST_CHARS} characters), not {host[:64]!r}", host_field) from None
@@ -514,7 +515,7 @@ def _room_query(scope: dict) -> tuple[int, float, str]:
         raise ApiError(400, f"wait_s: 0..{ROOM_POLL_S:g} seconds, not {wait_s:g}", "wait_s")
     digest = query.get("digest", [""])[-1]
     if len(digest) != DIGEST_CHARS:
-        raise ApiError(403, f"digest: a room is handed only to its decode leg, which shows the {DIGEST_CHARS}-character "
-                            f"digest of the room's prompt (harness.procs.kv_handoff.prompt_digest)", "digest")
+        raise ApiError(403, f"digest: a room is handed only to its decode leg, which shows the {DIGEST_CHARS}-character"
+                            f" digest of the room's prompt (harness.procs.kv_handoff.prompt_digest)", "digest")
     return int(raw), wait_s, digest
 

@@ -20,7 +20,8 @@ import pytest
 
 from harness.procs import kv_handoff
 from harness.procs.fleet import Fleet, FleetInfo
-from harness.procs.kv_handoff import prompt_digest
+from harness.procs.kv_handoff import peer_url, prompt_digest
+from kvemu.http.errors import ApiError
 from harness.scenario import load_scenario
 from kvemu.messages import Finished, decode_worker_message, encode
 from kvemu.transfer import MAX_TRANSFER_S, KvTransfer
@@ -45,7 +46,8 @@ async def _prefill(client: httpx.AsyncClient, url: str, rid: str, prompt: list[i
 async def _handoff_works(client: httpx.AsyncClient, pre: str, dec: str, rid: str) -> None:
     """A whole vLLM-style handoff, prefill then decode, answers 200 with its 4 tokens and frees the KV."""
     params = await _prefill(client, pre, rid)
-    r = await client.post(f"{dec}/v1/completions", headers={"X-Request-Id": rid}, json=_leg({"kv_transfer_params": params}))
+    r = await client.post(f"{dec}/v1/completions", headers={"X-Request-Id": rid},
+                          json=_leg({"kv_transfer_params": params}))
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
 
@@ -197,6 +199,24 @@ def test_a_source_whose_address_is_not_a_host_and_port_is_refused_and_nothing_is
         sock.close()
 
 
+@pytest.mark.parametrize("host, url", [
+    ("127.0.0.1", "http://127.0.0.1:8000/p"), ("::1", "http://[::1]:8000/p"),
+    ("prefill-0.local", "http://prefill-0.local:8000/p"),
+    ("127.0.0.1:1/x?q=", None), ("[::1]", None), ("fe80::1%eth0", None), ("a_b", None), (" 1.2.3.4", None),
+    ("1.2.3.4\n", None), ("a" * 64, None), ("a." * 127, None), ("", None),
+])
+def test_a_peer_url_is_built_only_from_a_host_and_a_port(host, url):
+    if url is not None:
+        assert peer_url(host, 8000, "/p", host_field="h", port_field="p") == url
+    else:
+        with pytest.raises(ApiError) as caught:
+            peer_url(host, 8000, "/p", host_field="h", port_field="p")
+        assert caught.value.status == 400 and caught.value.param == "h"
+    for port in (0, 65536):
+        with pytest.raises(ApiError, match="p: a port in 1..65535"):
+            peer_url("127.0.0.1", port, "/p", host_field="h", port_field="p")
+
+
 def test_a_forged_source_is_a_400_with_its_reason_never_a_200_without_a_prefill(tmp_path):
     async def body(info: FleetInfo, client: httpx.AsyncClient) -> None:
         (pre,), (dec, _) = info.pool("prefill"), info.pool("decode")
@@ -316,5 +336,6 @@ def test_in_virtual_time_a_request_whose_pass_fails_ends_with_engine_error_and_t
     out = run_requests(requests)
     records = out["records"]
     assert records["poison"].failure.startswith("engine_error: OverflowError")
-    assert all(r.failure is None and r.output_tokens == r.max_tokens for rid, r in records.items() if rid.startswith("late"))
+    late = [r for rid, r in records.items() if rid.startswith("late")]
+    assert len(late) == 6 and all(r.failure is None and r.output_tokens == r.max_tokens for r in late)
     no_leaks(out)
