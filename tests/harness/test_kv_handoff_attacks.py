@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -23,10 +24,10 @@ from harness.procs.fleet import Fleet, FleetInfo
 from harness.procs.kv_handoff import peer_url, prompt_digest
 from kvemu.http.errors import ApiError
 from harness.scenario import load_scenario
+from kvemu import transfer
 from kvemu.messages import Finished, decode_worker_message, encode
 from kvemu.transfer import MAX_TRANSFER_S, KvTransfer
 from tests.harness.test_kv_handoff import PROMPT, SCENARIO, _eventually, _held_tokens, _leg, _run
-from workers import scheduler
 from workers.config import EngineConfig
 from workers.mock_worker import MockWorker
 from workers.request import Request
@@ -293,13 +294,16 @@ POISON_TOKENS = 48
 
 
 def _poison(monkeypatch) -> None:
-    real = scheduler.transfer_delay_ns
+    """Make the engine's pass (``transfer_delay_ns``, called by the scheduler) raise for that prompt length; the
+    admission check (``transfer_refusal``) still passes it. Patched in ``kvemu.transfer``, which is never compiled,
+    so it takes in the mypyc build too."""
+    real = transfer._delay
 
-    def delay(transfer: KvTransfer, tokens: int) -> int:
-        if tokens == POISON_TOKENS:
+    def delay(link: KvTransfer, tokens: int) -> float:
+        if tokens == POISON_TOKENS and sys._getframe(1).f_code.co_name == "transfer_delay_ns":
             raise OverflowError("cannot convert float infinity to integer")
-        return real(transfer, tokens)
-    monkeypatch.setattr(scheduler, "transfer_delay_ns", delay)
+        return real(link, tokens)
+    monkeypatch.setattr(transfer, "_delay", delay)
 
 
 def test_a_live_decode_worker_ends_a_request_whose_pass_fails_with_engine_error_and_serves_on(tmp_path, monkeypatch):
