@@ -34,7 +34,7 @@ from kvemu.clock import Clock
 from kvemu.records import RequestRecord, router_record
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.messages import Abort, ClientRequest, KvPulled, ReleaseKv
-from kvemu.transfer import KvTransfer
+from kvemu.transfer import KvTransfer, transfer_refusal
 
 __all__ = ["DisaggRouter", "PREFILL", "DECODE"]
 
@@ -160,8 +160,16 @@ class DisaggRouter:
         record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
         record.engine_reused_tokens = leg.engine_reused_tokens
         record.preemptions = leg.preemptions
-        if r.source is None:  # a worker that did not say where the KV is: on the rank that computed it
-            r.source = KvTransfer(source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
+        src = r.source
+        if src is None:  # a worker that did not say where the KV is: on the rank that computed it
+            src = KvTransfer(source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
+        elif (src.source_worker_id, src.source_dp_rank) != (leg.worker_id or 0, leg.dp_rank or 0):
+            # the KV is where the leg ran, whatever its worker says (no worker names another's KV to free)
+            src = msgspec.structs.replace(src, source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
+        r.source = src
+        if (why := transfer_refusal(src, len(r.req.tokens))) is not None:  # never forwarded to a decode rank
+            self._end(r, f"kv_transfer_failed: the prefill worker's link model: {why}")
+            return
         r.leg = DECODE
         req = r.req
         pin = req.decode_worker_id if req.decode_worker_id is not None else req.worker_id

@@ -6,6 +6,7 @@ import enum
 from collections.abc import Sequence
 
 from kvemu.errors import KvemuError
+from kvemu.transfer import transfer_refusal
 from workers.config import EngineConfig
 from workers.request import Request
 
@@ -57,7 +58,8 @@ def sglang_max_len(config: EngineConfig) -> int:
 
 
 def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_tokens: bool) -> None:
-    """Reject a malformed request (empty prompt, ``max_tokens < 1``, arrival in the past, too long to ever fit).
+    """Reject a malformed request (empty prompt, ``max_tokens < 1``, arrival in the past, too long to ever fit, a KV
+    transfer slower than ``MAX_TRANSFER_S``).
 
     Token ids are range-checked here only when ``check_tokens`` (otherwise hashing them checks them).
     """
@@ -126,3 +128,5 @@ def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_toke
         check_tokens_u32(req.output_token_ids, "output_token_ids")
     if check_tokens:
         check_tokens_u32(req.token_ids, "token_ids")
+    if req.kv_transfer is not None and (why := transfer_refusal(req.kv_transfer, n)) is not None:
+        raise _malformed("kv_transfer", why)

@@ -15,6 +15,7 @@ from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
 from kvemu.validation import check_struct
+from kvemu.transfer import Bandwidth, BytesPerToken
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
            "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
@@ -235,9 +236,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dp_size: Count = 1
     record_token_times: bool = True
     """Keep every token's timestamp per request (off: only first token and completion are kept)."""
-    kv_transfer_bandwidth: Annotated[float, Meta(gt=0, le=1e6)] | None = None
+    kv_transfer_bandwidth: Bandwidth | None = None
     """Disaggregated prefill ranks: the KV link to decode ranks in decimal GB/s (None: transfers are instant)."""
-    kv_transfer_bytes_per_token: Annotated[int, Meta(ge=1, le=1 << 40)] | None = None
+    kv_transfer_bytes_per_token: BytesPerToken | None = None
     """Disaggregated prefill ranks: KV bytes per token (layers x 2 x KV heads x head dim x dtype bytes)."""
     kv_transfer_timing_mode: Literal["full_prompt", "destination_missing"] = "full_prompt"
     """What a transfer moves: the whole prompt, or the prompt blocks the decode rank does not hold yet."""

@@ -41,7 +41,7 @@ from kvemu.messages import (
 from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.transfer import KvTransfer
-from kvemu.kv_events import KVEventBatch
+from kvemu.kv_events import AllBlocksCleared, KVEventBatch
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
@@ -130,6 +130,8 @@ class WorkerActor:
         self._flushed_at: dict[str, int] = {}
         self.dead_ranks: set[int] = set()
         self._last_sent_ns = -(1 << 62)
+        self.engine_errors = 0
+        """Engine passes that raised (``_fault``): each ended its rank's requests with ``engine_error``."""
 
         self._wakes: dict[int, anyio.Event] = {}  # per rank, on wall time
         self._driver = Wakeup(self._advance_virtual, clock.now_ns)  # on virtual time
@@ -155,16 +157,77 @@ class WorkerActor:
         if self._defer:
             self.defer_kv_events()
         self.dead_ranks.add(dp_rank)
+        lost = self._fail_rank(dp_rank, "rank_lost")
+        self._send(RankDown(worker_id=self.worker_id, dp_rank=dp_rank))
+        return lost
+
+    def _fail_rank(self, dp_rank: int, reason: str, *, record: bool = False) -> list[str]:
+        """End every request running on ``dp_rank`` with ``reason`` (``record``: in its engine record too, which
+        a lost rank's keep as aborted); their ids."""
         lost = sorted(rid for rid, rec in self._records.items() if rec.dp_rank == dp_rank)
         for rid in lost:
             rec = self._records.pop(rid)
             self._sent.pop(rid, None)
             self._flushed_at.pop(rid, None)
+            self._legs.discard(rid)
+            if record:
+                rec.failure = reason
             if self.on_end is not None:
                 self.on_end(rec, "abort")
-            self._reply(RequestFailed(request_id=rid, reason="rank_lost"))
-        self._send(RankDown(worker_id=self.worker_id, dp_rank=dp_rank))
+            self._reply(RequestFailed(request_id=rid, reason=reason))
         return lost
+
+    def _fault(self, core: Core, exc: Exception) -> Core:
+        """An engine call of one rank raised: the rank's state is no longer to be trusted (a pass stopped half
+        way). Every request on it ends with ``engine_error`` and the exception's type, the rank starts again
+        empty (its cache cleared, the router's index told so) and the worker goes on serving; returns the new
+        core. Requests are checked at admission (``workers.admission``), so this is the guard for what those
+        checks miss, not a path a known bad input takes."""
+        rank = core.dp_rank
+        log.error("worker %s rank %s: an engine pass failed; its requests end with engine_error and the rank "
+                  "restarts empty", self.worker_id, rank, exc_info=exc)
+        self.engine_errors += 1
+        fresh = engine_core(core.config, dp_rank=rank, timing=core.timer.model, worker_id=self.worker_id)
+        fresh.timer.set_slowdown(core.timer.slowdown)
+        self.worker.cores[self.worker.cores.index(core)] = fresh
+        for rid in [rid for rid, r in self._held.items() if r == rank]:  # its held KV went with it
+            del self._held[rid]
+        self._fail_rank(rank, f"engine_error: {type(exc).__name__}: {str(exc)[:200]}", record=True)
+        self.publishers[rank - self.worker.dp_start_rank].publish(KVEventBatch(
+            ts=self.clock.now_ns() / NS_PER_S, events=[AllBlocksCleared()], data_parallel_rank=rank))
+        if (wake := self._wakes.get(rank)) is not None:
+            wake.set()
+        return fresh
+
+    def _advance(self, t_ns: int) -> list[AdvanceResult]:
+        """``MockWorker.advance_to``, rank by rank, each guarded (``_fault``): a rank that fails reports nothing."""
+        out = []
+        for core in list(self.worker.cores):
+            try:
+                out.append(core.advance_to(t_ns))
+            except Exception as exc:  # noqa: BLE001 - one rank's failed pass must not stop the worker
+                out.append(self._fault(core, exc).advance_to(t_ns))
+        return out
+
+    def _next_event_ns(self) -> int | None:
+        """``MockWorker.next_event_ns``, rank by rank, each guarded (``_fault``)."""
+        times = []
+        for core in list(self.worker.cores):
+            try:
+                t = core.next_event_ns()
+            except Exception as exc:  # noqa: BLE001 - as in _advance
+                t = self._fault(core, exc).next_event_ns()
+            if t is not None:
+                times.append(t)
+        return min(times) if times else None
+
+    def _guarded(self, dp_rank: int, call: Callable[[Core], object]) -> None:
+        """``call(core)`` on one rank's core, guarded (``_fault``)."""
+        core = self.worker.core(dp_rank)
+        try:
+            call(core)
+        except Exception as exc:  # noqa: BLE001 - as in _advance
+            self._fault(core, exc)
 
     def slow_down(self, factor: float) -> None:
         """Chaos: every later forward pass of every rank takes ``factor`` times as long."""
@@ -293,11 +356,17 @@ class WorkerActor:
             return f"duplicate_request_id: the KV of {msg.request_id!r} is still held on this worker"
         now = self.clock.now_ns()
         if self.mode == "virtual":
-            self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
+            self._emit_advance(self._advance(max(now, self._engine_now())))
         req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=1 if msg.hold_kv else msg.max_tokens,
                       arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.priority,
                       output_token_ids=msg.output_token_ids, kv_hold=msg.hold_kv, kv_transfer=msg.kv_transfer)
-        outcome = self.worker.dispatch(req, msg.dp_rank)
+        try:
+            outcome = self.worker.dispatch(req, msg.dp_rank)
+        except Exception as exc:  # noqa: BLE001 - a request the engine's own checks let through and then choked on
+            core = self.worker.core(msg.dp_rank)
+            if core.has_request(msg.request_id):
+                self._fault(core, exc)
+            return f"engine_error: {type(exc).__name__}: {str(exc)[:200]}"
         if not outcome.accepted:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
             return f"{reason}: {outcome.message}"
@@ -306,7 +375,7 @@ class WorkerActor:
         if msg.hold_kv:
             self._legs.add(msg.request_id)
         if self.mode == "virtual":  # the engine is at now already: arm its next instant (>= now + 1)
-            self._driver.arm(self.worker.next_event_ns())
+            self._driver.arm(self._next_event_ns())
         elif (wake := self._wakes.get(msg.dp_rank)) is not None:
             wake.set()
         return None
@@ -353,12 +422,12 @@ class WorkerActor:
         self.local.pop(request_id, None)
         core = self.worker.core(rec.dp_rank or 0)
         if self.mode == "virtual":
-            self._emit_advance(self.worker.advance_to(max(self.clock.now_ns(), self._engine_now())))
-        core.abort(request_id, reason)
+            self._emit_advance(self._advance(max(self.clock.now_ns(), self._engine_now())))
+        self._guarded(core.dp_rank, lambda c: c.abort(request_id, reason))
         if self.on_end is not None:
             self.on_end(rec, "abort")
         if self.mode == "virtual":
-            self._driver.arm(self.worker.next_event_ns())
+            self._driver.arm(self._next_event_ns())
         elif (wake := self._wakes.get(core.dp_rank)) is not None:
             wake.set()  # waiting requests may fit now
         return True
@@ -371,10 +440,10 @@ class WorkerActor:
             return False
         core = self.worker.core(rank)
         if self.mode == "virtual":
-            self._emit_advance(self.worker.advance_to(max(self.clock.now_ns(), self._engine_now())))
-        core.release_kv(request_id)
+            self._emit_advance(self._advance(max(self.clock.now_ns(), self._engine_now())))
+        self._guarded(rank, lambda c: c.release_kv(request_id))
         if self.mode == "virtual":
-            self._driver.arm(self.worker.next_event_ns())
+            self._driver.arm(self._next_event_ns())
         elif (wake := self._wakes.get(rank)) is not None:
             wake.set()  # waiting requests may fit now
         return True
@@ -430,8 +499,8 @@ class WorkerActor:
     def _advance_virtual(self) -> int | None:
         """Advance every core to now, publish what became visible; the next instant anything will."""
         now = self.clock.now_ns()
-        self._emit_advance(self.worker.advance_to(max(now, self._engine_now())))
-        nxt = self.worker.next_event_ns()
+        self._emit_advance(self._advance(max(now, self._engine_now())))
+        nxt = self._next_event_ns()
         return None if nxt is None else max(nxt, self.clock.now_ns())
 
     def _emit_advance(self, results: list[AdvanceResult]) -> None:
@@ -480,11 +549,17 @@ class WorkerActor:
     # ------------------------------------------------------------------ wall time
 
     async def _drive_live(self, core: Core) -> None:
-        pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
+        rank = core.dp_rank
+        pub = self.publishers[rank - self.worker.dp_start_rank]
         clock = self.clock
-        while core.dp_rank not in self.dead_ranks:
+        while rank not in self.dead_ranks:
+            core = self.worker.core(rank)  # (a new one after a fault)
             now = max(clock.now_ns(), core.busy_until_ns, core.now_ns)
-            res = core.step(now)
+            try:
+                res = core.step(now)
+            except Exception as exc:  # noqa: BLE001 - one request's failed pass must not stop the rank
+                self._fault(core, exc)
+                continue
             if res.idle:
                 wake = self._wakes[core.dp_rank] = anyio.Event()
                 if core.num_unfinished == 0:

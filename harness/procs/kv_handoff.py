@@ -16,26 +16,42 @@ link's delay, join), and once it has, tells the prefill worker to free its copy 
 with the token, as NIXL notifies the producer). KV nobody claims is freed after ``hold_timeout_s`` (vLLM's
 ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s). A release that cannot be delivered is logged and counted, never
 retried against another peer.
+
+What a decode leg names is checked before anything runs. The prefill worker's address is a host (an IP literal
+or a DNS name, at most 253 characters) and a port in 1..65535, and every URL to it is built from those parts,
+never by pasting strings. The decode worker runs a leg only once the prefill worker it names has confirmed
+(``POST /kvemu/kv/claim``) that it holds KV for that request id, for that release token and for the same prompt
+(a digest of its token ids), and takes the link model from that answer, not from the leg. A room
+(``GET /kvemu/kv/room``) is handed only to a caller that shows the digest of the room's prompt, and a wrong
+digest does not consume it. Trust assumption: whoever has a leg's ``kv_transfer_params`` (the router copied
+them) or knows a room's number *and* its prompt is the decode leg; a stranger who has neither cannot take
+the KV, free it, or make a decode worker serve a leg no prefill leg ran. A decode worker does not know the
+fleet's prefill workers, so it asks whichever server the leg names, at the fixed path ``/kvemu/kv/claim``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import ipaddress
 import logging
+import re
 import secrets
-from collections.abc import Callable, Iterator
-from typing import Any
+from array import array
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Annotated, Any
 from urllib.parse import parse_qs, urlsplit
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.http.app import read_body
 from kvemu.http.errors import ApiError
 from kvemu.http.protocol import KvTransferParams, decode_body
 from kvemu.http.reply import respond
 from kvemu.messages import ClientRequest
-from kvemu.transfer import KvTransfer
+from kvemu.transfer import KvTransfer, transfer_refusal
 from workers.worker_actor import WorkerActor
 
 __all__ = ["KvHandoff", "HOLD_TIMEOUT_S", "ROOM_TIMEOUT_S"]
@@ -50,25 +66,54 @@ ROOM_POLL_S = 10.0
 """The longest one ``GET /kvemu/kv/room`` waits before answering 404 (the decode worker asks again)."""
 MAX_ROOMS = 100_000
 """Rooms a prefill worker keeps open at once (more: the leg is refused with 503)."""
+MAX_HOST_CHARS = 253
+_HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?\Z")
+DIGEST_CHARS = 32
+"""A prompt's digest: 16 bytes of BLAKE2b over its token ids, in hex."""
+
+
+RequestId = Annotated[str, Meta(max_length=512)]
+Token = Annotated[str, Meta(max_length=128)]
+Digest = Annotated[str, Meta(min_length=DIGEST_CHARS, max_length=DIGEST_CHARS)]
 
 
 class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /kvemu/kv/release``: free a finished prefill leg's KV."""
 
-    request_id: str
-    token: str
+    request_id: RequestId
+    token: Token
+
+
+class ClaimBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /kvemu/kv/claim``: a decode worker asks whether this KV is held for its leg (once per KV)."""
+
+    request_id: RequestId
+    token: Token
+    digest: Digest
+
+
+class ClaimAnswer(msgspec.Struct):
+    """The prefill worker's answer to a claim: the link model the KV moves with (its own, not the leg's)."""
+
+    kvemu_source: KvTransfer
 
 
 class _Held:
-    """A finished prefill leg's KV: its answer, who may free it, its timeout, and its SGLang room (if any)."""
+    """A finished prefill leg's KV: its answer, who may free it, its prompt's digest, its timeout, its SGLang room
+    (if any) and whether a decode leg claimed it."""
 
-    __slots__ = ("answer", "token", "timer", "room")
+    __slots__ = ("answer", "token", "digest", "source", "timer", "room", "claimed")
 
-    def __init__(self, answer: dict[str, Any], token: str, timer: asyncio.TimerHandle, room: int | None) -> None:
+    def __init__(self, answer: dict[str, Any], token: str, digest: str, source: KvTransfer,
+                 timer: asyncio.TimerHandle, room: int | None) -> None:
         self.answer = answer
         self.token = token
+        self.digest = digest
+        self.source = source
         self.timer = timer
         self.room = room
+        self.claimed = False
 
 
 class _Source(msgspec.Struct, frozen=True):
@@ -93,9 +138,11 @@ class KvHandoff:
         self.room_timeout_s = ROOM_TIMEOUT_S if room_timeout_s is None else room_timeout_s
         self._held: dict[str, _Held] = {}
         """Prefill: finished legs whose KV waits for its decode leg, by request id."""
-        self._rooms: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        """Prefill: SGLang rooms, resolved with the leg's answer (or its failure) when it ends."""
+        self._rooms: dict[int, asyncio.Future[_Held | str]] = {}
+        """Prefill: SGLang rooms, resolved with the leg's held KV (or why it failed) when it ends."""
         self._room_of: dict[str, int] = {}
+        self._digests: dict[str, str] = {}
+        """Prefill: the prompt digest of each leg running here, by request id (its held KV keeps it)."""
         self._sources: dict[str, _Source] = {}
         """Decode: legs whose KV is still held on a prefill worker, by request id."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -106,6 +153,8 @@ class KvHandoff:
         """Decode: releases that could not be delivered (the prefill worker is gone, or refused)."""
         self.expired = 0
         """Prefill: held KV freed because no decode leg claimed it in time."""
+        self.refused: dict[str, int] = {}
+        """Legs and claims refused here, by reason (a forged or stale source, a wrong digest, a link too slow)."""
         actor.on_pulled = self._pulled
 
     # ------------------------------------------------------------------ legs
@@ -128,20 +177,44 @@ class KvHandoff:
                     req = msgspec.structs.replace(req, dp_rank=ranks[room % len(ranks)])
             elif params is None or not params.do_remote_decode:
                 return req
+            self._digests[req.request_id] = prompt_digest(req.tokens)
             return msgspec.structs.replace(req, kv_hold=True, max_tokens=1)
         if params is not None and params.do_remote_decode:
             raise ApiError(400, "kv_transfer_params.do_remote_decode: this is a decode worker; the prefill leg goes "
                                 "to a prefill worker", "kv_transfer_params.do_remote_decode")
-        if params is None or not params.do_remote_prefill:
-            if room is None:
-                return req
-            params = await self._fetch_room(body.bootstrap_host, body.bootstrap_port, room)
-        source, how = _source_of(params)
-        if req.request_id in self._sources:
-            raise ApiError(400, f"x-request-id: {req.request_id!r} is a decode leg this worker is already running",
-                           "x-request-id")
+        if (params is None or not params.do_remote_prefill) and room is None:
+            return req
+        digest = prompt_digest(req.tokens)
+        claimed: _Source | None = None
+        try:
+            self._not_running(req.request_id)
+            if params is None or not params.do_remote_prefill:
+                assert room is not None
+                params = await self._fetch_room(body.bootstrap_host, body.bootstrap_port, room, digest)
+            how = _source_of(params)
+            source = await self._claim(how, digest)
+            claimed = how
+            if (why := transfer_refusal(source, len(req.tokens))) is not None:
+                raise ApiError(400, f"kv_transfer_params.kvemu_source: {why}", "kv_transfer_params.kvemu_source")
+            self._not_running(req.request_id)  # (another leg of this id may have come while this one asked)
+        except ApiError as exc:
+            self._refuse(exc.param or "kv_transfer", exc.message)
+            if claimed is not None:  # no decode leg will pull what this one claimed: free it now
+                self._spawn(self._send_release(claimed))
+            raise
         self._sources[req.request_id] = how
         return msgspec.structs.replace(req, kv_transfer=source)
+
+    def _not_running(self, request_id: str) -> None:
+        if request_id in self._sources:
+            raise ApiError(400, f"x-request-id: {request_id!r} is a decode leg this worker is already running",
+                           "x-request-id")
+
+    def _refuse(self, reason: str, message: str) -> None:
+        """A leg or claim refused: counted by reason and logged (the client got the 4xx/5xx with ``message``)."""
+        if len(self.refused) < 64 or reason in self.refused:  # (reasons are field names: a handful)
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+        log.warning("refused a disaggregated leg: %s", message[:300])
 
     def answer(self, request_id: str) -> dict[str, Any] | None:
         held = self._held.get(request_id)
@@ -162,20 +235,21 @@ class KvHandoff:
         if old is not None:
             old.timer.cancel()
         room = self._room_of.pop(request_id, None)
-        self._held[request_id] = _Held(answer, token, timer, room)
+        held = self._held[request_id] = _Held(answer, token, self._digests.pop(request_id, ""), transfer, timer, room)
         if room is not None:
             fut = self._room(room)
             if not fut.done():
-                fut.set_result(answer)
+                fut.set_result(held)
 
     def ended(self, request_id: str, failure: str | None) -> None:
         """A leg ended here: a failed prefill leg fails its room; a decode leg that never pulled its KV (it
         failed or was cancelled first) frees it on the prefill worker now rather than at the timeout."""
+        self._digests.pop(request_id, None)
         room = self._room_of.pop(request_id, None)
         if room is not None:
             fut = self._room(room)
             if not fut.done():
-                fut.set_result({"failure": failure or "ended without holding its KV"})
+                fut.set_result(failure or "ended without holding its KV")
         if request_id in self._sources:
             self._release(request_id)
 
@@ -194,12 +268,12 @@ class KvHandoff:
     def _drop_room(self, held: _Held) -> None:
         """Close a freed leg's room if no decode leg took it (one that did closed it)."""
         if held.room is not None and (fut := self._rooms.get(held.room)) is not None and fut.done() \
-                and fut.result() is held.answer:
+                and fut.result() is held:
             del self._rooms[held.room]
 
     # ------------------------------------------------------------------ the wire
 
-    def _room(self, room: int) -> asyncio.Future[dict[str, Any]]:
+    def _room(self, room: int) -> asyncio.Future[_Held | str]:
         fut = self._rooms.get(room)
         if fut is None:
             fut = self._rooms[room] = asyncio.get_running_loop().create_future()
@@ -213,7 +287,7 @@ class KvHandoff:
                                              limits=httpx.Limits(max_connections=64))
         return self._client
 
-    async def _fetch_room(self, host: str | None, port: int | None, room: int) -> KvTransferParams:
+    async def _fetch_room(self, host: str | None, port: int | None, room: int, digest: str) -> KvTransferParams:
         """Wait for the prefill leg of ``room`` at its bootstrap server; its answer's ``kv_transfer_params``."""
         if not host or port is None:
             raise ApiError(400, "bootstrap_port: a decode leg with a bootstrap_room needs the prefill worker's "
@@ -221,24 +295,54 @@ class KvHandoff:
                            "bootstrap_port")
         import httpx
 
-        url = f"http://{host}:{port}/kvemu/kv/room"
+        url = peer_url(host, port, "/kvemu/kv/room", host_field="bootstrap_host", port_field="bootstrap_port")
         deadline = asyncio.get_running_loop().time() + self.room_timeout_s
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             try:
-                resp = await self._http().get(url, params={"room": room, "wait_s": min(ROOM_POLL_S, left)})
+                resp = await self._http().get(url, params={"room": room, "wait_s": min(ROOM_POLL_S, left),
+                                                           "digest": digest})
             except httpx.HTTPError as exc:
                 raise ApiError(502, f"kv_transfer_failed: the prefill worker's bootstrap server {host}:{port} did not "
                                     f"answer: {type(exc).__name__}: {exc}") from None
             if resp.status_code == 200:
                 return decode_body(resp.content, KvTransferParams)
+            if resp.status_code == 403:
+                raise ApiError(400, f"bootstrap_room: room {room} at {host}:{port} is not this prompt's: "
+                                    f"{resp.text[:300]}", "bootstrap_room")
             if resp.status_code != 404:
                 raise ApiError(502, f"kv_transfer_failed: room {room} at {host}:{port}: {resp.text[:300]}")
         raise ApiError(504, f"kv_transfer_failed: the prefill leg of room {room} did not finish within "
                             f"{self.room_timeout_s:g} s")
 
+    async def _claim(self, how: _Source, digest: str) -> KvTransfer:
+        """Ask the prefill worker a leg names to confirm it holds this KV for this token and prompt; the link
+        model it answers with. A 400 naming the field when it does not (a forged or stale source)."""
+        import httpx
+
+        try:
+            resp = await self._http().post(f"{how.url}/kvemu/kv/claim", json={
+                "request_id": how.request_id, "token": how.token, "digest": digest})
+        except httpx.HTTPError as exc:
+            raise ApiError(502, f"kv_transfer_failed: the prefill worker {how.url} did not answer a claim: "
+                                f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code == 200:
+            try:
+                return msgspec.json.decode(resp.content, type=ClaimAnswer).kvemu_source
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise ApiError(400, f"kv_transfer_params.remote_host: {how.url} is not a kvemu prefill worker (its "
+                                    f"claim answer: {exc})", "kv_transfer_params.remote_host") from None
+        field = {403: "kv_transfer_params.kvemu_release_token", 404: "kv_transfer_params.remote_request_id",
+                 409: "kv_transfer_params.remote_request_id"}.get(resp.status_code, "kv_transfer_params.remote_host")
+        if resp.status_code == 403 and b'"param":"digest"' in resp.content:
+            field = "prompt"  # the token is right, the prompt is not the prefill leg's
+        raise ApiError(400, f"{field}: the prefill worker {how.url} does not hold this KV for this leg "
+                            f"({resp.status_code}: {resp.text[:200]})", field)
+
     def _release(self, request_id: str) -> None:
-        how = self._sources.pop(request_id)
-        task = asyncio.get_running_loop().create_task(self._send_release(how))
+        self._spawn(self._send_release(self._sources.pop(request_id)))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -283,22 +387,34 @@ class KvHandoff:
             family = CounterMetricFamily(f"kvemu_kv_handoff_{name}", what)
             family.add_metric([], value)
             yield family
+        refused = CounterMetricFamily("kvemu_kv_handoff_refused", "Legs and claims refused, by the field at fault",
+                                      labels=["reason"])
+        for reason, n in sorted(self.refused.items()):
+            refused.add_metric([reason], n)
+        yield refused
 
     # ------------------------------------------------------------------ routes
 
     def routes(self) -> dict[tuple[str, str], Callable[..., Any]]:
-        """A prefill worker's ``POST /kvemu/kv/release`` and ``GET /kvemu/kv/room`` (its bootstrap server)."""
+        """A prefill worker's ``POST /kvemu/kv/release``, ``POST /kvemu/kv/claim`` and ``GET /kvemu/kv/room`` (its
+        bootstrap server)."""
         if self.role != "prefill":
             return {}
 
+        def held_for(what: str, request_id: str, token: str) -> _Held:
+            """The KV held for ``request_id``, if ``token`` is the one it was handed out with (404, 403)."""
+            held = self._held.get(request_id)
+            if held is None:
+                raise ApiError(404, f"request_id: no KV of {request_id[:200]!r} is held here (freed, timed out, "
+                                    f"or never held)", "request_id")
+            if not hmac.compare_digest(held.token.encode(), token.encode()):
+                self._refuse(f"{what}_token", f"a {what} of {request_id[:200]!r} with another token")
+                raise ApiError(403, "token: not the token this KV was handed out with", "token")
+            return held
+
         async def release(scope: dict, receive: Callable, send: Callable) -> None:
             body = decode_body(await read_body(receive, 64 << 10), ReleaseBody)
-            held = self._held.get(body.request_id)
-            if held is None:
-                raise ApiError(404, f"request_id: no KV of {body.request_id[:200]!r} is held here (freed, timed out, "
-                                    f"or never held)", "request_id")
-            if not hmac.compare_digest(held.token.encode(), body.token.encode()):
-                raise ApiError(403, "token: not the token this KV was handed out with", "token")
+            held = held_for("release", body.request_id, body.token)
             del self._held[body.request_id]
             held.timer.cancel()
             self._drop_room(held)
@@ -306,36 +422,78 @@ class KvHandoff:
             await respond(send, 200, b'{"released":true}')
 
         async def room(scope: dict, receive: Callable, send: Callable) -> None:
-            number, wait_s = _room_query(scope)
+            number, wait_s, digest = _room_query(scope)
             created = number not in self._rooms
             if created and len(self._rooms) >= MAX_ROOMS:
                 raise ApiError(503, f"room: {MAX_ROOMS} rooms are open on this worker; retry later", "room")
             fut = self._room(number)
             try:
-                answer = await asyncio.wait_for(asyncio.shield(fut), wait_s)
+                held = await asyncio.wait_for(asyncio.shield(fut), wait_s)
             except TimeoutError:
                 if created and not fut.done() and number not in self._room_of.values():
                     self._rooms.pop(number, None)  # no prefill leg yet: the decode worker asks again
                 raise ApiError(404, f"room {number}: its prefill leg has not finished yet", "room") from None
+            if isinstance(held, str):
+                self._rooms.pop(number, None)
+                raise ApiError(410, f"room {number}: its prefill leg failed: {held}", "room")
+            if not hmac.compare_digest(held.digest.encode(), digest.encode()):  # the room stays for its decode leg
+                self._refuse("room_digest", f"room {number}: a claim with another prompt's digest")
+                raise ApiError(403, f"digest: room {number} holds another prompt", "digest")
             self._rooms.pop(number, None)  # one decode leg per room
-            if "failure" in answer:
-                raise ApiError(410, f"room {number}: its prefill leg failed: {answer['failure']}", "room")
-            await respond(send, 200, msgspec.json.encode(answer))
+            await respond(send, 200, msgspec.json.encode(held.answer))
 
-        return {("POST", "/kvemu/kv/release"): release, ("GET", "/kvemu/kv/room"): room}
+        async def claim(scope: dict, receive: Callable, send: Callable) -> None:
+            body = decode_body(await read_body(receive, 64 << 10), ClaimBody)
+            held = held_for("claim", body.request_id, body.token)
+            if not hmac.compare_digest(held.digest.encode(), body.digest.encode()):
+                self._refuse("claim_digest", f"a claim of {body.request_id[:200]!r} for another prompt")
+                raise ApiError(403, "digest: this KV is another prompt's", "digest")
+            if held.claimed:
+                raise ApiError(409, f"request_id: the KV of {body.request_id[:200]!r} was claimed by a decode leg "
+                                    f"already", "request_id")
+            held.claimed = True
+            await respond(send, 200, msgspec.json.encode(ClaimAnswer(kvemu_source=held.source)))
+
+        return {("POST", "/kvemu/kv/release"): release, ("GET", "/kvemu/kv/room"): room,
+                ("POST", "/kvemu/kv/claim"): claim}
 
 
-def _source_of(params: KvTransferParams) -> tuple[KvTransfer, _Source]:
-    """The transfer a decode leg's ``kv_transfer_params`` describe, and where to free the KV once pulled."""
+def _source_of(params: KvTransferParams) -> _Source:
+    """Where a decode leg's ``kv_transfer_params`` say its KV is, and how to free it once pulled."""
     missing = [name for name in ("kvemu_source", "kvemu_release_token", "remote_host", "remote_port",
                                  "remote_request_id") if getattr(params, name) is None]
     if missing:
         raise ApiError(400, f"kv_transfer_params.{missing[0]}: missing; a decode leg takes the kv_transfer_params a "
                             f"kvemu prefill worker answered with, as they are", f"kv_transfer_params.{missing[0]}")
-    assert params.kvemu_source is not None and params.kvemu_release_token is not None
-    assert params.remote_request_id is not None
-    return params.kvemu_source, _Source(f"http://{params.remote_host}:{params.remote_port}", params.remote_request_id,
-                                        params.kvemu_release_token)
+    assert params.kvemu_release_token is not None and params.remote_request_id is not None
+    assert params.remote_host is not None and params.remote_port is not None
+    return _Source(peer_url(params.remote_host, params.remote_port, "", host_field="kv_transfer_params.remote_host",
+                            port_field="kv_transfer_params.remote_port"),
+                   params.remote_request_id, params.kvemu_release_token)
+
+
+def prompt_digest(tokens: Any) -> str:
+    """What both legs of one request know and a stranger does not: a digest of the prompt's token ids."""
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=DIGEST_CHARS // 2).hexdigest()
+
+
+def peer_url(host: str, port: int, path: str, *, host_field: str, port_field: str) -> str:
+    """``http://host:port/path`` for a peer a leg names, built from checked parts: the host an IP literal or a DNS
+    name, the port in 1..65535 (a 400 naming the field otherwise)."""
+    import httpx
+
+    if not 1 <= port <= 65535:
+        raise ApiError(400, f"{port_field}: a port in 1..65535, not {port}", port_field)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is None or getattr(ip, "scope_id", None):  # (a scoped IPv6 address: not a peer a leg can name)
+        if len(host) > MAX_HOST_CHARS or not _HOSTNAME.match(host):
+            raise ApiError(400, f"{host_field}: an IP address or a host name (letters, digits, '-' and '.', at most "
+                                f"{MAX_HOST_CHARS} characters), not {host[:64]!r}", host_field) from None
+    return str(httpx.URL(scheme="http", host=str(ip) if ip is not None else host, port=port, path=path or "/")
+               ).rstrip("/")
 
 
 def _host_port(url: str) -> tuple[str, int | None]:
@@ -343,7 +501,7 @@ def _host_port(url: str) -> tuple[str, int | None]:
     return parts.hostname or "127.0.0.1", parts.port
 
 
-def _room_query(scope: dict) -> tuple[int, float]:
+def _room_query(scope: dict) -> tuple[int, float, str]:
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     raw = query.get("room", [""])[-1]
     if not raw.isdigit() or len(raw) > 19 or int(raw) >= 1 << 63:
@@ -355,5 +513,9 @@ def _room_query(scope: dict) -> tuple[int, float]:
         raise ApiError(400, f"wait_s: a number of seconds, not {wait[:32]!r}", "wait_s") from None
     if not 0 <= wait_s <= ROOM_POLL_S:
         raise ApiError(400, f"wait_s: 0..{ROOM_POLL_S:g} seconds, not {wait_s:g}", "wait_s")
-    return int(raw), wait_s
+    digest = query.get("digest", [""])[-1]
+    if len(digest) != DIGEST_CHARS:
+        raise ApiError(403, f"digest: a room is handed only to its decode leg, which shows the {DIGEST_CHARS}-character"
+                            f" digest of the room's prompt (harness.procs.kv_handoff.prompt_digest)", "digest")
+    return int(raw), wait_s, digest
 

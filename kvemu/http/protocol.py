@@ -74,6 +74,7 @@ Text = Annotated[str, Meta(max_length=512)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 MAX_BLOCK_IDS = 1 << 17
 """Block ids one ``kv_transfer_params`` may list (2M tokens of 16-token blocks)."""
+BlockIds = Id | Annotated[list[Id], Meta(max_length=MAX_BLOCK_IDS)]
 
 
 class KvTransferParams(msgspec.Struct):
@@ -86,12 +87,15 @@ class KvTransferParams(msgspec.Struct):
     do_remote_prefill: bool = False
     remote_engine_id: Text | None = None
     remote_request_id: Text | None = None
-    remote_block_ids: Annotated[list[Any], Meta(max_length=MAX_BLOCK_IDS)] | None = None
-    remote_host: Text | None = None
-    remote_port: Port | None = None
-    tp_size: Count | None = None
+    remote_block_ids: Annotated[list[BlockIds], Meta(max_length=MAX_BLOCK_IDS)] | None = None
+    """vLLM's block ids, per KV cache group or flat (kvemu never reads them; bounded as they cross)."""
+    remote_host: Annotated[str, Meta(min_length=1, max_length=253)] | None = None
+    """The prefill worker: an IP literal or a DNS name (``harness.procs.kv_handoff.peer_url`` checks its form)."""
+    remote_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    tp_size: Annotated[int, Meta(ge=1, le=1 << 16)] | None = None
     kvemu_source: KvTransfer | None = None
-    """The prefill rank that holds the KV and its link model (what the decode rank's transfer takes)."""
+    """The prefill rank that holds the KV and its link model, as the prefill leg answered (the decode worker takes
+    the link model from the prefill worker itself when it claims the KV; ``kvemu.transfer`` bounds it)."""
     kvemu_release_token: Annotated[str, Meta(max_length=128)] | None = None
     """What the decode worker shows the prefill worker to free the held KV (only whoever got the answer can)."""
 

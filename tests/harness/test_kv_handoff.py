@@ -36,9 +36,9 @@ run: {mode: live, duration_s: 1, seed: 1}
 PROMPT = list(range(100, 164))  # 64 tokens: four full blocks
 
 
-def _run(tmp_path, body: Callable[[FleetInfo, httpx.AsyncClient], Awaitable[None]]) -> None:
+def _run(tmp_path, body: Callable[[FleetInfo, httpx.AsyncClient], Awaitable[None]], text: str = SCENARIO) -> None:
     path = tmp_path / "pd.yaml"
-    path.write_text(SCENARIO)
+    path.write_text(text)
     scenario = load_scenario(path)
 
     async def main() -> None:
