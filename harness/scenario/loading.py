@@ -12,6 +12,7 @@ import msgspec
 
 from kvemu.errors import InvalidArgument, KvemuError
 from workers.profile import cached_profile_timing
+from workers.trace import trace_file_problem
 
 from harness.scenario.schema import Scenario
 from harness.scenario.sections import TraceWorkload
@@ -117,9 +118,10 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
-        if not (path.is_file() or path.is_dir()):  # (a directory: a Weka corpus)
+        problem = trace_file_problem(path)  # (a directory passes: a Weka corpus)
+        if problem is not None:
             at = key_location(node, ["workload", "trace"], overridden)
-            raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
+            raise ScenarioError(f"{source}: workload.trace{at}: {problem}: {path}")
     return scenario
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_MS, MAX_TRACE_ROWS, trace_lines
+from workers.trace import (
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TOKENS,
+    MAX_TRACE_MS,
+    MAX_TRACE_ROWS,
+    open_trace_file,
+    trace_lines,
+)
 
 __all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "open_text", "ms_to_ns",
            "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_ROWS", "error"]
@@ -48,8 +55,9 @@ def ns_to_ms(ns: int) -> float | int:
 
 
 def open_text(path: Path) -> IO[bytes]:
-    """The file's bytes, decompressed when it is gzip (by its magic number, not its name)."""
-    fh = open(path, "rb")
+    """The file's bytes, decompressed when it is gzip (by its magic number, not its name); a FIFO, socket or
+    device is refused (``open_trace_file``)."""
+    fh = open_trace_file(path)
     if fh.read(2) == b"\x1f\x8b":
         fh.close()
         return gzip.open(path, "rb")  # type: ignore[return-value]
