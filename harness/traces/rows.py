@@ -24,7 +24,7 @@ from workers.trace import (
     trace_lines,
 )
 
-__all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "open_text", "ms_to_ns",
+__all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "line_count", "open_text", "ms_to_ns",
            "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_ROWS", "error"]
 
 MAX_ID_BYTES = 256
@@ -63,6 +63,15 @@ def open_text(path: Path) -> IO[bytes]:
         return gzip.open(path, "rb")  # type: ignore[return-value]
     fh.seek(0)
     return fh
+
+
+def line_count(path: Path, chunk: int = 1 << 20) -> int:
+    """The lines of a trace file (decompressed), counted without parsing any: about a second for 10^7."""
+    lines, last = 0, b"\n"
+    with open_text(path) as fh:
+        while block := fh.read(chunk):
+            lines, last = lines + block.count(b"\n"), block[-1:]
+    return lines + (last != b"\n")
 
 
 def json_lines(path: Path, *, max_rows: int = MAX_TRACE_ROWS, what: str = "JSON object") -> Iterator[Row]:
