@@ -52,7 +52,7 @@ def test_many_aliases_are_refused_at_the_alias_limit():
     start = time.perf_counter()
     with pytest.raises(YamlError, match=f"more than {MAX_YAML_ALIASES:,} aliases"):
         load_yaml(text, "many.yaml")
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 5.0  # (0.1 s idle; the limit bounds the work, the margin a busy CI)
     assert load_yaml("a: &a 1\nb: [" + ", ".join(["*a"] * 100) + "]\n", "few.yaml").data["b"] == [1] * 100
 
 
