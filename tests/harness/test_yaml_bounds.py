@@ -3,6 +3,7 @@ their aliases or merge keys would expand past declared limits; errors name the f
 
 from __future__ import annotations
 
+import ast
 import time
 from pathlib import Path
 
@@ -84,3 +85,22 @@ def test_yaml_errors_name_the_file():
 def test_shipped_files_load_as_pure_python_pyyaml_loads_them(path):
     text = path.read_text()
     assert load_yaml(text, str(path)).data == yaml.load(text, Loader=yaml.SafeLoader)
+
+
+_PARSERS = {"load", "safe_load", "full_load", "unsafe_load", "load_all", "safe_load_all", "compose", "compose_all",
+            "parse"}
+
+
+def test_yaml_is_parsed_only_through_load_yaml():
+    """Every file kvemu reads as YAML goes through ``load_yaml`` and its bounds: a direct ``yaml.safe_load``
+    (whose aliases and merge keys nothing bounds) anywhere else fails here."""
+    direct = []
+    for root in ("harness", "kvemu", "workers"):
+        for path in (REPO / root).rglob("*.py"):
+            if path == REPO / "harness" / "yaml_validation.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _PARSERS
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "yaml"):
+                    direct.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not direct
