@@ -29,24 +29,14 @@ from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData
 from harness.scenario import ChaosEvent, Scenario, ScenarioError
 from harness.sessions import drain_deadline_s, play_workload
-from harness.trace_sessions import TraceSessions
-from harness.traces.graph import TraceGraph
 from harness.turns import Sessions
 from harness.tuning import tune_gc
-from harness.workload import build_sessions
+from harness.workload import build_sessions, count_requests
 
 __all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
-
-
-def count_requests(sessions: Sessions) -> int:
-    """How many requests the sessions will send (turns and their sub-agents; a loaded trace counts its rows, a
-    graph its nodes)."""
-    if isinstance(sessions, (TraceSessions, TraceGraph)):
-        return sessions.turn_count()  # (a trace turn has no sub-agents)
-    return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
 
 
 class Terminated(KeyboardInterrupt):

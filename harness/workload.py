@@ -20,6 +20,7 @@ from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
 from workers.trace import MAX_TRACE_ROWS, read_mooncake
 
+from harness.memory_budget import memory_problem
 from harness.scenario import (
     MAX_SCENARIO_NS,
     MAX_SCENARIO_S,
@@ -35,9 +36,10 @@ from harness.trace_sessions import TraceSessions, TraceSessionsBuilder
 from harness.traces.formats import detect_format, load_graph
 from harness.traces.graph import TraceGraph
 from harness.traces.mooncake import mooncake_turns
+from harness.traces.rows import line_count
 from harness.turns import Session, Sessions, Turn
 
-__all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "sample"]
+__all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "count_requests", "sample"]
 
 
 PROGRESS_EVERY_ROWS = 250_000
@@ -171,9 +173,48 @@ def load_trace_graph(workload: TraceWorkload, path: Path, fmt: str, max_requests
     return graph
 
 
+def count_requests(sessions: Sessions) -> int:
+    """How many requests the sessions will send (turns and their sub-agents; a loaded trace counts its rows, a
+    graph its nodes)."""
+    if isinstance(sessions, (TraceSessions, TraceGraph)):
+        return sessions.turn_count()  # (a trace turn has no sub-agents)
+    return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
+
+
 def build_sessions(scenario: Scenario) -> Sessions:
     """The scenario's sessions (a graph for an agentic trace), cut to ``run.duration_s`` / ``run.max_requests``
-    as configured (a graph keeps the plays whose first request is ready by ``duration_s``)."""
+    as configured (a graph keeps the plays whose first request is ready by ``duration_s``).
+
+    ``ScenarioError`` when running them would not fit in memory (``memory_problem``): for a trace read whole,
+    from its line count before a row is parsed; for any workload, from its requests once built."""
+    _check_rows_fit(scenario)
+    sessions = _build_sessions(scenario)
+    problem = memory_problem(count_requests(sessions), "the workload")
+    if problem is not None:
+        raise ScenarioError(problem)
+    return sessions
+
+
+def _check_rows_fit(scenario: Scenario) -> None:
+    """Refuse a trace whose rows (its lines, up to ``run.max_requests``) will not fit, before reading them: loading
+    10^7 rows takes minutes. Only where every row will run (no ``run.duration_s`` cut, no lanes recycling)."""
+    w, run = scenario.workload, scenario.run
+    if not isinstance(w, TraceWorkload) or run.duration_s is not None or w.lanes is not None:
+        return
+    path = resolve(scenario, w.trace)
+    if not path.is_file():
+        return  # (a corpus directory is counted once built; a missing file is its reader's error)
+    try:
+        lines = line_count(path)
+    except (OSError, InvalidArgument):
+        return  # its reader says what is wrong with it
+    rows = lines if run.max_requests is None else min(lines, run.max_requests)
+    problem = memory_problem(rows, f"{path}: {lines:,} lines")
+    if problem is not None:
+        raise ScenarioError(problem)
+
+
+def _build_sessions(scenario: Scenario) -> Sessions:
     w = scenario.workload
     run = scenario.run
     if isinstance(w, TraceWorkload):

@@ -1,29 +1,118 @@
-"""kvemu's YAML files (scenarios, sweeps) validated with msgspec: an error said as ``source: key.path (line N):
-what is wrong`` (with a "did you mean" for an unknown key), the line of a key, a value at a key path, and floats
-read as YAML 1.2 writes them."""
+"""kvemu's YAML files (scenarios, sweeps) read once and validated with msgspec: parsing bounded in expanded size
+and aliases before anything is built, an error said as ``source: key.path (line N): what is wrong`` (with a "did
+you mean" for an unknown key), the line of a key, a value at a key path, and floats read as YAML 1.2 writes
+them."""
 
 from __future__ import annotations
 
 import difflib
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
 import yaml
 
-from kvemu.errors import InvalidArgument
+from kvemu.errors import InvalidArgument, KvemuError
 
-__all__ = ["describe_validation_error", "floats_where_expected", "key_location", "line_of", "value_at"]
+__all__ = ["MAX_YAML_ALIASES", "MAX_YAML_VALUES", "YamlDocument", "YamlError", "describe_validation_error",
+           "floats_where_expected", "key_location", "line_of", "load_yaml", "value_at"]
 
 
-def line_of(text: str, path: Sequence[str | int]) -> int | None:
-    """1-based line of the key at ``path`` (or of its nearest existing ancestor)."""
+MAX_YAML_VALUES = 250_000
+"""Most values (scalars, lists, mappings) a YAML file kvemu reads may stand for, each use of an alias or merge key
+counted as the copy it makes: a few hundred bytes of nested aliases ("billion laughs") or merge keys otherwise
+stand for billions, which building, validating or printing the file would expand."""
+MAX_YAML_ALIASES = 10_000
+"""Most aliases (``*name``, including those a merge key ``<<`` names) a YAML file kvemu reads may use."""
+
+_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""libyaml's parser and composer where PyYAML has them (in C: a file is parsed in milliseconds, and its nesting is
+bounded by libyaml), else PyYAML's pure-Python ones; either way PyYAML's safe constructor."""
+
+
+class YamlError(KvemuError, ValueError):
+    """A YAML file kvemu will not read: not YAML, or past ``MAX_YAML_VALUES`` / ``MAX_YAML_ALIASES``; the message
+    names the file."""
+
+
+@dataclass(frozen=True)
+class YamlDocument:
+    """A YAML file read once: its ``data`` and the ``node`` graph it was built from (for the lines of keys)."""
+
+    data: Any
+    node: yaml.Node | None
+
+
+def load_yaml(text: str, source: str) -> YamlDocument:
+    """``text`` (from ``source``, which messages name) parsed once, its node graph checked against
+    ``MAX_YAML_VALUES`` and ``MAX_YAML_ALIASES`` before a Python value is built from it; ``YamlError`` otherwise."""
+    loader = _LOADER(text)
     try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
-        return None
+        node = loader.get_single_node()
+        if node is not None:
+            _check_size(node, source)
+        return YamlDocument(loader.construct_document(node) if node is not None else None, node)
+    except yaml.MarkedYAMLError as exc:  # its marks say where, in a file named "<unicode string>": name ours
+        exc.context_mark, exc.problem_mark = (
+            None if m is None else yaml.Mark(source, m.index, m.line, m.column, text + "\0", m.index)
+            for m in (exc.context_mark, exc.problem_mark))
+        raise YamlError(f"{source}: not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise YamlError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:  # the pure-Python composer, on deep nesting
+        raise YamlError(f"{source}: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _check_size(root: yaml.Node, source: str) -> None:
+    """Refuse a node graph standing for more than ``MAX_YAML_VALUES`` values (counted as if every alias and merge
+    were copied, as PyYAML before 6.0.4 copies merged keys), more than ``MAX_YAML_ALIASES`` aliases, or an alias
+    inside its own anchor. Iterative, and linear in the distinct nodes."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+    aliases = 0
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        children = _children(node)
+        if done:
+            open_ids.discard(key)
+            sizes[key] = size = 1 + sum(sizes[id(c)] for c in children)
+            if size > MAX_YAML_VALUES:
+                raise YamlError(f"{source}: line {node.start_mark.line + 1}: this value stands for more than "
+                                f"{MAX_YAML_VALUES:,} values once its aliases and merge keys are expanded (the "
+                                "limit; a scenario or sweep needs far fewer)")
+            continue
+        if key in open_ids:
+            raise YamlError(f"{source}: line {node.start_mark.line + 1}: an alias inside the value it names "
+                            "(a recursive value)")
+        if key in sizes:  # reached before: this use is an alias
+            aliases += 1
+            if aliases > MAX_YAML_ALIASES:
+                raise YamlError(f"{source}: line {node.start_mark.line + 1}: more than {MAX_YAML_ALIASES:,} aliases "
+                                "(*name, or merge keys <<) (the limit; a scenario or sweep needs far fewer)")
+            continue
+        open_ids.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in reversed(children))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    """The nodes directly under ``node``: a sequence's items, a mapping's keys and values."""
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def line_of(node: yaml.Node | None, path: Sequence[str | int]) -> int | None:
+    """1-based line of the key at ``path`` (or of its nearest existing ancestor) in a composed document."""
     line = None
     for part in path:
         if isinstance(node, yaml.MappingNode):
@@ -80,9 +169,9 @@ def _expected(types: str) -> str:
     return " or ".join(rest) + (" (or null)" if "null" in words and rest else "")
 
 
-def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str, source: str, *,
+def describe_validation_error(exc: msgspec.ValidationError, raw: Any, node: yaml.Node | None, source: str, *,
                               schema: Any = None, overridden: frozenset[str] | set[str] = frozenset()) -> str:
-    """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (parsed from ``text``).
+    """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (built from ``node``).
 
     Shared by every YAML file kvemu validates with msgspec (scenarios, sweeps), so their errors read alike. With
     ``schema`` (the type ``raw`` was converted to) an unknown key gets a "did you mean"; a key under one of the
@@ -109,15 +198,15 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, text: str,
                 message = f"expected {_expected(mismatch.group(1))}, got {value!r}"
             else:
                 message = f"{message}, got {value!r}"
-    return f"{source}: {key or '(top level)'}{key_location(text, parts, overridden)}: {message}"
+    return f"{source}: {key or '(top level)'}{key_location(node, parts, overridden)}: {message}"
 
 
-def key_location(text: str, parts: Sequence[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
+def key_location(node: yaml.Node | None, parts: Sequence[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
     """`` (from --set)`` if the value at ``parts`` came from an override, else `` (line N)`` of the file (or ``""``)."""
     dotted = [".".join(str(p) for p in parts[:n]) for n in range(1, len(parts) + 1)]
     if any(d in overridden for d in dotted):
         return " (from --set)"
-    line = line_of(text, parts)
+    line = line_of(node, parts)
     return f" (line {line})" if line else ""
 
 

@@ -154,7 +154,7 @@ class DisaggRouter:
         if leg.failure is not None:
             if leg.worker_id is not None:  # whatever the leg left on its worker (running, or its KV held) goes
                 self.prefill.tell(leg.worker_id, Abort(request_id=r.req.request_id, reason=leg.failure))
-            self._end(r, leg.failure)
+            self._end(r, self._pool_named(PREFILL, leg.failure))
             return
         record.prefill_done_ns = leg.completion_ns
         record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
@@ -190,7 +190,7 @@ class DisaggRouter:
         record.preemptions += leg.preemptions
         if leg.preemptions:  # the decode rank recomputed it: what that re-admission reused counts too
             record.engine_reused_tokens = (record.engine_reused_tokens or 0) + (leg.engine_reused_tokens or 0)
-        failure = leg.failure
+        failure = leg.failure and self._pool_named(DECODE, leg.failure)
         if failure is None:
             record.completion_ns, record.output_tokens = leg.completion_ns, leg.output_tokens
             self._end(r, None)  # (which releases the held KV)
@@ -205,6 +205,15 @@ class DisaggRouter:
             return
         self._end(r, failure if not restartable or failure.startswith("worker_lost") else
                   f"kv_transfer_failed: {failure}")
+
+    def _pool_named(self, pool: str, failure: str) -> str:
+        """A ``pool`` leg's ``failure``, an empty pool named: "no prefill workers are registered (4 decode workers
+        are)", not the router's "no workers are registered" while the other pool has some."""
+        other = DECODE if pool == PREFILL else PREFILL
+        n = len((self.decode if pool == PREFILL else self.prefill).workers)
+        return failure.replace("no workers are registered",
+                               f"no {pool} workers are registered ({n} {other} worker{'s are' if n != 1 else ' is'})",
+                               1)
 
     def _release(self, r: _Request) -> None:
         """Tell the prefill rank holding the request's KV to free it (once)."""

@@ -9,11 +9,13 @@ unsigned 64-bit integers and a token is the id's low 32 bits, as in the referenc
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple
+from typing import IO, Annotated, Any, NamedTuple
 
 import msgspec
 import xxhash
@@ -33,7 +35,9 @@ __all__ = [
     "MAX_TRACE_ROWS",
     "MooncakeRow",
     "mooncake_row",
+    "open_trace_file",
     "read_mooncake",
+    "trace_file_problem",
     "trace_lines",
     "clamped_input_length",
     "expand_hash_ids",
@@ -177,7 +181,7 @@ def read_mooncake(path: str | Path, limit: int | None = None,
         return
     n = 0
     fast = _is_int(trace_block_size) and trace_block_size >= 1  # (else every row gets the full path's error)
-    with open(path, "rb") as fh:
+    with open_trace_file(path) as fh:
         if bounded and fh.seekable():  # refused before any row is parsed and kept (a pipe: at the row past it)
             past = _row_past(fh, max_rows)
             if past is not None:
@@ -198,6 +202,45 @@ def read_mooncake(path: str | Path, limit: int | None = None,
             n += 1
             if n >= limit and not bounded:
                 return
+
+
+_NOT_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_a_file(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is not a regular file or a directory (None: it is one of those)."""
+    kind = next((name for test, name in _NOT_FILES if test(mode)), None)
+    return None if kind is None else f"{kind}, not a file: kvemu reads a trace from a regular file"
+
+
+def trace_file_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be a trace (``file not found``; a FIFO, socket or device), without opening it (a FIFO's
+    open waits for a writer); None for a regular file or a directory (a corpus of them)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "file not found"
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror}"
+    return _not_a_file(mode)
+
+
+def open_trace_file(path: str | Path) -> IO[bytes]:
+    """``path`` opened for reading if it is a regular file, else ``InvalidArgument`` saying what it is: opened
+    without waiting (a FIFO's open would wait for a writer, and its rows could not be counted before reading),
+    checked, then read as usual. A missing file raises ``FileNotFoundError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        problem = "a directory, not a file" if stat.S_ISDIR(mode) else _not_a_file(mode)
+        if problem is not None:
+            raise InvalidArgument(f"{path}: {problem}", field="trace")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def trace_lines(fh: Any, path: str | Path) -> Iterator[tuple[int, str]]:

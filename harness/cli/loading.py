@@ -16,7 +16,13 @@ __all__ = ["cluster_shape", "load_scenario_args"]
 
 
 def load_scenario_args(args: argparse.Namespace) -> Scenario:
+    import os
+
+    from harness.memory_budget import MAX_MEMORY_ENV
     from harness.scenario import default_scenario_text, load_scenario, parse_scenario
+
+    if getattr(args, "max_memory", None):
+        os.environ[MAX_MEMORY_ENV] = args.max_memory  # the sessions' builder (and any child process) checks it
 
     overrides = list(getattr(args, "overrides", []) or [])
     if getattr(args, "mode", None):

@@ -14,6 +14,24 @@ def _add_set(parser: argparse.ArgumentParser,
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE", help=text)
 
 
+def _add_max_memory(parser: argparse.ArgumentParser) -> None:
+    """``--max-memory SIZE``: the bound a run's estimated memory must fit (as well as the memory available)."""
+    from harness.memory_budget import MAX_MEMORY_ENV
+
+    def size(text: str) -> str:
+        from harness.memory_budget import parse_size
+
+        try:
+            parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    parser.add_argument("--max-memory", type=size, metavar="SIZE",
+                        help=f"refuse a run estimated to need more memory than SIZE (8G, 512M; also {MAX_MEMORY_ENV}); "
+                             "the memory available bounds it too")
+
+
 def _add_http(parser: argparse.ArgumentParser, default: str | None) -> None:
     """The options of the OpenAI front door a process serves (``--http`` and what it serves with)."""
     parser.add_argument("--http", default=default, metavar="HOST:PORT",
@@ -38,6 +56,7 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_max_memory(run)
     return run
 
 
@@ -133,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a scenario without running it")
     validate.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
     _add_set(validate)
+    _add_max_memory(validate)
     compare = sub.add_parser("compare", help="print two reports' summaries side by side with deltas")
     compare.add_argument("a", help="the first report directory (A: has summary.json)")
     compare.add_argument("b", help="the second report directory (B: deltas are B - A)")

@@ -102,13 +102,12 @@ def sweep_command(args: argparse.Namespace) -> int:
 
 def _scenario_not_sweep(path: str) -> str | None:
     """Why ``path`` is refused as a sweep when it is a scenario (None if it is not one): which command runs it."""
-    import yaml
-
     from harness.scenario import ScenarioError, file_kind, read_text_file
+    from harness.yaml_validation import YamlError, load_yaml
 
     try:
-        kind = file_kind(yaml.safe_load(read_text_file(Path(path), "sweep")))
-    except (ScenarioError, yaml.YAMLError, RecursionError):
+        kind = file_kind(load_yaml(read_text_file(Path(path), "sweep"), path).data)
+    except (ScenarioError, YamlError):
         return None
     return (f"{path}: a scenario, not a sweep file (a sweep has axes:): run it with kvemu run {path}, or name it in "
             "a sweep's base:") if kind == "scenario" else None

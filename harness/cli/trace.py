@@ -16,9 +16,12 @@ def trace_command(args: argparse.Namespace) -> int:
     from harness.traces.convert import convert_trace
     from harness.traces.formats import detect_format, load_graph
 
+    from workers.trace import trace_file_problem
+
     source = Path(args.input)
-    if not source.exists():
-        print(f"invalid: {source}: file not found", file=sys.stderr)
+    problem = trace_file_problem(source)
+    if problem is not None:
+        print(f"invalid: {source}: {problem}", file=sys.stderr)
         return 2
     if args.block_size is not None and args.block_size < 1:
         print("invalid: --block-size must be >= 1", file=sys.stderr)

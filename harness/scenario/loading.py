@@ -9,14 +9,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import yaml
 
 from kvemu.errors import InvalidArgument, KvemuError
 from workers.profile import cached_profile_timing
+from workers.trace import trace_file_problem
 
 from harness.scenario.schema import Scenario
 from harness.scenario.sections import TraceWorkload
-from harness.yaml_validation import describe_validation_error, floats_where_expected, key_location, value_at
+from harness.yaml_validation import (
+    YamlError,
+    describe_validation_error,
+    floats_where_expected,
+    key_location,
+    load_yaml,
+    value_at,
+)
 
 __all__ = [
     "ScenarioError",
@@ -47,7 +54,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ScenarioError(f"--set {item!r}: expected key.path=value")
-        value = yaml.safe_load(raw) if raw else ""
+        try:
+            value = load_yaml(raw, f"--set {key}").data if raw else ""
+        except YamlError as exc:
+            raise ScenarioError(str(exc)) from None
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -65,11 +75,10 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
                    source: str = "<scenario>") -> Scenario:
     """Validate scenario YAML text; raises ``ScenarioError`` naming the key path and line."""
     try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{source}: not valid YAML: {exc}") from None
-    except RecursionError:
-        raise ScenarioError(f"{source}: nested too deeply to be a scenario") from None
+        document = load_yaml(text, source)
+    except YamlError as exc:
+        raise ScenarioError(str(exc)) from None
+    raw, node = document.data or {}, document.node
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: the scenario must be a mapping of sections, got {type(raw).__name__}")
     if file_kind(raw) == "sweep":
@@ -89,13 +98,13 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
         for key in ("workers", "dp_size", "engine"):
             if key in cluster_raw:
-                at = key_location(text, ["cluster", key], overridden)
+                at = key_location(node, ["cluster", key], overridden)
                 raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
                                     f"cluster.prefill.{key} and cluster.decode.{key} instead")
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(describe_validation_error(exc, raw, text, source, schema=Scenario,
+        raise ScenarioError(describe_validation_error(exc, raw, node, source, schema=Scenario,
                                                       overridden=overridden)) from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
@@ -105,13 +114,14 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
             try:
                 cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
             except InvalidArgument as exc:
-                at = key_location(text, [*where, "timing_model", "path"], overridden)
+                at = key_location(node, [*where, "timing_model", "path"], overridden)
                 raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
     if isinstance(scenario.workload, TraceWorkload):
         path = resolve(scenario, scenario.workload.trace)
-        if not (path.is_file() or path.is_dir()):  # (a directory: a Weka corpus)
-            at = key_location(text, ["workload", "trace"], overridden)
-            raise ScenarioError(f"{source}: workload.trace{at}: file not found: {path}")
+        problem = trace_file_problem(path)  # (a directory passes: a Weka corpus)
+        if problem is not None:
+            at = key_location(node, ["workload", "trace"], overridden)
+            raise ScenarioError(f"{source}: workload.trace{at}: {problem}: {path}")
     return scenario
 
 
@@ -132,8 +142,8 @@ def paths_from_cwd(overrides: list[str], cwd: str | Path | None = None) -> list[
         key, sep, raw = item.partition("=")
         if sep and key and raw:
             try:
-                value = yaml.safe_load(raw)
-            except yaml.YAMLError:
+                value = load_yaml(raw, f"--set {key}").data
+            except YamlError:
                 value = None  # apply_overrides reports it
             for path_key in PATH_KEYS:
                 if path_key == key and isinstance(value, str) and value:

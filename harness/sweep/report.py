@@ -162,9 +162,9 @@ def _slug(key: str) -> str:
 
 def _axis_positions(values: list[str]) -> tuple[list[float], list[str] | None]:
     """Numeric axis values as numbers; anything else at 0, 1, 2 ... with the values as tick labels."""
-    import yaml
+    from harness.yaml_validation import load_yaml
 
-    parsed = [yaml.safe_load(v) for v in values]
+    parsed = [load_yaml(v, "an axis value").data for v in values]
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in parsed):
         return [float(v) for v in parsed], None
     return [float(i) for i in range(len(values))], values

@@ -46,7 +46,7 @@ from harness.scenario import (
     paths_from_cwd,
     read_text_file,
 )
-from harness.yaml_validation import describe_validation_error, floats_where_expected, line_of
+from harness.yaml_validation import YamlError, describe_validation_error, floats_where_expected, line_of, load_yaml
 
 __all__ = [
     "SweepError",
@@ -202,11 +202,10 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
     if len(text.encode()) > MAX_SWEEP_BYTES:
         raise SweepError(f"{source}: larger than {MAX_SWEEP_BYTES:,} bytes; is it a sweep?")
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SweepError(f"{source}: not valid YAML: {exc}") from None
-    except RecursionError:
-        raise SweepError(f"{source}: nested too deeply to be a sweep") from None
+        document = load_yaml(text, source)
+    except YamlError as exc:
+        raise SweepError(str(exc)) from None
+    raw, node = document.data, document.node
     if not isinstance(raw, dict):
         raise SweepError(f"{source}: a sweep is a mapping (base, set, axes, mode, seeds, figures, objective), "
                          f"got {type(raw).__name__}")
@@ -216,16 +215,19 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
             raise SweepError(f"--set {item!r}: expected key.path=value")
         if not isinstance(raw.get("set"), dict):
             raw["set"] = {}
-        raw["set"][key] = yaml.safe_load(value) if value else ""
+        try:
+            raw["set"][key] = load_yaml(value, f"--set {key}").data if value else ""
+        except YamlError as exc:
+            raise SweepError(str(exc)) from None
     if isinstance(raw.get("objective"), dict):  # set and axes values reach the scenario as text, read there
         floats_where_expected(raw["objective"], Objective)
     try:
         spec = msgspec.convert(raw, SweepSpec, strict=True)
     except msgspec.ValidationError as exc:
-        raise SweepError(describe_validation_error(exc, raw, text, source)) from None
+        raise SweepError(describe_validation_error(exc, raw, node, source)) from None
 
     def fail(path: list[str | int], message: str) -> SweepError:
-        line = line_of(text, path)
+        line = line_of(node, path)
         at = f" (line {line})" if line else ""
         key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
         return SweepError(f"{source}: {key}{at}: {message}")

@@ -15,9 +15,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_MS, MAX_TRACE_ROWS, trace_lines
+from workers.trace import (
+    MAX_OUTPUT_TOKENS,
+    MAX_PROMPT_TOKENS,
+    MAX_TRACE_MS,
+    MAX_TRACE_ROWS,
+    open_trace_file,
+    trace_lines,
+)
 
-__all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "open_text", "ms_to_ns",
+__all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "line_count", "open_text", "ms_to_ns",
            "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_ROWS", "error"]
 
 MAX_ID_BYTES = 256
@@ -48,13 +55,23 @@ def ns_to_ms(ns: int) -> float | int:
 
 
 def open_text(path: Path) -> IO[bytes]:
-    """The file's bytes, decompressed when it is gzip (by its magic number, not its name)."""
-    fh = open(path, "rb")
+    """The file's bytes, decompressed when it is gzip (by its magic number, not its name); a FIFO, socket or
+    device is refused (``open_trace_file``)."""
+    fh = open_trace_file(path)
     if fh.read(2) == b"\x1f\x8b":
         fh.close()
         return gzip.open(path, "rb")  # type: ignore[return-value]
     fh.seek(0)
     return fh
+
+
+def line_count(path: Path, chunk: int = 1 << 20) -> int:
+    """The lines of a trace file (decompressed), counted without parsing any: about a second for 10^7."""
+    lines, last = 0, b"\n"
+    with open_text(path) as fh:
+        while block := fh.read(chunk):
+            lines, last = lines + block.count(b"\n"), block[-1:]
+    return lines + (last != b"\n")
 
 
 def json_lines(path: Path, *, max_rows: int = MAX_TRACE_ROWS, what: str = "JSON object") -> Iterator[Row]:

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["ApiError", "failure_status", "error_body"]
+__all__ = ["ApiError", "ERROR_TYPES", "error_type", "failure_status", "error_body"]
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "BadRequestError",
-          429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowed", 408: "RequestTimeoutError", 409: "ConflictError",
+               410: "GoneError", 413: "BadRequestError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+               500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+               504: "GatewayTimeoutError"}
+"""The error ``type`` of each status kvemu answers with (OpenAI's client names where it has one)."""
+
+
+def error_type(status: int) -> str:
+    """``status``'s error type; one without its own is a client's (``BadRequestError``) or the server's
+    (``InternalServerError``) fault by its class, never a 4xx typed as the server's."""
+    return ERROR_TYPES.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
 
 # a failed request's recorded reason (``RequestRecord.failure``), by prefix, as the status a client gets
 _FAILURE_STATUS = (
@@ -41,7 +51,7 @@ class ApiError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
     """vLLM's error object for ``status``."""
-    return msgspec.json.encode({"error": {"message": message, "type": _TYPES.get(status, "InternalServerError"),
+    return msgspec.json.encode({"error": {"message": message, "type": error_type(status),
                                           "param": param, "code": status}})
 
 

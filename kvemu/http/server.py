@@ -18,13 +18,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from kvemu.errors import KvemuError
 
 __all__ = ["HttpServer", "ListenError", "check_listen", "parse_listen", "SERVERS", "MAX_HEAD_BYTES",
-           "REQUEST_TIMEOUT_S"]
+           "REQUEST_TIMEOUT_S", "DRAIN_S"]
 
 MAX_HEAD_BYTES = 64 << 10
 """The most bytes of a request line and headers together; more is refused with 431 and the connection closed."""
 REQUEST_TIMEOUT_S = 30.0
 """How long a connection may take to send a whole request (line, headers and body), counted from when the
 server starts waiting for it (the connection opened, or the previous response ended); then it is closed."""
+
+DRAIN_S = 1.0
+"""How long a connection answered before its request finished arriving (431, 413) goes on being read, and what
+comes dropped, before it is closed."""
 
 log = logging.getLogger("kvemu.http")
 
@@ -101,7 +105,9 @@ class _BoundedProtocol(HttpToolsProtocol):
         self._answered = 0
         self._deadline: Any = None
         self._refused = False
-        super().connection_made(transport)
+        """Answered and closing: what the client still sends is read and dropped (``_drain``)."""
+        self._raw = transport
+        super().connection_made(_DrainingTransport(transport, self))  # type: ignore[arg-type]  # duck-typed
         self._arm()
 
     def _arm(self) -> None:
@@ -119,7 +125,7 @@ class _BoundedProtocol(HttpToolsProtocol):
             return
         if self._in_head and self._head_bytes:  # a request started and never finished its headers
             self.transport.write(_refusal(408, b"Request Timeout", b"the request took too long to arrive"))
-        self.transport.close()  # an app still reading a body sees the client leave
+        self._raw.close()  # an app still reading a body sees the client leave
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -139,15 +145,26 @@ class _BoundedProtocol(HttpToolsProtocol):
         super().data_received(data)
 
     def _refuse(self) -> None:
-        """Answer 431 and close; reading goes on (dropped) for a second, so the answer is not lost to the
-        reset a close with unread data would send while the client is still sending."""
+        """Answer 431 and close (``_drain``)."""
+        self._raw.write(_refusal(431, b"Request Header Fields Too Large",
+                                 b"the request line and headers are larger than %d bytes" % self.max_head_bytes))
+        self._drain()
+
+    def _body_unread(self) -> bool:
+        """A request's headers came and the rest of its body has not (the app answered before reading it all)."""
+        return not self._in_head and not self._raw.is_closing()
+
+    def _drain(self) -> None:
+        """Close after an answer sent while the client may still be sending: end our side, then read and drop what
+        comes for up to ``DRAIN_S``, so the answer is not lost to the reset a close with unread data sends."""
+        if self._refused:
+            return
         self._disarm()
         self._refused = True
-        self.transport.write(_refusal(431, b"Request Header Fields Too Large",
-                                      b"the request line and headers are larger than %d bytes" % self.max_head_bytes))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self._deadline = self.loop.call_later(1.0, self.transport.close)
+        if self._raw.can_write_eof():
+            self._raw.write_eof()
+        self._raw.resume_reading()  # uvicorn paused reading while the app had not taken the body
+        self._deadline = self.loop.call_later(DRAIN_S, self._raw.close)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -166,6 +183,28 @@ class _BoundedProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._answered >= self._received and not self.transport.is_closing():
             self._arm()  # waiting for the client's next request
+
+
+class _DrainingTransport:
+    """A connection's transport as uvicorn sees it, except that its close of a connection whose request body is
+    still arriving (a 413 before the body was read, any answer sent early with ``connection: close``) drains
+    first (``_BoundedProtocol._drain``): closing at once reset the connection, and the client never saw its 413."""
+
+    def __init__(self, transport: Any, protocol: _BoundedProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        if self._protocol._body_unread():
+            self._protocol._drain()
+        else:
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._refused or bool(self._transport.is_closing())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _bounded(max_head_bytes: int, request_timeout_s: float) -> type[_BoundedProtocol]:

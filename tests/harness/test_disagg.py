@@ -259,6 +259,17 @@ def test_losing_a_decode_worker_mid_stream_fails_its_streaming_requests_and_leak
     no_leaks(out)
 
 
+def test_a_request_failing_for_an_empty_pool_names_that_pool():
+    """With only the prefill pool gone, requests failed "no workers are registered" while decode workers were."""
+    async def remove_prefill(c):
+        for wid in (0, 1):
+            await c.remove_worker(wid, graceful=True)
+
+    out = run_requests([(0.5, req("late"))], chaos=remove_prefill)
+    assert out["records"]["late"].failure == ("no_endpoints: no prefill workers are registered "
+                                              "(2 decode workers are)")
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(17, 700), st.integers(1, 60), st.integers(0, 3)),
                 min_size=1, max_size=14))

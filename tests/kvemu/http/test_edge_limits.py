@@ -280,6 +280,33 @@ def test_oversized_content_length_is_refused_before_the_body(server):
     assert b"connection: close" in reply.lower()
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_past_the_limit_gets_its_413_not_a_reset(declared):
+    """A 17 MB body (the default limit is 16 MB) sent whole before reading: the server answered 413 and closed
+    with the body unread, and the client got a connection reset instead of its answer."""
+    app = _app()
+    size = app.max_body_bytes + (1 << 20)
+    if declared:
+        raw = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % size) + b" " * size
+    else:
+        chunk = b" " * (1 << 20)
+        raw = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(chunk), chunk) * (size >> 20)
+               + b"0\r\n\r\n")
+
+    def body(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(raw)  # raises if the server resets the connection while the body is still going out
+            data = b""
+            while chunk := s.recv(65536):  # raises on a reset
+                data += chunk
+            return data
+
+    reply = serving(app, body)
+    assert status(reply) == 413 and b"larger than" in reply and b"connection: close" in reply.lower()
+
+
 def _held(port: int, raw: bytes, wait: float) -> tuple[bytes, float]:
     """Send ``raw`` and wait up to ``wait`` s for the server to answer or close: (what came, when it closed)."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
