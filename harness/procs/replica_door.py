@@ -46,7 +46,7 @@ __all__ = ["RouterLink", "RouterProcesses", "ReplicaCollector", "front_main", "P
 PING_S = 1.0
 """How often the front door asks each router for its view (workers registered; that it still answers)."""
 LOST_AFTER_S = 10.0
-"""A router silent this long is lost (its process may be gone: ``kvemu up`` and ``kvemu serve`` stop then)."""
+"""A router silent this long is lost (one whose process died is lost at once: its connection drops)."""
 MAX_QUEUED = 4096
 """Messages one router's socket may have waiting to be written; a request past that fails at once."""
 
