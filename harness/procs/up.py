@@ -464,8 +464,11 @@ class StopSignals:
             raise KeyboardInterrupt
 
     def __enter__(self) -> StopSignals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        except ValueError:  # not the main thread: signals are left alone
+            pass
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -435,3 +435,21 @@ def test_a_second_ctrl_c_while_kvemu_serve_stops_kills_its_children_now_without_
     assert text.count("kvemu serve: SIGINT again: killing now") == 1, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert _gone(tag)
+
+
+def test_a_router_replica_that_keeps_exiting_is_started_again_after_growing_delays():
+    """At once the first time; then 1, 2, 4 ... 30 s while it exits within a minute of each start; a replica that
+    ran a minute is restarted at once again."""
+    from harness.procs.up import RESTART_DELAYS_S, _Restarts
+
+    r = _Restarts()
+    now, delays = 100.0, []
+    for _ in range(9):
+        delays.append(r.exited(1, now))
+        assert r.take(now + delays[-1] - 0.01) == []
+        now += delays[-1]
+        assert r.take(now) == [1] and r.due == {}
+        now += 1.0  # it dies a second after it started
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0] and RESTART_DELAYS_S[-1] == 30.0
+    assert r.exited(1, now + 61.0) == 0.0  # it ran a minute: a fresh start
+    assert r.exited(2, now) == 0.0  # each replica counts its own
