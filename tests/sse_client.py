@@ -26,6 +26,8 @@ class Streamed:
     """``data: [DONE]`` was read."""
     ttft_s: float | None = None
     e2e_s: float | None = None
+    ended_at: float | None = None
+    """When it ended (``time.monotonic``)."""
     first_token: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -70,7 +72,8 @@ def stream_chat(base: str, session: str, max_tokens: int, out: Streamed | None =
         s.status, s.error = exc.code, exc.read().decode(errors="replace")
     except OSError as exc:  # the connection was cut
         s.error = s.error or f"connection: {exc!r}"
-    s.e2e_s = time.monotonic() - t0
+    s.ended_at = time.monotonic()
+    s.e2e_s = s.ended_at - t0
     s.first_token.set()
     return s
 

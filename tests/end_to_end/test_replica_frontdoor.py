@@ -410,7 +410,7 @@ def test_killing_one_of_three_router_replicas_under_serve_ends_its_streams_with_
         assert all(s.ended_with_reason and s.status == 200 for s in streams), streams
         assert all("router_lost: router replica 0" in (s.error or "") for s in lost), lost
         assert all(s.completed and s.usage["completion_tokens"] == 600 for s in healthy), healthy
-        assert max(s.e2e_s for s in lost) < time.monotonic() - killed_at  # (ended, not waited out)
+        assert max(s.ended_at for s in lost) - killed_at < 3.0  # at once, not after 10 s of silence
         # a new request of a session replica 0 had: served (by the next live replica, or the restarted one)
         again = stream_chat(base, by_replica[0][0], 50)
         assert again.completed and again.usage["completion_tokens"] == 50, again
