@@ -3,9 +3,15 @@
 With ``router.replicas``, ``kvemu up --http`` and ``kvemu serve`` run one router process per replica and this
 front door before them, as a load balancer sits before Dynamo's frontends or SGLang's gateway replicas. Each
 request goes to the replica ``router.replica_front`` picks (the same rule and seed as in one process and in the
-load generator), its cancel to the same one, and its tokens stream back from there (``StreamTokens``). A router
-that has not answered for ``lost_after_s`` is lost: its open requests fail with ``router_lost``, requests for it
-fail at once and ``/health`` says so, until it answers again.
+load generator), its cancel to the same one, and its tokens stream back from there (``StreamTokens``, the first
+message of every connection: a router streams to a connection, so a reconnected or restarted router is asked
+again).
+
+A router whose connection drops (its process died) or that has not answered for ``lost_after_s`` is lost: its
+open requests fail with ``router_lost`` (an SSE error event naming the reason), and until it answers again the
+requests ``router.replica_front`` gives it go to the next live replica round the ring (as a consistent-hash ring
+hands a dead node's keys to its successor: deterministic, and a session's turns stay together). ``/health`` is
+503 until every replica has had workers once, then only while no replica can take a request.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import anyio.abc
 import msgspec
 import zmq
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from zmq.utils.monitor import parse_monitor_message
 
 from kvemu.clock import Clock, WallClock
 from kvemu.http.backend import OnEnd, OnTokens
@@ -39,7 +46,7 @@ __all__ = ["RouterLink", "RouterProcesses", "ReplicaCollector", "front_main", "P
 PING_S = 1.0
 """How often the front door asks each router for its view (workers registered; that it still answers)."""
 LOST_AFTER_S = 10.0
-"""A router silent this long is lost (its process may be gone: ``kvemu up`` and ``kvemu serve`` stop then)."""
+"""A router silent this long is lost (one whose process died is lost at once: its connection drops)."""
 MAX_QUEUED = 4096
 """Messages one router's socket may have waiting to be written; a request past that fails at once."""
 
@@ -76,7 +83,16 @@ class RouterLink:
         self.unmatched = 0
         """Replies for no open request of this link (cancelled or failed here before the router answered)."""
         self.malformed = 0
+        self.rerouted = 0
+        """Requests sent here because the replica the front picked for them was not live."""
+        self.dropped = 0
+        """Connections to the router that dropped (its process died or restarted)."""
         self._tx, self._rx = anyio.create_memory_object_stream[bytes](MAX_QUEUED)
+
+    @property
+    def live(self) -> bool:
+        """Whether a request sent here now can run: the router answers and has workers."""
+        return self.lost is None and self.workers > 0
 
     def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
         """Send ``req`` to the router; ``on_end`` gets its record (at once if it cannot be sent)."""
@@ -102,25 +118,38 @@ class RouterLink:
         if self.open.pop(request_id, None) is None:
             return
         self._cancelled.add(request_id)
-        try:
-            self._tx.send_nowait(encode(CancelRequest(request_id=request_id, reason=reason)))
-        except anyio.WouldBlock:  # the router runs it to its end; its record is then dropped here
-            pass
+        self._queue(encode(CancelRequest(request_id=request_id, reason=reason)))
 
     async def serve(self, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        """Connect, ask for tokens, then write, read and ping until cancelled."""
+        """Ping, and keep a connection to the router until cancelled: a new one each time it drops."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._ping)
+            while True:
+                await self._connection(task_status)
+                task_status = anyio.TASK_STATUS_IGNORED
+
+    async def _connection(self, task_status: anyio.abc.TaskStatus) -> None:
+        """One connection: ``StreamTokens`` first (the router streams to a connection, not to this link), then
+        write and read until it drops; then its open requests are lost (the router can answer them on this
+        connection only) and whatever waited to be written for it is dropped."""
         sock = message_socket(zmq.DEALER)
         security.connect_securely(sock)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         try:
             await sock.send_multipart([CLIENT, encode(StreamTokens())])
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._write, sock)
                 tg.start_soon(self._read, sock)
-                tg.start_soon(self._ping)
                 task_status.started()
+                await _dropped(monitor)
+                tg.cancel_scope.cancel()
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
+        self.dropped += 1
+        self.lose(f"router replica {self.replica} at {self.endpoint} closed its connection", connection_gone=True)
 
     async def _write(self, sock: Any) -> None:
         async for data in self._rx:
@@ -141,6 +170,7 @@ class RouterLink:
             if self.lost is not None:
                 print(json.dumps({"event": "router_found", "replica": self.replica, "was": self.lost}), file=sys.stderr)
                 self.lost = None
+                self._queue(encode(StreamTokens()))  # before any request sent from now on (idempotent there)
             t = type(msg)
             if t is TokensReply:
                 opened = self.open.get(msg.request_id)  # type: ignore[union-attr]
@@ -162,26 +192,54 @@ class RouterLink:
     async def _ping(self) -> None:
         query = encode(StatsQuery())
         while True:
-            try:
-                self._tx.send_nowait(query)
-            except anyio.WouldBlock:
-                pass
+            self._queue(query)
             await anyio.sleep(self._ping_s)
             silent_ns = self._clock.now_ns() - self.heard_ns
             if self.lost is None and silent_ns > self._lost_after_ns:
                 self.lose(f"router replica {self.replica} at {self.endpoint} did not answer for "
                           f"{silent_ns / 1e9:.1f} s")
 
-    def lose(self, why: str) -> None:
-        """The router is gone: fail its open requests with ``router_lost``."""
-        print(json.dumps({"event": "router_lost", "replica": self.replica, "why": why}), file=sys.stderr)
-        self.lost = why
+    def _queue(self, data: bytes) -> None:
+        """Write ``data`` to the router after what waits already (dropped when too much waits: a query, a
+        cancel whose request the router then runs to its end)."""
+        try:
+            self._tx.send_nowait(data)
+        except anyio.WouldBlock:
+            pass
+
+    def lose(self, why: str, connection_gone: bool = False) -> None:
+        """The router is gone: fail its open requests with ``router_lost``. A router that is only silent is
+        asked to cancel them (it frees them if it comes back); with its connection gone it cannot answer them,
+        and what waited to be written for it is dropped."""
+        if self.lost is None:
+            print(json.dumps({"event": "router_lost", "replica": self.replica, "why": why}), file=sys.stderr)
+            self.lost = why
         self.workers = 0
         opened, self.open = self.open, {}
-        self._cancelled.clear()
         now = self._clock.now_ns()
-        for o in opened.values():
-            o.on_end(never_ran_record(o.req, now, f"router_lost: {why}"))
+        if connection_gone:
+            self._cancelled.clear()
+            while True:
+                try:
+                    self._rx.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+        for rid, o in opened.items():
+            if not connection_gone:
+                self._cancelled.add(rid)
+                self._queue(encode(CancelRequest(request_id=rid, reason="router_lost")))
+            o.on_end(never_ran_record(o.req, now, f"router_lost: {self.lost}"))
+
+
+async def _dropped(monitor: Any) -> None:
+    """Return once the socket ``monitor`` watches loses an established connection."""
+    connected = False
+    while True:
+        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_CONNECTED:
+            connected = True
+        elif event == zmq.EVENT_DISCONNECTED and connected:
+            return
 
 
 class RouterProcesses:
@@ -199,6 +257,8 @@ class RouterProcesses:
         self.block_size = block_size
         self._where: dict[str, RouterLink] = {}
         """Open requests: the router each went to."""
+        self._ready = False
+        """Every replica has had workers once (``/health`` is 503 before: the stack is starting)."""
 
     def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
         rid = req.request_id
@@ -207,7 +267,7 @@ class RouterProcesses:
             on_end(never_ran_record(req, self._clock.now_ns(),
                                     f"duplicate_request_id: {rid!r} is in use by a request still open"))
             return
-        link = self.links[self.front.pick_request(req)]
+        link = self._live_from(self.front.pick_request(req))
         where[rid] = link
 
         def ended(record: RequestRecord) -> None:
@@ -222,7 +282,22 @@ class RouterProcesses:
         if link is not None:
             link.cancel(request_id, reason)
 
+    def _live_from(self, i: int) -> RouterLink:
+        """Replica ``i`` if it is live, else the next live one round the ring; none live: ``i`` (the request then
+        fails there with the reason)."""
+        n = len(self.links)
+        for k in range(n):
+            link = self.links[(i + k) % n]
+            if link.live:
+                link.rerouted += k > 0
+                return link
+        return self.links[i]
+
     def unavailable(self) -> str | None:
+        if not self._ready:
+            self._ready = all(link.live for link in self.links)
+        if self._ready and any(link.live for link in self.links):
+            return None
         for link in self.links:
             if link.lost is not None:
                 return link.lost
@@ -230,6 +305,15 @@ class RouterProcesses:
             if link.workers == 0:
                 return f"no worker is registered with router replica {link.replica}"
         return None
+
+    def shut(self, reason: str) -> None:
+        """End every open request with ``reason``, asking each router to free it."""
+        now = self._clock.now_ns()
+        for link in self.links:
+            opened = list(link.open.values())
+            for o in opened:
+                link.cancel(o.req.request_id, reason)
+                o.on_end(never_ran_record(o.req, now, reason))
 
     async def serve(self, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -253,13 +337,19 @@ class ReplicaCollector:
                                labels=["replica"])
         workers = GaugeMetricFamily("kvemu_front_replica_workers", "Workers registered with each router replica",
                                     labels=["replica"])
+        rerouted = CounterMetricFamily("kvemu_front_replica_rerouted_requests", "Requests sent to each router replica "
+                                       "because the one the front picked was not live", labels=["replica"])
+        dropped = CounterMetricFamily("kvemu_front_replica_dropped_connections", "Connections to each router replica "
+                                      "that dropped (its process died or restarted)", labels=["replica"])
         for link in self._backend.links:
             label = [str(link.replica)]
             sent.add_metric(label, link.sent)
             opened.add_metric(label, len(link.open))
             up.add_metric(label, 0 if link.lost is not None else 1)
             workers.add_metric(label, link.workers)
-        yield from (sent, opened, up, workers)
+            rerouted.add_metric(label, link.rerouted)
+            dropped.add_metric(label, link.dropped)
+        yield from (sent, opened, up, workers, rerouted, dropped)
 
 
 async def _serve_front(scenario: Scenario, routers: list[str], http: HttpOptions, grace_s: float) -> None:
@@ -278,15 +368,13 @@ async def _serve_front(scenario: Scenario, routers: list[str], http: HttpOptions
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 break
-        # drain: open requests get up to grace_s to end (their routers answer them), then the rest fail here
+        # drain: open requests get up to grace_s to end (their routers answer them), then the rest fail here and
+        # their routers are told to free them (a supervisor stops the routers after this process)
         with anyio.move_on_after(grace_s):
             while any(link.open for link in links):
                 await anyio.sleep(0.01)
-        for link in links:
-            opened, link.open = link.open, {}
-            for o in opened.values():
-                o.on_end(never_ran_record(o.req, clock.now_ns(), "front_door_shutdown"))
-        await anyio.sleep(0.05)  # let the streams write their ends
+        backend.shut("front_door_shutdown")
+        await anyio.sleep(0.05)  # let the streams write their ends and the cancels leave
         tg.cancel_scope.cancel()
 
 

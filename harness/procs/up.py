@@ -41,7 +41,19 @@ from harness.procs.protocol import send_control
 from harness.text import counted
 from harness.scenario import Scenario
 
-__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env"]
+__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env", "DRAIN_S", "STOP_GRACE_S"]
+
+DRAIN_S = 10.0
+"""How long the front door, routers and workers the supervisor starts drain their open requests when stopped
+(their ``--grace``)."""
+STOP_GRACE_S = DRAIN_S + 5.0
+"""How long the supervisor gives each stage of its stop before SIGKILL: longer than a drain, so that every open
+stream ends with its ``[DONE]`` or an error event naming why, never cut."""
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+"""``kvemu serve`` starts a router replica that exited again after these delays: at once the first time, then the
+next one for each exit within ``RESTART_STABLE_S`` of its last start (one that dies as it starts is not restarted
+in a tight loop)."""
+RESTART_STABLE_S = 60.0
 
 
 class NotStarted(KvemuError, RuntimeError):
@@ -88,16 +100,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 class Children:
     """Child processes started with their JSON start line captured."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_groups: bool = False) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
         self.info: dict[str, dict[str, Any]] = {}
+        self.own_groups = own_groups
+        """Each child in a process group of its own: a terminal's Ctrl-C reaches the supervisor alone, which
+        stops them in order (``stop_all``) instead of every process at once."""
 
     def start(self, name: str, args: list[str], timeout_s: float = 30.0,
               env: dict[str, str] | None = None) -> dict[str, Any]:
         """Start ``python -P -m harness.cli ARGS`` (with ``env`` added to its environment) and wait for its
         start line."""
         proc = subprocess.Popen(cli_command(*args), env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE, text=True,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                                process_group=0 if self.own_groups else None)
         self.procs[name] = proc
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
@@ -142,30 +158,60 @@ class Children:
         return None
 
     def lost_workers(self) -> list[str]:
-        """Worker processes that exited unasked since the last call, each as ``worker-N exited (...)``; each is
-        then renamed ``gone-worker-N`` (a fault the cluster handles: the router fences it when its heartbeats
-        stop, and what it held fails with ``worker_lost``)."""
-        lost = []
+        """Worker processes that exited unasked since the last call, each as ``worker-N exited (...)`` (a fault
+        the cluster handles: the router fences it when its heartbeats stop, and what it held fails with
+        ``worker_lost``)."""
+        return [f"{name} exited ({how})" for name, how in self.exited("worker-")]
+
+    def exited(self, prefix: str) -> list[tuple[str, str]]:
+        """Children named ``prefix...`` that exited unasked since the last call, with how; each is then renamed
+        ``gone-NAME`` (its exit is handled: it is no crash)."""
+        out = []
         for name, proc in list(self.procs.items()):
             code = proc.poll()
-            if code is not None and name.startswith("worker-"):
-                lost.append(f"{name} exited ({_how(code)})")
+            if code is not None and name.startswith(prefix):
+                out.append((name, _how(code)))
                 self.procs[f"gone-{name}"] = self.procs.pop(name)
-        return lost
+        return out
 
-    def stop_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM everyone, then SIGKILL whoever is still there after ``grace_s``."""
+    def stop_all(self, grace_s: float = STOP_GRACE_S, hurry: threading.Event | None = None) -> None:
+        """Stop every child, in order: the front door and the load generator first (the front drains its open
+        streams while the routers and workers still serve them), then the routers, then the workers and the
+        rest. Each stage gets SIGTERM, then SIGKILL after ``grace_s``; once ``hurry`` is set (a second Ctrl-C),
+        whoever is left is killed at once."""
+        stages: dict[int, list[subprocess.Popen]] = {}
+        for name, proc in self.procs.items():
+            stages.setdefault(_stop_stage(name), []).append(proc)
+        for stage in sorted(stages):
+            procs = stages[stage]
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) takes its SIGTERM now
+            deadline = time.monotonic() + grace_s
+            while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline \
+                    and not (hurry is not None and hurry.is_set()):
+                time.sleep(0.02)
+            if hurry is not None and hurry.is_set():
+                break
+            for proc in procs:
+                _kill(proc)
         for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) takes its SIGTERM now, not at SIGKILL
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _kill(proc)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _stop_stage(name: str) -> int:
+    """When a child stops in ``Children.stop_all``: 0 the front door and the load generator, 1 the routers, 2
+    the rest (workers)."""
+    base = name.removeprefix("gone-")
+    return 0 if base in ("front", "loadgen") else 1 if base.startswith("router") else 2
 
 
 def _how(code: int) -> str:
@@ -262,7 +308,7 @@ class _Stack:
     def __init__(self, kids: Children, config: list[str], http: list[str], token: str,
                  worker_http: list[str] | None = None, replicas: int = 1) -> None:
         self.kids = kids
-        self.config = config
+        self.config = ["--grace", f"{DRAIN_S:g}", *config]  # every child drains for as long as stop_all expects
         self.token = token
         """The router's control token (chaos, a worker's exit)."""
         self.worker_http = worker_http or []
@@ -270,14 +316,16 @@ class _Stack:
         """Each worker's start line: id, KV-event and replay endpoints, HTTP URL (for clients and routers)."""
         self.routers: list[str] = []
         """Every router replica's endpoint, in replica order (the first is ``router``)."""
-        started = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *http, *config],
+        self.syncs: dict[int, str] = {}
+        """Where each router replica publishes its sync batches (``router.replica_sync``)."""
+        started = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", *http, *self.config],
                              env={CONTROL_TOKEN_ENV: token}) if replicas == 1 else self._start_replicas(replicas)
         self.router: str = started["listen"]
         if replicas == 1:
             self.routers = [self.router]
         elif http:  # the OpenAI front door: a process of its own, spreading over the router replicas
             started = kids.start("front", ["front", *(x for r in self.routers for x in ("--router", r)), *http,
-                                           *config])
+                                           *self.config])
         self.http: str | None = started.get("http")
         self.next_id = 0
         self.live: list[int] = []
@@ -285,18 +333,40 @@ class _Stack:
     def _start_replicas(self, n: int) -> dict[str, Any]:
         """Router replicas 0 .. n-1 (the first named ``router``, the others ``router-I``); with replica sync, each
         is then told where the others publish. Returns the first's start line."""
-        lines = [self.kids.start(replica_name(i), ["router", "--listen", "tcp://127.0.0.1:0", "--replica", str(i),
-                                                   *self.config], env={CONTROL_TOKEN_ENV: self.token})
-                 for i in range(n)]
+        lines = [self._start_replica(i) for i in range(n)]
         self.routers = [line["listen"] for line in lines]
-        pubs = {i: line["sync"] for i, line in enumerate(lines) if line.get("sync")}
-        for i, router in enumerate(self.routers):
-            if i in pubs:
-                reply = send_control(router, self.token, SyncPeers(token=self.token, peers={
-                    j: pub for j, pub in pubs.items() if j != i}))
-                if not reply.ok:
-                    raise NotStarted(f"router replica {i} refused its sync peers: {reply.detail}", None)
+        self.syncs = {i: line["sync"] for i, line in enumerate(lines) if line.get("sync")}
+        for i in range(n):
+            self._tell_sync_peers(i)
         return lines[0]
+
+    def _start_replica(self, i: int, listen: str = "tcp://127.0.0.1:0", sync: str | None = None) -> dict[str, Any]:
+        """Router replica ``i``'s process, listening at ``listen`` (and publishing its sync batches at ``sync``)."""
+        at = ["--sync-listen", sync] if sync else []
+        return self.kids.start(replica_name(i), ["router", "--listen", listen, "--replica", str(i), *at,
+                                                 *self.config], env={CONTROL_TOKEN_ENV: self.token})
+
+    def _tell_sync_peers(self, i: int) -> None:
+        """Tell router replica ``i`` where the others publish their sync batches (with replica sync)."""
+        if i in self.syncs:
+            reply = send_control(self.routers[i], self.token, SyncPeers(token=self.token, peers={
+                j: pub for j, pub in self.syncs.items() if j != i}))
+            if not reply.ok:
+                raise NotStarted(f"router replica {i} refused its sync peers: {reply.detail}", None)
+
+    def restart_replica(self, i: int) -> None:
+        """Start router replica ``i`` again at its addresses, after its process exited: the front door, the
+        workers and its peers reconnect to it there (the workers register again when it asks). ``NotStarted``
+        (its child killed and forgotten) when it does not come up."""
+        name = replica_name(i)
+        try:
+            self._start_replica(i, self.routers[i], self.syncs.get(i))
+            self._tell_sync_peers(i)
+        except NotStarted:
+            proc = self.kids.procs.pop(name, None)
+            if proc is not None:
+                _kill(proc)
+            raise
 
     def router_pids(self) -> list[int]:
         """Each router replica's process id, in replica order."""
@@ -329,39 +399,148 @@ def replica_name(i: int) -> str:
     return "router" if i == 0 else f"router-{i}"
 
 
+def replica_of(name: str) -> int:
+    """The replica whose child is named ``name`` (``replica_name``'s inverse)."""
+    return 0 if name == "router" else int(name.removeprefix("router-"))
+
+
+class _Restarts:
+    """When each router replica that exited is started again (``RESTART_DELAYS_S``)."""
+
+    def __init__(self) -> None:
+        self.due: dict[int, float] = {}
+        """Replicas to start again: when (``time.monotonic``)."""
+        self._streak: dict[int, int] = {}
+        self._started: dict[int, float] = {}
+
+    def exited(self, i: int, now: float) -> float:
+        """Replica ``i`` exited (or did not come up) at ``now``: schedule its restart; returns the delay."""
+        recent = now - self._started.get(i, -RESTART_STABLE_S) < RESTART_STABLE_S
+        streak = self._streak.get(i, 0) if recent else 0
+        delay = RESTART_DELAYS_S[min(streak, len(RESTART_DELAYS_S) - 1)]
+        self._streak[i] = streak + 1
+        self.due[i] = now + delay
+        return delay
+
+    def take(self, now: float) -> list[int]:
+        """The replicas whose restart is due now (each counted started now)."""
+        ready = sorted(i for i, t in self.due.items() if t <= now)
+        for i in ready:
+            del self.due[i]
+            self._started[i] = now
+        return ready
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while a supervisor runs: the first asks it to stop (``requested``; while ``interrupts``,
+    as ``KeyboardInterrupt``), the next, once the stop is under way, to kill its children now (``hurry``), each
+    said in one line. No traceback, and the stop is never abandoned half way."""
+
+    def __init__(self, who: str, begun: bool = False) -> None:
+        self.who = who
+        self.requested = threading.Event()
+        self.hurry = threading.Event()
+        self.interrupts = not begun
+        """The first signal also raises ``KeyboardInterrupt`` (while starting the children: stop waiting)."""
+        self._previous: dict[int, Any] = {}
+        if begun:  # (the stop is under way: the next signal kills)
+            self.requested.set()
+
+    def begin(self, why: str) -> None:
+        """The stop begins (for ``why``): a signal from now on kills the children now."""
+        if not self.requested.is_set():
+            self.requested.set()
+            print(f"{self.who}: {why}: stopping (open streams get up to {DRAIN_S:g} s to end, then the routers and "
+                  "workers stop); press Ctrl-C again to kill them now", file=sys.stderr, flush=True)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.requested.is_set():
+            if not self.hurry.is_set():
+                self.hurry.set()
+                print(f"{self.who}: {signal.Signals(signum).name} again: killing now", file=sys.stderr, flush=True)
+            return
+        self.begin(signal.Signals(signum).name)
+        if self.interrupts:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> StopSignals:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        except ValueError:  # not the main thread: signals are left alone
+            pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
                worker_http: list[str] | None = None) -> int:
-    """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM."""
-    kids = Children()
-    try:
-        stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http,
-                       scenario.router.replicas)
-        stack.start_workers(scenario)
-        print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router, "routers": stack.routers,
-                          "workers": scenario.cluster.workers, "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
-                          "worker_info": stack.worker_info}), flush=True)
-        behind = f" behind {len(stack.routers)} router replicas" if len(stack.routers) > 1 else ""
-        print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({counted(scenario.cluster.workers, 'worker')} x "
-              f"{counted(scenario.cluster.dp_size, 'rank')}{behind}); Ctrl-C stops", file=sys.stderr, flush=True)
-        with _terminate_as_interrupt():
-            while (problem := kids.crashed(workers_too=False)
-                   or _worker_exits(kids, scenario, stack.live, "kvemu serve", stack.routers, stack.token)) is None:
-                time.sleep(0.2)
-        print(f"kvemu serve: {problem}; stopping", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        kids.stop_all()
+    """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM.
+
+    Behind ``router.replicas``, a router replica that exits is started again at its address (``_Restarts``)
+    while the front door sends its requests to the live ones; the stack stops when the front door, or the one
+    router without replicas, exits. Children run in process groups of their own, so that Ctrl-C stops them in
+    order (``Children.stop_all``); a second Ctrl-C kills them at once."""
+    kids = Children(own_groups=True)
+    with StopSignals("kvemu serve") as stop:
+        try:
+            stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http,
+                           scenario.router.replicas)
+            stack.start_workers(scenario)
+            print(json.dumps({"event": "serving", "http": stack.http, "router": stack.router, "routers": stack.routers,
+                              "workers": scenario.cluster.workers,
+                              "worker_http": [w["http"] for w in stack.worker_info if w["http"]],
+                              "worker_info": stack.worker_info}), flush=True)
+            behind = f" behind {len(stack.routers)} router replicas" if len(stack.routers) > 1 else ""
+            print(f"kvemu serve: OpenAI API at {stack.http}/v1 ({counted(scenario.cluster.workers, 'worker')} x "
+                  f"{counted(scenario.cluster.dp_size, 'rank')}{behind}); Ctrl-C stops", file=sys.stderr, flush=True)
+            stop.interrupts = False
+            problem = _serve_until_stopped(kids, stack, scenario, stop)
+            if problem is not None:
+                stop.begin(problem)
+                return 1
+            return 0
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            stop.interrupts = False
+            stop.requested.set()  # (silently: the line saying why was printed)
+            kids.stop_all(hurry=stop.hurry)
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _serve_until_stopped(kids: Children, stack: _Stack, scenario: Scenario, stop: StopSignals) -> str | None:
+    """Watch the children until a stop is asked (None) or one the stack cannot serve without exits (why)."""
+    restarts = _Restarts()
+    replicas = len(stack.routers) > 1
+    while not stop.requested.is_set():
+        now = time.monotonic()
+        for name, how in kids.exited("router") if replicas else []:
+            i = replica_of(name)
+            delay = restarts.exited(i, now)
+            print(json.dumps({"event": "router_exited", "replica": i, "how": how, "restart_in_s": delay}),
+                  file=sys.stderr)
+            print(f"kvemu serve: router replica {i} exited ({how}); the front door sends its requests to the other "
+                  f"replicas; starting it again at {stack.routers[i]}" + (f" in {delay:g} s" if delay else ""),
+                  file=sys.stderr, flush=True)
+        for i in restarts.take(now):
+            try:
+                stack.restart_replica(i)
+            except NotStarted as exc:
+                delay = restarts.exited(i, time.monotonic())
+                print(f"kvemu serve: router replica {i} did not start again ({exc}); next try in {delay:g} s",
+                      file=sys.stderr, flush=True)
+                continue
+            print(json.dumps({"event": "router_restarted", "replica": i, "listen": stack.routers[i]}),
+                  file=sys.stderr, flush=True)
+        problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, stack.live, "kvemu serve",
+                                                                   stack.routers, stack.token)
+        if problem is not None:
+            return problem
+        time.sleep(0.2)
+    return None
 
 
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
@@ -430,4 +609,5 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
             _let_report(started_loadgen, outdir, started_wall, "interrupted; partial report", stop=signal.SIGTERM)
         return 130
     finally:
-        kids.stop_all()
+        with StopSignals("kvemu up", begun=True) as stopping:
+            kids.stop_all(hurry=stopping.hurry)

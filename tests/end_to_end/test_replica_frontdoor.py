@@ -3,6 +3,7 @@ with ``router.replicas``): requests spread by ``router.replica_front``, tokens s
 runs each request, and every router's messages accepted only on that router's own link."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, S
 from harness.procs.replica_door import RouterLink, RouterProcesses
 from harness.procs.up import Children
 from tests.end_to_end.test_processes import FAST, ROOT, _gone, router_and_worker, small
-from tests.end_to_end.test_supervisor import finish
-from tests.process_output import tagged_env
+from tests.end_to_end.test_supervisor import finish, served, slow_replicas
+from tests.process_output import tagged, tagged_env
+from tests.sse_client import open_streams, stream_chat
 
 TWO_REPLICAS = "router: {policy: kv, heartbeat_timeout_s: 1.5, replicas: 2, replica_front: session}\n"
 
@@ -38,11 +40,15 @@ class FakeRouter:
     """A ROUTER socket on 127.0.0.1 standing in for a router process: it keeps what clients send and answers as
     the test says."""
 
-    def __init__(self) -> None:
+    def __init__(self, endpoint: str | None = None) -> None:
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        if endpoint is None:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            endpoint = f"tcp://127.0.0.1:{port}"
+        else:  # a router started again at the address of one that went away
+            self.sock.bind(endpoint)
+        self.endpoint = endpoint
         self.got: list[object] = []
         self.peer: bytes | None = None
 
@@ -193,6 +199,63 @@ def test_a_silent_router_is_lost_its_requests_fail_and_it_is_found_again_when_it
     anyio.run(main)
 
 
+def test_a_router_whose_connection_drops_is_lost_at_once_its_requests_go_to_the_next_live_one_and_a_new_connection_asks_for_tokens_first():
+    """A router process that dies closes its connection: its open requests end with ``router_lost`` at once (not
+    after ``lost_after_s`` of silence), the requests the front gives it go to the next live replica round the
+    ring, and when a router is back at that address the new connection's first message is ``StreamTokens`` (a
+    router streams to a connection: without it a restarted router would send records only)."""
+    async def main() -> None:
+        routers = [FakeRouter(), FakeRouter(), FakeRouter()]
+        clock = WallClock()
+        links = [RouterLink(i, r.endpoint, clock, lost_after_s=60, ping_s=0.05) for i, r in enumerate(routers)]
+        front = ReplicaFront(3, "round_robin")
+        backend = RouterProcesses(links, front, clock, max_model_len=4096, block_size=16)
+        ended: dict[str, RequestRecord] = {}
+        tokens: list[int] = []
+
+        def submit(rid: str) -> None:
+            backend.submit(_request(rid), tokens.append, lambda rec: ended.setdefault(rid, rec))
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(backend.serve)
+            for r in routers:
+                await r.receive(StatsQuery)
+                await r.send(_stats(1))
+            await _until(lambda: backend.unavailable() is None)
+            submit("a")  # round robin: replica 0
+            await routers[0].receive(ClientRequest)
+            started = clock.now_ns()
+            routers[0].close()  # its process died
+            await _until(lambda: "a" in ended, timeout_s=2.0)
+            assert ended["a"].failure.startswith("router_lost: router replica 0 at ")
+            assert "closed its connection" in ended["a"].failure
+            assert (clock.now_ns() - started) / 1e9 < 2.0 and links[0].lost is not None
+            assert backend.unavailable() is None  # the others serve: /health stays 200
+            for rid in ("b", "c", "d"):  # round robin gives replicas 1, 2, then 0: lost, so its successor, 1
+                submit(rid)
+            assert [(await routers[i].receive(ClientRequest)).request_id for i in (1, 1, 2)] == ["b", "d", "c"]
+            assert [link.sent for link in links] == [1, 2, 1] and [link.rerouted for link in links] == [0, 1, 0]
+            routers[0] = FakeRouter(routers[0].endpoint)  # started again at its address
+            first = client_decoder.decode((await routers[0].sock.recv_multipart())[2])
+            assert type(first) is StreamTokens  # before any ping or request on the new connection
+            await routers[0].receive(StatsQuery)
+            await routers[0].send(_stats(1))
+            await _until(lambda: links[0].live)
+            submit("e")  # replica 1's turn; then "f" is replica 2's and "g" replica 0's again
+            submit("f")
+            submit("g")
+            assert (await routers[0].receive(ClientRequest)).request_id == "g"  # type: ignore[attr-defined]
+            await routers[0].send(TokensReply(request_id="g", n=2))
+            await routers[0].send(RecordReply(record=_record("g", 2)))
+            await _until(lambda: "g" in ended)
+            assert tokens == [2] and ended["g"].failure is None and links[0].dropped == 1
+            tg.cancel_scope.cancel()
+        for r in routers:
+            r.close()
+
+    anyio.run(main)
+
+
 # ------------------------------------------------------------------ router processes and kvemu serve
 
 
@@ -301,3 +364,97 @@ def test_tokens_reply_bounds_its_count():
     for n in (0, -1, 1 << 40):
         with pytest.raises(msgspec.ValidationError):
             reply_decoder.decode(msgspec.msgpack.encode({"type": "TokensReply", "request_id": "r", "n": n}))
+
+
+# ------------------------------------------------------------------ a router replica lost or restarted under load
+
+def _sessions(n: int, per: int) -> list[list[str]]:
+    """``per`` session ids for each of ``n`` replicas, as the scenario's front (session, run.seed 4) picks."""
+    front, out, i = ReplicaFront(n, "session", seed=4), [[] for _ in range(n)], 0
+    while min(len(x) for x in out) < per:
+        s, i = f"s{i}", i + 1
+        if len(out[front.pick(s)]) < per:
+            out[front.pick(s)].append(s)
+    return out
+
+
+def _metric(base: str, name: str, replica: int) -> float:
+    text = _get(f"{base}/metrics")[1].decode()
+    line = next(x for x in text.splitlines() if x.startswith(f'{name}{{replica="{replica}"}}'))
+    return float(line.split()[-1])
+
+
+def _until_true(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.process_supervision
+def test_killing_one_of_three_router_replicas_under_serve_ends_its_streams_with_router_lost_and_serves_on(tmp_path):
+    """Issue #43: SIGKILL of one replica used to end the whole stack in 5.4 s and cut all 9 open streams (status
+    200, no error event, no [DONE]). Now its 3 streams end with an error event naming ``router_lost``, the 6 on
+    the healthy replicas complete, requests for it go to a live one, and the supervisor starts it again."""
+    with served(tmp_path, 3) as (proc, err_path, tag, base):
+        by_replica = _sessions(3, 3)
+        streams, threads = open_streams(base, [s for ss in by_replica for s in ss], 600)
+        for s in streams:
+            assert s.first_token.wait(30) and s.ttft_s is not None, s
+        killed_at = time.monotonic()
+        os.kill(next(p for p, c in tagged(tag).items() if " router " in c and "--replica 0 " in c), signal.SIGKILL)
+        for t in threads:
+            t.join(90)
+        assert proc.poll() is None, "the stack stopped"
+        lost, healthy = streams[:3], streams[3:]
+        assert all(s.ended_with_reason and s.status == 200 for s in streams), streams
+        assert all("router_lost: router replica 0" in (s.error or "") for s in lost), lost
+        assert all(s.completed and s.usage["completion_tokens"] == 600 for s in healthy), healthy
+        assert max(s.ended_at for s in lost) - killed_at < 3.0  # at once, not after 10 s of silence
+        # a new request of a session replica 0 had: served (by the next live replica, or the restarted one)
+        again = stream_chat(base, by_replica[0][0], 50)
+        assert again.completed and again.usage["completion_tokens"] == 50, again
+        _until_true(lambda: '"event": "router_restarted", "replica": 0' in err_path.read_text(), 30,
+                    "replica 0 was not started again")
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        code, _ = finish(proc, timeout=90)
+    text = err_path.read_text()
+    assert code == 0, text[-3000:]
+    assert '"event": "router_exited", "replica": 0, "how": "signal SIGKILL"' in text
+    assert "Traceback" not in text
+    assert _gone(tag)
+
+
+@pytest.mark.process_supervision
+def test_a_router_replica_restarted_at_its_address_streams_through_the_front_again(tmp_path):
+    """Issue #43: ``StreamTokens`` was sent once per link, at connect; a replica started again at its address got
+    a new connection that never asked, so the front's streams came in one piece at the end (TTFT = E2E, 2
+    chunks). Now every new connection asks first."""
+    path = slow_replicas(tmp_path, 2)
+    kids = Children()
+    tag, env = tagged_env()
+    try:
+        routers = [kids.start(f"router-{i}", ["router", "--listen", "tcp://127.0.0.1:0", "--replica", str(i),
+                                              "--config", str(path)], env=env) for i in (0, 1)]
+        endpoints = [r["listen"] for r in routers]
+        for w in (0, 1):
+            kids.start(f"worker-{w}", ["worker", *(x for r in endpoints for x in ("--router", r)), "--worker-id",
+                                       str(w), "--config", str(path)], env=env)
+        base = kids.start("front", ["front", *(x for r in endpoints for x in ("--router", r)), "--http",
+                                    "127.0.0.1:0", "--config", str(path)], env=env)["http"]
+        _until_true(lambda: _get(f"{base}/health")[0] == 200, 30, "the replicas never had workers")
+        session = _sessions(2, 1)[1][0]
+        before = stream_chat(base, session, 200)
+        assert before.completed and before.chunks >= 20, before
+        kids.procs.pop("router-1").kill()
+        kids.start("router-1", ["router", "--listen", endpoints[1], "--replica", "1", "--config", str(path)], env=env)
+        _until_true(lambda: _metric(base, "kvemu_front_replica_workers", 1) == 2, 30,
+                    "the restarted replica never had its workers again, as the front door sees it")
+        after = stream_chat(base, session, 200)
+        assert after.completed and after.usage["completion_tokens"] == 200, after
+        assert after.chunks >= 20 and after.ttft_s < after.e2e_s / 4, after  # streamed, not one piece at the end
+        assert _metric(base, "kvemu_front_replica_requests_total", 1) == 2  # both went to replica 1
+    finally:
+        kids.stop_all()
+    assert _gone(tag)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.end_to_end.test_processes import _gone
 from tests.process_output import json_events, tagged, tagged_env
 
 pytestmark = pytest.mark.process_supervision
@@ -34,6 +35,32 @@ def scenario(tmp_path: Path, cluster: str = AGGREGATED, run: str = "", duration_
     path.write_text(f"name: sup\n{cluster}router: {{policy: kv, heartbeat_timeout_s: 1.5}}\n{WORKLOAD}"
                     f"run: {{mode: live, seed: 4, duration_s: {duration_s}{run}}}\n")
     return path
+
+
+SLOW_REPLICAS = """name: replicas
+cluster: {{workers: 2, dp_size: 1, engine: {{num_gpu_blocks: 4096, block_size: 16, speedup_ratio: 1,
+          decode_speedup_ratio: 1}}}}
+router: {{policy: kv, heartbeat_timeout_s: 1.5, replicas: {n}, replica_front: session}}
+workload: {{kind: synthetic, rate_rps: 15, turns: 2, think_time_s: 0.2, system_prefix_tokens: 64,
+           isl: {{kind: constant, mean: 96}}, osl: {{kind: constant, mean: 8}}}}
+run: {{mode: live, seed: 4, duration_s: 2}}
+"""
+
+
+def slow_replicas(tmp_path: Path, n: int) -> Path:
+    """A cluster of ``n`` router replicas (behind ``kvemu front`` under ``kvemu serve``) on real-time engines: a
+    stream of a few hundred tokens lasts seconds, long enough to stop or lose a process under it."""
+    path = tmp_path / "replicas.yaml"
+    path.write_text(SLOW_REPLICAS.format(n=n))
+    return path
+
+
+def serve(path: Path, env: dict[str, str], stderr, *, own_session: bool = False) -> subprocess.Popen:
+    """``kvemu serve`` of ``path`` (its start line on stdout; ``own_session``: in a process group of its own,
+    as a terminal's foreground job)."""
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", str(path), "--http", "127.0.0.1:0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+                            start_new_session=own_session)
 
 
 def up(path: Path, out: Path, *args: str) -> tuple[subprocess.Popen, str]:
@@ -321,3 +348,108 @@ def test_kvemu_serve_carries_on_when_a_worker_process_is_killed(tmp_path):
         code, err = finish(proc, timeout=60)
     assert code == 0, err[-3000:]
     assert "kvemu serve: worker-1 exited (signal SIGKILL); the cluster carries on without it" in err
+
+
+# ------------------------------------------------------------------ stopping kvemu serve with streams open
+
+
+def _until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def served(tmp_path: Path, replicas: int, *, own_session: bool = False):
+    """``kvemu serve`` of ``slow_replicas`` with its stderr in a file: yields it, the file, its children's tag and
+    the front door's URL once every replica has workers; killed at the end if it still runs."""
+    import urllib.request
+
+    tag, env = tagged_env()
+    err_path = tmp_path / "serve.err"
+    with err_path.open("w") as err:
+        proc = serve(slow_replicas(tmp_path, replicas), env, err, own_session=own_session)
+    try:
+        base = json.loads(proc.stdout.readline())["http"]  # type: ignore[union-attr]
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        _until(healthy, 30, "the stack never became healthy")
+        yield proc, err_path, tag, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_kvemu_serve_stops_front_first_so_every_open_stream_ends_with_its_done_or_a_reason(tmp_path):
+    """Issue #43: the supervisor SIGKILLed every child 5 s after SIGTERM while the front door drained for 10 s,
+    cutting long streams silently. Now the front drains first (the routers and workers still serve it), a
+    stream that outlasts the drain ends with an error event naming ``front_door_shutdown``, and only then do
+    the routers and workers stop."""
+    from harness.procs.up import DRAIN_S
+    from tests.sse_client import open_streams
+
+    with served(tmp_path, 2) as (proc, err_path, tag, base):
+        (short, long), threads = open_streams(base, ["a", "b"], [150, 20_000])
+        assert short.first_token.wait(30) and long.first_token.wait(30)
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(DRAIN_S + 30)
+        code, _ = finish(proc, timeout=60)
+        took = time.monotonic() - stopped_at
+    text = err_path.read_text()
+    assert code == 0, text[-3000:]
+    assert short.completed and short.usage["completion_tokens"] == 150, short
+    assert long.ended_with_reason and "front_door_shutdown" in (long.error or ""), long
+    assert DRAIN_S - 1 < long.e2e_s and took < DRAIN_S + 15, (long, took)
+    assert "Traceback" not in text
+    assert _gone(tag)
+
+
+def test_a_second_ctrl_c_while_kvemu_serve_stops_kills_its_children_now_without_a_traceback(tmp_path):
+    """Issue #43: a second Ctrl-C during the stop raised KeyboardInterrupt in the supervisor's wait (a traceback,
+    the stop abandoned). Sent as a terminal sends it (SIGINT to the foreground process group), the first now
+    says how to kill at once, the second says it kills, and every child is gone."""
+    from tests.sse_client import open_streams
+
+    with served(tmp_path, 2, own_session=True) as (proc, err_path, tag, base):
+        (stream,), _ = open_streams(base, ["a"], [20_000])
+        assert stream.first_token.wait(30)
+        os.killpg(proc.pid, signal.SIGINT)
+        _until(lambda: "press Ctrl-C again to kill them now" in err_path.read_text(), 10, "no word of the stop")
+        time.sleep(0.5)  # into the front door's drain
+        assert proc.poll() is None
+        os.killpg(proc.pid, signal.SIGINT)
+        killed_at = time.monotonic()
+        code, _ = finish(proc, timeout=30)
+        took = time.monotonic() - killed_at
+    text = err_path.read_text()
+    assert code == 0 and took < 5, (code, took, text[-3000:])
+    assert text.count("kvemu serve: SIGINT again: killing now") == 1, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert _gone(tag)
+
+
+def test_a_router_replica_that_keeps_exiting_is_started_again_after_growing_delays():
+    """At once the first time; then 1, 2, 4 ... 30 s while it exits within a minute of each start; a replica that
+    ran a minute is restarted at once again."""
+    from harness.procs.up import RESTART_DELAYS_S, _Restarts
+
+    r = _Restarts()
+    now, delays = 100.0, []
+    for _ in range(9):
+        delays.append(r.exited(1, now))
+        assert r.take(now + delays[-1] - 0.01) == []
+        now += delays[-1]
+        assert r.take(now) == [1] and r.due == {}
+        now += 1.0  # it dies a second after it started
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0] and RESTART_DELAYS_S[-1] == 30.0
+    assert r.exited(1, now + 61.0) == 0.0  # it ran a minute: a fresh start
+    assert r.exited(2, now) == 0.0  # each replica counts its own
