@@ -194,7 +194,8 @@ class Fleet:
                                 kv_events=list(actor.register_msg.kv_endpoints),
                                 kv_replay=list(actor.register_msg.kv_replay_endpoints)), actor, pubs, truth, end)
         http = self.http
-        app = worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth)
+        app = worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth,
+                          limits=http.admission)
         server = HttpServer(app, http.listen, http.server)
         try:
             with anyio.CancelScope() as scope:

@@ -172,7 +172,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             recorder.records.pop(rid, None)  # the client has its answer
 
         app = front_door(scenario, lambda: routers[AGGREGATED], hooks, clock, tokenizer=http.tokenizer,
-                         model=http.model, forget=forget)
+                         model=http.model, forget=forget, limits=http.admission)
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
     cancelling: dict[str, str] = {}  # cancelled while still decoding or hashing in the lane: key -> reason
