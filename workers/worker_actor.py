@@ -143,6 +143,10 @@ class WorkerActor:
         self.on_end: Callable[[RequestRecord, str], None] | None = None
         """Told every request that ends on this worker, with vLLM's finish reason (``length`` or ``abort``):
         the worker's metrics."""
+        self.on_sent_times: Callable[[RequestRecord, list[int]], None] | None = None
+        """Live mode: told a request's token times once they have been sent and before all but the last are
+        dropped (a live worker keeps O(1) of them per request; whoever counts gaps, the worker's metrics, sees
+        each gap once: here, or at ``on_end`` for the rest)."""
         self.on_pulled: Callable[[str], None] | None = None
         """Told each decode leg that came directly (``local``) once its rank has pulled the prompt's KV: the
         prefill worker holding it can free it (over HTTP, as vLLM's NIXL connector notifies the producer)."""
@@ -519,9 +523,13 @@ class WorkerActor:
                 continue
             sent = self._sent.get(rid, 0)
             # the first token goes at once; later ones are coalesced (zero-length passes come in bursts)
-            if len(rec.token_times_ns) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
-                send(TokenBatch(request_id=rid, times_ns=rec.token_times_ns[sent:]))
-                self._sent[rid] = len(rec.token_times_ns)
+            times = rec.token_times_ns
+            if len(times) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
+                send(TokenBatch(request_id=rid, times_ns=times[sent:]))
+                if self.on_sent_times is not None:
+                    self.on_sent_times(rec, times)
+                del times[:-1]  # the router has them: keep the last (the next gap starts there)
+                self._sent[rid] = 1
                 flushed[rid] = now
         for rec in res.completed:
             if rec.request_id in self._records:  # not aborted while its pass ran

@@ -85,6 +85,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     from workers.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)
+    actor.on_sent_times = metrics.token_gaps
     if truth is None:
         actor.on_end = metrics.finished
     else:
