@@ -39,3 +39,19 @@ def test_a_router_record_of_an_http_stream_keeps_no_list_of_token_times():
     assert answer["usage"]["completion_tokens"] == 400 and answer["nvext"]["timing"]["itl_ms"] is not None
     assert seen and {t for t, _, _ in seen} == {LastTokenTime}  # before: an array('q') of every token's time
     assert all(n == out for _, n, out in seen) and seen[-1][2] == 400
+
+
+def test_an_output_plan_is_the_same_walk_of_pieces_built_by_slices():
+    """A request's output ids and texts, piece ``(start + 7919 i) % k`` for token i, come from one laid-out walk
+    by slicing (100,000 tokens: a copy in C, not two Python loops a token on the event loop)."""
+    import xxhash
+
+    from kvemu.http.tokenizer import builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    k = len(tok._pieces)
+    assert tok._cycle is not None
+    for rid, n in (("a", 0), ("b", 1), ("cmpl-1", 1000), ("x", 2 * k + 5)):
+        start = xxhash.xxh3_64_intdigest(rid.encode()) % k
+        picks = [(start + 7919 * i) % k for i in range(n)]
+        assert tok.output(rid, n) == ([tok._piece_ids[j] for j in picks], [tok._pieces[j] for j in picks])
