@@ -67,6 +67,10 @@ class WorkerRejected(RuntimeError):
     """The router refused this worker's registration (or never answered it)."""
 
 
+STREAMS_PER_INTERVAL = 8
+"""Live: requests running on a worker beyond which each one's token batches are sent proportionally less often."""
+
+
 class WorkerActor:
     """Serves dispatches from one router with a ``MockWorker``."""
 
@@ -126,7 +130,11 @@ class WorkerActor:
         """Told (the seconds waited) when the router has not answered the registration after ``register_warn_s``
         (a wrong address or a different ``KVEMU_SECRET`` look the same: silence); logged when unset."""
         self.stream_interval_ns = 2_000_000
-        """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
+        """Wall time: after the first token, a request's tokens are sent at most this often (and at the end);
+        with more than ``STREAMS_PER_INTERVAL`` requests running, proportionally less often, so the worker sends
+        at most about that many batches per interval however many stream (the router and the front door do the
+        same work again per batch: unbounded, their queues and memory grow with every token in flight). The
+        times a batch carries stay exact."""
         self._flushed_at: dict[str, int] = {}
         self.dead_ranks: set[int] = set()
         self._last_sent_ns = -(1 << 62)
@@ -504,6 +512,11 @@ class WorkerActor:
                 await anyio.sleep(0)  # let the loop breathe between zero-length passes
             self._emit_step(core, res, pub)
 
+    def flush_interval_ns(self) -> int:
+        """How long a live request's tokens are coalesced now: ``stream_interval_ns``, longer in proportion past
+        ``STREAMS_PER_INTERVAL`` running requests."""
+        return self.stream_interval_ns * max(1, len(self._records) // STREAMS_PER_INTERVAL)
+
     def _emit_step(self, core: Core, res: StepResult, pub: KvPublisher) -> None:
         batch = res.kv_batch
         if batch is not None:
@@ -511,7 +524,7 @@ class WorkerActor:
         done = {rec.request_id for rec in res.completed}
         send = self._reply
         now = res.end_ns
-        interval = self.stream_interval_ns
+        interval = self.flush_interval_ns()
         flushed = self._flushed_at
         for rid, reserved, activated in res.pulled:
             self._pulled(rid, reserved, activated)
