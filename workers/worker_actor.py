@@ -67,8 +67,10 @@ class WorkerRejected(RuntimeError):
     """The router refused this worker's registration (or never answered it)."""
 
 
-STREAMS_PER_INTERVAL = 8
-"""Live: requests running on a worker beyond which each one's token batches are sent proportionally less often."""
+MAX_BATCHES_PER_S = 1000
+"""Live: about the most token batches a worker sends a second: with many requests running, each one's tokens are
+coalesced longer (at 1,000 a second, 100 streams get a batch each per 100 ms), as the router and the front door
+each do work again per batch."""
 
 
 class WorkerActor:
@@ -131,8 +133,8 @@ class WorkerActor:
         (a wrong address or a different ``KVEMU_SECRET`` look the same: silence); logged when unset."""
         self.stream_interval_ns = 2_000_000
         """Wall time: after the first token, a request's tokens are sent at most this often (and at the end);
-        with more than ``STREAMS_PER_INTERVAL`` requests running, proportionally less often, so the worker sends
-        at most about that many batches per interval however many stream (the router and the front door do the
+        with many requests running, less often, so the worker sends at most about ``MAX_BATCHES_PER_S`` however
+        many stream (the router and the front door do the
         same work again per batch: unbounded, their queues and memory grow with every token in flight). The
         times a batch carries stay exact."""
         self._flushed_at: dict[str, int] = {}
@@ -513,9 +515,9 @@ class WorkerActor:
             self._emit_step(core, res, pub)
 
     def flush_interval_ns(self) -> int:
-        """How long a live request's tokens are coalesced now: ``stream_interval_ns``, longer in proportion past
-        ``STREAMS_PER_INTERVAL`` running requests."""
-        return self.stream_interval_ns * max(1, len(self._records) // STREAMS_PER_INTERVAL)
+        """How long a live request's tokens are coalesced now: ``stream_interval_ns``, or longer, as long as it
+        takes to send ``MAX_BATCHES_PER_S`` for each running request."""
+        return max(self.stream_interval_ns, len(self._records) * NS_PER_S // MAX_BATCHES_PER_S)
 
     def _emit_step(self, core: Core, res: StepResult, pub: KvPublisher) -> None:
         batch = res.kv_batch

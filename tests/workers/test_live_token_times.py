@@ -30,15 +30,16 @@ def test_a_long_stream_holds_a_bounded_number_of_token_times_on_its_worker_and_e
 
 
 def test_past_a_few_streams_a_live_worker_coalesces_each_ones_tokens_longer():
-    """The batches a live worker sends per interval stay about ``STREAMS_PER_INTERVAL`` however many requests
+    """The batches a live worker sends a second stay about ``MAX_BATCHES_PER_S`` however many requests
     stream (300 long streams through ``kvemu serve``: front 927 -> 245 MB, routers ~730 -> ~400 MB each, and
     the front's /metrics answering again)."""
-    from workers.worker_actor import STREAMS_PER_INTERVAL
+    from workers.worker_actor import MAX_BATCHES_PER_S
 
     async def body(http, actor):
         base = actor.stream_interval_ns
         alone = actor.flush_interval_ns()
-        actor._records.update({f"r{i}": None for i in range(5 * STREAMS_PER_INTERVAL)})
+        n = 5 * base * MAX_BATCHES_PER_S // 10**9  # streams that need 5 x the base interval
+        actor._records.update({f"r{i}": None for i in range(n)})
         try:
             return base, alone, actor.flush_interval_ns()
         finally:
