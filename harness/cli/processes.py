@@ -203,8 +203,10 @@ def admission_limits(args: argparse.Namespace) -> Any:
     given = {k: v for k in ("max_running", "max_waiting") if (v := getattr(args, k, None)) is not None}
     try:
         return msgspec.convert(given, AdmissionLimits)
-    except msgspec.ValidationError as exc:
-        raise InvalidArgument(f"--{str(exc).rpartition('$.')[2].replace('_', '-')}: {exc}") from None
+    except msgspec.ValidationError as exc:  # "Expected `int` >= 1 - at `$.max_running`"
+        what, _, where = str(exc).partition(" - at ")
+        flag = where.strip("`").removeprefix("$.").replace("_", "-")
+        raise InvalidArgument(f"--{flag}: {what.replace('`', '')}", field=flag) from None
 
 
 def _http_flags(args: argparse.Namespace, listen: str) -> list[str]:

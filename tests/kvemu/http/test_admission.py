@@ -146,3 +146,13 @@ def test_a_flood_of_long_streams_is_capped_and_metrics_and_short_requests_still_
     assert max(res.short_ttft_s) < 2.0, res.short_ttft_s
     assert max(res.rss_kb) - base_kb < 400 * 1024, (base_kb, res.rss_kb)
     assert 'kvemu_admission_refused_total{reason="queue_full"}' in text
+
+
+def test_the_flags_out_of_bounds_are_a_usage_error_naming_the_flag(capsys):
+    from harness.cli import main
+
+    for argv, flag in ((["serve", "--max-running", "0"], "--max-running"),
+                       (["worker", "--http", "127.0.0.1:0", "--max-waiting", "100000"], "--max-waiting")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and f"{flag}: Expected int" in capsys.readouterr().err
