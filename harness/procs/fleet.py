@@ -219,7 +219,8 @@ class Fleet:
         kind = [] if pool == AGGREGATED else ["--worker-type", pool]
         http = self.http
         flags = ["--http", "127.0.0.1:0", "--model", http.model, "--http-server", http.server,
-                 *(["--tokenizer", http.tokenizer] if http.tokenizer else [])]
+                 *(["--tokenizer", http.tokenizer] if http.tokenizer else []),
+                 "--max-running", str(http.admission.max_running), "--max-waiting", str(http.admission.max_waiting)]
         started = self._kids.start(f"worker-{wid}", ["worker", "--worker-id", str(wid), *kind, "--kv-events",
                                                      "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
                                                      *flags, *self.config_args])
