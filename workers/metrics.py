@@ -74,6 +74,13 @@ class VllmMetrics:
             r = self._ranks[rank] = _Rank(self, (self.model, str(rank)))
         return r
 
+    def token_gaps(self, rec: RequestRecord, times: Sequence[int]) -> None:
+        """Observe the inter-token gaps of ``times``, consecutive token times of ``rec`` (a live worker tells
+        them as it drops them, the rest at ``finished``)."""
+        observe = self._rank(rec.dp_rank or 0).itl.observe
+        for a, b in zip(times, times[1:]):
+            observe((b - a) / NS_PER_S)
+
     def finished(self, rec: RequestRecord, reason: str) -> None:
         """A request ended on a rank (``reason``: ``length``, ``stop`` or ``abort``)."""
         r = self._rank(rec.dp_rank or 0)
@@ -93,9 +100,7 @@ class VllmMetrics:
         if rec.first_token_ns is not None:
             r.ttft.observe((rec.first_token_ns - rec.arrival_ns) / NS_PER_S)
             times = rec.token_times_ns
-            observe = r.itl.observe
-            for a, b in zip(times, times[1:]):
-                observe((b - a) / NS_PER_S)
+            self.token_gaps(rec, times)
             end = rec.completion_ns if rec.completion_ns is not None else (times[-1] if times else None)
             if end is not None:
                 r.e2e.observe((end - rec.arrival_ns) / NS_PER_S)

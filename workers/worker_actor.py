@@ -67,6 +67,12 @@ class WorkerRejected(RuntimeError):
     """The router refused this worker's registration (or never answered it)."""
 
 
+MAX_BATCHES_PER_S = 1000
+"""Live: about the most token batches a worker sends a second: with many requests running, each one's tokens are
+coalesced longer (at 1,000 a second, 100 streams get a batch each per 100 ms), as the router and the front door
+each do work again per batch."""
+
+
 class WorkerActor:
     """Serves dispatches from one router with a ``MockWorker``."""
 
@@ -126,7 +132,11 @@ class WorkerActor:
         """Told (the seconds waited) when the router has not answered the registration after ``register_warn_s``
         (a wrong address or a different ``KVEMU_SECRET`` look the same: silence); logged when unset."""
         self.stream_interval_ns = 2_000_000
-        """Wall time: after the first token, a request's tokens are sent at most this often (and at the end)."""
+        """Wall time: after the first token, a request's tokens are sent at most this often (and at the end);
+        with many requests running, less often, so the worker sends at most about ``MAX_BATCHES_PER_S`` however
+        many stream (the router and the front door do the
+        same work again per batch: unbounded, their queues and memory grow with every token in flight). The
+        times a batch carries stay exact."""
         self._flushed_at: dict[str, int] = {}
         self.dead_ranks: set[int] = set()
         self._last_sent_ns = -(1 << 62)
@@ -145,6 +155,10 @@ class WorkerActor:
         self.on_end: Callable[[RequestRecord, str], None] | None = None
         """Told every request that ends on this worker, with vLLM's finish reason (``length`` or ``abort``):
         the worker's metrics."""
+        self.on_sent_times: Callable[[RequestRecord, list[int]], None] | None = None
+        """Live mode: told a request's token times once they have been sent and before all but the last are
+        dropped (a live worker keeps O(1) of them per request; whoever counts gaps, the worker's metrics, sees
+        each gap once: here, or at ``on_end`` for the rest)."""
         self.on_pulled: Callable[[str], None] | None = None
         """Told each decode leg that came directly (``local``) once its rank has pulled the prompt's KV: the
         prefill worker holding it can free it (over HTTP, as vLLM's NIXL connector notifies the producer)."""
@@ -575,6 +589,11 @@ class WorkerActor:
                 await anyio.sleep(0)  # let the loop breathe between zero-length passes
             self._emit_step(core, res, pub)
 
+    def flush_interval_ns(self) -> int:
+        """How long a live request's tokens are coalesced now: ``stream_interval_ns``, or longer, as long as it
+        takes to send ``MAX_BATCHES_PER_S`` for each running request."""
+        return max(self.stream_interval_ns, len(self._records) * NS_PER_S // MAX_BATCHES_PER_S)
+
     def _emit_step(self, core: Core, res: StepResult, pub: KvPublisher) -> None:
         batch = res.kv_batch
         if batch is not None:
@@ -582,7 +601,7 @@ class WorkerActor:
         done = {rec.request_id for rec in res.completed}
         send = self._reply
         now = res.end_ns
-        interval = self.stream_interval_ns
+        interval = self.flush_interval_ns()
         flushed = self._flushed_at
         for rid, reserved, activated in res.pulled:
             self._pulled(rid, reserved, activated)
@@ -594,9 +613,13 @@ class WorkerActor:
                 continue
             sent = self._sent.get(rid, 0)
             # the first token goes at once; later ones are coalesced (zero-length passes come in bursts)
-            if len(rec.token_times_ns) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
-                send(TokenBatch(request_id=rid, times_ns=rec.token_times_ns[sent:]))
-                self._sent[rid] = len(rec.token_times_ns)
+            times = rec.token_times_ns
+            if len(times) > sent and (sent == 0 or now - flushed.get(rid, 0) >= interval):
+                send(TokenBatch(request_id=rid, times_ns=times[sent:]))
+                if self.on_sent_times is not None:
+                    self.on_sent_times(rec, times)
+                del times[:-1]  # the router has them: keep the last (the next gap starts there)
+                self._sent[rid] = 1
                 flushed[rid] = now
         for rec in res.completed:
             if rec.request_id in self._records:  # not aborted while its pass ran

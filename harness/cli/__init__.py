@@ -27,6 +27,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvemu`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "max_running", None) is not None or getattr(args, "max_waiting", None) is not None:
+        from kvemu.errors import InvalidArgument
+
+        from harness.cli.processes import admission_limits
+
+        try:
+            admission_limits(args)
+        except InvalidArgument as exc:
+            parser.error(str(exc))
     if getattr(args, "overrides", None):
         from harness.scenario import paths_from_cwd
 

@@ -13,6 +13,7 @@ import anyio
 
 from harness.cli.loading import load_scenario_args
 from harness.cli.preflight import autoscaler_problem, http_problem
+from harness.cli.processes import admission_limits
 
 __all__ = ["fleet_command", "bench_router_command"]
 
@@ -46,7 +47,7 @@ def fleet_command(args: argparse.Namespace) -> int:
     from harness.tuning import tune_gc
 
     http = HttpOptions(listen="127.0.0.1:0", tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
-                       model=args.model, server=args.http_server)
+                       model=args.model, server=args.http_server, admission=admission_limits(args))
     sets = [x for o in args.overrides for x in ("--set", o)]
     config = (["--config", str(Path(args.scenario).resolve())] if args.scenario else []) + sets
 

@@ -46,6 +46,10 @@ def _add_serving(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="kvemu", help="the model name clients use (default: kvemu)")
     parser.add_argument("--http-server", choices=["uvicorn", "granian"], default="uvicorn",
                         help="the HTTP server (granian: pip install 'kvemu[granian]')")
+    parser.add_argument("--max-running", type=int, metavar="N",
+                        help="generation requests served at once (1..65536, default 256); more wait")
+    parser.add_argument("--max-waiting", type=int, metavar="N",
+                        help="requests waiting for a slot (0..65536, default 256); more get 429 with Retry-After")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+import msgspec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -189,12 +191,29 @@ def _http_options(args: argparse.Namespace) -> Any:
         return None
     from harness.procs.protocol import HttpOptions
 
-    return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model, server=args.http_server)
+    return HttpOptions(listen=args.http, tokenizer=args.tokenizer, model=args.model, server=args.http_server,
+                       admission=admission_limits(args))
+
+
+def admission_limits(args: argparse.Namespace) -> Any:
+    """``--max-running``/``--max-waiting`` as checked limits (``InvalidArgument`` naming the flag out of bounds)."""
+    from kvemu.errors import InvalidArgument
+    from kvemu.http.admission import AdmissionLimits
+
+    given = {k: v for k in ("max_running", "max_waiting") if (v := getattr(args, k, None)) is not None}
+    try:
+        return msgspec.convert(given, AdmissionLimits)
+    except msgspec.ValidationError as exc:  # "Expected `int` >= 1 - at `$.max_running`"
+        what, _, where = str(exc).partition(" - at ")
+        flag = where.strip("`").removeprefix("$.").replace("_", "-")
+        raise InvalidArgument(f"--{flag}: {what.replace('`', '')}", field=flag) from None
 
 
 def _http_flags(args: argparse.Namespace, listen: str) -> list[str]:
     """The HTTP options a child process gets to serve on ``listen``."""
     flags = ["--http", listen, "--model", args.model, "--http-server", args.http_server]
+    flags += [x for k in ("max_running", "max_waiting") if (v := getattr(args, k, None)) is not None
+              for x in (f"--{k.replace('_', '-')}", str(v))]
     return flags + (["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else [])
 
 

@@ -9,7 +9,6 @@ every process of this machine.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qs
@@ -67,22 +66,32 @@ class LoadPage(msgspec.Struct):
 
 
 class _Log:
-    """A bounded log numbered from 0: the oldest entries go first, and how many went is counted."""
+    """A bounded log numbered from 0: the oldest entries go first, and how many went is counted.
+
+    A ring over a list: entry ``i`` sits at ``i % bound``, so a page is at most two slices, O(page) wherever
+    it starts (a deque indexes in O(distance from its ends))."""
 
     def __init__(self, bound: int) -> None:
-        self.items: deque[Any] = deque(maxlen=bound)
+        self.bound = bound
+        self.items: list[Any] = []
         self.total = 0
 
     def add(self, item: Any) -> None:
-        self.items.append(item)
+        if len(self.items) < self.bound:
+            self.items.append(item)
+        else:
+            self.items[self.total % self.bound] = item
         self.total += 1
 
     def page(self, after: int, limit: int) -> tuple[list[Any], int, int]:
         dropped = self.total - len(self.items)
         start = max(after, dropped)
         end = min(self.total, start + limit)
+        if start >= end:
+            return [], end, dropped
+        lo, hi = start % self.bound, (end - 1) % self.bound + 1
         items = self.items
-        return [items[i - dropped] for i in range(start, end)], end, dropped
+        return (items[lo:hi] if lo < hi else items[lo:] + items[:hi]), end, dropped
 
 
 class EngineTruth:

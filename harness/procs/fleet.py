@@ -194,7 +194,8 @@ class Fleet:
                                 kv_events=list(actor.register_msg.kv_endpoints),
                                 kv_replay=list(actor.register_msg.kv_replay_endpoints)), actor, pubs, truth, end)
         http = self.http
-        app = worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth)
+        app = worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth,
+                          limits=http.admission)
         server = HttpServer(app, http.listen, http.server)
         try:
             with anyio.CancelScope() as scope:
@@ -218,7 +219,8 @@ class Fleet:
         kind = [] if pool == AGGREGATED else ["--worker-type", pool]
         http = self.http
         flags = ["--http", "127.0.0.1:0", "--model", http.model, "--http-server", http.server,
-                 *(["--tokenizer", http.tokenizer] if http.tokenizer else [])]
+                 *(["--tokenizer", http.tokenizer] if http.tokenizer else []),
+                 "--max-running", str(http.admission.max_running), "--max-waiting", str(http.admission.max_waiting)]
         started = self._kids.start(f"worker-{wid}", ["worker", "--worker-id", str(wid), *kind, "--kv-events",
                                                      "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
                                                      *flags, *self.config_args])

@@ -10,6 +10,7 @@ import msgspec
 
 from kvemu.clock import Clock
 from kvemu.http import DEFAULT_MODEL
+from kvemu.http.admission import Admission, AdmissionLimits
 from kvemu.http.app import OpenAIApp
 from kvemu.http.backend import RouterBackend
 from kvemu.http.info import RankLoad, ServerInfo
@@ -39,35 +40,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, clock: Clock, *,
                tokenizer: str | None = None, model: str = DEFAULT_MODEL,
                forget: Callable[[str], None] | None = None, truth: EngineTruth | None = None,
-               front: Callable[[], Any] | None = None) -> OpenAIApp:
+               front: Callable[[], Any] | None = None, limits: AdmissionLimits | None = None) -> OpenAIApp:
     """The ASGI app serving OpenAI routes through ``router`` (a getter: chaos may replace the router), or
     through ``front`` (the router replicas' front door) when given; ``forget`` is told every request id that
-    ended (a recorder drops its copy)."""
+    ended (a recorder drops its copy); ``limits``: how many requests run and wait at once."""
     engine = engine_config(scenario.cluster)
     backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.resolved_block_size,
                             forget=forget, front=front)
-    metrics = FrontMetrics(model, (RouterCollector(router, hooks),))
+    admission = Admission(limits)
+    metrics = FrontMetrics(model, (RouterCollector(router, hooks), admission))
     tok = load_tokenizer(tokenizer)
     return OpenAIApp(backend, tok, model=model, clock=clock, metrics=metrics, output_lengths=output_lengths(scenario),
                      info=_server_info(engine, tok if tokenizer else None),
-                     extra_routes=truth.routes() if truth is not None else None)
+                     extra_routes=truth.routes() if truth is not None else None, admission=admission)
 
 
 def replicas_front_door(scenario: Scenario, links: list[RouterLink], clock: Clock, *, tokenizer: str | None = None,
-                        model: str = DEFAULT_MODEL) -> tuple[OpenAIApp, RouterProcesses]:
+                        model: str = DEFAULT_MODEL,
+                        limits: AdmissionLimits | None = None) -> tuple[OpenAIApp, RouterProcesses]:
     """The ASGI app of ``kvemu front``, and its backend: OpenAI routes over router processes (``links``, one per
     replica, spread by ``router.replica_front``), with each replica's requests and state in ``/metrics``."""
     engine = engine_config(scenario.cluster)
     backend = RouterProcesses(links, replica_front(scenario), clock, max_model_len=engine.capacity_tokens,
                               block_size=engine.resolved_block_size)
     tok = load_tokenizer(tokenizer)
-    app = OpenAIApp(backend, tok, model=model, clock=clock, metrics=FrontMetrics(model, (ReplicaCollector(backend),)),
-                    output_lengths=output_lengths(scenario), info=_server_info(engine, tok if tokenizer else None))
+    admission = Admission(limits)
+    app = OpenAIApp(backend, tok, model=model, clock=clock,
+                    metrics=FrontMetrics(model, (ReplicaCollector(backend), admission)),
+                    output_lengths=output_lengths(scenario), info=_server_info(engine, tok if tokenizer else None),
+                    admission=admission)
     return app, backend
 
 
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
-                model: str = DEFAULT_MODEL, truth: EngineTruth | None = None) -> OpenAIApp:
+                model: str = DEFAULT_MODEL, truth: EngineTruth | None = None,
+                limits: AdmissionLimits | None = None) -> OpenAIApp:
     """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins);
     with ``truth``, also what its engines did per request (whoever sent it: a client, a router over HTTP or
     kvemu's router over ZeroMQ) and per rank (``/kvemu/requests``, ``/kvemu/load``). A prefill or decode
@@ -78,6 +85,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     from workers.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)
+    actor.on_sent_times = metrics.token_gaps
     if truth is None:
         actor.on_end = metrics.finished
     else:
@@ -98,6 +106,8 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     handoff = KvHandoff(actor) if actor.worker_type in ("prefill", "decode") else None
     if handoff is not None:
         metrics.registry.register(handoff)
+    admission = Admission(limits)
+    metrics.registry.register(admission)
     async def unsettled(scope: dict, receive: Callable, send: Callable) -> None:
         """``GET /kvemu/unsettled``: what the engines still work for (a lanes barrier waits for 0)."""
         await respond(send, 200, msgspec.json.encode(Unsettled(actor.worker.unsettled(actor.clock.now_ns()))))
@@ -106,7 +116,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
               ("GET", "/kvemu/unsettled"): unsettled}
     return OpenAIApp(WorkerBackend(actor, truth, handoff), tok, model=model, clock=actor.clock, metrics=metrics,
                      output_lengths=output_lengths(scenario), rank_header="x-data-parallel-rank", info=info,
-                     extra_routes=routes, handoff=handoff)
+                     extra_routes=routes, handoff=handoff, admission=admission)
 
 
 def worker_listening(app: OpenAIApp, url: str) -> None:

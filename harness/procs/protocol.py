@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from kvemu.http import DEFAULT_MODEL
+from kvemu.http.admission import AdmissionLimits
 from kvemu.records import RequestRecord
 from kvemu.messages import MAX_OUTPUT_TOKENS, ClientRequest, Register, encode
 from kvemu.wire import security
@@ -194,6 +195,8 @@ class HttpOptions(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL
     server: str = "uvicorn"
     """``uvicorn`` or ``granian`` (``--http-server``)."""
+    admission: AdmissionLimits = AdmissionLimits()
+    """Generation requests served and queued at once (``--max-running``, ``--max-waiting``)."""
 
 
 def never_ran_record(req: ClientRequest, arrival_ns: int, failure: str | None = None) -> RequestRecord:

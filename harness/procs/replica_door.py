@@ -359,7 +359,8 @@ async def _serve_front(scenario: Scenario, routers: list[str], http: HttpOptions
 
     clock = WallClock()
     links = [RouterLink(i, endpoint, clock) for i, endpoint in enumerate(routers)]
-    app, backend = replicas_front_door(scenario, links, clock, tokenizer=http.tokenizer, model=http.model)
+    app, backend = replicas_front_door(scenario, links, clock, tokenizer=http.tokenizer, model=http.model,
+                                       limits=http.admission)
     server = HttpServer(app, http.listen, http.server)
     async with anyio.create_task_group() as tg:
         await tg.start(backend.serve)

@@ -26,6 +26,7 @@ from kvemu.clock import NS_PER_MS, WallClock
 from kvemu.disagg import DECODE
 from kvemu.errors import InvalidArgument
 from kvemu.hooks import HookEvent, Hooks
+from kvemu.http.backend import LastTokenTime, keep_last_token_time
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
 from kvemu.records import RequestRecord
@@ -172,7 +173,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             recorder.records.pop(rid, None)  # the client has its answer
 
         app = front_door(scenario, lambda: routers[AGGREGATED], hooks, clock, tokenizer=http.tokenizer,
-                         model=http.model, forget=forget)
+                         model=http.model, forget=forget, limits=http.admission)
         server = HttpServer(app, http.listen, http.server)
     in_flight: set[str] = set()
     cancelling: dict[str, str] = {}  # cancelled while still decoding or hashing in the lane: key -> reason
@@ -216,6 +217,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
                 # the record submit returns is the one on_end is given, complete once the request ended
                 record = front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+                if peer in streaming:  # a front door: it streams counts, and its records' token times go unread
+                    keep_last_token_time(record)
                 if key in cancelling:
                     front.cancel(key, cancelling.pop(key))
             except BaseException:
@@ -231,6 +234,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             recorder.records.pop(key, None)  # the client has its answer
             if record is not None and ended.is_set():
                 record.request_id = req.request_id
+                if isinstance(record.token_times_ns, LastTokenTime):
+                    record.token_times_ns = []
                 end.reply(peer, encode(RecordReply(record=record)))
 
     def decode_message(peer: bytes, data: bytes) -> ClientMessage | None:

@@ -55,7 +55,7 @@ async def _serve(scenario: Scenario, http: HttpOptions) -> None:
     hooks.subscribe(ended, "completed", "failed")
     async with cluster(scenario, clock, hooks, keep_history=False) as c:
         app = front_door(scenario, lambda: c.router, hooks, clock, tokenizer=http.tokenizer, model=http.model,
-                         truth=truth, front=lambda: c.front)
+                         truth=truth, limits=http.admission, front=lambda: c.front)
         server = HttpServer(app, http.listen, http.server)
         async with anyio.create_task_group() as tg:
             await tg.start(server.serve)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvemu.clock import NS_PER_S, Clock
+from kvemu.http.admission import Admission, Refused
 from kvemu.http.backend import Backend, Handoff
 from kvemu.http.errors import ApiError, error_body
 from kvemu.http.info import ServerInfo, load_body, model_info_body, models_body, server_info_body
@@ -85,8 +86,10 @@ class OpenAIApp:
                  max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
                  off_loop_chars: int = 64 << 10,
                  extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None,
-                 handoff: Handoff | None = None) -> None:
+                 handoff: Handoff | None = None, admission: Admission | None = None) -> None:
         self.backend = backend
+        self.admission = admission if admission is not None else Admission()
+        """How many generation requests run and wait at once (past that: 429/503 with ``Retry-After``)."""
         self.handoff = handoff
         self.tok = tokenizer
         self.model = model
@@ -160,7 +163,8 @@ class OpenAIApp:
             if self.metrics is not None and handler in (self._completions, self._chat):
                 self.metrics.refused("chat_completions" if handler == self._chat else "completions", False)
             # a refused body is not read: the connection cannot carry another request
-            await respond(send, exc.status, exc.body, CLOSE_HEADERS if exc.status in (408, 413) else None)
+            await respond(send, exc.status, exc.body, exc.headers if isinstance(exc, Refused)
+                          else CLOSE_HEADERS if exc.status in (408, 413) else None)
         except Exception as exc:  # noqa: BLE001 - a bug must not cost the client its answer
             log.exception("%s %s failed", scope["method"], scope["path"])
             await respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
@@ -335,8 +339,22 @@ class OpenAIApp:
         hints = hints_of(req, headers, rank_header=self.rank_header, ranks=self._own_ranks)
         raw_prompts = prompts_of(req, self.tok, self.backend.max_model_len)
         self._check_text_size(raw_prompts)
-        prompts = await self._tokens(raw_prompts)
         base = _request_id(headers, chat)
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if asked is None:
+            asked = self.backend.max_model_len if chat else 16  # chat: what the context leaves
+        tokens = max(0, min(asked, self.backend.max_model_len)) * len(raw_prompts)
+        long = tokens > self.admission.limits.long_tokens
+        await self.admission.enter(long, tokens, base)  # before tokenizing: a refused request costs no more
+        try:
+            await self._admitted(scope, receive, send, req, chat, arrived, headers, hints, raw_prompts, base)
+        finally:
+            self.admission.leave(long, tokens)
+
+    async def _admitted(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool, arrived: int,
+                        headers: dict[str, str], hints: Hints, raw_prompts: list[str | list[int]], base: str) -> None:
+        """Run a generation request that holds an admission slot, and write its answer."""
+        prompts = await self._tokens(raw_prompts)
         default = None if chat else 16  # chat: what the context leaves, as vLLM
         handoff = self.handoff if req.kv_transfer_params is not None or req.bootstrap_room is not None else None
         if handoff is not None and len(prompts) != 1:

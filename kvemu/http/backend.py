@@ -7,8 +7,8 @@ went away): the router frees its load and binding and the engine its blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, overload
 
 from kvemu.records import RequestRecord
 from kvemu.hooks import HookEvent, Hooks
@@ -16,10 +16,55 @@ from kvemu.messages import ClientRequest
 from kvemu.replica_front import Front
 from kvemu.runtime.router import Router
 
-__all__ = ["Backend", "Handoff", "RouterBackend", "OnTokens", "OnEnd"]
+__all__ = ["Backend", "Handoff", "LastTokenTime", "RouterBackend", "OnTokens", "OnEnd", "keep_last_token_time"]
 
 OnTokens = Callable[[int], None]
 OnEnd = Callable[[RequestRecord], None]
+
+
+class LastTokenTime(Sequence[int]):
+    """The token times of a request whose client keeps none (an HTTP answer carries counts and the first and
+    last times, never each token's): how many and the last, O(1) however long the stream, where a list grows
+    8 to 40 bytes a token. Only the last time can be read; nothing may iterate it (a record replied to such a
+    client is given an empty list first)."""
+
+    __slots__ = ("n", "last")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.last = 0
+
+    def extend(self, times: Sequence[int]) -> None:
+        if len(times):
+            self.n += len(times)
+            self.last = times[-1]
+
+    def append(self, t: int) -> None:
+        self.n += 1
+        self.last = t
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, int) and self.n and i in (-1, self.n - 1):
+            return self.last
+        raise IndexError("only the last token time of this request is kept")
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("only the last token time of this request is kept")
+
+
+def keep_last_token_time(record: RequestRecord) -> None:
+    """Let ``record`` (a router's, just opened) keep only its last token time: its client keeps none."""
+    if not len(record.token_times_ns):
+        record.token_times_ns = LastTokenTime()  # type: ignore[assignment]
 
 
 class Backend(Protocol):
@@ -100,7 +145,9 @@ class RouterBackend:
             if forget is not None:
                 forget(rid)
 
-        self._front().submit(req, ended)
+        record = self._front().submit(req, ended)
+        if isinstance(record, RequestRecord) and record.completion_ns is None and record.failure is None:
+            keep_last_token_time(record)  # an HTTP answer needs counts, the first and the last time
 
     def cancel(self, request_id: str, reason: str) -> None:
         self._streams.pop(request_id, None)

@@ -13,10 +13,12 @@ response gives back exactly the tokens the engine produced (and a next turn that
 from __future__ import annotations
 
 import functools
+import math
 import json
 import string
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
@@ -57,6 +59,13 @@ class TextTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = tok.token_to_id("<|endoftext|>")
         self._pieces, self._piece_ids = self._output_candidates()
+        k = len(self._pieces)
+        self._cycle: tuple[list[str], list[int], int] | None = None
+        """Outputs walk the pieces ``_STRIDE`` apart: that walk laid out once (texts, ids, and the inverse of
+        the stride modulo their count), so a request's plan is a slice of it, copied in C, not a loop a token."""
+        if math.gcd(_STRIDE, k) == 1:
+            order = [(_STRIDE * i) % k for i in range(k)]
+            self._cycle = [self._pieces[j] for j in order], [self._piece_ids[j] for j in order], pow(_STRIDE, -1, k)
 
     def _output_candidates(self) -> tuple[list[str], list[int]]:
         """Token texts that re-tokenize to themselves alone, also when joined by spaces: what outputs are made of."""
@@ -117,8 +126,26 @@ class TextTokenizer:
         pieces, piece_ids = self._pieces, self._piece_ids
         k = len(pieces)
         start = xxhash.xxh3_64_intdigest(request_id.encode()) % k
-        picks = [(start + 7919 * i) % k for i in range(n)]
+        if self._cycle is not None:  # piece (start + STRIDE * i) % k is the walk's entry (start / STRIDE + i) % k
+            texts, ids, inverse = self._cycle
+            at = start * inverse % k
+            return _cyclic(ids, at, n), _cyclic(texts, at, n)
+        picks = [(start + _STRIDE * i) % k for i in range(n)]
         return [piece_ids[j] for j in picks], [pieces[j] for j in picks]
+
+
+_STRIDE = 7919
+"""Consecutive output tokens are this many pieces apart (a prime: the walk visits every piece)."""
+
+_T = TypeVar("_T")
+
+
+def _cyclic(seq: list[_T], at: int, n: int) -> list[_T]:
+    """``n`` entries of ``seq`` read cyclically from ``at``."""
+    out = seq[at:at + n]
+    while len(out) < n:
+        out += seq[:n - len(out)]
+    return out
 
 
 def _build_builtin() -> Tokenizer:
