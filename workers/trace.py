@@ -19,7 +19,7 @@ import msgspec
 import xxhash
 
 from kvemu.errors import InvalidArgument
-from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
+from kvemu.limits import MAX_ID_CHARS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, U64, Count, I64
 from kvemu.token_sequence import TokenSequence
 from kvemu.hashing import BASE_SEED, local_block_hashes, sequence_hashes
 from workers.request import Request
@@ -125,20 +125,20 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
                        None if sid is None else str(sid), out_ids)
 
 
-_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 _Ms = Annotated[float, msgspec.Meta(ge=0, le=MAX_TRACE_MS)]
 
 
 class _DecodedRow(msgspec.Struct):
     """A trace row as msgspec decodes it, types and ranges checked in C: the fast path of ``read_mooncake``."""
 
-    hash_ids: tuple[_NonNegative, ...]  # (below 2**64: checked after, msgspec bounds stop at int64)
-    input_length: _NonNegative
+    hash_ids: Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]  # (below 2**64: checked after)
+    input_length: Count
     output_length: Annotated[int, msgspec.Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
     timestamp: _Ms | None = None
     delay: _Ms | None = None
-    session_id: str | int | None = None
-    output_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_U32_MASK)]] | None = None
+    session_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] | I64 | None = None
+    output_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=_U32_MASK)]],
+                                msgspec.Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
 
 
 _decode_row = msgspec.json.Decoder(_DecodedRow).decode
