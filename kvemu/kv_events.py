@@ -13,8 +13,8 @@ from typing import Annotated, Any, final
 import msgspec
 from msgspec import Meta
 
-from kvemu.limits import (MAX_ID_CHARS, MAX_NAME_CHARS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, U64_WIRE, I64, Finite,
-                          Rank)
+from kvemu.limits import (MAX_ID_CHARS, MAX_NAME_CHARS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, I64, Finite, Rank,
+                          WireInt)
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KVEventBatch", "MEDIUM_GPU", "MEDIUM_CPU",
            "MAX_EVENT_BLOCKS", "MAX_EVENT_TOKENS", "MAX_BATCH_EVENTS", "Hash", "Hashes", "EventTokens", "Label",
@@ -26,10 +26,10 @@ MAX_EVENT_TOKENS = MAX_PROMPT_TOKENS + MAX_OUTPUT_TOKENS
 """Most tokens one event carries (one request's)."""
 MAX_BATCH_EVENTS = 1 << 22
 """Most events one batch carries (vLLM sends one per evicted block)."""
-Hash = Annotated[int, Meta(ge=-(1 << 63), extra={"le": U64_WIRE})]
-"""A block hash: u64 (or the signed reinterpretation some releases send); msgpack caps the top."""
+Hash = WireInt
+"""A block hash: u64, or the signed reinterpretation some releases send (decoders make it u64)."""
 Hashes = Annotated[list[Hash], Meta(max_length=MAX_EVENT_BLOCKS)]
-EventTokens = Annotated[list[I64], Meta(max_length=MAX_EVENT_TOKENS)]
+EventTokens = Annotated[list[WireInt], Meta(max_length=MAX_EVENT_TOKENS)]
 Label = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 LoraName = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 """A LoRA name or a session id (a client's ids' bound)."""

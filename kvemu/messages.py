@@ -19,7 +19,8 @@ from msgspec import Meta
 from kvemu.config import RouterOverrides
 from kvemu.errors import InvalidArgument
 from kvemu.limits import (MAX_KV_BATCH_BYTES, MAX_LIST_ITEMS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, I64, Count,
-                          Endpoint, Id, Key, Name, Rank, Seconds, Text, TimeNs, WorkerId)
+                          Endpoint, Id, Key, Name, Rank, RequestId, Seconds, Text, TimeNs, WireInt,
+                          WorkerId)
 from kvemu.packed_tokens import PackedTokens
 from kvemu.records import sequences_as_lists
 from kvemu.transfer import KvTransfer
@@ -72,9 +73,10 @@ OutputTokens = Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
 TokenTimes = Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)]
 """Engine times of a request's tokens (ns)."""
 
-WirePrompt = (Annotated[list[I64], Meta(max_length=MAX_PROMPT_TOKENS)]
+WirePrompt = (Annotated[list[WireInt], Meta(max_length=MAX_PROMPT_TOKENS)]
               | Annotated[bytes, Meta(max_length=4 * MAX_PROMPT_TOKENS)])
-"""A prompt on the wire: a list of token ids, or the ids packed as little-endian u32 (msgpack ``bin``), which
+"""A prompt on the wire: a list of token ids (range-checked when packed, ``with_packed_prompt``, or by the
+router), or the ids packed as little-endian u32 (msgpack ``bin``), which
 kvemu's own senders use for lazy and packed prompts; decoding gives a ``PackedTokens`` for the packed form and
 for long lists (``PACK_FROM_TOKENS``)."""
 
@@ -88,7 +90,7 @@ _OPTS = dict(frozen=True, kw_only=True, tag=True, omit_defaults=True, forbid_unk
 class ClientRequest(msgspec.Struct, **_OPTS):
     """One inference request as a client (or the load generator) submits it."""
 
-    request_id: Id
+    request_id: RequestId
     tokens: WirePrompt
     """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt, ``PackedTokens``), on the wire a list
     or packed u32 bytes of at most ``MAX_PROMPT_TOKENS`` (a longer one fails to decode, unread)."""

@@ -21,7 +21,7 @@ import zmq
 from msgspec import Meta
 
 from kvemu.http import DEFAULT_MODEL
-from kvemu.limits import MAX_ID_CHARS, MAX_LIST_ITEMS, I64, Count, Id, Name, Rank, TimeNs, WorkerId
+from kvemu.limits import MAX_LIST_ITEMS, MAX_REQUEST_ID_CHARS, I64, Count, Name, Rank, RequestId, TimeNs, WorkerId
 from kvemu.records import RequestRecord
 from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_RANKS, ClientRequest, Register, encode
 from kvemu.wire import security
@@ -92,7 +92,7 @@ class CancelRequest(msgspec.Struct, tag=True, frozen=True):
     """End one of this client's open requests now: the router frees it and tells its worker to abort it; its
     record comes back as any request's, failed with ``reason``. Unknown or ended: nothing happens."""
 
-    request_id: Id
+    request_id: RequestId
     reason: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z_]+$")] = "cancelled"
 
 
@@ -106,7 +106,7 @@ class TokensReply(msgspec.Struct, tag=True, frozen=True):
     """``n`` more output tokens of one of this client's open requests (only to a client that sent
     ``StreamTokens``); its ``RecordReply`` follows when it ends."""
 
-    request_id: Id
+    request_id: RequestId
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_OUTPUT_TOKENS)]
 
 
@@ -118,7 +118,7 @@ client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 
 
-MAX_CLIENT_ID_CHARS = MAX_ID_CHARS
+MAX_CLIENT_ID_CHARS = MAX_REQUEST_ID_CHARS
 """The longest request id a refusal of a malformed client message echoes back (a longer one is refused by
 ``ClientRequest``'s own bound, and echoing it would only send the client its own junk back)."""
 
@@ -127,7 +127,7 @@ class _Head(msgspec.Struct):
     """What a malformed client message is read for: its type and request id (every other field skipped)."""
 
     type: Name = ""
-    request_id: Id = ""
+    request_id: RequestId = ""
     """(Longer than a ``ClientRequest`` may carry: nothing to answer, the message is dropped, counted.)"""
 
 

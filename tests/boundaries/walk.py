@@ -21,10 +21,12 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from kvemu.limits import U64_WIRE
+from kvemu.limits import U64_WIRE, WIRE_RANGE
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvemu", "harness", "workers")
+MSGPACK_FED = {"kvemu.wire.codec": "its msgspec.convert calls take what its own msgpack decoder gave (the generic "
+                                    "path): integers within msgpack's 64 bits"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class Site:
     """The type expression as written."""
     type: Any
     """What it names (None: a name that is not a module-level value, e.g. a parameter)."""
+
+    @property
+    def msgpack(self) -> bool:
+        """It decodes msgpack, whose integers stop at 64 bits (JSON and loaded YAML have no such cap)."""
+        return "msgpack" in self.call or self.module in MSGPACK_FED
 
 
 def _type_arg(node: ast.Call) -> tuple[str, ast.expr] | None:
@@ -86,14 +93,20 @@ def _bounded_int(t: mi.IntType, u64: bool = False) -> bool:
     return (t.ge is not None or t.gt is not None) and (t.le is not None or t.lt is not None or u64)
 
 
-def unbounded(root: Any) -> Iterator[str]:
-    """``Owner.field`` (with ``[]``, ``{}`` and ``|`` steps) of every leaf of ``root`` without a bound."""
+def unbounded(root: Any, msgpack: bool = True) -> Iterator[str]:
+    """``Owner.field`` (with ``[]``, ``{}`` and ``|`` steps) of every leaf of ``root`` without a bound; an integer
+    marked as the wire's range (``kvemu.limits.WireInt``, ``U64``) counts as bounded only when ``msgpack``."""
     seen: set[type] = set()
 
     def walk(t: mi.Type, where: str) -> Iterator[str]:
         if isinstance(t, mi.Metadata):
-            if isinstance(t.type, mi.IntType) and (t.extra or {}).get("le") == U64_WIRE:
-                if not _bounded_int(t.type, u64=True):
+            extra = t.extra or {}
+            if isinstance(t.type, mi.IntType) and extra.get("range") == WIRE_RANGE:
+                if not msgpack:
+                    yield f"{where}: int (the msgpack range, on a decoder without it)"
+                return
+            if isinstance(t.type, mi.IntType) and extra.get("le") == U64_WIRE:
+                if not (msgpack and _bounded_int(t.type, u64=True)):
                     yield f"{where}: int"
                 return
             yield from walk(t.type, where)
