@@ -118,6 +118,9 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
         raise InvalidArgument(f"output_length must be an integer in [0, {MAX_OUTPUT_TOKENS:,}], got {output_length!r}",
                               field="output_length")
     sid = row.get("session_id")
+    if sid is not None and len(str(sid).encode()) > MAX_ID_CHARS:
+        raise InvalidArgument(f"session_id is {len(str(sid).encode()):,} bytes long, more than the {MAX_ID_CHARS} a "
+                              "router takes", field="session_id")
     out_ids = row.get("output_token_ids")
     if out_ids is not None and not (isinstance(out_ids, (list, tuple)) and all(_is_int(t) and 0 <= t <= _U32_MASK for t in out_ids)):
         raise InvalidArgument("output_token_ids must be a list of integers in [0, 2**32)", field="output_token_ids")
@@ -156,6 +159,8 @@ def _fast_row(line: str, trace_block_size: int) -> MooncakeRow | None:
     if not 1 <= prompt <= MAX_PROMPT_TOKENS or max(ids) >= _U64_LIMIT:
         return None
     sid = r.session_id
+    if type(sid) is str and len(sid) > MAX_ID_CHARS // 4 and len(sid.encode()) > MAX_ID_CHARS:
+        return None  # (more bytes than characters: the full path names it)
     return MooncakeRow(ids, r.input_length, max(1, r.output_length), r.timestamp, r.delay,
                        None if sid is None else str(sid), r.output_token_ids)
 

@@ -274,3 +274,37 @@ def test_an_http_body_decodes_bounded_or_is_a_400(kind):
         decode_body(msgspec.json.encode(value), kind)
 
     fuzz()
+
+
+def _row_lines() -> st.SearchStrategy[str]:
+    valid = {"hash_ids": [1, 2, 3], "input_length": 40, "output_length": 5, "timestamp": 1.5, "session_id": "s",
+             "output_token_ids": [1, 2, 3, 4, 5]}
+    swapped = st.tuples(st.sampled_from([*valid, "delay"]), st.one_of(json_plain, json_hostile)).map(
+        lambda kv: msgspec.json.encode({**valid, kv[0]: kv[1]}).decode().replace(f'"{INF}"', "1e999"))
+    return st.one_of(st.text(max_size=40), json_plain.map(lambda v: msgspec.json.encode(v).decode()), swapped,
+                     st.just(msgspec.json.encode(valid).decode()),
+                     st.just(msgspec.json.encode({**valid, "session_id": "\u00e9" * 200}).decode()))
+
+
+def test_a_trace_row_decodes_bounded_the_same_on_both_paths_or_names_its_field():
+    """A Mooncake row: the fast path (msgspec) gives the checked path's row or steps aside (None); the checked
+    path gives a bounded row or ``InvalidArgument``; the session id within what a router takes."""
+    import json
+
+    from kvemu.errors import InvalidArgument
+    from workers.trace import _fast_row, mooncake_row
+
+    @FUZZ
+    @given(line=_row_lines())
+    def fuzz(line: str) -> None:
+        fast = _fast_row(line, 16)
+        try:
+            slow = mooncake_row(json.loads(line), 16)
+        except (json.JSONDecodeError, RecursionError, InvalidArgument):
+            assert fast is None, (line, fast)
+            return
+        assert fast is None or fast == slow, (line, fast, slow)
+        assert slow.session_id is None or len(slow.session_id.encode()) <= MAX_ID_CHARS
+        _tame(tuple(slow), MAX_ID_CHARS)
+
+    fuzz()
