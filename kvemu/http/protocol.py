@@ -52,6 +52,7 @@ Body = Annotated[str, Meta(max_length=MAX_BODY_BYTES)]
 """A prompt's or a message's text: at most what a body holds (``app.max_body_bytes``; ``prompts_of`` and the
 app bound it by the model's context)."""
 Model = Annotated[str, Meta(max_length=1024)]
+"""A model name (a Hugging Face id or a path, as clients send it)."""
 
 
 class StreamOptions(msgspec.Struct):
