@@ -18,6 +18,9 @@ from msgspec import Meta
 
 from kvemu.config import RouterOverrides
 from kvemu.errors import InvalidArgument
+from kvemu.limits import (MAX_KV_BATCH_BYTES, MAX_LIST_ITEMS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, I64, Count,
+                          Endpoint, Id, Key, Name, Rank, RequestId, Seconds, Text, TimeNs, WireInt,
+                          WorkerId)
 from kvemu.packed_tokens import PackedTokens
 from kvemu.records import sequences_as_lists
 from kvemu.transfer import KvTransfer
@@ -55,16 +58,25 @@ __all__ = [
     "PACK_FROM_TOKENS",
 ]
 
-MAX_PROMPT_TOKENS = 1 << 22
-"""Most tokens in a client's prompt (the most a scenario or trace may ask for): a longer one is refused while
-the message is decoded, from its array's length, before a list of it is built or any block of it hashed (a
-64 MiB message holds up to 64M one-byte token ids: 0.3 s and 360 MB per 10M tokens before this bound)."""
-MAX_OUTPUT_TOKENS = 1 << 22
-"""Most output token ids a client may choose for a request (``ClientRequest.output_token_ids``)."""
+# MAX_PROMPT_TOKENS (kvemu.limits): a longer prompt is refused while the message is decoded, from its array's
+# length, before a list of it is built or any block of it hashed (a 64 MiB message holds up to 64M one-byte
+# token ids: 0.3 s and 360 MB per 10M tokens before this bound).
 
-WirePrompt = (Annotated[list[int], Meta(max_length=MAX_PROMPT_TOKENS)]
+MAX_RANKS = 1 << 16
+"""Most DP ranks one worker registers."""
+MAX_BLOCK_SIZE = 1 << 16
+"""Largest KV block (tokens)."""
+
+TokenId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
+"""A token id (u32, as packed prompts carry them)."""
+OutputTokens = Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
+TokenTimes = Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)]
+"""Engine times of a request's tokens (ns)."""
+
+WirePrompt = (Annotated[list[WireInt], Meta(max_length=MAX_PROMPT_TOKENS)]
               | Annotated[bytes, Meta(max_length=4 * MAX_PROMPT_TOKENS)])
-"""A prompt on the wire: a list of token ids, or the ids packed as little-endian u32 (msgpack ``bin``), which
+"""A prompt on the wire: a list of token ids (range-checked when packed, ``with_packed_prompt``, or by the
+router), or the ids packed as little-endian u32 (msgpack ``bin``), which
 kvemu's own senders use for lazy and packed prompts; decoding gives a ``PackedTokens`` for the packed form and
 for long lists (``PACK_FROM_TOKENS``)."""
 
@@ -78,36 +90,36 @@ _OPTS = dict(frozen=True, kw_only=True, tag=True, omit_defaults=True, forbid_unk
 class ClientRequest(msgspec.Struct, **_OPTS):
     """One inference request as a client (or the load generator) submits it."""
 
-    request_id: str
+    request_id: RequestId
     tokens: WirePrompt
     """The prompt; in process any ``Sequence[int]`` (a lazy trace prompt, ``PackedTokens``), on the wire a list
     or packed u32 bytes of at most ``MAX_PROMPT_TOKENS`` (a longer one fails to decode, unread)."""
-    max_tokens: int = 16
-    session_id: str | None = None
+    max_tokens: OutputTokens = 16
+    session_id: Id | None = None
     """Session affinity key (multi-turn conversations)."""
-    parent_session_id: str | None = None
+    parent_session_id: Id | None = None
     """Sub-agent requests of one parent share a sibling-group binding."""
-    worker_id: int | None = None
+    worker_id: WorkerId | None = None
     """Explicit pin; never rewritten by affinity."""
-    dp_rank: int | None = None
-    allowed_worker_ids: list[int] | None = None
+    dp_rank: Rank | None = None
+    allowed_worker_ids: Annotated[list[WorkerId], Meta(max_length=MAX_LIST_ITEMS)] | None = None
     router_overrides: RouterOverrides | None = None
-    priority: int = 0
+    priority: I64 = 0
     """Strict priority tier in the router queue (higher first)."""
     do_not_queue: bool = False
-    lora_name: str | None = None
-    expected_output_tokens: int | None = None
+    lora_name: Id | None = None
+    expected_output_tokens: Count | None = None
     """Expected output length (``nvext.agent_hints.osl``): weights tracked output blocks by what is left."""
-    output_token_ids: Annotated[list[int], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
+    output_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
     """The ids the engine generates (a front end that shows text chooses them); default: the engine's own."""
-    engine_priority: int = 0
+    engine_priority: I64 = 0
     """The engine scheduler's priority (vLLM: lower first), passed through to the worker."""
-    prefill_worker_id: int | None = None
+    prefill_worker_id: WorkerId | None = None
     """Disaggregated clusters: pin the prefill leg to this worker (``worker_id`` pins the decode leg)."""
-    prefill_dp_rank: int | None = None
-    decode_worker_id: int | None = None
+    prefill_dp_rank: Rank | None = None
+    decode_worker_id: WorkerId | None = None
     """Disaggregated clusters: pin the decode leg (the same as ``worker_id``)."""
-    decode_dp_rank: int | None = None
+    decode_dp_rank: Rank | None = None
     kv_hold: bool = False
     """Set by a disaggregated router only: a prefill leg, whose KV the worker keeps for a decode rank."""
     kv_transfer: KvTransfer | None = None
@@ -117,18 +129,18 @@ class ClientRequest(msgspec.Struct, **_OPTS):
 class Register(msgspec.Struct, **_OPTS):
     """A worker announces itself and its ranks."""
 
-    worker_id: int
-    dp_size: int = 1
-    dp_start: int = 0
-    block_size: int = 64
-    total_kv_blocks: int | None = None
-    max_num_batched_tokens: int | None = None
-    worker_type: str = "aggregated"
-    taints: list[str] = []
-    kv_endpoints: list[str] = []
+    worker_id: WorkerId
+    dp_size: Annotated[int, Meta(ge=1, le=MAX_RANKS)] = 1
+    dp_start: Rank = 0
+    block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)] = 64
+    total_kv_blocks: Count | None = None
+    max_num_batched_tokens: Count | None = None
+    worker_type: Name = "aggregated"
+    taints: Annotated[list[Name], Meta(max_length=MAX_LIST_ITEMS)] = []
+    kv_endpoints: Annotated[list[Endpoint], Meta(max_length=MAX_RANKS)] = []
     """One KV-event endpoint per rank (live mode); empty when events travel in ``KvBatch`` messages."""
-    kv_replay_endpoints: list[str] = []
-    kv_groups: list[tuple[str, int | None]] = []
+    kv_replay_endpoints: Annotated[list[Endpoint], Meta(max_length=MAX_RANKS)] = []
+    kv_groups: Annotated[list[tuple[Name, Count | None]], Meta(max_length=MAX_LIST_ITEMS)] = []
     """A hybrid engine's KV cache groups by ``group_idx``: (``kv_cache_spec_kind``, sliding window), from its engine
     config; the router judges by them the events that do not name their group's kind (vLLM 0.20/0.21). Empty:
     one group, or not known."""
@@ -137,10 +149,10 @@ class Register(msgspec.Struct, **_OPTS):
 class RegisterAck(msgspec.Struct, **_OPTS):
     """The router's answer to ``Register``."""
 
-    worker_id: int
+    worker_id: WorkerId
     accepted: bool
-    reason: str | None = None
-    retry_after_s: float | None = None
+    reason: Text | None = None
+    retry_after_s: Seconds | None = None
     """Set when the refusal is temporary (``rate_limited``): register again after this long."""
 
 
@@ -151,38 +163,38 @@ class Reregister(msgspec.Struct, **_OPTS):
 class Heartbeat(msgspec.Struct, **_OPTS):
     """A worker is alive."""
 
-    worker_id: int
+    worker_id: WorkerId
 
 
 class Draining(msgspec.Struct, **_OPTS):
     """A worker stops taking new requests and finishes what it has (graceful shutdown begins)."""
 
-    worker_id: int
+    worker_id: WorkerId
 
 
 class RankDown(msgspec.Struct, **_OPTS):
     """One DP rank of a worker died: its requests failed, its cache is gone, it takes no more work."""
 
-    worker_id: int
-    dp_rank: int
+    worker_id: WorkerId
+    dp_rank: Rank
 
 
 class Deregister(msgspec.Struct, **_OPTS):
     """A worker leaves (graceful shutdown)."""
 
-    worker_id: int
-    reason: str = "shutdown"
+    worker_id: WorkerId
+    reason: Text = "shutdown"
 
 
 class Dispatch(msgspec.Struct, **_OPTS):
     """Run this request on this rank."""
 
-    request_id: str
-    dp_rank: int
+    request_id: Key
+    dp_rank: Rank
     tokens: WirePrompt
-    max_tokens: int
-    output_token_ids: Annotated[list[int], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
-    priority: int = 0
+    max_tokens: OutputTokens
+    output_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
+    priority: I64 = 0
     hold_kv: bool = False
     """A prefill leg: compute the prompt, report it finished, and keep its KV until ``ReleaseKv``."""
     kv_transfer: KvTransfer | None = None
@@ -192,39 +204,39 @@ class Dispatch(msgspec.Struct, **_OPTS):
 class DispatchAck(msgspec.Struct, **_OPTS):
     """The worker accepted the dispatch, or rejected it with a reason."""
 
-    request_id: str
+    request_id: Key
     accepted: bool
-    reason: str | None = None
+    reason: Text | None = None
 
 
 class Abort(msgspec.Struct, **_OPTS):
     """Drop this request (its client went away or it was cancelled): free its blocks, send nothing more."""
 
-    request_id: str
-    reason: str = "cancelled"
+    request_id: Key
+    reason: Text = "cancelled"
 
 
 class TokenBatch(msgspec.Struct, **_OPTS):
     """Tokens produced since the last message for this request, with their engine times."""
 
-    request_id: str
-    times_ns: list[int]
+    request_id: Key
+    times_ns: TokenTimes
 
 
 class Finished(msgspec.Struct, **_OPTS):
     """The request completed; ``times_ns`` are its last tokens, the rest the engine's facts of its record."""
 
-    request_id: str
-    times_ns: list[int]
-    cached_tokens: int = 0
+    request_id: Key
+    times_ns: TokenTimes
+    cached_tokens: Count = 0
     """The prefix the engine found cached (``RequestRecord.engine_cached_tokens``)."""
-    reused_tokens: int | None = None
+    reused_tokens: Count | None = None
     """The prefix it found cached at its last admission (``RequestRecord.engine_reused_tokens``)."""
-    host_cached_tokens: int | None = None
+    host_cached_tokens: Count | None = None
     """The part of ``cached_tokens`` loaded from its host tier (``RequestRecord.engine_host_cached_tokens``)."""
-    dp_rank: int = 0
-    admitted_ns: int | None = None
-    preemptions: int = 0
+    dp_rank: Rank = 0
+    admitted_ns: TimeNs | None = None
+    preemptions: Count = 0
     kv_transfer: KvTransfer | None = None
     """A prefill leg: where its KV is held and how fast it moves (the decode leg's ``Dispatch`` carries it)."""
 
@@ -232,32 +244,32 @@ class Finished(msgspec.Struct, **_OPTS):
 class KvPulled(msgspec.Struct, **_OPTS):
     """A decode rank has a request's KV (the transfer is over): the prefill rank may free its copy."""
 
-    request_id: str
-    reserved_ns: int
+    request_id: Key
+    reserved_ns: TimeNs
     """When the decode rank reserved room for the prompt (the transfer started)."""
-    activated_ns: int
+    activated_ns: TimeNs
     """When the request joined the decode rank's passes (the transfer ended, at a pass boundary)."""
 
 
 class ReleaseKv(msgspec.Struct, **_OPTS):
     """The decode rank took the KV of this prefill leg: free it (the blocks stay cached)."""
 
-    request_id: str
+    request_id: Key
 
 
 class RequestFailed(msgspec.Struct, **_OPTS):
     """The worker could not finish the request."""
 
-    request_id: str
-    reason: str
+    request_id: Key
+    reason: Text
 
 
 class KvBatch(msgspec.Struct, **_OPTS):
     """A vLLM-encoded KV-event payload of one rank (in-memory transports only)."""
 
-    dp_rank: int
-    seq: int
-    payload: bytes
+    dp_rank: Rank
+    seq: Count
+    payload: Annotated[bytes, Meta(max_length=MAX_KV_BATCH_BYTES)]
 
 
 WORKER_CHAOS = ("kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker")
@@ -268,7 +280,7 @@ class Chaos(msgspec.Struct, **_OPTS):
     """A fault for the worker to apply to itself: the control channel of chaos on real processes."""
 
     action: Literal["kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker"]
-    dp_rank: Annotated[int, Meta(ge=0)] = 0
+    dp_rank: Rank = 0
     """The rank (``kill_rank``, ``drop_kv_events``)."""
     count: Annotated[int, Meta(ge=1, le=1 << 30)] = 1
     """Batches to drop (``drop_kv_events``)."""

@@ -33,6 +33,7 @@ from msgspec import Meta
 from kvemu.approx import ApproxIndex
 from kvemu.clock import NS_PER_S
 from kvemu.index import WorkerKey
+from kvemu.limits import U64, Key
 from kvemu.load import LoadTracker
 
 __all__ = ["SyncBook", "SyncPrefillDone", "SyncFree", "SyncEvent", "SyncBatch", "SyncOutbox", "SyncInbox",
@@ -42,13 +43,15 @@ MAX_REPLICAS = 64
 """Most router replicas one cluster runs (``router.replicas``)."""
 MAX_SYNC_BATCH_EVENTS = 4096
 """Most events one batch may carry (a bigger one is refused whole at decoding)."""
+MAX_PROMPT_BLOCKS = 1 << 20
+"""Most blocks one booking names (a 4M-token prompt in 4-token blocks)."""
 PEER_BOOKING_TTL_NS = 300 * NS_PER_S
 """A peer's booking is forgotten this long after it arrived if its ``SyncFree`` never came (Dynamo's default
 active-request expiry)."""
 
-_Id = Annotated[str, Meta(max_length=1024)]
+_Id = Key
 _Int = Annotated[int, Meta(ge=0, le=1 << 31)]
-_U64 = Annotated[int, Meta(ge=0)]  # (msgpack integers stop at 2**64 - 1; msgspec bounds only fit int64)
+_U64 = U64
 
 
 class SyncBook(msgspec.Struct, tag="book", frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -57,12 +60,12 @@ class SyncBook(msgspec.Struct, tag="book", frozen=True, forbid_unknown_fields=Tr
     request_id: _Id
     worker_id: _Int
     dp_rank: _Int
-    blocks: Annotated[list[_U64], Meta(max_length=1 << 20)]
+    blocks: Annotated[list[_U64], Meta(max_length=MAX_PROMPT_BLOCKS)]
     """The prompt blocks it holds there (the sequence hashes, or the booking's own ids without assumed reuse)."""
     prefill_tokens: _Int
-    local_hashes: Annotated[list[_U64], Meta(max_length=1 << 20)] = []
+    local_hashes: Annotated[list[_U64], Meta(max_length=MAX_PROMPT_BLOCKS)] = []
     """With ``predictions``: the prompt's block hashes, for the receiver's approximate prefix index."""
-    seq_hashes: Annotated[list[_U64], Meta(max_length=1 << 20)] = []
+    seq_hashes: Annotated[list[_U64], Meta(max_length=MAX_PROMPT_BLOCKS)] = []
 
 
 class SyncPrefillDone(msgspec.Struct, tag="prefill_done", frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -21,7 +21,7 @@ import msgspec
 import xxhash
 
 from kvemu.errors import InvalidArgument
-from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
+from kvemu.limits import MAX_ID_CHARS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, U64, Count, I64
 from kvemu.token_sequence import TokenSequence
 from kvemu.hashing import BASE_SEED, local_block_hashes, sequence_hashes
 from workers.request import Request
@@ -122,6 +122,9 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
         raise InvalidArgument(f"output_length must be an integer in [0, {MAX_OUTPUT_TOKENS:,}], got {output_length!r}",
                               field="output_length")
     sid = row.get("session_id")
+    if sid is not None and len(str(sid).encode()) > MAX_ID_CHARS:
+        raise InvalidArgument(f"session_id is {len(str(sid).encode()):,} bytes long, more than the {MAX_ID_CHARS} a "
+                              "router takes", field="session_id")
     out_ids = row.get("output_token_ids")
     if out_ids is not None and not (isinstance(out_ids, (list, tuple)) and all(_is_int(t) and 0 <= t <= _U32_MASK for t in out_ids)):
         raise InvalidArgument("output_token_ids must be a list of integers in [0, 2**32)", field="output_token_ids")
@@ -129,20 +132,20 @@ def mooncake_row(row: object, trace_block_size: int = DEFAULT_TRACE_BLOCK_SIZE) 
                        None if sid is None else str(sid), out_ids)
 
 
-_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 _Ms = Annotated[float, msgspec.Meta(ge=0, le=MAX_TRACE_MS)]
 
 
 class _DecodedRow(msgspec.Struct):
     """A trace row as msgspec decodes it, types and ranges checked in C: the fast path of ``read_mooncake``."""
 
-    hash_ids: tuple[_NonNegative, ...]  # (below 2**64: checked after, msgspec bounds stop at int64)
-    input_length: _NonNegative
+    hash_ids: Annotated[tuple[U64, ...], msgspec.Meta(max_length=MAX_PROMPT_TOKENS)]  # (below 2**64: checked after)
+    input_length: Count
     output_length: Annotated[int, msgspec.Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
     timestamp: _Ms | None = None
     delay: _Ms | None = None
-    session_id: str | int | None = None
-    output_token_ids: list[Annotated[int, msgspec.Meta(ge=0, le=_U32_MASK)]] | None = None
+    session_id: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)] | I64 | None = None
+    output_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=_U32_MASK)]],
+                                msgspec.Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
 
 
 _decode_row = msgspec.json.Decoder(_DecodedRow).decode
@@ -160,6 +163,8 @@ def _fast_row(line: str, trace_block_size: int) -> MooncakeRow | None:
     if not 1 <= prompt <= MAX_PROMPT_TOKENS or max(ids) >= _U64_LIMIT:
         return None
     sid = r.session_id
+    if type(sid) is str and len(sid) > MAX_ID_CHARS // 4 and len(sid.encode()) > MAX_ID_CHARS:
+        return None  # (more bytes than characters: the full path names it)
     return MooncakeRow(ids, r.input_length, max(1, r.output_length), r.timestamp, r.delay,
                        None if sid is None else str(sid), r.output_token_ids)
 

@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import zmq
+from msgspec import Meta
 
 from kvemu.http import DEFAULT_MODEL
 from kvemu.http.admission import AdmissionLimits
+from kvemu.limits import MAX_LIST_ITEMS, MAX_REQUEST_ID_CHARS, I64, Count, Name, Rank, RequestId, TimeNs, WorkerId
 from kvemu.records import RequestRecord
-from kvemu.messages import MAX_OUTPUT_TOKENS, ClientRequest, Register, encode
+from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_RANKS, ClientRequest, Register, encode
 from kvemu.wire import security
 
 from harness.chaos import Control, ControlReply, SyncPeers, WorkerExited
@@ -31,6 +33,13 @@ from harness.scenario import ChaosEvent
 
 
 CLIENT = b"C"
+
+
+_Counters = Annotated[dict[Name, I64], Meta(max_length=MAX_LIST_ITEMS)]
+"""Counters by name."""
+_T = TypeVar("_T")
+_Many = Annotated[list[_T], Meta(max_length=MAX_RANKS * 16)]
+"""A list of the router's view: one item per worker or rank at most."""
 
 
 class StatsQuery(msgspec.Struct, tag=True, frozen=True):
@@ -43,31 +52,33 @@ class StatsQuery(msgspec.Struct, tag=True, frozen=True):
 class Stats(msgspec.Struct, tag=True, kw_only=True):
     """The router's view: ranks, per-rank load/cache, counters (one reply to ``StatsQuery``)."""
 
-    now_ns: int
-    workers: list[int]
-    ranks: list[tuple[int, int]]
-    samples: list[Sample]
-    kv_stats: dict[int, dict[str, int]]
-    affinity: dict[str, int] | None = None
-    counters: dict[str, int] = {}
-    worker_events: list[dict[str, Any]] = []
-    router_id: str = ""
+    now_ns: TimeNs
+    workers: _Many[WorkerId]
+    ranks: _Many[tuple[WorkerId, Rank]]
+    samples: _Many[Sample]
+    kv_stats: Annotated[dict[WorkerId, _Counters], Meta(max_length=MAX_LIST_ITEMS)]
+    affinity: _Counters | None = None
+    counters: _Counters = {}
+    worker_events: _Many[Annotated[dict[Name, Any], Meta(max_length=64)]] = []
+    router_id: Name = ""
     """Changes when the router restarts (a new process, or chaos ``restart_router``): a client's requests
     sent before ``router_started_ns`` and never answered were lost with the old one."""
-    router_started_ns: int = 0
-    process_id: str = ""
+    router_started_ns: TimeNs = 0
+    process_id: Name = ""
     """Changes only when the router process is replaced (its counters then start again from zero)."""
-    records_held: int = 0
+    records_held: Count = 0
     """Request records the router process still keeps (those of requests still open): a leak shows here."""
-    pools: dict[str, list[int]] = {}
+    pools: Annotated[dict[Name, _Many[WorkerId]], Meta(max_length=64)] = {}
     """The workers registered with each pool's router: ``aggregated``, or ``prefill`` and ``decode``."""
-    replica: int = 0
+    replica: Rank = 0
     """Which router replica answered (``router.replicas``)."""
-    sync: dict[str, int] | None = None
+    sync: _Counters | None = None
     """Its replica sync's counters (``ZmqSyncLink.stats``), or None: sync is off."""
-    feed_dropped: int = 0
+    feed_dropped: Count = 0
+    bad_client_messages: Count = 0
+    """Client messages refused while decoding (malformed, or a field past its bound): the first is logged."""
     """KV batches chaos made this replica's own feed lose (``drop_kv_events`` naming the replica)."""
-    publishers: list[Register] = []
+    publishers: _Many[Register] = []
     """Asked for (``StatsQuery.publishers``): the registrations of the workers whose KV events the router follows
     (the aggregated pool, or the prefill pool), as they came; the load generator's truth oracle subscribes to them."""
 
@@ -82,7 +93,7 @@ class CancelRequest(msgspec.Struct, tag=True, frozen=True):
     """End one of this client's open requests now: the router frees it and tells its worker to abort it; its
     record comes back as any request's, failed with ``reason``. Unknown or ended: nothing happens."""
 
-    request_id: str
+    request_id: RequestId
     reason: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z_]+$")] = "cancelled"
 
 
@@ -96,7 +107,7 @@ class TokensReply(msgspec.Struct, tag=True, frozen=True):
     """``n`` more output tokens of one of this client's open requests (only to a client that sent
     ``StreamTokens``); its ``RecordReply`` follows when it ends."""
 
-    request_id: str
+    request_id: RequestId
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_OUTPUT_TOKENS)]
 
 
@@ -108,15 +119,17 @@ client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 reply_decoder = msgspec.msgpack.Decoder(ReplyMessage)
 
 
-MAX_CLIENT_ID_CHARS = 1024
-"""The longest request id a refusal of a malformed client message echoes back."""
+MAX_CLIENT_ID_CHARS = MAX_REQUEST_ID_CHARS
+"""The longest request id a refusal of a malformed client message echoes back (a longer one is refused by
+``ClientRequest``'s own bound, and echoing it would only send the client its own junk back)."""
 
 
 class _Head(msgspec.Struct):
     """What a malformed client message is read for: its type and request id (every other field skipped)."""
 
-    type: str = ""
-    request_id: str = ""
+    type: Name = ""
+    request_id: RequestId = ""
+    """(Longer than a ``ClientRequest`` may carry: nothing to answer, the message is dropped, counted.)"""
 
 
 _head_decoder = msgspec.msgpack.Decoder(_Head)

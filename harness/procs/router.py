@@ -238,13 +238,24 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                     record.token_times_ns = []
                 end.reply(peer, encode(RecordReply(record=record)))
 
+    bad_messages = [0]  # client messages refused while decoding (``Stats.bad_client_messages``)
+
+    def refused(why: str) -> None:
+        """Count a client message refused while decoding; log only the first (a flood must not flood the log)."""
+        bad_messages[0] += 1
+        if bad_messages[0] == 1:
+            print(json.dumps({"event": "bad_client_message", "error": why[:200],
+                              "note": "further ones are counted (stats: bad_client_messages), not logged"}),
+                  file=sys.stderr)
+
     def decode_message(peer: bytes, data: bytes) -> ClientMessage | None:
-        """A client message decoded (a request's prompt packed: ``with_packed_prompt``); a malformed one is
-        answered where it can be attributed, and gives None."""
+        """A client message decoded (a request's prompt packed: ``with_packed_prompt``); a malformed one (or one
+        with a field past its bound, ``kvemu.limits``) is counted, logged the first time, answered where it can
+        be attributed, and gives None."""
         try:
             return with_packed_prompt(client_decoder.decode(data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            print(json.dumps({"event": "bad_client_message", "error": str(exc)[:200]}), file=sys.stderr)
+            refused(str(exc))
             answer = malformed_reply(data, exc, clock.now_ns())
             if answer is not None:  # the client waits for it: say what was wrong instead of nothing
                 end.reply(peer, encode(answer))
@@ -255,8 +266,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         message is never this large and is dropped, logged)."""
         msg = decode_message(peer, data)
         if msg is not None and type(msg) is not ClientRequest:
-            print(json.dumps({"event": "bad_client_message", "error": f"an oversized {type(msg).__name__}"}),
-                  file=sys.stderr)
+            refused(f"an oversized {type(msg).__name__}")
             return None
         return msg
 
@@ -273,6 +283,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                      pools={pool: sorted(r.workers) for pool, r in routers.items()}, replica=replica,
                      sync=sync.stats() if sync is not None else None,
                      feed_dropped=feed.dropped if feed is not None else 0,
+                     bad_client_messages=bad_messages[0],
                      publishers=[m for pool, r in routers.items() if pool != DECODE for m in r.registrations()
                                  if m.kv_endpoints] if publishers else [])
 

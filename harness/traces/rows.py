@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvemu.errors import InvalidArgument
+from kvemu.limits import MAX_ID_CHARS
 from workers.trace import (
     MAX_OUTPUT_TOKENS,
     MAX_PROMPT_TOKENS,
@@ -27,8 +28,9 @@ from workers.trace import (
 __all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "line_count", "open_text", "ms_to_ns",
            "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_ROWS", "error"]
 
-MAX_ID_BYTES = 256
-"""Longest request, session, play or model id (bytes): a router refuses longer session ids."""
+MAX_ID_BYTES = MAX_ID_CHARS
+"""Longest request, session, play or model id (bytes): what a router takes over ZeroMQ or HTTP (``kvemu.limits``),
+so a trace row's ids travel to it unchanged."""
 MAX_HASH_IDS = MAX_PROMPT_TOKENS
 """Most hash ids a row may hold (one per block of the longest prompt kvemu simulates)."""
 MAX_TRACE_NS = round(MAX_TRACE_MS * 1_000_000)

@@ -16,6 +16,8 @@ from msgspec import Meta
 from kvemu.errors import InvalidArgument
 from kvemu.http.errors import ApiError
 from kvemu.http.tokenizer import ROLES, TextTokenizer
+from kvemu.limits import (INT64_MAX, MAX_BODY_BYTES, MAX_ID_CHARS, MAX_PROMPT_TOKENS, RANK_MAX, I64, Count, Finite,
+                          Name)
 from kvemu.transfer import KvTransfer
 
 __all__ = [
@@ -36,20 +38,21 @@ __all__ = [
 
 MAX_PROMPTS = 256
 """Prompts one completions request may carry (each becomes one choice)."""
-MAX_ID_BYTES = 256
+MAX_ID_BYTES = MAX_ID_CHARS
 """Session ids (as the affinity table bounds them)."""
 EXTRA_FIELDS = ("worker_id", "timing")
 
-INT64_MAX = (1 << 63) - 1
-RANK_MAX = (1 << 31) - 1
-I64 = Annotated[int, Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
-"""Every integer a client sends is bounded to what the wire (msgpack) carries: an integer beyond it would be
-accepted here and fail to encode later, on its way to a worker (#27: ``"priority": 10**30``)."""
+# Every integer a client sends is bounded to what the wire (msgpack) carries (``I64``): an integer beyond it would
+# be accepted here and fail to encode later, on its way to a worker (#27: ``"priority": 10**30``).
 Id = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 """A worker instance id."""
 Rank = Annotated[int, Meta(ge=0, le=RANK_MAX)]
 """A DP rank."""
-Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Body = Annotated[str, Meta(max_length=MAX_BODY_BYTES)]
+"""A prompt's or a message's text: at most what a body holds (``app.max_body_bytes``; ``prompts_of`` and the
+app bound it by the model's context)."""
+Model = Annotated[str, Meta(max_length=1024)]
+"""A model name (a Hugging Face id or a path, as clients send it)."""
 
 
 class StreamOptions(msgspec.Struct):
@@ -60,16 +63,18 @@ class StreamOptions(msgspec.Struct):
 class AgentHints(msgspec.Struct):
     priority: I64 | None = None
     osl: Count | None = None
-    latency_sensitivity: float | None = None
+    latency_sensitivity: Finite | None = None
 
 
 class NvExt(msgspec.Struct):
     backend_instance_id: Id | None = None
     dp_rank: Rank | None = None
     agent_hints: AgentHints | None = None
-    extra_fields: list[str] | None = None
+    extra_fields: Annotated[list[Name], Meta(max_length=16)] | None = None
 
 
+MAX_MESSAGES = 1 << 16
+"""Messages of one chat request (and content parts of one message)."""
 Text = Annotated[str, Meta(max_length=512)]
 Port = Annotated[int, Meta(ge=0, le=65535)]
 MAX_BLOCK_IDS = 1 << 17
@@ -101,7 +106,7 @@ class KvTransferParams(msgspec.Struct):
 
 
 class _Generate(msgspec.Struct):
-    model: str | None = None
+    model: Model | None = None
     max_tokens: I64 | None = None
     max_completion_tokens: I64 | None = None
     stream: bool = False
@@ -130,39 +135,39 @@ class _Generate(msgspec.Struct):
 class CompletionRequest(_Generate):
     """``POST /v1/completions``."""
 
-    prompt: str | list[Any] | None = None
+    prompt: Body | Annotated[list[Any], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None
 
 
 class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
+    type: Name
+    text: Body | None = None
 
 
 class Message(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Name
+    content: Body | Annotated[list[ContentPart], Meta(max_length=MAX_MESSAGES)] | None = None
 
 
 class ChatRequest(_Generate):
     """``POST /v1/chat/completions``."""
 
-    messages: list[Message] | None = None
+    messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] | None = None
 
 
 class TokenizeRequest(msgspec.Struct):
     """``POST /tokenize``: a prompt, or chat messages."""
 
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[Message] | None = None
+    model: Model | None = None
+    prompt: Body | None = None
+    messages: Annotated[list[Message], Meta(max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(msgspec.Struct):
     """``POST /detokenize``."""
 
-    tokens: list[I64]
-    model: str | None = None
+    tokens: Annotated[list[I64], Meta(max_length=MAX_PROMPT_TOKENS)]
+    model: Model | None = None
 
 
 _decoders: dict[type, msgspec.json.Decoder] = {}

@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple, TypedDict
+from types import GenericAlias
+from typing import Annotated, Any, NamedTuple, TypedDict
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.errors import InvalidArgument, KvemuError
 from kvemu.hashing import U64_MASK
-from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KVEventBatch
+from kvemu.kv_events import MAX_BATCH_EVENTS, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KVEventBatch, Stamp
+from kvemu.limits import Rank
 
 __all__ = [
     "VllmProfile",
@@ -220,43 +223,24 @@ def encode_batch(batch: KVEventBatch, profile: VllmProfile | None = None) -> byt
 # ---------------------------------------------------------------------------------- decoding
 
 
-class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: Any = None
+def _array_form(cls: type[msgspec.Struct]) -> Any:
+    """The array-form (vLLM < 0.24) decoding struct of a neutral event: its fields, types and bounds, with every
+    optional field defaulting to None (an older release sends a prefix of the list)."""
+    fields = [(f.name, f.type) if f.required else (f.name, f.type, None) for f in msgspec.structs.fields(cls)]
+    return msgspec.defstruct(f"_Array{cls.__name__}", fields, array_like=True, tag=cls.__name__, gc=False)
 
 
-class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: list[int]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: Any = None
-    ownership: Any = None
+_ArrayStored = _array_form(BlockStored)
+_ArrayRemoved = _array_form(BlockRemoved)
+_ArrayCleared = _array_form(AllBlocksCleared)
+_ArrayBatch = msgspec.defstruct("_ArrayBatch", [
+    ("ts", Stamp),
+    ("events", Annotated[GenericAlias(list, _ArrayStored | _ArrayRemoved | _ArrayCleared),
+                         Meta(max_length=MAX_BATCH_EVENTS)]),
+    ("data_parallel_rank", Rank | None, None)], array_like=True, gc=False)
 
 
-class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
-    pass
-
-
-class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
-    data_parallel_rank: int | None = None
-
-
-_fast_decoders = (
+_fast_decoders: tuple[msgspec.msgpack.Decoder[Any], ...] = (
     msgspec.msgpack.Decoder(KVEventBatch),  # map events (≥ 0.24) decode straight into the neutral structs
     msgspec.msgpack.Decoder(_ArrayBatch),
 )
@@ -345,7 +329,8 @@ def _batch_from_generic(raw: Any) -> KVEventBatch:
         raise TypeError("batch events is not a list")
     if rank is not None and type(rank) is not int:
         raise TypeError(f"data_parallel_rank {rank!r} is not an integer")
-    return KVEventBatch(ts=float(ts), events=[_event_from_generic(e) for e in events], data_parallel_rank=rank)
+    # converted, not built: the batch's own bounds (a finite time, a rank, a number of events) hold on this path too
+    return msgspec.convert([float(ts), [_event_from_generic(e) for e in events], rank], KVEventBatch)
 
 
 def decode_batch(payload: bytes, *, endpoint: str | None = None, seq: int | None = None) -> KVEventBatch:

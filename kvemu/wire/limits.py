@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import zmq
 
+from kvemu.limits import MAX_KV_BATCH_BYTES
+
 __all__ = ["MAX_MESSAGE_BYTES", "MAX_KV_BATCH_BYTES", "MAX_CONTROL_BYTES", "limit_inbound"]
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest actor message (router, worker and client sockets): a 4M-token prompt fits."""
-MAX_KV_BATCH_BYTES = 64 << 20
-"""Largest KV-event batch, live or replayed."""
 MAX_CONTROL_BYTES = 4096
 """Largest subscription or replay request a publisher accepts."""
 
