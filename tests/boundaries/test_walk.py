@@ -54,6 +54,8 @@ DYNAMIC = {
     ("kvemu.http.protocol", "kind"): "decode_body's own cache: every decode_body(body, T) call site is walked",
     ("harness.procs.http_loadgen", "page_type"): "TruthPage (walked from harness.procs.fleet)",
     ("harness.cli.processes", "FleetInfo"): "imported inside the function; walked from harness.router_bench",
+    ("harness.cli.processes", "AdmissionLimits"): "imported inside the function (the CLI starts without prometheus); "
+                                                  "walked as a field of harness.procs.protocol's messages",
 }
 
 
