@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvemu.errors import KvemuError
+from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, SyncPeers, WorkerExited
 from harness.procs.protocol import send_control
@@ -329,9 +330,19 @@ def replica_name(i: int) -> str:
     return "router" if i == 0 else f"router-{i}"
 
 
+def _run_secret(who: str) -> None:
+    """Unless the user set ``KVEMU_SECRET``, a fresh one for this run: this process's sockets and its children's
+    (which inherit the environment, never an argument: argv is world-readable in /proc) require it, so no other
+    local process can register, submit or read KV events."""
+    if security.ensure_secret():
+        print(f"{who}: its ZeroMQ sockets take a secret made for this run (set {security.SECRET_ENV} to choose one, "
+              "to connect other kvemu processes)", file=sys.stderr, flush=True)
+
+
 def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
                worker_http: list[str] | None = None) -> int:
     """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM."""
+    _run_secret("kvemu serve")
     kids = Children()
     try:
         stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http,
@@ -367,6 +378,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
             http: list[str] | None = None, worker_http: list[str] | None = None) -> int:
     """Run the whole stack as processes; returns the load generator's exit code."""
+    _run_secret("kvemu up")
     config = _config(scenario_path, overrides)
     kids = Children()
     started = time.monotonic()
