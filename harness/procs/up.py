@@ -42,7 +42,7 @@ from harness.procs.protocol import send_control
 from harness.text import counted
 from harness.scenario import Scenario
 
-__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env"]
+__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env", "run_secret"]
 
 
 class NotStarted(KvemuError, RuntimeError):
@@ -330,7 +330,7 @@ def replica_name(i: int) -> str:
     return "router" if i == 0 else f"router-{i}"
 
 
-def _run_secret(who: str) -> None:
+def run_secret(who: str) -> None:
     """Unless the user set ``KVEMU_SECRET``, a fresh one for this run: this process's sockets and its children's
     (which inherit the environment, never an argument: argv is world-readable in /proc) require it, so no other
     local process can register, submit or read KV events."""
@@ -342,7 +342,7 @@ def _run_secret(who: str) -> None:
 def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
                worker_http: list[str] | None = None) -> int:
     """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM."""
-    _run_secret("kvemu serve")
+    run_secret("kvemu serve")
     kids = Children()
     try:
         stack = _Stack(kids, _config(scenario_path, overrides), http, secrets.token_hex(16), worker_http,
@@ -378,7 +378,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
             http: list[str] | None = None, worker_http: list[str] | None = None) -> int:
     """Run the whole stack as processes; returns the load generator's exit code."""
-    _run_secret("kvemu up")
+    run_secret("kvemu up")
     config = _config(scenario_path, overrides)
     kids = Children()
     started = time.monotonic()

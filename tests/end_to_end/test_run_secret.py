@@ -205,3 +205,40 @@ def test_every_listener_without_a_secret_says_so_once_and_none_with_one(tmp_path
                                            "KVEMU_SECRET to the same secret for every kvemu process" for e in endpoints)
         else:
             assert lines == []
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (Linux: its socket inodes in /proc/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for row in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        cols = row.split()
+        if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+            ports.add(int(cols[1].split(":")[1], 16))
+    return ports
+
+
+@pytest.mark.process_supervision
+def test_kvemu_serve_in_process_answers_no_outsider_on_any_of_its_zeromq_ports(tmp_path, monkeypatch):
+    """``kvemu serve --in-process`` keeps its router and KV sockets to itself: a registration sent to each port it
+    listens on but its front door gets no answer (before, its router accepted it)."""
+    monkeypatch.delenv(security.SECRET_ENV, raising=False)
+    serve = Proc(["serve", str(scenario(tmp_path)), "--http", "127.0.0.1:0", "--in-process"], tmp_path / "serve.err",
+                 no_secret_env())
+    try:
+        http = serve.line("serving")["http"]
+        ports = listening_ports(serve.proc.pid) - {int(http.rsplit(":", 1)[1])}
+        assert len(ports) >= 3, ports  # the router's socket, a KV publisher and its replay socket
+        answers = {p: register_answer(f"tcp://127.0.0.1:{p}", None, wait_s=1.0) for p in sorted(ports)}
+    finally:
+        err = serve.stop(signal.SIGINT)
+    assert all(a is None for a in answers.values()), answers
+    assert "kvemu serve: its ZeroMQ sockets take a secret made for this run" in err
+    assert LINE not in err, err[-3000:]
