@@ -126,3 +126,25 @@ run: {mode: live, duration_s: 1}
     assert summary["completed_requests"] == summary["num_requests"] > 0
     assert not outsider.ok and outsider.detail == "no answer from the router within 2 s"
     assert not insider.ok and "takes no control messages" in insider.detail
+
+
+def test_every_listener_defaults_to_loopback():
+    """#43: nothing kvemu opens is reachable beyond this machine unless asked: every listening option of every
+    command, and the KV publisher's default endpoint, is on 127.0.0.1 (the publisher's was tcp://*)."""
+    import argparse
+    import inspect
+
+    from harness.cli.parser import build_parser
+
+    listening = {"listen", "sync_listen", "kv_events", "kv_replay", "http"}
+    seen = []
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.dest in listening and action.default not in (None, ""):
+                seen.append((command, action.dest))
+                assert action.default.removeprefix("tcp://").startswith("127.0.0.1:"), (command, action.dest,
+                                                                                      action.default)
+    assert ("router", "listen") in seen and ("worker", "kv_events") in seen and ("serve", "http") in seen
+    default = inspect.signature(KvEventPublisher).parameters["endpoint"].default
+    assert default.startswith("tcp://127.0.0.1:"), default
