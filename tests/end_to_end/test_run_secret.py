@@ -242,3 +242,15 @@ def test_kvemu_serve_in_process_answers_no_outsider_on_any_of_its_zeromq_ports(t
     assert all(a is None for a in answers.values()), answers
     assert "kvemu serve: its ZeroMQ sockets take a secret made for this run" in err
     assert LINE not in err, err[-3000:]
+
+
+def test_a_live_run_in_one_process_keeps_its_sockets_to_itself(tmp_path, monkeypatch):
+    """``kvemu run --mode live``: its router and KV sockets are its own; it opened one per rank and more without a
+    secret (17 lines for the quickstart), now none."""
+    monkeypatch.delenv(security.SECRET_ENV, raising=False)
+    run = subprocess.run(cli_command("run", str(scenario(tmp_path)), "--quiet", "-o", str(tmp_path / "out")),
+                         env=no_secret_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert LINE not in run.stderr, run.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["kvemu"]["mode"] == "live" and summary["completed_requests"] == summary["num_requests"] > 0
