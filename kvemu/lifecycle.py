@@ -185,8 +185,7 @@ class Lifecycle:
         its first such timeout if it never produced a first token since it registered, else at ``max_unacked``
         in a row."""
         self.stalls: dict[int, int] = {}
-        """Per worker, accepted requests in a row that produced no first token in time (kept, as ``unacked``,
-        until the worker produces one)."""
+        """Per registered worker, accepted requests in a row that produced no first token in time."""
         self.proven: set[int] = set()
         """Workers that acknowledged a dispatch since they registered (the others are on probation)."""
         self.productive: set[int] = set()
@@ -334,7 +333,8 @@ class Lifecycle:
         ids = self._by_worker.pop(worker_id, None)
         on_probation = self.settings.probation_ack_timeout_ns is not None and worker_id not in self.proven
         self.proven.discard(worker_id)
-        self.productive.discard(worker_id)
+        self.productive.discard(worker_id)  # (so a worker registered again is removed at its first stall)
+        self.stalls.pop(worker_id, None)
         if ids:
             for rid in ids:
                 f = self.flights.get(rid)

@@ -354,8 +354,7 @@ class Router:
         if reason is not None:
             self.registrations_refused += 1
             log.warning("registered worker %s not admitted: %s", msg.worker_id, reason)
-            self._send(peer, Reregister())
-            return None
+            return None  # (``on_message`` asks it to register again)
         state.last_seen_ns = self._now()
         self._add(state)
         return msg.worker_id
