@@ -28,6 +28,7 @@ continue after the current call's own transition, in the order they were woken (
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 from collections import deque
@@ -69,6 +70,9 @@ holds it to this table."""
 
 log = logging.getLogger("kvemu.lifecycle")
 
+FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+"""Why an accepted attempt ended when its worker produced no first token in time (``first_token_timeout_ns``)."""
+
 Send = Callable[[int, Dispatch | Abort], None]
 """Delivers a message to a worker (by worker id): a ``Dispatch``, or an ``Abort`` for a cancelled request."""
 TruthProbe = Callable[[list[int], "tuple[tuple[int, int], ...]", tuple[int, int], "str | None"],
@@ -80,10 +84,12 @@ most any eligible rank has, where the lost blocks were: ``peer`` | ``cache_owner
 class LifecycleSettings:
     """The lifecycle's knobs (``RouterSettings`` carries them for the router actor)."""
 
-    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns", "request_deadline_ns", "max_unacked")
+    __slots__ = ("retry_limit", "dispatch_timeout_ns", "startup_grace_ns", "request_deadline_ns", "max_unacked",
+                 "probation_ack_timeout_ns", "first_token_timeout_ns")
 
     def __init__(self, retry_limit: int = 3, dispatch_timeout_s: float = 10.0, startup_grace_s: float = 5.0,
-                 request_deadline_s: float | None = 3600.0, max_unacked: int = 3) -> None:
+                 request_deadline_s: float | None = 3600.0, max_unacked: int = 3,
+                 probation_ack_timeout_s: float | None = None, first_token_timeout_s: float | None = None) -> None:
         self.retry_limit = retry_limit
         self.dispatch_timeout_ns = round(dispatch_timeout_s * NS_PER_S)
         self.startup_grace_ns = round(startup_grace_s * NS_PER_S)
@@ -91,13 +97,20 @@ class LifecycleSettings:
         """A request still open this long after it arrived fails with ``deadline_exceeded`` (None: never)."""
         self.max_unacked = max_unacked
         """Dispatches in a row a worker may leave unacknowledged before the host is told it is unresponsive."""
+        self.probation_ack_timeout_ns = _ns(probation_ack_timeout_s)
+        """A worker that has acknowledged no dispatch yet (``proven``) has this long to acknowledge one; a miss
+        reports it unresponsive at once and does not count against the request's retries (None: off, the
+        ordinary ``dispatch_timeout`` applies to every worker)."""
+        self.first_token_timeout_ns = _ns(first_token_timeout_s)
+        """An accepted request with no first token this long after its acceptance ends its attempt with
+        ``first_token_timeout`` (None: never)."""
 
 
 class Flight:
     """One request on its way: the client's request, its record, and where the current attempt stands."""
 
     __slots__ = ("request_id", "req", "record", "prepared", "on_end", "stage", "attempt", "token", "refused",
-                 "builder", "key", "hold", "lease", "failure", "can_retry", "on_finished", "refusal")
+                 "builder", "key", "hold", "lease", "failure", "can_retry", "on_finished", "refusal", "spared")
 
     def __init__(self, req: ClientRequest, record: RequestRecord, prepared: PreparedRequest,
                  on_end: Callable[[RequestRecord], None], can_retry: Callable[[], bool] | None = None,
@@ -125,6 +138,8 @@ class Flight:
         """Told the worker's ``Finished`` before the request ends (a prefill leg's carries its KV's whereabouts)."""
         self.refusal: str | None = None
         """The last rank that turned this request away, and why: a request left with no rank says it."""
+        self.spared = 0
+        """Attempts that missed a worker on probation: they do not count against ``retry_limit``."""
 
     def __repr__(self) -> str:
         return f"Flight({self.request_id!r}, {self.stage}, attempt={self.attempt}, key={self.key})"
@@ -146,6 +161,7 @@ class Lifecycle:
         unavailable: set[tuple[int, int]] | None = None,
         on_deadline: Callable[[int], None] | None = None,
         on_unresponsive: Callable[[int, int], None] | None = None,
+        on_stalled: Callable[[int, int], None] | None = None,
     ) -> None:
         self.core = core
         self.clock = clock
@@ -164,6 +180,16 @@ class Lifecycle:
         self.unacked: dict[int, int] = {}
         """Per worker, dispatches in a row that timed out unacknowledged (kept across re-registrations until
         the worker acknowledges one, so a worker that never does is dropped again at its first timeout)."""
+        self.on_stalled = on_stalled
+        """Told ``(worker_id, first-token timeouts in a row)`` when a worker should be stopped routing to: at
+        its first such timeout if it never produced a first token since it registered, else at ``max_unacked``
+        in a row."""
+        self.stalls: dict[int, int] = {}
+        """Per registered worker, accepted requests in a row that produced no first token in time."""
+        self.proven: set[int] = set()
+        """Workers that acknowledged a dispatch since they registered (the others are on probation)."""
+        self.productive: set[int] = set()
+        """Workers that produced a first token since they registered."""
         self.before_select: Callable[[], None] | None = None
         """Called before every selection: a host whose workers publish KV events lazily brings them up to
         the present here, so the router decides on what the engines did up to now."""
@@ -174,6 +200,7 @@ class Lifecycle:
         self.flights: dict[str, Flight] = {}
         self._by_worker: dict[int, dict[str, None]] = {}
         self._timeouts: deque[tuple[int, Flight, int]] = deque()  # (deadline, flight, token), in deadline order
+        self._first_tokens: deque[tuple[int, Flight, int]] = deque()  # the same, for first tokens
         # (arrival + request deadline, request id, record), in order; the record tells a reused id apart
         self._expiries: deque[tuple[int, str, RequestRecord]] = deque()
         self._waiting: list[Flight] = []  # for a first worker
@@ -236,6 +263,7 @@ class Lifecycle:
         f = self._dispatched_to(worker_id, msg.request_id)
         if f is not None and f.stage == DISPATCHED:
             self.unacked.pop(worker_id, None)
+            self.proven.add(worker_id)
             if msg.accepted:
                 self._run(self._accepted, f)
             else:
@@ -303,10 +331,16 @@ class Lifecycle:
     def worker_lost(self, worker_id: int) -> None:
         """A worker is gone: its dispatched requests re-select; running ones that streamed nothing too."""
         ids = self._by_worker.pop(worker_id, None)
+        on_probation = self.settings.probation_ack_timeout_ns is not None and worker_id not in self.proven
+        self.proven.discard(worker_id)
+        self.productive.discard(worker_id)  # (so a worker registered again is removed at its first stall)
+        self.stalls.pop(worker_id, None)
         if ids:
             for rid in ids:
                 f = self.flights.get(rid)
-                if f is not None and f.stage in (DISPATCHED, RUNNING):
+                if f is not None and f.stage in (DISPATCHED, RUNNING) and f.failure != FIRST_TOKEN_TIMEOUT:
+                    if on_probation and f.stage == DISPATCHED and f.failure is None:  # (a timeout spared it)
+                        f.spared += 1  # no retry is spent on a worker on probation
                     f.failure = "worker_lost"
                     self._ready.append(self._wake(self._refused if f.stage == DISPATCHED else self._done, f))
         self._run(self._readmit_stranded)
@@ -322,6 +356,7 @@ class Lifecycle:
         startup grace)."""
         timeouts = self._timeouts
         unresponsive: dict[int, int] = {}
+        probation = self.settings.probation_ack_timeout_ns is not None
         while timeouts and timeouts[0][0] <= now_ns:
             _, f, token = timeouts.popleft()
             if f.token == token and f.stage == DISPATCHED:
@@ -329,8 +364,12 @@ class Lifecycle:
                 self._ready.append(self._wake(self._refused, f))
                 wid = f.key[0]  # type: ignore[index]
                 n = self.unacked[wid] = self.unacked.get(wid, 0) + 1
-                if n >= self.settings.max_unacked:
+                if probation and wid not in self.proven:  # on probation: out at once, and no retry spent on it
+                    f.spared += 1
                     unresponsive[wid] = n
+                elif n >= self.settings.max_unacked:
+                    unresponsive[wid] = n
+        stalled = self._stalled(now_ns)
         expiries = self._expiries
         while expiries and expiries[0][0] <= now_ns:
             _, rid, record = expiries.popleft()
@@ -340,7 +379,31 @@ class Lifecycle:
         if unresponsive and self.on_unresponsive is not None:
             for wid, n in unresponsive.items():
                 self.on_unresponsive(wid, n)  # the host removes it: worker_lost re-selects its other requests
+        if stalled and self.on_stalled is not None:
+            for wid, n in stalled.items():
+                self.on_stalled(wid, n)
         self._run(_nothing)
+
+    def _stalled(self, now_ns: int) -> dict[int, int]:
+        """End the attempts of accepted requests whose first token is overdue (the worker is told to abort
+        each; it runs elsewhere if it may); returns the workers to stop routing to, with their count in a row."""
+        due = self._first_tokens
+        stalled: dict[int, int] = {}
+        while due and due[0][0] <= now_ns:
+            _, f, token = due.popleft()
+            if f.token != token or f.stage != RUNNING or f.record.first_token_ns is not None:
+                continue
+            wid = f.key[0]  # type: ignore[index]
+            f.failure = FIRST_TOKEN_TIMEOUT
+            try:
+                self._send(wid, Abort(request_id=f.request_id, reason=FIRST_TOKEN_TIMEOUT))
+            except Exception as exc:  # noqa: BLE001 - a local failure; the attempt ends here all the same
+                log.warning("request %r: its abort to worker %s was not sent: %s", f.request_id, wid, exc)
+            self._ready.append(self._wake(self._done, f))
+            n = self.stalls[wid] = self.stalls.get(wid, 0) + 1
+            if wid not in self.productive or n >= self.settings.max_unacked:
+                stalled[wid] = n
+        return stalled
 
     def next_deadline_ns(self) -> int | None:
         """When ``poll`` next has something to do (None: no deadline pending)."""
@@ -348,6 +411,12 @@ class Lifecycle:
         while timeouts and (timeouts[0][1].token != timeouts[0][2] or timeouts[0][1].stage != DISPATCHED):
             timeouts.popleft()  # acknowledged meanwhile
         t = timeouts[0][0] if timeouts else None
+        due = self._first_tokens
+        while due and (due[0][1].token != due[0][2] or due[0][1].stage != RUNNING
+                       or due[0][1].record.first_token_ns is not None):
+            due.popleft()  # its first token came (or the attempt ended) meanwhile
+        if due and (t is None or due[0][0] < t):
+            t = due[0][0]
         expiries = self._expiries
         while expiries and self._open(expiries[0][1], expiries[0][2]) is None:
             expiries.popleft()
@@ -467,7 +536,7 @@ class Lifecycle:
         if self.stopped:
             self._end(f, f.failure or self.stopped)
             return
-        if f.attempt > self.settings.retry_limit:  # the last refusal says why (e.g. a prompt no rank can hold)
+        if f.attempt - f.spared > self.settings.retry_limit:  # the last refusal says why (e.g. a prompt no rank can hold)
             self._end(f, f"retries_exhausted: {f.failure}" if f.failure else "retries_exhausted")
             return
         f.token += 1
@@ -613,11 +682,14 @@ class Lifecycle:
         # book now, so that requests routed while this one awaits its acknowledgement see its load;
         # a refusal frees it again (the affinity binding, by contrast, waits for the acceptance)
         core.book(f.request_id, selection, f.prepared)
-        deadline = now + self.settings.dispatch_timeout_ns
+        probation = self.settings.probation_ack_timeout_ns
+        deadline = now + (probation if probation is not None and wid not in self.proven
+                          else self.settings.dispatch_timeout_ns)
         timeouts = self._timeouts
-        if timeouts and deadline < timeouts[-1][0]:  # a clock that went back: keep the deque in order
-            timeouts = self._timeouts = deque(sorted(timeouts, key=lambda t: t[0]))
-        timeouts.append((deadline, f, f.token))
+        if timeouts and deadline < timeouts[-1][0]:  # a clock that went back, or a worker on probation
+            bisect.insort(timeouts, (deadline, f, f.token), key=lambda t: t[0])
+        else:
+            timeouts.append((deadline, f, f.token))
         if timeouts[0][1] is f:
             self._announce(deadline)
         req = f.req
@@ -703,6 +775,15 @@ class Lifecycle:
                 log.info("affinity commit for %s: %s", f.request_id, exc)
         now = self.clock.now_ns()
         f.record.dispatch_ns = now
+        limit = self.settings.first_token_timeout_ns
+        if limit is not None:
+            due = self._first_tokens
+            if due and now + limit < due[-1][0]:  # a clock that went back: keep the deque in order
+                bisect.insort(due, (now + limit, f, f.token), key=lambda t: t[0])
+            else:
+                due.append((now + limit, f, f.token))
+            if due[0][1] is f:
+                self._announce(now + limit)
         self.hooks.note("dispatch_accepted", now, f.request_id, *f.key, record=f.record)  # type: ignore[misc]
 
     def _refused(self, f: Flight) -> None:
@@ -738,6 +819,9 @@ class Lifecycle:
         core = self.core
         if record.first_token_ns is None:
             record.first_token_ns = times[0]
+            wid = f.key[0]  # type: ignore[index]
+            self.productive.add(wid)
+            self.stalls.pop(wid, None)
             core.prefill_complete(f.request_id)
             self.hooks.note("first_token", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
                             record=record)
@@ -771,7 +855,8 @@ class Lifecycle:
             self.affinity.release(f.lease)
             f.lease = None
         self._unbook(f)
-        if f.failure == "worker_lost" and f.record.first_token_ns is None and (f.can_retry is None or f.can_retry()):
+        if f.failure in ("worker_lost", FIRST_TOKEN_TIMEOUT) and f.record.first_token_ns is None \
+                and (f.can_retry is None or f.can_retry()):
             f.refused.append(f.key)  # type: ignore[arg-type]
             self._retry(f)  # nothing was streamed yet: run it elsewhere
             return
@@ -817,6 +902,10 @@ class Lifecycle:
 
 def _nothing() -> None:
     pass
+
+
+def _ns(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * NS_PER_S)
 
 
 def _affinity_key(req: ClientRequest) -> str | None:

@@ -350,6 +350,8 @@ class WorkerActor:
                 self._retry_after_s = min(max(msg.retry_after_s, 0.0), 60.0)
             else:
                 self.registered.set()
+                if self.mode == "live":  # a live router routes to us once we speak after its acceptance
+                    self._send(Heartbeat(worker_id=self.worker_id))
             self._answered.set()
 
     def _on_dispatch(self, msg: Dispatch) -> None:

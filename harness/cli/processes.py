@@ -71,7 +71,7 @@ def process_command(args: argparse.Namespace) -> int:
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
-    from harness.procs.up import NotStarted as ChildNotStarted, serve_main, up_main
+    from harness.procs.up import NotStarted as ChildNotStarted, run_secret, serve_main, up_main
 
     if args.command == "serve" and args.in_process:
         if args.worker_http:
@@ -79,6 +79,7 @@ def process_command(args: argparse.Namespace) -> int:
             return 2
         from harness.procs.serve_in_process import serve_in_process
 
+        run_secret("kvemu serve")  # its ZeroMQ sockets are its own alone
         return serve_in_process(scenario, _http_options(args))
     try:
         if args.command == "serve":

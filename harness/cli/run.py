@@ -62,6 +62,10 @@ def run_command(args: argparse.Namespace) -> int:
         console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
+    if scenario.run.mode == "live":  # its router and KV sockets are this process's own: no other process may use them
+        from kvemu.wire.security import ensure_secret
+
+        ensure_secret()
     try:
         prepare_outdir(outdir)
         with terminate_as_interrupt():

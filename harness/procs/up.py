@@ -30,18 +30,18 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvemu.errors import KvemuError
+from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, SyncPeers, WorkerExited
 from harness.procs.protocol import send_control
 from harness.text import counted
 from harness.scenario import Scenario
 
-__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env", "DRAIN_S", "STOP_GRACE_S"]
+__all__ = ["up_main", "Children", "NotStarted", "cli_command", "cli_env", "DRAIN_S", "STOP_GRACE_S", "run_secret"]
 
 DRAIN_S = 10.0
 """How long the front door, routers and workers the supervisor starts drain their open requests when stopped
@@ -476,6 +476,15 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+def run_secret(who: str) -> None:
+    """Unless the user set ``KVEMU_SECRET``, a fresh one for this run: this process's sockets and its children's
+    (which inherit the environment, never an argument: argv is world-readable in /proc) require it, so no other
+    local process can register, submit or read KV events."""
+    if security.ensure_secret():
+        print(f"{who}: its ZeroMQ sockets take a secret made for this run (set {security.SECRET_ENV} to choose one, "
+              "to connect other kvemu processes)", file=sys.stderr, flush=True)
+
+
 def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
                worker_http: list[str] | None = None) -> int:
     """``kvemu serve``: the router with its OpenAI front door and the scenario's workers, until Ctrl-C/SIGTERM.
@@ -484,6 +493,7 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
     while the front door sends its requests to the live ones; the stack stops when the front door, or the one
     router without replicas, exits. Children run in process groups of their own, so that Ctrl-C stops them in
     order (``Children.stop_all``); a second Ctrl-C kills them at once."""
+    run_secret("kvemu serve")
     kids = Children(own_groups=True)
     with StopSignals("kvemu serve") as stop:
         try:
@@ -546,6 +556,7 @@ def _serve_until_stopped(kids: Children, stack: _Stack, scenario: Scenario, stop
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
             http: list[str] | None = None, worker_http: list[str] | None = None) -> int:
     """Run the whole stack as processes; returns the load generator's exit code."""
+    run_secret("kvemu up")
     config = _config(scenario_path, overrides)
     kids = Children()
     started = time.monotonic()

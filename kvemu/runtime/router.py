@@ -90,6 +90,19 @@ class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     kv_replay_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 2.0
     """Live mode: a KV-event replay that has not ended this long after it was asked for fails (counted as
     ``replay_failures``; the batches it did not bring count as lost). Replays never block the router."""
+    max_pending_workers: Annotated[int, Meta(ge=1, le=1 << 16)] = 64
+    """Live mode: workers whose registration was accepted but who have not spoken since (a kvemu worker
+    heartbeats as soon as it reads the acceptance). A pending worker is never routed to and is forgotten after
+    ``heartbeat_timeout_s``; a registration beyond this many is refused with ``rate_limited`` and a retry time."""
+    probation_ack_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 2.0
+    """Live mode: a worker that has acknowledged no dispatch since it registered has this long to acknowledge
+    its first (a kvemu worker does so at once); a miss removes it, and the request tries elsewhere without
+    spending a retry."""
+    first_token_timeout_s: Annotated[float, Meta(gt=0, le=86400)] | None = 60.0
+    """Live mode: an accepted request with no first token this long after its acceptance ends that attempt with
+    ``first_token_timeout`` (its worker is told to abort it) and runs elsewhere if it may. A worker that never
+    produced a first token is removed at its first such timeout, any other at ``max_unacked_dispatches`` in a
+    row. None: never (a request then waits up to ``request_deadline_s``)."""
 
     def __post_init__(self) -> None:
         check_struct(self)
@@ -106,6 +119,8 @@ def worker_spec(msg: Register) -> WorkerSpec:
 
 
 class _WorkerState:
+    """A registered worker (or a pending registration: ``Router.pending``): its spec, peer, when it last spoke."""
+
     __slots__ = ("spec", "peer", "last_seen_ns", "register")
 
     def __init__(self, spec: WorkerSpec, peer: bytes, now_ns: int, register: Register) -> None:
@@ -154,6 +169,11 @@ class Router:
         self._peers: dict[bytes, int] = {}  # transport identity -> worker id
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
+        self.guarded = not clock.is_virtual
+        """Whether peers are held to the live-mode bounds (a pending stage, probation, the first-token timeout):
+        a virtual run's workers are the harness's own engines, and its times are no wall-clock facts."""
+        self.pending: dict[bytes, _WorkerState] = {}
+        """Live mode: registrations accepted whose worker has not spoken since, by peer (not routed to)."""
         self.started_ns = clock.now_ns()
         self.registrations_refused = 0
         self._registrations = TokenBucket(self.settings.registrations_per_s, self.settings.registration_burst,
@@ -171,8 +191,11 @@ class Router:
             core, send=self._dispatch, clock=clock, hooks=self.hooks, affinity=affinity, queue=queue,
             settings=LifecycleSettings(self.settings.retry_limit, self.settings.dispatch_timeout_s,
                                        self.settings.startup_grace_s, self.settings.request_deadline_s,
-                                       self.settings.max_unacked_dispatches),
+                                       self.settings.max_unacked_dispatches,
+                                       self.settings.probation_ack_timeout_s if self.guarded else None,
+                                       self.settings.first_token_timeout_s if self.guarded else None),
             unavailable=self._down_ranks, on_deadline=self._timers.arm, on_unresponsive=self._unresponsive,
+            on_stalled=self._stalled,
         )
         """Every request from arrival to its end (the sans-IO state machine this actor drives)."""
         self.registered = anyio.Event()
@@ -226,6 +249,8 @@ class Router:
         """Handle one worker message (the transport's handler; it never raises for a peer's mistakes)."""
         t = type(msg)
         wid = self._peers.get(peer)
+        if wid is None and t is not Register and peer in self.pending:  # its first word since: admit it
+            wid = self._admit(peer)
         if wid is not None:  # every message proves the worker alive, not only heartbeats
             self.workers[wid].last_seen_ns = self._now()
         elif t is not Register:
@@ -265,9 +290,14 @@ class Router:
 
     def _on_register(self, peer: bytes, msg: Register) -> None:
         reason = None
-        if peer in self._peers:
-            reason = f"this connection already registered worker {self._peers[peer]}"
-        elif msg.worker_id in self.workers:
+        retry_after_s = None
+        waiting = self.pending.get(peer)
+        if waiting is not None and waiting.register == msg:  # its acceptance crossed a repeat: accept it again
+            self._send(peer, RegisterAck(worker_id=msg.worker_id, accepted=True))
+            return
+        if peer in self._peers or waiting is not None:
+            reason = f"this connection already registered worker {self._peers.get(peer, msg.worker_id)}"
+        elif msg.worker_id in self.workers or any(p.spec.worker_id == msg.worker_id for p in self.pending.values()):
             reason = f"worker id {msg.worker_id} is already registered"
         elif self.pool is not None and msg.worker_type != self.pool:
             reason = (f"worker {msg.worker_id} is a {msg.worker_type} worker but this router serves the {self.pool} "
@@ -277,7 +307,10 @@ class Router:
                       f"{self.core.block_size}; prefix matching would silently find nothing")
         else:
             reason = self._registration_limits(msg)
-        retry_after_s = None
+        if reason is None and self.guarded and len(self.pending) >= self.settings.max_pending_workers:
+            retry_after_s = self.settings.heartbeat_timeout_s / 4
+            reason = (f"rate_limited: worker {msg.worker_id}: {len(self.pending)} registered workers have not spoken "
+                      f"since (max_pending_workers); retry in {retry_after_s:g} s")
         if reason is None and not self._registrations.take(self._now()):
             retry_after_s = max(0.05, self._registrations.wait_s(self._now()))
             reason = (f"rate_limited: worker {msg.worker_id}: more than {self.settings.registration_burst} registrations "
@@ -287,7 +320,8 @@ class Router:
         if reason is None:
             try:
                 spec = worker_spec(msg)
-                self.core.add_worker(spec)
+                if not self.guarded:
+                    self.core.add_worker(spec)
             except (KvemuError, ValueError, TypeError) as exc:
                 reason = str(exc)
         self._send(peer, RegisterAck(worker_id=msg.worker_id, accepted=reason is None, reason=reason,
@@ -300,9 +334,35 @@ class Router:
                 self._asked.discard(peer)  # a registered worker's next heartbeat is answered with Reregister
             return
         assert spec is not None
-        self.workers[msg.worker_id] = _WorkerState(spec, peer, self._now(), msg)
-        self._peers[peer] = msg.worker_id
+        state = _WorkerState(spec, peer, self._now(), msg)
         self._asked.discard(peer)
+        if self.guarded:  # routed to (and its KV streams opened) once it speaks again: ``_admit``
+            self.pending[peer] = state
+            return
+        self._add(state)
+
+    def _admit(self, peer: bytes) -> int | None:
+        """A pending worker spoke: register it for routing (None if that fails now, e.g. a limit reached)."""
+        state = self.pending.pop(peer)
+        msg = state.register
+        reason = self._registration_limits(msg)
+        if reason is None:
+            try:
+                self.core.add_worker(state.spec)
+            except (KvemuError, ValueError, TypeError) as exc:
+                reason = str(exc)
+        if reason is not None:
+            self.registrations_refused += 1
+            log.warning("registered worker %s not admitted: %s", msg.worker_id, reason)
+            return None  # (``on_message`` asks it to register again)
+        state.last_seen_ns = self._now()
+        self._add(state)
+        return msg.worker_id
+
+    def _add(self, state: _WorkerState) -> None:
+        msg, peer = state.register, state.peer
+        self.workers[msg.worker_id] = state
+        self._peers[peer] = msg.worker_id
         self.kv.add_worker(msg)
         if self._on_worker_added is not None:
             self._on_worker_added(msg)
@@ -342,8 +402,8 @@ class Router:
         return [self.workers[wid].register for wid in sorted(self.workers)]
 
     def serves_peer(self, peer: bytes) -> bool:
-        """Whether ``peer`` (a transport identity) is the connection of a worker registered here."""
-        return peer in self._peers
+        """Whether ``peer`` (a transport identity) is the connection of a worker registered here (or pending)."""
+        return peer in self._peers or peer in self.pending
 
     def send_chaos(self, worker_id: int, msg: Chaos) -> str | None:
         """Ask a registered worker to apply a fault to itself (chaos on real processes); returns why not, or None."""
@@ -383,6 +443,10 @@ class Router:
     def _unresponsive(self, worker_id: int, unacked: int) -> None:
         self.remove_worker(worker_id, reason=f"unresponsive: {unacked} dispatches in a row unacknowledged")
 
+    def _stalled(self, worker_id: int, stalls: int) -> None:
+        self.remove_worker(worker_id, reason=f"unresponsive: {stalls} accepted requests in a row without a first "
+                                             f"token within {self.settings.first_token_timeout_s:g} s")
+
     def remove_worker(self, worker_id: int, *, reason: str) -> None:
         """Forget a worker: index, load, bindings; its in-flight requests are retried or failed."""
         state = self.workers.pop(worker_id, None)
@@ -411,8 +475,11 @@ class Router:
             stalled = now - last - 2 * period_ns  # the router itself did not run (stopped, swapped out, a long pass)
             last = now
             if stalled > 0:  # its own stall is not the workers' silence: their heartbeats wait in its socket
-                for s in self.workers.values():
+                for s in (*self.workers.values(), *self.pending.values()):
                     s.last_seen_ns += stalled
+            for peer in [p for p, s in self.pending.items() if now - s.last_seen_ns > timeout_ns]:
+                del self.pending[peer]  # accepted, never heard from since: forgotten, and asked to register again
+                self._send(peer, Reregister())  # (a starved worker; a fake's one message more)
             for wid in sorted(w for w, s in self.workers.items() if now - s.last_seen_ns > timeout_ns):
                 self.remove_worker(wid, reason="missed heartbeats")
 

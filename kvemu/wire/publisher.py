@@ -62,7 +62,7 @@ class KvEventPublisher(LoggedPublisher):
 
     def __init__(
         self,
-        endpoint: str = "tcp://*:5557",
+        endpoint: str = "tcp://127.0.0.1:5557",
         *,
         replay_endpoint: str | None = None,
         dp_rank: int = 0,

@@ -4,8 +4,10 @@ Off by default. With ``KVEMU_SECRET`` set in the environment of the router, the 
 every socket kvemu binds is a CURVE server whose key pair is derived from the secret, and every socket it
 connects is a CURVE client that needs that server key: a peer without the secret cannot complete the
 handshake, so it can neither send (register, submit, control) nor read (replies, KV events carrying
-prompt token ids), and the traffic is encrypted. Binding a non-loopback address without a secret logs a
-warning, since anyone who reaches it can do all of that.
+prompt token ids), and the traffic is encrypted. Every listener opened without a secret says so in one line
+when it starts (``exposure_warning``): on 127.0.0.1 any local process can do all of that, beyond it anyone who
+reaches the port. ``kvemu up`` and ``kvemu serve`` generate a secret per run (``ensure_secret``) and hand it to
+their own children in the environment, so by default nothing else on the machine talks to their sockets.
 """
 
 from __future__ import annotations
@@ -14,24 +16,36 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 
 import zmq
 from zmq.utils import z85
 
 from kvemu.errors import InvalidArgument
 
-__all__ = ["SECRET_ENV", "secret", "serve_securely", "bind_securely", "connect_securely", "exposure_warning"]
+__all__ = ["SECRET_ENV", "secret", "ensure_secret", "serve_securely", "bind_securely", "connect_securely",
+           "exposure_warning"]
 
 log = logging.getLogger("kvemu.security")
 
 SECRET_ENV = "KVEMU_SECRET"
 """The environment variable holding the shared secret (empty or unset: no authentication)."""
-_LOOPBACK = re.compile(r"(tcp://(127(\.\d{1,3}){3}|localhost|\[::1\])(:\d+|:\*)?|ipc://.*|inproc://.*)")
+_LOOPBACK = re.compile(r"(tcp://(127(\.\d{1,3}){3}|localhost|\[::1\])(:\d+|:\*)?|ipc://.*)")
 
 
 def secret() -> str | None:
     """The shared secret of this process (None when authentication is off)."""
     return os.environ.get(SECRET_ENV) or None
+
+
+def ensure_secret() -> bool:
+    """Give this process (and so every child it starts: they inherit its environment, never its argv, which
+    any local user can read in /proc) a fresh random secret unless the user set one; returns whether it made
+    one. For a supervisor (``kvemu up``, ``kvemu serve``) whose sockets only it and its children use."""
+    if secret():
+        return False
+    os.environ[SECRET_ENV] = secrets.token_urlsafe(32)
+    return True
 
 
 def _server_keys(shared: str) -> tuple[bytes, bytes]:
@@ -42,26 +56,25 @@ def _server_keys(shared: str) -> tuple[bytes, bytes]:
 _ENV = object()
 
 
-def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object = _ENV) -> None:
+def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object = _ENV) -> bool:
     """Make a socket about to bind ``endpoint`` a CURVE server when there is a secret (``shared``, or this
-    process's); warn when it would be reachable beyond this machine without one."""
+    process's); without one it stays open to whoever reaches it (``bind_securely`` says so). Returns whether
+    it is one."""
     if shared is _ENV:
         shared = secret()
     if not shared:
-        warning = exposure_warning(endpoint)
-        if warning:
-            log.warning("%s", warning)
-        return
+        return False
     public, secret_key = _server_keys(shared)  # type: ignore[arg-type]
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public
     sock.curve_server = True
+    return True
 
 
 def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
     """``serve_securely`` then bind ``endpoint``; returns the bound endpoint (its real port for port 0). A busy or
     foreign address closes the socket and raises ``InvalidArgument`` saying what to do, not a ZeroMQ traceback."""
-    serve_securely(sock, endpoint)
+    secured = serve_securely(sock, endpoint)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
@@ -69,7 +82,12 @@ def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
         why = (exc.strerror or str(exc)).split(" (addr=")[0]
         raise InvalidArgument(f"{endpoint}: cannot listen there ({why}): stop what listens there, or pick another "
                               "port (port 0 picks a free one)") from None
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    if not secured:
+        warning = exposure_warning(bound)
+        if warning:
+            log.warning("%s", warning)
+    return bound
 
 
 def connect_securely(sock: zmq.Socket, shared: str | None | object = _ENV) -> None:
@@ -86,9 +104,11 @@ def connect_securely(sock: zmq.Socket, shared: str | None | object = _ENV) -> No
 
 
 def exposure_warning(endpoint: str) -> str | None:
-    """Why binding ``endpoint`` without a secret exposes the cluster (None for loopback and ipc addresses)."""
-    if _LOOPBACK.fullmatch(endpoint):
+    """The one line a listener on ``endpoint`` without a secret prints when it opens: who can use it (any local
+    process on a loopback or ipc address, anyone who reaches the port beyond), and what to set (None for an
+    ``inproc://`` address: only this process reaches it)."""
+    if endpoint.startswith("inproc://"):
         return None
-    return (f"binding {endpoint} without {SECRET_ENV}: anyone who reaches it can register workers, send "
-            "requests and read KV events (which carry prompt token ids); set the same secret in "
-            f"{SECRET_ENV} for the router, the workers and the clients")
+    who = "any local process" if _LOOPBACK.fullmatch(endpoint) else "anyone who reaches it"
+    return (f"kvemu: listening on {endpoint} without a secret: {who} can register, submit and read KV events "
+            f"(which carry prompt token ids); set {SECRET_ENV} to the same secret for every kvemu process")

@@ -216,3 +216,85 @@ def test_registrations_past_the_rate_are_refused_with_a_retry_time(tmp_path):
         ctx.destroy(linger=0)
     assert [a.accepted for a in acks] == [True, True, False, False]
     assert acks[2].reason.startswith("rate_limited: worker 12") and 0 < acks[2].retry_after_s <= 20.0
+
+
+# ---------------------------------------------------------------------------------- #43: fakes with no secret
+
+def test_a_flood_of_silent_registrations_fails_no_real_request():
+    """2,000 registrations that never speak again failed every one of 10 real requests at once (0/10,
+    ``retries_exhausted: worker_lost`` after 5.4 s): the router routed to them. A registration now waits, unrouted,
+    for its worker's next word (``max_pending_workers`` at once, refused with a retry time beyond)."""
+    from bench.hostile_peers import attack
+
+    result = attack("flood", [], cap_s=30)
+    assert result["completed"] == 10, result
+    assert max(result["seconds"]) < 5.0, result
+    assert result["fake_dispatches"] == 0 and result["fakes_accepted"] <= 64, result
+    assert result["workers_after"] == [0], result
+
+
+def test_fakes_that_heartbeat_and_never_acknowledge_fail_no_real_request():
+    """8 fakes that heartbeat and never acknowledge failed 4 of 10 real requests (a retry and 10 s each). On
+    probation (no dispatch acknowledged yet) a worker has ``probation_ack_timeout_s`` (2 s) and is removed at its
+    first miss, and a request's retries are not spent on it."""
+    from bench.hostile_peers import attack
+
+    result = attack("mute", [], cap_s=60)
+    assert result["completed"] == 10, result
+    assert max(result["seconds"]) < 20.0, result  # at most a few fakes missed in a row, 2 s each
+    assert result["workers_after"] == [0], result
+
+
+def test_a_worker_that_accepts_and_never_produces_a_token_holds_requests_only_to_the_first_token_bound():
+    """A fake that acknowledges every dispatch and never produces a token held its requests for the 3,600 s
+    request deadline. After ``first_token_timeout_s`` (2 s here, 60 s by default) each runs on the real worker, the
+    fake is told to abort it and, having never produced a first token, is removed."""
+    from bench.hostile_peers import attack
+
+    result = attack("acker", ["router.first_token_timeout_s=2"], cap_s=30)
+    assert result["completed"] == 10, result
+    assert result["fake_dispatches"] >= 1 and result["aborts"] == ["first_token_timeout"], result
+    assert max(result["seconds"]) < 10.0, result
+    assert result["workers_after"] == [0], result
+
+
+def test_an_accepted_registration_left_silent_is_forgotten_and_asked_again_then_admitted_when_it_speaks(tmp_path):
+    """A live router routes to a worker only once it speaks after its acceptance; one that stays silent past
+    ``heartbeat_timeout_s`` (a starved process) is forgotten and asked to register again, and is admitted at its
+    next word after that (before, a worker whose heartbeats reached another pool's router was never asked again)."""
+    from kvemu.messages import Reregister
+
+    path = tmp_path / "s.yaml"
+    path.write_text(scenario(tmp_path).read_text().replace("heartbeat_timeout_s: 30", "heartbeat_timeout_s: 1"))
+    kids = Children()
+    ctx = zmq.Context()
+    try:
+        router = kids.start("router", ["router", "--listen", HOST, "--config", str(path)])["listen"]
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(router)
+        sock.send(encode(Register(worker_id=5, block_size=16)))
+        assert sock.poll(10_000) and msgspec.msgpack.decode(sock.recv(), type=RegisterAck).accepted
+
+        async def listed() -> list[int]:
+            client = _RouterClient(router)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.listen)
+                workers = (await client.stats(timeout_s=10)).workers
+                tg.cancel_scope.cancel()
+            return workers
+
+        assert anyio.run(listed) == []  # accepted, not routed to: it has not spoken since
+        assert sock.poll(10_000), "no Reregister after the heartbeat timeout"
+        assert isinstance(decode_router_message(sock.recv()), Reregister)
+        sock.send(encode(Register(worker_id=5, block_size=16)))
+        assert sock.poll(10_000) and msgspec.msgpack.decode(sock.recv(), type=RegisterAck).accepted
+        seen: list[int] = []
+        deadline = time.monotonic() + 10
+        while seen != [5] and time.monotonic() < deadline:
+            sock.send(encode(Heartbeat(worker_id=5)))  # (a 1 s heartbeat timeout: keep speaking)
+            seen = anyio.run(listed)
+        assert seen == [5]
+    finally:
+        kids.stop_all()
+        ctx.destroy(linger=0)

@@ -293,13 +293,17 @@ def _router(kids, path: Path, env: dict[str, str] | None = None) -> str:
 def test_a_worker_refused_for_a_squatted_id_says_so_in_one_line(tmp_path):
     from harness.procs.up import Children
 
+    from harness.procs.up import cli_env
+
     path = scenario(tmp_path)
     kids = Children()
+    secret = {"KVEMU_SECRET": "s3cret"}  # (without one, each listener of the worker would say so first)
     try:
-        router = _router(kids, path)
-        kids.start("w7", ["worker", "--router", router, "--worker-id", "7", "--config", str(path)])
+        router = _router(kids, path, env=secret)
+        kids.start("w7", ["worker", "--router", router, "--worker-id", "7", "--config", str(path)], env=secret)
         dup = subprocess.run([sys.executable, "-m", "harness.cli", "worker", "--router", router, "--worker-id", "7",
-                              "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30)
+                              "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                             env={**cli_env(), **secret})
         assert kids.procs["w7"].poll() is None  # the first one is untouched
     finally:
         kids.stop_all()

@@ -65,6 +65,9 @@ SETTINGS_VALUES = {
     "registrations_per_s": 50.0,
     "registration_burst": 64,
     "kv_replay_timeout_s": 5.0,
+    "max_pending_workers": 32,
+    "probation_ack_timeout_s": 1.5,
+    "first_token_timeout_s": 30.0,
 }
 
 ENGINE_VALUES = {

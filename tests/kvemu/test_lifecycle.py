@@ -462,3 +462,84 @@ def test_a_stage_change_outside_the_transition_table_is_refused():
     assert f.stage == WAITING
     assert TRANSITIONS[ENDED] == frozenset() and RUNNING in TRANSITIONS[DISPATCHED]
     assert all(RUNNING not in TRANSITIONS[s] for s in (WAITING, QUEUED, AFFINITY, RUNNING))
+
+
+def test_an_accepted_request_without_a_first_token_in_time_runs_elsewhere_and_its_worker_is_reported():
+    """#43: a worker that accepts and never produces a token held the request to its 3,600 s deadline. With
+    ``first_token_timeout_s`` the attempt ends at the bound (the worker is told to abort it), the request runs on
+    another worker, and a worker that never produced a first token is reported at once."""
+    h = Host(workers=(1, 2), timeout_s=1.0, retry_limit=3)
+    h.lc.settings.first_token_timeout_ns = 5_000 * MS
+    stalled = []
+    h.lc.on_stalled = lambda wid, n: stalled.append((wid, n))
+    rec = h.submit("a")
+    silent, _ = h.sent[0]
+    h.lc.on_ack(silent, DispatchAck(request_id="a", accepted=True))
+    assert h.lc.next_deadline_ns() == 5_000 * MS
+    h.advance(4_999 * MS)
+    assert h.lc.flights["a"].stage == RUNNING and stalled == []
+    h.advance(1 * MS)
+    assert (silent, Abort(request_id="a", reason="first_token_timeout")) in h.sent
+    other, msg = h.sent[-1]
+    assert other != silent and isinstance(msg, Dispatch) and stalled == [(silent, 1)]
+    h.complete("a")
+    assert h.ended["a"] is rec and rec.failure is None and rec.attempts == 2 and rec.worker_id == other
+
+
+def test_a_first_token_timeout_that_may_not_retry_ends_with_its_reason_and_a_productive_worker_gets_slack():
+    h = Host(workers=(1,), timeout_s=1.0, retry_limit=3)
+    h.lc.settings.first_token_timeout_ns = 5_000 * MS
+    h.lc.settings.max_unacked = 2
+    stalled = []
+    h.lc.on_stalled = lambda wid, n: stalled.append((wid, n))
+    h.submit("ok")
+    h.complete("ok")  # worker 1 produced a first token: it is no longer reported at its first timeout
+    h.lc.submit(ClientRequest(request_id="a", tokens=[1, 2, 3, 4], max_tokens=2), lambda r: h.ended.update(a=r),
+                can_retry=lambda: False)
+    h.lc.on_ack(1, DispatchAck(request_id="a", accepted=True))
+    h.advance(5_000 * MS)
+    assert h.ended["a"].failure == "first_token_timeout" and stalled == [] and h.lc.stalls == {1: 1}
+    h.submit("b")
+    h.lc.on_ack(1, DispatchAck(request_id="b", accepted=True))
+    h.advance(5_000 * MS)
+    assert stalled == [(1, 2)]
+
+
+def test_a_worker_on_probation_that_misses_its_first_ack_is_reported_at_once_and_costs_no_retry():
+    """#43: fakes that heartbeat but never acknowledge each cost a real request a retry and ``dispatch_timeout``
+    (4 of 10 failed with 8 of them). On probation (no dispatch acknowledged yet) a worker has the shorter bound,
+    is reported at its first miss, and the request's retries are not spent on it."""
+    h = Host(workers=(1, 2, 3, 4, 5), timeout_s=10.0, retry_limit=0)
+    h.lc.settings.probation_ack_timeout_ns = 1_000 * MS
+    told = []
+    h.lc.on_unresponsive = lambda wid, n: told.append((wid, n))
+    h.submit("a")
+    for _ in range(4):  # four silent workers in a row: no retry left, yet the request goes on
+        w, _ = h.sent[-1]
+        h.advance(1_000 * MS)
+        assert told[-1] == (w, 1) and "a" not in h.ended
+    h.complete("a")
+    assert h.ended["a"].failure is None and h.ended["a"].attempts == 5
+    assert h.lc.proven == {h.ended["a"].worker_id}
+    h.submit("b", worker_id=h.ended["a"].worker_id)  # a proven worker has the ordinary dispatch_timeout
+    h.advance(1_000 * MS)
+    assert "b" not in h.ended and h.lc.flights["b"].stage == DISPATCHED
+
+
+def test_a_request_redispatched_to_a_worker_on_probation_that_is_then_removed_spends_no_retry():
+    """The fakes of #43 miss their first ack together: a request retried onto one about to be removed with them
+    lost its attempt to ``worker_lost`` (1 of 10 failed ``retries_exhausted: worker_lost``)."""
+    h = Host(workers=(1, 2, 3, 4), timeout_s=10.0, retry_limit=0)
+    h.lc.settings.probation_ack_timeout_ns = 1_000 * MS
+    h.submit("a")
+    first, _ = h.sent[-1]
+    h.core.remove_worker(first)  # as the router removes a worker
+    h.lc.worker_lost(first)
+    assert "a" not in h.ended
+    second, _ = h.sent[-1]
+    h.core.remove_worker(second)
+    h.lc.worker_lost(second)
+    third, _ = h.sent[-1]
+    assert len({first, second, third}) == 3 and "a" not in h.ended
+    h.complete("a")
+    assert h.ended["a"].failure is None

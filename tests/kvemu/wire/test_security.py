@@ -20,23 +20,54 @@ from harness.procs.up import Children, cli_command, cli_env
 HOST = "tcp://127.0.0.1:0"
 
 
-@pytest.mark.parametrize(("endpoint", "exposed"), [
-    ("tcp://127.0.0.1:5555", False), ("tcp://127.3.4.5:0", False), ("tcp://localhost:1", False),
-    ("tcp://[::1]:5", False), ("ipc:///tmp/kv", False), ("inproc://x", False),
-    ("tcp://0.0.0.0:5555", True), ("tcp://*:5555", True), ("tcp://10.1.2.3:5555", True), ("tcp://eth0:1", True),
+@pytest.mark.parametrize(("endpoint", "who"), [
+    ("tcp://127.0.0.1:5555", "any local process"), ("tcp://127.3.4.5:0", "any local process"),
+    ("tcp://localhost:1", "any local process"), ("tcp://[::1]:5", "any local process"),
+    ("ipc:///tmp/kv", "any local process"), ("inproc://x", None),
+    ("tcp://0.0.0.0:5555", "anyone who reaches it"), ("tcp://*:5555", "anyone who reaches it"),
+    ("tcp://10.1.2.3:5555", "anyone who reaches it"), ("tcp://eth0:1", "anyone who reaches it"),
 ])
-def test_binding_beyond_loopback_without_a_secret_warns(endpoint, exposed, monkeypatch, caplog):
-    monkeypatch.delenv(security.SECRET_ENV, raising=False)
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+def test_the_line_of_a_listener_without_a_secret_says_who_can_use_it(endpoint, who):
+    line = security.exposure_warning(endpoint)
+    if who is None:
+        assert line is None
+    else:
+        assert line.startswith(f"kvemu: listening on {endpoint} without a secret: {who} can register, submit and "
+                               "read KV events") and "set KVEMU_SECRET" in line
+
+
+def test_each_listener_without_a_secret_says_so_once_with_its_port_and_none_with_one(monkeypatch, caplog):
+    """Port 0 binds: the line names the port really bound; a CURVE server (a secret set) prints nothing."""
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.ROUTER) for _ in range(4)]
     try:
-        security.serve_securely(sock, endpoint)  # never bound: only what would happen is checked
-        assert ("without KVEMU_SECRET" in caplog.text) is exposed
+        monkeypatch.delenv(security.SECRET_ENV, raising=False)
+        open_ = [security.bind_securely(s, HOST) for s in socks[:2]]
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvemu.security"]
+        assert lines == [f"kvemu: listening on {e} without a secret: any local process can register, submit and read "
+                         "KV events (which carry prompt token ids); set KVEMU_SECRET to the same secret for every "
+                         "kvemu process" for e in open_]
+        assert all(not e.endswith(":0") for e in open_)
         caplog.clear()
         monkeypatch.setenv(security.SECRET_ENV, "s3cret")
-        security.serve_securely(sock, endpoint)
-        assert "without KVEMU_SECRET" not in caplog.text and sock.curve_server
+        for s in socks[2:]:
+            security.bind_securely(s, HOST)
+            assert s.curve_server
+        assert not [r for r in caplog.records if r.name == "kvemu.security"]
     finally:
-        sock.close(linger=0)
+        for s in socks:
+            s.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+def test_ensure_secret_makes_one_only_when_none_is_set(monkeypatch):
+    monkeypatch.setenv(security.SECRET_ENV, "mine")
+    assert not security.ensure_secret() and security.secret() == "mine"
+    monkeypatch.delenv(security.SECRET_ENV)
+    assert security.ensure_secret()
+    made = security.secret()
+    assert made and len(made) >= 40 and not security.ensure_secret() and security.secret() == made
+    monkeypatch.delenv(security.SECRET_ENV)  # (monkeypatch restores the variable as it was before the test)
 
 
 def test_kv_events_reach_only_subscribers_with_the_secret(monkeypatch):
@@ -95,3 +126,25 @@ run: {mode: live, duration_s: 1}
     assert summary["completed_requests"] == summary["num_requests"] > 0
     assert not outsider.ok and outsider.detail == "no answer from the router within 2 s"
     assert not insider.ok and "takes no control messages" in insider.detail
+
+
+def test_every_listener_defaults_to_loopback():
+    """#43: nothing kvemu opens is reachable beyond this machine unless asked: every listening option of every
+    command, and the KV publisher's default endpoint, is on 127.0.0.1 (the publisher's was tcp://*)."""
+    import argparse
+    import inspect
+
+    from harness.cli.parser import build_parser
+
+    listening = {"listen", "sync_listen", "kv_events", "kv_replay", "http"}
+    seen = []
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.dest in listening and action.default not in (None, ""):
+                seen.append((command, action.dest))
+                assert action.default.removeprefix("tcp://").startswith("127.0.0.1:"), (command, action.dest,
+                                                                                      action.default)
+    assert ("router", "listen") in seen and ("worker", "kv_events") in seen and ("serve", "http") in seen
+    default = inspect.signature(KvEventPublisher).parameters["endpoint"].default
+    assert default.startswith("tcp://127.0.0.1:"), default
