@@ -8,7 +8,15 @@ requests complete, and how long they take, while the fakes are registered.
 - ``acker``: 1 fake that heartbeats and accepts every dispatch but never produces a token.
 
 One real worker (id 0) serves beside them; the router has its default settings. The requests are sent at once,
-unpinned, a second after the fakes registered. Prints one JSON line.
+unpinned, a second after the fakes registered. With no attack named, runs all three. Prints, per attack:
+
+  ATTACK real requests completed: N requests     (of 10; the exit status is 1 below 10)
+  ATTACK slowest real request: S s
+  ATTACK dispatches to fakes: N dispatches
+
+``--quick`` lowers ``router.first_token_timeout_s`` to 5 s (the acker's requests wait that long, not 60 s);
+``--json`` prints each attack's whole result as one JSON line instead.
+Run: python -m bench.hostile_peers [flood|mute|acker] [--quick]
 """
 
 from __future__ import annotations
@@ -174,11 +182,25 @@ def attack(kind: str, sets: list[str], requests: int = 10, cap_s: float = 120.0)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("attack", choices=sorted(ATTACKS))
+    parser.add_argument("attack", nargs="?", choices=sorted(ATTACKS), help="one attack (default: all three)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="router.KEY=VALUE")
     parser.add_argument("--cap", type=float, default=120.0, help="seconds a request may take before it counts as lost")
+    parser.add_argument("--quick", action="store_true", help="a 5 s first-token bound instead of the default 60 s")
+    parser.add_argument("--json", action="store_true", help="one JSON line per attack instead of figures")
     args = parser.parse_args()
-    print(json.dumps(attack(args.attack, args.sets, cap_s=args.cap)))
+    sets = (["router.first_token_timeout_s=5"] if args.quick else []) + args.sets
+    whole = True
+    for kind in [args.attack] if args.attack else sorted(ATTACKS):
+        result = attack(kind, sets, cap_s=args.cap)
+        whole = whole and result["completed"] == result["of"]
+        if args.json:
+            print(json.dumps(result), flush=True)
+            continue
+        print(f"{kind} real requests completed: {result['completed']} requests", flush=True)
+        print(f"{kind} slowest real request: {max(result['seconds'], default=0.0):.2f} s", flush=True)
+        print(f"{kind} dispatches to fakes: {result['fake_dispatches']} dispatches", flush=True)
+    if not whole:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
