@@ -16,9 +16,13 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvemu.limits import MAX_OUTPUT_TOKENS, Count, Id, Key, Name, Rank, Text, TimeNs, WorkerId
+from kvemu.limits import MAX_OUTPUT_TOKENS, MAX_TEXT_CHARS, Count, Id, Key, Name, Rank, TimeNs, WorkerId
 
-__all__ = ["RequestRecord", "router_record", "sequences_as_lists"]
+__all__ = ["RequestRecord", "router_record", "sequences_as_lists", "MAX_FAILURE_CHARS"]
+
+MAX_FAILURE_CHARS = 2 * MAX_TEXT_CHARS
+"""A record's failure: kvemu's own words around a peer's reason (a worker's refusal or failure, ``Text``), so a
+router's record always reaches its client."""
 
 
 def sequences_as_lists(obj: object) -> object:
@@ -101,7 +105,7 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     kv_activated_ns: TimeNs | None = None
     """Disaggregated serving: when the request joined the decode rank's passes (the transfer was over)."""
 
-    failure: Text | None = None
+    failure: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] | None = None
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
 
     @property

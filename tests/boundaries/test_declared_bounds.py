@@ -64,6 +64,14 @@ def test_a_record_reply_past_a_bound_is_refused(change, where):
     assert f"at `{where}`" in refused(reply_decoder.decode, msgspec.msgpack.encode(reply))
 
 
+def test_a_failure_around_a_workers_longest_refusal_still_reaches_the_client():
+    """The lifecycle's ``no_endpoints ... (the last refusal, by <worker>/<rank>: <reason>)``, a disaggregated
+    router's pool prefix around it: longer than the worker's ``Text`` reason, shorter than the record's bound."""
+    failure = f"prefill: no_endpoints: every rank refused (the last refusal, by 9/511: {'r' * MAX_TEXT_CHARS})"
+    data = msgspec.msgpack.encode(RecordReply(record=RequestRecord(request_id="r", failure=failure)))
+    assert reply_decoder.decode(data).record.failure == failure
+
+
 def test_a_stats_sample_with_a_huge_group_map_is_refused():
     sample = Sample(time_ns=0, worker_id=0, dp_rank=0, active_requests=0, kv_blocks=0,
                     group_blocks={i: 1 for i in range(5000)})
