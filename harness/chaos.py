@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.clock import NS_PER_S
+from kvemu.limits import Text
 from kvemu.messages import WORKER_CHAOS, Chaos
 from kvemu.replica_sync import MAX_REPLICAS
 
@@ -31,12 +32,14 @@ ROUTER_CHAOS = frozenset({*WORKER_CHAOS, "restart_router"})
 SUPERVISOR_CHAOS = frozenset({"add_worker", "remove_worker"})
 """Actions that start or stop worker processes."""
 MAX_TOKEN_BYTES = 256
+"""Longest control token (``up`` makes 32 hex characters); a longer one is refused at decoding."""
+Token = Annotated[str, Meta(max_length=MAX_TOKEN_BYTES)]
 
 
 class Control(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
     """Apply one chaos event now (client → router)."""
 
-    token: str
+    token: Token
     event: ChaosEvent
 
 
@@ -44,7 +47,7 @@ class WorkerExited(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=
     """A worker's process exited unasked (supervisor → router): fence it now instead of after its heartbeat
     timeout, and say how in its ``worker_removed`` event."""
 
-    token: str
+    token: Token
     worker_id: Annotated[int, Meta(ge=0, le=1 << 31)]
     how: Annotated[str, Meta(max_length=64)]
     """``signal SIGKILL``, ``code 1``."""
@@ -54,7 +57,7 @@ class SyncPeers(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=Tru
     """Where the other router replicas publish their sync batches (supervisor → router replica): subscribe to
     each (``router.replica_sync``; a replica's endpoint is known only once it started, so it comes after)."""
 
-    token: str
+    token: Token
     peers: Annotated[dict[Annotated[int, Meta(ge=0, lt=MAX_REPLICAS)], Annotated[str, Meta(max_length=256)]],
                      Meta(max_length=MAX_REPLICAS)]
 
@@ -63,7 +66,7 @@ class ControlReply(msgspec.Struct, tag=True, frozen=True):
     """Whether the router applied (or forwarded) the event, and what it did or why not."""
 
     ok: bool
-    detail: str = ""
+    detail: Text = ""
 
 
 def worker_chaos(ev: ChaosEvent) -> Chaos:

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
+from kvemu.limits import INT64_MAX, MAX_SECONDS, Weight
 from kvemu.validation import check_struct
 
 __all__ = ["RouterConfig", "RouterOverrides", "BusyThresholds", "QueuePolicyName"]
@@ -17,7 +18,7 @@ QueuePolicyName = Literal["fcfs", "lcfs", "wspt"]
 
 NonNeg = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(gt=0, le=1)]
-Positive = Annotated[float, Meta(gt=0)]
+Positive = Annotated[float, Meta(gt=0, le=MAX_SECONDS)]
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -27,16 +28,16 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     check the same bounds.
     """
 
-    overlap_score_credit: NonNeg = 1.0
-    overlap_score_credit_decay: NonNeg = 0.0
-    prefill_load_scale: NonNeg = 1.0
-    decode_active_request_weight: NonNeg = 0.0
-    host_cache_hit_weight: NonNeg = 0.75
+    overlap_score_credit: Weight = 1.0
+    overlap_score_credit_decay: Weight = 0.0
+    prefill_load_scale: Weight = 1.0
+    decode_active_request_weight: Weight = 0.0
+    host_cache_hit_weight: Weight = 0.75
     """Credit per host-tier extension block."""
-    disk_cache_hit_weight: NonNeg = 0.25
+    disk_cache_hit_weight: Weight = 0.25
     """Credit per disk/external-tier extension block."""
-    shared_cache_multiplier: NonNeg = 0.0
-    router_temperature: NonNeg = 0.0
+    shared_cache_multiplier: Weight = 0.0
+    router_temperature: Weight = 0.0
     """Softmax temperature over normalised costs; 0 picks the cheapest rank."""
     use_kv_events: bool = True
     """False: no KV events; the router predicts caches from its own routing (approximate index)."""
@@ -47,15 +48,15 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     router_track_prefill_tokens: bool = True
     router_ttl_secs: Positive = 120.0
     """How long the approximate index keeps a predicted block."""
-    router_max_tree_size: Annotated[int, Meta(ge=1)] = 2**20
+    router_max_tree_size: Annotated[int, Meta(ge=1, le=INT64_MAX)] = 2**20
     """Approximate index: prune when it holds more (block, rank) entries than this..."""
     router_prune_target_ratio: Fraction = 0.8
     """...down to this fraction of ``router_max_tree_size``."""
-    router_queue_threshold: NonNeg | None = None
+    router_queue_threshold: Weight | None = None
     """Queue requests while every eligible rank's active prefill tokens exceed this fraction of its
     ``max_num_batched_tokens``; None admits every request at once."""
     router_queue_policy: QueuePolicyName = "fcfs"
-    router_queue_limit_per_worker: Annotated[int, Meta(ge=1)] | None = None
+    router_queue_limit_per_worker: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = None
     """Requests the queue holds per registered worker (Dynamo's ``request_queue_limit_per_worker``); one past
     it is rejected (``queue_rejected``; HTTP 429 at the front door). None: unbounded."""
 
@@ -88,13 +89,13 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class RouterOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-request ``router_config_override`` fields; ``None`` keeps the router's value."""
 
-    overlap_score_credit: NonNeg | None = None
-    prefill_load_scale: NonNeg | None = None
-    router_temperature: NonNeg | None = None
+    overlap_score_credit: Weight | None = None
+    prefill_load_scale: Weight | None = None
+    router_temperature: Weight | None = None
     assume_kv_reuse: bool | None = None
     track_prefill_tokens: bool | None = None
-    shared_cache_multiplier: NonNeg | None = None
-    overlap_score_weight: NonNeg | None = None
+    shared_cache_multiplier: Weight | None = None
+    overlap_score_weight: Weight | None = None
 
     def __post_init__(self) -> None:
         try:

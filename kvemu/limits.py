@@ -16,6 +16,7 @@ from msgspec import Meta
 __all__ = [
     "INT64_MIN", "INT64_MAX", "RANK_MAX", "MAX_ID_CHARS", "MAX_REQUEST_ID_CHARS", "MAX_KEY_CHARS", "MAX_NAME_CHARS", "MAX_TEXT_CHARS",
     "MAX_ENDPOINT_CHARS", "MAX_LIST_ITEMS", "MAX_KV_BATCH_BYTES", "MAX_BODY_BYTES", "Finite", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TIME_NS", "MAX_SECONDS",
+    "MAX_WEIGHT", "MAX_PATH_CHARS", "MAX_KV_GROUPS", "Weight", "FilePath",
     "I64", "Count", "U64", "WorkerId", "Rank", "TimeNs", "Seconds", "Id", "RequestId", "Key", "Name", "Text", "Endpoint",
     "U64_WIRE", "WIRE_RANGE", "WireInt",
 ]
@@ -57,6 +58,14 @@ MAX_TIME_NS = INT64_MAX
 MAX_SECONDS = 1e11
 """A time or duration in float seconds (wall time since the epoch: year 5138)."""
 
+MAX_WEIGHT = 1e6
+"""A router's cost weight, credit, scale or temperature, or an engine's or a trace's speed-up ratio (the
+defaults are 0..200; a million times the default effect is no genuine setting)."""
+MAX_KV_GROUPS = 1024
+"""Most KV cache groups (layer kinds) a model declares, and ``group_idx`` bound of a rank's per-group counts."""
+MAX_PATH_CHARS = 4096
+"""A file path (Linux's ``PATH_MAX``) or a ``module:callable`` reference an operator's file names."""
+
 assert 2 * 255 + 1 + MAX_REQUEST_ID_CHARS <= MAX_KEY_CHARS  # (a router key always fits)
 
 I64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -80,9 +89,12 @@ Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 """Any finite float (no ``inf``, no ``nan``): a value with no range of its own."""
 Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
 """Finite: a float without an upper bound takes ``inf`` (and a JSON ``1e999``)."""
+Weight = Annotated[float, Meta(ge=0, le=MAX_WEIGHT)]
+"""A non-negative multiplier (``MAX_WEIGHT``)."""
 Id = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 RequestId = Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)]
 Key = Annotated[str, Meta(max_length=MAX_KEY_CHARS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
 Endpoint = Annotated[str, Meta(max_length=MAX_ENDPOINT_CHARS)]
+FilePath = Annotated[str, Meta(max_length=MAX_PATH_CHARS)]

@@ -11,10 +11,18 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
-__all__ = ["RequestRecord", "router_record", "sequences_as_lists"]
+from kvemu.limits import MAX_OUTPUT_TOKENS, MAX_TEXT_CHARS, Count, Id, Key, Name, Rank, TimeNs, WorkerId
+
+__all__ = ["RequestRecord", "router_record", "sequences_as_lists", "MAX_FAILURE_CHARS"]
+
+MAX_FAILURE_CHARS = 2 * MAX_TEXT_CHARS
+"""A record's failure: kvemu's own words around a peer's reason (a worker's refusal or failure, ``Text``), so a
+router's record always reaches its client."""
 
 
 def sequences_as_lists(obj: object) -> object:
@@ -32,72 +40,72 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     because no field can refer back to a record: strings, integers and one list of integers.
     """
 
-    request_id: str
-    session_id: str | None = None
-    parent_session_id: str | None = None
-    arrival_ns: int = 0
+    request_id: Key
+    session_id: Id | None = None
+    parent_session_id: Id | None = None
+    arrival_ns: TimeNs = 0
     """When the request arrived (at the router; at the engine for an engine's own record)."""
-    isl: int = 0
+    isl: Count = 0
     """Input sequence length: prompt tokens."""
-    max_tokens: int = 0
+    max_tokens: Count = 0
     """Output tokens requested (the mock engine produces exactly this many)."""
-    worker_id: int | None = None
-    dp_rank: int | None = None
-    attempts: int = 0
+    worker_id: WorkerId | None = None
+    dp_rank: Rank | None = None
+    attempts: Count = 0
     """Times the request was routed to a rank (a selection that found no rank does not count): 1 + re-routings
     after rejected dispatches or lost workers."""
-    queued_ns: int | None = None
+    queued_ns: TimeNs | None = None
     """When it entered the router's policy queue (None: never queued)."""
-    routed_ns: int | None = None
+    routed_ns: TimeNs | None = None
     """When the router chose the rank (arrival → routed is the routing overhead)."""
-    dispatch_ns: int | None = None
+    dispatch_ns: TimeNs | None = None
     """When the worker accepted the dispatch."""
-    routing_reason: str | None = None
-    predicted_overlap_blocks: int | None = None
+    routing_reason: Name | None = None
+    predicted_overlap_blocks: Count | None = None
     """The router's overlap (device prefix depth) for the chosen rank when it routed (disaggregated: the
     prefill leg's, the leg whose engine found ``engine_cached_tokens``; the decode leg's KV comes by transfer)."""
-    best_overlap_blocks: int | None = None
+    best_overlap_blocks: Count | None = None
     """The deepest overlap any rank had at that moment (disaggregated: in the prefill pool)."""
-    truth_overlap_blocks: int | None = None
+    truth_overlap_blocks: Count | None = None
     """Engine truth at the routing decision: the prompt's leading blocks the chosen rank really had cached (None:
     no truth probe, e.g. separate processes)."""
-    truth_best_overlap_blocks: int | None = None
+    truth_best_overlap_blocks: Count | None = None
     """Engine truth at the same instant: the most any eligible rank really had (lost = this - the chosen's)."""
-    regret_source: str | None = None
+    regret_source: Name | None = None
     """Where the lost blocks were (Dynamo's locality classes): ``peer`` (another DP rank of the chosen worker),
     ``cache_owner`` (the rank the session last ran on), ``shared`` (another rank); None: nothing was lost."""
-    admitted_ns: int | None = None
+    admitted_ns: TimeNs | None = None
     """When the engine first scheduled it (start of that pass)."""
-    engine_cached_tokens: int | None = None
+    engine_cached_tokens: Count | None = None
     """Prompt tokens the engine actually found cached at first admission (the physical-cache check)."""
-    engine_reused_tokens: int | None = None
+    engine_reused_tokens: Count | None = None
     """Tokens the engine found cached at its last admission (a re-admission after preemption reuses what of
     it survived; the SGLang flavour: the most any of its admissions found, as the reference reports a retracted
     request): what the reference's ``prefix_cache_reused_ratio`` counts."""
-    engine_host_cached_tokens: int | None = None
+    engine_host_cached_tokens: Count | None = None
     """Host offload: the part of ``engine_cached_tokens`` loaded from the host tier (the rest was on the GPU);
     None when the engine has no host tier."""
-    preemptions: int = 0
+    preemptions: Count = 0
     """Times the engine preempted it (its blocks taken back; recomputed on re-admission)."""
-    first_token_ns: int | None = None
-    output_tokens: int = 0
+    first_token_ns: TimeNs | None = None
+    output_tokens: Count = 0
     """Output tokens produced so far."""
-    token_times_ns: list[int] = []
+    token_times_ns: Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)] = []
     """Each output token's time (the end of the pass that produced it); empty if the engine does not record them.
     Any sequence of ints in process (a router's record keeps an ``array('q')``, 8 bytes a token)."""
-    completion_ns: int | None = None
+    completion_ns: TimeNs | None = None
     """When the last token was produced (None while running and for failed requests)."""
-    prefill_worker_id: int | None = None
+    prefill_worker_id: WorkerId | None = None
     """Disaggregated serving: the prefill rank that computed the prompt (``worker_id`` is the decode rank)."""
-    prefill_dp_rank: int | None = None
-    prefill_done_ns: int | None = None
+    prefill_dp_rank: Rank | None = None
+    prefill_done_ns: TimeNs | None = None
     """Disaggregated serving: when the prompt was computed (the prefill rank holds its KV from then)."""
-    kv_reserved_ns: int | None = None
+    kv_reserved_ns: TimeNs | None = None
     """Disaggregated serving: when the decode rank reserved room for the prompt (its KV transfer began)."""
-    kv_activated_ns: int | None = None
+    kv_activated_ns: TimeNs | None = None
     """Disaggregated serving: when the request joined the decode rank's passes (the transfer was over)."""
 
-    failure: str | None = None
+    failure: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] | None = None
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
 
     @property

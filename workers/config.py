@@ -14,13 +14,14 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
+from kvemu.limits import MAX_KV_GROUPS, MAX_OUTPUT_TOKENS, Weight
 from kvemu.validation import check_struct
 from kvemu.transfer import Bandwidth, BytesPerToken
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
            "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
            "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS", "KvGroupSpec", "KvCacheGroup",
-           "KV_GROUP_KINDS"]
+           "KV_GROUP_KINDS", "MAX_ENGINE_COUNT"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -29,8 +30,10 @@ Backend = Literal["vllm", "sglang", "trtllm"]
 DEFAULT_BLOCK_SIZE: dict[str, int] = {"vllm": 64, "sglang": 1, "trtllm": 32}
 """The reference mocker's KV block size per backend when ``block_size`` is not given."""
 
-Count = Annotated[int, Meta(ge=1)]
-Ratio = Annotated[float, Meta(ge=0)]
+MAX_ENGINE_COUNT = 1 << 32
+"""Most blocks (GPU or host), tokens a step or sequences an engine knob may name: far beyond any GPU's."""
+Count = Annotated[int, Meta(ge=1, le=MAX_ENGINE_COUNT)]
+Ratio = Weight
 
 
 class PolynomialTimingSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag="polynomial",
@@ -66,11 +69,11 @@ class SglangConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prompt tokens one extend pass may take (page-rounded charges; nothing is chunked by it)."""
     chunked_prefill_size: Count = 8192
     """Prompt tokens one extend pass may compute; a longer prompt is chunked. A multiple of ``block_size``."""
-    clip_max_new_tokens: Annotated[int, Meta(ge=0)] = 4096
+    clip_max_new_tokens: Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)] = 4096
     """Output tokens reserved per request at admission are capped at this."""
     schedule_conservativeness: Annotated[float, Meta(ge=0, le=1e6)] = 1.0
     """Scales the initial output reservation ratio (0.7 x this), as SGLang's option does."""
-    prefill_decode_interval: Annotated[int, Meta(ge=0)] = 0
+    prefill_decode_interval: Annotated[int, Meta(ge=0, le=MAX_ENGINE_COUNT)] = 0
     """Decode passes that run after an extend pass before the next one may start (while requests run)."""
 
 
@@ -115,7 +118,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     (free)."""
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=MAX_SPECULATIVE_TOKENS)]
     """Draft tokens verified per decode pass and request (vLLM's name; Dynamo's ``aic_nextn``)."""
-    acceptance_rates: list[Annotated[float, Meta(ge=0, le=1)]] | Annotated[float, Meta(ge=0, le=1)] | None = None
+    acceptance_rates: (Annotated[list[Annotated[float, Meta(ge=0, le=1)]], Meta(max_length=MAX_SPECULATIVE_TOKENS)]
+                       | Annotated[float, Meta(ge=0, le=1)] | None) = None
     """Conditional acceptance: entry i is P(draft i accepted | drafts before it accepted); one number for every
     position; a shorter list is zero-padded. None: Dynamo's default (0.85, 0.3, 0, 0, 0), cut to k."""
     seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] = 42
@@ -254,7 +258,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """A host-memory KV tier behind the GPU pool (vLLM backend with prefix caching only); None: off."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding: drafts verified per decode pass (every backend); None: off."""
-    kv_groups: list[KvGroupSpec] | None = None
+    kv_groups: Annotated[list[KvGroupSpec], Meta(max_length=MAX_KV_GROUPS)] | None = None
     """A hybrid model's layers by kind (vLLM's hybrid KV cache manager; vLLM flavour only); None: every layer is
     full attention (one group, the plain engine). ``num_gpu_blocks`` then stays the blocks of the memory a
     full-attention model of the same layer count would get; see ``kv_cache_groups`` and docs/hybrid-kv.md."""

@@ -10,13 +10,15 @@ every process of this machine.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import parse_qs
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.http.errors import ApiError
 from kvemu.http.reply import respond
+from kvemu.limits import Count, TimeNs
 from kvemu.records import RequestRecord
 
 __all__ = ["EngineTruth", "LoadSample", "TruthPage", "LoadPage"]
@@ -39,21 +41,21 @@ class LoadSample(msgspec.Struct, array_like=True):
 class TruthPage(msgspec.Struct):
     """An answer of ``/kvemu/requests``: records ``after``.. ``next`` - 1 (a client asks again from ``next``)."""
 
-    records: list[RequestRecord]
+    records: Annotated[list[RequestRecord], Meta(max_length=MAX_PAGE)]
     """Each request as its engine saw it: the engine's own record without its token times (the rank that
     served, ``arrival_ns`` at this worker, ``admitted_ns``, ``engine_cached_tokens``, preemptions, a decode
     leg's ``kv_reserved_ns``/``kv_activated_ns``, its failure)."""
-    next: int
-    dropped: int
+    next: Count
+    dropped: Count
     """Records no longer kept (past ``max_records``): a client that asks too late misses them, and is told."""
-    first_arrival_ns: int | None = None
+    first_arrival_ns: TimeNs | None = None
     """When the first request reached this worker (None: none yet)."""
 
 
 class Unsettled(msgspec.Struct):
     """An answer of ``/kvemu/unsettled``: what the worker's engines still work for now."""
 
-    requests: int
+    requests: Count
     """Requests unfinished, holding KV for a decode rank, or being offloaded to host memory (0: settled)."""
 
 

@@ -15,12 +15,13 @@ import signal
 import sys
 import time
 import urllib.request
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import anyio.abc
 import msgspec
 
+from kvemu.limits import MAX_LIST_ITEMS, Endpoint, Id, Name, Rank, WorkerId
 from kvemu.runtime.transport import NoRouterEnd
 from kvemu.wire.publisher import KvEventPublisher
 from workers.worker_actor import WorkerActor
@@ -44,24 +45,24 @@ PROCESS_CHAOS = frozenset({"remove_worker", "add_worker"})
 class FleetWorker(msgspec.Struct, kw_only=True):
     """Where one worker of a fleet is: what a router needs to put it behind itself."""
 
-    worker_id: int
-    pool: str
+    worker_id: WorkerId
+    pool: Name
     """``aggregated``, or ``prefill`` / ``decode`` of a disaggregated fleet."""
-    url: str
-    dp_size: int
-    block_size: int
-    kv_events: list[str]
+    url: Endpoint
+    dp_size: Rank
+    block_size: Rank
+    kv_events: Annotated[list[Endpoint], msgspec.Meta(max_length=MAX_LIST_ITEMS)]
     """One ZeroMQ PUB endpoint per rank (vLLM's KV-event wire format)."""
-    kv_replay: list[str]
+    kv_replay: Annotated[list[Endpoint], msgspec.Meta(max_length=MAX_LIST_ITEMS)]
     """One replay ROUTER endpoint per rank ('' where there is none)."""
 
 
 class FleetInfo(msgspec.Struct, kw_only=True, tag="fleet", tag_field="event"):
     """The fleet's start line."""
 
-    model: str
-    workers: list[FleetWorker]
-    kv_events_version: str
+    model: Id
+    workers: Annotated[list[FleetWorker], msgspec.Meta(max_length=MAX_LIST_ITEMS)]
+    kv_events_version: Name
     processes: bool = False
 
     def pool(self, name: str) -> list[FleetWorker]:

@@ -6,31 +6,37 @@ The in-process runner and the load generator build it; the summary, report.md, r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.autoscale.records import AutoscaleLog
+from kvemu.limits import MAX_KV_GROUPS, Count, Name, Rank, TimeNs, WorkerId
 from kvemu.records import RequestRecord
 
 from harness.report.sla import Sla
 
 
+GroupBlocks = Annotated[dict[Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)], Count], Meta(max_length=MAX_KV_GROUPS)]
+"""Blocks per KV cache group (``group_idx``)."""
+
+
 class Sample(msgspec.Struct, frozen=True):
     """One periodic sample of the router's view of one rank."""
 
-    time_ns: int
-    worker_id: int
-    dp_rank: int
-    active_requests: int
-    kv_blocks: int
+    time_ns: TimeNs
+    worker_id: WorkerId
+    dp_rank: Rank
+    active_requests: Count
+    kv_blocks: Count
     """The router's indexed blocks of the rank (a decode rank's: its router's active blocks, see ``pools.samples``)."""
-    pool: str = "aggregated"
+    pool: Name = "aggregated"
     """The rank's pool: ``aggregated``, ``prefill`` or ``decode``."""
-    group_blocks: dict[int, int] | None = None
+    group_blocks: GroupBlocks | None = None
     """Hybrid KV cache groups (``kv_groups``): the router's indexed blocks of the rank per ``group_idx`` (its main
     full-attention group's are ``kv_blocks``); None for a plain rank."""
-    group_held: dict[int, int] | None = None
+    group_held: GroupBlocks | None = None
     """Hybrid KV cache groups, virtual mode: the blocks the rank's requests hold per ``group_idx`` (its engine's
     count; freed sliding-window blocks that stay cached are not held); None otherwise."""
 

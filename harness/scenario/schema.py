@@ -4,10 +4,13 @@ cluster, the autoscaler's bounds, what a synthetic workload would build)."""
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
+from kvemu.limits import MAX_LIST_ITEMS, FilePath, Name
 from workers.trace import MAX_PROMPT_TOKENS
 
 from harness.scenario.sections import (
@@ -30,16 +33,16 @@ __all__ = ["Scenario", "MAX_SYNTHETIC_TOKENS"]
 class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A whole scenario file."""
 
-    name: str = "scenario"
+    name: Name = "scenario"
     """Names the report and the default output directory ``out/<name>``: letters, digits, ``.``, ``_``, ``-``."""
     cluster: ClusterSpec = ClusterSpec()
     router: RouterSpec = RouterSpec()
     workload: SyntheticWorkload | TraceWorkload = SyntheticWorkload()
     run: RunSpec = RunSpec()
-    chaos: list[ChaosEvent] = []
+    chaos: Annotated[list[ChaosEvent], Meta(max_length=MAX_LIST_ITEMS)] = []
     autoscaler: AutoscalerSpec | None = None
     """Scale one pool on a policy's decisions (optional; see README "Autoscaling")."""
-    base_dir: str = "."
+    base_dir: FilePath = "."
     """Directory relative paths resolve against (set by the loader)."""
 
     def __post_init__(self) -> None:

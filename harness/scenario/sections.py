@@ -20,6 +20,7 @@ from kvemu.autoscale.config import AutoscaleConfig
 from kvemu.clock import NS_PER_MS
 from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument
+from kvemu.limits import I64, MAX_WEIGHT, RANK_MAX, FilePath, Name, Weight
 from kvemu.replica_sync import MAX_REPLICAS
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
@@ -80,11 +81,13 @@ MAX_SCENARIO_NS = round(MAX_TRACE_MS * NS_PER_MS)
 MAX_REQUESTS = 10_000_000
 """Most requests one scenario may send (a synthetic workload's expected count included)."""
 
-Count = Annotated[int, Meta(ge=1)]
-Index = Annotated[int, Meta(ge=0)]
-NonNeg = Annotated[float, Meta(ge=0)]
-Positive = Annotated[float, Meta(gt=0)]
+Count = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+Index = Annotated[int, Meta(ge=0, le=RANK_MAX)]
+"""A worker's index or a DP rank."""
+NonNeg = Weight
+Positive = Annotated[float, Meta(gt=0, le=MAX_WEIGHT)]
 Seconds = Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S)]
+Millis = Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S * 1000)]
 PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_SCENARIO_S)]
 Tokens = Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
 
@@ -132,7 +135,7 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
     dp_size: Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)] = 1
     worker_type: Literal["aggregated", "prefill", "decode"] = "aggregated"
     engine: EngineSpec = EngineSpec()  # type: ignore[valid-type]
-    kv_events_version: str = DEFAULT_VLLM_VERSION
+    kv_events_version: Name = DEFAULT_VLLM_VERSION
     """vLLM version whose KV-event wire format the workers speak."""
     kv_events_hash_form: Literal["int", "bytes"] = "int"
     """How the workers' KV events carry block hashes: ``int`` (vLLM's default, the low 64 bits of the digest as a
@@ -242,13 +245,13 @@ _RouterKnobs = msgspec.defstruct(
 class RouterSpec(_RouterKnobs, **_STRUCT):  # type: ignore[valid-type,misc]
     """The router: every ``RouterConfig`` and ``RouterSettings`` knob, plus how the harness runs it."""
 
-    policy: str = "kv"
+    policy: FilePath = "kv"
     """``kv`` (default selector), ``round_robin``, ``random``, or ``module:callable`` returning a CustomPolicy."""
-    kv_event_lag_ms: NonNeg = 0.0
+    kv_event_lag_ms: Millis = 0.0
     """Every KV publisher publishes this late, in order (the router's view of KV events lags; both modes)."""
-    network_latency_ms: NonNeg = 0.0
+    network_latency_ms: Millis = 0.0
     """One-way delivery latency between router and workers (virtual mode)."""
-    seed: int | None = None
+    seed: I64 | None = None
     """Seed of the router's tie-breaking generator (default: the run seed)."""
     affinity: AffinitySpec = AffinitySpec()
     replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS)] = 1
@@ -371,12 +374,12 @@ class TraceWorkload(_Workload, tag="trace", tag_field="kind",
     """Replay of a trace file: Mooncake JSONL (``timestamp`` or ``delay``, ``hash_ids``...) or any format of
     ``harness.traces`` (docs/traces.md), agentic graphs included."""
 
-    trace: str
+    trace: FilePath
     """Path of the trace, relative to the scenario file unless absolute (a directory: a Weka corpus)."""
     format: Literal["auto", "mooncake", "mooncake-delta", "agentic_mooncake", "agentic_mooncake_legacy",
                     "applied_compute_agentic", "weka", "dynamo"] = "auto"
     """The trace's format; ``auto`` tells it from the file where that is unambiguous (never ``mooncake-delta``)."""
-    trace_block_size: Count | None = None
+    trace_block_size: Tokens | None = None
     """Tokens per hash id. None: the file's own (Agentic Mooncake v2, Weka, Dynamo say it), else 512; a value
     given for such a file must agree with it."""
     arrival_speedup_ratio: Positive = 1.0
@@ -402,7 +405,7 @@ class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """How to run: mode, seed, and when to stop."""
 
     mode: Literal["virtual", "live"] = "virtual"
-    seed: int = 0
+    seed: I64 = 0
     duration_s: PositiveSeconds | None = None
     """Stop arrivals after this much scenario time, then drain."""
     max_requests: Annotated[int, Meta(ge=1, le=MAX_REQUESTS)] | None = None

@@ -37,6 +37,7 @@ import yaml
 from msgspec import Meta
 
 from kvemu.errors import KvemuError
+from kvemu.limits import I64, MAX_PATH_CHARS, Finite, FilePath, Name
 
 from harness.scenario import (
     Scenario,
@@ -76,6 +77,8 @@ DEFAULT_GOODPUT = 0.95
 """``objective.goodput`` when the runs have an SLA and the sweep names none (``kvemu plan``'s default too)."""
 MAX_AXES = 16
 MAX_FIGURES = 64
+MAX_TTFT_MS = 1e9
+"""Largest ``objective.ttft_ms`` (about 11 days)."""
 
 DERIVED_FIGURES = ("gpus", "output_throughput_tok_s_per_gpu")
 """Figures computed from the point, not read from summary.json: ``gpus`` is the cluster's DP ranks as started
@@ -95,7 +98,13 @@ _CONDITIONAL = ("goodput_", "kvemu.cache_tiers.", "kvemu.disaggregated.", "kvemu
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
-Scalar = str | int | float | bool | None
+MAX_KEY_PATH_CHARS = 256
+"""Longest dotted key (``router.replica_sync.delay_ms``) an axis or an override names."""
+MAX_OVERRIDES = 1024
+"""Most keys one sweep's ``set`` gives."""
+KeyPath = Annotated[str, Meta(max_length=MAX_KEY_PATH_CHARS)]
+Scalar = Annotated[str, Meta(max_length=MAX_PATH_CHARS)] | I64 | Finite | bool | None
+"""A ``--set`` value: a string as long as a path, an int64, a finite float, a boolean or null."""
 
 
 class SweepError(ScenarioError):
@@ -105,7 +114,7 @@ class SweepError(ScenarioError):
 class Objective(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """What sweep.md's chosen point must meet."""
 
-    ttft_ms: Annotated[float, Meta(gt=0)] | None = None
+    ttft_ms: Annotated[float, Meta(gt=0, le=MAX_TTFT_MS)] | None = None
     """Bound on the chosen point's p99 TTFT (ms)."""
     goodput: Annotated[float, Meta(gt=0, le=1)] | None = None
     """With a ``run.sla``: the share of its requests that must meet the SLA, in every seed of the chosen point
@@ -115,13 +124,13 @@ class Objective(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen
 class SweepSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """A whole sweep file (see the module docstring)."""
 
-    axes: dict[str, list[Scalar]]
-    name: str | None = None
-    base: str | None = None
-    set: dict[str, Scalar] = {}
+    axes: Annotated[dict[KeyPath, Annotated[list[Scalar], Meta(max_length=MAX_RUNS)]], Meta(max_length=MAX_AXES)]
+    name: Name | None = None
+    base: FilePath | None = None
+    set: Annotated[dict[KeyPath, Scalar], Meta(max_length=MAX_OVERRIDES)] = {}
     mode: Literal["grid", "zip"] = "grid"
-    seeds: Annotated[int, Meta(ge=1, le=MAX_RUNS)] | Annotated[list[int], Meta(min_length=1, max_length=MAX_RUNS)] = 1
-    figures: Annotated[list[str], Meta(min_length=1, max_length=MAX_FIGURES)] = msgspec.field(
+    seeds: Annotated[int, Meta(ge=1, le=MAX_RUNS)] | Annotated[list[I64], Meta(min_length=1, max_length=MAX_RUNS)] = 1
+    figures: Annotated[list[Name], Meta(min_length=1, max_length=MAX_FIGURES)] = msgspec.field(
         default_factory=lambda: list(DEFAULT_FIGURES))
     objective: Objective = Objective()
 

@@ -9,6 +9,7 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
+from kvemu.limits import FilePath
 from kvemu.validation import check_struct
 
 __all__ = ["AutoscaleConfig", "MAX_AUTOSCALE_S"]
@@ -30,7 +31,7 @@ class AutoscaleConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     max_workers: Workers
     """Most workers the pool may have running or starting; an add beyond it is clamped."""
-    policy: str = "builtin"
+    policy: FilePath = "builtin"
     """``builtin`` (``LoadSlaAutoscaler``) or ``module:callable``: called with this config, returns an ``Autoscaler``."""
     pool: Literal["aggregated", "prefill", "decode"] | None = None
     """The pool it scales (default: the aggregated pool, or the decode pool of a disaggregated cluster)."""

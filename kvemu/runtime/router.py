@@ -21,6 +21,7 @@ from kvemu.affinity import AffinityEvent, SessionAffinity
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.errors import KvemuError
 from kvemu.lifecycle import Lifecycle, LifecycleSettings
+from kvemu.limits import MAX_SECONDS
 from kvemu.queue import PolicyQueue
 from kvemu.records import RequestRecord
 from kvemu.registry import WorkerSpec
@@ -59,19 +60,19 @@ log = logging.getLogger("kvemu.router")
 class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Runtime knobs of the router actor (the policy knobs live in ``RouterConfig``); bounds declared once."""
 
-    retry_limit: Annotated[int, Meta(ge=0)] = 3
+    retry_limit: Annotated[int, Meta(ge=0, le=1 << 16)] = 3
     """Re-selections after rejected dispatches or lost workers before a request fails."""
-    dispatch_timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    dispatch_timeout_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS)] = 10.0
     """No acknowledgement within this time counts as a rejection."""
-    heartbeat_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+    heartbeat_timeout_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS)] = 5.0
     """A worker silent for this long is removed."""
-    startup_grace_s: Annotated[float, Meta(ge=0)] = 5.0
+    startup_grace_s: Annotated[float, Meta(ge=0, le=MAX_SECONDS)] = 5.0
     """A router that has no worker yet lets requests wait this long after it started (a fresh or
     restarted router whose workers are still registering) instead of failing them at once."""
-    max_unacked_dispatches: Annotated[int, Meta(ge=1)] = 3
+    max_unacked_dispatches: Annotated[int, Meta(ge=1, le=1 << 16)] = 3
     """A worker that lets this many dispatches in a row time out unacknowledged is removed (it must register
     again, and is removed again at its next timeout until it acknowledges one)."""
-    request_deadline_s: Annotated[float, Meta(gt=0)] | None = 3600.0
+    request_deadline_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS)] | None = 3600.0
     """A request still open this long after it reached the router fails with ``deadline_exceeded`` and frees
     its load and affinity binding (a worker that accepted it and went quiet cannot hold it forever)."""
     kv_replay_on_connect: bool = True
