@@ -228,7 +228,8 @@ def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
     return f"{head}.{match[0]}" if head else match[0]
 
 
-def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any, overridden: frozenset[str] | set[str]) -> str | None:
+def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any,
+                     overridden: frozenset[str] | set[str]) -> str | None:
     """For a key unknown to its section's kind but a field of another kind (``workload.rate_rps`` with
     ``workload.kind: trace``): which kind it belongs to, and what this kind needs instead."""
     if schema is None or not parts or not isinstance(parts[-1], str):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from harness.router_contract import CMD_CONTRACT
+
 __all__ = ["build_parser"]
 
 
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     _add_http(worker, None)
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
-    loadgen.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
+    loadgen.add_argument("scenario", nargs="?",
+                         help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
     loadgen.add_argument("--router", action="append",
                          help="the router's --listen endpoint (a kvemu router process); repeat it for each router "
@@ -253,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one process per worker (default: every worker in this process)")
     _add_serving(fleet)
     bench = sub.add_parser("bench-router", help="the scenario's workload through each --router in front of a fresh "
-                                                "fleet; writes routers.md, routers.json and routers.png")
-    bench.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+                                                "fleet; writes routers.md, routers.json and routers.png",
+                           epilog=CMD_CONTRACT)
+    bench.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     _add_set(bench)
     bench.add_argument("--router", dest="routers", action="append", default=[], metavar="ROUTER",
                        help="kvemu, vllm-router[:POLICY], sglang-router[:POLICY] or 'cmd:COMMAND WITH {flags} {port}' "
