@@ -106,8 +106,11 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(describe_validation_error(exc, raw, node, source, schema=Scenario,
-                                                      overridden=overridden)) from None
+        message = describe_validation_error(exc, raw, node, source, schema=Scenario, overridden=overridden)
+        if "workload.kind" in overridden and isinstance(workload, dict) and workload.get("kind") == "trace" \
+                and "belongs to workload.kind=" in message:  # another kind's keys, which --set cannot remove
+            message += "; or give the trace itself as the scenario: kvemu run TRACE.jsonl"
+        raise ScenarioError(message) from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     for where in _ENGINES:

@@ -125,6 +125,7 @@ def test_switching_the_built_in_to_a_trace_names_the_synthetic_keys_it_keeps(tmp
     assert ("workload.rate_rps (line 16): belongs to workload.kind=synthetic; with workload.kind=trace, remove it"
             in proc.stderr)
     assert "set workload.trace" in proc.stderr and "unknown key" not in proc.stderr
+    assert "give the trace itself as the scenario: kvemu run TRACE.jsonl" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------------- run
