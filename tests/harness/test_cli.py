@@ -110,7 +110,8 @@ def test_run_and_validate_take_a_trace_as_plan_does(tmp_path):
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["completed_requests"] == 3
 
 
-@pytest.mark.parametrize("command", [["validate"], ["run", "-o", "r", "--quiet"]])
+@pytest.mark.parametrize("command", [["validate"], ["run", "-o", "r", "--quiet"],
+                                     ["loadgen", "--router", "tcp://127.0.0.1:9", "-o", "r"]])
 def test_an_empty_trace_is_refused_before_it_runs(tmp_path, command):
     (tmp_path / "empty.jsonl").write_text("\n")
     proc = kvemu(command[0], "empty.jsonl", *command[1:], cwd=tmp_path)
