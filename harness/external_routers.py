@@ -8,8 +8,10 @@ is a ``cmd:`` template whose ``{flags}``, ``{sglang_flags}``, ``{workers}`` and 
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
+import string
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -18,9 +20,11 @@ import msgspec
 
 from harness.procs.fleet import FleetInfo
 from harness.pools import AGGREGATED
+from harness.router_contract import CMD_CONTRACT, PLACEHOLDERS, READY_TIMEOUT_S
 
-__all__ = ["RouterSpec", "KNOWN_ROUTERS", "READY_PATHS", "parse_router", "fleet_flags", "fill_command", "flag_caveats",
-           "router_command", "RouterSpecError"]
+__all__ = ["RouterSpec", "KNOWN_ROUTERS", "READY_PATHS", "READY_TIMEOUT_S", "PLACEHOLDERS", "CMD_CONTRACT",
+           "parse_router", "fleet_flags", "fill_command", "flag_caveats", "router_command", "router_folder",
+           "unique_labels", "RouterSpecError"]
 
 KNOWN_ROUTERS = ("vllm-router", "sglang-router")
 
@@ -40,10 +44,49 @@ class RouterSpec(msgspec.Struct, frozen=True):
 
     @property
     def label(self) -> str:
-        """How reports name it: ``vllm-router:kv_aware``, ``kvemu``, ``cmd:<first word>``."""
+        """How reports name it: ``vllm-router:kv_aware``, ``kvemu``, ``cmd:<program>`` (an interpreter's script
+        or module: ``cmd:my_proxy.py`` for ``python my_proxy.py {workers}``). Not unique: see ``unique_labels``."""
         if self.kind == "cmd":
-            return f"cmd:{shlex.split(self.command)[0] if self.command.strip() else ''}"
+            return f"cmd:{_program(shlex.split(self.command))}"
         return f"{self.kind}:{self.policy}" if self.policy else self.kind
+
+
+_INTERPRETER = re.compile(r"(python|pypy|node|bash|sh|zsh|ruby|perl|bun|deno)[\d.]*(\.exe)?")
+"""Programs that run the script (or ``-m`` module) they are given: a router run by one is named by its script."""
+
+
+def _program(words: list[str]) -> str:
+    """What a command runs: its program's name, or for an interpreter its script or ``-m`` module."""
+    if not words:
+        return ""
+    first = Path(words[0]).name
+    if _INTERPRETER.fullmatch(first):
+        for i, word in enumerate(words[1:], 1):
+            if word == "-m" and i + 1 < len(words):
+                return words[i + 1]
+            if not word.startswith("-"):
+                return Path(word).name
+    return first
+
+
+def router_folder(label: str) -> str:
+    """The folder of a router's report under bench-router's output: its label, made a file name."""
+    return label.replace(":", "-").replace("/", "-")
+
+
+def unique_labels(labels: list[str]) -> list[str]:
+    """``labels`` with a repeat (of a label, or of its folder) given ``-2``, ``-3``...: no two routers of one
+    bench share a row or a folder, so none overwrites another's report."""
+    taken: set[str] = set()
+    out = []
+    for label in labels:
+        candidate, n = label, 1
+        while router_folder(candidate) in taken:
+            n += 1
+            candidate = f"{label}-{n}"
+        taken.add(router_folder(candidate))
+        out.append(candidate)
+    return out
 
 
 POLICIES = {
@@ -76,15 +119,20 @@ def parse_router(text: str) -> RouterSpec:
 
 
 def fill_command(command: str, fleet: FleetInfo, port: int) -> str:
-    """A ``cmd:`` router's command with ``{flags}`` (vllm-router's form of the fleet: workers, DP size, KV-event
-    sources), ``{sglang_flags}``, ``{workers}`` (the URLs) and ``{port}`` filled in."""
+    """A ``cmd:`` router's command with its ``PLACEHOLDERS`` filled in; ``RouterSpecError`` naming an unknown
+    one (or a malformed brace) and the known ones."""
+    known = ", ".join(f"{{{k}}}" for k in PLACEHOLDERS)
     try:
-        return command.format(flags=shlex.join(fleet_flags("vllm-router", fleet)), port=port,
-                              sglang_flags=shlex.join(fleet_flags("sglang-router", fleet)),
-                              workers=" ".join(w.url for w in fleet.workers))
-    except (KeyError, IndexError, ValueError) as exc:
-        raise RouterSpecError(f"--router cmd:{command}: {exc!r} is not one of {{flags}}, {{sglang_flags}}, "
-                              "{workers}, {port} (write {{ and }} for a literal brace)") from None
+        names = [field for _, field, _, _ in string.Formatter().parse(command) if field is not None]
+    except ValueError as exc:
+        raise RouterSpecError(f"--router cmd:{command}: {exc} (write {{{{ and }}}} for a literal brace)") from None
+    for name in names:
+        if name not in PLACEHOLDERS:
+            raise RouterSpecError(f"--router cmd:{command}: unknown placeholder {{{name}}} in the cmd: router's "
+                                  f"command; known: {known} (write {{{{ and }}}} for a literal brace)")
+    return command.format(flags=shlex.join(fleet_flags("vllm-router", fleet)), port=port,
+                          sglang_flags=shlex.join(fleet_flags("sglang-router", fleet)),
+                          workers=" ".join(w.url for w in fleet.workers))
 
 
 def _uniform_dp(workers: list) -> int:

@@ -20,20 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from harness.cluster import engine_config
-from harness.external_routers import READY_PATHS, RouterSpec, RouterSpecError, flag_caveats, router_command
+from harness.external_routers import READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, flag_caveats, \
+    router_command, router_folder, unique_labels
 from harness.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
-from harness.scenario import Scenario, default_scenario_text, load_scenario, parse_scenario
+from harness.scenario import Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
 
 __all__ = ["bench_routers", "compress_overrides", "READY_TIMEOUT_S"]
-
-READY_TIMEOUT_S = 60.0
-"""How long a router may take to answer ``/health`` and ``/v1/models`` before its run is given up."""
 
 
 def compress_overrides(scenario: Scenario, factor: float) -> list[str]:
@@ -126,15 +124,14 @@ def prompt_form_for(spec: RouterSpec, asked: str) -> PromptForm:
     return "tokens" if asked == "tokens" else "text"
 
 
-def _run_one(spec: RouterSpec, scenario: Scenario, config: list[str], outdir: Path, compress: float,
+def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str], outdir: Path, compress: float,
              prompt_form: PromptForm) -> dict[str, Any]:
 
     kids = Children()
     router: subprocess.Popen | None = None
     caveats: list[str] = []
     t0 = time.monotonic()
-    label = spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
-    where = outdir / label.replace(":", "-").replace("/", "-")
+    where = outdir / router_folder(label)
     where.mkdir(parents=True, exist_ok=True)
     try:
         if spec.kind == "kvemu":
@@ -183,8 +180,10 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
         [x for o in overrides for x in ("--set", o)]  # kvemu serve's and kvemu fleet's arguments
     rows = []
     started = time.monotonic()
-    for spec in routers:
-        row = _run_one(spec, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form))
+    labels = unique_labels([spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
+                            for spec in routers])
+    for spec, label in zip(routers, labels, strict=True):
+        row = _run_one(spec, label, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form))
         rows.append(row)
         print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
               + (f"; {row['error']}" if row.get("error") else "") + f" ({row['wall_s']:.0f} s)", file=sys.stderr,
@@ -205,8 +204,6 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
 
 
 def _load(scenario_path: str | None, overrides: list[str]) -> Scenario:
-    if scenario_path:
-        return load_scenario(scenario_path, overrides)
-    return parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides,
-                          source="<built-in quickstart>")
+    text, base_dir, source = scenario_text(scenario_path)  # a YAML file, a trace .jsonl or the built-in
+    return parse_scenario(text, base_dir=base_dir, overrides=overrides, source=source)
 

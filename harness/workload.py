@@ -186,10 +186,14 @@ def build_sessions(scenario: Scenario) -> Sessions:
     as configured (a graph keeps the plays whose first request is ready by ``duration_s``).
 
     ``ScenarioError`` when running them would not fit in memory (``memory_problem``): for a trace read whole,
-    from its line count before a row is parsed; for any workload, from its requests once built."""
+    from its line count before a row is parsed; for any workload, from its requests once built; and for a workload
+    of no request (an empty trace), which would run 0/0 and pass."""
     _check_rows_fit(scenario)
     sessions = _build_sessions(scenario)
-    problem = memory_problem(count_requests(sessions), "the workload")
+    requests = count_requests(sessions)
+    if requests == 0:  # a run of nothing would report 0/0 and pass (an empty trace is refused as it is read)
+        raise ScenarioError(f"workload: no request starts within run.duration_s={scenario.run.duration_s}; raise it")
+    problem = memory_problem(requests, "the workload")
     if problem is not None:
         raise ScenarioError(problem)
     return sessions
@@ -223,12 +227,14 @@ def _build_sessions(scenario: Scenario) -> Sessions:
         if w.lanes is not None and fmt in ("mooncake", "mooncake-delta"):
             raise ScenarioError(f"workload.lanes: {w.trace} is a {fmt} trace, which has no plays (each session is "
                                 "its own chain) for lanes to replay; use an agentic format or drop workload.lanes")
-        if fmt != "mooncake":
-            graph = load_trace_graph(w, path, fmt, run.max_requests)
+        loaded: TraceSessions | TraceGraph = load_trace(w, path, run.max_requests) if fmt == "mooncake" else \
+            load_trace_graph(w, path, fmt, run.max_requests)
+        if not count_requests(loaded):  # refused before any cut: the cut's own refusal names run.duration_s
+            raise ScenarioError(f"{path}: the trace has no requests")
+        if isinstance(loaded, TraceGraph):
             if w.lanes is not None:
-                _check_lanes(w.lanes, graph)
-            return graph if run.duration_s is None else _plays_by(graph, round(run.duration_s * NS_PER_S))
-        loaded = load_trace(w, path, run.max_requests)
+                _check_lanes(w.lanes, loaded)
+            return loaded if run.duration_s is None else _plays_by(loaded, round(run.duration_s * NS_PER_S))
         return loaded if run.duration_s is None else loaded.starting_by(round(run.duration_s * NS_PER_S))
     duration = run.duration_s if run.duration_s is not None else 60.0
     sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers)

@@ -189,6 +189,9 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, node: yaml
         guess = _close_key(raw, _parse_path(key), schema)
         if guess:
             message = f"unknown key; did you mean {guess}?"
+        other = _other_kinds_key(raw, _parse_path(key), schema, overridden)
+        if other:
+            message = other
     parts = _parse_path(key)
     if not isinstance(cause, InvalidArgument) and not unknown:
         found, value = value_at(raw, parts)
@@ -225,6 +228,31 @@ def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
     return f"{head}.{match[0]}" if head else match[0]
 
 
+def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any,
+                     overridden: frozenset[str] | set[str]) -> str | None:
+    """For a key unknown to its section's kind but a field of another kind (``workload.rate_rps`` with
+    ``workload.kind: trace``): which kind it belongs to, and what this kind needs instead."""
+    if schema is None or not parts or not isinstance(parts[-1], str):
+        return None
+    union = _type_at(raw, parts[:-1], mi.type_info(schema), member=False)
+    union = union.type if isinstance(union, mi.Metadata) else union
+    node = value_at(raw, parts[:-1])[1]
+    if not isinstance(union, mi.UnionType) or not isinstance(node, dict):
+        return None
+    kinds = [m for m in union.types if isinstance(m, mi.StructType) and m.tag_field]
+    current = next((m for m in kinds if node.get(m.tag_field) == m.tag), None)
+    owners = [str(m.tag) for m in kinds if m is not current and any(f.encode_name == parts[-1] for f in m.fields)]
+    if current is None or not owners or current.tag_field is None:
+        return None
+    head = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[:-1]).lstrip(".")
+    tag = f"{head}.{current.tag_field}" if head else current.tag_field
+    needs = [f"{head}.{f.encode_name}" if head else f.encode_name for f in current.fields
+             if f.required and f.encode_name not in node]
+    removal = " (--set cannot remove a key: write the scenario to a file without it)" if tag in overridden else ""
+    return (f"belongs to {tag}={' or '.join(owners)}; with {tag}={current.tag}, remove it{removal}"
+            + (f" and set {', '.join(needs)}" if needs else ""))
+
+
 def _struct_for(raw: Any, t: Any) -> Any:
     """The type ``raw`` takes in ``t``: an optional or tagged union's member struct (by its tag), else ``t``."""
     if isinstance(t, mi.Metadata):
@@ -237,8 +265,9 @@ def _struct_for(raw: Any, t: Any) -> Any:
     return t
 
 
-def _type_at(raw: Any, parts: list[str | int], t: Any) -> Any:
-    """The type at key path ``parts`` of a value of type ``t`` (``raw`` picks union members); None if unknown."""
+def _type_at(raw: Any, parts: list[str | int], t: Any, *, member: bool = True) -> Any:
+    """The type at key path ``parts`` of a value of type ``t`` (``raw`` picks union members, the last one too
+    unless not ``member``); None if unknown."""
     for part in parts:
         t = _struct_for(raw, t)
         if isinstance(t, mi.StructType) and isinstance(part, str):
@@ -250,7 +279,7 @@ def _type_at(raw: Any, parts: list[str | int], t: Any) -> Any:
             t, raw = t.item_type, raw[part] if isinstance(raw, list) and part < len(raw) else None
         else:
             return None
-    return _struct_for(raw, t)
+    return _struct_for(raw, t) if member else t
 
 
 _YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")

@@ -4,7 +4,6 @@ in one line."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.text import counted
@@ -19,7 +18,7 @@ def load_scenario_args(args: argparse.Namespace) -> Scenario:
     import os
 
     from harness.memory_budget import MAX_MEMORY_ENV
-    from harness.scenario import default_scenario_text, load_scenario, parse_scenario
+    from harness.scenario import parse_scenario, scenario_text
 
     if getattr(args, "max_memory", None):
         os.environ[MAX_MEMORY_ENV] = args.max_memory  # the sessions' builder (and any child process) checks it
@@ -29,11 +28,8 @@ def load_scenario_args(args: argparse.Namespace) -> Scenario:
         overrides.append(f"run.mode={args.mode}")
     if getattr(args, "seed", None) is not None:
         overrides.append(f"run.seed={args.seed}")
-    if args.scenario:
-        scenario = load_scenario(args.scenario, overrides)
-    else:
-        scenario = parse_scenario(default_scenario_text(), base_dir=Path.cwd(), overrides=overrides,
-                                  source="<built-in quickstart>")
+    text, base_dir, source = scenario_text(args.scenario or None)  # a YAML file, a trace .jsonl or the built-in
+    scenario = parse_scenario(text, base_dir=base_dir, overrides=overrides, source=source)
     from harness.cluster import make_policy
 
     make_policy(scenario.router.policy)  # a custom policy must import before anything starts

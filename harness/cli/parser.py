@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from harness.router_contract import CMD_CONTRACT
+
 __all__ = ["build_parser"]
 
 
@@ -54,7 +56,7 @@ def _add_serving(parser: argparse.ArgumentParser) -> None:
 
 def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
-    run.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
+    run.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (omit for the built-in default)")
     _add_set(run)
     run.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
@@ -154,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_parser = _add_sweep(sub)
     _add_plan(sub)
     validate = sub.add_parser("validate", help="check a scenario without running it")
-    validate.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
+    validate.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (omit for the built-in default)")
     _add_set(validate)
     _add_max_memory(validate)
     compare = sub.add_parser("compare", help="print two reports' summaries side by side with deltas")
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     _add_http(worker, None)
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
-    loadgen.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    loadgen.add_argument("scenario", nargs="?",
+                         help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     loadgen.add_argument("--config", dest="config_path", help="same as the positional scenario")
     loadgen.add_argument("--router", action="append",
                          help="the router's --listen endpoint (a kvemu router process); repeat it for each router "
@@ -228,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set(loadgen)
     _add_http(router, None)
     up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
-    up.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    up.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     _add_set(up)
     up.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
     _add_http(up, None)
@@ -245,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(on a free 127.0.0.1 port each; printed at start)")
     fleet = sub.add_parser("fleet", help="the scenario's workers with no kvemu router (HTTP, KV events and replay "
                                          "per rank), for any router to sit in front; prints where they are")
-    fleet.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+    fleet.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     _add_set(fleet)
     fleet.add_argument("--print-flags", choices=["vllm-router", "sglang-router"],
                        help="also print the arguments that router takes for this fleet (a second line)")
@@ -253,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one process per worker (default: every worker in this process)")
     _add_serving(fleet)
     bench = sub.add_parser("bench-router", help="the scenario's workload through each --router in front of a fresh "
-                                                "fleet; writes routers.md, routers.json and routers.png")
-    bench.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
+                                                "fleet; writes routers.md, routers.json and routers.png",
+                           epilog=CMD_CONTRACT)
+    bench.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     _add_set(bench)
     bench.add_argument("--router", dest="routers", action="append", default=[], metavar="ROUTER",
                        help="kvemu, vllm-router[:POLICY], sglang-router[:POLICY] or 'cmd:COMMAND WITH {flags} {port}' "

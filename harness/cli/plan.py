@@ -19,9 +19,9 @@ def plan_command(args: argparse.Namespace) -> int:
 
     from harness.sweep.executors import MAX_JOBS, ExecutorError, open_executor
     from harness.sweep.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
-        scenario_for, write_partial_plan, write_plan
+        write_partial_plan, write_plan
     from harness.report.files import OutputError, prepare_outdir
-    from harness.scenario import ScenarioError, parse_scenario
+    from harness.scenario import ScenarioError, parse_scenario, scenario_text
     from kvemu.errors import InvalidArgument
 
     console = Console(stderr=True)
@@ -45,7 +45,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.seeds > MAX_RUNS_A_ROUND:  # (before a list of them is built; check_plan bounds seeds x probes)
             raise InvalidArgument(f"--seeds ({args.seeds:,}) must be <= {MAX_RUNS_A_ROUND:,}, the runs a plan may "
                                   "run at once")
-        text, base_dir, source = scenario_for(args.scenario)
+        text, base_dir, source = scenario_text(args.scenario)
         scenario = parse_scenario(text, base_dir=base_dir, overrides=list(args.overrides), source=source)
         sla = parse_sla(args.sla) if args.sla else scenario.run.sla
         if sla is None:

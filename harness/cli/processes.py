@@ -65,6 +65,9 @@ def process_command(args: argparse.Namespace) -> int:
         except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
+        except ScenarioError as exc:  # the workload (a trace file) is read when the load generator starts
+            print(f"invalid scenario: {exc}", file=sys.stderr)
+            return 2
         print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
               + (f"report in {where}/report.md" if where is not None else "no report could be written (its summary "
                  "is above)"), file=sys.stderr)

@@ -21,6 +21,7 @@ from harness.scenario.loading import (
     paths_from_cwd,
     read_text_file,
     resolve,
+    scenario_text,
 )
 from harness.scenario.schema import MAX_SYNTHETIC_TOKENS, Scenario
 from harness.scenario.sections import (

@@ -4,6 +4,7 @@ validating it against the schema with errors that name the key path and its line
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ __all__ = [
     "PATH_KEYS",
     "load_scenario",
     "parse_scenario",
+    "scenario_text",
     "apply_overrides",
     "paths_from_cwd",
     "default_scenario_text",
@@ -104,8 +106,11 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
     except msgspec.ValidationError as exc:
-        raise ScenarioError(describe_validation_error(exc, raw, node, source, schema=Scenario,
-                                                      overridden=overridden)) from None
+        message = describe_validation_error(exc, raw, node, source, schema=Scenario, overridden=overridden)
+        if "workload.kind" in overridden and isinstance(workload, dict) and workload.get("kind") == "trace" \
+                and "belongs to workload.kind=" in message:  # another kind's keys, which --set cannot remove
+            message += "; or give the trace itself as the scenario: kvemu run TRACE.jsonl"
+        raise ScenarioError(message) from None
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
     for where in _ENGINES:
@@ -175,10 +180,26 @@ def file_kind(raw: Any) -> Literal["scenario", "sweep"] | None:
 
 
 def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
-    """Read and validate a scenario file."""
+    """Read and validate a scenario file, or a trace ``.jsonl`` (see ``scenario_text``)."""
+    text, base_dir, source = scenario_text(path)
+    return parse_scenario(text, base_dir=base_dir, overrides=overrides, source=source)
+
+
+def scenario_text(path: str | Path | None) -> tuple[str, str, str]:
+    """(scenario text, base dir, source) for what a command names: a scenario YAML file, a trace ``.jsonl``
+    (replayed with KV routing on the default cluster and engine, named after the file) or nothing (the built-in
+    quickstart). Every command that takes a scenario takes a trace the same way."""
+    if path is None:
+        return default_scenario_text(), str(Path.cwd()), "<built-in quickstart>"
     p = Path(path)
-    text = read_text_file(p, "scenario")
-    return parse_scenario(text, base_dir=p.resolve().parent, overrides=overrides, source=str(p))
+    if p.suffix == ".jsonl":
+        if not p.is_file():
+            raise ScenarioError(f"{p}: trace not found")
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", p.stem).lstrip("._-")[:100] or "trace"
+        text = msgspec.json.encode({"name": name, "router": {"policy": "kv"},
+                                    "workload": {"kind": "trace", "trace": str(p.resolve())}}).decode()
+        return text, str(p.resolve().parent), str(p)
+    return read_text_file(p, "scenario"), str(p.resolve().parent), str(p)
 
 
 def read_text_file(path: Path, what: str, limit: int | None = None) -> str:

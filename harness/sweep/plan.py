@@ -24,7 +24,7 @@ import msgspec
 
 from kvemu.errors import InvalidArgument
 
-from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario, read_text_file
+from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario
 from harness.report.sla import Sla
 from harness.sweep.spec import MAX_RUNS, PointSpec, run_point
 from harness.text import counted
@@ -354,20 +354,3 @@ def write_partial_plan(plan: dict[str, Any], outdir: Path, reason: str) -> Path:
     md.write_text(f"**Interrupted ({reason}) before the search ended: the probes that finished.**\n\n"
                   + render_plan(plan))
     return md
-
-
-def scenario_for(path: str | None) -> tuple[str, str, str]:
-    """(scenario text, base dir, source) for ``kvemu plan``'s input: a scenario YAML, a Mooncake trace (KV
-    routing, default engine) or nothing (the built-in quickstart)."""
-    from harness.scenario import default_scenario_text
-
-    if path is None:
-        return default_scenario_text(), str(Path.cwd()), "<built-in quickstart>"
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        if not p.is_file():
-            raise ScenarioError(f"{p}: trace not found")
-        text = msgspec.json.encode({"name": f"plan-{p.stem}"[:100].replace(" ", "-"), "router": {"policy": "kv"},
-                                    "workload": {"kind": "trace", "trace": str(p.resolve())}}).decode()
-        return text, str(p.resolve().parent), str(p)
-    return read_text_file(p, "scenario"), str(p.resolve().parent), str(p)

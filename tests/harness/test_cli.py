@@ -92,6 +92,43 @@ def test_validate_reports_the_line_of_a_bad_trace_row(tmp_path):
     assert "t.jsonl:3: not JSON" in proc.stderr
 
 
+def _mooncake(path: Path, rows: int) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 40, "output_length": 2,
+                                        "hash_ids": [1, 2 + i]}) + "\n" for i in range(rows)))
+    return path
+
+
+def test_run_and_validate_take_a_trace_as_plan_does(tmp_path):
+    """A trace .jsonl is a scenario (KV routing, default cluster) for run and validate, not "not valid YAML"."""
+    _mooncake(tmp_path / "my trace.jsonl", 3)
+    proc = kvemu("validate", "my trace.jsonl", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: my-trace: ") and "3 requests" in proc.stdout
+    proc = kvemu("run", "my trace.jsonl", "-o", "r", "--quiet", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "3/3 requests completed" in proc.stderr
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["completed_requests"] == 3
+
+
+@pytest.mark.parametrize("command", [["validate"], ["run", "-o", "r", "--quiet"],
+                                     ["loadgen", "--router", "tcp://127.0.0.1:9", "-o", "r"]])
+def test_an_empty_trace_is_refused_before_it_runs(tmp_path, command):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    proc = kvemu(command[0], "empty.jsonl", *command[1:], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "empty.jsonl: the trace has no requests" in proc.stderr
+    assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_switching_the_built_in_to_a_trace_names_the_synthetic_keys_it_keeps(tmp_path):
+    proc = kvemu("validate", "--set", "workload.kind=trace", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert ("workload.rate_rps (line 16): belongs to workload.kind=synthetic; with workload.kind=trace, remove it"
+            in proc.stderr)
+    assert "set workload.trace" in proc.stderr and "unknown key" not in proc.stderr
+    assert "give the trace itself as the scenario: kvemu run TRACE.jsonl" in proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------- run
 
 

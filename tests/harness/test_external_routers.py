@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from harness.external_routers import RouterSpec, RouterSpecError, fill_command, fleet_flags, parse_router
+from harness.external_routers import RouterSpec, RouterSpecError, fill_command, fleet_flags, parse_router, \
+    router_folder, unique_labels
 from harness.procs.fleet import FleetInfo, FleetWorker
 
 
@@ -67,11 +68,40 @@ def test_router_specs(text, spec):
     ("nginx", "one of kvemu"),
     ("sglang-router:kv_aware", "sglang-router's policies are"),
     ("cmd:", "the command is empty"),
-    ("cmd:x {nope}", "is not one of"),
+    ("cmd:x {nope}", r"unknown placeholder \{nope\} in the cmd: router's command; known: \{flags\}, "
+                     r"\{sglang_flags\}, \{workers\}, \{port\}"),
+    ("cmd:x {port", r"expected '\}' before end of string"),
 ])
 def test_a_bad_router_spec_says_what_it_takes(text, words):
     with pytest.raises(RouterSpecError, match=words):
         parse_router(text)
+
+
+@pytest.mark.parametrize("command, label", [
+    ("my-router --port {port} {flags}", "cmd:my-router"),
+    ("/opt/venv/bin/python3.12 /home/me/tiny_proxy.py {port} {workers}", "cmd:tiny_proxy.py"),
+    ("python -u -m my.router --port {port}", "cmd:my.router"),
+    ("node proxy.js {port}", "cmd:proxy.js"),
+])
+def test_a_command_router_is_named_by_its_program_or_an_interpreters_script(command, label):
+    assert parse_router(f"cmd:{command}").label == label
+
+
+def test_routers_of_one_bench_never_share_a_label_or_a_folder():
+    labels = ["cmd:p.py", "cmd:p.py", "kvemu:kv", "cmd:p.py-2", "cmd:a/b", "cmd:a-b", "cmd:p.py"]
+    unique = unique_labels(labels)
+    assert unique == ["cmd:p.py", "cmd:p.py-2", "kvemu:kv", "cmd:p.py-2-2", "cmd:a/b", "cmd:a-b-2", "cmd:p.py-3"]
+    assert len({router_folder(label) for label in unique}) == len(labels)
+
+
+def test_bench_router_help_states_the_cmd_contract(capsys):
+    from harness.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench-router", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "{workers} = the workers' URLs" in out and "{sglang_flags} =" in out
+    assert "answer GET /health with 200 within 60 s" in out
 
 
 def test_a_command_template_gets_the_fleet_filled_in():
@@ -89,6 +119,7 @@ EXAMPLES = __import__("pathlib").Path(__file__).parents[2] / "examples"
      "does not serve a disaggregated cluster"),
     (["fleet", str(EXAMPLES / "compose-chaos.yaml")], "cannot be applied by kvemu fleet"),
     (["bench-router", "--router", "nginx"], "one of kvemu"),
+    (["bench-router", "--router", "cmd:proxy {prot} {workers}"], r"unknown placeholder \{prot\}"),
     (["bench-router", "--compress", "0.5"], "between 1 and 1000"),
     (["bench-router", str(EXAMPLES / "compose-chaos.yaml"), "--router", "kvemu"], "cannot be applied|not to kvemu's"),
     (["loadgen"], "give --router"),

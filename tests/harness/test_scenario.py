@@ -270,6 +270,15 @@ def test_overrides_are_validated_like_the_file():
         parse_scenario("name: x\n", overrides=["name.first=y"])
 
 
+def test_a_key_of_another_workload_kind_names_the_kind_it_belongs_to(tmp_path):
+    write_trace(tmp_path / "t.jsonl")
+    msg = error_of("workload:\n  kind: trace\n  trace: t.jsonl\n  turns: 3\n", base_dir=tmp_path)
+    assert msg == "s.yaml: workload.turns (line 4): belongs to workload.kind=synthetic; with workload.kind=trace, " \
+                  "remove it"
+    msg = error_of("workload:\n  kind: synthetic\n  trace: t.jsonl\n", base_dir=tmp_path)
+    assert "workload.trace (line 3): belongs to workload.kind=trace; with workload.kind=synthetic, remove it" in msg
+
+
 def test_override_can_point_the_workload_at_another_trace(tmp_path):
     write_trace(tmp_path / "other.jsonl", rows=5)
     text = "workload:\n  kind: trace\n  trace: missing.jsonl\n"
