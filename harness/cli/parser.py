@@ -52,11 +52,18 @@ def _add_serving(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a slot (0..65536, default 256); more get 429 with Retry-After")
 
 
+def _add_force(parser: argparse.ArgumentParser, what: str = "the report") -> None:
+    """``--force``: write into an -o OUTDIR that holds other files (``claim_outdir`` refuses it otherwise)."""
+    parser.add_argument("--force", action="store_true",
+                        help=f"write {what} into an OUTDIR that is not empty and holds no earlier kvemu report")
+
+
 def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
     run.add_argument("scenario", nargs="?", help="scenario YAML (omit for the built-in default)")
     _add_set(run)
     run.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_force(run)
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -96,6 +103,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--seeds", type=int, default=1, help="seeds per probe; a size passes when every seed does")
     _add_set(plan)
     plan.add_argument("-o", "--outdir", help="output directory (default: out/plan-<scenario name>)")
+    _add_force(plan, "the plan")
     plan.add_argument("--jobs", type=int, help="local worker processes, and probes per round (default: CPU count)")
     plan.add_argument("--address", help="tcp://HOST:PORT (Dask) or ray://HOST:PORT | auto (Ray), as for sweep")
     plan.add_argument("--width", type=int, help="probes per round (default: --jobs, or 4 on Dask/Ray)")
@@ -217,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --http: the fleet's tokenizer.json (default: kvemu's built-in tokenizer)")
     loadgen.add_argument("--model", default="kvemu", help="with --http: the model name (default: kvemu)")
     loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_force(loadgen)
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
     loadgen.add_argument("--router-pid", type=int, action="append",
                          help="the router's process id on this machine: a silent router whose process is alive is "
@@ -231,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in quickstart)")
     _add_set(up)
     up.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_force(up)
     _add_http(up, None)
     serve = sub.add_parser("serve", help="router with its OpenAI front door + workers as processes, until Ctrl-C")
     serve.add_argument("scenario", nargs="?", help="scenario YAML for the cluster (default: the built-in quickstart)")
@@ -261,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(repeatable; default: kvemu, vllm-router:kv_aware, vllm-router:cache_aware, "
                             "vllm-router:round_robin, sglang-router:cache_aware)")
     bench.add_argument("-o", "--outdir", help="where the reports go (default: out/<scenario name>-routers)")
+    _add_force(bench, "the reports")
     bench.add_argument("--compress", type=float, default=1.0,
                        help="run arrivals and engine passes this many times faster; latencies are reported scaled "
                             "back (default 1)")

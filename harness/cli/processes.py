@@ -50,6 +50,14 @@ def process_command(args: argparse.Namespace) -> int:
             print(f"kvemu {args.command}: {exc}", file=sys.stderr)
             return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
+    if args.command in ("loadgen", "up"):
+        from harness.report.files import OutputError, claim_outdir
+
+        try:
+            claim_outdir(outdir, force=getattr(args, "force", False))
+        except OutputError as exc:
+            print(f"kvemu {args.command}: cannot write the report: {exc}", file=sys.stderr)
+            return 2
     if args.command == "loadgen" and args.http_url:
         return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
