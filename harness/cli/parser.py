@@ -202,8 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kv-events", default="tcp://127.0.0.1:0",
                         help="PUB endpoint of rank 0 (rank r uses port + r; port 0 = pick one per rank)")
     worker.add_argument("--kv-replay", default="tcp://127.0.0.1:0", help="replay ROUTER endpoint ('' to disable)")
-    worker.add_argument("--config", dest="scenario", help="scenario YAML for the engine settings")
+    worker.add_argument("--config", dest="scenario", help="scenario YAML for the engine settings: the router's "
+                                                         "(the router refuses a worker whose engine differs)")
     _add_set(worker)
+    worker.add_argument("--own-engine", action="store_true",
+                        help="register although this worker's engine differs from the router's scenario, on "
+                             "purpose (a straggler, a test); the router logs the knobs that differ")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     _add_http(worker, None)
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")

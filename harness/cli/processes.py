@@ -175,7 +175,7 @@ def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
         return 2
     return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
                        kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
-                       http=_http_options(args), worker_type=args.worker_type)
+                       http=_http_options(args), worker_type=args.worker_type, own_engine=args.own_engine)
 
 
 def _replica_flags(args: argparse.Namespace, scenario: Scenario) -> tuple[dict[int, str], str | None]:
