@@ -24,6 +24,7 @@ from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
 from kvemu.hooks import HookEvent, Hooks
+from kvemu.messages import EngineSettings
 from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
 from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus, into_stream
 from kvemu.runtime.replica_link import ReplicaEnds
@@ -82,7 +83,7 @@ prefill pool weighs prompt tokens only; the decode pool weighs its active blocks
 
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
                  kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None,
-                 pool: str | None = None) -> Router:
+                 pool: str | None = None, engine: EngineSettings | None = None) -> Router:
     """A router actor configured from its scenario section (one pool's, for a disaggregated cluster)."""
     config = spec.config()
     if pool is not None:
@@ -94,7 +95,8 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
         affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
     return Router(core=core, end=end, clock=clock, hooks=hooks, settings=spec.settings(), affinity=affinity,
                   queue=core.policy_queue(),
-                  kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool)
+                  kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool,
+                  engine=engine)
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -120,7 +122,8 @@ def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks:
     seed = replica_seed(rspec.seed if rspec.seed is not None else scenario.run.seed, replica)
     router = build_router(msgspec.structs.replace(rspec, seed=seed), block_size=spec.pools()[pool][2].block_size,
                           clock=clock, seed=seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
-                          pool=None if pool == AGGREGATED else pool, **kv)
+                          pool=None if pool == AGGREGATED else pool,
+                          engine=engine_config(spec, pool).settings(), **kv)  # a worker of other settings is refused
     fit, need = router.kv.streams_left(), pool_ranks(scenario, pool)
     if fit is not None and fit < need:  # only a cluster that does not fit hears of the open-file limit
         log.warning("the open-file limit allows KV streams for %d ranks, but this cluster's %s pool can reach %d: "

@@ -29,6 +29,7 @@ __all__ = [
     "ClientRequest",
     "MAX_PROMPT_TOKENS",
     "MAX_OUTPUT_TOKENS",
+    "EngineSettings",
     "Register",
     "RegisterAck",
     "Reregister",
@@ -126,6 +127,31 @@ class ClientRequest(msgspec.Struct, **_OPTS):
     """Set by a disaggregated router only: a decode leg, whose prompt KV comes from this prefill rank."""
 
 
+MAX_KNOB_CHARS = 64
+"""Longest engine-knob value a worker registers (``EngineSettings.knobs``); a longer one goes as its digest."""
+
+
+class EngineSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A worker's engine settings as it registers them: a digest of them all (but its DP size, which a worker may
+    choose) and each top-level knob compactly, so a router expecting other settings names the knobs that differ."""
+
+    digest: Annotated[str, Meta(min_length=1, max_length=64, pattern="^[0-9a-f]+$")]
+    knobs: Annotated[list[tuple[Name, Annotated[str, Meta(max_length=MAX_KNOB_CHARS)]]], Meta(max_length=64)] = []
+
+    def differences(self, expected: EngineSettings, most: int = 8) -> tuple[str, str]:
+        """The knobs that differ, as ``name=value`` lists: (this worker's, ``expected``'s); at most ``most``."""
+        mine, theirs = dict(self.knobs), dict(expected.knobs)
+        names = [n for n in dict.fromkeys([*theirs, *mine]) if mine.get(n) != theirs.get(n)]
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+
+        def show(knobs: dict[str, str]) -> str:
+            return ", ".join(f"{n}={knobs.get(n, '(none)')}" for n in names[:most]) + more
+
+        if not names:  # the digests differ, the knobs say nothing more (a knob-less or foreign sender)
+            return f"engine settings {self.digest[:16]}", f"engine settings {expected.digest[:16]}"
+        return show(mine), show(theirs)
+
+
 class Register(msgspec.Struct, **_OPTS):
     """A worker announces itself and its ranks."""
 
@@ -144,6 +170,12 @@ class Register(msgspec.Struct, **_OPTS):
     """A hybrid engine's KV cache groups by ``group_idx``: (``kv_cache_spec_kind``, sliding window), from its engine
     config; the router judges by them the events that do not name their group's kind (vLLM 0.20/0.21). Empty:
     one group, or not known."""
+    engine: EngineSettings | None = None
+    """Its engine settings (a kvemu worker sends them): a router whose pool expects others refuses it
+    (``engine_mismatch``), naming the knobs that differ. None: not said, not checked."""
+    own_engine: bool = False
+    """Its settings differ from its pool's on purpose (``kvemu worker --own-engine``: a straggler, a test): the
+    router takes it and logs the knobs that differ."""
 
 
 class RegisterAck(msgspec.Struct, **_OPTS):

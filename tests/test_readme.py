@@ -45,3 +45,17 @@ def test_demo_command_prints_decisions():
         capture_output=True, text=True, check=True, cwd=README.parent,
     ).stdout
     assert out == again
+
+
+def test_readme_separate_processes_read_one_scenario():
+    """Each ``kvemu router``/``worker``/``loadgen`` line of a shell block names the scenario: a worker without it ran
+    the default engine (mean E2E 413 ms where examples/compose.yaml gives 37 ms; the router now refuses it)."""
+    lines = [line for block in re.findall(r"```sh\n(.*?)```", README.read_text(), flags=re.S)
+             for line in block.splitlines() if re.match(r"kvemu (router|worker|loadgen) ", line)]
+    assert any(line.startswith("kvemu worker ") for line in lines)
+    for line in lines:
+        words = line.split("#")[0].split()
+        named = [w for w in words if w.endswith(".yaml")]
+        assert named, f"the README's {line!r} names no scenario"
+        if words[1] in ("router", "worker"):
+            assert words[words.index(named[0]) - 1] == "--config", line

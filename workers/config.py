@@ -8,13 +8,17 @@ live benchmarks use it to measure the system around the engines.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from typing import Annotated, Literal
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
 from kvemu.limits import MAX_KV_GROUPS, MAX_OUTPUT_TOKENS, Weight
+from kvemu.messages import MAX_KNOB_CHARS, EngineSettings
 from kvemu.validation import check_struct
 from kvemu.transfer import Bandwidth, BytesPerToken
 
@@ -391,3 +395,33 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def capacity_tokens(self) -> int:
         """KV tokens one rank can hold (``num_gpu_blocks * block_size``)."""
         return self.num_gpu_blocks * self.resolved_block_size
+
+    def settings(self) -> EngineSettings:
+        """What a worker registers of its engine (``Register.engine``): a digest of every knob but ``dp_size`` (a
+        worker's own choice) and each knob's JSON value, or the digest of one longer than ``MAX_KNOB_CHARS``."""
+        knobs = []
+        for name in self.__struct_fields__:
+            if name == "dp_size":
+                continue
+            knob = getattr(self, name)
+            if name in _float_knobs() and type(knob) is int:  # 4 and 4.0 are one setting
+                knob = float(knob)
+            value = msgspec.json.encode(knob).decode()
+            knobs.append((name, value if len(value) <= MAX_KNOB_CHARS else "#" + _digest(value)[:16]))
+        return EngineSettings(digest=_digest(msgspec.json.encode(knobs).decode()), knobs=knobs)
+
+
+@functools.cache
+def _float_knobs() -> frozenset[str]:
+    """The ``EngineConfig`` knobs that take a float (an int given there is the same setting)."""
+    def takes_float(t: msgspec.inspect.Type) -> bool:
+        types = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
+        return any(isinstance(x, msgspec.inspect.FloatType) for x in types)
+
+    info = msgspec.inspect.type_info(EngineConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return frozenset(f.name for f in info.fields if takes_float(f.type))
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -117,6 +117,7 @@ class WorkerActor:
             kv_endpoints=list(kv_endpoints),
             kv_replay_endpoints=list(kv_replay_endpoints),
             kv_groups=[(SPEC_KIND[g.kind], g.window) for g in cfg.kv_cache_groups],
+            engine=worker.config.settings(),
         )
         self.on_chaos: Callable[[Chaos, str | None], None] | None = None
         """Told each fault the router asked for, and why it could not be applied (None: it was)."""

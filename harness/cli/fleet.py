@@ -108,6 +108,13 @@ def bench_router_command(args: argparse.Namespace) -> int:
             print(f"kvemu bench-router: {problem}", file=sys.stderr)
         return 2
     outdir = Path(args.outdir) if args.outdir else Path("out") / f"{scenario.name}-routers"
+    from harness.report.files import OutputError, claim_outdir
+
+    try:
+        claim_outdir(outdir, force=args.force, into="write the reports there")
+    except OutputError as exc:
+        print(f"kvemu bench-router: cannot write the reports: {exc}", file=sys.stderr)
+        return 2
     try:
         rows, table = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt)
     except ScenarioError as exc:

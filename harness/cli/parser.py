@@ -54,11 +54,18 @@ def _add_serving(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a slot (0..65536, default 256); more get 429 with Retry-After")
 
 
+def _add_force(parser: argparse.ArgumentParser, what: str = "the report") -> None:
+    """``--force``: write into an -o OUTDIR that holds other files (``claim_outdir`` refuses it otherwise)."""
+    parser.add_argument("--force", action="store_true",
+                        help=f"write {what} into an OUTDIR that is not empty and holds no earlier kvemu report")
+
+
 def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
     run.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (omit for the built-in default)")
     _add_set(run)
     run.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_force(run)
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -98,6 +105,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     plan.add_argument("--seeds", type=int, default=1, help="seeds per probe; a size passes when every seed does")
     _add_set(plan)
     plan.add_argument("-o", "--outdir", help="output directory (default: out/plan-<scenario name>)")
+    _add_force(plan, "the plan")
     plan.add_argument("--jobs", type=int, help="local worker processes, and probes per round (default: CPU count)")
     plan.add_argument("--address", help="tcp://HOST:PORT (Dask) or ray://HOST:PORT | auto (Ray), as for sweep")
     plan.add_argument("--width", type=int, help="probes per round (default: --jobs, or 4 on Dask/Ray)")
@@ -196,8 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kv-events", default="tcp://127.0.0.1:0",
                         help="PUB endpoint of rank 0 (rank r uses port + r; port 0 = pick one per rank)")
     worker.add_argument("--kv-replay", default="tcp://127.0.0.1:0", help="replay ROUTER endpoint ('' to disable)")
-    worker.add_argument("--config", dest="scenario", help="scenario YAML for the engine settings")
+    worker.add_argument("--config", dest="scenario", help="scenario YAML for the engine settings: the router's "
+                                                         "(the router refuses a worker whose engine differs)")
     _add_set(worker)
+    worker.add_argument("--own-engine", action="store_true",
+                        help="register although this worker's engine differs from the router's scenario, on "
+                             "purpose (a straggler, a test); the router logs the knobs that differ")
     worker.add_argument("--grace", type=float, default=10.0, help="seconds to finish requests on SIGTERM")
     _add_http(worker, None)
     loadgen = sub.add_parser("loadgen", help="play a scenario's workload against a router process")
@@ -220,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --http: the fleet's tokenizer.json (default: kvemu's built-in tokenizer)")
     loadgen.add_argument("--model", default="kvemu", help="with --http: the model name (default: kvemu)")
     loadgen.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_force(loadgen)
     loadgen.add_argument("--expect-workers", type=int, help="wait until this many workers are registered")
     loadgen.add_argument("--router-pid", type=int, action="append",
                          help="the router's process id on this machine: a silent router whose process is alive is "
@@ -234,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
     _add_set(up)
     up.add_argument("-o", "--outdir", help="report directory (default: out/<scenario name>)")
+    _add_force(up)
     _add_http(up, None)
     serve = sub.add_parser("serve", help="router with its OpenAI front door + workers as processes, until Ctrl-C")
     serve.add_argument("scenario", nargs="?", help="scenario YAML for the cluster (default: the built-in quickstart)")
@@ -265,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(repeatable; default: kvemu, vllm-router:kv_aware, vllm-router:cache_aware, "
                             "vllm-router:round_robin, sglang-router:cache_aware)")
     bench.add_argument("-o", "--outdir", help="where the reports go (default: out/<scenario name>-routers)")
+    _add_force(bench, "the reports")
     bench.add_argument("--compress", type=float, default=1.0,
                        help="run arrivals and engine passes this many times faster; latencies are reported scaled "
                             "back (default 1)")

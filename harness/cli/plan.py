@@ -20,7 +20,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from harness.sweep.executors import MAX_JOBS, ExecutorError, open_executor
     from harness.sweep.plan import MAX_RUNS_A_ROUND, PlanSpec, answer_line, check_plan, parse_sla, plan_cluster, \
         write_partial_plan, write_plan
-    from harness.report.files import OutputError, prepare_outdir
+    from harness.report.files import OutputError, claim_outdir
     from harness.scenario import ScenarioError, parse_scenario, scenario_text
     from kvemu.errors import InvalidArgument
 
@@ -57,7 +57,8 @@ def plan_command(args: argparse.Namespace) -> int:
         jobs = args.jobs or os.cpu_count() or 1
         width = args.width or (jobs if args.address is None else 4)
         check_plan(spec, width)
-        outdir = prepare_outdir(Path(args.outdir) if args.outdir else Path("out") / f"plan-{scenario.name}")
+        outdir = claim_outdir(Path(args.outdir) if args.outdir else Path("out") / f"plan-{scenario.name}",
+                              force=args.force, into="write the plan there")
     except (InvalidArgument, ScenarioError) as exc:
         return error("kvemu plan", exc)
     except OutputError as exc:

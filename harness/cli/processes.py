@@ -50,6 +50,14 @@ def process_command(args: argparse.Namespace) -> int:
             print(f"kvemu {args.command}: {exc}", file=sys.stderr)
             return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
+    if args.command in ("loadgen", "up"):
+        from harness.report.files import OutputError, claim_outdir
+
+        try:
+            claim_outdir(outdir, force=getattr(args, "force", False))
+        except OutputError as exc:
+            print(f"kvemu {args.command}: cannot write the report: {exc}", file=sys.stderr)
+            return 2
     if args.command == "loadgen" and args.http_url:
         return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
@@ -170,7 +178,7 @@ def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:
         return 2
     return worker_main(scenario, args.router, worker_id=args.worker_id, dp_size=args.dp_size,
                        kv_events=args.kv_events, kv_replay=args.kv_replay or None, grace_s=args.grace,
-                       http=_http_options(args), worker_type=args.worker_type)
+                       http=_http_options(args), worker_type=args.worker_type, own_engine=args.own_engine)
 
 
 def _replica_flags(args: argparse.Namespace, scenario: Scenario) -> tuple[dict[int, str], str | None]:

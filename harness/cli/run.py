@@ -51,7 +51,7 @@ def run_command(args: argparse.Namespace) -> int:
     from rich.markup import escape
 
     from harness.report.plots import background_renderer
-    from harness.report.files import OutputError, prepare_outdir
+    from harness.report.files import OutputError, claim_outdir
     from harness.runner import RunAborted, run_scenario
     from harness.scenario import ScenarioError
 
@@ -67,7 +67,7 @@ def run_command(args: argparse.Namespace) -> int:
 
         ensure_secret()
     try:
-        prepare_outdir(outdir)
+        claim_outdir(outdir, force=getattr(args, "force", False))
         with terminate_as_interrupt():
             console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
                           f"{scenario.run.seed}) on {cluster_shape(scenario)}", soft_wrap=True, highlight=False)

@@ -570,7 +570,8 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         if stack.http:
             print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
         each = [x for r, pid in zip(stack.routers, stack.router_pids()) for x in ("--router", r, "--router-pid", str(pid))]
-        loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--chaos", "skip",
+        # --force: this process claimed OUTDIR already (claim_outdir)
+        loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--force", "--chaos", "skip",
                                                "--expect-workers", str(workers), *config),
                                    env=cli_env(), stdout=subprocess.PIPE, text=True,
                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)

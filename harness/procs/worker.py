@@ -36,9 +36,11 @@ from harness.procs.protocol import HttpOptions, log_start
 
 
 def build_worker(scenario: Scenario, worker_id: int, pool: str, dp_size: int, kv_events: str,
-                 kv_replay: str | None, end: WorkerEnd) -> tuple[WorkerActor, list[KvEventPublisher]]:
+                 kv_replay: str | None, end: WorkerEnd,
+                 own_engine: bool = False) -> tuple[WorkerActor, list[KvEventPublisher]]:
     """One live worker of ``pool``: its engine ranks, a KV-event publisher per rank (bound on ``kv_events``, port
-    + rank; ``kv_replay`` likewise, or none) and its actor on ``end`` (a router's link, or ``NoRouterEnd``)."""
+    + rank; ``kv_replay`` likewise, or none) and its actor on ``end`` (a router's link, or ``NoRouterEnd``);
+    ``own_engine``: its engine may differ from the router's scenario on purpose (``Register.own_engine``)."""
     spec = scenario.cluster
     cfg = msgspec.structs.replace(engine_config(spec, pool), dp_size=dp_size)
     mock = MockWorker(cfg, worker_id=worker_id)
@@ -55,6 +57,8 @@ def build_worker(scenario: Scenario, worker_id: int, pool: str, dp_size: int, kv
                         kv_endpoints=[reachable(p.endpoint) for p in pubs],
                         kv_replay_endpoints=[reachable(p.replay_endpoint) if p.replay_endpoint else "" for p in pubs],
                         worker_type=worker_type_of(spec, pool))
+    if own_engine:  # (its Register says so: the router takes it despite settings other than its pool's)
+        actor.register_msg = msgspec.structs.replace(actor.register_msg, own_engine=True)
     return actor, pubs
 
 
@@ -77,10 +81,11 @@ def router_link(routers: list[str], worker_id: int, heartbeat_interval_s: float)
 
 
 async def _serve_worker(scenario: Scenario, routers: list[str], worker_id: int, pool: str, dp_size: int,
-                        kv_events: str, kv_replay: str | None, grace_s: float, http: HttpOptions | None = None) -> None:
+                        kv_events: str, kv_replay: str | None, grace_s: float, http: HttpOptions | None = None,
+                        own_engine: bool = False) -> None:
     end = router_link(routers, worker_id, scenario.cluster.heartbeat_interval_s)
     router = ", ".join(routers)
-    actor, pubs = build_worker(scenario, worker_id, pool, dp_size, kv_events, kv_replay, end)
+    actor, pubs = build_worker(scenario, worker_id, pool, dp_size, kv_events, kv_replay, end, own_engine)
     actor.on_unanswered = lambda waited_s: print(
         f"kvemu worker: worker {worker_id}: no answer from the router at {router} after {waited_s:g} s: is it running "
         f"there, and does it have the same {security.SECRET_ENV} as this worker? (still trying for "
@@ -154,18 +159,19 @@ def worker_pool(scenario: Scenario, worker_type: str | None) -> str:
 
 def worker_main(scenario: Scenario, router: str | list[str] | None, *, worker_id: int | None, dp_size: int | None,
                 kv_events: str, kv_replay: str | None, grace_s: float = 10.0, http: HttpOptions | None = None,
-                worker_type: str | None = None) -> int:
+                worker_type: str | None = None, own_engine: bool = False) -> int:
     """``kvemu worker``: serve one router until SIGTERM (and OpenAI clients directly when ``http`` is given; with
     no ``router``, them alone: a member of ``kvemu fleet``, another router in front of it);
     ``worker_type`` picks the pool (its engine and DP size) of a disaggregated cluster (``worker_pool``); several
-    routers: the replicas of one router (``router.replicas``), each registering and dispatching to this worker."""
+    routers: the replicas of one router (``router.replicas``), each registering and dispatching to this worker;
+    ``own_engine``: register even with engine settings other than the router's scenario (a straggler, a test)."""
     pool = worker_pool(scenario, worker_type)
     routers = [router] if isinstance(router, str) else list(router or [])
     tune_gc()
     wid = worker_id if worker_id is not None else uuid.uuid4().int % (1 << 31)
     try:
         run_live(lambda: _serve_worker(scenario, routers, wid, pool, dp_size or scenario.cluster.pools()[pool][1],
-                                       kv_events, kv_replay, grace_s, http))
+                                       kv_events, kv_replay, grace_s, http, own_engine))
     except BaseException as exc:  # the router refused it (a squatted id...) or never answered: one line, no traceback
         rejected = exc.split(WorkerRejected)[0] if isinstance(exc, BaseExceptionGroup) else exc
         while isinstance(rejected, BaseExceptionGroup) and rejected.exceptions:

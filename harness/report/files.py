@@ -53,6 +53,26 @@ class OutputError(KvemuError, OSError):
     """The report directory cannot be created or written."""
 
 
+REPORT_FILES = frozenset({"summary.json", "routers.json", "plan.json"})
+"""Files that mark a folder as an earlier kvemu report (a run's, ``up``'s or ``loadgen``'s; ``bench-router``'s;
+``plan``'s): one holding any of them is written over; ``claim_outdir``."""
+
+
+def claim_outdir(outdir: str | Path, *, force: bool = False, ours: Iterable[str] = REPORT_FILES,
+                 what: str = "earlier kvemu report", into: str = "write the report there") -> Path:
+    """``prepare_outdir``, refusing first a folder that is not empty and holds none of ``ours`` (an earlier
+    kvemu output) unless ``force``: ``-o examples`` must not scatter a report's files into a source tree."""
+    outdir = Path(outdir)
+    try:
+        existing = {p.name for p in outdir.iterdir() if not p.name.startswith(".kvemu-write-check-")}
+    except OSError:  # absent (created below), or not a folder (prepare_outdir says so)
+        existing = set()
+    if existing and not force and existing.isdisjoint(ours):
+        raise OutputError(f"{outdir} is not empty and holds no {what}: choose another -o OUTDIR, or pass "
+                          f"--force to {into}")
+    return prepare_outdir(outdir)
+
+
 def prepare_outdir(outdir: str | Path) -> Path:
     """Create the report directory and prove it writable now, so a bad path fails before the run, not after it."""
     outdir = Path(outdir)

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from harness.report.files import prepare_outdir
+from harness.report.files import OutputError, claim_outdir
 from harness.sweep.spec import PointSpec, Sweep, SweepError
 
 __all__ = ["SweepStore", "csv_text", "LOG", "CSV", "JSON", "MARKDOWN", "REWRITE_INTERVAL_S", "FORMAT"]
@@ -96,7 +96,10 @@ class SweepStore:
     def _claim(self, force: bool) -> None:
         outdir = self.outdir
         existing = [p.name for p in outdir.iterdir()] if outdir.is_dir() else []
-        prepare_outdir(outdir)
+        try:
+            claim_outdir(outdir, force=force, ours=(LOG, JSON), what="kvemu sweep", into="write this sweep there")
+        except OutputError as exc:
+            raise SweepError(str(exc)) from None
         if not existing or force:
             return
         try:
@@ -105,7 +108,7 @@ class SweepStore:
         except (OSError, ValueError, KeyError, TypeError):
             name = None
         if name is None and LOG not in existing:
-            raise SweepError(f"{outdir} is not empty and holds no kvemu sweep: choose another -o OUTDIR, or pass "
+            raise SweepError(f"{outdir} holds no kvemu sweep ({JSON} is not one): choose another -o OUTDIR, or pass "
                              "--force to write this sweep there")
         if name is not None and name != self.sweep.name:
             raise SweepError(f"{outdir} holds sweep {name!r}, not {self.sweep.name!r}: choose another -o OUTDIR, "

@@ -35,6 +35,7 @@ from kvemu.messages import (
     Deregister,
     DispatchAck,
     Draining,
+    EngineSettings,
     Finished,
     Heartbeat,
     KvBatch,
@@ -150,6 +151,7 @@ class Router:
         on_worker_added: Callable[[Register], None] | None = None,
         on_worker_removed: Callable[[int], None] | None = None,
         pool: str | None = None,
+        engine: EngineSettings | None = None,
     ) -> None:
         self.core = core
         self.end = end
@@ -162,6 +164,9 @@ class Router:
         self.pool = pool
         """``prefill`` or ``decode`` when this router is one pool of a disaggregated cluster (it then takes
         the legs a ``DisaggRouter`` sends it and only workers of its type); None: an aggregated cluster."""
+        self.engine = engine
+        """The engine settings this pool's workers must register (their scenario's); a worker saying others is
+        refused with ``engine_mismatch``. None: not checked."""
         self.on_kv_pulled: Callable[[int, KvPulled], None] | None = None
         """Told when a decode rank pulled the KV of a request dispatched to it (a ``DisaggRouter`` listens)."""
         if affinity is not None:
@@ -293,6 +298,7 @@ class Router:
         reason = None
         retry_after_s = None
         waiting = self.pending.get(peer)
+        mismatch = self._engine_mismatch(msg)
         if waiting is not None and waiting.register == msg:  # its acceptance crossed a repeat: accept it again
             self._send(peer, RegisterAck(worker_id=msg.worker_id, accepted=True))
             return
@@ -303,6 +309,9 @@ class Router:
         elif self.pool is not None and msg.worker_type != self.pool:
             reason = (f"worker {msg.worker_id} is a {msg.worker_type} worker but this router serves the {self.pool} "
                       f"pool; start it with --worker-type {self.pool} or point it at the {msg.worker_type} pool")
+        elif mismatch is not None and not msg.own_engine:
+            reason = (f"engine_mismatch: {mismatch}; start it with the router's scenario (kvemu worker --config FILE, "
+                      "the same --set), or with --own-engine if it differs on purpose")
         elif msg.block_size != self.core.block_size:
             reason = (f"worker {msg.worker_id} uses block_size {msg.block_size} but the router uses "
                       f"{self.core.block_size}; prefix matching would silently find nothing")
@@ -335,12 +344,21 @@ class Router:
                 self._asked.discard(peer)  # a registered worker's next heartbeat is answered with Reregister
             return
         assert spec is not None
+        if mismatch is not None:
+            log.warning("worker %s registered with its own engine (--own-engine): %s", msg.worker_id, mismatch)
         state = _WorkerState(spec, peer, self._now(), msg)
         self._asked.discard(peer)
         if self.guarded:  # routed to (and its KV streams opened) once it speaks again: ``_admit``
             self.pending[peer] = state
             return
         self._add(state)
+
+    def _engine_mismatch(self, msg: Register) -> str | None:
+        """How a worker's registered engine settings differ from those this pool expects (None: alike, or unsaid)."""
+        if self.engine is None or msg.engine is None or msg.engine.digest == self.engine.digest:
+            return None
+        runs, expected = msg.engine.differences(self.engine)
+        return f"worker {msg.worker_id} runs {runs} where the router's scenario says {expected}"
 
     def _admit(self, peer: bytes) -> int | None:
         """A pending worker spoke: register it for routing (None if that fails now, e.g. a limit reached)."""

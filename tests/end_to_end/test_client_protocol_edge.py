@@ -61,7 +61,7 @@ def test_a_cancelled_request_is_aborted_at_its_worker_and_its_record_says_why(tm
         router = kids.start("router", ["router", "--listen", "tcp://127.0.0.1:0", "--config", str(scenario)])
         worker = kids.start("w0", ["worker", "--router", router["listen"], "--worker-id", "3", "--config",
                                    str(scenario), "--http", "127.0.0.1:0", "--set",
-                                   "cluster.engine.decode_speedup_ratio=0.01"])  # ~1 s a token: it stays open
+                                   "cluster.engine.decode_speedup_ratio=0.01", "--own-engine"])  # ~1 s a token: it stays open
 
         async def main():
             client = _RouterClient(router["listen"])

@@ -132,7 +132,7 @@ def test_a_replaced_router_process_does_not_drop_the_requests_the_old_one_lost(t
     kids = Children()
     try:
         # slow engines (a request takes about half a second): several are running when the router dies
-        router = start_stack(kids, path, None, listen, ["--set", "cluster.engine.speedup_ratio=0.2"])
+        router = start_stack(kids, path, None, listen, ["--set", "cluster.engine.speedup_ratio=0.2", "--own-engine"])
         proc = loadgen(router, path, out)
         time.sleep(2.0)
         kids.signal("router", signal.SIGKILL)
@@ -162,7 +162,7 @@ def test_kvemu_up_fails_the_open_requests_at_once_when_the_router_process_dies(t
     out = tmp_path / "out"
     kids = Children()
     try:
-        router = start_stack(kids, path, None, engine=["--set", "cluster.engine.speedup_ratio=0.2"])
+        router = start_stack(kids, path, None, engine=["--set", "cluster.engine.speedup_ratio=0.2", "--own-engine"])
         proc = loadgen(router, path, out, "--set", "cluster.heartbeat_interval_s=4")  # would wait 20 s
         kids.procs["loadgen"] = proc
         time.sleep(2.0)

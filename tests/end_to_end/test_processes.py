@@ -216,7 +216,7 @@ def test_clients_reusing_a_request_id_each_get_their_own_reply(tmp_path):
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = router_and_worker(kids, scenario, 3, "--set", "cluster.engine.speedup_ratio=1")
+        router = router_and_worker(kids, scenario, 3, "--set", "cluster.engine.speedup_ratio=1", "--own-engine")
 
         async def main():
             a, b = _RouterClient(router["listen"]), _RouterClient(router["listen"])
@@ -257,7 +257,7 @@ def test_a_router_sigterm_fails_what_outlives_the_grace_with_router_shutdown(tmp
     kids = Children()
     try:
         # a worker 20x slower than the model: minutes
-        router = router_and_worker(kids, scenario, 1, "--set", "cluster.engine.speedup_ratio=0.05",
+        router = router_and_worker(kids, scenario, 1, "--set", "cluster.engine.speedup_ratio=0.05", "--own-engine",
                                    router_args=("--grace", "0.5"))
 
         async def main():
@@ -335,7 +335,7 @@ def test_a_stopped_load_generator_reports_what_ran_and_what_was_still_open(tmp_p
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
     kids = Children()
     try:
-        loadgen = _one_worker_stack(kids, scenario, out, "--set", "cluster.engine.speedup_ratio=0.5")
+        loadgen = _one_worker_stack(kids, scenario, out, "--set", "cluster.engine.speedup_ratio=0.5", "--own-engine")
         time.sleep(3.0)
         loadgen.send_signal(signal.SIGTERM)
         code = loadgen.wait(30)
@@ -484,7 +484,7 @@ def test_a_router_sigterm_lets_http_requests_finish_within_the_grace_then_ends_t
     scenario = small(tmp_path)
     kids = Children()
     try:
-        router = router_and_worker(kids, scenario, 1, "--set", "cluster.engine.speedup_ratio=0.2",
+        router = router_and_worker(kids, scenario, 1, "--set", "cluster.engine.speedup_ratio=0.2", "--own-engine",
                                    router_args=("--grace", "1.5", "--http", "127.0.0.1:0"))
 
         async def main():
