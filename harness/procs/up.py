@@ -476,13 +476,21 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def run_secret(who: str) -> None:
+def run_secret(who: str, worker_http: list[str] | None = None) -> None:
     """Unless the user set ``KVEMU_SECRET``, a fresh one for this run: this process's sockets and its children's
     (which inherit the environment, never an argument: argv is world-readable in /proc) require it, so no other
-    local process can register, submit or read KV events."""
-    if security.ensure_secret():
-        print(f"{who}: its ZeroMQ sockets take a secret made for this run (set {security.SECRET_ENV} to choose one, "
-              "to connect other kvemu processes)", file=sys.stderr, flush=True)
+    local process can register, submit or read KV events. With ``--worker-http`` the workers are there for other
+    routers, which read their KV events with plain ZeroMQ (as behind ``kvemu fleet``): no secret is made then."""
+    if security.secret():
+        return
+    if worker_http:
+        print(f"{who}: --worker-http puts the workers behind other routers, which read their KV events without a key, "
+              f"so this run makes no secret (set {security.SECRET_ENV} to require one of every peer)",
+              file=sys.stderr, flush=True)
+        return
+    security.ensure_secret()
+    print(f"{who}: its ZeroMQ sockets take a secret made for this run (set {security.SECRET_ENV} to choose one, "
+          "to connect other kvemu processes)", file=sys.stderr, flush=True)
 
 
 def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, http: list[str],
@@ -493,7 +501,7 @@ def serve_main(scenario_path: str, overrides: list[str], scenario: Scenario, htt
     while the front door sends its requests to the live ones; the stack stops when the front door, or the one
     router without replicas, exits. Children run in process groups of their own, so that Ctrl-C stops them in
     order (``Children.stop_all``); a second Ctrl-C kills them at once."""
-    run_secret("kvemu serve")
+    run_secret("kvemu serve", worker_http)
     kids = Children(own_groups=True)
     with StopSignals("kvemu serve") as stop:
         try:
@@ -556,7 +564,7 @@ def _serve_until_stopped(kids: Children, stack: _Stack, scenario: Scenario, stop
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
             http: list[str] | None = None, worker_http: list[str] | None = None) -> int:
     """Run the whole stack as processes; returns the load generator's exit code."""
-    run_secret("kvemu up")
+    run_secret("kvemu up", worker_http)
     config = _config(scenario_path, overrides)
     kids = Children()
     started = time.monotonic()

@@ -254,3 +254,20 @@ def test_a_live_run_in_one_process_keeps_its_sockets_to_itself(tmp_path, monkeyp
     assert LINE not in run.stderr, run.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["kvemu"]["mode"] == "live" and summary["completed_requests"] == summary["num_requests"] > 0
+
+
+def test_a_run_whose_workers_serve_other_routers_makes_no_secret_and_says_why(monkeypatch, capsys):
+    """``--worker-http`` puts the workers behind other routers (vllm-router, Dynamo's selection service), which read
+    their KV events with plain ZeroMQ: a run secret would lock them out (as it would behind ``kvemu fleet``)."""
+    from harness.procs.up import run_secret
+
+    monkeypatch.setenv(security.SECRET_ENV, "")  # (none; and the secret run_secret makes is gone after the test)
+    run_secret("kvemu serve", ["127.0.0.1:0"])
+    assert security.secret() is None
+    assert "makes no secret" in capsys.readouterr().err
+    run_secret("kvemu serve")
+    assert security.secret() is not None
+    assert "a secret made for this run" in capsys.readouterr().err
+    made = security.secret()
+    run_secret("kvemu up", ["127.0.0.1:0"])  # a secret already set (the user's, or this run's) is kept, silently
+    assert security.secret() == made and capsys.readouterr().err == ""
