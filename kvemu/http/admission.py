@@ -15,7 +15,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-import time
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -84,7 +83,6 @@ class Admission:
         """Waiters by (long, arrival): short ones first, each class first come first served."""
         self._seq = itertools.count()
         self.refused: dict[str, int] = {QUEUE_FULL: 0, QUEUE_TIMEOUT: 0}
-        self._logged_s: dict[str, float] = {}
 
     def _fits(self, long: bool, tokens: int) -> bool:
         lim = self.limits
@@ -155,9 +153,8 @@ class Admission:
 
     def _refuse(self, status: int, reason: str, request_id: str, message: str) -> Refused:
         self.refused[reason] += 1
-        now = time.monotonic()
-        if now - self._logged_s.get(reason, -1.0) >= 1.0:  # one line a second per reason; all are counted
-            self._logged_s[reason] = now
+        n = self.refused[reason]
+        if n <= 10 or n % 1000 == 0:  # a flood logs little (as the router's refused registrations); all are counted
             log.warning("refused %s (%s, %d so far): %s", request_id, reason, self.refused[reason], message)
         return Refused(status, message, reason, self.limits.retry_after_s)
 
