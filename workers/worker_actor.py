@@ -147,7 +147,6 @@ class WorkerActor:
         self._wakes: dict[int, anyio.Event] = {}  # per rank, on wall time
         self._driver = Wakeup(self._advance_virtual, clock.now_ns)  # on virtual time
         self._beats = Wakeup(self._heartbeat, clock.now_ns)
-        self._beat_t0 = 0
         self._records: dict[str, RequestRecord] = {}
         self._sent: dict[str, int] = {}
         self.local: dict[str, Callable[[TokenBatch | Finished | RequestFailed], None]] = {}
@@ -306,7 +305,6 @@ class WorkerActor:
                        "no answer from the router; check its address (and KVEMU_SECRET)")
                 raise WorkerRejected(f"worker {self.worker_id}: not registered within {self.register_timeout_s} s: {why}")
             task_status.started()
-            self._beat_t0 = self.clock.now_ns()
             tg.start_soon(self._beats.run)
             if self.mode == "virtual":
                 tg.start_soon(self._driver.run)
@@ -482,16 +480,16 @@ class WorkerActor:
     def _heartbeat(self) -> int | None:
         """Prove liveness when nothing else did: any message counts, so a busy worker sends none.
 
-        Checks on ticks every ``heartbeat_interval_s`` from the start; returns the first tick at which a
-        heartbeat can be due (ticks before it would find a recent message and do nothing)."""
+        Wakes one ``heartbeat_interval_s`` after the last message sent, so a healthy worker is never silent for
+        longer than that (checking on fixed ticks instead let it be silent for almost two intervals, and a router
+        whose ``heartbeat_timeout_s`` was under two intervals dropped idle workers); returns that instant."""
         if self.stopped:
             return None
         now = self.clock.now_ns()
         interval = round(self.heartbeat_interval_s * NS_PER_S)
         if now - self._last_sent_ns >= interval:
             self._send(Heartbeat(worker_id=self.worker_id))
-        due = max(self._last_sent_ns + interval, now + 1)
-        return self._beat_t0 + -(-(due - self._beat_t0) // interval) * interval
+        return max(self._last_sent_ns + interval, now + 1)
 
     # ------------------------------------------------------------------ virtual time
 

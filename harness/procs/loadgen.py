@@ -162,10 +162,11 @@ class _RouterClient:
         rec = self.records[req.request_id] = never_ran_record(req, self.router_now(), reason)
         return rec
 
-    async def stats(self, timeout_s: float = 30.0) -> Stats:
+    async def stats(self, timeout_s: float = 30.0, *, settle: bool = False) -> Stats:
         """The router's current view (``TimeoutError`` if it does not answer in time); with an oracle, the KV-event
-        publishers too, which it learns."""
-        answer = await self._ask(StatsQuery(publishers=self.oracle is not None), self._stats_waiters, timeout_s)
+        publishers too, which it learns. ``settle``: the final view, with the KV batches already sent taken in."""
+        answer = await self._ask(StatsQuery(publishers=self.oracle is not None, settle=settle), self._stats_waiters,
+                                 timeout_s)
         if answer is None:
             raise TimeoutError(f"no answer from the router within {timeout_s:g} s")
         if self.oracle is not None:
@@ -343,7 +344,7 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
             if client.lost is None and run.stopped is None:
                 for c, r in zip(clients, runs):
                     try:
-                        r.observe(await c.stats(timeout_s=5.0), c)
+                        r.observe(await c.stats(timeout_s=5.0, settle=True), c)
                     except TimeoutError:
                         pass
             tg.cancel_scope.cancel()

@@ -47,6 +47,9 @@ class StatsQuery(msgspec.Struct, tag=True, frozen=True):
 
     publishers: bool = False
     """Also say where the workers publish their KV events (``Stats.publishers``)."""
+    settle: bool = False
+    """First take in every KV batch already waiting on the router's sockets: a run's final view, asked once its
+    last request ended, counts its last passes' events (a worker publishes a pass's batch before its results)."""
 
 
 class Stats(msgspec.Struct, tag=True, kw_only=True):

@@ -320,6 +320,9 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
                 continue
             t = type(msg)
             if t is StatsQuery:
+                if msg.settle:  # type: ignore[union-attr]
+                    for r in routers.values():
+                        r.kv.take_in_arrived()
                 end.reply(peer, encode(stats(msg.publishers)))  # type: ignore[union-attr]
             elif t is CancelRequest:  # its handler replies with the record, failed with the reason
                 key = client_request_key(peer, msg.request_id)  # type: ignore[union-attr]

@@ -88,6 +88,11 @@ class KvIngest:
         if event.worker_id in self.core.registry:  # a removed worker's late events change nothing
             self.core.apply_event(event)
 
+    def take_in_arrived(self) -> int:
+        """Apply every batch already waiting on the sockets, now (the ``run`` loop takes them in between other
+        tasks, so a busy router's view lags what arrived); returns the live batches handled."""
+        return 0 if self.subscriber is None else self.subscriber.poll(0)
+
     async def run(self) -> None:
         """Feed ZeroMQ batches into the index until cancelled (returns at once without a subscriber)."""
         subscriber = self.subscriber

@@ -33,14 +33,14 @@ PINNED = {
     "quickstart": ((), "65b568bfac53c8a0d67e2b0e7927acd3816b0423f0834efc95cd86ac49a3f743",
                    "9d053041fc3eb8844891f642bedfd697f1cc458642a94e451768a760f02458f5"),
     "chaos-virtual": (("examples/compose-chaos.yaml", "--set", "run.mode=virtual"),
-                      "cd5327335b5d0f5398e4b16832f701246574a05891f60d583042e46d60badfe3",
-                      "7a8fb97babd3eb31161302da7be199f48f1b41ec8e7d0dd64c9cd73c20c11c14"),
+                      "802e46b5d27db6727ee7d8e59bac9ceecb6608a851a9aaaf13d89e5c114736af",
+                      "51d4b26e8cb9e5329be3df34297f18ee6ccb1b0d210bdab79063a898128fec3b"),
     "disagg-virtual": (("examples/compose-disagg.yaml", "--set", "run.mode=virtual"),
                        "765978902fa978689df3b37179a070fdc9446f6bd93e1ef7ddba42867cb26f8a",
                        "58c170b5e6a5dbe7f988d2b2688deb32b15dfb1e3335c1c34bea1647f3042d37"),
     "replicas-chaos": (("examples/replicas-chaos.yaml",),
-                       "b8ec14b8a703395004ff996cf3f7b9ceca9343d47b50bcc099a9bdf465106bb1",
-                       "13c2999754e2678e67f7a737ecb57de0b391811e13fbc6f036cf56ff4d620fd7"),
+                       "6b327752ad755087c2efb6d0f18494eaf2abdd7da038eea6dcfa442a149cdb0a",
+                       "eaa5d5de6edcf5342f9cfef3550ff997825e3a677bdae899f1a20d42c740b08a"),
 }
 """Scenario → (``kvemu run`` arguments, summary digest, requests.jsonl digest)."""
 

@@ -166,19 +166,21 @@ def _beating_worker(clock, mode: str, interval_s: float):
     return run, beats
 
 
-def test_a_worker_heartbeats_on_its_ticks_only_when_nothing_else_was_sent():
-    """Ticks every interval from the start; a tick sends only if the worker was quiet for an interval."""
+def test_a_worker_heartbeats_one_interval_after_its_last_message_and_never_later():
+    """A heartbeat goes out an interval after the last message, not at the next fixed tick: a worker whose last
+    message went out just after a tick was silent almost two intervals, and a router whose timeout was 1.5
+    intervals dropped it (an idle worker of ``kvemu up`` was re-registered and its KV replayed twice)."""
     clock = ManualClock()
     run, beats = _beating_worker(clock, "virtual", 1.0)
 
     async def body(actor) -> None:
         await anyio.sleep(2.5)
-        actor._send(Heartbeat(worker_id=4))  # any message proves liveness: the tick at 3 s stays silent
-        await anyio.sleep(3.0)
+        actor._send(Heartbeat(worker_id=4))  # any message proves liveness: nothing more is due before 3.5 s
+        await anyio.sleep(3.2)
 
     run_virtual(lambda: run(body), clock)
     s = 1_000_000_000
-    assert beats == [1 * s, 2 * s, 2_500_000_000, 4 * s, 5 * s]
+    assert beats == [1 * s, 2 * s, 2_500_000_000, 3_500_000_000, 4_500_000_000, 5_500_000_000]
 
 
 def test_heartbeats_also_tick_on_wall_time():
