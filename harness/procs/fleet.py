@@ -11,6 +11,7 @@ to the fleet, counted from the first request any worker receives (the load's sta
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ import msgspec
 
 from kvemu.limits import MAX_LIST_ITEMS, Endpoint, Id, Name, Rank, WorkerId
 from kvemu.runtime.transport import NoRouterEnd
+from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
 from workers.worker_actor import WorkerActor
 
@@ -99,6 +101,9 @@ class Fleet:
         self.processes = processes
         self.config_args = config_args or []
         """``--config PATH --set ...``: what a worker process reads the scenario from (``processes``)."""
+        self._handoff_secret = security.secret(security.HANDOFF_SECRET_ENV) or secrets.token_urlsafe(32)
+        """What its prefill and decode workers prove their KV handoff with (the user's, or one for this fleet):
+        handed to its workers only, directly or in a process's environment, never to the KV-event sockets."""
         self._members: dict[int, _Member] = {}
         self._kids: Any = None  # harness.procs.up.Children, for processes
         self._infos: dict[int, FleetWorker] = {}
@@ -196,7 +201,7 @@ class Fleet:
                                 kv_replay=list(actor.register_msg.kv_replay_endpoints)), actor, pubs, truth, end)
         http = self.http
         app = worker_door(self.scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth,
-                          limits=http.admission)
+                          limits=http.admission, handoff_secret=self._handoff_secret)
         server = HttpServer(app, http.listen, http.server)
         try:
             with anyio.CancelScope() as scope:
@@ -224,7 +229,8 @@ class Fleet:
                  "--max-running", str(http.admission.max_running), "--max-waiting", str(http.admission.max_waiting)]
         started = self._kids.start(f"worker-{wid}", ["worker", "--worker-id", str(wid), *kind, "--kv-events",
                                                      "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0",
-                                                     *flags, *self.config_args])
+                                                     *flags, *self.config_args],
+                                 env={security.HANDOFF_SECRET_ENV: self._handoff_secret})
         return FleetWorker(worker_id=wid, pool=pool, url=started["http"], dp_size=started["dp_size"],
                            block_size=started["block_size"], kv_events=list(started["kv_events"]),
                            kv_replay=[e or "" for e in started["kv_replay"]])

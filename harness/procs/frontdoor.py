@@ -74,12 +74,12 @@ def replicas_front_door(scenario: Scenario, links: list[RouterLink], clock: Cloc
 
 def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None = None,
                 model: str = DEFAULT_MODEL, truth: EngineTruth | None = None,
-                limits: AdmissionLimits | None = None) -> OpenAIApp:
+                limits: AdmissionLimits | None = None, handoff_secret: str | None = None) -> OpenAIApp:
     """The ASGI app a worker serves for its own ranks, with vLLM's metrics (``X-data-parallel-rank`` pins);
     with ``truth``, also what its engines did per request (whoever sent it: a client, a router over HTTP or
     kvemu's router over ZeroMQ) and per rank (``/kvemu/requests``, ``/kvemu/load``). A prefill or decode
-    worker takes another router's disaggregated legs (``harness.procs.kv_handoff``; tell its ``handoff.url``
-    where the server listens)."""
+    worker takes another router's disaggregated legs (``harness.procs.kv_handoff``, proven with
+    ``handoff_secret`` when given; ``worker_listening`` tells it where the server listens)."""
     from harness.procs.kv_handoff import KvHandoff
     from harness.procs.worker_backend import WorkerBackend
     from workers.metrics import VllmMetrics
@@ -103,7 +103,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
 
     info = _server_info(engine, tok if tokenizer else None, dp_ranks=tuple(actor.worker.dp_ranks), loads=loads,
                         disaggregation_mode="null" if actor.worker_type == "aggregated" else actor.worker_type)
-    handoff = KvHandoff(actor) if actor.worker_type in ("prefill", "decode") else None
+    handoff = KvHandoff(actor, secret=handoff_secret) if actor.worker_type in ("prefill", "decode") else None
     if handoff is not None:
         metrics.registry.register(handoff)
     admission = Admission(limits)
@@ -120,11 +120,12 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
 
 
 def worker_listening(app: OpenAIApp, url: str) -> None:
-    """Tell a worker's app where its server listens (a prefill worker's ``kv_transfer_params`` name it)."""
+    """Tell a worker's app where its server listens (a prefill worker's ``kv_transfer_params`` name it); its handoff
+    says then if it runs without a secret."""
     from harness.procs.kv_handoff import KvHandoff
 
     if isinstance(app.handoff, KvHandoff):
-        app.handoff.url = url
+        app.handoff.listening(url)
 
 
 async def worker_closing(app: OpenAIApp) -> None:

@@ -27,6 +27,14 @@ digest does not consume it. Trust assumption: whoever has a leg's ``kv_transfer_
 them) or knows a room's number *and* its prompt is the decode leg; a stranger who has neither cannot take
 the KV, free it, or make a decode worker serve a leg no prefill leg ran. A decode worker does not know the
 fleet's prefill workers, so it asks whichever server the leg names, at the fixed path ``/kvemu/kv/claim``.
+
+With a **handoff secret** (``KVEMU_HANDOFF_SECRET``, shared by the fleet's workers only: ``kvemu fleet`` makes
+one per run) that server must also prove it is one of them: its claim and room answers carry an HMAC-SHA256
+under the secret of what they vouch for (``handoff_proof``), and a decode worker refuses an answer without a
+valid one (400 naming ``claim.proof`` or ``room.proof``), so a client cannot name a listener of its own that
+says yes. The decode worker's claim and room requests carry one too, so only the fleet's workers take KV. The
+secret is never used for the KV-event sockets, which other routers read with plain ZeroMQ. A worker started
+without it works as before and says so in one line at start.
 """
 
 from __future__ import annotations
@@ -52,9 +60,10 @@ from kvemu.http.protocol import KvTransferParams, decode_body
 from kvemu.http.reply import respond
 from kvemu.messages import ClientRequest
 from kvemu.transfer import KvTransfer, transfer_refusal
+from kvemu.wire.security import HANDOFF_SECRET_ENV
 from workers.worker_actor import WorkerActor
 
-__all__ = ["KvHandoff", "HOLD_TIMEOUT_S", "ROOM_TIMEOUT_S"]
+__all__ = ["KvHandoff", "HOLD_TIMEOUT_S", "ROOM_TIMEOUT_S", "handoff_proof"]
 
 log = logging.getLogger("kvemu.handoff")
 
@@ -71,11 +80,15 @@ _HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-
                        r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?\Z")
 DIGEST_CHARS = 32
 """A prompt's digest: 16 bytes of BLAKE2b over its token ids, in hex."""
+PROOF_CHARS = 64
+"""A handoff proof: HMAC-SHA256 under the fleet's handoff secret, in lowercase hex."""
+_PROOF = re.compile(f"[0-9a-f]{{{PROOF_CHARS}}}")
 
 
 RequestId = Annotated[str, Meta(max_length=512)]
 Token = Annotated[str, Meta(max_length=128)]
 Digest = Annotated[str, Meta(min_length=DIGEST_CHARS, max_length=DIGEST_CHARS)]
+Proof = Annotated[str, Meta(min_length=PROOF_CHARS, max_length=PROOF_CHARS, pattern=f"^{_PROOF.pattern}$")]
 
 
 class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,12 +104,36 @@ class ClaimBody(msgspec.Struct, forbid_unknown_fields=True):
     request_id: RequestId
     token: Token
     digest: Digest
+    proof: Proof | None = None
+    """The decode worker's ``handoff_proof(key, "claim-request", ...)``: a prefill worker with a handoff secret
+    takes no claim without it."""
 
 
 class ClaimAnswer(msgspec.Struct):
     """The prefill worker's answer to a claim: the link model the KV moves with (its own, not the leg's)."""
 
     kvemu_source: KvTransfer
+    proof: Proof | None = None
+    """``handoff_proof(key, "claim-answer", ...)`` of this answer: a decode worker with a handoff secret takes no
+    answer without it."""
+
+
+class RoomAnswer(msgspec.Struct):
+    """The prefill worker's answer to ``GET /kvemu/kv/room``: the room's ``kv_transfer_params``, with their
+    ``handoff_proof(key, "room-answer", ...)`` when it has a handoff secret."""
+
+    kv_transfer_params: KvTransferParams
+    proof: Proof | None = None
+
+
+class _ErrorParam(msgspec.Struct):
+    param: Annotated[str, Meta(max_length=128)] | None = None
+
+
+class _ErrorBody(msgspec.Struct):
+    """The field a peer's 4xx names (``kvemu.http.errors``' body), to say why it refused."""
+
+    error: _ErrorParam
 
 
 class _Held:
@@ -128,10 +165,12 @@ class KvHandoff:
     """The handoff of one prefill or decode worker (``actor.worker_type``); ``url`` is set once it listens."""
 
     def __init__(self, actor: WorkerActor, *, hold_timeout_s: float | None = None,
-                 room_timeout_s: float | None = None) -> None:
+                 room_timeout_s: float | None = None, secret: str | None = None) -> None:
         if actor.worker_type not in ("prefill", "decode"):
             raise ValueError(f"a handoff is for prefill or decode workers, not {actor.worker_type}")
         self.actor = actor
+        self._key = secret.encode() if secret else None
+        """The fleet's handoff secret (None: answers and requests carry no proof and none is asked for)."""
         self.role = actor.worker_type
         self.url = ""
         self.hold_timeout_s = HOLD_TIMEOUT_S if hold_timeout_s is None else hold_timeout_s
@@ -156,6 +195,31 @@ class KvHandoff:
         self.refused: dict[str, int] = {}
         """Legs and claims refused here, by reason (a forged or stale source, a wrong digest, a link too slow)."""
         actor.on_pulled = self._pulled
+
+    def listening(self, url: str) -> None:
+        """Its server listens at ``url`` (a prefill worker's answers name it); without a handoff secret, say once
+        what that allows."""
+        self.url = url
+        if self._key is None:
+            log.warning("%s", self.exposure())
+
+    def exposure(self) -> str:
+        """The one line a worker whose handoff runs without a secret logs at start."""
+        allows = ("a decode leg may name any server to confirm its claim, so a client can have this worker decode "
+                  "a prompt no prefill ran, at a link model of its choosing" if self.role == "decode" else
+                  "its claim and room answers carry no proof, and whoever holds a leg's kv_transfer_params (or a "
+                  "room's number and prompt) can claim its KV")
+        return (f"kvemu: the KV handoff of {self.role} worker {self.actor.worker_id} at {self.url} runs without a "
+                f"secret: {allows}; set {HANDOFF_SECRET_ENV} to the same secret for every prefill and decode worker "
+                f"(kvemu fleet does)")
+
+    def _proof(self, purpose: str, *fields: str | int | bytes | None) -> str | None:
+        return handoff_proof(self._key, purpose, *fields) if self._key is not None else None
+
+    def _proven(self, proof: str | None, purpose: str, *fields: str | int | bytes | None) -> bool:
+        """Whether ``proof`` is this fleet's proof of ``fields`` (always, without a handoff secret)."""
+        expected = self._proof(purpose, *fields)
+        return expected is None or (proof is not None and hmac.compare_digest(expected.encode(), proof.encode()))
 
     # ------------------------------------------------------------------ legs
 
@@ -298,14 +362,19 @@ class KvHandoff:
         url = peer_url(host, port, "/kvemu/kv/room", host_field="bootstrap_host", port_field="bootstrap_port")
         deadline = asyncio.get_running_loop().time() + self.room_timeout_s
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            query: dict[str, str | int | float] = {"room": room, "wait_s": min(ROOM_POLL_S, left), "digest": digest}
+            if (proof := self._proof("room-request", room, digest)) is not None:
+                query["proof"] = proof
             try:
-                resp = await self._http().get(url, params={"room": room, "wait_s": min(ROOM_POLL_S, left),
-                                                           "digest": digest})
+                resp = await self._http().get(url, params=query)
             except httpx.HTTPError as exc:
                 raise ApiError(502, f"kv_transfer_failed: the prefill worker's bootstrap server {host}:{port} did not "
                                     f"answer: {type(exc).__name__}: {exc}") from None
             if resp.status_code == 200:
-                return decode_body(resp.content, KvTransferParams)
+                return self._proven_room(resp.content, f"{host}:{port}", room, digest)
+            if resp.status_code == 403 and _error_param(resp.content) == "proof":
+                raise ApiError(502, f"room.proof: the bootstrap server {host}:{port} refused this worker's proof: the "
+                                    f"two do not share {HANDOFF_SECRET_ENV}", "room.proof")
             if resp.status_code == 403:
                 raise ApiError(400, f"bootstrap_room: room {room} at {host}:{port} is not this prompt's: "
                                     f"{resp.text[:300]}", "bootstrap_room")
@@ -314,26 +383,55 @@ class KvHandoff:
         raise ApiError(504, f"kv_transfer_failed: the prefill leg of room {room} did not finish within "
                             f"{self.room_timeout_s:g} s")
 
+    def _proven_room(self, content: bytes, server: str, room: int, digest: str) -> KvTransferParams:
+        """A room answer's ``kv_transfer_params``, once its proof shows a worker of this fleet made it (400
+        ``room.proof`` otherwise)."""
+        try:
+            answer = decode_body(content, RoomAnswer)
+        except ApiError as exc:
+            if exc.param == "proof" and self._key is not None:
+                raise _unproven("room.proof", f"{server} answered room {room}", None, malformed=True) from None
+            raise ApiError(400, f"bootstrap_host: {server} is not a kvemu prefill worker's bootstrap server (its room "
+                                f"answer: {exc.message[:300]})", "bootstrap_host") from None
+        p = answer.kv_transfer_params
+        if not self._proven(answer.proof, "room-answer", room, p.remote_request_id, p.kvemu_release_token, digest,
+                            _link(p.kvemu_source), p.remote_host, p.remote_port):
+            raise _unproven("room.proof", f"{server} answered room {room}", answer.proof)
+        return p
+
     async def _claim(self, how: _Source, digest: str) -> KvTransfer:
         """Ask the prefill worker a leg names to confirm it holds this KV for this token and prompt; the link
-        model it answers with. A 400 naming the field when it does not (a forged or stale source)."""
+        model it answers with. A 400 naming the field when it does not (a forged or stale source), or when its
+        answer does not prove it is a worker of this fleet (``claim.proof``)."""
         import httpx
 
+        claim = ClaimBody(how.request_id, how.token, digest, self._proof("claim-request", how.request_id, how.token,
+                                                                          digest))
         try:
-            resp = await self._http().post(f"{how.url}/kvemu/kv/claim", json={
-                "request_id": how.request_id, "token": how.token, "digest": digest})
+            resp = await self._http().post(f"{how.url}/kvemu/kv/claim", content=msgspec.json.encode(claim),
+                                           headers={"content-type": "application/json"})
         except httpx.HTTPError as exc:
             raise ApiError(502, f"kv_transfer_failed: the prefill worker {how.url} did not answer a claim: "
                                 f"{type(exc).__name__}: {exc}") from None
         if resp.status_code == 200:
             try:
-                return msgspec.json.decode(resp.content, type=ClaimAnswer).kvemu_source
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                answer = decode_body(resp.content, ClaimAnswer)
+            except ApiError as exc:
+                if exc.param == "proof" and self._key is not None:
+                    raise _unproven("claim.proof", f"{how.url} answered the claim", None, malformed=True) from None
                 raise ApiError(400, f"kv_transfer_params.remote_host: {how.url} is not a kvemu prefill worker (its "
-                                    f"claim answer: {exc})", "kv_transfer_params.remote_host") from None
+                                    f"claim answer: {exc.message[:300]})", "kv_transfer_params.remote_host") from None
+            if not self._proven(answer.proof, "claim-answer", how.request_id, how.token, digest,
+                                _link(answer.kvemu_source)):
+                raise _unproven("claim.proof", f"{how.url} answered the claim", answer.proof)
+            return answer.kvemu_source
+        param = _error_param(resp.content)
+        if resp.status_code == 403 and param == "proof":
+            raise ApiError(502, f"claim.proof: the prefill worker {how.url} refused this worker's proof: the two do "
+                                f"not share {HANDOFF_SECRET_ENV}", "claim.proof")
         field = {403: "kv_transfer_params.kvemu_release_token", 404: "kv_transfer_params.remote_request_id",
                  409: "kv_transfer_params.remote_request_id"}.get(resp.status_code, "kv_transfer_params.remote_host")
-        if resp.status_code == 403 and b'"param":"digest"' in resp.content:
+        if resp.status_code == 403 and param == "digest":
             field = "prompt"  # the token is right, the prompt is not the prefill leg's
         raise ApiError(400, f"{field}: the prefill worker {how.url} does not hold this KV for this leg "
                             f"({resp.status_code}: {resp.text[:200]})", field)
@@ -422,7 +520,11 @@ class KvHandoff:
             await respond(send, 200, b'{"released":true}')
 
         async def room(scope: dict, receive: Callable, send: Callable) -> None:
-            number, wait_s, digest = _room_query(scope)
+            number, wait_s, digest, proof = _room_query(scope)
+            if not self._proven(proof, "room-request", number, digest):  # (the room stays for its decode leg)
+                self._refuse("room_proof", f"room {number}: asked for without this fleet's proof")
+                raise ApiError(403, f"proof: a room is handed only to a worker of this fleet ({HANDOFF_SECRET_ENV})",
+                               "proof")
             created = number not in self._rooms
             if created and len(self._rooms) >= MAX_ROOMS:
                 raise ApiError(503, f"room: {MAX_ROOMS} rooms are open on this worker; retry later", "room")
@@ -440,10 +542,17 @@ class KvHandoff:
                 self._refuse("room_digest", f"room {number}: a claim with another prompt's digest")
                 raise ApiError(403, f"digest: room {number} holds another prompt", "digest")
             self._rooms.pop(number, None)  # one decode leg per room
-            await respond(send, 200, msgspec.json.encode(held.answer))
+            a = held.answer
+            proof = self._proof("room-answer", number, a["remote_request_id"], held.token, held.digest,
+                                _link(held.source), a["remote_host"], a["remote_port"])
+            await respond(send, 200, msgspec.json.encode({"kv_transfer_params": a, "proof": proof}))
 
         async def claim(scope: dict, receive: Callable, send: Callable) -> None:
             body = decode_body(await read_body(receive, 64 << 10), ClaimBody)
+            if not self._proven(body.proof, "claim-request", body.request_id, body.token, body.digest):
+                self._refuse("claim_proof", f"a claim of {body.request_id[:200]!r} without this fleet's proof")
+                raise ApiError(403, f"proof: a claim is taken only from a worker of this fleet ({HANDOFF_SECRET_ENV})",
+                               "proof")
             held = held_for("claim", body.request_id, body.token)
             if not hmac.compare_digest(held.digest.encode(), body.digest.encode()):
                 self._refuse("claim_digest", f"a claim of {body.request_id[:200]!r} for another prompt")
@@ -452,7 +561,8 @@ class KvHandoff:
                 raise ApiError(409, f"request_id: the KV of {body.request_id[:200]!r} was claimed by a decode leg "
                                     f"already", "request_id")
             held.claimed = True
-            await respond(send, 200, msgspec.json.encode(ClaimAnswer(kvemu_source=held.source)))
+            proof = self._proof("claim-answer", body.request_id, body.token, held.digest, _link(held.source))
+            await respond(send, 200, msgspec.json.encode(ClaimAnswer(kvemu_source=held.source, proof=proof)))
 
         return {("POST", "/kvemu/kv/release"): release, ("GET", "/kvemu/kv/room"): room,
                 ("POST", "/kvemu/kv/claim"): claim}
@@ -470,6 +580,38 @@ def _source_of(params: KvTransferParams) -> _Source:
     return _Source(peer_url(params.remote_host, params.remote_port, "", host_field="kv_transfer_params.remote_host",
                             port_field="kv_transfer_params.remote_port"),
                    params.remote_request_id, params.kvemu_release_token)
+
+
+def handoff_proof(key: bytes, purpose: str, *fields: str | int | bytes | None) -> str:
+    """HMAC-SHA256 under the fleet's handoff secret of ``purpose`` and ``fields``, each typed and length-prefixed
+    (no two different lists encode alike), in hex: what shows a claim or room answer (or request) came from a
+    worker holding the secret, for exactly those values."""
+    mac = hmac.new(key, b"kvemu-kv-handoff-v1", hashlib.sha256)
+    for part in (purpose, *fields):
+        kind, data = (b"n", b"") if part is None else (b"b", part) if isinstance(part, bytes) else \
+            (b"i", str(part).encode()) if isinstance(part, int) else (b"s", part.encode())
+        mac.update(kind + len(data).to_bytes(8, "big") + data)
+    return mac.hexdigest()
+
+
+def _link(source: KvTransfer | None) -> bytes | None:
+    """A link model as its proof covers it: every field, as the wire carries it."""
+    return msgspec.json.encode(source) if source is not None else None
+
+
+def _unproven(param: str, what: str, proof: str | None, malformed: bool = False) -> ApiError:
+    """The 400 of an answer that does not prove a worker of this fleet made it (``param`` names the proof)."""
+    how = "with a malformed proof" if malformed else "without a proof" if proof is None else "with a wrong proof"
+    return ApiError(400, f"{param}: {what} {how}: it is not a prefill worker of this fleet (they share "
+                         f"{HANDOFF_SECRET_ENV}); nothing was reserved", param)
+
+
+def _error_param(content: bytes) -> str | None:
+    """The field a peer's error answer names (None: none, or not kvemu's error body)."""
+    try:
+        return msgspec.json.decode(content, type=_ErrorBody).error.param
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
 
 
 def prompt_digest(tokens: Any) -> str:
@@ -501,7 +643,7 @@ def _host_port(url: str) -> tuple[str, int | None]:
     return parts.hostname or "127.0.0.1", parts.port
 
 
-def _room_query(scope: dict) -> tuple[int, float, str]:
+def _room_query(scope: dict) -> tuple[int, float, str, str | None]:
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     raw = query.get("room", [""])[-1]
     if not raw.isdigit() or len(raw) > 19 or int(raw) >= 1 << 63:
@@ -517,5 +659,9 @@ def _room_query(scope: dict) -> tuple[int, float, str]:
     if len(digest) != DIGEST_CHARS:
         raise ApiError(403, f"digest: a room is handed only to its decode leg, which shows the {DIGEST_CHARS}-character"
                             f" digest of the room's prompt (harness.procs.kv_handoff.prompt_digest)", "digest")
-    return int(raw), wait_s, digest
+    proof = query.get("proof", [None])[-1]
+    if proof is not None and not _PROOF.fullmatch(proof):
+        raise ApiError(400, f"proof: {PROOF_CHARS} lowercase hex characters (handoff_proof), not {proof[:80]!r}",
+                       "proof")
+    return int(raw), wait_s, digest, proof
 

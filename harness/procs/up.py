@@ -480,12 +480,19 @@ def run_secret(who: str, worker_http: list[str] | None = None) -> None:
     """Unless the user set ``KVEMU_SECRET``, a fresh one for this run: this process's sockets and its children's
     (which inherit the environment, never an argument: argv is world-readable in /proc) require it, so no other
     local process can register, submit or read KV events. With ``--worker-http`` the workers are there for other
-    routers, which read their KV events with plain ZeroMQ (as behind ``kvemu fleet``): no secret is made then."""
+    routers, which read their KV events with plain ZeroMQ (as behind ``kvemu fleet``): no ZeroMQ secret is made
+    then, only a handoff secret (``KVEMU_HANDOFF_SECRET``, unless the user set one) for the KV handoff between
+    the workers, which no other router takes part in."""
+    if worker_http:
+        security.ensure_secret(security.HANDOFF_SECRET_ENV)
     if security.secret():
         return
     if worker_http:
-        print(f"{who}: --worker-http puts the workers behind other routers, which read their KV events without a key, "
-              f"so this run makes no secret (set {security.SECRET_ENV} to require one of every peer)",
+        print(f"{who}: --worker-http puts the workers behind other routers, which read their KV events with plain "
+              f"ZeroMQ (vLLM's wire format has no key), so this run's ZeroMQ sockets take no secret: any local process "
+              f"can register, submit and read KV events (which carry prompt token ids); only the KV handoff between "
+              f"prefill and decode workers takes a secret made for this run, and HTTP routes take none (set "
+              f"{security.SECRET_ENV} to require one of every ZeroMQ peer: other routers then read no KV events)",
               file=sys.stderr, flush=True)
         return
     security.ensure_secret()

@@ -101,7 +101,7 @@ async def _serve_worker(scenario: Scenario, routers: list[str], worker_id: int, 
         from harness.procs.frontdoor import worker_door, worker_listening
 
         app = worker_door(scenario, actor, tokenizer=http.tokenizer, model=http.model, truth=truth,
-                          limits=http.admission)
+                          limits=http.admission, handoff_secret=security.secret(security.HANDOFF_SECRET_ENV))
         server = HttpServer(app, http.listen, http.server)
     try:
         async with anyio.create_task_group() as tg:

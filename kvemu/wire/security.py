@@ -23,28 +23,31 @@ from zmq.utils import z85
 
 from kvemu.errors import InvalidArgument
 
-__all__ = ["SECRET_ENV", "secret", "ensure_secret", "serve_securely", "bind_securely", "connect_securely",
+__all__ = ["SECRET_ENV", "HANDOFF_SECRET_ENV", "secret", "ensure_secret", "serve_securely", "bind_securely", "connect_securely",
            "exposure_warning"]
 
 log = logging.getLogger("kvemu.security")
 
 SECRET_ENV = "KVEMU_SECRET"
 """The environment variable holding the shared secret (empty or unset: no authentication)."""
+HANDOFF_SECRET_ENV = "KVEMU_HANDOFF_SECRET"
+"""The secret a fleet's prefill and decode workers prove their KV handoff answers with
+(``harness.procs.kv_handoff``); never used for a ZeroMQ socket, so other routers still read the KV events."""
 _LOOPBACK = re.compile(r"(tcp://(127(\.\d{1,3}){3}|localhost|\[::1\])(:\d+|:\*)?|ipc://.*)")
 
 
-def secret() -> str | None:
-    """The shared secret of this process (None when authentication is off)."""
-    return os.environ.get(SECRET_ENV) or None
+def secret(name: str = SECRET_ENV) -> str | None:
+    """The shared secret of this process (None when authentication is off); ``name``: which one."""
+    return os.environ.get(name) or None
 
 
-def ensure_secret() -> bool:
+def ensure_secret(name: str = SECRET_ENV) -> bool:
     """Give this process (and so every child it starts: they inherit its environment, never its argv, which
     any local user can read in /proc) a fresh random secret unless the user set one; returns whether it made
     one. For a supervisor (``kvemu up``, ``kvemu serve``) whose sockets only it and its children use."""
-    if secret():
+    if secret(name):
         return False
-    os.environ[SECRET_ENV] = secrets.token_urlsafe(32)
+    os.environ[name] = secrets.token_urlsafe(32)
     return True
 
 

@@ -258,13 +258,21 @@ def test_a_live_run_in_one_process_keeps_its_sockets_to_itself(tmp_path, monkeyp
 
 def test_a_run_whose_workers_serve_other_routers_makes_no_secret_and_says_why(monkeypatch, capsys):
     """``--worker-http`` puts the workers behind other routers (vllm-router, Dynamo's selection service), which read
-    their KV events with plain ZeroMQ: a run secret would lock them out (as it would behind ``kvemu fleet``)."""
+    their KV events with plain ZeroMQ: a run secret would lock them out (as it would behind ``kvemu fleet``). Only
+    the handoff between its workers takes a secret made for the run (in the environment its children inherit),
+    and the line says what is and is not protected, without the secret."""
     from harness.procs.up import run_secret
 
     monkeypatch.setenv(security.SECRET_ENV, "")  # (none; and the secret run_secret makes is gone after the test)
+    monkeypatch.setenv(security.HANDOFF_SECRET_ENV, "")
     run_secret("kvemu serve", ["127.0.0.1:0"])
     assert security.secret() is None
-    assert "makes no secret" in capsys.readouterr().err
+    handoff = security.secret(security.HANDOFF_SECRET_ENV)
+    assert handoff is not None and len(handoff) >= 40
+    err = capsys.readouterr().err
+    assert "this run's ZeroMQ sockets take no secret: any local process can register, submit and read KV events" in err
+    assert "only the KV handoff between prefill and decode workers takes a secret made for this run" in err
+    assert handoff not in err
     run_secret("kvemu serve")
     assert security.secret() is not None
     assert "a secret made for this run" in capsys.readouterr().err

@@ -343,3 +343,245 @@ def test_in_virtual_time_a_request_whose_pass_fails_ends_with_engine_error_and_t
     late = [r for rid, r in records.items() if rid.startswith("late")]
     assert len(late) == 6 and all(r.failure is None and r.output_tokens == r.max_tokens for r in late)
     no_leaks(out)
+
+
+# ------------------------------------------------------------------ 6. a confirmer outside the fleet
+
+
+FAST = KvTransfer(source_worker_id=0, bandwidth_gbps=1e6, bytes_per_token=1)
+LINK = msgspec.to_builtins(FAST)
+"""The link model a stranger's confirmer would give: the fastest the bounds admit (free decode, at once)."""
+
+
+class FakePrefill:
+    """A tiny 127.0.0.1 HTTP server that answers every claim and every room with a well-formed yes carrying
+    ``proof`` (None: none), as a client's own listener would; with ``relay``, it passes each claim on to that
+    real prefill worker and its answer back with a faster link model. It counts what it is asked, by path."""
+
+    def __init__(self, proof: str | None = None, relay: str | None = None) -> None:
+        self.proof = proof
+        self.relay = relay
+        self.hits: dict[str, int] = {}
+        self.port = 0
+
+    async def __aenter__(self) -> FakePrefill:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+
+    def params(self, rid: str = "never-prefilled") -> dict:
+        """``kv_transfer_params`` naming this server as the prefill worker."""
+        return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": self.port,
+                "remote_request_id": rid, "kvemu_release_token": "made-up", "kvemu_source": LINK}
+
+    async def _answer(self, method: str, path: str, body: bytes) -> dict:
+        if path == "/kvemu/kv/claim" and self.relay is not None:
+            async with httpx.AsyncClient() as client:
+                real = (await client.post(f"{self.relay}{path}", content=body,
+                                          headers={"content-type": "application/json"})).json()
+            real["kvemu_source"]["bandwidth_gbps"] = 1e6  # the answer's own proof, another link model
+            return real
+        proof = {} if self.proof is None else {"proof": self.proof}
+        if path == "/kvemu/kv/room":  # (its params at the top too: what a decode worker read before proofs)
+            return {**self.params(), "kv_transfer_params": self.params(), **proof}
+        return {"kvemu_source": LINK, "released": True, **proof}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            method, target, _ = head[0].split(" ", 2)
+            length = next((int(h.split(":", 1)[1]) for h in head[1:] if h.lower().startswith("content-length:")), 0)
+            body = await reader.readexactly(length)
+            path = target.split("?", 1)[0]
+            self.hits[path] = self.hits.get(path, 0) + 1
+            out = msgspec.json.encode(await self._answer(method, path, body))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                         b"connection: close\r\n\r\n%s" % (len(out), out))
+            await writer.drain()
+        finally:
+            writer.close()
+
+
+async def _refused_for(client: httpx.AsyncClient, dec: str, reason: str) -> int:
+    metrics = (await client.get(f"{dec}/metrics")).text
+    line = f'kvemu_kv_handoff_refused_total{{reason="{reason}"}} '
+    return next((int(float(x.split()[-1])) for x in metrics.splitlines() if x.startswith(line)), 0)
+
+
+def _other_fleets_proof(rid: str, token: str) -> str:
+    """A well-formed proof of exactly what the decode worker checks, under a secret that is not the fleet's."""
+    return kv_handoff.handoff_proof(b"another fleet", "claim-answer", rid, token, prompt_digest(PROMPT),
+                                    msgspec.json.encode(FAST))
+
+
+@pytest.mark.parametrize("proof", [None, "0" * 64, "Z" * 64, "other"])
+def test_a_decode_leg_whose_confirmer_is_not_a_worker_of_the_fleet_is_refused_and_nothing_runs(tmp_path, proof):
+    """Before, any listener a client named that said yes to ``POST /kvemu/kv/claim`` got its leg decoded (200,
+    no prefill, the listener's link model); now its answer must carry the fleet's proof: 400 ``claim.proof``,
+    counted, nothing reserved, nothing run, no release sent to it."""
+    async def body(info: FleetInfo, client: httpx.AsyncClient) -> None:
+        (pre,), (dec, _) = info.pool("prefill"), info.pool("decode")
+        shown = _other_fleets_proof("never-prefilled", "made-up") if proof == "other" else proof
+        async with FakePrefill(shown) as fake:
+            t0 = time.monotonic()
+            r = await client.post(f"{dec.url}/v1/completions", json=_leg({"kv_transfer_params": fake.params()}))
+            assert time.monotonic() - t0 < 5
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "claim.proof" and "not a prefill worker of this fleet" in error["message"]
+            assert fake.hits == {"/kvemu/kv/claim": 1}  # asked once; nothing to free there
+        assert await _records(client, dec.url) == [] and await _held_tokens(client, dec.url) == 0
+        assert await _refused_for(client, dec.url, "claim.proof") == 1
+        await _handoff_works(client, pre.url, dec.url, "genuine")  # the fleet's own handoff still runs
+
+    _run(tmp_path, body)
+
+
+@pytest.mark.parametrize("proof", [None, "0" * 64])
+def test_a_decode_leg_whose_bootstrap_server_is_not_a_worker_of_the_fleet_is_refused(tmp_path, proof):
+    """SGLang style: a stranger's bootstrap server hands a made-up room (and then confirms its claim); before, the
+    decode worker served it; now the room answer must carry the fleet's proof: 400 ``room.proof``, no claim sent."""
+    async def body(info: FleetInfo, client: httpx.AsyncClient) -> None:
+        (dec, _) = info.pool("decode")
+        async with FakePrefill(proof) as fake:
+            r = await client.post(f"{dec.url}/v1/completions", json=_leg({
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": fake.port, "bootstrap_room": 7}))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "room.proof"
+            assert fake.hits == {"/kvemu/kv/room": 1}
+        assert await _records(client, dec.url) == [] and await _held_tokens(client, dec.url) == 0
+        assert await _refused_for(client, dec.url, "room.proof") == 1
+
+    _run(tmp_path, body)
+
+
+def test_a_genuine_claim_answer_relayed_with_another_link_model_is_refused(tmp_path):
+    """A client's listener in the middle passes the real prefill worker's claim answer on with a faster link: the
+    proof covers the link model, so the decode worker refuses it (before: it decoded at the forged speed)."""
+    async def body(info: FleetInfo, client: httpx.AsyncClient) -> None:
+        (pre,), (dec, _) = info.pool("prefill"), info.pool("decode")
+        params = await _prefill(client, pre.url, "m")
+        async with FakePrefill(relay=pre.url) as relay:
+            r = await client.post(f"{dec.url}/v1/completions", headers={"X-Request-Id": "m"},
+                                  json=_leg({"kv_transfer_params": {**params, "remote_port": relay.port}}))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "claim.proof", r.text
+            assert relay.hits == {"/kvemu/kv/claim": 1}
+        assert await _records(client, dec.url) == []
+
+    _run(tmp_path, body)
+
+
+def test_only_a_worker_of_the_fleet_can_claim_kv_or_take_a_room(tmp_path, monkeypatch):
+    """A client holding a leg's token and prompt (the router copied them) claims the KV or takes the room itself,
+    without the fleet's proof: 403 ``proof``, counted, and the real decode leg still gets it (before: the client's
+    claim took it, and the decode leg was refused)."""
+    monkeypatch.setattr(kv_handoff, "ROOM_POLL_S", 0.5)
+
+    async def body(info: FleetInfo, client: httpx.AsyncClient) -> None:
+        (pre,), (dec, _) = info.pool("prefill"), info.pool("decode")
+        params = await _prefill(client, pre.url, "c")
+        claim = {"request_id": "c", "token": params["kvemu_release_token"], "digest": prompt_digest(PROMPT)}
+        for extra in ({}, {"proof": "0" * 64}):
+            r = await client.post(f"{pre.url}/kvemu/kv/claim", json={**claim, **extra})
+            assert r.status_code == 403 and r.json()["error"]["param"] == "proof", r.text
+        r = await client.post(f"{pre.url}/kvemu/kv/claim", json={**claim, "proof": "x" * 65})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "proof", r.text
+        r = await client.post(f"{dec.url}/v1/completions", headers={"X-Request-Id": "c"},
+                              json=_leg({"kv_transfer_params": params}))
+        assert r.status_code == 200, r.text
+
+        port = int(pre.url.rsplit(":", 1)[1])
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 41}
+        assert (await client.post(f"{pre.url}/v1/completions", headers={"X-Request-Id": "r"},
+                                  json=_leg(room))).status_code == 200
+        for shown in ("", "&proof=" + "0" * 64):
+            r = await client.get(f"{pre.url}/kvemu/kv/room?room=41&digest={prompt_digest(PROMPT)}{shown}")
+            assert r.status_code == 403 and r.json()["error"]["param"] == "proof", r.text
+        r = await client.post(f"{dec.url}/v1/completions", headers={"X-Request-Id": "r"}, json=_leg(room))
+        assert r.status_code == 200, r.text
+        metrics = (await client.get(f"{pre.url}/metrics")).text
+        assert 'kvemu_kv_handoff_refused_total{reason="claim_proof"} 2.0' in metrics
+        assert 'kvemu_kv_handoff_refused_total{reason="room_proof"} 2.0' in metrics
+
+    _run(tmp_path, body)
+
+
+FIELDS: list[str | int | bytes | None] = ["req-1", "token-1", "d" * 32, msgspec.json.encode(FAST), 41, None]
+"""What a room answer's proof covers (request id, token, digest, link model, room, a field left out)."""
+TAMPERED: list[str | int | bytes | None] = ["req-2", "token-", "e" * 32,
+                                            msgspec.json.encode(msgspec.structs.replace(FAST, bandwidth_gbps=9e5)),
+                                            42, ""]
+
+
+@pytest.mark.parametrize("i", range(len(FIELDS)))
+def test_a_proof_covers_each_of_its_fields_and_no_two_field_lists_encode_alike(i):
+    key = b"fleet secret"
+    proof = kv_handoff.handoff_proof(key, "room-answer", *FIELDS)
+    assert len(proof) == kv_handoff.PROOF_CHARS and int(proof, 16) >= 0
+    assert kv_handoff.handoff_proof(key, "room-answer", *FIELDS) == proof  # (a function of the values alone)
+    assert kv_handoff.handoff_proof(key, "room-answer", *FIELDS[:i], TAMPERED[i], *FIELDS[i + 1:]) != proof
+    assert kv_handoff.handoff_proof(b"another fleet", "room-answer", *FIELDS) != proof
+    assert kv_handoff.handoff_proof(key, "claim-answer", *FIELDS) != proof  # another purpose
+    # a character moved across a boundary, or a value of another type, is another message
+    value = FIELDS[i]
+    retyped = value.encode() if isinstance(value, str) else value.decode() if isinstance(value, bytes) else \
+        str(value) if isinstance(value, int) else b""
+    assert kv_handoff.handoff_proof(key, "room-answer", *FIELDS[:i], retyped, *FIELDS[i + 1:]) != proof
+    assert kv_handoff.handoff_proof(key, "room-answer", "req-1t", "oken-1", *FIELDS[2:]) != proof
+
+
+@pytest.mark.process_supervision
+def test_a_fleet_of_processes_gives_its_workers_the_handoff_secret_in_their_environment_only(tmp_path):
+    """``kvemu fleet --processes`` makes a handoff secret and hands it to its worker processes in their environment:
+    the same for all, never on a command line (/proc/PID/cmdline), in its output or in any file; a handoff between
+    the processes runs under it and a stranger's confirmer is refused. A worker started alone without it says so in
+    one line at start."""
+    from harness.procs.up import cli_env
+    from kvemu.wire.security import HANDOFF_SECRET_ENV, SECRET_ENV
+    from tests.end_to_end.test_run_secret import Proc, children
+
+    path = tmp_path / "pd.yaml"
+    path.write_text(SCENARIO.replace("workers: 2", "workers: 1"))
+    env = {k: v for k, v in cli_env().items() if k not in (HANDOFF_SECRET_ENV, SECRET_ENV)}
+    fleet = Proc(["fleet", str(path), "--processes"], tmp_path / "fleet.err", env)
+    try:
+        info = msgspec.convert(fleet.line("fleet"), FleetInfo)
+        kids = children(fleet.proc.pid)
+        environs = [dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+                    for pid in kids]
+        made = {e.get(HANDOFF_SECRET_ENV) for e in environs}
+        assert len(kids) == 2 and len(made) == 1 and None not in made, made
+        shared = made.pop()
+        assert shared is not None and len(shared) >= 40
+        assert all(SECRET_ENV not in e for e in environs)  # (the KV-event sockets stay plain for other routers)
+        for pid in [fleet.proc.pid, *kids]:
+            assert shared not in open(f"/proc/{pid}/cmdline").read()
+
+        async def main() -> None:
+            (pre,), (dec,) = info.pool("prefill"), info.pool("decode")
+            async with httpx.AsyncClient(timeout=30) as client, FakePrefill() as fake:
+                await _handoff_works(client, pre.url, dec.url, "across-processes")
+                r = await client.post(f"{dec.url}/v1/completions", json=_leg({"kv_transfer_params": fake.params()}))
+                assert r.status_code == 400 and r.json()["error"]["param"] == "claim.proof", r.text
+        anyio.run(main)
+    finally:
+        err = fleet.stop()
+    assert shared not in err and not any(shared in line for line in fleet.lines)
+    assert "KV handoff" not in err, err[-3000:]
+    for f in tmp_path.rglob("*"):
+        assert not f.is_file() or shared.encode() not in f.read_bytes(), f
+
+    alone = Proc(["worker", "--worker-type", "decode", "--worker-id", "3", "--http", "127.0.0.1:0", "--kv-events",
+                  "tcp://127.0.0.1:0", "--config", str(path)], tmp_path / "alone.err", env)
+    try:
+        url = alone.line("started")["http"]
+    finally:
+        err = alone.stop()
+    lines = [line for line in err.splitlines() if "KV handoff" in line]
+    assert lines == [f"kvemu: the KV handoff of decode worker 3 at {url} runs without a secret: a decode leg may name "
+                     f"any server to confirm its claim, so a client can have this worker decode a prompt no prefill "
+                     f"ran, at a link model of its choosing; set {HANDOFF_SECRET_ENV} to the same secret for every "
+                     f"prefill and decode worker (kvemu fleet does)"], err[-3000:]
