@@ -30,11 +30,26 @@ from harness.procs.replica_door import ReplicaCollector, RouterLink, RouterProce
 from harness.scenario import Scenario
 from harness.workload import output_lengths
 
-__all__ = ["front_door", "replicas_front_door", "worker_door", "worker_listening", "worker_closing"]
+__all__ = ["cluster_kv_tokens", "front_door", "replicas_front_door", "worker_door", "worker_listening", "worker_closing"]
 
 # a server tokenizes the prompts of one loop turn in one call: spreading that call over threads only competes
 # with the engines and the event loop for the same cores
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _with_kv(limits: AdmissionLimits | None, kv_tokens: int) -> AdmissionLimits:
+    """``limits`` knowing the KV cache behind the server (``AdmissionLimits.kv_tokens``), unless they say it."""
+    limits = limits or AdmissionLimits()
+    return limits if limits.kv_tokens is not None else msgspec.structs.replace(limits, kv_tokens=kv_tokens)
+
+
+def cluster_kv_tokens(scenario: Scenario) -> int:
+    """The KV cache, in tokens, of the cluster's decoding ranks (the aggregated pool's, or the decode pool's):
+    where a long stream's output accumulates."""
+    pools = scenario.cluster.pools()
+    pool = "decode" if "decode" in pools else "aggregated"
+    workers, dp_size, _ = pools[pool]
+    return workers * dp_size * engine_config(scenario.cluster, pool).capacity_tokens
 
 
 def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, clock: Clock, *,
@@ -47,7 +62,7 @@ def front_door(scenario: Scenario, router: Callable[[], Router], hooks: Hooks, c
     engine = engine_config(scenario.cluster)
     backend = RouterBackend(router, hooks, max_model_len=engine.capacity_tokens, block_size=engine.resolved_block_size,
                             forget=forget, front=front)
-    admission = Admission(limits)
+    admission = Admission(_with_kv(limits, cluster_kv_tokens(scenario)))
     metrics = FrontMetrics(model, (RouterCollector(router, hooks), admission))
     tok = load_tokenizer(tokenizer)
     return OpenAIApp(backend, tok, model=model, clock=clock, metrics=metrics, output_lengths=output_lengths(scenario),
@@ -64,7 +79,7 @@ def replicas_front_door(scenario: Scenario, links: list[RouterLink], clock: Cloc
     backend = RouterProcesses(links, replica_front(scenario), clock, max_model_len=engine.capacity_tokens,
                               block_size=engine.resolved_block_size)
     tok = load_tokenizer(tokenizer)
-    admission = Admission(limits)
+    admission = Admission(_with_kv(limits, cluster_kv_tokens(scenario)))
     app = OpenAIApp(backend, tok, model=model, clock=clock,
                     metrics=FrontMetrics(model, (ReplicaCollector(backend), admission)),
                     output_lengths=output_lengths(scenario), info=_server_info(engine, tok if tokenizer else None),
@@ -106,7 +121,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     handoff = KvHandoff(actor, secret=handoff_secret) if actor.worker_type in ("prefill", "decode") else None
     if handoff is not None:
         metrics.registry.register(handoff)
-    admission = Admission(limits)
+    admission = Admission(_with_kv(limits, capacity * len(actor.worker.cores)))
     metrics.registry.register(admission)
     async def unsettled(scope: dict, receive: Callable, send: Callable) -> None:
         """``GET /kvemu/unsettled``: what the engines still work for (a lanes barrier waits for 0)."""

@@ -5,8 +5,11 @@ behind them, and a 429 (queue full) or 503 (waited too long) with ``Retry-After`
 Fairness: a request asking for more than ``long_tokens`` output tokens is *long*; long requests hold at most
 ``long_share`` of the running slots, so a burst of long streams always leaves slots for short requests, and a
 freed slot goes to the oldest waiting short request before any long one. A short request therefore waits for
-at most the short requests ahead of it, never for hundreds of long streams started at once. Routes other than
-generation (``/metrics``, ``/health``) never pass here.
+at most the short requests ahead of it, never for hundreds of long streams started at once. When the server
+knows the KV cache of the engines behind it (``kv_tokens``), long requests also reserve at most ``long_share``
+of it (their whole ``max_tokens``, counted up front as TGI's ``max_batch_total_tokens`` does), so long streams
+never fill the engines' KV, where an admitted short request would wait in the engine's queue until one ended.
+Routes other than generation (``/metrics``, ``/health``) never pass here.
 """
 
 from __future__ import annotations
@@ -50,12 +53,21 @@ class AdmissionLimits(msgspec.Struct, frozen=True, kw_only=True):
     """Output tokens the running requests may ask for together (a request alone always runs): every process
     on a request's path keeps its output plan, tens of bytes a token, so this bounds their memory whatever
     ``max_tokens`` each asks (8 Mi tokens: well under 1 GB per process)."""
+    kv_tokens: Annotated[int, Meta(ge=1, le=1 << 48)] | None = None
+    """The KV cache of the engines behind this server, in tokens (None: unknown): long requests together ask
+    for at most ``long_share`` of it (a long request alone always runs). The front doors set it from the
+    scenario's engines."""
     retry_after_s: Annotated[int, Meta(ge=1, le=3600)] = 1
     """What ``Retry-After`` says to a refused client."""
 
     @property
     def max_long(self) -> int:
         return max(1, int(self.max_running * self.long_share))
+
+    @property
+    def max_long_tokens(self) -> int | None:
+        """The output tokens long requests may ask for together (None: no KV bound)."""
+        return None if self.kv_tokens is None else max(1, int(self.kv_tokens * self.long_share))
 
 
 class Refused(ApiError):
@@ -77,6 +89,8 @@ class Admission:
         self.long_running = 0
         self.tokens = 0
         """Output tokens the running requests asked for."""
+        self.long_tokens = 0
+        """Output tokens the running long requests asked for."""
         self.waiting = 0
         self.waiting_short = 0
         self._queue: list[tuple[bool, int, int, asyncio.Future[None]]] = []
@@ -86,13 +100,21 @@ class Admission:
 
     def _fits(self, long: bool, tokens: int) -> bool:
         lim = self.limits
-        return (self.running < lim.max_running and (not long or self.long_running < lim.max_long)
+        if long and self.long_running:
+            if self.long_running >= lim.max_long:
+                return False
+            kv = lim.max_long_tokens
+            if kv is not None and self.long_tokens + tokens > kv:
+                return False
+        return (self.running < lim.max_running
                 and (self.tokens + tokens <= lim.max_output_tokens or not self.running))
 
     def _take(self, long: bool, tokens: int) -> None:
         self.running += 1
         self.long_running += long
         self.tokens += tokens
+        if long:
+            self.long_tokens += tokens
 
     async def enter(self, long: bool, tokens: int, request_id: str) -> None:
         """Take a slot for a request asking ``tokens`` output tokens (waiting for one if the queue has room);
@@ -105,7 +127,8 @@ class Admission:
         if self.waiting >= lim.max_waiting:
             raise self._refuse(429, QUEUE_FULL, request_id,
                                f"the server is at capacity: {self.running} requests running (at most "
-                               f"{lim.max_running}, {lim.max_long} of them long) and {self.waiting} waiting (at most "
+                               f"{lim.max_running}, {lim.max_long} of them long{self._kv_note()}) and {self.waiting} "
+                               f"waiting (at most "
                                f"{lim.max_waiting}); retry later")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._queue, (long, next(self._seq), tokens, fut))
@@ -125,6 +148,10 @@ class Admission:
                                    f"{self.waiting} waiting); retry later") from None
             raise
 
+    def _kv_note(self) -> str:
+        kv = self.limits.max_long_tokens
+        return "" if kv is None else f", asking for {kv} output tokens together at most, of {self.limits.kv_tokens} KV"
+
     def _waiting(self, long: bool, n: int) -> None:
         self.waiting += n
         if not long:
@@ -135,6 +162,8 @@ class Admission:
         self.running -= 1
         self.long_running -= long
         self.tokens -= tokens
+        if long:
+            self.long_tokens -= tokens
         self._grant()
 
     def _grant(self) -> None:

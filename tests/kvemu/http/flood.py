@@ -31,6 +31,8 @@ class Flood:
     """How long each ``GET /metrics`` took during the flood (inf: no answer in time)."""
     short_ttft_s: list[float] = field(default_factory=list)
     """Each short request's time to its first streamed token (inf: none in time)."""
+    short_outcome: list[str] = field(default_factory=list)
+    """Each short request's outcome: its HTTP status, or ``timeout`` / the error's type."""
     rss_kb: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
     """The first error body of each status."""
@@ -109,12 +111,17 @@ async def flood(url: str, pid: int, *, streams: int, max_tokens: int, seconds: f
             async with asyncio.timeout(probe_timeout_s):
                 r, w = await _request(host, port, "POST", "/v1/completions", _body(4, f"short {k}"))
                 status, _ = await _head(r)
+                out.short_outcome.append(str(status))
                 if status == 200:
                     while b"data:" not in (await r.readline()):
                         pass
                 w.close()
             out.short_ttft_s.append(time.monotonic() - t0 if status == 200 else float("inf"))
-        except (TimeoutError, OSError, ValueError, IndexError):
+        except (TimeoutError, OSError, ValueError, IndexError) as exc:
+            if len(out.short_outcome) < len(out.short_ttft_s) + 1:
+                out.short_outcome.append("timeout" if isinstance(exc, TimeoutError) else type(exc).__name__)
+            else:
+                out.short_outcome[-1] += " then " + ("timeout" if isinstance(exc, TimeoutError) else type(exc).__name__)
             out.short_ttft_s.append(float("inf"))
 
     tasks = [asyncio.ensure_future(stream(i)) for i in range(streams)]

@@ -87,6 +87,34 @@ def test_the_output_token_budget_bounds_what_runs_together_but_one_request_alway
     _run(main())
 
 
+def test_long_requests_reserve_at_most_their_share_of_the_kv_and_short_ones_never_wait_for_it():
+    async def main():
+        gate = Admission(AdmissionLimits(max_running=100, max_waiting=8, long_tokens=10, long_share=0.75,
+                                         kv_tokens=1000))
+        await gate.enter(True, 5000, "huge")  # alone: runs, whatever it asks
+        gate.leave(True, 5000)
+        await gate.enter(True, 300, "long0")
+        await gate.enter(True, 300, "long1")
+        third = asyncio.ensure_future(gate.enter(True, 300, "long2"))  # 900 > 750 of the KV
+        await asyncio.sleep(0)
+        assert not third.done() and gate.long_tokens == 600
+        for i in range(20):  # short requests do not wait for the KV the long ones would fill
+            await gate.enter(False, 10, f"short{i}")
+        gate.leave(True, 300)
+        await third
+        assert (gate.long_running, gate.long_tokens) == (2, 600)
+        waiters = [asyncio.ensure_future(gate.enter(True, 300, f"more{i}")) for i in range(8)]
+        await asyncio.sleep(0)
+        with pytest.raises(Refused) as refused:
+            await gate.enter(True, 300, "one too many")
+        assert "750 output tokens together at most, of 1000 KV" in str(refused.value)
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    _run(main())
+
+
 def test_a_cancelled_waiter_frees_its_place_and_a_granted_one_its_slot():
     async def main():
         gate = Admission(AdmissionLimits(max_running=1, max_waiting=1))
@@ -111,6 +139,8 @@ def test_the_limits_declare_their_bounds():
         msgspec.convert({"max_running": 0}, AdmissionLimits)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"max_waiting": 10**9}, AdmissionLimits)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"kv_tokens": 0}, AdmissionLimits)
 
 
 FLOOD_SCENARIO = """
@@ -156,3 +186,21 @@ def test_the_flags_out_of_bounds_are_a_usage_error_naming_the_flag(capsys):
         with pytest.raises(SystemExit) as exited:
             main(argv)
         assert exited.value.code == 2 and f"{flag}: Expected int" in capsys.readouterr().err
+
+
+def test_long_streams_that_would_fill_the_engines_kv_wait_at_the_door_and_short_requests_stream_at_once(tmp_path):
+    """40 streams of 10,000 tokens at once against 2 workers holding 32,768 KV tokens each: unchecked, the
+    admitted streams fill both engines' KV within seconds and a 4-token request then waits in the engine's
+    queue until a stream ends (minutes). The front door knows the engines' KV and admits long streams for at
+    most 3/4 of it, so every short request streams its first token within 2 s."""
+    path = tmp_path / "kv.yaml"
+    path.write_text(FLOOD_SCENARIO.replace("num_gpu_blocks: 65536", "num_gpu_blocks: 2048"))
+    proc = subprocess.Popen(cli_command("serve", str(path), "--in-process", "--http", "127.0.0.1:0"),
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = json.loads(proc.stdout.readline())["http"]  # type: ignore[union-attr]
+        res = asyncio.run(flood(url, proc.pid, streams=40, max_tokens=10_000, seconds=8, probes=4))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert res.short_outcome == ["200"] * 4 and max(res.short_ttft_s) < 2.0, (res.short_outcome, res.short_ttft_s)
