@@ -240,11 +240,11 @@ def test_tokenizer_export_and_http_options_are_checked_before_anything_starts(tm
         assert res.returncode == 2 and why in res.stderr, res.stderr
 
 
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "docs" / "autoscaling.md").read_text()
 
 
 def _readme_queue_follower() -> str:
-    """The README's custom autoscaler policy example, as a user would paste it into a file."""
+    """The docs' custom autoscaler policy example, as a user would paste it into a file."""
     start = README.index("```python\nfrom kvemu.autoscale import")
     return README[start:README.index("```", start + 3)].removeprefix("```python\n")
 

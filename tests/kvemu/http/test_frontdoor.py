@@ -359,10 +359,10 @@ def test_the_readme_client_examples_work_as_written():
     import subprocess
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "docs" / "openai.md").read_text()
     snippet = next(b for b in re.findall(r"```py\n(.*?)```", readme, flags=re.S) if "from openai import OpenAI" in b)
-    curl = next(b for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.S) if "curl -s 127.0.0.1:8000" in b)
-    curl = curl[curl.index("curl"):].replace("\\\n", " ")
+    curl = next(b for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.S) if "127.0.0.1:8000/v1/chat" in b)
+    curl = curl[curl.index("curl"):curl.index("kill")].replace("\\\n", " ")
 
     async def body(client, http, c):
         port = http.base_url.port
