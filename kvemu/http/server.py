@@ -33,6 +33,32 @@ comes dropped, before it is closed."""
 log = logging.getLogger("kvemu.http")
 
 
+class _FewInvalidRequests(logging.Filter):
+    """uvicorn logs a warning for every request httptools cannot parse (each gets its 400): a router's probe or a
+    scanner sent dozens. Logged are the first and then every 1,000th, each with the count so far."""
+
+    MESSAGE = "Invalid HTTP request received."
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.logged = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.MESSAGE:
+            return True
+        self.count += 1
+        if self.count != 1 and self.count % 1000:
+            return False
+        record.msg = f"{self.MESSAGE[:-1]} (answered 400; {self.count} so far, logged: the first, then every 1,000th)"
+        self.logged += 1
+        return True
+
+
+INVALID_REQUESTS = _FewInvalidRequests()
+logging.getLogger("uvicorn.error").addFilter(INVALID_REQUESTS)
+
+
 def parse_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (port 0 picks a free one) → (host, port); ``ValueError`` naming what is wrong."""
     host, sep, port = listen.rpartition(":")

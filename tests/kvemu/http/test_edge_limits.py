@@ -387,3 +387,19 @@ def test_a_workers_own_server_refuses_a_huge_text_before_tokenizing():
 
     status_code, message = serve_worker(body)
     assert status_code == 400 and "However, your prompt has at least 66667 tokens" in message, message
+
+
+def test_requests_that_cannot_be_parsed_get_400_and_log_one_line_not_one_each():
+    """sglang-router's probe made a fleet print "Invalid HTTP request received." 8 times; a scanner, thousands."""
+    from kvemu.http.server import INVALID_REQUESTS
+
+    before, logged = INVALID_REQUESTS.count, INVALID_REQUESTS.logged
+
+    def body(port):
+        return [exchange(port, b"\x16\x03\x01 not http at all\r\n\r\n") for _ in range(8)]
+
+    answers = serving(_app(), body)
+    assert all(status(a) == 400 for a in answers), answers
+    assert INVALID_REQUESTS.count - before == 8
+    due = sum(1 for n in range(before + 1, before + 9) if n == 1 or n % 1000 == 0)
+    assert INVALID_REQUESTS.logged - logged == due <= 1
