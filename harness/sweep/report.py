@@ -153,6 +153,19 @@ def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
     return usable, front, best, f"the highest throughput per GPU with {rule}"
 
 
+def _missed(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]], objective: Objective,
+            usable: list[int]) -> list[int]:
+    """The usable rows that miss the objective (a seed under the goodput target with an SLA, or p99 TTFT past
+    ``objective.ttft_ms``): none when the sweep states no objective."""
+    shares = sla_shares(results)
+    target = objective.goodput if objective.goodput is not None else DEFAULT_GOODPUT
+    bound = objective.ttft_ms
+    if not shares and bound is None:
+        return []
+    return [k for k in usable if (shares and shares.get(rows[k]["point"], -1.0) < target)
+            or (bound is not None and rows[k]["figures"][TTFT] > bound)]
+
+
 # ---------------------------------------------------------------------------------- plots
 
 
@@ -210,13 +223,16 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
 
 
 def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
-                 bound: float | None, path: Path) -> None:
+                 bound: float | None, path: Path, missed: list[int] | None = None) -> Any:
     fig, ax = new_figure("Output throughput per GPU vs p99 TTFT (Pareto front)", "p99 TTFT (ms)",
                       "output tokens/s per GPU", legend=True)
     if usable:
         xs = [rows[k]["figures"][TTFT] for k in usable]
         ys = [rows[k]["figures"][THROUGHPUT] for k in usable]
         ax.scatter(xs, ys, color="C0", alpha=0.6, label="points")
+        if missed:
+            ax.scatter([rows[k]["figures"][TTFT] for k in missed], [rows[k]["figures"][THROUGHPUT] for k in missed],
+                       marker="x", s=80, color="C3", zorder=3, label="missed the objective")
         for k, x, y in zip(usable, xs, ys):
             ax.annotate(str(rows[k]["point"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
         fx = [rows[k]["figures"][TTFT] for k in front]
@@ -233,10 +249,11 @@ def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int]
     else:
         no_data(ax)
     save_png(fig, path)
+    return fig
 
 
 def _plots(sweep: Sweep, rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
-           outdir: Path) -> dict[str, list[str]]:
+           outdir: Path, missed: list[int] | None = None) -> dict[str, list[str]]:
     """Draw every plot into ``outdir``; ``section -> file names``."""
     import matplotlib.style
 
@@ -245,7 +262,7 @@ def _plots(sweep: Sweep, rows: list[dict[str, Any]], usable: list[int], front: l
     out: dict[str, list[str]] = {}
     with matplotlib.style.context("default"):
         name = "sweep_pareto.png"
-        _draw_pareto(rows, usable, front, chosen, bound, outdir / name)
+        _draw_pareto(rows, usable, front, chosen, bound, outdir / name, missed)
         out["pareto"] = [name]
         for axis in sweep.axes:
             values = list(dict.fromkeys(r["axes"][axis] for r in rows))
@@ -339,7 +356,8 @@ def write_sweep_report(sweep: Sweep, results: Sequence[dict[str, Any]], outdir: 
     """Draw the plots and write sweep.md into ``outdir``; return its path."""
     rows = point_means(results)
     usable, front, chosen, _ = _pareto(rows, results, sweep.spec.objective)
-    plots = _plots(sweep, rows, usable, front, chosen, Path(outdir))
+    plots = _plots(sweep, rows, usable, front, chosen, Path(outdir),
+                   _missed(rows, results, sweep.spec.objective, usable))
     path = Path(outdir) / "sweep.md"
     tmp = path.with_name(".sweep.md.tmp")
     tmp.write_text(render_sweep_markdown(sweep, results, plots, note), encoding="utf-8")

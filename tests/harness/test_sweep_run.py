@@ -228,6 +228,26 @@ def test_with_an_sla_the_chosen_point_meets_it_at_the_goodput_target_in_every_se
     assert _chosen(render_sweep_markdown(sweep, no_sla)).startswith("**Point 0**")  # the TTFT bound only
 
 
+def test_the_pareto_plot_marks_the_points_that_missed_the_objective(tmp_path):
+    """sweep_pareto.png drew every point alike: which met the objective was in sweep.md only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from harness.sweep.report import _draw_pareto, _missed, _pareto, point_means
+
+    sweep, _ = sweep_of(SLA_SWEEP + "objective: {ttft_ms: 500}\n", tmp_path)
+    rows = point_means(SLA_RESULTS)
+    usable, front, chosen, _ = _pareto(rows, SLA_RESULTS, sweep.spec.objective)
+    missed = _missed(rows, SLA_RESULTS, sweep.spec.objective, usable)
+    assert sorted(rows[k]["point"] for k in missed) == [0, 1]  # 40 %, and 94 % in seed 8: under 95 %
+    fig = _draw_pareto(rows, usable, front, chosen, 500.0, tmp_path / "p.png", missed)
+    marks = [c for c in fig.axes[0].collections if c.get_label() == "missed the objective"]
+    assert len(marks) == 1 and len(marks[0].get_offsets()) == 2
+    sweep, _ = sweep_of(SWEEP, tmp_path, "plain")  # no objective, no SLA: nothing is marked
+    assert _missed(rows, [{**r, "figures": {**r["figures"], "goodput_completed_requests": None}}
+                          for r in SLA_RESULTS], sweep.spec.objective, usable) == []
+
+
 def test_the_goodput_objective_is_a_share(tmp_path):
     from harness.sweep.spec import SweepError
 
