@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -118,8 +119,18 @@ def test_sigterm_drains_a_worker_gracefully(tmp_path):
         out = tmp_path / "out"
         loadgen = subprocess.Popen([sys.executable, "-m", "harness.cli", "loadgen", "--router", router["listen"],
                                     "--expect-workers", "2", "-o", str(out), str(scenario), *FAST], cwd=ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started = threading.Event()
+
+        def read_stdout() -> None:  # drained to the end: a full pipe would stall the load generator
+            for line in loadgen.stdout:  # type: ignore[union-attr]
+                if '"event": "started"' in line:
+                    started.set()
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        # once the run has begun (a drain before it would leave the load generator waiting for 2 workers)
+        assert started.wait(60), "the load generator did not start"
+        time.sleep(1.0)
         kids.signal("w0", signal.SIGTERM)
         assert kids.procs["w0"].wait(15) == 0  # drained and deregistered
         assert loadgen.wait(60) == 0, loadgen.stderr.read()[-2000:]
