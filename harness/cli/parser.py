@@ -260,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the router's process id on this machine: a silent router whose process is alive is "
                               "waited for (run.router_stall_s), one whose process exited is lost at once (repeat "
                               "it per --router)")
+    loadgen.add_argument("--ran-by", choices=["kvemu up"], help=argparse.SUPPRESS)  # the report's "What ran"
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
