@@ -10,8 +10,7 @@ import msgspec
 import pytest
 import yaml
 
-from harness.report.what_ran import scenario_document, scenario_yaml
-from harness.scenario import RunOrigin, TraceWorkload, load_scenario, parse_scenario
+from harness.scenario import TraceWorkload, load_scenario, parse_scenario
 from harness.synthetic_trace import write_synthetic_trace
 from harness.sweep.spec import load_sweep, plan_runs, run_point
 from tests.harness.test_cli import KVEMU
@@ -32,6 +31,9 @@ def kvemu(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedPro
 def test_every_example_loads_back_from_its_scenario_yaml_as_the_same_scenario(tmp_path, path):
     """Written from one directory, read from another: the same scenario, every field (the trace's path made
     absolute, so it is found from anywhere)."""
+    from harness.report.what_ran import scenario_document, scenario_yaml
+    from harness.scenario import RunOrigin
+
     trace = write_synthetic_trace(tmp_path / "t.jsonl", 50)
     text = path.read_text()
     given = [f"workload.trace={trace}"] if "mooncake_conversation_trace" in text else []
