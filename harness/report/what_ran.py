@@ -62,13 +62,19 @@ def scenario_document(scenario: Scenario) -> dict[str, Any]:
 
 def scenario_yaml(scenario: Scenario, origin: RunOrigin | None) -> str:
     """scenario.yaml: a comment saying what it is and how to run it again, then ``scenario_document``."""
-    source = origin.source if origin is not None else "a scenario given in Python"
-    sets = "".join(f"\n#   --set {o}" for o in origin.overrides) if origin is not None else ""
+    source = _comment(origin.source) if origin is not None else "a scenario given in Python"
+    sets = "".join(f"\n#   --set {_comment(str(o))}" for o in origin.overrides) if origin is not None else ""
     head = (f"# The scenario this report ran, resolved: {source}"
             + (f", with these overrides applied:{sets}\n# " if sets else ", ")
             + "and every default filled in.\n"
             f"# Run it again: {_rerun(origin)} {SCENARIO_FILE} -o OUTDIR (kvemu validate checks it).\n")
     return head + yaml.safe_dump(scenario_document(scenario), sort_keys=False, allow_unicode=True, width=100)
+
+
+def _comment(text: str) -> str:
+    """``text`` for one YAML comment line: a line break or other control character in a file name or a ``--set``
+    value is escaped, so it cannot end the comment and add keys to the scenario."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _rerun(origin: RunOrigin | None) -> str:

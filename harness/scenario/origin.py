@@ -10,6 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.limits import MAX_LIST_ITEMS, FilePath, Name
+from kvemu.validation import check_struct
 
 from harness.scenario.loading import MAX_SCENARIO_BYTES
 
@@ -25,6 +26,9 @@ class Override(msgspec.Struct, frozen=True):
 
     key: Annotated[str, Meta(min_length=1, max_length=1000)]
     value: Annotated[str, Meta(max_length=MAX_SCENARIO_BYTES)]
+
+    def __post_init__(self) -> None:
+        check_struct(self)
 
     @classmethod
     def parse(cls, item: str) -> Override:
@@ -46,6 +50,9 @@ class RunOrigin(msgspec.Struct, frozen=True, kw_only=True):
     source: FilePath = BUILT_IN
     """The scenario file or trace as named, or ``BUILT_IN``."""
     overrides: Annotated[tuple[Override, ...], Meta(max_length=MAX_LIST_ITEMS)] = ()
+
+    def __post_init__(self) -> None:
+        check_struct(self)
 
     @classmethod
     def of(cls, command: str, source: str | None, items: Iterable[str]) -> RunOrigin:

@@ -163,3 +163,16 @@ def test_bench_router_writes_what_ran_beside_each_routers_report(tmp_path):
     data = yaml.safe_load((folder / "scenario.yaml").read_text())
     assert data["cluster"]["workers"] == 1
     assert data["cluster"]["engine"]["speedup_ratio"] == 40  # --compress 2 ran the engines twice as fast
+
+
+def test_a_line_break_in_a_file_name_or_an_override_stays_in_the_comment(tmp_path):
+    """scenario.yaml's header quotes the scenario's file name and the overrides: neither may add keys to it."""
+    from harness.report.what_ran import scenario_yaml
+    from harness.scenario import RunOrigin
+
+    given = ["name=x", "workload.isl={kind: constant,\nmean: 300}"]
+    scenario = parse_scenario("run: {duration_s: 2}\n", overrides=given)
+    text = scenario_yaml(scenario, RunOrigin.of("kvemu run", "odd\nrouter: {policy: random}\n.yaml", given))
+    assert "#   --set workload.isl={kind: constant,\\nmean: 300}" in text
+    assert parse_scenario(text, base_dir=tmp_path).router.policy == "kv"
+    assert [line[0] for line in text.splitlines()[:6]] == ["#"] * 5 + ["n"]  # five comment lines, then name:
