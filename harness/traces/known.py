@@ -15,7 +15,7 @@ MOONCAKE_CONVERSATION_ROWS = 12_031
 _MOONCAKE_NAMES = frozenset({"mooncake_conversation_trace.jsonl", "conversation_trace.jsonl"})
 _SYNTHESIZABLE = frozenset({"auto", "mooncake"})
 """Formats a generated Mooncake-format trace can stand in for."""
-STAND_IN = "mooncake-standin.jsonl"
+_STAND_IN = "mooncake-standin.jsonl"
 
 
 def missing_trace_hint(path: Path, fmt: str = "auto") -> str:
@@ -23,7 +23,7 @@ def missing_trace_hint(path: Path, fmt: str = "auto") -> str:
     kvemu knows it, and the commands that generate a stand-in and run on it; "" when no stand-in fits."""
     if fmt not in _SYNTHESIZABLE:
         return ""
-    use = f"kvemu trace synth {STAND_IN} --rows {{rows}}, then add --set workload.trace={STAND_IN} to the command"
+    use = f"kvemu trace synth {_STAND_IN} --rows {{rows}}, then add --set workload.trace={_STAND_IN} to the command"
     if path.name in _MOONCAKE_NAMES:
         return (f". It is the Mooncake conversation trace (FAST'25, Apache-2.0), which kvemu does not ship: download "
                 f"it there (curl -L --create-dirs -o {path} {MOONCAKE_CONVERSATION_URL}), or run on a generated "

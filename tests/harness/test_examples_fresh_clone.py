@@ -76,6 +76,22 @@ def test_another_missing_mooncake_format_trace_gets_the_synth_command_and_an_age
     assert "file not found" in err and "synth" not in err
 
 
+def test_a_trace_named_on_the_command_line_gets_the_same_hint(clone, capsys, tmp_path):
+    code, _, err = _kvemu(capsys, "validate", str(tmp_path / "conversation_trace.jsonl"))
+    assert code == 2 and "trace not found" in err and MOONCAKE_CONVERSATION_URL in err
+    assert "kvemu trace synth mooncake-standin.jsonl --rows 12031" in err
+
+
+def test_the_example_comment_downloads_the_trace_to_the_path_it_reads():
+    """Run from the clone's root, the comment's curl writes the file ``trace:`` names (relative to examples/)."""
+    text = (ROOT / "examples" / "mooncake-3600s.yaml").read_text()
+    written = text.split("curl -L --create-dirs -o ", 1)[1].split()[0]
+    read = text.split("\n  trace: ", 1)[1].split()[0]
+    assert Path("/clone", written).resolve() == Path("/clone/examples", read).resolve()
+    assert f"#     {MOONCAKE_CONVERSATION_URL}\n" in text
+    assert "kvemu trace synth mooncake-standin.jsonl --rows 12031" in text
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_validates_in_a_fresh_clone(clone, capsys, tmp_path, path):
     """The trace examples on a generated stand-in (as their error says), the sweep with ``--validate``."""
