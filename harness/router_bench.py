@@ -27,7 +27,7 @@ from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
-from harness.scenario import Scenario, parse_scenario, scenario_text
+from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
 
@@ -125,7 +125,7 @@ def prompt_form_for(spec: RouterSpec, asked: str) -> PromptForm:
 
 
 def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str], outdir: Path, compress: float,
-             prompt_form: PromptForm) -> dict[str, Any]:
+             prompt_form: PromptForm, origin: RunOrigin) -> dict[str, Any]:
 
     kids = Children()
     router: subprocess.Popen | None = None
@@ -152,7 +152,7 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
                 return router_row(label, {}, time.monotonic() - t0, error=f"{why} (see {where / 'router.log'})")
         print(f"kvemu bench-router: {label}: replaying through {url}", file=sys.stderr, flush=True)
         summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
-                                         compress=compress)
+                                         compress=compress, origin=origin)
         if router is not None:  # what the router says it did (its retries, errors): beside the report
             _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
         return {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}
@@ -176,6 +176,7 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     base = _load(scenario_path, overrides)
     overrides = [*overrides, *compress_overrides(base, compress)]
     scenario = _load(scenario_path, overrides)
+    origin = RunOrigin.of("kvemu bench-router", scenario_path, overrides)  # (--compress's overrides too)
     config = ([str(Path(scenario_path).resolve())] if scenario_path else []) + \
         [x for o in overrides for x in ("--set", o)]  # kvemu serve's and kvemu fleet's arguments
     rows = []
@@ -183,7 +184,7 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     labels = unique_labels([spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
                             for spec in routers])
     for spec, label in zip(routers, labels, strict=True):
-        row = _run_one(spec, label, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form))
+        row = _run_one(spec, label, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form), origin)
         rows.append(row)
         print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
               + (f"; {row['error']}" if row.get("error") else "") + f" ({row['wall_s']:.0f} s)", file=sys.stderr,

@@ -27,7 +27,7 @@ from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_si
                            speculative_settings)
 from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData
-from harness.scenario import ChaosEvent, Scenario, ScenarioError
+from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
 from harness.sessions import drain_deadline_s, play_workload
 from harness.turns import Sessions
 from harness.tuning import tune_gc
@@ -73,10 +73,11 @@ class _ShiftedClock:
 
 
 def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None,
-                 observers: Sequence[Callable[[HookEvent], None]] = ()) -> RunOutcome:
+                 observers: Sequence[Callable[[HookEvent], None]] = (), origin: RunOrigin | None = None) -> RunOutcome:
     """Run ``scenario`` to the end (or until interrupted) and write its report to ``outdir``.
 
-    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling).
+    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling); ``origin`` is what
+    the scenario was built from (its file and ``--set`` overrides), for the report's "What ran".
     """
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
@@ -125,6 +126,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         concurrency=scenario.workload.concurrency,
         autoscale=shell.log if shell is not None else None,
         replicas=state.get("replicas"), chaos=timeline(scenario.chaos), lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
+        scenario=scenario, origin=origin,
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:

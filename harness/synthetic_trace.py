@@ -14,15 +14,19 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypedDict
 
-__all__ = ["synthetic_rows", "write_synthetic_trace"]
+__all__ = ["synthetic_rows", "iter_synthetic_rows", "write_synthetic_trace", "MAX_SYNTHETIC_ROWS", "TRACE_BLOCK_SIZE"]
 
 TRACE_BLOCK_SIZE = 512
 ROWS_PER_S = 3.4
 FOLLOW_UP_SHARE = 0.33
 MAX_BLOCKS = 256  # the real trace's longest prompt is 247 blocks
+MAX_SYNTHETIC_ROWS = 1_000_000
+"""Most rows ``kvemu trace synth`` writes (the real trace has 12,031; a million take about a minute)."""
 
 
 class SyntheticRow(TypedDict):
@@ -36,14 +40,19 @@ class SyntheticRow(TypedDict):
 
 def synthetic_rows(rows: int, *, seed: int = 0) -> list[SyntheticRow]:
     """``rows`` trace rows in arrival order, a function of ``seed`` alone."""
+    return list(iter_synthetic_rows(rows, seed=seed))
+
+
+def iter_synthetic_rows(rows: int, *, seed: int = 0) -> Iterator[SyntheticRow]:
+    """``synthetic_rows`` one at a time (memory stays flat however many rows)."""
     rng = random.Random(seed)
     next_id = 1  # id 0 is the system prompt every row starts with
     t_s = 0.0
-    out: list[SyntheticRow] = []
+    recent: deque[SyntheticRow] = deque(maxlen=400)  # the rows a follow-up may continue
     for _ in range(rows):
         now_ms = int(t_s) * 1000  # the first row at 0, as in the real trace
         t_s += rng.expovariate(ROWS_PER_S)
-        earlier = [r for r in out[-400:] if 45_000 <= now_ms - int(r["timestamp"]) <= 300_000]
+        earlier = [r for r in recent if 45_000 <= now_ms - int(r["timestamp"]) <= 300_000]
         if earlier and rng.random() < FOLLOW_UP_SHARE / 0.9:  # ~10 % of rows find no conversation to continue
             parent: list[int] = rng.choice(earlier)["hash_ids"]
             kept = max(2, math.ceil(len(parent) * rng.uniform(0.6, 1.0)))
@@ -57,12 +66,14 @@ def synthetic_rows(rows: int, *, seed: int = 0) -> list[SyntheticRow]:
         next_id += fresh
         input_length = (len(hash_ids) - 1) * TRACE_BLOCK_SIZE + rng.randint(1, TRACE_BLOCK_SIZE)
         output_length = rng.randint(1, 12) if rng.random() < 0.05 else min(2000, max(1, round(rng.gauss(350, 140))))
-        out.append({"timestamp": now_ms, "input_length": input_length, "output_length": output_length,
-                    "hash_ids": hash_ids})
-    return out
+        row: SyntheticRow = {"timestamp": now_ms, "input_length": input_length, "output_length": output_length,
+                             "hash_ids": hash_ids}
+        recent.append(row)
+        yield row
 
 
 def write_synthetic_trace(path: Path, rows: int = 3000, *, seed: int = 0) -> Path:
-    """Write ``synthetic_rows(rows, seed=seed)`` as JSON lines to ``path``; returns ``path``."""
-    path.write_text("".join(json.dumps(row) + "\n" for row in synthetic_rows(rows, seed=seed)), encoding="utf-8")
+    """Write ``synthetic_rows(rows, seed=seed)`` as JSON lines to ``path``, row by row; returns ``path``."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in iter_synthetic_rows(rows, seed=seed))
     return path

@@ -9,9 +9,27 @@ from typing import TYPE_CHECKING
 from harness.text import counted
 
 if TYPE_CHECKING:
-    from harness.scenario import Scenario
+    from harness.scenario import RunOrigin, Scenario
 
-__all__ = ["cluster_shape", "load_scenario_args"]
+__all__ = ["cluster_shape", "load_scenario_args", "run_origin"]
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The command's ``--set`` items, then ``--mode`` and ``--seed`` as the overrides they are."""
+    overrides = list(getattr(args, "overrides", []) or [])
+    if getattr(args, "mode", None):
+        overrides.append(f"run.mode={args.mode}")
+    if getattr(args, "seed", None) is not None:
+        overrides.append(f"run.seed={args.seed}")
+    return overrides
+
+
+def run_origin(args: argparse.Namespace) -> RunOrigin:
+    """What ``load_scenario_args`` built the command's scenario from, for its report's "What ran"."""
+    from harness.scenario import RunOrigin
+
+    command = getattr(args, "ran_by", None) or f"kvemu {args.command}"  # (kvemu up's load generator says so)
+    return RunOrigin.of(command, args.scenario, _overrides(args))
 
 
 def load_scenario_args(args: argparse.Namespace) -> Scenario:
@@ -23,13 +41,8 @@ def load_scenario_args(args: argparse.Namespace) -> Scenario:
     if getattr(args, "max_memory", None):
         os.environ[MAX_MEMORY_ENV] = args.max_memory  # the sessions' builder (and any child process) checks it
 
-    overrides = list(getattr(args, "overrides", []) or [])
-    if getattr(args, "mode", None):
-        overrides.append(f"run.mode={args.mode}")
-    if getattr(args, "seed", None) is not None:
-        overrides.append(f"run.seed={args.seed}")
     text, base_dir, source = scenario_text(args.scenario or None)  # a YAML file, a trace .jsonl or the built-in
-    scenario = parse_scenario(text, base_dir=base_dir, overrides=overrides, source=source)
+    scenario = parse_scenario(text, base_dir=base_dir, overrides=_overrides(args), source=source)
     from harness.cluster import make_policy
 
     make_policy(scenario.router.policy)  # a custom policy must import before anything starts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from harness.router_contract import CMD_CONTRACT
+from harness.synthetic_trace import MAX_SYNTHETIC_ROWS
 
 __all__ = ["build_parser"]
 
@@ -112,11 +113,23 @@ def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return plan
 
 
+def _synth_rows(text: str) -> int:
+    """``--rows N`` of ``kvemu trace synth``: a whole number within 1 .. ``MAX_SYNTHETIC_ROWS``."""
+    try:
+        rows = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= rows <= MAX_SYNTHETIC_ROWS:
+        raise argparse.ArgumentTypeError(f"{rows} is outside 1 .. {MAX_SYNTHETIC_ROWS:,}")
+    return rows
+
+
 def _add_trace(sub: argparse._SubParsersAction) -> None:
-    """``kvemu trace validate`` and ``kvemu trace convert``."""
+    """``kvemu trace validate``, ``kvemu trace convert`` and ``kvemu trace synth``."""
     from harness.traces.names import FORMATS, WRITABLE
 
-    trace = sub.add_parser("trace", help="check a trace file, or convert it to another format (docs/traces.md)")
+    trace = sub.add_parser("trace", help="check a trace file, convert it to another format, or generate one "
+                                        "(docs/traces.md)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True, metavar="COMMAND", help="what to do")
     validate = trace_sub.add_parser("validate", help="read a trace and print its requests, edges, sessions, plays")
     validate.add_argument("input", metavar="FILE", help="the trace (a file; a directory for weka)")
@@ -128,6 +141,15 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     convert.add_argument("--allow-lossy", action="store_true",
                          help="write even where the target cannot hold every edge, trigger or delay (Mooncake: "
                               "sessions become chains); prints what was dropped")
+    synth = trace_sub.add_parser("synth", help="write a generated trace in the Mooncake format, shaped like its "
+                                               "one-hour conversation trace (a stand-in where that is missing)")
+    synth.add_argument("output", metavar="OUT", help="the .jsonl file to write (refused if it exists, unless --force)")
+    synth.add_argument("--rows", type=_synth_rows, required=True, metavar="N",
+                       help=f"rows to write (1 .. {MAX_SYNTHETIC_ROWS:,}; the real trace has 12,031, about an hour "
+                            "of arrivals)")
+    synth.add_argument("--seed", type=int, default=0, metavar="S", help="the same seed writes the same bytes "
+                                                                         "(default 0)")
+    synth.add_argument("--force", action="store_true", help="write over an existing OUT")
     for command in (validate, convert):
         command.add_argument("--from", dest="from_format", default="auto", choices=("auto", *FORMATS),
                              help="the input's format (default: detected from the file where unambiguous)")
@@ -238,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the router's process id on this machine: a silent router whose process is alive is "
                               "waited for (run.router_stall_s), one whose process exited is lost at once (repeat "
                               "it per --router)")
+    loadgen.add_argument("--ran-by", choices=["kvemu up"], help=argparse.SUPPRESS)  # the report's "What ran"
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")

@@ -10,7 +10,7 @@ import msgspec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cli.loading import load_scenario_args
+from harness.cli.loading import load_scenario_args, run_origin
 from harness.cli.preflight import autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem
 
 if TYPE_CHECKING:
@@ -69,7 +69,8 @@ def process_command(args: argparse.Namespace) -> int:
             return 2
         try:
             summary, where = loadgen_report(scenario, args.router, outdir, args.expect_workers,
-                                            apply_chaos=args.chaos == "apply", router_pid=args.router_pid)
+                                            apply_chaos=args.chaos == "apply", router_pid=args.router_pid,
+                                            origin=run_origin(args))
         except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
@@ -136,7 +137,7 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
             print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
             return 2
     summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
-                                         tokenizer=args.tokenizer, model=args.model)
+                                         tokenizer=args.tokenizer, model=args.model, origin=run_origin(args))
     print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
           + (f"report in {where}/report.md" if where is not None else "no report could be written"), file=sys.stderr)
     return 0 if not summary.get("partial") else 130

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.cli.loading import cluster_shape, load_scenario_args
+from harness.cli.loading import cluster_shape, load_scenario_args, run_origin
 from harness.cli.signals import terminate_as_interrupt
 from harness.text import counted
 
@@ -73,7 +73,7 @@ def run_command(args: argparse.Namespace) -> int:
                           f"{scenario.run.seed}) on {cluster_shape(scenario)}", soft_wrap=True, highlight=False)
             # the plots' child process imports matplotlib while the scenario runs
             with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
-                outcome = run_scenario(scenario, outdir, progress=progress)
+                outcome = run_scenario(scenario, outdir, progress=progress, origin=run_origin(args))
     except OutputError as exc:
         console.print(f"[red]cannot write the report[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2

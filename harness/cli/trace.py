@@ -1,4 +1,5 @@
-"""``kvemu trace validate`` and ``kvemu trace convert``: read any trace format, check it, write it as another."""
+"""``kvemu trace validate``, ``kvemu trace convert`` and ``kvemu trace synth``: read any trace format, check it,
+write it as another, or generate a Mooncake-format stand-in."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ __all__ = ["trace_command"]
 
 
 def trace_command(args: argparse.Namespace) -> int:
-    """Runs ``kvemu trace validate|convert``; a bad file prints ``invalid: FILE:LINE: FIELD: ...`` and gives 2."""
+    """Runs ``kvemu trace validate|convert|synth``; a bad file prints ``invalid: FILE:LINE: FIELD: ...`` and gives
+    2."""
+    if args.trace_command == "synth":
+        return _synth(Path(args.output), args.rows, args.seed, args.force)
     from kvemu.errors import InvalidArgument
 
     from harness.traces.convert import convert_trace
@@ -51,4 +55,23 @@ def trace_command(args: argparse.Namespace) -> int:
         print(f"dropped: {line}", file=sys.stderr)
     for line in done.renamed:
         print(f"not kept: {line}", file=sys.stderr)
+    return 0
+
+
+def _synth(output: Path, rows: int, seed: int, force: bool) -> int:
+    """``kvemu trace synth OUT --rows N [--seed S]``: ``harness.synthetic_trace``'s rows written to ``OUT``; an
+    existing file (perhaps the real trace) is kept unless ``force``."""
+    from harness.synthetic_trace import TRACE_BLOCK_SIZE, write_synthetic_trace
+
+    if output.exists() and not force:
+        print(f"kvemu trace synth: {output} exists: choose another OUT, or pass --force to write over it",
+              file=sys.stderr)
+        return 2
+    try:
+        write_synthetic_trace(output, rows, seed=seed)
+    except OSError as exc:
+        print(f"kvemu trace synth: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {output}: {rows:,} generated rows in the Mooncake format (seed {seed}, {TRACE_BLOCK_SIZE} tokens "
+          f"per hash id); run a scenario on it with --set workload.trace={output}")
     return 0

@@ -42,7 +42,7 @@ from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.runner import count_requests
-from harness.scenario import Scenario
+from harness.scenario import RunOrigin, Scenario
 from harness.sessions import awaiting, play_workload
 from harness.workload import build_sessions
 
@@ -337,9 +337,9 @@ async def _drain(in_server: Callable[[], Awaitable[int | None]]) -> None:
 
 def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: FleetInfo | None = None,
                         prompt_form: PromptForm = "text", tokenizer: str | None = None, model: str = "kvemu",
-                        compress: float = 1.0) -> tuple[dict[str, Any], Path | None]:
+                        compress: float = 1.0, origin: RunOrigin | None = None) -> tuple[dict[str, Any], Path | None]:
     """Play the scenario against ``url``, gather ``fleet``'s engine truth, write the report; returns its summary and
-    where it went."""
+    where it went. ``origin``: what the scenario was built from, for the report's "What ran"."""
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
     played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
@@ -380,5 +380,5 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
                    counters=counters, failures=failures, pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
-                   lanes=played.get("lanes"), phases=played.get("phases"))
+                   lanes=played.get("lanes"), phases=played.get("phases"), scenario=scenario, origin=origin)
     return save_report(data, outdir)

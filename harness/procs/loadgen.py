@@ -35,7 +35,7 @@ from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.runner import count_requests
 from harness.sessions import awaiting, play_workload
-from harness.scenario import Scenario
+from harness.scenario import RunOrigin, Scenario
 from harness.text import counted
 from harness.workload import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
@@ -217,8 +217,8 @@ def process_alive(pid: int) -> bool:
 
 
 async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
-                   apply_chaos: bool = False,
-                   router_pid: int | list[int] | None = None) -> tuple[dict[str, Any], Path | None]:
+                   apply_chaos: bool = False, router_pid: int | list[int] | None = None,
+                   origin: RunOrigin | None = None) -> tuple[dict[str, Any], Path | None]:
     routers = [router] if isinstance(router, str) else list(router)
     pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
     sessions = build_sessions(scenario)
@@ -375,7 +375,7 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
                    lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas,
                    chaos=timeline(scenario.chaos), truth_source=TRUTH_SOURCE if oracle is not None else None,
-                   truth_feed=oracle.feed() if oracle is not None else None)
+                   truth_feed=oracle.feed() if oracle is not None else None, scenario=scenario, origin=origin)
     return save_report(data, outdir)
 
 
@@ -499,11 +499,12 @@ def loadgen_main(scenario: Scenario, router: str | list[str], outdir: Path, expe
 
 
 def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None = None,
-                   apply_chaos: bool = False,
-                   router_pid: int | list[int] | None = None) -> tuple[dict[str, Any], Path | None]:
+                   apply_chaos: bool = False, router_pid: int | list[int] | None = None,
+                   origin: RunOrigin | None = None) -> tuple[dict[str, Any], Path | None]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
     (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
     router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
     where the report went (``harness.report.files.save_report``). Several routers: the replicas of one router
-    (``router.replicas``), in replica order, each ``router_pid`` that of the same replica."""
-    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid))
+    (``router.replicas``), in replica order, each ``router_pid`` that of the same replica. ``origin``: what the
+    scenario was built from, for the report's "What ran"."""
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid, origin))

@@ -587,6 +587,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         each = [x for r, pid in zip(stack.routers, stack.router_pids()) for x in ("--router", r, "--router-pid", str(pid))]
         # --force: this process claimed OUTDIR already (claim_outdir)
         loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--force", "--chaos", "skip",
+                                               "--ran-by", "kvemu up",
                                                "--expect-workers", str(workers), *config),
                                    env=cli_env(), stdout=subprocess.PIPE, text=True,
                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)

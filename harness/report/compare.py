@@ -1,4 +1,5 @@
-"""``kvemu compare OUTDIR_A OUTDIR_B``: two runs' summary.json side by side, with B-vs-A deltas.
+"""``kvemu compare OUTDIR_A OUTDIR_B``: two runs' summary.json side by side, with B-vs-A deltas, then what differs
+between their resolved scenarios (scenario.yaml).
 
 Only the numeric top-level keys are compared (the reference's replay metrics: throughputs, latency
 statistics, cache reuse...). A key missing from one side, or null there, shows as "—"; so does a
@@ -14,6 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from harness.report.what_ran import SCENARIO_FILE, read_scenario_document, scenario_differences
 
 __all__ = ["SummaryError", "load_summary", "compare", "main"]
 
@@ -67,7 +70,8 @@ def _delta(a: float | int | None, b: float | int | None) -> tuple[str, str]:
 
 
 def compare(a: Path, b: Path) -> str:
-    """A text table of the numeric top-level keys of two runs' summaries: A, B, B − A and (B − A) / |A|."""
+    """A text table of the numeric top-level keys of two runs' summaries: A, B, B − A and (B − A) / |A|; then the
+    keys whose values differ between the two runs' scenario.yaml."""
     sa, sb = load_summary(Path(a)), load_summary(Path(b))
     keys = sorted(k for k in set(sa) | set(sb) if _number(sa.get(k)) is not None or _number(sb.get(k)) is not None)
     rows = [("metric", "A", "B", "delta", "delta %")]
@@ -88,7 +92,29 @@ def compare(a: Path, b: Path) -> str:
         lines.append("  ".join(cells).rstrip())
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *_scenario_lines(Path(a), Path(b))]) + "\n"
+
+
+def _scenario_lines(a: Path, b: Path) -> list[str]:
+    """What differs between the two runs' resolved scenarios (their scenario.yaml): key, A's value, B's value."""
+    docs = {name: read_scenario_document(where if where.is_dir() else where.parent) for name, where in
+            (("A", a), ("B", b))}
+    missing = [name for name, doc in docs.items() if doc is None]
+    if missing:
+        return [f"Scenarios: not compared; {' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no "
+                f"{SCENARIO_FILE} (a report of an earlier kvemu)"]
+    differences = scenario_differences(docs["A"] or {}, docs["B"] or {})
+    if not differences:
+        return [f"Scenarios: the same ({SCENARIO_FILE})"]
+    rows = [("scenario key", "A", "B"), *differences]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    out = [f"Scenarios: {len(differences)} {'key differs' if len(differences) == 1 else 'keys differ'} "
+           f"({SCENARIO_FILE})", ""]
+    for i, row in enumerate(rows):
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

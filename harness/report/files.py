@@ -1,4 +1,5 @@
-"""A run's report on disk: summary.json, requests.jsonl, report.md and the plots in one directory.
+"""A run's report on disk: summary.json, requests.jsonl, report.md, the plots and the resolved scenario
+(scenario.yaml) in one directory.
 
 The plots are drawn by ``harness.report.plots``; this module imports neither matplotlib nor numpy until a report
 is written. A report is never lost to a directory that became unwritable during the run (``save_report``).
@@ -24,6 +25,7 @@ from harness.report.sla import Sla
 from harness.report.run_data import RunData
 from harness.report.summary import dumps_summary, sorted_records, summarize
 from harness.report.markdown import render_markdown
+from harness.report.what_ran import SCENARIO_FILE, scenario_yaml
 
 
 def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None = None,
@@ -93,8 +95,8 @@ def prepare_outdir(outdir: str | Path) -> Path:
 
 
 def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
-    """Write summary.json, requests.jsonl, report.md and the plots into ``outdir``; return the summary. A run's
-    results are never lost to a directory that became unwritable meanwhile: see ``save_report``."""
+    """Write summary.json, requests.jsonl, report.md, the plots and scenario.yaml into ``outdir``; return the
+    summary. A run's results are never lost to a directory that became unwritable meanwhile: see ``save_report``."""
     return save_report(data, outdir)[0]
 
 
@@ -133,6 +135,8 @@ def _write_files(data: RunData, summary: dict[str, Any], outdir: Path) -> None:
     finally:
         plots = finish_plots()  # the renderer is done with this job either way
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))
+    if data.scenario is not None:  # what ran, loadable again (summary.json keeps the figures alone)
+        (outdir / SCENARIO_FILE).write_text(scenario_yaml(data.scenario, data.origin))
 
 
 def _why_unwritable(exc: OSError) -> str:

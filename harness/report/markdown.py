@@ -11,6 +11,7 @@ from harness.report.plot_drawing import REGRET_PLOT
 from harness.report.plots import PLOTS
 from harness.report.run_data import RunData
 from harness.report.summary import KV_COUNTERS, NS_PER_S
+from harness.report.what_ran import what_ran_lines
 
 
 def fmt(value: Any, unit: str = "") -> str:
@@ -70,6 +71,7 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
             f"- {len(workers)} workers, {len(ranks)} ranks, router block size {k['block_size']}",
             f"- scenario time {fmt(s['duration_ms'], ' ms')} (first arrival → last completion), "
             f"wall time {fmt(s['wall_time_ms'], ' ms')}",
+            *(what_ran_lines(data.scenario, data.origin) if data.scenario is not None else []),
             ""]
     out += ["## Headline", ""]
     out += table(["metric", "value"], [

@@ -16,6 +16,7 @@ from kvemu.limits import MAX_KV_GROUPS, Count, Name, Rank, TimeNs, WorkerId
 from kvemu.records import RequestRecord
 
 from harness.report.sla import Sla
+from harness.scenario import RunOrigin, Scenario
 
 
 GroupBlocks = Annotated[dict[Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)], Count], Meta(max_length=MAX_KV_GROUPS)]
@@ -95,6 +96,11 @@ class RunData(msgspec.Struct, kw_only=True):
     speculative: dict[str, Any] | None = None
     """The decoding engines' speculative-decoding settings (``workers.config.SpeculativeConfig`` as a dict; None:
     off): the summary then reports acceptance and the gaps between passes."""
+    scenario: Scenario | None = None
+    """The resolved scenario that ran (overrides applied, defaults filled): written beside the report as
+    scenario.yaml and listed under "What ran" (None: not known, as for a report rebuilt by hand)."""
+    origin: RunOrigin | None = None
+    """What the scenario was built from: the command, the file it named and its ``--set`` overrides."""
 
 
 EXITED = "process_exited"

@@ -5,10 +5,11 @@ types, out-of-range values and missing files with an error naming the key path a
 runs on an invalid scenario. ``--set key.path=value`` overrides are applied before validation.
 
 ``sections`` holds each section's fields and checks, ``schema`` the whole scenario and the checks across
-sections, ``loading`` reading, overriding and validating a file; this package re-exports their public names.
+sections, ``loading`` reading, overriding and validating a file, ``origin`` what a run's scenario was built from
+(its file and overrides); this package re-exports their public names.
 """
 
-from harness.scenario import loading, schema, sections
+from harness.scenario import loading, origin, schema, sections
 from harness.scenario.loading import (
     MAX_SCENARIO_BYTES,
     PATH_KEYS,
@@ -23,6 +24,7 @@ from harness.scenario.loading import (
     resolve,
     scenario_text,
 )
+from harness.scenario.origin import BUILT_IN, Override, RunOrigin
 from harness.scenario.schema import MAX_SYNTHETIC_TOKENS, Scenario
 from harness.scenario.sections import (
     MAX_DP_SIZE,
@@ -57,6 +59,7 @@ __all__ = [
     *sections.__all__,
     *schema.__all__,
     *loading.__all__,
+    *origin.__all__,
     "floats_where_expected",
     "describe_validation_error",
     "line_of",

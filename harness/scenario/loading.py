@@ -4,6 +4,7 @@ validating it against the schema with errors that name the key path and its line
 from __future__ import annotations
 
 import json
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -17,6 +18,7 @@ from workers.trace import trace_file_problem
 
 from harness.scenario.schema import Scenario
 from harness.scenario.sections import TraceWorkload
+from harness.traces.known import missing_trace_hint
 from harness.yaml_validation import (
     YamlError,
     describe_validation_error,
@@ -126,7 +128,10 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         problem = trace_file_problem(path)  # (a directory passes: a Weka corpus)
         if problem is not None:
             at = key_location(node, ["workload", "trace"], overridden)
-            raise ScenarioError(f"{source}: workload.trace{at}: {problem}: {path}")
+            if not path.exists():  # (shown without its ../ steps: the curl command writes there)
+                path = Path(os.path.normpath(path))
+            hint = "" if path.exists() else missing_trace_hint(path, scenario.workload.format)
+            raise ScenarioError(f"{source}: workload.trace{at}: {problem}: {path}{hint}")
     return scenario
 
 
@@ -194,7 +199,7 @@ def scenario_text(path: str | Path | None) -> tuple[str, str, str]:
     p = Path(path)
     if p.suffix == ".jsonl":
         if not p.is_file():
-            raise ScenarioError(f"{p}: trace not found")
+            raise ScenarioError(f"{p}: trace not found" + ("" if p.exists() else missing_trace_hint(p.absolute())))
         name = re.sub(r"[^A-Za-z0-9._-]", "-", p.stem).lstrip("._-")[:100] or "trace"
         text = msgspec.json.encode({"name": name, "router": {"policy": "kv"},
                                     "workload": {"kind": "trace", "trace": str(p.resolve())}}).decode()

@@ -40,6 +40,7 @@ from kvemu.errors import KvemuError
 from kvemu.limits import I64, MAX_PATH_CHARS, Finite, FilePath, Name
 
 from harness.scenario import (
+    RunOrigin,
     Scenario,
     ScenarioError,
     default_scenario_text,
@@ -186,8 +187,15 @@ class PointSpec(msgspec.Struct, kw_only=True, frozen=True):
 
     def scenario(self) -> Scenario:
         """The run's validated scenario (its overrides, then ``run.seed``)."""
-        return parse_scenario(self.scenario_text, base_dir=self.base_dir,
-                              overrides=[*self.overrides, f"run.seed={self.seed}"], source=self.source)
+        return parse_scenario(self.scenario_text, base_dir=self.base_dir, overrides=self._overrides(),
+                              source=self.source)
+
+    def origin(self) -> RunOrigin:
+        """What ``scenario`` is built from, for the point's report."""
+        return RunOrigin.of("kvemu sweep", self.source, self._overrides())
+
+    def _overrides(self) -> list[str]:
+        return [*self.overrides, f"run.seed={self.seed}"]
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -456,7 +464,7 @@ def run_point(point: PointSpec) -> dict[str, Any]:
         scenario = point.scenario()
         if scenario.run.mode != "virtual":
             raise SweepError("run.mode: a sweep runs virtual time only")
-        outcome = run_scenario(scenario, Path(point.report_dir) if point.report_dir else None)
+        outcome = run_scenario(scenario, Path(point.report_dir) if point.report_dir else None, origin=point.origin())
         summary = outcome.summary if outcome.summary is not None else summarize(outcome.data)
         gpus = sum(p["workers"] * p["dp_size"] for p in pool_sizes(scenario.cluster).values())
         result["figures"] = {name: figure_value(summary, name, gpus) for name in point.figures}

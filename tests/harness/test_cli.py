@@ -175,7 +175,11 @@ def test_compare_prints_deltas(two_runs):
     assert lines[1] == "B: b (scenario quickstart, mode virtual, seed 9)"
     header = lines[3].split()
     assert header == ["metric", "A", "B", "delta", "delta", "%"]
-    rows = {line.split()[0]: line.split() for line in lines[5:]}
+    end = lines.index("", 5)  # the figures, then what differs between the scenarios
+    rows = {line.split()[0]: line.split() for line in lines[5:end]}
+    assert lines[end + 1] == "Scenarios: 2 keys differ (scenario.yaml)"
+    assert [line.split() for line in lines[end + 5:]] == [["router.policy", "kv", "round_robin"],
+                                                          ["run.seed", "7", "9"]]
     sa = json.loads((d / "a" / "summary.json").read_text())
     sb = json.loads((d / "b" / "summary.json").read_text())
     ttft = rows["mean_ttft_ms"]
@@ -310,8 +314,8 @@ def test_a_path_given_with_set_resolves_against_the_working_directory(tmp_path):
     assert ", 2 requests, " in moved.stdout
     missing = kvemu("validate", "sub/s.yaml", "--set", "workload.trace=./t.jsonl", cwd=tmp_path)
     assert missing.returncode == 2
-    assert missing.stderr.strip() == (f"invalid: sub/s.yaml: workload.trace (from --set): file not found: "
-                                      f"{(tmp_path / 't.jsonl').resolve()}")
+    assert missing.stderr.strip().startswith(f"invalid: sub/s.yaml: workload.trace (from --set): file not found: "
+                                             f"{(tmp_path / 't.jsonl').resolve()}. To try the scenario on a ")
 
 
 def test_a_float_written_as_yaml_1_2_does_on_the_command_line(tmp_path):

@@ -390,7 +390,8 @@ def test_an_override_is_cited_as_such_not_by_the_line_it_replaced(tmp_path):
     text = "name: x\nworkload:\n  kind: trace\n  trace: t.jsonl\n"
     write_trace(tmp_path / "t.jsonl")
     msg = error_of(text, base_dir=tmp_path, overrides=[f"workload.trace={tmp_path / 'nope.jsonl'}"])
-    assert msg == f"s.yaml: workload.trace (from --set): file not found: {tmp_path / 'nope.jsonl'}"
+    assert msg.startswith(f"s.yaml: workload.trace (from --set): file not found: {tmp_path / 'nope.jsonl'}. To try "
+                          "the scenario on a generated Mooncake-format trace instead: kvemu trace synth ")
     assert "workload.trace (line 4): file not found" in error_of(text.replace("t.jsonl", "gone.jsonl"),
                                                                  base_dir=tmp_path)
 
