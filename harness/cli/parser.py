@@ -68,7 +68,7 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _add_force(run)
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--quiet", action="store_true", help="no progress bar, and no summary table at the end")
     _add_max_memory(run)
     return run
 
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
     _add_set(loadgen)
+    loadgen.add_argument("--report-as", default="kvemu loadgen", help=argparse.SUPPRESS)  # kvemu up's own title
     _add_http(router, None)
     up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
     up.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
@@ -256,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--in-process", action="store_true",
                        help="router, workers and front door in this one process (no --worker-http); the front door "
                             "also serves the engines' truth at /kvemu/requests")
+    for command in (loadgen, up):
+        command.add_argument("--quiet", action="store_true", help="no summary table at the end")
     for command in (up, serve):
         command.add_argument("--worker-http", action="store_true",
                              help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
@@ -287,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts as token-id lists where the router takes them (kvemu, vllm-router) and text "
                             "the fleet's tokenizer maps back to those ids elsewhere (auto, the default), or all "
                             "as text, or all as token ids")
+    bench.add_argument("--quiet", action="store_true", help="no summary table at the end")
     _add_trace(sub)
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",

@@ -91,6 +91,11 @@ def run_command(args: argparse.Namespace) -> int:
              "no report could be written (its summary is above)")
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
                   f"{partial}; {where}", soft_wrap=True, highlight=False)
+    if not args.quiet:
+        from harness.report.first_screen import first_screen
+
+        report = outcome.report_dir / "report.md" if outcome.report_dir is not None else None
+        print(first_screen("kvemu run", summary, report), end="", flush=True)
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130

@@ -57,7 +57,7 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     """report.md: what ran, the headline numbers, per-rank, routing truth, affinity, queue, KV events."""
     k = summary["kvemu"]
     s = summary
-    out: list[str] = [f"# kvemu run: {k['scenario']}", ""]
+    out: list[str] = [f"# {data.command}: {k['scenario']}", ""]
     if k["partial"]:
         why = f" ({k['stop_reason']})" if k.get("stop_reason") else ""
         out += [f"> **PARTIAL RUN — this report covers only what finished before the run was interrupted{why}.**",
