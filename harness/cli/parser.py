@@ -135,6 +135,18 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
                              help="tokens per hash id (default: the file's own, or 512 where the format has none)")
 
 
+def _add_scenario(sub: argparse._SubParsersAction) -> None:
+    """``kvemu scenario show``: a resolved scenario, every key with its default, bound and meaning."""
+    scenario = sub.add_parser("scenario", help="print a scenario resolved: every key, its value, bound and meaning")
+    scenario_sub = scenario.add_subparsers(dest="scenario_command", required=True, metavar="COMMAND",
+                                           help="what to do")
+    show = scenario_sub.add_parser("show", help="print the scenario as YAML with every default filled in, each key "
+                                                "followed by its bound and meaning (kvemu run takes the output)")
+    show.add_argument("scenario", nargs="?", metavar="FILE",
+                      help="scenario YAML or a trace .jsonl (omit for the built-in default)")
+    _add_set(show)
+
+
 def _version() -> str:
     """The installed package's version (the source tree's when it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -292,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "as text, or all as token ids")
     bench.add_argument("--quiet", action="store_true", help="no summary table at the end")
     _add_trace(sub)
+    _add_scenario(sub)
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
                                              help="what to do with it")

@@ -12,6 +12,7 @@ from harness.scenario import loading, schema, sections
 from harness.scenario.loading import (
     MAX_SCENARIO_BYTES,
     PATH_KEYS,
+    POOL_KEYS,
     ScenarioError,
     apply_overrides,
     default_scenario_text,
