@@ -27,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvemu`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # plain "kvemu": what it can do, and how to start
+        parser.print_help()
+        return 0
     if getattr(args, "max_running", None) is not None or getattr(args, "max_waiting", None) is not None:
         from kvemu.errors import InvalidArgument
 

@@ -3,10 +3,60 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from harness.router_contract import CMD_CONTRACT
 
-__all__ = ["build_parser"]
+__all__ = ["build_parser", "EXAMPLES"]
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "": ("kvemu run                                   # the built-in quickstart; the report in out/quickstart",
+         "kvemu scenario show > mine.yaml             # every knob, its default, bound and meaning",
+         "kvemu COMMAND --help                        # each command's options and examples"),
+    "run": ("kvemu run                                   # the built-in quickstart, in virtual time",
+            "kvemu run examples/compose.yaml --set cluster.workers=8 -o out/eight",
+            "kvemu run my-trace.jsonl --mode live --quiet"),
+    "sweep": ("kvemu sweep examples/sweep-workers.yaml --validate",
+              "kvemu sweep examples/sweep-workers.yaml --jobs 2 -o out/workers"),
+    "plan": ("kvemu plan --sla ttft_ms=200,itl_ms=30",
+             "kvemu plan my-trace.jsonl --goodput 0.99 --max-workers 16"),
+    "validate": ("kvemu validate examples/quickstart.yaml",
+                 "kvemu validate --set cluster.workers=7 --set run.duration_s=10"),
+    "compare": ("kvemu run --set router.policy=round_robin -o out/rr",
+                "kvemu compare out/quickstart out/rr           # B - A for every figure"),
+    "router": ("kvemu router --listen tcp://127.0.0.1:5555 --config examples/compose.yaml",
+               "kvemu router --config examples/compose.yaml --http 127.0.0.1:8000"),
+    "front": ("kvemu front --router tcp://127.0.0.1:5555 --router tcp://127.0.0.1:5556 "
+              "--config examples/replicas-chaos.yaml",
+              "kvemu front --router tcp://127.0.0.1:5555 --http 127.0.0.1:8000"),
+    "worker": ("kvemu worker --router tcp://127.0.0.1:5555 --config examples/compose.yaml --worker-id 0",
+               "kvemu worker --http 127.0.0.1:9000 --config examples/compose.yaml"),
+    "loadgen": ("kvemu loadgen examples/compose.yaml --router tcp://127.0.0.1:5555 --expect-workers 3 -o out/live",
+                "kvemu loadgen examples/compose.yaml --http http://127.0.0.1:8000 -o out/http"),
+    "up": ("kvemu up                                    # the built-in quickstart as processes",
+           "kvemu up examples/compose.yaml --http 127.0.0.1:8000 -o out/up"),
+    "serve": ("kvemu serve                                 # an OpenAI API at http://127.0.0.1:8000/v1",
+              "kvemu serve examples/compose.yaml --worker-http"),
+    "fleet": ("kvemu fleet --print-flags vllm-router",
+              "kvemu fleet examples/compose.yaml --processes"),
+    "bench-router": ("kvemu bench-router --router kvemu --router vllm-router:kv_aware --compress 10",
+                     "kvemu bench-router --router 'cmd:python my_proxy.py --port {port} {workers}'"),
+    "trace": ("kvemu trace validate my-trace.jsonl",
+              "kvemu trace convert my-trace.jsonl out.jsonl --to mooncake-delta"),
+    "trace validate": ("kvemu trace validate my-trace.jsonl",
+                       "kvemu trace validate corpus/ --from weka"),
+    "trace convert": ("kvemu trace convert my-trace.jsonl out.jsonl --to mooncake-delta",
+                      "kvemu trace convert agentic.jsonl flat.jsonl --to mooncake --allow-lossy"),
+    "scenario": ("kvemu scenario show", "kvemu scenario show examples/compose.yaml --set cluster.workers=8"),
+    "scenario show": ("kvemu scenario show                         # the built-in default, every knob",
+                      "kvemu scenario show examples/compose.yaml --set cluster.workers=8 > mine.yaml",
+                      "kvemu run mine.yaml                         # runs what it printed"),
+    "tokenizer": ("kvemu tokenizer export tok/", "kvemu serve --tokenizer tok/"),
+    "tokenizer export": ("kvemu tokenizer export tok/",
+                         "kvemu serve --tokenizer tok/                # clients load the same tokenizer"),
+    "demo": ("kvemu demo", "kvemu demo --workers 8 --sessions 20 --seed 1"),
+}
+"""Every command's examples, shown at the end of its ``--help`` (keyed by the command's words after ``kvemu``)."""
 
 
 def _add_set(parser: argparse.ArgumentParser,
@@ -147,6 +197,18 @@ def _add_scenario(sub: argparse._SubParsersAction) -> None:
     _add_set(show)
 
 
+def _add_examples(parser: argparse.ArgumentParser, path: str) -> None:
+    """End the help of ``parser`` (the command ``kvemu PATH``) and of each of its subcommands with its ``EXAMPLES``
+    (after any epilog it has, wrapped), as written."""
+    text = textwrap.fill(parser.epilog, 100) + "\n\n" if parser.epilog else ""
+    parser.epilog = text + "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[path])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                _add_examples(child, f"{path} {name}".strip())
+
+
 def _version() -> str:
     """The installed package's version (the source tree's when it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -171,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
     parser.add_argument("--version", action="version", version=f"kvemu {_version()} ({_build_name()} build)",
                         help="print the version and the build (compiled or pure Python)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="what to do (none: this help)")
     run_parser = _add_run(sub)
     sweep_parser = _add_sweep(sub)
     _add_plan(sub)
@@ -316,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sessions", type=int, default=6, help="conversations (default 6)")
     demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
+    _add_examples(parser, "")
     for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve, fleet, bench):
         command.add_argument("--allow-local-policies", action="store_true",
                              help="put the working directory on the import path for router.policy and "
