@@ -94,7 +94,8 @@ def _first_screen(name: str, rows: list[dict[str, Any]], outdir: Path) -> str:
         except (OSError, ValueError):  # the router never started: no run, no summary
             summary = {}
         runs.append((row["router"], summary))
-    return render_first_screen(f"kvemu bench-router: {name}", runs, outdir / "routers.md")
+    through = f" through {runs[0][0]}" if len(runs) == 1 else ""  # (several: each router heads its column)
+    return render_first_screen(f"kvemu bench-router: {name}{through}", runs, outdir / "routers.md")
 
 
 def bench_router_command(args: argparse.Namespace) -> int:

@@ -81,3 +81,17 @@ def test_a_report_is_titled_after_the_command_that_ran_it():
     assert render_markdown(summarize(data), data, ()).startswith("# kvemu loadgen: s\n")
     assert render_markdown(summarize(RunData(scenario_name="s")), RunData(), ()).startswith("# kvemu run: s\n")
     assert build_parser().parse_args(["loadgen", "--router", "tcp://127.0.0.1:9"]).report_as == "kvemu loadgen"
+
+
+def test_bench_router_sums_up_each_routers_report_in_a_column(tmp_path):
+    from harness.cli.fleet import _first_screen
+
+    (tmp_path / "kvemu-kv").mkdir()
+    (tmp_path / "kvemu-kv" / "summary.json").write_text(json.dumps(_summary()))
+    lines = _first_screen("quickstart", [{"router": "kvemu:kv"}, {"router": "cmd:mine"}], tmp_path).splitlines()
+    assert lines[0] == "kvemu bench-router: quickstart"
+    assert lines[1].split() == ["kvemu:kv", "cmd:mine"]
+    assert lines[2].split()[-2:] == ["no", "report"]  # cmd:mine never started: no summary
+    assert lines[-1].split() == ["report", str(tmp_path / "routers.md")]
+    one = _first_screen("quickstart", [{"router": "kvemu:kv"}], tmp_path).splitlines()
+    assert one[0] == "kvemu bench-router: quickstart through kvemu:kv"
