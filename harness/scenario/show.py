@@ -183,9 +183,10 @@ def _class_doc(cls: type) -> str:
 
 @cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """A struct's field docstrings (the string after a field), its bases' and its sources' (``_FIELDS_FROM``)."""
+    """A struct's field docstrings (the string after a field): its own over its bases', over its sources'
+    (``_FIELDS_FROM``)."""
     docs: dict[str, str] = {}
-    for klass in reversed([*_FIELDS_FROM.get(cls, ()), *cls.__mro__]):
+    for klass in [*_FIELDS_FROM.get(cls, ()), *reversed(cls.__mro__)]:
         docs.update(_own_field_docs(klass))
     return docs
 
