@@ -45,6 +45,8 @@ def _throughput(s: dict[str, Any], compact: bool) -> str:
 
 def _reuse(s: dict[str, Any], compact: bool) -> str:
     ratio, prompt = s.get("prefix_cache_reused_ratio"), s.get("total_input_tokens") or 0
+    if ((s.get("kvemu") or {}).get("hook_counts") or {}).get("engine_truth_matched") == 0:
+        return "—" if compact else "unknown: no engine said what it found cached (loadgen --http: give --fleet)"
     if ratio is None:
         return "—"
     if compact:

@@ -45,6 +45,9 @@ def test_a_figure_the_run_lacks_is_left_out_and_a_live_run_gives_its_duration():
     assert "routing regret" not in text and "virtual clock" not in text
     assert "  duration " in text and "60.0 s (live clock)" in text
     assert text.splitlines()[-1].split() == ["report", "none", "written"]
+    summary["kvemu"]["hook_counts"] = {"engine_truth_matched": 0, "engine_truth_unmatched": 117}  # loadgen --http
+    reuse = " ".join(first_screen("kvemu loadgen", summary, None).split("prefix reuse")[1].split("\n")[0].split())
+    assert reuse == "unknown: no engine said what it found cached (loadgen --http: give --fleet)"
 
 
 def test_several_runs_are_columns_side_by_side():
