@@ -1,9 +1,10 @@
 """The ``kvemu`` command line: run, sweep, plan, validate, compare, demo, and a live cluster's processes.
 
-``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every
-command's options), ``run`` (run, validate, scenario show), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
+``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every command's
+options), ``run`` (run, validate, scenario show), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
 serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts),
-``trace`` (validate and convert trace files), ``tools`` (tokenizer, compare, demo), and what they share: ``loading`` (the scenario a command names) and ``signals``.
+``trace`` (validate and convert trace files), ``tools`` (tokenizer, compare, demo), and what they share: ``loading``
+(the scenario a command names) and ``signals``.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def _clock(s: dict[str, Any], compact: bool) -> tuple[str, str | None]:
     if not wall_ms:
         return "virtual clock", f"{scenario_ms / 1000:,.1f} s of cluster time"
     of = "" if compact else " of cluster time"
-    return "virtual clock", f"{scenario_ms / 1000:,.1f} s{of} in {wall_ms / 1000:,.1f} s ({scenario_ms / wall_ms:,.0f}x)"
+    return "virtual clock", (f"{scenario_ms / 1000:,.1f} s{of} in {wall_ms / 1000:,.1f} s "
+                             f"({scenario_ms / wall_ms:,.0f}x)")
 
 
 def _rows(s: dict[str, Any], compact: bool) -> list[tuple[str, str | None]]:

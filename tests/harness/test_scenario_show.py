@@ -25,7 +25,8 @@ def test_show_prints_the_built_in_scenario_with_every_default_and_it_loads_back(
     assert shown.returncode == 0, shown.stderr
     (tmp_path / "s.yaml").write_text(shown.stdout)
     assert kvemu("validate", "s.yaml", cwd=tmp_path).stdout == kvemu("validate", cwd=tmp_path).stdout
-    assert _builtins(load_scenario(tmp_path / "s.yaml")) == _builtins(load_scenario(ROOT / "harness" / "quickstart.yaml"))
+    built_in = load_scenario(ROOT / "harness" / "quickstart.yaml")
+    assert _builtins(load_scenario(tmp_path / "s.yaml")) == _builtins(built_in)
     for key in ("max_num_batched_tokens", "router_ttl_secs", "drain_timeout_s", "replica_front"):  # defaults too
         assert _line(shown.stdout, key)
 
