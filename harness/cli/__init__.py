@@ -1,9 +1,10 @@
 """The ``kvemu`` command line: run, sweep, plan, validate, compare, demo, and a live cluster's processes.
 
-``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every
-command's options), ``run`` (run, validate), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
+``main`` here parses the command line and hands the command to its module, one a job: ``parser`` (every command's
+options), ``run`` (run, validate, scenario show), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
 serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts),
-``trace`` (validate, convert and generate trace files), ``tools`` (tokenizer, compare, demo), and what they share: ``loading`` (the scenario a command names) and ``signals``.
+``trace`` (validate, convert and generate trace files), ``tools`` (tokenizer, compare, demo), and what they share:
+``loading`` (the scenario a command names) and ``signals``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from harness.cli.parser import build_parser
 from harness.cli.plan import plan_command
 from harness.cli.processes import process_command
-from harness.cli.run import run_command, validate_command
+from harness.cli.run import run_command, scenario_show_command, validate_command
 from harness.cli.signals import terminate_as_interrupt
 from harness.cli.sweep import sweep_command
 from harness.cli.tools import compare_command, demo_command, tokenizer_command
@@ -27,6 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvemu`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # plain "kvemu": what it can do, and how to start
+        parser.print_help()
+        return 0
     if getattr(args, "max_running", None) is not None or getattr(args, "max_waiting", None) is not None:
         from kvemu.errors import InvalidArgument
 
@@ -83,6 +87,8 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return trace_command(args)
     if args.command == "tokenizer":
         return tokenizer_command(args)
+    if args.command == "scenario":
+        return scenario_show_command(args)
     if args.command == "compare":
         return compare_command(args)
     return demo_command(parser, args)

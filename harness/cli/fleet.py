@@ -8,6 +8,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -79,6 +80,24 @@ def _json(info: object) -> str:
     return msgspec.json.encode(info).decode()
 
 
+def _first_screen(name: str, rows: list[dict[str, Any]], outdir: Path) -> str:
+    """bench-router's answer: each router's run summed up in a column (``harness.report.first_screen``)."""
+    import json
+
+    from harness.external_routers import router_folder
+    from harness.report.first_screen import render_first_screen
+
+    runs = []
+    for row in rows:
+        try:
+            summary = json.loads((outdir / router_folder(row["router"]) / "summary.json").read_text())
+        except (OSError, ValueError):  # the router never started: no run, no summary
+            summary = {}
+        runs.append((row["router"], summary))
+    through = f" through {runs[0][0]}" if len(runs) == 1 else ""  # (several: each router heads its column)
+    return render_first_screen(f"kvemu bench-router: {name}{through}", runs, outdir / "routers.md")
+
+
 def bench_router_command(args: argparse.Namespace) -> int:
     """Run the workload through each router; the table goes to standard output."""
     from harness.external_routers import RouterSpecError, parse_router
@@ -116,9 +135,10 @@ def bench_router_command(args: argparse.Namespace) -> int:
         print(f"kvemu bench-router: cannot write the reports: {exc}", file=sys.stderr)
         return 2
     try:
-        rows, table = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt)
+        rows, _ = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt)
     except ScenarioError as exc:
         print(f"kvemu bench-router: {exc}", file=sys.stderr)
         return 2
-    print(table)
+    if not args.quiet:
+        print(_first_screen(scenario.name, rows, outdir), end="", flush=True)
     return 0 if all(r["completed"] and not r.get("error") for r in rows) else 1

@@ -28,7 +28,7 @@ def run_origin(args: argparse.Namespace) -> RunOrigin:
     """What ``load_scenario_args`` built the command's scenario from, for its report's "What ran"."""
     from harness.scenario import RunOrigin
 
-    command = getattr(args, "ran_by", None) or f"kvemu {args.command}"  # (kvemu up's load generator says so)
+    command = getattr(args, "report_as", None) or f"kvemu {args.command}"  # (kvemu up's load generator says so)
     return RunOrigin.of(command, args.scenario, _overrides(args))
 
 

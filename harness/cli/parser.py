@@ -3,11 +3,64 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from harness.router_contract import CMD_CONTRACT
 from harness.synthetic_trace import MAX_SYNTHETIC_ROWS
 
-__all__ = ["build_parser"]
+__all__ = ["build_parser", "EXAMPLES"]
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "": ("kvemu run                                   # the built-in quickstart; the report in out/quickstart",
+         "kvemu scenario show > mine.yaml             # every knob, its default, bound and meaning",
+         "kvemu COMMAND --help                        # each command's options and examples"),
+    "run": ("kvemu run                                   # the built-in quickstart, in virtual time",
+            "kvemu run examples/compose.yaml --set cluster.workers=8 -o out/eight",
+            "kvemu run my-trace.jsonl --mode live --quiet"),
+    "sweep": ("kvemu sweep examples/sweep-workers.yaml --validate",
+              "kvemu sweep examples/sweep-workers.yaml --jobs 2 -o out/workers"),
+    "plan": ("kvemu plan --sla ttft_ms=200,itl_ms=30",
+             "kvemu plan my-trace.jsonl --goodput 0.99 --max-workers 16"),
+    "validate": ("kvemu validate examples/quickstart.yaml",
+                 "kvemu validate --set cluster.workers=7 --set run.duration_s=10"),
+    "compare": ("kvemu run --set router.policy=round_robin -o out/rr",
+                "kvemu compare out/quickstart out/rr           # B - A for every figure"),
+    "router": ("kvemu router --listen tcp://127.0.0.1:5555 --config examples/compose.yaml",
+               "kvemu router --config examples/compose.yaml --http 127.0.0.1:8000"),
+    "front": ("kvemu front --router tcp://127.0.0.1:5555 --router tcp://127.0.0.1:5556 "
+              "--config examples/replicas-chaos.yaml",
+              "kvemu front --router tcp://127.0.0.1:5555 --http 127.0.0.1:8000"),
+    "worker": ("kvemu worker --router tcp://127.0.0.1:5555 --config examples/compose.yaml --worker-id 0",
+               "kvemu worker --http 127.0.0.1:9000 --config examples/compose.yaml"),
+    "loadgen": ("kvemu loadgen examples/compose.yaml --router tcp://127.0.0.1:5555 --expect-workers 3 -o out/live",
+                "kvemu loadgen examples/compose.yaml --http http://127.0.0.1:8000 -o out/http"),
+    "up": ("kvemu up                                    # the built-in quickstart as processes",
+           "kvemu up examples/compose.yaml --http 127.0.0.1:8000 -o out/up"),
+    "serve": ("kvemu serve                                 # an OpenAI API at http://127.0.0.1:8000/v1",
+              "kvemu serve examples/compose.yaml --worker-http"),
+    "fleet": ("kvemu fleet --print-flags vllm-router",
+              "kvemu fleet examples/compose.yaml --processes"),
+    "bench-router": ("kvemu bench-router --router kvemu --router vllm-router:kv_aware --compress 10",
+                     "kvemu bench-router --router 'cmd:python my_proxy.py --port {port} {workers}'"),
+    "trace": ("kvemu trace validate my-trace.jsonl",
+              "kvemu trace convert my-trace.jsonl out.jsonl --to mooncake-delta",
+              "kvemu trace synth standin.jsonl --rows 3000"),
+    "trace validate": ("kvemu trace validate my-trace.jsonl",
+                       "kvemu trace validate corpus/ --from weka"),
+    "trace synth": ("kvemu trace synth standin.jsonl --rows 3000",
+                    "kvemu trace synth mooncake-standin.jsonl --rows 12031 --seed 1   # as many rows as the real one"),
+    "trace convert": ("kvemu trace convert my-trace.jsonl out.jsonl --to mooncake-delta",
+                      "kvemu trace convert agentic.jsonl flat.jsonl --to mooncake --allow-lossy"),
+    "scenario": ("kvemu scenario show", "kvemu scenario show examples/compose.yaml --set cluster.workers=8"),
+    "scenario show": ("kvemu scenario show                         # the built-in default, every knob",
+                      "kvemu scenario show examples/compose.yaml --set cluster.workers=8 > mine.yaml",
+                      "kvemu run mine.yaml                         # runs what it printed"),
+    "tokenizer": ("kvemu tokenizer export tok/", "kvemu serve --tokenizer tok/"),
+    "tokenizer export": ("kvemu tokenizer export tok/",
+                         "kvemu serve --tokenizer tok/                # clients load the same tokenizer"),
+    "demo": ("kvemu demo", "kvemu demo --workers 8 --sessions 20 --seed 1"),
+}
+"""Every command's examples, shown at the end of its ``--help`` (keyed by the command's words after ``kvemu``)."""
 
 
 def _add_set(parser: argparse.ArgumentParser,
@@ -69,7 +122,7 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _add_force(run)
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--quiet", action="store_true", help="no progress bar, and no summary table at the end")
     _add_max_memory(run)
     return run
 
@@ -157,6 +210,30 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
                              help="tokens per hash id (default: the file's own, or 512 where the format has none)")
 
 
+def _add_scenario(sub: argparse._SubParsersAction) -> None:
+    """``kvemu scenario show``: a resolved scenario, every key with its default, bound and meaning."""
+    scenario = sub.add_parser("scenario", help="print a scenario resolved: every key, its value, bound and meaning")
+    scenario_sub = scenario.add_subparsers(dest="scenario_command", required=True, metavar="COMMAND",
+                                           help="what to do")
+    show = scenario_sub.add_parser("show", help="print the scenario as YAML with every default filled in, each key "
+                                                "followed by its bound and meaning (kvemu run takes the output)")
+    show.add_argument("scenario", nargs="?", metavar="FILE",
+                      help="scenario YAML or a trace .jsonl (omit for the built-in default)")
+    _add_set(show)
+
+
+def _add_examples(parser: argparse.ArgumentParser, path: str) -> None:
+    """End the help of ``parser`` (the command ``kvemu PATH``) and of each of its subcommands with its ``EXAMPLES``
+    (after any epilog it has, wrapped), as written."""
+    text = textwrap.fill(parser.epilog, 100) + "\n\n" if parser.epilog else ""
+    parser.epilog = text + "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES[path])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                _add_examples(child, f"{path} {name}".strip())
+
+
 def _version() -> str:
     """The installed package's version (the source tree's when it is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -181,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
     parser.add_argument("--version", action="version", version=f"kvemu {_version()} ({_build_name()} build)",
                         help="print the version and the build (compiled or pure Python)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="what to do (none: this help)")
     run_parser = _add_run(sub)
     sweep_parser = _add_sweep(sub)
     _add_plan(sub)
@@ -260,11 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the router's process id on this machine: a silent router whose process is alive is "
                               "waited for (run.router_stall_s), one whose process exited is lost at once (repeat "
                               "it per --router)")
-    loadgen.add_argument("--ran-by", choices=["kvemu up"], help=argparse.SUPPRESS)  # the report's "What ran"
     loadgen.add_argument("--chaos", choices=["apply", "skip"],
                          help="a scenario with a chaos timeline: apply it through the router's control channel "
                               "(needs KVEMU_CONTROL_TOKEN, as the router has) or skip it (kvemu up applies it)")
     _add_set(loadgen)
+    loadgen.add_argument("--report-as", default="kvemu loadgen", help=argparse.SUPPRESS)  # kvemu up's own title
     _add_http(router, None)
     up = sub.add_parser("up", help="router + workers + load generator as processes on 127.0.0.1, then a report")
     up.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in quickstart)")
@@ -279,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--in-process", action="store_true",
                        help="router, workers and front door in this one process (no --worker-http); the front door "
                             "also serves the engines' truth at /kvemu/requests")
+    for command in (loadgen, up):
+        command.add_argument("--quiet", action="store_true", help="no summary table at the end")
     for command in (up, serve):
         command.add_argument("--worker-http", action="store_true",
                              help="every worker also serves the OpenAI routes for its own ranks, with vLLM's metrics "
@@ -310,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts as token-id lists where the router takes them (kvemu, vllm-router) and text "
                             "the fleet's tokenizer maps back to those ids elsewhere (auto, the default), or all "
                             "as text, or all as token ids")
+    bench.add_argument("--quiet", action="store_true", help="no summary table at the end")
     _add_trace(sub)
+    _add_scenario(sub)
     tokenizer = sub.add_parser("tokenizer", help="the built-in tokenizer as a Hugging Face tokenizer directory")
     tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND",
                                              help="what to do with it")
@@ -322,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sessions", type=int, default=6, help="conversations (default 6)")
     demo.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompts and tie-breaking (default 0)")
+    _add_examples(parser, "")
     for command in (run_parser, sweep_parser, validate, router, worker, loadgen, up, serve, fleet, bench):
         command.add_argument("--allow-local-policies", action="store_true",
                              help="put the working directory on the import path for router.policy and "

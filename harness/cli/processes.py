@@ -70,7 +70,7 @@ def process_command(args: argparse.Namespace) -> int:
         try:
             summary, where = loadgen_report(scenario, args.router, outdir, args.expect_workers,
                                             apply_chaos=args.chaos == "apply", router_pid=args.router_pid,
-                                            origin=run_origin(args))
+                                            origin=run_origin(args), command=args.report_as)
         except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
@@ -80,6 +80,7 @@ def process_command(args: argparse.Namespace) -> int:
         print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
               + (f"report in {where}/report.md" if where is not None else "no report could be written (its summary "
                  "is above)"), file=sys.stderr)
+        _first_screen(args, summary, where)
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
@@ -98,10 +99,20 @@ def process_command(args: argparse.Namespace) -> int:
             return serve_main(args.scenario or "", list(args.overrides), scenario, _http_args(args),
                               _worker_http_args(args))
         return up_main(args.scenario or "", list(args.overrides), scenario, outdir, _http_args(args),
-                       _worker_http_args(args))
+                       _worker_http_args(args), quiet=args.quiet)
     except ChildNotStarted as exc:  # the child printed why on the shared stderr
         print(f"kvemu {args.command}: {exc}", file=sys.stderr)
         return 2 if exc.code == 2 else 1
+
+
+def _first_screen(args: argparse.Namespace, summary: dict[str, Any], where: Path | None) -> None:
+    """The run's answer on standard output (``harness.report.first_screen``), unless ``--quiet``."""
+    if args.quiet:
+        return
+    from harness.report.first_screen import first_screen
+
+    print(first_screen(args.report_as, summary, where / "report.md" if where is not None else None), end="",
+          flush=True)
 
 
 def _loadgen_routers_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
@@ -137,9 +148,10 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
             print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
             return 2
     summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
-                                         tokenizer=args.tokenizer, model=args.model, origin=run_origin(args))
+                                         tokenizer=args.tokenizer, model=args.model, origin=run_origin(args), command=args.report_as)
     print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
           + (f"report in {where}/report.md" if where is not None else "no report could be written"), file=sys.stderr)
+    _first_screen(args, summary, where)
     return 0 if not summary.get("partial") else 130
 
 

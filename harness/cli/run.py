@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from harness.runner import Progress as ProgressCallback
     from harness.scenario import Scenario
 
-__all__ = ["run_command", "validate_command"]
+__all__ = ["run_command", "scenario_show_command", "validate_command"]
 
 
 @contextlib.contextmanager
@@ -91,6 +91,11 @@ def run_command(args: argparse.Namespace) -> int:
              "no report could be written (its summary is above)")
     console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
                   f"{partial}; {where}", soft_wrap=True, highlight=False)
+    if not args.quiet:
+        from harness.report.first_screen import first_screen
+
+        report = outcome.report_dir / "report.md" if outcome.report_dir is not None else None
+        print(first_screen("kvemu run", summary, report), end="", flush=True)
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130
@@ -128,6 +133,22 @@ def validate_command(args: argparse.Namespace) -> int:
         else ""
     print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {counted(len(sessions), 'session')}, "
           f"{counted(requests, 'request')}{detail}, {scenario.run.mode} mode")
+    return 0
+
+
+def scenario_show_command(args: argparse.Namespace) -> int:
+    """``kvemu scenario show``: the resolved scenario as YAML, each key with its bound and meaning (no policy module
+    is imported: nothing runs)."""
+    from harness.scenario import ScenarioError, parse_scenario, scenario_text
+    from harness.scenario.show import show_scenario
+
+    try:
+        text, base_dir, source = scenario_text(args.scenario or None)
+        scenario = parse_scenario(text, base_dir=base_dir, overrides=list(args.overrides), source=source)
+    except ScenarioError as exc:
+        print(f"invalid scenario: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(show_scenario(scenario))
     return 0
 
 

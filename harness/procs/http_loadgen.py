@@ -337,9 +337,11 @@ async def _drain(in_server: Callable[[], Awaitable[int | None]]) -> None:
 
 def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: FleetInfo | None = None,
                         prompt_form: PromptForm = "text", tokenizer: str | None = None, model: str = "kvemu",
-                        compress: float = 1.0, origin: RunOrigin | None = None) -> tuple[dict[str, Any], Path | None]:
-    """Play the scenario against ``url``, gather ``fleet``'s engine truth, write the report; returns its summary and
-    where it went. ``origin``: what the scenario was built from, for the report's "What ran"."""
+                        compress: float = 1.0, origin: RunOrigin | None = None,
+                        command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
+    """Play the scenario against ``url``, gather ``fleet``'s engine truth, write the report (titled after
+    ``command``); returns its summary and where it went. ``origin``: what the scenario was built from, for the
+    report's "What ran"."""
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
     played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
@@ -373,7 +375,7 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
     counters = {"engine_truth_matched": matched, "engine_truth_unmatched": len(client_records) - matched,
                 "engine_truth_unclaimed": len(set(truth) - set(truth_id.values()))}
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
-                   mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
+                   command=command, mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
                    partial=not finished or stopped is not None,
                    stop_reason=stopped or (None if finished else "drain_timeout"),
                    block_size=routing_block_size(scenario.cluster), ranks=ranks, samples=samples,

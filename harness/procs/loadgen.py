@@ -218,7 +218,7 @@ def process_alive(pid: int) -> bool:
 
 async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
                    apply_chaos: bool = False, router_pid: int | list[int] | None = None,
-                   origin: RunOrigin | None = None) -> tuple[dict[str, Any], Path | None]:
+                   origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
     routers = [router] if isinstance(router, str) else list(router)
     pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
     sessions = build_sessions(scenario)
@@ -365,7 +365,7 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
         replicas = replica_report(scenario, [r.last for r in runs], [r.restarts for r in runs],
                                   [r.kv_stats() for r in runs], spread.replica_of)
     data = RunData(records=sorted(records, key=lambda r: (r.arrival_ns, r.request_id)), scenario_name=scenario.name,
-                   mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
+                   command=command, mode="live", seed=scenario.run.seed, wall_time_ns=time.perf_counter_ns() - wall0,
                    partial=run.partial,
                    stop_reason=client.lost or run.stopped or ("drain_timeout" if run.partial else None),
                    block_size=routing_block_size(scenario.cluster), ranks=final.ranks, samples=samples,
@@ -500,11 +500,13 @@ def loadgen_main(scenario: Scenario, router: str | list[str], outdir: Path, expe
 
 def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None = None,
                    apply_chaos: bool = False, router_pid: int | list[int] | None = None,
-                   origin: RunOrigin | None = None) -> tuple[dict[str, Any], Path | None]:
+                   origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
     (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
     router's process on this machine, so that a silent router is told from a gone one). Returns the summary and
     where the report went (``harness.report.files.save_report``). Several routers: the replicas of one router
     (``router.replicas``), in replica order, each ``router_pid`` that of the same replica. ``origin``: what the
-    scenario was built from, for the report's "What ran"."""
-    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid, origin))
+    scenario was built from, for the report's "What ran"; ``command``: what the report is titled after (``kvemu up``
+    runs a load generator too)."""
+    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid, origin,
+                                     command))

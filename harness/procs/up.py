@@ -244,9 +244,9 @@ def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str,
     return None
 
 
-def _relay_until_started(proc: subprocess.Popen) -> threading.Event:
-    """Pass ``proc``'s standard output on to ours, line by line; the event is set at its start line (the load
-    generator prints it once the router has every expected worker and the run begins)."""
+def _relay_until_started(proc: subprocess.Popen) -> tuple[threading.Event, threading.Thread]:
+    """Pass ``proc``'s standard output on to ours, line by line, until it closes (the thread); the event is set at
+    its start line (the load generator prints it once the router has every expected worker and the run begins)."""
     started = threading.Event()
 
     def relay() -> None:
@@ -256,8 +256,9 @@ def _relay_until_started(proc: subprocess.Popen) -> threading.Event:
             sys.stdout.write(line)
             sys.stdout.flush()
 
-    threading.Thread(target=relay, daemon=True).start()
-    return started
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    return started, thread
 
 
 def _let_report(loadgen: subprocess.Popen, outdir: Path, since: float, what: str, stop: int | None) -> None:
@@ -569,8 +570,9 @@ def _serve_until_stopped(kids: Children, stack: _Stack, scenario: Scenario, stop
 
 
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
-            http: list[str] | None = None, worker_http: list[str] | None = None) -> int:
-    """Run the whole stack as processes; returns the load generator's exit code."""
+            http: list[str] | None = None, worker_http: list[str] | None = None, quiet: bool = False) -> int:
+    """Run the whole stack as processes; returns the load generator's exit code. The load generator prints the
+    run's answer (``harness.report.first_screen``, titled ``kvemu up``) on our standard output, unless ``quiet``."""
     run_secret("kvemu up", worker_http)
     config = _config(scenario_path, overrides)
     kids = Children()
@@ -587,12 +589,12 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
         each = [x for r, pid in zip(stack.routers, stack.router_pids()) for x in ("--router", r, "--router-pid", str(pid))]
         # --force: this process claimed OUTDIR already (claim_outdir)
         loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--force", "--chaos", "skip",
-                                               "--ran-by", "kvemu up",
-                                               "--expect-workers", str(workers), *config),
+                                               "--expect-workers", str(workers), "--report-as", "kvemu up",
+                                               *(["--quiet"] if quiet else []), *config),
                                    env=cli_env(), stdout=subprocess.PIPE, text=True,
                                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         kids.procs["loadgen"] = loadgen
-        running = _relay_until_started(loadgen)
+        running, relaying = _relay_until_started(loadgen)
         chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
         t0: float | None = None  # the chaos timeline counts from the load generator's start, as a virtual run's
         while loadgen.poll() is None:
@@ -629,6 +631,7 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
             _save_metrics(stack.http, outdir)
         where = (f"report in {outdir}" if _written_since(outdir, started_wall) else
                  f"no report in {outdir} (the load generator's lines above say why, or where it went)")
+        relaying.join(5.0)  # its last lines (the run's summary table) reach our standard output before we exit
         print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
         return code
     except KeyboardInterrupt:  # the load generator reports what ran before the others stop

@@ -1,8 +1,10 @@
-"""report.md: the summary and the run, as tables a reader scans (and the shared cell formats).
+"""report.md: the summary and the run, as tables a reader scans (and the shared cell formats), with the terms it
+uses defined at its end; a table with nothing but zeros says "(none)" instead.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -36,7 +38,21 @@ def _cell(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+_NOTHING = re.compile(r"[\s0.,/%()—–-]*")
+"""A formatted cell that says zero or nothing (``0``, ``0.00 ms``, ``—``, ``0 / 0 (0.0%)``) once its unit is gone."""
+_UNITS = re.compile(r"\b(?:ms|tok/s|req/s|tok|s|worker-s)\b")
+
+
+def _says_nothing(cell: Any) -> bool:
+    return _NOTHING.fullmatch(_UNITS.sub("", str(cell))) is not None
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], labels: int = 1) -> list[str]:
+    """A markdown table; or ``(none)`` when every cell but the first ``labels`` of each row (what names the row) is
+    zero or empty: a table of zeros tells the reader nothing a word does not."""
+    rows = [list(row) for row in rows]
+    if all(_says_nothing(c) for row in rows for c in row[labels:]):
+        return ["(none)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
@@ -58,7 +74,7 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
     """report.md: what ran, the headline numbers, per-rank, routing truth, affinity, queue, KV events."""
     k = summary["kvemu"]
     s = summary
-    out: list[str] = [f"# kvemu run: {k['scenario']}", ""]
+    out: list[str] = [f"# {data.command}: {k['scenario']}", ""]
     if k["partial"]:
         why = f" ({k['stop_reason']})" if k.get("stop_reason") else ""
         out += [f"> **PARTIAL RUN — this report covers only what finished before the run was interrupted{why}.**",
@@ -112,7 +128,7 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
                   [(r["worker_id"], r["dp_rank"], fmt(r["requests"]), fmt(r["completed_requests"]),
                     fmt(r["failed_requests"]), fmt(r["input_tokens"]), fmt(r["output_tokens"]),
                     pct(r["prefix_cache_reused_ratio"]), fmt(r["mean_active_requests"]),
-                    fmt(r["max_active_requests"]), fmt(r["max_kv_blocks"])) for r in ranks])
+                    fmt(r["max_active_requests"]), fmt(r["max_kv_blocks"])) for r in ranks], labels=2)
     idle = [f"{r['worker_id']}/{r['dp_rank']}" for r in ranks if r["requests"] == 0]
     dis = k.get("disaggregated")
     if idle and dis is None:
@@ -214,7 +230,71 @@ def render_markdown(summary: dict[str, Any], data: RunData, plots: Sequence[str]
         out += ["", "## Plots", ""]
         out += [f"- [{name}]({name})" for name in plots]
         out += [""] + [f"![{name.removesuffix('.png')}]({name})" for name in plots]
+    out += glossary("\n".join(out))
     return "\n".join(out) + "\n"
+
+
+GLOSSARY: tuple[tuple[str, str, str], ...] = (
+    # (term, a pattern: the report uses it where this matches, definition)
+    ("TTFT", r"\bTTFT\b", "time to first token: the first token's time minus the request's arrival."),
+    ("TTST", r"\bTTST\b", "time to second token: the second token's time minus the first's (requests with 2 or "
+                           "more tokens)."),
+    ("TPOT", r"\bTPOT\b", "time per output token: (completion - first token) / (output tokens - 1), one value per "
+                           "request."),
+    ("ITL", r"\bITL\b", "inter-token latency: every gap between two consecutive tokens of a request, pooled over "
+                         "all requests."),
+    ("E2E", r"\bE2E\b", "end-to-end latency: completion minus arrival."),
+    ("p50, p90, p99", r"\bp(?:50|90|99)\b", "the value below which 50%, 90%, 99% of the values lie (the value at "
+                                            "the rounded rank, no interpolation); only completed requests count."),
+    ("per-user output speed", r"Per-user output speed", "(output tokens - 1) / (completion - first token), per "
+                                                         "request: the tokens per second one user sees."),
+    ("unfinished", r"\bunfinished\b", "requests neither completed nor failed when the run ended (still queued or "
+                                      "in flight)."),
+    ("scenario time, wall time", r"scenario time", "scenario time runs on the cluster's clock (virtual in a virtual "
+                                                   "run), from the first arrival to the last completion; wall time is "
+                                                   "how long the run took on this machine."),
+    ("prefix cache reuse", r"cache reuse", "the share of completed requests' prompt tokens the engine found already "
+                                           "in its KV cache (not computed again)."),
+    ("SLA, goodput", r"\bgoodput\b", "the SLA is the run's latency targets (run.sla); goodput counts the completed "
+                                     "requests that met every target, per second."),
+    ("DP rank", r"\bDP ranks?\b|\| rank \|", "one data-parallel engine of a worker, with its own KV cache; a worker "
+                                             "has dp_size of them."),
+    ("predicted vs engine cached tokens", r"predicted cached tokens",
+     "the prefix the router expected the chosen rank to hold (from its view of the KV events) against the prefix the "
+     "engine found at admission."),
+    ("attempts, retried requests", r"mean attempts", "dispatches of a request to a worker; a request is retried when "
+                                                     "a dispatch is refused or times out."),
+    ("dispatch rejections", r"dispatch rejections", "dispatches a worker refused (full, draining or gone)."),
+    ("routing reason `cost`", r"`cost`", "the rank with the lowest cost (the prompt blocks it would compute, plus "
+                                         "its active load) was chosen."),
+    ("routing reason `softmax`", r"`softmax`", "a rank was drawn with probabilities from a softmax of the costs "
+                                               "(router_temperature > 0)."),
+    ("routing reason `affinity`", r"`affinity`", "the session's affinity (its earlier requests' rank) limited the "
+                                                 "candidates."),
+    ("routing reason `pinned`", r"`pinned`", "the request named its worker itself."),
+    ("routing reason `policy`", r"`policy`", "a policy other than kv chose (round_robin, random, or module:callable)."),
+    ("routing regret; lost, novel blocks", r"regret", "at each decision, lost blocks were cached on a better eligible "
+                                                     "rank than the chosen one, novel blocks on no rank; regret = lost "
+                                                     "/ (novel + lost): the share of computed prompt blocks a perfect "
+                                                     "router would have found cached."),
+    ("session affinity counters", r"\| binds \|", "binds: a session's first request bound it to a rank; hits: a "
+     "later request found its binding; waits: a request waited for its session's first routing; rebinds (soft mode): "
+     "a session moved to another rank; releases: a bound session's request ended; expirations: bindings idle past "
+     "ttl_secs dropped; invalidations: bindings dropped (their worker left, or a hard binding was broken); "
+     "mismatches (hard mode): a request dispatched elsewhere than its binding."),
+    ("KV events", r"## KV events", "what workers publish when blocks enter or leave their cache; batches are "
+                                   "numbered, a gap is a missed number, a replay a resend the router asked for, "
+                                   "lost batches those never recovered."),
+)
+"""report.md's terms: each is defined at the report's end when the report uses it."""
+
+
+def glossary(text: str) -> list[str]:
+    """The "Terms" section: the definitions of the ``GLOSSARY`` terms ``text`` uses."""
+    used = [(term, meaning) for term, pattern, meaning in GLOSSARY if re.search(pattern, text)]
+    if not used:
+        return []
+    return ["", "## Terms", "", *(f"- **{term}**: {meaning}" for term, meaning in used)]
 
 
 def _lanes_lines(lanes: dict[str, Any]) -> list[str]:

@@ -48,6 +48,8 @@ class RunData(msgspec.Struct, kw_only=True):
     records: list[RequestRecord] = []
     """Per-request records, sorted by arrival (re-sorted by arrival then id where order matters)."""
     scenario_name: str = "scenario"
+    command: str = "kvemu run"
+    """The command that ran it (``kvemu run``, ``kvemu up``, ``kvemu loadgen``...): report.md's title."""
     mode: str = "virtual"
     seed: int = 0
     wall_time_ns: int = 0

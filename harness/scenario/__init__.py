@@ -13,6 +13,7 @@ from harness.scenario import loading, origin, schema, sections
 from harness.scenario.loading import (
     MAX_SCENARIO_BYTES,
     PATH_KEYS,
+    POOL_KEYS,
     ScenarioError,
     apply_overrides,
     default_scenario_text,

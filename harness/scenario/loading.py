@@ -32,6 +32,7 @@ __all__ = [
     "ScenarioError",
     "MAX_SCENARIO_BYTES",
     "PATH_KEYS",
+    "POOL_KEYS",
     "load_scenario",
     "parse_scenario",
     "scenario_text",
@@ -100,7 +101,7 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
             timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
     cluster_raw = raw.get("cluster")
     if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
-        for key in ("workers", "dp_size", "engine"):
+        for key in POOL_KEYS:
             if key in cluster_raw:
                 at = key_location(node, ["cluster", key], overridden)
                 raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
@@ -135,6 +136,8 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     return scenario
 
 
+POOL_KEYS = ("workers", "dp_size", "engine")
+"""The aggregated pool's keys of ``cluster``, which a disaggregated cluster must not give (each pool has its own)."""
 _ENGINES: list[list[str]] = [["cluster", "engine"], ["cluster", "prefill", "engine"], ["cluster", "decode", "engine"]]
 """Where engine sections are in a scenario."""
 PATH_KEYS = ("workload.trace", *(".".join(map(str, [*where, "timing_model", "path"])) for where in _ENGINES))

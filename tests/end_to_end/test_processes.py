@@ -78,6 +78,11 @@ def test_up_runs_the_stack_and_leaves_no_process_behind(tmp_path):
     ranks = {(r["worker_id"], r["dp_rank"]) for r in summary["kvemu"]["per_rank"] if r["requests"]}
     assert {w for w, _ in ranks} == {0, 1}
     assert _gone(tag)  # router, workers and loadgen are all gone
+    # it ends with its answer, titled after the command that ran (not "kvemu run"), the report's path last
+    screen = res.stdout[res.stdout.index("kvemu up: procs (live time, seed 4)"):].splitlines()
+    assert screen[1].split()[:2] == ["requests", f"{summary['num_requests']}/{summary['num_requests']}"]
+    assert screen[-1].split() == ["report", str(out / "report.md")]
+    assert (out / "report.md").read_text().startswith("# kvemu up: procs\n")
 
 
 def _gone(tag: str, within_s: float = 5.0) -> bool:
