@@ -33,7 +33,7 @@ from harness.turns import Sessions
 from harness.tuning import tune_gc
 from harness.workload import build_sessions, count_requests
 
-__all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
+__all__ = ["run_scenario", "RunOutcome", "RunAborted", "NothingRan", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
@@ -73,10 +73,13 @@ class _ShiftedClock:
 
 
 def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None,
-                 observers: Sequence[Callable[[HookEvent], None]] = ()) -> RunOutcome:
+                 observers: Sequence[Callable[[HookEvent], None]] = (),
+                 generated: Callable[[int], None] | None = None) -> RunOutcome:
     """Run ``scenario`` to the end (or until interrupted) and write its report to ``outdir``.
 
-    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling).
+    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling); ``generated``
+    is told of the requests as the workload is made (a progress line). Interrupted while the workload is made,
+    nothing ran: ``NothingRan``, and no report (not a 0/0 one).
     """
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
@@ -89,7 +92,10 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     error: BaseException | None = None
     shell: AutoscalerShell | None = None
     try:
-        sessions = build_sessions(scenario)  # an invalid trace raises ScenarioError: nothing ran, no report
+        sessions = build_sessions(scenario, generated)  # an invalid trace raises ScenarioError: nothing ran
+    except KeyboardInterrupt as exc:
+        raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
+    try:
         if scenario.autoscaler is not None:  # a policy that does not import raises ScenarioError: nothing ran
             shell = state["autoscaler"] = AutoscalerShell(scenario, hooks, recorder)
         tune_gc()
@@ -128,12 +134,36 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
-        outcome.summary, outcome.report_dir = save_report(data, outdir)
+        outcome.summary, outcome.report_dir = _save_whatever_comes(data, outdir)
     if error is not None:
         raise RunAborted(f"the run stopped early: {_describe(error)}"
                          + (f"; partial report in {outcome.report_dir}" if outcome.report_dir is not None else ""),
                          outcome) from error
     return outcome
+
+
+def _save_whatever_comes(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
+    """``save_report``, with SIGINT and SIGTERM said and otherwise ignored meanwhile: a second Ctrl-C does not cut
+    the report short (it takes seconds, its plots most)."""
+    from harness.cli.signals import held_signals
+
+    with held_signals([], say="the report is being written; kvemu stops once it is (a few seconds)"):
+        return save_report(data, outdir)
+
+
+class NothingRan(KvemuError, RuntimeError):
+    """A signal (``reason``: SIGINT or SIGTERM) stopped a run while ``doing`` (generating its workload, waiting for
+    its router): nothing ran, so there is no report."""
+
+    def __init__(self, doing: str, reason: str) -> None:
+        super().__init__(f"interrupted ({reason}) while {doing}: nothing ran; no report")
+        self.doing = doing
+        self.reason = reason
+
+    @property
+    def exit_code(self) -> int:
+        """130 for SIGINT (Ctrl-C), 143 for SIGTERM."""
+        return 143 if self.reason == "SIGTERM" else 130
 
 
 class RunAborted(KvemuError, RuntimeError):
