@@ -47,7 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
     if args.command in ("router", "worker", "front", "loadgen", "up", "serve"):
-        return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
+        try:
+            return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
+        except KeyboardInterrupt:  # before it handles them (it was starting): nothing ran, no traceback
+            print(f"kvemu {args.command}: interrupted (SIGINT) while starting: nothing ran", file=sys.stderr)
+            return 130
     if args.command == "fleet":
         from harness.cli.fleet import fleet_command
 

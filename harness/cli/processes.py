@@ -61,7 +61,9 @@ def process_command(args: argparse.Namespace) -> int:
     if args.command == "loadgen" and args.http_url:
         return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
+        from harness.cli.signals import held_signals
         from harness.procs.loadgen import NotStarted, loadgen_report
+        from harness.runner import NothingRan
 
         problem = loadgen_chaos_problem(scenario, args.chaos) or _loadgen_routers_problem(args, scenario)
         if problem:
@@ -70,15 +72,20 @@ def process_command(args: argparse.Namespace) -> int:
         try:
             summary, where = loadgen_report(scenario, args.router, outdir, args.expect_workers,
                                             apply_chaos=args.chaos == "apply", router_pid=args.router_pid)
-        except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
+        except NothingRan as exc:  # Ctrl-C or SIGTERM before anything ran
+            print(f"kvemu loadgen: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except NotStarted as exc:  # a router never reached, or lost before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
         except ScenarioError as exc:  # the workload (a trace file) is read when the load generator starts
             print(f"invalid scenario: {exc}", file=sys.stderr)
             return 2
-        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
-              + (f"report in {where}/report.md" if where is not None else "no report could be written (its summary "
-                 "is above)"), file=sys.stderr)
+        with held_signals([]):  # the report is written: one more Ctrl-C does not turn its line into a traceback
+            print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests "
+                  "completed" + _stopped(summary) + "; " + (f"report in {where}/report.md" if where is not None else
+                                                            "no report could be written (its summary is above)"),
+                  file=sys.stderr, flush=True)
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
         return 0 if not summary.get("partial") else 130
@@ -101,6 +108,11 @@ def process_command(args: argparse.Namespace) -> int:
     except ChildNotStarted as exc:  # the child printed why on the shared stderr
         print(f"kvemu {args.command}: {exc}", file=sys.stderr)
         return 2 if exc.code == 2 else 1
+
+
+def _stopped(summary: dict[str, Any]) -> str:
+    """`` (PARTIAL: why)`` for a report of a run stopped early, else nothing."""
+    return f" (PARTIAL: {summary.get('kvemu', {}).get('stop_reason') or 'stopped'})" if summary.get("partial") else ""
 
 
 def _loadgen_routers_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
