@@ -15,12 +15,14 @@ from typing import TextIO
 
 from harness.scenario import Scenario, SyntheticWorkload
 
-__all__ = ["RunProgress", "GENERATING", "RUNNING", "eta_text", "expected_requests", "workload_end_s", "for_scenario",
+__all__ = ["RunProgress", "GENERATING", "RUNNING", "PROGRESS_EVERY_S", "eta_text", "expected_requests", "workload_end_s", "for_scenario",
            "print_progress"]
 
 GENERATING = "generating the workload"
 RUNNING = "running"
 
+PROGRESS_EVERY_S = 5.0
+"""On a terminal, a load generator prints its progress line this often."""
 MIN_ETA_WALL_S = 1.0
 """An ETA is given once the run has gone this long (wall time): before, a rate says little."""
 

@@ -58,8 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fleet_command(args)
     if args.command == "bench-router":
         from harness.cli.fleet import bench_router_command
+        from harness.runner import Terminated
 
-        return bench_router_command(args)
+        try:
+            return bench_router_command(args)
+        except KeyboardInterrupt as exc:  # the reports of the routers run so far are kept
+            reason = exc.reason if isinstance(exc, Terminated) else "SIGINT"
+            print(f"kvemu bench-router: interrupted ({reason}); the routers' reports so far are in their folders",
+                  file=sys.stderr)
+            return 143 if reason == "SIGTERM" else 130
     from harness.runner import Terminated
 
     try:

@@ -147,10 +147,19 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
         except (OSError, IndexError, msgspec.DecodeError) as exc:
             print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
             return 2
-    summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
-                                         tokenizer=args.tokenizer, model=args.model)
-    print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
-          + (f"report in {where}/report.md" if where is not None else "no report could be written"), file=sys.stderr)
+    from harness.cli.signals import held_signals
+    from harness.runner import NothingRan
+
+    try:
+        summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
+                                             tokenizer=args.tokenizer, model=args.model)
+    except NothingRan as exc:  # Ctrl-C or SIGTERM while the workload was made
+        print(f"kvemu loadgen: {exc}", file=sys.stderr)
+        return exc.exit_code
+    with held_signals([]):  # the report is written: one more Ctrl-C does not turn its line into a traceback
+        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
+              + _stopped(summary) + "; " + (f"report in {where}/report.md" if where is not None else
+                                           "no report could be written"), file=sys.stderr, flush=True)
     return 0 if not summary.get("partial") else 130
 
 

@@ -30,7 +30,7 @@ from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns, timeline
 from harness.cluster import replica_front
-from harness.progress import RunProgress, for_scenario, print_progress
+from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
@@ -399,8 +399,6 @@ async def _loadgen_run(scenario: Scenario, router: str | list[str], outdir: Path
     return save_report(data, outdir)
 
 
-PROGRESS_EVERY_S = 5.0
-"""On a terminal, the load generator prints its progress line this often."""
 CONNECT_WAIT_S = 60.0
 """How long the load generator waits for the router (and the workers it expects) before giving up."""
 

@@ -135,3 +135,34 @@ def test_ctrl_c_of_kvemu_run_while_the_workload_is_made_says_nothing_ran(tmp_pat
         text[-3000:]
     _no_traceback(text)
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_kvemu_loadgen_over_http_stopped_in_a_terminal_leaves_a_partial_report(tmp_path, how):
+    """``kvemu loadgen --http`` against a router's OpenAI front door: Ctrl-C twice (the second while it writes) or
+    SIGTERM (which killed it, no report) leave the whole partial report, with the signal as its stop reason."""
+    import os
+    import signal
+
+    from harness.procs.up import Children
+    from tests.end_to_end.test_processes import router_and_worker
+
+    out = tmp_path / "out"
+    scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 30}\n"])
+    kids = Children()
+    try:
+        router = router_and_worker(kids, scenario, 0, *FAST, router_args=(*FAST, "--http", "127.0.0.1:0"))
+        with Terminal("loadgen", "--http", router["http"], "-o", str(out), str(scenario), *FAST) as term:
+            if how == "ctrl_c":
+                code, text = term.interrupt_when(r"kvemu loadgen: running: [1-9]", times=2)
+            else:
+                term.wait_for(r"kvemu loadgen: running: [1-9]", 60)
+                os.kill(term.proc.pid, signal.SIGTERM)
+                code, text = term.wait(60), term.output
+    finally:
+        kids.stop_all(grace_s=5)
+    reason = "SIGINT" if how == "ctrl_c" else "SIGTERM"
+    assert code == 130, text[-3000:]
+    assert f"(PARTIAL: {reason}); report in {out}/report.md" in text, text[-3000:]
+    _no_traceback(text)
+    _partial_report(out, reason)
