@@ -46,6 +46,8 @@ class RunProgress:
         self._run_wall: float | None = None
         self._seen_wall = self._phase_wall
         """When ``running`` last told of the run (its rates are measured up to then, not to now)."""
+        self._run_from_s = 0.0
+        """The scenario time of the run's first news."""
 
     def enter(self, phase: str) -> None:
         """A phase between generating and running (waiting for a router), or after (writing the report)."""
@@ -60,6 +62,7 @@ class RunProgress:
         self._seen_wall = self._wall()
         if self._run_wall is None:
             self._run_wall = self._phase_wall = self._seen_wall
+            self._run_from_s = now_ns / 1e9  # (a live run's first news may come a moment into it)
             self.phase = RUNNING
         self.scenario_s, self.done, self.total = now_ns / 1e9, done, total
 
@@ -77,13 +80,23 @@ class RunProgress:
         return self._seen_wall - self._run_wall if self._run_wall is not None else 0.0
 
     def eta_s(self) -> float | None:
-        """Wall seconds left at the rate the run has gone so far, counted down since its last news (None: not
-        known yet)."""
-        f = self.fraction()
+        """Wall seconds left, counted down since the run's last news (None: not known yet): while requests still
+        arrive, the scenario time left at the speed scenario time has gone (virtual time runs faster than the
+        wall); after, the requests left at the rate requests were done."""
         spent = self._measured_s()
-        if f is None or f <= 0 or spent < MIN_ETA_WALL_S:
+        if self.phase != RUNNING or spent < MIN_ETA_WALL_S:
             return None
-        return max(0.0, spent * (1 - min(f, 1.0)) / f - (self._wall() - self._seen_wall))
+        if self.end_s and self.scenario_s < self.end_s:
+            speed = (self.scenario_s - self._run_from_s) / spent
+            if speed <= 0:
+                return None
+            left = (self.end_s - self.scenario_s) / speed
+        else:
+            f = self.fraction()
+            if not f:
+                return None
+            left = spent * (1 - min(f, 1.0)) / f
+        return max(0.0, left - (self._wall() - self._seen_wall))
 
     def line(self) -> str:
         """The progress line: the phase, its counts, and (running) scenario time, its speed and the ETA."""
@@ -97,7 +110,7 @@ class RunProgress:
         parts = [f"{RUNNING}: {self.done:,}/{total} requests",
                  f"t={_duration(self.scenario_s)}" + (f" of {_duration(self.end_s)}" if self.end_s else "")]
         if self._measured_s() >= MIN_ETA_WALL_S:
-            parts.append(f"{self.scenario_s / self._measured_s():,.1f}x real time")
+            parts.append(f"{(self.scenario_s - self._run_from_s) / self._measured_s():,.1f}x real time")
         parts.append(eta_text(self.eta_s()))
         return ", ".join(parts)
 

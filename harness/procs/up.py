@@ -49,6 +49,10 @@ DRAIN_S = 10.0
 STOP_GRACE_S = DRAIN_S + 5.0
 """How long the supervisor gives each stage of its stop before SIGKILL: longer than a drain, so that every open
 stream ends with its ``[DONE]`` or an error event naming why, never cut."""
+ABANDON_S = 2.0
+"""``kvemu up`` stopped by a signal, without a front door: once the load generator wrote its report, its router and
+workers get this long to stop (together) before they are killed. The requests they still run have no client left,
+so a drain would only make the user wait."""
 LOADGEN_REPORT_S = 60.0
 """How long ``kvemu up``, stopped, waits for its load generator to write the partial report before stopping it."""
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -176,14 +180,15 @@ class Children:
                 self.procs[f"gone-{name}"] = self.procs.pop(name)
         return out
 
-    def stop_all(self, grace_s: float = STOP_GRACE_S, hurry: threading.Event | None = None) -> None:
+    def stop_all(self, grace_s: float = STOP_GRACE_S, hurry: threading.Event | None = None,
+                 in_order: bool = True) -> None:
         """Stop every child, in order: the front door and the load generator first (the front drains its open
         streams while the routers and workers still serve them), then the routers, then the workers and the
         rest. Each stage gets SIGTERM, then SIGKILL after ``grace_s``; once ``hurry`` is set (a second Ctrl-C),
-        whoever is left is killed at once."""
+        whoever is left is killed at once. ``in_order=False``: all in one stage (no client is left to serve)."""
         stages: dict[int, list[subprocess.Popen]] = {}
         for name, proc in self.procs.items():
-            stages.setdefault(_stop_stage(name), []).append(proc)
+            stages.setdefault(_stop_stage(name) if in_order else 0, []).append(proc)
         for stage in sorted(stages):
             procs = stages[stage]
             for proc in procs:
@@ -438,8 +443,10 @@ class StopSignals:
     as ``KeyboardInterrupt``), the next, once the stop is under way, to kill its children now (``hurry``), each
     said in one line. No traceback, and the stop is never abandoned half way."""
 
-    def __init__(self, who: str, begun: bool = False) -> None:
+    def __init__(self, who: str, begun: bool = False, how: str | None = None) -> None:
         self.who = who
+        self.how = how or f"open streams get up to {DRAIN_S:g} s to end, then the routers and workers stop"
+        """How the stop goes, in the line that announces it."""
         self.requested = threading.Event()
         self.hurry = threading.Event()
         self.interrupts = not begun
@@ -454,8 +461,8 @@ class StopSignals:
         """The stop begins (for ``why``): a signal from now on kills the children now."""
         if not self.requested.is_set():
             self.requested.set()
-            print(f"{self.who}: {why}: stopping (open streams get up to {DRAIN_S:g} s to end, then the routers and "
-                  "workers stop); press Ctrl-C again to kill them now", file=sys.stderr, flush=True)
+            print(f"{self.who}: {why}: stopping ({self.how}); press Ctrl-C again to kill them now", file=sys.stderr,
+                  flush=True)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.requested.is_set():
@@ -597,7 +604,9 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
     kids = Children(own_groups=True)
     started = time.monotonic()
     started_wall = time.time()
-    with StopSignals("kvemu up") as stop:
+    how = None if http or worker_http else "the load generator writes its partial report, then the router and " \
+        "workers stop"
+    with StopSignals("kvemu up", how=how) as stop:
         try:
             return _up(kids, config, scenario, outdir, http or [], worker_http, stop, started, started_wall)
         except KeyboardInterrupt:  # while starting the router or the workers: nothing ran
@@ -606,8 +615,14 @@ def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir
             return stop.exit_code
         finally:
             stop.interrupts = False
+            # stopped by a signal with no front door, the load generator (gone, its report written) was the only
+            # client: what the routers and workers still run has nobody to go to, so they stop together, briefly
+            abandon = not (http or worker_http) and stop.requested.is_set()
             stop.requested.set()  # (silently: the line saying why was printed)
-            kids.stop_all(hurry=stop.hurry)
+            if abandon:
+                kids.stop_all(ABANDON_S, hurry=stop.hurry, in_order=False)
+            else:
+                kids.stop_all(hurry=stop.hurry)
 
 
 def _up(kids: Children, config: list[str], scenario: Scenario, outdir: Path, http: list[str],

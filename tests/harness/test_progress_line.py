@@ -92,3 +92,13 @@ def test_printed_lines_start_at_once_and_stop_when_told():
         threading.Event().wait(0.01)
     stop.set()
     assert done.is_set() and out.getvalue().startswith("kvemu loadgen: generating the workload: 0 requests so far")
+
+
+def test_a_live_run_whose_first_news_comes_late_runs_at_real_time_not_faster():
+    """The load generator's first sample comes a moment into the run: speed and ETA count from it."""
+    wall = FakeWall()
+    p = RunProgress(end_s=30.0, wall=wall)
+    p.running(1_200_000_000, 10, 926)
+    wall.t += 4
+    p.running(5_200_000_000, 150, 926)
+    assert p.line() == "running: 150/926 requests, t=5s of 30s, 1.0x real time, ETA 25s"
