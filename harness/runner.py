@@ -6,6 +6,7 @@ of the two modes read the same way.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -134,6 +135,8 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
+        if data.stop_reason in ("SIGINT", "SIGTERM"):  # (it takes a few seconds: say why nothing seems to happen)
+            print(f"kvemu: {data.stop_reason}: writing the partial report in {outdir}", file=sys.stderr, flush=True)
         outcome.summary, outcome.report_dir = _save_whatever_comes(data, outdir)
     if error is not None:
         raise RunAborted(f"the run stopped early: {_describe(error)}"

@@ -58,8 +58,12 @@ class Terminal:
         return found
 
     def ctrl_c(self) -> float:
-        """SIGINT to the process group, as a terminal sends Ctrl-C; returns when (``time.monotonic``)."""
-        os.killpg(self.proc.pid, signal.SIGINT)
+        """SIGINT to the process group, as a terminal sends Ctrl-C (none if it is gone already); returns when
+        (``time.monotonic``)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
         return time.monotonic()
 
     def interrupt_when(self, pattern: str, times: int = 1, timeout_s: float = 60.0) -> tuple[int, str]:

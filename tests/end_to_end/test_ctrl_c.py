@@ -116,7 +116,9 @@ def test_ctrl_c_of_kvemu_run_in_a_terminal_leaves_a_partial_report(tmp_path, mod
     out = tmp_path / "out"
     scenario = small(tmp_path, [f"run: {{mode: {mode}, seed: 4, duration_s: 600}}\n"])
     with Terminal("run", str(scenario), *FAST, "-o", str(out)) as term:
-        code, text = term.interrupt_when(r"running: [1-9]", times=2)
+        term.wait_for(r"running: [1-9]", 60)
+        term.ctrl_c()
+        code, text = term.interrupt_when(r"kvemu: SIGINT: writing the partial report in ")  # a second, meanwhile
     assert code == 130, text[-3000:]
     assert f"(PARTIAL: SIGINT); report in {out}/report.md" in text, text[-3000:]
     _no_traceback(text)
