@@ -152,7 +152,13 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
                 return router_row(label, {}, time.monotonic() - t0, error=f"{why} (see {where / 'router.log'})")
         print(f"kvemu bench-router: {label}: replaying through {url}", file=sys.stderr, flush=True)
         summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
-                                         compress=compress, origin=origin, command=f"kvemu bench-router ({label})")
+                                         compress=compress, origin=origin,
+                                         command=f"kvemu bench-router ({label})")
+        stopped = summary.get("kvemu", {}).get("stop_reason")
+        if stopped in ("SIGINT", "SIGTERM"):  # the user stops the benchmark (this router's partial report is kept)
+            from harness.runner import Terminated
+
+            raise Terminated(stopped)
         if router is not None:  # what the router says it did (its retries, errors): beside the report
             _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
         return {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}

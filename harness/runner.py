@@ -6,6 +6,7 @@ of the two modes read the same way.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ from harness.turns import Sessions
 from harness.tuning import tune_gc
 from harness.workload import build_sessions, count_requests
 
-__all__ = ["run_scenario", "RunOutcome", "RunAborted", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
+__all__ = ["run_scenario", "RunOutcome", "RunAborted", "NothingRan", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
@@ -73,11 +74,14 @@ class _ShiftedClock:
 
 
 def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None,
-                 observers: Sequence[Callable[[HookEvent], None]] = (), origin: RunOrigin | None = None) -> RunOutcome:
+                 observers: Sequence[Callable[[HookEvent], None]] = (),
+                 generated: Callable[[int], None] | None = None, origin: RunOrigin | None = None) -> RunOutcome:
     """Run ``scenario`` to the end (or until interrupted) and write its report to ``outdir``.
 
-    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling); ``origin`` is what
-    the scenario was built from (its file and ``--set`` overrides), for the report's "What ran".
+    ``observers`` are subscribed to every lifecycle hook of the run (traces, external tooling); ``generated``
+    is told of the requests as the workload is made (a progress line); ``origin`` is what the scenario was built
+    from (its file and ``--set`` overrides), for the report's "What ran". Interrupted while the workload is made,
+    nothing ran: ``NothingRan``, and no report (not a 0/0 one).
     """
     if outdir is not None:
         prepare_outdir(outdir)  # a bad path fails now, not after the run
@@ -90,7 +94,10 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     error: BaseException | None = None
     shell: AutoscalerShell | None = None
     try:
-        sessions = build_sessions(scenario)  # an invalid trace raises ScenarioError: nothing ran, no report
+        sessions = build_sessions(scenario, generated)  # an invalid trace raises ScenarioError: nothing ran
+    except KeyboardInterrupt as exc:
+        raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
+    try:
         if scenario.autoscaler is not None:  # a policy that does not import raises ScenarioError: nothing ran
             shell = state["autoscaler"] = AutoscalerShell(scenario, hooks, recorder)
         tune_gc()
@@ -130,12 +137,38 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     )
     outcome = RunOutcome(data, recorder)
     if outdir is not None:
-        outcome.summary, outcome.report_dir = save_report(data, outdir)
+        if data.stop_reason in ("SIGINT", "SIGTERM"):  # (it takes a few seconds: say why nothing seems to happen)
+            print(f"kvemu: {data.stop_reason}: writing the partial report in {outdir}", file=sys.stderr, flush=True)
+        outcome.summary, outcome.report_dir = _save_whatever_comes(data, outdir)
     if error is not None:
         raise RunAborted(f"the run stopped early: {_describe(error)}"
                          + (f"; partial report in {outcome.report_dir}" if outcome.report_dir is not None else ""),
                          outcome) from error
     return outcome
+
+
+def _save_whatever_comes(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
+    """``save_report``, with SIGINT and SIGTERM said and otherwise ignored meanwhile: a second Ctrl-C does not cut
+    the report short (it takes seconds, its plots most)."""
+    from harness.cli.signals import held_signals
+
+    with held_signals([], say="the report is being written; kvemu stops once it is (a few seconds)"):
+        return save_report(data, outdir)
+
+
+class NothingRan(KvemuError, RuntimeError):
+    """A signal (``reason``: SIGINT or SIGTERM) stopped a run while ``doing`` (generating its workload, waiting for
+    its router): nothing ran, so there is no report."""
+
+    def __init__(self, doing: str, reason: str) -> None:
+        super().__init__(f"interrupted ({reason}) while {doing}: nothing ran; no report")
+        self.doing = doing
+        self.reason = reason
+
+    @property
+    def exit_code(self) -> int:
+        """130 for SIGINT (Ctrl-C), 143 for SIGTERM."""
+        return 143 if self.reason == "SIGTERM" else 130
 
 
 class RunAborted(KvemuError, RuntimeError):

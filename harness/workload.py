@@ -44,18 +44,22 @@ __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "cou
 
 PROGRESS_EVERY_ROWS = 250_000
 """On a terminal, reading a trace prints a line on stderr every this many rows (a large trace takes a while)."""
+MADE_EVERY_ROWS = 1024
+"""A trace's rows are counted for a progress line (``load_trace``'s ``made``) in steps of this many."""
 
 
 def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = None, *,
-               max_rows: int = MAX_TRACE_ROWS, progress: TextIO | None = None) -> TraceSessions:
+               max_rows: int = MAX_TRACE_ROWS, progress: TextIO | None = None,
+               made: Callable[[int], None] | None = None) -> TraceSessions:
     """Mooncake JSONL rows → sessions (rows with a ``session_id`` chain by ``delay``; others stand alone),
     sorted stably by start and kept column-wise (``TraceSessions``: a 10^7-row trace fits in memory).
 
     ``max_requests`` counts rows; a bad row is a ``ScenarioError`` naming the file, line and field, and so is
     the row past ``max_rows`` (the trace is not read further). ``progress`` (default: stderr when it is a
-    terminal) gets a line every ``PROGRESS_EVERY_ROWS`` rows.
+    terminal, unless ``made`` counts the rows instead: it is told of every ``MADE_EVERY_ROWS``) gets a line every
+    ``PROGRESS_EVERY_ROWS`` rows.
     """
-    if progress is None and sys.stderr is not None and sys.stderr.isatty():
+    if progress is None and made is None and sys.stderr is not None and sys.stderr.isatty():
         progress = sys.stderr
     store = TraceSessionsBuilder(workload.block_size)
     turns = mooncake_turns(path, store, max_requests, workload.block_size,
@@ -70,6 +74,8 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
             break
         lineno, row = item.line, item.row
         count += 1
+        if made is not None and count % MADE_EVERY_ROWS == 0:
+            made(MADE_EVERY_ROWS)
         if progress is not None and count % PROGRESS_EVERY_ROWS == 0:
             print(f"kvemu: reading {path}: {count:,} rows (line {lineno:,})", file=progress, flush=True)
         r = store.turn(row)
@@ -78,6 +84,8 @@ def load_trace(workload: TraceWorkload, path: Path, max_requests: int | None = N
             continue
         _check_time(item.time_ns, path, lineno)
         store.open(r, lineno, item.time_ns, row.session_id)
+    if made is not None:
+        made(count % MADE_EVERY_ROWS)
     return store.build()
 
 
@@ -103,8 +111,9 @@ def sample(dist: Distribution, rng: random.Random) -> int:
 
 
 def synthesize(w: SyntheticWorkload, *, seed: int, duration_s: float, workers: int,
-               max_sessions: int | None = None) -> list[Session]:
-    """Sessions arriving over ``duration_s`` (Poisson or constant rate), growing their conversation."""
+               max_sessions: int | None = None, made: Callable[[int], None] | None = None) -> list[Session]:
+    """Sessions arriving over ``duration_s`` (Poisson or constant rate), growing their conversation; ``made`` is
+    told of each session's requests as it is made."""
     rng = random.Random(seed)
     vocab = w.vocab_size
     prefixes = [_tokens(rng, vocab, w.system_prefix_tokens) for _ in range(max(1, w.num_prefix_groups))]
@@ -132,6 +141,8 @@ def synthesize(w: SyntheticWorkload, *, seed: int, duration_s: float, workers: i
             turns.append(Turn(list(history), osl, delay, reply, subs, pin))
             history += reply
         sessions.append(Session(sid, round(t * NS_PER_S), turns, True))
+        if made is not None:
+            made(w.turns * (1 + w.sub_agents))
     return sessions
 
 
@@ -181,15 +192,16 @@ def count_requests(sessions: Sessions) -> int:
     return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
 
 
-def build_sessions(scenario: Scenario) -> Sessions:
+def build_sessions(scenario: Scenario, made: Callable[[int], None] | None = None) -> Sessions:
     """The scenario's sessions (a graph for an agentic trace), cut to ``run.duration_s`` / ``run.max_requests``
-    as configured (a graph keeps the plays whose first request is ready by ``duration_s``).
+    as configured (a graph keeps the plays whose first request is ready by ``duration_s``); ``made`` is told of
+    the requests as they are made (a synthetic workload's, a Mooncake trace's rows), for a progress line.
 
     ``ScenarioError`` when running them would not fit in memory (``memory_problem``): for a trace read whole,
     from its line count before a row is parsed; for any workload, from its requests once built; and for a workload
     of no request (an empty trace), which would run 0/0 and pass."""
     _check_rows_fit(scenario)
-    sessions = _build_sessions(scenario)
+    sessions = _build_sessions(scenario, made)
     requests = count_requests(sessions)
     if requests == 0:  # a run of nothing would report 0/0 and pass (an empty trace is refused as it is read)
         raise ScenarioError(f"workload: no request starts within run.duration_s={scenario.run.duration_s}; raise it")
@@ -218,7 +230,7 @@ def _check_rows_fit(scenario: Scenario) -> None:
         raise ScenarioError(problem)
 
 
-def _build_sessions(scenario: Scenario) -> Sessions:
+def _build_sessions(scenario: Scenario, made: Callable[[int], None] | None) -> Sessions:
     w = scenario.workload
     run = scenario.run
     if isinstance(w, TraceWorkload):
@@ -227,7 +239,7 @@ def _build_sessions(scenario: Scenario) -> Sessions:
         if w.lanes is not None and fmt in ("mooncake", "mooncake-delta"):
             raise ScenarioError(f"workload.lanes: {w.trace} is a {fmt} trace, which has no plays (each session is "
                                 "its own chain) for lanes to replay; use an agentic format or drop workload.lanes")
-        loaded: TraceSessions | TraceGraph = load_trace(w, path, run.max_requests) if fmt == "mooncake" else \
+        loaded: TraceSessions | TraceGraph = load_trace(w, path, run.max_requests, made=made) if fmt == "mooncake" else \
             load_trace_graph(w, path, fmt, run.max_requests)
         if not count_requests(loaded):  # refused before any cut: the cut's own refusal names run.duration_s
             raise ScenarioError(f"{path}: the trace has no requests")
@@ -237,7 +249,7 @@ def _build_sessions(scenario: Scenario) -> Sessions:
             return loaded if run.duration_s is None else _plays_by(loaded, round(run.duration_s * NS_PER_S))
         return loaded if run.duration_s is None else loaded.starting_by(round(run.duration_s * NS_PER_S))
     duration = run.duration_s if run.duration_s is not None else 60.0
-    sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers)
+    sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers, made=made)
     if run.max_requests is not None:
         sessions = list(_cut(sessions, run.max_requests))
     return sessions

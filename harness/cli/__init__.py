@@ -51,15 +51,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
     if args.command in ("router", "worker", "front", "loadgen", "up", "serve"):
-        return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
+        try:
+            return process_command(args)  # (each handles its own signals: a drain, a supervisor's stop)
+        except KeyboardInterrupt:  # before it handles them (it was starting): nothing ran, no traceback
+            print(f"kvemu {args.command}: interrupted (SIGINT) while starting: nothing ran", file=sys.stderr)
+            return 130
     if args.command == "fleet":
         from harness.cli.fleet import fleet_command
 
         return fleet_command(args)
     if args.command == "bench-router":
         from harness.cli.fleet import bench_router_command
+        from harness.runner import Terminated
 
-        return bench_router_command(args)
+        try:
+            return bench_router_command(args)
+        except KeyboardInterrupt as exc:  # the reports of the routers run so far are kept
+            reason = exc.reason if isinstance(exc, Terminated) else "SIGINT"
+            print(f"kvemu bench-router: interrupted ({reason}); the routers' reports so far are in their folders",
+                  file=sys.stderr)
+            return 143 if reason == "SIGTERM" else 130
     from harness.runner import Terminated
 
     try:

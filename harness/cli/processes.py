@@ -61,7 +61,9 @@ def process_command(args: argparse.Namespace) -> int:
     if args.command == "loadgen" and args.http_url:
         return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
+        from harness.cli.signals import held_signals
         from harness.procs.loadgen import NotStarted, loadgen_report
+        from harness.runner import NothingRan
 
         problem = loadgen_chaos_problem(scenario, args.chaos) or _loadgen_routers_problem(args, scenario)
         if problem:
@@ -71,15 +73,20 @@ def process_command(args: argparse.Namespace) -> int:
             summary, where = loadgen_report(scenario, args.router, outdir, args.expect_workers,
                                             apply_chaos=args.chaos == "apply", router_pid=args.router_pid,
                                             origin=run_origin(args), command=args.report_as)
-        except NotStarted as exc:  # a router never reached, or lost or stopped before anything ran
+        except NothingRan as exc:  # Ctrl-C or SIGTERM before anything ran
+            print(f"kvemu loadgen: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except NotStarted as exc:  # a router never reached, or lost before anything ran
             print(f"kvemu loadgen: {exc}", file=sys.stderr)
             return 1
         except ScenarioError as exc:  # the workload (a trace file) is read when the load generator starts
             print(f"invalid scenario: {exc}", file=sys.stderr)
             return 2
-        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
-              + (f"report in {where}/report.md" if where is not None else "no report could be written (its summary "
-                 "is above)"), file=sys.stderr)
+        with held_signals([]):  # the report is written: one more Ctrl-C does not turn its line into a traceback
+            print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests "
+                  "completed" + _stopped(summary) + "; " + (f"report in {where}/report.md" if where is not None else
+                                                            "no report could be written (its summary is above)"),
+                  file=sys.stderr, flush=True)
         _first_screen(args, summary, where)
         if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
@@ -115,6 +122,11 @@ def _first_screen(args: argparse.Namespace, summary: dict[str, Any], where: Path
           flush=True)
 
 
+def _stopped(summary: dict[str, Any]) -> str:
+    """`` (PARTIAL: why)`` for a report of a run stopped early, else nothing."""
+    return f" (PARTIAL: {summary.get('kvemu', {}).get('stop_reason') or 'stopped'})" if summary.get("partial") else ""
+
+
 def _loadgen_routers_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
     """Whether the load generator's ``--router`` (and ``--router-pid``) flags fit the scenario's router replicas."""
     n, given = scenario.router.replicas, len(args.router)
@@ -147,10 +159,20 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
         except (OSError, IndexError, msgspec.DecodeError) as exc:
             print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
             return 2
-    summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
-                                         tokenizer=args.tokenizer, model=args.model, origin=run_origin(args), command=args.report_as)
-    print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed; "
-          + (f"report in {where}/report.md" if where is not None else "no report could be written"), file=sys.stderr)
+    from harness.cli.signals import held_signals
+    from harness.runner import NothingRan
+
+    try:
+        summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,
+                                             tokenizer=args.tokenizer, model=args.model,
+                                             origin=run_origin(args), command=args.report_as)
+    except NothingRan as exc:  # Ctrl-C or SIGTERM while the workload was made
+        print(f"kvemu loadgen: {exc}", file=sys.stderr)
+        return exc.exit_code
+    with held_signals([]):  # the report is written: one more Ctrl-C does not turn its line into a traceback
+        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
+              + _stopped(summary) + "; " + (f"report in {where}/report.md" if where is not None else
+                                           "no report could be written"), file=sys.stderr, flush=True)
     _first_screen(args, summary, where)
     return 0 if not summary.get("partial") else 130
 

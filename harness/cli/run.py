@@ -17,6 +17,7 @@ from harness.text import counted
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from harness.progress import RunProgress
     from harness.runner import Progress as ProgressCallback
     from harness.scenario import Scenario
 
@@ -24,24 +25,27 @@ __all__ = ["run_command", "scenario_show_command", "validate_command"]
 
 
 @contextlib.contextmanager
-def _progress_bar(console: Console, enabled: bool) -> Iterator[ProgressCallback | None]:
-    """A progress bar on ``console`` and its ``run_scenario`` callback; None (and no rich.progress) if disabled."""
-    if not enabled:
+def _progress_bar(console: Console, meter: RunProgress | None) -> Iterator[ProgressCallback | None]:
+    """A progress bar on ``console`` showing ``meter``'s line (the phase, its counts, the ETA), and the
+    ``run_scenario`` callback that moves it; None (and no rich.progress) without a meter."""
+    if meter is None:
         yield None
         return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, ProgressColumn, Task
+    from rich.text import Text
 
-    last = {"t": 0, "done": 0}
-    with Progress(TextColumn("[bold]{task.fields[clock]}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total} requests"), TextColumn("{task.fields[rate]}"),
-                  TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("run", total=None, clock="t=0s", rate="")
+    shown = meter
+
+    class _Line(ProgressColumn):
+        def render(self, task: Task) -> Text:  # read at each refresh: generation runs in the main thread meanwhile
+            return Text(shown.line())
+
+    with Progress(BarColumn(), _Line(), console=console) as bar:
+        task = bar.add_task("run", total=None)
 
         def progress(now_ns: int, done: int, total: int) -> None:
-            dt = (now_ns - last["t"]) / 1e9
-            rate = (done - last["done"]) / dt if dt > 0 else 0.0
-            last.update(t=now_ns, done=done)
-            bar.update(task, completed=done, total=total, clock=f"t={now_ns / 1e9:,.0f}s", rate=f"{rate:.1f} req/s")
+            meter.running(now_ns, done, total)
+            bar.update(task, completed=round((meter.fraction() or 0.0) * 1000), total=1000)
 
         yield progress
 
@@ -52,7 +56,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     from harness.report.plots import background_renderer
     from harness.report.files import OutputError, claim_outdir
-    from harness.runner import RunAborted, run_scenario
+    from harness.progress import for_scenario
+    from harness.runner import NothingRan, RunAborted, run_scenario
     from harness.scenario import ScenarioError
 
     console = Console(stderr=True)
@@ -72,14 +77,20 @@ def run_command(args: argparse.Namespace) -> int:
             console.print(f"kvemu: running [bold]{scenario.name}[/bold] ({scenario.run.mode} time, seed "
                           f"{scenario.run.seed}) on {cluster_shape(scenario)}", soft_wrap=True, highlight=False)
             # the plots' child process imports matplotlib while the scenario runs
-            with _progress_bar(console, not args.quiet and console.is_terminal) as progress, background_renderer():
-                outcome = run_scenario(scenario, outdir, progress=progress, origin=run_origin(args))
+            meter = for_scenario(scenario) if not args.quiet and console.is_terminal else None
+            with _progress_bar(console, meter) as progress, background_renderer():
+                outcome = run_scenario(scenario, outdir, progress=progress,
+                                       generated=meter.generated if meter is not None else None,
+                                       origin=run_origin(args))
     except OutputError as exc:
         console.print(f"[red]cannot write the report[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     except ScenarioError as exc:  # the workload (a trace file) is read when the run starts
         console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
+    except NothingRan as exc:  # Ctrl-C while the workload was made: no 0/0 report
+        console.print(f"kvemu run: {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return exc.exit_code
     except RunAborted as exc:
         console.print(f"[red]kvemu: {escape(str(exc))}[/red]", soft_wrap=True, highlight=False)
         return 1

@@ -27,13 +27,17 @@ def _signal_handlers(handlers: dict[int, Callable[[int, Any], None]]) -> Iterato
             signal.signal(sig, handler)
 
 
-def held_signals(caught: list[str]) -> contextlib.AbstractContextManager[None]:
+def held_signals(caught: list[str], say: str | None = None) -> contextlib.AbstractContextManager[None]:
     """While in this block, SIGINT and SIGTERM are noted in ``caught`` (by name) instead of stopping the process,
-    so that what they interrupt (planning a sweep) ends and the caller can stop cleanly."""
+    so that what they interrupt (planning a sweep, writing a report) ends and the caller can stop cleanly; with
+    ``say``, each is also said on stderr as ``SIGNAL: SAY``."""
     import signal
+    import sys
 
     def note(signum: int, frame: object) -> None:
         caught.append(signal.Signals(signum).name)
+        if say is not None:
+            print(f"{caught[-1]}: {say}", file=sys.stderr, flush=True)
 
     return _signal_handlers({signal.SIGINT: note, signal.SIGTERM: note})
 

@@ -18,6 +18,7 @@ so inter-token latencies read as the engine's passes, not as zeros.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from array import array
 import time
@@ -41,9 +42,11 @@ from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettle
 from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
-from harness.runner import count_requests
+from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
+from harness.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
 from harness.sessions import awaiting, play_workload
+from harness.turns import Sessions
 from harness.workload import build_sessions
 
 __all__ = ["HttpTarget", "Legs", "http_loadgen_report", "fetch_truth", "legs_by_id", "PromptForm"]
@@ -278,16 +281,21 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
     return out
 
 
-async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], workers: Sequence[str] = ()
-                ) -> tuple[list[RequestRecord], bool, str | None]:
-    """Play the workload against ``target``. With lanes, a request cancelled at their deadline has its stream
-    closed (the worker aborts it; its record says why), and, given the ``workers``' URLs, the warm-up's barrier
-    waits for them to settle and the run waits (at most ``CANCEL_DRAIN_S``) for them to abort what it cancelled."""
-    sessions = build_sessions(scenario)
+async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], workers: Sequence[str] = (),
+                sessions: Sessions | None = None,
+                progress: RunProgress | None = None) -> tuple[list[RequestRecord], bool, str | None]:
+    """Play the workload (``sessions``, made here if not given) against ``target``. With lanes, a request cancelled
+    at their deadline has its stream closed (the worker aborts it; its record says why), and, given the
+    ``workers``' URLs, the warm-up's barrier waits for them to settle and the run waits (at most
+    ``CANCEL_DRAIN_S``) for them to abort what it cancelled. Ctrl-C or SIGTERM (as ``Terminated``) stops it: what
+    ran is returned, with the signal's name."""
+    if sessions is None:
+        sessions = build_sessions(scenario)
     records: dict[str, RequestRecord] = {}
     scopes: dict[str, anyio.CancelScope] = {}  # the requests in flight
-    print(json.dumps({"event": "started", "role": "loadgen", "http": target.url,
-                      "requests": count_requests(sessions)}), flush=True)
+    total = count_requests(sessions)
+    print(json.dumps({"event": "started", "role": "loadgen", "http": target.url, "requests": total}), flush=True)
+    ended = [0]
 
     async def submit(req: ClientRequest) -> RequestRecord:
         rec = records[req.request_id] = target.record(req)  # kept even if the run stops before it ends
@@ -297,7 +305,13 @@ async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], 
                 return await target.submit(req, rec)
             finally:
                 del scopes[req.request_id]
+                ended[0] += 1
         return rec  # cancelled: its stream is closed
+
+    async def tell_progress(meter: RunProgress) -> None:
+        while True:
+            meter.running(target.clock.now_ns(), ended[0], total)
+            await anyio.sleep(0.25)
 
     def cancel(request_id: str, reason: str) -> None:
         scope = scopes.get(request_id)
@@ -310,21 +324,31 @@ async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], 
         async def in_server() -> int | None:
             return await target.unsettled(workers)
 
-    stopped = None
+    stopped: list[str] = []
     finished = False
-    try:
-        async with anyio.create_task_group() as play:
-            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock, cancel=cancel,
-                                           in_server=in_server, out=played)
-            play.cancel_scope.cancel()
-        if in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
-            await _drain(in_server)
-    except KeyboardInterrupt:
-        stopped = "SIGINT"
-    finally:
-        with anyio.CancelScope(shield=True):
-            await target.aclose()
-    return list(records.values()), finished, stopped
+    # SIGINT and SIGTERM are the run's own while it plays (asyncio's Runner would otherwise turn Ctrl-C into a
+    # cancellation of the whole run, and SIGTERM would kill the process): the first stops it, the next are said
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            async with anyio.create_task_group() as play:
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        stopped.append(signal.Signals(signum).name)
+                        if len(stopped) == 1:
+                            play.cancel_scope.cancel()
+
+                play.start_soon(on_signal)
+                if progress is not None:
+                    play.start_soon(tell_progress, progress)
+                finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock,
+                                               cancel=cancel, in_server=in_server, out=played)
+                play.cancel_scope.cancel()
+            if not stopped and in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
+                await _drain(in_server)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await target.aclose()
+    return list(records.values()), finished and not stopped, stopped[0] if stopped else None
 
 
 async def _drain(in_server: Callable[[], Awaitable[int | None]]) -> None:
@@ -341,12 +365,42 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
                         command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
     """Play the scenario against ``url``, gather ``fleet``'s engine truth, write the report (titled after
     ``command``); returns its summary and where it went. ``origin``: what the scenario was built from, for the
-    report's "What ran"."""
+    report's "What ran". Ctrl-C or SIGTERM stops the run and a partial report is written (more signals meanwhile
+    are said and otherwise wait for it); before the run, while the workload is made: ``NothingRan``, no report."""
+    from harness.cli.signals import held_signals, terminate_as_interrupt
+
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
     played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
     workers = list(dict.fromkeys(w.url for w in fleet.workers)) if fleet is not None else []
-    client_records, finished, stopped = run_live(lambda: _play(scenario, target, played, workers))
+    meter = for_scenario(scenario)
+    # on a terminal, a line every few seconds: what it does, how far, and the ETA (never silent for long)
+    ticker = print_progress(meter, "kvemu loadgen", PROGRESS_EVERY_S) if sys.stderr.isatty() else None
+    try:
+        with terminate_as_interrupt():
+            try:
+                sessions = build_sessions(scenario, meter.generated)
+            except KeyboardInterrupt as exc:
+                raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
+            try:
+                client_records, finished, stopped = run_live(lambda: _play(scenario, target, played, workers,
+                                                                           sessions, meter))
+            except KeyboardInterrupt as exc:  # before its signal receiver opened
+                raise NothingRan("starting the run", getattr(exc, "reason", "SIGINT")) from None
+        meter.enter("writing the report")
+        with held_signals([], say="the partial report is being written; kvemu stops once it is"):
+            return _report(scenario, target, fleet, client_records, finished, stopped, played, wall0, compress,
+                           outdir, origin, command)
+    finally:
+        if ticker is not None:
+            ticker.set()
+
+
+def _report(scenario: Scenario, target: HttpTarget, fleet: FleetInfo | None, client_records: list[RequestRecord],
+            finished: bool, stopped: str | None, played: dict[str, Any], wall0: int,
+            compress: float, outdir: Path, origin: RunOrigin | None,
+            command: str) -> tuple[dict[str, Any], Path | None]:
+    """``http_loadgen_report``'s report of a run played: the records joined with ``fleet``'s engine truth."""
     truth: dict[str, Legs] = {}
     samples: list[Sample] = []
     problems: list[str] = []

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,13 +30,15 @@ from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns, timeline
 from harness.cluster import replica_front
+from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
-from harness.runner import count_requests
+from harness.runner import NothingRan, count_requests
 from harness.sessions import awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
 from harness.text import counted
+from harness.turns import Sessions
 from harness.workload import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
                                      reply_decoder)
@@ -218,10 +220,24 @@ def process_alive(pid: int) -> bool:
 
 async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
                    apply_chaos: bool = False, router_pid: int | list[int] | None = None,
+                   sessions: Sessions | None = None, progress: RunProgress | None = None,
                    origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
+    """Play the workload (``sessions``, built here if not given) and write the report. SIGINT and SIGTERM are
+    this function's from its first line to its report's last byte: the first stops the run, the next ones are
+    said and ignored, so no signal cuts the report short (asyncio puts the default handlers back, which kill,
+    when a signal receiver closes: it closes only once the report is written)."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+        return await _loadgen_run(scenario, router, outdir, expect_workers, apply_chaos, router_pid,
+                                  build_sessions(scenario) if sessions is None else sessions, signals, progress,
+                                  origin, command)
+
+
+async def _loadgen_run(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
+                       apply_chaos: bool, router_pid: int | list[int] | None, sessions: Sessions,
+                       signals: AsyncIterator[int], progress: RunProgress | None, origin: RunOrigin | None,
+                       command: str) -> tuple[dict[str, Any], Path | None]:
     routers = [router] if isinstance(router, str) else list(router)
     pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
-    sessions = build_sessions(scenario)
     clients = [_RouterClient(r) for r in routers]
     spread = None  # several router replicas: requests spread over them as ReplicaFront picks
     if len(clients) > 1:
@@ -253,29 +269,31 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                 play_scope.cancel()  # sessions stop: nothing more is sent to a router that is gone
                 wait_scope.cancel()
 
-            async def on_signal(*, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+            async def on_signal() -> None:
                 # SIGTERM or Ctrl-C: stop sending, report what happened so far; SIGUSR1: the router died
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
-                    task_status.started()
-                    async for signum in signals:
-                        if signum == signal.SIGUSR1:  # kvemu up saw the router process die
-                            lose(why="the router process exited")
-                        else:
-                            run.stopped = signal.Signals(signum).name
-                            play_scope.cancel()
-                            wait_scope.cancel()
-                        return
+                async for signum in signals:
+                    if signum == signal.SIGUSR1:  # kvemu up saw the router process die
+                        lose(why="the router process exited")
+                    elif run.stopped is None:
+                        run.stopped = signal.Signals(signum).name
+                        play_scope.cancel()
+                        wait_scope.cancel()
+                    else:
+                        print(f"kvemu loadgen: {signal.Signals(signum).name} again: writing what ran, then "
+                              "stopping", file=sys.stderr, flush=True)
 
-            await tg.start(on_signal)  # from the start: a signal while waiting for the router is not fatal
+            tg.start_soon(on_signal)  # from the start: a signal while waiting for the router is not fatal
             with wait_scope:
                 firsts = [await _await_router(c, r, expect_workers, CONNECT_WAIT_S) for c, r in zip(clients, routers)]
             if wait_scope.cancelled_caught:
-                raise NotStarted(f"the router process exited before the run started ({router})" if client.lost
-                                 else f"stopped by {run.stopped} before the run started")
+                if client.lost:
+                    raise NotStarted(f"the router process exited before the run started ({router})")
+                raise NothingRan("waiting for the router", run.stopped or "SIGINT")
             st = firsts[0]
             t0 = st.now_ns
+            total = count_requests(sessions)
             log_start("loadgen", router=router, **({"routers": routers} if spread else {}), workers=st.workers,
-                      requests=count_requests(sessions))
+                      requests=total)
             for r, first in zip(runs, firsts):
                 r.last = first
             lost_after_ns = round(router_silence_s(scenario) * NS_PER_S)
@@ -308,6 +326,8 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                     run.observe(s, client)
                     if i == 0:
                         samples.extend(msgspec.structs.replace(x, time_ns=x.time_ns - t0) for x in s.samples)
+                        if progress is not None:
+                            progress.running(clock.now_ns(), sum(len(c.records) for c in clients), total)
                     await anyio.sleep(0.25)
 
             clock = _Since(t0, st.now_ns)
@@ -376,6 +396,8 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
                    lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas,
                    chaos=timeline(scenario.chaos), truth_source=TRUTH_SOURCE if oracle is not None else None,
                    truth_feed=oracle.feed() if oracle is not None else None, scenario=scenario, origin=origin)
+    if progress is not None:
+        progress.enter("writing the report")
     return save_report(data, outdir)
 
 
@@ -508,5 +530,21 @@ def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, ex
     (``router.replicas``), in replica order, each ``router_pid`` that of the same replica. ``origin``: what the
     scenario was built from, for the report's "What ran"; ``command``: what the report is titled after (``kvemu up``
     runs a load generator too)."""
-    return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid, origin,
-                                     command))
+    from harness.cli.signals import terminate_as_interrupt
+
+    doing = "generating the workload"
+    meter = for_scenario(scenario)
+    # on a terminal, a line every few seconds: what it does, how far, and the ETA (never silent for long)
+    ticker = print_progress(meter, "kvemu loadgen", PROGRESS_EVERY_S) if sys.stderr.isatty() else None
+    try:
+        with terminate_as_interrupt():  # until the run's signal receiver opens, a signal stops the load generator
+            sessions = build_sessions(scenario, meter.generated)
+            doing = "waiting for the router"
+            meter.enter(f"{doing} ({count_requests(sessions):,} requests made)")
+            return run_live(lambda: _loadgen(scenario, router, outdir, expect_workers, apply_chaos, router_pid,
+                                             sessions, meter, origin, command))
+    except KeyboardInterrupt as exc:
+        raise NothingRan(doing, getattr(exc, "reason", "SIGINT")) from None
+    finally:
+        if ticker is not None:
+            ticker.set()

@@ -49,6 +49,12 @@ DRAIN_S = 10.0
 STOP_GRACE_S = DRAIN_S + 5.0
 """How long the supervisor gives each stage of its stop before SIGKILL: longer than a drain, so that every open
 stream ends with its ``[DONE]`` or an error event naming why, never cut."""
+ABANDON_S = 2.0
+"""``kvemu up`` stopped by a signal, without a front door: once the load generator wrote its report, its router and
+workers get this long to stop (together) before they are killed. The requests they still run have no client left,
+so a drain would only make the user wait."""
+LOADGEN_REPORT_S = 60.0
+"""How long ``kvemu up``, stopped, waits for its load generator to write the partial report before stopping it."""
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 """``kvemu serve`` starts a router replica that exited again after these delays: at once the first time, then the
 next one for each exit within ``RESTART_STABLE_S`` of its last start (one that dies as it starts is not restarted
@@ -174,14 +180,15 @@ class Children:
                 self.procs[f"gone-{name}"] = self.procs.pop(name)
         return out
 
-    def stop_all(self, grace_s: float = STOP_GRACE_S, hurry: threading.Event | None = None) -> None:
+    def stop_all(self, grace_s: float = STOP_GRACE_S, hurry: threading.Event | None = None,
+                 in_order: bool = True) -> None:
         """Stop every child, in order: the front door and the load generator first (the front drains its open
         streams while the routers and workers still serve them), then the routers, then the workers and the
         rest. Each stage gets SIGTERM, then SIGKILL after ``grace_s``; once ``hurry`` is set (a second Ctrl-C),
-        whoever is left is killed at once."""
+        whoever is left is killed at once. ``in_order=False``: all in one stage (no client is left to serve)."""
         stages: dict[int, list[subprocess.Popen]] = {}
         for name, proc in self.procs.items():
-            stages.setdefault(_stop_stage(name), []).append(proc)
+            stages.setdefault(_stop_stage(name) if in_order else 0, []).append(proc)
         for stage in sorted(stages):
             procs = stages[stage]
             for proc in procs:
@@ -437,12 +444,16 @@ class StopSignals:
     as ``KeyboardInterrupt``), the next, once the stop is under way, to kill its children now (``hurry``), each
     said in one line. No traceback, and the stop is never abandoned half way."""
 
-    def __init__(self, who: str, begun: bool = False) -> None:
+    def __init__(self, who: str, begun: bool = False, how: str | None = None) -> None:
         self.who = who
+        self.how = how or f"open streams get up to {DRAIN_S:g} s to end, then the routers and workers stop"
+        """How the stop goes, in the line that announces it."""
         self.requested = threading.Event()
         self.hurry = threading.Event()
         self.interrupts = not begun
         """The first signal also raises ``KeyboardInterrupt`` (while starting the children: stop waiting)."""
+        self.signum: int = signal.SIGINT
+        """The first signal (SIGINT until one came)."""
         self._previous: dict[int, Any] = {}
         if begun:  # (the stop is under way: the next signal kills)
             self.requested.set()
@@ -451,8 +462,8 @@ class StopSignals:
         """The stop begins (for ``why``): a signal from now on kills the children now."""
         if not self.requested.is_set():
             self.requested.set()
-            print(f"{self.who}: {why}: stopping (open streams get up to {DRAIN_S:g} s to end, then the routers and "
-                  "workers stop); press Ctrl-C again to kill them now", file=sys.stderr, flush=True)
+            print(f"{self.who}: {why}: stopping ({self.how}); press Ctrl-C again to kill them now", file=sys.stderr,
+                  flush=True)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.requested.is_set():
@@ -460,9 +471,20 @@ class StopSignals:
                 self.hurry.set()
                 print(f"{self.who}: {signal.Signals(signum).name} again: killing now", file=sys.stderr, flush=True)
             return
+        self.signum = signum
         self.begin(signal.Signals(signum).name)
         if self.interrupts:
             raise KeyboardInterrupt
+
+    @property
+    def reason(self) -> str:
+        """The first signal's name, as a partial report's stop reason says it."""
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """A process stopped by the first signal exits with this: 128 + its number (130 for Ctrl-C)."""
+        return 128 + self.signum
 
     def __enter__(self) -> StopSignals:
         try:
@@ -571,74 +593,125 @@ def _serve_until_stopped(kids: Children, stack: _Stack, scenario: Scenario, stop
 
 def up_main(scenario_path: str, overrides: list[str], scenario: Scenario, outdir: Path,
             http: list[str] | None = None, worker_http: list[str] | None = None, quiet: bool = False) -> int:
-    """Run the whole stack as processes; returns the load generator's exit code. The load generator prints the
-    run's answer (``harness.report.first_screen``, titled ``kvemu up``) on our standard output, unless ``quiet``."""
+    """Run the whole stack as processes; returns the load generator's exit code (130 or 143 when stopped by
+    SIGINT or SIGTERM). The load generator prints the run's answer (``harness.report.first_screen``, titled
+    ``kvemu up``) on our standard output, unless ``quiet``.
+
+    Every child runs in a process group of its own, so a terminal's Ctrl-C reaches this process alone, which
+    stops in order: it passes the signal on to the load generator, which stops sending and writes its partial
+    report while the router and workers still serve, and then stops the others (``Children.stop_all``). A second
+    Ctrl-C kills the router and workers at once, never the load generator writing its report."""
     run_secret("kvemu up", worker_http)
     config = _config(scenario_path, overrides)
-    kids = Children()
+    kids = Children(own_groups=True)
     started = time.monotonic()
     started_wall = time.time()
-    try:
-        token = secrets.token_hex(16)  # the router's control channel answers this process alone
-        stack = _Stack(kids, config, http or [], token, worker_http, scenario.router.replicas)
-        router, live = stack.router, stack.live
-        workers = stack.start_workers(scenario)
-        added = None if not scenario.cluster.disaggregated else "decode"  # add_worker adds to the last pool
-        if stack.http:
-            print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
-        each = [x for r, pid in zip(stack.routers, stack.router_pids()) for x in ("--router", r, "--router-pid", str(pid))]
-        # --force: this process claimed OUTDIR already (claim_outdir)
-        loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--force", "--chaos", "skip",
-                                               "--expect-workers", str(workers), "--report-as", "kvemu up",
-                                               *(["--quiet"] if quiet else []), *config),
-                                   env=cli_env(), stdout=subprocess.PIPE, text=True,
-                                   preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        kids.procs["loadgen"] = loadgen
-        running, relaying = _relay_until_started(loadgen)
-        chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
-        t0: float | None = None  # the chaos timeline counts from the load generator's start, as a virtual run's
-        while loadgen.poll() is None:
-            if t0 is None and running.is_set():
-                t0 = time.monotonic()
-            now = -1.0 if t0 is None else time.monotonic() - t0
-            while chaos and chaos[0].at_s <= now:
-                ev = chaos.pop(0)
-                if ev.action == "add_worker":
-                    stack.add_worker(added)
-                elif ev.action == "remove_worker":  # validation checked the target is running then
-                    target = ev.worker if ev.worker is not None else min(live, default=None)
-                    if target not in live:  # it exited on its own meanwhile (a crash, a kill)
-                        print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": False,
-                                          "detail": f"worker {target} is not running"}), file=sys.stderr)
-                        continue
-                    live.remove(target)
-                    kids.retire(f"worker-{target}", signal.SIGTERM if ev.graceful else signal.SIGKILL)
-                else:  # through the router's control channel (the named replica's, else the first)
-                    target_router = stack.routers[ev.replica] if ev.replica is not None else router
-                    reply = send_control(target_router, token, ev)
-                    print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
-                                      "detail": reply.detail}), file=sys.stderr)
-            problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up", stack.routers,
-                                                                       token)
-            if problem:
-                print(f"kvemu up: {problem}; stopping", file=sys.stderr)
-                if problem.startswith("router"):  # the load generator fails what is open at once and reports
-                    _let_report(loadgen, outdir, started_wall, "partial report", stop=signal.SIGUSR1)
-                return 1
-            time.sleep(0.05)
-        code = loadgen.returncode
-        if stack.http:
-            _save_metrics(stack.http, outdir)
-        where = (f"report in {outdir}" if _written_since(outdir, started_wall) else
-                 f"no report in {outdir} (the load generator's lines above say why, or where it went)")
-        relaying.join(5.0)  # its last lines (the run's summary table) reach our standard output before we exit
-        print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
-        return code
-    except KeyboardInterrupt:  # the load generator reports what ran before the others stop
-        started_loadgen = kids.procs.get("loadgen")
-        if started_loadgen is not None:
-            _let_report(started_loadgen, outdir, started_wall, "interrupted; partial report", stop=signal.SIGTERM)
-        return 130
-    finally:
-        with StopSignals("kvemu up", begun=True) as stopping:
-            kids.stop_all(hurry=stopping.hurry)
+    how = None if http or worker_http else "the load generator writes its partial report, then the router and " \
+        "workers stop"
+    with StopSignals("kvemu up", how=how) as stop:
+        try:
+            return _up(kids, config, scenario, outdir, http or [], worker_http, stop, started, started_wall,
+                       quiet)
+        except KeyboardInterrupt:  # while starting the router or the workers: nothing ran
+            print(f"kvemu up: interrupted ({stop.reason}) while starting the processes: nothing ran; no report",
+                  file=sys.stderr, flush=True)
+            return stop.exit_code
+        finally:
+            stop.interrupts = False
+            # stopped by a signal with no front door, the load generator (gone, its report written) was the only
+            # client: what the routers and workers still run has nobody to go to, so they stop together, briefly
+            abandon = not (http or worker_http) and stop.requested.is_set()
+            stop.requested.set()  # (silently: the line saying why was printed)
+            if abandon:
+                kids.stop_all(ABANDON_S, hurry=stop.hurry, in_order=False)
+            else:
+                kids.stop_all(hurry=stop.hurry)
+
+
+def _up(kids: Children, config: list[str], scenario: Scenario, outdir: Path, http: list[str],
+        worker_http: list[str] | None, stop: StopSignals, started: float, started_wall: float,
+        quiet: bool = False) -> int:
+    """``up_main``'s run, once its signals are handled: start the stack, play the chaos timeline until the load
+    generator exits, a child the run needs exits, or a signal asks to stop."""
+    token = secrets.token_hex(16)  # the router's control channel answers this process alone
+    stack = _Stack(kids, config, http, token, worker_http, scenario.router.replicas)
+    router, live = stack.router, stack.live
+    workers = stack.start_workers(scenario)
+    added = None if not scenario.cluster.disaggregated else "decode"  # add_worker adds to the last pool
+    if stack.http:
+        print(f"kvemu up: OpenAI API at {stack.http}/v1", file=sys.stderr, flush=True)
+    each = [x for r, pid in zip(stack.routers, stack.router_pids()) for x in ("--router", r, "--router-pid", str(pid))]
+    # --force: this process claimed OUTDIR already (claim_outdir)
+    loadgen = subprocess.Popen(cli_command("loadgen", *each, "-o", str(outdir), "--force", "--chaos", "skip",
+                                           "--expect-workers", str(workers), "--report-as", "kvemu up",
+                                           *(["--quiet"] if quiet else []), *config),
+                               env=cli_env(), stdout=subprocess.PIPE, text=True, process_group=0,
+                               preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    kids.procs["loadgen"] = loadgen
+    stop.interrupts = False  # from now on a signal is passed on to the load generator, which reports
+    running, relaying = _relay_until_started(loadgen)
+    chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
+    t0: float | None = None  # the chaos timeline counts from the load generator's start, as a virtual run's
+    while loadgen.poll() is None:
+        if stop.requested.is_set():
+            code = _interrupted(loadgen, outdir, started_wall, stop, running.is_set())
+            relaying.join(5.0)  # its last lines (the partial run's table) reach our standard output before we exit
+            return code
+        if t0 is None and running.is_set():
+            t0 = time.monotonic()
+        now = -1.0 if t0 is None else time.monotonic() - t0
+        while chaos and chaos[0].at_s <= now:
+            ev = chaos.pop(0)
+            if ev.action == "add_worker":
+                stack.add_worker(added)
+            elif ev.action == "remove_worker":  # validation checked the target is running then
+                target = ev.worker if ev.worker is not None else min(live, default=None)
+                if target not in live:  # it exited on its own meanwhile (a crash, a kill)
+                    print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": False,
+                                      "detail": f"worker {target} is not running"}), file=sys.stderr)
+                    continue
+                live.remove(target)
+                kids.retire(f"worker-{target}", signal.SIGTERM if ev.graceful else signal.SIGKILL)
+            else:  # through the router's control channel (the named replica's, else the first)
+                target_router = stack.routers[ev.replica] if ev.replica is not None else router
+                reply = send_control(target_router, token, ev)
+                print(json.dumps({"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": reply.ok,
+                                  "detail": reply.detail}), file=sys.stderr)
+        problem = kids.crashed(workers_too=False) or _worker_exits(kids, scenario, live, "kvemu up", stack.routers,
+                                                                   token)
+        if problem:
+            print(f"kvemu up: {problem}; stopping", file=sys.stderr)
+            if problem.startswith("router"):  # the load generator fails what is open at once and reports
+                _let_report(loadgen, outdir, started_wall, "partial report", stop=signal.SIGUSR1)
+            return 1
+        time.sleep(0.05)
+    code = loadgen.returncode
+    if stack.http:
+        _save_metrics(stack.http, outdir)
+    where = (f"report in {outdir}" if _written_since(outdir, started_wall) else
+             f"no report in {outdir} (the load generator's lines above say why, or where it went)")
+    relaying.join(5.0)  # its last lines (the run's summary table) reach our standard output before we exit
+    print(f"kvemu up: done in {time.monotonic() - started:.1f} s; {where}", file=sys.stderr)
+    return code
+
+
+def _interrupted(loadgen: subprocess.Popen, outdir: Path, since: float, stop: StopSignals, running: bool) -> int:
+    """A signal asked ``kvemu up`` to stop: the load generator gets the same signal and writes its partial report
+    (a second signal is passed on too: it says so, and goes on writing); returns the exit code for the signal."""
+    loadgen.send_signal(stop.signum)
+    told_hurry = False
+    deadline = time.monotonic() + LOADGEN_REPORT_S
+    while loadgen.poll() is None and time.monotonic() < deadline:
+        if stop.hurry.is_set() and not told_hurry:
+            told_hurry = True
+            loadgen.send_signal(stop.signum)
+        time.sleep(0.02)
+    if _written_since(outdir, since):
+        print(f"kvemu up: interrupted ({stop.reason}); partial report in {outdir}", file=sys.stderr, flush=True)
+    elif not running:  # (the load generator said why: it was generating the workload, or waiting for the router)
+        print(f"kvemu up: interrupted ({stop.reason}) before the run started: nothing ran; no report",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"kvemu up: interrupted ({stop.reason}); the load generator wrote no report in {outdir} (its lines "
+              "above say why)", file=sys.stderr, flush=True)
+    return stop.exit_code
