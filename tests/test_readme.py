@@ -59,3 +59,22 @@ def test_docs_separate_processes_read_one_scenario():
         assert named, f"the README's {line!r} names no scenario"
         if words[1] in ("router", "worker"):
             assert words[words.index(named[0]) - 1] == "--config", line
+
+
+def test_the_scenario_reference_is_what_kvemu_scenario_show_prints():
+    """docs/scenario-reference.md is generated from the schema: a knob added, renamed or rebounded changes it."""
+    page = (README.parent / "docs" / "scenario-reference.md").read_text()
+    shown = page.split("```yaml\n", 1)[1].rsplit("```", 1)[0]
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "scenario", "show"], capture_output=True, text=True,
+                         check=True, cwd=README.parent).stdout
+    assert shown == out, "regenerate docs/scenario-reference.md's yaml block with `kvemu scenario show`"
+
+
+def test_the_first_screen_the_readme_shows_is_what_kvemu_run_prints(tmp_path):
+    """The README shows the built-in scenario's answer: every figure as printed (the wall time aside)."""
+    shown = re.findall(r"```text\n(kvemu run: .*?)```", README.read_text(), flags=re.S)[0].splitlines()
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "run", "-o", str(tmp_path / "q")], capture_output=True,
+                         text=True, check=True, cwd=README.parent).stdout.splitlines()
+    skip = ("  virtual clock", "  report")
+    assert [line for line in out if not line.startswith(skip)] == [line for line in shown if not line.startswith(skip)]
+    assert out[-1].split() == ["report", str(tmp_path / "q" / "report.md")]
