@@ -157,14 +157,19 @@ RERUN_ENV = "KVEMU_CI_COMPILED_RERUN"
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On ``.ci/run``'s compiled re-run, the tests that drive third-party routers over HTTP, those that supervise
-    kvemu's processes (signals, kills, process chaos, a supervisor's run of several) and those that run a sweep on
-    Dask or Ray are skipped: they exercise kvemu's HTTP servers, process supervision and sweep executors, which the
-    compiled build does not change (its router and engines run in process in the rest of the suite), and the first
-    step has run them (this keeps ``.ci/run`` inside its time budget)."""
+    kvemu's processes (signals, kills, process chaos, a supervisor's run of several), every other end-to-end test
+    of processes (``tests/end_to_end``), the examples' validation in a bare clone and those that run a sweep on
+    Dask or Ray are skipped: they exercise kvemu's HTTP servers, processes, scenario files and sweep executors,
+    which the compiled build does not change (its router and engines run in process in the rest of the suite),
+    and the first step has run them (this keeps ``.ci/run`` inside its time budget)."""
     if os.environ.get(RERUN_ENV) != "1":
         return
+    once = {"end_to_end": "end-to-end process tests", "test_examples_fresh_clone.py": "the examples' validation"}
     for item in items:
+        parts = Path(str(item.fspath)).parts
         for marker, ran in (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
-                            ("sweep_executors", "sweeps on Dask and Ray")):
-            if marker in item.keywords:
+                            ("sweep_executors", "sweeps on Dask and Ray"),
+                            *((name, what) for name, what in once.items() if name in parts)):
+            if marker in item.keywords or marker in parts:
                 item.add_marker(pytest.mark.skip(reason=f"{RERUN_ENV}=1: {ran} ran on .ci/run's first step"))
+                break
