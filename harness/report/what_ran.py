@@ -149,9 +149,11 @@ def read_scenario_document(outdir: Path) -> dict[str, Any] | None:
     path = Path(outdir) / SCENARIO_FILE
     if not path.is_file():
         return None
-    try:
-        data = yaml.safe_load(read_text_file(path, "scenario"))
-    except yaml.YAMLError:
+    from harness.yaml_validation import YamlError, load_yaml
+
+    try:  # bounded as every YAML kvemu reads (a report folder is someone else's file too)
+        data = load_yaml(read_text_file(path, "scenario"), str(path)).data
+    except (YamlError, yaml.YAMLError):
         return None
     return data if isinstance(data, dict) else None
 
