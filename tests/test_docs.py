@@ -7,8 +7,11 @@ interpreter's ``kvemu`` first on the PATH. A comment on the line before a block'
   first line; CMD is stopped with Ctrl-C (SIGINT to its process group) afterwards.
 - ``<!-- docs-test: setup CMD -->``: CMD runs first, in the same folder (``$KVEMU_CHECKOUT`` is the checkout).
 - ``<!-- docs-test: timeout N -->``: the block may take N seconds (default 120).
-- ``<!-- docs-test: skip REASON -->``: not run here, for the reason given (it needs what this project does not
-  install, or it *is* what ``.ci/run`` runs); the reason shows in pytest's summary.
+- ``<!-- docs-test: run-by PATH -->``: run verbatim elsewhere, by PATH: a ``.ci/`` script that runs the block
+  it prints with ``--print-command`` (the README's two commands), or a test file that holds the block's command
+  (the docker-compose line); a test here holds the two equal.
+- ``<!-- docs-test: skip REASON -->``: not run anywhere, for the reason given (it needs a GPU, or clients this
+  project does not install); the reason shows in pytest's summary.
 
 Every fence must name its language, so no shell block hides as plain text. These tests start servers and
 processes: like the process supervision tests they run once, on ``.ci/run``'s first step.
@@ -29,7 +32,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"sh": "shell", "bash": "shell", "shell": "shell", "python": "python", "py": "python"}
-DIRECTIVE = re.compile(r"^<!-- docs-test: (server|setup|timeout|skip) (.+?) -->$")
+DIRECTIVE = re.compile(r"^<!-- docs-test: (server|setup|timeout|run-by|skip) (.+?) -->$")
 DEFAULT_TIMEOUT_S = 120.0
 SERVER_START_S = 90.0
 
@@ -82,6 +85,34 @@ def test_every_directive_is_on_a_runnable_block_and_every_skip_says_why():
                 assert len(b.directive[1]) >= 20, f"{b.name}: a skip must say why"
 
 
+def _command_lines(code: str) -> list[str]:
+    """A shell block's lines without their trailing comments and blank lines."""
+    return [line.split("  #")[0].rstrip() for line in code.splitlines() if line.strip()]
+
+
+RUN_ELSEWHERE = [b for b in RUNNABLE if b.directive is not None and b.directive[0] == "run-by"]
+
+
+@pytest.mark.parametrize("block", RUN_ELSEWHERE, ids=[b.name for b in RUN_ELSEWHERE])
+def test_a_block_run_elsewhere_is_run_there_verbatim(block: Block) -> None:
+    where = ROOT / block.directive[1]  # type: ignore[index]
+    assert where.is_file(), f"{block.name}: {where} does not exist"
+    if where.parent.name == ".ci":
+        printed = subprocess.run(["bash", str(where), "--print-command"], capture_output=True, text=True, check=True,
+                                 timeout=30).stdout
+        assert _command_lines(printed) == _command_lines(block.code), f"{where.name} runs another command"
+    else:
+        text = where.read_text()
+        missing = [line for line in _command_lines(block.code) if line not in text]
+        assert not missing, f"{block.name}: {where.name} does not hold {missing}"
+
+
+def test_the_blocks_run_elsewhere_are_the_readmes_two_commands_and_the_compose_line() -> None:
+    assert {b.name: b.directive[1] for b in RUN_ELSEWHERE} == {  # type: ignore[index]
+        "README.md:12": ".ci/check-installed", "README.md:17": ".ci/fresh-clone",
+        "CONTRIBUTING.md:8": ".ci/fresh-clone", "docs/live.md:33": "tests/end_to_end/test_compose.py"}
+
+
 def _env(work: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVEMU_SECRET", "KVEMU_HANDOFF"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -131,6 +162,8 @@ def test_the_block_runs_as_written(block: Block, tmp_path: Path) -> None:
     kind, arg = block.directive or ("", "")
     if kind == "skip":
         pytest.skip(f"{block.name}: {arg}")
+    if kind == "run-by":
+        pytest.skip(f"{block.name}: run verbatim by {arg}")
     timeout_s = float(arg) if kind == "timeout" else DEFAULT_TIMEOUT_S
     work = _workdir(tmp_path)
     env = _env(work)

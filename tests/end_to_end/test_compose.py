@@ -6,6 +6,7 @@ run after the unit tests in ``.ci/run``; the others read the compose file only.
 """
 
 import json
+import shlex
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,10 @@ from harness.scenario import load_scenario
 ROOT = Path(__file__).resolve().parents[2]
 
 compose = pytest.mark.compose
-UP = ["up", "--build", "--scale", "worker=3", "--abort-on-container-exit", "--exit-code-from", "loadgen"]
+DOCS_LIVE_COMMAND = "docker-compose up --build --scale worker=3"
+"""docs/live.md's compose line (tests/test_docs.py holds the two equal); run as written, plus the flags that end
+the stack when its load generator exits."""
+UP = [*shlex.split(DOCS_LIVE_COMMAND)[1:], "--abort-on-container-exit", "--exit-code-from", "loadgen"]
 UP_DISAGG = ["--profile", "disagg", "up", "--build", "--scale", "prefill=1", "--scale", "decode=2",
              "--abort-on-container-exit", "--exit-code-from", "loadgen-disagg", "prefill", "decode", "loadgen-disagg"]
 """The command lines docker-compose.yml's comment gives."""

@@ -189,18 +189,18 @@ def test_bench_router_runs_kvemus_own_router_and_any_router_given_as_a_command(t
     trivial round-robin proxy, for which bench-router fills in its port and the fleet's workers; kvemu's
     router takes token-id prompts, the proxy text (``--prompt auto``)."""
     path = _scenario(tmp_path)
-    proxy = Path(__file__).with_name("tiny_proxy.py")
+    proxy = Path(__file__).parents[2] / "examples" / "my_router.py"
     command = f"cmd:{sys.executable} {proxy} {{port}} {{workers}}"
     specs = [parse_router("kvemu"), parse_router(command), parse_router(command)]  # the same proxy twice
     rows, table = bench_routers(str(path), [], specs, tmp_path / "bench")
-    assert [(r["router"], r["prompt"]) for r in rows] == [("kvemu:kv", "tokens"), ("cmd:tiny_proxy.py", "text"),
-                                                         ("cmd:tiny_proxy.py-2", "text")]
+    assert [(r["router"], r["prompt"]) for r in rows] == [("kvemu:kv", "tokens"), ("cmd:my_router.py", "text"),
+                                                         ("cmd:my_router.py-2", "text")]
     for row in rows:
         assert row["error"] is None and row["failed"] == 0 and row["completed"] >= 10, table
         assert row["engine_truth_matched"] == row["completed"], table
     kvemu = _requests(tmp_path / "bench" / "kvemu-kv")
     assert sum(r["engine_cached_tokens"] for r in kvemu) > 0 and {r["dp_rank"] for r in kvemu} == {0, 1}
-    for folder in ("cmd-tiny_proxy.py", "cmd-tiny_proxy.py-2"):  # each its own report: neither overwrote the other
+    for folder in ("cmd-my_router.py", "cmd-my_router.py-2"):  # each its own report: neither overwrote the other
         assert len(_requests(tmp_path / "bench" / folder)) == rows[1]["completed"]
 
 

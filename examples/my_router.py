@@ -1,5 +1,6 @@
-"""A trivial OpenAI proxy for ``kvemu bench-router --router 'cmd:...'`` tests: round robin over its workers,
-streamed through. Usage: ``python tiny_proxy.py PORT WORKER_URL...``."""
+"""A router of your own, at its simplest: round robin over the workers, each streamed response passed through.
+Start from it for ``kvemu bench-router --router 'cmd:python examples/my_router.py {port} {workers}'``
+(docs/routers.md). Usage: ``python my_router.py PORT WORKER_URL...``."""
 
 from __future__ import annotations
 
