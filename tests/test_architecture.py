@@ -1,0 +1,44 @@
+"""The architecture is checked, not remembered: pyproject.toml's import-linter contracts hold, and their module
+lists name every module of the core and of the engines, so a new module cannot slip past them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+SHELLS = {"kvemu": {"runtime", "wire", "http"}, "workers": {"worker_actor", "metrics"}}
+"""Each package's shell modules: the rest of the package is its sans-IO core."""
+
+
+def _modules(package: str) -> set[str]:
+    """The package's direct modules and subpackages, by name."""
+    folder = ROOT / package
+    return {p.stem for p in folder.glob("*.py") if p.stem != "__init__"} | \
+        {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _contract(source_package: str) -> dict:
+    (contract,) = [c for c in CONTRACTS if c["type"] == "forbidden"
+                   and c["source_modules"][0].startswith(source_package + ".")]
+    return contract
+
+
+@pytest.mark.parametrize("package", ["kvemu", "workers"])
+def test_a_forbidden_contract_covers_every_core_module_of_its_package(package: str) -> None:
+    listed = {name.removeprefix(package + ".") for name in _contract(package)["source_modules"]}
+    assert listed == _modules(package) - SHELLS[package], "pyproject.toml's [tool.importlinter] lists other modules"
+    assert {f"{package}.{m}" for m in SHELLS[package]} <= set(_contract(package)["forbidden_modules"])
+
+
+def test_the_import_contracts_hold() -> None:
+    """lint-imports (grimp counts function-local imports too) keeps every contract."""
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in proc.stdout
