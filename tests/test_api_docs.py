@@ -4,11 +4,13 @@ Each ``::: dotted.name`` line of a page is an object mkdocstrings renders from i
 heading (anchor ``dotted.name``). A name must resolve twice: by import, and by griffe's static analysis, which is
 what mkdocstrings reads (a name bound by tuple unpacking, say, imports but cannot be collected, and the build
 fails). Every name in the ``__all__`` of a module a page documents (``kvemu``, ``kvemu.kv_events``, ...) has an
-entry of its own, so a new public name cannot go undocumented. ``mkdocs build --strict`` in CI renders them.
+entry of its own, so a new public name cannot go undocumented, and each has a docstring. ``mkdocs build --strict``
+in CI renders them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from pathlib import Path
@@ -61,14 +63,16 @@ def test_every_identifier_imports() -> None:
     assert not missing, f"API pages name objects that do not import: {missing}"
 
 
-def test_every_identifier_is_found_by_static_analysis() -> None:
+@functools.cache
+def collected() -> tuple[dict[str, object], list[str]]:
+    """What griffe (mkdocstrings' reader) finds for each identifier, and the identifiers it cannot collect."""
     griffe = pytest.importorskip("griffe")
     loader = griffe.GriffeLoader(search_paths=[str(ROOT)])
     for package in sorted({name.split(".")[0] for name in identifiers()}):
         loader.load(package)
     loader.resolve_aliases(implicit=False, external=False)
     modules = loader.modules_collection
-    missing = []
+    found, missing = {}, []
     for name, page in identifiers().items():
         top, _, rest = name.partition(".")
         try:
@@ -76,7 +80,19 @@ def test_every_identifier_is_found_by_static_analysis() -> None:
             obj.kind  # noqa: B018  (an alias resolves its target here, or raises)
         except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError) as e:
             missing.append(f"{page.name}: {name} ({type(e).__name__}: {e})")
+        else:
+            found[name] = obj
+    return found, missing
+
+
+def test_every_identifier_is_found_by_static_analysis() -> None:
+    missing = collected()[1]
     assert not missing, f"API pages name objects mkdocstrings cannot collect: {missing}"
+
+
+def test_every_documented_object_has_a_docstring() -> None:
+    bare = [name for name, obj in collected()[0].items() if not getattr(obj, "docstring", None)]
+    assert not bare, f"public objects with no docstring (a line: what it is, and why): {bare}"
 
 
 def test_every_public_name_of_a_documented_module_has_an_entry() -> None:
