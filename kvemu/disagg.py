@@ -38,7 +38,10 @@ from kvemu.transfer import KvTransfer, transfer_refusal
 
 __all__ = ["DisaggRouter", "PREFILL", "DECODE"]
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL = "prefill"
+"""The prefill pool's name, as ``Router(pool=...)`` takes it and pool-tagged hooks carry it."""
+DECODE = "decode"
+"""The decode pool's name."""
 
 _FORWARDED = {"request_arrived", "first_token", "tokens", "completed", "failed"}
 """Leg-level hooks the coordinator replaces with its own request-level ones."""

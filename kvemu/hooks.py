@@ -46,6 +46,7 @@ KINDS = frozenset(
         "kv_restart",
     }
 )
+"""Every hook kind an actor emits (``Hooks.subscribe`` takes any of them)."""
 
 
 class HookEvent(NamedTuple):

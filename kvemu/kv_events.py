@@ -29,18 +29,26 @@ MAX_BATCH_EVENTS = 1 << 22
 Hash = WireInt
 """A block hash: u64, or the signed reinterpretation some releases send (decoders make it u64)."""
 Hashes = Annotated[list[Hash], Meta(max_length=MAX_EVENT_BLOCKS)]
+"""An event's block hashes, in chain order."""
 EventTokens = Annotated[list[WireInt], Meta(max_length=MAX_EVENT_TOKENS)]
+"""The token ids of an event's blocks."""
 Label = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+"""A short name vLLM attaches to blocks: a medium, a cache spec kind, a locality or an ownership."""
 LoraName = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 """A LoRA name or a session id (a client's ids' bound)."""
 BlockSize = Annotated[int, Meta(ge=1, le=1 << 16)]
+"""Tokens per block."""
 GroupIdx = Annotated[int, Meta(ge=0, le=1 << 16)]
+"""A KV cache group's index (hybrid models)."""
 Window = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+"""A sliding-window cache spec's window, in tokens."""
 ExtraKeys = Annotated[list[Any], Meta(max_length=MAX_EVENT_BLOCKS)]
+"""Extra hash keys per block (multimodal hashes, cache salt), as vLLM sends them."""
 Stamp = Finite
 """A batch's wall time (float seconds): any finite value, as vLLM's clock gives it."""
 
 MEDIUM_GPU = "GPU"
+"""vLLM's medium for blocks in GPU memory (the default)."""
 MEDIUM_CPU = "CPU"
 """vLLM's medium for blocks offloaded to host memory (its CPU offloading connector)."""
 
@@ -83,6 +91,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True, gc=F
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+"""One event of a batch."""
 
 
 @final  # decoders and encoders dispatch on the exact class (type(e) is ...)

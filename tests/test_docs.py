@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/api/ too
 RUN = {"sh": "shell", "bash": "shell", "shell": "shell", "python": "python", "py": "python"}
 DIRECTIVE = re.compile(r"^<!-- docs-test: (server|setup|timeout|run-by|skip) (.+?) -->$")
 DEFAULT_TIMEOUT_S = 120.0

@@ -121,6 +121,7 @@ def _first_token(rec: RequestRecord) -> int | None:
 
 
 def sorted_records(records: Iterable[RequestRecord]) -> list[RequestRecord]:
+    """The records by arrival (ties by request id): the order of requests.jsonl and of the statistics."""
     return sorted(records, key=lambda r: (r.arrival_ns, r.request_id))
 
 

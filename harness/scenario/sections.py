@@ -72,24 +72,33 @@ _STRUCT: _StructOptions = dict(kw_only=True, forbid_unknown_fields=True, frozen=
 
 _ROUTER_LIMITS = RouterSettings()
 MAX_WORKERS = _ROUTER_LIMITS.max_workers
+"""Most workers a scenario's cluster may start (what a router registers by default)."""
 MAX_DP_SIZE = _ROUTER_LIMITS.max_ranks_per_worker
+"""Most DP ranks one worker may have."""
 MAX_RANKS = _ROUTER_LIMITS.max_ranks
 """Largest cluster a scenario may start (workers x dp_size): what a router registers by default."""
 MAX_SCENARIO_S = MAX_TRACE_MS / 1000
 """Longest scenario time (about ten years, as for trace rows): durations, delays and chaos instants stay below it."""
 MAX_SCENARIO_NS = round(MAX_TRACE_MS * NS_PER_MS)
+"""``MAX_SCENARIO_S`` in nanoseconds."""
 MAX_REQUESTS = 10_000_000
 """Most requests one scenario may send (a synthetic workload's expected count included)."""
 
 Count = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+"""A count of at least one."""
 Index = Annotated[int, Meta(ge=0, le=RANK_MAX)]
 """A worker's index or a DP rank."""
 NonNeg = Weight
+"""A finite number in [0, 1e6]."""
 Positive = Annotated[float, Meta(gt=0, le=MAX_WEIGHT)]
+"""A finite number in (0, 1e6]."""
 Seconds = Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S)]
+"""Scenario seconds, a duration or an instant, in [0, ``MAX_SCENARIO_S``]."""
 Millis = Annotated[float, Meta(ge=0, le=MAX_SCENARIO_S * 1000)]
 PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_SCENARIO_S)]
+"""A duration in seconds, above zero."""
 Tokens = Annotated[int, Meta(ge=1, le=MAX_PROMPT_TOKENS)]
+"""A token count of one prompt or output, at least one."""
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
