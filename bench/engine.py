@@ -61,7 +61,7 @@ def load_records(n: int) -> tuple[list[MooncakeRow | dict], str]:
                     break
             if len(recs) == n:
                 break
-        return recs, "mooncake trace, one round-robin worker's share of 16 (%d requests)" % len(recs)
+        return recs, f"mooncake trace, one round-robin worker's share of 16 ({len(recs)} requests)"
     rng = random.Random(7)
     recs = []
     t = 0.0
@@ -80,7 +80,7 @@ def load_records(n: int) -> tuple[list[MooncakeRow | dict], str]:
                 "hash_ids": ids,
             }
         )
-    return recs, "synthetic Mooncake-like stream (%d requests)" % n
+    return recs, f"synthetic Mooncake-like stream ({n} requests)"
 
 
 def make_requests(recs: list[MooncakeRow | dict], prehash: bool = False) -> list[Request]:

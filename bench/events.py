@@ -70,7 +70,8 @@ def _get(q: Any, proc: Any, what: str, timeout_s: float = RUN_TIMEOUT_S) -> Any:
             return q.get(timeout=0.1)
         except queue.Empty:
             if not proc.is_alive():
-                raise RuntimeError(f"bench.events: the child process exited (code {proc.exitcode}) before {what}")
+                raise RuntimeError(
+                    f"bench.events: the child process exited (code {proc.exitcode}) before {what}") from None
     raise TimeoutError(f"bench.events: no {what} within {timeout_s:.0f} s")
 
 

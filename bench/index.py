@@ -228,14 +228,14 @@ def ref_apply(tree, events: list[tuple[int, bytes]], probe: list[int]) -> None:
         apply(wid, payload)
     # One query at the end: a barrier in case the background thread still applies events (it is
     # synchronous in 1.6.1 as far as we can tell; the probe costs microseconds against milliseconds).
-    tree.find_matches(probe).scores
+    _ = tree.find_matches(probe).scores
 
 
 def ref_find_pass(tree, queries: list[list[int]], passes: int) -> None:
     find = tree.find_matches
     for _ in range(passes):
         for q in queries:
-            find(q).scores
+            _ = find(q).scores
 
 
 # --------------------------------------------------------------------------- helpers

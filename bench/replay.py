@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         # KV routing's ties are random in the reference: one run is not its figure (the mean of several is)
         held = (variant.policy == "round_robin" or variant.reference_runs > 1) and variant.scale == 1
         tol = variant.tolerance
-        for label, key, unit, scale in FIGURES:
+        for label, key, _unit, scale in FIGURES:
             a, b = value(ours[name].summary, key, scale), value(ref[name].summary, key, scale)
             if a is None or b is None or b == 0:
                 continue
@@ -311,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     both = {"round_robin", "kv"}
     for side in SIDES:
         if both <= set(runs[side]):
-            for label, key, unit, scale in FIGURES:
+            for label, key, _unit, scale in FIGURES:
                 emit(f"{side} kv improvement over round_robin {label}", kv_improvement(runs[side], key, scale), "%")
     if both <= set(ours) and both <= set(ref):
-        for label, key, unit, scale in FIGURES:
+        for label, key, _unit, scale in FIGURES:
             if label not in KV_TARGETS:
                 continue
             ok_, rf = kv_improvement(ours, key, scale), kv_improvement(ref, key, scale)

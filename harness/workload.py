@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from array import array
 from itertools import repeat
 from pathlib import Path

@@ -25,7 +25,7 @@ peers' batches to one replica's load tracker, told the time.
 from __future__ import annotations
 
 from collections import deque
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -80,7 +80,7 @@ class SyncFree(msgspec.Struct, tag="free", frozen=True, forbid_unknown_fields=Tr
     request_id: _Id
 
 
-SyncEvent = Union[SyncBook, SyncPrefillDone, SyncFree]
+SyncEvent = SyncBook | SyncPrefillDone | SyncFree
 
 
 class SyncBatch(msgspec.Struct, tag="sync_batch", frozen=True, forbid_unknown_fields=True):

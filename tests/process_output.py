@@ -5,7 +5,7 @@ import json
 
 def json_events(text: str, name: str) -> list[dict]:
     """The ``{"event": name, ...}`` objects in the output of several processes (lines may interleave)."""
-    decoder, key, out = json.JSONDecoder(), '{"event": "%s"' % name, []
+    decoder, key, out = json.JSONDecoder(), '{"event": "' + name + '"', []
     at = text.find(key)
     while at >= 0:
         obj, end = decoder.raw_decode(text, at)

@@ -1,5 +1,6 @@
 """The architecture is checked, not remembered: pyproject.toml's import-linter contracts hold, and their module
-lists name every module of the core and of the engines, so a new module cannot slip past them."""
+lists name every module of the core and of the engines, so a new module cannot slip past them; and ruff's rules
+hold (mypy runs in .ci/run)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,11 @@ def test_the_import_contracts_hold() -> None:
     proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in proc.stdout
+
+
+def test_ruff_finds_nothing() -> None:
+    """The lint rules of pyproject.toml's [tool.ruff] hold on the whole tree (kvemu, workers, harness, tests, bench)."""
+    ruff = Path(sys.executable).with_name("ruff")
+    proc = subprocess.run([str(ruff), "check", "--no-cache", "--output-format", "concise", "."], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

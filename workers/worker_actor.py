@@ -453,7 +453,6 @@ class WorkerActor:
         rank = self._held.pop(request_id, None)
         if rank is None:
             return False
-        core = self.worker.core(rank)
         if self.mode == "virtual":
             self._emit_advance(self._advance(max(self.clock.now_ns(), self._engine_now())))
         self._guarded(rank, lambda c: c.release_kv(request_id))

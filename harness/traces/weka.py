@@ -163,14 +163,14 @@ def load_weka(path: Path, block_size: int | None = None, *, max_rows: int = MAX_
     if not corpus:
         raise error(str(path), 1, "requests", "no Weka trace object found")
     size = corpus[0][3]
-    for rel, obj, _, block, _ in corpus:
+    for _rel, obj, _, block, _ in corpus:
         if block != size or (block_size is not None and block != block_size):
             other = f"the corpus has {size}" if block != size else f"{block_size} was given"
             raise obj.error("block_size", f"is {block}, but {other}; one block size per corpus")
     relative = any(c.t < s.t - _EPS_NS for _, _, entries, _, _ in corpus for s in entries if isinstance(s, _Sub)
                    for c in s.requests)
     digest = blake3.blake3()
-    for rel, obj, *_ in corpus:
+    for _rel, obj, *_ in corpus:
         digest.update(json.dumps(obj.data, sort_keys=True).encode())
     digest.update(b"relative" if relative else b"absolute")
     b = GraphBuilder(size, str(path), Source("weka", digest.hexdigest()))

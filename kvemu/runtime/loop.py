@@ -79,7 +79,7 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
         """Virtual seconds since the clock's epoch."""
         return self.clock._now / NS_PER_S
 
-    def call_at(self, when: float, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+    def call_at(self, when: float, callback: Callable[[Unpack[_Ts]], object], *args: *_Ts,
                 context: Context | None = None) -> asyncio.TimerHandle:
         """Schedule ``callback`` at virtual time ``when`` (seconds); same-instant timers keep their order."""
         if when is None:
@@ -89,14 +89,14 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
             when_ns += 1
         return self.call_at_ns(when_ns, callback, *args, context=context)
 
-    def call_later(self, delay: float, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+    def call_later(self, delay: float, callback: Callable[[Unpack[_Ts]], object], *args: *_Ts,
                    context: Context | None = None) -> asyncio.TimerHandle:
         """Schedule ``callback`` ``delay`` seconds from now (exactly, in nanoseconds)."""
         if delay is None:
             raise TypeError("delay must not be None")
         return self.call_at_ns(self.clock._now + round(delay * NS_PER_S), callback, *args, context=context)
 
-    def call_at_ns(self, when_ns: int, callback: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts],
+    def call_at_ns(self, when_ns: int, callback: Callable[[Unpack[_Ts]], object], *args: *_Ts,
                    context: Context | None = None) -> asyncio.TimerHandle:
         """Schedule ``callback`` at virtual time ``when_ns`` (integer nanoseconds)."""
         self._check_closed()  # type: ignore[attr-defined]

@@ -255,7 +255,7 @@ def test_kvemu_up_keeps_the_load_generators_report_when_its_directory_becomes_un
         s = summary_of(where)
         assert s["num_requests"] > 0 and s["completed_requests"] == s["num_requests"]
         assert f"kvemu loadgen: {s['num_requests']}/{s['num_requests']} requests completed; report in {where}" in err
-        assert f"kvemu up: done" in err and f"no report in {out}" in err
+        assert "kvemu up: done" in err and f"no report in {out}" in err
     finally:
         subprocess.run(["rm", "-rf", str(where)], check=False)
 

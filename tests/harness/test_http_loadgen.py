@@ -94,6 +94,6 @@ def test_a_streamed_answers_token_times_take_8_bytes_a_token_on_the_client():
     target = _target()
     rec = target.record(ClientRequest(request_id="r", tokens=[1, 2], max_tokens=6))
     for text in (" ab", " cd ef", " gh ij kl"):
-        target._on_line(rec, 'data: {"id": "r", "choices": [{"text": "%s"}]}' % text)
+        target._on_line(rec, 'data: {"id": "r", "choices": [{"text": "' + text + '"}]}')
     assert isinstance(rec.token_times_ns, array) and rec.token_times_ns.itemsize == 8
     assert len(rec.token_times_ns) == rec.output_tokens == 6

@@ -12,7 +12,6 @@ import asyncio
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
 
 import anyio
 import httpx
@@ -20,10 +19,9 @@ import msgspec
 import pytest
 
 from harness.procs import kv_handoff
-from harness.procs.fleet import Fleet, FleetInfo
+from harness.procs.fleet import FleetInfo
 from harness.procs.kv_handoff import peer_url, prompt_digest
 from kvemu.http.errors import ApiError
-from harness.scenario import load_scenario
 from kvemu import transfer
 from kvemu.messages import Finished, decode_worker_message, encode
 from kvemu.transfer import MAX_TRANSFER_S, KvTransfer

@@ -173,7 +173,7 @@ def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_readin
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(rows) + "\n{not json at all\n")  # a bad line after the bound is never parsed
     w = TraceWorkload(trace=str(path), trace_block_size=4)
-    with pytest.raises(ScenarioError, match=rf"t.jsonl:6: more than 5 rows.*run.max_requests"):
+    with pytest.raises(ScenarioError, match=r"t.jsonl:6: more than 5 rows.*run.max_requests"):
         load_trace(w, path, max_rows=5)
     assert len(load_trace(w, path, 5, max_rows=5)) == 5  # run.max_requests reads the first ones
     early = tmp_path / "early.jsonl"

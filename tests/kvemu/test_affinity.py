@@ -39,7 +39,7 @@ def test_initialize_commit_then_bound():
 
 def test_lease_survives_ttl_many_times_over():
     clock, t, _ = table(ttl=10)
-    lease = bind(t, "s")
+    bind(t, "s")
     clock.advance(S(10_000))
     assert t.expire() == 0
     assert t.query_target("s") == (1, 0)

@@ -194,7 +194,7 @@ class QueueMachine(RuleBasedStateMachine):
                     assert (-other_tier, other_arrival) > (-tier, arrival)
             self.done.append(e.request_id)
         # whatever remains is blocked: its lane's targets are all busy
-        for tier, arrival, pin in self.waiting.values():
+        for _tier, _arrival, pin in self.waiting.values():
             assert (pin is not None and pin not in free) or (pin is None and not free)
 
     @precondition(lambda self: self.waiting)

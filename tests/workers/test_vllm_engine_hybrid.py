@@ -551,7 +551,7 @@ def test_the_router_takes_group_kinds_from_the_registration_when_events_name_non
     while (t := eng.next_event_ns()) is not None:
         for batch in eng.advance_to(t).events:
             payload = encode_batch(batch.batch(), profile_for("0.20"))
-            for core, ingest in cores.values():
+            for _core, ingest in cores.values():
                 ingest.intake(1, 0, seq_no, payload)
             seq_no += 1
     differ = 0

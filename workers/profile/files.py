@@ -163,7 +163,7 @@ def _load_csv(path: Path) -> ProfileData:
     px, pm, pl = array("d"), array("d"), array("q")
     dx, dy, dm, dl = array("d"), array("d"), array("d"), array("q")
     try:
-        for line, kind, xv, yv, ms in _csv_rows(path):
+        for line, _kind, xv, yv, ms in _csv_rows(path):
             if yv is None:
                 px.append(xv)
                 pm.append(ms)

@@ -580,7 +580,7 @@ def test_an_in_process_front_door_spreads_over_router_replicas():
     replica_of, still_open = run_live(main)
     assert len(replica_of) == 12 and not still_open
     by_session = {}
-    for rid, i in replica_of.items():
+    for i in replica_of.values():
         by_session.setdefault(i, 0)
         by_session[i] += 1
     assert len(by_session) > 1 and all(n % 2 == 0 for n in by_session.values())  # whole sessions per replica
