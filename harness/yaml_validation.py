@@ -208,7 +208,7 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, node: yaml
     ``overridden`` key paths says it came from ``--set`` instead of citing a line it did not come from.
     """
     found = _Found.of(exc, "$")
-    return f"{source}: {_describe(found, raw, node, schema, overridden)}"
+    return f"{source}: {_describe(found, raw, node, schema, overridden, set())}"
 
 
 def validation_problems(raw: Any, schema: Any, node: yaml.Node | None, *,
@@ -218,7 +218,8 @@ def validation_problems(raw: Any, schema: Any, node: yaml.Node | None, *,
     converts). A struct's fields are converted one by one (its unknown and missing keys each a problem), a list's
     items one by one; a struct's own cross-field check (``__post_init__``) only once every field converts."""
     found = _find(raw, schema, "$")
-    return [_describe(f, raw, node, schema, overridden) for f in found[:MAX_LISTED_PROBLEMS]], len(found)
+    told: set[str] = set()
+    return [_describe(f, raw, node, schema, overridden, told) for f in found[:MAX_LISTED_PROBLEMS]], len(found)
 
 
 @dataclass(frozen=True)
@@ -310,8 +311,9 @@ def _list_item(tp: Any) -> Any:
 
 
 def _describe(found: _Found, raw: Any, node: yaml.Node | None, schema: Any,
-              overridden: frozenset[str] | set[str]) -> Problem:
-    """``found`` (on ``raw``, built from ``node``) said as ``describe_validation_error`` says it."""
+              overridden: frozenset[str] | set[str], told: set[str]) -> Problem:
+    """``found`` (on ``raw``, built from ``node``) said as ``describe_validation_error`` says it; ``told``: the
+    sections whose kind a problem described before has said what to do about (the next ones say it briefly)."""
     message, cause = found.message, found.cause
     key = found.where.removeprefix("$.").removeprefix("$")
     unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
@@ -323,7 +325,7 @@ def _describe(found: _Found, raw: Any, node: yaml.Node | None, schema: Any,
         guess = _close_key(raw, _parse_path(key), schema)
         if guess:
             message = f"unknown key; did you mean {guess}?"
-        other = _other_kinds_key(raw, _parse_path(key), schema, overridden)
+        other = _other_kinds_key(raw, _parse_path(key), schema, overridden, told)
         if other:
             message = other
     parts = _parse_path(key)
@@ -362,10 +364,11 @@ def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
     return f"{head}.{match[0]}" if head else match[0]
 
 
-def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any,
-                     overridden: frozenset[str] | set[str]) -> str | None:
+def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any, overridden: frozenset[str] | set[str],
+                     told: set[str]) -> str | None:
     """For a key unknown to its section's kind but a field of another kind (``workload.rate_rps`` with
-    ``workload.kind: trace``): which kind it belongs to, and what this kind needs instead."""
+    ``workload.kind: trace``): which kind it belongs to, and what this kind needs instead (unless its section is
+    in ``told``: said for another key already; the section is added)."""
     if schema is None or not parts or not isinstance(parts[-1], str):
         return None
     union = _type_at(raw, parts[:-1], _type_info(schema), member=False)
@@ -380,6 +383,9 @@ def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any,
         return None
     head = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[:-1]).lstrip(".")
     tag = f"{head}.{current.tag_field}" if head else current.tag_field
+    if head in told:
+        return f"belongs to {tag}={' or '.join(owners)} too"
+    told.add(head)
     needs = [f"{head}.{f.encode_name}" if head else f.encode_name for f in current.fields
              if f.required and f.encode_name not in node]
     removal = " (--set cannot remove a key: write the scenario to a file without it)" if tag in overridden else ""

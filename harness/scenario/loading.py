@@ -116,7 +116,7 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     except msgspec.ValidationError:
         found, count = validation_problems(raw, Scenario, node, overridden=overridden)
         if "workload.kind" in overridden and isinstance(workload, dict) and workload.get("kind") == "trace":
-            found = [_with_trace_hint(p) for p in found]
+            found = _with_trace_hint(found)
         problems, total = problems + found, total + count
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
@@ -128,13 +128,15 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     return scenario
 
 
-def _with_trace_hint(problem: Problem) -> Problem:
-    """``problem``, saying a trace can be run as it is when it is another workload kind's key, which ``--set
-    workload.kind=trace`` cannot remove."""
-    if "belongs to workload.kind=" not in problem.message:
-        return problem
-    return dataclasses.replace(problem, message=problem.message + "; or give the trace itself as the scenario: "
-                                                                  "kvemu run TRACE.jsonl")
+def _with_trace_hint(problems: list[Problem]) -> list[Problem]:
+    """``problems``, the first key of another workload kind's (which ``--set workload.kind=trace`` cannot remove)
+    also saying that a trace can be run as it is."""
+    first = next((i for i, p in enumerate(problems) if "belongs to workload.kind=" in p.message), None)
+    if first is None:
+        return problems
+    hint = "; or give the trace itself as the scenario: kvemu run TRACE.jsonl"
+    hinted = dataclasses.replace(problems[first], message=problems[first].message + hint)
+    return [*problems[:first], hinted, *problems[first + 1:]]
 
 
 def _pool_key_problems(raw: dict[str, Any], node: Any, overridden: set[str]) -> list[Problem]:

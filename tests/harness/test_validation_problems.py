@@ -14,7 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.scenario import Scenario, ScenarioError, describe_validation_error, parse_scenario
+from harness.scenario import (
+    Scenario,
+    ScenarioError,
+    default_scenario_text,
+    describe_validation_error,
+    parse_scenario,
+)
 from harness.yaml_validation import MAX_LISTED_PROBLEMS, load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +72,18 @@ def test_the_kind_hints_and_the_sections_own_checks_are_listed_with_the_rest(tmp
         "  cluster.decode (line 5): a disaggregated cluster needs both pools: give cluster.prefill and "
         "cluster.decode\n"
         "  run.seed (line 8): expected an integer, got 'x'")
+
+
+def test_keys_of_another_workload_kind_say_what_to_do_once():
+    exc = error_of(default_scenario_text(), overrides=["workload.kind=trace"])
+    lines = str(exc).split("\n")
+    assert lines[:3] == [
+        "s.yaml: 9 problems",
+        "  workload.rate_rps (line 16): belongs to workload.kind=synthetic; with workload.kind=trace, remove it "
+        "(--set cannot remove a key: write the scenario to a file without it) and set workload.trace; or give the "
+        "trace itself as the scenario: kvemu run TRACE.jsonl",
+        "  workload.turns (line 17): belongs to workload.kind=synthetic too"]
+    assert lines[-1] == "  workload (line 14): Object missing required field `trace`"
 
 
 def test_a_missing_trace_and_the_disaggregated_pool_keys_are_reported_with_the_schemas_problems(tmp_path):
