@@ -21,6 +21,7 @@ from harness.scenario.schema import Scenario
 from harness.scenario.sections import EngineSpec, TraceWorkload
 from harness.traces.known import missing_trace_hint
 from harness.yaml_validation import (
+    MAX_LISTED_PROBLEMS,
     Problem,
     YamlError,
     floats_where_expected,
@@ -123,7 +124,8 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
     file_problems = _file_problems(raw, node, base_dir, overridden)  # of the sections that converted
     problems, total = problems + file_problems, total + len(file_problems)
     if problems:
-        raise ScenarioError(problems_message(source, problems, total), problems=tuple(problems))
+        raise ScenarioError(problems_message(source, problems, total),
+                            problems=tuple(problems[:MAX_LISTED_PROBLEMS]))
     assert scenario is not None
     return scenario
 

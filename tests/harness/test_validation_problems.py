@@ -60,6 +60,14 @@ def test_an_unknown_key_and_a_bad_value_in_one_section_are_both_reported():
                         "  router.replicas (line 3): Expected `int` >= 1, got 0")
 
 
+def test_values_given_with_set_are_listed_as_from_set_among_the_files_problems():
+    exc = error_of("name: x\nrun:\n  mode: warp\n", overrides=["cluster.workers=0", "router.replicas=0"])
+    assert str(exc) == ("s.yaml: 3 problems\n"
+                        "  run.mode (line 3): Invalid enum value 'warp', got 'warp'\n"
+                        "  cluster.workers (from --set): Expected `int` >= 1, got 0\n"
+                        "  router.replicas (from --set): Expected `int` >= 1, got 0")
+
+
 def test_the_kind_hints_and_the_sections_own_checks_are_listed_with_the_rest(tmp_path):
     (tmp_path / "t.jsonl").write_text(json.dumps({"timestamp": 0, "input_length": 4, "output_length": 1,
                                                   "hash_ids": [1]}) + "\n")
@@ -104,12 +112,14 @@ def test_a_missing_trace_and_the_disaggregated_pool_keys_are_reported_with_the_s
 
 def test_a_list_past_the_cap_names_the_first_problems_and_counts_the_rest():
     items = 3 * MAX_LISTED_PROBLEMS
-    exc = error_of("chaos:\n" + "  - {at_s: -1, action: add_worker}\n" * items)
+    exc = error_of("cluster:\n  workers: 2\n  prefill: {workers: 1}\n  decode: {workers: 1}\nchaos:\n"
+                   + "  - {at_s: -1, action: add_worker}\n" * items)
     lines = str(exc).split("\n")
-    assert lines[0] == f"s.yaml: {items} problems"
-    assert lines[1:-1] == [f"  chaos[{i}].at_s (line {i + 2}): Expected `float` >= 0.0, got -1"
-                           for i in range(MAX_LISTED_PROBLEMS)]
-    assert lines[-1] == f"  and {items - MAX_LISTED_PROBLEMS} more"
+    assert lines[0] == f"s.yaml: {items + 1} problems"
+    assert lines[1].startswith("  cluster.workers (line 2): a disaggregated cluster sizes each pool")
+    assert lines[2:-1] == [f"  chaos[{i}].at_s (line {i + 6}): Expected `float` >= 0.0, got -1"
+                           for i in range(MAX_LISTED_PROBLEMS - 1)]
+    assert lines[-1] == f"  and {items + 1 - MAX_LISTED_PROBLEMS} more"
     assert exc.problems is not None and len(exc.problems) == MAX_LISTED_PROBLEMS
 
 
