@@ -1,15 +1,18 @@
 """kvemu's YAML files (scenarios, sweeps) read once and validated with msgspec: parsing bounded in expanded size
 and aliases before anything is built, an error said as ``source: key.path (line N): what is wrong`` (with a "did
-you mean" for an unknown key), the line of a key, a value at a key path, and floats read as YAML 1.2 writes
-them."""
+you mean" for an unknown key), every problem of a file found in one pass, the line of a key, a value at a key
+path, and floats read as YAML 1.2 writes them."""
 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Union
 
 import msgspec
 import msgspec.inspect as mi
@@ -17,8 +20,9 @@ import yaml
 
 from kvemu.errors import InvalidArgument, KvemuError
 
-__all__ = ["MAX_YAML_ALIASES", "MAX_YAML_VALUES", "YamlDocument", "YamlError", "describe_validation_error",
-           "floats_where_expected", "key_location", "line_of", "load_yaml", "value_at"]
+__all__ = ["MAX_LISTED_PROBLEMS", "MAX_YAML_ALIASES", "MAX_YAML_VALUES", "Problem", "YamlDocument", "YamlError",
+           "describe_validation_error", "floats_where_expected", "key_location", "line_of", "load_yaml",
+           "problems_message", "validation_problems", "value_at"]
 
 
 MAX_YAML_VALUES = 250_000
@@ -27,6 +31,8 @@ counted as the copy it makes: a few hundred bytes of nested aliases ("billion la
 stand for billions, which building, validating or printing the file would expand."""
 MAX_YAML_ALIASES = 10_000
 """Most aliases (``*name``, including those a merge key ``<<`` names) a YAML file kvemu reads may use."""
+MAX_LISTED_PROBLEMS = 50
+"""Most problems of one file an error lists (then how many more): a file is untrusted, and can hold many."""
 
 _LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's parser and composer where PyYAML has them (in C: a file is parsed in milliseconds, and its nesting is
@@ -169,6 +175,30 @@ def _expected(types: str) -> str:
     return " or ".join(rest) + (" (or null)" if "null" in words and rest else "")
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong in a YAML file: its ``key`` path (``chaos[0].at_s``; empty when none applies), ``at`` where
+    the key is (`` (line N)``, `` (from --set)`` or empty) and ``message``, what is wrong."""
+
+    key: str
+    at: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.at}: {self.message}" if self.key else self.message
+
+
+def problems_message(source: str, problems: Sequence[Problem], total: int | None = None) -> str:
+    """``source: key.path (line N): what is wrong`` for one problem; for several ``source: N problems`` and one
+    indented line each, the first ``MAX_LISTED_PROBLEMS`` of ``total`` (default: all given), then how many more."""
+    total = len(problems) if total is None else total
+    if total == 1 and problems:
+        return f"{source}: {problems[0]}"
+    listed = problems[:MAX_LISTED_PROBLEMS]
+    more = total - len(listed)
+    return "\n  ".join([f"{source}: {total} problems", *map(str, listed)] + ([f"and {more} more"] if more else []))
+
+
 def describe_validation_error(exc: msgspec.ValidationError, raw: Any, node: yaml.Node | None, source: str, *,
                               schema: Any = None, overridden: frozenset[str] | set[str] = frozenset()) -> str:
     """``source: key.path (line N): what is wrong`` for a ``msgspec.convert`` error on ``raw`` (built from ``node``).
@@ -177,9 +207,115 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, node: yaml
     ``schema`` (the type ``raw`` was converted to) an unknown key gets a "did you mean"; a key under one of the
     ``overridden`` key paths says it came from ``--set`` instead of citing a line it did not come from.
     """
-    message, _, where = str(exc).partition(" - at `")
-    key = where.rstrip("`").removeprefix("$.").removeprefix("$")
-    cause = exc.__cause__
+    found = _Found.of(exc, "$")
+    return f"{source}: {_describe(found, raw, node, schema, overridden, set())}"
+
+
+def validation_problems(raw: Any, schema: Any, node: yaml.Node | None, *,
+                        overridden: frozenset[str] | set[str] = frozenset()) -> tuple[list[Problem], int]:
+    """Every problem ``msgspec.convert(raw, schema, strict=True)`` meets, where it stops at the first: (the first
+    ``MAX_LISTED_PROBLEMS``, described as ``describe_validation_error`` does, and how many in all; none if ``raw``
+    converts). A struct's fields are converted one by one (its unknown and missing keys each a problem), a list's
+    items one by one; a struct's own cross-field check (``__post_init__``) only once every field converts."""
+    found = _find(raw, schema, "$")
+    told: set[str] = set()
+    return [_describe(f, raw, node, schema, overridden, told) for f in found[:MAX_LISTED_PROBLEMS]], len(found)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A problem as msgspec says it: ``message``, the path ``where`` (``$.chaos[0].at_s``), the check's exception."""
+
+    message: str
+    where: str
+    cause: BaseException | None = None
+
+    @classmethod
+    def of(cls, exc: msgspec.ValidationError, root: str) -> _Found:
+        """``exc``, from converting the value at path ``root``, with the path from the file's top."""
+        message, _, where = str(exc).partition(" - at `")
+        where = where.rstrip("`")
+        return cls(message, where.replace("$", root, 1) if where else root, exc.__cause__)
+
+
+def _find(value: Any, tp: Any, where: str) -> list[_Found]:
+    """The problems of converting ``value`` (at path ``where``) to type ``tp``, all of them (see
+    ``validation_problems``); in the order of the file's keys, as msgspec meets them."""
+    try:
+        msgspec.convert(value, tp, strict=True)
+        return []
+    except msgspec.ValidationError as exc:
+        first = _Found.of(exc, where)
+    struct = _struct_of(value, tp)
+    if struct is not None:
+        config = struct.__struct_config__
+        fields = _fields(struct)
+        found: list[_Found] = []
+        for key, item in value.items():
+            field = fields.get(key)
+            if field is not None:
+                found += _find(item, field.type, f"{where}.{key}")
+            elif key != config.tag_field and config.forbid_unknown_fields:
+                found.append(_Found(f"Object contains unknown field `{key}`", where))
+        found += [_Found(f"Object missing required field `{name}`", where)
+                  for name, field in fields.items() if field.required and name not in value]
+        return found or [first]  # every field converts: the struct's own check failed
+    item_type = _list_item(tp)
+    if item_type is not None and isinstance(value, list) and first.where != where:  # (not the list's own length)
+        return [f for i, item in enumerate(value) for f in _find(item, item_type, f"{where}[{i}]")] or [first]
+    return [first]
+
+
+@functools.cache  # (struct types are few; reading their fields resolves their annotations, slowly)
+def _fields(struct: type[msgspec.Struct]) -> dict[str, msgspec.structs.FieldInfo]:
+    """``struct``'s fields by the name a file gives them."""
+    return {f.encode_name: f for f in msgspec.structs.fields(struct)}
+
+
+@functools.cache  # (schemas are few, and a large one takes milliseconds to inspect)
+def _type_info(schema: Any) -> mi.Type:
+    """``msgspec.inspect.type_info(schema)``, once per schema."""
+    return mi.type_info(schema)
+
+
+def _unannotated(tp: Any) -> Any:
+    """``tp`` without its ``Annotated`` constraints."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def _struct_of(value: Any, tp: Any) -> Any:
+    """The struct type a mapping ``value`` converts to as ``tp``: ``tp`` itself, or the member of an optional or
+    tagged union (by its tag); None if ``value`` is no mapping of names, or ``tp`` has no such struct."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return None
+    tp = _unannotated(tp)
+    if _is_struct(tp):
+        return tp
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return None
+    structs = [m for m in typing.get_args(tp) if _is_struct(m)]
+    tagged = [m for m in structs if m.__struct_config__.tag_field is not None
+              and value.get(m.__struct_config__.tag_field) == m.__struct_config__.tag]
+    untagged = [m for m in structs if m.__struct_config__.tag_field is None]
+    return tagged[0] if tagged else untagged[0] if len(structs) == 1 and untagged else None
+
+
+def _list_item(tp: Any) -> Any:
+    """The item type of a list type ``tp``; None for another type."""
+    tp = _unannotated(tp)
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list and typing.get_args(tp) else None
+
+
+def _describe(found: _Found, raw: Any, node: yaml.Node | None, schema: Any,
+              overridden: frozenset[str] | set[str], told: set[str]) -> Problem:
+    """``found`` (on ``raw``, built from ``node``) said as ``describe_validation_error`` says it; ``told``: the
+    sections whose kind a problem described before has said what to do about (the next ones say it briefly)."""
+    message, cause = found.message, found.cause
+    key = found.where.removeprefix("$.").removeprefix("$")
     unknown = re.match(r"^Object contains unknown field `(.+)`$", message)
     if isinstance(cause, InvalidArgument) and cause.field:  # a section's own check names its field
         key = f"{key}.{cause.field}" if key else cause.field
@@ -189,19 +325,19 @@ def describe_validation_error(exc: msgspec.ValidationError, raw: Any, node: yaml
         guess = _close_key(raw, _parse_path(key), schema)
         if guess:
             message = f"unknown key; did you mean {guess}?"
-        other = _other_kinds_key(raw, _parse_path(key), schema, overridden)
+        other = _other_kinds_key(raw, _parse_path(key), schema, overridden, told)
         if other:
             message = other
     parts = _parse_path(key)
     if not isinstance(cause, InvalidArgument) and not unknown:
-        found, value = value_at(raw, parts)
-        if found and not isinstance(value, (dict, list)):
+        found_value, value = value_at(raw, parts)
+        if found_value and not isinstance(value, (dict, list)):
             mismatch = re.match(r"^Expected `(.+)`, got `.+`$", message)
             if mismatch:  # "Expected `int`, got `str`": say what was expected in words, and the value once
                 message = f"expected {_expected(mismatch.group(1))}, got {value!r}"
             else:
                 message = f"{message}, got {value!r}"
-    return f"{source}: {key or '(top level)'}{key_location(node, parts, overridden)}: {message}"
+    return Problem(key or "(top level)", key_location(node, parts, overridden), message)
 
 
 def key_location(node: yaml.Node | None, parts: Sequence[str | int], overridden: frozenset[str] | set[str] = frozenset()) -> str:
@@ -217,7 +353,7 @@ def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
     """The valid key path closest to the unknown ``parts`` (``router.policy`` for ``router.polcy``), if any."""
     if schema is None or not parts or not isinstance(parts[-1], str):
         return None
-    struct = _type_at(raw, parts[:-1], mi.type_info(schema))
+    struct = _type_at(raw, parts[:-1], _type_info(schema))
     if not isinstance(struct, mi.StructType):
         return None
     names = [f.encode_name for f in struct.fields if f.encode_name != "base_dir"]
@@ -228,13 +364,14 @@ def _close_key(raw: Any, parts: list[str | int], schema: Any) -> str | None:
     return f"{head}.{match[0]}" if head else match[0]
 
 
-def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any,
-                     overridden: frozenset[str] | set[str]) -> str | None:
+def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any, overridden: frozenset[str] | set[str],
+                     told: set[str]) -> str | None:
     """For a key unknown to its section's kind but a field of another kind (``workload.rate_rps`` with
-    ``workload.kind: trace``): which kind it belongs to, and what this kind needs instead."""
+    ``workload.kind: trace``): which kind it belongs to, and what this kind needs instead (unless its section is
+    in ``told``: said for another key already; the section is added)."""
     if schema is None or not parts or not isinstance(parts[-1], str):
         return None
-    union = _type_at(raw, parts[:-1], mi.type_info(schema), member=False)
+    union = _type_at(raw, parts[:-1], _type_info(schema), member=False)
     union = union.type if isinstance(union, mi.Metadata) else union
     node = value_at(raw, parts[:-1])[1]
     if not isinstance(union, mi.UnionType) or not isinstance(node, dict):
@@ -246,6 +383,9 @@ def _other_kinds_key(raw: Any, parts: list[str | int], schema: Any,
         return None
     head = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[:-1]).lstrip(".")
     tag = f"{head}.{current.tag_field}" if head else current.tag_field
+    if head in told:
+        return f"belongs to {tag}={' or '.join(owners)} too"
+    told.add(head)
     needs = [f"{head}.{f.encode_name}" if head else f.encode_name for f in current.fields
              if f.required and f.encode_name not in node]
     removal = " (--set cannot remove a key: write the scenario to a file without it)" if tag in overridden else ""
@@ -290,7 +430,7 @@ which reads those without a dot, or with an unsigned exponent, as strings."""
 def floats_where_expected(raw: Any, schema: Any) -> Any:
     """``raw`` with every string that spells a float (YAML 1.2) made a float where ``schema`` expects a number
     (``run.duration_s: 1e2``); strings elsewhere (a name ``1e2``) stay strings. Changes ``raw`` in place."""
-    return _floats(raw, mi.type_info(schema))
+    return _floats(raw, _type_info(schema))
 
 
 def _floats(raw: Any, t: Any) -> Any:

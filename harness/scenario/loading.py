@@ -3,12 +3,13 @@ validating it against the schema with errors that name the key path and its line
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -17,14 +18,17 @@ from workers.profile import cached_profile_timing
 from workers.trace import trace_file_problem
 
 from harness.scenario.schema import Scenario
-from harness.scenario.sections import TraceWorkload
+from harness.scenario.sections import EngineSpec, TraceWorkload
 from harness.traces.known import missing_trace_hint
 from harness.yaml_validation import (
+    MAX_LISTED_PROBLEMS,
+    Problem,
     YamlError,
-    describe_validation_error,
     floats_where_expected,
     key_location,
     load_yaml,
+    problems_message,
+    validation_problems,
     value_at,
 )
 
@@ -50,7 +54,13 @@ MAX_SCENARIO_BYTES = 1 << 20
 
 
 class ScenarioError(KvemuError, ValueError):
-    """An invalid scenario; the message names the key path (and line, when known)."""
+    """An invalid scenario; the message names the key path (and line, when known), of every problem found.
+
+    ``problems``: those problems, one by one (at most ``MAX_LISTED_PROBLEMS`` of them), when the file was read and
+    checked; None for an error before that (a file that cannot be read, not YAML, a bad ``--set``)."""
+
+    attributes: ClassVar[tuple[str, ...]] = ("problems",)
+    problems: tuple[Problem, ...] | None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -99,41 +109,81 @@ def parse_scenario(text: str, *, base_dir: str | Path = ".", overrides: list[str
         timing = value_at(raw, [*where, "timing_model"])[1]
         if isinstance(timing, dict) and isinstance(timing.get("path"), str) and timing["path"]:
             timing["path"] = str(_resolve_in(base_dir, timing["path"]))  # engines may run in another directory
-    cluster_raw = raw.get("cluster")
-    if isinstance(cluster_raw, dict) and ("prefill" in cluster_raw or "decode" in cluster_raw):
-        for key in POOL_KEYS:
-            if key in cluster_raw:
-                at = key_location(node, ["cluster", key], overridden)
-                raise ScenarioError(f"{source}: cluster.{key}{at}: a disaggregated cluster sizes each pool: set "
-                                    f"cluster.prefill.{key} and cluster.decode.{key} instead")
+    problems = _pool_key_problems(raw, node, overridden)
+    total = len(problems)
+    scenario: Scenario | None = None
     try:
         scenario = msgspec.convert(raw, Scenario, strict=True)
-    except msgspec.ValidationError as exc:
-        message = describe_validation_error(exc, raw, node, source, schema=Scenario, overridden=overridden)
-        if "workload.kind" in overridden and isinstance(workload, dict) and workload.get("kind") == "trace" \
-                and "belongs to workload.kind=" in message:  # another kind's keys, which --set cannot remove
-            message += "; or give the trace itself as the scenario: kvemu run TRACE.jsonl"
-        raise ScenarioError(message) from None
+    except msgspec.ValidationError:
+        found, count = validation_problems(raw, Scenario, node, overridden=overridden)
+        if "workload.kind" in overridden and isinstance(workload, dict) and workload.get("kind") == "trace":
+            found = _with_trace_hint(found)
+        problems, total = problems + found, total + count
     except InvalidArgument as exc:
         raise ScenarioError(f"{source}: {exc}") from None
+    file_problems = _file_problems(raw, node, base_dir, overridden)  # of the sections that converted
+    problems, total = problems + file_problems, total + len(file_problems)
+    if problems:
+        raise ScenarioError(problems_message(source, problems, total),
+                            problems=tuple(problems[:MAX_LISTED_PROBLEMS]))
+    assert scenario is not None
+    return scenario
+
+
+def _with_trace_hint(problems: list[Problem]) -> list[Problem]:
+    """``problems``, the first key of another workload kind's (which ``--set workload.kind=trace`` cannot remove)
+    also saying that a trace can be run as it is."""
+    first = next((i for i, p in enumerate(problems) if "belongs to workload.kind=" in p.message), None)
+    if first is None:
+        return problems
+    hint = "; or give the trace itself as the scenario: kvemu run TRACE.jsonl"
+    hinted = dataclasses.replace(problems[first], message=problems[first].message + hint)
+    return [*problems[:first], hinted, *problems[first + 1:]]
+
+
+def _pool_key_problems(raw: dict[str, Any], node: Any, overridden: set[str]) -> list[Problem]:
+    """The aggregated pool's keys a disaggregated ``cluster`` gives (each pool has its own)."""
+    cluster = raw.get("cluster")
+    if not isinstance(cluster, dict) or ("prefill" not in cluster and "decode" not in cluster):
+        return []
+    return [Problem(f"cluster.{key}", key_location(node, ["cluster", key], overridden),
+                    f"a disaggregated cluster sizes each pool: set cluster.prefill.{key} and cluster.decode.{key} "
+                    "instead") for key in POOL_KEYS if key in cluster]
+
+
+def _file_problems(raw: dict[str, Any], node: Any, base_dir: str | Path, overridden: set[str]) -> list[Problem]:
+    """What is wrong with the files the scenario names (a timing profile, a trace), read now so that a bad one is
+    refused before anything runs; only for the sections that convert (the others' problems are listed already)."""
+    problems = []
     for where in _ENGINES:
-        spec = value_at(msgspec.to_builtins(scenario), [*where, "timing_model"])[1]
+        found, value = value_at(raw, where)
+        try:
+            engine = msgspec.convert(value, EngineSpec, strict=True) if found else None
+        except msgspec.ValidationError:
+            continue
+        spec = msgspec.to_builtins(engine).get("timing_model") if engine is not None else None
         if isinstance(spec, dict) and spec.get("type") == "interpolated":
             try:
-                cached_profile_timing(spec["path"])  # read once now: a bad profile is refused before anything runs
+                cached_profile_timing(spec["path"])
             except InvalidArgument as exc:
-                at = key_location(node, [*where, "timing_model", "path"], overridden)
-                raise ScenarioError(f"{source}: {'.'.join(where)}.timing_model.path{at}: {exc}") from None
-    if isinstance(scenario.workload, TraceWorkload):
-        path = resolve(scenario, scenario.workload.trace)
+                problems.append(Problem(f"{'.'.join(where)}.timing_model.path",
+                                        key_location(node, [*where, "timing_model", "path"], overridden), str(exc)))
+    workload = raw.get("workload")
+    try:
+        trace = msgspec.convert(workload, TraceWorkload, strict=True) \
+            if isinstance(workload, dict) and workload.get("kind") == "trace" else None
+    except msgspec.ValidationError:
+        trace = None
+    if trace is not None:
+        path = _resolve_in(base_dir, trace.trace)
         problem = trace_file_problem(path)  # (a directory passes: a Weka corpus)
         if problem is not None:
-            at = key_location(node, ["workload", "trace"], overridden)
             if not path.exists():  # (shown without its ../ steps: the curl command writes there)
                 path = Path(os.path.normpath(path))
-            hint = "" if path.exists() else missing_trace_hint(path, scenario.workload.format)
-            raise ScenarioError(f"{source}: workload.trace{at}: {problem}: {path}{hint}")
-    return scenario
+            hint = "" if path.exists() else missing_trace_hint(path, trace.format)
+            problems.append(Problem("workload.trace", key_location(node, ["workload", "trace"], overridden),
+                                    f"{problem}: {path}{hint}"))
+    return problems
 
 
 POOL_KEYS = ("workers", "dp_size", "engine")
