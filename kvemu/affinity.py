@@ -35,7 +35,9 @@ __all__ = [
 ]
 
 MIN_TTL_NS = 1 * NS_PER_S
+"""Shortest idle TTL a binding may have (one second); a shorter ``ttl`` is ``InvalidArgument``."""
 MAX_TTL_NS = 31_536_000 * NS_PER_S
+"""Longest idle TTL a binding may have (one year); a longer ``ttl`` is ``InvalidArgument``."""
 SIBLING_PREFIX = "\x01sg:"
 
 

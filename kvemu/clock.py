@@ -24,7 +24,9 @@ __all__ = [
 ]
 
 NS_PER_S = 1_000_000_000
+"""Nanoseconds in a second, the unit every kvemu time is counted in."""
 NS_PER_MS = 1_000_000
+"""Nanoseconds in a millisecond."""
 MAX_TIME_NS = 2**63 - 1
 """Largest representable instant; any deadline beyond it is rejected rather than wrapped."""
 

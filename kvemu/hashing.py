@@ -30,7 +30,9 @@ __all__ = [
 ]
 
 BASE_SEED = 1337
+"""Seed of the XXH3 local block hash of a request with no LoRA and no cache namespace (Dynamo's value)."""
 U64_MASK = (1 << 64) - 1
+"""Keeps a hash in 64 unsigned bits, as the wire and the index carry it."""
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack

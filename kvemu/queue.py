@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 QueuePolicy = QueuePolicyName
+"""Ordering inside a queue class (``kvemu.config.QueuePolicyName``: fcfs, lcfs or wspt)."""
 
 
 class QueueRejected(KvemuError):

@@ -13,6 +13,7 @@ from kvemu.index import WorkerKey
 __all__ = ["WorkerSpec", "WorkerRegistry", "WorkerType", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
 WorkerType = Literal["aggregated", "prefill", "decode"]
+"""The pool a worker serves: both phases, or one of disaggregated serving's prefill and decode pools."""
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
 """Used for fractional busy thresholds when a worker published none: effectively never busy."""
 

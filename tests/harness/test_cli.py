@@ -218,7 +218,7 @@ def test_a_policy_module_in_the_working_directory_is_used_only_when_allowed(tmp_
     """``python -m`` puts the working directory first on the import path: a file next to the scenario must not
     stand in for the module a scenario names unless the user says so."""
     (tmp_path / "localpolicy_kvemu.py").write_text(
-        "from kvemu import round_robin_policy\n\ndef make():\n    return round_robin_policy()\n")
+        "from kvemu.policy import round_robin_policy\n\ndef make():\n    return round_robin_policy()\n")
     args = ["validate", "--set", "router.policy=localpolicy_kvemu:make"]
     run = [sys.executable, "-m", "harness.cli"]
     refused = subprocess.run([*run, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
@@ -257,7 +257,7 @@ def _readme_queue_follower() -> str:
 @pytest.mark.parametrize(
     ("module", "source", "overrides"),
     [
-        ("mypol", "from kvemu import round_robin_policy\n\ndef make():\n    return round_robin_policy()\n",
+        ("mypol", "from kvemu.policy import round_robin_policy\n\ndef make():\n    return round_robin_policy()\n",
          ["router.policy=mypol:make"]),
         ("scaling", None, ["autoscaler.policy=scaling:QueueFollower", "autoscaler.min_workers=1",
                            "autoscaler.max_workers=8"]),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import pytest
 
 from kvemu import (
-    MAX_TIME_NS,
     BlocksStored,
     InvalidArgument,
     ManualClock,
@@ -38,6 +37,7 @@ from kvemu import (
     seconds_to_ns,
     sibling_group_key,
 )
+from kvemu.clock import MAX_TIME_NS
 from kvemu.lifecycle import AFFINITY, QUEUED, Lifecycle, LifecycleSettings
 from kvemu.hooks import Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, TokenBatch

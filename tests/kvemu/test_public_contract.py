@@ -1,4 +1,4 @@
-"""The public embedding contract, exercised only through ``import kvemu`` as an external host would.
+"""The public embedding contract, exercised as an external host would: through kvemu's face and the modules it names.
 
 Everything used here is documented in docs/embedding.md and must stay stable.
 """
@@ -9,34 +9,34 @@ import pytest
 
 import kvemu
 from kvemu import (
-    AffinityMode,
-    AffinityTarget,
-    BlockNotFound,
     BlocksStored,
-    BookingFailed,
     CustomPolicy,
-    DuplicateWorker,
-    Hold,
     InvalidArgument,
     ManualClock,
-    NoEndpoints,
-    ParentBlockNotFound,
-    PinnedWorkerNotAllowed,
-    PinnedWorkerOverloaded,
     QueueEntry,
-    QueueLimits,
     QueueRejected,
-    ResourceExhausted,
     RouterEvent,
     RoutingCore,
     SchedulerError,
     SessionAffinity,
-    UnknownWorker,
-    Wait,
     WorkerSpec,
     seconds_to_ns,
     sibling_group_key,
 )
+from kvemu.affinity import AffinityMode, Hold, Wait
+from kvemu.eligibility import AffinityTarget
+from kvemu.errors import (
+    BlockNotFound,
+    BookingFailed,
+    DuplicateWorker,
+    NoEndpoints,
+    ParentBlockNotFound,
+    PinnedWorkerNotAllowed,
+    PinnedWorkerOverloaded,
+    ResourceExhausted,
+    UnknownWorker,
+)
+from kvemu.queue import DoNotQueue, QueueLimits
 
 S = seconds_to_ns
 
@@ -243,7 +243,7 @@ def test_errors_carry_what_they_name_and_survive_pickling():
     queue.push(QueueEntry("q1", ranks=[(1, 0)], arrival_ns=0), num_workers=1)
     e = caught(QueueRejected, lambda: queue.push(QueueEntry("q2", ranks=[(1, 0)], arrival_ns=0), num_workers=1))
     assert (e.request_id, e.policy_class, e.resource, e.current, e.limit) == ("q2", "default", "requests", 1, 1)
-    e = caught(kvemu.DoNotQueue, lambda: queue.push(QueueEntry("q3", ranks=[(1, 0)], arrival_ns=0), do_not_queue=True))
+    e = caught(DoNotQueue, lambda: queue.push(QueueEntry("q3", ranks=[(1, 0)], arrival_ns=0), do_not_queue=True))
     assert e.request_id == "q3"
     for err in seen:
         back = pickle.loads(pickle.dumps(err))
