@@ -186,40 +186,51 @@ SECOND_ROUTER_RUNNING = r"cmd:tiny_proxy.py: replaying through [^\n]*\n[\s\S]*kv
 """bench-router's first router (kvemu) is done and requests go through the second (the proxy)."""
 
 
-def _routers_so_far(out) -> list[dict]:
+def _routers_so_far(out, reason="SIGINT") -> list[dict]:
     """The rows of a bench-router stopped during its second router: the first whole, the second partial, its run
     matched to the engines' truth (the fleet was still there when it was asked), and the table says so."""
     table = json.loads((out / "routers.json").read_text())
     rows = table["routers"]
     assert [r["router"] for r in rows] == ["kvemu:kv", "cmd:tiny_proxy.py"], rows
-    assert table["about"]["interrupted"] == {"signal": "SIGINT", "router": "cmd:tiny_proxy.py"}, table["about"]
+    assert table["about"]["interrupted"] == {"signal": reason, "router": "cmd:tiny_proxy.py"}, table["about"]
     first, second = rows
     assert first["error"] is None and first.get("partial") is None and first["completed"] > 0, first
-    assert second["partial"] == "SIGINT" and second["completed"] > 0, second
+    assert second["partial"] == reason and second["completed"] > 0, second
     whole = json.loads((out / "kvemu-kv" / "summary.json").read_text())
     assert not whole["partial"] and whole["completed_requests"] == whole["num_requests"] == first["completed"]
-    cut = _partial_report(out / "cmd-tiny_proxy.py")
-    assert cut["kvemu"]["hook_counts"]["engine_truth_matched"] == cut["num_requests"], cut["kvemu"]["hook_counts"]
+    cut = _partial_report(out / "cmd-tiny_proxy.py", reason)
+    # every request answered is matched to what the engine did (one cancelled before a worker had it is not)
+    assert cut["kvemu"]["hook_counts"]["engine_truth_matched"] >= cut["completed_requests"], cut["kvemu"]["hook_counts"]
     md = (out / "routers.md").read_text()
-    assert "PARTIAL" in md and "interrupted (SIGINT) during cmd:tiny_proxy.py" in md, md
+    assert "PARTIAL" in md and f"interrupted ({reason}) during cmd:tiny_proxy.py" in md, md
     return rows
 
 
-def test_ctrl_c_of_kvemu_bench_router_keeps_the_routers_benchmarked_and_the_table_so_far(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_ctrl_c_of_kvemu_bench_router_keeps_the_routers_benchmarked_and_the_table_so_far(tmp_path, how):
     """Issue #44: a Ctrl-C in a terminal during bench-router's second router reached its fleet and router too, so
     the load generator found no engine to ask for its truth, and no table (routers.md) was written: only "the
     routers' reports so far are in their folders". Now the children are out of the terminal's process group: the
     second router's partial run is whole, the table holds both rows (the second marked partial), one line says
-    where, and nothing is left running."""
+    where, and nothing is left running. SIGTERM (to bench-router alone) does the same, with exit 143."""
+    import os
+    import signal
+
     out = tmp_path / "out"
     tag, env = tagged_env()
     with _bench_routers(tmp_path, out, env) as term:
-        code, text = term.interrupt_when(SECOND_ROUTER_RUNNING, timeout_s=90)
-    assert code == 130, text[-3000:]
-    assert (f"kvemu bench-router: interrupted (SIGINT) during cmd:tiny_proxy.py: 1 router benchmarked, 1 stopped "
+        if how == "ctrl_c":
+            code, text = term.interrupt_when(SECOND_ROUTER_RUNNING, timeout_s=90)
+        else:
+            term.wait_for(SECOND_ROUTER_RUNNING, 90)
+            os.kill(term.proc.pid, signal.SIGTERM)
+            code, text = term.wait(60), term.output
+    reason = "SIGINT" if how == "ctrl_c" else "SIGTERM"
+    assert code == (130 if how == "ctrl_c" else 143), text[-3000:]
+    assert (f"kvemu bench-router: interrupted ({reason}) during cmd:tiny_proxy.py: 1 router benchmarked, 1 stopped "
             f"part way; the table so far (partial) in {out}/routers.md") in text, text[-3000:]
     _no_traceback(text)
-    _routers_so_far(out)
+    _routers_so_far(out, reason)
     assert _gone(tag)
 
 
