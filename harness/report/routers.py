@@ -71,7 +71,8 @@ def write_router_report(rows: list[dict[str, Any]], outdir: Path, about: dict[st
     lines = [head, rule]
     for row in rows:
         cells = [_cell(row.get(key), fmt) for key, _, fmt in COLUMNS]
-        lines.append(f"| {row['router']} | " + " | ".join(cells) + " |")
+        mark = f" (PARTIAL: {row['partial']})" if row.get("partial") else ""
+        lines.append(f"| {row['router']}{mark} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     notes = [f"# Routers on {about.get('scenario')}", "",
              f"{about.get('requests')} requests, {_pools(about.get('pools') or {})}; each router in front of a "

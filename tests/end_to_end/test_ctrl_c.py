@@ -202,7 +202,8 @@ def _routers_so_far(out, reason="SIGINT") -> list[dict]:
     # every request answered is matched to what the engine did (one cancelled before a worker had it is not)
     assert cut["kvemu"]["hook_counts"]["engine_truth_matched"] >= cut["completed_requests"], cut["kvemu"]["hook_counts"]
     md = (out / "routers.md").read_text()
-    assert "PARTIAL" in md and f"interrupted ({reason}) during cmd:tiny_proxy.py" in md, md
+    assert f"interrupted ({reason}) during cmd:tiny_proxy.py" in md, md
+    assert f"| cmd:tiny_proxy.py (PARTIAL: {reason}) |" in md, md
     return rows
 
 
