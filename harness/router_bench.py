@@ -10,14 +10,16 @@ passes run that many times faster and the report's latencies are scaled back.
 
 from __future__ import annotations
 
-import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from kvemu.errors import KvemuError
 
 from harness.cluster import engine_config
 from harness.external_routers import READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, flag_caveats, \
@@ -31,7 +33,7 @@ from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
 
-__all__ = ["bench_routers", "compress_overrides", "READY_TIMEOUT_S"]
+__all__ = ["bench_routers", "BenchInterrupted", "compress_overrides", "READY_TIMEOUT_S"]
 
 
 def compress_overrides(scenario: Scenario, factor: float) -> list[str]:
@@ -92,17 +94,6 @@ def _save(url: str, path: Path) -> None:
         pass
 
 
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _kvemu_fleet(started: dict[str, Any], scenario: Scenario) -> FleetInfo:
     """``kvemu serve --in-process``'s start line as a fleet: its workers, whose engine truth its front door
     serves (so every worker's ``url`` is the front door's)."""
@@ -125,13 +116,35 @@ def prompt_form_for(spec: RouterSpec, asked: str) -> PromptForm:
 
 
 def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str], outdir: Path, compress: float,
-             prompt_form: PromptForm, origin: RunOrigin) -> dict[str, Any]:
+             prompt_form: PromptForm, origin: RunOrigin) -> tuple[dict[str, Any], str | None]:
+    """``spec``'s row, and the signal that stopped the benchmark during it (None: none did). Its fleet and router
+    run in process groups of their own, so that a terminal's Ctrl-C reaches this process alone: the load generator
+    stops, asks the fleet (still serving) for its truth and writes the partial report, then they are stopped; a
+    signal while they stop kills them at once."""
+    from harness.cli.signals import held_signals
 
-    kids = Children()
-    router: subprocess.Popen | None = None
-    caveats: list[str] = []
+    kids = Children(own_groups=True)
     t0 = time.monotonic()
-    where = outdir / router_folder(label)
+    try:
+        row = _bench_one(kids, spec, label, scenario, config, outdir / router_folder(label), compress, prompt_form,
+                         origin, t0)
+    except KeyboardInterrupt as exc:  # while its fleet or router started: nothing went through it
+        reason = getattr(exc, "reason", "SIGINT")
+        row = {**router_row(label, {}, time.monotonic() - t0, error=f"interrupted ({reason}) before its run"),
+               "partial": reason}
+    caught: list[str] = []
+    hurry = threading.Event()
+    with held_signals(caught, say="killing the router and its fleet now", hurry=hurry):
+        kids.stop_all(hurry=hurry)
+    return row, row.get("partial") or (caught[0] if caught else None)
+
+
+def _bench_one(kids: Children, spec: RouterSpec, label: str, scenario: Scenario, config: list[str], where: Path,
+               compress: float, prompt_form: PromptForm, origin: RunOrigin, t0: float) -> dict[str, Any]:
+    """Start ``spec``'s fleet and router among ``kids`` and replay the workload through it into ``where``; its row
+    (``partial``: the signal that stopped its run, whose partial report is written)."""
+    caveats: list[str] = []
+    metrics_port = None
     where.mkdir(parents=True, exist_ok=True)
     try:
         if spec.kind == "kvemu":
@@ -145,7 +158,7 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
             for caveat in (caveats := flag_caveats(spec.kind, fleet, spec.policy)):
                 print(f"kvemu bench-router: {label}: {caveat}", file=sys.stderr, flush=True)
             with open(where / "router.log", "wb") as log:
-                router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                router = kids.spawn("router", cmd, log)
             url = f"http://127.0.0.1:{port}"
             why = _wait_ready(url, router, READY_PATHS[spec.kind], READY_TIMEOUT_S)
             if why is not None:
@@ -154,19 +167,15 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
         summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
                                          compress=compress, origin=origin,
                                          command=f"kvemu bench-router ({label})")
+        if metrics_port is not None:  # what the router says it did (its retries, errors): beside the report
+            _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
+        row = {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}
         stopped = summary.get("kvemu", {}).get("stop_reason")
         if stopped in ("SIGINT", "SIGTERM"):  # the user stops the benchmark (this router's partial report is kept)
-            from harness.runner import Terminated
-
-            raise Terminated(stopped)
-        if router is not None:  # what the router says it did (its retries, errors): beside the report
-            _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
-        return {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}
+            row["partial"] = stopped
+        return row
     except (RouterSpecError, OSError, NotStarted) as exc:
         return router_row(label, {}, time.monotonic() - t0, error=str(exc))
-    finally:
-        _stop(router)
-        kids.stop_all()
 
 
 def _fleet_info(started: dict[str, Any]) -> FleetInfo:
@@ -175,36 +184,70 @@ def _fleet_info(started: dict[str, Any]) -> FleetInfo:
     return msgspec.convert(started, FleetInfo)
 
 
+class BenchInterrupted(KvemuError, RuntimeError):
+    """A signal (``reason``) stopped ``kvemu bench-router`` during ``router``; ``rows`` (that router's partial,
+    routers after it absent) are written in ``outdir``'s routers.md, marked partial."""
+
+    def __init__(self, reason: str, router: str, rows: list[dict[str, Any]], outdir: Path) -> None:
+        whole = sum(1 for r in rows if not r.get("partial"))
+        cut = ", 1 stopped part way" if rows[-1].get("partial") and not rows[-1].get("error") else ""
+        super().__init__(f"interrupted ({reason}) during {router}: {counted(whole, 'router')} benchmarked{cut}; "
+                         f"the table so far (partial) in {outdir / 'routers.md'}")
+        self.reason = reason
+        self.rows = rows
+
+    @property
+    def exit_code(self) -> int:
+        """130 for SIGINT (Ctrl-C), 143 for SIGTERM."""
+        return 143 if self.reason == "SIGTERM" else 130
+
+
 def bench_routers(scenario_path: str | None, overrides: list[str], routers: list[RouterSpec], outdir: Path,
                   compress: float = 1.0, prompt_form: str = "auto") -> tuple[list[dict[str, Any]], str]:
     """Run the workload through each router; returns the rows and the markdown table (also written in
-    ``outdir``)."""
+    ``outdir``). A signal (Ctrl-C, SIGTERM) stops it: the table of the routers run so far is written, the one it
+    stopped marked partial, and ``BenchInterrupted`` says so."""
+    from harness.cli.signals import held_signals
+    from harness.workload import build_sessions
+    from harness.runner import NothingRan, count_requests
+
     base = _load(scenario_path, overrides)
     overrides = [*overrides, *compress_overrides(base, compress)]
     scenario = _load(scenario_path, overrides)
     origin = RunOrigin.of("kvemu bench-router", scenario_path, overrides)  # (--compress's overrides too)
     config = ([str(Path(scenario_path).resolve())] if scenario_path else []) + \
         [x for o in overrides for x in ("--set", o)]  # kvemu serve's and kvemu fleet's arguments
+    try:
+        requests = count_requests(build_sessions(scenario))
+    except KeyboardInterrupt as exc:
+        raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
     rows = []
+    interrupted: dict[str, str] | None = None
     started = time.monotonic()
     labels = unique_labels([spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
                             for spec in routers])
     for spec, label in zip(routers, labels, strict=True):
-        row = _run_one(spec, label, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form), origin)
+        row, stopped = _run_one(spec, label, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form),
+                                origin)
         rows.append(row)
         print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
+              + (f" (PARTIAL: {row['partial']})" if row.get("partial") else "")
               + (f"; {row['error']}" if row.get("error") else "") + f" ({row['wall_s']:.0f} s)", file=sys.stderr,
               flush=True)
-    from harness.workload import build_sessions
-    from harness.runner import count_requests
-
+        if stopped is not None:
+            interrupted = {"signal": stopped, "router": label}
+            break
+    not_run = labels[len(rows):]
     pools = scenario.cluster.pools()
-    about = {"scenario": scenario.name, "requests": count_requests(build_sessions(scenario)),
+    about = {"scenario": scenario.name, "requests": requests,
              "pools": {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in pools.items()},
              "workers": sum(n for n, _, _ in pools.values()), "compress": compress,
              "prompt": prompt_form, "wall_s": round(time.monotonic() - started, 1),
-             "routers": [r["router"] for r in rows]}
-    table = write_router_report(rows, outdir, about)
+             "routers": [r["router"] for r in rows], "interrupted": interrupted, "not_run": not_run}
+    with held_signals([], say="the routers' table is being written; kvemu stops once it is"):
+        table = write_router_report(rows, outdir, about)
+    if interrupted is not None:
+        raise BenchInterrupted(interrupted["signal"], interrupted["router"], rows, outdir)
     print(f"kvemu bench-router: {counted(len(rows), 'router')} in {about['wall_s']:g} s; "
           f"{outdir / 'routers.md'}", file=sys.stderr)
     return rows, table

@@ -60,17 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.cli.fleet import fleet_command
 
         return fleet_command(args)
-    if args.command == "bench-router":
-        from harness.cli.fleet import bench_router_command
-        from harness.runner import Terminated
-
-        try:
-            return bench_router_command(args)
-        except KeyboardInterrupt as exc:  # the reports of the routers run so far are kept
-            reason = exc.reason if isinstance(exc, Terminated) else "SIGINT"
-            print(f"kvemu bench-router: interrupted ({reason}); the routers' reports so far are in their folders",
-                  file=sys.stderr)
-            return 143 if reason == "SIGTERM" else 130
     from harness.runner import Terminated
 
     try:
@@ -88,6 +77,10 @@ def _command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return run_command(args)  # (the runner turns Ctrl-C and SIGTERM into a partial report)
     if args.command == "sweep":
         return sweep_command(args)
+    if args.command == "bench-router":
+        from harness.cli.fleet import bench_router_command
+
+        return bench_router_command(args)  # (a signal keeps the routers' table so far, marked partial)
     if args.command == "plan":
         return plan_command(args)
     if args.command == "validate":

@@ -101,7 +101,7 @@ def _first_screen(name: str, rows: list[dict[str, Any]], outdir: Path) -> str:
 def bench_router_command(args: argparse.Namespace) -> int:
     """Run the workload through each router; the table goes to standard output."""
     from harness.external_routers import RouterSpecError, parse_router
-    from harness.router_bench import bench_routers
+    from harness.router_bench import BenchInterrupted, bench_routers
     from harness.scenario import ScenarioError
 
     try:
@@ -134,11 +134,21 @@ def bench_router_command(args: argparse.Namespace) -> int:
     except OutputError as exc:
         print(f"kvemu bench-router: cannot write the reports: {exc}", file=sys.stderr)
         return 2
+    from harness.runner import NothingRan
+
     try:
         rows, _ = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt)
     except ScenarioError as exc:
         print(f"kvemu bench-router: {exc}", file=sys.stderr)
         return 2
+    except BenchInterrupted as exc:  # the routers' table so far is written
+        print(f"kvemu bench-router: {exc}", file=sys.stderr, flush=True)
+        if not args.quiet and exc.rows:
+            print(_first_screen(scenario.name, exc.rows, outdir), end="", flush=True)
+        return exc.exit_code
+    except NothingRan as exc:  # while the workload was counted, before the first router
+        print(f"kvemu bench-router: {exc}", file=sys.stderr)
+        return exc.exit_code
     if not args.quiet:
         print(_first_screen(scenario.name, rows, outdir), end="", flush=True)
     return 0 if all(r["completed"] and not r.get("error") for r in rows) else 1

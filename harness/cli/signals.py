@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,15 +28,19 @@ def _signal_handlers(handlers: dict[int, Callable[[int, Any], None]]) -> Iterato
             signal.signal(sig, handler)
 
 
-def held_signals(caught: list[str], say: str | None = None) -> contextlib.AbstractContextManager[None]:
+def held_signals(caught: list[str], say: str | None = None,
+                 hurry: threading.Event | None = None) -> contextlib.AbstractContextManager[None]:
     """While in this block, SIGINT and SIGTERM are noted in ``caught`` (by name) instead of stopping the process,
-    so that what they interrupt (planning a sweep, writing a report) ends and the caller can stop cleanly; with
-    ``say``, each is also said on stderr as ``SIGNAL: SAY``."""
+    so that what they interrupt (planning a sweep, writing a report, stopping child processes) ends and the caller
+    can stop cleanly; with ``say``, each is also said on stderr as ``SIGNAL: SAY``; with ``hurry``, each sets it
+    (the block may then cut a wait short: kill its children instead of letting them stop)."""
     import signal
     import sys
 
     def note(signum: int, frame: object) -> None:
         caught.append(signal.Signals(signum).name)
+        if hurry is not None:
+            hurry.set()
         if say is not None:
             print(f"{caught[-1]}: {say}", file=sys.stderr, flush=True)
 

@@ -85,13 +85,15 @@ def sweep_command(args: argparse.Namespace) -> int:
     except ExecutorError as exc:
         store.close()
         return error("kvemu sweep", exc)
+    if outcome.interrupted:  # one line: what stopped, what is kept where, how to go on
+        left = outcome.counts.get("pending", 0)
+        console.print(f"[yellow]kvemu sweep: interrupted ({outcome.interrupted}): {len(runs) - left} of "
+                      f"{counted(len(runs), 'run')} finished, kept in {escape(str(outdir))}/sweep.md; run the same "
+                      f"command again to resume (the other {left})[/yellow]", highlight=False, soft_wrap=True)
+        return 143 if outcome.interrupted == "SIGTERM" else 130
     counts = ", ".join(f"{n} {status}" for status, n in outcome.counts.items())
     console.print(f"kvemu: {counts} ({outcome.ran} ran now, {outcome.reused} reused) in "
                   f"{outcome.wall_time_s:.1f} s; results in {outdir}/sweep.md", highlight=False, soft_wrap=True)
-    if outcome.interrupted:
-        console.print(f"[yellow]kvemu: interrupted ({outcome.interrupted}): run the same command again to resume "
-                      "(finished runs are kept)[/yellow]", highlight=False, soft_wrap=True)
-        return 143 if outcome.interrupted == "SIGTERM" else 130
     if outcome.failed:
         console.print(f"[red]kvemu: {outcome.failed} of {counted(len(runs), 'run')} failed or stopped early "
                       "(sweep.csv has their errors); run the same command again to retry them[/red]", highlight=False,

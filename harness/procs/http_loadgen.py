@@ -388,6 +388,8 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
             except KeyboardInterrupt as exc:  # before its signal receiver opened
                 raise NothingRan("starting the run", getattr(exc, "reason", "SIGINT")) from None
         meter.enter("writing the report")
+        if stopped in ("SIGINT", "SIGTERM"):  # (the engines' truth and the plots take seconds: say what happens)
+            print(f"kvemu: {stopped}: writing the partial report in {outdir}", file=sys.stderr, flush=True)
         with held_signals([], say="the partial report is being written; kvemu stops once it is"):
             return _report(scenario, target, fleet, client_records, finished, stopped, played, wall0, compress,
                            outdir, origin, command)

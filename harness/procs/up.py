@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kvemu.errors import KvemuError
 from kvemu.wire import security
@@ -135,6 +135,16 @@ class Children:
         self.info[name] = info
         threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
         return info
+
+    def spawn(self, name: str, cmd: list[str], log: IO[bytes]) -> subprocess.Popen:
+        """Start ``cmd``, a program that is not kvemu (another project's router), as a child like the others: its
+        output to ``log``, in a process group of its own if theirs are, killed if this process dies, stopped by
+        ``stop_all``."""
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                                process_group=0 if self.own_groups else None)
+        self.procs[name] = proc
+        return proc
 
     @staticmethod
     def _drain(proc: subprocess.Popen) -> None:

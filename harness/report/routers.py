@@ -32,7 +32,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 
 def router_row(label: str, summary: dict[str, Any], wall_s: float, failures: dict[str, int] | None = None,
                error: str | None = None) -> dict[str, Any]:
-    """One router's figures from its run's summary."""
+    """One router's figures from its run's summary (``partial``, set by the caller: the signal that stopped its run
+    part way, else None)."""
     kv = summary.get("kvemu", {})
     per_rank = kv.get("per_rank") or []
     loads = [r.get("input_tokens", 0) for r in per_rank]
@@ -51,6 +52,7 @@ def router_row(label: str, summary: dict[str, Any], wall_s: float, failures: dic
         "engine_truth_matched": (kv.get("hook_counts") or {}).get("engine_truth_matched"),
         "wall_s": wall_s,
         "error": error,
+        "partial": None,
     }
 
 
@@ -69,7 +71,8 @@ def write_router_report(rows: list[dict[str, Any]], outdir: Path, about: dict[st
     lines = [head, rule]
     for row in rows:
         cells = [_cell(row.get(key), fmt) for key, _, fmt in COLUMNS]
-        lines.append(f"| {row['router']} | " + " | ".join(cells) + " |")
+        mark = f" (PARTIAL: {row['partial']})" if row.get("partial") else ""
+        lines.append(f"| {row['router']}{mark} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     notes = [f"# Routers on {about.get('scenario')}", "",
              f"{about.get('requests')} requests, {_pools(about.get('pools') or {})}; each router in front of a "
@@ -77,7 +80,15 @@ def write_router_report(rows: list[dict[str, Any]], outdir: Path, about: dict[st
              f"Engine time compressed {about.get('compress'):g}x (arrivals and engine passes); every latency is "
              "scaled back to uncompressed time. Prefix reuse is what the engines found cached (not what a router "
              "predicted); load imbalance is the busiest rank's prompt tokens over the mean rank's.", "", table, ""]
+    stopped = about.get("interrupted")
+    if stopped:
+        later = about.get("not_run") or []
+        notes[2:2] = [f"**PARTIAL**: interrupted ({stopped['signal']}) during {stopped['router']}"
+                      + (f"; not run: {', '.join(later)}" if later else "") + ".", ""]
     for row in rows:
+        if row.get("partial") and not row.get("error"):
+            notes.append(f"- {row['router']}: PARTIAL ({row['partial']}): stopped part way; its figures cover the "
+                         "requests that finished before")
         if row.get("failures") or row.get("error"):
             notes.append(f"- {row['router']}: " + (f"error: {row['error']}; " if row.get("error") else "")
                          + ", ".join(f"{k}: {v}" for k, v in sorted((row.get("failures") or {}).items())))

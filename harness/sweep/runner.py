@@ -1,11 +1,13 @@
 """Drive a sweep: submit its unfinished runs to an executor, record each as it finishes, write the outputs.
 
 Ctrl-C or SIGTERM (raised here as ``KeyboardInterrupt``) stops submitting, aborts the executor, keeps every run
-that finished and still writes sweep.csv, sweep.json and sweep.md; running the same sweep again resumes.
+that finished and still writes sweep.csv, sweep.json and sweep.md (whole: a second signal meanwhile is only
+said); running the same sweep again resumes.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, as_completed
@@ -70,14 +72,27 @@ def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResu
                 _finish(store, future, futures[future], done, on_result, len(todo))
     except KeyboardInterrupt as exc:
         interrupted = getattr(exc, "reason", "SIGINT")
-        if executor is not None:
+    from harness.cli.signals import held_signals
+
+    # the outputs are written whole: a signal meanwhile (a second Ctrl-C) is said, not obeyed
+    with held_signals([], say="the sweep's outputs are being written; kvemu stops once they are"):
+        if interrupted:  # (the plots take a second or two: say why nothing seems to happen)
+            print(f"kvemu sweep: {interrupted}: writing sweep.csv, sweep.json and sweep.md in {store.outdir}",
+                  file=sys.stderr, flush=True)
+        if interrupted and executor is not None:
             abort_executor(executor)
         for future, run in futures.items():  # keep what finished meanwhile
             if future not in done and future.done() and not future.cancelled() and future.exception() is None:
                 _finish(store, future, run, done, on_result, len(todo))
+        return _write(store, executor_name, started, len(done), interrupted, report)
+
+
+def _write(store: SweepStore, executor_name: str, started: float, ran: int, interrupted: str | None,
+           report: bool) -> SweepOutcome:
+    """Write the sweep's outputs (sweep.md with ``report``); what it did."""
     wall = time.perf_counter() - started
     counts = dict(sorted(store.counts().items()))
-    store.write({"executor": executor_name, "wall_time_s": round(wall, 6), "runs_ran": len(done),
+    store.write({"executor": executor_name, "wall_time_s": round(wall, 6), "runs_ran": ran,
                  "runs_reused": store.reused, "interrupted": interrupted})
     store.close()
     if report:
@@ -89,7 +104,7 @@ def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResu
             note = (f"Interrupted ({interrupted}): {counts.get('pending', 0)} runs did not finish; run the same "
                     "sweep again to resume.")
         write_sweep_report(store.sweep, store.ordered(), store.outdir, note)
-    return SweepOutcome(len(done), store.reused, counts, interrupted, wall)
+    return SweepOutcome(ran, store.reused, counts, interrupted, wall)
 
 
 def _finish(store: SweepStore, future: Future[Any], run: PointSpec, done: set[Future[Any]],

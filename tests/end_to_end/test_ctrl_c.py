@@ -9,7 +9,7 @@ import pytest
 
 from tests.end_to_end.test_processes import FAST, _gone, small
 from tests.process_output import tagged_env
-from tests.terminal import Terminal
+from tests.terminal import ROOT, Terminal
 
 pytestmark = pytest.mark.process_supervision
 
@@ -168,3 +168,124 @@ def test_kvemu_loadgen_over_http_stopped_in_a_terminal_leaves_a_partial_report(t
     assert f"(PARTIAL: {reason}); report in {out}/report.md" in text, text[-3000:]
     _no_traceback(text)
     _partial_report(out, reason)
+
+
+def _bench_routers(tmp_path, out, env):
+    """``kvemu bench-router`` of a short live run through kvemu's own router, then a round-robin proxy given as a
+    ``cmd:`` router, on a terminal."""
+    import sys
+    from pathlib import Path
+
+    scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 8}\n"])
+    proxy = Path(__file__).with_name("tiny_proxy.py")
+    return Terminal("bench-router", str(scenario), *FAST, "--router", "kvemu", "--router",
+                    f"cmd:{sys.executable} {proxy} {{port}} {{workers}}", "-o", str(out), env=env)
+
+
+SECOND_ROUTER_RUNNING = r"cmd:tiny_proxy.py: replaying through [^\n]*\n[\s\S]*kvemu loadgen: running: [1-9]"
+"""bench-router's first router (kvemu) is done and requests go through the second (the proxy)."""
+
+
+def _routers_so_far(out, reason="SIGINT") -> list[dict]:
+    """The rows of a bench-router stopped during its second router: the first whole, the second partial, its run
+    matched to the engines' truth (the fleet was still there when it was asked), and the table says so."""
+    table = json.loads((out / "routers.json").read_text())
+    rows = table["routers"]
+    assert [r["router"] for r in rows] == ["kvemu:kv", "cmd:tiny_proxy.py"], rows
+    assert table["about"]["interrupted"] == {"signal": reason, "router": "cmd:tiny_proxy.py"}, table["about"]
+    first, second = rows
+    assert first["error"] is None and first.get("partial") is None and first["completed"] > 0, first
+    assert second["partial"] == reason and second["completed"] > 0, second
+    whole = json.loads((out / "kvemu-kv" / "summary.json").read_text())
+    assert not whole["partial"] and whole["completed_requests"] == whole["num_requests"] == first["completed"]
+    cut = _partial_report(out / "cmd-tiny_proxy.py", reason)
+    # every request answered is matched to what the engine did (one cancelled before a worker had it is not)
+    assert cut["kvemu"]["hook_counts"]["engine_truth_matched"] >= cut["completed_requests"], cut["kvemu"]["hook_counts"]
+    md = (out / "routers.md").read_text()
+    assert f"interrupted ({reason}) during cmd:tiny_proxy.py" in md, md
+    assert f"| cmd:tiny_proxy.py (PARTIAL: {reason}) |" in md, md
+    return rows
+
+
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_ctrl_c_of_kvemu_bench_router_keeps_the_routers_benchmarked_and_the_table_so_far(tmp_path, how):
+    """Issue #44: a Ctrl-C in a terminal during bench-router's second router reached its fleet and router too, so
+    the load generator found no engine to ask for its truth, and no table (routers.md) was written: only "the
+    routers' reports so far are in their folders". Now the children are out of the terminal's process group: the
+    second router's partial run is whole, the table holds both rows (the second marked partial), one line says
+    where, and nothing is left running. SIGTERM (to bench-router alone) does the same, with exit 143."""
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    tag, env = tagged_env()
+    with _bench_routers(tmp_path, out, env) as term:
+        if how == "ctrl_c":
+            code, text = term.interrupt_when(SECOND_ROUTER_RUNNING, timeout_s=90)
+        else:
+            term.wait_for(SECOND_ROUTER_RUNNING, 90)
+            os.kill(term.proc.pid, signal.SIGTERM)
+            code, text = term.wait(60), term.output
+    reason = "SIGINT" if how == "ctrl_c" else "SIGTERM"
+    assert code == (130 if how == "ctrl_c" else 143), text[-3000:]
+    assert (f"kvemu bench-router: interrupted ({reason}) during cmd:tiny_proxy.py: 1 router benchmarked, 1 stopped "
+            f"part way; the table so far (partial) in {out}/routers.md") in text, text[-3000:]
+    _no_traceback(text)
+    _routers_so_far(out, reason)
+    assert _gone(tag)
+
+
+def test_a_second_ctrl_c_of_kvemu_bench_router_keeps_the_report_and_the_table(tmp_path):
+    """A second Ctrl-C while bench-router writes the stopped router's partial report: the report and the table are
+    written all the same, the router and fleet stopped, no traceback."""
+    out = tmp_path / "out"
+    tag, env = tagged_env()
+    with _bench_routers(tmp_path, out, env) as term:
+        term.wait_for(SECOND_ROUTER_RUNNING, 90)
+        first = term.ctrl_c()
+        code, text = term.interrupt_when(r"kvemu: SIGINT: writing the partial report in ")
+        took = time.monotonic() - first
+    assert code == 130, text[-3000:]
+    assert "SIGINT: the partial report is being written; kvemu stops once it is" in text, text[-3000:]
+    assert f"the table so far (partial) in {out}/routers.md" in text, text[-3000:]
+    _no_traceback(text)
+    _routers_so_far(out)
+    assert took < 30, took
+    assert _gone(tag)
+
+
+SWEEP = "axes:\n  run.duration_s: [4, 60, 70]\n"
+"""Three points, short, then two a little longer (one process: in that order)."""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_of_kvemu_sweep_in_a_terminal_keeps_the_finished_runs_and_the_same_command_resumes(tmp_path, presses):
+    """``kvemu sweep`` on a terminal, Ctrl-C once its first run finished and while the second runs (and, with two
+    presses, again while it writes its outputs): the finished run is kept, sweep.csv, sweep.json and sweep.md are
+    written, one line says where and how to resume, nothing is left running (pool workers, fork server), and the
+    same command runs only the two runs left. A second Ctrl-C used to cut sweep.md short with a traceback."""
+    import subprocess
+    import sys
+
+    sweep, out = tmp_path / "s.yaml", tmp_path / "out"
+    sweep.write_text(SWEEP)
+    tag, env = tagged_env()
+    with Terminal("sweep", str(sweep), "--jobs", "1", "-o", str(out), env=env) as term:
+        if presses == 1:
+            code, text = term.interrupt_when(r" 1/3 ")
+        else:
+            term.wait_for(r" 1/3 ", 60)
+            term.ctrl_c()
+            code, text = term.interrupt_when(r"kvemu sweep: SIGINT: writing sweep.csv, sweep.json and sweep.md in ")
+    assert code == 130, text[-3000:]
+    assert f"kvemu sweep: interrupted (SIGINT): 1 of 3 runs finished, kept in {out}/sweep.md; run the same " \
+           "command again to resume" in text, text[-3000:]
+    _no_traceback(text)
+    assert _gone(tag)
+    rows = (out / "sweep.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[3] for r in rows] == ["ok", "pending", "pending"], rows
+    assert "Interrupted (SIGINT): 2 runs did not finish" in (out / "sweep.md").read_text()
+    again = subprocess.run([sys.executable, "-m", "harness.cli", "sweep", str(sweep), "--jobs", "1", "-o", str(out),
+                            "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "(2 to run, 1 finished before)" in again.stderr and "3 ok (2 ran now, 1 reused)" in again.stderr

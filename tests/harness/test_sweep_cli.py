@@ -82,8 +82,9 @@ def test_a_signal_stops_the_sweep_and_the_same_command_resumes(tmp_path, sig, co
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
-    assert f"interrupted ({reason}): run the same command again to resume" in err
     finished = [r for r in rows(tmp_path / "out") if r["status"] == "ok"]
+    assert (f"kvemu sweep: interrupted ({reason}): {len(finished)} of 12 runs finished, kept in out/sweep.md; run the "
+            f"same command again to resume (the other {12 - len(finished)})") in err, err
     assert 1 <= len(finished) < 12 and {r["status"] for r in rows(tmp_path / "out")} <= {"ok", "pending"}
     assert f"Interrupted ({reason})" in (tmp_path / "out" / "sweep.md").read_text()
     again = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -115,6 +116,7 @@ def test_a_signal_while_the_executor_starts_writes_sweep_md_and_the_resume_hint(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "s.yaml").write_text("set: {run.duration_s: 2}\naxes:\n  cluster.workers: [1, 2]\n")
     assert cli.main(["sweep", "s.yaml", "-o", "out", "--quiet"]) == 143
-    assert "interrupted (SIGTERM): run the same command again to resume" in capsys.readouterr().err
+    assert ("kvemu sweep: interrupted (SIGTERM): 0 of 2 runs finished, kept in out/sweep.md; run the same command "
+            "again to resume (the other 2)") in capsys.readouterr().err
     assert "Interrupted (SIGTERM) before any run finished" in (tmp_path / "out" / "sweep.md").read_text()
     assert {r["status"] for r in rows(tmp_path / "out")} == {"pending"}
