@@ -177,12 +177,12 @@ def _bench_routers(tmp_path, out, env):
     from pathlib import Path
 
     scenario = small(tmp_path, ["run: {mode: live, seed: 4, duration_s: 8}\n"])
-    proxy = Path(__file__).with_name("tiny_proxy.py")
+    proxy = Path(__file__).parents[2] / "examples" / "my_router.py"
     return Terminal("bench-router", str(scenario), *FAST, "--router", "kvemu", "--router",
                     f"cmd:{sys.executable} {proxy} {{port}} {{workers}}", "-o", str(out), env=env)
 
 
-SECOND_ROUTER_RUNNING = r"cmd:tiny_proxy.py: replaying through [^\n]*\n[\s\S]*kvemu loadgen: running: [1-9]"
+SECOND_ROUTER_RUNNING = r"cmd:my_router.py: replaying through [^\n]*\n[\s\S]*kvemu loadgen: running: [1-9]"
 """bench-router's first router (kvemu) is done and requests go through the second (the proxy)."""
 
 
@@ -191,19 +191,19 @@ def _routers_so_far(out, reason="SIGINT") -> list[dict]:
     matched to the engines' truth (the fleet was still there when it was asked), and the table says so."""
     table = json.loads((out / "routers.json").read_text())
     rows = table["routers"]
-    assert [r["router"] for r in rows] == ["kvemu:kv", "cmd:tiny_proxy.py"], rows
-    assert table["about"]["interrupted"] == {"signal": reason, "router": "cmd:tiny_proxy.py"}, table["about"]
+    assert [r["router"] for r in rows] == ["kvemu:kv", "cmd:my_router.py"], rows
+    assert table["about"]["interrupted"] == {"signal": reason, "router": "cmd:my_router.py"}, table["about"]
     first, second = rows
     assert first["error"] is None and first.get("partial") is None and first["completed"] > 0, first
     assert second["partial"] == reason and second["completed"] > 0, second
     whole = json.loads((out / "kvemu-kv" / "summary.json").read_text())
     assert not whole["partial"] and whole["completed_requests"] == whole["num_requests"] == first["completed"]
-    cut = _partial_report(out / "cmd-tiny_proxy.py", reason)
+    cut = _partial_report(out / "cmd-my_router.py", reason)
     # every request answered is matched to what the engine did (one cancelled before a worker had it is not)
     assert cut["kvemu"]["hook_counts"]["engine_truth_matched"] >= cut["completed_requests"], cut["kvemu"]["hook_counts"]
     md = (out / "routers.md").read_text()
-    assert f"interrupted ({reason}) during cmd:tiny_proxy.py" in md, md
-    assert f"| cmd:tiny_proxy.py (PARTIAL: {reason}) |" in md, md
+    assert f"interrupted ({reason}) during cmd:my_router.py" in md, md
+    assert f"| cmd:my_router.py (PARTIAL: {reason}) |" in md, md
     return rows
 
 
@@ -228,7 +228,7 @@ def test_ctrl_c_of_kvemu_bench_router_keeps_the_routers_benchmarked_and_the_tabl
             code, text = term.wait(60), term.output
     reason = "SIGINT" if how == "ctrl_c" else "SIGTERM"
     assert code == (130 if how == "ctrl_c" else 143), text[-3000:]
-    assert (f"kvemu bench-router: interrupted ({reason}) during cmd:tiny_proxy.py: 1 router benchmarked, 1 stopped "
+    assert (f"kvemu bench-router: interrupted ({reason}) during cmd:my_router.py: 1 router benchmarked, 1 stopped "
             f"part way; the table so far (partial) in {out}/routers.md") in text, text[-3000:]
     _no_traceback(text)
     _routers_so_far(out, reason)
