@@ -22,6 +22,7 @@ from typing import Any
 from harness.cluster import engine_config
 from harness.external_routers import READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, flag_caveats, \
     router_command, router_folder, unique_labels
+from harness.interrupts import Terminated
 from harness.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
@@ -30,6 +31,7 @@ from harness.report.routers import router_row, write_router_report
 from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
+from harness.workload import build_sessions, count_requests
 
 __all__ = ["bench_routers", "compress_overrides", "READY_TIMEOUT_S"]
 
@@ -156,8 +158,6 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
                                          command=f"kvemu bench-router ({label})")
         stopped = summary.get("kvemu", {}).get("stop_reason")
         if stopped in ("SIGINT", "SIGTERM"):  # the user stops the benchmark (this router's partial report is kept)
-            from harness.runner import Terminated
-
             raise Terminated(stopped)
         if router is not None:  # what the router says it did (its retries, errors): beside the report
             _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
@@ -195,9 +195,6 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
         print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
               + (f"; {row['error']}" if row.get("error") else "") + f" ({row['wall_s']:.0f} s)", file=sys.stderr,
               flush=True)
-    from harness.workload import build_sessions
-    from harness.runner import count_requests
-
     pools = scenario.cluster.pools()
     about = {"scenario": scenario.name, "requests": count_requests(build_sessions(scenario)),
              "pools": {pool: {"workers": n, "dp_size": dp} for pool, (n, dp, _) in pools.items()},
