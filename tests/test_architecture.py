@@ -5,6 +5,7 @@ in .ci/run)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import tomllib
@@ -47,6 +48,26 @@ def test_the_no_circle_contract_reaches_every_package() -> None:
     deepest = max(len(init.relative_to(ROOT / root).parts) - 1 for root in roots
                   for init in (ROOT / root).rglob("__init__.py"))
     assert contract.get("depth", 10) >= deepest, "raise the depth of pyproject.toml's acyclic_siblings contract"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("harness.runner.Terminated", "harness.interrupts.Terminated"),
+    ("harness.cli.signals.held_signals", "harness.interrupts.held_signals"),
+    ("harness.cli.signals.terminate_as_interrupt", "harness.interrupts.terminate_as_interrupt"),
+    ("harness.sessions.Player", "harness.player.Player"),
+    ("harness.sessions.awaiting", "harness.player.awaiting"),
+    ("harness.procs.replica_door.RouterLink", "harness.procs.replica_backend.RouterLink"),
+    ("harness.procs.replica_door.RouterProcesses", "harness.procs.replica_backend.RouterProcesses"),
+    ("harness.procs.replica_door.ReplicaCollector", "harness.procs.replica_backend.ReplicaCollector"),
+    ("harness.report.sla.Sla", "harness.scenario.sections.Sla"),
+])
+def test_a_name_moved_to_break_a_circle_keeps_its_old_path(old: str, new: str) -> None:
+    def resolve(dotted: str) -> object:
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    assert resolve(old) is resolve(new)
+    assert old.rpartition(".")[2] in importlib.import_module(old.rpartition(".")[0]).__all__
 
 
 def test_the_import_contracts_hold() -> None:
