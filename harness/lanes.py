@@ -43,8 +43,8 @@ from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
 from workers.trace import HashIdTokens
 
+from harness.player import Player, Submit
 from harness.scenario import LanesSpec
-from harness.sessions import Submit, Player
 from harness.traces.graph import COMPLETION, DISPATCH, MAX_SESSION_BYTES, SPAWN, TraceGraph, grouped, indegrees
 from harness.traces.graph import successors, targets
 from harness.traces.timing import release_times

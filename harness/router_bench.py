@@ -24,14 +24,17 @@ from kvemu.errors import KvemuError
 from harness.cluster import engine_config
 from harness.external_routers import READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, flag_caveats, \
     router_command, router_folder, unique_labels
+from harness.interrupts import held_signals
 from harness.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
+from harness.runner import NothingRan
 from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
+from harness.workload import build_sessions, count_requests
 
 __all__ = ["bench_routers", "BenchInterrupted", "compress_overrides", "READY_TIMEOUT_S"]
 
@@ -121,8 +124,6 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
     run in process groups of their own, so that a terminal's Ctrl-C reaches this process alone: the load generator
     stops, asks the fleet (still serving) for its truth and writes the partial report, then they are stopped; a
     signal while they stop kills them at once."""
-    from harness.cli.signals import held_signals
-
     kids = Children(own_groups=True)
     t0 = time.monotonic()
     try:
@@ -207,10 +208,6 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     """Run the workload through each router; returns the rows and the markdown table (also written in
     ``outdir``). A signal (Ctrl-C, SIGTERM) stops it: the table of the routers run so far is written, the one it
     stopped marked partial, and ``BenchInterrupted`` says so."""
-    from harness.cli.signals import held_signals
-    from harness.workload import build_sessions
-    from harness.runner import NothingRan, count_requests
-
     base = _load(scenario_path, overrides)
     overrides = [*overrides, *compress_overrides(base, compress)]
     scenario = _load(scenario_path, overrides)

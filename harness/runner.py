@@ -22,6 +22,7 @@ from kvemu.runtime.loop import run_live, run_virtual
 from harness.autoscaler import AutoscalerShell
 from harness.chaos import timeline, worker_chaos
 from harness.cluster import Cluster, cluster
+from harness.interrupts import Terminated, held_signals
 from harness.replica_stats import replica_stats
 from harness.report.recorder import Recorder
 from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_sizes, routing_block_size, samples,
@@ -38,14 +39,6 @@ __all__ = ["run_scenario", "RunOutcome", "RunAborted", "NothingRan", "Terminated
 
 Progress = Callable[[int, int, int], None]
 """``progress(scenario_time_ns, requests_done, requests_total)``, called at most every sample."""
-
-
-class Terminated(KeyboardInterrupt):
-    """Raised by a signal handler to stop a run the way Ctrl-C does; ``reason`` names the signal."""
-
-    def __init__(self, reason: str = "SIGTERM") -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class RunOutcome:
@@ -150,8 +143,6 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
 def _save_whatever_comes(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
     """``save_report``, with SIGINT and SIGTERM said and otherwise ignored meanwhile: a second Ctrl-C does not cut
     the report short (it takes seconds, its plots most)."""
-    from harness.cli.signals import held_signals
-
     with held_signals([], say="the report is being written; kvemu stops once it is (a few seconds)"):
         return save_report(data, outdir)
 

@@ -1,9 +1,11 @@
-"""The architecture is checked, not remembered: pyproject.toml's import-linter contracts hold, and their module
-lists name every module of the core and of the engines, so a new module cannot slip past them; and ruff's rules
-hold (mypy runs in .ci/run)."""
+"""The architecture is checked, not remembered: pyproject.toml's import-linter contracts hold (layers, cores that
+import no shell, no import circle), their module lists name every module of the core and of the engines and the
+no-circle contract reaches every package, so a new module cannot slip past them; and ruff's rules hold (mypy runs
+in .ci/run)."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import tomllib
@@ -35,6 +37,37 @@ def test_a_forbidden_contract_covers_every_core_module_of_its_package(package: s
     listed = {name.removeprefix(package + ".") for name in _contract(package)["source_modules"]}
     assert listed == _modules(package) - SHELLS[package], "pyproject.toml's [tool.importlinter] lists other modules"
     assert {f"{package}.{m}" for m in SHELLS[package]} <= set(_contract(package)["forbidden_modules"])
+
+
+def test_the_no_circle_contract_reaches_every_package() -> None:
+    """The acyclic_siblings contract starts at every root package and goes as deep as the deepest package, so a
+    circle between the modules of any (new) subpackage breaks it."""
+    (contract,) = [c for c in CONTRACTS if c["type"] == "acyclic_siblings"]
+    roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    assert sorted(contract["ancestors"]) == sorted(roots)
+    deepest = max(len(init.relative_to(ROOT / root).parts) - 1 for root in roots
+                  for init in (ROOT / root).rglob("__init__.py"))
+    assert contract.get("depth", 10) >= deepest, "raise the depth of pyproject.toml's acyclic_siblings contract"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("harness.runner.Terminated", "harness.interrupts.Terminated"),
+    ("harness.cli.signals.held_signals", "harness.interrupts.held_signals"),
+    ("harness.cli.signals.terminate_as_interrupt", "harness.interrupts.terminate_as_interrupt"),
+    ("harness.sessions.Player", "harness.player.Player"),
+    ("harness.sessions.awaiting", "harness.player.awaiting"),
+    ("harness.procs.replica_door.RouterLink", "harness.procs.replica_backend.RouterLink"),
+    ("harness.procs.replica_door.RouterProcesses", "harness.procs.replica_backend.RouterProcesses"),
+    ("harness.procs.replica_door.ReplicaCollector", "harness.procs.replica_backend.ReplicaCollector"),
+    ("harness.report.sla.Sla", "harness.scenario.sections.Sla"),
+])
+def test_a_name_moved_to_break_a_circle_keeps_its_old_path(old: str, new: str) -> None:
+    def resolve(dotted: str) -> object:
+        module, _, name = dotted.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    assert resolve(old) is resolve(new)
+    assert old.rpartition(".")[2] in importlib.import_module(old.rpartition(".")[0]).__all__
 
 
 def test_the_import_contracts_hold() -> None:

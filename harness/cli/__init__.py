@@ -4,7 +4,8 @@
 options), ``run`` (run, validate, scenario show), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
 serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts),
 ``trace`` (validate, convert and generate trace files), ``tools`` (tokenizer, compare, demo), and what they share:
-``loading`` (the scenario a command names) and ``signals``.
+``loading`` (the scenario a command names); what SIGINT and SIGTERM do is ``harness.interrupts`` (the run and the
+load generators share it).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from collections.abc import Sequence
 
 from harness.cli.parser import build_parser
 from harness.cli.plan import plan_command
-from harness.cli.processes import process_command
+from harness.cli.processes import admission_limits, process_command
 from harness.cli.run import run_command, scenario_show_command, validate_command
-from harness.cli.signals import terminate_as_interrupt
 from harness.cli.sweep import sweep_command
 from harness.cli.tools import compare_command, demo_command, tokenizer_command
+from harness.interrupts import Terminated, terminate_as_interrupt
 
 __all__ = ["build_parser", "main"]
 
@@ -33,8 +34,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if getattr(args, "max_running", None) is not None or getattr(args, "max_waiting", None) is not None:
         from kvemu.errors import InvalidArgument
-
-        from harness.cli.processes import admission_limits
 
         try:
             admission_limits(args)
@@ -60,8 +59,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.cli.fleet import fleet_command
 
         return fleet_command(args)
-    from harness.runner import Terminated
-
     try:
         with terminate_as_interrupt():  # the first SIGTERM stops any command, as Ctrl-C does
             return _command(parser, args)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.cli.loading import load_scenario_args, run_origin
 from harness.cli.preflight import autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem
+from harness.interrupts import held_signals
 
 if TYPE_CHECKING:
     from harness.scenario import Scenario
@@ -61,7 +62,6 @@ def process_command(args: argparse.Namespace) -> int:
     if args.command == "loadgen" and args.http_url:
         return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
-        from harness.cli.signals import held_signals
         from harness.procs.loadgen import NotStarted, loadgen_report
         from harness.runner import NothingRan
 
@@ -159,7 +159,6 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
         except (OSError, IndexError, msgspec.DecodeError) as exc:
             print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
             return 2
-    from harness.cli.signals import held_signals
     from harness.runner import NothingRan
 
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.cli.loading import cluster_shape, load_scenario_args, run_origin
-from harness.cli.signals import terminate_as_interrupt
+from harness.interrupts import terminate_as_interrupt
 from harness.text import counted
 
 if TYPE_CHECKING:

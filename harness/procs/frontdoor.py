@@ -26,7 +26,7 @@ from workers.worker_actor import WorkerActor
 
 from harness.cluster import engine_config, replica_front
 from harness.procs.engine_truth import EngineTruth, Unsettled
-from harness.procs.replica_door import ReplicaCollector, RouterLink, RouterProcesses
+from harness.procs.replica_backend import ReplicaCollector, RouterLink, RouterProcesses
 from harness.scenario import Scenario
 from harness.workload import output_lengths
 

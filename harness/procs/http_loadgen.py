@@ -36,6 +36,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
+from harness.interrupts import held_signals, terminate_as_interrupt
 from harness.lanes import CANCEL_DRAIN_S
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
@@ -367,8 +368,6 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
     ``command``); returns its summary and where it went. ``origin``: what the scenario was built from, for the
     report's "What ran". Ctrl-C or SIGTERM stops the run and a partial report is written (more signals meanwhile
     are said and otherwise wait for it); before the run, while the workload is made: ``NothingRan``, no report."""
-    from harness.cli.signals import held_signals, terminate_as_interrupt
-
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
     played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase

@@ -30,6 +30,7 @@ from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns, timeline
 from harness.cluster import replica_front
+from harness.interrupts import terminate_as_interrupt
 from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
@@ -530,8 +531,6 @@ def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, ex
     (``router.replicas``), in replica order, each ``router_pid`` that of the same replica. ``origin``: what the
     scenario was built from, for the report's "What ran"; ``command``: what the report is titled after (``kvemu up``
     runs a load generator too)."""
-    from harness.cli.signals import terminate_as_interrupt
-
     doing = "generating the workload"
     meter = for_scenario(scenario)
     # on a terminal, a line every few seconds: what it does, how far, and the ETA (never silent for long)

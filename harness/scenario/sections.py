@@ -21,14 +21,13 @@ from kvemu.clock import NS_PER_MS
 from kvemu.config import RouterConfig
 from kvemu.errors import InvalidArgument
 from kvemu.limits import I64, MAX_WEIGHT, RANK_MAX, FilePath, Name, Weight
+from kvemu.records import RequestRecord
 from kvemu.replica_sync import MAX_REPLICAS
 from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, STORED_FIELDS, profile_for
 from workers.config import EngineConfig
 from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
-
-from harness.report.sla import Sla
 
 __all__ = [
     "EngineSpec",
@@ -408,6 +407,44 @@ class TraceWorkload(_Workload, tag="trace", tag_field="kind",
     def block_size(self) -> int:
         """``trace_block_size``, or 512 when not given (for the formats whose files do not say it)."""
         return 512 if self.trace_block_size is None else self.trace_block_size
+
+
+_SlaMillis = Annotated[float, Meta(gt=0, le=1e12)]
+
+
+class Sla(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Per-request latency targets in ms (``run.sla``): ``ttft_ms`` and/or ``itl_ms``, or ``e2e_ms`` alone.
+
+    A request meets them when it completed and its TTFT is at most ``ttft_ms`` and its mean inter-token latency
+    ((last token − first token) / (output tokens − 1); a one-token reply has none and passes) at most ``itl_ms``;
+    or, with ``e2e_ms`` instead, when its end-to-end latency is at most that. Bounds are inclusive (as the
+    reference replay counts)."""
+
+    ttft_ms: _SlaMillis | None = None
+    itl_ms: _SlaMillis | None = None
+    e2e_ms: _SlaMillis | None = None
+
+    def __post_init__(self) -> None:
+        check_struct(self)
+        if self.e2e_ms is not None and (self.ttft_ms is not None or self.itl_ms is not None):
+            raise InvalidArgument("e2e_ms is mutually exclusive with ttft_ms and itl_ms (as in the reference "
+                                  "replay): give ttft_ms and/or itl_ms, or e2e_ms alone", field="e2e_ms")
+        if self.ttft_ms is None and self.itl_ms is None and self.e2e_ms is None:
+            raise InvalidArgument("an SLA needs a target: ttft_ms and/or itl_ms, or e2e_ms", field="ttft_ms")
+
+    def met(self, rec: RequestRecord) -> bool:
+        """Whether ``rec`` completed within every target."""
+        if not rec.done or rec.first_token_ns is None or rec.completion_ns is None:  # done has a completion: narrows
+            return False
+        if self.e2e_ms is not None:
+            return (rec.completion_ns - rec.arrival_ns) / NS_PER_MS <= self.e2e_ms
+        if self.ttft_ms is not None and (rec.first_token_ns - rec.arrival_ns) / NS_PER_MS > self.ttft_ms:
+            return False
+        if self.itl_ms is not None:
+            times = rec.token_times_ns
+            if len(times) >= 2 and (times[-1] - times[0]) / (len(times) - 1) / NS_PER_MS > self.itl_ms:
+                return False
+        return True
 
 
 class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):

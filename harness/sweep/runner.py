@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, as_completed
 from typing import Any
 
+from harness.interrupts import held_signals
 from harness.sweep.executors import abort_executor
 from harness.sweep.spec import PointSpec, run_point
 from harness.sweep.report import write_sweep_report
@@ -72,8 +73,6 @@ def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResu
                 _finish(store, future, futures[future], done, on_result, len(todo))
     except KeyboardInterrupt as exc:
         interrupted = getattr(exc, "reason", "SIGINT")
-    from harness.cli.signals import held_signals
-
     # the outputs are written whole: a signal meanwhile (a second Ctrl-C) is said, not obeyed
     with held_signals([], say="the sweep's outputs are being written; kvemu stops once they are"):
         if interrupted:  # (the plots take a second or two: say why nothing seems to happen)

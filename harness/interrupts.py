@@ -1,0 +1,66 @@
+"""What SIGINT and SIGTERM do while a command or a run goes on: SIGTERM stops a run as Ctrl-C does (``Terminated``,
+a ``KeyboardInterrupt`` naming the signal), or both are held for a block that must end (a report being written).
+
+The runner, the load generators and the command line use them; the module imports nothing of the harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Terminated", "held_signals", "terminate_as_interrupt"]
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by a signal handler to stop a run the way Ctrl-C does; ``reason`` names the signal."""
+
+    def __init__(self, reason: str = "SIGTERM") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@contextlib.contextmanager
+def _signal_handlers(handlers: dict[int, Callable[[int, Any], None]]) -> Iterator[None]:
+    """Install ``handlers`` (signal number -> handler) for the block, then put the previous ones back; outside
+    the main thread, where signals cannot be set, the block runs with them left alone."""
+    try:
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def held_signals(caught: list[str], say: str | None = None,
+                 hurry: threading.Event | None = None) -> contextlib.AbstractContextManager[None]:
+    """While in this block, SIGINT and SIGTERM are noted in ``caught`` (by name) instead of stopping the process,
+    so that what they interrupt (planning a sweep, writing a report, stopping child processes) ends and the caller
+    can stop cleanly; with ``say``, each is also said on stderr as ``SIGNAL: SAY``; with ``hurry``, each sets it
+    (the block may then cut a wait short: kill its children instead of letting them stop)."""
+
+    def note(signum: int, frame: object) -> None:
+        caught.append(signal.Signals(signum).name)
+        if hurry is not None:
+            hurry.set()
+        if say is not None:
+            print(f"{caught[-1]}: {say}", file=sys.stderr, flush=True)
+
+    return _signal_handlers({signal.SIGINT: note, signal.SIGTERM: note})
+
+
+def terminate_as_interrupt() -> contextlib.AbstractContextManager[None]:
+    """While running, SIGTERM stops the run as Ctrl-C does: a partial report, marked with the signal."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated("SIGTERM")
+
+    return _signal_handlers({signal.SIGTERM: handler})
