@@ -36,6 +36,8 @@ PENDING: dict[str, str] = {}
 DYNAMIC = {
     ("kvemu.http.protocol", "kind"): "decode_body's own cache: every decode_body(body, T) call site is walked",
     ("harness.procs.http_loadgen", "page_type"): "TruthPage (walked from harness.procs.fleet)",
+    ("harness.yaml_validation", "tp"): "a field type of the Scenario schema, already converted whole (walked from "
+                                       "harness.scenario.loading), converted again field by field to list problems",
     ("harness.cli.processes", "FleetInfo"): "imported inside the function; walked from harness.router_bench",
     ("harness.cli.processes", "AdmissionLimits"): "imported inside the function (the CLI starts without prometheus); "
                                                   "walked as a field of harness.procs.protocol's messages",
