@@ -13,7 +13,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Terminated", "held_signals", "terminate_as_interrupt"]
+__all__ = ["Terminated", "defer_signals", "held_signals", "release_signals", "terminate_as_interrupt"]
+
+HANDED_OVER = {signal.SIGINT, signal.SIGTERM}
+"""The signals a run hands from one handler to the next (``defer_signals``)."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -22,6 +25,20 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, reason: str = "SIGTERM") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def defer_signals() -> None:
+    """Keep SIGINT and SIGTERM pending (the kernel holds them) until ``release_signals``: for the hand-over from a
+    run's own handler (an event loop's, which puts Python's default back as it closes) to ``held_signals``, so a
+    second Ctrl-C then is neither lost nor a bare KeyboardInterrupt that skips the report. Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDED_OVER)
+
+
+def release_signals() -> None:
+    """Deliver what ``defer_signals`` kept pending, to the handlers installed now (idempotent)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDED_OVER)
 
 
 @contextlib.contextmanager

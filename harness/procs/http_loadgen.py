@@ -36,7 +36,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
-from harness.interrupts import held_signals, terminate_as_interrupt
+from harness.interrupts import defer_signals, held_signals, release_signals, terminate_as_interrupt
 from harness.lanes import CANCEL_DRAIN_S
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
@@ -347,6 +347,7 @@ async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], 
             if not stopped and in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
                 await _drain(in_server)
         finally:
+            defer_signals()  # until the report's held_signals: the receiver closes into Python's default handler
             with anyio.CancelScope(shield=True):
                 await target.aclose()
     return list(records.values()), finished and not stopped, stopped[0] if stopped else None
@@ -390,9 +391,11 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
         if stopped in ("SIGINT", "SIGTERM"):  # (the engines' truth and the plots take seconds: say what happens)
             print(f"kvemu: {stopped}: writing the partial report in {outdir}", file=sys.stderr, flush=True)
         with held_signals([], say="the partial report is being written; kvemu stops once it is"):
+            release_signals()  # a signal since the run's receiver closed is said here, and waits for the report
             return _report(scenario, target, fleet, client_records, finished, stopped, played, wall0, compress,
                            outdir, origin, command)
     finally:
+        release_signals()
         if ticker is not None:
             ticker.set()
 
