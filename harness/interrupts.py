@@ -6,6 +6,7 @@ The runner, the load generators and the command line use them; the module import
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import sys
@@ -13,10 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Terminated", "defer_signals", "held_signals", "release_signals", "terminate_as_interrupt"]
-
-HANDED_OVER = {signal.SIGINT, signal.SIGTERM}
-"""The signals a run hands from one handler to the next (``defer_signals``)."""
+__all__ = ["RunSignals", "Terminated", "held_signals", "terminate_as_interrupt"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -25,20 +23,6 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, reason: str = "SIGTERM") -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def defer_signals() -> None:
-    """Keep SIGINT and SIGTERM pending (the kernel holds them) until ``release_signals``: for the hand-over from a
-    run's own handler (an event loop's, which puts Python's default back as it closes) to ``held_signals``, so a
-    second Ctrl-C then is neither lost nor a bare KeyboardInterrupt that skips the report. Main thread only."""
-    if threading.current_thread() is threading.main_thread():
-        signal.pthread_sigmask(signal.SIG_BLOCK, HANDED_OVER)
-
-
-def release_signals() -> None:
-    """Deliver what ``defer_signals`` kept pending, to the handlers installed now (idempotent)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDED_OVER)
 
 
 @contextlib.contextmanager
@@ -81,3 +65,44 @@ def terminate_as_interrupt() -> contextlib.AbstractContextManager[None]:
         raise Terminated("SIGTERM")
 
     return _signal_handlers({signal.SIGTERM: handler})
+
+
+class RunSignals:
+    """SIGINT and SIGTERM for the whole life of a live run, the closing of its loop and its report included: the
+    first stops the run (``stop``, called in the run's loop), any other is said with ``say`` and otherwise waits
+    for the block to end. Python's own handler throughout, never the loop's: a loop's handler is removed as
+    the loop closes (into Python's default, which raises anywhere), and blocking the signals in the main thread
+    does not keep them from another thread (a progress ticker's) where the kernel may deliver them."""
+
+    def __init__(self, say: str | None = None) -> None:
+        self.caught: list[str] = []
+        self._say = say
+        self._stop: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._installed: contextlib.AbstractContextManager[None] | None = None
+
+    def arm(self, stop: Callable[[], None]) -> None:
+        """From inside the run's loop: the first signal calls ``stop`` there (now, if one came already)."""
+        self._loop, self._stop = asyncio.get_running_loop(), stop
+        if self.caught:
+            stop()
+
+    def disarm(self) -> None:
+        """The run is over: later signals are only noted and said."""
+        self._stop = self._loop = None
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.caught.append(signal.Signals(signum).name)
+        if len(self.caught) == 1 and self._stop is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop)  # (a handler runs between any two bytecodes of the loop's)
+        elif self._say is not None:
+            print(f"{self.caught[-1]}: {self._say}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> RunSignals:
+        self._installed = _signal_handlers({signal.SIGINT: self._note, signal.SIGTERM: self._note})
+        self._installed.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._installed is not None
+        self._installed.__exit__(None, None, None)

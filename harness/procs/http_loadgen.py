@@ -18,7 +18,6 @@ so inter-token latencies read as the engine's passes, not as zeros.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from array import array
 import time
@@ -36,7 +35,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
-from harness.interrupts import defer_signals, held_signals, release_signals, terminate_as_interrupt
+from harness.interrupts import RunSignals, Terminated, terminate_as_interrupt
 from harness.lanes import CANCEL_DRAIN_S
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
@@ -284,14 +283,17 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
 
 async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], workers: Sequence[str] = (),
                 sessions: Sessions | None = None,
-                progress: RunProgress | None = None) -> tuple[list[RequestRecord], bool, str | None]:
+                progress: RunProgress | None = None,
+                signals: RunSignals | None = None) -> tuple[list[RequestRecord], bool, str | None]:
     """Play the workload (``sessions``, made here if not given) against ``target``. With lanes, a request cancelled
     at their deadline has its stream closed (the worker aborts it; its record says why), and, given the
     ``workers``' URLs, the warm-up's barrier waits for them to settle and the run waits (at most
-    ``CANCEL_DRAIN_S``) for them to abort what it cancelled. Ctrl-C or SIGTERM (as ``Terminated``) stops it: what
-    ran is returned, with the signal's name."""
+    ``CANCEL_DRAIN_S``) for them to abort what it cancelled. Given ``signals`` (the process's), the first SIGINT
+    or SIGTERM stops it: what ran is returned, with the signal's name."""
     if sessions is None:
         sessions = build_sessions(scenario)
+    if signals is not None and signals.caught:  # (between the workload's making and here: nothing ran)
+        raise Terminated(signals.caught[0])
     records: dict[str, RequestRecord] = {}
     scopes: dict[str, anyio.CancelScope] = {}  # the requests in flight
     total = count_requests(sessions)
@@ -325,31 +327,24 @@ async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], 
         async def in_server() -> int | None:
             return await target.unsettled(workers)
 
-    stopped: list[str] = []
     finished = False
-    # SIGINT and SIGTERM are the run's own while it plays (asyncio's Runner would otherwise turn Ctrl-C into a
-    # cancellation of the whole run, and SIGTERM would kill the process): the first stops it, the next are said
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        try:
-            async with anyio.create_task_group() as play:
-                async def on_signal() -> None:
-                    async for signum in signals:
-                        stopped.append(signal.Signals(signum).name)
-                        if len(stopped) == 1:
-                            play.cancel_scope.cancel()
-
-                play.start_soon(on_signal)
-                if progress is not None:
-                    play.start_soon(tell_progress, progress)
-                finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock,
-                                               cancel=cancel, in_server=in_server, out=played)
-                play.cancel_scope.cancel()
-            if not stopped and in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
-                await _drain(in_server)
-        finally:
-            defer_signals()  # until the report's held_signals: the receiver closes into Python's default handler
-            with anyio.CancelScope(shield=True):
-                await target.aclose()
+    try:
+        async with anyio.create_task_group() as play:
+            if signals is not None:
+                signals.arm(play.cancel_scope.cancel)
+            if progress is not None:
+                play.start_soon(tell_progress, progress)
+            finished = await play_workload(scenario, sessions, awaiting(play, submit), target.clock,
+                                           cancel=cancel, in_server=in_server, out=played)
+            play.cancel_scope.cancel()
+        stopped = list(signals.caught) if signals is not None else []
+        if not stopped and in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
+            await _drain(in_server)
+    finally:
+        if signals is not None:
+            signals.disarm()
+        with anyio.CancelScope(shield=True):
+            await target.aclose()
     return list(records.values()), finished and not stopped, stopped[0] if stopped else None
 
 
@@ -382,20 +377,20 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
                 sessions = build_sessions(scenario, meter.generated)
             except KeyboardInterrupt as exc:
                 raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
+        # from here to the report's end the process's SIGINT and SIGTERM are the run's: the first stops the run,
+        # the next are said and wait for the report (the loop's closing included)
+        with RunSignals(say="the partial report is being written; kvemu stops once it is") as signals:
             try:
                 client_records, finished, stopped = run_live(lambda: _play(scenario, target, played, workers,
-                                                                           sessions, meter))
-            except KeyboardInterrupt as exc:  # before its signal receiver opened
+                                                                           sessions, meter, signals))
+            except KeyboardInterrupt as exc:  # before the play began
                 raise NothingRan("starting the run", getattr(exc, "reason", "SIGINT")) from None
-        meter.enter("writing the report")
-        if stopped in ("SIGINT", "SIGTERM"):  # (the engines' truth and the plots take seconds: say what happens)
-            print(f"kvemu: {stopped}: writing the partial report in {outdir}", file=sys.stderr, flush=True)
-        with held_signals([], say="the partial report is being written; kvemu stops once it is"):
-            release_signals()  # a signal since the run's receiver closed is said here, and waits for the report
+            meter.enter("writing the report")
+            if stopped in ("SIGINT", "SIGTERM"):  # (the engines' truth and the plots take seconds: say what happens)
+                print(f"kvemu: {stopped}: writing the partial report in {outdir}", file=sys.stderr, flush=True)
             return _report(scenario, target, fleet, client_records, finished, stopped, played, wall0, compress,
                            outdir, origin, command)
     finally:
-        release_signals()
         if ticker is not None:
             ticker.set()
 
