@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from harness.report.recorder import Recorder
 from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_sizes, routing_block_size, samples,
                            speculative_settings)
 from harness.report.files import prepare_outdir, save_report
-from harness.report.run_data import RunData
+from harness.report.run_data import RunData, Sample
 from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
-from harness.sessions import drain_deadline_s, play_workload
+from harness.sessions import Played, drain_deadline_s, play_workload
 from harness.turns import Sessions
 from harness.tuning import tune_gc
 from harness.workload import build_sessions, count_requests
@@ -51,6 +52,26 @@ class RunOutcome:
         self.report_dir: Path | None = None
         """Where the report was written: the run's directory, or a temporary one when that became unwritable
         (None: nowhere, and the summary was printed on stderr)."""
+
+
+@dataclass
+class RunState:
+    """What a run gathers as it goes (its tasks write here; ``RunData`` is made of it at the end)."""
+
+    samples: list[Sample] = field(default_factory=list)
+    ranks: set[tuple[int, int]] = field(default_factory=set)
+    """Every (worker_id, dp_rank) seen, so ranks that served nothing still show."""
+    partial: bool = False
+    stop_reason: str | None = None
+    autoscaler: AutoscalerShell | None = None
+    played: Played = field(default_factory=Played)
+    kv_stats: dict[int, dict[str, int]] = field(default_factory=dict)
+    replicas: dict[str, Any] | None = None
+    affinity: dict[str, int] | None = None
+
+    def stop(self, reason: str) -> None:
+        """The run ends short, for ``reason``."""
+        self.partial, self.stop_reason = True, reason
 
 
 class _ShiftedClock:
@@ -82,7 +103,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     recorder = Recorder(hooks)
     for observer in observers:
         hooks.subscribe(observer)
-    state: dict[str, Any] = {"samples": [], "partial": False, "ranks": set()}
+    state = RunState()
     wall0 = time.perf_counter_ns()
     error: BaseException | None = None
     shell: AutoscalerShell | None = None
@@ -92,7 +113,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
     try:
         if scenario.autoscaler is not None:  # a policy that does not import raises ScenarioError: nothing ran
-            shell = state["autoscaler"] = AutoscalerShell(scenario, hooks, recorder)
+            shell = state.autoscaler = AutoscalerShell(scenario, hooks, recorder)
         tune_gc()
         clock: Clock = ManualClock() if scenario.run.mode == "virtual" else WallClock()
         main = _main(scenario, sessions, clock, hooks, recorder, state, progress, count_requests(sessions))
@@ -103,29 +124,27 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     except ScenarioError:
         raise
     except KeyboardInterrupt as exc:
-        state["partial"] = True
-        state["stop_reason"] = getattr(exc, "reason", "SIGINT")
+        state.stop(getattr(exc, "reason", "SIGINT"))
     except Exception as exc:  # noqa: BLE001 - a chaos action or a bug: still write what the run has
-        state["partial"] = True
-        state["stop_reason"] = f"error: {_describe(exc)}"
+        state.stop(f"error: {_describe(exc)}")
         error = exc
     except BaseExceptionGroup as group:  # an interrupt that reached a task group
         interrupt, rest = group.split(KeyboardInterrupt)
         if rest is not None or interrupt is None:
             raise
-        state["partial"] = True
-        state["stop_reason"] = getattr(_leaf(interrupt), "reason", "SIGINT")
+        state.stop(getattr(_leaf(interrupt), "reason", "SIGINT"))
     data = RunData(
         records=sorted(recorder.records.values(), key=lambda r: (r.arrival_ns, r.request_id)),
         scenario_name=scenario.name, mode=scenario.run.mode, seed=scenario.run.seed,
-        wall_time_ns=time.perf_counter_ns() - wall0, partial=state["partial"], stop_reason=state.get("stop_reason"),
-        block_size=routing_block_size(scenario.cluster), ranks=sorted(state["ranks"]), samples=state["samples"],
-        kv_stats=state.get("kv_stats", {}), affinity=state.get("affinity"), counters=dict(recorder.counters),
+        wall_time_ns=time.perf_counter_ns() - wall0, partial=state.partial, stop_reason=state.stop_reason,
+        block_size=routing_block_size(scenario.cluster), ranks=sorted(state.ranks), samples=state.samples,
+        kv_stats=state.kv_stats, affinity=state.affinity, counters=dict(recorder.counters),
         failures=dict(recorder.failures), worker_events=recorder.worker_events,
         pools=pool_sizes(scenario.cluster), speculative=speculative_settings(scenario.cluster), sla=scenario.run.sla,
         concurrency=scenario.workload.concurrency,
         autoscale=shell.log if shell is not None else None,
-        replicas=state.get("replicas"), chaos=timeline(scenario.chaos), lanes=state.get("played", {}).get("lanes"), phases=state.get("played", {}).get("phases"),
+        replicas=state.replicas, chaos=timeline(scenario.chaos), lanes=state.played.lanes,
+        phases=state.played.phases,
         scenario=scenario, origin=origin,
     )
     outcome = RunOutcome(data, recorder)
@@ -183,50 +202,45 @@ def _describe(exc: BaseException) -> str:
 
 
 async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hooks, recorder: Recorder,
-                state: dict[str, Any], progress: Progress | None, total: int) -> None:
+                state: RunState, progress: Progress | None, total: int) -> None:
     run_clock: Clock = clock if scenario.run.mode == "virtual" else _ShiftedClock(clock)
     async with cluster(scenario, run_clock, hooks) as c:
-        state["ranks"].update(c.ranks())
+        state.ranks.update(c.ranks())
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_sample, c, state, recorder, progress, total, run_clock)
                 for ev in scenario.chaos:
                     tg.start_soon(_chaos, c, ev, state)
-                if "autoscaler" in state:
-                    tg.start_soon(state["autoscaler"].run, c, tg, run_clock, state["samples"])
-                played: dict[str, Any] = {}
-                state["played"] = played
+                if state.autoscaler is not None:
+                    tg.start_soon(state.autoscaler.run, c, tg, run_clock, state.samples)
 
                 async def in_server() -> int:  # the engines in process: read as they are now
                     return c.unsettled()
 
                 if not await play_workload(scenario, sessions, c.submit, run_clock,
                                            cancel=lambda rid, why: c.front.cancel(rid, why), in_server=in_server,
-                                           out=played):
-                    state["partial"] = True
-                    lanes = played.get("lanes")
-                    state["stop_reason"] = ("warmup_failed" if lanes is not None and lanes["failed_preparation"]
-                                            else "drain_timeout")
+                                           out=state.played):
+                    lanes = state.played.lanes
+                    state.stop("warmup_failed" if lanes is not None and lanes["failed_preparation"]
+                               else "drain_timeout")
                 _take_sample(c, state, run_clock)
                 tg.cancel_scope.cancel()
         finally:
             routers = list(c.routers.values())
-            state["kv_stats"] = kv_stats(routers)
-            state["replicas"] = replica_stats(c)
-            affinity = affinity_stats([*routers, *c.replicas[1:]])  # (every replica binds its own sessions)
-            if affinity is not None:
-                state["affinity"] = affinity
-            state["ranks"].update(c.ranks())
+            state.kv_stats = kv_stats(routers)
+            state.replicas = replica_stats(c)
+            state.affinity = affinity_stats([*routers, *c.replicas[1:]])  # (every replica binds its own sessions)
+            state.ranks.update(c.ranks())
 
 
-def _take_sample(c: Cluster, state: dict[str, Any], clock: Clock) -> None:
+def _take_sample(c: Cluster, state: RunState, clock: Clock) -> None:
     # (hybrid engines in virtual mode: their blocks held per KV cache group too)
     taken = samples(c.routers, clock.now_ns(), engine_group_usage(c.workers) if c.mode == "virtual" else None)
-    state["ranks"].update((x.worker_id, x.dp_rank) for x in taken)
-    state["samples"].extend(taken)
+    state.ranks.update((x.worker_id, x.dp_rank) for x in taken)
+    state.samples.extend(taken)
 
 
-async def _sample(c: Cluster, state: dict[str, Any], recorder: Recorder, progress: Progress | None, total: int,
+async def _sample(c: Cluster, state: RunState, recorder: Recorder, progress: Progress | None, total: int,
                   clock: Clock) -> None:
     interval = 1.0 if c.mode == "virtual" else 0.25
     last_wall = 0.0
@@ -241,7 +255,7 @@ async def _sample(c: Cluster, state: dict[str, Any], recorder: Recorder, progres
         await anyio.sleep(interval)
 
 
-async def _chaos(c: Cluster, ev: ChaosEvent, state: dict[str, Any]) -> None:
+async def _chaos(c: Cluster, ev: ChaosEvent, state: RunState) -> None:
     await anyio.sleep(ev.at_s)
     if ev.action == "add_worker":
         await c.add_worker()

@@ -17,6 +17,7 @@ a request goes when the requests it depends on were sent or ended, as its edges 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from array import array
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from itertools import islice
@@ -35,7 +36,7 @@ from harness.trace_sessions import start_times
 from harness.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
 from harness.turns import Session, Sessions, Turn
 
-__all__ = ["Player", "SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
+__all__ = ["Player", "Played", "SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
 # (``Player``, ``Submit`` and ``awaiting`` live in ``harness.player``, shared with ``harness.lanes``)
 
 
@@ -228,15 +229,29 @@ def drain_deadline_s(scenario: Scenario, sessions: Sessions) -> float:
     return last + scenario.run.drain_timeout_s
 
 
+@dataclass
+class Played:
+    """What ``play_workload`` leaves for the report beside the records: with lanes, their figures
+    (``LanePlayer.report``) and each request's phase; both None without lanes."""
+
+    lanes: dict[str, Any] | None = None
+    phases: dict[str, str] | None = None
+
+    @property
+    def requests_cancelled(self) -> int:
+        """Requests the lanes cancelled at their deadline (0 without lanes)."""
+        return int(self.lanes.get("requests_cancelled", 0)) if self.lanes is not None else 0
+
+
 async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, clock: Clock, *,
                         cancel: Callable[[str, str], Any] | None = None,
                         in_server: Callable[[], Awaitable[int | None]] | None = None,
-                        out: dict[str, Any] | None = None) -> bool:
+                        out: Played | None = None) -> bool:
     """Play ``sessions`` (or a trace's graph) as the scenario says (open or closed loop, drain deadline, or lanes);
     False if cut short. With ``workload.lanes``, ``cancel(request_id, reason)`` ends the requests still open after
     the grace period (without it they are only given up on), the warm-up's barrier waits until ``await
     in_server()`` (requests the workers still work for) is 0 (without it, only for the warm-up's responses), and
-    ``out`` gets the lanes' figures (``lanes``) and each request's phase (``phases``)."""
+    ``out`` gets the lanes' figures and each request's phase."""
     stall = round(scenario.run.drain_timeout_s * NS_PER_S)
     player: Player
     lanes = getattr(scenario.workload, "lanes", None)
@@ -247,8 +262,7 @@ async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, 
             await lane_player.run()
         finally:
             if out is not None:
-                out["lanes"] = lane_player.report()
-                out["phases"] = lane_player.phases
+                out.lanes, out.phases = lane_player.report(), lane_player.phases
         return not (lane_player.stalled or lane_player.failed_preparation)
     if isinstance(sessions, TraceGraph):
         player = GraphPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,

@@ -45,7 +45,7 @@ from harness.report.run_data import RunData, Sample
 from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
-from harness.sessions import awaiting, play_workload
+from harness.sessions import Played, awaiting, play_workload
 from harness.turns import Sessions
 from harness.workload import build_sessions
 
@@ -281,7 +281,7 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
     return out
 
 
-async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], workers: Sequence[str] = (),
+async def _play(scenario: Scenario, target: HttpTarget, played: Played, workers: Sequence[str] = (),
                 sessions: Sessions | None = None,
                 progress: RunProgress | None = None,
                 signals: RunSignals | None = None) -> tuple[list[RequestRecord], bool, str | None]:
@@ -338,7 +338,7 @@ async def _play(scenario: Scenario, target: HttpTarget, played: dict[str, Any], 
                                            cancel=cancel, in_server=in_server, out=played)
             play.cancel_scope.cancel()
         stopped = list(signals.caught) if signals is not None else []
-        if not stopped and in_server is not None and played.get("lanes", {}).get("requests_cancelled"):
+        if not stopped and in_server is not None and played.requests_cancelled:
             await _drain(in_server)
     finally:
         if signals is not None:
@@ -366,7 +366,7 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
     are said and otherwise wait for it); before the run, while the workload is made: ``NothingRan``, no report."""
     target = HttpTarget(url, model=model, tokenizer=load_tokenizer(tokenizer), prompt_form=prompt_form)
     wall0 = time.perf_counter_ns()
-    played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
+    played = Played()
     workers = list(dict.fromkeys(w.url for w in fleet.workers)) if fleet is not None else []
     meter = for_scenario(scenario)
     # on a terminal, a line every few seconds: what it does, how far, and the ETA (never silent for long)
@@ -396,7 +396,7 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
 
 
 def _report(scenario: Scenario, target: HttpTarget, fleet: FleetInfo | None, client_records: list[RequestRecord],
-            finished: bool, stopped: str | None, played: dict[str, Any], wall0: int,
+            finished: bool, stopped: str | None, played: Played, wall0: int,
             compress: float, outdir: Path, origin: RunOrigin | None,
             command: str) -> tuple[dict[str, Any], Path | None]:
     """``http_loadgen_report``'s report of a run played: the records joined with ``fleet``'s engine truth."""
@@ -435,5 +435,5 @@ def _report(scenario: Scenario, target: HttpTarget, fleet: FleetInfo | None, cli
                    counters=counters, failures=failures, pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
-                   lanes=played.get("lanes"), phases=played.get("phases"), scenario=scenario, origin=origin)
+                   lanes=played.lanes, phases=played.phases, scenario=scenario, origin=origin)
     return save_report(data, outdir)

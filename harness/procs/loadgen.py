@@ -36,7 +36,7 @@ from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.runner import NothingRan, count_requests
-from harness.sessions import awaiting, play_workload
+from harness.sessions import Played, awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
 from harness.text import counted
 from harness.turns import Sessions
@@ -255,7 +255,7 @@ async def _loadgen_run(scenario: Scenario, router: str | list[str], outdir: Path
     token = os.environ.get(CONTROL_TOKEN_ENV, "")
     runs = [_LoadgenRun() for _ in clients]
     run = runs[0]
-    played: dict[str, Any] = {}  # with workload.lanes: the lanes' figures and each request's phase
+    played = Played()
     t0 = 0
     try:
         async with anyio.create_task_group() as tg:
@@ -356,7 +356,7 @@ async def _loadgen_run(scenario: Scenario, router: str | list[str], outdir: Path
 
                     finished = await play_workload(scenario, sessions, awaiting(play, client.submit), clock,
                                                    cancel=cancel, out=played)
-                    if played.get("lanes", {}).get("requests_cancelled"):  # their records come back, failed
+                    if played.requests_cancelled:  # their records come back, failed
                         with anyio.move_on_after(CANCEL_DRAIN_S):
                             while client.awaiting:
                                 await anyio.sleep(0.01)
@@ -394,7 +394,7 @@ async def _loadgen_run(scenario: Scenario, router: str | list[str], outdir: Path
                    failures=_failures(records), worker_events=run.worker_events(), pools=pool_sizes(scenario.cluster),
                    speculative=speculative_settings(scenario.cluster),
                    sla=scenario.run.sla, concurrency=scenario.workload.concurrency,
-                   lanes=played.get("lanes"), phases=played.get("phases"), replicas=replicas,
+                   lanes=played.lanes, phases=played.phases, replicas=replicas,
                    chaos=timeline(scenario.chaos), truth_source=TRUTH_SOURCE if oracle is not None else None,
                    truth_feed=oracle.feed() if oracle is not None else None, scenario=scenario, origin=origin)
     if progress is not None:

@@ -24,6 +24,7 @@ from harness.procs.engine_truth import EngineTruth
 from harness.procs.frontdoor import worker_door
 from harness.procs.http_loadgen import HttpTarget, _play
 from harness.scenario import parse_scenario
+from harness.sessions import Played
 
 from tests.harness.trace_files import write
 
@@ -47,7 +48,7 @@ def test_at_the_deadline_open_requests_are_aborted_at_the_worker_and_their_kv_fr
                 try:
                     with anyio.fail_after(60):
                         target = HttpTarget(server.url, model="kvemu", tokenizer=builtin_tokenizer())
-                        played: dict = {}
+                        played = Played()
                         records, finished, stopped = await _play(sc, target, played, [server.url])
                         core = actor.worker.cores[0]
                         held = core.pool.num_active_blocks
@@ -59,11 +60,11 @@ def test_at_the_deadline_open_requests_are_aborted_at_the_worker_and_their_kv_fr
                     tg.cancel_scope.cancel()
 
     records, played, held, unsettled, metrics, engine = run_live(main)
-    report = played["lanes"]
+    report = played.lanes
     assert report["unsettled_server_requests"] == 0  # the barrier asked the worker over HTTP
     cancelled = {r.request_id for r in records if r.failure == DEADLINE_REASON}
     assert cancelled and len(cancelled) == report["requests_cancelled"]
-    assert all(played["phases"][rid] == "profile" for rid in cancelled)
+    assert all(played.phases[rid] == "profile" for rid in cancelled)
     # the worker aborted them: no KV held, nothing left to do, and its engine records and metrics say so
     assert held == 0 and unsettled == 0
     aborted = {r.request_id for r in engine if r.failure == "client_disconnected"}
