@@ -1,10 +1,11 @@
 """The architecture is checked, not remembered: pyproject.toml's import-linter contracts hold (layers, cores that
 import no shell, no import circle), their module lists name every module of the core and of the engines and the
-no-circle contract reaches every package, so a new module cannot slip past them; and ruff's rules hold (mypy runs
-in .ci/run)."""
+no-circle contract reaches every package, so a new module cannot slip past them; the worker reads its run mode in one
+place; and ruff's rules hold (mypy runs in .ci/run)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-SHELLS = {"kvemu": {"runtime", "wire", "http"}, "workers": {"worker_actor", "metrics"}}
+SHELLS = {"kvemu": {"runtime", "wire", "http"}, "workers": {"worker_actor", "drivers", "metrics"}}
 """Each package's shell modules: the rest of the package is its sans-IO core."""
 
 
@@ -68,6 +69,40 @@ def test_a_name_moved_to_break_a_circle_keeps_its_old_path(old: str, new: str) -
 
     assert resolve(old) is resolve(new)
     assert old.rpartition(".")[2] in importlib.import_module(old.rpartition(".")[0]).__all__
+
+
+RUN_MODES = {"virtual", "live"}
+
+
+def _run_mode_branches(source: str) -> list[tuple[str, int]]:
+    """Where ``source`` compares with, or matches on, a run mode's name: (enclosing function, line)."""
+    found = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            func = node.name
+        elif isinstance(node, ast.Compare | ast.MatchValue) and \
+                any(isinstance(c, ast.Constant) and c.value in RUN_MODES for c in ast.walk(node)):
+            found.append((func, node.lineno))
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_worker_actor_never_asks_which_run_mode_it_is_in() -> None:
+    """Advancing, re-arming and waking differ by mode behind ``workers.drivers.ModeDriver``; the actor asks its
+    driver, not its mode (it had 9 branches on ``self.mode``: the same sandwich written several times)."""
+    source = (ROOT / "workers" / "worker_actor.py").read_text()
+    assert _run_mode_branches(source) == []
+    assert not [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute) and n.attr == "mode"]
+
+
+def test_the_workers_read_the_run_mode_in_one_place() -> None:
+    found = sorted(hit for path in (ROOT / "workers").rglob("*.py") for hit in _run_mode_branches(path.read_text()))
+    assert [name for name, _ in found] == ["mode_driver"], found
 
 
 def test_the_import_contracts_hold() -> None:

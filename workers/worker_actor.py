@@ -1,16 +1,15 @@
 """The worker actor: a ``MockWorker`` (one engine core per DP rank) behind a router link.
 
 It registers, heartbeats, accepts or rejects dispatches, drives its cores and publishes each rank's
-KV events. On virtual time it fast-forwards: one timer callback (``Wakeup``) ``advance_to``\\ s the
-cores at their next visible event, and a dispatch makes it re-plan. On wall time each rank runs one
-forward pass at a time with a real sleep for its duration and streams the tokens each pass produced.
+KV events. How the cores move in time (fast-forward on virtual time, one task per rank sleeping each
+pass on wall time) is its ``ModeDriver``'s (``workers.drivers``), chosen once at construction.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -42,6 +41,7 @@ from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.transfer import KvTransfer
 from kvemu.kv_events import AllBlocksCleared, KVEventBatch
+from workers.drivers import ModeDriver, RunMode, mode_driver
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
@@ -83,7 +83,7 @@ class WorkerActor:
         clock: Clock,
         publishers: Sequence[KvPublisher],
         *,
-        mode: Literal["virtual", "live"],
+        mode: RunMode,
         heartbeat_interval_s: float = 1.0,
         kv_endpoints: Sequence[str] = (),
         kv_replay_endpoints: Sequence[str] = (),
@@ -96,7 +96,6 @@ class WorkerActor:
         self.end = end
         self.clock = clock
         self.publishers = list(publishers)
-        self.mode = mode
         self.heartbeat_interval_s = heartbeat_interval_s
         self.worker_type = worker_type
         cfg = worker.config
@@ -142,10 +141,10 @@ class WorkerActor:
         self.dead_ranks: set[int] = set()
         self._last_sent_ns = -(1 << 62)
         self.engine_errors = 0
-        """Engine passes that raised (``_fault``): each ended its rank's requests with ``engine_error``."""
+        """Engine passes that raised (``fault``): each ended its rank's requests with ``engine_error``."""
 
-        self._wakes: dict[int, anyio.Event] = {}  # per rank, on wall time
-        self._driver = Wakeup(self._advance_virtual, clock.now_ns)  # on virtual time
+        self.driver: ModeDriver = mode_driver(mode, self)
+        """Brings the engines to now, re-arms or wakes them after each act, runs them."""
         self._beats = Wakeup(self._heartbeat, clock.now_ns)
         self._records: dict[str, RequestRecord] = {}
         self._sent: dict[str, int] = {}
@@ -191,7 +190,7 @@ class WorkerActor:
             self._reply(RequestFailed(request_id=rid, reason=reason))
         return lost
 
-    def _fault(self, core: Core, exc: Exception) -> Core:
+    def fault(self, core: Core, exc: Exception) -> Core:
         """An engine call of one rank raised: the rank's state is no longer to be trusted (a pass stopped half
         way). Every request on it ends with ``engine_error`` and the exception's type, the rank starts again
         empty (its cache cleared, the router's index told so) and the worker goes on serving; returns the new
@@ -209,47 +208,44 @@ class WorkerActor:
         self._fail_rank(rank, f"engine_error: {type(exc).__name__}: {str(exc)[:200]}", record=True)
         self.publishers[rank - self.worker.dp_start_rank].publish(KVEventBatch(
             ts=self.clock.now_ns() / NS_PER_S, events=[AllBlocksCleared()], data_parallel_rank=rank))
-        if (wake := self._wakes.get(rank)) is not None:
-            wake.set()
+        self.driver.wake(rank)
         return fresh
 
     def _advance(self, t_ns: int) -> list[AdvanceResult]:
-        """``MockWorker.advance_to``, rank by rank, each guarded (``_fault``): a rank that fails reports nothing."""
+        """``MockWorker.advance_to``, rank by rank, each guarded (``fault``): a rank that fails reports nothing."""
         out = []
         for core in list(self.worker.cores):
             try:
                 out.append(core.advance_to(t_ns))
             except Exception as exc:  # noqa: BLE001 - one rank's failed pass must not stop the worker
-                out.append(self._fault(core, exc).advance_to(t_ns))
+                out.append(self.fault(core, exc).advance_to(t_ns))
         return out
 
-    def _next_event_ns(self) -> int | None:
-        """``MockWorker.next_event_ns``, rank by rank, each guarded (``_fault``)."""
+    def next_event_ns(self) -> int | None:
+        """``MockWorker.next_event_ns``, rank by rank, each guarded (``fault``)."""
         times = []
         for core in list(self.worker.cores):
             try:
                 t = core.next_event_ns()
             except Exception as exc:  # noqa: BLE001 - as in _advance
-                t = self._fault(core, exc).next_event_ns()
+                t = self.fault(core, exc).next_event_ns()
             if t is not None:
                 times.append(t)
         return min(times) if times else None
 
     def _guarded(self, dp_rank: int, call: Callable[[Core], object]) -> None:
-        """``call(core)`` on one rank's core, guarded (``_fault``)."""
+        """``call(core)`` on one rank's core, guarded (``fault``)."""
         core = self.worker.core(dp_rank)
         try:
             call(core)
         except Exception as exc:  # noqa: BLE001 - as in _advance
-            self._fault(core, exc)
+            self.fault(core, exc)
 
     def slow_down(self, factor: float) -> None:
         """Chaos: every later forward pass of every rank takes ``factor`` times as long."""
         for core in self.worker.cores:
             core.timer.set_slowdown(factor)
-        for wake in self._wakes.values():
-            wake.set()  # re-plan the horizon with the new durations
-        self._driver.poke()
+        self.driver.replan()  # re-plan the horizon with the new durations
 
     async def _register(self) -> None:
         """Wait for the router's answer, registering again when it asks us to retry later (rate limited)."""
@@ -306,11 +302,7 @@ class WorkerActor:
                 raise WorkerRejected(f"worker {self.worker_id}: not registered within {self.register_timeout_s} s: {why}")
             task_status.started()
             tg.start_soon(self._beats.run)
-            if self.mode == "virtual":
-                tg.start_soon(self._driver.run)
-            else:
-                for core in self.worker.cores:
-                    tg.start_soon(self._drive_live, core)
+            self.driver.start(tg)
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Refuse new work, let accepted requests finish (up to ``grace_s``), then deregister."""
@@ -349,8 +341,7 @@ class WorkerActor:
                 self._retry_after_s = min(max(msg.retry_after_s, 0.0), 60.0)
             else:
                 self.registered.set()
-                if self.mode == "live":  # a live router routes to us once we speak after its acceptance
-                    self._send(Heartbeat(worker_id=self.worker_id))
+                self.driver.registered()
             self._answered.set()
 
     def _on_dispatch(self, msg: Dispatch) -> None:
@@ -370,8 +361,7 @@ class WorkerActor:
         if msg.hold_kv and msg.request_id in self._held:
             return f"duplicate_request_id: the KV of {msg.request_id!r} is still held on this worker"
         now = self.clock.now_ns()
-        if self.mode == "virtual":
-            self._emit_advance(self._advance(max(now, self._engine_now())))
+        self.driver.catch_up()
         req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=1 if msg.hold_kv else msg.max_tokens,
                       arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.priority,
                       output_token_ids=msg.output_token_ids, kv_hold=msg.hold_kv, kv_transfer=msg.kv_transfer)
@@ -380,7 +370,7 @@ class WorkerActor:
         except Exception as exc:  # noqa: BLE001 - a request the engine's own checks let through and then choked on
             core = self.worker.core(msg.dp_rank)
             if core.has_request(msg.request_id):
-                self._fault(core, exc)
+                self.fault(core, exc)
             return f"engine_error: {type(exc).__name__}: {str(exc)[:200]}"
         if not outcome.accepted:
             reason = outcome.reason.value if outcome.reason is not None else "rejected"
@@ -389,10 +379,7 @@ class WorkerActor:
         self._sent[msg.request_id] = 0
         if msg.hold_kv:
             self._legs.add(msg.request_id)
-        if self.mode == "virtual":  # the engine is at now already: arm its next instant (>= now + 1)
-            self._driver.arm(self._next_event_ns())
-        elif (wake := self._wakes.get(msg.dp_rank)) is not None:
-            wake.set()
+        self.driver.settle(msg.dp_rank)
         return None
 
     def submit_local(self, req: ClientRequest, dp_rank: int,
@@ -435,16 +422,12 @@ class WorkerActor:
         self._sent.pop(request_id, None)
         self._flushed_at.pop(request_id, None)
         self.local.pop(request_id, None)
-        core = self.worker.core(rec.dp_rank or 0)
-        if self.mode == "virtual":
-            self._emit_advance(self._advance(max(self.clock.now_ns(), self._engine_now())))
-        self._guarded(core.dp_rank, lambda c: c.abort(request_id, reason))
+        rank = self.worker.core(rec.dp_rank or 0).dp_rank
+        self.driver.catch_up()
+        self._guarded(rank, lambda c: c.abort(request_id, reason))
         if self.on_end is not None:
             self.on_end(rec, "abort")
-        if self.mode == "virtual":
-            self._driver.arm(self._next_event_ns())
-        elif (wake := self._wakes.get(core.dp_rank)) is not None:
-            wake.set()  # waiting requests may fit now
+        self.driver.settle(rank)
         return True
 
     def release_kv(self, request_id: str) -> bool:
@@ -453,13 +436,9 @@ class WorkerActor:
         rank = self._held.pop(request_id, None)
         if rank is None:
             return False
-        if self.mode == "virtual":
-            self._emit_advance(self._advance(max(self.clock.now_ns(), self._engine_now())))
+        self.driver.catch_up()
         self._guarded(rank, lambda c: c.release_kv(request_id))
-        if self.mode == "virtual":
-            self._driver.arm(self._next_event_ns())
-        elif (wake := self._wakes.get(rank)) is not None:
-            wake.set()  # waiting requests may fit now
+        self.driver.settle(rank)
         return True
 
     def _engine_now(self) -> int:
@@ -493,12 +472,13 @@ class WorkerActor:
     # ------------------------------------------------------------------ virtual time
 
     def sync(self) -> None:
-        """Virtual time: advance the engines to now and publish what they did, then re-arm the next instant.
+        """Bring the engines to now and publish what they did, then re-arm their next instant (virtual time: on
+        wall time they run at now).
 
         A host that lets the engines publish KV events lazily (``defer_kv_events``) calls it before anything
         reads what those events say."""
-        if self.mode == "virtual" and not self.stopped:
-            self._driver.arm(self._advance_virtual())
+        if not self.stopped:
+            self.driver.sync()
 
     def defer_kv_events(self) -> bool:
         """Virtual time: let engines that can pass over passes whose only visible effect is KV events (the
@@ -510,12 +490,13 @@ class WorkerActor:
                 self._defer = True
         return self._defer
 
-    def _advance_virtual(self) -> int | None:
-        """Advance every core to now, publish what became visible; the next instant anything will."""
-        now = self.clock.now_ns()
-        self._emit_advance(self._advance(max(now, self._engine_now())))
-        nxt = self._next_event_ns()
-        return None if nxt is None else max(nxt, self.clock.now_ns())
+    def catch_up(self) -> None:
+        """Advance every core to now (or to the furthest core's own now), publish what became visible."""
+        self._emit_advance(self._advance(max(self.clock.now_ns(), self._engine_now())))
+
+    def say_alive(self) -> None:
+        """A heartbeat now, whenever the last message went."""
+        self._send(Heartbeat(worker_id=self.worker_id))
 
     def _emit_advance(self, results: list[AdvanceResult]) -> None:
         reply = self._reply
@@ -562,42 +543,16 @@ class WorkerActor:
 
     # ------------------------------------------------------------------ wall time
 
-    async def _drive_live(self, core: Core) -> None:
-        rank = core.dp_rank
-        pub = self.publishers[rank - self.worker.dp_start_rank]
-        clock = self.clock
-        while rank not in self.dead_ranks:
-            core = self.worker.core(rank)  # (a new one after a fault)
-            now = max(clock.now_ns(), core.busy_until_ns, core.now_ns)
-            try:
-                res = core.step(now)
-            except Exception as exc:  # noqa: BLE001 - one request's failed pass must not stop the rank
-                self._fault(core, exc)
-                continue
-            if res.idle:
-                wake = self._wakes[core.dp_rank] = anyio.Event()
-                if core.num_unfinished == 0:
-                    await wake.wait()
-                else:  # waiting requests that cannot start yet: look again shortly
-                    with anyio.move_on_after(0.001):
-                        await wake.wait()
-                continue
-            duration = res.duration_ns
-            if duration:
-                await anyio.sleep(duration / NS_PER_S)
-            else:
-                await anyio.sleep(0)  # let the loop breathe between zero-length passes
-            self._emit_step(core, res, pub)
-
     def flush_interval_ns(self) -> int:
         """How long a live request's tokens are coalesced now: ``stream_interval_ns``, or longer, as long as it
         takes to send ``MAX_BATCHES_PER_S`` for each running request."""
         return max(self.stream_interval_ns, len(self._records) * NS_PER_S // MAX_BATCHES_PER_S)
 
-    def _emit_step(self, core: Core, res: StepResult, pub: KvPublisher) -> None:
+    def emit_step(self, core: Core, res: StepResult) -> None:
+        """Wall time: publish one forward pass's KV events, stream its tokens (coalesced), finish what it ended."""
         batch = res.kv_batch
         if batch is not None:
-            pub.publish(batch)
+            self.publishers[core.dp_rank - self.worker.dp_start_rank].publish(batch)
         done = {rec.request_id for rec in res.completed}
         send = self._reply
         now = res.end_ns
