@@ -34,8 +34,8 @@ import kvemu
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvemu", "workers", "harness")
 MODE_WORDS = {"virtual", "live"}
-CHOOSERS: frozenset[str] = frozenset()
-"""Modules allowed to ask which mode it is (the places that choose the mode's driver); none yet."""
+CHOOSERS = frozenset({"workers/drivers.py", "harness/run_mode.py"})
+"""The modules that choose the mode's driver: the one place each that may ask which mode it is."""
 
 LOADED = """
 import sys

@@ -15,10 +15,9 @@ from typing import Any
 
 import anyio
 
-from kvemu.clock import NS_PER_MS, Clock, ManualClock, WallClock
+from kvemu.clock import NS_PER_MS
 from kvemu.errors import KvemuError
 from kvemu.hooks import HookEvent, Hooks
-from kvemu.runtime.loop import run_live, run_virtual
 
 from harness.autoscaler import AutoscalerShell
 from harness.chaos import timeline, worker_chaos
@@ -30,6 +29,7 @@ from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_si
                            speculative_settings)
 from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData, Sample
+from harness.run_mode import RunMode, run_mode
 from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
 from harness.sessions import Played, drain_deadline_s, play_workload
 from harness.turns import Sessions
@@ -74,19 +74,6 @@ class RunState:
         self.partial, self.stop_reason = True, reason
 
 
-class _ShiftedClock:
-    """Wall time measured from the run's start (live mode), so both modes start at 0."""
-
-    is_virtual = False
-
-    def __init__(self, base: Clock) -> None:
-        self._base = base
-        self._t0 = base.now_ns()
-
-    def now_ns(self) -> int:
-        return self._base.now_ns() - self._t0
-
-
 def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Progress | None = None,
                  observers: Sequence[Callable[[HookEvent], None]] = (),
                  generated: Callable[[int], None] | None = None, origin: RunOrigin | None = None) -> RunOutcome:
@@ -115,12 +102,9 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
         if scenario.autoscaler is not None:  # a policy that does not import raises ScenarioError: nothing ran
             shell = state.autoscaler = AutoscalerShell(scenario, hooks, recorder)
         tune_gc()
-        clock: Clock = ManualClock() if scenario.run.mode == "virtual" else WallClock()
-        main = _main(scenario, sessions, clock, hooks, recorder, state, progress, count_requests(sessions))
-        if isinstance(clock, ManualClock):
-            run_virtual(lambda: main, clock)
-        else:
-            run_live(lambda: main)
+        mode = run_mode(scenario.run.mode)
+        main = _main(scenario, sessions, mode, hooks, recorder, state, progress, count_requests(sessions))
+        mode.run(lambda: main)
     except ScenarioError:
         raise
     except KeyboardInterrupt as exc:
@@ -201,14 +185,14 @@ def _describe(exc: BaseException) -> str:
     return f"{type(leaf).__name__}: {leaf}"
 
 
-async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hooks, recorder: Recorder,
+async def _main(scenario: Scenario, sessions: Sessions, mode: RunMode, hooks: Hooks, recorder: Recorder,
                 state: RunState, progress: Progress | None, total: int) -> None:
-    run_clock: Clock = clock if scenario.run.mode == "virtual" else _ShiftedClock(clock)
+    run_clock = mode.clock
     async with cluster(scenario, run_clock, hooks) as c:
         state.ranks.update(c.ranks())
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_sample, c, state, recorder, progress, total, run_clock)
+                tg.start_soon(_sample, c, state, recorder, progress, total, mode)
                 for ev in scenario.chaos:
                     tg.start_soon(_chaos, c, ev, state)
                 if state.autoscaler is not None:
@@ -223,7 +207,7 @@ async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hoo
                     lanes = state.played.lanes
                     state.stop("warmup_failed" if lanes is not None and lanes["failed_preparation"]
                                else "drain_timeout")
-                _take_sample(c, state, run_clock)
+                _take_sample(c, state, mode)
                 tg.cancel_scope.cancel()
         finally:
             routers = list(c.routers.values())
@@ -233,26 +217,24 @@ async def _main(scenario: Scenario, sessions: Sessions, clock: Clock, hooks: Hoo
             state.ranks.update(c.ranks())
 
 
-def _take_sample(c: Cluster, state: RunState, clock: Clock) -> None:
-    # (hybrid engines in virtual mode: their blocks held per KV cache group too)
-    taken = samples(c.routers, clock.now_ns(), engine_group_usage(c.workers) if c.mode == "virtual" else None)
+def _take_sample(c: Cluster, state: RunState, mode: RunMode) -> None:
+    # (hybrid engines: their blocks held per KV cache group too, where the mode reads the engines)
+    taken = samples(c.routers, mode.clock.now_ns(), mode.engine_usage(lambda: engine_group_usage(c.workers)))
     state.ranks.update((x.worker_id, x.dp_rank) for x in taken)
     state.samples.extend(taken)
 
 
 async def _sample(c: Cluster, state: RunState, recorder: Recorder, progress: Progress | None, total: int,
-                  clock: Clock) -> None:
-    interval = 1.0 if c.mode == "virtual" else 0.25
+                  mode: RunMode) -> None:
     last_wall = 0.0
     while True:
-        if c.mode == "virtual":
-            c.sync_workers()  # the samples read the routers' indexes
-        _take_sample(c, state, clock)
+        c.sync_workers()  # the samples read the routers' indexes (workers that defer KV events: virtual only)
+        _take_sample(c, state, mode)
         if progress is not None and time.monotonic() - last_wall > 0.1:
             last_wall = time.monotonic()
             done = recorder.counters["completed"] + recorder.counters["failed"]
-            progress(clock.now_ns(), done, total)
-        await anyio.sleep(interval)
+            progress(mode.clock.now_ns(), done, total)
+        await anyio.sleep(mode.sample_interval_s)
 
 
 async def _chaos(c: Cluster, ev: ChaosEvent, state: RunState) -> None:
