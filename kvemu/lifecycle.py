@@ -696,7 +696,7 @@ class Lifecycle:
         try:
             self._send(wid, Dispatch(request_id=f.request_id, dp_rank=rank, tokens=_prompt(req),
                                      max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,
-                                     priority=req.engine_priority, hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
+                                     engine_priority=req.engine_priority, kv_hold=req.kv_hold, kv_transfer=req.kv_transfer))
         except Exception as exc:  # noqa: BLE001 - a local failure (the message does not encode): never the worker's
             self._send_failed(f, exc)
 

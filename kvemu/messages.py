@@ -11,6 +11,7 @@ prefill rank that held it may free it).
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -226,11 +227,24 @@ class Dispatch(msgspec.Struct, **_OPTS):
     tokens: WirePrompt
     max_tokens: OutputTokens
     output_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_OUTPUT_TOKENS)] | None = None
-    priority: I64 = 0
-    hold_kv: bool = False
+    engine_priority: I64 = 0
+    """The engine scheduler's priority (``ClientRequest.engine_priority``; vLLM: lower first)."""
+    kv_hold: bool = False
     """A prefill leg: compute the prompt, report it finished, and keep its KV until ``ReleaseKv``."""
     kv_transfer: KvTransfer | None = None
     """A decode leg: the prompt's KV comes from this prefill rank (reserve room, wait the transfer, decode)."""
+
+    @property
+    def hold_kv(self) -> bool:
+        """Deprecated spelling of ``kv_hold`` (one release)."""
+        warnings.warn("Dispatch.hold_kv is now Dispatch.kv_hold", DeprecationWarning, stacklevel=2)
+        return self.kv_hold
+
+    @property
+    def priority(self) -> int:
+        """Deprecated spelling of ``engine_priority`` (one release)."""
+        warnings.warn("Dispatch.priority is now Dispatch.engine_priority", DeprecationWarning, stacklevel=2)
+        return self.engine_priority
 
 
 class DispatchAck(msgspec.Struct, **_OPTS):

@@ -354,17 +354,17 @@ class WorkerActor:
             return f"rank_down: rank {msg.dp_rank} is dead"
         if msg.request_id in self._records:
             return f"duplicate_request_id: {msg.request_id!r} is already running on this worker"
-        if msg.hold_kv and self.worker_type != "prefill":
+        if msg.kv_hold and self.worker_type != "prefill":
             return f"wrong_pool: worker {self.worker_id} is a {self.worker_type} worker; prefill legs go to prefill workers"
         if msg.kv_transfer is not None and self.worker_type != "decode":
             return f"wrong_pool: worker {self.worker_id} is a {self.worker_type} worker; decode legs go to decode workers"
-        if msg.hold_kv and msg.request_id in self._held:
+        if msg.kv_hold and msg.request_id in self._held:
             return f"duplicate_request_id: the KV of {msg.request_id!r} is still held on this worker"
         now = self.clock.now_ns()
         self.driver.catch_up()
-        req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=1 if msg.hold_kv else msg.max_tokens,
-                      arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.priority,
-                      output_token_ids=msg.output_token_ids, kv_hold=msg.hold_kv, kv_transfer=msg.kv_transfer)
+        req = Request(request_id=msg.request_id, token_ids=msg.tokens, max_tokens=1 if msg.kv_hold else msg.max_tokens,
+                      arrival_ns=self._arrival(msg.dp_rank, now), priority=msg.engine_priority,
+                      output_token_ids=msg.output_token_ids, kv_hold=msg.kv_hold, kv_transfer=msg.kv_transfer)
         try:
             outcome = self.worker.dispatch(req, msg.dp_rank)
         except Exception as exc:  # noqa: BLE001 - a request the engine's own checks let through and then choked on
@@ -377,7 +377,7 @@ class WorkerActor:
             return f"{reason}: {outcome.message}"
         self._records[msg.request_id] = outcome.record  # type: ignore[assignment]
         self._sent[msg.request_id] = 0
-        if msg.hold_kv:
+        if msg.kv_hold:
             self._legs.add(msg.request_id)
         self.driver.settle(msg.dp_rank)
         return None
@@ -393,7 +393,7 @@ class WorkerActor:
         self.local[req.request_id] = reply
         why = self._admit(Dispatch(request_id=req.request_id, dp_rank=dp_rank, tokens=req.tokens,
                                    max_tokens=req.max_tokens, output_token_ids=req.output_token_ids,
-                                   priority=req.engine_priority, hold_kv=req.kv_hold, kv_transfer=req.kv_transfer))
+                                   engine_priority=req.engine_priority, kv_hold=req.kv_hold, kv_transfer=req.kv_transfer))
         if why is not None:
             self.local.pop(req.request_id, None)
         return why

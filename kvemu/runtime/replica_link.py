@@ -147,7 +147,7 @@ class ReplicaEnds:
         t = type(msg)
         if t is Dispatch:
             rid = msg.request_id  # type: ignore[union-attr]
-            hold = msg.hold_kv  # type: ignore[union-attr]
+            hold = msg.kv_hold  # type: ignore[union-attr]
             if rid in self.owner or (hold and rid in self.held):  # (maybe another replica's: refused here, so
                 # that the refusal reaches the replica that sent it and the running request keeps its owner)
                 self.ends[i].send_nowait(DispatchAck(request_id=rid, accepted=False, reason=(

@@ -261,7 +261,7 @@ def test_the_gate_gives_each_worker_only_its_own_pools_router():
             gate.on_message(b"p", DispatchAck(request_id="r", accepted=True))
             gate.on_message(b"p", Finished(request_id="r", times_ns=[clock.now_ns()]))
             await anyio.sleep(0.01)
-            assert leg.hold_kv and shared.to(b"d2", Dispatch) and not shared.to(b"d1", Dispatch)
+            assert leg.kv_hold and shared.to(b"d2", Dispatch) and not shared.to(b"d1", Dispatch)
             gate.on_message(b"d2", DispatchAck(request_id="r", accepted=True))
             pulled = KvPulled(request_id="r", reserved_ns=1, activated_ns=2)
             for impostor in (b"p", b"d1"):  # the prefill worker, the other decode worker

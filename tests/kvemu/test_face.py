@@ -105,3 +105,17 @@ def test_kvemus_own_code_imports_no_deprecated_alias() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_dispatch_reads_its_old_spellings_with_a_warning_for_one_release() -> None:
+    """``Dispatch`` spells the request's facts as the request does (``kv_hold``, ``engine_priority``); the old
+    attribute names still read, with a DeprecationWarning."""
+    import pytest
+
+    from kvemu.messages import Dispatch
+
+    d = Dispatch(request_id="r", dp_rank=0, tokens=[1], max_tokens=1, engine_priority=3, kv_hold=True)
+    with pytest.warns(DeprecationWarning, match="kv_hold"):
+        assert d.hold_kv is True
+    with pytest.warns(DeprecationWarning, match="engine_priority"):
+        assert d.priority == 3

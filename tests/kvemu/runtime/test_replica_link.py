@@ -45,7 +45,7 @@ def _link(n: int = REPLICAS) -> tuple[ReplicaEnds, list[_End], list[Any]]:
 
 
 def _dispatch(rid: str, hold: bool = False) -> Dispatch:
-    return Dispatch(request_id=rid, dp_rank=0, tokens=[1, 2, 3], max_tokens=4, hold_kv=hold)
+    return Dispatch(request_id=rid, dp_rank=0, tokens=[1, 2, 3], max_tokens=4, kv_hold=hold)
 
 
 class ReplicaLinkVsModel(RuleBasedStateMachine):
