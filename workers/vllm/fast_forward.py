@@ -3,7 +3,7 @@
 While the batch only decodes, nothing needs scheduling: ``FastForward.run`` commits a stretch of passes in one go
 (plain engines by a period of block events, speculative decoding and hybrid KV groups pass by pass), and
 ``FastForward.horizon`` finds the first pass with a visible effect without changing anything. Both must see exactly
-what stepping would (``tests/workers/test_engines_fastforward.py``); see ``workers.vllm_engine`` for the time model.
+what stepping would (``tests/workers/test_engines_fastforward.py``); see ``workers.vllm.engine`` for the time model.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from bisect import bisect_left, bisect_right
 
 from kvemu.clock import MAX_TIME_NS
 from workers.blocks import BlockPool
-from workers.hybrid import HybridKV
+from workers.vllm.hybrid import HybridKV
 from workers.pass_events import PassEvents
 from workers.results import AdvanceResult
-from workers.scheduler import Scheduler
+from workers.vllm.scheduler import Scheduler
 from workers.sequence import SeqState
 from workers.speculative import DraftSampler
 from workers.timing import PassTimer

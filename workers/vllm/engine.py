@@ -11,7 +11,7 @@ prefill). Blocks are taken, and evicted (``BlockRemoved``), when the pass is sch
 it fills are cached then too (``BlockStored``; a request admitted later in the same pass finds them,
 as vLLM's ``allocate_slots`` and the reference mocker do); all of a pass's events share one batch
 stamped with its end. Duration = prefill time + decode time if it decodes anything, with the reference
-mocker's accounting (``EngineCore._duration``): the prefill part from the prompt tokens computed (a batch
+mocker's accounting (``VllmEngineCore._duration``): the prefill part from the prompt tokens computed (a batch
 of ``b`` prompts counted as ``b * (floor(sum of prompt ends / b) - floor(sum of prefixes / b))``, up to
 ``b - 1`` fewer than the sum; a re-admitted request's generated tokens are recomputed for free), the
 decode part a function of the context lengths of the requests sampling a token after an earlier one (a
@@ -33,7 +33,7 @@ that would admit, prefill or preempt (or that starts at or after the next arriva
 start + 1, since advancing past its start starts it. So a zero-duration pass at ``t`` is reported as
 ``t + 1``, its effects stamped ``t``.
 
-Host offload (``native_host_offload``; ``workers/host_tier.py``): stores that ended are applied when a pass
+Host offload (``native_host_offload``; ``workers/vllm/host_tier.py``): stores that ended are applied when a pass
 is planned and when one ends, the pass's filled prompt blocks are submitted at its end, and a pass that
 evicts a GPU block still being stored starts when that store ends. While stores are in flight the engine
 runs pass by pass (no decode runs) and reports every pass end as visible (host events may land in it).
@@ -51,17 +51,17 @@ from kvemu.records import RequestRecord
 from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.pass_events import PassEvents
-from workers.host_tier import HostTier
-from workers.hybrid import HybridKV
+from workers.vllm.host_tier import HostTier
+from workers.vllm.hybrid import HybridKV
 from workers.request import Request
 from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
-from workers.scheduler import Schedule, Scheduler
+from workers.vllm.scheduler import Schedule, Scheduler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 from workers.timing import AnyTimingModel
-from workers.vllm_fast_forward import FastForward
+from workers.vllm.fast_forward import FastForward
 
-__all__ = ["EngineCore", "StepResult", "AdvanceResult"]
+__all__ = ["VllmEngineCore", "EngineCore", "StepResult", "AdvanceResult"]
 
 
 class _Pass:
@@ -79,7 +79,7 @@ class _Pass:
         self.version = version
 
 
-class EngineCore(RankCore):
+class VllmEngineCore(RankCore):
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
     def __init__(
@@ -94,12 +94,13 @@ class EngineCore(RankCore):
         self.scheduler.spec = self.spec
         groups = cfg.kv_cache_groups
         self.hybrid: HybridKV | None = None
-        """Hybrid KV cache groups (``kv_groups``; ``workers.hybrid``); None: the plain one-group engine."""
+        """Hybrid KV cache groups (``kv_groups``; ``workers.vllm.hybrid``); None: the plain one-group engine."""
         self._groups_meta: list[tuple[str, int | None]] | None = None
         if groups:
             self.hybrid = self.scheduler.hybrid = HybridKV(groups, bs, cfg.enable_prefix_caching,
                                                            cfg.max_num_batched_tokens, cfg.kv_groups or ())
             self._groups_meta = self.hybrid.meta
+            self._group_blocks = self.hybrid.whole
         offload = cfg.native_host_offload
         self.host: HostTier | None = None
         """The host KV tier (None: ``native_host_offload`` is off)."""
@@ -117,7 +118,7 @@ class EngineCore(RankCore):
         """Passes committed by decode runs as a whole rather than scheduled one by one (the fast path's share)."""
         self.fast = FastForward(self.scheduler, self.pool, self.timer, self.spec, self.hybrid, rank=self.dp_rank,
                                 record_times=self._record_times, groups_meta=self._groups_meta)
-        """Decode runs and look-ahead (``workers.vllm_fast_forward``)."""
+        """Decode runs and look-ahead (``workers.vllm.fast_forward``)."""
 
     # ----------------------------------------------------------------- queries
 
@@ -498,7 +499,10 @@ class EngineCore(RankCore):
 
     def __repr__(self) -> str:
         return (
-            f"EngineCore(rank={self.dp_rank}, now={self._now}, running={self.num_running}, "
+            f"VllmEngineCore(rank={self.dp_rank}, now={self._now}, running={self.num_running}, "
             f"waiting={self.num_waiting}, {self.pool!r})"
         )
 
+
+EngineCore = VllmEngineCore
+"""The old name of ``VllmEngineCore`` (before the flavour folders), kept for one release."""

@@ -1,6 +1,6 @@
 """One DP rank's mock engine in the SGLang flavour (the reference mocker's), told the time (sans-IO).
 
-What differs from the vLLM flavour (``workers.vllm_engine``):
+What differs from the vLLM flavour (``workers.vllm.engine``):
 
 * **Passes are prefill-only ("extend") or decode-only.** While any prompt chunk can be admitted the
   running requests get no token; an extend pass lasts prefill(new tokens) and gives each request whose
@@ -16,7 +16,7 @@ What differs from the vLLM flavour (``workers.vllm_engine``):
   reference matches before it allocates): a blocked head of the queue keeps its prefix from being evicted.
   A prompt longer than what is left of the chunk budget is chunked; a half-prefilled request goes back to the
   head of the queue.
-* **The cache is a radix tree of pages** (``workers.radix``; page = ``block_size``, 1 token by default):
+* **The cache is a radix tree of pages** (``workers.sglang.radix``; page = ``block_size``, 1 token by default):
   a prompt's pages are cached when its prefill ends, a finished or retracted request's whole sequence
   when it lets go, and the least recently used leaves lose pages from their tails when room is needed.
 * **Retraction, not preemption:** when a decode pass cannot get its pages the running request with the
@@ -29,7 +29,7 @@ core does what SGLang itself does: it refuses prompts longer than the pool less 
 clips each request's output to what fits, and lets a lone request that needs pages take them from
 half-prefilled ones (which start over). So every request ends.
 
-``step``/``advance_to``/``next_event_ns`` follow ``EngineCore``'s contract (a pass is planned at its
+``step``/``advance_to``/``next_event_ns`` follow ``VllmEngineCore``'s contract (a pass is planned at its
 start and everything it produces is stamped with its end). Disaggregated legs are not emulated here.
 """
 
@@ -47,12 +47,12 @@ from workers.config import EngineConfig
 from workers.engine_base import RankCore
 from workers.results import AdvanceResult, StepResult
 from workers.pass_events import PassEvents
-from workers.radix import RadixCache, RadixNode
+from workers.sglang.radix import RadixCache, RadixNode
 from workers.request import Request
 from workers.sequence import FINISHED, FUTURE, RUNNING, WAITING, SeqState
 from workers.timing import AnyTimingModel
 
-__all__ = ["SglangCore"]
+__all__ = ["SglangEngineCore", "SglangCore"]
 
 _INIT_RATIO = 0.7
 _MIN_RATIO_FACTOR = 0.14
@@ -113,8 +113,8 @@ class _Pass:
         return bool(self.chunks or self.decode or self.retracted)
 
 
-class SglangCore(RankCore):
-    """The SGLang-flavour mock engine of one DP rank; same host contract as ``EngineCore``."""
+class SglangEngineCore(RankCore):
+    """The SGLang-flavour mock engine of one DP rank; same host contract as ``VllmEngineCore``."""
 
     def __init__(
         self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
@@ -122,7 +122,7 @@ class SglangCore(RankCore):
     ) -> None:
         cfg = config if config is not None else EngineConfig(backend="sglang")
         if cfg.backend != "sglang":
-            raise InvalidArgument(f"backend: SglangCore runs backend sglang, got {cfg.backend!r}", field="backend")
+            raise InvalidArgument(f"backend: SglangEngineCore runs backend sglang, got {cfg.backend!r}", field="backend")
         super().__init__(cfg, dp_rank, timing, worker_id)
         sg = cfg.sglang
         self._sg = sg
@@ -659,5 +659,9 @@ class SglangCore(RankCore):
             assert (s.node is None) == (s.cached_pages == 0), s
 
     def __repr__(self) -> str:
-        return (f"SglangCore(rank={self.dp_rank}, now={self._now}, running={len(self.running)}, "
+        return (f"SglangEngineCore(rank={self.dp_rank}, now={self._now}, running={len(self.running)}, "
                 f"waiting={self.num_waiting}, ratio={self.ratio:.4f}, {self.cache!r})")
+
+
+SglangCore = SglangEngineCore
+"""The old name of ``SglangEngineCore`` (before the flavour folders), kept for one release."""

@@ -19,7 +19,7 @@ overtakes it) and nothing is ever preempted. Its prefix cache reuses every cache
 block-aligned prompt that is fully cached computes no prompt token and samples its first token in a
 pass whose decode part counts its prompt.
 
-Hybrid KV cache groups (``kv_groups``; ``workers.hybrid``): a request's block need is summed over the groups,
+Hybrid KV cache groups (``kv_groups``; ``workers.vllm.hybrid``): a request's block need is summed over the groups,
 each sliding-window group first freeing the blocks that left its window (vLLM's ``allocate_slots`` order), a
 prefix hit is the length every group accepts, and the admission gate counts each group's most blocks at once.
 With a Mamba ``align`` state group a fresh request's prefill chunks are whole blocks, cut at the prompt's last
@@ -31,7 +31,7 @@ cached here) and a sequence slot, in arrival order, the head waiting until it fi
 runs, and at the first boundary after it ends the request joins the running batch with its prompt
 computed, to decode.
 
-With a host tier (``workers.host_tier``), the prompt blocks a pass fills are staged for storing, and a
+With a host tier (``workers.vllm.host_tier``), the prompt blocks a pass fills are staged for storing, and a
 waiting request whose GPU prefix is followed by resident host blocks leaves the queue to load them, others
 going ahead; when the load ends it takes its place again and is admitted with them cached. As vLLM does
 before an asynchronous load, it takes its GPU prefix and allocates the loaded blocks when the load starts
@@ -51,8 +51,8 @@ from collections import deque
 from kvemu.transfer import transfer_delay_ns, transfer_tokens
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
-from workers.host_tier import HostTier
-from workers.hybrid import HybridKV
+from workers.vllm.host_tier import HostTier
+from workers.vllm.hybrid import HybridKV
 from workers.speculative import DraftSampler
 from workers.sequence import FINISHED, HELD, RUNNING, WAITING, SeqState
 
@@ -134,7 +134,7 @@ class Scheduler:
         self.spec: DraftSampler | None = None
         """Speculative decoding: the rank's draws, one per decode scheduled (set by the engine)."""
         self.hybrid: HybridKV | None = None
-        """Hybrid KV cache groups (``workers.hybrid``; vLLM flavour), set by the engine; None: one group."""
+        """Hybrid KV cache groups (``workers.vllm.hybrid``; vLLM flavour), set by the engine; None: one group."""
         self.loads: list[tuple[int, int, list[int], SeqState]] = []
         """Requests out of the queue until their host blocks are loaded (or a store they wait for ends): heap of
         (ready, order, blocks loaded, seq)."""
@@ -259,7 +259,7 @@ class Scheduler:
             whole = -(-seq.prompt_len // bs)
             full = seq.prompt_len // bs
             carried = 0
-            if hybrid is not None:  # per group what it still holds (workers.hybrid)
+            if hybrid is not None:  # per group what it still holds (workers.vllm.hybrid)
                 hits, need, inactive_hits, carried = hybrid.land(pool, seq, seq.prompt_len, False,
                                                                  xfer.mode != "full_prompt")
             else:

@@ -11,7 +11,7 @@
 * A waiting request whose GPU prefix is followed by resident host blocks loads them (host-to-device lane)
   before it is admitted with them cached (``lookup`` / ``load``); one that meets a block still being
   stored waits for that store. The scheduler makes the request hold its GPU prefix and the loaded blocks'
-  GPU destinations from the load's start (``workers.scheduler``).
+  GPU destinations from the load's start (``workers.vllm.scheduler``).
 
 Transfers of ``n`` blocks take ``latency_to_first_byte_ms + n x block bytes / bandwidth`` on a first-in,
 first-out lane per direction (a bandwidth of 0 is instantaneous). Stores and evictions are logged into the
@@ -25,15 +25,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from workers.blocks import BlockPool, TokenSource
+from workers.blocks import HOST_REMOVED, HOST_STORED, BlockPool, TokenSource
 from workers.config import HostOffloadConfig
 
-__all__ = ["HostTier", "HOST_STORED", "HOST_REMOVED"]
-
-HOST_STORED = 3
-"""KV log entry ``(HOST_STORED, block_hashes, parent_hash_or_None, token_source, first_block_index)``."""
-HOST_REMOVED = 4
-"""KV log entry ``(HOST_REMOVED, block_hashes)``."""
+__all__ = ["HostTier", "HOST_STORED", "HOST_REMOVED"]  # the log kinds live with the pool's (workers.blocks)
 _I64_LIMIT = 1 << 63
 _TWO_64 = 1 << 64
 
