@@ -39,12 +39,12 @@ COMPILED = [
     "workers/blocks.py",
     "workers/engine_base.py",
     "workers/pass_events.py",
-    "workers/scheduler.py",
+    "workers/vllm/scheduler.py",
     "workers/sequence.py",
     "workers/speculative.py",
     "workers/timing.py",
-    "workers/vllm_engine.py",
-    "workers/vllm_fast_forward.py",
+    "workers/vllm/engine.py",
+    "workers/vllm/fast_forward.py",
 ]
 
 

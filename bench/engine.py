@@ -36,7 +36,7 @@ import msgspec
 from kvemu.clock import MAX_TIME_NS
 from kvemu.hashing import sequence_hashes
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers.trace import MooncakeRow, mooncake_request, read_mooncake
 
@@ -93,9 +93,9 @@ def make_requests(recs: list[MooncakeRow | dict], prehash: bool = False) -> list
     return reqs
 
 
-def run_fast_forward(reqs: list[Request], materialise: bool) -> tuple[EngineCore, list, int]:
+def run_fast_forward(reqs: list[Request], materialise: bool) -> tuple[VllmEngineCore, list, int]:
     """Host loop of a virtual-time replay: advance to each arrival, add the request, finally run to the end."""
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     completed = []
     batches = 0
     for req in reqs:
@@ -113,7 +113,7 @@ def run_fast_forward(reqs: list[Request], materialise: bool) -> tuple[EngineCore
 
 
 def run_stepwise(reqs: list[Request]) -> int:
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     for req in reqs:
         eng.add_request(req)
     passes = 0

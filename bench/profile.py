@@ -55,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("prefix index", ("kvemu/index.py", "kvemu/router_events.py")),
     ("KV events", ("kvemu/wire/", "kvemu/runtime/kv_bus.py", "kvemu/runtime/kv_ingest.py", "workers/pass_events.py")),
     ("hashing", ("kvemu/hashing.py", "workers/trace.py")),
-    ("engine", ("workers/vllm_engine.py", "workers/vllm_fast_forward.py", "workers/scheduler.py", "workers/blocks.py",
+    ("engine", ("workers/vllm/engine.py", "workers/vllm/fast_forward.py", "workers/vllm/scheduler.py", "workers/blocks.py",
                 "workers/sequence.py", "workers/timing.py", "workers/mock_worker.py", "workers/admission.py", "workers/request.py",
                 "workers/config.py")),
     ("worker actor", ("workers/worker_actor.py",)),

@@ -11,7 +11,7 @@ prefixes as for any engine (group 0 when it is full attention, else the first fu
 other group's blocks live here, as flat sets of hashes per rank and group: a sliding-window group frees its oldest
 blocks first, so its cached blocks are not prefixes (the tree's cascading removals would drop the rest), and a
 second full-attention group evicts in its own order. A rank's overlap is then what its engine would find (vLLM's
-fixed point, ``workers.hybrid``): the largest block count within the main group's prefix that every group
+fixed point, ``workers.vllm.hybrid``): the largest block count within the main group's prefix that every group
 accepts. It never exceeds the prefix index's match, so a hybrid rank is scored a hit only when every group has it.
 """
 

@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 SHELLS = {"kvemu": {"runtime", "wire", "http"}, "workers": {"worker_actor", "drivers", "metrics"}}
 """Each package's shell modules: the rest of the package is its sans-IO core."""
+FLAVOURS = {"vllm", "sglang"}
+"""The engine flavours' folders in ``workers/``; ``workers/mock_worker.py`` picks one per rank."""
 
 
 def _modules(package: str) -> set[str]:
@@ -28,9 +30,16 @@ def _modules(package: str) -> set[str]:
 
 
 def _contract(source_package: str) -> dict:
+    """The contract that keeps the package's core from importing its shells."""
     (contract,) = [c for c in CONTRACTS if c["type"] == "forbidden"
-                   and c["source_modules"][0].startswith(source_package + ".")]
+                   and c["source_modules"][0].startswith(source_package + ".")
+                   and f"{source_package}.{min(SHELLS[source_package])}" in c["forbidden_modules"]]
     return contract
+
+
+def _old_paths(package: str) -> set[str]:
+    """The package's modules that are only a deprecated alias of a module that moved (one release)."""
+    return {p.stem for p in (ROOT / package).glob("*.py") if "is deprecated: import from" in p.read_text()}
 
 
 @pytest.mark.parametrize("package", ["kvemu", "workers"])
@@ -38,6 +47,18 @@ def test_a_forbidden_contract_covers_every_core_module_of_its_package(package: s
     listed = {name.removeprefix(package + ".") for name in _contract(package)["source_modules"]}
     assert listed == _modules(package) - SHELLS[package], "pyproject.toml's [tool.importlinter] lists other modules"
     assert {f"{package}.{m}" for m in SHELLS[package]} <= set(_contract(package)["forbidden_modules"])
+
+
+def test_the_shared_engine_modules_import_no_flavour_and_the_flavours_not_each_other() -> None:
+    """Every module of workers' core but the flavours, ``mock_worker`` (it picks one) and the old paths is kept
+    from importing a flavour, and each flavour from importing the other, so a flavour's code stays in its folder."""
+    (shared,) = [c for c in CONTRACTS if c["type"] == "forbidden"
+                 and set(c["forbidden_modules"]) == {f"workers.{f}" for f in FLAVOURS}]
+    listed = {name.removeprefix("workers.") for name in shared["source_modules"]}
+    assert listed == _modules("workers") - SHELLS["workers"] - FLAVOURS - {"mock_worker"} - _old_paths("workers")
+    (apart,) = [c for c in CONTRACTS if c["type"] == "independence"]
+    assert set(apart["modules"]) == {f"workers.{f}" for f in FLAVOURS}
+    assert FLAVOURS <= _modules("workers")
 
 
 def test_the_no_circle_contract_reaches_every_package() -> None:

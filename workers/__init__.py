@@ -1,13 +1,15 @@
 """Mock engines: per-DP-rank engine cores (KV block pool, vLLM-flavour scheduler, timing) that are told the time.
 
-Depends on ``kvemu`` only. The names exported here are the workers' public API.
+Depends on ``kvemu`` only. The names exported here are the workers' public API (``EngineCore``: the old name of
+``VllmEngineCore``). Each flavour has its folder (``workers/vllm/``, ``workers/sglang/``); what they share sits
+here, beside the actor shell (``worker_actor.py``, ``metrics.py``).
 """
 
 import kvemu  # noqa: F401  first: kvemu._build picks the compiled or pure-Python modules before any loads (isort: skip)
 from workers.admission import RejectReason, RequestRejected
 from workers.blocks import BlockPool
 from workers.config import EngineConfig
-from workers.vllm_engine import AdvanceResult, EngineCore, StepResult
+from workers.vllm.engine import AdvanceResult, EngineCore, StepResult, VllmEngineCore
 from workers.pass_events import PassEvents
 from workers.request import Request
 from workers.timing import PassTimer, PolynomialTiming, TimingModel
@@ -30,6 +32,7 @@ __all__ = [
     "RequestRejected",
     "StepResult",
     "TimingModel",
+    "VllmEngineCore",
     "expand_hash_ids",
     "mooncake_request",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvemu.errors import KvemuError
 from kvemu.transfer import transfer_refusal
@@ -57,11 +57,14 @@ def sglang_max_len(config: EngineConfig) -> int:
     return config.capacity_tokens - config.resolved_block_size
 
 
-def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_tokens: bool) -> None:
+def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_tokens: bool,
+                  group_blocks: Callable[[int], int] | None = None) -> None:
     """Reject a malformed request (empty prompt, ``max_tokens < 1``, arrival in the past, too long to ever fit, a KV
     transfer slower than ``MAX_TRANSFER_S``).
 
     Token ids are range-checked here only when ``check_tokens`` (otherwise hashing them checks them).
+    ``group_blocks``: with hybrid KV cache groups (``kv_groups``), the engine's count of the pool blocks a request of
+    that many KV tokens holds at once over every group (``workers.vllm.hybrid``); None without them.
     """
     # "Too long": its KV (prompt + max_tokens - 1 tokens; the last token's KV is never computed) exceeds
     # the pool, or, without chunked prefill, one pass's budget (a preempted request re-prefills all it has).
@@ -98,9 +101,8 @@ def check_request(req: Request, config: EngineConfig, *, now_ns: int, check_toke
                 f"of {config.num_gpu_blocks} pages x {config.block_size} tokens holds (SGLang aborts such requests)",
             )
     elif config.kv_groups:  # hybrid KV groups: the blocks it may hold at once over every group must fit the pool
-        from workers.hybrid import max_blocks  # (only hybrid engines pay for the import)
-
-        need = max_blocks(config, kv_tokens)
+        assert group_blocks is not None, "an engine with kv_groups passes its group_blocks"
+        need = group_blocks(kv_tokens)
         if need > config.pool_blocks:
             raise _malformed(
                 "token_ids",

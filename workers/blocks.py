@@ -32,7 +32,7 @@ from typing import Protocol
 from kvemu.errors import InvalidArgument
 from workers.config import EvictionPolicyName
 
-__all__ = ["BlockPool", "TokenSource", "STORED", "REMOVED", "CLEARED"]
+__all__ = ["BlockPool", "TokenSource", "STORED", "REMOVED", "CLEARED", "HOST_STORED", "HOST_REMOVED"]
 
 # Compact KV log entries (materialised into vLLM-style structs by ``workers.pass_events``):
 #   (STORED, block_hashes, parent_hash_or_None, token_source, first_block_index)
@@ -41,6 +41,11 @@ __all__ = ["BlockPool", "TokenSource", "STORED", "REMOVED", "CLEARED"]
 STORED = 0
 REMOVED = 1
 CLEARED = 2
+HOST_STORED = 3
+"""KV log entry ``(HOST_STORED, block_hashes, parent_hash_or_None, token_source, first_block_index)``: the host
+tier (``workers.vllm.host_tier``) stored them."""
+HOST_REMOVED = 4
+"""KV log entry ``(HOST_REMOVED, block_hashes)``: the host tier evicted them."""
 
 
 class TokenSource(Protocol):

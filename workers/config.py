@@ -85,7 +85,7 @@ Gbps = Annotated[float, Meta(ge=0, le=1e6)]
 
 
 class HostOffloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A host-memory KV tier (vLLM's CPU offloading; the reference's ``native_host_offload``; workers/host_tier.py).
+    """A host-memory KV tier (vLLM's CPU offloading; the reference's ``native_host_offload``; workers/vllm/host_tier.py).
 
     Newly full prompt blocks are copied to host memory (device to host) and loaded back (host to device)
     when a later prompt misses them on the GPU; a transfer of n blocks takes ``latency_to_first_byte_ms``

@@ -1,13 +1,13 @@
 """What every flavour's engine core of one DP rank shares: time bookkeeping, request records and the two drivers.
 
-A flavour (``workers.vllm_engine.EngineCore`` for vLLM and TRT-LLM, ``workers.sglang_engine.SglangCore``) says
-how it queues a request, when its next pass starts, how it plans a pass and how a pass ends; this base runs
-``step`` and ``advance_to`` over those with the same contract for all (see ``workers.vllm_engine``).
+A flavour (``workers.vllm.engine.VllmEngineCore`` for vLLM and TRT-LLM, ``workers.sglang.engine.SglangEngineCore``)
+says how it queues a request, when its next pass starts, how it plans a pass and how a pass ends; this base runs
+``step`` and ``advance_to`` over those with the same contract for all (see ``workers.vllm.engine``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mypy_extensions import mypyc_attr
@@ -51,6 +51,9 @@ class RankCore:
         self._inflight: Any = None
         self._aborting: list[Any] = []  # aborted while in the pass in flight: released at its end
         self._blocked = -1  # the cache version at which an idle engine last found nothing it could start
+        self._group_blocks: Callable[[int], int] | None = None
+        """With hybrid KV cache groups, the blocks a request of n KV tokens holds at once over every group (the
+        admission gate; set by the flavour that has them)."""
         self.passes = 0
         """Forward passes completed so far."""
 
@@ -189,7 +192,8 @@ class RankCore:
             raise RequestRejected(RejectReason.DUPLICATE_REQUEST_ID,
                                   f"request_id: {req.request_id!r} is already on rank {self.dp_rank}", field="request_id")
         has_fast_path = req.seq_hashes is None and hasattr(req.token_ids, "local_block_hashes")
-        check_request(req, self.config, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path)
+        check_request(req, self.config, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path,
+                      group_blocks=self._group_blocks)
         arrival = self._now if req.arrival_ns is None else req.arrival_ns
         record = RequestRecord(request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival,
                                isl=len(req.token_ids), max_tokens=req.max_tokens)

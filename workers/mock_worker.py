@@ -6,23 +6,23 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
-from workers.vllm_engine import AdvanceResult, EngineCore
+from workers.vllm.engine import AdvanceResult, VllmEngineCore
 from workers.request import Request
-from workers.sglang_engine import SglangCore
+from workers.sglang.engine import SglangEngineCore
 from workers.timing import AnyTimingModel
 
 __all__ = ["MockWorker", "DispatchOutcome", "Core", "engine_core"]
 
-Core = EngineCore | SglangCore
-"""One DP rank's engine: the vLLM/TRT-LLM flavours' ``EngineCore`` or the SGLang flavour's ``SglangCore``."""
+Core = VllmEngineCore | SglangEngineCore
+"""One DP rank's engine: the vLLM/TRT-LLM flavours' ``VllmEngineCore`` or the SGLang flavour's ``SglangEngineCore``."""
 
 
 def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
                 worker_id: int = 0) -> Core:
     """The engine core for ``config.backend`` (``worker_id`` seeds its own random streams)."""
     if config.backend == "sglang":
-        return SglangCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
-    return EngineCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
+        return SglangEngineCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
+    return VllmEngineCore(config, dp_rank=dp_rank, timing=timing, worker_id=worker_id)
 
 
 class DispatchOutcome:
@@ -63,7 +63,7 @@ class DispatchOutcome:
 
 
 class MockWorker:
-    """Holds one ``EngineCore`` per DP rank in ``[dp_start_rank, dp_start_rank + dp_size)``; ranks share nothing."""
+    """Holds one ``VllmEngineCore`` per DP rank in ``[dp_start_rank, dp_start_rank + dp_size)``; ranks share nothing."""
 
     def __init__(
         self,

@@ -14,8 +14,7 @@ from typing import Any
 from kvemu.group_index import group_tag, group_target
 from kvemu.router_events import AllCleared, BlocksRemoved, BlocksStored, EventBatch, EventData
 from kvemu.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KvEvent
-from workers.blocks import CLEARED, REMOVED, STORED
-from workers.host_tier import HOST_REMOVED, HOST_STORED
+from workers.blocks import CLEARED, HOST_REMOVED, HOST_STORED, REMOVED, STORED
 
 _MEDIUM = {STORED: MEDIUM_GPU, REMOVED: MEDIUM_GPU, HOST_STORED: MEDIUM_CPU, HOST_REMOVED: MEDIUM_CPU}
 
@@ -37,7 +36,7 @@ class PassEvents:
         self.block_size = block_size
         self.groups = groups
         """Hybrid KV groups: (``kv_cache_spec_kind``, sliding window) per ``group_idx``; the log's block keys carry
-        the group above 64 bits (``workers.hybrid``). None: one plain group."""
+        the group above 64 bits (``workers.vllm.hybrid``). None: one plain group."""
 
     def batch(self) -> KVEventBatch:
         """This pass's events as one ``KVEventBatch`` (``ts`` in float seconds of virtual time)."""

@@ -32,7 +32,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     to skip rehashing; trusted, only their count is checked."""
     kv_hold: bool = False
     """Disaggregated prefill leg: once its first token is sampled it completes, but its blocks stay held
-    (in use, shareable as a prefix) until ``EngineCore.release_kv``."""
+    (in use, shareable as a prefix) until ``VllmEngineCore.release_kv``."""
     kv_transfer: KvTransfer | None = None
     """Disaggregated decode leg: its prompt's KV comes from a prefill rank. The engine reserves blocks for the
     prompt (less what it has cached), waits the transfer, and then decodes it without computing the prompt."""

@@ -106,7 +106,7 @@ class SeqState:
         self.host_stored = 0
         """Host offload: the prompt blocks before this index were offered to the host tier (vLLM's store cursor)."""
         self.glo: list[int] | None = None
-        """Hybrid KV groups (``workers.hybrid``): the first block position each group still holds; None: off."""
+        """Hybrid KV groups (``workers.vllm.hybrid``): the first block position each group still holds; None: off."""
         self.src_cached = False
         """Hybrid KV, Mamba ``align`` state groups: whether the older of the two state blocks held is a checkpoint."""
         self._out_ids = req.output_token_ids

@@ -45,7 +45,7 @@ from workers.drivers import ModeDriver, RunMode, mode_driver
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
-from workers.hybrid import SPEC_KIND
+from workers.vllm.hybrid import SPEC_KIND
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 

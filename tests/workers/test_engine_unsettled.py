@@ -8,8 +8,8 @@ from kvemu.transfer import KvTransfer
 from workers.config import EngineConfig, HostOffloadConfig
 from workers.mock_worker import MockWorker
 from workers.request import Request
-from workers.sglang_engine import SglangCore
-from workers.vllm_engine import EngineCore
+from workers.sglang.engine import SglangEngineCore
+from workers.vllm.engine import VllmEngineCore
 
 MS = 1_000_000
 PROMPT = list(range(4096))
@@ -23,7 +23,7 @@ def drain(eng) -> list:
 
 
 def test_an_unfinished_request_is_unsettled_until_it_completes_and_aborted_ones_settle():
-    for eng in (EngineCore(EngineConfig()), SglangCore(EngineConfig(backend="sglang"))):
+    for eng in (VllmEngineCore(EngineConfig()), SglangEngineCore(EngineConfig(backend="sglang"))):
         assert eng.unsettled(0) == 0
         eng.add_request(Request(request_id="a", token_ids=PROMPT, max_tokens=4, arrival_ns=0))
         eng.add_request(Request(request_id="b", token_ids=PROMPT[:100], max_tokens=4, arrival_ns=5 * MS))
@@ -35,13 +35,13 @@ def test_an_unfinished_request_is_unsettled_until_it_completes_and_aborted_ones_
 
 
 def test_a_prefill_leg_holding_kv_and_a_decode_leg_awaiting_its_transfer_are_unsettled():
-    pre = EngineCore(EngineConfig())
+    pre = VllmEngineCore(EngineConfig())
     pre.add_request(Request(request_id="r", token_ids=PROMPT, max_tokens=1, arrival_ns=0, kv_hold=True))
     drain(pre)
     assert pre.num_unfinished == 0 and pre.unsettled(pre.now_ns) == 1  # done for the client, its KV still held
     pre.release_kv("r")
     assert pre.unsettled(pre.now_ns) == 0
-    dec = EngineCore(EngineConfig())
+    dec = VllmEngineCore(EngineConfig())
     dec.add_request(Request(request_id="r", token_ids=PROMPT, max_tokens=3, arrival_ns=0,
                             kv_transfer=KvTransfer(source_worker_id=0, bandwidth_gbps=1.0)))
     dec.advance_to(1 * MS)

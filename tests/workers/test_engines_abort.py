@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvemu.clock import MAX_TIME_NS
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers.mock_worker import engine_core
 
@@ -65,7 +65,7 @@ def _fast_forward(cfg, reqs, aborts):
 
 def _all_free(eng) -> bool:
     """Every block (page) is free or cached, none held by a request."""
-    if isinstance(eng, EngineCore):
+    if isinstance(eng, VllmEngineCore):
         return eng.pool.free + len(eng.pool.cached) == eng.pool.num_blocks
     return eng.cache.owned == 0 and eng.cache.locked == 0
 
@@ -96,7 +96,7 @@ def test_aborted_requests_free_everything_and_both_drivers_agree(work):
 
 def test_abort_mid_prefill_frees_the_blocks_and_keeps_full_ones_cached():
     cfg = EngineConfig(num_gpu_blocks=32, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     eng.add_request(Request(request_id="a", token_ids=list(range(16)), max_tokens=50, arrival_ns=0))
     eng.advance_to(1)  # the first chunk (8 tokens) is in flight
     assert eng._inflight is not None
@@ -112,7 +112,7 @@ def test_abort_mid_prefill_frees_the_blocks_and_keeps_full_ones_cached():
 
 def test_abort_of_a_waiting_request_lets_the_next_one_in():
     cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=1)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     for i in range(3):
         eng.add_request(Request(request_id=f"r{i}", token_ids=[i] * 8, max_tokens=4, arrival_ns=0))
     eng.abort("r1")  # still waiting: never runs

@@ -15,8 +15,8 @@ from kvemu.transfer import KvTransfer
 from kvemu.kv_events import BlockRemoved, BlockStored
 from workers.config import (EngineConfig, InterpolatedTimingSpec, KvGroupSpec, PolynomialTimingSpec, SglangConfig,
                             SpeculativeConfig)
-from workers.hybrid import max_blocks
-from workers.vllm_engine import AdvanceResult, EngineCore
+from workers.vllm.hybrid import max_blocks
+from workers.vllm.engine import AdvanceResult, VllmEngineCore
 from workers.mock_worker import engine_core
 from workers.request import Request
 
@@ -131,11 +131,11 @@ def summary(records) -> dict:
 
 def transfers(eng) -> int:
     """Decode legs whose KV is in transit (the SGLang flavour runs none)."""
-    return len(eng.scheduler.transfers) if isinstance(eng, EngineCore) else 0
+    return len(eng.scheduler.transfers) if isinstance(eng, VllmEngineCore) else 0
 
 
 def cached_hashes(eng) -> set[int]:
-    return eng.pool.cached_hashes() if isinstance(eng, EngineCore) else eng.cache.cached_hashes()
+    return eng.pool.cached_hashes() if isinstance(eng, VllmEngineCore) else eng.cache.cached_hashes()
 
 
 def stepwise(cfg, reqs):
@@ -319,7 +319,7 @@ def test_long_run_with_eviction_and_preemption_matches_stepwise():
 
 def test_next_event_is_exact_during_a_decode_run():
     cfg = EngineConfig(num_gpu_blocks=64, block_size=16)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     rec = eng.add_request(Request(request_id="a", token_ids=list(range(20)), max_tokens=40))
     eng.advance_to(1)  # the prefill pass is in flight
     t_first = eng.next_event_ns()
@@ -351,7 +351,7 @@ def test_next_event_is_exact_during_a_decode_run():
 def test_a_steady_decode_batch_is_committed_by_decode_runs(extra):
     """The fast path really runs: a batch that only decodes is committed as runs, not scheduled pass by pass
     (reports cannot show it: stepping gives the same bytes, only slower)."""
-    eng = EngineCore(EngineConfig(num_gpu_blocks=512, block_size=16, **extra))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=512, block_size=16, **extra))
     for i in range(4):
         eng.add_request(Request(request_id=f"r{i}", token_ids=list(range(i * 100, i * 100 + 40)), max_tokens=300))
     eng.advance_to(MAX_TIME_NS)
@@ -360,7 +360,7 @@ def test_a_steady_decode_batch_is_committed_by_decode_runs(extra):
 
 
 def test_zero_duration_passes_are_reported_one_nanosecond_later():
-    eng = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, speedup_ratio=0))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, speedup_ratio=0))
     rec = eng.add_request(Request(request_id="a", token_ids=list(range(6)), max_tokens=3, arrival_ns=500))
     assert eng.next_event_ns() == 501
     out = eng.advance_to(501)

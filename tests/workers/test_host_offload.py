@@ -21,8 +21,8 @@ from tests.engine_runs import steps
 from tests.workers.test_engines_fastforward import fast_forward, summary, workloads
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, HostOffloadConfig
-from workers.vllm_engine import EngineCore
-from workers.host_tier import HOST_REMOVED, HOST_STORED, HostTier
+from workers.vllm.engine import VllmEngineCore
+from workers.vllm.host_tier import HOST_REMOVED, HOST_STORED, HostTier
 from workers.request import Request
 
 MS = 1_000_000
@@ -151,7 +151,7 @@ def test_lookup_stops_at_the_first_missing_block_and_reports_a_store_to_wait_for
 # ------------------------------------------------------------------------------------------ engine
 
 
-def run(eng: EngineCore, reqs: list[Request], records: list | None = None) -> list:
+def run(eng: VllmEngineCore, reqs: list[Request], records: list | None = None) -> list:
     """Step every pass; returns the KV events of each (``records`` receives the requests' live records)."""
     for r in reqs:
         rec = eng.add_request(r)
@@ -171,7 +171,7 @@ def prompt(*ids: int) -> list[int]:
 
 
 def test_an_evicted_prompt_comes_back_from_the_host_with_cpu_events():
-    eng = EngineCore(host_config())
+    eng = VllmEngineCore(host_config())
     reqs = [Request(request_id="a", token_ids=prompt(1, 2), max_tokens=2, arrival_ns=0),
             Request(request_id="b", token_ids=prompt(3, 4, 5)[:1216], max_tokens=2, arrival_ns=1000 * MS),
             Request(request_id="c", token_ids=prompt(1, 2), max_tokens=2, arrival_ns=2000 * MS)]
@@ -193,7 +193,7 @@ def test_an_evicted_prompt_comes_back_from_the_host_with_cpu_events():
 
 
 def test_host_events_reach_the_host_tier_index_of_the_router():
-    eng = EngineCore(host_config())
+    eng = VllmEngineCore(host_config())
     batches = run(eng, [Request(request_id="a", token_ids=prompt(1, 2), max_tokens=2, arrival_ns=0)])
     core = RoutingCore(block_size=64)
     stream = EventStream(1, 0, sink=core.apply_event, block_size=64, stats=WorkerEventStats())
@@ -215,7 +215,7 @@ def with_offload(cfg: EngineConfig, host_blocks: int, gbps: float) -> EngineConf
 
 
 def stepwise(cfg: EngineConfig, reqs: list[Request]):
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     done, batches, firsts, preempted = [], [], [], []
     for res in islice(steps(eng, reqs), 100_000):
         done += res.completed

@@ -7,7 +7,7 @@ import pytest
 from kvemu.errors import KvemuError
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers.mock_worker import MockWorker
 
@@ -53,7 +53,7 @@ def test_too_long_without_chunked_prefill_is_rejected():
     cfg = EngineConfig(
         num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=False
     )
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     with pytest.raises(RequestRejected, match="exceed max_num_batched_tokens") as exc:
         eng.add_request(make(token_ids=list(range(30)), max_tokens=4))
     assert exc.value.field == "token_ids"
@@ -88,7 +88,7 @@ def test_accepted_dispatch_returns_the_live_record():
 
 
 def test_arrival_defaults_to_the_engine_time():
-    eng = EngineCore(CFG)
+    eng = VllmEngineCore(CFG)
     eng.advance_to(5_000)
     rec = eng.add_request(make(arrival_ns=None))
     assert rec.arrival_ns == 5_000

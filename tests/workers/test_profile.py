@@ -519,10 +519,10 @@ def test_a_scenario_with_a_bad_profile_is_refused_naming_the_key_and_line(tmp_pa
 
 def test_decode_time_uses_the_mean_context_of_the_batch():
     from workers.config import EngineConfig, InterpolatedTimingSpec
-    from workers.vllm_engine import EngineCore
+    from workers.vllm.engine import VllmEngineCore
     from workers.request import Request
 
-    eng = EngineCore(EngineConfig(timing_model=InterpolatedTimingSpec(path=str(TINY))))
+    eng = VllmEngineCore(EngineConfig(timing_model=InterpolatedTimingSpec(path=str(TINY))))
     for i, n in enumerate((1000, 3000)):
         eng.add_request(Request(request_id=f"r{i}", token_ids=[i * 10_000 + k for k in range(n)], max_tokens=3))
     first = eng.step(0)

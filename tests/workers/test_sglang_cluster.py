@@ -12,7 +12,7 @@ from harness.runner import run_scenario
 from harness.scenario import parse_scenario
 from workers.config import EngineConfig
 from workers.request import Request
-from workers.sglang_engine import SglangCore
+from workers.sglang.engine import SglangEngineCore
 
 SCENARIO = {
     "name": "sglang-kv",
@@ -51,7 +51,7 @@ def test_a_deferring_core_reports_only_completions_and_starts():
         return [Request(request_id="a", token_ids=list(range(1, 1001)), max_tokens=1, arrival_ns=0),
                 Request(request_id="b", token_ids=list(range(5001, 5101)), max_tokens=400, arrival_ns=10**8)]
 
-    lazy, eager = SglangCore(cfg), SglangCore(cfg)
+    lazy, eager = SglangEngineCore(cfg), SglangEngineCore(cfg)
     lazy.defer_kv_events = True
     for core in (lazy, eager):
         for r in reqs():

@@ -12,7 +12,7 @@ from kvemu.kv_events import BlockRemoved, BlockStored
 from workers.admission import RequestRejected
 from workers.config import EngineConfig, SglangConfig
 from workers.request import Request
-from workers.sglang_engine import SglangCore
+from workers.sglang.engine import SglangEngineCore
 from workers.trace import HashIdTokens
 from workers.mock_worker import MockWorker, engine_core
 
@@ -26,8 +26,8 @@ def req(rid: str, prompt: int, out: int, at_ms: float = 0, ids: list[int] | None
     return Request(request_id=rid, token_ids=HashIdTokens(hash_ids, prompt), max_tokens=out, arrival_ns=round(at_ms * MS))
 
 
-def run(reqs: list[Request], cfg: EngineConfig = SG) -> tuple[SglangCore, dict]:
-    eng = SglangCore(cfg)
+def run(reqs: list[Request], cfg: EngineConfig = SG) -> tuple[SglangEngineCore, dict]:
+    eng = SglangEngineCore(cfg)
     done = run_to_end(eng, reqs)
     assert eng.num_unfinished == 0
     return eng, done
@@ -46,8 +46,8 @@ def test_defaults_are_the_references():
     assert SG.block_size == 1 and SG.capacity_tokens == 16384
     assert SG.sglang == SglangConfig(schedule_policy="fifo", max_prefill_tokens=16384, chunked_prefill_size=8192,
                                      clip_max_new_tokens=4096, schedule_conservativeness=1.0)
-    assert isinstance(engine_core(SG), SglangCore)
-    assert all(isinstance(c, SglangCore) for c in MockWorker(EngineConfig(backend="sglang", dp_size=2)).cores)
+    assert isinstance(engine_core(SG), SglangEngineCore)
+    assert all(isinstance(c, SglangEngineCore) for c in MockWorker(EngineConfig(backend="sglang", dp_size=2)).cores)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -195,7 +195,7 @@ def test_where_the_reference_hangs_every_request_still_ends():
 
 
 def test_a_prompt_that_leaves_no_room_is_refused_at_arrival():
-    eng = SglangCore(SG)
+    eng = SglangEngineCore(SG)
     with pytest.raises(RequestRejected) as err:
         eng.add_request(req("a", 16383, 1))
     assert err.value.field == "token_ids" and "16383" in str(err.value)
@@ -203,14 +203,14 @@ def test_a_prompt_that_leaves_no_room_is_refused_at_arrival():
 
 
 def test_disaggregated_legs_are_refused():
-    eng = SglangCore(SG)
+    eng = SglangEngineCore(SG)
     with pytest.raises(RequestRejected) as err:
         eng.add_request(Request(request_id="a", token_ids=[1, 2, 3], max_tokens=1, kv_hold=True))
     assert err.value.field == "backend" and eng.num_unfinished == 0
 
 
 def test_abort_mid_pass_frees_what_the_request_held():
-    eng = SglangCore(SG)
+    eng = SglangEngineCore(SG)
     eng.add_request(req("a", 3000, 50))
     eng.add_request(req("b", 2000, 50))
     eng.advance_to(MS)  # the extend pass of both is in flight
@@ -225,7 +225,7 @@ def test_abort_mid_pass_frees_what_the_request_held():
 
 def test_kv_events_name_one_page_per_block_as_the_cache_changes():
     cfg = EngineConfig(backend="sglang", num_gpu_blocks=1500)
-    eng = SglangCore(cfg)
+    eng = SglangEngineCore(cfg)
     eng.add_request(req("a", 1000, 1, 0, [1, 2]))
     eng.add_request(req("b", 1000, 1, 100, [3, 4]))
     stored: set[int] = set()
@@ -245,7 +245,7 @@ def test_kv_events_name_one_page_per_block_as_the_cache_changes():
 
 
 def test_reset_prefix_cache_drops_every_page_once_nothing_runs():
-    eng = SglangCore(SG)
+    eng = SglangEngineCore(SG)
     eng.add_request(req("a", 1000, 3))
     eng.advance_to(MS)  # a's prefill is in flight
     assert eng.reset_prefix_cache(MS) is None
@@ -268,7 +268,7 @@ def test_with_no_output_reserve_the_first_token_slots_still_fit_the_pool():
                        sglang=SglangConfig(max_prefill_tokens=2, chunked_prefill_size=2, clip_max_new_tokens=0))
     specs = [([1000, 1001, 1002], 2, 6), ([1100], 2, 6), ([1200], 15, 3), ([2, 2, 1300, 1301], 9, 0), ([1400], 16, 0),
              ([1500], 1, 0), ([1600], 9, 0)]
-    eng = SglangCore(cfg)
+    eng = SglangEngineCore(cfg)
     for i, (tokens, out, at_ms) in enumerate(specs):
         eng.add_request(Request(request_id=f"r{i}", token_ids=tokens, max_tokens=out, arrival_ns=at_ms * MS))
     done = 0
@@ -283,7 +283,7 @@ def test_a_retracted_request_queues_behind_a_half_prefilled_prompt():
     it (that idle rank would admit nobody, ever: found by the fast-forward property)."""
     cfg = EngineConfig(backend="sglang", num_gpu_blocks=6, max_num_seqs=3, max_num_batched_tokens=3,
                        sglang=SglangConfig(max_prefill_tokens=1, chunked_prefill_size=1, schedule_conservativeness=0.3))
-    eng = SglangCore(cfg)
+    eng = SglangEngineCore(cfg)
     for rid, tokens, out in (("r0", [1000], 4), ("r1", [1100], 2), ("r2", [1200, 1201], 1)):
         eng.add_request(Request(request_id=rid, token_ids=tokens, max_tokens=out, arrival_ns=0))
     done, retracted = [], []

@@ -11,9 +11,9 @@ from kvemu.errors import InvalidArgument
 from kvemu.kv_events import BlockStored
 from workers.config import DEFAULT_ACCEPTANCE_RATES, EngineConfig, SpeculativeConfig
 from workers.request import Request
-from workers.sglang_engine import SglangCore
+from workers.sglang.engine import SglangEngineCore
 from workers.speculative import DraftSampler
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 
 from tests.engine_runs import run_to_end, steps
 
@@ -111,8 +111,8 @@ def test_a_stream_is_the_seeds_the_workers_and_the_ranks_own():
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def engine(k: int = 3, rates: list[float] | float | None = 1.0, **kw) -> EngineCore:
-    return EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, speculative=spec(k, rates), **kw))
+def engine(k: int = 3, rates: list[float] | float | None = 1.0, **kw) -> VllmEngineCore:
+    return VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, speculative=spec(k, rates), **kw))
 
 
 def test_a_pass_emits_one_plus_the_accepted_drafts_and_the_last_burst_is_cut_at_max_tokens():
@@ -151,22 +151,22 @@ def test_a_decode_pass_prices_the_verified_drafts_and_the_draft_model():
         res = next(it)  # the first decode pass: three requests, 9 KV tokens each
         return res.end_ns - res.start_ns
 
-    plain = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4))
+    plain = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4))
     base = plain.timer.decode_ns(27, 3)
     assert second_pass(plain) == base
     k3 = engine(3, 0.0)
     assert second_pass(k3) == k3.timer.decode_ns(27 + 3 * 3, 3)  # the 3 drafts per request are attended too
-    costly = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4,
+    costly = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4,
                                      speculative=spec(3, 0.0, method="eagle", draft_cost=0.1)))
     assert second_pass(costly) == round(k3.timer.decode_ns(27 + 9, 3) * 1.3)
 
 
 def test_bursts_make_decoding_take_fewer_passes_at_the_expected_rate():
     reqs = [Request(request_id=f"r{i}", token_ids=list(range(50 * i, 50 * i + 20)), max_tokens=200) for i in range(8)]
-    plain = EngineCore(EngineConfig(num_gpu_blocks=2048, block_size=16))
+    plain = VllmEngineCore(EngineConfig(num_gpu_blocks=2048, block_size=16))
     run_to_end(plain, reqs)
     cfg = spec(3, [0.8, 0.6, 0.4])
-    fast = EngineCore(EngineConfig(num_gpu_blocks=2048, block_size=16, speculative=cfg))
+    fast = VllmEngineCore(EngineConfig(num_gpu_blocks=2048, block_size=16, speculative=cfg))
     done = run_to_end(fast, reqs)
     assert all(r.output_tokens == 200 for r in done.values())
     # one prefill pass, then 199 tokens at ~mean_tokens_per_pass each
@@ -176,16 +176,16 @@ def test_bursts_make_decoding_take_fewer_passes_at_the_expected_rate():
 
 
 def test_the_sglang_flavour_emits_bursts_and_takes_a_page_per_token():
-    eng = SglangCore(EngineConfig(backend="sglang", num_gpu_blocks=256, speculative=spec(2, 1.0)))
+    eng = SglangEngineCore(EngineConfig(backend="sglang", num_gpu_blocks=256, speculative=spec(2, 1.0)))
     rec = run_to_end(eng, [Request(request_id="a", token_ids=list(range(10)), max_tokens=8)])["a"]
     groups = [rec.token_times_ns.count(t) for t in sorted(set(rec.token_times_ns))]
     assert groups == [1, 3, 3, 1] and rec.output_tokens == 8
     # it let go of the same sequence, cached page by page, as without drafts
-    plain = SglangCore(EngineConfig(backend="sglang", num_gpu_blocks=256))
+    plain = SglangEngineCore(EngineConfig(backend="sglang", num_gpu_blocks=256))
     run_to_end(plain, [Request(request_id="a", token_ids=list(range(10)), max_tokens=8)])
     assert eng.cache.cached_hashes() == plain.cache.cached_hashes() and len(plain.cache.cached_hashes()) == 18
 
 
 def test_off_by_default():
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     assert eng.config.speculative is None and eng.spec is None

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers import timing
 from workers.timing import PassTimer, PolynomialTiming
@@ -61,7 +61,7 @@ def test_zero_ratio_means_no_delay_for_the_parts_it_scales(speedup, decode_speed
 
 def test_engine_first_token_after_prefill_time_and_decode_steps():
     cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=256)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     rec = eng.add_request(Request(request_id="a", token_ids=list(range(10)), max_tokens=3, arrival_ns=1000))
     timer = PassTimer(cfg)
     r1 = eng.step(1000)
@@ -77,7 +77,7 @@ def test_engine_first_token_after_prefill_time_and_decode_steps():
 
 def test_mixed_pass_duration_is_prefill_plus_decode():
     cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=256)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     eng.add_request(Request(request_id="a", token_ids=list(range(10)), max_tokens=5, arrival_ns=0))
     first = eng.step(0)
     eng.add_request(Request(request_id="b", token_ids=list(range(100, 120)), max_tokens=2, arrival_ns=first.end_ns))
@@ -93,7 +93,7 @@ def test_decode_time_counts_every_request_context_even_over_a_shared_prefix():
     cfg = EngineConfig(num_gpu_blocks=64, block_size=4, max_num_batched_tokens=256)
     durations = []
     for second in (list(range(8)) + [50, 51], list(range(100, 110))):  # shares 2 blocks with "a", or nothing
-        eng = EngineCore(cfg)
+        eng = VllmEngineCore(cfg)
         eng.add_request(Request(request_id="a", token_ids=list(range(10)), max_tokens=9, arrival_ns=0))
         first = eng.step(0)
         rec = eng.add_request(Request(request_id="b", token_ids=second, max_tokens=9, arrival_ns=first.end_ns))
@@ -116,7 +116,7 @@ class Flat:
 
 
 def test_timing_model_is_pluggable():
-    eng = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4), timing=Flat())
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4), timing=Flat())
     rec = eng.add_request(Request(request_id="a", token_ids=[1, 2, 3], max_tokens=4, arrival_ns=0))
     eng.advance_to(10**9)
     assert rec.token_times_ns == [2_000_000, 3_000_000, 4_000_000, 5_000_000]

@@ -10,7 +10,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from workers import trace
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.trace import (
     HashIdTokens,
     clamped_input_length,
@@ -66,7 +66,7 @@ def test_lazy_tokens_equal_the_expansion_and_hash_identically(ids, length, tbs, 
 def test_a_trace_prompt_is_hashed_once_for_router_and_engine():
     """The router's load tracking and the engine's cache use the same memoized sequence hashes."""
     from kvemu import RoutingCore
-    from workers.vllm_engine import EngineCore
+    from workers.vllm.engine import VllmEngineCore
     from workers.config import EngineConfig
     from workers.request import Request
 
@@ -74,7 +74,7 @@ def test_a_trace_prompt_is_hashed_once_for_router_and_engine():
     prepared = RoutingCore(block_size=4).prepare(lazy)
     assert prepared.seq_hashes is lazy.sequence_hashes(4)  # shared, not recomputed
     assert prepared.seq_hashes == sequence_hashes(local_block_hashes(lazy.to_list(), 4))
-    core = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4))
+    core = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4))
     core.add_request(Request(request_id="r", token_ids=lazy, max_tokens=2, arrival_ns=0))
     core.advance_to(10**9)
     assert core.check_invariants() is None
@@ -155,7 +155,7 @@ def test_hash_ids_are_u64_and_tokens_their_low_32_bits():
 
 
 def test_trace_requests_share_prefix_blocks_in_the_engine():
-    eng = EngineCore(EngineConfig(num_gpu_blocks=256, block_size=64))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=256, block_size=64))
     rec_a = {"timestamp": 0, "input_length": 1500, "output_length": 2, "hash_ids": [0, 1, 2]}
     rec_b = {"timestamp": 1000, "input_length": 1400, "output_length": 2, "hash_ids": [0, 1, 9]}
     a = eng.add_request(mooncake_request(rec_a, request_id="a"))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from workers.admission import RequestRejected
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers.timing import PolynomialTiming
 
@@ -23,7 +23,7 @@ def req(rid: str, prompt: int, out: int, at_ms: float = 0, base: int = 0, tokens
 
 
 def run(cfg: EngineConfig, reqs: list[Request]) -> dict:
-    return run_to_end(EngineCore(cfg), reqs)
+    return run_to_end(VllmEngineCore(cfg), reqs)
 
 
 def test_defaults_follow_the_backend():
@@ -74,7 +74,7 @@ def test_a_fully_cached_aligned_prompt_computes_nothing_and_decodes_its_prompt()
 
 
 def test_a_request_that_could_never_be_reserved_is_refused():
-    eng = EngineCore(EngineConfig(backend="trtllm", num_gpu_blocks=10))  # 320 tokens
+    eng = VllmEngineCore(EngineConfig(backend="trtllm", num_gpu_blocks=10))  # 320 tokens
     with pytest.raises(RequestRejected, match="can never be reserved"):
         eng.add_request(req("a", 300, 21))
     eng.add_request(req("b", 300, 20))  # exactly the pool
@@ -102,6 +102,6 @@ def contended(draw):
 @given(contended())
 def test_nothing_is_ever_preempted_and_everything_completes(work):
     cfg, reqs = work
-    done = run_to_end(EngineCore(cfg), reqs)
+    done = run_to_end(VllmEngineCore(cfg), reqs)
     assert sorted(done) == sorted(r.request_id for r in reqs)
     assert all(rec.preemptions == 0 and rec.output_tokens == rec.max_tokens for rec in done.values())

@@ -10,7 +10,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore, StepResult
+from workers.vllm.engine import VllmEngineCore, StepResult
 from workers.request import Request
 from workers.mock_worker import MockWorker
 
@@ -57,7 +57,7 @@ class Ledger:
                 self.cached.clear()
 
 
-def run_steps(eng: EngineCore, ledger: Ledger | None = None) -> list[StepResult]:
+def run_steps(eng: VllmEngineCore, ledger: Ledger | None = None) -> list[StepResult]:
     """Reference driver: step at every pass start until nothing is left, checking invariants each pass."""
     out = []
     for r in steps(eng):
@@ -68,7 +68,7 @@ def run_steps(eng: EngineCore, ledger: Ledger | None = None) -> list[StepResult]
     return out
 
 
-def records(eng: EngineCore, reqs: list[Request], steps: list[StepResult]) -> dict:
+def records(eng: VllmEngineCore, reqs: list[Request], steps: list[StepResult]) -> dict:
     done = {r.request_id: r for s in steps for r in s.completed}
     assert set(done) == {r.request_id for r in reqs}
     return done
@@ -78,7 +78,7 @@ def records(eng: EngineCore, reqs: list[Request], steps: list[StepResult]) -> di
 
 
 def test_prefix_hit_on_a_finished_request_skips_cached_blocks():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     led = Ledger()
     a = req("a", range(40), max_tokens=2)
     eng.add_request(a)
@@ -99,7 +99,7 @@ def test_prefix_hit_on_a_finished_request_skips_cached_blocks():
 
 
 def test_kv_usage_counts_the_blocks_requests_hold_and_not_the_merely_cached():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     assert eng.kv_usage == 0.0
     eng.add_request(req("a", range(40), max_tokens=8))
     eng.step(eng.next_pass_start_ns())  # the prompt's 10 full blocks are cached and held by "a"
@@ -109,7 +109,7 @@ def test_kv_usage_counts_the_blocks_requests_hold_and_not_the_merely_cached():
 
 
 def test_identical_prompt_recomputes_only_the_last_block():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     eng.add_request(req("a", range(40), max_tokens=1))
     run_steps(eng)
     rb = eng.add_request(req("b", range(40), max_tokens=1, arrival_ns=eng.busy_until_ns))
@@ -119,7 +119,7 @@ def test_identical_prompt_recomputes_only_the_last_block():
 
 
 def test_active_prefix_is_shared_with_a_running_request():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     ra = eng.add_request(req("a", range(24), max_tokens=20))
     eng.step(0)
     rb = eng.add_request(req("b", [*range(16), 77, 78], max_tokens=2, arrival_ns=eng.busy_until_ns))
@@ -130,7 +130,7 @@ def test_active_prefix_is_shared_with_a_running_request():
 
 
 def test_prefix_caching_disabled_never_hits_nor_emits():
-    eng = EngineCore(small(enable_prefix_caching=False))
+    eng = VllmEngineCore(small(enable_prefix_caching=False))
     eng.add_request(req("a", range(40), max_tokens=2))
     eng.add_request(req("b", range(40), max_tokens=2, arrival_ns=10**9))
     steps = run_steps(eng)
@@ -141,7 +141,7 @@ def test_prefix_caching_disabled_never_hits_nor_emits():
 
 
 def test_decode_blocks_hash_the_generated_tokens():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     outs = [500 + i for i in range(8)]
     eng.add_request(req("a", range(8), max_tokens=8, output_token_ids=outs))
     run_steps(eng)
@@ -156,7 +156,7 @@ def test_decode_blocks_hash_the_generated_tokens():
 
 
 def test_chunked_prefill_splits_a_prompt_across_passes():
-    eng = EngineCore(small(max_num_batched_tokens=32))
+    eng = VllmEngineCore(small(max_num_batched_tokens=32))
     rec = eng.add_request(req("a", range(100), max_tokens=2))
     steps = run_steps(eng)
     assert [s.prefill_tokens for s in steps[:4]] == [32, 32, 32, 4]
@@ -166,7 +166,7 @@ def test_chunked_prefill_splits_a_prompt_across_passes():
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
-    eng = EngineCore(small(enable_chunked_prefill=False, max_num_batched_tokens=100))
+    eng = VllmEngineCore(small(enable_chunked_prefill=False, max_num_batched_tokens=100))
     eng.add_request(req("a", range(60), max_tokens=2))
     eng.add_request(req("b", range(1000, 1060), max_tokens=2))
     first = eng.step(0)
@@ -176,7 +176,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
 
 
 def test_decodes_are_served_before_prefill_chunks():
-    eng = EngineCore(small(max_num_batched_tokens=16))
+    eng = VllmEngineCore(small(max_num_batched_tokens=16))
     eng.add_request(req("a", range(4), max_tokens=5))
     eng.step(0)
     eng.add_request(req("b", range(100, 140), max_tokens=1, arrival_ns=eng.busy_until_ns))
@@ -185,7 +185,7 @@ def test_decodes_are_served_before_prefill_chunks():
 
 
 def test_max_num_seqs_limits_running_requests():
-    eng = EngineCore(small(max_num_seqs=2))
+    eng = VllmEngineCore(small(max_num_seqs=2))
     for i in range(3):
         eng.add_request(req(f"r{i}", range(10 * i, 10 * i + 6), max_tokens=3))
     s = eng.step(0)
@@ -197,14 +197,14 @@ def test_max_num_seqs_limits_running_requests():
 
 
 def test_priority_orders_the_waiting_queue():
-    eng = EngineCore(small(max_num_seqs=1))
+    eng = VllmEngineCore(small(max_num_seqs=1))
     eng.add_request(req("low", range(8), max_tokens=1, priority=5))
     eng.add_request(req("high", range(100, 108), max_tokens=1, priority=0))
     assert eng.step(0).admitted == ["high"]
 
 
 def test_request_is_not_scheduled_before_its_arrival():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     eng.add_request(req("a", range(8), max_tokens=1, arrival_ns=5_000))
     idle = eng.step(1_000)
     assert idle.idle and idle.duration_ns == 0
@@ -218,7 +218,7 @@ def test_request_is_not_scheduled_before_its_arrival():
 @pytest.mark.parametrize("mode", ["lifo", "fifo"])
 def test_preemption_recomputes_without_losing_or_duplicating_tokens(mode):
     cfg = small(num_gpu_blocks=8, max_num_batched_tokens=16, preemption_mode=mode)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     led = Ledger()
     reqs = [req("a", range(8), max_tokens=14), req("b", range(100, 108), max_tokens=14)]
     for r in reqs:
@@ -243,7 +243,7 @@ def test_preemption_recomputes_without_losing_or_duplicating_tokens(mode):
 
 def test_preempted_request_reuses_its_cached_blocks_on_recompute():
     cfg = small(num_gpu_blocks=8, max_num_batched_tokens=16)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     eng.add_request(req("a", range(8), max_tokens=14))
     eng.add_request(req("b", range(100, 108), max_tokens=14))
     steps = run_steps(eng)
@@ -258,7 +258,7 @@ def test_preempted_request_reuses_its_cached_blocks_on_recompute():
 
 
 def test_events_round_trip_through_msgpack_and_the_wire_codec():
-    eng = EngineCore(small(num_gpu_blocks=12))
+    eng = VllmEngineCore(small(num_gpu_blocks=12))
     for i in range(5):
         prompt = [i % 2] * 12 + list(range(i * 50, i * 50 + 10))
         eng.add_request(req(f"r{i}", prompt, max_tokens=6, arrival_ns=i * 10**7))
@@ -278,7 +278,7 @@ def test_events_round_trip_through_msgpack_and_the_wire_codec():
 
 
 def test_ledger_matches_pool_under_eviction_pressure():
-    eng = EngineCore(small(num_gpu_blocks=10, max_num_batched_tokens=16))
+    eng = VllmEngineCore(small(num_gpu_blocks=10, max_num_batched_tokens=16))
     led = Ledger()
     for i in range(12):
         prompt = [7] * (4 * (i % 3)) + list(range(i * 30, i * 30 + 9))
@@ -288,7 +288,7 @@ def test_ledger_matches_pool_under_eviction_pressure():
 
 
 def test_reset_prefix_cache_emits_all_blocks_cleared():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     eng.add_request(req("a", range(12), max_tokens=30))
     eng.step(0)
     assert eng.reset_prefix_cache(eng.busy_until_ns) is None  # refused while a request holds blocks
@@ -299,7 +299,7 @@ def test_reset_prefix_cache_emits_all_blocks_cleared():
 
 
 def test_record_token_times_can_be_turned_off():
-    eng = EngineCore(small(record_token_times=False))
+    eng = VllmEngineCore(small(record_token_times=False))
     rec = eng.add_request(req("a", range(8), max_tokens=50))
     eng.advance_to(MAX_TIME_NS)
     assert rec.token_times_ns == [] and rec.output_tokens == 50 and rec.completion_ns > rec.first_token_ns
@@ -330,7 +330,7 @@ def test_dp_ranks_share_no_blocks_and_tag_their_events():
 
 
 def test_step_refuses_time_going_backwards_and_in_flight_passes():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     eng.add_request(req("a", range(8), max_tokens=3))
     first = eng.step(0)
     with pytest.raises(InvalidArgument, match="now_ns must be an integer >= the end of the previous pass"):
@@ -343,7 +343,7 @@ def test_step_refuses_time_going_backwards_and_in_flight_passes():
 
 
 def test_advance_to_leaves_a_pass_starting_at_t_for_requests_arriving_at_t():
-    eng = EngineCore(small())
+    eng = VllmEngineCore(small())
     eng.add_request(req("a", range(8), max_tokens=1, arrival_ns=1_000))
     eng.advance_to(1_000)
     assert eng.num_running == 0  # the pass at 1000 has not started yet

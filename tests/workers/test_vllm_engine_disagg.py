@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvemu.transfer import KvTransfer, transfer_delay_ns, transfer_tokens
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers.timing import PolynomialTiming
 
@@ -31,7 +31,7 @@ def decode_leg(rid: str = "r", tokens=PROMPT, out: int = 10, at: int = 0, **link
                    kv_transfer=KvTransfer(source_worker_id=0, **link))
 
 
-def drain(eng: EngineCore) -> list:
+def drain(eng: VllmEngineCore) -> list:
     done = []
     while (t := eng.next_event_ns()) is not None:
         done += eng.advance_to(t).completed
@@ -40,7 +40,7 @@ def drain(eng: EngineCore) -> list:
 
 
 def test_a_prefill_leg_completes_at_its_prefill_and_holds_its_kv_until_released():
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     eng.add_request(prefill_leg())
     (rec,) = drain(eng)
     assert rec.first_token_ns == rec.completion_ns == round(P.prefill_ms(4096) * MS)  # 85.75598 ms
@@ -51,7 +51,7 @@ def test_a_prefill_leg_completes_at_its_prefill_and_holds_its_kv_until_released(
 
 
 def test_held_kv_is_a_prefix_for_later_prompts_and_uses_capacity():
-    eng = EngineCore(EngineConfig(num_gpu_blocks=100))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=100))
     eng.add_request(prefill_leg("a"))
     drain(eng)
     eng.add_request(prefill_leg("b", tokens=PROMPT + list(range(10**6, 10**6 + 1024)), at=eng.now_ns))
@@ -73,7 +73,7 @@ def test_held_kv_is_a_prefix_for_later_prompts_and_uses_capacity():
 ])
 def test_a_decode_leg_waits_its_transfer_then_decodes_from_its_first_pass(link, ttft_ms, e2e_ms):
     held = round(P.prefill_ms(4096) * MS)  # the decode leg arrives when the prefill rank finished
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     out = []
     eng.add_request(decode_leg(at=held, **link))
     while (t := eng.next_event_ns()) is not None:
@@ -93,7 +93,7 @@ def test_destination_missing_moves_only_the_blocks_the_decode_rank_lacks():
     x = KvTransfer(source_worker_id=0, bandwidth_gbps=1.0, bytes_per_token=1000, mode="destination_missing")
     assert transfer_tokens("destination_missing", 4100, 65, 64) == 4160
     assert transfer_delay_ns(x, 4160) == 4_160_000
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     eng.add_request(Request(request_id="a", token_ids=PROMPT, max_tokens=2, arrival_ns=0, kv_transfer=x))
     (a,) = drain(eng)
     assert a.kv_activated_ns - a.kv_reserved_ns == 4_096_000  # nothing cached yet: 64 blocks
@@ -104,7 +104,7 @@ def test_destination_missing_moves_only_the_blocks_the_decode_rank_lacks():
 
 
 def test_a_decode_leg_waits_for_room_in_arrival_order():
-    eng = EngineCore(EngineConfig(num_gpu_blocks=72))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=72))
     eng.add_request(Request(request_id="small", token_ids=list(range(10**6, 10**6 + 512)), max_tokens=300,
                             arrival_ns=0))
     eng.add_request(decode_leg("big", at=50 * MS))  # 64 blocks do not fit beside the 9 of "small": not until it ends
@@ -138,7 +138,7 @@ def legs(draw):
 def test_blocks_are_conserved_whatever_legs_come_and_go(work):
     """Held and in-transit KV is accounted for at every step; after every release the pool is all free or cached."""
     cfg, reqs, releases = work
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     for r in reqs:
         eng.add_request(r)
     released: set[str] = set()
@@ -165,7 +165,7 @@ def test_blocks_are_conserved_whatever_legs_come_and_go(work):
 def test_a_decode_legs_first_token_is_never_inside_a_quiet_horizon():
     """A decode leg that joins a rank alone produces its first token at its first pass: ``next_event_ns`` must
     stop there (it once took the leg for a steady decode and reported the token a whole decode run late)."""
-    eng = EngineCore(EngineConfig(num_gpu_blocks=3, block_size=2, max_num_seqs=1, max_num_batched_tokens=1))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=3, block_size=2, max_num_seqs=1, max_num_batched_tokens=1))
     eng.add_request(Request(request_id="r0", token_ids=[1000], max_tokens=2, arrival_ns=0))
     eng.add_request(Request(request_id="r1", token_ids=[1100], max_tokens=2, arrival_ns=0,
                             kv_transfer=KvTransfer(source_worker_id=9, source_dp_rank=0, bandwidth_gbps=0.0001,

@@ -11,10 +11,10 @@ from kvemu.kv_events import BlockStored
 from kvemu.wire.codec import decode_batch, encode_batch, profile_for
 from workers.blocks import BlockPool
 from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
-from workers.hybrid import SPEC_KIND, HybridKV, max_blocks
+from workers.vllm.hybrid import SPEC_KIND, HybridKV, max_blocks
 from workers.request import Request
 from workers.sequence import SeqState
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from kvemu.records import RequestRecord
 
 from tests.engine_runs import run_to_end, steps
@@ -126,7 +126,7 @@ def test_hits_are_a_fixed_point_over_every_group():
 
 def test_a_sliding_window_group_frees_blocks_that_left_the_window():
     # block size 4, window 6: before a pass after n computed tokens, blocks wholly before n - 5 are freed
-    eng = EngineCore(cfg([FULL, swa(6)], max_num_batched_tokens=8))
+    eng = VllmEngineCore(cfg([FULL, swa(6)], max_num_batched_tokens=8))
     eng.add_request(req("a", range(30), max_tokens=8))
     held = []
     for res in steps(eng):
@@ -153,7 +153,7 @@ def test_a_sliding_window_group_frees_blocks_that_left_the_window():
     ("align", 41, 40),  # the prefill is cut at 40, the prompt's last block boundary, which caches the state there
 ])
 def test_prefix_hits_reuse_every_group(mode, prompt, hit):
-    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4, cache_mode=mode)]))
+    eng = VllmEngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4, cache_mode=mode)]))
     first = run_to_end(eng, [req("a", range(prompt), max_tokens=2)])
     assert first["a"].engine_cached_tokens == 0
     second = run_to_end(eng, [req("b", range(prompt), max_tokens=2, arrival_ns=eng.now_ns)])
@@ -161,7 +161,7 @@ def test_prefix_hits_reuse_every_group(mode, prompt, hit):
 
 
 def test_events_name_their_group_kind_and_window_and_encode_by_version():
-    eng = EngineCore(cfg([FULL, swa(6)]))
+    eng = VllmEngineCore(cfg([FULL, swa(6)]))
     eng.add_request(req("a", range(9), max_tokens=1))
     res = eng.step(0)
     events = res.events.batch().events
@@ -176,12 +176,12 @@ def test_events_name_their_group_kind_and_window_and_encode_by_version():
 
 def test_a_hybrid_model_holds_more_concurrent_requests_in_the_same_memory():
     # 8 layers: all full attention vs 2 full + 6 sliding-window (window 8) in the same memory
-    plain = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=32, max_num_batched_tokens=64))
-    hybrid = EngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)], max_num_seqs=32,
+    plain = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=32, max_num_batched_tokens=64))
+    hybrid = VllmEngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)], max_num_seqs=32,
                             max_num_batched_tokens=64))
     assert hybrid.pool.num_blocks == 64 * 8 // 2
 
-    def peak(eng: EngineCore) -> int:
+    def peak(eng: VllmEngineCore) -> int:
         for i in range(32):
             eng.add_request(req(f"r{i}", [i] * 3 + list(range(60)), max_tokens=20))
         most = 0
@@ -198,7 +198,7 @@ def test_requests_that_can_never_fit_every_group_are_refused():
     c = cfg([FULL, swa(6)], num_gpu_blocks=8, max_num_batched_tokens=8)  # 16 pool blocks
     assert c.pool_blocks == 16
     assert max_blocks(c, 32) == 8 + 5  # full: 8 blocks; window: at most ceil((6 - 1 + 8) / 4) + 1
-    eng = EngineCore(c)
+    eng = VllmEngineCore(c)
     with pytest.raises(RequestRejected):
         eng.add_request(req("long", range(60), max_tokens=5))  # 64 KV tokens: 16 + 5 blocks
     eng.add_request(req("ok", range(40), max_tokens=5))  # 44 KV tokens: 11 + 5 (more than the plain 32)
@@ -237,7 +237,7 @@ def test_the_router_scores_what_the_engine_would_hit_in_every_group(seed):
               [KvGroupSpec(kind="full_attention", layers=8), swa(6)],  # two full-attention groups
               [swa(6), KvGroupSpec(kind="full_attention", layers=8)],
               [FULL, KvGroupSpec(kind="state", layers=4, cache_mode="all")]][seed % 7]
-    eng = EngineCore(cfg(groups, num_gpu_blocks=24, max_num_batched_tokens=16))
+    eng = VllmEngineCore(cfg(groups, num_gpu_blocks=24, max_num_batched_tokens=16))
     core = RoutingCore(block_size=4)
     wire = RoutingCore(block_size=4)
     old = RoutingCore(block_size=4)  # vLLM 0.20 bytes (group_idx, no kind): the kinds from the engine's config
@@ -307,7 +307,7 @@ def test_the_hit_is_the_longest_length_every_group_accepts(case):
 
 
 def test_without_prefix_caching_a_state_group_holds_one_block_per_request():
-    eng = EngineCore(cfg([FULL, KvGroupSpec(kind="state", layers=4)], enable_prefix_caching=False,
+    eng = VllmEngineCore(cfg([FULL, KvGroupSpec(kind="state", layers=4)], enable_prefix_caching=False,
                          max_num_batched_tokens=8))
     for i in range(3):
         eng.add_request(req(f"r{i}", range(i * 50, i * 50 + 21), max_tokens=6))
@@ -321,7 +321,7 @@ def test_without_prefix_caching_a_state_group_holds_one_block_per_request():
 
 def test_preemption_gives_back_every_groups_blocks():
     # a pool too small for all: requests are preempted and recomputed; the invariants hold after every pass
-    eng = EngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4)], num_gpu_blocks=12,
+    eng = VllmEngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4)], num_gpu_blocks=12,
                          max_num_batched_tokens=16, max_num_seqs=4))
     reqs = [req(f"r{i}", range(i * 100, i * 100 + 14), max_tokens=20) for i in range(4)]
     done = {}
@@ -348,7 +348,7 @@ def test_a_decode_leg_lands_what_each_group_still_holds(mode):
     # state its running block; the transfer moves, per layer, the prompt, the window's 6 tokens, one 4-token page
     from kvemu.transfer import KvTransfer
     groups = [KvGroupSpec(kind="full_attention", layers=1), swa(6, 1), KvGroupSpec(kind="state", layers=2)]
-    eng = EngineCore(cfg(groups, num_gpu_blocks=40))
+    eng = VllmEngineCore(cfg(groups, num_gpu_blocks=40))
     xfer = KvTransfer(source_worker_id=9, bandwidth_gbps=1e-3, bytes_per_token=300, mode=mode)
     r = Request(request_id="leg", token_ids=list(range(30)), max_tokens=3, kv_transfer=xfer)
     eng.add_request(r)
@@ -381,7 +381,7 @@ def test_in_memory_delivery_of_hybrid_events_says_only_what_the_version_can(vers
     got = []
     bus.connect(lambda wid, rank, seq, payload: got.append(payload))
     pub = bus.publisher(1, 0)
-    eng = EngineCore(cfg([FULL, swa(6)]))
+    eng = VllmEngineCore(cfg([FULL, swa(6)]))
     eng.add_request(req("a", range(9), max_tokens=1))
     assert pub._publish_now(eng.step(0).events)
     assert isinstance(got[0], bytes) is as_bytes and isinstance(got[0], EventBatch) is not as_bytes
@@ -414,7 +414,7 @@ def test_state_cache_mode_defaults_to_align_and_belongs_to_state_groups():
     ("all", 10, [10, 10, 10]),
 ])
 def test_align_mode_cuts_prefill_chunks_at_block_boundaries(mode, budget, chunks):
-    eng = EngineCore(cfg([FULL, state(mode)], max_num_batched_tokens=budget, max_num_seqs=1))
+    eng = VllmEngineCore(cfg([FULL, state(mode)], max_num_batched_tokens=budget, max_num_seqs=1))
     eng.add_request(req("a", range(30), max_tokens=2))
     got = []
     for res in steps(eng):
@@ -441,7 +441,7 @@ def test_align_mode_checkpoints_only_where_a_pass_ends_on_a_block_boundary(work)
     # such pass end is cached right after the pass; a fresh request's prefill chunks before the prompt's last block
     # boundary are whole blocks and stop there; a request holds at most 2 state blocks
     bs, budget, blocks, reqs = work
-    eng = EngineCore(cfg([FULL, swa(5), state()], block_size=bs, num_gpu_blocks=blocks, max_num_batched_tokens=max(
+    eng = VllmEngineCore(cfg([FULL, swa(5), state()], block_size=bs, num_gpu_blocks=blocks, max_num_batched_tokens=max(
         budget, 4), max_num_seqs=4))
     if any(max_blocks(eng.config, len(r.token_ids) + r.max_tokens) > eng.pool.num_blocks for r in reqs):
         return
@@ -479,7 +479,7 @@ def test_align_mode_checkpoints_only_where_a_pass_ends_on_a_block_boundary(work)
 def test_align_mode_holds_the_state_read_and_the_state_written():
     # a 2-block hit: the request reads the checkpoint at 8 and writes a new state block; the older one goes before
     # the next pass, cached (a checkpoint, evictable), so one state block is held while it decodes within a block
-    eng = EngineCore(cfg([FULL, state()], max_num_batched_tokens=64))
+    eng = VllmEngineCore(cfg([FULL, state()], max_num_batched_tokens=64))
     run_to_end(eng, [req("a", range(9), max_tokens=1)])  # cut at 8: the state there is cached
     eng.add_request(req("b", range(9), max_tokens=3, arrival_ns=eng.now_ns))
     res = eng.step(eng.next_pass_start_ns())
@@ -492,7 +492,7 @@ def test_align_mode_holds_the_state_read_and_the_state_written():
 # ------------------------------------------------------------------------------------------------ pass timing
 
 
-def _gaps(eng: EngineCore, prompt: int, out: int) -> list[int]:
+def _gaps(eng: VllmEngineCore, prompt: int, out: int) -> list[int]:
     rec = run_to_end(eng, [req("a", range(prompt), max_tokens=out)])["a"]
     return [b - a for a, b in zip(rec.token_times_ns, rec.token_times_ns[1:])]
 
@@ -508,15 +508,15 @@ def test_decode_timing_counts_each_layers_context():
 
 
 def test_a_window_model_decodes_as_the_plain_one_within_its_window_and_faster_beyond():
-    plain = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    plain = VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
     groups = [KvGroupSpec(kind="full_attention", layers=2), swa(64, 6)]
-    wide = EngineCore(cfg(groups))
+    wide = VllmEngineCore(cfg(groups))
     assert _gaps(wide, 20, 12) == _gaps(plain, 20, 12)  # every context under 64 tokens
-    narrow = EngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)]))
+    narrow = VllmEngineCore(cfg([KvGroupSpec(kind="full_attention", layers=2), swa(8, 6)]))
     got = _gaps(narrow, 100, 12)
     timer = plain.timer
     assert got == [timer.decode_ns((2 * c + 6 * 8) // 8, 1) for c in range(101, 112)]  # context: computed + 1
-    assert sum(got) < sum(_gaps(EngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)),
+    assert sum(got) < sum(_gaps(VllmEngineCore(EngineConfig(num_gpu_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)),
                                 100, 12))
 
 
@@ -531,7 +531,7 @@ def test_the_router_takes_group_kinds_from_the_registration_when_events_name_non
     from kvemu.routing_core import PreparedRequest, RoutingCore
     from kvemu.runtime.kv_ingest import KvIngest
 
-    eng = EngineCore(cfg([FULL, swa(6)], num_gpu_blocks=24, max_num_batched_tokens=16))
+    eng = VllmEngineCore(cfg([FULL, swa(6)], num_gpu_blocks=24, max_num_batched_tokens=16))
     kinds = [(SPEC_KIND[g.kind], g.window) for g in eng.config.kv_cache_groups]
     cores = {}
     for name, groups in (("told", kinds), ("blind", [])):

@@ -23,13 +23,13 @@ import json
 import pytest
 
 from workers.config import EngineConfig
-from workers.vllm_engine import EngineCore
+from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
 from workers.trace import mooncake_request, mooncake_row
 
 
 
-def _run(eng: EngineCore) -> list:
+def _run(eng: VllmEngineCore) -> list:
     passes = []
     while eng.num_unfinished:
         passes.append(eng.step(eng.next_pass_start_ns()))
@@ -40,7 +40,7 @@ def _row(ts_ms: float, isl: int, osl: int, hash_ids: list[int]) -> dict:
     return {"timestamp": ts_ms, "input_length": isl, "output_length": osl, "hash_ids": hash_ids}
 
 
-def _add_rows(eng: EngineCore, rows: list[dict]) -> list:
+def _add_rows(eng: VllmEngineCore, rows: list[dict]) -> list:
     return [eng.add_request(mooncake_request(mooncake_row(r, 512), request_id=f"r{i}", trace_block_size=512))
             for i, r in enumerate(rows)]
 
@@ -49,7 +49,7 @@ def test_admission_waits_for_blocks_of_the_whole_prompt():
     # 10 blocks of 4 tokens, 8 tokens a pass. r0 holds 6 blocks once it decodes; r1's first chunk (2 blocks)
     # would fit, but its whole prompt (6 blocks) does not: it waits for r0 instead of preempting it later.
     cfg = EngineConfig(num_gpu_blocks=10, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
-    eng = EngineCore(cfg)
+    eng = VllmEngineCore(cfg)
     r0 = eng.add_request(Request(request_id="r0", token_ids=list(range(20)), max_tokens=6, arrival_ns=0))
     r1 = eng.add_request(Request(request_id="r1", token_ids=list(range(100, 124)), max_tokens=2, arrival_ns=1))
     passes = _run(eng)
@@ -59,7 +59,7 @@ def test_admission_waits_for_blocks_of_the_whole_prompt():
 
 
 def test_blocks_filled_by_a_pass_are_found_by_later_admissions_in_it():
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     a, b = _add_rows(eng, [_row(0, 2000, 3, [1, 2, 3, 4]), _row(0, 2000, 4, [1, 2, 3, 5])])
     first = _run(eng)[0]
     assert (a.engine_cached_tokens, b.engine_cached_tokens) == (0, 1536)
@@ -68,14 +68,14 @@ def test_blocks_filled_by_a_pass_are_found_by_later_admissions_in_it():
 
 
 def test_a_prefill_batch_is_timed_by_its_integer_mean():
-    eng = EngineCore(EngineConfig())
+    eng = VllmEngineCore(EngineConfig())
     _add_rows(eng, [_row(0, 1000, 2, [1, 2]), _row(0, 1001, 3, [3, 4])])
     assert _run(eng)[0].duration_ns == eng.timer.prefill_ns(2000)
 
 
 def test_recomputed_output_is_free_and_decodes():
     # 40 blocks of 64: r1 is preempted while both decode, then re-admitted with its prompt still cached
-    eng = EngineCore(EngineConfig(num_gpu_blocks=40))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=40))
     _, r1 = _add_rows(eng, [_row(0, 1000, 400, [1, 2]), _row(0, 1001, 401, [3, 4])])
     passes = _run(eng)
     assert r1.preemptions == 1
@@ -104,7 +104,7 @@ def test_per_request_times_equal_the_reference_under_memory_pressure(dynamo_core
                                         extra_engine_args={"engine": {"num_gpu_blocks": 4000}})
     ref = sorted((json.loads(line) for line in report.read_text().splitlines()),
                  key=lambda r: (r["arrival_time_ms"], r["input_length"]))
-    eng = EngineCore(EngineConfig(num_gpu_blocks=4000))
+    eng = VllmEngineCore(EngineConfig(num_gpu_blocks=4000))
     ours = _add_rows(eng, rows)
     _run(eng)
     assert sum(r["readmission_count"] for r in ref) > 0, "the slice no longer preempts: the test lost its point"

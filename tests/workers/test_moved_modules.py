@@ -1,0 +1,75 @@
+"""The engine flavours' modules moved into ``workers/vllm/`` and ``workers/sglang/``. For one release each old path
+is a deprecated alias: importing it warns (naming the new path, at the importer's line) and gives the new module's
+public names as the same objects; the old class names stay aliases of the new ones; no module of the repository
+imports an old path."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import workers
+from workers.sglang.engine import SglangCore, SglangEngineCore
+from workers.vllm.engine import EngineCore, VllmEngineCore
+
+ROOT = Path(__file__).resolve().parents[2]
+MOVED = {
+    "workers.vllm_engine": "workers.vllm.engine",
+    "workers.vllm_fast_forward": "workers.vllm.fast_forward",
+    "workers.scheduler": "workers.vllm.scheduler",
+    "workers.hybrid": "workers.vllm.hybrid",
+    "workers.host_tier": "workers.vllm.host_tier",
+    "workers.sglang_engine": "workers.sglang.engine",
+    "workers.radix": "workers.sglang.radix",
+}
+"""Old module path -> where it lives now."""
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_an_old_module_path_warns_and_gives_the_new_modules_names(old: str, new: str) -> None:
+    moved = importlib.import_module(new)
+    sys.modules.pop(old, None)  # a first import in this process: the warning is the module's own code
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated: import from {re.escape(new)}$") as got:
+        exec(f"import {old}", {})  # noqa: S102  (the statement outside code writes)
+    assert [w.filename for w in got if w.category is DeprecationWarning] == ["<string>"], "blame the importer"
+    alias = sys.modules[old]
+    assert moved.__all__ and sorted(alias.__all__) == sorted(moved.__all__)
+    for name in moved.__all__:
+        assert getattr(alias, name) is getattr(moved, name), name
+
+
+def test_the_old_class_names_are_the_new_classes() -> None:
+    assert EngineCore is VllmEngineCore and workers.EngineCore is VllmEngineCore is workers.VllmEngineCore
+    assert SglangCore is SglangEngineCore
+
+
+def test_every_old_path_is_listed_and_the_new_modules_import_without_warning() -> None:
+    """The aliases in ``workers/`` are the ones listed here, and the new paths warn of nothing."""
+    aliases = {f"workers.{p.stem}" for p in (ROOT / "workers").glob("*.py") if "is deprecated: import from" in p.read_text()}
+    assert aliases == set(MOVED)
+    script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", script, "workers",
+                           *MOVED.values()], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_no_module_of_the_repository_imports_an_old_path() -> None:
+    """Function-local imports and ``import a.b`` included; the aliases themselves and this test aside."""
+    found = []
+    for folder in ("kvemu", "workers", "harness", "bench", "examples", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__) or path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") in MOVED:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                if isinstance(node, ast.ImportFrom) and node.module == "workers":
+                    names += [f"workers.{a.name}" for a in node.names]
+                found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in MOVED]
+    assert not found, f"imports of a deprecated module path: {found}"
