@@ -199,7 +199,7 @@ class SessionAffinity:
 
     # ------------------------------------------------------------------ acquire / commit
 
-    def try_acquire(self, session: str, requested_target: AffinityTarget | tuple | None = None) -> Hold | Wait:
+    def try_acquire(self, session: str, requested_target: AffinityTarget | tuple[int, int | None] | None = None) -> Hold | Wait:
         """Start routing a request of ``session``; ``requested_target`` is its explicit pin, if any."""
         self._check_session(session)
         requested = None if requested_target is None else AffinityTarget(*requested_target)
@@ -237,7 +237,7 @@ class SessionAffinity:
         self.stats.hits += 1
         return Hold(session, e.revision, "bound", e.target, requested, e.version)
 
-    def commit(self, hold: Hold, dispatched_target: AffinityTarget | tuple) -> Lease:
+    def commit(self, hold: Hold, dispatched_target: AffinityTarget | tuple[int, int | None]) -> Lease:
         """Record where the request was dispatched; call only after the worker accepted it."""
         if not hold.open:
             raise InvalidArgument(f"session {hold.session!r}: hold was already committed or dropped",
@@ -312,7 +312,7 @@ class SessionAffinity:
         else:
             self._release_one(hold.session, e, self.clock.now_ns())
 
-    def join_initializing(self, session: str, target: AffinityTarget | tuple) -> Lease:
+    def join_initializing(self, session: str, target: AffinityTarget | tuple[int, int | None]) -> Lease:
         """Finish another request's pending initialization with this request's own dispatch (2 leases)."""
         self._check_session(session)
         t = AffinityTarget(*target)

@@ -7,6 +7,7 @@ hosts branch on the attributes, never on the text. An attribute the raise site d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 
-def _rebuild(cls: type[KvemuError], args: tuple, state: dict[str, Any]) -> KvemuError:
+def _rebuild(cls: type[KvemuError], args: tuple[object, ...], state: dict[str, Any]) -> KvemuError:
     """Unpickle without calling ``__init__`` (subclasses may take other positional arguments)."""
     exc = cls.__new__(cls)
     exc.args = args
@@ -52,7 +53,7 @@ class KvemuError(Exception):
         if attrs:
             raise TypeError(f"{type(self).__name__} has no attribute(s) {', '.join(sorted(attrs))}")
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Callable[..., KvemuError], tuple[object, ...]]:
         return _rebuild, (type(self), self.args, dict(self.__dict__))
 
 

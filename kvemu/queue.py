@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 QueuePolicy = QueuePolicyName
+
+OrderKey = tuple[int, tuple[int, int], float]
+"""A queued entry's place in its class: (-tier, (0, deadline) or (1, 0), the policy's key); smaller first."""
 """Ordering inside a queue class (``kvemu.config.QueuePolicyName``: fcfs, lcfs or wspt)."""
 
 
@@ -127,7 +130,7 @@ class _Lane:
     __slots__ = ("heap",)
 
     def __init__(self) -> None:
-        self.heap: list[tuple[tuple, int, QueueEntry]] = []
+        self.heap: list[tuple[OrderKey, int, QueueEntry]] = []
 
 
 class _ClassState:
@@ -323,7 +326,7 @@ class PolicyQueue:
 
     # ------------------------------------------------------------------ internals
 
-    def _order_key(self, spec: QueueClass, e: QueueEntry) -> tuple:
+    def _order_key(self, spec: QueueClass, e: QueueEntry) -> OrderKey:
         deadline = (0, e.deadline_ns) if e.deadline_ns is not None else (1, 0)
         if spec.policy == "fcfs":
             policy_key: float = e.arrival_ns - e.priority_jump_ns
@@ -334,7 +337,7 @@ class PolicyQueue:
         return (-e.tier, deadline, policy_key)
 
     def _ready_head(self, state: _ClassState) -> QueueEntry | None:
-        best: tuple | None = None
+        best: tuple[OrderKey, int] | None = None
         head: QueueEntry | None = None
         cls = state.spec.name
         shared = state.shared.heap

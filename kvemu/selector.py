@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from kvemu.config import RouterConfig
 from kvemu.eligibility import Candidates
@@ -52,7 +52,7 @@ class Evaluation(NamedTuple):
     active_prefill_tokens: list[int] | None = None
     potential_decode_blocks: list[float] | None = None
     active_requests: list[int] | None = None
-    inputs: dict | None = None
+    inputs: dict[str, Any] | None = None
     """The keyword arguments it was computed from (to evaluate single rows in detail)."""
 
     def with_detail(self) -> Evaluation:

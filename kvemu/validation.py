@@ -9,7 +9,9 @@ error names the field and the bound, so one declaration gives one message on bot
 from __future__ import annotations
 
 import math
+import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -19,8 +21,8 @@ from kvemu.errors import InvalidArgument
 
 __all__ = ["check_struct"]
 
-_BOUNDS = (("gt", ">", lambda v, b: v > b), ("ge", ">=", lambda v, b: v >= b),
-           ("lt", "<", lambda v, b: v < b), ("le", "<=", lambda v, b: v <= b))
+_BOUNDS: tuple[tuple[str, str, Callable[[float, float], bool]], ...] = (
+    ("gt", ">", operator.gt), ("ge", ">=", operator.ge), ("lt", "<", operator.lt), ("le", "<=", operator.le))
 _PLANS: dict[type, list[tuple[str, tuple[mi.Type, ...]]]] = {}
 
 
