@@ -270,7 +270,7 @@ class Cluster:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
             router.sync_before_select(self.sync_workers)
         if router.pool != DECODE:  # (a decode leg's KV comes by transfer: no prefix to choose by)
-            router.lifecycle.truth = self._truth
+            router.truth = self._truth
         scope = anyio.CancelScope()
         if router.pool != DECODE:
             self._router_scopes[replica] = scope
@@ -285,7 +285,7 @@ class Cluster:
 
     def ranks(self) -> list[tuple[int, int]]:
         """Every (worker, rank) registered now."""
-        return [k for router in self.routers.values() for k in router.core.registry.rank_keys()]
+        return [k for router in self.routers.values() for k in router.rank_keys()]
 
     async def add_worker(self, pool: str | None = None) -> int:
         """Start one more worker (of ``pool``; default: the aggregated pool, else the decode pool) and wait
@@ -471,7 +471,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
         elif bus is not None and pool != DECODE:
             bus.connect(router.kv_intake)
         if c.sync is not None:
-            c.sync.attach(replica, router.core, router.lifecycle.capacity_changed)
+            c.sync.attach(replica, router.core, router.capacity_changed)
         return router
 
     c.routers, c.front = compose_pools(spec, make, clock=clock, hooks=hooks, retry_limit=rspec.settings().retry_limit)
