@@ -23,7 +23,7 @@ from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, HookKind, Hooks
 from kvemu.messages import EngineSettings
 from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
 from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus, into_stream
@@ -386,8 +386,8 @@ class Cluster:
             pub.close(drain_timeout_s=0)
 
 
-REQUEST_KINDS = ("request_arrived", "routed", "dispatch_accepted", "dispatch_rejected", "queued", "first_token",
-                 "tokens", "completed", "failed")
+REQUEST_KINDS = (HookKind.REQUEST_ARRIVED, HookKind.ROUTED, HookKind.DISPATCH_ACCEPTED, HookKind.DISPATCH_REJECTED,
+                 HookKind.QUEUED, HookKind.FIRST_TOKEN, HookKind.TOKENS, HookKind.COMPLETED, HookKind.FAILED)
 """What a second router replica tells the run's hooks: its requests' steps (its view of the workers and of the KV
 events is its own: ``kvemu.replicas`` in the summary)."""
 

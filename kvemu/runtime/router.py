@@ -29,7 +29,7 @@ from kvemu.index import WorkerKey
 from kvemu.registry import WorkerSpec
 from kvemu.ratelimit import TokenBucket
 from kvemu.routing_core import RoutingCore
-from kvemu.hooks import Hooks
+from kvemu.hooks import HookKind, Hooks
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.messages import (
     Chaos,
@@ -58,6 +58,14 @@ from kvemu.wire.stream import Replay
 __all__ = ["RouterSettings", "Router", "worker_spec"]
 
 log = logging.getLogger("kvemu.router")
+
+_KV_KINDS = {"gap": HookKind.KV_GAP, "replay": HookKind.KV_REPLAY, "lost": HookKind.KV_LOST,
+             "restart": HookKind.KV_RESTART}
+"""The hook kind of each KV-event stream observation (``EventStream``'s observer kinds)."""
+_AFFINITY_KINDS = {"bound": HookKind.AFFINITY_BOUND, "rebound": HookKind.AFFINITY_REBOUND,
+                   "released": HookKind.AFFINITY_RELEASED, "expired": HookKind.AFFINITY_EXPIRED,
+                   "invalidated": HookKind.AFFINITY_INVALIDATED}
+"""The hook kind of each ``AffinityEvent`` kind."""
 
 
 class RouterSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -274,7 +282,7 @@ class Router:
     def _now(self) -> int:
         return self.clock.now_ns()
 
-    def _emit(self, kind: str, request_id: str | None = None, worker_id: int | None = None,
+    def _emit(self, kind: HookKind, request_id: str | None = None, worker_id: int | None = None,
               dp_rank: int | None = None, data: dict | None = None) -> None:
         self.hooks.note(kind, self._now(), request_id, worker_id, dp_rank, data)
 
@@ -423,7 +431,7 @@ class Router:
         self.kv.add_worker(msg)
         if self._on_worker_added is not None:
             self._on_worker_added(msg)
-        self._emit("worker_added", worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
+        self._emit(HookKind.WORKER_ADDED, worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
         self.registered.set()
         self.lifecycle.worker_added()
 
@@ -483,7 +491,7 @@ class Router:
         self.core.registry.fence(worker_id)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
-        self._emit("worker_fenced", worker_id=worker_id, data={"reason": "draining"})
+        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, data={"reason": "draining"})
         self.lifecycle.capacity_changed()  # requests queued only on it start their admission over
 
     def rank_down(self, worker_id: int, dp_rank: int) -> None:
@@ -494,7 +502,7 @@ class Router:
         self.core.index.clear(worker_id, dp_rank)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id, dp_rank)
-        self._emit("worker_fenced", worker_id=worker_id, dp_rank=dp_rank, data={"reason": "rank_down"})
+        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, dp_rank=dp_rank, data={"reason": "rank_down"})
         self.lifecycle.capacity_changed()
 
     def _unresponsive(self, worker_id: int, unacked: int) -> None:
@@ -511,14 +519,14 @@ class Router:
             return
         self._peers.pop(state.peer, None)
         self._down_ranks.difference_update([k for k in self._down_ranks if k[0] == worker_id])
-        self._emit("worker_fenced", worker_id=worker_id, data={"reason": reason})
+        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, data={"reason": reason})
         self.core.remove_worker(worker_id)
         self.kv.remove_worker(worker_id)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
         if self._on_worker_removed is not None:
             self._on_worker_removed(worker_id)
-        self._emit("worker_removed", worker_id=worker_id, data={"reason": reason})
+        self._emit(HookKind.WORKER_REMOVED, worker_id=worker_id, data={"reason": reason})
         self.lifecycle.worker_lost(worker_id)
 
     async def _watchdog(self) -> None:
@@ -543,11 +551,11 @@ class Router:
     # ------------------------------------------------------------------ KV events
 
     def _kv_observer(self, kind: str, worker_id: int, dp_rank: int, details: dict) -> None:
-        self._emit(f"kv_{kind}", worker_id=worker_id, dp_rank=dp_rank, data=details)
+        self._emit(_KV_KINDS[kind], worker_id=worker_id, dp_rank=dp_rank, data=details)
 
     def _affinity_event(self, ev: AffinityEvent) -> None:
         t = ev.target
-        self._emit(f"affinity_{ev.kind}", worker_id=t.worker_id if t else None, dp_rank=t.dp_rank if t else None,
+        self._emit(_AFFINITY_KINDS[ev.kind], worker_id=t.worker_id if t else None, dp_rank=t.dp_rank if t else None,
                    data={"session": ev.session, "pool": ev.pool})
 
     # ------------------------------------------------------------------ requests
@@ -574,7 +582,7 @@ class Router:
             record = RequestRecord(request_id=req.request_id, arrival_ns=self.clock.now_ns(), isl=len(req.tokens),
                                    max_tokens=req.max_tokens,
                                    failure="invalid_request: kv_hold and kv_transfer are for disaggregated clusters")
-            self.hooks.note("failed", record.arrival_ns, req.request_id, record=record)
+            self.hooks.note(HookKind.FAILED, record.arrival_ns, req.request_id, record=record)
             on_end(record)
             return record
         return self.lifecycle.submit(req, on_end, can_retry, on_finished)
