@@ -231,6 +231,13 @@ class Router:
         """Every registered ``(worker_id, dp_rank)`` this router routes to, sorted."""
         return self.core.rank_keys()
 
+    def indexed_blocks(self, key: WorkerKey) -> tuple[int, dict[int, int] | None]:
+        """The blocks this router's prefix index holds for a rank (as its KV events told it), and per KV cache group
+        for a hybrid engine's rank (None: the rank has no other group)."""
+        blocks = self.core.index.tree_size(*key)
+        groups = self.core.groups
+        return blocks, groups.sizes(key, blocks) if groups is not None else None
+
     @property
     def load(self) -> LoadTracker:
         """The load the router books per rank (active requests, prefill tokens, decode blocks), as it routes by."""

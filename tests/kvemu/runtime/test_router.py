@@ -482,6 +482,8 @@ def test_host_reads_ranks_load_stages_and_sets_the_truth():
             assert router.in_flight == 1 and router.requests_at({RUNNING}) == 1
             assert router.requests_at({WAITING, QUEUED, AFFINITY, DISPATCHED}) == 0
         assert router.in_flight == 0 and router.load.rank(key).active_requests == 0
+        other = next(k for k in router.rank_keys() if k != key)
+        assert router.indexed_blocks(key) == (4, None) and router.indexed_blocks(other) == (0, None)  # 16 tokens
         return key
 
     key = run(clock, router, ws, body)
