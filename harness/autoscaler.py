@@ -110,13 +110,13 @@ class AutoscalerShell:
     def _pool_metrics(self, c: Cluster, pool: str) -> PoolMetrics:
         router = c.routers[pool]
         running, starting, leaving = self._states(c, pool)
-        load = router.core.load
+        load = router.load
         members = set(running)
         active_by_worker = dict.fromkeys(running, 0)
         active = 0
         kv = []
         total_blocks = self.scenario.cluster.pools()[pool][2].num_gpu_blocks
-        for key in sorted(router.core.registry.rank_keys()):
+        for key in router.rank_keys():
             rl = load.rank(key)
             n = rl.active_requests if rl else 0
             active += n
@@ -126,7 +126,7 @@ class AutoscalerShell:
                                  cached_blocks=self._kv_blocks.get(key, 0), total_blocks=total_blocks))
         waiting = sum(core.num_waiting for w, actor in c.workers.items() if c.worker_pool.get(w) == pool
                       for core in actor.worker.cores)
-        held = sum(f.stage in _HELD for f in router.lifecycle.flights.values())
+        held = router.requests_at(_HELD)
         return PoolMetrics(pool=pool, dp_size=self.scenario.cluster.pools()[pool][1], running=len(running),
                            starting=starting, draining=leaving, running_ids=tuple(running), router_queue=held,
                            engine_waiting=waiting, active_requests=active, active_by_worker=active_by_worker,

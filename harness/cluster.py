@@ -23,7 +23,7 @@ from kvemu.clock import NS_PER_MS, NS_PER_S, Clock, ManualClock
 from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, HookKind, Hooks
 from kvemu.messages import EngineSettings
 from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
 from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus, into_stream
@@ -270,7 +270,7 @@ class Cluster:
         if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
             router.sync_before_select(self.sync_workers)
         if router.pool != DECODE:  # (a decode leg's KV comes by transfer: no prefix to choose by)
-            router.lifecycle.truth = self._truth
+            router.truth = self._truth
         scope = anyio.CancelScope()
         if router.pool != DECODE:
             self._router_scopes[replica] = scope
@@ -285,7 +285,7 @@ class Cluster:
 
     def ranks(self) -> list[tuple[int, int]]:
         """Every (worker, rank) registered now."""
-        return [k for router in self.routers.values() for k in router.core.registry.rank_keys()]
+        return [k for router in self.routers.values() for k in router.rank_keys()]
 
     async def add_worker(self, pool: str | None = None) -> int:
         """Start one more worker (of ``pool``; default: the aggregated pool, else the decode pool) and wait
@@ -386,8 +386,8 @@ class Cluster:
             pub.close(drain_timeout_s=0)
 
 
-REQUEST_KINDS = ("request_arrived", "routed", "dispatch_accepted", "dispatch_rejected", "queued", "first_token",
-                 "tokens", "completed", "failed")
+REQUEST_KINDS = (HookKind.REQUEST_ARRIVED, HookKind.ROUTED, HookKind.DISPATCH_ACCEPTED, HookKind.DISPATCH_REJECTED,
+                 HookKind.QUEUED, HookKind.FIRST_TOKEN, HookKind.TOKENS, HookKind.COMPLETED, HookKind.FAILED)
 """What a second router replica tells the run's hooks: its requests' steps (its view of the workers and of the KV
 events is its own: ``kvemu.replicas`` in the summary)."""
 
@@ -471,7 +471,7 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
         elif bus is not None and pool != DECODE:
             bus.connect(router.kv_intake)
         if c.sync is not None:
-            c.sync.attach(replica, router.core, router.lifecycle.capacity_changed)
+            c.sync.attach(replica, router.core, router.capacity_changed)
         return router
 
     c.routers, c.front = compose_pools(spec, make, clock=clock, hooks=hooks, retry_limit=rspec.settings().retry_limit)

@@ -96,14 +96,14 @@ def samples(routers: Mapping[str, Router], now_ns: int,
     """
     out = []
     for pool, router in routers.items():
-        core = router.core
-        for key in core.registry.rank_keys():
-            rl = core.load.rank(key)
+        load = router.load
+        for key in router.rank_keys():
+            rl = load.rank(key)
+            groups = None
             if pool == DECODE:
                 blocks = round(rl.active_decode_blocks) if rl else 0
             else:
-                blocks = core.index.tree_size(*key)
-            groups = core.groups.sizes(key, blocks) if core.groups is not None and pool != DECODE else None
+                blocks, groups = router.indexed_blocks(key)
             out.append(Sample(now_ns, key[0], key[1], rl.active_requests if rl else 0, blocks, pool, groups,
                               held.get(key) if held else None))
     return out

@@ -32,7 +32,7 @@ import msgspec
 
 from kvemu.clock import Clock
 from kvemu.records import RequestRecord, router_record
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, HookKind, Hooks
 from kvemu.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer, transfer_refusal
 
@@ -43,7 +43,7 @@ PREFILL = "prefill"
 DECODE = "decode"
 """The decode pool's name."""
 
-_FORWARDED = {"request_arrived", "first_token", "tokens", "completed", "failed"}
+_FORWARDED = {HookKind.REQUEST_ARRIVED, HookKind.FIRST_TOKEN, HookKind.TOKENS, HookKind.COMPLETED, HookKind.FAILED}
 """Leg-level hooks the coordinator replaces with its own request-level ones."""
 
 
@@ -92,10 +92,10 @@ class DisaggRouter:
             reason = "invalid_request: kv_hold and kv_transfer are set by the router, not by clients"
         elif req.worker_id is not None and req.decode_worker_id is not None and req.worker_id != req.decode_worker_id:
             reason = "invalid_request: worker_id and decode_worker_id pin the decode leg to different workers"
-        hooks.note("request_arrived", now, req.request_id, record=record)
+        hooks.note(HookKind.REQUEST_ARRIVED, now, req.request_id, record=record)
         if reason is not None:
             record.failure = reason
-            hooks.note("failed", now, req.request_id, record=record)
+            hooks.note(HookKind.FAILED, now, req.request_id, record=record)
             on_end(record)
             return record
         r = self.requests[req.request_id] = _Request(req, record, on_end)
@@ -202,7 +202,7 @@ class DisaggRouter:
         restartable = failure.startswith(("worker_lost", "kv_source_lost")) and not r.streamed
         if restartable and r.restarts < self.retry_limit:
             r.restarts += 1
-            self.hooks.note("retried", self.clock.now_ns(), r.req.request_id,
+            self.hooks.note(HookKind.RETRIED, self.clock.now_ns(), r.req.request_id,
                             data={"reason": failure, "restart": r.restarts}, record=r.record)
             self._start_prefill(r)  # the KV is gone: compute the prompt again
             return
@@ -234,10 +234,10 @@ class DisaggRouter:
         rid = r.req.request_id
         record.failure = failure
         if failure is None:
-            self.hooks.note("completed", now, rid, record.worker_id, record.dp_rank, record=record)
+            self.hooks.note(HookKind.COMPLETED, now, rid, record.worker_id, record.dp_rank, record=record)
         else:
             record.completion_ns = None
-            self.hooks.note("failed", now, rid, record.worker_id, record.dp_rank, record=record)
+            self.hooks.note(HookKind.FAILED, now, rid, record.worker_id, record.dp_rank, record=record)
         del self.requests[rid]
         r.on_end(record)
 
@@ -247,13 +247,13 @@ class DisaggRouter:
         kind = ev.kind
         rid = ev.request_id
         if pool == PREFILL and rid is None:
-            if kind == "worker_removed":
+            if kind == HookKind.WORKER_REMOVED:
                 self.prefill_worker_lost(ev.worker_id)  # type: ignore[arg-type]
-            elif kind == "worker_fenced" and (ev.data or {}).get("reason") == "rank_down":
+            elif kind == HookKind.WORKER_FENCED and (ev.data or {}).get("reason") == "rank_down":
                 self.prefill_worker_lost(ev.worker_id, ev.dp_rank)  # type: ignore[arg-type]
         if rid is not None and kind in _FORWARDED:
             r = self.requests.get(rid)
-            if r is None or pool != DECODE or kind not in ("first_token", "tokens"):
+            if r is None or pool != DECODE or kind not in (HookKind.FIRST_TOKEN, HookKind.TOKENS):
                 return
             r.streamed = True
             self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.data, r.record)

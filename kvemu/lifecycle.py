@@ -44,7 +44,7 @@ from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, Schedul
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord, router_record
 from kvemu.routing_core import PreparedRequest, RoutingCore
-from kvemu.hooks import Hooks
+from kvemu.hooks import HookKind, Hooks
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 __all__ = ["Lifecycle", "LifecycleSettings", "TruthProbe", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED",
@@ -231,10 +231,10 @@ class Lifecycle:
             duplicate = rid in self.flights
             record.failure = "duplicate_request_id" if duplicate else self.stopped
             # a refused duplicate's hook says so: its id is the open request's, whose record it must not touch
-            hooks.note("failed", now, rid, data={"duplicate": True} if duplicate else None, record=record)
+            hooks.note(HookKind.FAILED, now, rid, data={"duplicate": True} if duplicate else None, record=record)
             on_end(record)
             return record
-        hooks.note("request_arrived", now, rid, record=record)
+        hooks.note(HookKind.REQUEST_ARRIVED, now, rid, record=record)
         try:
             reason = _validate(req)
             if reason is not None:
@@ -243,7 +243,7 @@ class Lifecycle:
                                          lora_name=req.lora_name, overrides=req.router_overrides)
         except KvemuError as exc:
             record.failure = f"invalid_request: {exc}"
-            hooks.note("failed", now, rid, record=record)
+            hooks.note(HookKind.FAILED, now, rid, record=record)
             on_end(record)
             return record
         flight = self.flights[rid] = Flight(req, record, prepared, on_end, can_retry, on_finished)
@@ -619,7 +619,7 @@ class Lifecycle:
                    num_workers=len(core.registry), do_not_queue=req.do_not_queue, now_ns=now)
         self._enter(f, QUEUED)
         f.record.queued_ns = now
-        self.hooks.note("queued", now, f.request_id, data={"depth": len(queue)}, record=f.record)
+        self.hooks.note(HookKind.QUEUED, now, f.request_id, data={"depth": len(queue)}, record=f.record)
         self._release_queue()
         return True
 
@@ -670,8 +670,8 @@ class Lifecycle:
             record.truth_overlap_blocks, record.truth_best_overlap_blocks, record.regret_source = self.truth(
                 f.prepared.seq_hashes, ev.ranks, (wid, rank), f.req.session_id)
         hooks = self.hooks
-        if hooks.wants("routed"):
-            hooks.note("routed", now, f.request_id, wid, rank, data={
+        if hooks.wants(HookKind.ROUTED):
+            hooks.note(HookKind.ROUTED, now, f.request_id, wid, rank, data={
                 "attempt": f.attempt, "reason": selection.reason, "cost": selection.cost,
                 "overlap_blocks": selection.overlap_blocks, "best_overlap_blocks": record.best_overlap_blocks,
                 "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
@@ -784,7 +784,7 @@ class Lifecycle:
                 due.append((now + limit, f, f.token))
             if due[0][1] is f:
                 self._announce(now + limit)
-        self.hooks.note("dispatch_accepted", now, f.request_id, *f.key, record=f.record)  # type: ignore[misc]
+        self.hooks.note(HookKind.DISPATCH_ACCEPTED, now, f.request_id, *f.key, record=f.record)  # type: ignore[misc]
 
     def _refused(self, f: Flight) -> None:
         """The dispatch did not get the request admitted: free what it booked and try another rank."""
@@ -798,7 +798,7 @@ class Lifecycle:
             affinity.drop(hold)
             if hold.kind == "bound":  # the bound rank refused: let the session re-bind
                 affinity.invalidate(hold.session, hold.revision, hold.version)
-        self.hooks.note("dispatch_rejected", self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason},
+        self.hooks.note(HookKind.DISPATCH_REJECTED, self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason},
                         record=f.record)
         f.refusal = f"{wid}/{rank}: {reason}"
         self._retry(f)
@@ -823,14 +823,14 @@ class Lifecycle:
             self.productive.add(wid)
             self.stalls.pop(wid, None)
             core.prefill_complete(f.request_id)
-            self.hooks.note("first_token", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
+            self.hooks.note(HookKind.FIRST_TOKEN, self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
                             record=record)
             self._capacity_changed()
         before = record.output_tokens
         record.output_tokens = after = before + len(times)
         core.note_output(f.request_id, record.isl, before, after, f.req.expected_output_tokens)
-        if self.hooks.wants("tokens"):
-            self.hooks.note("tokens", self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
+        if self.hooks.wants(HookKind.TOKENS):
+            self.hooks.note(HookKind.TOKENS, self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
                             data={"times_ns": times}, record=record)
 
     def _finished(self, f: Flight, msg: Finished) -> None:
@@ -892,10 +892,10 @@ class Lifecycle:
         now = self.clock.now_ns()
         key: tuple[int | None, int | None] = f.key or (None, None)
         if failure is None:
-            self.hooks.note("completed", now, f.request_id, *key, record=record)
+            self.hooks.note(HookKind.COMPLETED, now, f.request_id, *key, record=record)
         else:
             record.completion_ns = None
-            self.hooks.note("failed", now, f.request_id, *key, record=record)
+            self.hooks.note(HookKind.FAILED, now, f.request_id, *key, record=record)
         del self.flights[f.request_id]
         f.on_end(record)
 

@@ -137,6 +137,10 @@ class RoutingCore:
 
     # ------------------------------------------------------------------ workers
 
+    def rank_keys(self) -> tuple[WorkerKey, ...]:
+        """Every registered ``(worker_id, dp_rank)``, sorted."""
+        return self.registry.rank_keys()
+
     def add_worker(self, spec: WorkerSpec) -> None:
         """Register a worker; its block size, if announced, must equal the router's."""
         if spec.block_size is not None and spec.block_size != self.block_size:

@@ -157,7 +157,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
     routers.update(pools)
     sync = _sync_link(scenario, replica, sync_listen, sync_peers or {}, clock)
     if sync is not None:
-        sync.attach(routers[AGGREGATED].core, routers[AGGREGATED].lifecycle.capacity_changed)
+        sync.attach(routers[AGGREGATED].core, routers[AGGREGATED].capacity_changed)
     instance: _Instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
     process_id = f"{os.getpid()}-{instance['id']}"
     control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
@@ -304,7 +304,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         front = routers[AGGREGATED] = new_router(AGGREGATED)
         front.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
         if sync is not None:  # its load view starts empty: it hears only what its peers announce from now on
-            sync.attach(front.core, front.lifecycle.capacity_changed)
+            sync.attach(front.core, front.capacity_changed)
         instance.update({"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()})
         await tg.start(serve_pool, AGGREGATED)
 
@@ -361,7 +361,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         # drain: requests in flight (from ZeroMQ clients and over HTTP) get up to grace_s to finish, then fail
         # with router_shutdown
         with anyio.move_on_after(grace_s):
-            while in_flight or any(r.lifecycle.flights for r in routers.values()):
+            while in_flight or any(r.in_flight for r in routers.values()):
                 await anyio.sleep(0.01)
         for router in routers.values():
             router.stop("router_shutdown")  # ends them: each handler replies to its client

@@ -69,7 +69,7 @@ class TruthOracle:
 
     def ranks(self) -> tuple[WorkerKey, ...]:
         """The ranks the oracle follows, in (worker, rank) order."""
-        return self.core.registry.rank_keys()
+        return self.core.rank_keys()
 
     # ------------------------------------------------------------------ requests
 

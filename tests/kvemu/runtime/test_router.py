@@ -6,14 +6,18 @@ from kvemu import ManualClock, RoutingCore, SessionAffinity
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.queue import PolicyQueue, QueueClass
 from kvemu.hooks import Hooks
+from kvemu.lifecycle import AFFINITY, DISPATCHED, QUEUED, RUNNING, WAITING
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.loop import run_virtual
 from kvemu.messages import (
     ClientRequest,
+    Deregister,
     Dispatch,
     DispatchAck,
+    Draining,
     Finished,
     Heartbeat,
+    RankDown,
     Register,
     RegisterAck,
     RequestFailed,
@@ -433,3 +437,56 @@ def test_a_dispatch_that_does_not_encode_fails_locally_and_never_fences_the_work
     assert 1 in router.workers and router.lifecycle.unacked == {}
     assert not [e for e in events if e.kind in ("worker_fenced", "worker_removed")]
     assert good.failure is None and good.worker_id == 1
+
+
+def test_control_messages_act_only_for_the_speaking_worker():
+    """Draining, RankDown and Deregister from a worker's connection act on that worker; naming another is ignored."""
+    clock, router, ws, events = cluster([1, {"worker_id": 2, "dp_size": 2}])
+
+    async def body():
+        ws[0].end.send_nowait(Deregister(worker_id=2, reason="not mine"))  # worker 1's connection names worker 2
+        ws[0].end.send_nowait(RankDown(worker_id=2, dp_rank=1))
+        await anyio.sleep(0.01)
+        assert sorted(router.workers) == [1, 2] and router.rank_keys() == ((1, 0), (2, 0), (2, 1))
+        ws[1].end.send_nowait(RankDown(worker_id=2, dp_rank=1))
+        ws[0].end.send_nowait(Draining(worker_id=1))
+        await anyio.sleep(0.01)
+        fenced = [(e.worker_id, e.dp_rank, e.data["reason"]) for e in events if e.kind == "worker_fenced"]
+        assert fenced == [(2, 1, "rank_down"), (1, None, "draining")]
+        ws[1].end.send_nowait(Deregister(worker_id=2, reason="bye"))
+        await anyio.sleep(0.01)
+        removed = [(e.worker_id, e.data["reason"]) for e in events if e.kind == "worker_removed"]
+        assert removed == [(2, "deregistered: bye")] and router.rank_keys() == ((1, 0),)
+
+    run(clock, router, ws, body)
+
+
+def test_host_reads_ranks_load_stages_and_sets_the_truth():
+    """What a host (the harness, an autoscaler) reads of a router goes through its own methods, not its parts."""
+    clock, router, ws, events = cluster([1, 2])
+    probes = []
+
+    def truth(hashes, ranks, chosen, session):
+        probes.append((ranks, chosen))
+        return 2, 3, "engine"
+
+    router.truth = truth
+    assert router.truth is truth
+
+    async def body():
+        assert router.rank_keys() == ((1, 0), (2, 0)) and router.in_flight == 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.handle, req("a"))
+            await anyio.sleep(0.005)  # dispatched and acknowledged, no token yet
+            key = next(k for k in router.rank_keys() if router.load.rank(k).active_requests)
+            assert router.in_flight == 1 and router.requests_at({RUNNING}) == 1
+            assert router.requests_at({WAITING, QUEUED, AFFINITY, DISPATCHED}) == 0
+        assert router.in_flight == 0 and router.load.rank(key).active_requests == 0
+        other = next(k for k in router.rank_keys() if k != key)
+        assert router.indexed_blocks(key) == (4, None) and router.indexed_blocks(other) == (0, None)  # 16 tokens
+        return key
+
+    key = run(clock, router, ws, body)
+    assert probes == [(((1, 0), (2, 0)), key)]
+    done = next(e.record for e in events if e.kind == "completed")
+    assert (done.truth_overlap_blocks, done.truth_best_overlap_blocks, done.regret_source) == (2, 3, "engine")
