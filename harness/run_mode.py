@@ -22,6 +22,10 @@ class RunMode(Protocol):
     name: Literal["virtual", "live"]
     clock: Clock
     sample_interval_s: float
+    opens_sockets: bool
+    """Its router and KV events listen on this machine's sockets (which then want a secret)."""
+    shares_the_machine: bool
+    """Runs side by side with others would disturb each other (wall time is shared): no parallel sweeps."""
 
     def run(self, main: Callable[[], Awaitable[None]]) -> None:
         """Run ``main()`` to its end on this mode's loop."""
@@ -37,6 +41,8 @@ class VirtualRun:
 
     name: Literal["virtual", "live"] = "virtual"
     sample_interval_s = 1.0
+    opens_sockets = False
+    shares_the_machine = False
 
     def __init__(self) -> None:
         self._clock = ManualClock()
@@ -68,6 +74,8 @@ class LiveRun:
 
     name: Literal["virtual", "live"] = "live"
     sample_interval_s = 0.25
+    opens_sockets = True
+    shares_the_machine = True
 
     def __init__(self) -> None:
         self.clock: Clock = _ShiftedClock(WallClock())
@@ -80,5 +88,6 @@ class LiveRun:
 
 
 def run_mode(name: Literal["virtual", "live"]) -> RunMode:
-    """The mode a scenario's ``run.mode`` names."""
+    """The mode a scenario's ``run.mode`` names (its clock starts now, for a live one)."""
     return VirtualRun() if name == "virtual" else LiveRun()
+

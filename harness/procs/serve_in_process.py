@@ -73,8 +73,7 @@ async def _serve(scenario: Scenario, http: HttpOptions) -> None:
 
 def serve_in_process(scenario: Scenario, http: HttpOptions) -> int:
     """Serve until SIGTERM/SIGINT (on wall time, whatever the scenario's ``run.mode``)."""
-    if scenario.run.mode != "live":
-        scenario = msgspec.structs.replace(scenario, run=msgspec.structs.replace(scenario.run, mode="live"))
+    scenario = msgspec.structs.replace(scenario, run=msgspec.structs.replace(scenario.run, mode="live"))
     tune_gc()
     run_live(lambda: _serve(scenario, http))
     return 0
