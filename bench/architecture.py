@@ -4,6 +4,7 @@ Run with ``python -m bench.architecture`` (``--quick`` is the same: it reads sou
 ``kvemu run``). Every figure is printed on stdout as ``figure name: value unit``. The counts read the source
 with ``ast`` and ``tokenize`` over the packages ``kvemu``, ``workers`` and ``harness``:
 
+- clock-kind questions: reads of a clock's ``is_virtual`` outside the choosers (the mode asked of the clock);
 - run-mode branches: a comparison with the string ``"virtual"`` or ``"live"`` on one side and a name or
   attribute spelled ``mode``/``run_mode``/``*_mode`` on the other, outside the modules that choose the mode;
 - function-local imports: ``import`` statements inside a function body (all, then those of the project's own
@@ -34,7 +35,7 @@ import kvemu
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvemu", "workers", "harness")
 MODE_WORDS = {"virtual", "live"}
-CHOOSERS = frozenset({"workers/drivers.py", "harness/run_mode.py"})
+CHOOSERS = frozenset({"workers/drivers.py", "harness/run_mode.py", "harness/wiring.py"})
 """The modules that choose the mode's driver: the one place each that may ask which mode it is."""
 
 LOADED = """
@@ -68,6 +69,12 @@ def mode_branches(tree: ast.AST) -> int:
             if words and any(_is_mode(s) for s in sides):
                 count += 1
     return count
+
+
+def clock_questions(tree: ast.AST) -> int:
+    """Reads of a clock's ``is_virtual`` (the mode asked of the clock rather than by name)."""
+    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "is_virtual"
+               and isinstance(node.ctx, ast.Load))
 
 
 def local_imports(tree: ast.AST) -> tuple[int, int]:
@@ -127,6 +134,7 @@ class Counts(NamedTuple):
 
     files: int
     branches: dict[str, int]
+    clock_questions: dict[str, int]
     local_imports: int
     own_local_imports: int
     type_ignores: int
@@ -138,6 +146,7 @@ class Counts(NamedTuple):
 def count() -> Counts:
     """Read every project module once."""
     branches: dict[str, int] = {}
+    questions: dict[str, int] = {}
     files = local = own = ignores = anys = public = 0
     shapes: list[str] = []
     for name, source in _sources():
@@ -145,13 +154,15 @@ def count() -> Counts:
         files += 1
         if name not in CHOOSERS and (n := mode_branches(tree)):
             branches[name] = n
+        if name not in CHOOSERS and (n := clock_questions(tree)):
+            questions[name] = n
         module_local, module_own = local_imports(tree)
         module_ignores, module_anys = ignores_and_any(source)
         local, own = local + module_local, own + module_own
         ignores, anys = ignores + module_ignores, anys + module_anys
         public += public_names(tree)
         shapes += request_shapes(tree)
-    return Counts(files, branches, local, own, ignores, anys, public, shapes)
+    return Counts(files, branches, questions, local, own, ignores, anys, public, shapes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"modules: {c.files} files")
     print(f"run-mode branches: {sum(c.branches.values())} branches")
     print(f"files with run-mode branches: {len(c.branches)} files")
+    for name, n in sorted(c.clock_questions.items()):
+        print(f"  {name}: {n} reads of clock.is_virtual", file=sys.stderr)
+    print(f"clock-kind questions: {sum(c.clock_questions.values())} reads")
     print(f"function-local imports: {c.local_imports} imports")
     print(f"function-local imports of the project: {c.own_local_imports} imports")
     print(f"type ignores: {c.type_ignores} comments")

@@ -1,7 +1,7 @@
 """The composition root: one router and its workers, wired for a mode.
 
-The mode only chooses the clock, the loop and the transports; the router, worker and engine code is
-the same. Virtual: a ``ManualClock`` driven by the virtual loop, in-memory links carrying message
+The mode only chooses the clock, the loop (``harness.run_mode``) and the wiring (``harness.wiring``, chosen once
+per cluster); the router, worker and engine code is the same. Virtual: a ``ManualClock`` driven by the virtual loop, in-memory links carrying message
 objects and an in-memory KV bus carrying router-model batches (``cluster.kv_wire_check`` makes both
 carry the live bytes). Live: the wall clock on uvloop, ZeroMQ links on 127.0.0.1 and real KV-event
 publishers and subscribers per rank.
@@ -26,12 +26,10 @@ from kvemu.routing_core import RoutingCore
 from kvemu.hooks import HookEvent, HookKind, Hooks
 from kvemu.messages import EngineSettings
 from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
-from kvemu.runtime.kv_bus import FeedTap, MemoryKvBus, into_stream
+from kvemu.runtime.kv_bus import FeedTap, into_stream
 from kvemu.runtime.replica_link import ReplicaEnds
 from kvemu.runtime.replica_sync_bus import MemorySyncBus
 from kvemu.runtime.router import Router
-from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
-from kvemu.wire.publisher import KvEventPublisher
 from workers.engine_base import RankCore
 from workers.worker_actor import WorkerActor
 from workers.config import EngineConfig
@@ -41,6 +39,7 @@ from harness.plugins import ALLOW_LOCAL_POLICIES_ENV, import_callable
 from harness.routing_truth import RoutingTruth
 from harness.pools import AGGREGATED, compose_pools, worker_type_of
 from harness.scenario import ClusterSpec, RouterSpec, Scenario, ScenarioError
+from harness.wiring import Wiring, wiring_for
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +156,12 @@ def check_buildable(scenario: Scenario) -> None:
 class Cluster:
     """A running router with its workers (use ``cluster(...)`` to build and start one)."""
 
-    def __init__(self, scenario: Scenario, clock: Clock, hooks: Hooks) -> None:
+    def __init__(self, scenario: Scenario, clock: Clock, hooks: Hooks, wiring: Wiring | None = None) -> None:
         self.scenario = scenario
         self.clock = clock
         self.hooks = hooks
+        self.wiring = wiring if wiring is not None else wiring_for(scenario)
+        """How its routers and workers are connected (in memory or over ZeroMQ): the cluster's one mode seam."""
         self.router: Router
         """The router (a disaggregated cluster: the prefill pool's; ``routers`` has both)."""
         self.routers: dict[str, Router] = {}
@@ -168,8 +169,6 @@ class Cluster:
         self.front: Any = None
         """Where requests go: the router, or the ``DisaggRouter`` that chains the pools."""
         self.worker_pool: dict[int, str] = {}
-        self.nets: dict[str, MemoryNetwork] = {}
-        self.buses: dict[str, MemoryKvBus] = {}
         self.workers: dict[int, WorkerActor] = {}
         self.starting: set[int] = set()
         """Workers started and not registered yet."""
@@ -177,12 +176,9 @@ class Cluster:
         """Workers being removed (draining their requests, or about to stop)."""
         self.on_change: Any = None
         """Called with no argument whenever a worker registers, starts leaving or is gone (the autoscaler counts)."""
-        self._deferring: list[int] = []  # virtual time: workers whose engines defer KV events (synced before deciding)
-        self.bus: MemoryKvBus | None = None
-        self.net: MemoryNetwork | None = None
+        self._deferring: list[int] = []  # workers whose engines defer KV events (synced before deciding)
         self._tg: anyio.abc.TaskGroup
         self._scopes: dict[int, anyio.CancelScope] = {}
-        self._publishers: dict[int, list[KvEventPublisher]] = {}
         self.kv_publishers: dict[int, list[Any]] = {}
         """Per worker, one publisher per rank (chaos sets ``drop_next`` and ``lag_ns`` on them)."""
         self.kv_lag_ns = round(scenario.router.kv_event_lag_ms * NS_PER_MS)
@@ -192,8 +188,6 @@ class Cluster:
         self._router_scopes: dict[int, anyio.CancelScope] = {}
         self.replicas: list[Router] = []
         """The aggregated pool's router replicas (``router.replicas``); ``router`` is the first."""
-        self.replica_nets: list[MemoryNetwork] = []
-        """Virtual time, several replicas: each replica's network to the workers."""
         self.feeds: list[FeedTap] = []
         """With replicas (or a fault aimed at a replica's feed): each replica's KV feed, faults and all."""
         self.sync: MemorySyncBus | None = None
@@ -201,11 +195,6 @@ class Cluster:
         self.restarts: list[int] = []
         """Per replica, times it was restarted."""
         self._truth = RoutingTruth(self.core)  # (one for the cluster: which rank a session last ran on is a fact)
-
-    @property
-    def mode(self) -> str:
-        """``virtual`` or ``live``."""
-        return self.scenario.run.mode
 
     async def handle(self, req: Any) -> Any:
         """Run a request on the current front (the router may be restarted meanwhile) and return its record."""
@@ -267,8 +256,7 @@ class Cluster:
         return actor.worker.core(dp_rank)
 
     async def _start_router(self, router: Router, replica: int = 0) -> None:
-        if self.mode == "virtual":  # workers defer the KV events only evictions cause: sync before deciding
-            router.sync_before_select(self.sync_workers)
+        self.wiring.before_select(router, self.sync_workers)
         if router.pool != DECODE:  # (a decode leg's KV comes by transfer: no prefix to choose by)
             router.truth = self._truth
         scope = anyio.CancelScope()
@@ -301,28 +289,16 @@ class Cluster:
         router = self.routers[pool]
         mock = MockWorker(engine_config(spec, pool), worker_id=wid)
         many = pool == AGGREGATED and len(self.replicas) > 1
-        if self.mode == "virtual":
-            end = (self._replica_ends([net.worker_end(wid) for net in self.replica_nets]) if many
-                   else self.nets[pool].worker_end(wid))
-            pubs: list[Any] = [self.buses[pool].publisher(wid, r) for r in range(dp_size)]
-            self.kv_publishers[wid] = pubs
-            actor = WorkerActor(mock, end, self.clock, pubs, mode="virtual",
-                                heartbeat_interval_s=spec.heartbeat_interval_s, worker_type=worker_type)
-        else:
-            end = (self._replica_ends([ZmqWorkerEnd(r.end.endpoint, wid) for r in self.replicas]) if many  # type: ignore[attr-defined]
-                   else ZmqWorkerEnd(router.end.endpoint, wid))  # type: ignore[attr-defined]
-            pubs = [KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
-                                     vllm_version=spec.kv_events_version, hash_form=spec.kv_events_hash_form)
-                    for r in range(dp_size)]
-            self._publishers[wid] = pubs
-            self.kv_publishers[wid] = pubs
-            actor = WorkerActor(mock, end, self.clock, pubs, mode="live", heartbeat_interval_s=spec.heartbeat_interval_s,
-                                kv_endpoints=[p.endpoint for p in pubs],
-                                kv_replay_endpoints=[p.replay_endpoint or "" for p in pubs],
-                                worker_type=worker_type)
+        ends = self.wiring.worker_ends(pool, wid, self.replicas if many else [router])
+        end = self._replica_ends(ends) if many else ends[0]
+        pubs = self.kv_publishers[wid] = self.wiring.publishers(pool, wid, dp_size)
+        kv_endpoints, kv_replay_endpoints = self.wiring.endpoints(wid)
+        actor = WorkerActor(mock, end, self.clock, pubs, mode=self.wiring.mode,
+                            heartbeat_interval_s=spec.heartbeat_interval_s, kv_endpoints=kv_endpoints,
+                            kv_replay_endpoints=kv_replay_endpoints, worker_type=worker_type)
         for pub in self.kv_publishers[wid]:
             pub.lag_ns = self.kv_lag_ns
-        if self.mode == "virtual" and actor.defer_kv_events():
+        if self.wiring.defers_kv_events(actor):
             self._deferring.append(wid)
         self.workers[wid] = actor
         self.worker_pool[wid] = pool
@@ -379,11 +355,7 @@ class Cluster:
         self.leaving.discard(worker_id)
         self._changed()
         await actor.end.aclose()
-        bus = self.buses.get(self.worker_pool[worker_id])
-        if bus is not None and len(self.replicas) > 1:  # (not when one replica drops it: the rest still replay)
-            bus.forget(worker_id)
-        for pub in self._publishers.pop(worker_id, []):
-            pub.close(drain_timeout_s=0)
+        self.wiring.worker_gone(self.worker_pool[worker_id], worker_id, replicas=len(self.replicas))
 
 
 REQUEST_KINDS = (HookKind.REQUEST_ARRIVED, HookKind.ROUTED, HookKind.DISPATCH_ACCEPTED, HookKind.DISPATCH_REJECTED,
@@ -416,40 +388,27 @@ class _Started:
 
 
 @contextlib.asynccontextmanager
-async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
-                  keep_history: bool = True) -> AsyncIterator[Cluster]:
+async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *, keep_history: bool = True,
+                  wiring: Wiring | None = None) -> AsyncIterator[Cluster]:
     """Start each pool's router and its workers on the running loop (prefill worker ids first, then decode);
     stop them on exit. ``keep_history``: with router replicas, the front remembers which replica every request
-    reached (a run's report needs it; a server keeps only its open requests').
+    reached (a run's report needs it; a server keeps only its open requests'). ``wiring``: how the parts connect
+    (default: the scenario's mode's, ``wiring_for``).
 
     A disaggregated cluster's pools each have their own router and network (or ZeroMQ socket), chained by a
     ``DisaggRouter``; decode workers publish their KV events to nobody, as the reference's do: the decode
     pool places requests by load only (its KV arrives by transfer).
     """
-    c = Cluster(scenario, clock, hooks)
+    c = Cluster(scenario, clock, hooks, wiring)
     spec, rspec = scenario.cluster, scenario.router
     n = rspec.replicas
-    ends: dict[str, list[Any]] = {}
-    for pool in spec.pools():
-        if scenario.run.mode == "virtual":
-            assert isinstance(clock, ManualClock)
-            nets = [MemoryNetwork(latency_ns=round(rspec.network_latency_ms * NS_PER_MS), wire_check=spec.kv_wire_check)
-                    for _ in range(n if pool == AGGREGATED else 1)]
-            c.nets[pool] = nets[0]
-            if len(nets) > 1:
-                c.replica_nets = nets
-            c.buses[pool] = MemoryKvBus(vllm_version=spec.kv_events_version, wire_check=spec.kv_wire_check,
-                                        hash_form=spec.kv_events_hash_form)
-            ends[pool] = [net.router_end() for net in nets]
-        else:
-            assert not clock.is_virtual
-            ends[pool] = [ZmqRouterEnd("tcp://127.0.0.1:0") for _ in range(n if pool == AGGREGATED else 1)]
+    ends = {pool: c.wiring.router_ends(pool, n if pool == AGGREGATED else 1) for pool in spec.pools()}
     taps = n > 1 or any(ev.replica is not None and ev.action != "restart_router" for ev in scenario.chaos)
     if n > 1 and rspec.replica_sync.enabled:
         c.sync = MemorySyncBus(clock, round(rspec.replica_sync.delay_ms * NS_PER_MS), rspec.replica_sync.predictions)
 
     def make(pool: str, replica: int = 0) -> Router:
-        bus = c.buses.get(pool)
+        bus = c.wiring.bus(pool)
         router = pool_router(scenario, pool, clock=clock, end=ends[pool][replica], replica=replica,
                              hooks=hooks if replica == 0 else _request_hooks(hooks),
                              kv_replay=bus.replay if bus else None,
@@ -477,7 +436,6 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
     c.routers, c.front = compose_pools(spec, make, clock=clock, hooks=hooks, retry_limit=rspec.settings().retry_limit)
     first = next(iter(c.routers))
     c.router = c.routers[first]
-    c.net, c.bus = c.nets.get(first), c.buses.get(first)
     c._make_router = lambda replica: make(AGGREGATED, replica)
     if not spec.disaggregated:
         c.replicas = [c.router] + [make(AGGREGATED, i) for i in range(1, n)]
@@ -497,8 +455,6 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *,
             yield c
         finally:
             tg.cancel_scope.cancel()
-    for wid in list(c._publishers):
-        for pub in c._publishers.pop(wid):
-            pub.close(drain_timeout_s=0)
+    c.wiring.close()
     for router in [*c.routers.values(), *c.replicas[1:]]:
         await router.end.aclose()
