@@ -33,7 +33,7 @@ from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
 from workers.engine_base import RankCore
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 from workers.config import EngineConfig
 from workers.mock_worker import MockWorker
 

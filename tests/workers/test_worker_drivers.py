@@ -1,4 +1,4 @@
-"""The worker actor's one seam for the run mode (``workers.drivers``): the actor acts the same way on virtual and
+"""The worker actor's one seam for the run mode (``workers.actor.drivers``): the actor acts the same way on virtual and
 wall time and asks its driver, in a fixed order, for what differs; the two drivers implement the whole seam."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.transport import MemoryNetwork
 from workers.config import EngineConfig
-from workers.drivers import LiveDriver, ModeDriver, VirtualDriver, mode_driver
+from workers.actor.drivers import LiveDriver, ModeDriver, VirtualDriver, mode_driver
 from workers.mock_worker import Core, MockWorker
 from workers.request import Request
 from workers.results import StepResult
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 SEAM = sorted(name for name, _ in inspect.getmembers(ModeDriver, inspect.isfunction) if not name.startswith("_"))
 

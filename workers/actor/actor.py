@@ -2,7 +2,7 @@
 
 It registers, heartbeats, accepts or rejects dispatches, drives its cores and publishes each rank's
 KV events. How the cores move in time (fast-forward on virtual time, one task per rank sleeping each
-pass on wall time) is its ``ModeDriver``'s (``workers.drivers``), chosen once at construction.
+pass on wall time) is its ``ModeDriver``'s (``workers.actor.drivers``), chosen once at construction.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from kvemu.runtime.transport import WorkerEnd
 from kvemu.runtime.wakeup import Wakeup
 from kvemu.transfer import KvTransfer
 from kvemu.kv_events import AllBlocksCleared, KVEventBatch
-from workers.drivers import ModeDriver, RunMode, mode_driver
+from workers.actor.drivers import ModeDriver, RunMode, mode_driver
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
