@@ -2,5 +2,6 @@
 link, the one seam for the run mode (``drivers.py``: ``ModeDriver``) and the worker's Prometheus metrics
 (``metrics.py``: ``VllmMetrics``).
 
-The engines never import it.
+It sees each rank's engine only as a ``workers.rank_engine.RankEngine`` (what it needs of a core, whatever the
+flavour); the engines never import it.
 """

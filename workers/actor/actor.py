@@ -45,6 +45,7 @@ from workers.actor.drivers import ModeDriver, RunMode, mode_driver
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
+from workers.rank_engine import RankEngine
 from workers.vllm.hybrid import SPEC_KIND
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
@@ -164,9 +165,7 @@ class WorkerActor:
 
     def kill_rank(self, dp_rank: int) -> list[str]:
         """Chaos: one rank dies. Its requests fail (``rank_lost``), its cache is gone, it takes no more work."""
-        core = self.worker.core(dp_rank)
-        i = self.worker.cores.index(core)
-        self.worker.cores[i] = engine_core(core.config, dp_rank=dp_rank)  # an empty, idle stand-in
+        self._replace(dp_rank, engine_core(self.core(dp_rank).config, dp_rank=dp_rank))  # an empty, idle stand-in
         if self._defer:
             self.defer_kv_events()
         self.dead_ranks.add(dp_rank)
@@ -190,7 +189,7 @@ class WorkerActor:
             self._reply(RequestFailed(request_id=rid, reason=reason))
         return lost
 
-    def fault(self, core: Core, exc: Exception) -> Core:
+    def fault(self, core: RankEngine, exc: Exception) -> RankEngine:
         """An engine call of one rank raised: the rank's state is no longer to be trusted (a pass stopped half
         way). Every request on it ends with ``engine_error`` and the exception's type, the rank starts again
         empty (its cache cleared, the router's index told so) and the worker goes on serving; returns the new
@@ -202,7 +201,7 @@ class WorkerActor:
         self.engine_errors += 1
         fresh = engine_core(core.config, dp_rank=rank, timing=core.timer.model, worker_id=self.worker_id)
         fresh.timer.set_slowdown(core.timer.slowdown)
-        self.worker.cores[self.worker.cores.index(core)] = fresh
+        self._replace(rank, fresh)
         for rid in [rid for rid, r in self._held.items() if r == rank]:  # its held KV went with it
             del self._held[rid]
         self._fail_rank(rank, f"engine_error: {type(exc).__name__}: {str(exc)[:200]}", record=True)
@@ -211,10 +210,23 @@ class WorkerActor:
         self.driver.wake(rank)
         return fresh
 
+    @property
+    def cores(self) -> Sequence[RankEngine]:
+        """Its ranks' engines in rank order, as the shell sees them (``RankEngine``, whatever the flavour)."""
+        return self.worker.cores
+
+    def core(self, dp_rank: int) -> RankEngine:
+        """One rank's engine (``InvalidArgument`` for a rank this worker does not serve)."""
+        return self.worker.core(dp_rank)
+
+    def _replace(self, dp_rank: int, core: Core) -> None:
+        """``core`` takes the place of ``dp_rank``'s engine (a dead rank's stand-in, a faulted rank's restart)."""
+        self.worker.cores[dp_rank - self.worker.dp_start_rank] = core
+
     def _advance(self, t_ns: int) -> list[AdvanceResult]:
         """``MockWorker.advance_to``, rank by rank, each guarded (``fault``): a rank that fails reports nothing."""
         out = []
-        for core in list(self.worker.cores):
+        for core in list(self.cores):
             try:
                 out.append(core.advance_to(t_ns))
             except Exception as exc:  # noqa: BLE001 - one rank's failed pass must not stop the worker
@@ -224,7 +236,7 @@ class WorkerActor:
     def next_event_ns(self) -> int | None:
         """``MockWorker.next_event_ns``, rank by rank, each guarded (``fault``)."""
         times = []
-        for core in list(self.worker.cores):
+        for core in list(self.cores):
             try:
                 t = core.next_event_ns()
             except Exception as exc:  # noqa: BLE001 - as in _advance
@@ -233,9 +245,9 @@ class WorkerActor:
                 times.append(t)
         return min(times) if times else None
 
-    def _guarded(self, dp_rank: int, call: Callable[[Core], object]) -> None:
+    def _guarded(self, dp_rank: int, call: Callable[[RankEngine], object]) -> None:
         """``call(core)`` on one rank's core, guarded (``fault``)."""
-        core = self.worker.core(dp_rank)
+        core = self.core(dp_rank)
         try:
             call(core)
         except Exception as exc:  # noqa: BLE001 - as in _advance
@@ -243,7 +255,7 @@ class WorkerActor:
 
     def slow_down(self, factor: float) -> None:
         """Chaos: every later forward pass of every rank takes ``factor`` times as long."""
-        for core in self.worker.cores:
+        for core in self.cores:
             core.timer.set_slowdown(factor)
         self.driver.replan()  # re-plan the horizon with the new durations
 
@@ -368,7 +380,7 @@ class WorkerActor:
         try:
             outcome = self.worker.dispatch(req, msg.dp_rank)
         except Exception as exc:  # noqa: BLE001 - a request the engine's own checks let through and then choked on
-            core = self.worker.core(msg.dp_rank)
+            core = self.core(msg.dp_rank)
             if core.has_request(msg.request_id):
                 self.fault(core, exc)
             return f"engine_error: {type(exc).__name__}: {str(exc)[:200]}"
@@ -422,7 +434,7 @@ class WorkerActor:
         self._sent.pop(request_id, None)
         self._flushed_at.pop(request_id, None)
         self.local.pop(request_id, None)
-        rank = self.worker.core(rec.dp_rank or 0).dp_rank
+        rank = self.core(rec.dp_rank or 0).dp_rank
         self.driver.catch_up()
         self._guarded(rank, lambda c: c.abort(request_id, reason))
         if self.on_end is not None:
@@ -442,11 +454,11 @@ class WorkerActor:
         return True
 
     def _engine_now(self) -> int:
-        return max(core.now_ns for core in self.worker.cores)
+        return max(core.now_ns for core in self.cores)
 
     def _arrival(self, dp_rank: int, now: int) -> int:
         try:
-            core = self.worker.core(dp_rank)
+            core = self.core(dp_rank)
         except Exception:  # noqa: BLE001 - an unknown rank is rejected by dispatch itself
             return now
         return max(now, core.now_ns)
@@ -484,8 +496,8 @@ class WorkerActor:
         """Virtual time: let engines that can pass over passes whose only visible effect is KV events (the
         SGLang flavour's per-pass evictions) do so; the host promises to ``sync`` before reading the index.
         Returns whether any engine here does (only those workers need syncing)."""
-        for core in self.worker.cores:
-            if hasattr(core, "defer_kv_events"):
+        for core in self.cores:
+            if core.can_defer_kv_events:
                 core.defer_kv_events = True
                 self._defer = True
         return self._defer
@@ -500,7 +512,7 @@ class WorkerActor:
 
     def _emit_advance(self, results: list[AdvanceResult]) -> None:
         reply = self._reply
-        for core, res in zip(self.worker.cores, results):
+        for core, res in zip(self.cores, results):
             pub = self.publishers[core.dp_rank - self.worker.dp_start_rank]
             for pe in res.events:
                 pub.publish(pe)
@@ -548,7 +560,7 @@ class WorkerActor:
         takes to send ``MAX_BATCHES_PER_S`` for each running request."""
         return max(self.stream_interval_ns, len(self._records) * NS_PER_S // MAX_BATCHES_PER_S)
 
-    def emit_step(self, core: Core, res: StepResult) -> None:
+    def emit_step(self, core: RankEngine, res: StepResult) -> None:
         """Wall time: publish one forward pass's KV events, stream its tokens (coalesced), finish what it ended."""
         batch = res.kv_batch
         if batch is not None:

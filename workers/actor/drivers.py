@@ -8,6 +8,7 @@ is the one place that reads the run mode; ``VirtualDriver`` fast-forwards on one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import anyio
@@ -15,7 +16,7 @@ import anyio.abc
 
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.runtime.wakeup import Wakeup
-from workers.mock_worker import Core, MockWorker
+from workers.rank_engine import RankEngine
 from workers.results import StepResult
 
 __all__ = ["DriverHost", "LiveDriver", "ModeDriver", "RunMode", "VirtualDriver", "mode_driver"]
@@ -28,8 +29,14 @@ class DriverHost(Protocol):
     """What a driver needs from the actor it drives (``WorkerActor`` is one)."""
 
     clock: Clock
-    worker: MockWorker
     dead_ranks: set[int]
+
+    @property
+    def cores(self) -> Sequence[RankEngine]:
+        """Its ranks' engines in rank order."""
+
+    def core(self, dp_rank: int) -> RankEngine:
+        """One rank's engine (a new one after a fault)."""
 
     def catch_up(self) -> None:
         """Advance every core to now and publish what became visible."""
@@ -37,10 +44,10 @@ class DriverHost(Protocol):
     def next_event_ns(self) -> int | None:
         """The next instant any core has something visible to do (None: all idle)."""
 
-    def fault(self, core: Core, exc: Exception) -> Core:
+    def fault(self, core: RankEngine, exc: Exception) -> RankEngine:
         """A core's pass raised: end its requests, start the rank again empty; the new core."""
 
-    def emit_step(self, core: Core, res: StepResult) -> None:
+    def emit_step(self, core: RankEngine, res: StepResult) -> None:
         """Send and publish what one forward pass of ``core`` produced."""
 
     def say_alive(self) -> None:
@@ -136,14 +143,14 @@ class LiveDriver(ModeDriver):
         self._host.say_alive()  # a live router routes to us once we speak after its acceptance
 
     def start(self, tg: anyio.abc.TaskGroup) -> None:
-        for core in self._host.worker.cores:
+        for core in self._host.cores:
             tg.start_soon(self._drive, core.dp_rank)
 
     async def _drive(self, rank: int) -> None:
         host = self._host
         clock = host.clock
         while rank not in host.dead_ranks:
-            core = host.worker.core(rank)  # (a new one after a fault)
+            core = host.core(rank)  # (a new one after a fault)
             now = max(clock.now_ns(), core.busy_until_ns, core.now_ns)
             try:
                 res = core.step(now)

@@ -8,7 +8,7 @@ Histogram buckets are vLLM's defaults, so dashboards and recording rules written
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,9 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
 from kvemu.records import RequestRecord
-
-if TYPE_CHECKING:
-    from workers.mock_worker import Core
+from workers.rank_engine import RankEngine
 
 __all__ = ["VllmMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS"]
 
@@ -33,7 +31,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 class VllmMetrics:
     """vLLM's engine metrics for the ranks of one worker; ``cores`` is read at every scrape."""
 
-    def __init__(self, model: str, cores: Callable[[], Sequence[Core]]) -> None:
+    def __init__(self, model: str, cores: Callable[[], Sequence[RankEngine]]) -> None:
         self.model = model
         self._cores = cores
         r = self.registry = CollectorRegistry(auto_describe=True)
