@@ -35,7 +35,7 @@ import kvemu
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvemu", "workers", "harness")
 MODE_WORDS = {"virtual", "live"}
-CHOOSERS = frozenset({"workers/drivers.py", "harness/run_mode.py", "harness/wiring.py"})
+CHOOSERS = frozenset({"workers/actor/drivers.py", "harness/run_mode.py", "harness/wiring.py"})
 """The modules that choose the mode's driver: the one place each that may ask which mode it is."""
 
 LOADED = """

@@ -58,7 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("workers/vllm/engine.py", "workers/vllm/fast_forward.py", "workers/vllm/scheduler.py", "workers/blocks.py",
                 "workers/sequence.py", "workers/timing.py", "workers/mock_worker.py", "workers/admission.py", "workers/request.py",
                 "workers/config.py")),
-    ("worker actor", ("workers/worker_actor.py",)),
+    ("worker actor", ("workers/actor/",)),
     ("harness", ("harness/",)),
 ]
 """Python functions: the layer of the first entry with a pattern matching the function's file."""

@@ -31,7 +31,7 @@ from kvemu.runtime.replica_link import ReplicaEnds
 from kvemu.runtime.replica_sync_bus import MemorySyncBus
 from kvemu.runtime.router import Router
 from workers.engine_base import RankCore
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 from workers.config import EngineConfig
 from workers.mock_worker import MockWorker
 

@@ -13,7 +13,7 @@ from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.router import Router
 from kvemu.runtime.transport import MemoryNetwork, RouterEnd, WorkerEnd, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
-from workers.worker_actor import KvPublisher, WorkerActor
+from workers.actor.actor import KvPublisher, WorkerActor
 
 from harness.scenario import Scenario
 

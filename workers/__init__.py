@@ -2,7 +2,7 @@
 
 Depends on ``kvemu`` only. The names exported here are the workers' public API (``EngineCore``: the old name of
 ``VllmEngineCore``). Each flavour has its folder (``workers/vllm/``, ``workers/sglang/``); what they share sits
-here, beside the actor shell (``worker_actor.py``, ``metrics.py``).
+here; the async shell around them has its own folder (``workers/actor/``).
 """
 
 import kvemu  # noqa: F401  first: kvemu._build picks the compiled or pure-Python modules before any loads (isort: skip)

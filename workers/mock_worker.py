@@ -6,6 +6,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.records import RequestRecord
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
+from workers.rank_engine import RankEngine
 from workers.vllm.engine import AdvanceResult, VllmEngineCore
 from workers.request import Request
 from workers.sglang.engine import SglangEngineCore
@@ -15,6 +16,11 @@ __all__ = ["MockWorker", "DispatchOutcome", "Core", "engine_core"]
 
 Core = VllmEngineCore | SglangEngineCore
 """One DP rank's engine: the vLLM/TRT-LLM flavours' ``VllmEngineCore`` or the SGLang flavour's ``SglangEngineCore``."""
+
+# Each flavour's core is what the actor shell needs: mypy checks it here, where a flavour is picked (it names the
+# member a flavour lacks or types differently).
+_VLLM_IS_A_RANK_ENGINE: type[RankEngine] = VllmEngineCore
+_SGLANG_IS_A_RANK_ENGINE: type[RankEngine] = SglangEngineCore
 
 
 def engine_core(config: EngineConfig, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,

@@ -26,7 +26,7 @@ from kvemu.limits import MAX_LIST_ITEMS, Endpoint, Id, Name, Rank, WorkerId
 from kvemu.runtime.transport import NoRouterEnd
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 from harness.chaos import at_ns, chaos_problems, worker_chaos
 from harness.pools import AGGREGATED

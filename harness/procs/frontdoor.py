@@ -22,7 +22,7 @@ from kvemu.records import RequestRecord
 from kvemu.runtime.router import Router
 
 from workers.config import EngineConfig
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 from harness.cluster import engine_config, replica_front
 from harness.procs.engine_truth import EngineTruth, Unsettled
@@ -97,7 +97,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     ``handoff_secret`` when given; ``worker_listening`` tells it where the server listens)."""
     from harness.procs.kv_handoff import KvHandoff
     from harness.procs.worker_backend import WorkerBackend
-    from workers.metrics import VllmMetrics
+    from workers.actor.metrics import VllmMetrics
 
     metrics = VllmMetrics(model, lambda: actor.worker.cores)
     actor.on_sent_times = metrics.token_gaps

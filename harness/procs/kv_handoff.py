@@ -61,7 +61,7 @@ from kvemu.http.reply import respond
 from kvemu.messages import ClientRequest
 from kvemu.transfer import KvTransfer, transfer_refusal
 from kvemu.wire.security import HANDOFF_SECRET_ENV
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 __all__ = ["KvHandoff", "HOLD_TIMEOUT_S", "ROOM_TIMEOUT_S", "handoff_proof"]
 

@@ -24,7 +24,7 @@ from kvemu.runtime.replica_link import ReplicaEnds
 from kvemu.runtime.transport import NoRouterEnd, WorkerEnd, ZmqWorkerEnd
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
-from workers.worker_actor import WorkerActor, WorkerRejected
+from workers.actor.actor import WorkerActor, WorkerRejected
 from workers.mock_worker import MockWorker
 
 from harness.cluster import engine_config

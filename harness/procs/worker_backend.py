@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvemu.http.backend import OnEnd, OnTokens
 from kvemu.records import RequestRecord
 from kvemu.messages import ClientRequest, Finished, RequestFailed, TokenBatch
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 from harness.procs.engine_truth import EngineTruth
 from harness.procs.kv_handoff import KvHandoff

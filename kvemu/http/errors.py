@@ -30,7 +30,7 @@ _FAILURE_STATUS = (
     ("do_not_queue", 429),
     ("encode_failed", 500),  # kvemu could not send what it accepted: its own failure, not the worker's
     ("send_failed", 500),
-    ("engine_error", 500),  # an engine pass failed on this request's rank (workers.worker_actor._fault)
+    ("engine_error", 500),  # an engine pass failed on this request's rank (workers.actor.actor.WorkerActor.fault)
 )
 
 

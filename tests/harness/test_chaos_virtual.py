@@ -130,7 +130,7 @@ def test_a_worker_applies_each_fault_it_is_sent_to_itself():
     from kvemu.runtime.kv_bus import MemoryKvBus
     from kvemu.messages import Chaos
     from kvemu.runtime.transport import MemoryNetwork
-    from workers.worker_actor import WorkerActor
+    from workers.actor.actor import WorkerActor
     from workers.config import EngineConfig
     from workers.mock_worker import MockWorker
 

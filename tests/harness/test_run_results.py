@@ -8,7 +8,7 @@ import pytest
 from harness.report.files import OutputError
 from harness.runner import RunAborted, Terminated, run_scenario
 from harness.scenario import parse_scenario
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 SCENARIO = """
 name: safety

@@ -33,7 +33,7 @@ def test_past_a_few_streams_a_live_worker_coalesces_each_ones_tokens_longer():
     """The batches a live worker sends a second stay about ``MAX_BATCHES_PER_S`` however many requests
     stream (300 long streams through ``kvemu serve``: front 927 -> 245 MB, routers ~730 -> ~400 MB each, and
     the front's /metrics answering again)."""
-    from workers.worker_actor import MAX_BATCHES_PER_S
+    from workers.actor.actor import MAX_BATCHES_PER_S
 
     async def body(http, actor):
         base = actor.stream_interval_ns

@@ -1,7 +1,7 @@
-"""The engine flavours' modules moved into ``workers/vllm/`` and ``workers/sglang/``. For one release each old path
-is a deprecated alias: importing it warns (naming the new path, at the importer's line) and gives the new module's
-public names as the same objects; the old class names stay aliases of the new ones; no module of the repository
-imports an old path."""
+"""The engine flavours' modules moved into ``workers/vllm/`` and ``workers/sglang/``, the actor shell's into
+``workers/actor/``. For one release each old path is a deprecated alias: importing it warns (naming the new path, at
+the importer's line) and gives the new module's public names as the same objects; the old class names stay aliases
+of the new ones; no module of the repository imports an old path."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ MOVED = {
     "workers.host_tier": "workers.vllm.host_tier",
     "workers.sglang_engine": "workers.sglang.engine",
     "workers.radix": "workers.sglang.radix",
+    "workers.worker_actor": "workers.actor.actor",
+    "workers.drivers": "workers.actor.drivers",
+    "workers.metrics": "workers.actor.metrics",
 }
 """Old module path -> where it lives now."""
 

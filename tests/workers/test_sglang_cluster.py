@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import workers.worker_actor
+import workers.actor.actor
 from harness.runner import run_scenario
 from harness.scenario import parse_scenario
 from workers.config import EngineConfig
@@ -26,7 +26,7 @@ SCENARIO = {
 
 def outcomes(defer: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple], dict]:
     if not defer:
-        monkeypatch.setattr(workers.worker_actor.WorkerActor, "defer_kv_events", lambda self: None)
+        monkeypatch.setattr(workers.actor.actor.WorkerActor, "defer_kv_events", lambda self: None)
     data = run_scenario(parse_scenario(json.dumps(SCENARIO)), None).data
     recs = sorted((r.request_id, r.worker_id, r.dp_rank, r.predicted_overlap_blocks, r.first_token_ns,
                    r.completion_ns, r.engine_reused_tokens, r.failure) for r in data.records)
@@ -104,6 +104,6 @@ def test_the_router_sees_the_evictions_made_since_it_last_decided(monkeypatch):
         return rec.predicted_overlap_blocks
 
     lazy = predicted()
-    monkeypatch.setattr(workers.worker_actor.WorkerActor, "defer_kv_events", lambda self: None)
+    monkeypatch.setattr(workers.actor.actor.WorkerActor, "defer_kv_events", lambda self: None)
     assert lazy == predicted()
     assert 0 < lazy < 1000  # evictions had reached the router: only part of the prompt was still there

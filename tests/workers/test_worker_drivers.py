@@ -1,4 +1,4 @@
-"""The worker actor's one seam for the run mode (``workers.drivers``): the actor acts the same way on virtual and
+"""The worker actor's one seam for the run mode (``workers.actor.drivers``): the actor acts the same way on virtual and
 wall time and asks its driver, in a fixed order, for what differs; the two drivers implement the whole seam."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.transport import MemoryNetwork
 from workers.config import EngineConfig
-from workers.drivers import LiveDriver, ModeDriver, VirtualDriver, mode_driver
-from workers.mock_worker import Core, MockWorker
+from workers.actor.drivers import LiveDriver, ModeDriver, VirtualDriver, mode_driver
+from workers.mock_worker import MockWorker
+from workers.rank_engine import RankEngine
 from workers.request import Request
 from workers.results import StepResult
-from workers.worker_actor import WorkerActor
+from workers.actor.actor import WorkerActor
 
 SEAM = sorted(name for name, _ in inspect.getmembers(ModeDriver, inspect.isfunction) if not name.startswith("_"))
 
@@ -120,9 +121,12 @@ class _Host:
 
     def __init__(self) -> None:
         self.clock = ManualClock()
-        self.worker = MockWorker(EngineConfig(num_gpu_blocks=64, block_size=16))
+        self.cores = MockWorker(EngineConfig(num_gpu_blocks=64, block_size=16)).cores
         self.dead_ranks: set[int] = set()
         self.calls: list[str] = []
+
+    def core(self, dp_rank: int) -> RankEngine:
+        return self.cores[dp_rank]
 
     def catch_up(self) -> None:
         self.calls.append("catch_up")
@@ -131,10 +135,10 @@ class _Host:
         self.calls.append("next_event_ns")
         return None
 
-    def fault(self, core: Core, exc: Exception) -> Core:
+    def fault(self, core: RankEngine, exc: Exception) -> RankEngine:
         raise AssertionError("no pass runs here")
 
-    def emit_step(self, core: Core, res: StepResult) -> None:
+    def emit_step(self, core: RankEngine, res: StepResult) -> None:
         raise AssertionError("no pass runs here")
 
     def say_alive(self) -> None:

@@ -116,6 +116,9 @@ class _Pass:
 class SglangEngineCore(RankCore):
     """The SGLang-flavour mock engine of one DP rank; same host contract as ``VllmEngineCore``."""
 
+    can_defer_kv_events = True
+    """``next_event_ns`` can pass over decode passes whose only visible effect is evictions (``defer_kv_events``)."""
+
     def __init__(
         self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
         worker_id: int = 0,

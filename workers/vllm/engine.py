@@ -82,6 +82,11 @@ class _Pass:
 class VllmEngineCore(RankCore):
     """The mock engine of one DP rank. Never sleeps, never reads a clock; the host says what time it is."""
 
+    can_defer_kv_events = False
+    """Every pass whose KV events are visible is an event: nothing to defer (``workers.rank_engine.RankEngine``)."""
+    defer_kv_events = False
+    """Not acted on (``can_defer_kv_events`` is False); the actor shell's ``RankEngine`` has it on every flavour."""
+
     def __init__(
         self, config: EngineConfig | None = None, *, dp_rank: int = 0, timing: AnyTimingModel | None = None,
         worker_id: int = 0,

@@ -21,7 +21,7 @@ from harness.cluster import cluster
 from harness.procs.frontdoor import worker_door
 from harness.scenario import parse_scenario
 from harness.procs.up import cli_command, cli_env
-from workers.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from workers.actor.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 SCENARIO = """
 name: worker-http

@@ -142,7 +142,7 @@ def _beating_worker(clock, mode: str, interval_s: float):
     from kvemu.runtime.kv_bus import MemoryKvBus
     from kvemu.messages import Register
     from workers import EngineConfig, MockWorker
-    from workers.worker_actor import WorkerActor
+    from workers.actor.actor import WorkerActor
 
     net = MemoryNetwork()
     router = net.router_end()
