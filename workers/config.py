@@ -25,7 +25,7 @@ from kvemu.transfer import Bandwidth, BytesPerToken
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
            "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
            "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS", "KvGroupSpec", "KvCacheGroup",
-           "KV_GROUP_KINDS", "MAX_ENGINE_COUNT"]
+           "KV_GROUP_KINDS", "MAX_ENGINE_COUNT", "SPEC_KIND"]
 
 EvictionPolicyName = Literal["lru", "lineage"]
 PreemptionMode = Literal["lifo", "fifo"]
@@ -205,6 +205,10 @@ class KvGroupSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.kind != "state":
             return None
         return self.cache_mode or "align"
+
+
+SPEC_KIND = {"full_attention": "full_attention", "sliding_window": "sliding_window", "state": "mamba"}
+"""``kv_cache_spec_kind`` vLLM sends for each KV cache group kind (its ``KVCacheSpecKind`` values)."""
 
 
 class KvCacheGroup(msgspec.Struct, frozen=True):

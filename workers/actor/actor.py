@@ -45,8 +45,8 @@ from workers.actor.drivers import ModeDriver, RunMode, mode_driver
 from workers.results import AdvanceResult, StepResult
 from workers.request import Request
 from workers.mock_worker import Core, MockWorker, engine_core
+from workers.config import SPEC_KIND
 from workers.rank_engine import RankEngine
-from workers.vllm.hybrid import SPEC_KIND
 
 __all__ = ["KvPublisher", "WorkerRejected", "WorkerActor"]
 

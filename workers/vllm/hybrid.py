@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from typing import overload
 
 from workers.blocks import BlockPool, TokenSource
-from workers.config import EngineConfig, KvCacheGroup, KvGroupSpec
+from workers.config import SPEC_KIND, EngineConfig, KvCacheGroup, KvGroupSpec
 from workers.sequence import SeqState
 
 __all__ = ["HybridKV", "GroupKeys", "max_blocks", "FULL", "WINDOW", "ONE", "ALIGN", "U64", "SPEC_KIND"]
@@ -53,8 +53,6 @@ WINDOW = 1
 ONE = 2  # a state group without prefix caching: one block per request
 ALIGN = 3  # a state group in vLLM's ``align`` cache mode: checkpoints where a pass ends on a block boundary
 U64 = (1 << 64) - 1
-SPEC_KIND = {"full_attention": "full_attention", "sliding_window": "sliding_window", "state": "mamba"}
-"""``kv_cache_spec_kind`` vLLM sends for each group kind (its ``KVCacheSpecKind`` values)."""
 
 
 class GroupKeys(Sequence[int]):
