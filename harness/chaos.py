@@ -24,7 +24,7 @@ from kvemu.limits import Text
 from kvemu.messages import WORKER_CHAOS, Chaos
 from kvemu.replica_sync import MAX_REPLICAS
 
-from harness.scenario import ChaosEvent
+from harness.scenario import ChaosAction, ChaosEvent
 
 __all__ = ["Control", "ControlReply", "WorkerExited", "SyncPeers", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS",
            "SUPERVISOR_CHAOS", "Outcome", "ChaosHost", "RouterlessHost", "apply_chaos", "worker_chaos", "timeline", "chaos_problems"]
@@ -127,6 +127,8 @@ class RouterlessHost(ChaosHost):
         return Outcome(False, f"{self.who} has no router to restart")
 
     async def delay_kv_events(self, replica: int | None, lag_ms: float) -> Outcome:
+        """A replica's feed: refused; else the first running worker's publishers alone (as ``kvemu fleet`` always
+        did; the router and the in-process cluster delay every worker's)."""
         if replica is not None:
             return self._no_feed(replica)
         return await self.to_worker(None, Chaos(action="delay_kv_events", lag_ms=lag_ms))
@@ -142,7 +144,7 @@ def _to_worker(host: ChaosHost, ev: ChaosEvent) -> Awaitable[Outcome]:
     return host.to_worker(ev.worker, worker_chaos(ev))
 
 
-_APPLY: dict[str, Callable[[ChaosHost, ChaosEvent], Awaitable[Outcome]]] = {
+_APPLY: dict[ChaosAction, Callable[[ChaosHost, ChaosEvent], Awaitable[Outcome]]] = {
     **{action: _to_worker for action in WORKER_CHAOS},  # a worker applies them to itself, unless below
     "add_worker": lambda host, ev: host.add_worker(),
     "remove_worker": lambda host, ev: host.remove_worker(ev.worker, ev.graceful),
