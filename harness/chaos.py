@@ -6,11 +6,15 @@ A supervisor (``kvemu up``) or a load generator (``kvemu loadgen --chaos apply``
 Starting and stopping worker processes (``add_worker``, ``remove_worker``) is for a supervisor only, and so is
 ``WorkerExited``: a worker process it runs exited unasked, so the router fences it at once, and ``SyncPeers``:
 where a router replica's peers publish their sync batches.
+
+Every place that applies chaos (the in-process cluster of ``harness.runner``, a router process's control channel,
+``kvemu fleet``) is a ``ChaosHost``; ``apply_chaos`` is the one map from an event onto a host's capabilities.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, NamedTuple, Protocol
 
 import msgspec
 from msgspec import Meta
@@ -20,10 +24,10 @@ from kvemu.limits import Text
 from kvemu.messages import WORKER_CHAOS, Chaos
 from kvemu.replica_sync import MAX_REPLICAS
 
-from harness.scenario import ChaosEvent
+from harness.scenario import ChaosAction, ChaosEvent
 
 __all__ = ["Control", "ControlReply", "WorkerExited", "SyncPeers", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS",
-           "SUPERVISOR_CHAOS", "worker_chaos", "timeline", "chaos_problems"]
+           "SUPERVISOR_CHAOS", "Outcome", "ChaosHost", "RouterlessHost", "apply_chaos", "worker_chaos", "timeline", "chaos_problems"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
 """The environment variable holding the shared control token; a router without one refuses every control."""
@@ -73,6 +77,88 @@ def worker_chaos(ev: ChaosEvent) -> Chaos:
     """The message that makes a worker apply ``ev`` to itself."""
     return Chaos(action=ev.action, dp_rank=ev.dp_rank, count=ev.count, lag_ms=ev.lag_ms,  # type: ignore[arg-type]
                  factor=ev.factor)
+
+
+class Outcome(NamedTuple):
+    """What a host did with a chaos event: applied it (and what it did), or not (and why)."""
+
+    ok: bool
+    detail: str = ""
+
+
+class ChaosHost(Protocol):
+    """What a place that applies chaos can do, one method per capability. A host that cannot do one says why in
+    its ``Outcome``; every host subclasses this, so mypy checks it implements each (``apply_chaos`` calls them)."""
+
+    async def add_worker(self) -> Outcome:
+        """Start one more worker (in the last pool)."""
+        ...
+
+    async def remove_worker(self, worker: int | None, graceful: bool) -> Outcome:
+        """Stop ``worker`` (None: the first running one), letting its requests finish when ``graceful``."""
+        ...
+
+    async def restart_router(self, replica: int) -> Outcome:
+        """The router (replica ``replica``) dies and a new one starts in its place."""
+        ...
+
+    async def delay_kv_events(self, replica: int | None, lag_ms: float) -> Outcome:
+        """KV events arrive ``lag_ms`` late from now on: on replica ``replica``'s own feed, or (None) from every
+        worker's publishers, present and future."""
+        ...
+
+    async def drop_kv_events(self, replica: int, count: int) -> Outcome:
+        """Replica ``replica``'s own KV feed loses its next ``count`` batches."""
+        ...
+
+    async def to_worker(self, worker: int | None, msg: Chaos) -> Outcome:
+        """``worker`` (None: the first one) applies ``msg`` to itself (``WorkerActor.apply_chaos``)."""
+        ...
+
+
+class RouterlessHost(ChaosHost):
+    """A host with workers and no router (``kvemu fleet``): the router's own faults are refused here, in one place
+    (a new router capability adds its refusal here, not in each such host)."""
+
+    who = "this host"
+    """Who refuses, in the refusal (``kvemu fleet``)."""
+
+    async def restart_router(self, replica: int) -> Outcome:
+        return Outcome(False, f"{self.who} has no router to restart")
+
+    async def delay_kv_events(self, replica: int | None, lag_ms: float) -> Outcome:
+        """A replica's feed: refused; else the first running worker's publishers alone (as ``kvemu fleet`` always
+        did; the router and the in-process cluster delay every worker's)."""
+        if replica is not None:
+            return self._no_feed(replica)
+        return await self.to_worker(None, Chaos(action="delay_kv_events", lag_ms=lag_ms))
+
+    async def drop_kv_events(self, replica: int, count: int) -> Outcome:
+        return self._no_feed(replica)
+
+    def _no_feed(self, replica: int) -> Outcome:
+        return Outcome(False, f"{self.who} has no router replica {replica}: its KV feed is the router's")
+
+
+def _to_worker(host: ChaosHost, ev: ChaosEvent) -> Awaitable[Outcome]:
+    return host.to_worker(ev.worker, worker_chaos(ev))
+
+
+_APPLY: dict[ChaosAction, Callable[[ChaosHost, ChaosEvent], Awaitable[Outcome]]] = {
+    **{action: _to_worker for action in WORKER_CHAOS},  # a worker applies them to itself, unless below
+    "add_worker": lambda host, ev: host.add_worker(),
+    "remove_worker": lambda host, ev: host.remove_worker(ev.worker, ev.graceful),
+    "restart_router": lambda host, ev: host.restart_router(ev.replica or 0),
+    "delay_kv_events": lambda host, ev: host.delay_kv_events(ev.replica, ev.lag_ms),
+    "drop_kv_events": lambda host, ev: (host.drop_kv_events(ev.replica, ev.count) if ev.replica is not None
+                                        else _to_worker(host, ev)),
+}
+"""Per chaos action, the host capability that applies it (one row per action of ``ChaosEvent``)."""
+
+
+async def apply_chaos(host: ChaosHost, ev: ChaosEvent) -> Outcome:
+    """Apply one chaos event on ``host``: what it did, or why it could not."""
+    return await _APPLY[ev.action](host, ev)
 
 
 def chaos_problems(events: list[ChaosEvent], applies: frozenset[str], who: str) -> list[str]:

@@ -18,9 +18,10 @@ import anyio
 from kvemu.clock import NS_PER_MS
 from kvemu.errors import KvemuError
 from kvemu.hooks import HookEvent, Hooks
+from kvemu.messages import Chaos
 
 from harness.autoscaler import AutoscalerShell
-from harness.chaos import timeline, worker_chaos
+from harness.chaos import ChaosHost, Outcome, apply_chaos, timeline
 from harness.cluster import Cluster, cluster
 from harness.interrupts import Terminated, held_signals
 from harness.replica_stats import replica_stats
@@ -239,22 +240,46 @@ async def _sample(c: Cluster, state: RunState, recorder: Recorder, progress: Pro
 
 async def _chaos(c: Cluster, ev: ChaosEvent, state: RunState) -> None:
     await anyio.sleep(ev.at_s)
-    if ev.action == "add_worker":
-        await c.add_worker()
-    elif ev.action == "remove_worker":
-        target = ev.worker if ev.worker is not None else min(w for w in c.workers if w not in c.leaving)
-        await c.remove_worker(target, graceful=ev.graceful)
-    elif ev.action == "delay_kv_events" and ev.replica is not None:
-        c.feeds[ev.replica].lag_ns = round(ev.lag_ms * NS_PER_MS)  # that replica's feed alone
-    elif ev.action == "delay_kv_events":
-        c.set_kv_lag(round(ev.lag_ms * NS_PER_MS))  # every publisher, present and future
-    elif ev.action == "drop_kv_events" and ev.replica is not None:
-        c.feeds[ev.replica].drop_next += ev.count
-    elif ev.action == "restart_router":
-        await c.restart_router(ev.replica or 0)
-    else:  # the worker applies it to itself, as a worker process does when the router forwards it
-        target = ev.worker if ev.worker is not None else min(c.workers)
-        actor = c.workers.get(target)
-        why = actor.apply_chaos(worker_chaos(ev)) if actor is not None else f"worker {target} is not running"
-        if why is not None:
-            raise ValueError(f"chaos action {ev.action!r}: {why}")
+    done = await apply_chaos(_ClusterChaos(c), ev)
+    if not done.ok:
+        raise ValueError(f"chaos action {ev.action!r}: {done.detail}")
+
+
+class _ClusterChaos(ChaosHost):
+    """The in-process cluster as a chaos host: it applies every action (the cluster refuses a router restart of a
+    disaggregated cluster, raising)."""
+
+    def __init__(self, c: Cluster) -> None:
+        self.c = c
+
+    async def add_worker(self) -> Outcome:
+        await self.c.add_worker()
+        return Outcome(True)
+
+    async def remove_worker(self, worker: int | None, graceful: bool) -> Outcome:
+        c = self.c
+        await c.remove_worker(worker if worker is not None else min(w for w in c.workers if w not in c.leaving),
+                              graceful=graceful)
+        return Outcome(True)
+
+    async def restart_router(self, replica: int) -> Outcome:
+        await self.c.restart_router(replica)
+        return Outcome(True)
+
+    async def delay_kv_events(self, replica: int | None, lag_ms: float) -> Outcome:
+        if replica is not None:
+            self.c.feeds[replica].lag_ns = round(lag_ms * NS_PER_MS)  # that replica's feed alone
+        else:
+            self.c.set_kv_lag(round(lag_ms * NS_PER_MS))  # every publisher, present and future
+        return Outcome(True)
+
+    async def drop_kv_events(self, replica: int, count: int) -> Outcome:
+        self.c.feeds[replica].drop_next += count
+        return Outcome(True)
+
+    async def to_worker(self, worker: int | None, msg: Chaos) -> Outcome:
+        """The worker applies it to itself, as a worker process does when the router forwards it."""
+        target = worker if worker is not None else min(self.c.workers)
+        actor = self.c.workers.get(target)
+        why = actor.apply_chaos(msg) if actor is not None else f"worker {target} is not running"
+        return Outcome(why is None, why or "")

@@ -12,7 +12,7 @@ prefill rank that held it may free it).
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar, get_args
 
 import msgspec
 from msgspec import Meta
@@ -318,14 +318,16 @@ class KvBatch(msgspec.Struct, **_OPTS):
     payload: Annotated[bytes, Meta(max_length=MAX_KV_BATCH_BYTES)]
 
 
-WORKER_CHAOS = ("kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker")
-"""The chaos actions a worker applies to itself."""
+WorkerChaosAction = Literal["kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker"]
+"""The chaos actions a worker applies to itself (``WorkerActor.apply_chaos``)."""
+WORKER_CHAOS: tuple[WorkerChaosAction, ...] = get_args(WorkerChaosAction)
+"""The same, as a tuple."""
 
 
 class Chaos(msgspec.Struct, **_OPTS):
     """A fault for the worker to apply to itself: the control channel of chaos on real processes."""
 
-    action: Literal["kill_rank", "drop_kv_events", "delay_kv_events", "slow_worker"]
+    action: WorkerChaosAction
     dp_rank: Rank = 0
     """The rank (``kill_rank``, ``drop_kv_events``)."""
     count: Annotated[int, Meta(ge=1, le=1 << 30)] = 1

@@ -23,24 +23,24 @@ import anyio.abc
 import msgspec
 
 from kvemu.limits import MAX_LIST_ITEMS, Endpoint, Id, Name, Rank, WorkerId
+from kvemu.messages import WORKER_CHAOS, Chaos
 from kvemu.runtime.transport import NoRouterEnd
 from kvemu.wire import security
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor.actor import WorkerActor
 
-from harness.chaos import at_ns, chaos_problems, worker_chaos
+from harness.chaos import SUPERVISOR_CHAOS, Outcome, RouterlessHost, apply_chaos, at_ns, chaos_problems
 from harness.pools import AGGREGATED
 from harness.procs.engine_truth import EngineTruth, TruthPage
 from harness.procs.protocol import HttpOptions
 from harness.procs.worker import LOAD_SAMPLE_S, build_worker, sample_load
-from harness.scenario import ChaosEvent, Scenario
+from harness.scenario import Scenario
 
 __all__ = ["FleetWorker", "FleetInfo", "Fleet", "IN_PROCESS_CHAOS", "PROCESS_CHAOS", "fleet_chaos_problems"]
 
-IN_PROCESS_CHAOS = frozenset({"remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
-                              "slow_worker"})
+IN_PROCESS_CHAOS = frozenset({*SUPERVISOR_CHAOS, *WORKER_CHAOS})
 """What a fleet in one process applies (the router's own faults, ``restart_router``, have no router here)."""
-PROCESS_CHAOS = frozenset({"remove_worker", "add_worker"})
+PROCESS_CHAOS = SUPERVISOR_CHAOS
 """What a fleet of processes applies: it starts and stops them (a worker process takes no other fault)."""
 
 
@@ -245,24 +245,48 @@ class Fleet:
             await anyio.sleep(0.05)
         for ev in events:
             await anyio.sleep(max(0.0, (t0 + at_ns(ev) - time.monotonic_ns()) / 1e9))
-            ok, detail = await self._apply(ev)
+            ok, detail = await apply_chaos(_FleetChaos(self), ev)
             line = {"event": "chaos", "action": ev.action, "at_s": ev.at_s, "ok": ok, "detail": detail}
             self.events.append(line)
             print(json.dumps(line), file=sys.stderr, flush=True)
 
-    async def _apply(self, ev: ChaosEvent) -> tuple[bool, str]:
-        if ev.action == "add_worker":
-            pools = list(self.scenario.cluster.pools())
-            info = await self.add_worker(pools[-1])  # a disaggregated fleet grows its decode pool
-            return True, f"worker {info.worker_id} at {info.url}"
-        target = ev.worker if ev.worker is not None else min(self._infos, default=None)
-        if target is None or target not in self._infos:
-            return False, f"worker {target} is not running"
-        if ev.action == "remove_worker":
-            self.remove_worker(target, ev.graceful)
-            return True, f"worker {target} {'drained' if ev.graceful else 'killed'}"
-        why = self._members[target].actor.apply_chaos(worker_chaos(ev))
-        return why is None, why or f"worker {target}"
+
+class _FleetChaos(RouterlessHost):
+    """A fleet as a chaos host: it starts and stops its workers and hands a worker its own faults (``delay_kv_events``
+    the first running worker's alone, as it always did); it has no router (``fleet_chaos_problems`` refuses what it
+    cannot apply before it starts)."""
+
+    who = "kvemu fleet"
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def _running(self, worker: int | None) -> int | str:
+        """The worker aimed at (None: the first running one), or why there is none."""
+        target = worker if worker is not None else min(self.fleet._infos, default=None)
+        return target if target is not None and target in self.fleet._infos else f"worker {target} is not running"
+
+    async def add_worker(self) -> Outcome:
+        pools = list(self.fleet.scenario.cluster.pools())
+        info = await self.fleet.add_worker(pools[-1])  # a disaggregated fleet grows its decode pool
+        return Outcome(True, f"worker {info.worker_id} at {info.url}")
+
+    async def remove_worker(self, worker: int | None, graceful: bool) -> Outcome:
+        target = self._running(worker)
+        if isinstance(target, str):
+            return Outcome(False, target)
+        self.fleet.remove_worker(target, graceful)
+        return Outcome(True, f"worker {target} {'drained' if graceful else 'killed'}")
+
+    async def to_worker(self, worker: int | None, msg: Chaos) -> Outcome:
+        target = self._running(worker)
+        if isinstance(target, str):
+            return Outcome(False, target)
+        member = self.fleet._members.get(target)
+        if member is None:  # (a worker process: fleet_chaos_problems refused this before the fleet started)
+            return Outcome(False, f"worker {target} is a process: kvemu fleet --processes only starts and stops them")
+        why = member.actor.apply_chaos(msg)
+        return Outcome(why is None, why or f"worker {target}")
 
 
 def _first_arrival(url: str) -> int | None:

@@ -39,12 +39,13 @@ from kvemu.runtime.transport import ZmqRouterEnd
 from harness.chaos import (
     CONTROL_TOKEN_ENV,
     MAX_TOKEN_BYTES,
-    SUPERVISOR_CHAOS,
+    ChaosHost,
     Control,
     ControlReply,
+    Outcome,
     SyncPeers,
     WorkerExited,
-    worker_chaos,
+    apply_chaos,
 )
 from harness.cluster import pool_router
 from harness.procs.gate import PoolGate
@@ -60,7 +61,7 @@ from harness.pools import (
 )
 from harness.report.recorder import Recorder
 from harness.report.run_data import EXITED
-from harness.scenario import ChaosEvent, Scenario
+from harness.scenario import Scenario
 from harness.text import counted
 from harness.tuning import tune_gc
 from harness.procs.protocol import (
@@ -335,7 +336,7 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             elif t is WorkerExited:
                 end.reply(peer, encode(control.worker_exited(routers, msg)))  # type: ignore[arg-type]
             elif t is Control:
-                reply = control.apply(routers, msg)  # type: ignore[arg-type]
+                reply = await control.apply(routers, msg)  # type: ignore[arg-type]
                 end.reply(peer, encode(reply))
                 if reply.ok and msg.event.action == "restart_router":  # type: ignore[union-attr]
                     await restart(tg)
@@ -407,37 +408,15 @@ class _RouterControl:
         router.remove_worker(msg.worker_id, reason=f"{EXITED} ({msg.how})")
         return ControlReply(ok=True, detail=f"worker {msg.worker_id} fenced")
 
-    def apply(self, routers: dict[str, Router], msg: Control) -> ControlReply:
+    async def apply(self, routers: dict[str, Router], msg: Control) -> ControlReply:
         """Apply or forward one chaos event to the worker it names (in whichever pool it is registered)."""
         ev = msg.event
         refused = self._refusal(msg.token, ev.action)
         if refused is not None:
             return refused
-        if ev.action in SUPERVISOR_CHAOS:
-            return ControlReply(ok=False, detail=f"{ev.action} starts or stops a worker process: kvemu up applies it "
-                                                 "(with docker-compose, scale the worker service)")
         print(json.dumps({"event": "control", "action": ev.action, "worker": ev.worker}), file=sys.stderr)
-        workers = sorted(w for r in routers.values() for w in r.workers)
-        if ev.replica is not None and ev.action in ("drop_kv_events", "delay_kv_events"):
-            return self._fault_feed(ev)
-        if ev.action == "restart_router":
-            if AGGREGATED not in routers:
-                return ControlReply(ok=False, detail="restart_router: restarting the routers of a disaggregated "
-                                                     "cluster is not supported yet")
-            return ControlReply(ok=True, detail="restarting: the requests it holds fail with router_restart")
-        if ev.action == "delay_kv_events":
-            self.lag_ms = ev.lag_ms
-            for wid in workers:
-                owner(routers.values(), wid).send_chaos(wid, worker_chaos(ev))  # type: ignore[union-attr]
-            return ControlReply(ok=True, detail=f"KV events {ev.lag_ms:g} ms late on {counted(len(workers), 'worker')} "
-                                                "and every later one")
-        if ev.worker is None and not workers:
-            return ControlReply(ok=False, detail=f"{ev.action}: no worker is registered")
-        target = ev.worker if ev.worker is not None else workers[0]
-        router = owner(routers.values(), target)
-        why = (router.send_chaos(target, worker_chaos(ev)) if router is not None else
-               f"worker {target} is not registered (registered: {workers[:16]})")
-        return ControlReply(ok=why is None, detail=why or f"{ev.action} sent to worker {target}")
+        done = await apply_chaos(_RouterChaos(self, routers), ev)
+        return ControlReply(ok=done.ok, detail=done.detail)
 
     def sync_peers(self, sync: ZmqSyncLink | None, msg: SyncPeers) -> ControlReply:
         """The supervisor tells this replica where its peers publish their sync batches: subscribe to each."""
@@ -454,23 +433,78 @@ class _RouterControl:
             return ControlReply(ok=False, detail=f"sync_peers: {exc}"[:300])
         return ControlReply(ok=True, detail=f"subscribed to {counted(len(msg.peers), 'peer')}")
 
-    def _fault_feed(self, ev: ChaosEvent) -> ControlReply:
-        """Chaos aimed at this replica's own KV feed: lose its next batches, or deliver them late."""
-        feed = self.feed
-        if feed is None:
-            return ControlReply(ok=False, detail=f"{ev.action} on replica {ev.replica}: this router is no replica "
-                                                 "(router.replicas is 1)")
-        if ev.action == "drop_kv_events":
-            feed.drop_next += ev.count
-            return ControlReply(ok=True, detail=f"the next {counted(ev.count, 'KV batch')} of this replica's feed lost")
-        feed.lag_ns = round(ev.lag_ms * NS_PER_MS)
-        return ControlReply(ok=True, detail=f"this replica's KV feed {ev.lag_ms:g} ms late")
-
     def on_worker_added(self, routers: dict[str, Router], worker_id: int | None) -> None:
         """A worker registered: give it the KV-event lag chaos set, if any."""
         router = owner(routers.values(), worker_id) if worker_id is not None else None
         if self.lag_ms is not None and router is not None:
             router.send_chaos(worker_id, Chaos(action="delay_kv_events", lag_ms=self.lag_ms))  # type: ignore[arg-type]
+
+
+class _RouterChaos(ChaosHost):
+    """A router process as a chaos host: it restarts itself, faults its own KV feed (a replica) and forwards the
+    rest to the worker it names; starting and stopping worker processes is a supervisor's."""
+
+    def __init__(self, control: _RouterControl, routers: dict[str, Router]) -> None:
+        self.control = control
+        self.routers = routers
+
+    def _workers(self) -> list[int]:
+        return sorted(w for r in self.routers.values() for w in r.workers)
+
+    @staticmethod
+    def _supervisors(action: str) -> Outcome:
+        return Outcome(False, f"{action} starts or stops a worker process: kvemu up applies it (with docker-compose, "
+                              "scale the worker service)")
+
+    async def add_worker(self) -> Outcome:
+        return self._supervisors("add_worker")
+
+    async def remove_worker(self, worker: int | None, graceful: bool) -> Outcome:
+        return self._supervisors("remove_worker")
+
+    async def restart_router(self, replica: int) -> Outcome:
+        """Say yes or why not: ``_serve_router`` restarts the router once the reply left."""
+        if AGGREGATED not in self.routers:
+            return Outcome(False, "restart_router: restarting the routers of a disaggregated cluster is not "
+                                  "supported yet")
+        return Outcome(True, "restarting: the requests it holds fail with router_restart")
+
+    def _feed(self, action: str, replica: int) -> FeedTap | str:
+        """This replica's own KV feed, or why chaos cannot fault it."""
+        return self.control.feed or (f"{action} on replica {replica}: this router is no replica (router.replicas "
+                                     "is 1)")
+
+    async def delay_kv_events(self, replica: int | None, lag_ms: float) -> Outcome:
+        if replica is not None:
+            feed = self._feed("delay_kv_events", replica)
+            if isinstance(feed, str):
+                return Outcome(False, feed)
+            feed.lag_ns = round(lag_ms * NS_PER_MS)
+            return Outcome(True, f"this replica's KV feed {lag_ms:g} ms late")
+        self.control.lag_ms = lag_ms
+        workers = self._workers()
+        for wid in workers:
+            owner(self.routers.values(), wid).send_chaos(  # type: ignore[union-attr]
+                wid, Chaos(action="delay_kv_events", lag_ms=lag_ms))
+        return Outcome(True, f"KV events {lag_ms:g} ms late on {counted(len(workers), 'worker')} and every later "
+                             "one")
+
+    async def drop_kv_events(self, replica: int, count: int) -> Outcome:
+        feed = self._feed("drop_kv_events", replica)
+        if isinstance(feed, str):
+            return Outcome(False, feed)
+        feed.drop_next += count
+        return Outcome(True, f"the next {counted(count, 'KV batch')} of this replica's feed lost")
+
+    async def to_worker(self, worker: int | None, msg: Chaos) -> Outcome:
+        workers = self._workers()
+        if worker is None and not workers:
+            return Outcome(False, f"{msg.action}: no worker is registered")
+        target = worker if worker is not None else workers[0]
+        router = owner(self.routers.values(), target)
+        why = (router.send_chaos(target, msg) if router is not None else
+               f"worker {target} is not registered (registered: {workers[:16]})")
+        return Outcome(why is None, why or f"{msg.action} sent to worker {target}")
 
 
 def router_main(scenario: Scenario, listen: str, grace_s: float = 10.0, http: HttpOptions | None = None,

@@ -28,6 +28,7 @@ from harness.scenario.loading import (
 from harness.scenario.origin import BUILT_IN, Override, RunOrigin
 from harness.scenario.schema import MAX_SYNTHETIC_TOKENS, Scenario
 from harness.scenario.sections import (
+    CHAOS_TARGETS,
     MAX_DP_SIZE,
     MAX_RANKS,
     MAX_REQUESTS,
@@ -36,7 +37,9 @@ from harness.scenario.sections import (
     MAX_WORKERS,
     AffinitySpec,
     AutoscalerSpec,
+    ChaosAction,
     ChaosEvent,
+    ChaosTargets,
     ClusterSpec,
     Count,
     Distribution,

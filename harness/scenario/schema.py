@@ -17,6 +17,7 @@ from harness.scenario.sections import (
     MAX_RANKS,
     MAX_REQUESTS,
     MAX_WORKERS,
+    CHAOS_TARGETS,
     AutoscalerSpec,
     ChaosEvent,
     ClusterSpec,
@@ -66,8 +67,6 @@ class Scenario(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-_WORKER_ACTIONS = ("remove_worker", "kill_rank", "drop_kv_events", "slow_worker")
-_RANK_ACTIONS = ("kill_rank", "drop_kv_events")
 MAX_SYNTHETIC_TOKENS = 250_000_000
 """Most prompt token slots a synthetic workload may generate up front (about 2 GB of lists)."""
 
@@ -85,15 +84,16 @@ def _check_chaos(s: Scenario) -> None:
     added_dp = pools[-1][1]  # add_worker adds to the last pool: the aggregated one, or the decode pool
     for i in sorted(range(len(s.chaos)), key=lambda k: s.chaos[k].at_s):  # same-instant events keep file order
         ev = s.chaos[i]
+        aims = CHAOS_TARGETS[ev.action]
         at = f"chaos[{i}] ({ev.action} at {ev.at_s:g} s)"
         if ev.action == "restart_router" and s.cluster.disaggregated:
             raise InvalidArgument(f"{at}: restarting the routers of a disaggregated cluster is not supported yet",
                                   field=f"chaos[{i}].action")
         if ev.replica is not None:
             _check_replica_target(s, ev, at, f"chaos[{i}].replica")
-            if ev.action in ("drop_kv_events", "delay_kv_events"):
-                continue  # (a replica's feed: no worker)
-        if ev.action not in _WORKER_ACTIONS:
+            if ev.worker is None:
+                continue  # (a replica: no worker)
+        if aims.worker == "none":
             if ev.worker is not None:
                 raise InvalidArgument(f"{at} takes no worker" + (f" (the new worker will be {next_id})"
                                       if ev.action == "add_worker" else ""), field=f"chaos[{i}].worker")
@@ -106,7 +106,7 @@ def _check_chaos(s: Scenario) -> None:
             continue
         target = ev.worker
         if target is None:
-            if ev.action in ("kill_rank", "slow_worker"):
+            if aims.worker == "required":
                 raise InvalidArgument(f"{at} needs a worker id", field=f"chaos[{i}].worker")
             if not live:
                 raise InvalidArgument(f"{at}: no worker is running then", field=f"chaos[{i}]")
@@ -115,7 +115,7 @@ def _check_chaos(s: Scenario) -> None:
             running = ", ".join(map(str, live[:12])) + (" ..." if len(live) > 12 else "") if live else "none"
             raise InvalidArgument(f"{at}: worker {target} is not running then (running: {running})",
                                   field=f"chaos[{i}].worker")
-        if ev.action in _RANK_ACTIONS and ev.dp_rank >= dp_of[target]:
+        if aims.rank and ev.dp_rank >= dp_of[target]:
             raise InvalidArgument(f"{at}: dp_rank {ev.dp_rank} does not exist (worker {target} has {dp_of[target]} "
                                   "DP ranks)", field=f"chaos[{i}].dp_rank")
         if ev.action == "remove_worker":
@@ -125,9 +125,9 @@ def _check_chaos(s: Scenario) -> None:
 def _check_replica_target(s: Scenario, ev: ChaosEvent, at: str, field: str) -> None:
     """A chaos event aimed at one router replica: the replica exists, the action hits a replica, and a replica's
     KV feed can be faulted (its batches pass through this process only in virtual mode)."""
-    if ev.action not in ("restart_router", "drop_kv_events", "delay_kv_events"):
-        raise InvalidArgument(f"{at} takes no replica (replica targets: restart_router, drop_kv_events, "
-                              "delay_kv_events)", field=field)
+    if not CHAOS_TARGETS[ev.action].replica:
+        targets = ", ".join(a for a, aims in CHAOS_TARGETS.items() if aims.replica)
+        raise InvalidArgument(f"{at} takes no replica (replica targets: {targets})", field=field)
     if ev.replica is not None and ev.replica >= s.router.replicas:
         raise InvalidArgument(f"{at}: replica {ev.replica} does not exist (router.replicas is {s.router.replicas})",
                               field=field)

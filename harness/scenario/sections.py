@@ -11,7 +11,7 @@ and a Python caller are held to the same ranges. Checks across sections are the 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, NamedTuple, TypedDict
 
 import msgspec
 from msgspec import Meta
@@ -31,6 +31,9 @@ from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
 
 __all__ = [
     "EngineSpec",
+    "ChaosAction",
+    "ChaosTargets",
+    "CHAOS_TARGETS",
     "PoolSpec",
     "ClusterSpec",
     "AffinitySpec",
@@ -479,12 +482,40 @@ class RunSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     fails with ``worker_lost``) and the report shows, not a reason to stop."""
 
 
+ChaosAction = Literal["remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
+                      "slow_worker", "restart_router"]
+"""What a chaos event does (``harness.chaos.apply_chaos`` maps each onto the host that applies it)."""
+
+
+class ChaosTargets(NamedTuple):
+    """What a chaos action may aim at, as the scenario's checks play the timeline."""
+
+    worker: Literal["none", "optional", "required"]
+    """Whether it names a worker (``optional``: the first running one when it does not)."""
+    rank: bool = False
+    """It names one of that worker's DP ranks (``dp_rank``)."""
+    replica: bool = False
+    """It may name a router replica (``replica``) instead of a worker."""
+
+
+CHAOS_TARGETS: dict[ChaosAction, ChaosTargets] = {
+    "remove_worker": ChaosTargets("optional"),
+    "add_worker": ChaosTargets("none"),
+    "kill_rank": ChaosTargets("required", rank=True),
+    "drop_kv_events": ChaosTargets("optional", rank=True, replica=True),
+    "delay_kv_events": ChaosTargets("none", replica=True),
+    "slow_worker": ChaosTargets("required"),
+    "restart_router": ChaosTargets("none", replica=True),
+}
+"""Per chaos action, what it aims at: one row per action, read by the timeline's checks (``harness.scenario.
+schema``)."""
+
+
 class ChaosEvent(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """One scheduled fault."""
 
     at_s: Seconds
-    action: Literal["remove_worker", "add_worker", "kill_rank", "drop_kv_events", "delay_kv_events",
-                    "slow_worker", "restart_router"]
+    action: ChaosAction
     worker: Index | None = None
     """Target worker id (``remove_worker``, ``kill_rank``, ``drop_kv_events``, ``slow_worker``)."""
     dp_rank: Index = 0
