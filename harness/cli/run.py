@@ -118,8 +118,8 @@ def validate_command(args: argparse.Namespace) -> int:
     from harness.cluster import check_buildable
     from harness.runner import count_requests
     from harness.scenario import ScenarioError
-    from harness.trace_sessions import turn_count
-    from harness.traces.graph import TraceGraph
+    from harness.workload.trace_sessions import turn_count
+    from harness.workload.traces.graph import TraceGraph
     from harness.workload import build_sessions
 
     try:

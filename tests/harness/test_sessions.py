@@ -9,7 +9,7 @@ import anyio
 from kvemu.clock import ManualClock
 from kvemu.runtime.loop import run_virtual
 
-from harness.sessions import SessionPlayer, awaiting
+from harness.workload.sessions import SessionPlayer, awaiting
 from harness.workload import Session, Turn
 
 MS = 1_000_000

@@ -17,10 +17,10 @@ from workers.trace import read_mooncake
 
 from harness.runner import count_requests
 from harness.scenario import TraceWorkload, parse_scenario
-from harness.sessions import SessionPlayer, drain_deadline_s
-from harness.synthetic_trace import write_synthetic_trace
-from harness.trace_sessions import TraceSessions, start_times, turn_count
-from harness.turns import Session, Turn
+from harness.workload.sessions import SessionPlayer, drain_deadline_s
+from harness.workload.synthetic_trace import write_synthetic_trace
+from harness.workload.trace_sessions import TraceSessions, start_times, turn_count
+from harness.workload.turns import Session, Turn
 from harness.workload import build_sessions, load_trace
 
 MS = NS_PER_MS

@@ -7,7 +7,7 @@ predecessor, a trigger (the predecessor's ``dispatch`` or its ``completion``), a
 (``sequence``, ``spawn``, ``join``, ``replay_barrier``). A node is released once every edge's trigger
 happened plus its delay. A Mooncake session is the special case of a chain of sequence edges.
 
-Columns (``array``s) instead of objects, as ``harness.trace_sessions`` keeps a Mooncake trace: a node costs
+Columns (``array``s) instead of objects, as ``harness.workload.trace_sessions`` keeps a Mooncake trace: a node costs
 about 60 bytes plus its hash ids (8 bytes each, full 64 bits, so a conversion writes back what it read).
 """
 

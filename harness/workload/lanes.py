@@ -43,11 +43,11 @@ from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
 from workers.trace import HashIdTokens
 
-from harness.player import Player, Submit
+from harness.workload.players import Player, Submit
 from harness.scenario import LanesSpec
-from harness.traces.graph import COMPLETION, DISPATCH, MAX_SESSION_BYTES, SPAWN, TraceGraph, grouped, indegrees
-from harness.traces.graph import successors, targets
-from harness.traces.timing import release_times
+from harness.workload.traces.graph import COMPLETION, DISPATCH, MAX_SESSION_BYTES, SPAWN, TraceGraph, grouped, indegrees
+from harness.workload.traces.graph import successors, targets
+from harness.workload.traces.timing import release_times
 
 __all__ = ["LanePlayer", "Cancel", "PRIMER", "WARMUP", "PROFILE", "DEADLINE_REASON", "WARMUP_FAILED_REASON",
            "conversation_parents",

@@ -6,7 +6,7 @@ delay). Some turns fan out sub-agents: conversations of their own, spawned when 
 from the play's system prompt; blocking ones are joined by the main conversation's next turn. Every play starts
 with the same system-prompt blocks. The same ``seed`` always gives the same bytes.
 
-    python -m harness.agentic_corpus examples/traces/agentic-lanes-corpus.jsonl
+    python -m harness.workload.agentic_corpus examples/traces/agentic-lanes-corpus.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.traces.agentic_v2 import SCHEMA
+from harness.workload.traces.agentic_v2 import SCHEMA
 
 __all__ = ["corpus_rows", "write_corpus"]
 

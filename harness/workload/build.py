@@ -32,12 +32,12 @@ from harness.scenario import (
     TraceWorkload,
     resolve,
 )
-from harness.trace_sessions import TraceSessions, TraceSessionsBuilder
-from harness.traces.formats import detect_format, load_graph
-from harness.traces.graph import TraceGraph
-from harness.traces.mooncake import mooncake_turns
-from harness.traces.rows import line_count
-from harness.turns import Session, Sessions, Turn
+from harness.workload.trace_sessions import TraceSessions, TraceSessionsBuilder
+from harness.workload.traces.formats import detect_format, load_graph
+from harness.workload.traces.graph import TraceGraph
+from harness.workload.traces.mooncake import mooncake_turns
+from harness.workload.traces.rows import line_count
+from harness.workload.turns import Session, Sessions, Turn
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "count_requests", "sample"]
 

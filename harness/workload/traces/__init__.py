@@ -6,5 +6,5 @@
 ``weka`` (Weka trace objects lowered to the graph), ``dynamo`` (``dynamo.request.trace.v1``), ``formats`` (the
 names, detection, ``load_graph``; ``names`` the names alone), ``convert`` (writing a graph as another format,
 refusing lossy ones) and ``timing`` (release times under known service times: replay's reference model).
-Replay is ``harness.sessions.GraphPlayer``; the formats are described in docs/traces.md.
+Replay is ``harness.workload.sessions.GraphPlayer``; the formats are described in docs/traces.md.
 """

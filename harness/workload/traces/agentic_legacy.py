@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 from workers.trace import MAX_TRACE_ROWS
 
-from harness.traces.graph import COMPLETION, JOIN, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
-from harness.traces.mooncake import DEFAULT_MODEL
-from harness.traces.rows import MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ns_to_ms
+from harness.workload.traces.graph import COMPLETION, JOIN, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
+from harness.workload.traces.mooncake import DEFAULT_MODEL
+from harness.workload.traces.rows import MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ns_to_ms
 
 __all__ = ["DEFAULT_SESSION", "load_agentic_legacy", "legacy_rows"]
 
@@ -106,7 +106,7 @@ def load_agentic_legacy(path: Path, block_size: int, *, max_rows: int = MAX_TRAC
 
 def legacy_rows(g: TraceGraph) -> Iterator[dict[str, Any]]:
     """Each node as a legacy row: its edges' sources as ``wait_for`` and their longest delay as ``delay``
-    (``harness.traces.convert`` says what that loses)."""
+    (``harness.workload.traces.convert`` says what that loses)."""
     for n in g.nodes():
         row: dict[str, Any] = {"request_id": n.request_id, "session_id": n.session, "input_length": n.input_length,
                                "output_length": n.output_length, "hash_ids": list(n.hash_ids)}

@@ -10,7 +10,7 @@ first N sessions start at once and each next one, in start order, when a session
 slot through its think times). A closed loop has no last start to time a drain from, so it stops instead when
 no request has ended for ``stall_timeout_ns`` while some were in flight.
 
-A trace's dependency graph (``harness.traces``) plays the same way with plays for sessions (``GraphPlayer``):
+A trace's dependency graph (``harness.workload.traces``) plays the same way with plays for sessions (``GraphPlayer``):
 a request goes when the requests it depends on were sent or ended, as its edges say.
 """
 
@@ -29,15 +29,15 @@ from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
 from workers.trace import HashIdTokens
 
-from harness.lanes import LanePlayer
-from harness.player import Player, Submit, awaiting
+from harness.workload.lanes import LanePlayer
+from harness.workload.players import Player, Submit, awaiting
 from harness.scenario import Scenario
-from harness.trace_sessions import start_times
-from harness.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
-from harness.turns import Session, Sessions, Turn
+from harness.workload.trace_sessions import start_times
+from harness.workload.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
+from harness.workload.turns import Session, Sessions, Turn
 
 __all__ = ["Player", "Played", "SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
-# (``Player``, ``Submit`` and ``awaiting`` live in ``harness.player``, shared with ``harness.lanes``)
+# (``Player``, ``Submit`` and ``awaiting`` live in ``harness.workload.players``, shared with ``harness.workload.lanes``)
 
 
 class SessionPlayer(Player):
@@ -121,7 +121,7 @@ class SessionPlayer(Player):
 
 
 class GraphPlayer(Player):
-    """Plays a trace's dependency graph (``harness.traces``): a unit is a play.
+    """Plays a trace's dependency graph (``harness.workload.traces``): a unit is a play.
 
     Open loop: a root goes at its ``not_before``. Closed loop (``concurrency`` plays at a time, in order of their
     first root): a play's times count from when it started. Any other node goes once every incoming edge's

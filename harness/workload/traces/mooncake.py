@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 from kvemu.clock import NS_PER_MS
 from workers.trace import MAX_TRACE_ROWS, MooncakeRow, read_mooncake
 
-from harness.traces.graph import COMPLETION, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
-from harness.traces.rows import MAX_PROMPT_TOKENS, error, ns_to_ms
+from harness.workload.traces.graph import COMPLETION, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
+from harness.workload.traces.rows import MAX_PROMPT_TOKENS, error, ns_to_ms
 
 __all__ = ["DEFAULT_MODEL", "MooncakeTurn", "mooncake_turns", "load_mooncake", "load_mooncake_delta",
            "mooncake_rows", "mooncake_delta_rows"]
@@ -92,7 +92,7 @@ def load_mooncake_delta(path: Path, block_size: int, *, max_rows: int = MAX_TRAC
 
 
 def _rows(g: TraceGraph, prompt: Callable[[int, int | None], tuple[list[int], int]]) -> Iterator[dict[str, Any]]:
-    """The rows of a graph of chains (``harness.traces.convert`` checked it is one), in node order."""
+    """The rows of a graph of chains (``harness.workload.traces.convert`` checked it is one), in node order."""
     prev: dict[int, int] = {}  # session → its latest node
     for i in range(len(g)):
         s = g.session[i]

@@ -1,7 +1,7 @@
 """What every player of a workload shares: ``Player`` (units started open or closed loop, requests counted, timers in
 exact virtual nanoseconds, the closed loop's stall watch) and ``Submit``, how a player starts one request.
 
-The players build on it: ``harness.sessions`` (sessions, a trace's graph) and ``harness.lanes`` (lanes).
+The players build on it: ``harness.workload.sessions`` (sessions, a trace's graph) and ``harness.workload.lanes`` (lanes).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 
-from harness.traces.graph import DISPATCH, TraceGraph, indegrees, successors, targets
+from harness.workload.traces.graph import DISPATCH, TraceGraph, indegrees, successors, targets
 
 __all__ = ["release_times", "topological_order"]
 

@@ -19,8 +19,8 @@ from typing import overload
 
 from workers.trace import MooncakeRow
 
-from harness.traces.graph import TraceGraph
-from harness.turns import Session, Sessions, Turn
+from harness.workload.traces.graph import TraceGraph
+from harness.workload.turns import Session, Sessions, Turn
 
 __all__ = ["TraceSessions", "TraceSessionsBuilder", "start_times", "turn_count"]
 

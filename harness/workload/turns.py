@@ -1,6 +1,6 @@
 """A workload's units: a ``Session`` of ``Turn`` requests (synthesized, or materialized from a loaded trace).
 
-Their own module so that the trace's column store (``harness.trace_sessions``) and the workload builders
+Their own module so that the trace's column store (``harness.workload.trace_sessions``) and the workload builders
 (``harness.workload``) share them without importing each other.
 """
 
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from workers.trace import HashIdTokens
 
-from harness.traces.graph import TraceGraph
+from harness.workload.traces.graph import TraceGraph
 
 __all__ = ["Turn", "Session", "Sessions"]
 
@@ -52,4 +52,4 @@ class Session(NamedTuple):
 
 
 Sessions = Sequence[Session] | TraceGraph
-"""What a workload plays: sessions of turns, or a trace's dependency graph (``harness.traces``)."""
+"""What a workload plays: sessions of turns, or a trace's dependency graph (``harness.workload.traces``)."""

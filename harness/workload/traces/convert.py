@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 
 from kvemu.errors import InvalidArgument
 
-from harness.traces.formats import WRITABLE, writer
-from harness.traces.graph import COMPLETION, DISPATCH, SEQUENCE, Dependency, GraphBuilder, TraceGraph
-from harness.traces.mooncake import DEFAULT_MODEL
-from harness.traces.timing import release_times
+from harness.workload.traces.formats import WRITABLE, writer
+from harness.workload.traces.graph import COMPLETION, DISPATCH, SEQUENCE, Dependency, GraphBuilder, TraceGraph
+from harness.workload.traces.mooncake import DEFAULT_MODEL
+from harness.workload.traces.timing import release_times
 
 __all__ = ["Conversion", "losses", "notes", "convert_trace", "as_chains"]
 

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 from workers.trace import MAX_TRACE_ROWS
 
-from harness.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
+from harness.workload.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
     TraceGraph
-from harness.traces.mooncake import DEFAULT_MODEL
-from harness.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, check_capacity, error, json_lines, ms_to_ns
+from harness.workload.traces.mooncake import DEFAULT_MODEL
+from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, check_capacity, error, json_lines, ms_to_ns
 
 __all__ = ["SCHEMA", "load_dynamo"]
 
