@@ -1,0 +1,27 @@
+"""Deprecated alias of ``harness.workload.traces.rows`` (the workload's modules have their folder now), kept for one release."""
+
+import warnings
+
+from harness.workload.traces.rows import (
+    MAX_ID_BYTES, MAX_HASH_IDS, MAX_TRACE_NS, Row, json_lines, line_count, open_text, ms_to_ns, ns_to_ms,
+    MAX_PROMPT_TOKENS, MAX_OUTPUT_TOKENS, MAX_TRACE_ROWS, error,
+)
+
+__all__ = [
+    "MAX_ID_BYTES",
+    "MAX_HASH_IDS",
+    "MAX_TRACE_NS",
+    "Row",
+    "json_lines",
+    "line_count",
+    "open_text",
+    "ms_to_ns",
+    "ns_to_ms",
+    "MAX_PROMPT_TOKENS",
+    "MAX_OUTPUT_TOKENS",
+    "MAX_TRACE_ROWS",
+    "error",
+]
+
+warnings.warn("harness.traces.rows is deprecated: import from harness.workload.traces.rows",
+              DeprecationWarning, stacklevel=2)
