@@ -46,7 +46,7 @@ from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_
 from harness.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
 from harness.workload.sessions import Played, awaiting, play_workload
-from harness.workload.turns import Sessions
+from harness.workload.forms import Sessions
 from harness.workload import build_sessions
 
 __all__ = ["HttpTarget", "Legs", "http_loadgen_report", "fetch_truth", "legs_by_id", "PromptForm"]

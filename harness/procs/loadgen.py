@@ -39,7 +39,7 @@ from harness.runner import NothingRan, count_requests
 from harness.workload.sessions import Played, awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
 from harness.text import counted
-from harness.workload.turns import Sessions
+from harness.workload.forms import Sessions
 from harness.workload import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
                                      reply_decoder)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from array import array
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from itertools import islice
 from typing import Any
 
@@ -32,9 +32,10 @@ from workers.trace import HashIdTokens
 from harness.workload.lanes import LanePlayer
 from harness.workload.players import Player, Submit, awaiting
 from harness.scenario import Scenario
-from harness.workload.trace_sessions import start_times
+from harness.workload.forms import Sessions
+from harness.workload.trace_sessions import TraceSessions
 from harness.workload.traces.graph import COMPLETION, DISPATCH, TraceGraph, grouped, indegrees, successors, targets
-from harness.workload.turns import Session, Sessions, Turn
+from harness.workload.turns import Session, SessionList, Turn, Workload
 
 __all__ = ["Player", "Played", "SessionPlayer", "GraphPlayer", "Submit", "awaiting", "play_workload", "drain_deadline_s"]
 # (``Player``, ``Submit`` and ``awaiting`` live in ``harness.workload.players``, shared with ``harness.workload.lanes``)
@@ -45,7 +46,8 @@ class SessionPlayer(Player):
 
     A session is taken from ``sessions`` only when it starts (a loaded trace materializes it then)."""
 
-    def __init__(self, sessions: Sequence[Session], submit: Submit, clock: Clock, *, concurrency: int | None = None,
+    def __init__(self, sessions: SessionList | TraceSessions, submit: Submit, clock: Clock, *,
+                 concurrency: int | None = None,
                  stall_timeout_ns: int | None = None) -> None:
         super().__init__(submit, clock, concurrency=concurrency, stall_timeout_ns=stall_timeout_ns)
         self.sessions = sessions
@@ -56,7 +58,7 @@ class SessionPlayer(Player):
 
     def _begin(self) -> None:
         if self.concurrency is None:
-            for i, start_ns in enumerate(start_times(self.sessions)):
+            for i, start_ns in enumerate(self.sessions.start_times()):
                 self._at(start_ns, self._start, i)
         else:
             self._queue = iter(self.sessions)
@@ -220,12 +222,12 @@ def _request(rid: str, turn: Turn, session_id: str | None, parent: str | None) -
                          parent_session_id=parent, worker_id=turn.worker_id)
 
 
-def drain_deadline_s(scenario: Scenario, sessions: Sessions) -> float:
+def drain_deadline_s(scenario: Scenario, sessions: Workload) -> float:
     """Scenario seconds after which an open-loop run stops waiting: the last session start plus
     ``run.drain_timeout_s`` (a closed loop has none: it watches for stalls instead)."""
     if scenario.workload.concurrency is not None or getattr(scenario.workload, "lanes", None) is not None:
         return math.inf
-    last = max(start_times(sessions), default=0) / NS_PER_S
+    last = max(sessions.start_times(), default=0) / NS_PER_S
     return last + scenario.run.drain_timeout_s
 
 
@@ -254,17 +256,17 @@ async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, 
     ``out`` gets the lanes' figures and each request's phase."""
     stall = round(scenario.run.drain_timeout_s * NS_PER_S)
     player: Player
-    lanes = getattr(scenario.workload, "lanes", None)
-    if lanes is not None and isinstance(sessions, TraceGraph):
-        lane_player = LanePlayer(sessions, lanes, submit, clock, cancel=cancel, in_server=in_server,
-                                 stall_timeout_ns=stall)
-        try:
-            await lane_player.run()
-        finally:
-            if out is not None:
-                out.lanes, out.phases = lane_player.report(), lane_player.phases
-        return not (lane_player.stalled or lane_player.failed_preparation)
-    if isinstance(sessions, TraceGraph):
+    if isinstance(sessions, TraceGraph):  # (the one place that asks which form a workload is: to pick its player)
+        lanes = getattr(scenario.workload, "lanes", None)
+        if lanes is not None:
+            lane_player = LanePlayer(sessions, lanes, submit, clock, cancel=cancel, in_server=in_server,
+                                     stall_timeout_ns=stall)
+            try:
+                await lane_player.run()
+            finally:
+                if out is not None:
+                    out.lanes, out.phases = lane_player.report(), lane_player.phases
+            return not (lane_player.stalled or lane_player.failed_preparation)
         player = GraphPlayer(sessions, submit, clock, concurrency=scenario.workload.concurrency,
                              stall_timeout_ns=stall)
     else:

@@ -19,8 +19,7 @@ from typing import overload
 
 from workers.trace import MooncakeRow
 
-from harness.workload.traces.graph import TraceGraph
-from harness.workload.turns import Session, Sessions, Turn
+from harness.workload.turns import Session, Turn, Workload, sessions_in_words
 
 __all__ = ["TraceSessions", "TraceSessionsBuilder", "start_times", "turn_count"]
 
@@ -98,6 +97,14 @@ class TraceSessions(Sequence[Session]):
         if self._n == len(self._start):
             return len(self._output)
         return sum(self._turns[:self._n])
+
+    def request_count(self) -> int:
+        """How many requests the sessions send: their turns (a trace turn has no sub-agents)."""
+        return self.turn_count()
+
+    def in_words(self) -> str:
+        """Its size in words, as ``kvemu validate`` prints it."""
+        return sessions_in_words(len(self), self.turn_count(), self.request_count())
 
     def starting_by(self, limit_ns: int) -> TraceSessions:
         """The sessions that start at or before ``limit_ns`` (a prefix: they are in start order), sharing columns."""
@@ -192,20 +199,11 @@ class TraceSessionsBuilder:
                              self._input_length, start, first, line, turns, names, len(start))
 
 
-def start_times(sessions: Sessions) -> Iterable[int]:
-    """Each session's start (ns), in order, without materializing a loaded trace's sessions (a graph: its
-    roots' ready times)."""
-    if isinstance(sessions, TraceGraph):
-        return (sessions.not_before_ns[i] for i in sessions.roots())
-    if isinstance(sessions, TraceSessions):
-        return sessions.start_times()
-    return (s.start_ns for s in sessions)
+def start_times(sessions: Workload) -> Iterable[int]:
+    """Each session's start (ns), in order (``Workload.start_times``)."""
+    return sessions.start_times()
 
 
-def turn_count(sessions: Sessions) -> int:
-    """How many turns the sessions hold, without materializing a loaded trace's sessions (a graph: its nodes)."""
-    if isinstance(sessions, TraceGraph):
-        return len(sessions)
-    if isinstance(sessions, TraceSessions):
-        return sessions.turn_count()
-    return sum(len(s.turns) for s in sessions)
+def turn_count(sessions: Workload) -> int:
+    """How many turns the sessions hold (``Workload.turn_count``)."""
+    return sessions.turn_count()

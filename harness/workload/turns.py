@@ -1,19 +1,20 @@
-"""A workload's units: a ``Session`` of ``Turn`` requests (synthesized, or materialized from a loaded trace).
+"""A workload's units: a ``Session`` of ``Turn`` requests (synthesized, or materialized from a loaded trace), and
+what every form of a workload gives its callers (``Workload``), a list of sessions' included (``SessionList``).
 
 Their own module so that the trace's column store (``harness.workload.trace_sessions``) and the workload builders
-(``harness.workload``) share them without importing each other.
+(``harness.workload.build``) share them without importing each other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, Protocol, overload
 
 from workers.trace import HashIdTokens
 
-from harness.workload.traces.graph import TraceGraph
+from harness.text import counted
 
-__all__ = ["Turn", "Session", "Sessions"]
+__all__ = ["Turn", "Session", "SessionList", "Workload", "sessions_in_words"]
 
 
 class Turn(NamedTuple):
@@ -51,5 +52,72 @@ class Session(NamedTuple):
     """Whether its requests carry the session id (affinity); trace rows without one do not."""
 
 
-Sessions = Sequence[Session] | TraceGraph
-"""What a workload plays: sessions of turns, or a trace's dependency graph (``harness.workload.traces``)."""
+
+class Workload(Protocol):
+    """What a run, the load generators and ``kvemu validate`` ask of a workload, whatever its form: a list of
+    sessions (``SessionList``), a loaded trace's sessions kept column-wise (``TraceSessions``) or a trace's
+    dependency graph (``TraceGraph``). Only ``play_workload``, which picks the player, asks which form it is."""
+
+    def request_count(self) -> int:
+        """How many requests it sends (each turn and each of its sub-agents; a graph: each node)."""
+        ...
+
+    def turn_count(self) -> int:
+        """How many turns it holds (a graph: its nodes)."""
+        ...
+
+    def start_times(self) -> Iterable[int]:
+        """Each session's start (ns), in order, without materializing a loaded trace's sessions (a graph: its
+        roots' ready times)."""
+        ...
+
+    def in_words(self) -> str:
+        """Its size in words, as ``kvemu validate`` prints it."""
+        ...
+
+
+def sessions_in_words(sessions: int, turns: int, requests: int) -> str:
+    """``3 sessions, 7 requests (5 turns + 2 sub-agent requests)``: sessions of turns in words."""
+    detail = f" ({counted(turns, 'turn')} + {counted(requests - turns, 'sub-agent request')})" if requests > turns \
+        else ""
+    return f"{counted(sessions, 'session')}, {counted(requests, 'request')}{detail}"
+
+
+class SessionList(Sequence[Session]):
+    """A list of sessions (a synthetic workload's) as a ``Workload``: a sequence of its sessions, counted by
+    walking them."""
+
+    __slots__ = ("_sessions",)
+
+    def __init__(self, sessions: Iterable[Session] = ()) -> None:
+        self._sessions = list(sessions)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @overload
+    def __getitem__(self, index: int) -> Session: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Session]: ...
+
+    def __getitem__(self, index: int | slice) -> Session | Sequence[Session]:
+        return self._sessions[index]
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(self._sessions)
+
+    def request_count(self) -> int:
+        return sum(1 + len(t.sub_agents) for s in self._sessions for t in s.turns)
+
+    def turn_count(self) -> int:
+        return sum(len(s.turns) for s in self._sessions)
+
+    def start_times(self) -> Iterable[int]:
+        return (s.start_ns for s in self._sessions)
+
+    def in_words(self) -> str:
+        return sessions_in_words(len(self), self.turn_count(), self.request_count())
+
+    def __repr__(self) -> str:
+        return f"SessionList({self._sessions!r})"

@@ -53,13 +53,19 @@ def test_the_old_trace_package_warns() -> None:
 
 
 def test_the_workload_package_gives_what_the_old_module_gave() -> None:
-    """``from harness.workload import build_sessions`` (the module it was) still works, without a warning."""
+    """``from harness.workload import build_sessions`` (the module it was) still works, without a warning; so does
+    ``from harness.turns import Sessions`` (the name moved to ``harness.workload.forms``)."""
     import harness.workload
-    from harness.workload import build
+    from harness.workload import build, forms
 
-    assert harness.workload.__all__ == build.__all__
+    assert set(build.__all__) <= set(harness.workload.__all__)
     for name in build.__all__:
         assert getattr(harness.workload, name) is getattr(build, name), name
+    _import_old_package()
+    sys.modules.pop("harness.turns", None)
+    with pytest.warns(DeprecationWarning, match="^harness.turns is deprecated"):
+        from harness.turns import Sessions
+    assert Sessions is forms.Sessions
 
 
 def test_every_old_path_is_listed_and_the_new_modules_import_without_warning() -> None:

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 from kvemu.errors import InvalidArgument
 
+from harness.text import counted
+
 __all__ = ["grouped", "successors", "targets", "indegrees", "DISPATCH", "COMPLETION", "TRIGGERS", "RELATIONS",
            "SEQUENCE", "SPAWN", "JOIN", "REPLAY_BARRIER", "MAX_SESSION_BYTES",
            "Dependency", "Edge", "Node", "TraceGraph", "GraphBuilder", "Source"]
@@ -183,6 +185,19 @@ class TraceGraph:
     def turn_count(self) -> int:
         """How many requests replay sends: one a node (as ``TraceSessions.turn_count`` counts rows)."""
         return len(self)
+
+    def request_count(self) -> int:
+        """How many requests replay sends: one a node."""
+        return len(self)
+
+    def start_times(self) -> Iterator[int]:
+        """Each root's ready time (ns), in file order: when the graph's first requests may start."""
+        return (self.not_before_ns[i] for i in self.roots())
+
+    def in_words(self) -> str:
+        """Its size in words, as ``kvemu validate`` prints it."""
+        return (f"{counted(len(self.plays), 'play')} of {counted(len(self.sessions), 'session')}, "
+                f"{counted(len(self), 'request')} ({counted(self.edge_count(), 'dependency', 'dependencies')})")
 
     def edge_count(self) -> int:
         """How many edges the graph holds."""
