@@ -19,7 +19,7 @@ from typing import Any
 
 from harness.workload.traces.agentic_v2 import SCHEMA
 
-__all__ = ["corpus_rows", "write_corpus"]
+__all__ = ["corpus_rows", "write_corpus", "main"]
 
 BLOCK_SIZE = 64
 SYSTEM_BLOCKS = 16
@@ -93,7 +93,13 @@ def write_corpus(path: Path, plays: int = 8, seed: int = 31) -> int:
     return len(rows) - 1
 
 
-if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "examples/traces/agentic-lanes-corpus.jsonl")
+def main(argv: list[str]) -> None:
+    """``python -m harness.workload.agentic_corpus [PATH]``: write the example corpus (by default where
+    ``examples/agentic-lanes.yaml`` reads it)."""
+    out = Path(argv[0] if argv else "examples/traces/agentic-lanes-corpus.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"{out}: {write_corpus(out)} requests")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -83,3 +83,14 @@ def test_no_module_of_the_repository_imports_an_old_path() -> None:
     """Function-local imports and ``import a.b`` included; the aliases themselves and this test aside."""
     found = imports_of(set(MOVED) | {"harness.traces"}, {"harness", "harness.traces"}, Path(__file__))
     assert not found, f"imports of a deprecated module path: {found}"
+
+
+def test_the_old_corpus_command_still_writes_the_corpus(tmp_path: Path) -> None:
+    """``python -m harness.agentic_corpus`` (docs said so) warns and writes what the new module's command writes."""
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    ran = [subprocess.run([sys.executable, "-m", module, str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120) for module, out in (("harness.agentic_corpus", old),
+                                                           ("harness.workload.agentic_corpus", new))]
+    assert [r.returncode for r in ran] == [0, 0], [r.stderr[-2000:] for r in ran]
+    assert "harness.agentic_corpus is deprecated" in ran[0].stderr and "deprecated" not in ran[1].stderr
+    assert old.read_bytes() == new.read_bytes() and old.stat().st_size > 0
