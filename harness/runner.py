@@ -32,8 +32,8 @@ from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData, Sample
 from harness.run_mode import RunMode, run_mode
 from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
-from harness.sessions import Played, drain_deadline_s, play_workload
-from harness.turns import Sessions
+from harness.workload.sessions import Played, drain_deadline_s, play_workload
+from harness.workload.forms import Sessions
 from harness.tuning import tune_gc
 from harness.workload import build_sessions, count_requests
 

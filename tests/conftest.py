@@ -85,12 +85,12 @@ SYNTHETIC_ROWS = 3000
 @pytest.fixture(scope="session")
 def mooncake_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Mooncake-format trace: the real one where it is present, else a deterministic one in its format
-    (``harness.synthetic_trace``). Differential tests replay it on both sides, so either serves them."""
+    (``harness.workload.synthetic_trace``). Differential tests replay it on both sides, so either serves them."""
     if REAL_TRACE.is_file():
         return REAL_TRACE
     if reference_required():  # CI has the real trace beside the project: its absence is a broken layout
         pytest.fail(f"{REQUIRE_ENV}=1 but the Mooncake trace is not at {REAL_TRACE}", pytrace=False)
-    from harness.synthetic_trace import write_synthetic_trace
+    from harness.workload.synthetic_trace import write_synthetic_trace
 
     return write_synthetic_trace(tmp_path_factory.mktemp("trace") / "synthetic-mooncake.jsonl", SYNTHETIC_ROWS)
 

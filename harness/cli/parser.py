@@ -6,7 +6,7 @@ import argparse
 import textwrap
 
 from harness.router_contract import CMD_CONTRACT
-from harness.synthetic_trace import MAX_SYNTHETIC_ROWS
+from harness.workload.synthetic_trace import MAX_SYNTHETIC_ROWS
 
 __all__ = ["build_parser", "EXAMPLES"]
 
@@ -179,7 +179,7 @@ def _synth_rows(text: str) -> int:
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     """``kvemu trace validate``, ``kvemu trace convert`` and ``kvemu trace synth``."""
-    from harness.traces.names import FORMATS, WRITABLE
+    from harness.workload.traces.names import FORMATS, WRITABLE
 
     trace = sub.add_parser("trace", help="check a trace file, convert it to another format, or generate one "
                                         "(docs/traces.md)")

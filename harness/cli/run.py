@@ -117,10 +117,7 @@ def validate_command(args: argparse.Namespace) -> int:
     from kvemu.errors import KvemuError
 
     from harness.cluster import check_buildable
-    from harness.runner import count_requests
     from harness.scenario import ScenarioError
-    from harness.trace_sessions import turn_count
-    from harness.traces.graph import TraceGraph
     from harness.workload import build_sessions
 
     try:
@@ -133,18 +130,8 @@ def validate_command(args: argparse.Namespace) -> int:
     except (KvemuError, ValueError) as exc:  # a router or engine part that would not build
         print(f"invalid: {exc}", file=sys.stderr)
         return 2
-    if isinstance(sessions, TraceGraph):
-        print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {counted(len(sessions.plays), 'play')} of "
-              f"{counted(len(sessions.sessions), 'session')}, {counted(len(sessions), 'request')} "
-              f"({counted(sessions.edge_count(), 'dependency', 'dependencies')}), {scenario.run.mode} mode"
-              + _lanes_note(scenario))
-        return 0
-    turns = turn_count(sessions)
-    requests = count_requests(sessions)  # as run counts them: each sub-agent of a turn is a request too
-    detail = f" ({counted(turns, 'turn')} + {counted(requests - turns, 'sub-agent request')})" if requests > turns \
-        else ""
-    print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {counted(len(sessions), 'session')}, "
-          f"{counted(requests, 'request')}{detail}, {scenario.run.mode} mode")
+    print(f"ok: {scenario.name}: {cluster_shape(scenario)}, {sessions.in_words()}, {scenario.run.mode} mode"
+          + _lanes_note(scenario))
     return 0
 
 

@@ -17,8 +17,8 @@ def trace_command(args: argparse.Namespace) -> int:
         return _synth(Path(args.output), args.rows, args.seed, args.force)
     from kvemu.errors import InvalidArgument
 
-    from harness.traces.convert import convert_trace
-    from harness.traces.formats import detect_format, load_graph
+    from harness.workload.traces.convert import convert_trace
+    from harness.workload.traces.formats import detect_format, load_graph
 
     from workers.trace import trace_file_problem
 
@@ -59,9 +59,9 @@ def trace_command(args: argparse.Namespace) -> int:
 
 
 def _synth(output: Path, rows: int, seed: int, force: bool) -> int:
-    """``kvemu trace synth OUT --rows N [--seed S]``: ``harness.synthetic_trace``'s rows written to ``OUT``; an
+    """``kvemu trace synth OUT --rows N [--seed S]``: ``harness.workload.synthetic_trace``'s rows written to ``OUT``; an
     existing file (perhaps the real trace) is kept unless ``force``."""
-    from harness.synthetic_trace import TRACE_BLOCK_SIZE, write_synthetic_trace
+    from harness.workload.synthetic_trace import TRACE_BLOCK_SIZE, write_synthetic_trace
 
     if output.exists() and not force:
         print(f"kvemu trace synth: {output} exists: choose another OUT, or pass --force to write over it",

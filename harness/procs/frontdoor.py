@@ -28,7 +28,7 @@ from harness.cluster import engine_config, replica_front
 from harness.procs.engine_truth import EngineTruth, Unsettled
 from harness.procs.replica_backend import ReplicaCollector, RouterLink, RouterProcesses
 from harness.scenario import Scenario
-from harness.workload import output_lengths
+from harness.workload.build import output_lengths
 
 __all__ = ["cluster_kv_tokens", "front_door", "replicas_front_door", "worker_door", "worker_listening", "worker_closing"]
 

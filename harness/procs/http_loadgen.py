@@ -36,7 +36,7 @@ from kvemu.runtime.loop import run_live
 
 from harness.cluster import engine_config
 from harness.interrupts import RunSignals, Terminated, terminate_as_interrupt
-from harness.lanes import CANCEL_DRAIN_S
+from harness.workload.lanes import CANCEL_DRAIN_S
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
 from harness.procs.fleet import FleetInfo
@@ -45,8 +45,8 @@ from harness.report.run_data import RunData, Sample
 from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
-from harness.sessions import Played, awaiting, play_workload
-from harness.turns import Sessions
+from harness.workload.sessions import Played, awaiting, play_workload
+from harness.workload.forms import Sessions
 from harness.workload import build_sessions
 
 __all__ = ["HttpTarget", "Legs", "http_loadgen_report", "fetch_truth", "legs_by_id", "PromptForm"]

@@ -36,14 +36,14 @@ from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.runner import NothingRan, count_requests
-from harness.sessions import Played, awaiting, play_workload
+from harness.workload.sessions import Played, awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
 from harness.text import counted
-from harness.turns import Sessions
+from harness.workload.forms import Sessions
 from harness.workload import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
                                      reply_decoder)
-from harness.lanes import CANCEL_DRAIN_S
+from harness.workload.lanes import CANCEL_DRAIN_S
 from harness.procs.truth_oracle import TRUTH_SOURCE, TruthOracle
 from harness.procs.replica_clients import ReplicaClients, merged_affinity, merged_counters, replica_report
 

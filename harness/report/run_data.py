@@ -79,7 +79,7 @@ class RunData(msgspec.Struct, kw_only=True):
     autoscale: AutoscaleLog | None = None
     """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
     lanes: dict[str, Any] | None = None
-    """Continuous agentic lanes (``workload.lanes``): the lane player's figures (``harness.lanes``); None: off."""
+    """Continuous agentic lanes (``workload.lanes``): the lane player's figures (``harness.workload.lanes``); None: off."""
     phases: dict[str, str] | None = None
     """With lanes: each request's phase (``primer``, ``warmup``, ``profile``); the headline figures are the
     profile's, and requests.jsonl gives each row's ``phase``."""

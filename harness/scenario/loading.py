@@ -19,7 +19,7 @@ from workers.trace import trace_file_problem
 
 from harness.scenario.schema import Scenario
 from harness.scenario.sections import EngineSpec, TraceWorkload
-from harness.traces.known import missing_trace_hint
+from harness.scenario.known_traces import missing_trace_hint
 from harness.yaml_validation import (
     MAX_LISTED_PROBLEMS,
     Problem,

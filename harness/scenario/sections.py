@@ -383,7 +383,7 @@ class LanesSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=True)
 class TraceWorkload(_Workload, tag="trace", tag_field="kind",
                     kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Replay of a trace file: Mooncake JSONL (``timestamp`` or ``delay``, ``hash_ids``...) or any format of
-    ``harness.traces`` (docs/traces.md), agentic graphs included."""
+    ``harness.workload.traces`` (docs/traces.md), agentic graphs included."""
 
     trace: FilePath
     """Path of the trace, relative to the scenario file unless absolute (a directory: a Weka corpus)."""

@@ -1,10 +1,7 @@
-"""Trace formats: one loader (and writer, where a format can hold a graph) per module, one common graph.
+"""Deprecated alias of ``harness.workload.traces`` (the workload's modules have their folder now), kept for one
+release: each of its old modules (``harness.traces.graph``, ...) is an alias of the module of the same name there."""
 
-``graph`` (the model: request nodes and typed dependency edges), ``rows`` (bounded reading, field checks),
-``mooncake`` (``mooncake``, ``mooncake-delta``), ``agentic_legacy`` (``agentic_mooncake`` rows with ``wait_for``),
-``agentic_v2`` (Agentic Mooncake v2: header and typed dependencies), ``applied_compute`` (``applied_compute_agentic``),
-``weka`` (Weka trace objects lowered to the graph), ``dynamo`` (``dynamo.request.trace.v1``), ``formats`` (the
-names, detection, ``load_graph``; ``names`` the names alone), ``convert`` (writing a graph as another format,
-refusing lossy ones) and ``timing`` (release times under known service times: replay's reference model).
-Replay is ``harness.sessions.GraphPlayer``; the formats are described in docs/traces.md.
-"""
+import warnings
+
+warnings.warn("harness.traces is deprecated: import from harness.workload.traces",
+              DeprecationWarning, stacklevel=2)

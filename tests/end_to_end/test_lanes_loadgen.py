@@ -9,7 +9,7 @@ import json
 import anyio
 import httpx
 
-from harness.agentic_corpus import corpus_rows
+from harness.workload.agentic_corpus import corpus_rows
 from harness.procs.loadgen import _loadgen
 from harness.procs.up import Children
 from harness.scenario import load_scenario

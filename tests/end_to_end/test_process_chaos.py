@@ -16,7 +16,7 @@ import pytest
 from harness.chaos import CONTROL_TOKEN_ENV
 from harness.procs.protocol import send_control
 from harness.scenario import ChaosEvent
-from harness.sessions import SessionPlayer
+from harness.workload.sessions import SessionPlayer
 from harness.procs.up import Children, cli_command, cli_env
 from tests.process_output import json_events
 

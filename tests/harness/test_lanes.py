@@ -1,4 +1,4 @@
-"""Continuous agentic lanes (``workload.lanes``, ``harness.lanes``): lanes, recycling, deadline, idle guards,
+"""Continuous agentic lanes (``workload.lanes``, ``harness.workload.lanes``): lanes, recycling, deadline, idle guards,
 snapshot, warm-up, lineage, and the phases in the report."""
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from kvemu.clock import ManualClock
 from kvemu.errors import InvalidArgument
 from kvemu.runtime.loop import run_virtual
 
-from harness.agentic_corpus import corpus_rows
-from harness.lanes import DEADLINE_REASON, LanePlayer, conversation_parents, snapshot_cut
+from harness.workload.agentic_corpus import corpus_rows
+from harness.workload.lanes import DEADLINE_REASON, LanePlayer, conversation_parents, snapshot_cut
 from harness.report.summary import WALL_CLOCK_KEYS
 from harness.runner import run_scenario
 from harness.scenario import LanesSpec, ScenarioError, load_scenario, parse_scenario
-from harness.traces.formats import load_graph
-from harness.traces.graph import TraceGraph
+from harness.workload.traces.formats import load_graph
+from harness.workload.traces.graph import TraceGraph
 
 from tests.harness.trace_files import HEADER, v2_row, write
 

@@ -17,14 +17,14 @@ from kvemu.http.server import HttpServer
 from kvemu.http.tokenizer import builtin_tokenizer
 from kvemu.runtime.loop import run_live
 
-from harness.agentic_corpus import corpus_rows
+from harness.workload.agentic_corpus import corpus_rows
 from harness.cluster import cluster
-from harness.lanes import DEADLINE_REASON
+from harness.workload.lanes import DEADLINE_REASON
 from harness.procs.engine_truth import EngineTruth
 from harness.procs.frontdoor import worker_door
 from harness.procs.http_loadgen import HttpTarget, _play
 from harness.scenario import parse_scenario
-from harness.sessions import Played
+from harness.workload.sessions import Played
 
 from tests.harness.trace_files import write
 

@@ -293,7 +293,7 @@ def test_synthetic_tokens_are_the_randrange_stream_drawn_in_bulk(vocab):
     """Same values and same generator state as one ``randrange`` per token: seeds keep their workloads."""
     import random
 
-    from harness.workload import _tokens
+    from harness.workload.build import _tokens
 
     a, b = random.Random(5), random.Random(5)
     for count in (0, 1, 7, 500):

@@ -9,17 +9,18 @@ import anyio
 from kvemu.clock import ManualClock
 from kvemu.runtime.loop import run_virtual
 
-from harness.sessions import SessionPlayer, awaiting
+from harness.workload.sessions import SessionPlayer, awaiting
 from harness.workload import Session, Turn
+from harness.workload.turns import SessionList
 
 MS = 1_000_000
 
 
-def _sessions() -> list[Session]:
+def _sessions() -> SessionList:
     a = Session("a", 5 * MS, [Turn([1, 2], 4), Turn([3], 4, delay_ns=7 * MS, sub_agents=(([9], 2), ([8], 2))),
                               Turn([4], 4, delay_ns=1 * MS)], sticky=True)
     b = Session("b", 0, [Turn([5], 4)])
-    return [a, b]
+    return SessionList([a, b])
 
 
 def _play(submit_factory):
@@ -88,7 +89,7 @@ def _closed(sessions, concurrency, submit_factory=_callback_submit, stall_ns=Non
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            player = SessionPlayer(sessions, submit_factory(tg, clock, log), clock, concurrency=concurrency,
+            player = SessionPlayer(SessionList(sessions), submit_factory(tg, clock, log), clock, concurrency=concurrency,
                                    stall_timeout_ns=stall_ns)
             players.append(player)
             await player.run()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from harness.synthetic_trace import synthetic_rows, write_synthetic_trace
+from harness.workload.synthetic_trace import synthetic_rows, write_synthetic_trace
 from workers.trace import read_mooncake
 
 

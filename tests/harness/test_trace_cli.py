@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.scenario import parse_scenario
-from harness.traces.formats import load_graph
-from harness.traces.graph import TraceGraph
+from harness.workload.traces.formats import load_graph
+from harness.workload.traces.graph import TraceGraph
 from harness.workload import build_sessions
 
 from tests.harness.test_cli import kvemu

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvemu.errors import InvalidArgument
-from harness.traces.convert import convert_trace
-from harness.traces.formats import detect_format, load_graph
-from harness.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Edge, TraceGraph
+from harness.workload.traces.convert import convert_trace
+from harness.workload.traces.formats import detect_format, load_graph
+from harness.workload.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Edge, TraceGraph
 
 from tests.harness.trace_files import (HEADER, applied_row, dynamo_end, dynamo_tool, legacy_row, v2_row, weka_request,
                                        weka_trace, write)
@@ -267,6 +267,6 @@ def test_the_scenario_format_names_every_format():
     from typing import get_args, get_type_hints
 
     from harness.scenario import TraceWorkload
-    from harness.traces.names import FORMATS
+    from harness.workload.traces.names import FORMATS
 
     assert get_args(get_type_hints(TraceWorkload)["format"]) == ("auto", *FORMATS)

@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from harness import memory_budget, workload
+from harness import memory_budget
+from harness.workload import build as workload
 from harness.memory_budget import MAX_MEMORY_ENV, parse_size
 from harness.scenario import ScenarioError, default_scenario_text, parse_scenario
-from harness.traces.formats import load_graph
+from harness.workload.traces.formats import load_graph
 from harness.workload import build_sessions
 from kvemu.errors import InvalidArgument
 from workers.trace import MAX_TRACE_ROWS, read_mooncake

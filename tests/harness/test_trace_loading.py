@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from harness.scenario import ScenarioError, TraceWorkload, parse_scenario
-from harness.trace_sessions import TraceSessions, turn_count
+from harness.workload.trace_sessions import TraceSessions, turn_count
 from harness.workload import Turn, build_sessions, load_trace
 from workers.trace import expand_hash_ids
 
@@ -164,7 +164,7 @@ def test_build_sessions_applies_duration_and_max_requests(tmp_path):
 def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_reading_further(tmp_path):
     import io
 
-    import harness.workload as workload
+    import harness.workload.build as workload
     from harness.scenario import MAX_REQUESTS
     from workers.trace import MAX_TRACE_ROWS
 

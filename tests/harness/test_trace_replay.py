@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from kvemu.clock import ManualClock
 from kvemu.runtime.loop import run_virtual
 
-from harness.sessions import GraphPlayer
-from harness.traces.convert import convert_trace
-from harness.traces.formats import load_graph
-from harness.traces.graph import TraceGraph
-from harness.traces.timing import release_times
+from harness.workload.sessions import GraphPlayer
+from harness.workload.traces.convert import convert_trace
+from harness.workload.traces.formats import load_graph
+from harness.workload.traces.graph import TraceGraph
+from harness.workload.traces.timing import release_times
 
 from tests.harness.trace_files import HEADER, v2_row, write
 

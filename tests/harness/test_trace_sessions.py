@@ -17,10 +17,10 @@ from workers.trace import read_mooncake
 
 from harness.runner import count_requests
 from harness.scenario import TraceWorkload, parse_scenario
-from harness.sessions import SessionPlayer, drain_deadline_s
-from harness.synthetic_trace import write_synthetic_trace
-from harness.trace_sessions import TraceSessions, start_times, turn_count
-from harness.turns import Session, Turn
+from harness.workload.sessions import SessionPlayer, drain_deadline_s
+from harness.workload.synthetic_trace import write_synthetic_trace
+from harness.workload.trace_sessions import TraceSessions, start_times, turn_count
+from harness.workload.turns import Session, SessionList, Turn
 from harness.workload import build_sessions, load_trace
 
 MS = NS_PER_MS
@@ -67,7 +67,8 @@ def assert_same(loaded: TraceSessions, expected: list[Session]) -> None:
         assert loaded[-1] == expected[-1]
     assert loaded[1:3] == expected[1:3]
     assert list(start_times(loaded)) == [s.start_ns for s in expected]
-    assert turn_count(loaded) == turn_count(expected) == count_requests(loaded) == count_requests(expected)
+    assert turn_count(loaded) == turn_count(SessionList(expected)) == count_requests(loaded) == \
+        count_requests(SessionList(expected))
     for got, want in zip(loaded, expected):
         assert [t.prompt().to_list() for t in got.turns] == [t.prompt().to_list() for t in want.turns]
 

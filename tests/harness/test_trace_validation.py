@@ -8,8 +8,8 @@ import pytest
 
 from kvemu.errors import InvalidArgument
 
-from harness.traces.formats import load_graph
-from harness.traces.names import EMBEDDED_BLOCK_SIZE
+from harness.workload.traces.formats import load_graph
+from harness.workload.traces.names import EMBEDDED_BLOCK_SIZE
 
 from tests.harness.trace_files import (HEADER, applied_row, dynamo_end, dynamo_tool, legacy_row, v2_row, weka_request,
                                        weka_trace)

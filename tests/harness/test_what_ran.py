@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from harness.scenario import TraceWorkload, load_scenario, parse_scenario
-from harness.synthetic_trace import write_synthetic_trace
+from harness.workload.synthetic_trace import write_synthetic_trace
 from harness.sweep.spec import load_sweep, plan_runs, run_point
 from tests.harness.test_cli import KVEMU
 

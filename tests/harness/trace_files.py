@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.traces.agentic_v2 import SCHEMA as V2_SCHEMA
-from harness.traces.dynamo import SCHEMA as DYNAMO_SCHEMA
+from harness.workload.traces.agentic_v2 import SCHEMA as V2_SCHEMA
+from harness.workload.traces.dynamo import SCHEMA as DYNAMO_SCHEMA
 
 HEADER = {"schema": V2_SCHEMA, "version": 2, "block_size": 4, "hash_id_scope": "local",
           "source": {"format": "test", "digest": "d"}}

@@ -99,7 +99,7 @@ def test_mooncake_slice_under_pressure_matches_the_reference(dynamo_core, moonca
     # the fixture's trace is the real one where it is present; the generated one is always replayed too (its
     # follow-ups find their prompts on the host after the GPU lost them, and loads overlap under pressure)
     if source == "generated":
-        from harness.synthetic_trace import write_synthetic_trace
+        from harness.workload.synthetic_trace import write_synthetic_trace
 
         mooncake_trace = write_synthetic_trace(tmp_path / "generated.jsonl", 150)
     lines = mooncake_trace.read_text().splitlines(keepends=True)[:150]

@@ -5,9 +5,6 @@ of the new ones; no module of the repository imports an old path."""
 
 from __future__ import annotations
 
-import ast
-import importlib
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +14,7 @@ import pytest
 import workers
 from workers.sglang.engine import SglangCore, SglangEngineCore
 from workers.vllm.engine import EngineCore, VllmEngineCore
+from tests.moved_modules import assert_alias, imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 MOVED = {
@@ -36,15 +34,7 @@ MOVED = {
 
 @pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
 def test_an_old_module_path_warns_and_gives_the_new_modules_names(old: str, new: str) -> None:
-    moved = importlib.import_module(new)
-    sys.modules.pop(old, None)  # a first import in this process: the warning is the module's own code
-    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is deprecated: import from {re.escape(new)}$") as got:
-        exec(f"import {old}", {})  # noqa: S102  (the statement outside code writes)
-    assert [w.filename for w in got if w.category is DeprecationWarning] == ["<string>"], "blame the importer"
-    alias = sys.modules[old]
-    assert moved.__all__ and sorted(alias.__all__) == sorted(moved.__all__)
-    for name in moved.__all__:
-        assert getattr(alias, name) is getattr(moved, name), name
+    assert_alias(old, new)
 
 
 def test_the_old_class_names_are_the_new_classes() -> None:
@@ -64,15 +54,5 @@ def test_every_old_path_is_listed_and_the_new_modules_import_without_warning() -
 
 def test_no_module_of_the_repository_imports_an_old_path() -> None:
     """Function-local imports and ``import a.b`` included; the aliases themselves and this test aside."""
-    found = []
-    for folder in ("kvemu", "workers", "harness", "bench", "examples", "tests"):
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == Path(__file__) or path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") in MOVED:
-                continue
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
-                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-                if isinstance(node, ast.ImportFrom) and node.module == "workers":
-                    names += [f"workers.{a.name}" for a in node.names]
-                found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in MOVED]
+    found = imports_of(set(MOVED), {"workers"}, Path(__file__))
     assert not found, f"imports of a deprecated module path: {found}"

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from array import array
 from itertools import repeat
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
@@ -32,12 +32,13 @@ from harness.scenario import (
     TraceWorkload,
     resolve,
 )
-from harness.trace_sessions import TraceSessions, TraceSessionsBuilder
-from harness.traces.formats import detect_format, load_graph
-from harness.traces.graph import TraceGraph
-from harness.traces.mooncake import mooncake_turns
-from harness.traces.rows import line_count
-from harness.turns import Session, Sessions, Turn
+from harness.workload.trace_sessions import TraceSessions, TraceSessionsBuilder
+from harness.workload.traces.formats import detect_format, load_graph
+from harness.workload.traces.graph import TraceGraph
+from harness.workload.traces.mooncake import mooncake_turns
+from harness.workload.traces.rows import line_count
+from harness.workload.forms import Sessions
+from harness.workload.turns import Session, SessionList, Turn, Workload
 
 __all__ = ["Turn", "Session", "load_trace", "synthesize", "build_sessions", "count_requests", "sample"]
 
@@ -184,12 +185,10 @@ def load_trace_graph(workload: TraceWorkload, path: Path, fmt: str, max_requests
     return graph
 
 
-def count_requests(sessions: Sessions) -> int:
+def count_requests(sessions: Workload) -> int:
     """How many requests the sessions will send (turns and their sub-agents; a loaded trace counts its rows, a
-    graph its nodes)."""
-    if isinstance(sessions, (TraceSessions, TraceGraph)):
-        return sessions.turn_count()  # (a trace turn has no sub-agents)
-    return sum(1 + len(t.sub_agents) for s in sessions for t in s.turns)
+    graph its nodes): ``Workload.request_count``."""
+    return sessions.request_count()
 
 
 def build_sessions(scenario: Scenario, made: Callable[[int], None] | None = None) -> Sessions:
@@ -239,20 +238,29 @@ def _build_sessions(scenario: Scenario, made: Callable[[int], None] | None) -> S
         if w.lanes is not None and fmt in ("mooncake", "mooncake-delta"):
             raise ScenarioError(f"workload.lanes: {w.trace} is a {fmt} trace, which has no plays (each session is "
                                 "its own chain) for lanes to replay; use an agentic format or drop workload.lanes")
-        loaded: TraceSessions | TraceGraph = load_trace(w, path, run.max_requests, made=made) if fmt == "mooncake" else \
-            load_trace_graph(w, path, fmt, run.max_requests)
-        if not count_requests(loaded):  # refused before any cut: the cut's own refusal names run.duration_s
-            raise ScenarioError(f"{path}: the trace has no requests")
-        if isinstance(loaded, TraceGraph):
-            if w.lanes is not None:
-                _check_lanes(w.lanes, loaded)
-            return loaded if run.duration_s is None else _plays_by(loaded, round(run.duration_s * NS_PER_S))
-        return loaded if run.duration_s is None else loaded.starting_by(round(run.duration_s * NS_PER_S))
+        limit_ns = None if run.duration_s is None else round(run.duration_s * NS_PER_S)
+        if fmt == "mooncake":
+            trace = _some_requests(load_trace(w, path, run.max_requests, made=made), path)
+            return trace if limit_ns is None else trace.starting_by(limit_ns)
+        graph = _some_requests(load_trace_graph(w, path, fmt, run.max_requests), path)
+        if w.lanes is not None:
+            _check_lanes(w.lanes, graph)
+        return graph if limit_ns is None else _plays_by(graph, limit_ns)
     duration = run.duration_s if run.duration_s is not None else 60.0
     sessions = synthesize(w, seed=run.seed, duration_s=duration, workers=scenario.cluster.workers, made=made)
     if run.max_requests is not None:
         sessions = list(_cut(sessions, run.max_requests))
-    return sessions
+    return SessionList(sessions)
+
+
+_Loaded = TypeVar("_Loaded", TraceSessions, TraceGraph)
+
+
+def _some_requests(loaded: _Loaded, path: Path) -> _Loaded:
+    """``loaded``, refused if it holds no request: before any cut (the cut's own refusal names run.duration_s)."""
+    if not loaded.request_count():
+        raise ScenarioError(f"{path}: the trace has no requests")
+    return loaded
 
 
 def _check_lanes(lanes: LanesSpec, graph: TraceGraph) -> None:
