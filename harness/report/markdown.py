@@ -8,12 +8,14 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from msgspec import UnsetType
+
 from harness.report.autoscale import autoscale_markdown
 from harness.report.plot_drawing import REGRET_PLOT
 from harness.report.plots import PLOTS
 from harness.report.run_data import RunData
 from harness.report.summary import KV_COUNTERS, NS_PER_S
-from harness.report.summary_types import Lanes, Regret, Replicas, SlaSection, Summary, UnsetType
+from harness.report.summary_types import Lanes, Regret, Replicas, SlaSection, Summary
 from harness.report.what_ran import what_ran_lines
 
 

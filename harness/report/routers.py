@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.report.summary_types import Summary, UnsetType
+from msgspec import UnsetType
+
+from harness.report.summary_types import Summary
 
 __all__ = ["router_row", "write_router_report", "COLUMNS"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-__all__ = ["UNSET", "UnsetType", "Num", "Stats", "RankRow", "GroupBlocks", "PredictionTruth", "DecodeTruth",
+__all__ = ["Num", "Stats", "RankRow", "GroupBlocks", "PredictionTruth", "DecodeTruth",
            "RoutingPools", "RecoverableBlocks", "RegretBucket", "Regret", "Routing", "Queue", "KvEvents",
            "SlaSection", "Disaggregated", "CacheTiers", "OutcomeCounts", "AutoscaleDecision", "Autoscaler",
            "Speculative", "ReplicaSync", "ReplicaRow", "Replicas", "LanePhase", "LanePhases", "Lanes",

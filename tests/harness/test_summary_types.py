@@ -9,10 +9,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from msgspec import UNSET
 
 from harness.report.run_data import RunData
 from harness.report.summary import _summary_builtins, dumps_summary, summarize
-from harness.report.summary_types import UNSET, Summary
+from harness.report.summary_types import Summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
