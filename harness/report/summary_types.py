@@ -454,6 +454,11 @@ class Summary(_Section, kw_only=True):
         _deprecated(f'summary.get("{key}")')
         return self.to_builtins().get(key, default)
 
+    def __contains__(self, key: object) -> bool:
+        """Deprecated (one release): ``"goodput_completed_requests" in summary``, as when it was a dict."""
+        _deprecated(f"{key!r} in summary")
+        return key in self.to_builtins()
+
 
 def _deprecated(what: str) -> None:
     warnings.warn(f"{what}: the run's summary is a typed Summary now; read its attributes (summary.kvemu.routing...), "

@@ -99,3 +99,5 @@ def test_reading_the_summary_as_a_dict_still_works_for_one_release_with_a_warnin
         assert summary["kvemu"]["mode"] == "virtual"
     with pytest.warns(DeprecationWarning, match="typed Summary"):
         assert summary.get("num_requests") == 0 and summary.get("goodput_completed_requests") is None
+    with pytest.warns(DeprecationWarning, match="typed Summary"):
+        assert "kvemu" in summary and "goodput_completed_requests" not in summary
