@@ -96,7 +96,7 @@ def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine:
     t0, c0 = time.perf_counter(), time.process_time()
     outcome = run_scenario(scenario, None)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return summarize(outcome.data), wall, cpu
+    return summarize(outcome.data).to_builtins(), wall, cpu  # (compared key by key with the reference's dict)
 
 
 def run_reference(replay: Callable[..., Any], policy: str, trace: Path, engine: dict[str, Any] | None = None,

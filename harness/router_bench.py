@@ -131,7 +131,7 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
                          origin, t0)
     except KeyboardInterrupt as exc:  # while its fleet or router started: nothing went through it
         reason = getattr(exc, "reason", "SIGINT")
-        row = {**router_row(label, {}, time.monotonic() - t0, error=f"interrupted ({reason}) before its run"),
+        row = {**router_row(label, None, time.monotonic() - t0, error=f"interrupted ({reason}) before its run"),
                "partial": reason}
     caught: list[str] = []
     hurry = threading.Event()
@@ -163,7 +163,7 @@ def _bench_one(kids: Children, spec: RouterSpec, label: str, scenario: Scenario,
             url = f"http://127.0.0.1:{port}"
             why = _wait_ready(url, router, READY_PATHS[spec.kind], READY_TIMEOUT_S)
             if why is not None:
-                return router_row(label, {}, time.monotonic() - t0, error=f"{why} (see {where / 'router.log'})")
+                return router_row(label, None, time.monotonic() - t0, error=f"{why} (see {where / 'router.log'})")
         print(f"kvemu bench-router: {label}: replaying through {url}", file=sys.stderr, flush=True)
         summary, _ = http_loadgen_report(scenario, url, where, fleet=fleet, prompt_form=prompt_form,
                                          compress=compress, origin=origin,
@@ -171,12 +171,12 @@ def _bench_one(kids: Children, spec: RouterSpec, label: str, scenario: Scenario,
         if metrics_port is not None:  # what the router says it did (its retries, errors): beside the report
             _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
         row = {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}
-        stopped = summary.get("kvemu", {}).get("stop_reason")
+        stopped = summary.kvemu.stop_reason
         if stopped in ("SIGINT", "SIGTERM"):  # the user stops the benchmark (this router's partial report is kept)
             row["partial"] = stopped
         return row
     except (RouterSpecError, OSError, NotStarted) as exc:
-        return router_row(label, {}, time.monotonic() - t0, error=str(exc))
+        return router_row(label, None, time.monotonic() - t0, error=str(exc))
 
 
 def _fleet_info(started: dict[str, Any]) -> FleetInfo:

@@ -30,6 +30,7 @@ from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_si
                            speculative_settings)
 from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import RunData, Sample
+from harness.report.summary_types import Summary
 from harness.run_mode import RunMode, run_mode
 from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
 from harness.workload.sessions import Played, drain_deadline_s, play_workload
@@ -49,7 +50,7 @@ class RunOutcome:
     def __init__(self, data: RunData, recorder: Recorder) -> None:
         self.data = data
         self.recorder = recorder
-        self.summary: dict[str, Any] | None = None
+        self.summary: Summary | None = None
         self.report_dir: Path | None = None
         """Where the report was written: the run's directory, or a temporary one when that became unwritable
         (None: nowhere, and the summary was printed on stderr)."""
@@ -144,7 +145,7 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     return outcome
 
 
-def _save_whatever_comes(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
+def _save_whatever_comes(data: RunData, outdir: Path) -> tuple[Summary, Path | None]:
     """``save_report``, with SIGINT and SIGTERM said and otherwise ignored meanwhile: a second Ctrl-C does not cut
     the report short (it takes seconds, its plots most)."""
     with held_signals([], say="the report is being written; kvemu stops once it is (a few seconds)"):

@@ -82,17 +82,19 @@ def _json(info: object) -> str:
 
 def _first_screen(name: str, rows: list[dict[str, Any]], outdir: Path) -> str:
     """bench-router's answer: each router's run summed up in a column (``harness.report.first_screen``)."""
-    import json
+    import msgspec
 
     from harness.external_routers import router_folder
     from harness.report.first_screen import render_first_screen
+    from harness.report.summary_types import Summary
 
-    runs = []
+    runs: list[tuple[str, Summary | None]] = []
     for row in rows:
-        try:
-            summary = json.loads((outdir / router_folder(row["router"]) / "summary.json").read_text())
-        except (OSError, ValueError):  # the router never started: no run, no summary
-            summary = {}
+        try:  # (written just now by this kvemu: its own shape)
+            summary = msgspec.json.decode((outdir / router_folder(row["router"]) / "summary.json").read_bytes(),
+                                          type=Summary)
+        except (OSError, msgspec.DecodeError):  # the router never started: no run, no summary
+            summary = None
         runs.append((row["router"], summary))
     through = f" through {runs[0][0]}" if len(runs) == 1 else ""  # (several: each router heads its column)
     return render_first_screen(f"kvemu bench-router: {name}{through}", runs, outdir / "routers.md")

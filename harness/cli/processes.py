@@ -15,6 +15,7 @@ from harness.cli.preflight import autoscaler_problem, disagg_problem, http_probl
 from harness.interrupts import held_signals
 
 if TYPE_CHECKING:
+    from harness.report.summary_types import Summary
     from harness.scenario import Scenario
 
 __all__ = ["process_command"]
@@ -83,14 +84,14 @@ def process_command(args: argparse.Namespace) -> int:
             print(f"invalid scenario: {exc}", file=sys.stderr)
             return 2
         with held_signals([]):  # the report is written: one more Ctrl-C does not turn its line into a traceback
-            print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests "
+            print(f"kvemu loadgen: {summary.completed_requests}/{summary.num_requests} requests "
                   "completed" + _stopped(summary) + "; " + (f"report in {where}/report.md" if where is not None else
                                                             "no report could be written (its summary is above)"),
                   file=sys.stderr, flush=True)
         _first_screen(args, summary, where)
-        if str(summary.get("kvemu", {}).get("stop_reason") or "").startswith("error:"):
+        if (summary.kvemu.stop_reason or "").startswith("error:"):
             return 1  # the load generator failed (its partial report is written)
-        return 0 if not summary.get("partial") else 130
+        return 0 if not summary.partial else 130
     from harness.procs.up import NotStarted as ChildNotStarted, run_secret, serve_main, up_main
 
     if args.command == "serve" and args.in_process:
@@ -112,7 +113,7 @@ def process_command(args: argparse.Namespace) -> int:
         return 2 if exc.code == 2 else 1
 
 
-def _first_screen(args: argparse.Namespace, summary: dict[str, Any], where: Path | None) -> None:
+def _first_screen(args: argparse.Namespace, summary: Summary, where: Path | None) -> None:
     """The run's answer on standard output (``harness.report.first_screen``), unless ``--quiet``."""
     if args.quiet:
         return
@@ -122,9 +123,9 @@ def _first_screen(args: argparse.Namespace, summary: dict[str, Any], where: Path
           flush=True)
 
 
-def _stopped(summary: dict[str, Any]) -> str:
+def _stopped(summary: Summary) -> str:
     """`` (PARTIAL: why)`` for a report of a run stopped early, else nothing."""
-    return f" (PARTIAL: {summary.get('kvemu', {}).get('stop_reason') or 'stopped'})" if summary.get("partial") else ""
+    return f" (PARTIAL: {summary.kvemu.stop_reason or 'stopped'})" if summary.partial else ""
 
 
 def _loadgen_routers_problem(args: argparse.Namespace, scenario: Scenario) -> str | None:
@@ -169,11 +170,11 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
         print(f"kvemu loadgen: {exc}", file=sys.stderr)
         return exc.exit_code
     with held_signals([]):  # the report is written: one more Ctrl-C does not turn its line into a traceback
-        print(f"kvemu loadgen: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
+        print(f"kvemu loadgen: {summary.completed_requests}/{summary.num_requests} requests completed"
               + _stopped(summary) + "; " + (f"report in {where}/report.md" if where is not None else
                                            "no report could be written"), file=sys.stderr, flush=True)
     _first_screen(args, summary, where)
-    return 0 if not summary.get("partial") else 130
+    return 0 if not summary.partial else 130
 
 
 def _serve_process(args: argparse.Namespace, scenario: Scenario) -> int:

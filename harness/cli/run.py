@@ -95,13 +95,14 @@ def run_command(args: argparse.Namespace) -> int:
     except RunAborted as exc:
         console.print(f"[red]kvemu: {escape(str(exc))}[/red]", soft_wrap=True, highlight=False)
         return 1
-    summary = outcome.summary or {}
+    summary = outcome.summary  # (written: the run was given an output directory)
+    assert summary is not None
     reason = outcome.data.stop_reason or "interrupted"
     partial = f" [yellow](PARTIAL: {escape(reason)})[/yellow]" if outcome.data.partial else ""
     # soft_wrap: rich would wrap at 80 columns in a pipe, breaking the path
     where = (f"report in {escape(str(outcome.report_dir))}/report.md" if outcome.report_dir is not None else
              "no report could be written (its summary is above)")
-    console.print(f"kvemu: {summary.get('completed_requests')}/{summary.get('num_requests')} requests completed"
+    console.print(f"kvemu: {summary.completed_requests}/{summary.num_requests} requests completed"
                   f"{partial}; {where}", soft_wrap=True, highlight=False)
     if not args.quiet:
         from harness.report.first_screen import first_screen

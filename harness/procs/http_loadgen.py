@@ -42,6 +42,7 @@ from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettle
 from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
+from harness.report.summary_types import Summary
 from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
@@ -359,7 +360,7 @@ async def _drain(in_server: Callable[[], Awaitable[int | None]]) -> None:
 def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: FleetInfo | None = None,
                         prompt_form: PromptForm = "text", tokenizer: str | None = None, model: str = "kvemu",
                         compress: float = 1.0, origin: RunOrigin | None = None,
-                        command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
+                        command: str = "kvemu loadgen") -> tuple[Summary, Path | None]:
     """Play the scenario against ``url``, gather ``fleet``'s engine truth, write the report (titled after
     ``command``); returns its summary and where it went. ``origin``: what the scenario was built from, for the
     report's "What ran". Ctrl-C or SIGTERM stops the run and a partial report is written (more signals meanwhile
@@ -398,7 +399,7 @@ def http_loadgen_report(scenario: Scenario, url: str, outdir: Path, *, fleet: Fl
 def _report(scenario: Scenario, target: HttpTarget, fleet: FleetInfo | None, client_records: list[RequestRecord],
             finished: bool, stopped: str | None, played: Played, wall0: int,
             compress: float, outdir: Path, origin: RunOrigin | None,
-            command: str) -> tuple[dict[str, Any], Path | None]:
+            command: str) -> tuple[Summary, Path | None]:
     """``http_loadgen_report``'s report of a run played: the records joined with ``fleet``'s engine truth."""
     truth: dict[str, Legs] = {}
     samples: list[Sample] = []

@@ -35,6 +35,7 @@ from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
+from harness.report.summary_types import Summary
 from harness.runner import NothingRan, count_requests
 from harness.workload.sessions import Played, awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
@@ -222,7 +223,7 @@ def process_alive(pid: int) -> bool:
 async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
                    apply_chaos: bool = False, router_pid: int | list[int] | None = None,
                    sessions: Sessions | None = None, progress: RunProgress | None = None,
-                   origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
+                   origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[Summary, Path | None]:
     """Play the workload (``sessions``, built here if not given) and write the report. SIGINT and SIGTERM are
     this function's from its first line to its report's last byte: the first stops the run, the next ones are
     said and ignored, so no signal cuts the report short (asyncio puts the default handlers back, which kill,
@@ -236,7 +237,7 @@ async def _loadgen(scenario: Scenario, router: str | list[str], outdir: Path, ex
 async def _loadgen_run(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None,
                        apply_chaos: bool, router_pid: int | list[int] | None, sessions: Sessions,
                        signals: AsyncIterator[int], progress: RunProgress | None, origin: RunOrigin | None,
-                       command: str) -> tuple[dict[str, Any], Path | None]:
+                       command: str) -> tuple[Summary, Path | None]:
     routers = [router] if isinstance(router, str) else list(router)
     pids = [router_pid] if isinstance(router_pid, int) else list(router_pid or [])
     clients = [_RouterClient(r) for r in routers]
@@ -516,14 +517,14 @@ def _failures(records: list[RequestRecord]) -> dict[str, int]:
 
 
 def loadgen_main(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None = None,
-                 apply_chaos: bool = False, router_pid: int | list[int] | None = None) -> dict[str, Any]:
+                 apply_chaos: bool = False, router_pid: int | list[int] | None = None) -> Summary:
     """``loadgen_report``'s summary."""
     return loadgen_report(scenario, router, outdir, expect_workers, apply_chaos, router_pid)[0]
 
 
 def loadgen_report(scenario: Scenario, router: str | list[str], outdir: Path, expect_workers: int | None = None,
                    apply_chaos: bool = False, router_pid: int | list[int] | None = None,
-                   origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[dict[str, Any], Path | None]:
+                   origin: RunOrigin | None = None, command: str = "kvemu loadgen") -> tuple[Summary, Path | None]:
     """``kvemu loadgen``: play the scenario's workload against a router process and write the report
     (``apply_chaos``: also play the chaos timeline through the router's control channel; ``router_pid``: the
     router's process on this machine, so that a silent router is told from a gone one). Returns the summary and

@@ -7,6 +7,8 @@ from typing import Any
 
 from kvemu.autoscale.records import AutoscaleLog, WorkerCount
 
+from harness.report.summary_types import Autoscaler
+
 __all__ = ["MAX_DECISIONS", "MAX_SERIES", "provisioned_seconds", "autoscale_summary", "autoscale_markdown"]
 
 MAX_DECISIONS = 200
@@ -58,25 +60,25 @@ def autoscale_summary(log: AutoscaleLog) -> dict[str, Any]:
     }
 
 
-def autoscale_markdown(section: dict[str, Any], fmt: Any, table: Any) -> list[str]:
+def autoscale_markdown(section: Autoscaler, fmt: Any, table: Any) -> list[str]:
     """report.md's "Autoscaler" section from ``kvemu.autoscaler`` (``fmt``/``table``: the report's helpers)."""
-    cfg = section["config"]
-    by = section["decisions_by_outcome"]
+    cfg = section.config
+    by = section.decisions_by_outcome
     out = ["", "## Autoscaler", "",
-           f"Policy `{cfg['policy']}` on the {section['pool']} pool: every {fmt(cfg['interval_s'])} s, "
+           f"Policy `{cfg['policy']}` on the {section.pool} pool: every {fmt(cfg['interval_s'])} s, "
            f"{cfg['min_workers']}..{cfg['max_workers']} workers, startup delay {fmt(cfg['startup_delay_s'])} s, "
-           f"cooldown {fmt(cfg['cooldown_s'])} s. {fmt(section['decisions_total'])} decisions "
-           f"({by['applied']} applied, {by['clamped']} clamped, {by['refused']} refused): "
-           f"{fmt(section['workers_added'])} worker{'' if section['workers_added'] == 1 else 's'} added, "
-           f"{fmt(section['workers_removed'])} removed; running "
-           f"workers between {fmt(section['min_running_workers'])} and {fmt(section['max_running_workers'])}.", ""]
-    shown = section["decisions"][:MAX_ROWS]
+           f"cooldown {fmt(cfg['cooldown_s'])} s. {fmt(section.decisions_total)} decisions "
+           f"({by.applied} applied, {by.clamped} clamped, {by.refused} refused): "
+           f"{fmt(section.workers_added)} worker{'' if section.workers_added == 1 else 's'} added, "
+           f"{fmt(section.workers_removed)} removed; running "
+           f"workers between {fmt(section.min_running_workers)} and {fmt(section.max_running_workers)}.", ""]
+    shown = section.decisions[:MAX_ROWS]
     if not shown:
         return out + ["The policy decided nothing."]
     out += table(["time (s)", "action", "workers", "outcome", "reason"],
-                 [(f"{d['time_s']:.3f}", f"{d['action']} {d['applied']}/{d['requested']}",
-                   ", ".join(map(str, d["worker_ids"])) or "—",
-                   d["outcome"] + (f" ({d['detail']})" if d["detail"] else ""), d["reason"]) for d in shown])
-    if section["decisions_total"] > len(shown):
-        out += ["", f"… and {section['decisions_total'] - len(shown)} more."]
+                 [(f"{d.time_s:.3f}", f"{d.action} {d.applied}/{d.requested}",
+                   ", ".join(map(str, d.worker_ids)) or "—",
+                   d.outcome + (f" ({d.detail})" if d.detail else ""), d.reason) for d in shown])
+    if section.decisions_total > len(shown):
+        out += ["", f"… and {section.decisions_total - len(shown)} more."]
     return out

@@ -13,7 +13,6 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -24,6 +23,7 @@ from harness.report.plots import start_plots
 from harness.report.sla import Sla
 from harness.report.run_data import RunData
 from harness.report.summary import dumps_summary, sorted_records, summarize
+from harness.report.summary_types import Summary
 from harness.report.markdown import render_markdown
 from harness.report.what_ran import SCENARIO_FILE, scenario_yaml
 
@@ -94,13 +94,13 @@ def prepare_outdir(outdir: str | Path) -> Path:
     return outdir
 
 
-def write_report(data: RunData, outdir: Path) -> dict[str, Any]:
+def write_report(data: RunData, outdir: Path) -> Summary:
     """Write summary.json, requests.jsonl, report.md, the plots and scenario.yaml into ``outdir``; return the
     summary. A run's results are never lost to a directory that became unwritable meanwhile: see ``save_report``."""
     return save_report(data, outdir)[0]
 
 
-def save_report(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | None]:
+def save_report(data: RunData, outdir: Path) -> tuple[Summary, Path | None]:
     """``write_report``, and where the report went: ``outdir``; or, when that cannot be written (removed, made
     read-only or replaced by a file while the run went), a new directory under the system's temporary directory,
     named on stderr in one line; or None when that fails too, and the summary is printed on stderr instead."""
@@ -125,7 +125,7 @@ def save_report(data: RunData, outdir: Path) -> tuple[dict[str, Any], Path | Non
     return summary, fallback
 
 
-def _write_files(data: RunData, summary: dict[str, Any], outdir: Path) -> None:
+def _write_files(data: RunData, summary: Summary, outdir: Path) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
     try:

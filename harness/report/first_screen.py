@@ -1,12 +1,14 @@
 """The answer a run prints when it ends: its requests, latencies, throughput, prefix reuse, routing regret and what
 the virtual clock bought, as a short plain-text table on standard output, the report's path last (``kvemu run``,
-``up``, ``loadgen``, ``bench-router``). Every figure is read from summary.json's dict; nothing is computed anew."""
+``up``, ``loadgen``, ``bench-router``). Every figure is read from the run's ``Summary``; nothing is computed anew."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from harness.report.summary_types import Summary
 
 __all__ = ["first_screen", "render_first_screen", "run_title"]
 
@@ -17,35 +19,35 @@ def _ms(value: Any) -> str:
     return f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
 
 
-def _requests(s: dict[str, Any], compact: bool) -> str:
-    k = s.get("kvemu") or {}
-    text = f"{s.get('completed_requests', 0):,}/{s.get('num_requests', 0):,}" + ("" if compact else " completed")
-    failed, unfinished = k.get("failed_requests") or 0, k.get("unfinished_requests") or 0
+def _requests(s: Summary, compact: bool) -> str:
+    k = s.kvemu
+    text = f"{s.completed_requests:,}/{s.num_requests:,}" + ("" if compact else " completed")
+    failed, unfinished = k.failed_requests, k.unfinished_requests
     if compact:
         return text + (f" ({failed:,} failed)" if failed else "") + (f" ({unfinished:,} open)" if unfinished else "")
     if failed:
-        reasons = ", ".join(f"{why} {n:,}" for why, n in (k.get("failed_requests_by_reason") or {}).items())
+        reasons = ", ".join(f"{why} {n:,}" for why, n in k.failed_requests_by_reason.items())
         text += f", {failed:,} failed" + (f" ({reasons})" if reasons else "")
     if unfinished:
         text += f", {unfinished:,} unfinished"
     return text
 
 
-def _latency(s: dict[str, Any], name: str, compact: bool) -> str:
-    p50, p99 = _ms(s.get(f"median_{name}_ms")), _ms(s.get(f"p99_{name}_ms"))
+def _latency(p50_ms: float | None, p99_ms: float | None, compact: bool) -> str:
+    p50, p99 = _ms(p50_ms), _ms(p99_ms)
     return f"{p50} / {p99}" if compact else f"p50 {p50:>7}   p99 {p99:>7}"
 
 
-def _throughput(s: dict[str, Any], compact: bool) -> str:
-    out, rps = s.get("output_throughput_tok_s"), s.get("request_throughput_rps")
+def _throughput(s: Summary, compact: bool) -> str:
+    out, rps = s.output_throughput_tok_s, s.request_throughput_rps
     if out is None or rps is None:
         return "—"
     return f"{out:,.1f} tok/s" if compact else f"{out:,.1f} output tok/s, {rps:,.2f} req/s"
 
 
-def _reuse(s: dict[str, Any], compact: bool) -> str:
-    ratio, prompt = s.get("prefix_cache_reused_ratio"), s.get("total_input_tokens") or 0
-    if ((s.get("kvemu") or {}).get("hook_counts") or {}).get("engine_truth_matched") == 0:
+def _reuse(s: Summary, compact: bool) -> str:
+    ratio, prompt = s.prefix_cache_reused_ratio, s.total_input_tokens
+    if s.kvemu.hook_counts.get("engine_truth_matched") == 0:
         return "—" if compact else "unknown: no engine said what it found cached (loadgen --http: give --fleet)"
     if ratio is None:
         return "—"
@@ -54,21 +56,21 @@ def _reuse(s: dict[str, Any], compact: bool) -> str:
     return f"{round(ratio * prompt):,} of {prompt:,} prompt tokens cached ({100 * ratio:.1f}%)"
 
 
-def _regret(s: dict[str, Any], compact: bool) -> str | None:
-    regret = ((s.get("kvemu") or {}).get("routing") or {}).get("regret")
-    if not regret or regret.get("regret_ratio") is None:
+def _regret(s: Summary, compact: bool) -> str | None:
+    regret = s.kvemu.routing.regret
+    if regret is None or regret.regret_ratio is None:
         return None
-    lost, novel = regret.get("lost_blocks", 0), regret.get("novel_blocks", 0)
+    lost, novel = regret.lost_blocks, regret.novel_blocks
     if compact:
-        return f"{100 * regret['regret_ratio']:.1f}%"
-    return (f"{100 * regret['regret_ratio']:.1f}% ({lost:,} of the {lost + novel:,} prompt blocks computed anew were "
+        return f"{100 * regret.regret_ratio:.1f}%"
+    return (f"{100 * regret.regret_ratio:.1f}% ({lost:,} of the {lost + novel:,} prompt blocks computed anew were "
             "cached on another rank)")
 
 
-def _clock(s: dict[str, Any], compact: bool) -> tuple[str, str | None]:
+def _clock(s: Summary, compact: bool) -> tuple[str, str | None]:
     """(label, text): a virtual run's scenario time against its wall time; a live run's duration."""
-    scenario_ms, wall_ms = s.get("duration_ms"), s.get("wall_time_ms")
-    if (s.get("kvemu") or {}).get("mode") != "virtual":
+    scenario_ms, wall_ms = s.duration_ms, s.wall_time_ms
+    if s.kvemu.mode != "virtual":
         return "duration", None if scenario_ms is None else f"{scenario_ms / 1000:,.1f} s" + (
             "" if compact else " (live clock)")
     if scenario_ms is None:
@@ -80,16 +82,16 @@ def _clock(s: dict[str, Any], compact: bool) -> tuple[str, str | None]:
                              f"({scenario_ms / wall_ms:,.0f}x)")
 
 
-def _rows(s: dict[str, Any], compact: bool) -> list[tuple[str, str | None]]:
+def _rows(s: Summary | None, compact: bool) -> list[tuple[str, str | None]]:
     """Each figure's (label, text; None: the run has no such figure); ``compact``: a column beside others."""
-    if not s:  # a run that wrote no summary (a router that never started)
+    if s is None:  # a run that wrote no summary (a router that never started)
         return [("requests", "no report")]
     ms = "p50 / p99 (ms)" if compact else "(ms)"
     return [
         ("requests", _requests(s, compact)),
-        (f"TTFT {ms}", _latency(s, "ttft", compact)),
-        (f"ITL {ms}", _latency(s, "itl", compact)),
-        (f"E2E {ms}", _latency(s, "e2e_latency", compact)),
+        (f"TTFT {ms}", _latency(s.median_ttft_ms, s.p99_ttft_ms, compact)),
+        (f"ITL {ms}", _latency(s.median_itl_ms, s.p99_itl_ms, compact)),
+        (f"E2E {ms}", _latency(s.median_e2e_latency_ms, s.p99_e2e_latency_ms, compact)),
         ("output throughput" if compact else "throughput", _throughput(s, compact)),
         ("prefix reuse", _reuse(s, compact)),
         ("routing regret", _regret(s, compact)),
@@ -97,9 +99,9 @@ def _rows(s: dict[str, Any], compact: bool) -> list[tuple[str, str | None]]:
     ]
 
 
-def render_first_screen(title: str, runs: Sequence[tuple[str, dict[str, Any]]], report: str | Path | None) -> str:
+def render_first_screen(title: str, runs: Sequence[tuple[str, Summary | None]], report: str | Path | None) -> str:
     """The table a command prints when it ends: ``title`` (what ran), then per figure one row, a column per run
-    (``runs``: a label and its summary dict; one run: no column header), then the report's path (None: none was
+    (``runs``: a label and its summary, None: it wrote none; one run: no column header), then the report's path (None: none was
     written). A figure no run has (routing regret without engine truth) is left out."""
     per_run = [dict(_rows(summary, compact=len(runs) > 1)) for _, summary in runs]
     names = list(dict.fromkeys(name for rows in per_run for name in rows))
@@ -113,15 +115,15 @@ def render_first_screen(title: str, runs: Sequence[tuple[str, dict[str, Any]]], 
     return "\n".join(lines) + "\n"
 
 
-def run_title(command: str, summary: dict[str, Any]) -> str:
+def run_title(command: str, summary: Summary) -> str:
     """``kvemu run: quickstart (virtual time, seed 7)``, marked PARTIAL (and why) when the run was cut short."""
-    k = summary.get("kvemu") or {}
-    title = f"{command}: {k.get('scenario', '?')} ({k.get('mode', '?')} time, seed {k.get('seed', '?')})"
-    if summary.get("partial"):
-        title += f" PARTIAL ({k.get('stop_reason') or 'interrupted'})"
+    k = summary.kvemu
+    title = f"{command}: {k.scenario} ({k.mode} time, seed {k.seed})"
+    if summary.partial:
+        title += f" PARTIAL ({k.stop_reason or 'interrupted'})"
     return title
 
 
-def first_screen(command: str, summary: dict[str, Any], report: str | Path | None) -> str:
+def first_screen(command: str, summary: Summary, report: str | Path | None) -> str:
     """``render_first_screen`` of one run of ``command`` (``kvemu run``, ``kvemu up``, ``kvemu loadgen``)."""
     return render_first_screen(run_title(command, summary), [("", summary)], report)

@@ -11,6 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from msgspec import UnsetType
+
+from harness.report.summary_types import Summary
+
 __all__ = ["router_row", "write_router_report", "COLUMNS"]
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -30,26 +34,31 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def router_row(label: str, summary: dict[str, Any], wall_s: float, failures: dict[str, int] | None = None,
+def router_row(label: str, summary: Summary | None, wall_s: float, failures: dict[str, int] | None = None,
                error: str | None = None) -> dict[str, Any]:
-    """One router's figures from its run's summary (``partial``, set by the caller: the signal that stopped its run
-    part way, else None)."""
-    kv = summary.get("kvemu", {})
-    per_rank = kv.get("per_rank") or []
-    loads = [r.get("input_tokens", 0) for r in per_rank]
+    """One router's figures from its run's summary (None: it wrote none; ``partial``, set by the caller: the signal
+    that stopped its run part way, else None)."""
+    if summary is None:
+        return {"router": label, "completed": 0, "failed": 0, "failures": failures or {}, "prefix_reuse": None,
+                "p50_ttft_ms": None, "p99_ttft_ms": None, "p50_itl_ms": None, "p99_itl_ms": None,
+                "p50_e2e_ms": None, "p99_e2e_ms": None, "goodput_rps": None, "load_imbalance": None,
+                "engine_truth_matched": None, "wall_s": wall_s, "error": error, "partial": None}
+    kv = summary.kvemu
+    loads = [r.input_tokens for r in kv.per_rank]
     mean = sum(loads) / len(loads) if loads else 0
+    goodput = summary.goodput_request_throughput_rps
     return {
         "router": label,
-        "completed": summary.get("completed_requests") or 0,
-        "failed": kv.get("failed_requests") or 0,
-        "failures": failures if failures is not None else kv.get("failed_requests_by_reason") or {},
-        "prefix_reuse": summary.get("prefix_cache_reused_ratio"),
-        "p50_ttft_ms": summary.get("median_ttft_ms"), "p99_ttft_ms": summary.get("p99_ttft_ms"),
-        "p50_itl_ms": summary.get("median_itl_ms"), "p99_itl_ms": summary.get("p99_itl_ms"),
-        "p50_e2e_ms": summary.get("median_e2e_latency_ms"), "p99_e2e_ms": summary.get("p99_e2e_latency_ms"),
-        "goodput_rps": summary.get("goodput_request_throughput_rps"),
+        "completed": summary.completed_requests,
+        "failed": kv.failed_requests,
+        "failures": failures if failures is not None else kv.failed_requests_by_reason,
+        "prefix_reuse": summary.prefix_cache_reused_ratio,
+        "p50_ttft_ms": summary.median_ttft_ms, "p99_ttft_ms": summary.p99_ttft_ms,
+        "p50_itl_ms": summary.median_itl_ms, "p99_itl_ms": summary.p99_itl_ms,
+        "p50_e2e_ms": summary.median_e2e_latency_ms, "p99_e2e_ms": summary.p99_e2e_latency_ms,
+        "goodput_rps": None if isinstance(goodput, UnsetType) else goodput,
         "load_imbalance": max(loads) / mean if mean else None,
-        "engine_truth_matched": (kv.get("hook_counts") or {}).get("engine_truth_matched"),
+        "engine_truth_matched": kv.hook_counts.get("engine_truth_matched"),
         "wall_s": wall_s,
         "error": error,
         "partial": None,

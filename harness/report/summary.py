@@ -41,6 +41,7 @@ from harness.report.autoscale import autoscale_summary, provisioned_seconds
 from harness.report.sla import goodput
 from harness.report.stats import percentile
 from harness.report.run_data import EXITED, RunData
+from harness.report.summary_types import Summary
 
 
 NS_PER_MS = 1_000_000
@@ -403,9 +404,15 @@ def _kv_events(data: RunData) -> dict[str, Any]:
     return {"per_worker": per_worker, "totals": dict(sorted(totals.items()))}
 
 
-def summarize(data: RunData) -> dict[str, Any]:
-    """The content of summary.json: the reference's replay keys at top level, kvemu's own under ``kvemu``. With
-    lanes, every figure but ``kvemu.lanes`` is the profile phase's (its requests only)."""
+def summarize(data: RunData) -> Summary:
+    """summary.json's figures: the reference's replay keys at top level, kvemu's own under ``kvemu``. With lanes,
+    every figure but ``kvemu.lanes`` is the profile phase's (its requests only)."""
+    return msgspec.convert(_summary_builtins(data), Summary)
+
+
+def _summary_builtins(data: RunData) -> dict[str, Any]:
+    """``summarize``'s figures as plain data, rounded: the sections are composed here, typed once by ``Summary``
+    (which refuses a key it does not declare, so nothing is dropped on the way)."""
     records = sorted_records(data.records)
     every = records
     if data.phases is not None:
@@ -602,6 +609,6 @@ def _disaggregated(data: RunData, done: list[RequestRecord]) -> dict[str, Any]:
     }
 
 
-def dumps_summary(summary: dict[str, Any]) -> str:
+def dumps_summary(summary: Summary) -> str:
     """summary.json text: sorted keys, 2-space indent, strict JSON (no NaN), trailing newline."""
-    return json.dumps(summary, sort_keys=True, indent=2, allow_nan=False) + "\n"
+    return json.dumps(summary.to_builtins(), sort_keys=True, indent=2, allow_nan=False) + "\n"

@@ -333,7 +333,7 @@ def _summary_keys() -> dict[str, str]:
                 if isinstance(value, dict):
                     walk(value, f"{prefix}{key}.")
 
-        walk(summarize(RunData()), "")
+        walk(summarize(RunData()).to_builtins(), "")
         _KNOWN = known
     return _KNOWN
 
@@ -468,8 +468,9 @@ def run_point(point: PointSpec) -> dict[str, Any]:
         outcome = run_scenario(scenario, Path(point.report_dir) if point.report_dir else None, origin=point.origin())
         summary = outcome.summary if outcome.summary is not None else summarize(outcome.data)
         gpus = sum(p["workers"] * p["dp_size"] for p in pool_sizes(scenario.cluster).values())
-        result["figures"] = {name: figure_value(summary, name, gpus) for name in point.figures}
-        result["run_wall_time_ms"] = summary.get("wall_time_ms")
+        figures = summary.to_builtins()  # (figures are named by their dotted summary.json keys)
+        result["figures"] = {name: figure_value(figures, name, gpus) for name in point.figures}
+        result["run_wall_time_ms"] = summary.wall_time_ms
         result["status"] = "partial" if outcome.data.partial else "ok"
         if outcome.data.partial:
             result["error"] = f"stopped early: {outcome.data.stop_reason}"

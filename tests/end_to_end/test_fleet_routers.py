@@ -84,9 +84,9 @@ def test_the_engine_truth_of_a_fleet_is_every_request_and_agrees_with_the_worker
         summary, where = http_loadgen_report(load_scenario(path), target.url, tmp_path / "out", fleet=fleet)
         assert where is not None
         recs = _requests(where)
-        n = summary["num_requests"]
-        assert n >= 10 and summary["completed_requests"] == n == len(recs)
-        assert summary["kvemu"]["hook_counts"]["engine_truth_matched"] == n
+        n = summary.num_requests
+        assert n >= 10 and summary.completed_requests == n == len(recs)
+        assert summary.kvemu.hook_counts["engine_truth_matched"] == n
         assert {r["worker_id"] for r in recs} == {0} and {r["dp_rank"] for r in recs} == {0, 1}  # round robin
         cached = sum(r["engine_cached_tokens"] for r in recs)
         assert cached > 0  # the sessions' later turns find their prefix

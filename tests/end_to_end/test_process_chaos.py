@@ -224,8 +224,8 @@ def test_the_load_generator_writes_a_partial_report_when_it_fails_itself(tmp_pat
         stop.set()
         thread.join(5)
         ctx.destroy(linger=0)
-    assert summary["partial"] is True
-    assert summary["kvemu"]["stop_reason"] == "error: RuntimeError: boom"
+    assert summary.partial is True
+    assert summary.kvemu.stop_reason == "error: RuntimeError: boom"
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["partial"] is True
 
 

@@ -277,10 +277,10 @@ def test_a_report_that_can_be_written_nowhere_prints_its_summary(tmp_path, monke
     monkeypatch.setattr(tempfile, "mkdtemp", no_temp)
     summary, where = save_report(data, blocked / "out")
     err = capsys.readouterr().err
-    assert where is None and summary["num_requests"] == len(data.records) > 0
+    assert where is None and summary.num_requests == len(data.records) > 0
     assert err.startswith(f"kvemu: cannot write the report in {blocked / 'out'} (part of the path is a file, not a "
                           "directory) nor in a temporary directory (Permission denied); its summary follows\n")
-    assert json.loads(err.split("\n", 1)[1]) == summary
+    assert json.loads(err.split("\n", 1)[1]) == summary.to_builtins()
 
 
 # ------------------------------------------------------------------ one clear line for a refused worker

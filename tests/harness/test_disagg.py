@@ -84,7 +84,7 @@ def test_a_mooncake_slice_on_4p4d_matches_the_reference_figures(dynamo_core, moo
     pools = {"prefill": {"workers": 4, "engine": LINK}, "decode": {"workers": 4}}
     ours = summarize(run_scenario(load_scenario(ROOT / "examples" / "disagg-4p12d.yaml", [
         "router.policy=round_robin", f"workload.trace={head}", f"cluster.prefill={json.dumps(pools['prefill'])}",
-        f"cluster.decode={json.dumps(pools['decode'])}"])).data)
+        f"cluster.decode={json.dumps(pools['decode'])}"])).data).to_builtins()
     ref = run_reference_disagg(dynamo_core.run_mocker_trace_replay, head, "round_robin", prefill=pools["prefill"],
                                decode=pools["decode"])
     for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "mean_e2e_latency_ms",

@@ -168,7 +168,7 @@ def test_a_caveat_says_when_vllm_routers_pd_kv_aware_cannot_read_the_fleets_bloc
 def test_the_routers_report_names_each_pool_and_every_caveat(tmp_path):
     from harness.report.routers import router_row, write_router_report
 
-    row = {**router_row("vllm-router:kv_aware", {}, 1.0), "caveats": ["reads 16-token blocks"]}
+    row = {**router_row("vllm-router:kv_aware", None, 1.0), "caveats": ["reads 16-token blocks"]}
     write_router_report([row], tmp_path, {"scenario": "s", "requests": 3, "compress": 1.0,
                                           "pools": {"prefill": {"workers": 4, "dp_size": 1},
                                                     "decode": {"workers": 12, "dp_size": 2}}})

@@ -3,9 +3,31 @@ standard output, read from summary.json's figures, the report's path last."""
 
 import json
 
+import msgspec
+
 from harness.report.first_screen import first_screen, render_first_screen
+from harness.report.run_data import RunData
+from harness.report.summary import summarize
+from harness.report.summary_types import Summary
 
 from tests.harness.test_cli import TINY, kvemu
+
+REGRET = {"requests_compared": 117, "requests_with_loss": 9, "lost_blocks": 83, "novel_blocks": 917,
+          "regret_ratio": 0.083, "recoverable_prefill_blocks": {"peer": 83, "cache_owner": 0, "shared": 0},
+          "unrecoverable_prefill_blocks": 917, "over_time": []}
+
+
+def _typed(figures: dict) -> Summary:
+    """An empty run's summary with ``figures`` laid over it (section by section)."""
+    plain = summarize(RunData()).to_builtins()
+    for key, value in figures.items():
+        if isinstance(value, dict) and isinstance(plain.get(key), dict):
+            for inner, v in value.items():
+                plain[key][inner] = {**plain[key][inner], **v} if isinstance(v, dict) and isinstance(
+                    plain[key].get(inner), dict) else v
+        else:
+            plain[key] = value
+    return msgspec.convert(plain, Summary)
 
 
 def _summary(**over):
@@ -17,10 +39,10 @@ def _summary(**over):
         "median_e2e_latency_ms": 757.4, "p99_e2e_latency_ms": 1286.0,
         "kvemu": {"scenario": "quickstart", "mode": "virtual", "seed": 7, "failed_requests": 2,
                   "unfinished_requests": 1, "failed_requests_by_reason": {"worker_lost": 2},
-                  "routing": {"regret": {"regret_ratio": 0.083, "lost_blocks": 83, "novel_blocks": 917}}},
+                  "routing": {"regret": REGRET}},
     }
     summary.update(over)
-    return summary
+    return _typed(summary)
 
 
 def test_the_table_gives_each_figure_and_ends_with_the_report_path():
@@ -39,19 +61,19 @@ def test_the_table_gives_each_figure_and_ends_with_the_report_path():
 
 def test_a_figure_the_run_lacks_is_left_out_and_a_live_run_gives_its_duration():
     summary = _summary(partial=True)
-    summary["kvemu"] = {**summary["kvemu"], "mode": "live", "routing": {"regret": None}, "stop_reason": "SIGINT"}
+    summary.kvemu.mode, summary.kvemu.routing.regret, summary.kvemu.stop_reason = "live", None, "SIGINT"
     text = first_screen("kvemu up", summary, None)
     assert text.splitlines()[0] == "kvemu up: quickstart (live time, seed 7) PARTIAL (SIGINT)"
     assert "routing regret" not in text and "virtual clock" not in text
     assert "  duration " in text and "60.0 s (live clock)" in text
     assert text.splitlines()[-1].split() == ["report", "none", "written"]
-    summary["kvemu"]["hook_counts"] = {"engine_truth_matched": 0, "engine_truth_unmatched": 117}  # loadgen --http
+    summary.kvemu.hook_counts = {"engine_truth_matched": 0, "engine_truth_unmatched": 117}  # loadgen --http
     reuse = " ".join(first_screen("kvemu loadgen", summary, None).split("prefix reuse")[1].split("\n")[0].split())
     assert reuse == "unknown: no engine said what it found cached (loadgen --http: give --fleet)"
 
 
 def test_several_runs_are_columns_side_by_side():
-    text = render_first_screen("kvemu bench-router: quickstart", [("kvemu:kv", _summary()), ("mine", {})],
+    text = render_first_screen("kvemu bench-router: quickstart", [("kvemu:kv", _summary()), ("mine", None)],
                                "out/r/routers.md")
     lines = text.splitlines()
     assert lines[1].split() == ["kvemu:kv", "mine"]
@@ -90,7 +112,7 @@ def test_bench_router_sums_up_each_routers_report_in_a_column(tmp_path):
     from harness.cli.fleet import _first_screen
 
     (tmp_path / "kvemu-kv").mkdir()
-    (tmp_path / "kvemu-kv" / "summary.json").write_text(json.dumps(_summary()))
+    (tmp_path / "kvemu-kv" / "summary.json").write_text(json.dumps(_summary().to_builtins()))
     lines = _first_screen("quickstart", [{"router": "kvemu:kv"}, {"router": "cmd:mine"}], tmp_path).splitlines()
     assert lines[0] == "kvemu bench-router: quickstart"
     assert lines[1].split() == ["kvemu:kv", "cmd:mine"]

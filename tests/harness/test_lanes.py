@@ -404,7 +404,7 @@ def lanes_scenario(tmp_path: Path, **lanes: Any):
 
 def test_a_lanes_run_reports_its_phases_and_counts_only_the_profile(tmp_path):
     out = run_scenario(lanes_scenario(tmp_path), tmp_path / "out")
-    s = out.summary
+    s = out.summary.to_builtins()
     assert s is not None
     lanes = s["kvemu"]["lanes"]
     rows = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").open()]
@@ -446,7 +446,7 @@ def _profile_start_ms(tmp_path: Path, name: str, latency_ms: float, **lanes: Any
             f"workload: {{kind: trace, trace: c.jsonl, lanes: {json.dumps(body)}}}\n")
     out = run_scenario(parse_scenario(text, base_dir=tmp_path), tmp_path / name)
     assert out.summary is not None
-    lanes_out = out.summary["kvemu"]["lanes"]
+    lanes_out = out.summary.to_builtins()["kvemu"]["lanes"]
     return lanes_out["phases"]["profile"]["start_ms"], lanes_out["unsettled_server_requests"]
 
 
@@ -482,8 +482,8 @@ def test_validate_says_the_lanes(tmp_path):
 def test_the_example_runs(tmp_path):
     out = run_scenario(load_scenario(ROOT / "examples" / "agentic-lanes.yaml",
                                      ["workload.lanes.duration_s=30"]), tmp_path / "out")
-    assert out.summary is not None and out.summary["completed_requests"] > 0
-    assert out.summary["kvemu"]["lanes"]["plays_started"] >= 6
+    assert out.summary is not None and out.summary.completed_requests > 0
+    assert out.summary.kvemu.lanes.plays_started >= 6
 
 
 @pytest.mark.parametrize("lanes, extra, message", [

@@ -71,7 +71,7 @@ def test_regret_curves_bucket_the_cluster_and_each_replica():
     assert curves["overall"] == {"cluster": pytest.approx(6 / 19), "replica 0": pytest.approx(6 / 11),
                                  "replica 1": 0.0}
     # the overall figures are the summary's (which rounds to 6 digits)
-    summary = summarize(data)
+    summary = summarize(data).to_builtins()
     assert curves["overall"]["cluster"] == pytest.approx(summary["kvemu"]["routing"]["regret"]["regret_ratio"],
                                                          abs=1e-6)
     per = summary["kvemu"]["replicas"]["per_replica"]
@@ -127,8 +127,7 @@ def test_the_renderer_process_draws_the_regret_plot_as_in_process(tmp_path, monk
 
 def test_report_md_has_a_row_per_replica_and_links_the_plot():
     data = two_replica_run(records_over_30_s(), {"a": 0, "b": 1, "c": 1, "d": 0})
-    summary = summarize(data)
-    md = render_markdown(summary, data, [*PLOTS, plot_drawing.REGRET_PLOT])
+    md = render_markdown(summarize(data), data, [*PLOTS, plot_drawing.REGRET_PLOT])
     section = md.split("## Router replicas", 1)[1].split("\n## ", 1)[0]
     assert "2 router replicas, front `round_robin`, replica sync on, 25.00 ms delay" in section
     assert "[routing_regret.png](routing_regret.png)" in section
@@ -139,7 +138,7 @@ def test_report_md_has_a_row_per_replica_and_links_the_plot():
     assert rows[2] == "| 1 | 2 | 2 | 0.0% | 0.0% | 0 / 8 | 11 | 1 | 2 | 3 | 1 | 6 / 8 |"
     assert "Over time: [routing_regret.png]" in md.split("### Routing regret", 1)[1]
     # without the plot no link; without replicas no section
-    assert "routing_regret.png" not in render_markdown(summary, data, PLOTS)
+    assert "routing_regret.png" not in render_markdown(summarize(data), data, PLOTS)
     one = RunData(records=records_over_30_s(), block_size=16, ranks=[(0, 0)])
     assert "## Router replicas" not in render_markdown(summarize(one), one, PLOTS)
 
@@ -158,7 +157,7 @@ def test_a_run_with_two_replicas_writes_the_plot_and_the_section(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     section = md.split("## Router replicas", 1)[1].split("\n## ", 1)[0]
     per = json.loads((tmp_path / "out" / "summary.json").read_text())["kvemu"]["replicas"]["per_replica"]
-    assert len(per) == 2 and per[1]["restarts"] == 1 and sum(r["requests"] for r in per) == out.summary["num_requests"]
+    assert len(per) == 2 and per[1]["restarts"] == 1 and sum(r["requests"] for r in per) == out.summary.num_requests
     for r in per:
         assert f"| {r['replica']} | {r['requests']:,} | {r['completed_requests']:,} |" in section
     curves = plot_data.regret_curves(out.data)

@@ -41,7 +41,7 @@ def scenario(replicas=1, front="random", sync=False, predictions=False, kv_event
 
 def run(**kw):
     out = run_scenario(scenario(**kw))
-    summary = summarize(out.data)
+    summary = summarize(out.data).to_builtins()
     records = out.data.records
     assert records and all(r.done for r in records), "every request completes"
     return out, summary
@@ -171,7 +171,7 @@ def test_a_dropped_feed_batch_is_recovered_by_that_replica_alone():
 def test_restarting_one_replica_leaves_the_others_serving():
     scen = scenario(replicas=2, kv_events=True, chaos="  - {at_s: 30, action: restart_router, replica: 1}\n")
     out = run_scenario(scen)
-    s = summarize(out.data)
+    s = summarize(out.data).to_builtins()
     rows = s["kvemu"]["replicas"]["per_replica"]
     assert [r["restarts"] for r in rows] == [0, 1]
     of = out.data.replicas["replica_of"]
@@ -214,7 +214,7 @@ chaos:
   - {at_s: 0.6, action: delay_kv_events, replica: 0, lag_ms: 50}
 """)
     out = run_scenario(scen)
-    s = summarize(out.data)
+    s = summarize(out.data).to_builtins()
     records = out.data.records
     assert records and all(r.done for r in records)
     rows = s["kvemu"]["replicas"]["per_replica"]
@@ -232,7 +232,7 @@ def test_a_worker_leaving_leaves_every_replica(graceful):
     out = run_scenario(scenario(replicas=3, kv_events=True, chaos=f"""
   - {{at_s: 40, action: remove_worker, worker: 2, graceful: {str(graceful).lower()}}}
 """))
-    s = summarize(out.data)
+    s = summarize(out.data).to_builtins()
     records = out.data.records
     if graceful:  # drained first: nothing fails
         assert all(r.done for r in records)

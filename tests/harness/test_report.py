@@ -79,7 +79,7 @@ def test_summary_percentiles_are_the_shared_rounded_rank_definition():
     for n in (1, 2, 3, 10, 101):
         ttfts = [rng.uniform(1, 100) for _ in range(n)]
         records = [rec(f"r{i}", 0, 10, 1, 0, [t]) for i, t in enumerate(ttfts)]
-        s = summarize(sample_run(records=records))
+        s = summarize(sample_run(records=records)).to_builtins()
         exact = sorted(int(t * MS) / MS for t in ttfts)  # rec() truncates to whole ns
         for key, q in (("median", 50), ("p75", 75), ("p90", 90), ("p95", 95), ("p99", 99)):
             assert s[f"{key}_ttft_ms"] == r6(percentile(exact, q))
@@ -87,7 +87,7 @@ def test_summary_percentiles_are_the_shared_rounded_rank_definition():
 
 
 def test_latency_metrics_are_exact():
-    s = summarize(sample_run())
+    s = summarize(sample_run()).to_builtins()
     ttft = [50, 100, 200]
     assert s["mean_ttft_ms"] == r6(350 / 3)
     assert (s["min_ttft_ms"], s["max_ttft_ms"], s["median_ttft_ms"]) == (50, 200, 100)
@@ -111,7 +111,7 @@ def test_latency_metrics_are_exact():
 
 
 def test_totals_throughput_and_prefix_reuse():
-    s = summarize(sample_run())
+    s = summarize(sample_run()).to_builtins()
     assert s["num_requests"] == 4 and s["completed_requests"] == 3
     assert s["total_input_tokens"] == 350 and s["total_output_tokens"] == 8  # completed requests only
     assert s["duration_ms"] == 220 and s["wall_time_ms"] == 12
@@ -127,7 +127,7 @@ def test_totals_throughput_and_prefix_reuse():
 
 
 def test_per_rank_rows_include_idle_ranks():
-    rows = summarize(sample_run())["kvemu"]["per_rank"]
+    rows = summarize(sample_run()).to_builtins()["kvemu"]["per_rank"]
     assert [(r["worker_id"], r["dp_rank"]) for r in rows] == [(1, 0), (1, 1), (2, 0)]
     r10, r11, r20 = rows
     assert (r10["requests"], r10["completed_requests"], r10["input_tokens"], r10["output_tokens"]) == (2, 2, 150, 4)
@@ -138,12 +138,12 @@ def test_per_rank_rows_include_idle_ranks():
     assert r20["requests"] == 0 and r20["prefix_cache_reused_ratio"] is None
     assert r20["max_active_requests"] == 0 and r20["max_kv_blocks"] == 0
     # a rank with neither requests nor samples still shows
-    rows = summarize(sample_run(ranks=[(1, 0), (1, 1), (2, 0), (3, 1)], samples=[]))["kvemu"]["per_rank"]
+    rows = summarize(sample_run(ranks=[(1, 0), (1, 1), (2, 0), (3, 1)], samples=[])).to_builtins()["kvemu"]["per_rank"]
     assert rows[-1]["worker_id"] == 3 and rows[-1]["requests"] == 0 and rows[-1]["mean_active_requests"] is None
 
 
 def test_predicted_vs_engine_cache():
-    rt = summarize(sample_run())["kvemu"]["routing"]
+    rt = summarize(sample_run()).to_builtins()["kvemu"]["routing"]
     assert rt["requests_compared"] == 3
     assert rt["predicted_cached_tokens"] == 64 + 200 + 0  # overlap blocks x 16, capped at the prompt
     assert rt["engine_cached_tokens"] == 48 + 100 + 16
@@ -157,7 +157,7 @@ def test_predicted_vs_engine_cache():
 
 
 def test_queue_affinity_and_kv_sections():
-    k = summarize(sample_run())["kvemu"]
+    k = summarize(sample_run()).to_builtins()["kvemu"]
     q = k["queue"]
     assert (q["queued_requests"], q["queued_events"], q["mean_queue_wait_ms"]) == (2, 2, 12.5)
     assert q["p99_queue_wait_ms"] == 20 and q["max_queue_wait_ms"] == 20  # waits 5, 20: rank 0.99 -> 1
@@ -183,7 +183,7 @@ def _no_nan(obj) -> None:
                                                attempts=0)]], ids=["empty", "failed-only"])
 def test_empty_and_failed_only_runs_give_strict_json(tmp_path, records):
     data = RunData(records=records, ranks=[(0, 0)], affinity=None)
-    summary = write_report(data, tmp_path)
+    summary = write_report(data, tmp_path).to_builtins()
     text = (tmp_path / "summary.json").read_text()
     parsed = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert parsed == summary
@@ -228,12 +228,12 @@ def test_report_md_sections_and_partial_flag(tmp_path):
         assert needle.lower() in md.lower(), needle
     for name in PLOTS:
         assert f"]({name})" in md
-    assert summary["partial"] is False
+    assert summary.partial is False
 
     summary = write_report(sample_run(partial=True), tmp_path / "part")
     md = (tmp_path / "part" / "report.md").read_text()
     assert "PARTIAL RUN" in md.split("\n## ", 1)[0]  # before the first section
-    assert summary["partial"] is True and summary["kvemu"]["partial"] is True
+    assert summary.partial is True and summary.kvemu.partial is True
     assert json.loads((tmp_path / "part" / "summary.json").read_text())["partial"] is True
 
 
@@ -295,7 +295,7 @@ def test_twelve_thousand_records_are_fast(tmp_path):
                for t in range(1300) for w, r in ranks]
     data = RunData(records=records, ranks=ranks, samples=samples)
     start = time.perf_counter()
-    summary = write_report(data, tmp_path)
+    summary = write_report(data, tmp_path).to_builtins()
     elapsed = time.perf_counter() - start
     assert summary["completed_requests"] == 12_000
     assert elapsed < 6.0, f"report took {elapsed:.2f} s (target < 3 s)"  # 2x slack for loaded CI machines

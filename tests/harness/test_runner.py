@@ -101,7 +101,7 @@ def test_report_files_and_summary_keys(which, request):
     files = {p.name for p in (d / "out").iterdir()}
     assert {"summary.json", "requests.jsonl", "report.md", *PLOTS} <= files
     summary = json.loads((d / "out" / "summary.json").read_text())
-    assert summary == out.summary
+    assert summary == out.summary.to_builtins()
     assert REFERENCE_KEYS <= set(summary)
     assert summary["partial"] is False
     assert summary["num_requests"] > 10
@@ -118,7 +118,7 @@ def test_report_files_and_summary_keys(which, request):
 @pytest.mark.parametrize("which", ["trace_run", "synthetic_run"])
 def test_requests_jsonl_agrees_with_the_summary(which, request):
     d, out = request.getfixturevalue(which)
-    summary = out.summary
+    summary = out.summary.to_builtins()
     lines = (d / "out" / "requests.jsonl").read_text().splitlines()
     assert len(lines) == summary["num_requests"]
     records = [json.loads(line) for line in lines]
@@ -138,7 +138,7 @@ def test_requests_jsonl_agrees_with_the_summary(which, request):
 @pytest.mark.parametrize("which", ["trace_run", "synthetic_run"])
 def test_every_rank_appears_in_per_rank(which, request):
     d, out = request.getfixturevalue(which)
-    summary = out.summary
+    summary = out.summary.to_builtins()
     data = out.data
     per_rank = summary["kvemu"]["per_rank"]
     workers = 3 if which == "trace_run" else 2
@@ -157,7 +157,7 @@ def test_every_rank_appears_in_per_rank(which, request):
 @pytest.mark.parametrize("which", ["trace_run", "synthetic_run"])
 def test_routing_truth_numbers_are_consistent(which, request):
     d, out = request.getfixturevalue(which)
-    summary = out.summary
+    summary = out.summary.to_builtins()
     rt = summary["kvemu"]["routing"]
     records = [json.loads(line) for line in (d / "out" / "requests.jsonl").read_text().splitlines()]
     n = summary["num_requests"]
@@ -183,7 +183,7 @@ def test_routing_truth_numbers_are_consistent(which, request):
 
 def test_synthetic_run_exercises_sub_agents_and_affinity(synthetic_run):
     _, out = synthetic_run
-    summary = out.summary
+    summary = out.summary.to_builtins()
     records = out.data.records
     subs = [r for r in records if r.parent_session_id is not None]
     assert subs and all("-a" in r.request_id for r in subs)
@@ -226,12 +226,12 @@ def test_the_quickstart_twice_differs_only_where_the_readme_says(tmp_path):
     assert a["num_requests"] > 50 and set(WALL_CLOCK_KEYS) <= set(a)
     for key in WALL_CLOCK_KEYS:
         del a[key], b[key]
-    assert dumps_summary(a) == dumps_summary(b)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     assert (tmp_path / "a" / "requests.jsonl").read_bytes() == (tmp_path / "b" / "requests.jsonl").read_bytes()
     # the list is complete: a run's only wall-clock figure changes exactly these keys
     data = outcomes[0].data
-    slower = summarize(msgspec.structs.replace(data, wall_time_ns=data.wall_time_ns * 3 + 12_345_678))
-    assert {k for k, v in summarize(data).items() if slower[k] != v} == set(WALL_CLOCK_KEYS)
+    slower = summarize(msgspec.structs.replace(data, wall_time_ns=data.wall_time_ns * 3 + 12_345_678)).to_builtins()
+    assert {k for k, v in summarize(data).to_builtins().items() if slower[k] != v} == set(WALL_CLOCK_KEYS)
     readme = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
     keys = ", ".join(f"`{k}`" for k in WALL_CLOCK_KEYS)
     assert (f"byte-identical `requests.jsonl` on every run, and the same `summary.json` except its one wall-clock "
@@ -264,7 +264,7 @@ def test_kv_routing_reuses_at_least_as_much_prefix_as_round_robin(tmp_path):
         scenario = parse_scenario(trace_scenario_text(policy=policy, workers=4, dp_size=1), base_dir=tmp_path,
                                   overrides=["cluster.engine.num_gpu_blocks=512"])
         out = run_scenario(scenario, None)
-        results[policy] = summarize(out.data)
+        results[policy] = summarize(out.data).to_builtins()
     rr, kv = results["round_robin"], results["kv"]
     assert rr["completed_requests"] == kv["completed_requests"] == 80
     assert rr["kvemu"]["routing"]["reasons"] == {"policy": 80}
@@ -317,7 +317,7 @@ def test_closed_loop_keeps_at_most_n_sessions_in_flight_and_fills_every_slot():
     ends = sorted(e for _, e in spans.values())
     assert starts[3:] == ends[: len(starts) - 3]  # each later session starts the moment one ended
     summary = summarize(data)
-    assert summary["kvemu"]["concurrency"] == 3 and 0 < summary["goodput_completed_requests"] <= len(data.records)
+    assert summary.kvemu.concurrency == 3 and 0 < summary.goodput_completed_requests <= len(data.records)
 
 
 def test_a_speculative_run_reports_its_bursts_and_the_gaps_between_passes(tmp_path):

@@ -30,7 +30,7 @@ def test_goodput_counts_the_requests_within_every_target(targets, met, tokens):
     sla = Sla(**targets)
     data = sample_run(sla=sla)
     assert {r.request_id for r in data.records if sla.met(r)} == met
-    s = summarize(data)
+    s = summarize(data).to_builtins()
     assert s["goodput_completed_requests"] == len(met)
     assert s["goodput_request_throughput_rps"] == pytest.approx(len(met) / DURATION_S, rel=1e-5)
     assert s["goodput_output_throughput_tok_s"] == pytest.approx(tokens / DURATION_S, rel=1e-5)
@@ -44,7 +44,7 @@ def test_a_failed_request_never_meets_the_sla():
 
 
 def test_without_an_sla_the_report_has_no_goodput_and_no_met_sla(tmp_path):
-    summary = write_report(sample_run(), tmp_path)
+    summary = write_report(sample_run(), tmp_path).to_builtins()
     assert not any(k.startswith("goodput") for k in summary) and "sla" not in summary["kvemu"]
     assert "met_sla" not in (tmp_path / "requests.jsonl").read_text()
     assert "goodput" not in (tmp_path / "report.md").read_text()

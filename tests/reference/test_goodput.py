@@ -56,7 +56,7 @@ def test_closed_loop_replay_matches_the_reference_request_by_request(dynamo_core
 @pytest.mark.parametrize("concurrency", [None, 32])
 def test_goodput_equals_the_reference(dynamo_core, mooncake_slice, sla, concurrency):
     data = kvemu_run(mooncake_slice, {}, workers=8, concurrency=concurrency, sla=sla)
-    ours = summarize(data)
+    ours = summarize(data).to_builtins()
     ref = dict(reference_run(dynamo_core, mooncake_slice, {}, workers=8, replay_concurrency=concurrency,
                              **{f"sla_{k}": v for k, v in sla.items()}).summary)
     _same_goodput(ours, ref)
@@ -81,7 +81,7 @@ def test_one_token_replies_pass_an_itl_target_as_in_the_reference(dynamo_core, t
     rows = [{"timestamp": 10 * i, "input_length": 600, "output_length": 1 if i < 2 else 5,
              "hash_ids": [10 * i, 10 * i + 1]} for i in range(4)]
     trace = write_trace(tmp_path, rows)
-    ours = summarize(kvemu_run(trace, {}, sla={"itl_ms": 0.001}))
+    ours = summarize(kvemu_run(trace, {}, sla={"itl_ms": 0.001})).to_builtins()
     ref = dict(reference_run(dynamo_core, trace, {}, sla_itl_ms=0.001).summary)
     _same_goodput(ours, ref)
     assert ours["goodput_completed_requests"] == 2 and ours["goodput_output_throughput_tok_s"] > 0

@@ -84,7 +84,7 @@ def run_kvemu(trace: Path, policy: str, workers: int, engine: dict[str, Any]) ->
     scenario = load_scenario(SCENARIO, [f"router.policy={policy}", f"cluster.workers={workers}",
                                         f"workload.trace={trace}", "run.mode=virtual",
                                         *(f"cluster.engine.{k}={v}" for k, v in engine.items())])
-    return summarize(run_scenario(scenario, None).data)
+    return summarize(run_scenario(scenario, None).data).to_builtins()
 
 
 def run_reference(core, trace: Path, policy: str, workers: int, engine: dict[str, Any]) -> dict[str, Any]:
