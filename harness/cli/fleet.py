@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from harness.cli.loading import load_scenario_args
 from harness.cli.preflight import autoscaler_problem, http_problem
@@ -75,15 +76,11 @@ def fleet_command(args: argparse.Namespace) -> int:
 
 
 def _json(info: object) -> str:
-    import msgspec
-
     return msgspec.json.encode(info).decode()
 
 
 def _first_screen(name: str, rows: list[dict[str, Any]], outdir: Path) -> str:
     """bench-router's answer: each router's run summed up in a column (``harness.report.first_screen``)."""
-    import msgspec
-
     from harness.external_routers import router_folder
     from harness.report.first_screen import render_first_screen
     from harness.report.summary_types import Summary
