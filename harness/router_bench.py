@@ -30,6 +30,7 @@ from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
+from harness.report.summary_types import Summary
 from harness.runner import NothingRan
 from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
@@ -119,7 +120,8 @@ def prompt_form_for(spec: RouterSpec, asked: str) -> PromptForm:
 
 
 def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str], outdir: Path, compress: float,
-             prompt_form: PromptForm, origin: RunOrigin) -> tuple[dict[str, Any], str | None]:
+             prompt_form: PromptForm, origin: RunOrigin,
+             summaries: dict[str, Summary]) -> tuple[dict[str, Any], str | None]:
     """``spec``'s row, and the signal that stopped the benchmark during it (None: none did). Its fleet and router
     run in process groups of their own, so that a terminal's Ctrl-C reaches this process alone: the load generator
     stops, asks the fleet (still serving) for its truth and writes the partial report, then they are stopped; a
@@ -128,7 +130,7 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
     t0 = time.monotonic()
     try:
         row = _bench_one(kids, spec, label, scenario, config, outdir / router_folder(label), compress, prompt_form,
-                         origin, t0)
+                         origin, t0, summaries)
     except KeyboardInterrupt as exc:  # while its fleet or router started: nothing went through it
         reason = getattr(exc, "reason", "SIGINT")
         row = {**router_row(label, None, time.monotonic() - t0, error=f"interrupted ({reason}) before its run"),
@@ -141,9 +143,11 @@ def _run_one(spec: RouterSpec, label: str, scenario: Scenario, config: list[str]
 
 
 def _bench_one(kids: Children, spec: RouterSpec, label: str, scenario: Scenario, config: list[str], where: Path,
-               compress: float, prompt_form: PromptForm, origin: RunOrigin, t0: float) -> dict[str, Any]:
+               compress: float, prompt_form: PromptForm, origin: RunOrigin, t0: float,
+               summaries: dict[str, Summary]) -> dict[str, Any]:
     """Start ``spec``'s fleet and router among ``kids`` and replay the workload through it into ``where``; its row
-    (``partial``: the signal that stopped its run, whose partial report is written)."""
+    (``partial``: the signal that stopped its run, whose partial report is written); its run's summary goes to
+    ``summaries`` (by label)."""
     caveats: list[str] = []
     metrics_port = None
     where.mkdir(parents=True, exist_ok=True)
@@ -170,6 +174,7 @@ def _bench_one(kids: Children, spec: RouterSpec, label: str, scenario: Scenario,
                                          command=f"kvemu bench-router ({label})")
         if metrics_port is not None:  # what the router says it did (its retries, errors): beside the report
             _save(f"http://127.0.0.1:{metrics_port}/metrics", where / "router-metrics.prom")
+        summaries[label] = summary
         row = {**router_row(label, summary, time.monotonic() - t0), "prompt": prompt_form, "caveats": caveats}
         stopped = summary.kvemu.stop_reason
         if stopped in ("SIGINT", "SIGTERM"):  # the user stops the benchmark (this router's partial report is kept)
@@ -204,9 +209,10 @@ class BenchInterrupted(KvemuError, RuntimeError):
 
 
 def bench_routers(scenario_path: str | None, overrides: list[str], routers: list[RouterSpec], outdir: Path,
-                  compress: float = 1.0, prompt_form: str = "auto") -> tuple[list[dict[str, Any]], str]:
+                  compress: float = 1.0, prompt_form: str = "auto",
+                  summaries: dict[str, Summary] | None = None) -> tuple[list[dict[str, Any]], str]:
     """Run the workload through each router; returns the rows and the markdown table (also written in
-    ``outdir``). A signal (Ctrl-C, SIGTERM) stops it: the table of the routers run so far is written, the one it
+    ``outdir``); each router's run summary goes to ``summaries`` (by label), as it ends. A signal (Ctrl-C, SIGTERM) stops it: the table of the routers run so far is written, the one it
     stopped marked partial, and ``BenchInterrupted`` says so."""
     base = _load(scenario_path, overrides)
     overrides = [*overrides, *compress_overrides(base, compress)]
@@ -219,13 +225,14 @@ def bench_routers(scenario_path: str | None, overrides: list[str], routers: list
     except KeyboardInterrupt as exc:
         raise NothingRan("generating the workload", getattr(exc, "reason", "SIGINT")) from None
     rows = []
+    summaries = {} if summaries is None else summaries
     interrupted: dict[str, str] | None = None
     started = time.monotonic()
     labels = unique_labels([spec.label if spec.kind != "kvemu" else f"kvemu:{scenario.router.policy}"
                             for spec in routers])
     for spec, label in zip(routers, labels, strict=True):
         row, stopped = _run_one(spec, label, scenario, config, outdir, compress, prompt_form_for(spec, prompt_form),
-                                origin)
+                                origin, summaries)
         rows.append(row)
         print(f"kvemu bench-router: {row['router']}: {row['completed']} completed, {row['failed']} failed"
               + (f" (PARTIAL: {row['partial']})" if row.get("partial") else "")

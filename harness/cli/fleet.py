@@ -8,7 +8,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -16,6 +16,9 @@ import msgspec
 from harness.cli.loading import load_scenario_args
 from harness.cli.preflight import autoscaler_problem, http_problem
 from harness.cli.processes import admission_limits
+
+if TYPE_CHECKING:
+    from harness.report.summary_types import Summary
 
 __all__ = ["fleet_command", "bench_router_command"]
 
@@ -79,20 +82,12 @@ def _json(info: object) -> str:
     return msgspec.json.encode(info).decode()
 
 
-def _first_screen(name: str, rows: list[dict[str, Any]], outdir: Path) -> str:
-    """bench-router's answer: each router's run summed up in a column (``harness.report.first_screen``)."""
-    from harness.external_routers import router_folder
+def _first_screen(name: str, rows: list[dict[str, Any]], summaries: dict[str, Summary], outdir: Path) -> str:
+    """bench-router's answer: each router's run summed up in a column (``harness.report.first_screen``); a router
+    that never ran has no summary."""
     from harness.report.first_screen import render_first_screen
-    from harness.report.summary_types import Summary
 
-    runs: list[tuple[str, Summary | None]] = []
-    for row in rows:
-        try:  # (written just now by this kvemu: its own shape)
-            summary = msgspec.json.decode((outdir / router_folder(row["router"]) / "summary.json").read_bytes(),
-                                          type=Summary)
-        except (OSError, msgspec.DecodeError):  # the router never started: no run, no summary
-            summary = None
-        runs.append((row["router"], summary))
+    runs = [(row["router"], summaries.get(row["router"])) for row in rows]
     through = f" through {runs[0][0]}" if len(runs) == 1 else ""  # (several: each router heads its column)
     return render_first_screen(f"kvemu bench-router: {name}{through}", runs, outdir / "routers.md")
 
@@ -136,18 +131,20 @@ def bench_router_command(args: argparse.Namespace) -> int:
     from harness.runner import NothingRan
 
     try:
-        rows, _ = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt)
+        summaries: dict[str, Summary] = {}
+        rows, _ = bench_routers(args.scenario, list(args.overrides), routers, outdir, args.compress, args.prompt,
+                                summaries)
     except ScenarioError as exc:
         print(f"kvemu bench-router: {exc}", file=sys.stderr)
         return 2
     except BenchInterrupted as exc:  # the routers' table so far is written
         print(f"kvemu bench-router: {exc}", file=sys.stderr, flush=True)
         if not args.quiet and exc.rows:
-            print(_first_screen(scenario.name, exc.rows, outdir), end="", flush=True)
+            print(_first_screen(scenario.name, exc.rows, summaries, outdir), end="", flush=True)
         return exc.exit_code
     except NothingRan as exc:  # while the workload was counted, before the first router
         print(f"kvemu bench-router: {exc}", file=sys.stderr)
         return exc.exit_code
     if not args.quiet:
-        print(_first_screen(scenario.name, rows, outdir), end="", flush=True)
+        print(_first_screen(scenario.name, rows, summaries, outdir), end="", flush=True)
     return 0 if all(r["completed"] and not r.get("error") for r in rows) else 1

@@ -72,6 +72,19 @@ def test_every_allowance_still_names_an_unbounded_field():
     assert not stale, f"bounded now: remove from OPAQUE/PENDING: {stale}"
 
 
+def test_every_own_conversion_left_out_is_still_in_the_source():
+    """``OWN_FIGURES`` names real conversions (a stale entry would hide a decode site added there later)."""
+    import ast
+
+    from tests.boundaries.walk import OWN_FIGURES, ROOT
+
+    for module, expr in OWN_FIGURES:
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        calls = [ast.unparse(n.args[1]) for n in ast.walk(tree) if isinstance(n, ast.Call) and len(n.args) >= 2
+                 and ast.unparse(n.func) == "msgspec.convert"]
+        assert expr in calls, (module, expr)
+
+
 def test_every_decode_site_names_its_type():
     sites = decode_sites()
     unresolved = {(s.module, s.expr) for s in sites if s.type is None}

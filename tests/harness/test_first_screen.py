@@ -111,12 +111,12 @@ def test_a_report_is_titled_after_the_command_that_ran_it():
 def test_bench_router_sums_up_each_routers_report_in_a_column(tmp_path):
     from harness.cli.fleet import _first_screen
 
-    (tmp_path / "kvemu-kv").mkdir()
-    (tmp_path / "kvemu-kv" / "summary.json").write_text(json.dumps(_summary().to_builtins()))
-    lines = _first_screen("quickstart", [{"router": "kvemu:kv"}, {"router": "cmd:mine"}], tmp_path).splitlines()
+    summaries = {"kvemu:kv": _summary()}  # (the runs' summaries, kept in memory as each ended: no file is read back)
+    lines = _first_screen("quickstart", [{"router": "kvemu:kv"}, {"router": "cmd:mine"}], summaries,
+                          tmp_path).splitlines()
     assert lines[0] == "kvemu bench-router: quickstart"
     assert lines[1].split() == ["kvemu:kv", "cmd:mine"]
     assert lines[2].split()[-2:] == ["no", "report"]  # cmd:mine never started: no summary
     assert lines[-1].split() == ["report", str(tmp_path / "routers.md")]
-    one = _first_screen("quickstart", [{"router": "kvemu:kv"}], tmp_path).splitlines()
+    one = _first_screen("quickstart", [{"router": "kvemu:kv"}], summaries, tmp_path).splitlines()
     assert one[0] == "kvemu bench-router: quickstart through kvemu:kv"
