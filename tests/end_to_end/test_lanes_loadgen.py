@@ -45,6 +45,6 @@ def test_lanes_cancel_their_open_requests_at_the_router_and_the_worker_aborts_th
         kids.stop_all()
     rows = [json.loads(line) for line in (tmp_path / "out" / "requests.jsonl").open()]
     cancelled = {r["request_id"] for r in rows if r["failure"] == "lanes_deadline"}
-    assert cancelled and len(cancelled) == summary["kvemu"]["lanes"]["requests_cancelled"]
+    assert cancelled and len(cancelled) == summary.kvemu.lanes.requests_cancelled
     aborted = {r["request_id"].split("/", 1)[1] for r in engine if r["failure"] == "lanes_deadline"}
     assert aborted == cancelled  # the worker's own records: aborted for that reason
