@@ -34,10 +34,10 @@ __all__ = [
 ]
 
 QueuePolicy = QueuePolicyName
+"""Ordering inside a queue class (``kvemu.config.QueuePolicyName``: fcfs, lcfs or wspt)."""
 
 OrderKey = tuple[int, tuple[int, int], float]
 """A queued entry's place in its class: (-tier, (0, deadline) or (1, 0), the policy's key); smaller first."""
-"""Ordering inside a queue class (``kvemu.config.QueuePolicyName``: fcfs, lcfs or wspt)."""
 
 
 class QueueRejected(KvemuError):
