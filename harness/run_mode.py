@@ -10,7 +10,7 @@ from typing import Literal, Protocol
 from kvemu.clock import Clock, ManualClock, WallClock
 from kvemu.runtime.loop import run_live, run_virtual
 
-__all__ = ["RunMode", "LiveRun", "VirtualRun", "run_mode"]
+__all__ = ["MODES", "RunMode", "LiveRun", "VirtualRun", "run_mode"]
 
 GroupUsage = Mapping[tuple[int, int], dict[int, int]]
 
@@ -87,7 +87,12 @@ class LiveRun:
         return None
 
 
+MODES: dict[str, type[VirtualRun] | type[LiveRun]] = {"virtual": VirtualRun, "live": LiveRun}
+"""Each mode by its ``run.mode`` name; its class says its facts (``opens_sockets``, ``shares_the_machine``)
+without starting a clock."""
+
+
 def run_mode(name: Literal["virtual", "live"]) -> RunMode:
     """The mode a scenario's ``run.mode`` names (its clock starts now, for a live one)."""
-    return VirtualRun() if name == "virtual" else LiveRun()
+    return MODES[name]()
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from harness.cli.loading import cluster_shape, load_scenario_args, run_origin
 from harness.interrupts import terminate_as_interrupt
-from harness.run_mode import run_mode
+from harness.run_mode import MODES
 from harness.text import counted
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def run_command(args: argparse.Namespace) -> int:
         console.print(f"[red]invalid scenario[/red]: {escape(str(exc))}", soft_wrap=True, highlight=False)
         return 2
     outdir = Path(args.outdir) if getattr(args, "outdir", None) else Path("out") / scenario.name
-    if run_mode(scenario.run.mode).opens_sockets:  # this process's own: no other process may use them
+    if MODES[scenario.run.mode].opens_sockets:  # this process's own: no other process may use them
         from kvemu.wire.security import ensure_secret
 
         ensure_secret()

@@ -48,7 +48,7 @@ from harness.scenario import (
     paths_from_cwd,
     read_text_file,
 )
-from harness.run_mode import run_mode
+from harness.run_mode import MODES
 from harness.yaml_validation import YamlError, describe_validation_error, floats_where_expected, line_of, load_yaml
 
 __all__ = [
@@ -415,7 +415,7 @@ class _Checks:
         from harness.cluster import check_buildable, make_policy
         from harness.workload import build_sessions
 
-        if run_mode(scenario.run.mode).shares_the_machine:
+        if MODES[scenario.run.mode].shares_the_machine:
             raise SweepError("run.mode: a sweep runs virtual time only (parallel live runs would share the wall "
                              "clock and the machine's ports, and their results would depend on each other)")
         if self._once("policy", scenario.router.policy):
@@ -463,7 +463,7 @@ def run_point(point: PointSpec) -> dict[str, Any]:
                               "figures": dict.fromkeys(point.figures), "wall_time_s": None, "run_wall_time_ms": None}
     try:
         scenario = point.scenario()
-        if run_mode(scenario.run.mode).shares_the_machine:
+        if MODES[scenario.run.mode].shares_the_machine:
             raise SweepError("run.mode: a sweep runs virtual time only")
         outcome = run_scenario(scenario, Path(point.report_dir) if point.report_dir else None, origin=point.origin())
         summary = outcome.summary if outcome.summary is not None else summarize(outcome.data)
