@@ -23,7 +23,7 @@ MANIFEST = "kvemu/_mypyc_manifest.json"
 
 # The modules compiled (measured: docs/architecture.md, "The compiled build"); the manifest written below is what
 # kvemu._build reads. Not compiled on purpose: kvemu/queue.py (its exceptions must pickle with a __dict__ and its
-# spec checks see run-time types) and workers/trace.py (it validates untrusted rows by their run-time types).
+# spec checks see run-time types) and workers/hash_id_prompt.py (it checks untrusted hash ids by their run-time types).
 COMPILED = [
     "kvemu/router_events.py",
     "kvemu/hashing.py",

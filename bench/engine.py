@@ -38,7 +38,7 @@ from kvemu.hashing import sequence_hashes
 from workers.config import EngineConfig
 from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
-from workers.trace import MooncakeRow, mooncake_request, read_mooncake
+from harness.workload.traces.mooncake import MooncakeRow, mooncake_request, read_mooncake
 
 from harness.report.stats import percentile
 from harness.tuning import tune_gc

@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                         "kvemu/registry.py")),
     ("prefix index", ("kvemu/index.py", "kvemu/router_events.py")),
     ("KV events", ("kvemu/wire/", "kvemu/runtime/kv_bus.py", "kvemu/runtime/kv_ingest.py", "workers/pass_events.py")),
-    ("hashing", ("kvemu/hashing.py", "workers/trace.py")),
+    ("hashing", ("kvemu/hashing.py", "workers/hash_id_prompt.py")),
     ("engine", ("workers/vllm/engine.py", "workers/vllm/fast_forward.py", "workers/vllm/scheduler.py", "workers/blocks.py",
                 "workers/sequence.py", "workers/timing.py", "workers/mock_worker.py", "workers/admission.py", "workers/request.py",
                 "workers/config.py")),

@@ -35,7 +35,7 @@ from harness.runner import NothingRan
 from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted
-from harness.workload import build_sessions, count_requests
+from harness.workload.build import build_sessions, count_requests
 
 __all__ = ["bench_routers", "BenchInterrupted", "compress_overrides", "READY_TIMEOUT_S"]
 

@@ -36,7 +36,7 @@ from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
 from harness.workload.sessions import Played, drain_deadline_s, play_workload
 from harness.workload.forms import Sessions
 from harness.tuning import tune_gc
-from harness.workload import build_sessions, count_requests
+from harness.workload.build import build_sessions, count_requests
 
 __all__ = ["run_scenario", "RunOutcome", "RunAborted", "NothingRan", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
 

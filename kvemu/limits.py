@@ -15,7 +15,7 @@ from msgspec import Meta
 
 __all__ = [
     "INT64_MIN", "INT64_MAX", "RANK_MAX", "MAX_ID_CHARS", "MAX_REQUEST_ID_CHARS", "MAX_KEY_CHARS", "MAX_NAME_CHARS", "MAX_TEXT_CHARS",
-    "MAX_ENDPOINT_CHARS", "MAX_LIST_ITEMS", "MAX_KV_BATCH_BYTES", "MAX_BODY_BYTES", "Finite", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TIME_NS", "MAX_SECONDS",
+    "MAX_ENDPOINT_CHARS", "MAX_LIST_ITEMS", "MAX_KV_BATCH_BYTES", "MAX_BODY_BYTES", "Finite", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TIME_NS", "MAX_SECONDS", "MAX_TRACE_MS",
     "MAX_WEIGHT", "MAX_PATH_CHARS", "MAX_KV_GROUPS", "Weight", "FilePath",
     "I64", "Count", "U64", "WorkerId", "Rank", "TimeNs", "Seconds", "Id", "RequestId", "Key", "Name", "Text", "Endpoint",
     "U64_WIRE", "WIRE_RANGE", "WireInt",
@@ -57,6 +57,8 @@ MAX_TIME_NS = INT64_MAX
 """A time or duration in ns (any int64: wall clocks in ns since the epoch fit until 2262)."""
 MAX_SECONDS = 1e11
 """A time or duration in float seconds (wall time since the epoch: year 5138)."""
+MAX_TRACE_MS = 3.2e11
+"""A trace row's latest ``timestamp`` and longest ``delay`` (ms), and a scenario's longest time: ten years."""
 
 MAX_WEIGHT = 1e6
 """A router's cost weight, credit, scale or temperature, or an engine's or a trace's speed-up ratio (the

@@ -15,7 +15,7 @@ from mypy_extensions import mypyc_attr
 __all__ = ["TokenSequence"]
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed outside the compiled build (workers.trace)
+@mypyc_attr(allow_interpreted_subclasses=True)  # subclassed outside the compiled build (workers.hash_id_prompt)
 class TokenSequence(Sequence[int]):
     """Indexing, iteration and equality over ``_token(i)`` and ``_run(lo, hi)``; not hashable (as a list)."""
 

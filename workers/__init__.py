@@ -5,6 +5,8 @@ Depends on ``kvemu`` only. The names exported here are the workers' public API (
 here; the async shell around them has its own folder (``workers/actor/``).
 """
 
+import warnings
+
 import kvemu  # noqa: F401  first: kvemu._build picks the compiled or pure-Python modules before any loads (isort: skip)
 from workers.admission import RejectReason, RequestRejected
 from workers.blocks import BlockPool
@@ -13,7 +15,7 @@ from workers.vllm.engine import AdvanceResult, EngineCore, StepResult, VllmEngin
 from workers.pass_events import PassEvents
 from workers.request import Request
 from workers.timing import PassTimer, PolynomialTiming, TimingModel
-from workers.trace import HashIdTokens, expand_hash_ids, mooncake_request
+from workers.hash_id_prompt import HashIdTokens, expand_hash_ids
 from workers.mock_worker import DispatchOutcome, MockWorker
 
 __all__ = [
@@ -34,5 +36,16 @@ __all__ = [
     "TimingModel",
     "VllmEngineCore",
     "expand_hash_ids",
-    "mooncake_request",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``workers.mooncake_request``: deprecated for one release (reading traces is the workload's: import it from
+    ``harness.workload.traces.mooncake``)."""
+    if name == "mooncake_request":
+        warnings.warn("workers.mooncake_request is deprecated: import it from harness.workload.traces.mooncake",
+                      DeprecationWarning, stacklevel=2)
+        from harness.workload.traces.mooncake import mooncake_request
+
+        return mooncake_request
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ if sys.byteorder != "little" or array("I").itemsize != 4:  # pragma: no cover - 
 
 
 class _SelfHashingTokens(Protocol):
-    """A prompt that hashes itself, memoized per process (``workers.trace.SelfHashingTokens``)."""
+    """A prompt that hashes itself, memoized per process (``workers.hash_id_prompt.HashIdTokens``)."""
 
     def sequence_hashes(self, block_size: int) -> list[int]: ...
 

@@ -4,6 +4,7 @@ in one line."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from harness.text import counted
@@ -33,8 +34,6 @@ def run_origin(args: argparse.Namespace) -> RunOrigin:
 
 
 def load_scenario_args(args: argparse.Namespace) -> Scenario:
-    import os
-
     from harness.memory_budget import MAX_MEMORY_ENV
     from harness.scenario import parse_scenario, scenario_text
 

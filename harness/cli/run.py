@@ -119,7 +119,7 @@ def validate_command(args: argparse.Namespace) -> int:
 
     from harness.cluster import check_buildable
     from harness.scenario import ScenarioError
-    from harness.workload import build_sessions
+    from harness.workload.build import build_sessions
 
     try:
         scenario = load_scenario_args(args)

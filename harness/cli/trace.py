@@ -20,7 +20,7 @@ def trace_command(args: argparse.Namespace) -> int:
     from harness.workload.traces.convert import convert_trace
     from harness.workload.traces.formats import detect_format, load_graph
 
-    from workers.trace import trace_file_problem
+    from harness.untrusted_files import trace_file_problem
 
     source = Path(args.input)
     problem = trace_file_problem(source)

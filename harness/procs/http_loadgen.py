@@ -48,7 +48,7 @@ from harness.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
 from harness.workload.sessions import Played, awaiting, play_workload
 from harness.workload.forms import Sessions
-from harness.workload import build_sessions
+from harness.workload.build import build_sessions
 
 __all__ = ["HttpTarget", "Legs", "http_loadgen_report", "fetch_truth", "legs_by_id", "PromptForm"]
 

@@ -41,7 +41,7 @@ from harness.workload.sessions import Played, awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
 from harness.text import counted
 from harness.workload.forms import Sessions
-from harness.workload import build_sessions
+from harness.workload.build import build_sessions
 from harness.procs.protocol import (CLIENT, CancelRequest, RecordReply, Stats, StatsQuery, log_start, never_ran_record,
                                      reply_decoder)
 from harness.workload.lanes import CANCEL_DRAIN_S

@@ -15,7 +15,7 @@ import msgspec
 
 from kvemu.errors import InvalidArgument, KvemuError
 from workers.profile import cached_profile_timing
-from workers.trace import trace_file_problem
+from harness.untrusted_files import trace_file_problem
 
 from harness.scenario.schema import Scenario
 from harness.scenario.sections import EngineSpec, TraceWorkload

@@ -11,7 +11,7 @@ from msgspec import Meta
 
 from kvemu.errors import InvalidArgument
 from kvemu.limits import MAX_LIST_ITEMS, FilePath, Name
-from workers.trace import MAX_PROMPT_TOKENS
+from kvemu.limits import MAX_PROMPT_TOKENS
 
 from harness.scenario.sections import (
     MAX_RANKS,

@@ -27,7 +27,8 @@ from kvemu.runtime.router import RouterSettings
 from kvemu.validation import check_struct
 from kvemu.wire.codec import DEFAULT_VLLM_VERSION, STORED_FIELDS, profile_for
 from workers.config import EngineConfig
-from workers.trace import MAX_PROMPT_TOKENS, MAX_TRACE_MS
+from kvemu.limits import MAX_PROMPT_TOKENS
+from kvemu.limits import MAX_TRACE_MS
 
 __all__ = [
     "EngineSpec",

@@ -413,7 +413,7 @@ class _Checks:
 
     def check(self, scenario: Scenario) -> None:
         from harness.cluster import check_buildable, make_policy
-        from harness.workload import build_sessions
+        from harness.workload.build import build_sessions
 
         if MODES[scenario.run.mode].shares_the_machine:
             raise SweepError("run.mode: a sweep runs virtual time only (parallel live runs would share the wall "

@@ -3,12 +3,15 @@
 import warnings
 
 from harness.workload.traces.mooncake import (
-    DEFAULT_MODEL, MooncakeTurn, mooncake_turns, load_mooncake, load_mooncake_delta, mooncake_rows,
-    mooncake_delta_rows,
+    DEFAULT_MODEL, MooncakeRow, mooncake_row, read_mooncake, mooncake_request, MooncakeTurn, mooncake_turns, load_mooncake, load_mooncake_delta, mooncake_rows, mooncake_delta_rows,
 )
 
 __all__ = [
     "DEFAULT_MODEL",
+    "MooncakeRow",
+    "mooncake_row",
+    "read_mooncake",
+    "mooncake_request",
     "MooncakeTurn",
     "mooncake_turns",
     "load_mooncake",

@@ -18,7 +18,7 @@ from typing import TextIO, TypeVar
 
 from kvemu.clock import NS_PER_S
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_TRACE_ROWS, read_mooncake
+from harness.workload.traces.mooncake import read_mooncake
 
 from harness.memory_budget import memory_problem
 from harness.scenario import (
@@ -36,7 +36,7 @@ from harness.workload.trace_sessions import TraceSessions, TraceSessionsBuilder
 from harness.workload.traces.formats import detect_format, load_graph
 from harness.workload.traces.graph import TraceGraph
 from harness.workload.traces.mooncake import mooncake_turns
-from harness.workload.traces.rows import line_count
+from harness.workload.traces.rows import MAX_TRACE_ROWS, line_count
 from harness.workload.forms import Sessions
 from harness.workload.turns import Session, SessionList, Turn, Workload
 

@@ -41,7 +41,7 @@ import blake3
 
 from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
-from workers.trace import HashIdTokens
+from workers.hash_id_prompt import HashIdTokens
 
 from harness.workload.players import Player, Submit
 from harness.scenario import LanesSpec

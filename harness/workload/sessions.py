@@ -27,7 +27,7 @@ import anyio
 
 from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
-from workers.trace import HashIdTokens
+from workers.hash_id_prompt import HashIdTokens
 
 from harness.workload.lanes import LanePlayer
 from harness.workload.players import Player, Submit, awaiting

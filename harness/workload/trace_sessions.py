@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import overload
 
-from workers.trace import MooncakeRow
+from harness.workload.traces.mooncake import MooncakeRow
 
 from harness.workload.turns import Session, Turn, Workload, sessions_in_words
 

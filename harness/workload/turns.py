@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol, overload
 
-from workers.trace import HashIdTokens
+from workers.hash_id_prompt import HashIdTokens
 
 from harness.text import counted
 

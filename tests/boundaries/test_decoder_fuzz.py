@@ -292,7 +292,7 @@ def test_a_trace_row_decodes_bounded_the_same_on_both_paths_or_names_its_field()
     import json
 
     from kvemu.errors import InvalidArgument
-    from workers.trace import _fast_row, mooncake_row
+    from harness.workload.traces.mooncake import _fast_row, mooncake_row
 
     @FUZZ
     @given(line=_row_lines())

@@ -20,7 +20,7 @@ from tests.end_to_end.test_hostile_peers import Stack, timed_requests
 
 
 def test_the_bound_is_the_documented_one():
-    from workers.trace import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS as TRACE_MAX
+    from kvemu.limits import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS as TRACE_MAX
 
     from kvemu.messages import MAX_OUTPUT_TOKENS as WIRE_OUTPUT
 

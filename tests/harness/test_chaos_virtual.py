@@ -4,7 +4,7 @@ import pytest
 
 from harness.runner import run_scenario
 from harness.scenario import parse_scenario
-from harness.workload import build_sessions
+from harness.workload.build import build_sessions
 
 BASE = """
 name: chaos

@@ -18,7 +18,7 @@ from harness.scenario import (
     resolve,
 )
 from harness import scenario as scenario_module
-from harness.workload import build_sessions
+from harness.workload.build import build_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if not p.name.startswith("sweep-"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 from harness.workload.synthetic_trace import synthetic_rows, write_synthetic_trace
-from workers.trace import read_mooncake
+from harness.workload.traces.mooncake import read_mooncake
 
 
 def test_the_same_seed_gives_the_same_bytes_and_another_seed_others(tmp_path):

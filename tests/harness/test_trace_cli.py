@@ -7,7 +7,7 @@ from pathlib import Path
 from harness.scenario import parse_scenario
 from harness.workload.traces.formats import load_graph
 from harness.workload.traces.graph import TraceGraph
-from harness.workload import build_sessions
+from harness.workload.build import build_sessions
 
 from tests.harness.test_cli import kvemu
 from tests.harness.trace_files import HEADER, v2_row, weka_trace, write

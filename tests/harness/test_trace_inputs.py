@@ -17,7 +17,8 @@ from harness.scenario import ScenarioError, default_scenario_text, parse_scenari
 from harness.workload.traces.formats import load_graph
 from harness.workload import build_sessions
 from kvemu.errors import InvalidArgument
-from workers.trace import MAX_TRACE_ROWS, read_mooncake
+from harness.workload.traces.rows import MAX_TRACE_ROWS
+from harness.workload.traces.mooncake import read_mooncake
 
 from tests.harness.test_cli import KVEMU
 

@@ -8,7 +8,7 @@ import pytest
 from harness.scenario import ScenarioError, TraceWorkload, parse_scenario
 from harness.workload.trace_sessions import TraceSessions, turn_count
 from harness.workload import Turn, build_sessions, load_trace
-from workers.trace import expand_hash_ids
+from workers.hash_id_prompt import expand_hash_ids
 
 MS = 1_000_000
 
@@ -166,7 +166,7 @@ def test_a_trace_past_the_row_bound_is_refused_at_the_row_past_it_without_readin
 
     import harness.workload.build as workload
     from harness.scenario import MAX_REQUESTS
-    from workers.trace import MAX_TRACE_ROWS
+    from harness.workload.traces.rows import MAX_TRACE_ROWS
 
     assert MAX_TRACE_ROWS == MAX_REQUESTS == 10_000_000  # the documented bound, as a scenario's requests
     rows = [json.dumps(row(ts=i)) for i in range(6)]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvemu.clock import NS_PER_MS, ManualClock
 from kvemu.runtime.loop import run_virtual
-from workers.trace import read_mooncake
+from harness.workload.traces.mooncake import read_mooncake
 
 from harness.runner import count_requests
 from harness.scenario import TraceWorkload, parse_scenario

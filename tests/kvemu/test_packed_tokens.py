@@ -20,7 +20,7 @@ from kvemu.messages import (
     encode,
 )
 from kvemu.messages import MAX_PROMPT_TOKENS
-from workers.trace import HashIdTokens
+from workers.hash_id_prompt import HashIdTokens
 
 u32 = st.integers(0, 2**32 - 1)
 

@@ -13,7 +13,7 @@ from workers.admission import RequestRejected
 from workers.config import EngineConfig, SglangConfig
 from workers.request import Request
 from workers.sglang.engine import SglangEngineCore
-from workers.trace import HashIdTokens
+from workers.hash_id_prompt import HashIdTokens
 from workers.mock_worker import MockWorker, engine_core
 
 MS = 1_000_000

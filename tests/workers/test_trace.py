@@ -8,17 +8,12 @@ from hypothesis import strategies as st
 
 from kvemu.errors import InvalidArgument
 from kvemu.hashing import local_block_hashes, sequence_hashes
-from workers import trace
+from harness import untrusted_files
+from harness.workload.traces import mooncake as trace
 from workers.config import EngineConfig
 from workers.vllm.engine import VllmEngineCore
-from workers.trace import (
-    HashIdTokens,
-    clamped_input_length,
-    expand_hash_ids,
-    mooncake_request,
-    mooncake_row,
-    read_mooncake,
-)
+from workers.hash_id_prompt import HashIdTokens, clamped_input_length, expand_hash_ids
+from harness.workload.traces.mooncake import mooncake_request, mooncake_row, read_mooncake
 
 
 def test_expansion_repeats_each_id_and_truncates():
@@ -140,7 +135,7 @@ def test_undecodable_and_overlong_lines_name_the_file_and_line(tmp_path, monkeyp
     path.write_bytes(good + good + b'{"hash_ids": [1], "session_id": "a\xff"}\n')
     with pytest.raises(InvalidArgument, match=r"t.jsonl:3: not UTF-8 text \(byte 0xff at column 35\)"):
         list(read_mooncake(path))
-    monkeypatch.setattr(trace, "MAX_TRACE_LINE_BYTES", len(good) + 10)
+    monkeypatch.setattr(untrusted_files, "MAX_TRACE_LINE_BYTES", len(good) + 10)
     path.write_bytes(good + b'{"hash_ids": [' + b"1, " * 20 + b'1], "input_length": 4, "output_length": 1}\n')
     with pytest.raises(InvalidArgument, match=r"t.jsonl:2: line longer than 67 bytes"):
         list(read_mooncake(path))

@@ -25,7 +25,7 @@ import pytest
 from workers.config import EngineConfig
 from workers.vllm.engine import VllmEngineCore
 from workers.request import Request
-from workers.trace import mooncake_request, mooncake_row
+from harness.workload.traces.mooncake import mooncake_request, mooncake_row
 
 
 

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from workers.trace import MAX_TRACE_ROWS
 
 from harness.workload.traces.graph import COMPLETION, JOIN, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
 from harness.workload.traces.mooncake import DEFAULT_MODEL
-from harness.workload.traces.rows import MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ns_to_ms
+from harness.workload.traces.rows import MAX_PROMPT_TOKENS, MAX_TRACE_ROWS, Row, check_capacity, json_lines, ns_to_ms
 
 __all__ = ["DEFAULT_SESSION", "load_agentic_legacy", "legacy_rows"]
 

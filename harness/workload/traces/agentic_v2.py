@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workers.trace import MAX_TRACE_ROWS
 
 from harness.workload.traces.graph import ALLOWED, RELATIONS, TRIGGERS, Dependency, GraphBuilder, Source, TraceGraph
-from harness.workload.traces.rows import MAX_PROMPT_TOKENS, Row, check_capacity, json_lines, ns_to_ms
+from harness.workload.traces.rows import MAX_PROMPT_TOKENS, MAX_TRACE_ROWS, Row, check_capacity, json_lines, ns_to_ms
 
 __all__ = ["SCHEMA", "VERSION", "is_header", "load_agentic_v2", "v2_rows"]
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from workers.trace import MAX_TRACE_MS, MAX_TRACE_ROWS
 
 from harness.workload.traces.graph import COMPLETION, SEQUENCE, Dependency, GraphBuilder, Source, TraceGraph
 from harness.workload.traces.mooncake import DEFAULT_MODEL
-from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, json_lines
+from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_MS, MAX_TRACE_ROWS, Row, json_lines
 
 __all__ = ["load_applied_compute", "SHARED_PREFIX_TAG", "MAX_TURNS"]
 

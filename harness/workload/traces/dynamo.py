@@ -24,12 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from workers.trace import MAX_TRACE_ROWS
 
 from harness.workload.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
     TraceGraph
 from harness.workload.traces.mooncake import DEFAULT_MODEL
-from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, check_capacity, error, json_lines, ms_to_ns
+from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_ROWS, Row, check_capacity, error, json_lines, ms_to_ns
 
 __all__ = ["SCHEMA", "load_dynamo"]
 

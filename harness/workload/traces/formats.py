@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvemu.errors import InvalidArgument
-from workers.trace import DEFAULT_TRACE_BLOCK_SIZE, MAX_TRACE_ROWS, trace_lines
+from workers.hash_id_prompt import DEFAULT_TRACE_BLOCK_SIZE
 
 from harness.workload.traces.agentic_legacy import legacy_rows, load_agentic_legacy
 from harness.workload.traces.agentic_v2 import is_header, load_agentic_v2, v2_rows
@@ -24,7 +24,7 @@ from harness.workload.traces.dynamo import SCHEMA as DYNAMO_SCHEMA
 from harness.workload.traces.dynamo import load_dynamo
 from harness.workload.traces.graph import TraceGraph
 from harness.workload.traces.mooncake import load_mooncake, load_mooncake_delta, mooncake_delta_rows, mooncake_rows
-from harness.workload.traces.rows import open_text
+from harness.workload.traces.rows import MAX_TRACE_ROWS, open_text, trace_lines
 from harness.workload.traces.names import EMBEDDED_BLOCK_SIZE, FORMATS, WRITABLE
 from harness.workload.traces.weka import load_weka
 

@@ -1,7 +1,7 @@
 """Reading trace files within bounds, and checking one row's fields: every error names file, line and field.
 
-``json_lines`` reads JSON Lines (or gzip-compressed JSON Lines) with the bounds of ``workers.trace``: line
-bytes, rows. ``Row`` wraps one decoded object; its getters check a field's type and range (integers bounded,
+``json_lines`` reads JSON Lines (or gzip-compressed JSON Lines) within its bounds: line
+bytes, rows (``open_trace_file``, ``trace_lines``: every trace reader's file and lines). ``Row`` wraps one decoded object; its getters check a field's type and range (integers bounded,
 floats finite) and raise ``InvalidArgument`` as ``FILE:LINE: FIELD: what is wrong; what to do``.
 """
 
@@ -15,19 +15,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvemu.errors import InvalidArgument
-from kvemu.limits import MAX_ID_CHARS
-from workers.trace import (
-    MAX_OUTPUT_TOKENS,
-    MAX_PROMPT_TOKENS,
-    MAX_TRACE_MS,
-    MAX_TRACE_ROWS,
-    open_trace_file,
-    trace_lines,
-)
+from kvemu.limits import MAX_ID_CHARS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_MS
+
+from harness.untrusted_files import MAX_TRACE_LINE_BYTES, open_trace_file, trace_file_problem, trace_lines
 
 __all__ = ["MAX_ID_BYTES", "MAX_HASH_IDS", "MAX_TRACE_NS", "Row", "json_lines", "line_count", "open_text", "ms_to_ns",
-           "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_ROWS", "error"]
+           "ns_to_ms", "MAX_PROMPT_TOKENS", "MAX_OUTPUT_TOKENS", "MAX_TRACE_MS", "MAX_TRACE_LINE_BYTES", "MAX_TRACE_ROWS",
+           "error", "open_trace_file", "trace_file_problem", "trace_lines", "too_many_rows", "row_past"]
 
+MAX_TRACE_ROWS = 10_000_000
+"""Most rows a trace may hold (the requests a scenario may send): reading stops at the row past it."""
 MAX_ID_BYTES = MAX_ID_CHARS
 """Longest request, session, play or model id (bytes): what a router takes over ZeroMQ or HTTP (``kvemu.limits``),
 so a trace row's ids travel to it unchanged."""
@@ -36,6 +33,31 @@ MAX_HASH_IDS = MAX_PROMPT_TOKENS
 MAX_TRACE_NS = round(MAX_TRACE_MS * 1_000_000)
 """Latest time and longest delay a trace may give (ten years, in ns)."""
 _U64 = 1 << 64
+
+
+def too_many_rows(path: str | Path, lineno: int, max_rows: int) -> str:
+    """The error for a trace with more than ``max_rows`` rows, at ``lineno`` (the row past them)."""
+    return (f"{path}:{lineno}: more than {max_rows:,} rows, the most a trace may hold (the requests a scenario may "
+            "send); set run.max_requests to read the first ones, or split the trace")
+
+
+def row_past(fh: Any, max_rows: int, chunk: int = 1 << 20) -> int | None:
+    """The line number of the row past ``max_rows`` in ``fh`` (None if it has no more rows): newlines are
+    counted in chunks (no row parsed or kept; about a second for 10^7 lines), and only a file with more
+    lines than that is scanned for its non-blank ones."""
+    lines = 0
+    while block := fh.read(chunk):
+        lines += block.count(b"\n")
+    if lines + 1 <= max_rows:  # (a last line may lack its newline)
+        return None
+    fh.seek(0)
+    rows = 0
+    for lineno, raw in enumerate(iter(lambda: fh.readline(MAX_TRACE_LINE_BYTES + 1), b""), 1):
+        if raw.strip():
+            rows += 1
+            if rows > max_rows:
+                return lineno
+    return None
 
 
 def error(file: str, line: int, field: str, what: str) -> InvalidArgument:

@@ -33,11 +33,10 @@ from typing import NamedTuple
 
 import blake3
 
-from workers.trace import MAX_TRACE_ROWS
 
 from harness.workload.traces.graph import COMPLETION, DISPATCH, JOIN, SEQUENCE, SPAWN, Dependency, GraphBuilder, Source, \
     TraceGraph
-from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, Row, error, json_lines
+from harness.workload.traces.rows import MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_TRACE_ROWS, Row, error, json_lines
 
 __all__ = ["load_weka", "MAX_WEKA_BYTES"]
 
