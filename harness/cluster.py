@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -24,14 +24,17 @@ from kvemu.disagg import DECODE
 from kvemu.policy import CustomPolicy, random_policy, round_robin_policy
 from kvemu.routing_core import RoutingCore
 from kvemu.hooks import HookEvent, HookKind, Hooks
-from kvemu.messages import EngineSettings
-from kvemu.replica_front import ReplicaFront, ReplicaFrontDoor
+from kvemu.messages import ClientRequest, EngineSettings
+from kvemu.records import RequestRecord
+from kvemu.replica_front import Front, ReplicaFront, ReplicaFrontDoor
 from kvemu.runtime.kv_bus import FeedTap, into_stream
 from kvemu.runtime.replica_link import ReplicaEnds
 from kvemu.runtime.replica_sync_bus import MemorySyncBus
+from kvemu.runtime.transport import MemoryNetwork, RouterEnd, WorkerEnd
+from kvemu.wire.stream import Replay
 from kvemu.runtime.router import Router
 from workers.engine_base import RankCore
-from workers.actor.actor import WorkerActor
+from workers.actor.actor import KvPublisher, WorkerActor
 from workers.config import EngineConfig
 from workers.mock_worker import MockWorker
 
@@ -80,9 +83,10 @@ prefill pool weighs prompt tokens only; the decode pool weighs its active blocks
 (its KV comes by transfer)."""
 
 
-def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
-                 kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None,
-                 pool: str | None = None, engine: EngineSettings | None = None) -> Router:
+def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: RouterEnd, hooks: Hooks,
+                 kv_replay: Callable[[int, int], Replay | None] | None = None, zmq_kv_events: bool = False,
+                 on_worker_removed: Callable[[int], None] | None = None, pool: str | None = None,
+                 engine: EngineSettings | None = None) -> Router:
     """A router actor configured from its scenario section (one pool's, for a disaggregated cluster)."""
     config = spec.config()
     if pool is not None:
@@ -111,18 +115,20 @@ def replica_front(scenario: Scenario) -> ReplicaFront:
     return ReplicaFront(rspec.replicas, rspec.replica_front, scenario.run.seed, rspec.replica_prefix_tokens)
 
 
-def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks: Hooks, replica: int = 0,
-                **kv: Any) -> Router:
+def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: RouterEnd, hooks: Hooks, replica: int = 0,
+                kv_replay: Callable[[int, int], Replay | None] | None = None, zmq_kv_events: bool = False,
+                on_worker_removed: Callable[[int], None] | None = None) -> Router:
     """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
     block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
     ``DisaggRouter`` passes their events on to ``hooks``). ``replica``: which router replica (its seed).
-    ``kv``: how it gets KV events (``build_router``)."""
+    ``kv_replay``, ``zmq_kv_events``, ``on_worker_removed``: how it gets KV events (``build_router``)."""
     spec, rspec = scenario.cluster, scenario.router
     seed = replica_seed(rspec.seed if rspec.seed is not None else scenario.run.seed, replica)
     router = build_router(msgspec.structs.replace(rspec, seed=seed), block_size=spec.pools()[pool][2].block_size,
                           clock=clock, seed=seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
                           pool=None if pool == AGGREGATED else pool,
-                          engine=engine_config(spec, pool).settings(), **kv)  # a worker of other settings is refused
+                          engine=engine_config(spec, pool).settings(),  # a worker of other settings is refused
+                          kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
     fit, need = router.kv.streams_left(), pool_ranks(scenario, pool)
     if fit is not None and fit < need:  # only a cluster that does not fit hears of the open-file limit
         log.warning("the open-file limit allows KV streams for %d ranks, but this cluster's %s pool can reach %d: "
@@ -149,61 +155,117 @@ def check_buildable(scenario: Scenario) -> None:
     starting anything: ``kvemu validate`` rejects what ``run`` would fail to build, with the same errors."""
     spec = scenario.cluster
     for pool in spec.pools():
-        pool_router(scenario, pool, clock=ManualClock(), end=None, hooks=Hooks())
+        pool_router(scenario, pool, clock=ManualClock(), end=MemoryNetwork().router_end(), hooks=Hooks())
         MockWorker(engine_config(spec, pool), worker_id=0)
 
 
 class Cluster:
     """A running router with its workers (use ``cluster(...)`` to build and start one)."""
 
-    def __init__(self, scenario: Scenario, clock: Clock, hooks: Hooks, wiring: Wiring | None = None) -> None:
+    def __init__(self, scenario: Scenario, clock: Clock, hooks: Hooks, wiring: Wiring | None = None, *,
+                 keep_history: bool = True) -> None:
+        """Compose the routers of every pool (and the aggregated pool's replicas) over ``wiring``; ``cluster()``
+        starts them and the workers. ``keep_history``: as ``cluster()``'s."""
         self.scenario = scenario
         self.clock = clock
         self.hooks = hooks
         self.wiring = wiring if wiring is not None else wiring_for(scenario)
         """How its routers and workers are connected (in memory or over ZeroMQ): the cluster's one mode seam."""
-        self.router: Router
-        """The router (a disaggregated cluster: the prefill pool's; ``routers`` has both)."""
-        self.routers: dict[str, Router] = {}
-        """Each pool's router: ``aggregated``, or ``prefill`` and ``decode``."""
-        self.front: Any = None
-        """Where requests go: the router, or the ``DisaggRouter`` that chains the pools."""
         self.worker_pool: dict[int, str] = {}
         self.workers: dict[int, WorkerActor] = {}
         self.starting: set[int] = set()
         """Workers started and not registered yet."""
         self.leaving: set[int] = set()
         """Workers being removed (draining their requests, or about to stop)."""
-        self.on_change: Any = None
+        self.on_change: Callable[[], None] | None = None
         """Called with no argument whenever a worker registers, starts leaving or is gone (the autoscaler counts)."""
         self._deferring: list[int] = []  # workers whose engines defer KV events (synced before deciding)
         self._tg: anyio.abc.TaskGroup
         self._scopes: dict[int, anyio.CancelScope] = {}
-        self.kv_publishers: dict[int, list[Any]] = {}
+        self.kv_publishers: dict[int, list[KvPublisher]] = {}
         """Per worker, one publisher per rank (chaos sets ``drop_next`` and ``lag_ns`` on them)."""
         self.kv_lag_ns = round(scenario.router.kv_event_lag_ms * NS_PER_MS)
         """How late every publisher publishes (``router.kv_event_lag_ms``; chaos changes it)."""
         self._next_id = 0
-        self._make_router: Any = None
         self._router_scopes: dict[int, anyio.CancelScope] = {}
-        self.replicas: list[Router] = []
-        """The aggregated pool's router replicas (``router.replicas``); ``router`` is the first."""
         self.feeds: list[FeedTap] = []
         """With replicas (or a fault aimed at a replica's feed): each replica's KV feed, faults and all."""
+        self._truth = RoutingTruth(self.core)  # (one for the cluster: which rank a session last ran on is a fact)
+        spec, rspec = scenario.cluster, scenario.router
+        n = rspec.replicas
+        self._ends = {pool: self.wiring.router_ends(pool, n if pool == AGGREGATED else 1) for pool in spec.pools()}
+        self._taps = n > 1 or any(ev.replica is not None and ev.action != "restart_router" for ev in scenario.chaos)
         self.sync: MemorySyncBus | None = None
         """The replicas' booking announcements (``router.replica_sync``), or None."""
-        self.restarts: list[int] = []
+        if n > 1 and rspec.replica_sync.enabled:
+            self.sync = MemorySyncBus(clock, round(rspec.replica_sync.delay_ms * NS_PER_MS),
+                                      rspec.replica_sync.predictions)
+        self.routers: dict[str, Router]
+        """Each pool's router: ``aggregated``, or ``prefill`` and ``decode``."""
+        self.front: Front
+        """Where requests go: the router, the ``DisaggRouter`` that chains the pools, or the replicas' front door."""
+        self.routers, self.front = compose_pools(spec, self._make_router, clock=clock, hooks=hooks,
+                                                 retry_limit=rspec.settings().retry_limit)
+        self.router: Router = next(iter(self.routers.values()))
+        """The router (a disaggregated cluster: the prefill pool's; ``routers`` has both)."""
+        self.replicas: list[Router] = []
+        """The aggregated pool's router replicas (``router.replicas``); ``router`` is the first."""
+        if not spec.disaggregated:
+            self.replicas = [self.router] + [self._make_router(AGGREGATED, i) for i in range(1, n)]
+            if n > 1:
+                self.front = ReplicaFrontDoor(self.replicas, replica_front(scenario), keep_history)
+        self.restarts: list[int] = [0] * n
         """Per replica, times it was restarted."""
-        self._truth = RoutingTruth(self.core)  # (one for the cluster: which rank a session last ran on is a fact)
 
-    async def handle(self, req: Any) -> Any:
+    async def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start every router, then the scenario's workers (prefill ids first, then decode), as tasks of ``tg``;
+        returns once each worker is registered (``cluster()`` does this, and stops them on exit)."""
+        self._tg = tg
+        for router in self.routers.values():
+            await self._start_router(router)
+        for i in range(1, len(self.replicas)):
+            await self._start_router(self.replicas[i], i)
+        for pool, (n, _, _) in self.scenario.cluster.pools().items():
+            for _ in range(n):
+                await self.add_worker(pool)
+
+    def _make_router(self, pool: str, replica: int = 0) -> Router:
+        """Pool ``pool``'s router (replica ``replica``), connected to its end, KV feed and replica sync."""
+        n = self.scenario.router.replicas
+        bus = self.wiring.bus(pool)
+        hooks = self.hooks
+        router = pool_router(self.scenario, pool, clock=self.clock, end=self._ends[pool][replica], replica=replica,
+                             hooks=hooks if replica == 0 else _request_hooks(hooks),
+                             kv_replay=bus.replay if bus else None,
+                             on_worker_removed=bus.forget if bus and n == 1 else None,
+                             zmq_kv_events=bus is None and pool != DECODE)
+        subscriber = router.kv.subscriber
+        if self._taps and pool != DECODE:
+            feed = FeedTap(router.kv_intake if bus is not None else into_stream)
+            if replica < len(self.feeds):  # a restarted replica: its feed's faults stay (they are the network's)
+                old = self.feeds[replica]
+                feed.drop_next, feed.lag_ns, feed.dropped = old.drop_next, old.lag_ns, old.dropped
+                self.feeds[replica] = feed
+            else:
+                self.feeds.append(feed)
+            if bus is not None:
+                bus.connect(feed, replica=replica)
+            elif subscriber is not None:  # live: the replica's own subscriber hands its batches to the feed
+                subscriber.feed = feed
+        elif bus is not None and pool != DECODE:
+            bus.connect(router.kv_intake)
+        if self.sync is not None:
+            self.sync.attach(replica, router.core, router.capacity_changed)
+        return router
+
+    async def handle(self, req: ClientRequest) -> RequestRecord:
         """Run a request on the current front (the router may be restarted meanwhile) and return its record."""
         ended = anyio.Event()
         record = self.front.submit(req, lambda _record: ended.set())
         await ended.wait()
         return record
 
-    def submit(self, req: Any, on_end: Any) -> None:
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> None:
         """Start a request on the current router; ``on_end(record)`` when it ended."""
         self.front.submit(req, on_end)
 
@@ -227,7 +289,7 @@ class Cluster:
             raise ValueError(f"replica {replica} does not exist (router.replicas is {len(self.replicas)})")
         self.replicas[replica].stop()
         self._router_scopes.pop(replica).cancel()
-        new = self.replicas[replica] = self._make_router(replica)
+        new = self.replicas[replica] = self._make_router(AGGREGATED, replica)
         self.restarts[replica] += 1
         if replica == 0:
             self.router = self.routers["aggregated"] = new
@@ -321,7 +383,7 @@ class Cluster:
         self._changed()
         return wid
 
-    def _replica_ends(self, ends: list[Any]) -> ReplicaEnds:
+    def _replica_ends(self, ends: list[WorkerEnd]) -> ReplicaEnds:
         """A worker's one link over every replica's end (it keeps each replica hearing from it)."""
         return ReplicaEnds(ends, self.clock.now_ns, round(self.scenario.cluster.heartbeat_interval_s * NS_PER_S))
 
@@ -399,58 +461,9 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *, keep_histor
     ``DisaggRouter``; decode workers publish their KV events to nobody, as the reference's do: the decode
     pool places requests by load only (its KV arrives by transfer).
     """
-    c = Cluster(scenario, clock, hooks, wiring)
-    spec, rspec = scenario.cluster, scenario.router
-    n = rspec.replicas
-    ends = {pool: c.wiring.router_ends(pool, n if pool == AGGREGATED else 1) for pool in spec.pools()}
-    taps = n > 1 or any(ev.replica is not None and ev.action != "restart_router" for ev in scenario.chaos)
-    if n > 1 and rspec.replica_sync.enabled:
-        c.sync = MemorySyncBus(clock, round(rspec.replica_sync.delay_ms * NS_PER_MS), rspec.replica_sync.predictions)
-
-    def make(pool: str, replica: int = 0) -> Router:
-        bus = c.wiring.bus(pool)
-        router = pool_router(scenario, pool, clock=clock, end=ends[pool][replica], replica=replica,
-                             hooks=hooks if replica == 0 else _request_hooks(hooks),
-                             kv_replay=bus.replay if bus else None,
-                             on_worker_removed=bus.forget if bus and n == 1 else None,
-                             zmq_kv_events=bus is None and pool != DECODE)
-        subscriber = router.kv.subscriber
-        if taps and pool != DECODE:
-            feed = FeedTap(router.kv_intake if bus is not None else into_stream)
-            if replica < len(c.feeds):  # a restarted replica: its feed's faults stay (they are the network's)
-                old = c.feeds[replica]
-                feed.drop_next, feed.lag_ns, feed.dropped = old.drop_next, old.lag_ns, old.dropped
-                c.feeds[replica] = feed
-            else:
-                c.feeds.append(feed)
-            if bus is not None:
-                bus.connect(feed, replica=replica)
-            elif subscriber is not None:  # live: the replica's own subscriber hands its batches to the feed
-                subscriber.feed = feed
-        elif bus is not None and pool != DECODE:
-            bus.connect(router.kv_intake)
-        if c.sync is not None:
-            c.sync.attach(replica, router.core, router.capacity_changed)
-        return router
-
-    c.routers, c.front = compose_pools(spec, make, clock=clock, hooks=hooks, retry_limit=rspec.settings().retry_limit)
-    first = next(iter(c.routers))
-    c.router = c.routers[first]
-    c._make_router = lambda replica: make(AGGREGATED, replica)
-    if not spec.disaggregated:
-        c.replicas = [c.router] + [make(AGGREGATED, i) for i in range(1, n)]
-        if n > 1:
-            c.front = ReplicaFrontDoor(c.replicas, replica_front(scenario), keep_history)  # type: ignore[arg-type]
-    c.restarts = [0] * n
+    c = Cluster(scenario, clock, hooks, wiring, keep_history=keep_history)
     async with anyio.create_task_group() as tg:
-        c._tg = tg
-        for router in c.routers.values():
-            await c._start_router(router)
-        for i in range(1, len(c.replicas)):
-            await c._start_router(c.replicas[i], i)
-        for pool, (n, _, _) in spec.pools().items():
-            for _ in range(n):
-                await c.add_worker(pool)
+        await c.start(tg)
         try:
             yield c
         finally:

@@ -16,6 +16,7 @@ import msgspec
 from kvemu.clock import Clock
 from kvemu.disagg import DECODE, PREFILL, DisaggRouter
 from kvemu.hooks import Hooks
+from kvemu.replica_front import Front
 from kvemu.runtime.router import Router
 
 from harness.report.run_data import Sample
@@ -58,7 +59,7 @@ def worker_type_of(spec: ClusterSpec, pool: str) -> str:
 
 
 def compose_pools(spec: ClusterSpec, make: Callable[[str], Router], *, clock: Clock, hooks: Hooks,
-                  retry_limit: int) -> tuple[dict[str, Router], Any]:
+                  retry_limit: int) -> tuple[dict[str, Router], Front]:
     """Each pool's router (``make(pool)``) and the front requests go to: the router of an aggregated cluster,
     or a ``DisaggRouter`` over the prefill and decode routers (told which decode rank pulled its KV)."""
     routers = {pool: make(pool) for pool in spec.pools()}

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import xxhash
 
 from kvemu.errors import InvalidArgument
+from kvemu.messages import ClientRequest
+from kvemu.records import RequestRecord
 
 __all__ = ["ReplicaFront", "ReplicaFrontDoor", "FRONT_MODES", "FrontMode"]
 
@@ -68,24 +70,26 @@ class ReplicaFront:
         return i
 
 
-    def pick_request(self, req: Any) -> int:
+    def pick_request(self, req: ClientRequest) -> int:
         """The replica for request ``req`` (a ``ClientRequest``: its session id, and its prompt for ``prefix``)."""
         return self.pick(req.session_id, req.tokens if self.mode == "prefix" else ())
 
 
 class Front(Protocol):
-    """What a replica is to the front door: something requests are submitted to and cancelled at."""
+    """Where requests go: something they are submitted to and cancelled at (a router, a ``DisaggRouter`` over two
+    pools, or a ``ReplicaFrontDoor`` over replicas, each of which is one)."""
 
-    def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any: ...
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord: ...
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool: ...
 
 
 class ReplicaFrontDoor:
     """The load balancer in front of router replicas, in one process: each request goes to the replica
-    ``ReplicaFront`` picks, and its cancel to the same one. ``replicas[i]`` may be replaced (a restarted replica)."""
+    ``ReplicaFront`` picks, and its cancel to the same one. ``replicas`` is the owner's list, read at each
+    request: its ``replicas[i]`` may be replaced (a restarted replica)."""
 
-    def __init__(self, replicas: list[Front], front: ReplicaFront, keep_history: bool = True) -> None:
+    def __init__(self, replicas: Sequence[Front], front: ReplicaFront, keep_history: bool = True) -> None:
         if len(replicas) != front.replicas:
             raise InvalidArgument(f"{len(replicas)} replicas for a front of {front.replicas}", field="replicas")
         self.replicas = replicas
@@ -96,7 +100,7 @@ class ReplicaFrontDoor:
         self.open: dict[str, int] = {}
         """Requests not ended yet: their replica (a cancel goes there)."""
 
-    def submit(self, req: Any, on_end: Callable[[Any], None]) -> Any:
+    def submit(self, req: ClientRequest, on_end: Callable[[RequestRecord], None]) -> RequestRecord:
         """Submit ``req`` to its replica; returns that replica's record."""
         rid = req.request_id
         i = self.front.pick_request(req)
@@ -104,7 +108,7 @@ class ReplicaFrontDoor:
             self.replica_of.setdefault(rid, i)  # (a reused id keeps its first, as the run's records do)
         opened = self.open
 
-        def ended(record: Any) -> None:
+        def ended(record: RequestRecord) -> None:
             if opened.get(rid) == i:
                 del opened[rid]
             on_end(record)
