@@ -25,7 +25,7 @@ import zmq
 from kvemu.clock import NS_PER_MS, WallClock
 from kvemu.disagg import DECODE
 from kvemu.errors import InvalidArgument
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks, TokenTimes
 from kvemu.http.backend import LastTokenTime, keep_last_token_time
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
@@ -183,8 +183,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
     def stream_tokens(ev: HookEvent) -> None:
         to = streams.get(ev.request_id)  # type: ignore[arg-type]
-        if to is not None:
-            end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.data["times_ns"]))))  # type: ignore[index]
+        if to is not None and isinstance(ev.details, TokenTimes):
+            end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.details.times_ns))))
 
     def wants_tokens(peer: bytes) -> None:
         """``peer`` asked for its requests' tokens (``StreamTokens``)."""
