@@ -25,7 +25,7 @@ import msgspec
 
 from kvemu.records import RequestRecord
 
-__all__ = ["DETAILS", "DUPLICATE", "Candidate", "Duplicate", "HookDetails", "HookEvent", "HookKind", "Hooks", "KINDS",
+__all__ = ["DETAILS", "DUPLICATE", "Duplicate", "HookDetails", "HookEvent", "HookKind", "Hooks", "KINDS",
            "KvDetails", "KvRange", "KvReplay", "KvRestart", "QueueDepth", "Ranks", "Reason", "Restart", "Routed",
            "SessionBinding", "TokenTimes"]
 
@@ -34,15 +34,6 @@ __all__ = ["DETAILS", "DUPLICATE", "Candidate", "Duplicate", "HookDetails", "Hoo
 
 class _Details(msgspec.Struct, frozen=True):
     """A hook event's details; ``msgspec.to_builtins`` gives them as a report row's fields."""
-
-
-class Candidate(NamedTuple):
-    """One rank a routing decision weighed: its cost and its cached prefix (blocks)."""
-
-    worker_id: int
-    dp_rank: int
-    cost: float
-    overlap_blocks: int
 
 
 class Routed(_Details, frozen=True):
@@ -54,8 +45,8 @@ class Routed(_Details, frozen=True):
     cost: float
     overlap_blocks: int
     best_overlap_blocks: int
-    candidates: list[Candidate]
-    """Every rank weighed, in the selector's order."""
+    candidates: list[tuple[int, int, float, int]]
+    """Every rank weighed, in the selector's order: (worker_id, dp_rank, cost, overlap_blocks)."""
 
 
 class Reason(_Details, frozen=True):

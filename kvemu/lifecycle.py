@@ -44,7 +44,7 @@ from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, Schedul
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord, router_record
 from kvemu.routing_core import PreparedRequest, RoutingCore
-from kvemu.hooks import DUPLICATE, Candidate, HookKind, Hooks, QueueDepth, Reason, Routed, TokenTimes
+from kvemu.hooks import DUPLICATE, HookKind, Hooks, QueueDepth, Reason, Routed, TokenTimes
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 __all__ = ["Lifecycle", "LifecycleSettings", "TruthProbe", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED",
@@ -673,7 +673,7 @@ class Lifecycle:
         if hooks.wants(HookKind.ROUTED):
             hooks.note(HookKind.ROUTED, now, f.request_id, wid, rank, Routed(
                 f.attempt, selection.reason, selection.cost, selection.overlap_blocks, record.best_overlap_blocks,
-                [Candidate(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)]), record=record)
+                [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)]), record=record)
         f.key = (wid, rank)
         self._enter(f, DISPATCHED)
         self._by_worker.setdefault(wid, {})[f.request_id] = None
