@@ -82,8 +82,11 @@ prefill pool weighs prompt tokens only; the decode pool weighs its active blocks
 
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: Any, hooks: Hooks,
                  kv_replay: Any = None, zmq_kv_events: bool = False, on_worker_removed: Any = None,
-                 pool: str | None = None, engine: EngineSettings | None = None) -> Router:
-    """A router actor configured from its scenario section (one pool's, for a disaggregated cluster)."""
+                 pool: str | None = None, engine: EngineSettings | None = None, guarded: bool = True,
+                 reaper: bool = True) -> Router:
+    """A router actor configured from its scenario section (one pool's, for a disaggregated cluster).
+    ``guarded``, ``reaper``: as the composer's wiring says (``Router``'s live bounds, the affinity table's reaper;
+    default: a router among processes, on wall time)."""
     config = spec.config()
     if pool is not None:
         config = msgspec.structs.replace(config, **POOL_CONFIG[pool])
@@ -91,11 +94,11 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                        seed=spec.seed if spec.seed is not None else seed, policy=make_policy(spec.policy))
     affinity = None
     if spec.affinity.enabled:
-        affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
+        affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode, reaper=reaper)
     return Router(core=core, end=end, clock=clock, hooks=hooks, settings=spec.settings(), affinity=affinity,
                   queue=core.policy_queue(),
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool,
-                  engine=engine)
+                  engine=engine, guarded=guarded)
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -116,7 +119,7 @@ def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: Any, hooks:
     """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
     block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
     ``DisaggRouter`` passes their events on to ``hooks``). ``replica``: which router replica (its seed).
-    ``kv``: how it gets KV events (``build_router``)."""
+    ``kv``: how it gets KV events and what its wiring says (``build_router``)."""
     spec, rspec = scenario.cluster, scenario.router
     seed = replica_seed(rspec.seed if rspec.seed is not None else scenario.run.seed, replica)
     router = build_router(msgspec.structs.replace(rspec, seed=seed), block_size=spec.pools()[pool][2].block_size,
@@ -413,7 +416,8 @@ async def cluster(scenario: Scenario, clock: Clock, hooks: Hooks, *, keep_histor
                              hooks=hooks if replica == 0 else _request_hooks(hooks),
                              kv_replay=bus.replay if bus else None,
                              on_worker_removed=bus.forget if bus and n == 1 else None,
-                             zmq_kv_events=bus is None and pool != DECODE)
+                             zmq_kv_events=bus is None and pool != DECODE, guarded=c.wiring.guarded,
+                             reaper=c.wiring.affinity_reaper)
         subscriber = router.kv.subscriber
         if taps and pool != DECODE:
             feed = FeedTap(router.kv_intake if bus is not None else into_stream)

@@ -148,7 +148,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
     def new_router(pool: str) -> Router:
         router = pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks, replica=replica,
-                             zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
+                             zmq_kv_events=pool != DECODE,  # decode workers' KV events go to nobody
+                             guarded=True, reaper=True)  # its workers are other processes, on wall time
         if feed is not None and router.kv.subscriber is not None:  # (a restarted router: the same feed)
             router.kv.subscriber.feed = feed
         return router

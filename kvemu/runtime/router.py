@@ -162,7 +162,11 @@ class Router:
         on_worker_removed: Callable[[int], None] | None = None,
         pool: str | None = None,
         engine: EngineSettings | None = None,
+        guarded: bool = True,
     ) -> None:
+        """``guarded`` (default True, a router facing processes it does not own): hold peers to the live bounds
+        (a pending stage, probation, the first-token timeout). The host that owns its workers and their time (the
+        virtual driver's wiring) passes False: they are its own engines, and its times are no wall-clock facts."""
         self.core = core
         self.end = end
         self.clock = clock
@@ -185,9 +189,8 @@ class Router:
         self._peers: dict[bytes, int] = {}  # transport identity -> worker id
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
-        self.guarded = not clock.is_virtual
-        """Whether peers are held to the live-mode bounds (a pending stage, probation, the first-token timeout):
-        a virtual run's workers are the harness's own engines, and its times are no wall-clock facts."""
+        self.guarded = guarded
+        """Whether peers are held to the live-mode bounds (a pending stage, probation, the first-token timeout)."""
         self.pending: dict[bytes, _WorkerState] = {}
         """Live mode: registrations accepted whose worker has not spoken since, by peer (not routed to)."""
         self.started_ns = clock.now_ns()

@@ -102,7 +102,7 @@ def cluster(workers, *, affinity=False, queue=None, settings=None):
     events = []
     hooks.subscribe(events.append)
     aff = SessionAffinity.with_manual_clock(clock, ttl_secs=30) if affinity else None
-    router = Router(core=core, end=net.router_end(), clock=clock, hooks=hooks, affinity=aff, queue=queue,
+    router = Router(guarded=False, core=core, end=net.router_end(), clock=clock, hooks=hooks, affinity=aff, queue=queue,
                     kv_replay=bus.replay, settings=settings or RouterSettings(heartbeat_timeout_s=3))
     bus.connect(router.kv_intake)
     ws = [ScriptedWorker(net, bus, **w) if isinstance(w, dict) else ScriptedWorker(net, bus, w) for w in workers]
@@ -374,7 +374,7 @@ def test_a_worker_that_never_acknowledges_is_removed_and_its_requests_go_elsewhe
     after ``max_unacked_dispatches`` timeouts in a row it is removed, and its requests re-select."""
     clock = ManualClock()
     net = MemoryNetwork()
-    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock,
+    router = Router(guarded=False, core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock,
                     settings=RouterSettings(dispatch_timeout_s=1.0, max_unacked_dispatches=2, retry_limit=5))
     ended = {}
     good = net.worker_end(2)
@@ -418,7 +418,7 @@ def test_a_dispatch_that_does_not_encode_fails_locally_and_never_fences_the_work
     hooks = Hooks()
     events = []
     hooks.subscribe(events.append)
-    router = Router(core=RoutingCore(block_size=BS, clock=clock, seed=3), end=net.router_end(), clock=clock,
+    router = Router(guarded=False, core=RoutingCore(block_size=BS, clock=clock, seed=3), end=net.router_end(), clock=clock,
                     hooks=hooks, kv_replay=bus.replay,
                     settings=RouterSettings(heartbeat_timeout_s=3, dispatch_timeout_s=1.0, max_unacked_dispatches=3))
     bus.connect(router.kv_intake)
