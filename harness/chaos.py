@@ -127,11 +127,15 @@ class RouterlessHost(ChaosHost):
         return Outcome(False, f"{self.who} has no router to restart")
 
     async def delay_kv_events(self, replica: int | None, lag_ms: float) -> Outcome:
-        """A replica's feed: refused; else the first running worker's publishers alone (as ``kvemu fleet`` always
-        did; the router and the in-process cluster delay every worker's)."""
+        """A replica's feed: refused; else every worker's publishers, present and future (``delay_workers``), as
+        the router and the in-process cluster do."""
         if replica is not None:
             return self._no_feed(replica)
-        return await self.to_worker(None, Chaos(action="delay_kv_events", lag_ms=lag_ms))
+        return await self.delay_workers(lag_ms)
+
+    async def delay_workers(self, lag_ms: float) -> Outcome:
+        """Every running worker's KV events ``lag_ms`` late from now on, and every worker started later."""
+        raise NotImplementedError
 
     async def drop_kv_events(self, replica: int, count: int) -> Outcome:
         return self._no_feed(replica)

@@ -86,8 +86,10 @@ prefill pool weighs prompt tokens only; the decode pool weighs its active blocks
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: RouterEnd, hooks: Hooks,
                  kv_replay: Callable[[int, int], Replay | None] | None = None, zmq_kv_events: bool = False,
                  on_worker_removed: Callable[[int], None] | None = None, pool: str | None = None,
-                 engine: EngineSettings | None = None) -> Router:
-    """A router actor configured from its scenario section (one pool's, for a disaggregated cluster)."""
+                 engine: EngineSettings | None = None, guarded: bool = True, reaper: bool = True) -> Router:
+    """A router actor configured from its scenario section (one pool's, for a disaggregated cluster).
+    ``guarded``, ``reaper``: as the composer's wiring says (``Router``'s live bounds, the affinity table's reaper;
+    default: a router among processes, on wall time)."""
     config = spec.config()
     if pool is not None:
         config = msgspec.structs.replace(config, **POOL_CONFIG[pool])
@@ -95,11 +97,11 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
                        seed=spec.seed if spec.seed is not None else seed, policy=make_policy(spec.policy))
     affinity = None
     if spec.affinity.enabled:
-        affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode)
+        affinity = SessionAffinity(clock, ttl_secs=spec.affinity.ttl_secs, mode=spec.affinity.mode, reaper=reaper)
     return Router(core=core, end=end, clock=clock, hooks=hooks, settings=spec.settings(), affinity=affinity,
                   queue=core.policy_queue(),
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool,
-                  engine=engine)
+                  engine=engine, guarded=guarded)
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -117,18 +119,21 @@ def replica_front(scenario: Scenario) -> ReplicaFront:
 
 def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: RouterEnd, hooks: Hooks, replica: int = 0,
                 kv_replay: Callable[[int, int], Replay | None] | None = None, zmq_kv_events: bool = False,
-                on_worker_removed: Callable[[int], None] | None = None) -> Router:
+                on_worker_removed: Callable[[int], None] | None = None, guarded: bool = True,
+                reaper: bool = True) -> Router:
     """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
     block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
     ``DisaggRouter`` passes their events on to ``hooks``). ``replica``: which router replica (its seed).
-    ``kv_replay``, ``zmq_kv_events``, ``on_worker_removed``: how it gets KV events (``build_router``)."""
+    ``kv_replay``, ``zmq_kv_events``, ``on_worker_removed``: how it gets KV events; ``guarded``, ``reaper``: what
+    its wiring says (``build_router``)."""
     spec, rspec = scenario.cluster, scenario.router
     seed = replica_seed(rspec.seed if rspec.seed is not None else scenario.run.seed, replica)
     router = build_router(msgspec.structs.replace(rspec, seed=seed), block_size=spec.pools()[pool][2].block_size,
                           clock=clock, seed=seed, end=end, hooks=Hooks() if spec.disaggregated else hooks,
                           pool=None if pool == AGGREGATED else pool,
                           engine=engine_config(spec, pool).settings(),  # a worker of other settings is refused
-                          kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed)
+                          kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed,
+                          guarded=guarded, reaper=reaper)
     fit, need = router.kv.streams_left(), pool_ranks(scenario, pool)
     if fit is not None and fit < need:  # only a cluster that does not fit hears of the open-file limit
         log.warning("the open-file limit allows KV streams for %d ranks, but this cluster's %s pool can reach %d: "
@@ -238,7 +243,8 @@ class Cluster:
                              hooks=hooks if replica == 0 else _request_hooks(hooks),
                              kv_replay=bus.replay if bus else None,
                              on_worker_removed=bus.forget if bus and n == 1 else None,
-                             zmq_kv_events=bus is None and pool != DECODE)
+                             zmq_kv_events=bus is None and pool != DECODE, guarded=self.wiring.guarded,
+                             reaper=self.wiring.affinity_reaper)
         subscriber = router.kv.subscriber
         if self._taps and pool != DECODE:
             feed = FeedTap(router.kv_intake if bus is not None else into_stream)

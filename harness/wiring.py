@@ -26,6 +26,11 @@ class Wiring(Protocol):
 
     mode: Literal["virtual", "live"]
     """The workers' driver (``WorkerActor(mode=...)``)."""
+    guarded: bool
+    """Whether routers hold their workers to the live bounds (``Router(guarded=...)``): not the host's own
+    engines on its own time."""
+    affinity_reaper: bool
+    """Whether affinity tables expire bindings on a timer (``SessionAffinity(reaper=...)``): time passes by itself."""
 
     def router_ends(self, pool: str, count: int) -> list[RouterEnd]:
         """``count`` router ends for ``pool`` (one per replica)."""
@@ -68,6 +73,8 @@ class MemoryWiring:
     """Virtual time: in-memory networks (``router.network_latency_ms`` each way) and one KV bus per pool."""
 
     mode: Literal["virtual", "live"] = "virtual"
+    guarded = False
+    affinity_reaper = False
 
     def __init__(self, scenario: Scenario) -> None:
         self._latency_ns = round(scenario.router.network_latency_ms * NS_PER_MS)
@@ -113,6 +120,8 @@ class ZmqWiring:
     """Wall time: each router on a ZeroMQ socket, each rank's KV events on its own publisher socket (127.0.0.1)."""
 
     mode: Literal["virtual", "live"] = "live"
+    guarded = True
+    affinity_reaper = True
 
     def __init__(self, scenario: Scenario) -> None:
         self._spec = scenario.cluster

@@ -157,7 +157,10 @@ class SessionAffinity:
         pool: str = "aggregated",
         is_member: Callable[[int], bool] | None = None,
         observer: Callable[[AffinityEvent], None] | None = None,
+        reaper: bool = True,
     ) -> None:
+        """``reaper`` (default True): a shell on wall time calls ``expire()`` every ``reaper_interval_ns``; a
+        table on a clock its host advances (``with_manual_clock``) has none: expiry is evaluated when it is read."""
         ttl_ns = seconds_to_ns(ttl_secs)
         if not MIN_TTL_NS <= ttl_ns <= MAX_TTL_NS:
             raise InvalidArgument(f"ttl_secs must be between 1 and 31536000 s, got {ttl_secs!r}", field="ttl_secs")
@@ -175,6 +178,7 @@ class SessionAffinity:
         self.pool = pool
         self.is_member = is_member
         self.observer = observer
+        self.reaper = reaper
         self.stats = AffinityStats()
         self._table: dict[str, _Entry] = {}
         self._by_worker: dict[int, dict[str, None]] = {}
@@ -187,12 +191,13 @@ class SessionAffinity:
         """A table whose time only moves when the host advances ``clock`` (no reaper)."""
         if not isinstance(clock, ManualClock):
             raise InvalidArgument(f"with_manual_clock needs a ManualClock, got {clock!r}")
+        kw.setdefault("reaper", False)
         return cls(clock, **kw)  # type: ignore[arg-type]
 
     @property
     def reaper_interval_ns(self) -> int | None:
-        """How often a wall-clock shell should call ``expire()``; ``None`` on virtual time."""
-        return None if self.clock.is_virtual else min(self.ttl_ns, 30 * NS_PER_S)
+        """How often a wall-clock shell should call ``expire()``; ``None`` for a table without a reaper."""
+        return min(self.ttl_ns, 30 * NS_PER_S) if self.reaper else None
 
     def __len__(self) -> int:
         return len(self._table)

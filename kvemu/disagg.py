@@ -32,7 +32,7 @@ import msgspec
 
 from kvemu.clock import Clock
 from kvemu.records import RequestRecord, router_record
-from kvemu.hooks import HookEvent, HookKind, Hooks
+from kvemu.hooks import HookEvent, HookKind, Hooks, Reason, Restart
 from kvemu.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer, transfer_refusal
 
@@ -203,7 +203,7 @@ class DisaggRouter:
         if restartable and r.restarts < self.retry_limit:
             r.restarts += 1
             self.hooks.note(HookKind.RETRIED, self.clock.now_ns(), r.req.request_id,
-                            data={"reason": failure, "restart": r.restarts}, record=r.record)
+                            details=Restart(failure, r.restarts), record=r.record)
             self._start_prefill(r)  # the KV is gone: compute the prompt again
             return
         self._end(r, failure if not restartable or failure.startswith("worker_lost") else
@@ -249,20 +249,18 @@ class DisaggRouter:
         if pool == PREFILL and rid is None:
             if kind == HookKind.WORKER_REMOVED:
                 self.prefill_worker_lost(ev.worker_id)  # type: ignore[arg-type]
-            elif kind == HookKind.WORKER_FENCED and (ev.data or {}).get("reason") == "rank_down":
+            elif kind == HookKind.WORKER_FENCED and ev.details == Reason("rank_down"):
                 self.prefill_worker_lost(ev.worker_id, ev.dp_rank)  # type: ignore[arg-type]
         if rid is not None and kind in _FORWARDED:
             r = self.requests.get(rid)
             if r is None or pool != DECODE or kind not in (HookKind.FIRST_TOKEN, HookKind.TOKENS):
                 return
             r.streamed = True
-            self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.data, r.record)
+            self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.details, r.record)
             return
         if not self.hooks.wants(kind):
             return
-        data = dict(ev.data or {})
-        data["pool"] = pool
-        self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, data, ev.record)
+        self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.details, ev.record, pool)
 
 
 def _latest_leg_times(record: RequestRecord, leg: RequestRecord) -> None:

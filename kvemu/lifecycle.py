@@ -44,7 +44,7 @@ from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, Schedul
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
 from kvemu.records import RequestRecord, router_record
 from kvemu.routing_core import PreparedRequest, RoutingCore
-from kvemu.hooks import HookKind, Hooks
+from kvemu.hooks import DUPLICATE, HookKind, Hooks, QueueDepth, Reason, Routed, TokenTimes
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 __all__ = ["Lifecycle", "LifecycleSettings", "TruthProbe", "Flight", "WAITING", "QUEUED", "AFFINITY", "DISPATCHED",
@@ -231,7 +231,7 @@ class Lifecycle:
             duplicate = rid in self.flights
             record.failure = "duplicate_request_id" if duplicate else self.stopped
             # a refused duplicate's hook says so: its id is the open request's, whose record it must not touch
-            hooks.note(HookKind.FAILED, now, rid, data={"duplicate": True} if duplicate else None, record=record)
+            hooks.note(HookKind.FAILED, now, rid, details=DUPLICATE if duplicate else None, record=record)
             on_end(record)
             return record
         hooks.note(HookKind.REQUEST_ARRIVED, now, rid, record=record)
@@ -619,7 +619,7 @@ class Lifecycle:
                    num_workers=len(core.registry), do_not_queue=req.do_not_queue, now_ns=now)
         self._enter(f, QUEUED)
         f.record.queued_ns = now
-        self.hooks.note(HookKind.QUEUED, now, f.request_id, data={"depth": len(queue)}, record=f.record)
+        self.hooks.note(HookKind.QUEUED, now, f.request_id, details=QueueDepth(len(queue)), record=f.record)
         self._release_queue()
         return True
 
@@ -671,11 +671,9 @@ class Lifecycle:
                 f.prepared.seq_hashes, ev.ranks, (wid, rank), f.req.session_id)
         hooks = self.hooks
         if hooks.wants(HookKind.ROUTED):
-            hooks.note(HookKind.ROUTED, now, f.request_id, wid, rank, data={
-                "attempt": f.attempt, "reason": selection.reason, "cost": selection.cost,
-                "overlap_blocks": selection.overlap_blocks, "best_overlap_blocks": record.best_overlap_blocks,
-                "candidates": [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)],
-            }, record=record)
+            hooks.note(HookKind.ROUTED, now, f.request_id, wid, rank, Routed(
+                f.attempt, selection.reason, selection.cost, selection.overlap_blocks, record.best_overlap_blocks,
+                [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)]), record=record)
         f.key = (wid, rank)
         self._enter(f, DISPATCHED)
         self._by_worker.setdefault(wid, {})[f.request_id] = None
@@ -798,7 +796,7 @@ class Lifecycle:
             affinity.drop(hold)
             if hold.kind == "bound":  # the bound rank refused: let the session re-bind
                 affinity.invalidate(hold.session, hold.revision, hold.version)
-        self.hooks.note(HookKind.DISPATCH_REJECTED, self.clock.now_ns(), f.request_id, wid, rank, data={"reason": reason},
+        self.hooks.note(HookKind.DISPATCH_REJECTED, self.clock.now_ns(), f.request_id, wid, rank, details=Reason(reason),
                         record=f.record)
         f.refusal = f"{wid}/{rank}: {reason}"
         self._retry(f)
@@ -831,7 +829,7 @@ class Lifecycle:
         core.note_output(f.request_id, record.isl, before, after, f.req.expected_output_tokens)
         if self.hooks.wants(HookKind.TOKENS):
             self.hooks.note(HookKind.TOKENS, self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
-                            data={"times_ns": times}, record=record)
+                            details=TokenTimes(times), record=record)
 
     def _finished(self, f: Flight, msg: Finished) -> None:
         if msg.times_ns:

@@ -35,6 +35,7 @@ from harness.procs.engine_truth import EngineTruth, TruthPage
 from harness.procs.protocol import HttpOptions
 from harness.procs.worker import LOAD_SAMPLE_S, build_worker, sample_load
 from harness.scenario import Scenario
+from harness.text import counted
 
 __all__ = ["FleetWorker", "FleetInfo", "Fleet", "IN_PROCESS_CHAOS", "PROCESS_CHAOS", "fleet_chaos_problems"]
 
@@ -108,6 +109,8 @@ class Fleet:
         self._kids: Any = None  # harness.procs.up.Children, for processes
         self._infos: dict[int, FleetWorker] = {}
         self._next_id = 0
+        self._kv_lag: Chaos | None = None
+        """The last ``delay_kv_events`` (every worker's publishers; a worker started later applies it too)."""
         self._tg: anyio.abc.TaskGroup | None = None
         self.events: list[dict[str, Any]] = []
         """What the chaos timeline did (``{"event": "chaos", ...}``), as printed."""
@@ -180,6 +183,12 @@ class Fleet:
             m.scope.cancel()
         return True
 
+    def delay_kv_events(self, lag_ms: float) -> list[int]:
+        """Every in-process worker's KV events ``lag_ms`` late from now on, and every later one's; returns the
+        workers it reached now."""
+        self._kv_lag = Chaos(action="delay_kv_events", lag_ms=lag_ms)
+        return [wid for wid, m in sorted(self._members.items()) if m.actor.apply_chaos(self._kv_lag) is None]
+
     async def _drain(self, m: _Member) -> None:
         await m.actor.shutdown(10.0)
         if m.scope is not None:
@@ -213,6 +222,8 @@ class Fleet:
                     tg.start_soon(sample_load, truth, actor, LOAD_SAMPLE_S)
                     m.info.url = server.url
                     self._members[wid] = m
+                    if self._kv_lag is not None:  # (before its first request: it serves from here on)
+                        m.actor.apply_chaos(self._kv_lag)
                     task_status.started(m.info)
         finally:
             with anyio.move_on_after(5.0, shield=True):
@@ -253,8 +264,8 @@ class Fleet:
 
 class _FleetChaos(RouterlessHost):
     """A fleet as a chaos host: it starts and stops its workers and hands a worker its own faults (``delay_kv_events``
-    the first running worker's alone, as it always did); it has no router (``fleet_chaos_problems`` refuses what it
-    cannot apply before it starts)."""
+    every worker's, present and future); it has no router (``fleet_chaos_problems`` refuses what it cannot apply
+    before it starts)."""
 
     who = "kvemu fleet"
 
@@ -277,6 +288,11 @@ class _FleetChaos(RouterlessHost):
             return Outcome(False, target)
         self.fleet.remove_worker(target, graceful)
         return Outcome(True, f"worker {target} {'drained' if graceful else 'killed'}")
+
+    async def delay_workers(self, lag_ms: float) -> Outcome:
+        reached = self.fleet.delay_kv_events(lag_ms)
+        return Outcome(True, f"KV events {lag_ms:g} ms late on {counted(len(reached), 'worker')} and every later "
+                             "one")
 
     async def to_worker(self, worker: int | None, msg: Chaos) -> Outcome:
         target = self._running(worker)

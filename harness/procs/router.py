@@ -25,7 +25,7 @@ import zmq
 from kvemu.clock import NS_PER_MS, WallClock
 from kvemu.disagg import DECODE
 from kvemu.errors import InvalidArgument
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks, TokenTimes
 from kvemu.http.backend import LastTokenTime, keep_last_token_time
 from kvemu.runtime.loop import run_live
 from kvemu.messages import Chaos, ClientRequest, encode, with_packed_prompt
@@ -148,7 +148,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
     def new_router(pool: str) -> Router:
         router = pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks, replica=replica,
-                             zmq_kv_events=pool != DECODE)  # decode workers' KV events go to nobody
+                             zmq_kv_events=pool != DECODE,  # decode workers' KV events go to nobody
+                             guarded=True, reaper=True)  # its workers are other processes, on wall time
         if feed is not None and router.kv.subscriber is not None:  # (a restarted router: the same feed)
             router.kv.subscriber.feed = feed
         return router
@@ -183,8 +184,8 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
 
     def stream_tokens(ev: HookEvent) -> None:
         to = streams.get(ev.request_id)  # type: ignore[arg-type]
-        if to is not None:
-            end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.data["times_ns"]))))  # type: ignore[index]
+        if to is not None and isinstance(ev.details, TokenTimes):
+            end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.details.times_ns))))
 
     def wants_tokens(peer: bytes) -> None:
         """``peer`` asked for its requests' tokens (``StreamTokens``)."""

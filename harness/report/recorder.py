@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from kvemu.hooks import HookEvent, Hooks
+import msgspec
+
+from kvemu.hooks import Duplicate, HookEvent, Hooks
 from kvemu.records import RequestRecord
 
 __all__ = ["Recorder"]
@@ -34,16 +36,24 @@ class Recorder:
         if rid is None:
             if kind.startswith("worker_"):
                 self.worker_events.append({"kind": kind, "time_ns": ev.time_ns, "worker_id": ev.worker_id,
-                                           **(ev.data or {})})
+                                           **_fields(ev)})
             elif kind.startswith("kv_"):
                 self.kv_events.append({"kind": kind, "time_ns": ev.time_ns, "worker_id": ev.worker_id,
-                                       "dp_rank": ev.dp_rank, **(ev.data or {})})
+                                       "dp_rank": ev.dp_rank, **_fields(ev)})
             return
         if kind == "request_arrived":
             if rid not in self.records and ev.record is not None:
                 self.records[rid] = ev.record
         elif kind == "failed":
-            if (ev.data or {}).get("duplicate"):  # a copy refused under the id of an open request
+            if isinstance(ev.details, Duplicate):  # a copy refused under the id of an open request
                 self.failures["duplicate_request_id"] += 1
             elif ev.record is not None and self.records.get(rid) is ev.record:
                 self.failures[(ev.record.failure or "unknown").split(":")[0]] += 1
+
+
+def _fields(ev: HookEvent) -> dict[str, Any]:
+    """An event's details as a report row's fields (KV ranges as ``from``/``to``), then its pool if any."""
+    fields: dict[str, Any] = msgspec.to_builtins(ev.details) or {}
+    if ev.pool is not None:
+        fields["pool"] = ev.pool
+    return fields

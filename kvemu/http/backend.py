@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, overload
 
 from kvemu.records import RequestRecord
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks, TokenTimes
 from kvemu.messages import ClientRequest
 from kvemu.replica_front import Front
 from kvemu.runtime.router import Router
@@ -123,8 +123,8 @@ class RouterBackend:
 
     def _on_tokens(self, ev: HookEvent) -> None:
         cb = self._streams.get(ev.request_id)  # type: ignore[arg-type]
-        if cb is not None:
-            cb(len(ev.data["times_ns"]))  # type: ignore[index]
+        if cb is not None and isinstance(ev.details, TokenTimes):
+            cb(len(ev.details.times_ns))
 
     def submit(self, req: ClientRequest, on_tokens: OnTokens, on_end: OnEnd) -> None:
         rid = req.request_id

@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
 from kvemu.records import RequestRecord
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, Hooks, Routed
 from kvemu.runtime.router import Router
 
 __all__ = ["FrontMetrics", "RouterCollector", "LATENCY_BUCKETS", "REGRET_BUCKETS"]
@@ -113,7 +113,8 @@ class RouterCollector:
 
     def _on_routed(self, ev: HookEvent) -> None:
         bs = self._router().core.block_size
-        self.predicted_cached_tokens += (ev.data or {}).get("overlap_blocks", 0) * bs
+        if isinstance(ev.details, Routed):
+            self.predicted_cached_tokens += ev.details.overlap_blocks * bs
         rec = ev.record
         if rec is None or rec.truth_overlap_blocks is None or rec.truth_best_overlap_blocks is None:
             return

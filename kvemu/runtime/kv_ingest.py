@@ -16,19 +16,18 @@ import anyio
 from kvemu.router_events import RouterEvent
 from kvemu.routing_core import RoutingCore
 from kvemu.messages import Register
-from kvemu.wire.stream import EventStream, Payload, Replay, WorkerEventStats
+from kvemu.wire.stream import EventStream, Payload, Replay, StreamObserver, WorkerEventStats
 from kvemu.wire.subscriber import KvEventSubscriber, StreamSpec
 
 __all__ = ["KvIngest"]
 
-Observer = Callable[[str, int, int, dict], None]
 """Told ``(kind, worker_id, dp_rank, details)`` for ``gap``, ``replay``, ``lost`` and ``restart``."""
 
 
 class KvIngest:
     """Streams of the registered workers' ranks, feeding one routing core."""
 
-    def __init__(self, core: RoutingCore, *, observer: Observer | None = None, replay_on_connect: bool = True,
+    def __init__(self, core: RoutingCore, *, observer: StreamObserver | None = None, replay_on_connect: bool = True,
                  replay: Callable[[int, int], Replay | None] | None = None, zmq: bool = False,
                  max_ranks: int | None = None, replay_timeout_s: float = 2.0) -> None:
         self.core = core

@@ -29,7 +29,7 @@ from kvemu.index import WorkerKey
 from kvemu.registry import WorkerSpec
 from kvemu.ratelimit import TokenBucket
 from kvemu.routing_core import RoutingCore
-from kvemu.hooks import HookKind, Hooks
+from kvemu.hooks import HookDetails, HookKind, Hooks, KvDetails, Ranks, Reason, SessionBinding
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.messages import (
     Chaos,
@@ -162,7 +162,11 @@ class Router:
         on_worker_removed: Callable[[int], None] | None = None,
         pool: str | None = None,
         engine: EngineSettings | None = None,
+        guarded: bool = True,
     ) -> None:
+        """``guarded`` (default True, a router facing processes it does not own): hold peers to the live bounds
+        (a pending stage, probation, the first-token timeout). The host that owns its workers and their time (the
+        virtual driver's wiring) passes False: they are its own engines, and its times are no wall-clock facts."""
         self.core = core
         self.end = end
         self.clock = clock
@@ -185,9 +189,8 @@ class Router:
         self._peers: dict[bytes, int] = {}  # transport identity -> worker id
         self._down_ranks: set[tuple[int, int]] = set()
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
-        self.guarded = not clock.is_virtual
-        """Whether peers are held to the live-mode bounds (a pending stage, probation, the first-token timeout):
-        a virtual run's workers are the harness's own engines, and its times are no wall-clock facts."""
+        self.guarded = guarded
+        """Whether peers are held to the live-mode bounds (a pending stage, probation, the first-token timeout)."""
         self.pending: dict[bytes, _WorkerState] = {}
         """Live mode: registrations accepted whose worker has not spoken since, by peer (not routed to)."""
         self.started_ns = clock.now_ns()
@@ -290,8 +293,8 @@ class Router:
         return self.clock.now_ns()
 
     def _emit(self, kind: HookKind, request_id: str | None = None, worker_id: int | None = None,
-              dp_rank: int | None = None, data: dict | None = None) -> None:
-        self.hooks.note(kind, self._now(), request_id, worker_id, dp_rank, data)
+              dp_rank: int | None = None, details: HookDetails | None = None) -> None:
+        self.hooks.note(kind, self._now(), request_id, worker_id, dp_rank, details)
 
     def _on_time(self) -> int | None:
         self.lifecycle.poll(self._now())
@@ -439,7 +442,7 @@ class Router:
         self.kv.add_worker(msg)
         if self._on_worker_added is not None:
             self._on_worker_added(msg)
-        self._emit(HookKind.WORKER_ADDED, worker_id=msg.worker_id, data={"dp_size": msg.dp_size, "dp_start": msg.dp_start})
+        self._emit(HookKind.WORKER_ADDED, worker_id=msg.worker_id, details=Ranks(msg.dp_size, msg.dp_start))
         self.registered.set()
         self.lifecycle.worker_added()
 
@@ -499,7 +502,7 @@ class Router:
         self.core.registry.fence(worker_id)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
-        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, data={"reason": "draining"})
+        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, details=Reason("draining"))
         self.lifecycle.capacity_changed()  # requests queued only on it start their admission over
 
     def rank_down(self, worker_id: int, dp_rank: int) -> None:
@@ -510,7 +513,7 @@ class Router:
         self.core.index.clear(worker_id, dp_rank)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id, dp_rank)
-        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, dp_rank=dp_rank, data={"reason": "rank_down"})
+        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, dp_rank=dp_rank, details=Reason("rank_down"))
         self.lifecycle.capacity_changed()
 
     def _unresponsive(self, worker_id: int, unacked: int) -> None:
@@ -527,14 +530,14 @@ class Router:
             return
         self._peers.pop(state.peer, None)
         self._down_ranks.difference_update([k for k in self._down_ranks if k[0] == worker_id])
-        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, data={"reason": reason})
+        self._emit(HookKind.WORKER_FENCED, worker_id=worker_id, details=Reason(reason))
         self.core.remove_worker(worker_id)
         self.kv.remove_worker(worker_id)
         if self.affinity is not None:
             self.affinity.invalidate_worker(worker_id)
         if self._on_worker_removed is not None:
             self._on_worker_removed(worker_id)
-        self._emit(HookKind.WORKER_REMOVED, worker_id=worker_id, data={"reason": reason})
+        self._emit(HookKind.WORKER_REMOVED, worker_id=worker_id, details=Reason(reason))
         self.lifecycle.worker_lost(worker_id)
 
     async def _watchdog(self) -> None:
@@ -558,13 +561,13 @@ class Router:
 
     # ------------------------------------------------------------------ KV events
 
-    def _kv_observer(self, kind: str, worker_id: int, dp_rank: int, details: dict) -> None:
-        self._emit(_KV_KINDS[kind], worker_id=worker_id, dp_rank=dp_rank, data=details)
+    def _kv_observer(self, kind: str, worker_id: int, dp_rank: int, details: KvDetails) -> None:
+        self._emit(_KV_KINDS[kind], worker_id=worker_id, dp_rank=dp_rank, details=details)
 
     def _affinity_event(self, ev: AffinityEvent) -> None:
         t = ev.target
         self._emit(_AFFINITY_KINDS[ev.kind], worker_id=t.worker_id if t else None, dp_rank=t.dp_rank if t else None,
-                   data={"session": ev.session, "pool": ev.pool})
+                   details=SessionBinding(ev.session, ev.pool))
 
     # ------------------------------------------------------------------ requests
 

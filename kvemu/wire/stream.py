@@ -18,6 +18,7 @@ import xxhash
 from mypy_extensions import mypyc_attr
 
 from kvemu.errors import KvemuError
+from kvemu.hooks import KvDetails, KvRange, KvReplay, KvRestart
 from kvemu.router_events import (
     AllCleared,
     BlocksRemoved,
@@ -32,11 +33,14 @@ from kvemu.wire.codec import WireDecodeError, decode_batch
 from kvemu.wire.convert import BlockSizeMismatch, convert_event, is_chain
 from kvemu.kv_events import KvEvent, KVEventBatch
 
-__all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload"]
+__all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload", "StreamObserver"]
 
 log = logging.getLogger("kvemu.wire")
 
 _FAILED = object()
+
+StreamObserver = Callable[[str, int, int, KvDetails], None]
+"""Told of a stream's recovery: kind (``gap``, ``replay``, ``lost``, ``restart``), worker, rank and details."""
 """What ``EventStream._counted`` returns for a call that raised."""
 
 Payload = bytes | KVEventBatch | EventBatch
@@ -112,7 +116,7 @@ class EventStream:
         replay: Replay | None = None,
         replay_on_connect: bool = True,
         eagle: bool = False,
-        observer: Callable[[str, int, int, dict], None] | None = None,
+        observer: StreamObserver | None = None,
         endpoint: str | None = None,
         groups: list[tuple[str, int | None]] | None = None,
     ) -> None:
@@ -159,7 +163,7 @@ class EventStream:
                 return  # brought by the rebuilding replay, and now live too
             self._rebuilt = None
             self.stats.restarts += 1
-            self._notify("restart", {"seq": seq, "expected": expected})
+            self._notify("restart", KvRestart(seq, expected))
             self.sink(RouterEvent(worker_id=self.worker_id, dp_rank=self.dp_rank, data=AllCleared()))
             if seq:
                 self.expected = None
@@ -167,7 +171,7 @@ class EventStream:
                 return
         elif seq > expected:
             self.stats.gaps += 1
-            self._notify("gap", {"from": expected, "to": seq})
+            self._notify("gap", KvRange(expected, seq))
             self._recover(expected, seq, seq, payload)
             return
         self._rebuilt = None
@@ -249,7 +253,7 @@ class EventStream:
             if self._got < until:
                 self._lost(self._got, until)
             self.expected = until
-            self._notify("replay", {"from": start, "to": until, "recovered": self._replayed})
+            self._notify("replay", KvReplay(start, until, self._replayed))
         held, self._held = self._held, []
         for i, (seq, payload) in enumerate(held):
             if self._want is not None:  # one of them opened another replay: the rest wait for it
@@ -262,7 +266,7 @@ class EventStream:
     def _lost(self, start: int, until: int) -> None:
         self.stats.lost_batches += until - start
         log.warning("worker %s rank %s: KV-event batches %d..%d lost", self.worker_id, self.dp_rank, start, until - 1)
-        self._notify("lost", {"from": start, "to": until})
+        self._notify("lost", KvRange(start, until))
 
     def apply(self, seq: int, payload: Payload) -> None:
         """Decode one batch and hand its events to the sink (the batch's own rank wins).
@@ -370,6 +374,6 @@ class EventStream:
         else:
             stats.clears += 1
 
-    def _notify(self, kind: str, details: dict) -> None:
+    def _notify(self, kind: str, details: KvDetails) -> None:
         if self.observer is not None:
             self.observer(kind, self.worker_id, self.dp_rank, details)

@@ -18,7 +18,7 @@ from kvemu.errors import InvalidArgument
 from kvemu.router_events import RouterEvent
 from kvemu.wire import limits, security
 from kvemu.wire.endpoints import SEQ_END
-from kvemu.wire.stream import EventStream, WorkerEventStats
+from kvemu.wire.stream import EventStream, StreamObserver, WorkerEventStats
 
 __all__ = ["StreamSpec", "WorkerEventStats", "KvEventSubscriber"]  # WorkerEventStats re-exported
 
@@ -146,7 +146,7 @@ class KvEventSubscriber:
         replay_on_connect: bool = True,
         eagle: bool = False,
         context: zmq.Context | None = None,
-        observer: Callable[[str, int, int, dict], None] | None = None,
+        observer: StreamObserver | None = None,
         max_streams: int | None = None,
         clock: Clock | None = None,
     ) -> None:

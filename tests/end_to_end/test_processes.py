@@ -183,7 +183,7 @@ def test_invalid_scenario_for_a_process_is_a_clear_error(tmp_path):
 def test_router_never_crashes_on_malformed_worker_messages(data):
     clock = ManualClock()
     net = MemoryNetwork()
-    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
+    router = Router(guarded=False, core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
     msg = decode_or_log(decode_worker_message, data, "fuzz")  # what every transport does first
     if msg is not None:
         router.on_message(b"1", msg)  # must not raise
@@ -194,7 +194,7 @@ def test_router_never_crashes_on_malformed_worker_messages(data):
 def test_malformed_client_requests_fail_with_reasons_and_change_nothing():
     clock = ManualClock()
     net = MemoryNetwork()
-    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
+    router = Router(guarded=False, core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock)
 
     async def main():
         cases = {

@@ -9,8 +9,10 @@ import pytest
 from kvemu.messages import WORKER_CHAOS, Chaos
 
 from harness.chaos import _APPLY, ChaosHost, Control, Outcome, RouterlessHost, apply_chaos
+from harness.pools import AGGREGATED
+from harness.procs.fleet import Fleet, _FleetChaos
 from harness.procs.router import _RouterControl
-from harness.scenario import CHAOS_TARGETS, ChaosAction, ChaosEvent
+from harness.scenario import CHAOS_TARGETS, ChaosAction, ChaosEvent, parse_scenario
 
 
 class Recording(ChaosHost):
@@ -72,14 +74,41 @@ def test_a_host_with_no_router_refuses_the_routers_faults_from_one_place():
         remove_worker = Recording.remove_worker
         to_worker = Recording.to_worker
 
+        async def delay_workers(self, lag_ms: float) -> Outcome:
+            return Outcome(True, f"delay_workers({lag_ms:g})")
+
     host = Workers()
     assert anyio.run(apply_chaos, host, event(action="restart_router")) == Outcome(
         False, "these workers has no router to restart")
     assert anyio.run(apply_chaos, host, event(action="drop_kv_events", replica=1)) == Outcome(
         False, "these workers has no router replica 1: its KV feed is the router's")
-    # with no replica, a KV-event delay is the first worker's to apply
-    assert anyio.run(apply_chaos, host, event(action="delay_kv_events", lag_ms=9)).detail.startswith(
-        "to_worker(None, delay_kv_events")
+    # with no replica, a KV-event delay is every worker's
+    assert anyio.run(apply_chaos, host, event(action="delay_kv_events", lag_ms=9)) == Outcome(True, "delay_workers(9)")
+
+
+def test_a_fleet_delays_every_workers_kv_events_and_every_later_ones(tmp_path):
+    """``kvemu fleet``'s ``delay_kv_events`` names no worker: it reaches all of them (it reached the first alone)."""
+    scenario = parse_scenario("name: fleet-delay\ncluster: {workers: 3, dp_size: 2, engine: {block_size: 16}}\n"
+                              "workload: {kind: synthetic, rate_rps: 1, turns: 1}\nrun: {mode: live, seed: 1}\n")
+    fleet = Fleet(scenario)
+
+    def lags() -> dict[int, list[int]]:
+        return {wid: [p.lag_ns for p in m.pubs] for wid, m in sorted(fleet._members.items())}
+
+    async def main() -> tuple[Outcome, dict[int, list[int]], dict[int, list[int]]]:
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(60):
+                await tg.start(fleet.run)
+                outcome = await apply_chaos(_FleetChaos(fleet), event(action="delay_kv_events", lag_ms=40))
+                now = lags()
+                await fleet.add_worker(AGGREGATED)
+            tg.cancel_scope.cancel()
+        return outcome, now, lags()
+
+    outcome, now, later = anyio.run(main)
+    assert outcome == Outcome(True, "KV events 40 ms late on 3 workers and every later one")
+    assert now == {0: [40_000_000] * 2, 1: [40_000_000] * 2, 2: [40_000_000] * 2}
+    assert later[3] == [40_000_000] * 2  # started after the delay: late too
 
 
 @pytest.mark.parametrize(("fields", "detail"), [

@@ -47,6 +47,26 @@ def test_each_mode_has_its_wiring() -> None:
     assert isinstance(wiring_for(parse_scenario(SCENARIO % "live")), ZmqWiring)
 
 
+def test_the_wiring_says_whether_routers_guard_their_workers_and_reap_bindings() -> None:
+    """The mode is asked once, by the wiring: the cluster composes its routers as the wiring says."""
+    scenario = parse_scenario(SCENARIO % "virtual" + "router: {affinity: {enabled: true}}\n")
+    assert (MemoryWiring.guarded, MemoryWiring.affinity_reaper) == (False, False)
+    assert (ZmqWiring.guarded, ZmqWiring.affinity_reaper) == (True, True)
+    clock = ManualClock()
+
+    class Live(Recording):
+        guarded = affinity_reaper = True  # (a live wiring's facts, on memory ends)
+
+    async def main(wiring):
+        async with cluster(scenario, clock, Hooks(), wiring=wiring) as c:
+            affinity = c.router.affinity
+            assert affinity is not None
+            return c.router.guarded, affinity.reaper_interval_ns
+
+    assert run_virtual(lambda: main(Recording(scenario)), clock) == (False, None)
+    assert run_virtual(lambda: main(Live(scenario)), clock) == (True, 30 * 10**9)
+
+
 def test_a_cluster_connects_every_part_through_the_wiring_it_is_given() -> None:
     scenario = parse_scenario(SCENARIO % "virtual")
     wiring = Recording(scenario)

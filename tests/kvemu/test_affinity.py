@@ -267,11 +267,13 @@ def test_sibling_group_key():
     assert key == "\x01sg:" + __import__("blake3").blake3(b"parent-1").hexdigest()
 
 
-def test_reaper_interval_only_for_wall_clock():
+def test_a_reaper_unless_the_composer_says_none_or_the_host_advances_the_clock():
     assert SessionAffinity(WallClock(), ttl_secs=100).reaper_interval_ns == S(30)
     assert SessionAffinity(WallClock(), ttl_secs=2).reaper_interval_ns == S(2)
+    assert SessionAffinity(WallClock(), ttl_secs=2, reaper=False).reaper_interval_ns is None
+    assert SessionAffinity(ManualClock(), ttl_secs=2, reaper=False).reaper_interval_ns is None
     clock, t, _ = table()
-    assert t.reaper_interval_ns is None
+    assert t.reaper_interval_ns is None  # with_manual_clock: none
 
 
 class AffinityMachine(RuleBasedStateMachine):

@@ -153,7 +153,7 @@ class Replay:
 
     def binding_reused(self) -> list[bool]:
         """Per routing decision, whether it reused the session's binding (Dynamo's ``binding_reused``)."""
-        return [e.data["reason"] == "affinity" for e in self.routed]
+        return [e.details.reason == "affinity" for e in self.routed]
 
 
 @pytest.mark.parametrize("commit_before_arrival", [True, False])

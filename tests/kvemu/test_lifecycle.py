@@ -92,7 +92,7 @@ def test_dispatch_timeout_is_a_deadline_the_host_polls():
     assert "a" not in h.ended
     h.advance(1 * MS)
     assert h.ended["a"].failure == "retries_exhausted: dispatch_timeout" and len(h.core.load) == 0
-    assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == ["dispatch_timeout"]
+    assert [e.details.reason for e in h.events if e.kind == "dispatch_rejected"] == ["dispatch_timeout"]
     assert h.lc.next_deadline_ns() is None
 
 
@@ -381,7 +381,7 @@ def test_refusal_reason_is_reported(reason):
     h = Host(workers=(1,), retry_limit=0)
     h.submit("a")
     h.lc.on_ack(1, DispatchAck(request_id="a", accepted=False, reason=reason))
-    assert [e.data["reason"] for e in h.events if e.kind == "dispatch_rejected"] == [reason or "rejected"]
+    assert [e.details.reason for e in h.events if e.kind == "dispatch_rejected"] == [reason or "rejected"]
 
 
 def test_a_pin_that_disagrees_with_the_session_binding_fails_as_pinned_worker_not_allowed():

@@ -27,7 +27,7 @@ from harness.scenario import parse_scenario
 
 def router(**limits) -> Router:
     clock = ManualClock()
-    return Router(core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
+    return Router(guarded=False, core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
                   settings=RouterSettings(**limits))
 
 
@@ -174,7 +174,7 @@ def test_the_open_file_limit_bounds_the_streams_and_registrations_past_it_are_re
 
     monkeypatch.setattr(subscriber, "open_file_limit", lambda want: subscriber.FDS_RESERVED + 3 * subscriber.FDS_PER_STREAM)
     clock = ManualClock()
-    r = Router(core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
+    r = Router(guarded=False, core=RoutingCore(block_size=4, clock=clock), end=MemoryNetwork().router_end(), clock=clock,
                settings=RouterSettings(max_ranks=100), zmq_kv_events=True)
     try:
         assert r.kv.streams_left() == 3

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvemu.hooks import HookEvent, Hooks
+from kvemu.hooks import HookEvent, HookKind, Hooks, Routed
 from kvemu.http.metrics import RouterCollector
 from kvemu.records import RequestRecord
 
@@ -25,7 +25,9 @@ class _Regret:
 def _routed(hooks: Hooks, isl: int, chosen: int | None, best: int | None, source: str | None) -> None:
     rec = RequestRecord(request_id="r", isl=isl, truth_overlap_blocks=chosen, truth_best_overlap_blocks=best,
                         regret_source=source)
-    hooks.emit(HookEvent("routed", 0, "r", 0, 0, data={"overlap_blocks": chosen or 0}, record=rec))
+    details = Routed(attempt=0, reason="kv", cost=0.0, overlap_blocks=chosen or 0, best_overlap_blocks=best or 0,
+                     candidates=[])
+    hooks.emit(HookEvent(HookKind.ROUTED, 0, "r", 0, 0, details, record=rec))
 
 
 def test_regret_counters_follow_the_truth_on_each_routed_request():

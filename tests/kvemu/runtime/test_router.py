@@ -102,7 +102,7 @@ def cluster(workers, *, affinity=False, queue=None, settings=None):
     events = []
     hooks.subscribe(events.append)
     aff = SessionAffinity.with_manual_clock(clock, ttl_secs=30) if affinity else None
-    router = Router(core=core, end=net.router_end(), clock=clock, hooks=hooks, affinity=aff, queue=queue,
+    router = Router(guarded=False, core=core, end=net.router_end(), clock=clock, hooks=hooks, affinity=aff, queue=queue,
                     kv_replay=bus.replay, settings=settings or RouterSettings(heartbeat_timeout_s=3))
     bus.connect(router.kv_intake)
     ws = [ScriptedWorker(net, bus, **w) if isinstance(w, dict) else ScriptedWorker(net, bus, w) for w in workers]
@@ -156,7 +156,7 @@ def test_kv_events_make_the_next_identical_request_follow_the_cache():
     first, second = run(clock, router, ws, body)
     assert (second.worker_id, second.dp_rank) == (first.worker_id, first.dp_rank)
     routed = [e for e in events if e.kind == "routed" and e.request_id == "b"][0]
-    assert routed.data["overlap_blocks"] == 4 and routed.data["best_overlap_blocks"] == 4
+    assert routed.details.overlap_blocks == 4 and routed.details.best_overlap_blocks == 4
     assert router.kv_stats[first.worker_id].blocks_stored == 8  # the fake re-announces; the index dedups
     assert router.core.index.tree_size(first.worker_id, first.dp_rank) == 4
 
@@ -171,7 +171,7 @@ def test_rejected_dispatch_reselects_another_worker():
     res = run(clock, router, ws, body)
     assert res.failure is None and res.worker_id == 2
     rejected = [e for e in events if e.kind == "dispatch_rejected"]
-    assert all(e.worker_id == 1 and e.data["reason"] == "busy" for e in rejected)
+    assert all(e.worker_id == 1 and e.details.reason == "busy" for e in rejected)
     assert res.attempts == len(rejected) + 1
 
 
@@ -374,7 +374,7 @@ def test_a_worker_that_never_acknowledges_is_removed_and_its_requests_go_elsewhe
     after ``max_unacked_dispatches`` timeouts in a row it is removed, and its requests re-select."""
     clock = ManualClock()
     net = MemoryNetwork()
-    router = Router(core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock,
+    router = Router(guarded=False, core=RoutingCore(block_size=4, clock=clock), end=net.router_end(), clock=clock,
                     settings=RouterSettings(dispatch_timeout_s=1.0, max_unacked_dispatches=2, retry_limit=5))
     ended = {}
     good = net.worker_end(2)
@@ -418,7 +418,7 @@ def test_a_dispatch_that_does_not_encode_fails_locally_and_never_fences_the_work
     hooks = Hooks()
     events = []
     hooks.subscribe(events.append)
-    router = Router(core=RoutingCore(block_size=BS, clock=clock, seed=3), end=net.router_end(), clock=clock,
+    router = Router(guarded=False, core=RoutingCore(block_size=BS, clock=clock, seed=3), end=net.router_end(), clock=clock,
                     hooks=hooks, kv_replay=bus.replay,
                     settings=RouterSettings(heartbeat_timeout_s=3, dispatch_timeout_s=1.0, max_unacked_dispatches=3))
     bus.connect(router.kv_intake)
@@ -451,11 +451,11 @@ def test_control_messages_act_only_for_the_speaking_worker():
         ws[1].end.send_nowait(RankDown(worker_id=2, dp_rank=1))
         ws[0].end.send_nowait(Draining(worker_id=1))
         await anyio.sleep(0.01)
-        fenced = [(e.worker_id, e.dp_rank, e.data["reason"]) for e in events if e.kind == "worker_fenced"]
+        fenced = [(e.worker_id, e.dp_rank, e.details.reason) for e in events if e.kind == "worker_fenced"]
         assert fenced == [(2, 1, "rank_down"), (1, None, "draining")]
         ws[1].end.send_nowait(Deregister(worker_id=2, reason="bye"))
         await anyio.sleep(0.01)
-        removed = [(e.worker_id, e.data["reason"]) for e in events if e.kind == "worker_removed"]
+        removed = [(e.worker_id, e.details.reason) for e in events if e.kind == "worker_removed"]
         assert removed == [(2, "deregistered: bye")] and router.rank_keys() == ((1, 0),)
 
     run(clock, router, ws, body)

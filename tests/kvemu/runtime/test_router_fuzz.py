@@ -33,7 +33,7 @@ class RouterVsPeers(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = ManualClock()
-        self.router = Router(core=RoutingCore(block_size=4, clock=self.clock), end=MemoryNetwork().router_end(),
+        self.router = Router(guarded=False, core=RoutingCore(block_size=4, clock=self.clock), end=MemoryNetwork().router_end(),
                              clock=self.clock, settings=RouterSettings(dispatch_timeout_s=1.0, startup_grace_s=0.0,
                                                                        request_deadline_s=5.0, retry_limit=2))
         self.ended: dict[int, object] = {}

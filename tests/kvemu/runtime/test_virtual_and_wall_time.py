@@ -31,7 +31,7 @@ def scripted_run(mode: str):
     scenario = parse_scenario(SMALL.replace("MODE", mode))
     hooks = Hooks()
     routed = []
-    hooks.subscribe(lambda ev: routed.append((ev.request_id, ev.worker_id, ev.dp_rank, ev.data["overlap_blocks"])),
+    hooks.subscribe(lambda ev: routed.append((ev.request_id, ev.worker_id, ev.dp_rank, ev.details.overlap_blocks)),
                     "routed")
     clock = ManualClock() if mode == "virtual" else WallClock()
 

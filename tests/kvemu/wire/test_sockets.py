@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 import kvemu
+from kvemu.hooks import KvRange, KvReplay
 from kvemu.hashing import local_block_hashes, sequence_hashes
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.transport import message_socket
@@ -293,8 +294,8 @@ def test_gap_is_repaired_by_replay(net, version):
     assert depth(core, tokens) == {(1, 0): 4}
     assert pub.stats.replay_requests - requests_before == 1
     assert [k for k, *_ in seen] == ["gap", "replay"]
-    assert seen[0][3] == {"from": start + 1, "to": start + 3}
-    assert seen[1][1:] == (1, 0, {"from": start + 1, "to": start + 3, "recovered": 2})
+    assert seen[0][3] == KvRange(start + 1, start + 3)
+    assert seen[1][1:] == (1, 0, KvReplay(start + 1, start + 3, recovered=2))
 
 
 @pytest.mark.parametrize("version", ["0.25", "0.33"])
