@@ -227,10 +227,9 @@ def render_markdown(summary: Summary, data: RunData, plots: Sequence[str] = PLOT
         out += autoscale_markdown(k.autoscaler, fmt, table)
     if data.worker_events:
         out += ["", "## Worker events", ""]
-        shown = sorted(data.worker_events, key=lambda e: (e.get("time_ns") or 0, str(e.get("kind"))))
+        shown = sorted(data.worker_events, key=lambda e: (e.time_ns, e.kind))
         out += table(["time (s)", "event", "worker", "why"],
-                      [(f"{(e.get('time_ns') or 0) / NS_PER_S:.3f}", e.get("kind"), e.get("worker_id"),
-                        e.get("reason") or "") for e in shown[:50]])
+                      [(f"{e.time_ns / NS_PER_S:.3f}", e.kind, e.worker_id, e.reason or "") for e in shown[:50]])
         if len(shown) > 50:
             out += ["", f"… and {len(shown) - 50} more."]
     if plots:

@@ -168,16 +168,6 @@ def regret_bucket_s(span_s: float) -> int:
     return 60 if span_s > _LONG_RUN_S else 10
 
 
-def _chaos_label(ev: dict[str, Any]) -> str:
-    """A chaos event's short label: its action, target and lag (``restart_router r2``, ``delay_kv_events r1 5000
-    ms``)."""
-    words = [str(ev["action"])]
-    words += [f"r{ev['replica']}"] if ev.get("replica") is not None else []
-    words += [f"w{ev['worker']}"] if ev.get("worker") is not None else []
-    words += [f"{ev['lag_ms']:g} ms"] if ev.get("lag_ms") is not None else []
-    return " ".join(words)
-
-
 def regret_curves(data: RunData) -> dict[str, Any] | None:
     """Routing regret (lost / (novel + lost) blocks, as ``kvemu.routing.regret``) per time bucket of the routing
     decisions, for the cluster and, with router replicas, each replica; the chaos timeline's events as marks.
@@ -194,12 +184,12 @@ def regret_curves(data: RunData) -> dict[str, Any] | None:
     width = regret_bucket_s(max(t for t, _, _ in routed) / NS_PER_S)
     buckets = max(t for t, _, _ in routed) // (width * NS_PER_S) + 1
     rep = data.replicas
-    names = ["cluster"] + ([f"replica {i}" for i in range(rep["count"])] if rep is not None else [])
+    names = ["cluster"] + ([f"replica {i}" for i in range(rep.count)] if rep is not None else [])
     blocks = np.zeros((len(names), 2, buckets), dtype=np.int64)  # line x (lost, novel) x bucket
     for t, rid, (lost, novel) in routed:
         bucket = t // (width * NS_PER_S)
         rows = [0]
-        if rep is not None and (i := rep["replica_of"].get(rid)) is not None:
+        if rep is not None and (i := rep.replica_of.get(rid)) is not None:
             rows.append(1 + i)
         for line in rows:
             blocks[line, 0, bucket] += lost
@@ -214,7 +204,7 @@ def regret_curves(data: RunData) -> dict[str, Any] | None:
         "lines": {name: ratio[i] for i, name in enumerate(names)},
         "overall": {name: (float(overall[i, 0] / overall[i].sum()) if overall[i].sum() else None)
                     for i, name in enumerate(names)},
-        "marks": sorted((ev["t_s"] - t0 / NS_PER_S, _chaos_label(ev)) for ev in chaos),
+        "marks": sorted((ev.t_s - t0 / NS_PER_S, ev.label) for ev in chaos),
     }
 
 

@@ -192,7 +192,7 @@ def test_the_autoscaler_leaves_a_later_chaos_target_alone():
     out = run_scenario(parse_scenario(text))
     [removed] = [d for d in out.data.autoscale.decisions if d.action == "remove"]
     assert removed.worker_ids and removed.worker_ids != [0]
-    gone = sorted(e["worker_id"] for e in out.data.worker_events if e["kind"] == "worker_removed")
+    gone = sorted(e.worker_id for e in out.data.worker_events if e.kind == "worker_removed")
     assert gone == sorted([0, *removed.worker_ids]) and not out.data.partial
 
 

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
+from harness.chaos import ChaosMark
 from harness.report import plot_data, plot_drawing, plot_renderer
 from harness.report.files import write_report
 from harness.report.markdown import render_markdown
 from harness.report.plots import PLOTS, background_renderer, write_plots
-from harness.report.run_data import RunData
+from harness.report.run_data import ReplicaCounters, ReplicaRun, ReplicaSync, RunData
 from harness.report.summary import summarize
 from harness.runner import run_scenario
 from harness.scenario import default_scenario_text, parse_scenario
@@ -30,14 +31,14 @@ def judged(rid: str, t_s: float, isl_blocks: int, chosen: int | None, best: int 
 
 
 def two_replica_run(records: list[RequestRecord], replica_of: dict[str, int], chaos=()) -> RunData:
-    rows = [{"replica": i, "restarts": i, "kv_events": {"batches": 10 + i, "gaps": i, "replays": 2 * i,
-                                                        "replayed_batches": 0, "lost_batches": 0},
-             "kv_feed_dropped_batches": 3 * i, "workers_registered": 2,
-             "sync": {"announced": 5 + i, "applied": 7 + i, "ignored": 0, "refused": 0, "expired": 0}}
+    rows = [ReplicaCounters(replica=i, restarts=i, kv_events={"batches": 10 + i, "gaps": i, "replays": 2 * i,
+                                                              "replayed_batches": 0, "lost_batches": 0},
+                            kv_feed_dropped_batches=3 * i, workers_registered=2,
+                            sync={"announced": 5 + i, "applied": 7 + i, "ignored": 0, "refused": 0, "expired": 0})
             for i in range(2)]
-    return RunData(records=records, block_size=16, ranks=[(0, 0)], replicas={
-        "count": 2, "front": "round_robin", "sync": {"enabled": True, "delay_ms": 25.0},
-        "replica_of": replica_of, "per_replica": rows}, chaos=list(chaos))
+    return RunData(records=records, block_size=16, ranks=[(0, 0)], replicas=ReplicaRun(
+        count=2, front="round_robin", sync=ReplicaSync(enabled=True, delay_ms=25.0), replica_of=replica_of,
+        per_replica=rows), chaos=list(chaos))
 
 
 def records_over_30_s() -> list[RequestRecord]:
@@ -53,10 +54,9 @@ def records_over_30_s() -> list[RequestRecord]:
 
 def test_regret_curves_bucket_the_cluster_and_each_replica():
     data = two_replica_run(records_over_30_s(), {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1},
-                           chaos=[{"t_s": 12.0, "action": "restart_router", "replica": 1, "worker": None},
-                                  {"t_s": 7.0, "action": "delay_kv_events", "replica": 0, "worker": None,
-                                   "lag_ms": 500.0},
-                                  {"t_s": 20.0, "action": "kill_worker", "replica": None, "worker": 3}])
+                           chaos=[ChaosMark(t_s=12.0, action="restart_router", replica=1),
+                                  ChaosMark(t_s=7.0, action="delay_kv_events", replica=0, lag_ms=500.0),
+                                  ChaosMark(t_s=20.0, action="kill_worker", worker=3)])
     curves = plot_data.regret_curves(data)
     assert curves["bucket_s"] == 10
     assert list(curves["times"]) == [5.0, 15.0, 25.0]  # bucket middles, since the first arrival (2 s)
@@ -98,7 +98,7 @@ def test_long_runs_are_bucketed_by_the_minute():
 
 def test_the_regret_plot_is_drawn_with_truth_only(tmp_path):
     data = two_replica_run(records_over_30_s(), {"a": 0, "b": 1, "c": 1, "d": 0},
-                           chaos=[{"t_s": 12.0, "action": "restart_router", "replica": 1, "worker": None}])
+                           chaos=[ChaosMark(t_s=12.0, action="restart_router", replica=1)])
     for sub in ("with", "again", "without"):
         (tmp_path / sub).mkdir()
     names = write_plots(data, tmp_path / "with")
