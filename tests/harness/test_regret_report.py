@@ -58,32 +58,32 @@ def test_regret_curves_bucket_the_cluster_and_each_replica():
                                   ChaosMark(t_s=7.0, action="delay_kv_events", replica=0, lag_ms=500.0),
                                   ChaosMark(t_s=20.0, action="kill_worker", worker=3)])
     curves = plot_data.regret_curves(data)
-    assert curves["bucket_s"] == 10
-    assert list(curves["times"]) == [5.0, 15.0, 25.0]  # bucket middles, since the first arrival (2 s)
-    assert list(curves["lines"]) == ["cluster", "replica 0", "replica 1"]
+    assert curves.bucket_s == 10
+    assert list(curves.times) == [5.0, 15.0, 25.0]  # bucket middles, since the first arrival (2 s)
+    assert list(curves.lines) == ["cluster", "replica 0", "replica 1"]
 
     def same(got, want):
         return all((math.isnan(g) and w is None) or g == pytest.approx(w) for g, w in zip(got, want, strict=True))
 
-    assert same(curves["lines"]["cluster"], [4 / 16, None, 2 / 3])
-    assert same(curves["lines"]["replica 0"], [4 / 8, None, 2 / 3])
-    assert same(curves["lines"]["replica 1"], [0.0, None, None])
-    assert curves["overall"] == {"cluster": pytest.approx(6 / 19), "replica 0": pytest.approx(6 / 11),
+    assert same(curves.lines["cluster"], [4 / 16, None, 2 / 3])
+    assert same(curves.lines["replica 0"], [4 / 8, None, 2 / 3])
+    assert same(curves.lines["replica 1"], [0.0, None, None])
+    assert curves.overall == {"cluster": pytest.approx(6 / 19), "replica 0": pytest.approx(6 / 11),
                                  "replica 1": 0.0}
     # the overall figures are the summary's (which rounds to 6 digits)
     summary = summarize(data).to_builtins()
-    assert curves["overall"]["cluster"] == pytest.approx(summary["kvemu"]["routing"]["regret"]["regret_ratio"],
+    assert curves.overall["cluster"] == pytest.approx(summary["kvemu"]["routing"]["regret"]["regret_ratio"],
                                                          abs=1e-6)
     per = summary["kvemu"]["replicas"]["per_replica"]
     assert [r["regret_ratio"] for r in per] == pytest.approx([6 / 11, 0.0], abs=1e-6)
     # chaos marks by time, since the first arrival, with short labels
-    assert curves["marks"] == [(5.0, "delay_kv_events r0 500 ms"), (10.0, "restart_router r1"),
+    assert curves.marks == [(5.0, "delay_kv_events r0 500 ms"), (10.0, "restart_router r1"),
                                (18.0, "kill_worker w3")]
 
 
 def test_one_router_gets_the_cluster_line_only_and_no_truth_no_plot():
     curves = plot_data.regret_curves(RunData(records=records_over_30_s(), block_size=16))
-    assert list(curves["lines"]) == ["cluster"] and curves["marks"] == []
+    assert list(curves.lines) == ["cluster"] and curves.marks == []
     assert plot_data.regret_curves(sample_run()) is None  # no record has routing truth
     assert plot_data.regret_curves(RunData()) is None
 
@@ -92,8 +92,8 @@ def test_long_runs_are_bucketed_by_the_minute():
     assert [plot_data.regret_bucket_s(s) for s in (0, 59.9, 600, 600.1, 7200)] == [10, 10, 10, 60, 60]
     records = [judged(f"r{i}", 60.0 * i, 4, 0, 1) for i in range(12)]  # 11 minutes
     curves = plot_data.regret_curves(RunData(records=records, block_size=16))
-    assert curves["bucket_s"] == 60 and list(curves["times"]) == [30.0 + 60 * i for i in range(12)]
-    assert list(curves["lines"]["cluster"]) == [pytest.approx(1 / 4)] * 12
+    assert curves.bucket_s == 60 and list(curves.times) == [30.0 + 60 * i for i in range(12)]
+    assert list(curves.lines["cluster"]) == [pytest.approx(1 / 4)] * 12
 
 
 def test_the_regret_plot_is_drawn_with_truth_only(tmp_path):
@@ -161,5 +161,5 @@ def test_a_run_with_two_replicas_writes_the_plot_and_the_section(tmp_path):
     for r in per:
         assert f"| {r['replica']} | {r['requests']:,} | {r['completed_requests']:,} |" in section
     curves = plot_data.regret_curves(out.data)
-    assert list(curves["lines"]) == ["cluster", "replica 0", "replica 1"]
-    assert [label for _, label in curves["marks"]] == ["restart_router r1"]
+    assert list(curves.lines) == ["cluster", "replica 0", "replica 1"]
+    assert [label for _, label in curves.marks] == ["restart_router r1"]
