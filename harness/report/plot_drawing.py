@@ -15,6 +15,7 @@ from harness.report.figures import DPI, FIGSIZE, legend_right, new_figure, no_da
 if TYPE_CHECKING:
     import numpy.typing as npt
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
     Array = npt.NDArray[Any]  # (of any dtype: times in s are floats, sampled counts ints)
 
@@ -117,7 +118,7 @@ def _heatmap_in(ranks: int) -> float:
     return min(6.0, max(1.6, 0.09 * ranks))
 
 
-def series_figure(panels: list[RankPanel], title: str, ylabel: str, marks: AutoscaleMarks | None = None) -> Any:
+def series_figure(panels: list[RankPanel], title: str, ylabel: str, marks: AutoscaleMarks | None = None) -> Figure:
     """The figure of a per-rank plot: one panel per pool, stacked (see ``plot_data``); legends and colour
     bars right of the axes, never over the data."""
     from matplotlib.figure import Figure
@@ -189,7 +190,7 @@ def _draw_aggregate(ax: Axes, panel: RankPanel, ylabel: str) -> None:
     ax.set_ylabel(ylabel)
 
 
-def _draw_heatmap(fig: Any, ax: Axes, panel: RankPanel, label: str) -> None:
+def _draw_heatmap(fig: Figure, ax: Axes, panel: RankPanel, label: str) -> None:
     """Ranks (rows) x time, the colour the rank's value from 0 to the largest (the capacity line is in the
     aggregate panel above: scaled to it, a lightly loaded pool would be one colour); a colour bar."""
     import numpy as np

@@ -30,7 +30,7 @@ import numbers
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -48,6 +48,10 @@ from harness.report.summary_types import (CacheTiers, DecodeTruth, Disaggregated
                                           RecoverableBlocks, Regret, RegretBucket, ReplicaRow, Replicas, Routing,
                                           RoutingPools, SlaSection, Speculative, Stats, Summary)
 from harness.workload.lanes import LaneFigures
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 NS_PER_MS = 1_000_000
@@ -68,7 +72,7 @@ KV_COUNTERS = ("batches", "events", "blocks_stored", "blocks_removed", "gaps", "
 # ---------------------------------------------------------------------------------- statistics
 
 
-def _stats(values: Any, scale: float = 1.0) -> dict[str, float | None]:
+def _stats(values: npt.ArrayLike, scale: float = 1.0) -> dict[str, float | None]:
     """mean/min/max/median/p75/p90/p95/p99/std of ``values`` divided by ``scale`` (None when empty).
 
     numpy (a matplotlib dependency) does the arithmetic: float64, pairwise sums, deterministic for a given
@@ -145,7 +149,7 @@ def _all_ranks(data: RunData) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------- summary
 
 
-def _pooled_gaps(series: list[list[int]]) -> Any:
+def _pooled_gaps(series: list[list[int]]) -> npt.NDArray[np.int64]:
     """Every gap between consecutive values of each list, pooled (a numpy int64 array)."""
     import numpy as np
 
@@ -159,7 +163,7 @@ def _pooled_gaps(series: list[list[int]]) -> Any:
     return np.delete(gaps, ends)
 
 
-def _latency_values(done: list[RequestRecord]) -> dict[str, Any]:
+def _latency_values(done: list[RequestRecord]) -> dict[str, npt.ArrayLike]:
     ttft: list[int] = []
     ttst: list[int] = []
     tpot: list[float] = []
