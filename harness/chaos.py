@@ -14,7 +14,7 @@ Every place that applies chaos (the in-process cluster of ``harness.runner``, a 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, NamedTuple, Protocol
+from typing import Annotated, NamedTuple, Protocol
 
 import msgspec
 from msgspec import Meta
@@ -27,7 +27,8 @@ from kvemu.replica_sync import MAX_REPLICAS
 from harness.scenario import ChaosAction, ChaosEvent
 
 __all__ = ["Control", "ControlReply", "WorkerExited", "SyncPeers", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS",
-           "SUPERVISOR_CHAOS", "Outcome", "ChaosHost", "RouterlessHost", "apply_chaos", "worker_chaos", "timeline", "chaos_problems"]
+           "SUPERVISOR_CHAOS", "Outcome", "ChaosHost", "RouterlessHost", "apply_chaos", "worker_chaos", "ChaosMark", "timeline",
+           "chaos_problems"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
 """The environment variable holding the shared control token; a router without one refuses every control."""
@@ -171,10 +172,30 @@ def chaos_problems(events: list[ChaosEvent], applies: frozenset[str], who: str) 
             if ev.action not in applies]
 
 
-def timeline(events: list[ChaosEvent]) -> list[dict[str, Any]]:
+class ChaosMark(msgspec.Struct, frozen=True, kw_only=True):
+    """One chaos event as the report marks it on its plots: when (s since the run started), what, and whom."""
+
+    t_s: float
+    action: ChaosAction
+    replica: int | None = None
+    worker: int | None = None
+    lag_ms: float | None = None
+    """``delay_kv_events``' lag (None for any other action)."""
+
+    @property
+    def label(self) -> str:
+        """Its short label: its action, target and lag (``restart_router r2``, ``delay_kv_events r1 5000 ms``)."""
+        words = [str(self.action)]
+        words += [f"r{self.replica}"] if self.replica is not None else []
+        words += [f"w{self.worker}"] if self.worker is not None else []
+        words += [f"{self.lag_ms:g} ms"] if self.lag_ms is not None else []
+        return " ".join(words)
+
+
+def timeline(events: list[ChaosEvent]) -> list[ChaosMark]:
     """The chaos timeline as the report marks it (``RunData.chaos``): when, what, and whom."""
-    return [{"t_s": ev.at_s, "action": ev.action, "replica": ev.replica, "worker": ev.worker,
-             "lag_ms": ev.lag_ms if ev.action == "delay_kv_events" else None} for ev in events]
+    return [ChaosMark(t_s=ev.at_s, action=ev.action, replica=ev.replica, worker=ev.worker,
+                      lag_ms=ev.lag_ms if ev.action == "delay_kv_events" else None) for ev in events]
 
 
 def at_ns(ev: ChaosEvent) -> int:

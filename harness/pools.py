@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import msgspec
-
 from kvemu.clock import Clock
 from kvemu.disagg import DECODE, PREFILL, DisaggRouter
 from kvemu.hooks import Hooks
 from kvemu.replica_front import Front
 from kvemu.runtime.router import Router
+from workers.config import SpeculativeConfig
 
 from harness.report.run_data import Sample
 from harness.scenario import ClusterSpec
@@ -35,16 +34,13 @@ def pool_sizes(spec: ClusterSpec) -> dict[str, dict[str, int]]:
             for pool, (n, dp, engine) in spec.pools().items()}
 
 
-def speculative_settings(spec: ClusterSpec) -> dict[str, Any] | None:
+def speculative_settings(spec: ClusterSpec) -> SpeculativeConfig | None:
     """The decoding pool's speculative decoding (``RunData.speculative``): the aggregated pool's, or the decode
     pool's; None when it decodes one token a pass."""
     pools = spec.pools()
     engine = pools[DECODE if DECODE in pools else AGGREGATED][2]
-    cfg = engine.speculative
-    if cfg is None:
-        return None
-    return {**msgspec.structs.asdict(cfg), "conditional_rates": cfg.conditional_rates,
-            "expected_tokens_per_pass": cfg.mean_tokens_per_pass}
+    cfg: SpeculativeConfig | None = engine.speculative
+    return cfg
 
 
 def routing_block_size(spec: ClusterSpec) -> int:

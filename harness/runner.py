@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import anyio
 
@@ -29,7 +28,7 @@ from harness.report.recorder import Recorder
 from harness.pools import (affinity_stats, engine_group_usage, kv_stats, pool_sizes, routing_block_size, samples,
                            speculative_settings)
 from harness.report.files import prepare_outdir, save_report
-from harness.report.run_data import RunData, Sample
+from harness.report.run_data import ReplicaRun, RunData, Sample
 from harness.report.summary_types import Summary
 from harness.run_mode import RunMode, run_mode
 from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
@@ -68,7 +67,7 @@ class RunState:
     autoscaler: AutoscalerShell | None = None
     played: Played = field(default_factory=Played)
     kv_stats: dict[int, dict[str, int]] = field(default_factory=dict)
-    replicas: dict[str, Any] | None = None
+    replicas: ReplicaRun | None = None
     affinity: dict[str, int] | None = None
 
     def stop(self, reason: str) -> None:
@@ -207,7 +206,7 @@ async def _main(scenario: Scenario, sessions: Sessions, mode: RunMode, hooks: Ho
                                            cancel=lambda rid, why: c.front.cancel(rid, why), in_server=in_server,
                                            out=state.played):
                     lanes = state.played.lanes
-                    state.stop("warmup_failed" if lanes is not None and lanes["failed_preparation"]
+                    state.stop("warmup_failed" if lanes is not None and lanes.failed_preparation
                                else "drain_timeout")
                 _take_sample(c, state, mode)
                 tg.cancel_scope.cancel()

@@ -34,6 +34,7 @@ from harness.interrupts import terminate_as_interrupt
 from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
 from harness.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
+from harness.report.recorder import WorkerEvent
 from harness.report.run_data import RunData, Sample
 from harness.report.summary_types import Summary
 from harness.runner import NothingRan, count_requests
@@ -478,7 +479,7 @@ class _LoadgenRun:
                     mine[k] = mine.get(k, 0) + v
         return out
 
-    def worker_events(self) -> list[dict[str, Any]]:
+    def worker_events(self) -> list[WorkerEvent]:
         return [e for s in [*self.gone, self.last] for e in s.worker_events]
 
 

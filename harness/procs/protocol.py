@@ -28,6 +28,7 @@ from kvemu.messages import MAX_OUTPUT_TOKENS, MAX_RANKS, ClientRequest, Register
 from kvemu.wire import security
 
 from harness.chaos import Control, ControlReply, SyncPeers, WorkerExited
+from harness.report.recorder import WorkerEvent
 from harness.report.run_data import Sample
 from harness.scenario import ChaosEvent
 
@@ -62,7 +63,7 @@ class Stats(msgspec.Struct, tag=True, kw_only=True):
     kv_stats: Annotated[dict[WorkerId, _Counters], Meta(max_length=MAX_LIST_ITEMS)]
     affinity: _Counters | None = None
     counters: _Counters = {}
-    worker_events: _Many[Annotated[dict[Name, Any], Meta(max_length=64)]] = []
+    worker_events: _Many[WorkerEvent] = []
     router_id: Name = ""
     """Changes when the router restarts (a new process, or chaos ``restart_router``): a client's requests
     sent before ``router_started_ns`` and never answered were lost with the old one."""

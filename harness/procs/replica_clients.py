@@ -18,6 +18,7 @@ from kvemu.replica_front import ReplicaFront
 
 from harness.cluster import REQUEST_KINDS
 from harness.procs.protocol import Stats
+from harness.report.run_data import REPLICA_KV_COUNTERS, ReplicaCounters, ReplicaRun, ReplicaSync
 from harness.scenario import Scenario
 
 __all__ = ["ReplicaClients", "replica_report", "merged_counters", "merged_affinity"]
@@ -121,32 +122,22 @@ def merged_affinity(views: list[dict[str, int] | None]) -> dict[str, int] | None
     return dict(sorted(out.items()))
 
 
-_KV_KEYS = ("batches", "gaps", "replays", "replayed_batches", "lost_batches")
-
-
 def replica_report(scenario: Scenario, views: list[Stats], restarts: list[int],
-                   kv_stats: list[dict[int, dict[str, int]]], replica_of: dict[str, int]) -> dict[str, Any]:
+                   kv_stats: list[dict[int, dict[str, int]]], replica_of: dict[str, int]) -> ReplicaRun:
     """``RunData.replicas`` of a run on router processes: where each request went and each replica's own counters
     from its last view (its KV events over every instance, workers registered, affinity, sync)."""
     rspec = scenario.router
     per = []
     for i, view in enumerate(views):
-        kv = dict.fromkeys(_KV_KEYS, 0)
+        kv = dict.fromkeys(REPLICA_KV_COUNTERS, 0)
         for counts in kv_stats[i].values():
-            for k in _KV_KEYS:
+            for k in REPLICA_KV_COUNTERS:
                 kv[k] += counts.get(k, 0)
-        row: dict[str, Any] = {"replica": i, "restarts": restarts[i], "kv_events": kv,
-                               "kv_feed_dropped_batches": view.feed_dropped,
-                               "workers_registered": len(view.workers)}
-        if view.affinity is not None:
-            row["affinity"] = dict(sorted(view.affinity.items()))
-        if view.sync is not None:
-            row["sync"] = dict(view.sync)
-        per.append(row)
-    return {
-        "count": len(views),
-        "front": rspec.replica_front,
-        "sync": {"enabled": rspec.replica_sync.enabled, "delay_ms": rspec.replica_sync.delay_ms},
-        "replica_of": replica_of,
-        "per_replica": per,
-    }
+        per.append(ReplicaCounters(
+            replica=i, restarts=restarts[i], kv_events=kv, kv_feed_dropped_batches=view.feed_dropped,
+            workers_registered=len(view.workers),
+            affinity=dict(sorted(view.affinity.items())) if view.affinity is not None else None,
+            sync=dict(view.sync) if view.sync is not None else None))
+    return ReplicaRun(count=len(views), front=rspec.replica_front,
+                      sync=ReplicaSync(enabled=rspec.replica_sync.enabled, delay_ms=rspec.replica_sync.delay_ms),
+                      replica_of=replica_of, per_replica=per)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
 
-from kvemu.autoscale.records import AutoscaleLog, WorkerCount
+from kvemu.autoscale.records import AutoscaleLog, DecisionRecord, WorkerCount
 
-from harness.report.summary_types import Autoscaler
+from harness.report.summary_types import AutoscaleDecision, Autoscaler, OutcomeCounts
 
 __all__ = ["MAX_DECISIONS", "MAX_SERIES", "provisioned_seconds", "autoscale_summary", "autoscale_markdown"]
 
@@ -33,34 +33,35 @@ def provisioned_seconds(series: list[WorkerCount], pool: str, start_ns: int, end
     return total / NS_PER_S
 
 
-def _decision(d: Any) -> dict[str, Any]:
-    return {"time_s": d.time_ns / NS_PER_S, "action": d.action, "pool": d.pool, "requested": d.requested,
-            "applied": d.applied, "outcome": d.outcome, "detail": d.detail, "reason": d.reason,
-            "worker_ids": list(d.worker_ids), "ready_s": [t / NS_PER_S for t in d.ready_ns]}
+def _decision(d: DecisionRecord) -> AutoscaleDecision:
+    return AutoscaleDecision(time_s=d.time_ns / NS_PER_S, action=d.action, pool=d.pool, requested=d.requested,
+                             applied=d.applied, outcome=d.outcome, detail=d.detail, reason=d.reason,
+                             worker_ids=list(d.worker_ids), ready_s=[t / NS_PER_S for t in d.ready_ns])
 
 
-def autoscale_summary(log: AutoscaleLog) -> dict[str, Any]:
+def autoscale_summary(log: AutoscaleLog) -> Autoscaler:
     """``kvemu.autoscaler``: the config, decision counts, the first decisions and the managed pool's counts."""
     ds = log.decisions
     mine = [p for p in log.series if p.pool == log.pool]
     outcomes = Counter(d.outcome for d in ds)
-    return {
-        "config": dict(sorted(log.config.items())),
-        "pool": log.pool,
-        "decisions_total": len(ds),
-        "decisions_by_outcome": {k: outcomes.get(k, 0) for k in ("applied", "clamped", "refused")},
-        "workers_added": sum(d.applied for d in ds if d.action == "add"),
-        "workers_removed": sum(d.applied for d in ds if d.action == "remove"),
-        "min_running_workers": min((p.running for p in mine), default=None),
-        "max_running_workers": max((p.running for p in mine), default=None),
-        "max_provisioned_workers": max((p.provisioned for p in mine), default=None),
-        "decisions": [_decision(d) for d in ds[:MAX_DECISIONS]],
-        "workers_over_time_total": len(mine),
-        "workers_over_time": [[p.time_ns / NS_PER_S, p.running, p.starting, p.draining] for p in mine[:MAX_SERIES]],
-    }
+    return Autoscaler(
+        config=dict(sorted(log.config.items())),
+        pool=log.pool,
+        decisions_total=len(ds),
+        decisions_by_outcome=OutcomeCounts(applied=outcomes.get("applied", 0), clamped=outcomes.get("clamped", 0),
+                                           refused=outcomes.get("refused", 0)),
+        workers_added=sum(d.applied for d in ds if d.action == "add"),
+        workers_removed=sum(d.applied for d in ds if d.action == "remove"),
+        min_running_workers=min((p.running for p in mine), default=None),
+        max_running_workers=max((p.running for p in mine), default=None),
+        max_provisioned_workers=max((p.provisioned for p in mine), default=None),
+        decisions=[_decision(d) for d in ds[:MAX_DECISIONS]],
+        workers_over_time_total=len(mine),
+        workers_over_time=[[p.time_ns / NS_PER_S, p.running, p.starting, p.draining] for p in mine[:MAX_SERIES]],
+    )
 
 
-def autoscale_markdown(section: Autoscaler, fmt: Any, table: Any) -> list[str]:
+def autoscale_markdown(section: Autoscaler, fmt: Callable[..., str], table: Callable[..., list[str]]) -> list[str]:
     """report.md's "Autoscaler" section from ``kvemu.autoscaler`` (``fmt``/``table``: the report's helpers)."""
     cfg = section.config
     by = section.decisions_by_outcome

@@ -131,7 +131,7 @@ def _write_files(data: RunData, summary: Summary, outdir: Path) -> None:
     try:
         (outdir / "summary.json").write_text(dumps_summary(summary))
         write_requests(data.records, outdir / "requests.jsonl", data.sla, data.phases,
-                       data.replicas["replica_of"] if data.replicas is not None else None)
+                       data.replicas.replica_of if data.replicas is not None else None)
     finally:
         plots = finish_plots()  # the renderer is done with this job either way
     (outdir / "report.md").write_text(render_markdown(summary, data, plots))

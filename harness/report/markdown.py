@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from msgspec import UnsetType
 
@@ -19,7 +18,7 @@ from harness.report.summary_types import Lanes, Regret, Replicas, SlaSection, Su
 from harness.report.what_ran import what_ran_lines
 
 
-def fmt(value: Any, unit: str = "") -> str:
+def fmt(value: object, unit: str = "") -> str:
     if value is None:
         return "—"
     if isinstance(value, bool):
@@ -37,7 +36,7 @@ def pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
@@ -46,11 +45,11 @@ _NOTHING = re.compile(r"[\s0.,/%()—–-]*")
 _UNITS = re.compile(r"\b(?:ms|tok/s|req/s|tok|s|worker-s)\b")
 
 
-def _says_nothing(cell: Any) -> bool:
+def _says_nothing(cell: object) -> bool:
     return _NOTHING.fullmatch(_UNITS.sub("", str(cell))) is not None
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]], labels: int = 1) -> list[str]:
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], labels: int = 1) -> list[str]:
     """A markdown table; or ``(none)`` when every cell but the first ``labels`` of each row (what names the row) is
     zero or empty: a table of zeros tells the reader nothing a word does not."""
     rows = [list(row) for row in rows]
@@ -227,10 +226,9 @@ def render_markdown(summary: Summary, data: RunData, plots: Sequence[str] = PLOT
         out += autoscale_markdown(k.autoscaler, fmt, table)
     if data.worker_events:
         out += ["", "## Worker events", ""]
-        shown = sorted(data.worker_events, key=lambda e: (e.get("time_ns") or 0, str(e.get("kind"))))
+        shown = sorted(data.worker_events, key=lambda e: (e.time_ns, e.kind))
         out += table(["time (s)", "event", "worker", "why"],
-                      [(f"{(e.get('time_ns') or 0) / NS_PER_S:.3f}", e.get("kind"), e.get("worker_id"),
-                        e.get("reason") or "") for e in shown[:50]])
+                      [(f"{e.time_ns / NS_PER_S:.3f}", e.kind, e.worker_id, e.reason or "") for e in shown[:50]])
         if len(shown) > 50:
             out += ["", f"… and {len(shown) - 50} more."]
     if plots:

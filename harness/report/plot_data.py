@@ -7,11 +7,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from harness.report.plot_drawing import AutoscaleMarks, PlotJob, Points, RankPanel, RegretCurves, ReuseCurves
 
 if TYPE_CHECKING:
     from kvemu.records import RequestRecord
 
+    from harness.report.plot_drawing import Array
     from harness.report.run_data import RunData
 
 __all__ = ["NS_PER_MS", "NS_PER_S", "plot_job", "regret_bucket_s", "regret_curves", "series_form"]
@@ -23,7 +26,7 @@ _MAX_POINTS = 2000
 _MAX_SERIES_POINTS = 800
 
 
-def _decimate(xs: Any, ys: Any, limit: int = _MAX_POINTS) -> tuple[Any, Any]:
+def _decimate(xs: Array, ys: Array, limit: int = _MAX_POINTS) -> Points:
     """Every k-th point (and the last) so that at most about ``limit`` remain: plenty for an 800 px plot."""
     import numpy as np
 
@@ -46,7 +49,7 @@ def _first_token(rec: RequestRecord) -> int | None:
 # ---------------------------------------------------------------------------------- compact data
 
 
-def _cdf_points(values_ns: Iterable[int], count: int) -> tuple[Any, Any] | None:
+def _cdf_points(values_ns: Iterable[int], count: int) -> Points | None:
     """A decimated empirical CDF of ``values_ns`` as (sorted values in ms, fractions), starting at 0."""
     import numpy as np
 
@@ -70,7 +73,7 @@ def series_form(ranks: int) -> str:
     return "lines" if ranks <= _MAX_LINES else "heatmap"
 
 
-def _heatmap(series: dict[tuple[int, int], tuple[Any, Any]]) -> tuple[Any, Any]:
+def _heatmap(series: dict[tuple[int, int], Points]) -> tuple[Array, Array]:
     """Ranks x time columns (at most ``_MAX_COLUMNS``; each cell the max of the value holding at its start and
     its samples, NaN before a rank's first sample and after its last: not started yet, or gone) and the
     columns' edges in s."""
@@ -92,7 +95,7 @@ def _heatmap(series: dict[tuple[int, int], tuple[Any, Any]]) -> tuple[Any, Any]:
     return edges, grid
 
 
-def _rank_panels(data: RunData, field: str) -> list[dict[str, Any]]:
+def _rank_panels(data: RunData, field: str) -> list[RankPanel]:
     """Per pool (in ``data.pools`` order): its ranks' sample series of ``field`` (times in s, by time), drawn as
     lines or, past ``_MAX_LINES`` ranks, a heatmap with the pool's mean and max per rank; its rank capacity."""
     import numpy as np
@@ -107,19 +110,19 @@ def _rank_panels(data: RunData, field: str) -> list[dict[str, Any]]:
     for pool in sorted({p for p, _, _ in by_rank}, key=lambda p: (order.get(p, len(order)), p)):
         full = {(w, r): (np.array(ts, dtype=np.int64) / NS_PER_S, np.array(vs, dtype=np.int64))
                 for (p, w, r), (ts, vs) in sorted(by_rank.items()) if p == pool}
-        panel: dict[str, Any] = {"pool": pool, "form": series_form(len(full)),
-                                 "capacity": data.pools.get(pool, {}).get("kv_blocks") if field == "kv_blocks" else None}
-        if panel["form"] == "lines":
-            panel["series"] = {key: _decimate(xs, ys, _MAX_SERIES_POINTS) for key, (xs, ys) in full.items()}
+        form = series_form(len(full))
+        capacity = data.pools.get(pool, {}).get("kv_blocks") if field == "kv_blocks" else None
+        if form == "lines":
+            panels.append(RankPanel(pool, form, capacity, series={
+                key: _decimate(xs, ys, _MAX_SERIES_POINTS) for key, (xs, ys) in full.items()}))
         else:
             edges, grid = _heatmap(full)
-            panel["ranks"] = [f"w{w}/r{r}" for w, r in full]
-            panel["edges"], panel["grid"] = edges, grid
-        panels.append(panel)
+            panels.append(RankPanel(pool, form, capacity, ranks=[f"w{w}/r{r}" for w, r in full], edges=edges,
+                                    grid=grid))
     return panels
 
 
-def _autoscale_marks(data: RunData) -> dict[str, Any] | None:
+def _autoscale_marks(data: RunData) -> AutoscaleMarks | None:
     """An autoscaled run's applied decisions (time in s, action) and its pool's running and provisioned
     (running + starting + draining) workers as step series, or None without an autoscaler."""
     log = data.autoscale
@@ -129,16 +132,16 @@ def _autoscale_marks(data: RunData) -> dict[str, Any] | None:
     end = max((s.time_ns for s in data.samples), default=0)
     if points and end > points[-1][0]:  # the last counts hold until the run's last sample
         points.append((end, *points[-1][1:]))
-    return {
-        "pool": log.pool,
-        "decisions": [(d.time_ns / NS_PER_S, d.action) for d in log.decisions if d.applied][:_MAX_SERIES_POINTS],
-        "times": [t / NS_PER_S for t, _, _ in points],
-        "running": [r for _, r, _ in points],
-        "provisioned": [p for _, _, p in points],
-    }
+    return AutoscaleMarks(
+        pool=log.pool,
+        decisions=[(d.time_ns / NS_PER_S, d.action) for d in log.decisions if d.applied][:_MAX_SERIES_POINTS],
+        times=[t / NS_PER_S for t, _, _ in points],
+        running=[r for _, r, _ in points],
+        provisioned=[p for _, _, p in points],
+    )
 
 
-def _reuse_curves(done: list[RequestRecord]) -> tuple[int, Any, Any, Any, Any] | None:
+def _reuse_curves(done: list[RequestRecord]) -> ReuseCurves | None:
     """Engine-found cached / prompt tokens by completion: (window, x1, rolling, x2, cumulative), decimated."""
     import numpy as np
 
@@ -155,7 +158,7 @@ def _reuse_curves(done: list[RequestRecord]) -> tuple[int, Any, Any, Any, Any] |
     win_i[window:] -= prompt[:-window]
     rolling = np.divide(win_c, win_i, out=np.zeros(n), where=win_i != 0)
     cumulative = np.divide(cached, prompt, out=np.zeros(n), where=prompt != 0)
-    return (window, *_decimate(xs, rolling), *_decimate(xs, cumulative))
+    return ReuseCurves(window, _decimate(xs, rolling), _decimate(xs, cumulative))
 
 
 _LONG_RUN_S = 600
@@ -168,17 +171,7 @@ def regret_bucket_s(span_s: float) -> int:
     return 60 if span_s > _LONG_RUN_S else 10
 
 
-def _chaos_label(ev: dict[str, Any]) -> str:
-    """A chaos event's short label: its action, target and lag (``restart_router r2``, ``delay_kv_events r1 5000
-    ms``)."""
-    words = [str(ev["action"])]
-    words += [f"r{ev['replica']}"] if ev.get("replica") is not None else []
-    words += [f"w{ev['worker']}"] if ev.get("worker") is not None else []
-    words += [f"{ev['lag_ms']:g} ms"] if ev.get("lag_ms") is not None else []
-    return " ".join(words)
-
-
-def regret_curves(data: RunData) -> dict[str, Any] | None:
+def regret_curves(data: RunData) -> RegretCurves | None:
     """Routing regret (lost / (novel + lost) blocks, as ``kvemu.routing.regret``) per time bucket of the routing
     decisions, for the cluster and, with router replicas, each replica; the chaos timeline's events as marks.
     Times in s since the first arrival; a bucket without blocks is NaN. None: no routing truth in the run."""
@@ -194,12 +187,12 @@ def regret_curves(data: RunData) -> dict[str, Any] | None:
     width = regret_bucket_s(max(t for t, _, _ in routed) / NS_PER_S)
     buckets = max(t for t, _, _ in routed) // (width * NS_PER_S) + 1
     rep = data.replicas
-    names = ["cluster"] + ([f"replica {i}" for i in range(rep["count"])] if rep is not None else [])
+    names = ["cluster"] + ([f"replica {i}" for i in range(rep.count)] if rep is not None else [])
     blocks = np.zeros((len(names), 2, buckets), dtype=np.int64)  # line x (lost, novel) x bucket
     for t, rid, (lost, novel) in routed:
         bucket = t // (width * NS_PER_S)
         rows = [0]
-        if rep is not None and (i := rep["replica_of"].get(rid)) is not None:
+        if rep is not None and (i := rep.replica_of.get(rid)) is not None:
             rows.append(1 + i)
         for line in rows:
             blocks[line, 0, bucket] += lost
@@ -208,27 +201,27 @@ def regret_curves(data: RunData) -> dict[str, Any] | None:
     ratio = np.divide(blocks[:, 0], total, out=np.full(total.shape, np.nan), where=total != 0)
     overall = blocks.sum(axis=2)
     chaos = data.chaos
-    return {
-        "bucket_s": width,
-        "times": (np.arange(buckets) + 0.5) * width,  # each bucket's middle
-        "lines": {name: ratio[i] for i, name in enumerate(names)},
-        "overall": {name: (float(overall[i, 0] / overall[i].sum()) if overall[i].sum() else None)
-                    for i, name in enumerate(names)},
-        "marks": sorted((ev["t_s"] - t0 / NS_PER_S, _chaos_label(ev)) for ev in chaos),
-    }
+    return RegretCurves(
+        bucket_s=width,
+        times=(np.arange(buckets) + 0.5) * width,  # each bucket's middle
+        lines={name: ratio[i] for i, name in enumerate(names)},
+        overall={name: (float(overall[i, 0] / overall[i].sum()) if overall[i].sum() else None)
+                 for i, name in enumerate(names)},
+        marks=sorted((ev.t_s - t0 / NS_PER_S, ev.label) for ev in chaos),
+    )
 
 
-def plot_job(data: RunData, outdir: Path) -> dict[str, Any]:
+def plot_job(data: RunData, outdir: Path) -> PlotJob:
     """Everything the plots show, as compact arrays (picklable, to hand to a renderer process)."""
     done = sorted((r for r in data.records if r.done), key=lambda r: (r.arrival_ns, r.request_id))
     ttft = [f - r.arrival_ns for r in done if (f := _first_token(r)) is not None]
-    return {
-        "outdir": str(Path(outdir).absolute()),
-        "ttft": _cdf_points(ttft, len(ttft)),
-        "e2e": _cdf_points((r.completion_ns - r.arrival_ns for r in done), len(done)),  # type: ignore[operator]
-        "active": _rank_panels(data, "active_requests"),
-        "blocks": _rank_panels(data, "kv_blocks"),
-        "reuse": _reuse_curves(done),
-        "autoscale": _autoscale_marks(data),
-        "regret": regret_curves(data),
-    }
+    return PlotJob(
+        outdir=str(Path(outdir).absolute()),
+        ttft=_cdf_points(ttft, len(ttft)),
+        e2e=_cdf_points((r.completion_ns - r.arrival_ns for r in done), len(done)),  # type: ignore[operator]
+        active=_rank_panels(data, "active_requests"),
+        blocks=_rank_panels(data, "kv_blocks"),
+        reuse=_reuse_curves(done),
+        autoscale=_autoscale_marks(data),
+        regret=regret_curves(data),
+    )

@@ -17,9 +17,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-from harness.report.plot_drawing import REGRET_PLOT, plot_names, render
+from harness.report.plot_drawing import REGRET_PLOT, PlotJob, plot_names, render
 
 __all__ = ["background_renderer", "submit_to_renderer"]
 
@@ -50,7 +49,7 @@ class _Renderer:
         self._exchange: threading.Thread | None = None
         self._ok = False
 
-    def submit(self, job: dict[str, Any]) -> bool:
+    def submit(self, job: PlotJob) -> bool:
         """Send the job (once, from a thread: the child may still be importing); False if it cannot take it."""
         if self._exchange is not None or self.proc.poll() is not None:
             return False
@@ -91,7 +90,7 @@ class _Renderer:
 _RENDERER: _Renderer | None = None
 
 
-def submit_to_renderer(job: dict[str, Any]) -> Callable[[], bool] | None:
+def submit_to_renderer(job: PlotJob) -> Callable[[], bool] | None:
     """Hand ``job`` to the active ``background_renderer()``; the result waits for it (True: every plot written).
     None if there is no renderer, or it cannot take the job."""
     renderer = _RENDERER
@@ -146,7 +145,7 @@ def _serve() -> None:
     with contextlib.suppress(Exception):
         _preload()  # an error shows when drawing (then the parent draws again, in process)
     try:
-        job = pickle.load(sys.stdin.buffer)
+        job: PlotJob = pickle.load(sys.stdin.buffer)
     except EOFError:  # the run ended without a report
         return
     mine, theirs = _HALVES

@@ -1,4 +1,4 @@
-"""The run model: everything a report is made of, as plain data (``RunData``, its ``Sample``s).
+"""The run model: everything a report is made of, as plain data (``RunData``, its ``Sample``s, its replicas' rows).
 
 The in-process runner and the load generator build it; the summary, report.md, requests.jsonl and the plots
 (``harness.report.summary``, ``markdown``, ``files``, ``plots``) are drawn from it.
@@ -6,7 +6,7 @@ The in-process runner and the load generator build it; the summary, report.md, r
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -14,9 +14,14 @@ from msgspec import Meta
 from kvemu.autoscale.records import AutoscaleLog
 from kvemu.limits import MAX_KV_GROUPS, Count, Name, Rank, TimeNs, WorkerId
 from kvemu.records import RequestRecord
+from workers.config import SpeculativeConfig
 
+from harness.chaos import ChaosMark
+from harness.report.recorder import WorkerEvent
 from harness.report.sla import Sla
+from harness.report.summary_types import ReplicaSync
 from harness.scenario import RunOrigin, Scenario
+from harness.workload.lanes import LaneFigures
 
 
 GroupBlocks = Annotated[dict[Annotated[int, Meta(ge=0, lt=MAX_KV_GROUPS)], Count], Meta(max_length=MAX_KV_GROUPS)]
@@ -40,6 +45,38 @@ class Sample(msgspec.Struct, frozen=True):
     group_held: GroupBlocks | None = None
     """Hybrid KV cache groups, virtual mode: the blocks the rank's requests hold per ``group_idx`` (its engine's
     count; freed sliding-window blocks that stay cached are not held); None otherwise."""
+
+
+REPLICA_KV_COUNTERS = ("batches", "gaps", "replays", "replayed_batches", "lost_batches")
+"""The KV-feed counters each replica's row keeps (``ReplicaCounters.kv_events``)."""
+
+
+class ReplicaCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica's own counters: its KV feed as it saw it, restarts, workers, affinity and sync."""
+
+    replica: int
+    restarts: int
+    kv_events: dict[str, int]
+    """``REPLICA_KV_COUNTERS``, summed over the workers."""
+    kv_feed_dropped_batches: int
+    """KV batches chaos made its own feed lose (``drop_kv_events`` naming it)."""
+    workers_registered: int
+    affinity: dict[str, int] | None = None
+    """Its session-affinity counters (None: affinity is off)."""
+    sync: dict[str, int] | None = None
+    """Its replica sync's counters (None: sync is off)."""
+
+
+class ReplicaRun(msgspec.Struct, frozen=True, kw_only=True):
+    """Router replicas (``router.replicas`` > 1): how many, their front and sync, where each request went and each
+    replica's own counters."""
+
+    count: int
+    front: str
+    sync: ReplicaSync
+    replica_of: dict[str, int]
+    """Request id -> the replica it reached."""
+    per_replica: list[ReplicaCounters]
 
 
 class RunData(msgspec.Struct, kw_only=True):
@@ -68,7 +105,8 @@ class RunData(msgspec.Struct, kw_only=True):
     """Hook counts by kind (``queued``, ``dispatch_rejected``...)."""
     failures: dict[str, int] = {}
     """Failed requests by reason."""
-    worker_events: list[dict[str, Any]] = []
+    worker_events: list[WorkerEvent] = []
+    """Workers added, fenced and removed (the recorder's ``worker_*`` hooks)."""
     pools: dict[str, dict[str, int]] = {}
     """The cluster's pools as started, ``pool -> {"workers", "dp_size", "kv_blocks"}`` (``kv_blocks``: a rank's
     KV capacity, optional): ``aggregated``, or ``prefill`` and ``decode``."""
@@ -78,26 +116,24 @@ class RunData(msgspec.Struct, kw_only=True):
     """Closed-loop replay: the sessions in flight at most (``workload.concurrency``); None: open loop."""
     autoscale: AutoscaleLog | None = None
     """An autoscaled run's decisions and worker counts over time (None without an autoscaler)."""
-    lanes: dict[str, Any] | None = None
-    """Continuous agentic lanes (``workload.lanes``): the lane player's figures (``harness.workload.lanes``); None: off."""
+    lanes: LaneFigures | None = None
+    """Continuous agentic lanes (``workload.lanes``): the lane player's figures (``LanePlayer.report``); None: off."""
     phases: dict[str, str] | None = None
     """With lanes: each request's phase (``primer``, ``warmup``, ``profile``); the headline figures are the
     profile's, and requests.jsonl gives each row's ``phase``."""
-    replicas: dict[str, Any] | None = None
-    """Router replicas (``router.replicas`` > 1): ``count``, ``front``, ``sync``, ``replica_of`` (request id -> the
-    replica it reached) and ``per_replica`` (each replica's own counters: KV feed, sync, restarts); None: one
-    router."""
+    replicas: ReplicaRun | None = None
+    """Router replicas (``router.replicas`` > 1): their front and sync, where each request went and each replica's
+    own counters (KV feed, sync, restarts); None: one router."""
     truth_source: str | None = None
     """Where the routing truth came from when not from the engines themselves: ``kv_events`` (the load generator's
     oracle, ``harness.procs.truth_oracle``)."""
     truth_feed: dict[str, int] | None = None
     """With ``truth_source`` ``kv_events``: the oracle's own KV feed (batches, gaps, replays, lost batches)."""
-    chaos: list[dict[str, Any]] = []
-    """The scenario's chaos timeline (``harness.chaos.timeline``: ``t_s``, ``action``, ``replica``, ``worker``,
-    ``lag_ms``), for the plots' marks."""
-    speculative: dict[str, Any] | None = None
-    """The decoding engines' speculative-decoding settings (``workers.config.SpeculativeConfig`` as a dict; None:
-    off): the summary then reports acceptance and the gaps between passes."""
+    chaos: list[ChaosMark] = []
+    """The scenario's chaos timeline (``harness.chaos.timeline``), for the plots' marks."""
+    speculative: SpeculativeConfig | None = None
+    """The decoding engines' speculative-decoding settings (None: off): the summary then reports acceptance and the
+    gaps between passes."""
     scenario: Scenario | None = None
     """The resolved scenario that ran (overrides applied, defaults filled): written beside the report as
     scenario.yaml and listed under "What ran" (None: not known, as for a report rebuilt by hand)."""

@@ -6,19 +6,28 @@ here); goodput is the requests (and their output tokens) that met them, over the
 
 from __future__ import annotations
 
+import msgspec
+
 from kvemu.records import RequestRecord
 
 from harness.scenario.sections import Sla
 
-__all__ = ["Sla", "goodput"]
+__all__ = ["Sla", "Goodput", "goodput"]
 
 
-def goodput(sla: Sla, records: list[RequestRecord], duration_s: float | None) -> dict[str, float | int | None]:
-    """The reference's ``goodput_*`` summary keys for ``records`` over ``duration_s`` (None: no duration)."""
+class Goodput(msgspec.Struct, frozen=True, kw_only=True):
+    """The requests that met the SLA, and their rate over the run (the summary's ``goodput_*`` keys)."""
+
+    completed_requests: int
+    request_throughput_rps: float | None
+    """None: the run has no duration."""
+    output_throughput_tok_s: float | None
+
+
+def goodput(sla: Sla, records: list[RequestRecord], duration_s: float | None) -> Goodput:
+    """The reference's goodput for ``records`` over ``duration_s`` (None: no duration)."""
     met = [r for r in records if sla.met(r)]
     tokens = sum(len(r.token_times_ns) for r in met)
-    return {
-        "goodput_completed_requests": len(met),
-        "goodput_request_throughput_rps": len(met) / duration_s if duration_s else None,
-        "goodput_output_throughput_tok_s": tokens / duration_s if duration_s else None,
-    }
+    return Goodput(completed_requests=len(met),
+                   request_throughput_rps=len(met) / duration_s if duration_s else None,
+                   output_throughput_tok_s=tokens / duration_s if duration_s else None)

@@ -30,18 +30,28 @@ import numbers
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from kvemu._build import build_name
 from kvemu.records import RequestRecord
+from workers.config import SpeculativeConfig
 
 from harness.report.autoscale import autoscale_summary, provisioned_seconds
-from harness.report.sla import goodput
+from harness.report.sla import Goodput, goodput
 from harness.report.stats import percentile
 from harness.report.run_data import EXITED, RunData
-from harness.report.summary_types import Summary
+from harness.report.summary_types import (CacheTiers, DecodeTruth, Disaggregated, GroupBlocks, KvEvents,
+                                          KvemuSection, LanePhase, LanePhases, Lanes, PredictionTruth, Queue, RankRow,
+                                          RecoverableBlocks, Regret, RegretBucket, ReplicaRow, Replicas, Routing,
+                                          RoutingPools, SlaSection, Speculative, Stats, Summary)
+from harness.workload.lanes import LaneFigures
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 NS_PER_MS = 1_000_000
@@ -62,7 +72,7 @@ KV_COUNTERS = ("batches", "events", "blocks_stored", "blocks_removed", "gaps", "
 # ---------------------------------------------------------------------------------- statistics
 
 
-def _stats(values: Any, scale: float = 1.0) -> dict[str, float | None]:
+def _stats(values: npt.ArrayLike, scale: float = 1.0) -> dict[str, float | None]:
     """mean/min/max/median/p75/p90/p95/p99/std of ``values`` divided by ``scale`` (None when empty).
 
     numpy (a matplotlib dependency) does the arithmetic: float64, pairwise sums, deterministic for a given
@@ -88,9 +98,12 @@ def _stats(values: Any, scale: float = 1.0) -> dict[str, float | None]:
 
 
 def _round(value: Any) -> Any:
-    """Round floats to ``SIGNIFICANT_DIGITS`` (recursively); NaN/inf become None; keys become strings."""
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+    """Round floats to ``SIGNIFICANT_DIGITS`` (recursively, through a summary's sections too); NaN/inf become None;
+    keys become strings."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str, UnsetType)):
         return value
+    if isinstance(value, msgspec.Struct):
+        return msgspec.structs.replace(value, **{f: _round(getattr(value, f)) for f in value.__struct_fields__})
     if isinstance(value, float):
         if not math.isfinite(value):
             return None
@@ -136,7 +149,7 @@ def _all_ranks(data: RunData) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------- summary
 
 
-def _pooled_gaps(series: list[list[int]]) -> Any:
+def _pooled_gaps(series: list[list[int]]) -> npt.NDArray[np.int64]:
     """Every gap between consecutive values of each list, pooled (a numpy int64 array)."""
     import numpy as np
 
@@ -150,7 +163,7 @@ def _pooled_gaps(series: list[list[int]]) -> Any:
     return np.delete(gaps, ends)
 
 
-def _latency_values(done: list[RequestRecord]) -> dict[str, Any]:
+def _latency_values(done: list[RequestRecord]) -> dict[str, npt.ArrayLike]:
     ttft: list[int] = []
     ttst: list[int] = []
     tpot: list[float] = []
@@ -177,7 +190,7 @@ def _latency_values(done: list[RequestRecord]) -> dict[str, Any]:
             "output_token_throughput_per_user": per_user}
 
 
-def _prediction_truth(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
+def _prediction_truth(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> PredictionTruth:
     """The router's predicted cached prefix against the one the engine found, per completed request, and the
     chosen rank's overlap against the best rank's (a disaggregated cluster's: the prefill leg's)."""
     bs = data.block_size
@@ -199,26 +212,26 @@ def _prediction_truth(data: RunData, records: list[RequestRecord], done: list[Re
         if rec.predicted_overlap_blocks is not None and rec.best_overlap_blocks is not None:
             selection += rec.predicted_overlap_blocks
             best += rec.best_overlap_blocks
-    return {
-        "requests_compared": len(diffs),
-        "predicted_cached_tokens": predicted_total,
-        "engine_cached_tokens": engine_total,
-        "engine_to_predicted_ratio": _ratio(engine_total, predicted_total),
-        "mean_abs_diff_tokens": _mean(diffs),
-        "overestimated_requests": over,
-        "underestimated_requests": under,
-        "selection_overlap_blocks": selection,
-        "best_overlap_blocks": best,
-        "selection_to_best_ratio": _ratio(selection, best),
-    }
+    return PredictionTruth(
+        requests_compared=len(diffs),
+        predicted_cached_tokens=predicted_total,
+        engine_cached_tokens=engine_total,
+        engine_to_predicted_ratio=_ratio(engine_total, predicted_total),
+        mean_abs_diff_tokens=_mean(diffs),
+        overestimated_requests=over,
+        underestimated_requests=under,
+        selection_overlap_blocks=selection,
+        best_overlap_blocks=best,
+        selection_to_best_ratio=_ratio(selection, best),
+    )
 
 
-def _decode_truth(done: list[RequestRecord]) -> dict[str, Any]:
+def _decode_truth(done: list[RequestRecord]) -> DecodeTruth:
     """A decode pool has no prefix to predict: each decode leg receives its prompt's KV from the prefill rank by
     transfer (its engine computes none of it) and the decode router places it by active blocks only."""
     moved = [r for r in done if r.kv_activated_ns is not None]
-    return {"kv_source": "transfer", "requests_received_kv": len(moved),
-            "transferred_prompt_tokens": sum(r.isl for r in moved)}
+    return DecodeTruth(kv_source="transfer", requests_received_kv=len(moved),
+                       transferred_prompt_tokens=sum(r.isl for r in moved))
 
 
 REGRET_BUCKET_S = 60
@@ -234,7 +247,7 @@ def regret_blocks(rec: RequestRecord, block_size: int) -> tuple[int, int] | None
     return best - chosen, max(rec.isl // block_size - best, 0)
 
 
-def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) -> dict[str, Any] | None:
+def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) -> Regret | None:
     """Routing regret against the engines' truth at each decision (Dynamo's locality-metrics proposal): lost =
     best eligible rank's cached blocks - the chosen rank's, novel = prompt blocks - best; the ratio lost / (novel +
     lost) overall and per minute, and the lost blocks by where they were; ``truth``: ``kv_events`` when the truth is
@@ -261,94 +274,96 @@ def _regret(data: RunData, records: list[RequestRecord], t0: int | None = None) 
         bucket[1] += new
     if not compared:
         return None
-    out: dict[str, Any] = {
-        "requests_compared": compared,
-        "requests_with_loss": with_loss,
-        "lost_blocks": lost,
-        "novel_blocks": novel,
-        "regret_ratio": _ratio(lost, novel + lost),
-        "recoverable_prefill_blocks": {k: by_source.get(k, 0) for k in ("peer", "cache_owner", "shared")},
-        "unrecoverable_prefill_blocks": novel,
-        "over_time": [{"t_s": b * REGRET_BUCKET_S, "regret_ratio": _ratio(m, m + n), "lost_blocks": m}
-                      for b, (m, n) in sorted(buckets.items())],
-    }
-    if data.truth_source is not None:  # (absent: the engines were read at each decision)
-        out["truth"] = data.truth_source
-    return out
+    return Regret(
+        requests_compared=compared,
+        requests_with_loss=with_loss,
+        lost_blocks=lost,
+        novel_blocks=novel,
+        regret_ratio=_ratio(lost, novel + lost),
+        recoverable_prefill_blocks=RecoverableBlocks(peer=by_source.get("peer", 0),
+                                                     cache_owner=by_source.get("cache_owner", 0),
+                                                     shared=by_source.get("shared", 0)),
+        unrecoverable_prefill_blocks=novel,
+        over_time=[RegretBucket(t_s=b * REGRET_BUCKET_S, regret_ratio=_ratio(m, m + n), lost_blocks=m)
+                   for b, (m, n) in sorted(buckets.items())],
+        # (absent: the engines were read at each decision)
+        truth=data.truth_source if data.truth_source is not None else UNSET,
+    )
 
 
-def _replicas(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
+def _replicas(data: RunData, records: list[RequestRecord]) -> Replicas:
     """Router replicas: per replica its requests, the reuse its engines found, its routing regret (as
     ``kvemu.routing.regret``, of its decisions alone) and its own counters."""
     rep = data.replicas
     assert rep is not None
-    of: dict[str, int] = rep["replica_of"]
-    mine: list[list[RequestRecord]] = [[] for _ in range(rep["count"])]
+    mine: list[list[RequestRecord]] = [[] for _ in range(rep.count)]
     t0 = min((r.arrival_ns for r in records), default=0)  # (every replica's over_time from the cluster's time zero)
     for rec in records:
-        i = of.get(rec.request_id)
+        i = rep.replica_of.get(rec.request_id)
         if i is not None:
             mine[i].append(rec)
     per = []
-    for row, recs in zip(rep["per_replica"], mine):
+    for own, recs in zip(rep.per_replica, mine):
         done = [r for r in recs if r.done]
-        reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
-                     for r in done)
         regret = _regret(data, recs, t0)
-        per.append({
-            "replica": row["replica"],
-            "requests": len(recs),
-            "completed_requests": len(done),
-            "failed_requests": sum(r.failure is not None for r in recs),
-            "prefix_cache_reused_ratio": _ratio(reused, sum(r.isl for r in done)),
-            "regret_ratio": regret["regret_ratio"] if regret is not None else None,
-            "regret": regret,
-            **{k: v for k, v in row.items() if k != "replica"},
-        })
-    return {"count": rep["count"], "front": rep["front"], "sync": rep["sync"], "per_replica": per}
+        per.append(ReplicaRow(
+            replica=own.replica,
+            requests=len(recs),
+            completed_requests=len(done),
+            failed_requests=sum(r.failure is not None for r in recs),
+            prefix_cache_reused_ratio=_ratio(_reused(done), sum(r.isl for r in done)),
+            regret_ratio=regret.regret_ratio if regret is not None else None,
+            regret=regret,
+            restarts=own.restarts,
+            kv_events=own.kv_events,
+            kv_feed_dropped_batches=own.kv_feed_dropped_batches,
+            workers_registered=own.workers_registered,
+            affinity=own.affinity if own.affinity is not None else UNSET,
+            sync=own.sync if own.sync is not None else UNSET,
+        ))
+    return Replicas(count=rep.count, front=rep.front, sync=rep.sync, per_replica=per)
 
 
-def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> dict[str, Any]:
+def _reused(done: list[RequestRecord]) -> int:
+    """The prompt tokens the engines found cached over the requests' lives (their first admission's, without a
+    later count)."""
+    return sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
+               for r in done)
+
+
+def _routing(data: RunData, records: list[RequestRecord], done: list[RequestRecord]) -> Routing:
     truth = _prediction_truth(data, records, done)
     reasons = Counter(r.routing_reason for r in records if r.routing_reason is not None)
     routed = [r for r in records if r.attempts > 0]
     regret = _regret(data, records)
     if regret is not None and data.truth_feed is not None:  # (the oracle's feed: the cluster's figures only)
-        regret["truth_feed"] = data.truth_feed
-    out = {
-        **truth,
-        "reasons": dict(sorted(reasons.items())),
-        "routed_requests": len(routed),
-        "mean_attempts": _mean([r.attempts for r in routed]),
-        "max_attempts": max((r.attempts for r in routed), default=0),
-        "retried_requests": sum(r.attempts > 1 for r in routed),
-        "dispatch_rejections": int(data.counters.get("dispatch_rejected", 0)),
-        "regret": regret,
-        "regret_ratio": regret["regret_ratio"] if regret is not None else None,
-    }
-    if "prefill" in data.pools:  # the figures above are the prefill pool's; each pool's own truth
-        out["pools"] = {"prefill": truth, "decode": _decode_truth(done)}
-    return out
+        regret.truth_feed = data.truth_feed
+    return Routing(
+        **msgspec.structs.asdict(truth),
+        reasons=dict(sorted(reasons.items())),
+        routed_requests=len(routed),
+        mean_attempts=_mean([r.attempts for r in routed]),
+        max_attempts=max((r.attempts for r in routed), default=0),
+        retried_requests=sum(r.attempts > 1 for r in routed),
+        dispatch_rejections=int(data.counters.get("dispatch_rejected", 0)),
+        regret=regret,
+        regret_ratio=regret.regret_ratio if regret is not None else None,
+        # the figures above are the prefill pool's; each pool's own truth
+        pools=RoutingPools(prefill=truth, decode=_decode_truth(done)) if "prefill" in data.pools else UNSET,
+    )
 
 
-def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any]]:
-    rows: dict[tuple[int, int], dict[str, Any]] = {}
-    for key in _all_ranks(data):
-        rows[key] = {"worker_id": key[0], "dp_rank": key[1], "requests": 0, "completed_requests": 0,
-                     "failed_requests": 0, "input_tokens": 0, "output_tokens": 0, "_cached": 0, "_isl_done": 0}
+def _series(values: list[int]) -> GroupBlocks:
+    """A hybrid KV cache group's blocks over the samples: mean and max."""
+    return GroupBlocks(mean=_mean(values), max=max(values))
+
+
+def _per_rank(data: RunData, records: list[RequestRecord]) -> list[RankRow]:
+    ranks = _all_ranks(data)
+    mine: dict[tuple[int, int], list[RequestRecord]] = {key: [] for key in ranks}
     for rec in records:
-        if rec.worker_id is None:
-            continue
-        row = rows[(rec.worker_id, rec.dp_rank or 0)]
-        row["requests"] += 1
-        row["input_tokens"] += rec.isl
-        row["output_tokens"] += len(rec.token_times_ns)
-        if rec.done:
-            row["completed_requests"] += 1
-            row["_cached"] += rec.engine_cached_tokens or 0
-            row["_isl_done"] += rec.isl
-        elif rec.failure is not None:
-            row["failed_requests"] += 1
+        if rec.worker_id is not None:
+            mine[(rec.worker_id, rec.dp_rank or 0)].append(rec)
     active: dict[tuple[int, int], list[int]] = defaultdict(list)
     blocks: dict[tuple[int, int], list[int]] = defaultdict(list)
     groups: dict[tuple[int, int], dict[int, list[int]]] = {}
@@ -365,54 +380,57 @@ def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any
             for g, n in s.group_held.items():
                 per.setdefault(g, []).append(n)
     out = []
-    for key, row in rows.items():
-        row["prefix_cache_reused_ratio"] = _ratio(row.pop("_cached"), row.pop("_isl_done"))
+    for key in ranks:
+        recs = mine[key]
+        done = [r for r in recs if r.done]
         a, b = active.get(key, []), blocks.get(key, [])
-        row["mean_active_requests"] = _mean(a)
-        row["max_active_requests"] = max(a) if a else None
-        row["mean_kv_blocks"] = _mean(b)
-        row["max_kv_blocks"] = max(b) if b else None
-        if key in groups:  # hybrid KV cache groups: the router's indexed blocks, and the engine's held ones
-            row["kv_blocks_per_group"] = {str(g): {"mean": _mean(v), "max": max(v)} for g, v in groups[key].items()}
-        if key in held:
-            row["held_blocks_per_group"] = {str(g): {"mean": _mean(v), "max": max(v)} for g, v in held[key].items()}
-        out.append(row)
+        out.append(RankRow(
+            worker_id=key[0],
+            dp_rank=key[1],
+            requests=len(recs),
+            completed_requests=len(done),
+            failed_requests=sum(1 for r in recs if not r.done and r.failure is not None),
+            input_tokens=sum(r.isl for r in recs),
+            output_tokens=sum(len(r.token_times_ns) for r in recs),
+            prefix_cache_reused_ratio=_ratio(sum(r.engine_cached_tokens or 0 for r in done), sum(r.isl for r in done)),
+            mean_active_requests=_mean(a),
+            max_active_requests=max(a) if a else None,
+            mean_kv_blocks=_mean(b),
+            max_kv_blocks=max(b) if b else None,
+            # hybrid KV cache groups: the router's indexed blocks, and the engine's held ones
+            kv_blocks_per_group=({str(g): _series(v) for g, v in groups[key].items()} if key in groups else UNSET),
+            held_blocks_per_group=({str(g): _series(v) for g, v in held[key].items()} if key in held else UNSET),
+        ))
     return out
 
 
-def _queue(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
+def _queue(data: RunData, records: list[RequestRecord]) -> Queue:
     queued = [r for r in records if r.queued_ns is not None]
     waits = sorted(r.dispatch_ns - r.queued_ns for r in queued
                    if r.dispatch_ns is not None and r.queued_ns is not None and r.dispatch_ns >= r.queued_ns)
-    return {
-        "queued_requests": len(queued),
-        "queued_events": int(data.counters.get("queued", 0)),
-        "dispatched_after_queue": len(waits),
-        "mean_queue_wait_ms": mean / NS_PER_MS if (mean := _mean(waits)) is not None else None,
-        "p99_queue_wait_ms": percentile(waits, 99) / NS_PER_MS if waits else None,
-        "max_queue_wait_ms": waits[-1] / NS_PER_MS if waits else None,
-    }
+    return Queue(
+        queued_requests=len(queued),
+        queued_events=int(data.counters.get("queued", 0)),
+        dispatched_after_queue=len(waits),
+        mean_queue_wait_ms=mean / NS_PER_MS if (mean := _mean(waits)) is not None else None,
+        p99_queue_wait_ms=percentile(waits, 99) / NS_PER_MS if waits else None,
+        max_queue_wait_ms=waits[-1] / NS_PER_MS if waits else None,
+    )
 
 
-def _kv_events(data: RunData) -> dict[str, Any]:
+def _kv_events(data: RunData) -> KvEvents:
     per_worker = []
     totals: Counter[str] = Counter(dict.fromkeys(KV_COUNTERS, 0))
     for worker_id in sorted(data.kv_stats):
         counters = {k: int(v) for k, v in sorted(data.kv_stats[worker_id].items())}
         totals.update(counters)
         per_worker.append({"worker_id": int(worker_id), **counters})
-    return {"per_worker": per_worker, "totals": dict(sorted(totals.items()))}
+    return KvEvents(per_worker=per_worker, totals=dict(sorted(totals.items())))
 
 
 def summarize(data: RunData) -> Summary:
     """summary.json's figures: the reference's replay keys at top level, kvemu's own under ``kvemu``. With lanes,
-    every figure but ``kvemu.lanes`` is the profile phase's (its requests only)."""
-    return msgspec.convert(_summary_builtins(data), Summary)
-
-
-def _summary_builtins(data: RunData) -> dict[str, Any]:
-    """``summarize``'s figures as plain data, rounded: the sections are composed here, typed once by ``Summary``
-    (which refuses a key it does not declare, so nothing is dropped on the way)."""
+    every figure but ``kvemu.lanes`` is the profile phase's (its requests only). Floats are rounded (``_round``)."""
     records = sorted_records(data.records)
     every = records
     if data.phases is not None:
@@ -422,8 +440,6 @@ def _summary_builtins(data: RunData) -> dict[str, Any]:
     total_in = sum(r.isl for r in done)
     total_out = sum(len(r.token_times_ns) for r in done)
     cached = sum(r.engine_cached_tokens or 0 for r in done)
-    reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
-                 for r in done)
     # a done record has a completion_ns (RequestRecord.done), which mypy cannot narrow through the property
     duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var,operator]
                    if done else None)
@@ -432,103 +448,116 @@ def _summary_builtins(data: RunData) -> dict[str, Any]:
     def rate(x: int) -> float | None:
         return x / duration_s if duration_s else None
 
-    summary: dict[str, Any] = {
-        "num_requests": len(records),
-        "completed_requests": len(done),
-        "total_input_tokens": total_in,
-        "total_output_tokens": total_out,
-        "duration_ms": duration_ns / NS_PER_MS if duration_ns is not None else None,
-        "wall_time_ms": data.wall_time_ns / NS_PER_MS,
-        "request_throughput_rps": rate(len(done)),
-        "input_throughput_tok_s": rate(total_in),
-        "output_throughput_tok_s": rate(total_out),
-        "total_throughput_tok_s": rate(total_in + total_out),
-        "prefix_cache_reused_ratio": _ratio(reused, total_in),
-        "first_admission_prefix_cache_reused_ratio": _ratio(cached, total_in),
-        "partial": bool(data.partial),
-        **_worker_seconds(data.pools, duration_s),
-    }
-    if data.sla is not None:
-        summary.update(goodput(data.sla, done, duration_s))
+    held = None
     if data.autoscale is not None and duration_ns:  # the workers changed: count the GPU time each pool held
         start = min(r.arrival_ns for r in records)
-        summary.update(_worker_seconds(data.pools, duration_s, {
-            pool: provisioned_seconds(data.autoscale.series, pool, start, start + duration_ns) for pool in data.pools}))
+        held = {pool: provisioned_seconds(data.autoscale.series, pool, start, start + duration_ns)
+                for pool in data.pools}
+    cost = _worker_seconds(data.pools, duration_s, held)
+    met = goodput(data.sla, done, duration_s) if data.sla is not None else None
+    latency: dict[str, float | None] = {}
     for name, values in _latency_values(done).items():
         per_user = name == "output_token_throughput_per_user"
         stats = _stats(values, 1.0 if per_user else NS_PER_MS)
         for stat, value in stats.items():
-            summary[f"{stat}_{name}" if per_user else f"{stat}_{name}_ms"] = value
+            latency[f"{stat}_{name}" if per_user else f"{stat}_{name}_ms"] = value
+    summary = Summary(
+        num_requests=len(records),
+        completed_requests=len(done),
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        duration_ms=duration_ns / NS_PER_MS if duration_ns is not None else None,
+        wall_time_ms=data.wall_time_ns / NS_PER_MS,
+        request_throughput_rps=rate(len(done)),
+        input_throughput_tok_s=rate(total_in),
+        output_throughput_tok_s=rate(total_out),
+        total_throughput_tok_s=rate(total_in + total_out),
+        prefix_cache_reused_ratio=_ratio(_reused(done), total_in),
+        first_admission_prefix_cache_reused_ratio=_ratio(cached, total_in),
+        partial=bool(data.partial),
+        prefill_worker_seconds=cost.prefill_worker_seconds,
+        decode_worker_seconds=cost.decode_worker_seconds,
+        prefill_gpus_per_worker=cost.prefill_gpus_per_worker,
+        decode_gpus_per_worker=cost.decode_gpus_per_worker,
+        gpu_hours=cost.gpu_hours,
+        goodput_completed_requests=met.completed_requests if met is not None else UNSET,
+        goodput_request_throughput_rps=met.request_throughput_rps if met is not None else UNSET,
+        goodput_output_throughput_tok_s=met.output_throughput_tok_s if met is not None else UNSET,
+        **latency,
+        kvemu=_kvemu(data, records, done, every, met),
+    )
+    return _round(summary)
+
+
+def _kvemu(data: RunData, records: list[RequestRecord], done: list[RequestRecord], every: list[RequestRecord],
+           met: Goodput | None) -> KvemuSection:
+    """summary.json's ``kvemu``: kvemu's own figures (``every``: the lanes' requests of every phase)."""
     failed = [r for r in records if r.failure is not None]
     by_reason = Counter({str(k): int(v) for k, v in data.failures.items()})
     if not by_reason:  # a hand-built RunData without the recorder's counters: derive them
         by_reason = Counter(r.failure.split(":")[0] for r in failed if r.failure)
-    summary["kvemu"] = {
-        "scenario": data.scenario_name,
-        "build": build_name(),  # "compiled" or "pure": the only key besides wall time the two builds differ in
-        "mode": data.mode,
-        "seed": data.seed,
-        "partial": bool(data.partial),
-        "stop_reason": data.stop_reason,
-        "block_size": data.block_size,
-        "failed_requests": len(failed),
-        "unfinished_requests": len(records) - len(done) - len(failed),
-        "failed_requests_by_reason": dict(sorted(by_reason.items())),
-        "concurrency": data.concurrency,
-        "per_rank": _per_rank(data, records),
-        "routing": _routing(data, records, done),
-        "affinity": dict(sorted(data.affinity.items())) if data.affinity is not None else None,
-        "queue": _queue(data, records),
-        "kv_events": _kv_events(data),
-        "hook_counts": dict(sorted((str(k), int(v)) for k, v in data.counters.items())),
-        "worker_events": dict(sorted(Counter(str(e.get("kind")) for e in data.worker_events).items())),
-    }
-    if data.sla is not None:
-        summary["kvemu"]["sla"] = {**msgspec.structs.asdict(data.sla),
-                                   "met_ratio": _ratio(summary["goodput_completed_requests"], len(records))}
-    if "prefill" in data.pools:
-        summary["kvemu"]["disaggregated"] = _disaggregated(data, done)
-    tiers = _cache_tiers(done)
-    if tiers is not None:
-        summary["kvemu"]["cache_tiers"] = tiers
-    if data.autoscale is not None:
-        summary["kvemu"]["autoscaler"] = autoscale_summary(data.autoscale)
-    if data.speculative is not None:
-        summary["kvemu"]["speculative"] = _speculative(data.speculative, done)
-    if data.replicas is not None:
-        summary["kvemu"]["replicas"] = _replicas(data, records)
-    if data.lanes is not None:
-        summary["kvemu"]["lanes"] = _lanes(data.lanes, data.phases or {}, every)
-    exits = {str(e["worker_id"]): str(e["reason"])[len(EXITED) + 2:-1] for e in data.worker_events
-             if e.get("kind") == "worker_removed" and str(e.get("reason", "")).startswith(EXITED)}
-    if exits:  # worker processes its supervisor saw exit (kvemu up, serve), and how
-        summary["kvemu"]["worker_exits"] = dict(sorted(exits.items(), key=lambda kv: int(kv[0])))
-    return _round(summary)
+    exits = {str(e.worker_id): e.reason[len(EXITED) + 2:-1] for e in data.worker_events
+             if e.kind == "worker_removed" and e.reason is not None and e.reason.startswith(EXITED)}
+    return KvemuSection(
+        scenario=data.scenario_name,
+        build=build_name(),  # "compiled" or "pure": the only key besides wall time the two builds differ in
+        mode=data.mode,
+        seed=data.seed,
+        partial=bool(data.partial),
+        stop_reason=data.stop_reason,
+        block_size=data.block_size,
+        failed_requests=len(failed),
+        unfinished_requests=len(records) - len(done) - len(failed),
+        failed_requests_by_reason=dict(sorted(by_reason.items())),
+        concurrency=data.concurrency,
+        per_rank=_per_rank(data, records),
+        routing=_routing(data, records, done),
+        affinity=dict(sorted(data.affinity.items())) if data.affinity is not None else None,
+        queue=_queue(data, records),
+        kv_events=_kv_events(data),
+        hook_counts=dict(sorted((str(k), int(v)) for k, v in data.counters.items())),
+        worker_events=dict(sorted(Counter(e.kind for e in data.worker_events).items())),
+        sla=(SlaSection(ttft_ms=data.sla.ttft_ms, itl_ms=data.sla.itl_ms, e2e_ms=data.sla.e2e_ms,
+                        met_ratio=_ratio(met.completed_requests, len(records)))
+             if data.sla is not None and met is not None else UNSET),
+        disaggregated=_disaggregated(data, done) if "prefill" in data.pools else UNSET,
+        cache_tiers=_cache_tiers(done),
+        autoscaler=autoscale_summary(data.autoscale) if data.autoscale is not None else UNSET,
+        speculative=_speculative(data.speculative, done) if data.speculative is not None else UNSET,
+        replicas=_replicas(data, records) if data.replicas is not None else UNSET,
+        lanes=_lanes(data.lanes, data.phases or {}, every) if data.lanes is not None else UNSET,
+        # worker processes their supervisor saw exit (kvemu up, serve), and how
+        worker_exits=dict(sorted(exits.items(), key=lambda kv: int(kv[0]))) if exits else UNSET,
+    )
 
 
-
-def _lanes(lanes: dict[str, Any], phases: dict[str, str], records: list[RequestRecord]) -> dict[str, Any]:
+def _lanes(lanes: LaneFigures, phases: dict[str, str], records: list[RequestRecord]) -> Lanes:
     """The lane player's figures, and per phase its requests (sent, completed, failed) and span (first arrival to
     last end, ms; what the player timed when it sent nothing)."""
-    per: dict[str, dict[str, Any]] = {}
-    for phase in ("primer", "warmup", "profile"):
+
+    def phase_of(phase: str) -> LanePhase:
         mine = [r for r in records if phases.get(r.request_id, "profile") == phase]
         ends = [r.completion_ns for r in mine if r.completion_ns is not None]
-        timed = lanes.get("phase_times_ms", {}).get(phase)
-        per[phase] = {
-            "requests": len(mine),
-            "completed_requests": sum(1 for r in mine if r.done),
-            "failed_requests": sum(1 for r in mine if r.failure is not None),
-            "start_ms": min(r.arrival_ns for r in mine) / NS_PER_MS if mine else (timed[0] if timed else None),
-            "end_ms": max(ends) / NS_PER_MS if ends else (timed[1] if timed else None),
-        }
-        span = per[phase]
-        span["duration_ms"] = (span["end_ms"] - span["start_ms"] if span["start_ms"] is not None
-                               and span["end_ms"] is not None else None)
-    return {**{k: v for k, v in sorted(lanes.items()) if k != "phase_times_ms"}, "phases": per}
+        timed = lanes.phase_times_ms.get(phase)
+        start = min(r.arrival_ns for r in mine) / NS_PER_MS if mine else (timed[0] if timed else None)
+        end = max(ends) / NS_PER_MS if ends else (timed[1] if timed else None)
+        return LanePhase(requests=len(mine), completed_requests=sum(1 for r in mine if r.done),
+                         failed_requests=sum(1 for r in mine if r.failure is not None), start_ms=start, end_ms=end,
+                         duration_ms=end - start if start is not None and end is not None else None)
+
+    return Lanes(
+        corpus_cursor=lanes.corpus_cursor, corpus_plays=lanes.corpus_plays, duration_s=lanes.duration_s,
+        failed_preparation=lanes.failed_preparation, grace_s=lanes.grace_s,
+        idle_shifts_global=lanes.idle_shifts_global, idle_shifts_tree=lanes.idle_shifts_tree, lanes=lanes.lanes,
+        plays_completed=lanes.plays_completed, plays_cut=lanes.plays_cut, plays_started=lanes.plays_started,
+        requests_cancelled=lanes.requests_cancelled, requests_issued=lanes.requests_issued,
+        requests_never_issued=lanes.requests_never_issued, snapshot_seed=lanes.snapshot_seed,
+        unsettled_server_requests=lanes.unsettled_server_requests, warmup=lanes.warmup,
+        phases=LanePhases(primer=phase_of("primer"), warmup=phase_of("warmup"), profile=phase_of("profile")),
+    )
 
 
-def _speculative(settings: dict[str, Any], done: list[RequestRecord]) -> dict[str, Any]:
+def _speculative(settings: SpeculativeConfig, done: list[RequestRecord]) -> Speculative:
     """What speculative decoding did, from the token times: a decode pass's tokens share its end, so a request's
     passes after its first token are its distinct later timestamps; ``itl_per_pass_ms`` pools the gaps between
     them (what a streaming client sees between chunks; ``itl`` counts a burst's zero gaps, as Dynamo's replay)."""
@@ -546,34 +575,44 @@ def _speculative(settings: dict[str, Any], done: list[RequestRecord]) -> dict[st
         passes += len(chunk)
         gaps.append(chunk)
     pooled = np.concatenate(gaps) if gaps else np.zeros(0, dtype=np.int64)
-    return {
-        "method": settings["method"],
-        "num_speculative_tokens": settings["num_speculative_tokens"],
-        "conditional_acceptance_rates": settings["conditional_rates"],
-        "draft_cost": settings["draft_cost"],
-        "expected_tokens_per_decode_pass": settings["expected_tokens_per_pass"],
-        "decode_tokens": tokens,
-        "decode_passes": passes,
-        "tokens_per_decode_pass": _ratio(tokens, passes),
-        "itl_per_pass_ms": _stats(pooled, NS_PER_MS),
-    }
+    return Speculative(
+        method=settings.method,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        conditional_acceptance_rates=list(settings.conditional_rates),
+        draft_cost=settings.draft_cost,
+        expected_tokens_per_decode_pass=settings.mean_tokens_per_pass,
+        decode_tokens=tokens,
+        decode_passes=passes,
+        tokens_per_decode_pass=_ratio(tokens, passes),
+        itl_per_pass_ms=Stats(**_stats(pooled, NS_PER_MS)),
+    )
 
 
-def _cache_tiers(done: list[RequestRecord]) -> dict[str, Any] | None:
-    """Host offload: first-admission cached tokens per tier (GPU = g1, host), or None without a host tier."""
+def _cache_tiers(done: list[RequestRecord]) -> CacheTiers | UnsetType:
+    """Host offload: first-admission cached tokens per tier (GPU = g1, host); absent without a host tier."""
     with_host = [r for r in done if r.engine_host_cached_tokens is not None]
     if not with_host:
-        return None
+        return UNSET
     host = sum(r.engine_host_cached_tokens or 0 for r in with_host)
     cached = sum(r.engine_cached_tokens or 0 for r in with_host)
     total_in = sum(r.isl for r in with_host)
-    return {"requests": len(with_host), "g1_cached_tokens": cached - host, "host_cached_tokens": host,
-            "requests_with_host_hits": sum(1 for r in with_host if r.engine_host_cached_tokens),
-            "g1_cached_ratio": _ratio(cached - host, total_in), "host_cached_ratio": _ratio(host, total_in)}
+    return CacheTiers(requests=len(with_host), g1_cached_tokens=cached - host, host_cached_tokens=host,
+                      requests_with_host_hits=sum(1 for r in with_host if r.engine_host_cached_tokens),
+                      g1_cached_ratio=_ratio(cached - host, total_in), host_cached_ratio=_ratio(host, total_in))
+
+
+class _WorkerSeconds(NamedTuple):
+    """The reference's cost keys (summary.json's top level)."""
+
+    prefill_worker_seconds: float
+    decode_worker_seconds: float
+    prefill_gpus_per_worker: int
+    decode_gpus_per_worker: int
+    gpu_hours: float
 
 
 def _worker_seconds(pools: dict[str, dict[str, int]], duration_s: float | None,
-                    held: dict[str, float] | None = None) -> dict[str, Any]:
+                    held: dict[str, float] | None = None) -> _WorkerSeconds:
     """The reference's cost keys: each pool's workers x the run's duration (or the worker-seconds ``held`` says
     it held, with an autoscaler: starting and draining workers count), its GPUs per worker (DP ranks; one GPU a
     rank), and GPU hours. An aggregated cluster counts as a decode pool with no prefill pool."""
@@ -581,17 +620,14 @@ def _worker_seconds(pools: dict[str, dict[str, int]], duration_s: float | None,
     decode_pool = "decode" if "decode" in pools else "aggregated"
     decode = pools.get(decode_pool) or {"workers": 0, "dp_size": 0}
     d = duration_s or 0.0
-    out = {"prefill_worker_seconds": prefill["workers"] * d, "decode_worker_seconds": decode["workers"] * d,
-           "prefill_gpus_per_worker": prefill["dp_size"], "decode_gpus_per_worker": decode["dp_size"]}
+    prefill_s, decode_s = prefill["workers"] * d, decode["workers"] * d
     if held is not None:
-        out["prefill_worker_seconds"] = held.get("prefill", 0.0)
-        out["decode_worker_seconds"] = held.get(decode_pool, 0.0)
-    out["gpu_hours"] = (out["prefill_worker_seconds"] * prefill["dp_size"]
-                        + out["decode_worker_seconds"] * decode["dp_size"]) / 3600
-    return out
+        prefill_s, decode_s = held.get("prefill", 0.0), held.get(decode_pool, 0.0)
+    return _WorkerSeconds(prefill_s, decode_s, prefill["dp_size"], decode["dp_size"],
+                          (prefill_s * prefill["dp_size"] + decode_s * decode["dp_size"]) / 3600)
 
 
-def _disaggregated(data: RunData, done: list[RequestRecord]) -> dict[str, Any]:
+def _disaggregated(data: RunData, done: list[RequestRecord]) -> Disaggregated:
     """Per pool: its size and the requests each of its ranks served; per request: the KV transfer (reserved to
     activated on the decode rank) and the wait between the prefill's end and the decode rank's reservation."""
     transfer = [r.kv_activated_ns - r.kv_reserved_ns for r in done
@@ -600,13 +636,13 @@ def _disaggregated(data: RunData, done: list[RequestRecord]) -> dict[str, Any]:
             if r.kv_reserved_ns is not None and r.prefill_done_ns is not None]
     prefill_ranks = Counter(f"{r.prefill_worker_id}/{r.prefill_dp_rank}" for r in done)
     decode_ranks = Counter(f"{r.worker_id}/{r.dp_rank}" for r in done)
-    return {
-        "pools": {pool: dict(spec) for pool, spec in sorted(data.pools.items())},
-        "requests_per_prefill_rank": dict(sorted(prefill_ranks.items())),
-        "requests_per_decode_rank": dict(sorted(decode_ranks.items())),
-        "kv_transfer_ms": _stats(transfer, NS_PER_MS),
-        "decode_reservation_wait_ms": _stats(wait, NS_PER_MS),
-    }
+    return Disaggregated(
+        pools={pool: dict(spec) for pool, spec in sorted(data.pools.items())},
+        requests_per_prefill_rank=dict(sorted(prefill_ranks.items())),
+        requests_per_decode_rank=dict(sorted(decode_ranks.items())),
+        kv_transfer_ms=Stats(**_stats(transfer, NS_PER_MS)),
+        decode_reservation_wait_ms=Stats(**_stats(wait, NS_PER_MS)),
+    )
 
 
 def dumps_summary(summary: Summary) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from kvemu.autoscale.records import ConfigValue
+
 __all__ = ["Num", "Stats", "RankRow", "GroupBlocks", "PredictionTruth", "DecodeTruth",
            "RoutingPools", "RecoverableBlocks", "RegretBucket", "Regret", "Routing", "Queue", "KvEvents",
            "SlaSection", "Disaggregated", "CacheTiers", "OutcomeCounts", "AutoscaleDecision", "Autoscaler",
@@ -221,7 +223,7 @@ class AutoscaleDecision(_Section, kw_only=True):
 class Autoscaler(_Section, kw_only=True):
     """``kvemu.autoscaler``: the config, decision counts, the first decisions and the managed pool's counts."""
 
-    config: dict[str, Any]
+    config: dict[str, ConfigValue]
     pool: str
     decisions_total: int
     decisions_by_outcome: OutcomeCounts

@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 import blake3
+import msgspec
 
 from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
@@ -49,7 +50,7 @@ from harness.workload.traces.graph import COMPLETION, DISPATCH, MAX_SESSION_BYTE
 from harness.workload.traces.graph import successors, targets
 from harness.workload.traces.timing import release_times
 
-__all__ = ["LanePlayer", "Cancel", "PRIMER", "WARMUP", "PROFILE", "DEADLINE_REASON", "WARMUP_FAILED_REASON",
+__all__ = ["LanePlayer", "LaneFigures", "Cancel", "PRIMER", "WARMUP", "PROFILE", "DEADLINE_REASON", "WARMUP_FAILED_REASON",
            "conversation_parents",
            "snapshot_cut"]
 
@@ -139,6 +140,31 @@ class _Instance:
         self.started = False
         self.ended = False
         self.cut = False  # the deadline dropped some of its requests
+
+
+class LaneFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """What a lane player did (``LanePlayer.report``, ``RunData.lanes``): its settings, the corpus it recycled, the
+    plays and requests by fate, its idle guards, and when each phase started and ended (``phase_times_ms``)."""
+
+    lanes: int
+    duration_s: float | None
+    grace_s: float
+    snapshot_seed: int | None
+    warmup: bool
+    corpus_plays: int
+    corpus_cursor: int
+    failed_preparation: bool
+    unsettled_server_requests: int | None
+    requests_issued: int
+    requests_cancelled: int
+    requests_never_issued: int
+    plays_started: int
+    idle_shifts_tree: int
+    idle_shifts_global: int
+    plays_completed: int
+    plays_cut: int
+    phase_times_ms: dict[str, tuple[float, float]]
+    """Each phase the player timed -> (start, end) ms since the clock's zero."""
 
 
 class LanePlayer(Player):
@@ -565,21 +591,16 @@ class LanePlayer(Player):
                 self.cancel(rid, WARMUP_FAILED_REASON if self.failed_preparation else DEADLINE_REASON)
         self._open_ids.clear()
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> LaneFigures:
         """The lanes' figures for the summary (``kvemu.lanes``), without the per-phase request counts."""
-        spec = self.spec
-        return {
-            "lanes": spec.lanes,
-            "duration_s": spec.duration_s,
-            "grace_s": spec.grace_s,
-            "snapshot_seed": spec.snapshot_seed,
-            "warmup": spec.warmup,
-            "corpus_plays": len(self.order),
-            "corpus_cursor": self.cursor,
-            "failed_preparation": self.failed_preparation,
-            "unsettled_server_requests": self.unsettled,
-            **self.counts,
-            "plays_completed": sum(1 for inst in self.instances if inst.ended and not inst.cut),
-            "plays_cut": sum(1 for inst in self.instances if inst.started and (inst.cut or not inst.ended)),
-            "phase_times_ms": {phase: [t / 1e6 for t in span] for phase, span in sorted(self.times.items())},
-        }
+        spec, counts = self.spec, self.counts
+        return LaneFigures(
+            lanes=spec.lanes, duration_s=spec.duration_s, grace_s=spec.grace_s, snapshot_seed=spec.snapshot_seed,
+            warmup=spec.warmup, corpus_plays=len(self.order), corpus_cursor=self.cursor,
+            failed_preparation=self.failed_preparation, unsettled_server_requests=self.unsettled,
+            requests_issued=counts["requests_issued"], requests_cancelled=counts["requests_cancelled"],
+            requests_never_issued=counts["requests_never_issued"], plays_started=counts["plays_started"],
+            idle_shifts_tree=counts["idle_shifts_tree"], idle_shifts_global=counts["idle_shifts_global"],
+            plays_completed=sum(1 for inst in self.instances if inst.ended and not inst.cut),
+            plays_cut=sum(1 for inst in self.instances if inst.started and (inst.cut or not inst.ended)),
+            phase_times_ms={phase: (span[0] / 1e6, span[1] / 1e6) for phase, span in sorted(self.times.items())})

@@ -29,7 +29,7 @@ from kvemu.clock import MAX_TIME_NS, NS_PER_S, Clock
 from kvemu.messages import ClientRequest
 from workers.hash_id_prompt import HashIdTokens
 
-from harness.workload.lanes import LanePlayer
+from harness.workload.lanes import LaneFigures, LanePlayer
 from harness.workload.players import Player, Submit, awaiting
 from harness.scenario import Scenario
 from harness.workload.forms import Sessions
@@ -236,13 +236,13 @@ class Played:
     """What ``play_workload`` leaves for the report beside the records: with lanes, their figures
     (``LanePlayer.report``) and each request's phase; both None without lanes."""
 
-    lanes: dict[str, Any] | None = None
+    lanes: LaneFigures | None = None
     phases: dict[str, str] | None = None
 
     @property
     def requests_cancelled(self) -> int:
         """Requests the lanes cancelled at their deadline (0 without lanes)."""
-        return int(self.lanes.get("requests_cancelled", 0)) if self.lanes is not None else 0
+        return self.lanes.requests_cancelled if self.lanes is not None else 0
 
 
 async def play_workload(scenario: Scenario, sessions: Sessions, submit: Submit, clock: Clock, *,

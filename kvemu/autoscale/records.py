@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
-__all__ = ["DecisionRecord", "WorkerCount", "AutoscaleLog"]
+__all__ = ["ConfigValue", "DecisionRecord", "WorkerCount", "AutoscaleLog"]
+
+ConfigValue = str | int | float | bool | None
+"""A knob's value in ``AutoscaleLog.config`` (``AutoscaleConfig``'s knobs are all scalars)."""
 
 
 class DecisionRecord(msgspec.Struct, kw_only=True):
@@ -48,7 +49,8 @@ class WorkerCount(msgspec.Struct, frozen=True):
 class AutoscaleLog(msgspec.Struct, kw_only=True):
     """An autoscaled run's decisions and worker counts, with the config they ran under."""
 
-    config: dict[str, Any] = {}
+    config: dict[str, ConfigValue] = {}
+    """The ``AutoscaleConfig`` it ran under, knob by knob (as ``msgspec.to_builtins`` writes it)."""
     pool: str = "aggregated"
     decisions: list[DecisionRecord] = []
     series: list[WorkerCount] = []

@@ -79,6 +79,22 @@ def test_a_stats_sample_with_a_huge_group_map_is_refused():
     assert "at `$.samples[0].group_blocks`" in refused(reply_decoder.decode, data)
 
 
+def _stats_with_event(event: dict) -> bytes:
+    stats = msgspec.to_builtins(Stats(now_ns=0, workers=[], ranks=[], samples=[], kv_stats={}))
+    return msgspec.msgpack.encode({**stats, "worker_events": [event]})
+
+
+def test_a_stats_worker_event_is_typed_and_bounded():
+    event = {"kind": "worker_removed", "time_ns": 5, "worker_id": 1, "reason": "process_exited (code 1)"}
+    [got] = reply_decoder.decode(_stats_with_event(event)).worker_events
+    assert (got.kind, got.time_ns, got.worker_id, got.reason) == ("worker_removed", 5, 1, "process_exited (code 1)")
+    assert "at `$.worker_events[0].reason`" in refused(reply_decoder.decode,
+                                                        _stats_with_event({**event, "reason": HUGE}))
+    assert "`$.worker_events[0]`" in refused(reply_decoder.decode, _stats_with_event({**event, "extra": {"a": [1]}}))
+    assert "at `$.worker_events[0].worker_id`" in refused(reply_decoder.decode,
+                                                           _stats_with_event({**event, "worker_id": "one"}))
+
+
 def test_a_truth_page_past_its_page_size_or_a_negative_count_is_refused():
     page = TruthPage(records=[RequestRecord(request_id="r")] * (MAX_PAGE + 1), next=0, dropped=0)
     assert "at `$.records`" in refused(lambda b: msgspec.json.decode(b, type=TruthPage), msgspec.json.encode(page))

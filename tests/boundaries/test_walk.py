@@ -25,7 +25,6 @@ OPAQUE = {
     "ChatRequest.data_parallel_rank: Any": "as CompletionRequest.data_parallel_rank",
     "BlockStored.extra_keys[]: Any": "vLLM's per-block extra keys, carried and never read by kvemu (list bounded)",
     "_ArrayBlockStored.extra_keys[]: Any": "as BlockStored.extra_keys (its array form)",
-    "Stats.worker_events[]{}: Any": "the router's own hook data, router -> its clients (list and maps bounded)",
     "_DecodedRow.hash_ids[]: int": "u64 in JSON: _fast_row checks the top (2**64) and falls back to the checked path",
 }
 

@@ -27,10 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvemu", "harness", "workers")
 MSGPACK_FED = {"kvemu.wire.codec": "its msgspec.convert calls take what its own msgpack decoder gave (the generic "
                                     "path): integers within msgpack's 64 bits"}
-OWN_FIGURES = {("harness.report.summary", "Summary"): "summarize gives the figures this process just computed "
-                                                     "their typed shape: no peer, client or file is read (kvemu "
-                                                     "reads summary.json back nowhere; compare reads it as data)"}
-"""Conversions of a process's own values into a typed record, not decodes of what crosses a boundary."""
+OWN_FIGURES: dict[tuple[str, str], str] = {}
+"""Conversions of a process's own values into a typed record, not decodes of what crosses a boundary (none now:
+``summarize`` builds its ``Summary`` directly instead of converting a dict)."""
 
 
 @dataclass(frozen=True)

@@ -82,15 +82,15 @@ def test_the_builtin_scales_up_under_a_burst_and_back_down(tmp_path):
 def test_the_plots_get_the_decisions_and_the_worker_counts(tmp_path):
     out = run_scenario(load_scenario(EXAMPLE))
     log = out.data.autoscale
-    marks = plot_job(out.data, tmp_path)["autoscale"]
-    assert marks["decisions"] == [(d.time_ns / S, d.action) for d in log.decisions if d.applied]
+    marks = plot_job(out.data, tmp_path).autoscale
+    assert marks.decisions == [(d.time_ns / S, d.action) for d in log.decisions if d.applied]
     points = [p for p in log.series if p.pool == "aggregated"]
     end = max(s.time_ns for s in out.data.samples)  # the last counts are drawn on to the run's last sample
-    assert list(zip(marks["times"], marks["running"])) == [(p.time_ns / S, p.running) for p in points] + [
+    assert list(zip(marks.times, marks.running)) == [(p.time_ns / S, p.running) for p in points] + [
         (end / S, points[-1].running)]
-    assert all(p >= r for p, r in zip(marks["provisioned"], marks["running"]))
+    assert all(p >= r for p, r in zip(marks.provisioned, marks.running))
     plain = run_scenario(parse_scenario(BASE))
-    assert plot_job(plain.data, tmp_path)["autoscale"] is None
+    assert plot_job(plain.data, tmp_path).autoscale is None
 
 
 def test_same_scenario_and_seed_give_byte_identical_reports(tmp_path):
@@ -192,7 +192,7 @@ def test_the_autoscaler_leaves_a_later_chaos_target_alone():
     out = run_scenario(parse_scenario(text))
     [removed] = [d for d in out.data.autoscale.decisions if d.action == "remove"]
     assert removed.worker_ids and removed.worker_ids != [0]
-    gone = sorted(e["worker_id"] for e in out.data.worker_events if e["kind"] == "worker_removed")
+    gone = sorted(e.worker_id for e in out.data.worker_events if e.kind == "worker_removed")
     assert gone == sorted([0, *removed.worker_ids]) and not out.data.partial
 
 

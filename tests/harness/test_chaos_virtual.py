@@ -45,19 +45,19 @@ def check_invariants(out, expected, removed=()):
 def test_remove_worker(graceful):
     out, expected = run(f"  - {{at_s: 4, action: remove_worker, worker: 1, graceful: {str(graceful).lower()}}}\n")
     events = out.data.worker_events
-    removed = [e for e in events if e["kind"] == "worker_removed"]
-    assert [e["worker_id"] for e in removed] == [1]
-    out.removed_at = {1: removed[0]["time_ns"]}
+    removed = [e for e in events if e.kind == "worker_removed"]
+    assert [e.worker_id for e in removed] == [1]
+    out.removed_at = {1: removed[0].time_ns}
     check_invariants(out, expected, removed=[1])
     failures = out.data.failures
     assert set(failures) <= {"worker_lost"}
     if graceful:
         assert not failures  # drained before deregistering
-        assert removed[0]["reason"].startswith("deregistered")
+        assert removed[0].reason is not None and removed[0].reason.startswith("deregistered")
     else:
-        assert removed[0]["reason"] == "missed heartbeats"
+        assert removed[0].reason == "missed heartbeats"
     # sessions that were bound to worker 1 re-bound elsewhere: later turns completed on live workers
-    late = [r for r in out.data.records if r.arrival_ns > removed[0]["time_ns"] and r.failure is None]
+    late = [r for r in out.data.records if r.arrival_ns > removed[0].time_ns and r.failure is None]
     assert late and all(r.worker_id != 1 for r in late)
 
 
@@ -102,9 +102,9 @@ def test_kill_one_dp_rank():
     out, expected = run("  - {at_s: 3, action: kill_rank, worker: 1, dp_rank: 1}\n")
     check_invariants(out, expected)
     assert set(out.data.failures) <= {"rank_lost"}
-    fenced = [e for e in out.data.worker_events if e["kind"] == "worker_fenced"]
-    assert fenced and fenced[0]["worker_id"] == 1 and fenced[0]["reason"] == "rank_down"
-    t = fenced[0]["time_ns"]
+    fenced = [e for e in out.data.worker_events if e.kind == "worker_fenced"]
+    assert fenced and fenced[0].worker_id == 1 and fenced[0].reason == "rank_down"
+    t = fenced[0].time_ns
     later = [r for r in out.data.records if r.routed_ns is not None and r.routed_ns > t]
     assert later and all((r.worker_id, r.dp_rank) != (1, 1) for r in later)
     assert any(r.worker_id == 1 and r.dp_rank == 0 for r in later)  # the other rank keeps serving

@@ -237,10 +237,10 @@ def test_losing_a_prefill_worker_while_its_kv_waits_reruns_the_prompt_elsewhere(
     out = run_requests([(0.001 * i, req(f"r{i}", 400, 10, base=1000 * i)) for i in range(8)], chaos=kill, text=slow)
     recs = out["records"]
     assert all(r.failure is None for r in recs.values()), {r.request_id: r.failure for r in recs.values()}
-    rerun = [e for e in out["recorder"].worker_events if e["kind"] == "worker_removed"]
-    assert [e["worker_id"] for e in rerun] == [0]
+    rerun = [e for e in out["recorder"].worker_events if e.kind == "worker_removed"]
+    assert [e.worker_id for e in rerun] == [0]
     assert out["recorder"].counters["retried"] >= 1  # legs whose KV was on worker 0 computed their prompt again
-    assert all(r.prefill_worker_id == 1 for r in recs.values() if r.prefill_done_ns > rerun[0]["time_ns"])
+    assert all(r.prefill_worker_id == 1 for r in recs.values() if r.prefill_done_ns > rerun[0].time_ns)
     assert 0 not in out["engines"]  # the dead worker is gone with its engines
     no_leaks(out)
 

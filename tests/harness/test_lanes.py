@@ -117,7 +117,7 @@ def test_lanes_never_hold_more_plays_than_lanes_and_the_corpus_runs_once(tmp_pat
     per = spans(log)
     assert len(per) == 6 and player.cursor == 6
     assert most_concurrent(list(per.values())) == 2
-    assert len(log) == len(g) and player.report()["plays_completed"] == 6
+    assert len(log) == len(g) and player.report().plays_completed == 6
     assert all(s.req.request_id.split(":", 1)[1] in {g.request_id(i) for i in range(len(g))} for s in log.values())
 
 
@@ -231,8 +231,8 @@ def test_at_the_deadline_nothing_new_goes_responses_count_in_grace_and_the_rest_
     assert log["i1:graced"].at == 9 * S and log["i1:graced"].end == 12 * S and log["i1:graced"].failure is None
     assert "i0:late" not in log
     r = player.report()
-    assert (r["requests_issued"], r["requests_cancelled"], r["requests_never_issued"]) == (3, 1, 1)
-    assert (r["plays_completed"], r["plays_cut"]) == (1, 1)
+    assert (r.requests_issued, r.requests_cancelled, r.requests_never_issued) == (3, 1, 1)
+    assert (r.plays_completed, r.plays_cut) == (1, 1)
 
 
 def test_a_play_idle_longer_than_the_tree_cap_has_its_timers_moved_earlier(tmp_path):
@@ -243,7 +243,7 @@ def test_a_play_idle_longer_than_the_tree_cap_has_its_timers_moved_earlier(tmp_p
                                        global_idle_cap_s=None), lambda req: 10)
     assert log["i0:t1"].at == log["i0:t0"].end + 50 * S  # 1,000 s of tool time capped at 50
     assert log["i0:t2"].at == log["i0:t1"].end + 20 * S  # under the cap: as recorded
-    assert player.report()["idle_shifts_tree"] >= 1
+    assert player.report().idle_shifts_tree >= 1
 
 
 def test_a_client_idle_longer_than_the_global_cap_moves_every_timer_by_the_same_amount(tmp_path):
@@ -257,7 +257,7 @@ def test_a_client_idle_longer_than_the_global_cap_moves_every_timer_by_the_same_
     assert log["i0:a1"].at == end + 10 * S  # the earliest timer moved to the cap...
     assert log["i0:a2"].at == end + 10_500 * MS  # ... and the others by as much, keeping their gap
     assert log["i0:a3"].at == log["i0:a2"].end + 10 * S  # idle again: moved again
-    assert player.report()["idle_shifts_global"] >= 2
+    assert player.report().idle_shifts_global >= 2
 
 
 # ------------------------------------------------------------------ snapshot and warm-up
@@ -344,7 +344,7 @@ def test_the_barrier_waits_for_the_server_to_settle_after_the_last_warm_up_respo
     first_profile = min(s.at for rid, s in log.items() if player.phases[rid] == "profile")
     # the server was busy for 1234 ms more: asked every 10 ms, the barrier opens at the first answer of 0
     assert player.times["profile"][0] == last + 1240 * MS <= first_profile
-    assert player.unsettled == 0 and player.report()["unsettled_server_requests"] == 0
+    assert player.unsettled == 0 and player.report().unsettled_server_requests == 0
     assert player.times["warmup"][1] == last
 
 
@@ -353,7 +353,7 @@ def test_a_server_that_does_not_settle_in_time_opens_the_barrier_at_the_timeout_
     spec = LanesSpec(lanes=3, snapshot_seed=5, warmup=True, warmup_requests=4, settle_timeout_s=0.25)
     log, player, _ = play(g, spec, busy=_server_busy_until(lambda log: _last_warmup_end(log) + 10 * S))
     assert player.times["profile"][0] == _last_warmup_end(log) + 250 * MS
-    assert player.unsettled == 2 and player.report()["unsettled_server_requests"] == 2
+    assert player.unsettled == 2 and player.report().unsettled_server_requests == 2
     assert any(player.phases[rid] == "profile" for rid in log)  # measurement went on
 
 

@@ -61,9 +61,9 @@ def test_at_the_deadline_open_requests_are_aborted_at_the_worker_and_their_kv_fr
 
     records, played, held, unsettled, metrics, engine = run_live(main)
     report = played.lanes
-    assert report["unsettled_server_requests"] == 0  # the barrier asked the worker over HTTP
+    assert report is not None and report.unsettled_server_requests == 0  # the barrier asked the worker over HTTP
     cancelled = {r.request_id for r in records if r.failure == DEADLINE_REASON}
-    assert cancelled and len(cancelled) == report["requests_cancelled"]
+    assert cancelled and len(cancelled) == report.requests_cancelled
     assert all(played.phases[rid] == "profile" for rid in cancelled)
     # the worker aborted them: no KV held, nothing left to do, and its engine records and metrics say so
     assert held == 0 and unsettled == 0

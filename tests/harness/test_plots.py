@@ -144,7 +144,7 @@ def test_a_disaggregated_run_gets_a_panel_per_pool():
     data = RunData(samples=samples, pools={"prefill": {"workers": 2, "dp_size": 1, "kv_blocks": 100},
                                            "decode": {"workers": 12, "dp_size": 1, "kv_blocks": 200}})
     panels = plot_data._rank_panels(data, "kv_blocks")
-    assert [(p["pool"], p["form"], p["capacity"]) for p in panels] == [("prefill", "lines", 100),
+    assert [(p.pool, p.form, p.capacity) for p in panels] == [("prefill", "lines", 100),
                                                                        ("decode", "heatmap", 200)]
 
 

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
+from harness.chaos import ChaosMark
 from harness.report import plot_data, plot_drawing, plot_renderer
 from harness.report.files import write_report
 from harness.report.markdown import render_markdown
 from harness.report.plots import PLOTS, background_renderer, write_plots
-from harness.report.run_data import RunData
+from harness.report.run_data import ReplicaCounters, ReplicaRun, ReplicaSync, RunData
 from harness.report.summary import summarize
 from harness.runner import run_scenario
 from harness.scenario import default_scenario_text, parse_scenario
@@ -30,14 +31,14 @@ def judged(rid: str, t_s: float, isl_blocks: int, chosen: int | None, best: int 
 
 
 def two_replica_run(records: list[RequestRecord], replica_of: dict[str, int], chaos=()) -> RunData:
-    rows = [{"replica": i, "restarts": i, "kv_events": {"batches": 10 + i, "gaps": i, "replays": 2 * i,
-                                                        "replayed_batches": 0, "lost_batches": 0},
-             "kv_feed_dropped_batches": 3 * i, "workers_registered": 2,
-             "sync": {"announced": 5 + i, "applied": 7 + i, "ignored": 0, "refused": 0, "expired": 0}}
+    rows = [ReplicaCounters(replica=i, restarts=i, kv_events={"batches": 10 + i, "gaps": i, "replays": 2 * i,
+                                                              "replayed_batches": 0, "lost_batches": 0},
+                            kv_feed_dropped_batches=3 * i, workers_registered=2,
+                            sync={"announced": 5 + i, "applied": 7 + i, "ignored": 0, "refused": 0, "expired": 0})
             for i in range(2)]
-    return RunData(records=records, block_size=16, ranks=[(0, 0)], replicas={
-        "count": 2, "front": "round_robin", "sync": {"enabled": True, "delay_ms": 25.0},
-        "replica_of": replica_of, "per_replica": rows}, chaos=list(chaos))
+    return RunData(records=records, block_size=16, ranks=[(0, 0)], replicas=ReplicaRun(
+        count=2, front="round_robin", sync=ReplicaSync(enabled=True, delay_ms=25.0), replica_of=replica_of,
+        per_replica=rows), chaos=list(chaos))
 
 
 def records_over_30_s() -> list[RequestRecord]:
@@ -53,37 +54,36 @@ def records_over_30_s() -> list[RequestRecord]:
 
 def test_regret_curves_bucket_the_cluster_and_each_replica():
     data = two_replica_run(records_over_30_s(), {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1},
-                           chaos=[{"t_s": 12.0, "action": "restart_router", "replica": 1, "worker": None},
-                                  {"t_s": 7.0, "action": "delay_kv_events", "replica": 0, "worker": None,
-                                   "lag_ms": 500.0},
-                                  {"t_s": 20.0, "action": "kill_worker", "replica": None, "worker": 3}])
+                           chaos=[ChaosMark(t_s=12.0, action="restart_router", replica=1),
+                                  ChaosMark(t_s=7.0, action="delay_kv_events", replica=0, lag_ms=500.0),
+                                  ChaosMark(t_s=20.0, action="kill_worker", worker=3)])
     curves = plot_data.regret_curves(data)
-    assert curves["bucket_s"] == 10
-    assert list(curves["times"]) == [5.0, 15.0, 25.0]  # bucket middles, since the first arrival (2 s)
-    assert list(curves["lines"]) == ["cluster", "replica 0", "replica 1"]
+    assert curves.bucket_s == 10
+    assert list(curves.times) == [5.0, 15.0, 25.0]  # bucket middles, since the first arrival (2 s)
+    assert list(curves.lines) == ["cluster", "replica 0", "replica 1"]
 
     def same(got, want):
         return all((math.isnan(g) and w is None) or g == pytest.approx(w) for g, w in zip(got, want, strict=True))
 
-    assert same(curves["lines"]["cluster"], [4 / 16, None, 2 / 3])
-    assert same(curves["lines"]["replica 0"], [4 / 8, None, 2 / 3])
-    assert same(curves["lines"]["replica 1"], [0.0, None, None])
-    assert curves["overall"] == {"cluster": pytest.approx(6 / 19), "replica 0": pytest.approx(6 / 11),
+    assert same(curves.lines["cluster"], [4 / 16, None, 2 / 3])
+    assert same(curves.lines["replica 0"], [4 / 8, None, 2 / 3])
+    assert same(curves.lines["replica 1"], [0.0, None, None])
+    assert curves.overall == {"cluster": pytest.approx(6 / 19), "replica 0": pytest.approx(6 / 11),
                                  "replica 1": 0.0}
     # the overall figures are the summary's (which rounds to 6 digits)
     summary = summarize(data).to_builtins()
-    assert curves["overall"]["cluster"] == pytest.approx(summary["kvemu"]["routing"]["regret"]["regret_ratio"],
+    assert curves.overall["cluster"] == pytest.approx(summary["kvemu"]["routing"]["regret"]["regret_ratio"],
                                                          abs=1e-6)
     per = summary["kvemu"]["replicas"]["per_replica"]
     assert [r["regret_ratio"] for r in per] == pytest.approx([6 / 11, 0.0], abs=1e-6)
     # chaos marks by time, since the first arrival, with short labels
-    assert curves["marks"] == [(5.0, "delay_kv_events r0 500 ms"), (10.0, "restart_router r1"),
+    assert curves.marks == [(5.0, "delay_kv_events r0 500 ms"), (10.0, "restart_router r1"),
                                (18.0, "kill_worker w3")]
 
 
 def test_one_router_gets_the_cluster_line_only_and_no_truth_no_plot():
     curves = plot_data.regret_curves(RunData(records=records_over_30_s(), block_size=16))
-    assert list(curves["lines"]) == ["cluster"] and curves["marks"] == []
+    assert list(curves.lines) == ["cluster"] and curves.marks == []
     assert plot_data.regret_curves(sample_run()) is None  # no record has routing truth
     assert plot_data.regret_curves(RunData()) is None
 
@@ -92,13 +92,13 @@ def test_long_runs_are_bucketed_by_the_minute():
     assert [plot_data.regret_bucket_s(s) for s in (0, 59.9, 600, 600.1, 7200)] == [10, 10, 10, 60, 60]
     records = [judged(f"r{i}", 60.0 * i, 4, 0, 1) for i in range(12)]  # 11 minutes
     curves = plot_data.regret_curves(RunData(records=records, block_size=16))
-    assert curves["bucket_s"] == 60 and list(curves["times"]) == [30.0 + 60 * i for i in range(12)]
-    assert list(curves["lines"]["cluster"]) == [pytest.approx(1 / 4)] * 12
+    assert curves.bucket_s == 60 and list(curves.times) == [30.0 + 60 * i for i in range(12)]
+    assert list(curves.lines["cluster"]) == [pytest.approx(1 / 4)] * 12
 
 
 def test_the_regret_plot_is_drawn_with_truth_only(tmp_path):
     data = two_replica_run(records_over_30_s(), {"a": 0, "b": 1, "c": 1, "d": 0},
-                           chaos=[{"t_s": 12.0, "action": "restart_router", "replica": 1, "worker": None}])
+                           chaos=[ChaosMark(t_s=12.0, action="restart_router", replica=1)])
     for sub in ("with", "again", "without"):
         (tmp_path / sub).mkdir()
     names = write_plots(data, tmp_path / "with")
@@ -161,5 +161,5 @@ def test_a_run_with_two_replicas_writes_the_plot_and_the_section(tmp_path):
     for r in per:
         assert f"| {r['replica']} | {r['requests']:,} | {r['completed_requests']:,} |" in section
     curves = plot_data.regret_curves(out.data)
-    assert list(curves["lines"]) == ["cluster", "replica 0", "replica 1"]
-    assert [label for _, label in curves["marks"]] == ["restart_router r1"]
+    assert list(curves.lines) == ["cluster", "replica 0", "replica 1"]
+    assert [label for _, label in curves.marks] == ["restart_router r1"]

@@ -95,7 +95,7 @@ def test_a_session_hash_front_or_sync_recovers_most_of_it(approx, name):
 
 def test_a_session_hash_front_keeps_every_session_on_one_replica(approx):
     out, _ = approx["session"]
-    of = out.data.replicas["replica_of"]
+    of = out.data.replicas.replica_of
     by_session = {}
     for r in out.data.records:
         by_session.setdefault(r.session_id, set()).add(of[r.request_id])
@@ -123,9 +123,9 @@ def test_replica_runs_are_deterministic(tmp_path, approx):
     again, s2 = run(replicas=4, sync=True, predictions=True)
     same = {k: v for k, v in s.items() if k != "wall_time_ms"}
     assert same == {k: v for k, v in s2.items() if k != "wall_time_ms"}
-    of = out.data.replicas["replica_of"]
+    of = out.data.replicas.replica_of
     write_requests(out.data.records, tmp_path / "a.jsonl", replica_of=of)
-    write_requests(again.data.records, tmp_path / "b.jsonl", replica_of=again.data.replicas["replica_of"])
+    write_requests(again.data.records, tmp_path / "b.jsonl", replica_of=again.data.replicas.replica_of)
     a = (tmp_path / "a.jsonl").read_bytes()
     assert a == (tmp_path / "b.jsonl").read_bytes()
     first = json.loads(a.splitlines()[0])
@@ -134,7 +134,7 @@ def test_replica_runs_are_deterministic(tmp_path, approx):
 
 def lost_by_replica(out):
     """(replica, seconds since the first arrival) of every request routed with a loss, and how many blocks."""
-    of = out.data.replicas["replica_of"]
+    of = out.data.replicas.replica_of
     t0 = min(r.arrival_ns for r in out.data.records)
     return [(of[r.request_id], (r.routed_ns - t0) / 1e9, r.truth_best_overlap_blocks - r.truth_overlap_blocks)
             for r in out.data.records if r.truth_best_overlap_blocks > r.truth_overlap_blocks]
@@ -174,7 +174,7 @@ def test_restarting_one_replica_leaves_the_others_serving():
     s = summarize(out.data).to_builtins()
     rows = s["kvemu"]["replicas"]["per_replica"]
     assert [r["restarts"] for r in rows] == [0, 1]
-    of = out.data.replicas["replica_of"]
+    of = out.data.replicas.replica_of
     records = out.data.records
     assert all(r.done or r.failure for r in records), "every request ends with a reason"
     failed = [r for r in records if r.failure]

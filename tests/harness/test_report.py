@@ -12,6 +12,7 @@ from harness.report.compare import compare, main as compare_main
 from kvemu import RequestRecord
 from harness.report.files import write_report
 from harness.report.plots import PLOTS
+from harness.report.recorder import WorkerEvent
 from harness.report.run_data import RunData, Sample
 from harness.report.summary import summarize
 from harness.report.stats import percentile
@@ -63,7 +64,7 @@ def sample_run(**overrides) -> RunData:
                   "invalidations": 0, "mismatches": 0},
         counters={"queued": 2, "dispatch_rejected": 1},
         failures={"worker_removed": 1},
-        worker_events=[{"kind": "worker_removed", "time_ns": 90 * MS, "worker_id": 1}],
+        worker_events=[WorkerEvent(kind="worker_removed", time_ns=90 * MS, worker_id=1)],
     )
     fields.update(overrides)
     return RunData(**fields)
