@@ -59,7 +59,7 @@ def _server_keys(shared: str) -> tuple[bytes, bytes]:
 _ENV = object()
 
 
-def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object = _ENV) -> bool:
+def serve_securely(sock: zmq.Socket[object], endpoint: str, shared: str | None | object = _ENV) -> bool:
     """Make a socket about to bind ``endpoint`` a CURVE server when there is a secret (``shared``, or this
     process's); without one it stays open to whoever reaches it (``bind_securely`` says so). Returns whether
     it is one."""
@@ -74,7 +74,7 @@ def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object 
     return True
 
 
-def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
+def bind_securely(sock: zmq.Socket[object], endpoint: str) -> str:
     """``serve_securely`` then bind ``endpoint``; returns the bound endpoint (its real port for port 0). A busy or
     foreign address closes the socket and raises ``InvalidArgument`` saying what to do, not a ZeroMQ traceback."""
     secured = serve_securely(sock, endpoint)
@@ -93,7 +93,7 @@ def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
     return bound
 
 
-def connect_securely(sock: zmq.Socket, shared: str | None | object = _ENV) -> None:
+def connect_securely(sock: zmq.Socket[object], shared: str | None | object = _ENV) -> None:
     """Make a socket about to connect a CURVE client of the secret's server key (``shared``, or this
     process's secret; nothing without one)."""
     if shared is _ENV:

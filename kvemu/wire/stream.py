@@ -32,7 +32,7 @@ from kvemu.wire.codec import WireDecodeError, decode_batch
 from kvemu.wire.convert import BlockSizeMismatch, convert_event, is_chain
 from kvemu.kv_events import KvEvent, KVEventBatch
 
-__all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload"]
+__all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload", "StreamObserver"]
 
 log = logging.getLogger("kvemu.wire")
 
@@ -45,6 +45,9 @@ Replay = Callable[[int], Iterable[tuple[int, Payload]] | None]
 """``replay(start)`` asks for the buffered batches from ``start`` on. An in-memory buffer returns them as
 ``(seq, payload)`` in order; a transport that answers later returns None and then feeds the stream's
 ``replay_batch`` and ``replay_end``."""
+StreamObserver = Callable[[str, int, int, dict[str, int]], None]
+"""``observer(kind, worker_id, dp_rank, details)``: told of a ``gap``, ``replay``, ``lost`` or ``restart`` with its
+sequence numbers (``from``, ``to``, ``seq``, ``expected``, ``recovered``)."""
 
 MAX_HELD_BATCHES = 20_000
 """Most live batches one stream holds while a replay is under way."""
@@ -112,7 +115,7 @@ class EventStream:
         replay: Replay | None = None,
         replay_on_connect: bool = True,
         eagle: bool = False,
-        observer: Callable[[str, int, int, dict], None] | None = None,
+        observer: StreamObserver | None = None,
         endpoint: str | None = None,
         groups: list[tuple[str, int | None]] | None = None,
     ) -> None:
@@ -343,7 +346,7 @@ class EventStream:
         if self.stats.block_size_mismatches <= 3:
             log.error("%s", exc)
 
-    def _counted(self, what: str, rank: int, fn: Callable[..., Any], args: tuple) -> Any:
+    def _counted(self, what: str, rank: int, fn: Callable[..., Any], args: tuple[object, ...]) -> Any:
         """``fn(*args)``, or ``_FAILED`` with the failure counted (and logged if unexpected): a malformed
         event must never stop the stream."""
         try:
@@ -370,6 +373,6 @@ class EventStream:
         else:
             stats.clears += 1
 
-    def _notify(self, kind: str, details: dict) -> None:
+    def _notify(self, kind: str, details: dict[str, int]) -> None:
         if self.observer is not None:
             self.observer(kind, self.worker_id, self.dp_rank, details)
