@@ -124,8 +124,10 @@ class Children:
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
                                 process_group=0 if self.own_groups else None)
         self.procs[name] = proc
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
         line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader = threading.Thread(target=lambda: line.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
         if not line or not line[0].strip():
@@ -138,7 +140,7 @@ class Children:
         if not isinstance(info, dict):
             raise NotStarted(f"{name} printed no start line (a JSON object) but {line[0][:200]!r}", proc.poll())
         self.info[name] = info
-        threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
+        threading.Thread(target=self._drain, args=(stdout,), daemon=True).start()
         return info
 
     def spawn(self, name: str, cmd: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
@@ -152,8 +154,8 @@ class Children:
         return proc
 
     @staticmethod
-    def _drain(proc: subprocess.Popen[str]) -> None:
-        for _ in proc.stdout:  # type: ignore[union-attr]
+    def _drain(stdout: IO[str]) -> None:
+        for _ in stdout:
             pass
 
     def signal(self, name: str, sig: int) -> None:
@@ -266,13 +268,14 @@ def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str,
     return None
 
 
-def _relay_until_started(proc: subprocess.Popen[str]) -> tuple[threading.Event, threading.Thread]:
-    """Pass ``proc``'s standard output on to ours, line by line, until it closes (the thread); the event is set at
-    its start line (the load generator prints it once the router has every expected worker and the run begins)."""
+def _relay_until_started(stdout: IO[str]) -> tuple[threading.Event, threading.Thread]:
+    """Pass a child's standard output (``stdout``) on to ours, line by line, until it closes (the thread); the event
+    is set at its start line (the load generator prints it once the router has every expected worker and the run
+    begins)."""
     started = threading.Event()
 
     def relay() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
+        for line in stdout:
             if not started.is_set() and '"event": "started"' in line:
                 started.set()
             sys.stdout.write(line)
@@ -664,7 +667,8 @@ def _up(kids: Children, config: list[str], scenario: Scenario, outdir: Path, htt
                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     kids.procs["loadgen"] = loadgen
     stop.interrupts = False  # from now on a signal is passed on to the load generator, which reports
-    running, relaying = _relay_until_started(loadgen)
+    assert loadgen.stdout is not None  # stdout=PIPE
+    running, relaying = _relay_until_started(loadgen.stdout)
     chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
     t0: float | None = None  # the chaos timeline counts from the load generator's start, as a virtual run's
     while loadgen.poll() is None:

@@ -334,7 +334,8 @@ class OpenAIApp:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, decode_body(await self._body(receive), ChatRequest), True)
 
-    async def _generate(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest | ChatRequest, chat: bool) -> None:
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest | ChatRequest,
+                        chat: bool) -> None:
         arrived = self.clock.now_ns()
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = _headers(scope)
@@ -353,7 +354,8 @@ class OpenAIApp:
         finally:
             self.admission.leave(long, tokens)
 
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest | ChatRequest, chat: bool, arrived: int,
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest | ChatRequest,
+                        chat: bool, arrived: int,
                         headers: dict[str, str], hints: Hints, raw_prompts: list[str | list[int]], base: str) -> None:
         """Run a generation request that holds an admission slot, and write its answer."""
         prompts = await self._tokens(raw_prompts)

@@ -365,11 +365,10 @@ class EventStream:
         if self._counted("applied", rank, self.sink, (event,)) is _FAILED:
             return
         stats = self.stats
-        t = type(data)
-        if t is BlocksStored:
-            stats.blocks_stored += len(data.block_hashes)  # type: ignore[union-attr]
-        elif t is BlocksRemoved:
-            stats.blocks_removed += len(data.block_hashes)  # type: ignore[union-attr]
+        if type(data) is BlocksStored:
+            stats.blocks_stored += len(data.block_hashes)
+        elif type(data) is BlocksRemoved:
+            stats.blocks_removed += len(data.block_hashes)
         else:
             stats.clears += 1
 
