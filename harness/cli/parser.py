@@ -114,7 +114,7 @@ def _add_force(parser: argparse.ArgumentParser, what: str = "the report") -> Non
                         help=f"write {what} into an OUTDIR that is not empty and holds no earlier kvemu report")
 
 
-def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a scenario (default: the built-in quickstart) and write a report")
     run.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (omit for the built-in default)")
     _add_set(run)
@@ -127,7 +127,7 @@ def _add_run(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return run
 
 
-def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a scenario at every point of a grid of overrides, in parallel; "
                                          "writes sweep.csv, sweep.json and sweep.md")
     sweep.add_argument("sweep", help="sweep YAML (base scenario, axes, seeds, figures)")
@@ -146,7 +146,7 @@ def _add_sweep(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return sweep
 
 
-def _add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="find the smallest cluster that meets an SLA at a goodput target (a search, "
                                        "in parallel); writes plan.md, plan.json and plan.png")
     plan.add_argument("scenario", nargs="?", help="scenario YAML or a trace .jsonl (default: the built-in "
@@ -177,7 +177,7 @@ def _synth_rows(text: str) -> int:
     return rows
 
 
-def _add_trace(sub: argparse._SubParsersAction) -> None:
+def _add_trace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``kvemu trace validate``, ``kvemu trace convert`` and ``kvemu trace synth``."""
     from harness.workload.traces.names import FORMATS, WRITABLE
 
@@ -210,7 +210,7 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
                              help="tokens per hash id (default: the file's own, or 512 where the format has none)")
 
 
-def _add_scenario(sub: argparse._SubParsersAction) -> None:
+def _add_scenario(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``kvemu scenario show``: a resolved scenario, every key with its default, bound and meaning."""
     scenario = sub.add_parser("scenario", help="print a scenario resolved: every key, its value, bound and meaning")
     scenario_sub = scenario.add_subparsers(dest="scenario_command", required=True, metavar="COMMAND",

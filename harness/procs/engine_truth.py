@@ -16,6 +16,7 @@ from urllib.parse import parse_qs
 import msgspec
 from msgspec import Meta
 
+from kvemu.http.asgi import Receive, Routes, Scope, Send
 from kvemu.http.errors import ApiError
 from kvemu.http.reply import respond
 from kvemu.limits import Count, TimeNs
@@ -135,19 +136,19 @@ class EngineTruth:
         """Load samples from number ``after`` on."""
         return LoadPage(*self._samples.page(after, limit))
 
-    def routes(self) -> dict[tuple[str, str], Callable[..., Any]]:
+    def routes(self) -> Routes:
         """The HTTP routes serving them (``GET /kvemu/requests?after=N``, ``GET /kvemu/load?after=N``)."""
 
-        async def requests(scope: dict, receive: Callable, send: Callable) -> None:
+        async def requests(scope: Scope, receive: Receive, send: Send) -> None:
             await respond(send, 200, msgspec.json.encode(self.records_page(*_paging(scope))))
 
-        async def load(scope: dict, receive: Callable, send: Callable) -> None:
+        async def load(scope: Scope, receive: Receive, send: Send) -> None:
             await respond(send, 200, msgspec.json.encode(self.load_page(*_paging(scope))))
 
         return {("GET", "/kvemu/requests"): requests, ("GET", "/kvemu/load"): load}
 
 
-def _paging(scope: dict) -> tuple[int, int]:
+def _paging(scope: Scope) -> tuple[int, int]:
     """``after`` and ``limit`` from the query string (400 naming the parameter when not a small integer)."""
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     out = []

@@ -12,6 +12,7 @@ from kvemu.clock import Clock
 from kvemu.http import DEFAULT_MODEL
 from kvemu.http.admission import Admission, AdmissionLimits
 from kvemu.http.app import OpenAIApp
+from kvemu.http.asgi import Receive, Scope, Send
 from kvemu.http.backend import RouterBackend
 from kvemu.http.info import RankLoad, ServerInfo
 from kvemu.http.metrics import FrontMetrics, RouterCollector
@@ -123,7 +124,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
         metrics.registry.register(handoff)
     admission = Admission(_with_kv(limits, capacity * len(actor.worker.cores)))
     metrics.registry.register(admission)
-    async def unsettled(scope: dict, receive: Callable, send: Callable) -> None:
+    async def unsettled(scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /kvemu/unsettled``: what the engines still work for (a lanes barrier waits for 0)."""
         await respond(send, 200, msgspec.json.encode(Unsettled(actor.worker.unsettled(actor.clock.now_ns()))))
 

@@ -47,7 +47,7 @@ import logging
 import re
 import secrets
 from array import array
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -55,6 +55,7 @@ import msgspec
 from msgspec import Meta
 
 from kvemu.http.app import read_body
+from kvemu.http.asgi import Receive, Routes, Scope, Send
 from kvemu.http.errors import ApiError
 from kvemu.http.protocol import KvTransferParams, decode_body
 from kvemu.http.reply import respond
@@ -493,7 +494,7 @@ class KvHandoff:
 
     # ------------------------------------------------------------------ routes
 
-    def routes(self) -> dict[tuple[str, str], Callable[..., Any]]:
+    def routes(self) -> Routes:
         """A prefill worker's ``POST /kvemu/kv/release``, ``POST /kvemu/kv/claim`` and ``GET /kvemu/kv/room`` (its
         bootstrap server)."""
         if self.role != "prefill":
@@ -510,7 +511,7 @@ class KvHandoff:
                 raise ApiError(403, "token: not the token this KV was handed out with", "token")
             return held
 
-        async def release(scope: dict, receive: Callable, send: Callable) -> None:
+        async def release(scope: Scope, receive: Receive, send: Send) -> None:
             body = decode_body(await read_body(receive, 64 << 10), ReleaseBody)
             held = held_for("release", body.request_id, body.token)
             del self._held[body.request_id]
@@ -519,7 +520,7 @@ class KvHandoff:
             self.actor.release_kv(body.request_id)
             await respond(send, 200, b'{"released":true}')
 
-        async def room(scope: dict, receive: Callable, send: Callable) -> None:
+        async def room(scope: Scope, receive: Receive, send: Send) -> None:
             number, wait_s, digest, proof = _room_query(scope)
             if not self._proven(proof, "room-request", number, digest):  # (the room stays for its decode leg)
                 self._refuse("room_proof", f"room {number}: asked for without this fleet's proof")
@@ -547,7 +548,7 @@ class KvHandoff:
                                 _link(held.source), a["remote_host"], a["remote_port"])
             await respond(send, 200, msgspec.json.encode({"kv_transfer_params": a, "proof": proof}))
 
-        async def claim(scope: dict, receive: Callable, send: Callable) -> None:
+        async def claim(scope: Scope, receive: Receive, send: Send) -> None:
             body = decode_body(await read_body(receive, 64 << 10), ClaimBody)
             if not self._proven(body.proof, "claim-request", body.request_id, body.token, body.digest):
                 self._refuse("claim_proof", f"a claim of {body.request_id[:200]!r} without this fleet's proof")
@@ -643,7 +644,7 @@ def _host_port(url: str) -> tuple[str, int | None]:
     return parts.hostname or "127.0.0.1", parts.port
 
 
-def _room_query(scope: dict) -> tuple[int, float, str, str | None]:
+def _room_query(scope: Scope) -> tuple[int, float, str, str | None]:
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     raw = query.get("room", [""])[-1]
     if not raw.isdigit() or len(raw) > 19 or int(raw) >= 1 << 63:

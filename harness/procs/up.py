@@ -60,6 +60,9 @@ RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 next one for each exit within ``RESTART_STABLE_S`` of its last start (one that dies as it starts is not restarted
 in a tight loop)."""
 RESTART_STABLE_S = 60.0
+Child = subprocess.Popen[str] | subprocess.Popen[bytes]
+"""A child process: kvemu's own, read as text (its start line and output), or another project's program, whose
+output goes to a log as bytes."""
 
 
 class NotStarted(KvemuError, RuntimeError):
@@ -107,7 +110,7 @@ class Children:
     """Child processes started with their JSON start line captured."""
 
     def __init__(self, own_groups: bool = False) -> None:
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Child] = {}
         self.info: dict[str, dict[str, Any]] = {}
         self.own_groups = own_groups
         """Each child in a process group of its own: a terminal's Ctrl-C reaches the supervisor alone, which
@@ -121,8 +124,10 @@ class Children:
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
                                 process_group=0 if self.own_groups else None)
         self.procs[name] = proc
+        stdout = proc.stdout
+        assert stdout is not None  # stdout=PIPE
         line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader = threading.Thread(target=lambda: line.append(stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout_s)
         if not line or not line[0].strip():
@@ -132,11 +137,13 @@ class Children:
                     code = proc.wait(5)
             raise NotStarted(f"{name} did not start (exit code {code}); see its message above", code)
         info = json.loads(line[0])
+        if not isinstance(info, dict):
+            raise NotStarted(f"{name} printed no start line (a JSON object) but {line[0][:200]!r}", proc.poll())
         self.info[name] = info
-        threading.Thread(target=self._drain, args=(proc,), daemon=True).start()
+        threading.Thread(target=self._drain, args=(stdout,), daemon=True).start()
         return info
 
-    def spawn(self, name: str, cmd: list[str], log: IO[bytes]) -> subprocess.Popen:
+    def spawn(self, name: str, cmd: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
         """Start ``cmd``, a program that is not kvemu (another project's router), as a child like the others: its
         output to ``log``, in a process group of its own if theirs are, killed if this process dies, stopped by
         ``stop_all``."""
@@ -147,8 +154,8 @@ class Children:
         return proc
 
     @staticmethod
-    def _drain(proc: subprocess.Popen) -> None:
-        for _ in proc.stdout:  # type: ignore[union-attr]
+    def _drain(stdout: IO[str]) -> None:
+        for _ in stdout:
             pass
 
     def signal(self, name: str, sig: int) -> None:
@@ -196,7 +203,7 @@ class Children:
         streams while the routers and workers still serve them), then the routers, then the workers and the
         rest. Each stage gets SIGTERM, then SIGKILL after ``grace_s``; once ``hurry`` is set (a second Ctrl-C),
         whoever is left is killed at once. ``in_order=False``: all in one stage (no client is left to serve)."""
-        stages: dict[int, list[subprocess.Popen]] = {}
+        stages: dict[int, list[Child]] = {}
         for name, proc in self.procs.items():
             stages.setdefault(_stop_stage(name) if in_order else 0, []).append(proc)
         for stage in sorted(stages):
@@ -217,7 +224,7 @@ class Children:
             _kill(proc)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: Child) -> None:
     """SIGKILL ``proc`` if it still runs, and reap it."""
     if proc.poll() is None:
         proc.kill()
@@ -261,13 +268,14 @@ def _worker_exits(kids: Children, scenario: Scenario, live: list[int], who: str,
     return None
 
 
-def _relay_until_started(proc: subprocess.Popen) -> tuple[threading.Event, threading.Thread]:
-    """Pass ``proc``'s standard output on to ours, line by line, until it closes (the thread); the event is set at
-    its start line (the load generator prints it once the router has every expected worker and the run begins)."""
+def _relay_until_started(stdout: IO[str]) -> tuple[threading.Event, threading.Thread]:
+    """Pass a child's standard output (``stdout``) on to ours, line by line, until it closes (the thread); the event
+    is set at its start line (the load generator prints it once the router has every expected worker and the run
+    begins)."""
     started = threading.Event()
 
     def relay() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
+        for line in stdout:
             if not started.is_set() and '"event": "started"' in line:
                 started.set()
             sys.stdout.write(line)
@@ -278,7 +286,7 @@ def _relay_until_started(proc: subprocess.Popen) -> tuple[threading.Event, threa
     return started, thread
 
 
-def _let_report(loadgen: subprocess.Popen, outdir: Path, since: float, what: str, stop: int | None) -> None:
+def _let_report(loadgen: subprocess.Popen[str], outdir: Path, since: float, what: str, stop: int | None) -> None:
     """Give the load generator time to write its report (after sending it ``stop``), and say so if it did."""
     if loadgen.poll() is None:
         if stop is not None:
@@ -659,7 +667,8 @@ def _up(kids: Children, config: list[str], scenario: Scenario, outdir: Path, htt
                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     kids.procs["loadgen"] = loadgen
     stop.interrupts = False  # from now on a signal is passed on to the load generator, which reports
-    running, relaying = _relay_until_started(loadgen)
+    assert loadgen.stdout is not None  # stdout=PIPE
+    running, relaying = _relay_until_started(loadgen.stdout)
     chaos = sorted(scenario.chaos, key=lambda e: e.at_s)
     t0: float | None = None  # the chaos timeline counts from the load generator's start, as a virtual run's
     while loadgen.poll() is None:
@@ -705,7 +714,7 @@ def _up(kids: Children, config: list[str], scenario: Scenario, outdir: Path, htt
     return code
 
 
-def _interrupted(loadgen: subprocess.Popen, outdir: Path, since: float, stop: StopSignals, running: bool) -> int:
+def _interrupted(loadgen: subprocess.Popen[str], outdir: Path, since: float, stop: StopSignals, running: bool) -> int:
     """A signal asked ``kvemu up`` to stop: the load generator gets the same signal and writes its partial report
     (a second signal is passed on too: it says so, and goes on writing); returns the exit code for the signal."""
     loadgen.send_signal(stop.signum)

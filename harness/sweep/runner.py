@@ -43,7 +43,7 @@ class SweepOutcome:
         return self.counts.get("failed", 0) + self.counts.get("partial", 0)
 
 
-def _result_of(future: Future[Any], run: PointSpec) -> dict[str, Any]:
+def _result_of(future: Future[dict[str, Any]], run: PointSpec) -> dict[str, Any]:
     """The run's result, or a failed one when the executor lost it (a killed worker, a broken pool)."""
     try:
         return future.result()
@@ -62,8 +62,8 @@ def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResu
     todo = store.todo()
     started = time.perf_counter()
     interrupted: str | None = stopped
-    futures: dict[Future[Any], PointSpec] = {}
-    done: set[Future[Any]] = set()
+    futures: dict[Future[dict[str, Any]], PointSpec] = {}
+    done: set[Future[dict[str, Any]]] = set()
     try:
         if todo and stopped is None:
             assert executor is not None, "runs to do need an executor"
@@ -106,7 +106,7 @@ def _write(store: SweepStore, executor_name: str, started: float, ran: int, inte
     return SweepOutcome(ran, store.reused, counts, interrupted, wall)
 
 
-def _finish(store: SweepStore, future: Future[Any], run: PointSpec, done: set[Future[Any]],
+def _finish(store: SweepStore, future: Future[dict[str, Any]], run: PointSpec, done: set[Future[dict[str, Any]]],
             on_result: OnResult | None, total: int) -> None:
     result = _result_of(future, run)
     store.record(result)

@@ -29,6 +29,7 @@ import msgspec
 
 from kvemu.clock import NS_PER_S, Clock
 from kvemu.http.admission import Admission, Refused
+from kvemu.http.asgi import Message, Receive, Routes, Scope, Send
 from kvemu.http.backend import Backend, Handoff
 from kvemu.http.errors import ApiError, error_body
 from kvemu.http.info import ServerInfo, load_body, model_info_body, models_body, server_info_body
@@ -85,7 +86,7 @@ class OpenAIApp:
                  rank_header: str = "x-dp-rank", info: ServerInfo | None = None,
                  max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, prompt_chars_per_token: int = 16,
                  off_loop_chars: int = 64 << 10,
-                 extra_routes: dict[tuple[str, str], Callable[..., Any]] | None = None,
+                 extra_routes: Routes | None = None,
                  handoff: Handoff | None = None, admission: Admission | None = None) -> None:
         self.backend = backend
         self.admission = admission if admission is not None else Admission()
@@ -114,7 +115,7 @@ class OpenAIApp:
         self._unix_s: Callable[[], int] = getattr(clock, "unix_s", lambda: clock.now_ns() // NS_PER_S)
         """Seconds since the epoch for ``created`` (virtual clocks count from their start)."""
         self.created = self._unix_s()
-        self._routes: dict[tuple[str, str], Callable[..., Any]] = {
+        self._routes: Routes = {
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/chat/completions"): self._chat,
             ("GET", "/v1/models"): self._models,
@@ -134,11 +135,11 @@ class OpenAIApp:
             self._routes[("GET", "/get_load")] = self._load
         self._routes.update(extra_routes or {})  # (method, path) -> async handler(scope, receive, send)
         self._paths = {path for _, path in self._routes}
-        self._to_tokenize: list[tuple[list[str], asyncio.Future]] = []
+        self._to_tokenize: list[tuple[list[str], asyncio.Future[list[list[int]]]]] = []
 
     # ------------------------------------------------------------------ ASGI
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
@@ -169,7 +170,7 @@ class OpenAIApp:
             log.exception("%s %s failed", scope["method"], scope["path"])
             await respond(send, 500, error_body(500, f"internal error: {type(exc).__name__}: {exc}"))
 
-    def _check_length(self, scope: dict) -> None:
+    def _check_length(self, scope: Scope) -> None:
         """413 before reading a body whose ``content-length`` is past the limit."""
         for name, value in scope["headers"]:
             if name.lower() == b"content-length":
@@ -181,51 +182,52 @@ class OpenAIApp:
                     raise ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes "
                                         f"(content-length: {n})")
 
-    async def _body(self, receive: Callable) -> bytes:
+    async def _body(self, receive: Receive) -> bytes:
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 return await self._read_body(receive)
         except TimeoutError:
             raise ApiError(408, f"the request body took more than {self.body_timeout_s:g} s to arrive") from None
 
-    async def _read_body(self, receive: Callable) -> bytes:
+    async def _read_body(self, receive: Receive) -> bytes:
         return await read_body(receive, self.max_body_bytes)
 
     # ------------------------------------------------------------------ small routes
 
-    async def _models(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, _encode(models_body(self.model, self.created, self.backend.max_model_len)))
 
-    async def _server_info(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _server_info(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, _encode(server_info_body(self.model, self.backend.max_model_len,
                                                           self.backend.block_size, self.info)))
 
-    async def _model_info(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, _encode(model_info_body(self.model, self.info)))
 
-    async def _load(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _load(self, scope: Scope, receive: Receive, send: Send) -> None:
         loads = self.info.loads
         assert loads is not None  # the route exists only then
         await respond(send, 200, _encode(load_body(loads())))
 
-    async def _health(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         why = self.backend.unavailable()
         if why is None:
             await respond(send, 200, b"", [])
         else:
             await respond(send, 503, error_body(503, why))
 
-    async def _metrics(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.metrics is None:
             raise ApiError(404, "this server exports no metrics")
         body, content_type = self.metrics.render()
         await respond(send, 200, body, [(b"content-type", content_type.encode())])
 
-    async def _tokenize(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = decode_body(await self._body(receive), TokenizeRequest)
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        text: str | list[int]
         if req.prompt is not None:
             text = req.prompt
         else:
@@ -235,7 +237,7 @@ class OpenAIApp:
         await respond(send, 200, _encode({"count": len(ids), "max_model_len": self.backend.max_model_len,
                                            "tokens": ids}))
 
-    async def _detokenize(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = decode_body(await self._body(receive), DetokenizeRequest)
         self._check_model(req.model)
         try:
@@ -244,15 +246,15 @@ class OpenAIApp:
             raise ApiError(400, f"tokens: {exc}", "tokens") from None
         await respond(send, 200, _encode({"prompt": text}))
 
-    async def _render_completions(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _render_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = decode_body(await self._body(receive), CompletionRequest)
         await respond(send, 200, _encode(await self._render(scope, req, False)))
 
-    async def _render_chat(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _render_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         req = decode_body(await self._body(receive), ChatRequest)
         await respond(send, 200, _encode((await self._render(scope, req, True))[0]))
 
-    async def _render(self, scope: dict, req: Any, chat: bool) -> list[dict[str, Any]]:
+    async def _render(self, scope: Scope, req: CompletionRequest | ChatRequest, chat: bool) -> list[dict[str, Any]]:
         """vLLM's render: each prompt's token ids as one generate request (the chat route answers its one
         prompt's alone), validated as a generation's prompts are, nothing run."""
         self._check_model(req.model)
@@ -326,13 +328,14 @@ class OpenAIApp:
                 fut.set_result(ids[at:at + len(texts)])
             at += len(texts)
 
-    async def _completions(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, decode_body(await self._body(receive), CompletionRequest), False)
 
-    async def _chat(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, decode_body(await self._body(receive), ChatRequest), True)
 
-    async def _generate(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool) -> None:
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest | ChatRequest,
+                        chat: bool) -> None:
         arrived = self.clock.now_ns()
         self._check_model(req.model)  # none given: the served model, as vLLM does
         headers = _headers(scope)
@@ -351,7 +354,8 @@ class OpenAIApp:
         finally:
             self.admission.leave(long, tokens)
 
-    async def _admitted(self, scope: dict, receive: Callable, send: Callable, req: Any, chat: bool, arrived: int,
+    async def _admitted(self, scope: Scope, receive: Receive, send: Send, req: CompletionRequest | ChatRequest,
+                        chat: bool, arrived: int,
                         headers: dict[str, str], hints: Hints, raw_prompts: list[str | list[int]], base: str) -> None:
         """Run a generation request that holds an admission slot, and write its answer."""
         prompts = await self._tokens(raw_prompts)
@@ -405,7 +409,7 @@ class OpenAIApp:
                                    self.clock.now_ns(), run.records, [g.prompt_len for g in gens])
 
 
-async def read_body(receive: Callable, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int) -> bytes:
     """A request's whole body; 413 past ``limit`` bytes, 400 when the client leaves first."""
     chunks = []
     size = 0
@@ -436,7 +440,7 @@ def _trim() -> None:
         _libc.malloc_trim(0)
 
 
-def _load_libc() -> Any:
+def _load_libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim  # noqa: B018 - glibc only
@@ -459,7 +463,7 @@ _ids = itertools.count()
 _ID_PREFIX = uuid.uuid4().hex[:12]  # ids stay unique across processes and restarts
 
 
-def _headers(scope: dict) -> dict[str, str]:
+def _headers(scope: Scope) -> dict[str, str]:
     """A request's headers by lower-case name."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
@@ -473,9 +477,9 @@ def _request_id(headers: dict[str, str], chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_ids):x}"
 
 
-def _headers_only(send: Callable) -> Callable:
+def _headers_only(send: Send) -> Send:
     """``send`` for a HEAD request: the response's start as it is, every body message empty."""
-    async def head_send(message: dict) -> None:
+    async def head_send(message: Message) -> None:
         if message["type"] == "http.response.body":
             message = {**message, "body": b""}
         await send(message)

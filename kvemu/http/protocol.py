@@ -8,7 +8,7 @@ frontend takes them: ``nvext`` in the body and the session and pin headers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -41,6 +41,7 @@ MAX_PROMPTS = 256
 MAX_ID_BYTES = MAX_ID_CHARS
 """Session ids (as the affinity table bounds them)."""
 EXTRA_FIELDS = ("worker_id", "timing")
+T = TypeVar("T")
 
 # Every integer a client sends is bounded to what the wire (msgpack) carries (``I64``): an integer beyond it would
 # be accepted here and fail to encode later, on its way to a worker (#27: ``"priority": 10**30``).
@@ -170,12 +171,13 @@ class DetokenizeRequest(msgspec.Struct):
     model: Model | None = None
 
 
-_decoders: dict[type, msgspec.json.Decoder] = {}
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+"""Each body type's decoder, made at its first body."""
 
 
-def decode_body(body: bytes, kind: type) -> Any:
+def decode_body(body: bytes, kind: type[T]) -> T:
     """Parse a JSON body into ``kind``; a 400 naming the field when it does not fit."""
-    dec = _decoders.get(kind)
+    dec: msgspec.json.Decoder[T] | None = _decoders.get(kind)  # (the decoder of kind: made so just below)
     if dec is None:
         dec = _decoders[kind] = msgspec.json.Decoder(kind)
     try:

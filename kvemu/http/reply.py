@@ -11,8 +11,9 @@ from typing import Any
 import msgspec
 
 from kvemu.clock import Clock
+from kvemu.http.asgi import Send
 from kvemu.http.errors import error_body, failure_status
-from kvemu.http.protocol import Hints
+from kvemu.http.protocol import ChatRequest, CompletionRequest, Hints
 from kvemu.records import RequestRecord
 
 __all__ = ["CLOSE_HEADERS", "Gen", "JSON_HEADERS", "Reply", "Run", "SSE_DONE", "SSE_HEADERS", "respond", "timing"]
@@ -33,7 +34,7 @@ class Run:
         self.pending = [0] * k
         self.records: list[RequestRecord | None] = [None] * k
         self.left = k
-        self.waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future[None] | None = None
         self.gone = False
 
     def _wake(self) -> None:
@@ -50,7 +51,7 @@ class Run:
         self.left -= 1
         self._wake()
 
-    def disconnected(self, _task: Any = None) -> None:
+    def disconnected(self, _task: object = None) -> None:
         self.gone = True
         self._wake()
 
@@ -84,7 +85,7 @@ class Gen:
         return "length" if self.n_out >= self.budget else "stop"
 
 
-async def respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
+async def respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """Send a whole response (JSON unless other headers are given); a client that is gone is no error."""
     try:
         await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS if headers is None else headers})
@@ -96,7 +97,8 @@ async def respond(send: Callable, status: int, body: bytes, headers: list | None
 class Reply:
     """Writes one request's response: SSE chunks as tokens arrive, or one JSON body at the end."""
 
-    def __init__(self, rid: str, chat: bool, gens: list[Gen], req: Any, hints: Hints, send: Callable, arrived_ns: int,
+    def __init__(self, rid: str, chat: bool, gens: list[Gen], req: CompletionRequest | ChatRequest, hints: Hints,
+                 send: Send, arrived_ns: int,
                  *, model: str, created_s: int, clock: Clock, block_size: int,
                  kv_answer: Callable[[str], dict[str, Any] | None] | None = None) -> None:
         self.model = model

@@ -30,7 +30,7 @@ Deliver = Callable[[int, int, int, Payload], None]
 """``deliver(worker_id, dp_rank, seq, payload)``: the router's intake."""
 
 
-class MemoryKvPublisher(LoggedPublisher):
+class MemoryKvPublisher(LoggedPublisher[Payload]):
     """One rank's publisher on a ``MemoryKvBus`` (same interface as ``KvEventPublisher.publish``)."""
 
     def __init__(self, bus: MemoryKvBus, worker_id: int, dp_rank: int, vllm_version: str, buffer_steps: int,

@@ -162,13 +162,17 @@ class _StructOptions(TypedDict):
     gc: bool
 
 
+_Field = tuple[str, object] | tuple[str, object, None]
+"""A field of ``msgspec.defstruct``: its name and type, and its default when it has one."""
+
+
 @functools.cache
 def _structs(profile: VllmProfile) -> tuple[type, type, type, type]:
     """msgspec struct classes laid out exactly as that release's own ``kv_events.py`` declares them."""
     array = not profile.map_events
     opts: _StructOptions = dict(tag=True, omit_defaults=True, array_like=array, gc=False)
 
-    def fields(names: Sequence[str], required: int) -> list[tuple]:
+    def fields(names: Sequence[str], required: int) -> list[_Field]:
         return [(n, Any) if i < required else (n, Any, None) for i, n in enumerate(names)]
 
     stored = msgspec.defstruct(
@@ -178,7 +182,7 @@ def _structs(profile: VllmProfile) -> tuple[type, type, type, type]:
         "BlockRemoved", fields(REMOVED_FIELDS[: profile.removed_fields], REMOVED_REQUIRED), **opts
     )
     cleared = msgspec.defstruct("AllBlocksCleared", [], **opts)
-    batch_fields: list[tuple] = [("ts", float), ("events", list)]
+    batch_fields: list[_Field] = [("ts", float), ("events", list)]
     if profile.has_dp_rank:
         batch_fields.append(("data_parallel_rank", Any, None))
     batch = msgspec.defstruct("KVEventBatch", batch_fields, array_like=True, omit_defaults=True, gc=False)
@@ -261,15 +265,14 @@ def _tokens(raw: Any) -> list[int]:
     return [int(t) for t in raw]
 
 
-def _from_typed(ev: Any) -> KvEvent:
+def _from_typed(ev: msgspec.Struct) -> KvEvent:
     """A neutral event from a decoded one (array-form classes are rebuilt; hashes made u64)."""
     t = type(ev)
     if t is _ArrayStored or t is _ArrayRemoved:
         ev = (BlockStored if t is _ArrayStored else BlockRemoved)(**msgspec.structs.asdict(ev))
     elif t is _ArrayCleared:
         return AllBlocksCleared()
-    t = type(ev)
-    if t is BlockStored:
+    if type(ev) is BlockStored:
         hashes = ev.block_hashes
         parent = ev.parent_block_hash
         if (hashes and min(hashes) < 0) or (parent is not None and parent < 0):
@@ -278,9 +281,14 @@ def _from_typed(ev: Any) -> KvEvent:
                 block_hashes=[h & U64_MASK for h in hashes],
                 parent_block_hash=None if parent is None else parent & U64_MASK,
             )
-    elif t is BlockRemoved and ev.block_hashes and min(ev.block_hashes) < 0:
-        ev = msgspec.structs.replace(ev, block_hashes=[h & U64_MASK for h in ev.block_hashes])
-    return ev
+        return ev
+    if type(ev) is BlockRemoved:
+        if ev.block_hashes and min(ev.block_hashes) < 0:
+            ev = msgspec.structs.replace(ev, block_hashes=[h & U64_MASK for h in ev.block_hashes])
+        return ev
+    if type(ev) is AllBlocksCleared:
+        return ev
+    raise TypeError(f"{type(ev).__name__} is not a KV event")  # the decoders make no other struct
 
 
 def _event_from_generic(raw: Any) -> KvEvent:

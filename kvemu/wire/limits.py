@@ -19,6 +19,6 @@ MAX_CONTROL_BYTES = 4096
 """Largest subscription or replay request a publisher accepts."""
 
 
-def limit_inbound(sock: zmq.Socket, max_bytes: int) -> None:
+def limit_inbound(sock: zmq.Socket[object], max_bytes: int) -> None:
     """Refuse (disconnect the sender of) any inbound message longer than ``max_bytes``."""
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)

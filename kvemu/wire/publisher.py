@@ -56,7 +56,7 @@ class PublisherStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
-class KvEventPublisher(LoggedPublisher):
+class KvEventPublisher(LoggedPublisher[bytes]):
     """Publishes ``KVEventBatch``es of one DP rank in the wire format of a chosen vLLM version, block hashes
     as integers or (``hash_form="bytes"``, vLLM >= 0.11) as digest bytes."""
 
@@ -72,7 +72,7 @@ class KvEventPublisher(LoggedPublisher):
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         bind: bool | None = None,
-        context: zmq.Context | None = None,
+        context: zmq.SyncContext | None = None,
         max_replay_peers: int = MAX_REPLAY_PEERS,
         replay_hwm: int = REPLAY_HWM,
         replay_stall_s: float = 10.0,
@@ -108,7 +108,7 @@ class KvEventPublisher(LoggedPublisher):
             pub.connect(live)
             self.endpoint = live
         self._pub = pub
-        self._router: zmq.Socket | None = None
+        self._router: zmq.SyncSocket | None = None
         self.replay_endpoint: str | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -193,7 +193,7 @@ class KvEventPublisher(LoggedPublisher):
         finally:
             router.close(linger=0)
 
-    def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:
+    def _answer(self, router: zmq.SyncSocket, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             return  # vLLM logs and ignores malformed requests
         identity, start = frames[0], int.from_bytes(frames[2], "big")
@@ -204,7 +204,7 @@ class KvEventPublisher(LoggedPublisher):
         self._answers[identity] = (start, self._clock.now_ns())  # a new request from a peer restarts its answer
         self._pump(router, identity, self._log.snapshot())
 
-    def _pump(self, router: zmq.Socket, identity: bytes, snapshot: list[tuple[int, bytes]]) -> None:
+    def _pump(self, router: zmq.SyncSocket, identity: bytes, snapshot: list[tuple[int, bytes]]) -> None:
         """Send ``identity`` what its queue takes of its answer; forget the answer when sent, its peer gone,
         or stalled past ``replay_stall_s``."""
         start, moved = self._answers[identity]

@@ -64,10 +64,10 @@ class ReplayLog(Generic[P]):
         self._buffer.clear()
 
 
-class LoggedPublisher:
-    """Base of the KV publishers: what they expose of their ``ReplayLog``, and the publish lag."""
+class LoggedPublisher(Generic[P]):
+    """Base of the KV publishers: what they expose of their ``ReplayLog`` (of payloads ``P``), and the publish lag."""
 
-    _log: ReplayLog
+    _log: ReplayLog[P]
     lag_ns: int = 0
     """Chaos: each batch is published this long after the engine hands it over (KV events arrive late)."""
 

@@ -12,11 +12,13 @@ their own children in the environment, so by default nothing else on the machine
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import os
 import re
 import secrets
+from typing import Final, Literal
 
 import zmq
 from zmq.utils import z85
@@ -56,10 +58,15 @@ def _server_keys(shared: str) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
-_ENV = object()
+class _Env(enum.Enum):
+    SECRET = "the secret of this process's environment"
 
 
-def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object = _ENV) -> bool:
+_ENV: Final = _Env.SECRET
+"""``shared``'s default: this process's secret (``secret()``), read when the socket is secured."""
+
+
+def serve_securely(sock: zmq.Socket[object], endpoint: str, shared: str | None | Literal[_Env.SECRET] = _ENV) -> bool:
     """Make a socket about to bind ``endpoint`` a CURVE server when there is a secret (``shared``, or this
     process's); without one it stays open to whoever reaches it (``bind_securely`` says so). Returns whether
     it is one."""
@@ -67,14 +74,14 @@ def serve_securely(sock: zmq.Socket, endpoint: str, shared: str | None | object 
         shared = secret()
     if not shared:
         return False
-    public, secret_key = _server_keys(shared)  # type: ignore[arg-type]
+    public, secret_key = _server_keys(shared)
     sock.curve_secretkey = secret_key
     sock.curve_publickey = public
     sock.curve_server = True
     return True
 
 
-def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
+def bind_securely(sock: zmq.Socket[object], endpoint: str) -> str:
     """``serve_securely`` then bind ``endpoint``; returns the bound endpoint (its real port for port 0). A busy or
     foreign address closes the socket and raises ``InvalidArgument`` saying what to do, not a ZeroMQ traceback."""
     secured = serve_securely(sock, endpoint)
@@ -93,7 +100,7 @@ def bind_securely(sock: zmq.Socket, endpoint: str) -> str:
     return bound
 
 
-def connect_securely(sock: zmq.Socket, shared: str | None | object = _ENV) -> None:
+def connect_securely(sock: zmq.Socket[object], shared: str | None | Literal[_Env.SECRET] = _ENV) -> None:
     """Make a socket about to connect a CURVE client of the secret's server key (``shared``, or this
     process's secret; nothing without one)."""
     if shared is _ENV:
@@ -101,7 +108,7 @@ def connect_securely(sock: zmq.Socket, shared: str | None | object = _ENV) -> No
     if not shared:
         return
     public, secret_key = zmq.curve_keypair()
-    sock.curve_serverkey = _server_keys(shared)[0]  # type: ignore[arg-type]
+    sock.curve_serverkey = _server_keys(shared)[0]
     sock.curve_publickey = public
     sock.curve_secretkey = secret_key
 

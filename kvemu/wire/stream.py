@@ -38,9 +38,6 @@ __all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload", "StreamObserv
 log = logging.getLogger("kvemu.wire")
 
 _FAILED = object()
-
-StreamObserver = Callable[[str, int, int, KvDetails], None]
-"""Told of a stream's recovery: kind (``gap``, ``replay``, ``lost``, ``restart``), worker, rank and details."""
 """What ``EventStream._counted`` returns for a call that raised."""
 
 Payload = bytes | KVEventBatch | EventBatch
@@ -49,6 +46,9 @@ Replay = Callable[[int], Iterable[tuple[int, Payload]] | None]
 """``replay(start)`` asks for the buffered batches from ``start`` on. An in-memory buffer returns them as
 ``(seq, payload)`` in order; a transport that answers later returns None and then feeds the stream's
 ``replay_batch`` and ``replay_end``."""
+StreamObserver = Callable[[str, int, int, KvDetails], None]
+"""``observer(kind, worker_id, dp_rank, details)``: told of a ``gap``, ``replay``, ``lost`` or ``restart`` with its
+typed details (``KvRange``, ``KvReplay``, ``KvRestart``: sequence numbers, what a replay recovered)."""
 
 MAX_HELD_BATCHES = 20_000
 """Most live batches one stream holds while a replay is under way."""
@@ -347,7 +347,7 @@ class EventStream:
         if self.stats.block_size_mismatches <= 3:
             log.error("%s", exc)
 
-    def _counted(self, what: str, rank: int, fn: Callable[..., Any], args: tuple) -> Any:
+    def _counted(self, what: str, rank: int, fn: Callable[..., Any], args: tuple[object, ...]) -> Any:
         """``fn(*args)``, or ``_FAILED`` with the failure counted (and logged if unexpected): a malformed
         event must never stop the stream."""
         try:
@@ -366,11 +366,10 @@ class EventStream:
         if self._counted("applied", rank, self.sink, (event,)) is _FAILED:
             return
         stats = self.stats
-        t = type(data)
-        if t is BlocksStored:
-            stats.blocks_stored += len(data.block_hashes)  # type: ignore[union-attr]
-        elif t is BlocksRemoved:
-            stats.blocks_removed += len(data.block_hashes)  # type: ignore[union-attr]
+        if type(data) is BlocksStored:
+            stats.blocks_stored += len(data.block_hashes)
+        elif type(data) is BlocksRemoved:
+            stats.blocks_removed += len(data.block_hashes)
         else:
             stats.clears += 1
 

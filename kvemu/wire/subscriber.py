@@ -30,7 +30,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
 
 
-def _recv_frames(sock: zmq.Socket) -> list[bytes]:
+def _recv_frames(sock: zmq.SyncSocket) -> list[bytes]:
     """One whole multipart message without blocking (``zmq.Again`` if none is waiting)."""
     frames = [_recv(sock, _NOBLOCK)]
     while _get(sock, _RCVMORE):
@@ -93,7 +93,7 @@ def open_files() -> tuple[int, int] | None:
         return None
 
 
-def sized_context(streams: int) -> zmq.Context:
+def sized_context(streams: int) -> zmq.SyncContext:
     """A ZeroMQ context allowed enough sockets for ``streams`` ranks (ZeroMQ's default stops at 1,023), with
     the process's open-file limit raised towards what they need (up to the hard limit)."""
     sockets = SOCKETS_PER_STREAM * streams + 64
@@ -120,10 +120,10 @@ class _Stream:
 
     def __init__(self, spec: StreamSpec) -> None:
         self.spec = spec
-        self.sub: zmq.Socket = None  # type: ignore[assignment]  # connected by the subscriber's poll
-        self.monitor: zmq.Socket = None  # type: ignore[assignment]
+        self.sub: zmq.SyncSocket = None  # type: ignore[assignment]  # connected by the subscriber's poll
+        self.monitor: zmq.SyncSocket = None  # type: ignore[assignment]
         """Tells when ZeroMQ dropped the connection (an oversized frame): the stream then reconnects."""
-        self.dealer: zmq.Socket | None = None
+        self.dealer: zmq.SyncSocket | None = None
         self.replay_blocked_until_ns = 0
         self.replay_deadline_ns = 0
         self.replay_frames = 0
@@ -145,7 +145,7 @@ class KvEventSubscriber:
         replay_timeout_s: float = 2.0,
         replay_on_connect: bool = True,
         eagle: bool = False,
-        context: zmq.Context | None = None,
+        context: zmq.SyncContext | None = None,
         observer: StreamObserver | None = None,
         max_streams: int | None = None,
         clock: Clock | None = None,
@@ -180,11 +180,11 @@ class KvEventSubscriber:
         """Open files left at the last count, beyond ``FDS_RESERVED``: other connections (every peer that
         connects to the router holds one) take from the same limit as the streams."""
         self._connected_at_count = 0
-        self._streams: dict[zmq.Socket, _Stream] = {}
+        self._streams: dict[zmq.SyncSocket, _Stream] = {}
         self._by_key: dict[tuple[int, int], _Stream] = {}
         self._poller = zmq.Poller()
         self._secret = security.secret()  # sockets made later (in poll) use the secret of the start
-        self._replaying: dict[zmq.Socket, _Stream] = {}
+        self._replaying: dict[zmq.SyncSocket, _Stream] = {}
         """Replays under way, by the DEALER their answer comes on."""
         self._unconnected: dict[tuple[int, int], _Stream] = {}
         """Streams added and not connected yet, in order."""
@@ -204,9 +204,10 @@ class KvEventSubscriber:
                                   f"streams, the most {why}")
         stream = _Stream(spec)
         stats = self.stats.setdefault(spec.worker_id, WorkerEventStats())
+        replay_at = spec.replay_endpoint
         stream.events = EventStream(
             spec.worker_id, spec.dp_rank, sink=self.sink, block_size=self.block_size, stats=stats,
-            replay=(lambda start: self._ask_replay(stream, start)) if spec.replay_endpoint else None,
+            replay=(lambda start: self._ask_replay(stream, start, replay_at)) if replay_at else None,
             replay_on_connect=self.replay_on_connect, eagle=self.eagle, observer=self.observer,
             endpoint=spec.endpoint, groups=list(spec.groups) or None,
         )
@@ -249,7 +250,7 @@ class KvEventSubscriber:
             self._files_free = limit - FDS_RESERVED - used
         return self._files_free - FDS_PER_STREAM * (connected - self._connected_at_count)
 
-    def _connect(self, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
+    def _connect(self, spec: StreamSpec) -> tuple[zmq.SyncSocket, zmq.SyncSocket]:
         sub = self._ctx.socket(zmq.SUB)
         try:
             return self._connect_sub(sub, spec)
@@ -257,7 +258,7 @@ class KvEventSubscriber:
             sub.close(linger=0)
             raise
 
-    def _connect_sub(self, sub: zmq.Socket, spec: StreamSpec) -> tuple[zmq.Socket, zmq.Socket]:
+    def _connect_sub(self, sub: zmq.SyncSocket, spec: StreamSpec) -> tuple[zmq.SyncSocket, zmq.SyncSocket]:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
@@ -390,8 +391,9 @@ class KvEventSubscriber:
         else:
             stream.events.receive(int.from_bytes(frames[1], "big"), frames[2])
 
-    def _ask_replay(self, stream: _Stream, start: int) -> tuple[()] | None:
-        """Ask the rank's replay endpoint for the batches from ``start``; the answer is read by ``poll``.
+    def _ask_replay(self, stream: _Stream, start: int, endpoint: str) -> tuple[()] | None:
+        """Ask the rank's replay endpoint (``endpoint``) for the batches from ``start``; the answer is read by
+        ``poll``.
 
         A replay is bounded: ``replay_timeout_s`` in all and ``MAX_REPLAY_BATCHES`` frames. While it is under
         way the stream's live socket is not read (ZeroMQ queues its batches), so nothing overtakes it. One
@@ -406,7 +408,7 @@ class KvEventSubscriber:
             dealer.setsockopt(zmq.LINGER, 0)
             limits.limit_inbound(dealer, limits.MAX_KV_BATCH_BYTES)
             security.connect_securely(dealer, self._secret)
-            dealer.connect(stream.spec.replay_endpoint)
+            dealer.connect(endpoint)
             stream.dealer = dealer
         stream.dealer.send_multipart([b"", start.to_bytes(8, "big")])
         stream.replay_deadline_ns = now + self.replay_timeout_ms * 1_000_000
@@ -455,7 +457,7 @@ class KvEventSubscriber:
         self._end_replay(stream, keep_dealer=False)
 
     def _end_replay(self, stream: _Stream, *, keep_dealer: bool) -> None:
-        dealer = cast("zmq.Socket", stream.dealer)  # a replaying stream has its dealer (the _replaying key)
+        dealer = cast("zmq.SyncSocket", stream.dealer)  # a replaying stream has its dealer (the _replaying key)
         self._poller.unregister(dealer)
         del self._replaying[dealer]
         if not keep_dealer:  # timed out, or stopped reading: whatever is still coming is stale
