@@ -36,7 +36,7 @@ import kvemu
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvemu", "workers", "harness")
 MODE_WORDS = {"virtual", "live"}
-CHOOSERS = frozenset({"workers/actor/drivers.py", "harness/run_mode.py", "harness/wiring.py"})
+CHOOSERS = frozenset({"workers/actor/drivers.py", "harness/run/mode.py", "harness/run/wiring.py"})
 """The modules that choose the mode's driver: the one place each that may ask which mode it is."""
 DESCRIBERS = ("harness/report/",)
 """Where a finished run's mode is a recorded fact to describe (its summary's ``kvemu.mode``), not a branch."""

@@ -197,7 +197,7 @@ def load(policy: str, trace: Path | None, requests: int) -> Any:
 def run(scenario: Any, profiler: cProfile.Profile | None) -> tuple[dict[str, Any], float]:
     """One run of ``scenario``, under ``profiler`` if given: (summary, wall seconds of ``run_scenario``)."""
     from harness.report.summary import summarize
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
 
     t0 = time.perf_counter()
     if profiler is None:

@@ -79,7 +79,7 @@ def run_kvemu(policy: str, trace: Path | None, max_requests: int | None, engine:
               concurrency: int | None = None) -> tuple[dict[str, Any], float, float]:
     """kvemu's virtual replay of the example with ``router.policy=policy``: (summary, wall s, CPU s)."""
     from harness.report.summary import summarize
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import load_scenario
 
     overrides = [f"router.policy={policy}", "run.mode=virtual", f"workload.arrival_speedup_ratio={speedup!r}",

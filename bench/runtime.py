@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvemu.hooks import HookEvent
 
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import parse_scenario
 from harness.report.stats import percentile
 from bench import verdict

@@ -7,7 +7,7 @@ Starting and stopping worker processes (``add_worker``, ``remove_worker``) is fo
 ``WorkerExited``: a worker process it runs exited unasked, so the router fences it at once, and ``SyncPeers``:
 where a router replica's peers publish their sync batches.
 
-Every place that applies chaos (the in-process cluster of ``harness.runner``, a router process's control channel,
+Every place that applies chaos (the in-process cluster of ``harness.run.runner``, a router process's control channel,
 ``kvemu fleet``) is a ``ChaosHost``; ``apply_chaos`` is the one map from an event onto a host's capabilities.
 """
 

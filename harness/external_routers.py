@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from harness.procs.fleet import FleetInfo
-from harness.pools import AGGREGATED
+from harness.run.pools import AGGREGATED
 from harness.router_contract import CMD_CONTRACT, PLACEHOLDERS, READY_TIMEOUT_S
 
 __all__ = ["RouterSpec", "KNOWN_ROUTERS", "READY_PATHS", "READY_TIMEOUT_S", "PLACEHOLDERS", "CMD_CONTRACT",

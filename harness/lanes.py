@@ -3,12 +3,13 @@
 import warnings
 
 from harness.workload.lanes import (
-    LanePlayer, Cancel, PRIMER, WARMUP, PROFILE, DEADLINE_REASON, WARMUP_FAILED_REASON, conversation_parents,
+    LanePlayer, LaneFigures, Cancel, PRIMER, WARMUP, PROFILE, DEADLINE_REASON, WARMUP_FAILED_REASON, conversation_parents,
     snapshot_cut,
 )
 
 __all__ = [
     "LanePlayer",
+    "LaneFigures",
     "Cancel",
     "PRIMER",
     "WARMUP",

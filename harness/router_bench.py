@@ -21,17 +21,17 @@ from typing import Any
 
 from kvemu.errors import KvemuError
 
-from harness.cluster import engine_config
+from harness.run.factories import engine_config
 from harness.external_routers import READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, flag_caveats, \
     router_command, router_folder, unique_labels
-from harness.interrupts import held_signals
-from harness.pools import AGGREGATED
+from harness.run.interrupts import held_signals
+from harness.run.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
 from harness.procs.up import Children, NotStarted
 from harness.report.routers import router_row, write_router_report
 from harness.report.summary_types import Summary
-from harness.runner import NothingRan
+from harness.run.runner import NothingRan
 from harness.scenario import RunOrigin, Scenario, parse_scenario, scenario_text
 from harness.scenario.sections import TraceWorkload
 from harness.text import counted

@@ -1,76 +1,16 @@
-"""The routing truth's probe: at each routing decision, what the eligible ranks' engines really hold of the prompt.
+"""Deprecated alias of ``harness.run.routing_truth`` (a run's modules have their folder now), kept for one release."""
 
-A host that runs the engines in its own process (virtual time, or live in one process) can read them at the very
-instant the router decides; the router's lifecycle asks (``Lifecycle.truth``) and records on the request the
-chosen rank's cached blocks, the most any eligible rank had, and where the lost blocks were, in the classes of
-Dynamo's locality-metrics proposal (``lib/kv-router/src/scheduling/DESIGN-kv-locality-metrics.md``):
+import warnings
 
-* ``peer``: another DP rank of the chosen worker had them;
-* ``cache_owner``: the rank the request's session last ran on had them;
-* ``shared``: some other rank had them (a prefix shared across sessions).
+from harness.run.routing_truth import (
+    RoutingTruth, RegretJudge, MAX_SESSIONS,
+)
 
-Regret is then ``lost / (novel + lost)`` with ``lost = best - chosen`` and ``novel = prompt blocks - best``.
-Reading an engine changes nothing in it (``RankCore.cached_prefix_blocks``). The classification (``RegretJudge``)
-is shared with the event-derived truth of separate processes (``harness.procs.truth_oracle``).
-"""
+__all__ = [
+    "RoutingTruth",
+    "RegretJudge",
+    "MAX_SESSIONS",
+]
 
-from __future__ import annotations
-
-from collections.abc import Callable, Mapping
-
-from workers.engine_base import RankCore
-
-__all__ = ["RoutingTruth", "RegretJudge", "MAX_SESSIONS"]
-
-MAX_SESSIONS = 1 << 16
-"""Sessions whose last rank is remembered (the oldest is forgotten first)."""
-
-RankKey = tuple[int, int]
-
-
-class RegretJudge:
-    """Classifies a decision's lost blocks from what each rank held, remembering the rank each session last ran on
-    (the ``cache_owner`` class); told the decisions in order."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, RankKey] = {}
-
-    def __call__(self, have: Mapping[RankKey, int], ranks: tuple[RankKey, ...], chosen: RankKey, mine: int,
-                 session: str | None) -> tuple[int, int, str | None]:
-        """(``mine``, the best of ``mine`` and the eligible ranks' ``have``, where the lost blocks were) for a
-        decision that chose ``chosen``; then ``session`` last ran on ``chosen``."""
-        best = max(mine, max((have[key] for key in ranks), default=0))
-        source: str | None = None
-        if best > mine:
-            holders = [key for key in ranks if have[key] == best]
-            if any(key[0] == chosen[0] for key in holders):
-                source = "peer"
-            elif session is not None and self._last.get(session) in holders:
-                source = "cache_owner"
-            else:
-                source = "shared"
-        if session is not None:
-            last = self._last
-            last.pop(session, None)  # (re-inserted last: the dict's order is the sessions' recency)
-            last[session] = chosen
-            if len(last) > MAX_SESSIONS:
-                del last[next(iter(last))]
-        return mine, best, source
-
-
-class RoutingTruth:
-    """``Lifecycle.truth`` over engines the host can read: ``core(worker_id, dp_rank)`` (None: gone)."""
-
-    def __init__(self, core: Callable[[int, int], RankCore | None]) -> None:
-        self._core = core
-        self._judge = RegretJudge()
-
-    def _held(self, key: RankKey, hashes: list[int]) -> int:
-        core = self._core(*key)
-        return core.cached_prefix_blocks(hashes) if core is not None else 0
-
-    def __call__(self, hashes: list[int], ranks: tuple[RankKey, ...], chosen: RankKey,
-                 session: str | None) -> tuple[int, int, str | None]:
-        have = {key: self._held(key, hashes) for key in ranks}
-        mine = have[chosen] if chosen in have else self._held(chosen, hashes)
-        return self._judge(have, ranks, chosen, mine, session)
+warnings.warn("harness.routing_truth is deprecated: import from harness.run.routing_truth",
+              DeprecationWarning, stacklevel=2)

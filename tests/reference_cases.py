@@ -30,7 +30,7 @@ def kvemu_run(trace: Path, engine: dict[str, Any], *, workers: int = 1, trace_bl
               policy: str = "round_robin", pools: dict[str, Any] | None = None, concurrency: int | None = None,
               sla: dict[str, float] | None = None) -> Any:
     """kvemu's ``RunData`` of a virtual replay of ``trace`` (``pools``: a disaggregated cluster)."""
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import parse_scenario
 
     text = json.dumps({

@@ -92,9 +92,9 @@ def test_the_no_circle_contract_reaches_every_package() -> None:
 
 
 @pytest.mark.parametrize(("old", "new"), [
-    ("harness.runner.Terminated", "harness.interrupts.Terminated"),
-    ("harness.cli.signals.held_signals", "harness.interrupts.held_signals"),
-    ("harness.cli.signals.terminate_as_interrupt", "harness.interrupts.terminate_as_interrupt"),
+    ("harness.run.runner.Terminated", "harness.run.interrupts.Terminated"),
+    ("harness.cli.signals.held_signals", "harness.run.interrupts.held_signals"),
+    ("harness.cli.signals.terminate_as_interrupt", "harness.run.interrupts.terminate_as_interrupt"),
     ("harness.workload.sessions.Player", "harness.workload.players.Player"),
     ("harness.workload.sessions.awaiting", "harness.workload.players.awaiting"),
     ("harness.procs.replica_door.RouterLink", "harness.procs.replica_backend.RouterLink"),

@@ -4,7 +4,7 @@
 options), ``run`` (run, validate, scenario show), ``sweep``, ``plan``, ``processes`` (router, worker, loadgen, up,
 serve), ``fleet`` (workers for another router) with ``preflight`` (what those processes refuse before any starts),
 ``trace`` (validate, convert and generate trace files), ``tools`` (tokenizer, compare, demo), and what they share:
-``loading`` (the scenario a command names); what SIGINT and SIGTERM do is ``harness.interrupts`` (the run and the
+``loading`` (the scenario a command names); what SIGINT and SIGTERM do is ``harness.run.interrupts`` (the run and the
 load generators share it).
 """
 
@@ -20,7 +20,7 @@ from harness.cli.processes import admission_limits, process_command
 from harness.cli.run import run_command, scenario_show_command, validate_command
 from harness.cli.sweep import sweep_command
 from harness.cli.tools import compare_command, demo_command, tokenizer_command
-from harness.interrupts import Terminated, terminate_as_interrupt
+from harness.run.interrupts import Terminated, terminate_as_interrupt
 
 __all__ = ["build_parser", "main"]
 
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "allow_local_policies", False):
         import os
 
-        from harness.cluster import ALLOW_LOCAL_POLICIES_ENV
+        from harness.plugins import ALLOW_LOCAL_POLICIES_ENV
 
         os.environ[ALLOW_LOCAL_POLICIES_ENV] = "1"  # child processes (kvemu up) inherit it
     if args.command in ("router", "worker", "front", "loadgen", "up", "serve"):

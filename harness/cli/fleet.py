@@ -128,7 +128,7 @@ def bench_router_command(args: argparse.Namespace) -> int:
     except OutputError as exc:
         print(f"kvemu bench-router: cannot write the reports: {exc}", file=sys.stderr)
         return 2
-    from harness.runner import NothingRan
+    from harness.run.runner import NothingRan
 
     try:
         summaries: dict[str, Summary] = {}

@@ -42,11 +42,11 @@ def load_scenario_args(args: argparse.Namespace) -> Scenario:
 
     text, base_dir, source = scenario_text(args.scenario or None)  # a YAML file, a trace .jsonl or the built-in
     scenario = parse_scenario(text, base_dir=base_dir, overrides=_overrides(args), source=source)
-    from harness.cluster import make_policy
+    from harness.run.factories import make_policy
 
     make_policy(scenario.router.policy)  # a custom policy must import before anything starts
     if scenario.autoscaler is not None:
-        from harness.autoscaler import make_autoscaler
+        from harness.run.autoscaler import make_autoscaler
 
         make_autoscaler(scenario.autoscaler)  # so must a custom autoscaler
     return scenario

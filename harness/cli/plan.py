@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness.interrupts import terminate_as_interrupt
+from harness.run.interrupts import terminate_as_interrupt
 from harness.text import counted
 
 __all__ = ["plan_command"]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.cli.loading import load_scenario_args, run_origin
 from harness.cli.preflight import autoscaler_problem, disagg_problem, http_problem, loadgen_chaos_problem
-from harness.interrupts import held_signals
+from harness.run.interrupts import held_signals
 
 if TYPE_CHECKING:
     from harness.report.summary_types import Summary
@@ -64,7 +64,7 @@ def process_command(args: argparse.Namespace) -> int:
         return _http_loadgen(args, scenario, outdir)
     if args.command == "loadgen":
         from harness.procs.loadgen import NotStarted, loadgen_report
-        from harness.runner import NothingRan
+        from harness.run.runner import NothingRan
 
         problem = loadgen_chaos_problem(scenario, args.chaos) or _loadgen_routers_problem(args, scenario)
         if problem:
@@ -160,7 +160,7 @@ def _http_loadgen(args: argparse.Namespace, scenario: Scenario, outdir: Path) ->
         except (OSError, IndexError, msgspec.DecodeError) as exc:
             print(f"kvemu loadgen: --fleet {args.fleet}: not kvemu fleet's start line ({exc})", file=sys.stderr)
             return 2
-    from harness.runner import NothingRan
+    from harness.run.runner import NothingRan
 
     try:
         summary, where = http_loadgen_report(scenario, args.http_url, outdir, fleet=fleet, prompt_form=args.prompt,

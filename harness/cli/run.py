@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.cli.loading import cluster_shape, load_scenario_args, run_origin
-from harness.interrupts import terminate_as_interrupt
-from harness.run_mode import MODES
+from harness.run.interrupts import terminate_as_interrupt
+from harness.run.mode import MODES
 from harness.text import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from harness.progress import RunProgress
-    from harness.runner import Progress as ProgressCallback
+    from harness.run.progress import RunProgress
+    from harness.run.runner import Progress as ProgressCallback
     from harness.scenario import Scenario
 
 __all__ = ["run_command", "scenario_show_command", "validate_command"]
@@ -57,8 +57,8 @@ def run_command(args: argparse.Namespace) -> int:
 
     from harness.report.plots import background_renderer
     from harness.report.files import OutputError, claim_outdir
-    from harness.progress import for_scenario
-    from harness.runner import NothingRan, RunAborted, run_scenario
+    from harness.run.progress import for_scenario
+    from harness.run.runner import NothingRan, RunAborted, run_scenario
     from harness.scenario import ScenarioError
 
     console = Console(stderr=True)
@@ -117,7 +117,7 @@ def run_command(args: argparse.Namespace) -> int:
 def validate_command(args: argparse.Namespace) -> int:
     from kvemu.errors import KvemuError
 
-    from harness.cluster import check_buildable
+    from harness.run.factories import check_buildable
     from harness.scenario import ScenarioError
     from harness.workload.build import build_sessions
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.interrupts import held_signals, terminate_as_interrupt
+from harness.run.interrupts import held_signals, terminate_as_interrupt
 from harness.text import counted
 
 if TYPE_CHECKING:

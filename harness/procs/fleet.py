@@ -30,7 +30,7 @@ from kvemu.wire.publisher import KvEventPublisher
 from workers.actor.actor import WorkerActor
 
 from harness.chaos import SUPERVISOR_CHAOS, Outcome, RouterlessHost, apply_chaos, at_ns, chaos_problems
-from harness.pools import AGGREGATED
+from harness.run.pools import AGGREGATED
 from harness.procs.engine_truth import EngineTruth, TruthPage
 from harness.procs.protocol import HttpOptions
 from harness.procs.worker import LOAD_SAMPLE_S, build_worker, sample_load

@@ -25,7 +25,7 @@ from kvemu.runtime.router import Router
 from workers.config import EngineConfig
 from workers.actor.actor import WorkerActor
 
-from harness.cluster import engine_config, replica_front
+from harness.run.factories import engine_config, replica_front
 from harness.procs.engine_truth import EngineTruth, Unsettled
 from harness.procs.replica_backend import ReplicaCollector, RouterLink, RouterProcesses
 from harness.scenario import Scenario

@@ -34,17 +34,17 @@ from kvemu.messages import ClientRequest
 from kvemu.records import RequestRecord
 from kvemu.runtime.loop import run_live
 
-from harness.cluster import engine_config
-from harness.interrupts import RunSignals, Terminated, terminate_as_interrupt
+from harness.run.factories import engine_config
+from harness.run.interrupts import RunSignals, Terminated, terminate_as_interrupt
 from harness.workload.lanes import CANCEL_DRAIN_S
-from harness.pools import pool_sizes, speculative_settings, routing_block_size
+from harness.run.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.procs.engine_truth import LoadPage, LoadSample, TruthPage, Unsettled
 from harness.procs.fleet import FleetInfo
 from harness.report.files import save_report
 from harness.report.run_data import RunData, Sample
 from harness.report.summary_types import Summary
-from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
-from harness.runner import NothingRan, count_requests
+from harness.run.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
+from harness.run.runner import NothingRan, count_requests
 from harness.scenario import RunOrigin, Scenario
 from harness.workload.sessions import Played, awaiting, play_workload
 from harness.workload.forms import Sessions

@@ -29,15 +29,15 @@ from kvemu.runtime.transport import message_socket
 from kvemu.wire import security
 
 from harness.chaos import CONTROL_TOKEN_ENV, Control, ControlReply, at_ns, timeline
-from harness.cluster import replica_front
-from harness.interrupts import terminate_as_interrupt
-from harness.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
-from harness.pools import pool_sizes, speculative_settings, routing_block_size
+from harness.run.factories import replica_front
+from harness.run.interrupts import terminate_as_interrupt
+from harness.run.progress import PROGRESS_EVERY_S, RunProgress, for_scenario, print_progress
+from harness.run.pools import pool_sizes, speculative_settings, routing_block_size
 from harness.report.files import save_report
 from harness.report.recorder import WorkerEvent
 from harness.report.run_data import RunData, Sample
 from harness.report.summary_types import Summary
-from harness.runner import NothingRan, count_requests
+from harness.run.runner import NothingRan, count_requests
 from harness.workload.sessions import Played, awaiting, play_workload
 from harness.scenario import RunOrigin, Scenario
 from harness.text import counted

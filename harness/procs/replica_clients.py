@@ -16,7 +16,7 @@ from kvemu.messages import ClientRequest
 from kvemu.records import RequestRecord
 from kvemu.replica_front import ReplicaFront
 
-from harness.cluster import REQUEST_KINDS
+from harness.run.cluster import REQUEST_KINDS
 from harness.procs.protocol import Stats
 from harness.report.run_data import REPLICA_KV_COUNTERS, ReplicaCounters, ReplicaRun, ReplicaSync
 from harness.scenario import Scenario

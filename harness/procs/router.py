@@ -47,18 +47,9 @@ from harness.chaos import (
     WorkerExited,
     apply_chaos,
 )
-from harness.cluster import pool_router
+from harness.run.factories import pool_router
 from harness.procs.gate import PoolGate
-from harness.pools import (
-    AGGREGATED,
-    affinity_stats,
-    compose_pools,
-    kv_stats,
-    owner,
-    routing_block_size,
-    samples,
-    worker_type_of,
-)
+from harness.run.pools import AGGREGATED, affinity_stats, compose_pools, kv_stats, owner, routing_block_size, samples, worker_type_of
 from harness.report.recorder import Recorder
 from harness.report.run_data import EXITED
 from harness.scenario import Scenario

@@ -20,7 +20,7 @@ from kvemu.clock import WallClock
 from kvemu.hooks import HookEvent, Hooks
 from kvemu.runtime.loop import run_live
 
-from harness.cluster import Cluster, cluster
+from harness.run.cluster import Cluster, cluster
 from harness.procs.engine_truth import EngineTruth
 from harness.procs.protocol import HttpOptions
 from harness.procs.worker import LOAD_SAMPLE_S

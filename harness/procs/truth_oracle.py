@@ -1,7 +1,7 @@
 """The routing truth of separate processes (``run.event_truth``): the load generator's own view of every rank's
 cache, from the workers' KV events.
 
-With the engines in other processes nobody can read them at the routing decision (``harness.routing_truth``), so
+With the engines in other processes nobody can read them at the routing decision (``harness.run.routing_truth``), so
 the load generator, which writes the report, follows every worker's KV-event publisher itself (the endpoints the
 router's ``Stats.publishers`` lists) into a prefix index of its own, keyed by (worker, rank), with the router's
 own intake (``KvIngest`` into a ``RoutingCore``: the same ordering, gap replays, hashing and hybrid-group rules).
@@ -29,7 +29,7 @@ from kvemu.routing_core import RoutingCore
 from kvemu.runtime.kv_ingest import KvIngest
 from kvemu.runtime.router import worker_spec
 
-from harness.routing_truth import RegretJudge
+from harness.run.routing_truth import RegretJudge
 
 __all__ = ["TruthOracle", "TRUTH_SOURCE", "FEED_KEYS"]
 

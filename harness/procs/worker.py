@@ -27,8 +27,8 @@ from kvemu.wire.publisher import KvEventPublisher
 from workers.actor.actor import WorkerActor, WorkerRejected
 from workers.mock_worker import MockWorker
 
-from harness.cluster import engine_config
-from harness.pools import AGGREGATED, worker_type_of
+from harness.run.factories import engine_config
+from harness.run.pools import AGGREGATED, worker_type_of
 from harness.scenario import Scenario, ScenarioError
 from harness.tuning import tune_gc
 from harness.procs.engine_truth import EngineTruth

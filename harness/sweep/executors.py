@@ -27,7 +27,7 @@ __all__ = ["MAX_JOBS", "ExecutorError", "open_executor", "abort_executor", "exec
 LOCAL_START_METHOD = "forkserver"
 """How local workers start: forked from a small server process that imported ``LOCAL_PRELOAD`` once. Not
 plain fork: the caller may hold threads (a Dask client's, a progress bar's) that a fork would copy mid-lock."""
-LOCAL_PRELOAD = ("harness.sweep.spec", "harness.runner", "harness.report.summary")
+LOCAL_PRELOAD = ("harness.sweep.spec", "harness.run.runner", "harness.report.summary")
 """Imported once by the fork server, so each worker starts with kvemu loaded instead of importing it."""
 DASK_WORKER_TIMEOUT_S = 60.0
 """How long to wait for a Dask cluster's first worker."""

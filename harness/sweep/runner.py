@@ -13,7 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, as_completed
 from typing import Any
 
-from harness.interrupts import held_signals
+from harness.run.interrupts import held_signals
 from harness.sweep.executors import abort_executor
 from harness.sweep.spec import PointSpec, run_point
 from harness.sweep.report import write_sweep_report

@@ -48,7 +48,7 @@ from harness.scenario import (
     paths_from_cwd,
     read_text_file,
 )
-from harness.run_mode import MODES
+from harness.run.mode import MODES
 from harness.yaml_validation import YamlError, describe_validation_error, floats_where_expected, line_of, load_yaml
 
 __all__ = [
@@ -412,7 +412,7 @@ class _Checks:
         return True
 
     def check(self, scenario: Scenario) -> None:
-        from harness.cluster import check_buildable, make_policy
+        from harness.run.factories import check_buildable, make_policy
         from harness.workload.build import build_sessions
 
         if MODES[scenario.run.mode].shares_the_machine:
@@ -453,9 +453,9 @@ def run_point(point: PointSpec) -> dict[str, Any]:
     ``figures`` (name -> value, None where the summary has none), ``wall_time_s`` (this call) and
     ``run_wall_time_ms`` (the run's own wall time). Only the last two depend on the machine.
     """
-    from harness.pools import pool_sizes
+    from harness.run.pools import pool_sizes
     from harness.report.summary import summarize
-    from harness.runner import RunAborted, run_scenario
+    from harness.run.runner import RunAborted, run_scenario
 
     started = time.perf_counter()
     result: dict[str, Any] = {"point": point.point, "seed": point.seed, "axes": dict(point.axes),

@@ -18,7 +18,7 @@ from kvemu.hooks import Hooks
 from kvemu.http.server import HttpServer
 from kvemu.runtime.loop import run_live
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.procs.frontdoor import front_door, worker_door
 from harness.scenario import parse_scenario
 

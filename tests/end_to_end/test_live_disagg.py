@@ -30,9 +30,9 @@ from kvemu.messages import (
     ReleaseKv,
 )
 
-from harness.cluster import pool_router
+from harness.run.factories import pool_router
 from harness.procs.gate import WRONG_WORKER_TYPE, PoolGate
-from harness.pools import compose_pools
+from harness.run.pools import compose_pools
 from harness.procs.loadgen import _RouterClient
 from harness.scenario import parse_scenario
 from harness.procs.up import Children

@@ -264,7 +264,7 @@ def test_a_report_that_can_be_written_nowhere_prints_its_summary(tmp_path, monke
     import tempfile
 
     from harness.report.files import save_report
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import parse_scenario
 
     data = run_scenario(parse_scenario(f"name: nowhere\n{AGGREGATED}{WORKLOAD}run: {{seed: 1, duration_s: 2}}\n")).data

@@ -14,7 +14,7 @@ from harness.report.autoscale import provisioned_seconds
 from harness.cli import main
 from harness.report.plot_data import plot_job
 from harness.report.request_window import RequestWindow, percentiles
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import ScenarioError, load_scenario, parse_scenario
 from kvemu.records import RequestRecord
 from kvemu.hooks import Hooks

@@ -9,7 +9,7 @@ import pytest
 from kvemu.messages import WORKER_CHAOS, Chaos
 
 from harness.chaos import _APPLY, ChaosHost, Control, Outcome, RouterlessHost, apply_chaos
-from harness.pools import AGGREGATED
+from harness.run.pools import AGGREGATED
 from harness.procs.fleet import Fleet, _FleetChaos
 from harness.procs.router import _RouterControl
 from harness.scenario import CHAOS_TARGETS, ChaosAction, ChaosEvent, parse_scenario

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import parse_scenario
 from harness.workload.build import build_sessions
 

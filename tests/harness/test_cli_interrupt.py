@@ -17,7 +17,7 @@ RUN_MARKING_TRAFFIC = """
 import sys
 from pathlib import Path
 
-import harness.runner as runner
+import harness.run.runner as runner
 from harness.cli import main
 
 marker = Path(sys.argv[1])

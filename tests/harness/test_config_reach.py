@@ -25,7 +25,7 @@ from pathlib import Path
 from workers.config import (EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, KvGroupSpec, SglangConfig,
                             SpeculativeConfig)
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.procs import worker as worker_proc
 from harness.scenario import parse_scenario
 

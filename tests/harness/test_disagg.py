@@ -22,7 +22,7 @@ from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.report.recorder import Recorder
 from harness.scenario import ScenarioError, parse_scenario
 from tests.reference_cases import assert_same, kvemu_outcomes, reference_outcomes, write_trace
@@ -77,7 +77,7 @@ def test_busy_pools_stay_within_a_decode_pass_of_the_reference(dynamo_core, tmp_
 def test_a_mooncake_slice_on_4p4d_matches_the_reference_figures(dynamo_core, mooncake_trace, tmp_path):
     from harness.reference import run_reference_disagg, trace_head
     from harness.report.summary import summarize
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import load_scenario
 
     head = trace_head(mooncake_trace, 300, tmp_path)

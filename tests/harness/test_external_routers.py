@@ -136,7 +136,7 @@ def test_the_fleet_commands_refuse_what_they_cannot_do_before_starting_anything(
 def test_compression_speeds_up_every_pool_and_a_disaggregated_clusters_link():
     """``--compress 10``: arrivals, every pool's engine passes and the KV link ten times faster (a transfer is
     not shortened by a speed-up ratio), so that latencies scaled back by 10 read as uncompressed."""
-    from harness.cluster import engine_config
+    from harness.run.factories import engine_config
     from harness.router_bench import compress_overrides
     from harness.scenario import load_scenario
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STORM = """
 import os, signal, threading, time
 import anyio
-from harness.interrupts import RunSignals
+from harness.run.interrupts import RunSignals
 from kvemu.runtime.loop import run_live
 
 stops, storm_over = [], threading.Event()
@@ -53,7 +53,7 @@ def test_a_storm_of_signals_from_another_thread_stops_the_run_once_and_every_one
 
 EARLY = """
 import os, signal
-from harness.interrupts import RunSignals, Terminated
+from harness.run.interrupts import RunSignals, Terminated
 from kvemu.runtime.loop import run_live
 
 async def main():

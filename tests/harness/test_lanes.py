@@ -23,7 +23,7 @@ from kvemu.runtime.loop import run_virtual
 from harness.workload.agentic_corpus import corpus_rows
 from harness.workload.lanes import DEADLINE_REASON, LanePlayer, conversation_parents, snapshot_cut
 from harness.report.summary import WALL_CLOCK_KEYS
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import LanesSpec, ScenarioError, load_scenario, parse_scenario
 from harness.workload.traces.formats import load_graph
 from harness.workload.traces.graph import TraceGraph

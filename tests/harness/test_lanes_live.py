@@ -18,7 +18,7 @@ from kvemu.http.tokenizer import builtin_tokenizer
 from kvemu.runtime.loop import run_live
 
 from harness.workload.agentic_corpus import corpus_rows
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.workload.lanes import DEADLINE_REASON
 from harness.procs.engine_truth import EngineTruth
 from harness.procs.frontdoor import worker_door

@@ -228,7 +228,7 @@ def test_the_first_sigterm_stops_a_command_without_a_handler_of_its_own_with_143
 
 def test_an_interrupted_plan_keeps_the_probes_that_finished(tmp_path):
     from harness.sweep.plan import write_partial_plan
-    from harness.runner import Terminated
+    from harness.run.runner import Terminated
 
     class StopInRoundTwo(ModelExecutor):
         def submit(self, fn, /, *args, **kwargs):

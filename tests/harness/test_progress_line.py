@@ -4,7 +4,7 @@ read against a fake wall clock."""
 import io
 import threading
 
-from harness.progress import GENERATING, RUNNING, RunProgress, eta_text, expected_requests, for_scenario, \
+from harness.run.progress import GENERATING, RUNNING, RunProgress, eta_text, expected_requests, for_scenario, \
     print_progress
 from harness.scenario import parse_scenario
 

@@ -13,7 +13,7 @@ from harness.report.markdown import render_markdown
 from harness.report.plots import PLOTS, background_renderer, write_plots
 from harness.report.run_data import ReplicaCounters, ReplicaRun, ReplicaSync, RunData
 from harness.report.summary import summarize
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import default_scenario_text, parse_scenario
 from kvemu import RequestRecord
 from tests.harness.test_report import PNG_SIGNATURE, sample_run

@@ -16,7 +16,7 @@ from kvemu.runtime.router import RouterSettings
 
 from harness.report.files import write_requests
 from harness.report.summary import summarize
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import ScenarioError, parse_scenario
 
 BASE = """
@@ -254,7 +254,7 @@ def test_the_load_generator_and_the_front_door_process_pick_replicas_as_one_proc
     from kvemu.messages import ClientRequest
     from kvemu.replica_front import ReplicaFrontDoor
 
-    from harness.cluster import replica_front
+    from harness.run.factories import replica_front
     from harness.procs.replica_clients import ReplicaClients
     from harness.scenario import parse_scenario
 

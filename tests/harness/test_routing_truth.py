@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.routing_truth import MAX_SESSIONS, RoutingTruth
+from harness.run.routing_truth import MAX_SESSIONS, RoutingTruth
 
 
 class _Core:

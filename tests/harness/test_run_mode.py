@@ -1,10 +1,10 @@
-"""The run's mode is chosen once (``harness.run_mode``): each mode's clock, loop, sampling and facts."""
+"""The run's mode is chosen once (``harness.run.mode``): each mode's clock, loop, sampling and facts."""
 
 from __future__ import annotations
 
 import anyio
 
-from harness.run_mode import LiveRun, VirtualRun, run_mode
+from harness.run.mode import LiveRun, VirtualRun, run_mode
 
 
 def test_a_virtual_run_sleeps_in_no_time_and_reads_the_engines_for_its_samples() -> None:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from harness.report.files import OutputError
-from harness.runner import RunAborted, Terminated, run_scenario
+from harness.run.runner import RunAborted, Terminated, run_scenario
 from harness.scenario import parse_scenario
 from workers.actor.actor import WorkerActor
 

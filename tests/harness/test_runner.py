@@ -14,7 +14,7 @@ import pytest
 from harness.report.files import write_requests
 from harness.report.plots import PLOTS
 from harness.report.summary import LATENCY_METRICS, STATS, dumps_summary, summarize
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import default_scenario_text, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -46,7 +46,7 @@ def _exactly(plain: Any, typed: Any, where: str = "") -> None:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, RunData]:
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import load_scenario
 
     return {name: run_scenario(load_scenario(ROOT / path, overrides), None).data

@@ -105,7 +105,7 @@ def test_a_fully_reused_sweep_says_so(tmp_path):
 def test_a_signal_while_the_executor_starts_writes_sweep_md_and_the_resume_hint(tmp_path, monkeypatch, capsys):
     from harness import cli
     from harness.sweep import executors
-    from harness.runner import Terminated
+    from harness.run.runner import Terminated
 
     @contextlib.contextmanager
     def interrupted(address, jobs):

@@ -15,7 +15,7 @@ from kvemu.clock import NS_PER_MS, ManualClock
 from kvemu.runtime.loop import run_virtual
 from harness.workload.traces.mooncake import read_mooncake
 
-from harness.runner import count_requests
+from harness.run.runner import count_requests
 from harness.scenario import TraceWorkload, parse_scenario
 from harness.workload.sessions import SessionPlayer, drain_deadline_s
 from harness.workload.synthetic_trace import write_synthetic_trace

@@ -10,7 +10,7 @@ from kvemu.records import RequestRecord
 
 from harness.procs.truth_oracle import TruthOracle
 from harness.scenario import ScenarioError, parse_scenario
-from harness.routing_truth import RegretJudge, RoutingTruth
+from harness.run.routing_truth import RegretJudge, RoutingTruth
 from tests.kvemu.wire.test_sockets import BS, batch, chain_events, net, prompt, wait_until  # noqa: F401 (fixture)
 
 A, B, C = prompt(1, 8), prompt(2, 6), prompt(3, 5)

@@ -1,4 +1,4 @@
-"""The in-process cluster connects its parts through one seam (``harness.wiring``), chosen once from the mode."""
+"""The in-process cluster connects its parts through one seam (``harness.run.wiring``), chosen once from the mode."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from kvemu.hooks import Hooks
 from kvemu.messages import ClientRequest
 from kvemu.runtime.loop import run_virtual
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.scenario import parse_scenario
-from harness.wiring import MemoryWiring, ZmqWiring, wiring_for
+from harness.run.wiring import MemoryWiring, ZmqWiring, wiring_for
 
 SCENARIO = """
 name: wiring

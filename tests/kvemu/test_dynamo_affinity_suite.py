@@ -464,7 +464,7 @@ def test_canonical_replay_reuses_native_cache_in_aggregated_and_disaggregated_dp
     first turn's cache."""
     import json
 
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import parse_scenario
 
     trace = tmp_path / "trace.jsonl"

@@ -22,7 +22,7 @@ from kvemu.hooks import (DETAILS, DUPLICATE, HookEvent, HookKind, Hooks, KvRange
 from kvemu.kv_events import BlockStored, KVEventBatch
 from kvemu.queue import PolicyQueue, QueueClass
 
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import parse_scenario
 from tests.harness.test_chaos_virtual import BASE
 from tests.harness.test_disagg import SCENARIO as DISAGG, req as disagg_req, run_requests

@@ -14,7 +14,7 @@ from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest
 from workers import EngineConfig, MockWorker, Request
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.report.recorder import Recorder
 from harness.scenario import parse_scenario
 

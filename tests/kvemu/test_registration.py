@@ -21,7 +21,7 @@ import kvemu.wire.subscriber as subscriber_module
 from kvemu.wire.subscriber import (FDS_PER_STREAM, FDS_RESERVED, FILES_RECOUNT_NS, KvEventSubscriber, StreamSpec,
                                    open_files)
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.scenario import parse_scenario
 
 
@@ -199,7 +199,7 @@ def test_the_open_file_limit_is_mentioned_only_when_the_configured_cluster_does_
     """A live router with room for 3 ranks' streams (not max_ranks): silent for a cluster of up to 3 ranks, a
     warning naming both numbers for one that can reach more."""
     import kvemu.wire.subscriber as subscriber
-    from harness.cluster import pool_router
+    from harness.run.factories import pool_router
 
     monkeypatch.setattr(subscriber, "open_file_limit", lambda want: subscriber.FDS_RESERVED + 3 * subscriber.FDS_PER_STREAM)
     scenario = parse_scenario("name: x\n", overrides=overrides)

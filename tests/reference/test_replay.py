@@ -2,7 +2,7 @@
 
 Both sides replay the first ``ROWS`` rows of the one-hour Mooncake conversation trace with the engine of
 ``examples/mooncake-3600s.yaml`` (Dynamo mocker defaults, ``trace_block_size`` 512): kvemu through
-``harness.runner.run_scenario``, the reference through ``dynamo._core.run_mocker_trace_replay`` in
+``harness.run.runner.run_scenario``, the reference through ``dynamo._core.run_mocker_trace_replay`` in
 offline mode, as ``python -m bench.replay`` does. Each figure (mean/p50/p99 TTFT, mean ITL, mean E2E,
 prefix-cache reuse ratio) must be within ``TOLERANCE`` (2 %) of the reference's.
 
@@ -78,7 +78,7 @@ def trace_slice(mooncake_trace, tmp_path_factory) -> Path:
 
 def run_kvemu(trace: Path, policy: str, workers: int, engine: dict[str, Any]) -> dict[str, Any]:
     from harness.report.summary import summarize
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import load_scenario
 
     scenario = load_scenario(SCENARIO, [f"router.policy={policy}", f"cluster.workers={workers}",

@@ -12,7 +12,7 @@ from kvemu.hooks import Hooks
 from kvemu.messages import MAX_KNOB_CHARS, EngineSettings, Register, RegisterAck, decode_worker_message, encode
 from workers.config import EngineConfig
 
-from harness.cluster import engine_config, pool_router
+from harness.run.factories import engine_config, pool_router
 from harness.scenario import parse_scenario
 
 SCENARIO = "name: s\ncluster: {workers: 1, engine: {num_gpu_blocks: 4096, speedup_ratio: 4, decode_speedup_ratio: 4}}\n"

@@ -486,7 +486,7 @@ TINY = Path(__file__).parents[1] / "data" / "tiny-profile.csv"
 
 
 def test_a_scenario_resolves_the_profile_against_its_directory_and_runs_on_it(tmp_path):
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
     from harness.scenario import load_scenario
 
     save_profile(irregular(), tmp_path / "gpu.csv")

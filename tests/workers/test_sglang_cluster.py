@@ -8,7 +8,7 @@ import json
 import pytest
 
 import workers.actor.actor
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import parse_scenario
 from workers.config import EngineConfig
 from workers.request import Request
@@ -75,7 +75,7 @@ def test_the_router_sees_the_evictions_made_since_it_last_decided(monkeypatch):
     told the router by then."""
     import anyio
 
-    from harness.cluster import cluster
+    from harness.run.cluster import cluster
     from kvemu import ManualClock
     from kvemu.hooks import Hooks
     from kvemu.runtime.loop import run_virtual

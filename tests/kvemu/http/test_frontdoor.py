@@ -16,7 +16,7 @@ from kvemu.http.tokenizer import builtin_tokenizer
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.procs.frontdoor import front_door, worker_door
 from harness.scenario import default_scenario_text, parse_scenario
 

@@ -17,7 +17,7 @@ from kvemu.http.server import HttpServer
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.procs.frontdoor import worker_door
 from harness.scenario import parse_scenario
 from harness.procs.up import cli_command, cli_env

@@ -7,7 +7,7 @@ from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_live, run_virtual
 from kvemu.messages import ClientRequest
 
-from harness.cluster import cluster
+from harness.run.cluster import cluster
 from harness.scenario import parse_scenario
 
 SMALL = """
@@ -85,7 +85,7 @@ run: {mode: live, seed: 3, duration_s: 2.5}
 
 
 def test_live_mode_two_workers_two_ranks_on_loopback():
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
 
     out = run_scenario(parse_scenario(LIVE, overrides=["name=live-smoke", "cluster.dp_size=2",
                                                        "workload.num_prefix_groups=16"]))
@@ -105,7 +105,7 @@ chaos:
   - {at_s: 0.5, action: drop_kv_events, worker: 1, dp_rank: 0, count: 3}
   - {at_s: 1.0, action: delay_kv_events, lag_ms: 50}
 """
-    from harness.runner import run_scenario
+    from harness.run.runner import run_scenario
 
     out = run_scenario(parse_scenario(text, overrides=["name=live-chaos", "cluster.dp_size=1"]))
     assert out.data.records and all(r.failure is None for r in out.data.records)

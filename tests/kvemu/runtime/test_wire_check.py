@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from harness.runner import run_scenario
+from harness.run.runner import run_scenario
 from harness.scenario import parse_scenario
 
 CHAOS = """
