@@ -43,7 +43,7 @@ class TruthPage(msgspec.Struct):
 
     records: Annotated[list[RequestRecord], Meta(max_length=MAX_PAGE)]
     """Each request as its engine saw it: the engine's own record without its token times (the rank that
-    served, ``arrival_ns`` at this worker, ``admitted_ns``, ``engine_cached_tokens``, preemptions, a decode
+    served, ``arrival_ns`` at this worker, its ``engine`` facts (admission, cached tokens, preemptions), a decode
     leg's ``kv_reserved_ns``/``kv_activated_ns``, its failure)."""
     next: Count
     dropped: Count

@@ -188,7 +188,7 @@ def _prediction_truth(data: RunData, records: list[RequestRecord], done: list[Re
         if rec.predicted_overlap_blocks is None:
             continue
         predicted = min(rec.predicted_overlap_blocks * bs, rec.isl)
-        engine = rec.engine_cached_tokens or 0
+        engine = rec.engine.cached_tokens or 0
         predicted_total += predicted
         engine_total += engine
         diffs.append(abs(predicted - engine))
@@ -292,7 +292,7 @@ def _replicas(data: RunData, records: list[RequestRecord]) -> dict[str, Any]:
     per = []
     for row, recs in zip(rep["per_replica"], mine):
         done = [r for r in recs if r.done]
-        reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
+        reused = sum((r.engine.cached_tokens or 0) if r.engine.reused_tokens is None else r.engine.reused_tokens
                      for r in done)
         regret = _regret(data, recs, t0)
         per.append({
@@ -345,7 +345,7 @@ def _per_rank(data: RunData, records: list[RequestRecord]) -> list[dict[str, Any
         row["output_tokens"] += len(rec.token_times_ns)
         if rec.done:
             row["completed_requests"] += 1
-            row["_cached"] += rec.engine_cached_tokens or 0
+            row["_cached"] += rec.engine.cached_tokens or 0
             row["_isl_done"] += rec.isl
         elif rec.failure is not None:
             row["failed_requests"] += 1
@@ -421,8 +421,8 @@ def _summary_builtins(data: RunData) -> dict[str, Any]:
     done = [r for r in records if r.done]
     total_in = sum(r.isl for r in done)
     total_out = sum(len(r.token_times_ns) for r in done)
-    cached = sum(r.engine_cached_tokens or 0 for r in done)
-    reused = sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
+    cached = sum(r.engine.cached_tokens or 0 for r in done)
+    reused = sum((r.engine.cached_tokens or 0) if r.engine.reused_tokens is None else r.engine.reused_tokens
                  for r in done)
     # a done record has a completion_ns (RequestRecord.done), which mypy cannot narrow through the property
     duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var,operator]
@@ -561,14 +561,14 @@ def _speculative(settings: dict[str, Any], done: list[RequestRecord]) -> dict[st
 
 def _cache_tiers(done: list[RequestRecord]) -> dict[str, Any] | None:
     """Host offload: first-admission cached tokens per tier (GPU = g1, host), or None without a host tier."""
-    with_host = [r for r in done if r.engine_host_cached_tokens is not None]
+    with_host = [r for r in done if r.engine.host_cached_tokens is not None]
     if not with_host:
         return None
-    host = sum(r.engine_host_cached_tokens or 0 for r in with_host)
-    cached = sum(r.engine_cached_tokens or 0 for r in with_host)
+    host = sum(r.engine.host_cached_tokens or 0 for r in with_host)
+    cached = sum(r.engine.cached_tokens or 0 for r in with_host)
     total_in = sum(r.isl for r in with_host)
     return {"requests": len(with_host), "g1_cached_tokens": cached - host, "host_cached_tokens": host,
-            "requests_with_host_hits": sum(1 for r in with_host if r.engine_host_cached_tokens),
+            "requests_with_host_hits": sum(1 for r in with_host if r.engine.host_cached_tokens),
             "g1_cached_ratio": _ratio(cached - host, total_in), "host_cached_ratio": _ratio(host, total_in)}
 
 

@@ -546,12 +546,9 @@ class WorkerActor:
             transfer = msgspec.structs.replace(self._transfer, source_dp_rank=rank)
         if self.on_end is not None:
             self.on_end(rec, "length")
-        self._reply(Finished(
-            request_id=rid, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
-            cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
-            reused_tokens=rec.engine_reused_tokens, host_cached_tokens=rec.engine_host_cached_tokens,
-            kv_transfer=transfer,
-        ))
+        # the engine is done with its facts: the router's record embeds them as they are
+        self._reply(Finished(request_id=rid, times_ns=rec.token_times_ns[sent:], engine=rec.engine,
+                             dp_rank=rec.dp_rank or 0, kv_transfer=transfer))
 
     # ------------------------------------------------------------------ wall time
 

@@ -86,15 +86,16 @@ class VllmMetrics:
         if success is None:
             success = r.success[reason] = self.success.labels(self.model, str(rec.dp_rank or 0), reason)
         success.inc()
-        if rec.admitted_ns is not None:
+        facts = rec.engine
+        if facts.admitted_ns is not None:
             r.prefix_queries.inc(rec.isl)
-            r.prefix_hits.inc(rec.engine_cached_tokens or 0)
+            r.prefix_hits.inc(facts.cached_tokens or 0)
             r.prompt_tokens.inc(rec.isl)
-            r.queue.observe((rec.admitted_ns - rec.arrival_ns) / NS_PER_S)
+            r.queue.observe((facts.admitted_ns - rec.arrival_ns) / NS_PER_S)
         if rec.output_tokens:
             r.generation_tokens.inc(rec.output_tokens)
-        if rec.preemptions:
-            r.preemptions.inc(rec.preemptions)
+        if facts.preemptions:
+            r.preemptions.inc(facts.preemptions)
         if rec.first_token_ns is not None:
             r.ttft.observe((rec.first_token_ns - rec.arrival_ns) / NS_PER_S)
             times = rec.token_times_ns

@@ -484,15 +484,15 @@ class SglangEngineCore(RankCore):
             rem_chunk -= charged
             p.chunks.append(_Chunk(seq, prefix, end, final))
             seq.status = RUNNING
-            rec = seq.record
             if fresh:
-                if rec.admitted_ns is None:
-                    rec.admitted_ns = p.start
-                    rec.engine_cached_tokens = prefix
+                facts = seq.record.engine
+                if facts.admitted_ns is None:
+                    facts.admitted_ns = p.start
+                    facts.cached_tokens = prefix
                 # the most any of its admissions found cached: what the reference's replay reports for a request
                 # retracted and re-admitted (a later admission may find less, what the others evicted meanwhile)
-                if rec.engine_reused_tokens is None or prefix > rec.engine_reused_tokens:
-                    rec.engine_reused_tokens = prefix
+                if facts.reused_tokens is None or prefix > facts.reused_tokens:
+                    facts.reused_tokens = prefix
             if final:
                 self.running.append(seq)
             if rem_chunk <= 0 or not final:
@@ -580,7 +580,7 @@ class SglangEngineCore(RankCore):
         self._let_go(seq, cache=True)
         seq.status = WAITING
         seq.prefilling = True
-        seq.record.preemptions += 1
+        seq.record.engine.preemptions += 1
         # to the end of the queue, as the reference's replay does: requests already waiting go first (and a
         # half-prefilled prompt is never stuck behind one that cannot fit until that prompt's pages are freed)
         self.waiting.append(seq)
