@@ -13,12 +13,10 @@ embeds it as ``RequestRecord.engine``; requests.jsonl keeps its flat columns (``
 
 from __future__ import annotations
 
+import warnings
 from array import array
 from collections.abc import Sequence
 from typing import Annotated
-
-import re
-import warnings
 
 import msgspec
 from msgspec import Meta
@@ -193,17 +191,19 @@ JSONL_COLUMNS: tuple[str, ...] = tuple(
     for name in ([g.encode_name for g in msgspec.structs.fields(EngineFacts)] if f.name == "engine" else [f.encode_name]))
 """The columns of requests.jsonl, in order (``records_jsonl``): the record's fields, ``engine`` flattened."""
 
-_NESTED_FACTS = re.compile(rb'"engine":\{([^{}]*)\}')
-"""The embedded ``EngineFacts`` object in a record's JSON: its ``"engine":{`` cannot occur inside a JSON string
-(whose quotes are escaped), and it holds numbers and nulls only."""
+_AFTER_ENGINE = RequestRecord.__struct_encode_fields__[RequestRecord.__struct_encode_fields__.index("engine") + 1]
+_OPEN = b'"engine":{'
+_CLOSE, _CLOSED = f'}},"{_AFTER_ENGINE}":'.encode(), f',"{_AFTER_ENGINE}":'.encode()
+"""The embedded ``EngineFacts`` object's ends in a record's JSON, found by plain search: a JSON string escapes its
+quotes, so neither can occur inside one, and the facts (numbers and nulls) hold no object of their own."""
 
 
 def records_jsonl(records: Sequence[RequestRecord], encoder: msgspec.json.Encoder) -> bytes:
     """The records as JSON lines with flat columns (requests.jsonl): ``engine``'s fields in its place, as
     ``admitted_ns``, ``engine_cached_tokens``, …, ``preemptions`` (the layout from before they were embedded)."""
-    return _NESTED_FACTS.sub(rb"\1", encoder.encode_lines(records))
+    return encoder.encode_lines(records).replace(_OPEN, b"").replace(_CLOSE, _CLOSED)
 
 
 def flat_json(record: RequestRecord, encoder: msgspec.json.Encoder) -> bytes:
     """One record as requests.jsonl's JSON object (flat columns, ``records_jsonl``), without a newline."""
-    return _NESTED_FACTS.sub(rb"\1", encoder.encode(record), count=1)
+    return encoder.encode(record).replace(_OPEN, b"", 1).replace(_CLOSE, _CLOSED, 1)
