@@ -16,15 +16,15 @@ from __future__ import annotations
 import warnings
 from array import array
 from collections.abc import Sequence
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 from msgspec import Meta
 
 from kvemu.limits import MAX_OUTPUT_TOKENS, MAX_TEXT_CHARS, Count, Id, Key, Name, Rank, TimeNs, WorkerId
 
-__all__ = ["EngineFacts", "RequestRecord", "router_record", "records_jsonl", "flat_json", "JSONL_COLUMNS",
-           "sequences_as_lists", "MAX_FAILURE_CHARS"]
+__all__ = ["EngineFacts", "EngineRecord", "RequestRecord", "router_record", "records_jsonl", "flat_json",
+           "JSONL_COLUMNS", "sequences_as_lists", "MAX_FAILURE_CHARS"]
 
 MAX_FAILURE_CHARS = 2 * MAX_TEXT_CHARS
 """A record's failure: kvemu's own words around a peer's reason (a worker's refusal or failure, ``Text``), so a
@@ -59,12 +59,45 @@ class EngineFacts(msgspec.Struct, kw_only=True, gc=False, forbid_unknown_fields=
     """Times the engine preempted it (its blocks taken back; recomputed on re-admission)."""
 
 
-def _moved(name: str, new: str) -> None:
-    """Warn that a field moved into ``RequestRecord.engine`` (its old name is a read-only alias for one release)."""
-    warnings.warn(f"RequestRecord.{name} is now RequestRecord.engine.{new}", DeprecationWarning, stacklevel=3)
+class _MovedFacts(msgspec.Struct):
+    """The engine's facts under their names from before ``EngineFacts`` (read-only, deprecated for one release):
+    a base of both records, no field of its own."""
+
+    if TYPE_CHECKING:
+        engine: EngineFacts
+
+    def _moved(self, name: str, new: str) -> EngineFacts:
+        cls = type(self).__name__
+        warnings.warn(f"{cls}.{name} is now {cls}.engine.{new}", DeprecationWarning, stacklevel=3)
+        return self.engine
+
+    @property
+    def admitted_ns(self) -> int | None:
+        """Deprecated (one release): ``engine.admitted_ns``."""
+        return self._moved("admitted_ns", "admitted_ns").admitted_ns
+
+    @property
+    def engine_cached_tokens(self) -> int | None:
+        """Deprecated (one release): ``engine.cached_tokens``."""
+        return self._moved("engine_cached_tokens", "cached_tokens").cached_tokens
+
+    @property
+    def engine_reused_tokens(self) -> int | None:
+        """Deprecated (one release): ``engine.reused_tokens``."""
+        return self._moved("engine_reused_tokens", "reused_tokens").reused_tokens
+
+    @property
+    def engine_host_cached_tokens(self) -> int | None:
+        """Deprecated (one release): ``engine.host_cached_tokens``."""
+        return self._moved("engine_host_cached_tokens", "host_cached_tokens").host_cached_tokens
+
+    @property
+    def preemptions(self) -> int:
+        """Deprecated (one release): ``engine.preemptions``."""
+        return self._moved("preemptions", "preemptions").preemptions
 
 
-class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=True):
+class RequestRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True):
     """Everything known about one request's life; the field order is the column order of requests.jsonl, with
     ``engine``'s fields in its place (``JSONL_COLUMNS``).
 
@@ -132,36 +165,6 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
 
     @property
-    def admitted_ns(self) -> int | None:
-        """Deprecated (one release): ``engine.admitted_ns``."""
-        _moved("admitted_ns", "admitted_ns")
-        return self.engine.admitted_ns
-
-    @property
-    def engine_cached_tokens(self) -> int | None:
-        """Deprecated (one release): ``engine.cached_tokens``."""
-        _moved("engine_cached_tokens", "cached_tokens")
-        return self.engine.cached_tokens
-
-    @property
-    def engine_reused_tokens(self) -> int | None:
-        """Deprecated (one release): ``engine.reused_tokens``."""
-        _moved("engine_reused_tokens", "reused_tokens")
-        return self.engine.reused_tokens
-
-    @property
-    def engine_host_cached_tokens(self) -> int | None:
-        """Deprecated (one release): ``engine.host_cached_tokens``."""
-        _moved("engine_host_cached_tokens", "host_cached_tokens")
-        return self.engine.host_cached_tokens
-
-    @property
-    def preemptions(self) -> int:
-        """Deprecated (one release): ``engine.preemptions``."""
-        _moved("preemptions", "preemptions")
-        return self.engine.preemptions
-
-    @property
     def done(self) -> bool:
         """Whether the request completed: every requested token produced, no failure."""
         return self.completion_ns is not None and self.failure is None
@@ -174,6 +177,36 @@ class RequestRecord(msgspec.Struct, kw_only=True, gc=False, repr_omit_defaults=T
         """The time of the last output token so far (None before the first)."""
         times = self.token_times_ns
         return times[-1] if len(times) else None
+
+
+class EngineRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True):
+    """One request's life as its engine core keeps it: the engine's part of ``RequestRecord`` under the same names
+    (its facts in ``engine``, which ``Finished`` hands to the router's record). ``gc=False`` as the router's."""
+
+    request_id: Key
+    arrival_ns: TimeNs = 0
+    """When the request reached the engine."""
+    isl: Count = 0
+    max_tokens: Count = 0
+    worker_id: WorkerId | None = None
+    dp_rank: Rank | None = None
+    engine: EngineFacts = msgspec.field(default_factory=EngineFacts)
+    first_token_ns: TimeNs | None = None
+    output_tokens: Count = 0
+    token_times_ns: Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)] = []
+    """Each output token's time (the end of its pass); empty if the engine does not record them."""
+    completion_ns: TimeNs | None = None
+    kv_reserved_ns: TimeNs | None = None
+    """A decode leg: when the engine reserved room for the prompt (its KV transfer began)."""
+    kv_activated_ns: TimeNs | None = None
+    """A decode leg: when it joined the engine's passes (the transfer was over)."""
+    failure: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] | None = None
+    """Why the engine dropped it (aborted, its rank lost); None if it did not."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the request completed: every requested token produced, no failure."""
+        return self.completion_ns is not None and self.failure is None
 
 
 def router_record(request_id: str, *, session_id: str | None, parent_session_id: str | None, arrival_ns: int,

@@ -7,13 +7,13 @@ import asyncio
 import msgspec
 import pytest
 
-from kvemu.records import EngineFacts, RequestRecord
+from kvemu.records import EngineFacts, EngineRecord
 
 from harness.procs.engine_truth import EngineTruth, TruthPage
 
 
-def _rec(i: int, **kw) -> RequestRecord:
-    return RequestRecord(request_id=f"r{i}", arrival_ns=i, isl=100, dp_rank=1, engine=EngineFacts(cached_tokens=64),
+def _rec(i: int, **kw) -> EngineRecord:
+    return EngineRecord(request_id=f"r{i}", arrival_ns=i, isl=100, dp_rank=1, engine=EngineFacts(cached_tokens=64),
                          **kw)
 
 

@@ -13,7 +13,7 @@ from kvemu import ManualClock, RequestRecord
 from kvemu.hooks import Hooks
 from kvemu.limits import INT64_MAX
 from kvemu.messages import ClientRequest, Finished, decode_worker_message, encode
-from kvemu.records import JSONL_COLUMNS, EngineFacts, records_jsonl, sequences_as_lists
+from kvemu.records import JSONL_COLUMNS, EngineFacts, EngineRecord, records_jsonl, sequences_as_lists
 from kvemu.runtime.loop import run_virtual
 
 from harness.cluster import cluster
@@ -130,3 +130,16 @@ def test_the_old_names_still_read_and_warn():
     assert old == (7, 32, 16, 8, 2) * 2
     assert len(caught) == 10 and all(w.category is DeprecationWarning and w.filename == __file__ for w in caught)
     assert "RequestRecord.engine.cached_tokens" in str(caught[1].message)
+
+
+def test_the_engines_record_is_the_routers_fields_it_fills_under_the_same_names_and_bounds():
+    """``EngineRecord`` is the engine's part of ``RequestRecord``: every field of it is one of the router's record,
+    same type and bounds (the worker's /kvemu/requests page serves it as a ``RequestRecord``)."""
+    router = {f.name: f for f in msgspec.inspect.type_info(RequestRecord).fields}
+    engine = msgspec.inspect.type_info(EngineRecord).fields
+    assert len(engine) <= len(router) // 2
+    for f in engine:
+        assert f.name in router and f.type == router[f.name].type, f.name
+    rec = EngineRecord(request_id="x", engine=EngineFacts(cached_tokens=5))
+    with pytest.warns(DeprecationWarning, match=r"EngineRecord\.engine_cached_tokens is now EngineRecord\.engine"):
+        assert rec.engine_cached_tokens == 5

@@ -8,7 +8,7 @@ import anyio
 import msgspec
 
 from kvemu import ManualClock, RequestRecord
-from kvemu.records import sequences_as_lists
+from kvemu.records import EngineRecord, sequences_as_lists
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest
@@ -45,16 +45,17 @@ def _holds_scalars_only(struct: msgspec.inspect.StructType) -> None:
 def test_gc_untracked_is_safe_no_field_can_hold_an_object():
     """``gc=False`` is safe only while no field can refer back to a record: scalars, lists of ints, and structs of
     them (themselves untracked)."""
-    _holds_scalars_only(msgspec.inspect.type_info(RequestRecord))
-    rec = RequestRecord(request_id="r", token_times_ns=[1, 2])
-    assert not gc.is_tracked(rec) and not gc.is_tracked(rec.engine) and rec.token_times_ns == [1, 2]
-    assert RequestRecord(request_id="a").token_times_ns is not RequestRecord(request_id="b").token_times_ns
+    for cls in (RequestRecord, EngineRecord):
+        _holds_scalars_only(msgspec.inspect.type_info(cls))
+        rec = cls(request_id="r", token_times_ns=[1, 2])
+        assert not gc.is_tracked(rec) and not gc.is_tracked(rec.engine) and rec.token_times_ns == [1, 2]
+        assert cls(request_id="a").token_times_ns is not cls(request_id="b").token_times_ns
 
 
 def test_engine_keeps_the_record_and_the_worker_names_itself():
     worker = MockWorker(EngineConfig(block_size=4, num_gpu_blocks=16), worker_id=7)
     rec = worker.dispatch(Request(request_id="a", token_ids=list(range(10)), max_tokens=3)).raise_if_rejected()
-    assert type(rec) is RequestRecord
+    assert type(rec) is EngineRecord  # the engine's own, smaller record
     assert (rec.worker_id, rec.dp_rank, rec.isl, rec.max_tokens, rec.output_tokens) == (7, 0, 10, 3, 0)
     while not rec.done:
         worker.advance_to(worker.next_event_ns())

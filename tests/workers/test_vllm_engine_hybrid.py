@@ -15,7 +15,7 @@ from workers.vllm.hybrid import SPEC_KIND, HybridKV, max_blocks
 from workers.request import Request
 from workers.sequence import SeqState
 from workers.vllm.engine import VllmEngineCore
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 
 from tests.engine_runs import run_to_end, steps
 
@@ -78,7 +78,7 @@ def test_a_window_is_required_exactly_for_sliding_window():
 
 def _seq(n_blocks: int, bs: int = 4) -> SeqState:
     r = req("q", range(n_blocks * bs + 1))
-    return SeqState(r, RequestRecord(request_id="q", dp_rank=0, arrival_ns=0, isl=len(r.token_ids), max_tokens=4),
+    return SeqState(r, EngineRecord(request_id="q", dp_rank=0, arrival_ns=0, isl=len(r.token_ids), max_tokens=4),
                     bs, 0)
 
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.rank_engine import RankEngine
 
 __all__ = ["VllmMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS"]
@@ -72,14 +72,14 @@ class VllmMetrics:
             r = self._ranks[rank] = _Rank(self, (self.model, str(rank)))
         return r
 
-    def token_gaps(self, rec: RequestRecord, times: Sequence[int]) -> None:
+    def token_gaps(self, rec: EngineRecord, times: Sequence[int]) -> None:
         """Observe the inter-token gaps of ``times``, consecutive token times of ``rec`` (a live worker tells
         them as it drops them, the rest at ``finished``)."""
         observe = self._rank(rec.dp_rank or 0).itl.observe
         for a, b in zip(times, times[1:]):
             observe((b - a) / NS_PER_S)
 
-    def finished(self, rec: RequestRecord, reason: str) -> None:
+    def finished(self, rec: EngineRecord, reason: str) -> None:
         """A request ended on a rank (``reason``: ``length``, ``stop`` or ``abort``)."""
         r = self._rank(rec.dp_rank or 0)
         success = r.success.get(reason)

@@ -40,7 +40,7 @@ from collections import deque
 from typing import cast
 
 from kvemu.errors import InvalidArgument
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.admission import RejectReason, RequestRejected, sglang_max_len
 from workers.blocks import CLEARED
 from workers.config import EngineConfig
@@ -71,7 +71,7 @@ class _Seq(SeqState):
 
     __slots__ = ("node", "cached_pages", "owned", "out_limit", "owed")
 
-    def __init__(self, req: Request, record: RequestRecord, page: int, order: int, out_limit: int) -> None:
+    def __init__(self, req: Request, record: EngineRecord, page: int, order: int, out_limit: int) -> None:
         super().__init__(req, record, page, order)
         self.node: RadixNode | None = None
         self.cached_pages = 0
@@ -190,21 +190,21 @@ class SglangEngineCore(RankCore):
 
     # ------------------------------------------------------------- admission
 
-    def add_request(self, req: Request) -> RequestRecord:
+    def add_request(self, req: Request) -> EngineRecord:
         """Accept a request (see ``RankCore.add_request``); disaggregated legs are refused: this flavour runs none."""
         if req.kv_hold or req.kv_transfer is not None:
             raise RequestRejected(RejectReason.MALFORMED, "kv_hold/kv_transfer: backend sglang runs no disaggregated "
                                   "legs; use backend vllm for prefill and decode pools", field="backend")
         return super().add_request(req)
 
-    def _new_seq(self, req: Request, record: RequestRecord) -> _Seq:
+    def _new_seq(self, req: Request, record: EngineRecord) -> _Seq:
         return _Seq(req, record, self._page, self._order, min(req.max_tokens, self._max_len - len(req.token_ids)))
 
     def _enqueue(self, seq: _Seq) -> None:
         seq.status = FUTURE
         heapq.heappush(self.future, (seq.record.arrival_ns, seq.order, seq))
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> EngineRecord | None:
         """Drop an unfinished request: its cached pages stay cached, the rest is freed; returns its record
         with ``failure`` set (None if no such request). One in the pass in flight is dropped at its end."""
         seq = self._seqs.pop(request_id, None)
