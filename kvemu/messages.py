@@ -23,7 +23,7 @@ from kvemu.limits import (MAX_KV_BATCH_BYTES, MAX_LIST_ITEMS, MAX_OUTPUT_TOKENS,
                           Endpoint, Id, Key, Name, Rank, RequestId, Seconds, Text, TimeNs, WireInt,
                           WorkerId)
 from kvemu.packed_tokens import PackedTokens
-from kvemu.records import EngineFacts, sequences_as_lists
+from kvemu.records import EngineFacts, TokenTimes, sequences_as_lists
 from kvemu.transfer import KvTransfer
 
 __all__ = [
@@ -72,8 +72,6 @@ MAX_BLOCK_SIZE = 1 << 16
 TokenId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 """A token id (u32, as packed prompts carry them)."""
 OutputTokens = Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
-TokenTimes = Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)]
-"""Engine times of a request's tokens (ns)."""
 
 WirePrompt = (Annotated[list[WireInt], Meta(max_length=MAX_PROMPT_TOKENS)]
               | Annotated[bytes, Meta(max_length=4 * MAX_PROMPT_TOKENS)])

@@ -29,6 +29,10 @@ __all__ = ["EngineFacts", "EngineRecord", "RequestRecord", "router_record", "rec
 MAX_FAILURE_CHARS = 2 * MAX_TEXT_CHARS
 """A record's failure: kvemu's own words around a peer's reason (a worker's refusal or failure, ``Text``), so a
 router's record always reaches its client."""
+Failure = Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)]
+"""A record's failure (``reason`` or ``reason: detail``)."""
+TokenTimes = Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)]
+"""A record's output token times (ns)."""
 
 
 def sequences_as_lists(obj: object) -> object:
@@ -59,12 +63,19 @@ class EngineFacts(msgspec.Struct, kw_only=True, gc=False, forbid_unknown_fields=
     """Times the engine preempted it (its blocks taken back; recomputed on re-admission)."""
 
 
-class _MovedFacts(msgspec.Struct):
-    """The engine's facts under their names from before ``EngineFacts`` (read-only, deprecated for one release):
-    a base of both records, no field of its own."""
+class _Record(msgspec.Struct):
+    """What both records (the router's and the engine's) share, no field of its own: ``done``, and the engine's
+    facts under their names from before ``EngineFacts`` (read-only, deprecated for one release)."""
 
     if TYPE_CHECKING:
         engine: EngineFacts
+        completion_ns: int | None
+        failure: str | None
+
+    @property
+    def done(self) -> bool:
+        """Whether the request completed: every requested token produced, no failure."""
+        return self.completion_ns is not None and self.failure is None
 
     def _moved(self, name: str, new: str) -> EngineFacts:
         cls = type(self).__name__
@@ -97,7 +108,7 @@ class _MovedFacts(msgspec.Struct):
         return self._moved("preemptions", "preemptions").preemptions
 
 
-class RequestRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True):
+class RequestRecord(_Record, kw_only=True, gc=False, repr_omit_defaults=True):
     """Everything known about one request's life; the field order is the column order of requests.jsonl, with
     ``engine``'s fields in its place (``JSONL_COLUMNS``).
 
@@ -146,7 +157,7 @@ class RequestRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True
     first_token_ns: TimeNs | None = None
     output_tokens: Count = 0
     """Output tokens produced so far."""
-    token_times_ns: Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)] = []
+    token_times_ns: TokenTimes = []
     """Each output token's time (the end of the pass that produced it); empty if the engine does not record them.
     Any sequence of ints in process (a router's record keeps an ``array('q')``, 8 bytes a token)."""
     completion_ns: TimeNs | None = None
@@ -161,13 +172,8 @@ class RequestRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True
     kv_activated_ns: TimeNs | None = None
     """Disaggregated serving: when the request joined the decode rank's passes (the transfer was over)."""
 
-    failure: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] | None = None
+    failure: Failure | None = None
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
-
-    @property
-    def done(self) -> bool:
-        """Whether the request completed: every requested token produced, no failure."""
-        return self.completion_ns is not None and self.failure is None
 
     def add_token_times(self, times: Sequence[int]) -> None:
         """Append output token times, whatever sequence holds them (compiled callers never see its type)."""
@@ -179,7 +185,7 @@ class RequestRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True
         return times[-1] if len(times) else None
 
 
-class EngineRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True):
+class EngineRecord(_Record, kw_only=True, gc=False, repr_omit_defaults=True):
     """One request's life as its engine core keeps it: the engine's part of ``RequestRecord`` under the same names
     (its facts in ``engine``, which ``Finished`` hands to the router's record). ``gc=False`` as the router's."""
 
@@ -193,20 +199,15 @@ class EngineRecord(_MovedFacts, kw_only=True, gc=False, repr_omit_defaults=True)
     engine: EngineFacts = msgspec.field(default_factory=EngineFacts)
     first_token_ns: TimeNs | None = None
     output_tokens: Count = 0
-    token_times_ns: Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)] = []
+    token_times_ns: TokenTimes = []
     """Each output token's time (the end of its pass); empty if the engine does not record them."""
     completion_ns: TimeNs | None = None
     kv_reserved_ns: TimeNs | None = None
     """A decode leg: when the engine reserved room for the prompt (its KV transfer began)."""
     kv_activated_ns: TimeNs | None = None
     """A decode leg: when it joined the engine's passes (the transfer was over)."""
-    failure: Annotated[str, Meta(max_length=MAX_FAILURE_CHARS)] | None = None
+    failure: Failure | None = None
     """Why the engine dropped it (aborted, its rank lost); None if it did not."""
-
-    @property
-    def done(self) -> bool:
-        """Whether the request completed: every requested token produced, no failure."""
-        return self.completion_ns is not None and self.failure is None
 
 
 def router_record(request_id: str, *, session_id: str | None, parent_session_id: str | None, arrival_ns: int,
