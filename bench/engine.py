@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     gaps_ns = sum(r.completion_ns - r.first_token_ns for r in completed)  # every inter-token gap, summed
     n_gaps = sum(r.output_tokens - 1 for r in completed)
     prompt = sum(r.isl for r in completed)
-    cached = sum(r.engine_cached_tokens or 0 for r in completed)
+    cached = sum(r.engine.cached_tokens or 0 for r in completed)
 
     print(f"stepwise forward passes: {passes / t_step:.0f} per s")
     print(f"fast-forward simulated requests: {len(reqs) / t_ff:.0f} per s")

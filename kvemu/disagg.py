@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from kvemu.clock import Clock
-from kvemu.records import RequestRecord, router_record
+from kvemu.records import EngineFacts, RequestRecord, router_record
 from kvemu.hooks import HookEvent, HookKind, Hooks, Reason, Restart
 from kvemu.messages import Abort, ClientRequest, KvPulled, ReleaseKv
 from kvemu.transfer import KvTransfer, transfer_refusal
@@ -160,9 +160,9 @@ class DisaggRouter:
             self._end(r, self._pool_named(PREFILL, leg.failure))
             return
         record.prefill_done_ns = leg.completion_ns
-        record.admitted_ns, record.engine_cached_tokens = leg.admitted_ns, leg.engine_cached_tokens
-        record.engine_reused_tokens = leg.engine_reused_tokens
-        record.preemptions = leg.preemptions
+        facts = leg.engine  # the request's own copy (the decode leg adds to it); host-tier hits are not carried over
+        record.engine = EngineFacts(admitted_ns=facts.admitted_ns, cached_tokens=facts.cached_tokens,
+                                    reused_tokens=facts.reused_tokens, preemptions=facts.preemptions)
         src = r.source
         if src is None:  # a worker that did not say where the KV is: on the rank that computed it
             src = KvTransfer(source_worker_id=leg.worker_id or 0, source_dp_rank=leg.dp_rank or 0)
@@ -190,9 +190,10 @@ class DisaggRouter:
         _latest_leg_times(record, leg)
         if leg.first_token_ns is not None:  # what it streamed, also when it failed after
             record.first_token_ns, record.token_times_ns = leg.first_token_ns, leg.token_times_ns
-        record.preemptions += leg.preemptions
-        if leg.preemptions:  # the decode rank recomputed it: what that re-admission reused counts too
-            record.engine_reused_tokens = (record.engine_reused_tokens or 0) + (leg.engine_reused_tokens or 0)
+        facts, more = record.engine, leg.engine
+        facts.preemptions += more.preemptions
+        if more.preemptions:  # the decode rank recomputed it: what that re-admission reused counts too
+            facts.reused_tokens = (facts.reused_tokens or 0) + (more.reused_tokens or 0)
         failure = leg.failure and self._pool_named(DECODE, leg.failure)
         if failure is None:
             record.completion_ns, record.output_tokens = leg.completion_ns, leg.output_tokens

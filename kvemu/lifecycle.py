@@ -42,7 +42,7 @@ from kvemu.clock import NS_PER_S, Clock
 from kvemu.eligibility import Candidates
 from kvemu.errors import InvalidArgument, KvemuError, ResourceExhausted, SchedulerError
 from kvemu.queue import DoNotQueue, PolicyQueue, QueueEntry, QueueRejected
-from kvemu.records import RequestRecord, router_record
+from kvemu.records import EngineFacts, RequestRecord, router_record
 from kvemu.routing_core import PreparedRequest, RoutingCore
 from kvemu.hooks import DUPLICATE, HookKind, Hooks, QueueDepth, Reason, Routed, TokenTimes
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
@@ -544,9 +544,9 @@ class Lifecycle:
         f.key = f.hold = f.lease = None
         record = f.record
         # a new attempt starts over on another rank (retries happen only before any token came back)
-        record.admitted_ns = record.engine_cached_tokens = record.first_token_ns = record.completion_ns = None
-        record.engine_reused_tokens = record.engine_host_cached_tokens = None
-        record.preemptions = record.output_tokens = 0
+        record.first_token_ns = record.completion_ns = None
+        record.engine = EngineFacts()
+        record.output_tokens = 0
         req = f.req
         builder = f.builder = self.core.eligibility()
         for w, r in f.refused:
@@ -837,10 +837,7 @@ class Lifecycle:
         elif f.stage == DISPATCHED:
             self._accepted(f)
         record = f.record
-        record.engine_cached_tokens = msg.cached_tokens
-        record.engine_reused_tokens = msg.cached_tokens if msg.reused_tokens is None else msg.reused_tokens
-        record.engine_host_cached_tokens = msg.host_cached_tokens
-        record.admitted_ns, record.preemptions = msg.admitted_ns, msg.preemptions
+        record.engine = msg.engine
         if f.on_finished is not None:
             f.on_finished(msg)
         last = record.last_token_ns()

@@ -23,7 +23,7 @@ from kvemu.limits import (MAX_KV_BATCH_BYTES, MAX_LIST_ITEMS, MAX_OUTPUT_TOKENS,
                           Endpoint, Id, Key, Name, Rank, RequestId, Seconds, Text, TimeNs, WireInt,
                           WorkerId)
 from kvemu.packed_tokens import PackedTokens
-from kvemu.records import sequences_as_lists
+from kvemu.records import EngineFacts, TokenTimes, sequences_as_lists
 from kvemu.transfer import KvTransfer
 
 __all__ = [
@@ -72,8 +72,6 @@ MAX_BLOCK_SIZE = 1 << 16
 TokenId = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 """A token id (u32, as packed prompts carry them)."""
 OutputTokens = Annotated[int, Meta(ge=0, le=MAX_OUTPUT_TOKENS)]
-TokenTimes = Annotated[list[TimeNs], Meta(max_length=MAX_OUTPUT_TOKENS)]
-"""Engine times of a request's tokens (ns)."""
 
 WirePrompt = (Annotated[list[WireInt], Meta(max_length=MAX_PROMPT_TOKENS)]
               | Annotated[bytes, Meta(max_length=4 * MAX_PROMPT_TOKENS)])
@@ -270,21 +268,47 @@ class TokenBatch(msgspec.Struct, **_OPTS):
 
 
 class Finished(msgspec.Struct, **_OPTS):
-    """The request completed; ``times_ns`` are its last tokens, the rest the engine's facts of its record."""
+    """The request completed; ``times_ns`` are its last tokens, ``engine`` the engine's facts (which the router's
+    record embeds as they came)."""
 
     request_id: Key
     times_ns: TokenTimes
-    cached_tokens: Count = 0
-    """The prefix the engine found cached (``RequestRecord.engine_cached_tokens``)."""
-    reused_tokens: Count | None = None
-    """The prefix it found cached at its last admission (``RequestRecord.engine_reused_tokens``)."""
-    host_cached_tokens: Count | None = None
-    """The part of ``cached_tokens`` loaded from its host tier (``RequestRecord.engine_host_cached_tokens``)."""
+    engine: EngineFacts = msgspec.field(default_factory=EngineFacts)
+    """What the engine found (cached, reused and host-cached prompt tokens, admission, preemptions): the router's
+    ``RequestRecord.engine``."""
     dp_rank: Rank = 0
-    admitted_ns: TimeNs | None = None
-    preemptions: Count = 0
+    """The rank that ran it."""
     kv_transfer: KvTransfer | None = None
     """A prefill leg: where its KV is held and how fast it moves (the decode leg's ``Dispatch`` carries it)."""
+
+    def _moved(self, name: str, new: str) -> EngineFacts:
+        warnings.warn(f"Finished.{name} is now Finished.engine.{new}", DeprecationWarning, stacklevel=3)
+        return self.engine
+
+    @property
+    def cached_tokens(self) -> int:
+        """Deprecated (one release): ``engine.cached_tokens``."""
+        return self._moved("cached_tokens", "cached_tokens").cached_tokens or 0
+
+    @property
+    def reused_tokens(self) -> int | None:
+        """Deprecated (one release): ``engine.reused_tokens``."""
+        return self._moved("reused_tokens", "reused_tokens").reused_tokens
+
+    @property
+    def host_cached_tokens(self) -> int | None:
+        """Deprecated (one release): ``engine.host_cached_tokens``."""
+        return self._moved("host_cached_tokens", "host_cached_tokens").host_cached_tokens
+
+    @property
+    def admitted_ns(self) -> int | None:
+        """Deprecated (one release): ``engine.admitted_ns``."""
+        return self._moved("admitted_ns", "admitted_ns").admitted_ns
+
+    @property
+    def preemptions(self) -> int:
+        """Deprecated (one release): ``engine.preemptions``."""
+        return self._moved("preemptions", "preemptions").preemptions
 
 
 class KvPulled(msgspec.Struct, **_OPTS):

@@ -54,7 +54,7 @@ def kvemu_outcomes(trace: Path, engine: dict[str, Any], *, workers: int = 1, tra
         assert r.failure is None, f"{r.request_id} failed: {r.failure}"
         out.append((r.arrival_ns / 1e6, r.isl, r.max_tokens, (r.first_token_ns - r.arrival_ns) / 1e6,
                     (r.completion_ns - r.arrival_ns) / 1e6,
-                    r.engine_cached_tokens if r.engine_reused_tokens is None else r.engine_reused_tokens))
+                    r.engine.cached_tokens if r.engine.reused_tokens is None else r.engine.reused_tokens))
     return sorted(out)
 
 

@@ -14,7 +14,7 @@ from mypy_extensions import mypyc_attr
 
 from kvemu.clock import MAX_TIME_NS
 from kvemu.errors import InvalidArgument
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.admission import RejectReason, RequestRejected, check_request
 from workers.config import EngineConfig
 from workers.pass_events import PassEvents
@@ -69,7 +69,7 @@ class RankCore:
     def _finish(self, p: Any, out: AdvanceResult | None, res: StepResult | None) -> None:
         raise NotImplementedError
 
-    def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
+    def _new_seq(self, req: Request, record: EngineRecord) -> SeqState:
         raise NotImplementedError
 
     def _enqueue(self, seq: Any) -> None:
@@ -165,7 +165,7 @@ class RankCore:
         """Whether an unfinished request with this id is on this rank."""
         return request_id in self._seqs
 
-    def record(self, request_id: str) -> RequestRecord:
+    def record(self, request_id: str) -> EngineRecord:
         """The live record of an unfinished request."""
         try:
             return self._seqs[request_id].record
@@ -183,7 +183,7 @@ class RankCore:
 
     # ------------------------------------------------------------------ admission
 
-    def add_request(self, req: Request) -> RequestRecord:
+    def add_request(self, req: Request) -> EngineRecord:
         """Accept a request (it joins the first pass starting at or after its arrival); returns its live record.
 
         Raises ``RequestRejected`` (nothing changed) for malformed or duplicate requests.
@@ -195,7 +195,7 @@ class RankCore:
         check_request(req, self.config, now_ns=self._now, check_tokens=req.seq_hashes is not None or has_fast_path,
                       group_blocks=self._group_blocks)
         arrival = self._now if req.arrival_ns is None else req.arrival_ns
-        record = RequestRecord(request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival,
+        record = EngineRecord(request_id=req.request_id, dp_rank=self.dp_rank, arrival_ns=arrival,
                                isl=len(req.token_ids), max_tokens=req.max_tokens)
         try:
             seq = self._new_seq(req, record)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvemu.errors import InvalidArgument
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.admission import RejectReason, RequestRejected
 from workers.config import EngineConfig
 from workers.rank_engine import RankEngine
@@ -44,7 +44,7 @@ class DispatchOutcome:
         reason: RejectReason | None = None,
         message: str = "",
         field: str | None = None,
-        record: RequestRecord | None = None,
+        record: EngineRecord | None = None,
     ) -> None:
         self.accepted = accepted
         self.dp_rank = dp_rank
@@ -53,7 +53,7 @@ class DispatchOutcome:
         self.field = field
         self.record = record
 
-    def raise_if_rejected(self) -> RequestRecord:
+    def raise_if_rejected(self) -> EngineRecord:
         """The record if accepted, else ``RequestRejected`` with the same reason and message."""
         if not self.accepted:
             assert self.reason is not None

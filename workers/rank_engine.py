@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.config import EngineConfig
 from workers.results import AdvanceResult, StepResult
 from workers.speculative import DraftSampler
@@ -65,7 +65,7 @@ class RankEngine(Protocol):
     def has_request(self, request_id: str) -> bool:
         """Whether an unfinished request with this id is on this rank."""
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> EngineRecord | None:
         """Drop an unfinished request; its record, or None if it is not here."""
 
     def release_kv(self, request_id: str) -> bool:

@@ -1,4 +1,4 @@
-"""Requests as a mock engine receives them (the record of their life is ``kvemu.RequestRecord``)."""
+"""Requests as a mock engine receives them (the record of their life is ``kvemu.records.EngineRecord``)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from kvemu.kv_events import KVEventBatch
 from workers.pass_events import PassEvents
 
@@ -34,7 +34,7 @@ class StepResult:
         self.tokens: list[str] = []
         """Ids of the requests that received one token in this pass (stamped ``end_ns``)."""
         self.first_tokens: list[str] = []
-        self.completed: list[RequestRecord] = []
+        self.completed: list[EngineRecord] = []
         self.admitted: list[str] = []
         self.preempted: list[str] = []
         self.events: PassEvents | None = None
@@ -71,7 +71,7 @@ class AdvanceResult:
     def __init__(self) -> None:
         self.passes = 0
         self.first_tokens: list[tuple[str, int]] = []
-        self.completed: list[RequestRecord] = []
+        self.completed: list[EngineRecord] = []
         self.admitted: list[tuple[str, int]] = []
         """(request id, pass start) for every admission, including re-admissions after preemption."""
         self.preempted: list[tuple[str, int]] = []

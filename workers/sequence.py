@@ -12,7 +12,7 @@ from mypy_extensions import mypyc_attr
 import xxhash
 
 from kvemu.hashing import BASE_SEED, extend_sequence_hashes, local_block_hashes, sequence_hashes
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.request import Request
 
 __all__ = ["SeqState", "FUTURE", "WAITING", "RUNNING", "FINISHED", "HELD"]
@@ -69,7 +69,7 @@ class SeqState:
         "_out_base",
     )
 
-    def __init__(self, req: Request, record: RequestRecord, block_size: int, order: int) -> None:
+    def __init__(self, req: Request, record: EngineRecord, block_size: int, order: int) -> None:
         self.req = req
         self.rid = req.request_id
         self.record = record

@@ -20,7 +20,7 @@ from kvemu.http.asgi import Receive, Routes, Scope, Send
 from kvemu.http.errors import ApiError
 from kvemu.http.reply import respond
 from kvemu.limits import Count, TimeNs
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord, RequestRecord
 
 __all__ = ["EngineTruth", "LoadSample", "TruthPage", "LoadPage"]
 
@@ -44,7 +44,7 @@ class TruthPage(msgspec.Struct):
 
     records: Annotated[list[RequestRecord], Meta(max_length=MAX_PAGE)]
     """Each request as its engine saw it: the engine's own record without its token times (the rank that
-    served, ``arrival_ns`` at this worker, ``admitted_ns``, ``engine_cached_tokens``, preemptions, a decode
+    served, ``arrival_ns`` at this worker, its ``engine`` facts (admission, cached tokens, preemptions), a decode
     leg's ``kv_reserved_ns``/``kv_activated_ns``, its failure)."""
     next: Count
     dropped: Count
@@ -112,11 +112,14 @@ class EngineTruth:
         if self.first_arrival_ns is None:
             self.first_arrival_ns = now_ns
 
-    def ended(self, rec: RequestRecord, reason: str = "length") -> None:
-        """A request ended on this worker's engine (the engine's record; ``reason``: vLLM's finish reason,
-        ``length``, or ``abort`` for one cancelled or lost with its rank)."""
-        self._records.add(msgspec.structs.replace(
-            rec, token_times_ns=[], worker_id=self.worker_id if rec.worker_id is None else rec.worker_id,
+    def ended(self, rec: EngineRecord | RequestRecord, reason: str = "length") -> None:
+        """A request ended on this worker's engine (the engine's record, or the router's in one process;
+        ``reason``: vLLM's finish reason, ``length``, or ``abort`` for one cancelled or lost with its rank)."""
+        self._records.add(RequestRecord(
+            request_id=rec.request_id, arrival_ns=rec.arrival_ns, isl=rec.isl, max_tokens=rec.max_tokens,
+            worker_id=self.worker_id if rec.worker_id is None else rec.worker_id, dp_rank=rec.dp_rank,
+            engine=rec.engine, first_token_ns=rec.first_token_ns, output_tokens=rec.output_tokens,
+            completion_ns=rec.completion_ns, kv_reserved_ns=rec.kv_reserved_ns, kv_activated_ns=rec.kv_activated_ns,
             failure=rec.failure or (None if reason != "abort" else "aborted")))
 
     def sample(self, now_ns: int, cores: Sequence[Any], dead: Callable[[int], bool],

@@ -19,7 +19,7 @@ from kvemu.http.metrics import FrontMetrics, RouterCollector
 from kvemu.http.reply import respond
 from kvemu.http.tokenizer import TextTokenizer, load_tokenizer
 from kvemu.hooks import Hooks
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from kvemu.runtime.router import Router
 
 from workers.config import EngineConfig
@@ -105,7 +105,7 @@ def worker_door(scenario: Scenario, actor: WorkerActor, *, tokenizer: str | None
     if truth is None:
         actor.on_end = metrics.finished
     else:
-        def ended(rec: RequestRecord, reason: str) -> None:
+        def ended(rec: EngineRecord, reason: str) -> None:
             metrics.finished(rec, reason)
             truth.ended(rec, reason)
         actor.on_end = ended

@@ -266,18 +266,17 @@ def _merge(rec: RequestRecord, legs: Legs | None, t0: int, scale: float) -> Requ
             out.failure = truth.failure
     if (truth := legs.serving) is not None:
         out.worker_id, out.dp_rank = truth.worker_id, truth.dp_rank
-        out.engine_cached_tokens, out.engine_reused_tokens = truth.engine_cached_tokens, truth.engine_reused_tokens
-        out.engine_host_cached_tokens = truth.engine_host_cached_tokens
-        out.preemptions = truth.preemptions
-        out.admitted_ns = back(truth.admitted_ns, t0)
+        out.engine = msgspec.structs.replace(truth.engine, admitted_ns=back(truth.engine.admitted_ns, t0))
         out.dispatch_ns = back(truth.arrival_ns, t0)
         out.kv_reserved_ns, out.kv_activated_ns = back(truth.kv_reserved_ns, t0), back(truth.kv_activated_ns, t0)
     if (pre := legs.prefill) is not None:  # the prompt's cache was found where it was computed
         out.prefill_worker_id, out.prefill_dp_rank = pre.worker_id, pre.dp_rank
         out.prefill_done_ns = back(pre.completion_ns, t0)
-        out.engine_cached_tokens, out.engine_reused_tokens = pre.engine_cached_tokens, pre.engine_reused_tokens
-        out.engine_host_cached_tokens = pre.engine_host_cached_tokens
-        out.preemptions += pre.preemptions
+        facts = pre.engine
+        out.engine = msgspec.structs.replace(out.engine, cached_tokens=facts.cached_tokens,
+                                             reused_tokens=facts.reused_tokens,
+                                             host_cached_tokens=facts.host_cached_tokens,
+                                             preemptions=out.engine.preemptions + facts.preemptions)
         out.dispatch_ns = back(pre.arrival_ns, t0)
     return out
 

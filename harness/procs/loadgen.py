@@ -501,7 +501,8 @@ def _shift(rec: RequestRecord, t0: int) -> RequestRecord:
 
     return msgspec.structs.replace(
         rec, arrival_ns=rec.arrival_ns - t0, queued_ns=s(rec.queued_ns), routed_ns=s(rec.routed_ns),
-        dispatch_ns=s(rec.dispatch_ns), admitted_ns=s(rec.admitted_ns),
+        dispatch_ns=s(rec.dispatch_ns),
+        engine=msgspec.structs.replace(rec.engine, admitted_ns=s(rec.engine.admitted_ns)),
         first_token_ns=s(rec.first_token_ns),
         token_times_ns=array("q", [t - t0 for t in rec.token_times_ns]),
         completion_ns=s(rec.completion_ns),

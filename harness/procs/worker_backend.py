@@ -72,9 +72,7 @@ class WorkerBackend:
             if t is Finished:
                 if times:
                     record.completion_ns = times[-1]
-                record.engine_cached_tokens = msg.cached_tokens  # type: ignore[union-attr]
-                record.admitted_ns = msg.admitted_ns  # type: ignore[union-attr]
-                record.preemptions = msg.preemptions  # type: ignore[union-attr]
+                record.engine = msg.engine  # type: ignore[union-attr]
                 if handoff is not None and msg.kv_transfer is not None:  # type: ignore[union-attr]
                     handoff.held(record.request_id, msg.kv_transfer)  # type: ignore[union-attr]
             else:

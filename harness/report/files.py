@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from kvemu.errors import KvemuError
-from kvemu.records import RequestRecord, sequences_as_lists
+from kvemu.records import RequestRecord, flat_json, records_jsonl, sequences_as_lists
 
 from harness.report.plots import start_plots
 from harness.report.sla import Sla
@@ -43,10 +43,11 @@ def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None
     if replica_of is not None:
         columns.append((b',"router_replica":', lambda r: replica_of.get(r.request_id)))
     if not columns:
-        path.write_bytes(encoder.encode_lines(ordered))
+        path.write_bytes(records_jsonl(ordered, encoder))
     else:  # (the record's object, its closing brace replaced by the extra columns)
         encode = encoder.encode
-        path.write_bytes(b"".join(encode(r)[:-1] + b"".join(key + encode(column(r)) for key, column in columns)
+        path.write_bytes(b"".join(flat_json(r, encoder)[:-1]
+                                  + b"".join(key + encode(column(r)) for key, column in columns)
                                   + b"}\n" for r in ordered))
     return len(ordered)
 

@@ -151,7 +151,7 @@ def _reuse_curves(done: list[RequestRecord]) -> ReuseCurves | None:
     ordered = sorted(done, key=lambda r: (r.completion_ns, r.request_id))
     window = max(1, min(200, n // 20))
     xs = np.fromiter((r.completion_ns for r in ordered), dtype=np.int64, count=n) / NS_PER_S
-    cached = np.cumsum(np.fromiter((r.engine_cached_tokens or 0 for r in ordered), dtype=np.int64, count=n))
+    cached = np.cumsum(np.fromiter((r.engine.cached_tokens or 0 for r in ordered), dtype=np.int64, count=n))
     prompt = np.cumsum(np.fromiter((r.isl for r in ordered), dtype=np.int64, count=n))
     win_c, win_i = cached.copy(), prompt.copy()
     win_c[window:] -= cached[:-window]  # the last ``window`` completions

@@ -201,7 +201,7 @@ def _prediction_truth(data: RunData, records: list[RequestRecord], done: list[Re
         if rec.predicted_overlap_blocks is None:
             continue
         predicted = min(rec.predicted_overlap_blocks * bs, rec.isl)
-        engine = rec.engine_cached_tokens or 0
+        engine = rec.engine.cached_tokens or 0
         predicted_total += predicted
         engine_total += engine
         diffs.append(abs(predicted - engine))
@@ -327,7 +327,7 @@ def _replicas(data: RunData, records: list[RequestRecord]) -> Replicas:
 def _reused(done: list[RequestRecord]) -> int:
     """The prompt tokens the engines found cached over the requests' lives (their first admission's, without a
     later count)."""
-    return sum((r.engine_cached_tokens or 0) if r.engine_reused_tokens is None else r.engine_reused_tokens
+    return sum((r.engine.cached_tokens or 0) if r.engine.reused_tokens is None else r.engine.reused_tokens
                for r in done)
 
 
@@ -392,7 +392,7 @@ def _per_rank(data: RunData, records: list[RequestRecord]) -> list[RankRow]:
             failed_requests=sum(1 for r in recs if not r.done and r.failure is not None),
             input_tokens=sum(r.isl for r in recs),
             output_tokens=sum(len(r.token_times_ns) for r in recs),
-            prefix_cache_reused_ratio=_ratio(sum(r.engine_cached_tokens or 0 for r in done), sum(r.isl for r in done)),
+            prefix_cache_reused_ratio=_ratio(sum(r.engine.cached_tokens or 0 for r in done), sum(r.isl for r in done)),
             mean_active_requests=_mean(a),
             max_active_requests=max(a) if a else None,
             mean_kv_blocks=_mean(b),
@@ -439,7 +439,7 @@ def summarize(data: RunData) -> Summary:
     done = [r for r in records if r.done]
     total_in = sum(r.isl for r in done)
     total_out = sum(len(r.token_times_ns) for r in done)
-    cached = sum(r.engine_cached_tokens or 0 for r in done)
+    cached = sum(r.engine.cached_tokens or 0 for r in done)
     # a done record has a completion_ns (RequestRecord.done), which mypy cannot narrow through the property
     duration_ns = (max(r.completion_ns for r in done) - min(r.arrival_ns for r in records)  # type: ignore[type-var,operator]
                    if done else None)
@@ -590,14 +590,14 @@ def _speculative(settings: SpeculativeConfig, done: list[RequestRecord]) -> Spec
 
 def _cache_tiers(done: list[RequestRecord]) -> CacheTiers | UnsetType:
     """Host offload: first-admission cached tokens per tier (GPU = g1, host); absent without a host tier."""
-    with_host = [r for r in done if r.engine_host_cached_tokens is not None]
+    with_host = [r for r in done if r.engine.host_cached_tokens is not None]
     if not with_host:
         return UNSET
-    host = sum(r.engine_host_cached_tokens or 0 for r in with_host)
-    cached = sum(r.engine_cached_tokens or 0 for r in with_host)
+    host = sum(r.engine.host_cached_tokens or 0 for r in with_host)
+    cached = sum(r.engine.cached_tokens or 0 for r in with_host)
     total_in = sum(r.isl for r in with_host)
     return CacheTiers(requests=len(with_host), g1_cached_tokens=cached - host, host_cached_tokens=host,
-                      requests_with_host_hits=sum(1 for r in with_host if r.engine_host_cached_tokens),
+                      requests_with_host_hits=sum(1 for r in with_host if r.engine.host_cached_tokens),
                       g1_cached_ratio=_ratio(cached - host, total_in), host_cached_ratio=_ratio(host, total_in))
 
 

@@ -138,7 +138,7 @@ class RouterCollector:
             self.failed[reason] = self.failed.get(reason, 0) + 1
             return
         self.completed += 1
-        self.engine_cached_tokens += (rec.engine_cached_tokens if rec is not None else None) or 0
+        self.engine_cached_tokens += (rec.engine.cached_tokens if rec is not None else None) or 0
 
     def collect(self) -> Iterator[Any]:
         router = self._router()

@@ -234,7 +234,7 @@ class Reply:
     def _usage(self, records: list[RequestRecord | None]) -> dict[str, Any]:
         prompt = sum(g.prompt_len for g in self.gens)
         out = sum(r.output_tokens for r in records if r is not None)
-        cached = sum(r.engine_cached_tokens or 0 for r in records if r is not None)
+        cached = sum(r.engine.cached_tokens or 0 for r in records if r is not None)
         return {"prompt_tokens": prompt, "total_tokens": prompt + out, "completion_tokens": out,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -262,12 +262,12 @@ def timing(rec: RequestRecord, block_size: int) -> dict[str, Any]:
     return {
         "queue_ms": _ms(rec.queued_ns, rec.routed_ns) if rec.queued_ns is not None else 0.0,
         "routing_ms": _ms(rec.arrival_ns, rec.routed_ns),
-        "engine_queue_ms": _ms(rec.routed_ns, rec.admitted_ns),
+        "engine_queue_ms": _ms(rec.routed_ns, rec.engine.admitted_ns),
         "ttft_ms": _ms(rec.arrival_ns, rec.first_token_ns),
         "itl_ms": (_ms(rec.first_token_ns, rec.completion_ns) or 0.0) / (n - 1) if n > 1 else None,
         "total_time_ms": _ms(rec.arrival_ns, rec.completion_ns),
-        "cached_tokens": rec.engine_cached_tokens or 0,
+        "cached_tokens": rec.engine.cached_tokens or 0,
         "predicted_cached_tokens": (rec.predicted_overlap_blocks or 0) * block_size,
-        "kv_hit_rate": round((rec.engine_cached_tokens or 0) / rec.isl, 4) if rec.isl else 0.0,
+        "kv_hit_rate": round((rec.engine.cached_tokens or 0) / rec.isl, 4) if rec.isl else 0.0,
         "routing_reason": rec.routing_reason,
     }

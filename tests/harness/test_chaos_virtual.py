@@ -119,7 +119,7 @@ def test_router_restart_rebuilds_its_index_from_replay_and_keeps_serving():
     assert after and all(r.failure is None for r in after)
     # the new router knew the workers' caches at once: it predicted cache hits the engines confirmed
     hits = [r for r in after if r.predicted_overlap_blocks]
-    assert hits and sum(r.engine_cached_tokens or 0 for r in hits) > 0
+    assert hits and sum(r.engine.cached_tokens or 0 for r in hits) > 0
     assert sum(s["replayed_batches"] for s in out.data.kv_stats.values()) > 0
 
 

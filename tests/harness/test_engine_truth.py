@@ -7,13 +7,14 @@ import asyncio
 import msgspec
 import pytest
 
-from kvemu.records import RequestRecord
+from kvemu.records import EngineFacts, EngineRecord
 
 from harness.procs.engine_truth import EngineTruth, TruthPage
 
 
-def _rec(i: int, **kw) -> RequestRecord:
-    return RequestRecord(request_id=f"r{i}", arrival_ns=i, isl=100, dp_rank=1, engine_cached_tokens=64, **kw)
+def _rec(i: int, **kw) -> EngineRecord:
+    return EngineRecord(request_id=f"r{i}", arrival_ns=i, isl=100, dp_rank=1, engine=EngineFacts(cached_tokens=64),
+                         **kw)
 
 
 def test_records_page_on_and_the_oldest_are_dropped_past_the_bound_and_counted():
@@ -22,7 +23,8 @@ def test_records_page_on_and_the_oldest_are_dropped_past_the_bound_and_counted()
         truth.ended(_rec(i))
     page = truth.records_page(0)
     assert [r.request_id for r in page.records] == ["r2", "r3", "r4"] and page.dropped == 2 and page.next == 5
-    assert page.records[0].worker_id == 7 and page.records[0].engine_cached_tokens == 64 and page.records[0].dp_rank == 1
+    first = page.records[0]
+    assert first.worker_id == 7 and first.engine.cached_tokens == 64 and first.dp_rank == 1
     assert truth.records_page(4).records[0].request_id == "r4"
     assert truth.records_page(5).records == [] and truth.records_page(5).next == 5
     assert [r.request_id for r in truth.records_page(0, limit=1).records] == ["r2"]
@@ -89,7 +91,7 @@ def test_a_served_record_is_the_engines_own_without_its_token_times():
     truth.ended(rec)
     (served,) = truth.records_page().records
     assert served.token_times_ns == [] and rec.token_times_ns == [5, 6, 7]  # the engine's record is not touched
-    assert (served.worker_id, served.output_tokens, served.kv_reserved_ns, served.engine_cached_tokens) == (4, 3, 2, 64)
+    assert (served.worker_id, served.output_tokens, served.kv_reserved_ns, served.engine.cached_tokens) == (4, 3, 2, 64)
 
 
 class _CountingList(list):

@@ -70,20 +70,21 @@ def test_a_refused_connection_is_a_failure_with_its_reason():
 def test_a_disaggregated_requests_legs_merge_into_one_record():
     """The prefill leg says where the prompt was computed and what it found cached; the decode leg who served
     and when its KV arrived."""
-    from kvemu.records import RequestRecord
+    from kvemu.records import EngineFacts, RequestRecord
 
     from harness.procs.http_loadgen import _merge, legs_by_id
 
     pre = RequestRecord(request_id="x", worker_id=0, dp_rank=1, arrival_ns=110, completion_ns=150,
-                        engine_cached_tokens=64, engine_reused_tokens=64)
-    dec = RequestRecord(request_id="x", worker_id=2, dp_rank=0, arrival_ns=160, admitted_ns=190,
-                        engine_cached_tokens=0, kv_reserved_ns=170, kv_activated_ns=190)
+                        engine=EngineFacts(cached_tokens=64, reused_tokens=64))
+    dec = RequestRecord(request_id="x", worker_id=2, dp_rank=0, arrival_ns=160,
+                        engine=EngineFacts(admitted_ns=190, cached_tokens=0), kv_reserved_ns=170, kv_activated_ns=190)
     legs = legs_by_id([dec, pre], {0: "prefill", 2: "decode"})["x"]
     assert legs.prefill is pre and legs.serving is dec
     out = _merge(RequestRecord(request_id="c1", arrival_ns=5, isl=80), legs, t0=100, scale=2.0)
     assert (out.prefill_worker_id, out.prefill_dp_rank, out.worker_id, out.dp_rank) == (0, 1, 2, 0)
-    assert out.engine_cached_tokens == out.engine_reused_tokens == 64 and out.dispatch_ns == 20 and out.prefill_done_ns == 100
-    assert (out.kv_reserved_ns, out.kv_activated_ns, out.admitted_ns) == (140, 180, 180)
+    assert out.engine.cached_tokens == out.engine.reused_tokens == 64
+    assert out.dispatch_ns == 20 and out.prefill_done_ns == 100
+    assert (out.kv_reserved_ns, out.kv_activated_ns, out.engine.admitted_ns) == (140, 180, 180)
 
 
 def test_a_streamed_answers_token_times_take_8_bytes_a_token_on_the_client():

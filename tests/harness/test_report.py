@@ -10,6 +10,7 @@ import pytest
 
 from harness.report.compare import compare, main as compare_main
 from kvemu import RequestRecord
+from kvemu.records import JSONL_COLUMNS, EngineFacts
 from harness.report.files import write_report
 from harness.report.plots import PLOTS
 from harness.report.recorder import WorkerEvent
@@ -33,7 +34,7 @@ def rec(rid: str, arrival: float, isl: int, worker: int | None, rank: int | None
     return RequestRecord(
         request_id=rid, arrival_ns=int(arrival * MS), isl=isl, max_tokens=len(times), worker_id=worker,
         dp_rank=rank, attempts=attempts, routing_reason=reason, predicted_overlap_blocks=pred,
-        best_overlap_blocks=best, engine_cached_tokens=None if failure else engine,
+        best_overlap_blocks=best, engine=EngineFacts(cached_tokens=None if failure else engine),
         first_token_ns=times[0] if times else None, token_times_ns=times,
         completion_ns=None if failure or not times else times[-1], failure=failure,
         queued_ns=None if queued is None else int(queued * MS),
@@ -216,8 +217,8 @@ def test_requests_jsonl_one_line_per_request_by_arrival_then_id(tmp_path):
     assert len(lines) == 5
     rows = [json.loads(line) for line in lines]
     assert [r["request_id"] for r in rows] == ["a", "a0", "b", "c", "d"]
-    assert list(rows[0]) == list(RequestRecord.__struct_fields__)
-    assert rows[0]["token_times_ns"] == ms(100, 110, 130)
+    assert list(rows[0]) == list(JSONL_COLUMNS)  # the engine's facts as flat columns, in the record's order
+    assert rows[0]["token_times_ns"] == ms(100, 110, 130) and "engine" not in rows[0]
 
 
 def test_report_md_sections_and_partial_flag(tmp_path):
@@ -290,7 +291,7 @@ def test_twelve_thousand_records_are_fast(tmp_path):
         records.append(RequestRecord(request_id=f"r{i}", arrival_ns=i * 10 * MS, isl=rng.randint(100, 4000),
                                      worker_id=w, dp_rank=r, attempts=1, routing_reason="best",
                                      predicted_overlap_blocks=rng.randint(0, 20), best_overlap_blocks=25,
-                                     engine_cached_tokens=rng.randint(0, 300), first_token_ns=first,
+                                     engine=EngineFacts(cached_tokens=rng.randint(0, 300)), first_token_ns=first,
                                      token_times_ns=times, completion_ns=times[-1]))
     samples = [Sample(t * 100 * MS, w, r, rng.randint(0, 30), rng.randint(0, 5000))
                for t in range(1300) for w, r in ranks]

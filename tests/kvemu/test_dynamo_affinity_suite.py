@@ -40,6 +40,7 @@ from kvemu import (
 from kvemu.clock import MAX_TIME_NS
 from kvemu.lifecycle import AFFINITY, QUEUED, Lifecycle, LifecycleSettings
 from kvemu.hooks import Hooks
+from kvemu.records import EngineFacts
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, TokenBatch
 
 MS = 1_000_000
@@ -126,7 +127,8 @@ class Replay:
         if f is not None and f.key is not None:
             now = self.clock.now_ns()
             self.lc.on_tokens(f.key[0], TokenBatch(request_id=rid, times_ns=[now]))
-            self.lc.on_finished(f.key[0], Finished(request_id=rid, times_ns=[now], cached_tokens=0, admitted_ns=now))
+            self.lc.on_finished(f.key[0], Finished(request_id=rid, times_ns=[now],
+                                                   engine=EngineFacts(cached_tokens=0, admitted_ns=now)))
         return self._dispatches(start)
 
     def abort(self, rid: str, now_ms: float = 0.0) -> list[tuple[str, int]]:

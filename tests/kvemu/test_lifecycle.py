@@ -12,6 +12,7 @@ from kvemu.lifecycle import (AFFINITY, DISPATCHED, ENDED, QUEUED, RUNNING, TRANS
                              LifecycleSettings)
 from kvemu.registry import WorkerSpec
 from kvemu.hooks import Hooks
+from kvemu.records import EngineFacts
 from kvemu.messages import Abort, ClientRequest, Dispatch, DispatchAck, Finished, RequestFailed, TokenBatch
 
 MS = 1_000_000
@@ -55,7 +56,8 @@ class Host:
         now = self.clock.now_ns()
         self.lc.on_ack(w, DispatchAck(request_id=rid, accepted=True))
         self.lc.on_tokens(w, TokenBatch(request_id=rid, times_ns=[now + 1]))
-        self.lc.on_finished(w, Finished(request_id=rid, times_ns=[now + 2], cached_tokens=0, admitted_ns=now))
+        self.lc.on_finished(w, Finished(request_id=rid, times_ns=[now + 2],
+                                        engine=EngineFacts(cached_tokens=0, admitted_ns=now)))
 
 
 def test_dispatch_accept_stream_finish_frees_everything():
@@ -112,7 +114,7 @@ def test_replies_from_another_worker_are_ignored():
     other = 3 - w
     h.lc.on_failed(other, RequestFailed(request_id="a", reason="spoofed"))
     h.lc.on_ack(other, DispatchAck(request_id="a", accepted=False))
-    h.lc.on_finished(other, Finished(request_id="a", times_ns=[5], cached_tokens=0, admitted_ns=0))
+    h.lc.on_finished(other, Finished(request_id="a", times_ns=[5], engine=EngineFacts(cached_tokens=0, admitted_ns=0)))
     assert "a" not in h.ended and h.lc.flights["a"].stage == DISPATCHED and len(h.sent) == 1
     h.complete("a")
     assert h.ended["a"].failure is None
@@ -246,7 +248,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if how == "tokens":
             self.h.lc.on_tokens(w, TokenBatch(request_id=rid, times_ns=[t]))
         elif how == "finish":
-            self.h.lc.on_finished(w, Finished(request_id=rid, times_ns=[t], cached_tokens=0, admitted_ns=t))
+            self.h.lc.on_finished(w, Finished(request_id=rid, times_ns=[t],
+                                              engine=EngineFacts(cached_tokens=0, admitted_ns=t)))
         else:
             self.h.lc.on_failed(w, RequestFailed(request_id=rid, reason="engine_error"))
 
@@ -329,7 +332,8 @@ def test_a_request_whose_worker_goes_quiet_fails_at_its_deadline_and_frees_every
     assert rec.failure == "deadline_exceeded" and rec.completion_ns is None and rec.output_tokens == 1
     assert len(h.core.load) == 0 and h.affinity.active_leases("s") == 0
     assert [e.record.failure for e in h.events if e.kind == "failed"] == ["deadline_exceeded"]
-    h.lc.on_finished(w, Finished(request_id="a", times_ns=[h.clock.now_ns()], cached_tokens=0, admitted_ns=0))
+    h.lc.on_finished(w, Finished(request_id="a", times_ns=[h.clock.now_ns()],
+                                        engine=EngineFacts(cached_tokens=0, admitted_ns=0)))
     assert len(h.sent) == 1 and h.lc.next_deadline_ns() is None  # the late reply changes nothing
 
 
@@ -349,7 +353,8 @@ def test_an_unacknowledged_or_queued_request_fails_at_its_deadline_without_a_ret
 def test_a_reused_request_id_is_not_failed_by_its_predecessors_deadline():
     h = Host(workers=(1,), deadline_s=10.0, timeout_s=60.0)
     h.submit("a")
-    h.lc.on_finished(1, Finished(request_id="a", times_ns=[h.clock.now_ns()], cached_tokens=0, admitted_ns=0))
+    h.lc.on_finished(1, Finished(request_id="a", times_ns=[h.clock.now_ns()],
+                                        engine=EngineFacts(cached_tokens=0, admitted_ns=0)))
     assert h.ended.pop("a").failure is None
     h.advance(5_000 * MS)
     h.submit("a")

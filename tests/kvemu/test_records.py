@@ -8,7 +8,7 @@ import anyio
 import msgspec
 
 from kvemu import ManualClock, RequestRecord
-from kvemu.records import sequences_as_lists
+from kvemu.records import EngineRecord, sequences_as_lists
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest
@@ -28,30 +28,39 @@ router: {policy: kv, affinity: {enabled: true, ttl_secs: 30}}
 run: {mode: virtual, seed: 5}
 """
 
-def test_gc_untracked_is_safe_no_field_can_hold_an_object():
-    """``gc=False`` is safe only while no field can refer back to a record: scalars and lists of ints only."""
+def _holds_scalars_only(struct: msgspec.inspect.StructType) -> None:
     scalars = (msgspec.inspect.StrType, msgspec.inspect.IntType, msgspec.inspect.NoneType)
-    for field in msgspec.inspect.type_info(RequestRecord).fields:
+    for field in struct.fields:
         t = field.type
         kinds = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
         for k in kinds:
+            if isinstance(k, msgspec.inspect.StructType):  # an embedded struct (the engine's facts): the same rule
+                _holds_scalars_only(k)
+                continue
             assert isinstance(k, scalars) or (
                 isinstance(k, msgspec.inspect.ListType) and isinstance(k.item_type, msgspec.inspect.IntType)
             ), (field.name, k)
-    rec = RequestRecord(request_id="r", token_times_ns=[1, 2])
-    assert not gc.is_tracked(rec) and rec.token_times_ns == [1, 2]
-    assert RequestRecord(request_id="a").token_times_ns is not RequestRecord(request_id="b").token_times_ns
+
+
+def test_gc_untracked_is_safe_no_field_can_hold_an_object():
+    """``gc=False`` is safe only while no field can refer back to a record: scalars, lists of ints, and structs of
+    them (themselves untracked)."""
+    for cls in (RequestRecord, EngineRecord):
+        _holds_scalars_only(msgspec.inspect.type_info(cls))
+        rec = cls(request_id="r", token_times_ns=[1, 2])
+        assert not gc.is_tracked(rec) and not gc.is_tracked(rec.engine) and rec.token_times_ns == [1, 2]
+        assert cls(request_id="a").token_times_ns is not cls(request_id="b").token_times_ns
 
 
 def test_engine_keeps_the_record_and_the_worker_names_itself():
     worker = MockWorker(EngineConfig(block_size=4, num_gpu_blocks=16), worker_id=7)
     rec = worker.dispatch(Request(request_id="a", token_ids=list(range(10)), max_tokens=3)).raise_if_rejected()
-    assert type(rec) is RequestRecord
+    assert type(rec) is EngineRecord  # the engine's own, smaller record
     assert (rec.worker_id, rec.dp_rank, rec.isl, rec.max_tokens, rec.output_tokens) == (7, 0, 10, 3, 0)
     while not rec.done:
         worker.advance_to(worker.next_event_ns())
-    assert rec.output_tokens == 3 and rec.completion_ns == rec.token_times_ns[-1] and rec.admitted_ns == 0
-    assert rec.engine_cached_tokens == 0 and rec.preemptions == 0 and rec.failure is None
+    assert rec.output_tokens == 3 and rec.completion_ns == rec.token_times_ns[-1] and rec.engine.admitted_ns == 0
+    assert rec.engine.cached_tokens == 0 and rec.engine.preemptions == 0 and rec.failure is None
 
 
 def test_router_result_and_recorder_line_agree_field_by_field():
@@ -77,13 +86,14 @@ def test_router_result_and_recorder_line_agree_field_by_field():
 
     run_virtual(main, clock)
     assert len(results) == 24 and all(type(r) is RequestRecord and r.done for r in results.values())
-    assert any(r.engine_cached_tokens for r in results.values())
-    assert any(r.preemptions for r in results.values())  # 24 blocks a rank: the engines preempt
+    assert any(r.engine.cached_tokens for r in results.values())
+    assert any(r.engine.preemptions for r in results.values())  # 24 blocks a rank: the engines preempt
     for rid, res in results.items():
         line = recorder.records[rid]
         assert line is res  # one record: the recorder keeps the router's, it does not rebuild one from hooks
         assert line.output_tokens == len(line.token_times_ns) == 40 and line.completion_ns == line.token_times_ns[-1]
-        assert line.admitted_ns is not None and line.dispatch_ns <= line.admitted_ns <= line.first_token_ns
+        admitted = line.engine.admitted_ns
+        assert admitted is not None and line.dispatch_ns <= admitted <= line.first_token_ns
         assert line.attempts == 1 and line.routed_ns is not None and line.best_overlap_blocks is not None
         assert line.best_overlap_blocks >= line.predicted_overlap_blocks
         # token times are kept compact (8 bytes each) and still written as the list the field declares

@@ -64,7 +64,8 @@ class _Acks:
 
 def _register(engine: EngineConfig, **kw: object) -> tuple[RegisterAck, object]:
     end = _Acks()
-    router = pool_router(parse_scenario(SCENARIO), "aggregated", clock=ManualClock(), end=end, hooks=Hooks())
+    router = pool_router(parse_scenario(SCENARIO), "aggregated", clock=ManualClock(), end=end, hooks=Hooks(),
+                         guarded=False)  # (in process, on a manual clock: no live-only bounds)
     msg = decode_worker_message(encode(Register(worker_id=7, engine=engine.settings(), **kw)))  # as on the wire
     router.on_message(b"w7", msg)
     return end.sent[-1], router

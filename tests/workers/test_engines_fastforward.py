@@ -115,12 +115,12 @@ def summary(records) -> dict:
     return {
         r.request_id: (
             r.arrival_ns,
-            r.admitted_ns,
+            r.engine.admitted_ns,
             r.first_token_ns,
             r.completion_ns,
-            r.engine_cached_tokens,
+            r.engine.cached_tokens,
             r.output_tokens,
-            r.preemptions,
+            r.engine.preemptions,
             tuple(r.token_times_ns),
             r.kv_reserved_ns,
             r.kv_activated_ns,

@@ -178,9 +178,9 @@ def test_an_evicted_prompt_comes_back_from_the_host_with_cpu_events():
     records: list = []
     batches = run(eng, reqs, records)
     c = records[2]
-    assert c.admitted_ns == 2016 * MS  # 16 blocks loaded at 1 ms each
-    assert (c.engine_cached_tokens, c.engine_host_cached_tokens) == (960, 960)
-    assert records[0].engine_host_cached_tokens == 0
+    assert c.engine.admitted_ns == 2016 * MS  # 16 blocks loaded at 1 ms each
+    assert (c.engine.cached_tokens, c.engine.host_cached_tokens) == (960, 960)
+    assert records[0].engine.host_cached_tokens == 0
     wire = [ev for p in batches for ev in p.batch().events]
     cpu_stored = [ev for ev in wire if isinstance(ev, BlockStored) and ev.medium == MEDIUM_CPU]
     assert cpu_stored and cpu_stored[0].token_ids and cpu_stored[0].block_size == 64

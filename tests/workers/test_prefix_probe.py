@@ -36,7 +36,7 @@ def test_the_probe_finds_what_the_next_admission_finds_and_changes_nothing(name)
     assert core.cached_prefix_blocks(_hashes(list(range(9000, 9100)))) == 0
     rec = core.add_request(Request(request_id="b", token_ids=second, max_tokens=3, arrival_ns=10**9))
     core.advance_to(MAX_TIME_NS)
-    assert probed > 0 and probed * BS == rec.engine_cached_tokens
+    assert probed > 0 and probed * BS == rec.engine.cached_tokens
 
 
 def test_without_prefix_caching_nothing_is_cached():

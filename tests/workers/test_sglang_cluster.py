@@ -29,7 +29,7 @@ def outcomes(defer: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple],
         monkeypatch.setattr(workers.actor.actor.WorkerActor, "defer_kv_events", lambda self: None)
     data = run_scenario(parse_scenario(json.dumps(SCENARIO)), None).data
     recs = sorted((r.request_id, r.worker_id, r.dp_rank, r.predicted_overlap_blocks, r.first_token_ns,
-                   r.completion_ns, r.engine_reused_tokens, r.failure) for r in data.records)
+                   r.completion_ns, r.engine.reused_tokens, r.failure) for r in data.records)
     return recs, data.kv_stats
 
 

@@ -71,7 +71,7 @@ def test_a_lone_request_prefills_then_decodes_against_the_16k_pool():
 def test_an_extend_pass_gives_running_requests_nothing():
     _, done = run([req("a", 1000, 20), req("b", 2000, 3, at_ms=50)])
     a, b = done["a"], done["b"]
-    assert ms(b.admitted_ns) == 58.946345 and ms(b.first_token_ns) == 107.498641  # b's prefill alone: 48.552296
+    assert ms(b.engine.admitted_ns) == 58.946345 and ms(b.first_token_ns) == 107.498641  # b's prefill alone: 48.552296
     assert 63.332425 in gaps(a)  # a waits through it: 48.552296 + the next decode pass of both
     assert ms(a.completion_ns) == 262.776114 and ms(b.completion_ns) == 137.064339
 
@@ -83,7 +83,7 @@ def test_a_batch_of_prompts_is_timed_on_floored_means():
 
 def test_a_cached_prompt_recomputes_one_token():
     _, done = run([req("a", 1024, 1, ids=[1, 2]), req("b", 1024, 1, at_ms=1000, ids=[1, 2])])
-    assert done["b"].engine_reused_tokens == 1023
+    assert done["b"].engine.reused_tokens == 1023
     assert ms(done["b"].first_token_ns - done["b"].arrival_ns) == 16.516604  # prefill(1)
 
 
@@ -97,7 +97,7 @@ def test_a_prompt_beyond_the_chunk_budget_is_chunked():
 def test_admission_waits_until_the_decaying_ratio_leaves_room():
     # b (8,000 + 10 reserved) fits only once 16,384 - a's context - a's remaining output x ratio exceeds it
     _, done = run([req("a", 6000, 4000), req("b", 8000, 10, at_ms=100)])
-    assert ms(done["b"].admitted_ns) == pytest.approx(2764.003701, abs=1e-3)
+    assert ms(done["b"].engine.admitted_ns) == pytest.approx(2764.003701, abs=1e-3)
 
 
 def test_a_cached_prefix_nobody_holds_is_not_charged_twice_at_admission():
@@ -109,8 +109,8 @@ def test_a_cached_prefix_nobody_holds_is_not_charged_twice_at_admission():
     _, done = run([req("a", 1000, 1, 0, [1, 2]), req("b", 1200, 500, 100, [3, 4, 5]),
                    req("c", 1500, 20, 200, [1, 2, 6])], cfg)
     c = done["c"]
-    assert c.engine_reused_tokens == 1000
-    assert ms(c.admitted_ns) == 206.440337  # at the end of b's decode pass in flight when it arrives
+    assert c.engine.reused_tokens == 1000
+    assert ms(c.engine.admitted_ns) == 206.440337  # at the end of b's decode pass in flight when it arrives
     assert ms(c.first_token_ns) == pytest.approx(200 + 30.638727, abs=1e-3)
     assert ms(c.completion_ns) == pytest.approx(200 + 672.065969, abs=1e-3)
     assert ms(done["b"].completion_ns) == pytest.approx(100 + 13345.227343, abs=1e-3)
@@ -125,18 +125,18 @@ def test_a_retracted_request_reports_the_most_any_admission_found_cached():
     _, done = run([req("a", 1000, 1, 0, [1, 2]), req("b", 1200, 1000, 100, [3, 4, 5]),
                    req("c", 1500, 300, 200, [1, 2, 6])], cfg)
     c = done["c"]
-    assert c.preemptions == 2 and c.engine_cached_tokens == 1000
-    assert c.engine_reused_tokens == 1647
+    assert c.engine.preemptions == 2 and c.engine.cached_tokens == 1000
+    assert c.engine.reused_tokens == 1647
     assert ms(done["b"].completion_ns) == pytest.approx(100 + 29322.247342, abs=1e-3)  # the reference's to 1 us
 
 
 def test_retraction_takes_the_request_with_fewest_tokens_and_keeps_its_cache():
     _, done = run([req("a", 6000, 3000), req("b", 6000, 3000, at_ms=10)])
     a, b = done["a"], done["b"]
-    assert b.preemptions == 1 and a.preemptions == 0
+    assert b.engine.preemptions == 1 and a.engine.preemptions == 0
     assert b.output_tokens == 3000 and a.output_tokens == 3000
     # re-admitted when a ends; what a's growth did not evict of b's tokens is reused
-    assert b.engine_reused_tokens == 7384
+    assert b.engine.reused_tokens == 7384
     assert ms(b.completion_ns) == pytest.approx(118191.774627 + 10, abs=1e-3)
 
 
@@ -145,9 +145,9 @@ def test_lru_evicts_exactly_the_tokens_needed_from_the_coldest_leaf():
     rows = [("a", 1000, [1, 2], 0), ("b", 1000, [3, 4], 100), ("a2", 1000, [1, 2], 200), ("c", 1500, [5, 6, 7], 300),
             ("b2", 1000, [3, 4], 400), ("a3", 1000, [1, 2], 500)]
     eng, done = run([req(r, n, 1, t, ids) for r, n, ids, t in rows], cfg)
-    assert done["a2"].engine_reused_tokens == 999
-    assert done["b2"].engine_reused_tokens == 500  # c took 500 of b's tokens, from its tail
-    assert done["a3"].engine_reused_tokens == 500  # b2 refilled its tail at a's expense
+    assert done["a2"].engine.reused_tokens == 999
+    assert done["b2"].engine.reused_tokens == 500  # c took 500 of b's tokens, from its tail
+    assert done["a3"].engine.reused_tokens == 500  # b2 refilled its tail at a's expense
 
 
 def test_a_request_that_cannot_fit_keeps_its_cached_prefix_warm():
@@ -161,7 +161,7 @@ def test_a_request_that_cannot_fit_keeps_its_cached_prefix_warm():
                    req("d", 3254, 440, 9000, list(range(50, 57))),
                    req("e", 5856, 395, 13500, [*range(1, 8), *range(60, 65)])])
     e = done["e"]
-    assert e.engine_reused_tokens == 2999
+    assert e.engine.reused_tokens == 2999
     assert ms(e.first_token_ns) == pytest.approx(13500 + 2559.501064, abs=1e-3)
     assert ms(e.completion_ns) == pytest.approx(13500 + 12742.895592, abs=1e-3)
     assert ms(done["d"].completion_ns) == pytest.approx(9000 + 13409.371541, abs=1e-3)
@@ -173,15 +173,16 @@ def test_lpm_admits_the_longest_cached_prefix_first():
             req("d", 1500, 1, 300, [1, 2, 3])]
     _, lpm = run(reqs, cfg)
     _, fifo = run(reqs, EngineConfig(backend="sglang", max_num_seqs=1))
-    assert lpm["d"].admitted_ns < lpm["c"].admitted_ns and ms(lpm["d"].admitted_ns) == pytest.approx(488.965, abs=1e-3)
-    assert fifo["c"].admitted_ns < fifo["d"].admitted_ns
+    assert lpm["d"].engine.admitted_ns < lpm["c"].engine.admitted_ns
+    assert ms(lpm["d"].engine.admitted_ns) == pytest.approx(488.965, abs=1e-3)
+    assert fifo["c"].engine.admitted_ns < fifo["d"].engine.admitted_ns
 
 
 @pytest.mark.parametrize("interval, admitted_ms", [(0, 32.105859), (1, 41.049583), (3, 58.946345)])
 def test_prefill_decode_interval_holds_back_the_next_extend(interval, admitted_ms):
     cfg = EngineConfig(backend="sglang", sglang=SglangConfig(prefill_decode_interval=interval))
     _, done = run([req("a", 1000, 20), req("b", 2000, 3, 1), req("c", 500, 3, 2)], cfg)
-    assert ms(done["b"].admitted_ns) == ms(done["c"].admitted_ns) == admitted_ms
+    assert ms(done["b"].engine.admitted_ns) == ms(done["c"].engine.admitted_ns) == admitted_ms
 
 
 def test_where_the_reference_hangs_every_request_still_ends():

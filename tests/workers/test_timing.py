@@ -67,7 +67,7 @@ def test_engine_first_token_after_prefill_time_and_decode_steps():
     r1 = eng.step(1000)
     assert r1.prefill_tokens == 10 and r1.decodes == 0
     assert r1.end_ns == 1000 + timer.prefill_ns(10)
-    assert rec.first_token_ns == r1.end_ns and rec.engine_cached_tokens == 0
+    assert rec.first_token_ns == r1.end_ns and rec.engine.cached_tokens == 0
     r2 = eng.step(r1.end_ns)
     # the decode pass computes the KV of its 11th token: 10 prompt + 1 output tokens (not 3 blocks x 4)
     assert r2.decodes == 1 and r2.duration_ns == timer.decode_ns(11)
@@ -100,7 +100,7 @@ def test_decode_time_counts_every_request_context_even_over_a_shared_prefix():
         mixed = eng.step(first.end_ns)  # a decodes, b prefills
         both = eng.step(mixed.end_ns)
         assert both.decodes == 2 and both.prefill_tokens == 0
-        assert rec.engine_cached_tokens == (8 if second[0] == 0 else 0)
+        assert rec.engine.cached_tokens == (8 if second[0] == 0 else 0)
         durations.append(both.duration_ns)
     assert durations[0] == durations[1] == PassTimer(cfg).decode_ns(12 + 11)
 

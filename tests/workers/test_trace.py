@@ -156,7 +156,7 @@ def test_trace_requests_share_prefix_blocks_in_the_engine():
     a = eng.add_request(mooncake_request(rec_a, request_id="a"))
     b = eng.add_request(mooncake_request(rec_b, request_id="b"))
     eng.advance_to(10**11)
-    assert a.done and b.done and a.engine_cached_tokens == 0 and b.engine_cached_tokens == 1024
+    assert a.done and b.done and a.engine.cached_tokens == 0 and b.engine.cached_tokens == 1024
 
 
 _ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64 + 3), st.floats(allow_nan=True),

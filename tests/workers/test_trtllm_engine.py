@@ -36,19 +36,19 @@ def test_a_request_waits_until_its_whole_kv_can_be_reserved():
     # 320 + 321 tokens need ceil(641/32) = 21 blocks and 320 + 320 need 20: 41 > 40, so B waits for A's end
     a, b = req("a", 320, 321, 0, base=1), req("b", 320, 320, 1, base=2)
     done = run(EngineConfig(backend="trtllm", num_gpu_blocks=40), [a, b])
-    assert done["b"].admitted_ns == done["a"].completion_ns == 7_142_540_515
-    assert done["a"].preemptions == done["b"].preemptions == 0
+    assert done["b"].engine.admitted_ns == done["a"].completion_ns == 7_142_540_515
+    assert done["a"].engine.preemptions == done["b"].engine.preemptions == 0
     # one more block and both run at once (vLLM-flavour times)
     done = run(EngineConfig(backend="trtllm", num_gpu_blocks=41), [a, b])
-    assert done["b"].admitted_ns == 21_403_231
+    assert done["b"].engine.admitted_ns == 21_403_231
 
 
 def test_the_queue_head_is_never_overtaken():
     reqs = [req("a", 320, 400, 0, base=1), req("b", 320, 400, 1, base=2), req("c", 32, 4, 2, base=3)]
     done = run(EngineConfig(backend="trtllm", num_gpu_blocks=40), reqs)
-    assert done["b"].admitted_ns == done["c"].admitted_ns == done["a"].completion_ns
+    assert done["b"].engine.admitted_ns == done["c"].engine.admitted_ns == done["a"].completion_ns
     vllm = run(EngineConfig(block_size=32, num_gpu_blocks=40), reqs)  # vLLM lets c in and preempts instead
-    assert vllm["c"].admitted_ns < done["a"].completion_ns and vllm["b"].preemptions == 1
+    assert vllm["c"].engine.admitted_ns < done["a"].completion_ns and vllm["b"].engine.preemptions == 1
 
 
 def test_only_prefix_blocks_running_requests_hold_reduce_the_reservation():
@@ -56,21 +56,22 @@ def test_only_prefix_blocks_running_requests_hold_reduce_the_reservation():
     a = req("a", 320, 200, 0, tokens=shared)
     b = req("b", 640, 160, 0.001, tokens=shared + [8] * 320)
     # b needs 25 blocks less a's 10 active ones: 15 fit beside a's remaining reservation of 32 - 17
-    assert run(EngineConfig(backend="trtllm", num_gpu_blocks=32, block_size=32), [a, b])["b"].admitted_ns == 21_403_231
+    done = run(EngineConfig(backend="trtllm", num_gpu_blocks=32, block_size=32), [a, b])
+    assert done["b"].engine.admitted_ns == 21_403_231
     done = run(EngineConfig(backend="trtllm", num_gpu_blocks=31, block_size=32), [a, b])
-    assert done["b"].admitted_ns == done["a"].completion_ns
-    assert done["b"].engine_cached_tokens == 320
+    assert done["b"].engine.admitted_ns == done["a"].completion_ns
+    assert done["b"].engine.cached_tokens == 320
 
 
 def test_a_fully_cached_aligned_prompt_computes_nothing_and_decodes_its_prompt():
     tokens = list(range(288))  # 9 blocks of 32
     done = run(EngineConfig(backend="trtllm"), [req("a", 288, 3, 0, tokens=tokens), req("b", 288, 3, 1000, tokens=tokens)])
     b = done["b"]
-    assert b.engine_cached_tokens == 288
+    assert b.engine.cached_tokens == 288
     decode = PolynomialTiming().decode_ms(288, 16384 * 32)
     assert b.first_token_ns - b.arrival_ns == round(decode * MS)  # 5.769661 ms, no prefill part
     vllm = run(EngineConfig(block_size=32), [req("a", 288, 3, 0, tokens=tokens), req("b", 288, 3, 1000, tokens=tokens)])
-    assert vllm["b"].engine_cached_tokens == 256  # vLLM recomputes the last block's tokens
+    assert vllm["b"].engine.cached_tokens == 256  # vLLM recomputes the last block's tokens
 
 
 def test_a_request_that_could_never_be_reserved_is_refused():
@@ -104,4 +105,4 @@ def test_nothing_is_ever_preempted_and_everything_completes(work):
     cfg, reqs = work
     done = run_to_end(VllmEngineCore(cfg), reqs)
     assert sorted(done) == sorted(r.request_id for r in reqs)
-    assert all(rec.preemptions == 0 and rec.output_tokens == rec.max_tokens for rec in done.values())
+    assert all(rec.engine.preemptions == 0 and rec.output_tokens == rec.max_tokens for rec in done.values())

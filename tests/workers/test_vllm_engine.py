@@ -86,7 +86,7 @@ def test_prefix_hit_on_a_finished_request_skips_cached_blocks():
     b = req("b", [*range(32), 900, 901, 902, 903, 904], max_tokens=2, arrival_ns=eng.busy_until_ns)
     rb = eng.add_request(b)
     first = eng.step(eng.next_pass_start_ns())
-    assert rb.engine_cached_tokens == 32 and first.prefill_tokens == 5
+    assert rb.engine.cached_tokens == 32 and first.prefill_tokens == 5
     (stored,) = [e for e in first.kv_batch.events if isinstance(e, BlockStored)]
     a_hashes = sequence_hashes(local_block_hashes(list(range(40)), 4))
     b_hashes = sequence_hashes(local_block_hashes(list(b.token_ids), 4))
@@ -114,7 +114,7 @@ def test_identical_prompt_recomputes_only_the_last_block():
     run_steps(eng)
     rb = eng.add_request(req("b", range(40), max_tokens=1, arrival_ns=eng.busy_until_ns))
     r = eng.step(eng.next_pass_start_ns())
-    assert rb.engine_cached_tokens == 36 and r.prefill_tokens == 4  # the last prompt token must be computed
+    assert rb.engine.cached_tokens == 36 and r.prefill_tokens == 4  # the last prompt token must be computed
     assert r.kv_batch is None  # the recomputed block exists already: no event
 
 
@@ -124,7 +124,7 @@ def test_active_prefix_is_shared_with_a_running_request():
     eng.step(0)
     rb = eng.add_request(req("b", [*range(16), 77, 78], max_tokens=2, arrival_ns=eng.busy_until_ns))
     eng.step(eng.busy_until_ns)
-    assert rb.engine_cached_tokens == 16 and ra.engine_cached_tokens == 0
+    assert rb.engine.cached_tokens == 16 and ra.engine.cached_tokens == 0
     a_hashes = sequence_hashes(local_block_hashes(list(range(24)), 4))
     assert all(eng.pool.active[h] == 2 for h in a_hashes[:4])
 
@@ -135,7 +135,7 @@ def test_prefix_caching_disabled_never_hits_nor_emits():
     eng.add_request(req("b", range(40), max_tokens=2, arrival_ns=10**9))
     steps = run_steps(eng)
     done = {r.request_id: r for s in steps for r in s.completed}
-    assert done["b"].engine_cached_tokens == 0
+    assert done["b"].engine.cached_tokens == 0
     assert all(s.kv_batch is None for s in steps)
     assert eng.pool.free == eng.pool.num_blocks and not eng.pool.cached_hashes()
 
@@ -149,7 +149,7 @@ def test_decode_blocks_hash_the_generated_tokens():
     follow = [*range(8), *outs[:4], 1, 2, 3]
     rb = eng.add_request(req("b", follow, max_tokens=1, arrival_ns=eng.busy_until_ns))
     eng.step(eng.next_pass_start_ns())
-    assert rb.engine_cached_tokens == 12
+    assert rb.engine.cached_tokens == 12
 
 
 # ------------------------------------------------------------------------------- chunked prefill
@@ -226,8 +226,8 @@ def test_preemption_recomputes_without_losing_or_duplicating_tokens(mode):
     steps = run_steps(eng, led)
     done = records(eng, reqs, steps)
     victim = "b" if mode == "lifo" else "a"
-    assert done[victim].preemptions >= 1
-    assert done["a" if victim == "b" else "b"].preemptions == 0
+    assert done[victim].engine.preemptions >= 1
+    assert done["a" if victim == "b" else "b"].engine.preemptions == 0
     preempted = [rid for s in steps for rid in s.preempted]
     assert preempted and set(preempted) == {victim}
     for rec in done.values():
@@ -317,7 +317,7 @@ def test_dp_ranks_share_no_blocks_and_tag_their_events():
     rb = w.dispatch(req("b", prompt, max_tokens=3, arrival_ns=10**10), dp_rank=5).raise_if_rejected()
     rc = w.dispatch(req("c", prompt, max_tokens=3, arrival_ns=10**10), dp_rank=4).raise_if_rejected()
     results = w.advance_to(2 * 10**10)
-    assert rb.engine_cached_tokens == 0 and rc.engine_cached_tokens == 36
+    assert rb.engine.cached_tokens == 0 and rc.engine.cached_tokens == 36
     r4, r5 = results
     assert all(b.data_parallel_rank == 5 for b in r5.kv_batches) and r5.kv_batches
     assert all(b.data_parallel_rank == 4 for b in r4.kv_batches)

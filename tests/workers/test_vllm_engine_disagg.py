@@ -56,14 +56,14 @@ def test_held_kv_is_a_prefix_for_later_prompts_and_uses_capacity():
     drain(eng)
     eng.add_request(prefill_leg("b", tokens=PROMPT + list(range(10**6, 10**6 + 1024)), at=eng.now_ns))
     (b,) = drain(eng)
-    assert b.engine_cached_tokens == 4096  # the held blocks are shared
+    assert b.engine.cached_tokens == 4096  # the held blocks are shared
     eng.add_request(prefill_leg("c", tokens=list(range(5 * 10**6, 5 * 10**6 + 4096)), at=eng.now_ns))
     assert drain(eng) == []  # 64 + 80 blocks held: c cannot start
     eng.release_kv("a")
     eng.release_kv("b")
     released = eng.now_ns
     (c,) = drain(eng)
-    assert c.admitted_ns == released  # when the blocks came free, never before
+    assert c.engine.admitted_ns == released  # when the blocks came free, never before
 
 
 @pytest.mark.parametrize("link, ttft_ms, e2e_ms", [
@@ -85,7 +85,7 @@ def test_a_decode_leg_waits_its_transfer_then_decodes_from_its_first_pass(link, 
     assert out == [("r", held, held + delay)] and rec.kv_reserved_ns == held and rec.kv_activated_ns == held + delay
     assert rec.first_token_ns / MS == pytest.approx(ttft_ms, abs=1e-6)  # + one decode pass of the prompt: D(4096)
     assert rec.completion_ns / MS == pytest.approx(e2e_ms, abs=1e-6)
-    assert rec.engine_cached_tokens == 0 and rec.output_tokens == 10 and eng.pool.num_active_blocks == 0
+    assert rec.engine.cached_tokens == 0 and rec.output_tokens == 10 and eng.pool.num_active_blocks == 0
     assert len(eng.pool.inactive) == 64  # the transferred prompt stays cached here
 
 

@@ -15,7 +15,7 @@ from workers.vllm.hybrid import SPEC_KIND, HybridKV, max_blocks
 from workers.request import Request
 from workers.sequence import SeqState
 from workers.vllm.engine import VllmEngineCore
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 
 from tests.engine_runs import run_to_end, steps
 
@@ -78,7 +78,7 @@ def test_a_window_is_required_exactly_for_sliding_window():
 
 def _seq(n_blocks: int, bs: int = 4) -> SeqState:
     r = req("q", range(n_blocks * bs + 1))
-    return SeqState(r, RequestRecord(request_id="q", dp_rank=0, arrival_ns=0, isl=len(r.token_ids), max_tokens=4),
+    return SeqState(r, EngineRecord(request_id="q", dp_rank=0, arrival_ns=0, isl=len(r.token_ids), max_tokens=4),
                     bs, 0)
 
 
@@ -155,9 +155,9 @@ def test_a_sliding_window_group_frees_blocks_that_left_the_window():
 def test_prefix_hits_reuse_every_group(mode, prompt, hit):
     eng = VllmEngineCore(cfg([FULL, swa(6), KvGroupSpec(kind="state", layers=4, cache_mode=mode)]))
     first = run_to_end(eng, [req("a", range(prompt), max_tokens=2)])
-    assert first["a"].engine_cached_tokens == 0
+    assert first["a"].engine.cached_tokens == 0
     second = run_to_end(eng, [req("b", range(prompt), max_tokens=2, arrival_ns=eng.now_ns)])
-    assert second["b"].engine_cached_tokens == hit
+    assert second["b"].engine.cached_tokens == hit
 
 
 def test_events_name_their_group_kind_and_window_and_encode_by_version():
@@ -328,7 +328,7 @@ def test_preemption_gives_back_every_groups_blocks():
     for res in steps(eng, reqs):
         for rec in res.completed:
             done[rec.request_id] = rec
-    assert len(done) == 4 and sum(r.preemptions for r in done.values()) > 0
+    assert len(done) == 4 and sum(r.engine.preemptions for r in done.values()) > 0
     assert eng.pool.num_active_blocks == 0 and eng.group_usage() == [(g.kind, g.window, 0) for g in eng.hybrid.groups]
 
 
@@ -484,7 +484,7 @@ def test_align_mode_holds_the_state_read_and_the_state_written():
     eng.add_request(req("b", range(9), max_tokens=3, arrival_ns=eng.now_ns))
     res = eng.step(eng.next_pass_start_ns())
     b = eng._seqs["b"]
-    assert b.record.engine_cached_tokens == 8 and eng.hybrid.held(b)[1] == 2 and res.prefill_tokens == 1
+    assert b.record.engine.cached_tokens == 8 and eng.hybrid.held(b)[1] == 2 and res.prefill_tokens == 1
     eng.step(eng.next_pass_start_ns())
     assert eng.hybrid.held(b)[1] == 1
 

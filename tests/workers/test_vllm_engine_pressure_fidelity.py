@@ -54,15 +54,15 @@ def test_admission_waits_for_blocks_of_the_whole_prompt():
     r1 = eng.add_request(Request(request_id="r1", token_ids=list(range(100, 124)), max_tokens=2, arrival_ns=1))
     passes = _run(eng)
     assert not any(p.preempted for p in passes)
-    assert r1.admitted_ns >= r0.completion_ns
-    assert r0.preemptions == r1.preemptions == 0
+    assert r1.engine.admitted_ns >= r0.completion_ns
+    assert r0.engine.preemptions == r1.engine.preemptions == 0
 
 
 def test_blocks_filled_by_a_pass_are_found_by_later_admissions_in_it():
     eng = VllmEngineCore(EngineConfig())
     a, b = _add_rows(eng, [_row(0, 2000, 3, [1, 2, 3, 4]), _row(0, 2000, 4, [1, 2, 3, 5])])
     first = _run(eng)[0]
-    assert (a.engine_cached_tokens, b.engine_cached_tokens) == (0, 1536)
+    assert (a.engine.cached_tokens, b.engine.cached_tokens) == (0, 1536)
     # timed as 2 requests of (4000 // 2 - 1536 // 2) new tokens
     assert first.duration_ns == eng.timer.prefill_ns(2 * (2000 - 768))
 
@@ -78,7 +78,7 @@ def test_recomputed_output_is_free_and_decodes():
     eng = VllmEngineCore(EngineConfig(num_gpu_blocks=40))
     _, r1 = _add_rows(eng, [_row(0, 1000, 400, [1, 2]), _row(0, 1001, 401, [3, 4])])
     passes = _run(eng)
-    assert r1.preemptions == 1
+    assert r1.engine.preemptions == 1
     back = [p for p in passes if "r1" in p.admitted][-1]
     assert back.prefill_tokens > 0  # it recomputes generated tokens ...
     tokens = 1001 + r1.token_times_ns.index(back.end_ns)  # its context when the pass catches it up
@@ -110,6 +110,6 @@ def test_per_request_times_equal_the_reference_under_memory_pressure(dynamo_core
     assert sum(r["readmission_count"] for r in ref) > 0, "the slice no longer preempts: the test lost its point"
     for r, k in zip(ref, ours):
         assert r["input_length"] == k.isl
-        assert k.preemptions == r["readmission_count"]
+        assert k.engine.preemptions == r["readmission_count"]
         assert k.first_token_ns / 1e6 == pytest.approx(r["first_token_ms"], abs=1e-3)
         assert k.completion_ns / 1e6 == pytest.approx(r["terminal_time_ms"], abs=1e-3)

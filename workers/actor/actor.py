@@ -16,7 +16,7 @@ import msgspec
 
 from kvemu.clock import NS_PER_MS, NS_PER_S, Clock
 from kvemu.router_events import EngineEvents
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from kvemu.messages import (
     Abort,
     Chaos,
@@ -147,15 +147,15 @@ class WorkerActor:
         self.driver: ModeDriver = mode_driver(mode, self)
         """Brings the engines to now, re-arms or wakes them after each act, runs them."""
         self._beats = Wakeup(self._heartbeat, clock.now_ns)
-        self._records: dict[str, RequestRecord] = {}
+        self._records: dict[str, EngineRecord] = {}
         self._sent: dict[str, int] = {}
         self.local: dict[str, Callable[[TokenBatch | Finished | RequestFailed], None]] = {}
         """Requests that came to this worker directly (its HTTP server), by id: where their replies go instead
         of the router."""
-        self.on_end: Callable[[RequestRecord, str], None] | None = None
+        self.on_end: Callable[[EngineRecord, str], None] | None = None
         """Told every request that ends on this worker, with vLLM's finish reason (``length`` or ``abort``):
         the worker's metrics."""
-        self.on_sent_times: Callable[[RequestRecord, list[int]], None] | None = None
+        self.on_sent_times: Callable[[EngineRecord, list[int]], None] | None = None
         """Live mode: told a request's token times once they have been sent and before all but the last are
         dropped (a live worker keeps O(1) of them per request; whoever counts gaps, the worker's metrics, sees
         each gap once: here, or at ``on_end`` for the rest)."""
@@ -534,7 +534,7 @@ class WorkerActor:
         elif rid in self._records:
             self._send(KvPulled(request_id=rid, reserved_ns=reserved_ns, activated_ns=activated_ns))
 
-    def _finish(self, rec: RequestRecord) -> None:
+    def _finish(self, rec: EngineRecord) -> None:
         rid = rec.request_id
         self._flushed_at.pop(rid, None)
         sent = self._sent.pop(rid, 0)
@@ -546,12 +546,9 @@ class WorkerActor:
             transfer = msgspec.structs.replace(self._transfer, source_dp_rank=rank)
         if self.on_end is not None:
             self.on_end(rec, "length")
-        self._reply(Finished(
-            request_id=rid, times_ns=rec.token_times_ns[sent:], dp_rank=rec.dp_rank or 0,
-            cached_tokens=rec.engine_cached_tokens or 0, admitted_ns=rec.admitted_ns, preemptions=rec.preemptions,
-            reused_tokens=rec.engine_reused_tokens, host_cached_tokens=rec.engine_host_cached_tokens,
-            kv_transfer=transfer,
-        ))
+        # the engine is done with its facts: the router's record embeds them as they are
+        self._reply(Finished(request_id=rid, times_ns=rec.token_times_ns[sent:], engine=rec.engine,
+                             dp_rank=rec.dp_rank or 0, kv_transfer=transfer))
 
     # ------------------------------------------------------------------ wall time
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvemu.clock import NS_PER_S
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.rank_engine import RankEngine
 
 __all__ = ["VllmMetrics", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS"]
@@ -72,29 +72,30 @@ class VllmMetrics:
             r = self._ranks[rank] = _Rank(self, (self.model, str(rank)))
         return r
 
-    def token_gaps(self, rec: RequestRecord, times: Sequence[int]) -> None:
+    def token_gaps(self, rec: EngineRecord, times: Sequence[int]) -> None:
         """Observe the inter-token gaps of ``times``, consecutive token times of ``rec`` (a live worker tells
         them as it drops them, the rest at ``finished``)."""
         observe = self._rank(rec.dp_rank or 0).itl.observe
         for a, b in zip(times, times[1:]):
             observe((b - a) / NS_PER_S)
 
-    def finished(self, rec: RequestRecord, reason: str) -> None:
+    def finished(self, rec: EngineRecord, reason: str) -> None:
         """A request ended on a rank (``reason``: ``length``, ``stop`` or ``abort``)."""
         r = self._rank(rec.dp_rank or 0)
         success = r.success.get(reason)
         if success is None:
             success = r.success[reason] = self.success.labels(self.model, str(rec.dp_rank or 0), reason)
         success.inc()
-        if rec.admitted_ns is not None:
+        facts = rec.engine
+        if facts.admitted_ns is not None:
             r.prefix_queries.inc(rec.isl)
-            r.prefix_hits.inc(rec.engine_cached_tokens or 0)
+            r.prefix_hits.inc(facts.cached_tokens or 0)
             r.prompt_tokens.inc(rec.isl)
-            r.queue.observe((rec.admitted_ns - rec.arrival_ns) / NS_PER_S)
+            r.queue.observe((facts.admitted_ns - rec.arrival_ns) / NS_PER_S)
         if rec.output_tokens:
             r.generation_tokens.inc(rec.output_tokens)
-        if rec.preemptions:
-            r.preemptions.inc(rec.preemptions)
+        if facts.preemptions:
+            r.preemptions.inc(facts.preemptions)
         if rec.first_token_ns is not None:
             r.ttft.observe((rec.first_token_ns - rec.arrival_ns) / NS_PER_S)
             times = rec.token_times_ns

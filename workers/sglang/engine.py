@@ -40,7 +40,7 @@ from collections import deque
 from typing import cast
 
 from kvemu.errors import InvalidArgument
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.admission import RejectReason, RequestRejected, sglang_max_len
 from workers.blocks import CLEARED
 from workers.config import EngineConfig
@@ -71,7 +71,7 @@ class _Seq(SeqState):
 
     __slots__ = ("node", "cached_pages", "owned", "out_limit", "owed")
 
-    def __init__(self, req: Request, record: RequestRecord, page: int, order: int, out_limit: int) -> None:
+    def __init__(self, req: Request, record: EngineRecord, page: int, order: int, out_limit: int) -> None:
         super().__init__(req, record, page, order)
         self.node: RadixNode | None = None
         self.cached_pages = 0
@@ -190,21 +190,21 @@ class SglangEngineCore(RankCore):
 
     # ------------------------------------------------------------- admission
 
-    def add_request(self, req: Request) -> RequestRecord:
+    def add_request(self, req: Request) -> EngineRecord:
         """Accept a request (see ``RankCore.add_request``); disaggregated legs are refused: this flavour runs none."""
         if req.kv_hold or req.kv_transfer is not None:
             raise RequestRejected(RejectReason.MALFORMED, "kv_hold/kv_transfer: backend sglang runs no disaggregated "
                                   "legs; use backend vllm for prefill and decode pools", field="backend")
         return super().add_request(req)
 
-    def _new_seq(self, req: Request, record: RequestRecord) -> _Seq:
+    def _new_seq(self, req: Request, record: EngineRecord) -> _Seq:
         return _Seq(req, record, self._page, self._order, min(req.max_tokens, self._max_len - len(req.token_ids)))
 
     def _enqueue(self, seq: _Seq) -> None:
         seq.status = FUTURE
         heapq.heappush(self.future, (seq.record.arrival_ns, seq.order, seq))
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> EngineRecord | None:
         """Drop an unfinished request: its cached pages stay cached, the rest is freed; returns its record
         with ``failure`` set (None if no such request). One in the pass in flight is dropped at its end."""
         seq = self._seqs.pop(request_id, None)
@@ -484,15 +484,15 @@ class SglangEngineCore(RankCore):
             rem_chunk -= charged
             p.chunks.append(_Chunk(seq, prefix, end, final))
             seq.status = RUNNING
-            rec = seq.record
             if fresh:
-                if rec.admitted_ns is None:
-                    rec.admitted_ns = p.start
-                    rec.engine_cached_tokens = prefix
+                facts = seq.record.engine
+                if facts.admitted_ns is None:
+                    facts.admitted_ns = p.start
+                    facts.cached_tokens = prefix
                 # the most any of its admissions found cached: what the reference's replay reports for a request
                 # retracted and re-admitted (a later admission may find less, what the others evicted meanwhile)
-                if rec.engine_reused_tokens is None or prefix > rec.engine_reused_tokens:
-                    rec.engine_reused_tokens = prefix
+                if facts.reused_tokens is None or prefix > facts.reused_tokens:
+                    facts.reused_tokens = prefix
             if final:
                 self.running.append(seq)
             if rem_chunk <= 0 or not final:
@@ -580,7 +580,7 @@ class SglangEngineCore(RankCore):
         self._let_go(seq, cache=True)
         seq.status = WAITING
         seq.prefilling = True
-        seq.record.preemptions += 1
+        seq.record.engine.preemptions += 1
         # to the end of the queue, as the reference's replay does: requests already waiting go first (and a
         # half-prefilled prompt is never stuck behind one that cannot fit until that prompt's pages are freed)
         self.waiting.append(seq)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from kvemu.records import RequestRecord
+from kvemu.records import EngineRecord
 from workers.blocks import REMOVED, BlockPool
 from workers.config import EngineConfig
 from workers.pass_events import PassEvents
@@ -175,13 +175,13 @@ class VllmEngineCore(RankCore):
 
     # ------------------------------------------------------------- admission
 
-    def _new_seq(self, req: Request, record: RequestRecord) -> SeqState:
+    def _new_seq(self, req: Request, record: EngineRecord) -> SeqState:
         return SeqState(req, record, self._block_size, self._order)
 
     def _enqueue(self, seq: SeqState) -> None:
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> EngineRecord | None:
         """Drop an unfinished request (a client went away): its blocks are freed (full ones stay cached), it
         produces nothing more; returns its record with ``failure`` set, or None if no such request is here.
 

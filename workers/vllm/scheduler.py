@@ -298,8 +298,10 @@ class Scheduler:
             seq.status = RUNNING
             self.running.append(seq)
             rec = seq.record
-            rec.kv_activated_ns = rec.admitted_ns = now_ns
-            rec.engine_cached_tokens = rec.engine_reused_tokens = 0  # the prompt was computed by the prefill rank
+            rec.kv_activated_ns = now_ns
+            facts = rec.engine
+            facts.admitted_ns = now_ns
+            facts.cached_tokens = facts.reused_tokens = 0  # the prompt was computed by the prefill rank
             sched.activated.append(seq)
 
     def hold(self, seq: SeqState) -> None:
@@ -377,7 +379,7 @@ class Scheduler:
         seq.computed = 0
         seq.prefilling = True
         seq.status = WAITING
-        seq.record.preemptions += 1
+        seq.record.engine.preemptions += 1
         heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, seq.order, seq))
 
     def _admit(self, now_ns: int, budget: int, sched: Schedule) -> None:
@@ -467,13 +469,13 @@ class Scheduler:
             seq.n_alloc = owned + need
             seq.status = RUNNING
             running.append(seq)
-            rec = seq.record
-            if rec.admitted_ns is None:
-                rec.admitted_ns = now_ns
-                rec.engine_cached_tokens = cached
+            facts = seq.record.engine
+            if facts.admitted_ns is None:
+                facts.admitted_ns = now_ns
+                facts.cached_tokens = cached
                 if host is not None:
-                    rec.engine_host_cached_tokens = extra * bs
-            rec.engine_reused_tokens = cached
+                    facts.host_cached_tokens = extra * bs
+            facts.reused_tokens = cached
             if self.prefix_caching:
                 self._cache_filled(seq, cached + n)
             sched.entries[seq] = n

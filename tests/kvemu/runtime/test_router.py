@@ -9,6 +9,7 @@ from kvemu.hooks import Hooks
 from kvemu.lifecycle import AFFINITY, DISPATCHED, QUEUED, RUNNING, WAITING
 from kvemu.runtime.kv_bus import MemoryKvBus
 from kvemu.runtime.loop import run_virtual
+from kvemu.records import EngineFacts
 from kvemu.messages import (
     ClientRequest,
     Deregister,
@@ -383,7 +384,8 @@ def test_a_worker_that_never_acknowledges_is_removed_and_its_requests_go_elsewhe
         if type(msg) is Dispatch:
             t = clock.now_ns()
             good.send_nowait(DispatchAck(request_id=msg.request_id, accepted=True))
-            good.send_nowait(Finished(request_id=msg.request_id, times_ns=[t], cached_tokens=0, admitted_ns=t))
+            good.send_nowait(Finished(request_id=msg.request_id, times_ns=[t],
+                                      engine=EngineFacts(cached_tokens=0, admitted_ns=t)))
 
     async def main():
         async with anyio.create_task_group() as tg:

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvemu import ManualClock, RoutingCore
 from kvemu.lifecycle import DISPATCHED, RUNNING
+from kvemu.records import EngineFacts
 from kvemu.messages import (
     ClientRequest,
     Deregister,
@@ -64,7 +65,7 @@ class RouterVsPeers(RuleBasedStateMachine):
         t = self.clock.now_ns()
         msg = {"ack": DispatchAck(request_id=rid, accepted=True), "refuse": DispatchAck(request_id=rid, accepted=False),
                "tokens": TokenBatch(request_id=rid, times_ns=[t]),
-               "finish": Finished(request_id=rid, times_ns=[t], cached_tokens=0, admitted_ns=t),
+               "finish": Finished(request_id=rid, times_ns=[t], engine=EngineFacts(cached_tokens=0, admitted_ns=t)),
                "fail": RequestFailed(request_id=rid, reason="engine_error")}[kind]
         self.router.on_message(peer, msg)
         if f is not None and (owner is None or before[1] is None or before[1][0] != owner

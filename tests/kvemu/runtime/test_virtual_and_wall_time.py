@@ -95,7 +95,7 @@ def test_live_mode_two_workers_two_ranks_on_loopback():
     stats = out.data.kv_stats
     assert sum(s["batches"] for s in stats.values()) > 0
     assert sum(s["lost_batches"] + s["decode_errors"] for s in stats.values()) == 0
-    assert any(r.engine_cached_tokens for r in records)  # prefix reuse through real KV events
+    assert any(r.engine.cached_tokens for r in records)  # prefix reuse through real KV events
 
 
 def test_live_faults_drop_and_delay_kv_events_are_repaired():
