@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 import uuid
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -74,6 +74,9 @@ from harness.procs.protocol import (
     never_ran_record,
 )
 
+if TYPE_CHECKING:
+    from kvemu.http.server import HttpServer
+
 
 
 class _SharedRouterEnd(ZmqRouterEnd):
@@ -96,14 +99,6 @@ class _SharedRouterEnd(ZmqRouterEnd):
         self._sock.send_multipart([peer, CLIENT, data]).add_done_callback(_quiet)  # type: ignore[attr-defined]
 
 
-class _Instance(TypedDict):
-    """The router instance a process runs (a chaos restart replaces it)."""
-
-    id: str
-    started_ns: int
-
-
-
 def _quiet(fut: Any) -> None:
     if not fut.cancelled():
         fut.exception()  # a vanished peer: nothing to do
@@ -122,76 +117,94 @@ def _sync_link(scenario: Scenario, replica: int, listen: str, peers: dict[int, s
     return link
 
 
-async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None,
-                        replica: int = 0, sync_listen: str = "tcp://127.0.0.1:0",
-                        sync_peers: dict[int, str] | None = None) -> None:
-    clock = WallClock()
-    hooks = Hooks()
-    spec = scenario.cluster
-    recorder = Recorder(hooks)
-    lane = PromptLane(clock, routing_block_size(spec))
-    end = _SharedRouterEnd(listen)
-    routers: dict[str, Router] = {}
-    gate = PoolGate(end, {worker_type_of(spec, pool): pool for pool in spec.pools()}, lambda: routers)
+class _RouterProcess:
+    """One router process: its pools' routers on one ZeroMQ socket, the client gateway beside them, the control
+    channel, and optionally an HTTP front door and replica sync. ``serve`` runs it until SIGTERM or SIGINT."""
 
-    # a replica's own KV feed, between its subscriber and its streams (chaos naming this replica faults it)
-    feed = FeedTap(into_stream) if scenario.router.replicas > 1 else None
+    def __init__(self, scenario: Scenario, listen: str, http: HttpOptions | None = None, replica: int = 0,
+                 sync_listen: str = "tcp://127.0.0.1:0", sync_peers: dict[int, str] | None = None) -> None:
+        self.scenario = scenario
+        self.replica = replica
+        self.clock = clock = WallClock()
+        self.hooks = hooks = Hooks()
+        spec = scenario.cluster
+        self.recorder = Recorder(hooks)
+        self.lane = PromptLane(clock, routing_block_size(spec))
+        self.end = _SharedRouterEnd(listen)
+        self.routers: dict[str, Router] = {}
+        self.gate = PoolGate(self.end, {worker_type_of(spec, pool): pool for pool in spec.pools()},
+                             lambda: self.routers)
+        self.feed = FeedTap(into_stream) if scenario.router.replicas > 1 else None
+        """A replica's own KV feed, between its subscriber and its streams (chaos naming this replica faults it)."""
+        pools, self.front = compose_pools(spec, self._new_router, clock=clock, hooks=hooks,
+                                          retry_limit=scenario.router.settings().retry_limit)
+        self.routers.update(pools)
+        self.sync = _sync_link(scenario, replica, sync_listen, sync_peers or {}, clock)
+        if self.sync is not None:
+            self.sync.attach(self.routers[AGGREGATED].core, self.routers[AGGREGATED].capacity_changed)
+        self.router_id = uuid.uuid4().hex[:12]
+        """The router instance this process runs (a chaos restart replaces it), and when it started."""
+        self.router_started_ns = clock.now_ns()
+        self.process_id = f"{os.getpid()}-{self.router_id}"
+        self.control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
+        self.control.feed = self.feed
+        self.server = self._http_server(http) if http is not None else None
+        self.in_flight: set[str] = set()
+        self.cancelling: dict[str, str] = {}
+        """Requests cancelled while still decoding or hashing in the lane: key -> reason."""
+        self.streaming: dict[bytes, None] = {}
+        """Clients that asked for their requests' tokens (``StreamTokens``), oldest first."""
+        self.streams: dict[str, tuple[bytes, str]] = {}
+        """Their open requests: key -> (client, its request id)."""
+        self.bad_messages = 0
+        """Client messages refused while decoding (``Stats.bad_client_messages``)."""
+        self._scopes: dict[str, anyio.CancelScope] = {}
+        hooks.subscribe(self._stream_tokens, "tokens")  # (the recorder listens to every kind: events are built anyway)
+        hooks.subscribe(lambda ev: self.control.on_worker_added(self.routers, ev.worker_id), "worker_added")
 
-    def new_router(pool: str) -> Router:
-        router = pool_router(scenario, pool, clock=clock, end=gate.end(pool), hooks=hooks, replica=replica,
+    def _new_router(self, pool: str) -> Router:
+        router = pool_router(self.scenario, pool, clock=self.clock, end=self.gate.end(pool), hooks=self.hooks,
+                             replica=self.replica,
                              zmq_kv_events=pool != DECODE,  # decode workers' KV events go to nobody
                              guarded=True, reaper=True)  # its workers are other processes, on wall time
-        if feed is not None and router.kv.subscriber is not None:  # (a restarted router: the same feed)
-            router.kv.subscriber.feed = feed
+        if self.feed is not None and router.kv.subscriber is not None:  # (a restarted router: the same feed)
+            router.kv.subscriber.feed = self.feed
         return router
 
-    pools, front = compose_pools(spec, new_router, clock=clock, hooks=hooks,
-                                 retry_limit=scenario.router.settings().retry_limit)
-    routers.update(pools)
-    sync = _sync_link(scenario, replica, sync_listen, sync_peers or {}, clock)
-    if sync is not None:
-        sync.attach(routers[AGGREGATED].core, routers[AGGREGATED].capacity_changed)
-    instance: _Instance = {"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()}
-    process_id = f"{os.getpid()}-{instance['id']}"
-    control = _RouterControl(os.environ.get(CONTROL_TOKEN_ENV) or None)
-    control.feed = feed
-    server = None
-    if http is not None:
+    def _http_server(self, http: HttpOptions) -> HttpServer:
+        """The OpenAI front door in this process (``--http``; an aggregated cluster only)."""
         from kvemu.http.server import HttpServer
 
         from harness.procs.frontdoor import front_door
 
-        assert not spec.disaggregated, "the CLI refuses --http for a disaggregated cluster"
+        assert not self.scenario.cluster.disaggregated, "the CLI refuses --http for a disaggregated cluster"
+
         def forget(rid: str) -> None:
-            recorder.records.pop(rid, None)  # the client has its answer
+            self.recorder.records.pop(rid, None)  # the client has its answer
 
-        app = front_door(scenario, lambda: routers[AGGREGATED], hooks, clock, tokenizer=http.tokenizer,
-                         model=http.model, forget=forget, limits=http.admission)
-        server = HttpServer(app, http.listen, http.server)
-    in_flight: set[str] = set()
-    cancelling: dict[str, str] = {}  # cancelled while still decoding or hashing in the lane: key -> reason
-    streaming: dict[bytes, None] = {}  # clients that asked for their requests' tokens (StreamTokens), oldest first
-    streams: dict[str, tuple[bytes, str]] = {}  # their open requests: key -> (client, its request id)
+        app = front_door(self.scenario, lambda: self.routers[AGGREGATED], self.hooks, self.clock,
+                         tokenizer=http.tokenizer, model=http.model, forget=forget, limits=http.admission)
+        return HttpServer(app, http.listen, http.server)
 
-    def stream_tokens(ev: HookEvent) -> None:
-        to = streams.get(ev.request_id)  # type: ignore[arg-type]
+    def _stream_tokens(self, ev: HookEvent) -> None:
+        to = self.streams.get(ev.request_id) if ev.request_id is not None else None
         if to is not None and isinstance(ev.details, TokenTimes):
-            end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.details.times_ns))))
+            self.end.reply(to[0], encode(TokensReply(request_id=to[1], n=len(ev.details.times_ns))))
 
-    def wants_tokens(peer: bytes) -> None:
+    def _wants_tokens(self, peer: bytes) -> None:
         """``peer`` asked for its requests' tokens (``StreamTokens``)."""
+        streaming = self.streaming
         if peer not in streaming and len(streaming) >= MAX_STREAMING_CLIENTS:
             del streaming[next(iter(streaming))]  # the oldest: a front door long replaced, most likely
         streaming[peer] = None
 
-    hooks.subscribe(stream_tokens, "tokens")  # (the recorder listens to every kind: the events are built anyway)
-
-    async def handle(peer: bytes, req: ClientRequest | None, frame: bytes = b"") -> None:
+    async def handle(self, peer: bytes, req: ClientRequest | None, frame: bytes = b"") -> None:
         """Run one client request and reply with its record; a huge one (or a large ``frame`` still to decode)
         works in the prompt lane, so that a burst of them leaves the loop to other requests between steps."""
-        async with lane.turn(bool(frame) or lane.is_huge(req.tokens)) as work:  # type: ignore[union-attr]
+        lane, end, in_flight, streams = self.lane, self.end, self.in_flight, self.streams
+        async with lane.turn(bool(frame) or (req is not None and lane.is_huge(req.tokens))) as work:
             if req is None:
-                req = decode_request(peer, frame)
+                req = self._decode_request(peer, frame)
                 if req is None:
                     return
                 await work.pause()
@@ -199,21 +212,22 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
             # only to the client that sent the request
             key = client_request_key(peer, req.request_id)
             if key in in_flight:  # this client's own id, still running: refuse the copy, keep the original
-                end.reply(peer, encode(RecordReply(record=never_ran_record(req, clock.now_ns(), "duplicate_request_id"))))
+                end.reply(peer, encode(RecordReply(record=never_ran_record(req, self.clock.now_ns(),
+                                                                           "duplicate_request_id"))))
                 return
             in_flight.add(key)
-            if peer in streaming:
+            if peer in self.streaming:
                 streams[key] = (peer, req.request_id)
             ended = anyio.Event()
             record: RequestRecord | None = None
             try:
                 await work.hash(req.tokens)  # a packed prompt: its blocks a slice per step
                 # the record submit returns is the one on_end is given, complete once the request ended
-                record = front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
-                if peer in streaming:  # a front door: it streams counts, and its records' token times go unread
+                record = self.front.submit(msgspec.structs.replace(req, request_id=key), lambda _record: ended.set())
+                if peer in self.streaming:  # a front door: it streams counts, and its records' token times go unread
                     keep_last_token_time(record)
-                if key in cancelling:
-                    front.cancel(key, cancelling.pop(key))
+                if key in self.cancelling:
+                    self.front.cancel(key, self.cancelling.pop(key))
             except BaseException:
                 in_flight.discard(key)
                 streams.pop(key, None)
@@ -223,149 +237,156 @@ async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: H
         finally:
             in_flight.discard(key)
             streams.pop(key, None)
-            cancelling.pop(key, None)
-            recorder.records.pop(key, None)  # the client has its answer
+            self.cancelling.pop(key, None)
+            self.recorder.records.pop(key, None)  # the client has its answer
             if record is not None and ended.is_set():
                 record.request_id = req.request_id
                 if isinstance(record.token_times_ns, LastTokenTime):
                     record.token_times_ns = []
                 end.reply(peer, encode(RecordReply(record=record)))
 
-    bad_messages = [0]  # client messages refused while decoding (``Stats.bad_client_messages``)
-
-    def refused(why: str) -> None:
+    def _refused(self, why: str) -> None:
         """Count a client message refused while decoding; log only the first (a flood must not flood the log)."""
-        bad_messages[0] += 1
-        if bad_messages[0] == 1:
+        self.bad_messages += 1
+        if self.bad_messages == 1:
             print(json.dumps({"event": "bad_client_message", "error": why[:200],
                               "note": "further ones are counted (stats: bad_client_messages), not logged"}),
                   file=sys.stderr)
 
-    def decode_message(peer: bytes, data: bytes) -> ClientMessage | None:
+    def _decode_message(self, peer: bytes, data: bytes) -> ClientMessage | None:
         """A client message decoded (a request's prompt packed: ``with_packed_prompt``); a malformed one (or one
         with a field past its bound, ``kvemu.limits``) is counted, logged the first time, answered where it can
         be attributed, and gives None."""
         try:
             return with_packed_prompt(client_decoder.decode(data))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            refused(str(exc))
-            answer = malformed_reply(data, exc, clock.now_ns())
+            self._refused(str(exc))
+            answer = malformed_reply(data, exc, self.clock.now_ns())
             if answer is not None:  # the client waits for it: say what was wrong instead of nothing
-                end.reply(peer, encode(answer))
+                self.end.reply(peer, encode(answer))
             return None
 
-    def decode_request(peer: bytes, data: bytes) -> ClientRequest | None:
+    def _decode_request(self, peer: bytes, data: bytes) -> ClientRequest | None:
         """A large client message decoded: a request, or None (answered when malformed; a query or control
         message is never this large and is dropped, logged)."""
-        msg = decode_message(peer, data)
-        if msg is not None and type(msg) is not ClientRequest:
-            refused(f"an oversized {type(msg).__name__}")
+        msg = self._decode_message(peer, data)
+        if msg is None:
+            return None
+        if type(msg) is not ClientRequest:
+            self._refused(f"an oversized {type(msg).__name__}")
             return None
         return msg
 
-    def stats(publishers: bool = False) -> Stats:
-        now = clock.now_ns()
+    def stats(self, publishers: bool = False) -> Stats:
+        """What a ``StatsQuery`` is answered with: workers, ranks and their load, KV-event and affinity counts,
+        counters, worker events, this instance (and, if asked, the workers' KV publishers)."""
+        now = self.clock.now_ns()
+        routers, recorder, sync, feed = self.routers, self.recorder, self.sync, self.feed
         current = list(routers.values())
         taken = samples(routers, now)
         return Stats(now_ns=now, workers=sorted(w for r in current for w in r.workers),
                      ranks=[(x.worker_id, x.dp_rank) for x in taken], samples=taken, kv_stats=kv_stats(current),
                      affinity=affinity_stats(current), counters=dict(recorder.counters),
-                     worker_events=recorder.worker_events, router_id=instance["id"],
-                     router_started_ns=instance["started_ns"], process_id=process_id,
+                     worker_events=recorder.worker_events, router_id=self.router_id,
+                     router_started_ns=self.router_started_ns, process_id=self.process_id,
                      records_held=len(recorder.records),
-                     pools={pool: sorted(r.workers) for pool, r in routers.items()}, replica=replica,
+                     pools={pool: sorted(r.workers) for pool, r in routers.items()}, replica=self.replica,
                      sync=sync.stats() if sync is not None else None,
                      feed_dropped=feed.dropped if feed is not None else 0,
-                     bad_client_messages=bad_messages[0],
+                     bad_client_messages=self.bad_messages,
                      publishers=[m for pool, r in routers.items() if pool != DECODE for m in r.registrations()
                                  if m.kv_endpoints] if publishers else [])
 
-    scopes: dict[str, anyio.CancelScope] = {}
+    async def _serve_pool(self, pool: str, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as self._scopes[pool]:
+            await self.routers[pool].serve(task_status=task_status)
 
-    async def serve_pool(pool: str, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        with anyio.CancelScope() as scopes[pool]:
-            await routers[pool].serve(task_status=task_status)
-
-    async def restart(tg: anyio.abc.TaskGroup) -> None:
+    async def _restart(self, tg: anyio.abc.TaskGroup) -> None:
         """Chaos: the router loses all its state, as if its process had been replaced on the same address
         (an aggregated cluster: ``_RouterControl`` refuses it for a disaggregated one)."""
-        nonlocal front
-        old = routers[AGGREGATED]
+        old = self.routers[AGGREGATED]
         old.stop("router_restart")  # each handler replies to its client
-        scopes[AGGREGATED].cancel()
+        self._scopes[AGGREGATED].cancel()
         await anyio.sleep(0)
-        front = routers[AGGREGATED] = new_router(AGGREGATED)
-        front.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
-        if sync is not None:  # its load view starts empty: it hears only what its peers announce from now on
-            sync.attach(front.core, front.capacity_changed)
-        instance.update({"id": uuid.uuid4().hex[:12], "started_ns": clock.now_ns()})
-        await tg.start(serve_pool, AGGREGATED)
+        new = self.routers[AGGREGATED] = self._new_router(AGGREGATED)
+        self.front = new
+        new.kv_stats.update(old.kv_stats)  # the report counts the KV events of every router instance
+        if self.sync is not None:  # its load view starts empty: it hears only what its peers announce from now on
+            self.sync.attach(new.core, new.capacity_changed)
+        self.router_id, self.router_started_ns = uuid.uuid4().hex[:12], self.clock.now_ns()
+        await tg.start(self._serve_pool, AGGREGATED)
 
-    hooks.subscribe(lambda ev: control.on_worker_added(routers, ev.worker_id), "worker_added")
-
-    async def gateway(tg: anyio.abc.TaskGroup) -> None:
+    async def _gateway(self, tg: anyio.abc.TaskGroup) -> None:
+        end, control = self.end, self.control
         async for peer, data in end.clients_rx:
             if len(data) >= LANE_FRAME_BYTES:  # a huge prompt: decoded in the lane, after those before it
-                tg.start_soon(handle, peer, None, data)
+                tg.start_soon(self.handle, peer, None, data)
                 continue
-            msg = decode_message(peer, data)
+            msg = self._decode_message(peer, data)
             if msg is None:
                 continue
-            t = type(msg)
-            if t is StatsQuery:
-                if msg.settle:  # type: ignore[union-attr]
-                    for r in routers.values():
+            if type(msg) is ClientRequest:
+                tg.start_soon(self.handle, peer, msg)
+            elif type(msg) is StatsQuery:
+                if msg.settle:
+                    for r in self.routers.values():
                         r.kv.take_in_arrived()
-                end.reply(peer, encode(stats(msg.publishers)))  # type: ignore[union-attr]
-            elif t is CancelRequest:  # its handler replies with the record, failed with the reason
-                key = client_request_key(peer, msg.request_id)  # type: ignore[union-attr]
-                if key in in_flight and not front.cancel(key, msg.reason):  # type: ignore[union-attr]
-                    cancelling[key] = msg.reason  # type: ignore[union-attr]  # (not submitted yet)
-            elif t is StreamTokens:
-                wants_tokens(peer)
-            elif t is SyncPeers:
-                end.reply(peer, encode(control.sync_peers(sync, msg)))  # type: ignore[arg-type]
-            elif t is WorkerExited:
-                end.reply(peer, encode(control.worker_exited(routers, msg)))  # type: ignore[arg-type]
-            elif t is Control:
-                reply = await control.apply(routers, msg)  # type: ignore[arg-type]
+                end.reply(peer, encode(self.stats(msg.publishers)))
+            elif type(msg) is CancelRequest:  # its handler replies with the record, failed with the reason
+                key = client_request_key(peer, msg.request_id)
+                if key in self.in_flight and not self.front.cancel(key, msg.reason):
+                    self.cancelling[key] = msg.reason  # (not submitted yet)
+            elif type(msg) is StreamTokens:
+                self._wants_tokens(peer)
+            elif type(msg) is SyncPeers:
+                end.reply(peer, encode(control.sync_peers(self.sync, msg)))
+            elif type(msg) is WorkerExited:
+                end.reply(peer, encode(control.worker_exited(self.routers, msg)))
+            elif type(msg) is Control:
+                reply = await control.apply(self.routers, msg)
                 end.reply(peer, encode(reply))
-                if reply.ok and msg.event.action == "restart_router":  # type: ignore[union-attr]
-                    await restart(tg)
-            else:  # a ClientRequest: the other types are handled above (mypy does not narrow through ``t``)
-                tg.start_soon(handle, peer, msg)  # type: ignore[arg-type]
+                if reply.ok and msg.event.action == "restart_router":
+                    await self._restart(tg)
 
-    async with anyio.create_task_group() as tg:
-        for pool in list(routers):
-            await tg.start(serve_pool, pool)
-        tg.start_soon(gate.serve)
-        tg.start_soon(gateway, tg)
-        if server is not None:
-            await tg.start(server.serve)
+    async def serve(self, grace_s: float) -> None:
+        """Serve until SIGTERM or SIGINT, then drain: requests in flight (from ZeroMQ clients and over HTTP) get
+        up to ``grace_s`` to finish, then fail with ``router_shutdown``."""
+        routers, server, sync, end = self.routers, self.server, self.sync, self.end
+        async with anyio.create_task_group() as tg:
+            for pool in list(routers):
+                await tg.start(self._serve_pool, pool)
+            tg.start_soon(self.gate.serve)
+            tg.start_soon(self._gateway, tg)
+            if server is not None:
+                await tg.start(server.serve)
+            if sync is not None:
+                await tg.start(sync.serve)
+            replicas = ({"replica": self.replica, "sync": sync.endpoint if sync is not None else None}
+                        if self.scenario.router.replicas > 1 else {})
+            log_start("router", listen=end.endpoint, control=self.control.token is not None, pools=list(routers),
+                      **({"http": server.url} if server is not None else {}), **replicas)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            with anyio.move_on_after(grace_s):
+                while self.in_flight or any(r.in_flight for r in routers.values()):
+                    await anyio.sleep(0.01)
+            for router in routers.values():
+                router.stop("router_shutdown")  # ends them: each handler replies to its client
+            with anyio.move_on_after(1.0):
+                while self.in_flight:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.05)  # let the replies leave the socket
+            tg.cancel_scope.cancel()
         if sync is not None:
-            await tg.start(sync.serve)
-        replicas = ({"replica": replica, "sync": sync.endpoint if sync is not None else None}
-                    if scenario.router.replicas > 1 else {})
-        log_start("router", listen=end.endpoint, control=control.token is not None, pools=list(routers),
-                  **({"http": server.url} if server is not None else {}), **replicas)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
-                break
-        # drain: requests in flight (from ZeroMQ clients and over HTTP) get up to grace_s to finish, then fail
-        # with router_shutdown
-        with anyio.move_on_after(grace_s):
-            while in_flight or any(r.in_flight for r in routers.values()):
-                await anyio.sleep(0.01)
-        for router in routers.values():
-            router.stop("router_shutdown")  # ends them: each handler replies to its client
-        with anyio.move_on_after(1.0):
-            while in_flight:
-                await anyio.sleep(0.01)
-        await anyio.sleep(0.05)  # let the replies leave the socket
-        tg.cancel_scope.cancel()
-    if sync is not None:
-        await sync.aclose()
-    await end.aclose()
+            await sync.aclose()
+        await end.aclose()
+
+
+async def _serve_router(scenario: Scenario, listen: str, grace_s: float, http: HttpOptions | None = None,
+                        replica: int = 0, sync_listen: str = "tcp://127.0.0.1:0",
+                        sync_peers: dict[int, str] | None = None) -> None:
+    await _RouterProcess(scenario, listen, http, replica, sync_listen, sync_peers).serve(grace_s)
 
 
 class _RouterControl:
