@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from harness.run.interrupts import terminate_as_interrupt
 from harness.text import counted
+
+if TYPE_CHECKING:
+    from harness.sweep.plan import Probe
 
 __all__ = ["plan_command"]
 
@@ -67,11 +70,11 @@ def plan_command(args: argparse.Namespace) -> int:
                   f"{args.sla or 'run.sla'}, {args.min_workers}–{args.max_workers} workers, {width} probes a round",
                   highlight=False, soft_wrap=True)
 
-    def on_probe(probe: Any) -> None:
+    def on_probe(probe: Probe) -> None:
         share = probe.met_fraction
         verdict = "error" if share is None else ("passes" if share >= args.goodput else "fails")
         detail = f"{share:.1%} met the SLA" if share is not None else "; ".join(
-            str(r["error"]) for r in probe.runs if r["error"])
+            str(r.error) for r in probe.runs if r.error)
         console.print(f"  {probe.label} worker{'' if probe.label == '1' else 's'}: {detail} → {verdict}",
                       highlight=False, soft_wrap=True)
 

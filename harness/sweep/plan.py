@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, as_completed
+from concurrent.futures import Executor, Future, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ from kvemu.errors import InvalidArgument
 
 from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario
 from harness.report.sla import Sla
-from harness.sweep.spec import MAX_RUNS, PointSpec, run_point
+from harness.sweep.executors import result_of
+from harness.sweep.spec import MAX_RUNS, PointResult, PointSpec, run_point
 from harness.text import counted
 
 __all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
@@ -56,17 +57,17 @@ class Probe(msgspec.Struct, kw_only=True):
 
     workers: int
     prefill: int | None = None
-    runs: list[dict[str, Any]] = []
+    runs: list[PointResult] = []
 
     @property
     def met_fraction(self) -> float | None:
         """The smallest share of requests meeting the SLA over its seeds (None if a run failed)."""
         shares = []
         for r in self.runs:
-            f = r["figures"]
-            if r["status"] != "ok" or not f.get("num_requests"):
+            met, total = _count(r, "goodput_completed_requests"), _count(r, "num_requests")
+            if r.status != "ok" or not total:
                 return None
-            shares.append((f.get("goodput_completed_requests") or 0) / f["num_requests"])
+            shares.append((met or 0) / total)
         return min(shares) if shares else None
 
     def passes(self, target: float) -> bool:
@@ -75,13 +76,18 @@ class Probe(msgspec.Struct, kw_only=True):
 
     def figure(self, name: str) -> float | None:
         """The mean of a figure over the probe's seeds."""
-        values = [r["figures"].get(name) for r in self.runs]
-        values = [v for v in values if isinstance(v, (int, float))]
+        values = [v for r in self.runs if isinstance(v := r.figures.get(name), (int, float))]
         return sum(values) / len(values) if values else None
 
     @property
     def label(self) -> str:
         return f"{self.workers}" if self.prefill is None else f"{self.workers} ({self.prefill}P:{self.workers - self.prefill}D)"
+
+
+def _count(result: PointResult, name: str) -> float | None:
+    """A numeric figure of ``result`` (None where absent or not a number)."""
+    value = result.figures.get(name)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def parse_sla(text: str) -> Sla:
@@ -196,7 +202,8 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
             sizes = [s for s in sizes if s not in probes]
             if not sizes:
                 break
-            points: dict[Any, Probe] = {}
+            points: dict[Future[PointResult], Probe] = {}
+            points_run: dict[Future[PointResult], PointSpec] = {}
             for workers in sizes:
                 probes[workers] = []
                 for prefill, extra in _sizes(spec, workers, disaggregated, share):
@@ -206,13 +213,14 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
                         point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
                                           overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
                                           figures=FIGURES, source=spec.source)
-                        points[executor.submit(run_point, point)] = probe
+                        future = executor.submit(run_point, point)
+                        points[future], points_run[future] = probe, point
                         runs += 1
             for future in as_completed(points):
                 probe = points[future]
-                probe.runs.append(future.result())
+                probe.runs.append(result_of(future, points_run[future]))
                 if len(probe.runs) == len(spec.seeds):
-                    probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
+                    probe.runs.sort(key=lambda r: r.seed)  # (they finish in any order)
                     if on_probe is not None:
                         on_probe(probe)
             for workers in sizes:

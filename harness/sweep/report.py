@@ -21,7 +21,7 @@ from typing import Any
 
 from harness.report.figures import new_figure, legend_right, no_data, save_png, value_scale
 from harness.report.markdown import fmt, pct, table
-from harness.sweep.spec import DEFAULT_GOODPUT, Objective, Sweep
+from harness.sweep.spec import DEFAULT_GOODPUT, Figure, Objective, PointResult, Sweep
 
 __all__ = ["point_means", "pareto_front", "choose_point", "sla_shares", "render_sweep_markdown", "write_sweep_report",
            "THROUGHPUT", "TTFT"]
@@ -32,26 +32,26 @@ _MAX_GROUPS = 8
 _MAX_TABLE_ROWS = 2000
 
 
-def _number(value: Any) -> float | None:
+def _number(value: Figure) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def point_means(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def point_means(results: Sequence[PointResult]) -> list[dict[str, Any]]:
     """One row per point (in point order): ``point``, ``axes``, ``runs``, ``ok`` and each figure's mean over its
     ok runs (None where no ok run has it; a non-numeric figure keeps the first ok run's value)."""
-    by_point: dict[int, list[dict[str, Any]]] = {}
+    by_point: dict[int, list[PointResult]] = {}
     for result in results:
-        by_point.setdefault(result["point"], []).append(result)
+        by_point.setdefault(result.point, []).append(result)
     rows = []
     for point in sorted(by_point):
         group = by_point[point]
-        ok = [r for r in group if r["status"] == "ok"]
-        names = list(dict.fromkeys(n for r in group for n in r.get("figures") or {}))
-        means: dict[str, Any] = {}
+        ok = [r for r in group if r.status == "ok"]
+        names = list(dict.fromkeys(n for r in group for n in r.figures))
+        means: dict[str, Figure] = {}
         for name in names:
-            values = [r["figures"].get(name) for r in ok]
+            values = [r.figures.get(name) for r in ok]
             numbers = [v for v in map(_number, values) if v is not None]
             if numbers and len(numbers) == len([v for v in values if v is not None]):
                 mean = math.fsum(numbers) / len(numbers)
@@ -59,7 +59,7 @@ def point_means(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 means[name] = int(mean) if whole else mean
             else:
                 means[name] = next((v for v in values if v is not None), None)
-        rows.append({"point": point, "axes": dict(group[0]["axes"]), "runs": len(group), "ok": len(ok),
+        rows.append({"point": point, "axes": dict(group[0].axes), "runs": len(group), "ok": len(ok),
                      "figures": means})
     return rows
 
@@ -109,21 +109,21 @@ def choose_point(items: Sequence[tuple[float, float]], front: Sequence[int],
     return front[best], why
 
 
-def sla_shares(results: Sequence[dict[str, Any]]) -> dict[int, float]:
+def sla_shares(results: Sequence[PointResult]) -> dict[int, float]:
     """Per point: the smallest share of requests meeting ``run.sla`` over its ok runs (seeds), as ``kvemu plan``
     counts it (``goodput_completed_requests / num_requests``); points without SLA figures are absent."""
     shares: dict[int, float] = {}
     for result in results:
-        figures = result.get("figures") or {}
-        met, total = _number(figures.get("goodput_completed_requests")), _number(figures.get("num_requests"))
-        if result["status"] != "ok" or met is None or not total:
+        met = _number(result.figures.get("goodput_completed_requests"))
+        total = _number(result.figures.get("num_requests"))
+        if result.status != "ok" or met is None or not total:
             continue
         share = met / total
-        shares[result["point"]] = min(shares.get(result["point"], share), share)
+        shares[result.point] = min(shares.get(result.point, share), share)
     return shares
 
 
-def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
+def _pareto(rows: list[dict[str, Any]], results: Sequence[PointResult],
             objective: Objective) -> tuple[list[int], list[int], int | None, str]:
     """Rows with both figures, the front among them and the chosen one (all as row indices), and why.
 
@@ -153,7 +153,7 @@ def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
     return usable, front, best, f"the highest throughput per GPU with {rule}"
 
 
-def _missed(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]], objective: Objective,
+def _missed(rows: list[dict[str, Any]], results: Sequence[PointResult], objective: Objective,
             usable: list[int]) -> list[int]:
     """The usable rows that miss the objective (a seed under the goodput target with an SLA, or p99 TTFT past
     ``objective.ttft_ms``): none when the sweep states no objective."""
@@ -286,7 +286,7 @@ def _plots(sweep: Sweep, rows: list[dict[str, Any]], usable: list[int], front: l
 # ---------------------------------------------------------------------------------- markdown
 
 
-def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots: dict[str, list[str]] | None = None,
+def render_sweep_markdown(sweep: Sweep, results: Sequence[PointResult], plots: dict[str, list[str]] | None = None,
                           note: str | None = None) -> str:
     """sweep.md from the sweep and its results (one per run, by point then seed); ``plots`` as ``_plots`` names."""
     spec = sweep.spec
@@ -295,7 +295,7 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     shares = sla_shares(results)
     counts: dict[str, int] = {}
     for r in results:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        counts[r.status] = counts.get(r.status, 0) + 1
     seeds = sweep.seeds_per_point
     out = [f"# kvemu sweep: {sweep.name}", ""]
     if note:
@@ -344,15 +344,15 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
                 "Lines join points that share the other axes' values; a point is the mean over its ok seeds."]
         for axis in sweep.axes:
             out += ["", f"### {axis}", ""] + [f"![{name.removesuffix('.png')}]({name})" for name in plots.get(axis, [])]
-    failed = [r for r in results if r["status"] in ("failed", "partial")]
+    failed = [r for r in results if r.status in ("failed", "partial")]
     if failed:
         out += ["", "## Failed and partial runs", ""]
         out += table(["point", "seed", "status", "error"],
-                      [(r["point"], r["seed"], r["status"], (r.get("error") or "")[:300]) for r in failed[:200]])
+                      [(r.point, r.seed, r.status, (r.error or "")[:300]) for r in failed[:200]])
     return "\n".join(out) + "\n"
 
 
-def write_sweep_report(sweep: Sweep, results: Sequence[dict[str, Any]], outdir: Path, note: str | None = None) -> Path:
+def write_sweep_report(sweep: Sweep, results: Sequence[PointResult], outdir: Path, note: str | None = None) -> Path:
     """Draw the plots and write sweep.md into ``outdir``; return its path."""
     rows = point_means(results)
     usable, front, chosen, _ = _pareto(rows, results, sweep.spec.objective)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from harness.cli import main
 from harness.sweep.plan import PlanSpec, _candidates, parse_sla, plan_cluster
+from harness.sweep.spec import PointResult
 from harness.scenario import default_scenario_text
 from harness.report.sla import Sla
 from kvemu.errors import InvalidArgument
@@ -34,8 +35,8 @@ class ModelExecutor(Executor):
         else:
             met = self.share(int(sizes["cluster.prefill.workers"]), int(sizes["cluster.decode.workers"]))
         future: Future = Future()
-        future.set_result({"point": point.point, "seed": point.seed, "axes": {}, "key": "", "status": "ok",
-                           "error": None, "figures": {"num_requests": 1000, "goodput_completed_requests": round(met * 1000)}})
+        future.set_result(PointResult(point=point.point, seed=point.seed, status="ok",
+                                      figures={"num_requests": 1000, "goodput_completed_requests": round(met * 1000)}))
         return future
 
 
@@ -83,7 +84,7 @@ def test_every_seed_must_pass():
 
     def submit(fn, point):
         future = ModelExecutor.submit(ex, fn, point)
-        future.result()["figures"]["goodput_completed_requests"] = round(seeds_share[point.seed] * 1000)
+        future.result().figures["goodput_completed_requests"] = round(seeds_share[point.seed] * 1000)
         return future
 
     ex.submit = submit

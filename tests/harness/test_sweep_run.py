@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.sweep.spec import load_sweep, parse_sweep, plan_runs, run_point
+import msgspec
+
+from harness.sweep.spec import PointResult, load_sweep, parse_sweep, plan_runs, run_point
 from harness.sweep.results import SweepStore
 from harness.sweep.runner import run_sweep
 
@@ -53,8 +55,8 @@ def rows(outdir: Path) -> list[dict]:
     return list(csv.DictReader(io.StringIO((outdir / "sweep.csv").read_text())))
 
 
-def without_wall(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k not in ("wall_time_s", "run_wall_time_ms")}
+def without_wall(result: PointResult) -> PointResult:
+    return msgspec.structs.replace(result, wall_time_s=None, run_wall_time_ms=None)
 
 
 def test_a_point_gives_the_same_result_every_time():
@@ -62,12 +64,13 @@ def test_a_point_gives_the_same_result_every_time():
     first = run_point(runs[1])
     run_point(runs[2])  # another point in between: nothing carries over from one run to the next
     again = run_point(runs[1])
-    assert first["status"] == "ok" and first["figures"]["completed_requests"] > 0
+    assert isinstance(first, PointResult) and first.checked() == first
+    assert first.status == "ok" and first.figures["completed_requests"] > 0
     assert without_wall(first) == without_wall(again)
-    assert first["wall_time_s"] > 0 and first["run_wall_time_ms"] > 0
-    assert first["figures"]["gpus"] == 2 and first["figures"]["goodput_request_throughput_rps"] is None
-    assert first["figures"]["output_throughput_tok_s_per_gpu"] == pytest.approx(
-        first["figures"]["output_throughput_tok_s"] / 2, rel=1e-5)
+    assert first.wall_time_s > 0 and first.run_wall_time_ms > 0
+    assert first.figures["gpus"] == 2 and first.figures["goodput_request_throughput_rps"] is None
+    assert first.figures["output_throughput_tok_s_per_gpu"] == pytest.approx(
+        first.figures["output_throughput_tok_s"] / 2, rel=1e-5)
 
 
 def test_outputs_csv_json_and_markdown_with_plots(tmp_path):
@@ -186,15 +189,19 @@ def test_reports_write_each_runs_full_report(tmp_path):
     runs = plan_runs(parse_sweep(TINY + "axes: {cluster.workers: [1]}\n"), reports=tmp_path / "points")
     result = run_point(runs[0])
     summary = json.loads((tmp_path / "points" / "0-seed7" / "summary.json").read_text())
-    assert summary["p99_ttft_ms"] == result["figures"]["p99_ttft_ms"]
+    assert summary["p99_ttft_ms"] == result.figures["p99_ttft_ms"]
 
 
-def _result(point: int, seed: int, workers: int, met: int, ttft: float, per_gpu: float) -> dict:
+def _result(point: int, seed: int, workers: int, met: int, ttft: float, per_gpu: float) -> PointResult:
     """A finished run of 100 requests, ``met`` of them within the SLA."""
     figures = {"num_requests": 100, "goodput_completed_requests": met, "p99_ttft_ms": ttft,
                "output_throughput_tok_s_per_gpu": per_gpu, "gpus": 2 * workers}
-    return {"point": point, "seed": seed, "axes": {"cluster.workers": str(workers)}, "key": f"{point}-{seed}",
-            "status": "ok", "error": None, "figures": figures}
+    return PointResult(point=point, seed=seed, axes={"cluster.workers": str(workers)}, key=f"{point}-{seed}",
+                       status="ok", figures=figures)
+
+
+def _without_sla(results: list[PointResult]) -> list[PointResult]:
+    return [msgspec.structs.replace(r, figures={**r.figures, "goodput_completed_requests": None}) for r in results]
 
 
 # Point 0 has the most throughput per GPU but misses the SLA; point 1 meets it at 96 % in one seed only.
@@ -223,7 +230,7 @@ def test_with_an_sla_the_chosen_point_meets_it_at_the_goodput_target_in_every_se
     md = render_sweep_markdown(sweep, SLA_RESULTS)
     assert _chosen(md).startswith("**Point 3**") and "(objective.goodput)" in _chosen(md)
     assert "| met SLA (worst seed) |" in md and "| 1 | 2 | 2/2 | 94.0% |" in md
-    no_sla = [{**r, "figures": {**r["figures"], "goodput_completed_requests": None}} for r in SLA_RESULTS]
+    no_sla = _without_sla(SLA_RESULTS)
     sweep, _ = sweep_of(SLA_SWEEP + "objective: {ttft_ms: 500}\n", tmp_path, "nosla")
     assert _chosen(render_sweep_markdown(sweep, no_sla)).startswith("**Point 0**")  # the TTFT bound only
 
@@ -244,8 +251,7 @@ def test_the_pareto_plot_marks_the_points_that_missed_the_objective(tmp_path):
     marks = [c for c in fig.axes[0].collections if c.get_label() == "missed the objective"]
     assert len(marks) == 1 and len(marks[0].get_offsets()) == 2
     sweep, _ = sweep_of(SWEEP, tmp_path, "plain")  # no objective, no SLA: nothing is marked
-    assert _missed(rows, [{**r, "figures": {**r["figures"], "goodput_completed_requests": None}}
-                          for r in SLA_RESULTS], sweep.spec.objective, usable) == []
+    assert _missed(rows, _without_sla(SLA_RESULTS), sweep.spec.objective, usable) == []
 
 
 def test_the_goodput_objective_is_a_share(tmp_path):
