@@ -22,7 +22,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -40,6 +40,7 @@ MARKDOWN = "sweep.md"
 FORMAT = "kvemu-sweep/1"
 REWRITE_INTERVAL_S = 1.0
 """sweep.csv and sweep.json are rewritten at most this often while runs finish (the log has every run)."""
+_T = TypeVar("_T")
 MAX_REFUSED = 20
 """Most refused earlier results ``SweepStore.refused`` describes (it counts the rest)."""
 
@@ -93,6 +94,27 @@ def _cell(value: Figure) -> str:
     return str(value)
 
 
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def _decode(data: bytes | msgspec.Raw, kind: type[_T]) -> _T:
+    """``data`` decoded as ``kind``; ``msgspec.DecodeError`` says why not, naming the field at fault where the
+    JSON is whole (``NaN`` and ``Infinity``, not JSON to msgspec, are read by the stdlib to find their field)."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as exc:
+        try:
+            msgspec.convert(json.loads(bytes(data)), kind)
+        except (ValueError, RecursionError, msgspec.ValidationError) as loose:  # torn, or the field at fault
+            raise (loose if isinstance(loose, msgspec.ValidationError) else exc) from None
+        raise  # (whatever else msgspec refuses stays refused)
+
+
 def _json(result: PointResult) -> str:
     """A sweep-log.jsonl line: the result's keys sorted, as the stdlib writes them (the bytes earlier kvemu wrote)."""
     return json.dumps(msgspec.to_builtins(result), sort_keys=True, allow_nan=False)
@@ -138,6 +160,8 @@ class SweepStore:
                 self.results[run.key] = result.relabel(run)
         self.reused = len(self.results)
         self._log = (self.outdir / LOG).open("a" if not force else "w", encoding="utf-8")
+        if self._log.tell() and _last_byte(self.outdir / LOG) != b"\n":
+            self._log.write("\n")  # a line torn by a kill ends here: the next result starts a line of its own
         self.write()
 
     def _claim(self, force: bool) -> None:
@@ -164,13 +188,16 @@ class SweepStore:
     def _previous(self) -> list[PointResult]:
         """Results found in sweep.json, then the log (later lines win); what does not decode is refused."""
         found: list[PointResult] = []
+        document = _Document()
         try:
             document = msgspec.json.decode((self.outdir / JSON).read_bytes(), type=_Document)
-        except (OSError, msgspec.DecodeError):
-            document = _Document()  # (no earlier sweep.json, or not one: _claim has judged it)
+        except OSError:
+            pass  # (no earlier sweep.json)
+        except msgspec.DecodeError as exc:
+            self._refuse(JSON, exc)
         for i, raw in enumerate(document.runs):
             try:
-                stored = msgspec.json.decode(raw, type=_StoredRun)
+                stored = _decode(raw, _StoredRun)
             except msgspec.DecodeError as exc:
                 self._refuse(f"{JSON} runs[{i}]", exc)
                 continue
@@ -180,8 +207,10 @@ class SweepStore:
         except OSError:
             lines = []
         for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
-                found.append(msgspec.json.decode(line, type=PointResult))
+                found.append(_decode(line, PointResult))
             except msgspec.DecodeError as exc:  # a line torn by a kill, or one past a bound
                 self._refuse(f"{LOG} line {number}", exc)
         return found

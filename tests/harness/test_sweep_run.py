@@ -147,6 +147,74 @@ def test_failed_runs_are_retried_and_a_torn_log_line_is_ignored(tmp_path):
     executor = InlineExecutor()
     store, outcome = run(sweep, runs, out, executor)
     assert store.reused == 2 and executor.calls == 2 and outcome.counts == {"ok": 4}
+    assert store.refused == ["sweep-log.jsonl line 5: Input data was truncated"]
+    (out / "sweep.json").unlink()  # the log alone: the results written after the torn line start lines of their own
+    executor = InlineExecutor()
+    store, _ = run(sweep, runs, out, executor, report=False)
+    assert store.reused == 4 and executor.calls == 0
+
+
+def test_an_earlier_result_past_a_bound_is_refused_on_resume_naming_the_line_and_field(tmp_path):
+    """sweep-log.jsonl is read back on resume; any program may have written it. A line past a bound was reused
+    (a 10,000-character figure name), or crashed the sweep (a NaN wall time at the sweep.json rewrite, figures
+    of the wrong type at the reuse check); each is now refused, named, and its run runs again."""
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    run(sweep, runs, out, InlineExecutor(), report=False)
+    good = [json.loads(line) for line in (out / "sweep-log.jsonl").read_text().splitlines()]
+    hostile = [{**good[0], "figures": {**good[0]["figures"], "x" * 10_000: 1}},
+               {**good[1], "wall_time_s": float("nan")},
+               {**good[2], "figures": {f"f{i}": None for i in range(10**6)}},
+               {**good[3], "seed": "seven"},
+               {**good[0], "figures": 5}]
+    (out / "sweep-log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in hostile))
+    (out / "sweep.json").unlink()  # (its copy of the runs is good: the log alone is on trial)
+    executor = InlineExecutor()
+    store, outcome = run(sweep, runs, out, executor, report=False)
+    assert store.reused == 0 and executor.calls == 4 and outcome.counts == {"ok": 4}
+    assert store.refusals == 5 and store.refused == [
+        "sweep-log.jsonl line 1: Expected `str` of length <= 128 - at `key` in `$.figures`",
+        "sweep-log.jsonl line 2: Expected `float` >= 0.0 - at `$.wall_time_s`",
+        "sweep-log.jsonl line 3: Expected `object` of length <= 77 - at `$.figures`",
+        "sweep-log.jsonl line 4: Expected `int`, got `str` - at `$.seed`",
+        "sweep-log.jsonl line 5: Expected `object`, got `int` - at `$.figures`"]
+    document = json.loads((out / "sweep.json").read_text())
+    assert all(r["timing"]["wall_time_s"] > 0 and len(r["figures"]) < 20 for r in document["runs"])
+
+
+def test_a_result_read_back_re_encodes_to_the_bytes_written():
+    """sweep-log.jsonl's bytes are the stdlib's sorted keys, as before PointResult: a line decodes and re-encodes
+    to itself (texts, booleans, nulls, ints and floats alike)."""
+    from harness.sweep.results import _decode, _json
+
+    line = ('{"axes": {"cluster.workers": "2"}, "error": null, "figures": {"gpus": 4, "kvemu.mode": "virtual", '
+            '"kvemu.partial": false, "kvemu.stop_reason": null, "p99_ttft_ms": 41.5, "ratio": 1e-07}, '
+            '"key": "0123456789abcdef01234567", "point": 1, "run_wall_time_ms": 12.25, "seed": 7, "status": "ok", '
+            '"wall_time_s": 0.5}')
+    result = _decode(line.encode(), PointResult)
+    assert _json(result) == line and result.figures["kvemu.partial"] is False
+
+
+def test_the_executor_hands_back_a_point_result_checked_against_its_bounds():
+    """Through a real local pool (a process boundary: the result comes back pickled) a run is a PointResult;
+    a dict, or a PointResult past a bound, handed back by an executor is that run's failure, naming the field."""
+    from harness.sweep.executors import open_executor, result_of
+
+    runs = plan_runs(parse_sweep(TINY + "axes: {cluster.workers: [1]}\n"))
+    with open_executor(None, 1) as executor:
+        future = executor.submit(run_point, runs[0])
+        result = result_of(future, runs[0])
+    assert type(future.result()) is PointResult and result == future.result()
+    assert result.status == "ok" and result.figures["gpus"] == 2
+    for handed, expected in [(msgspec.to_builtins(result), "TypeError: the executor handed back a dict, not a "
+                                                           "PointResult"),
+                             (msgspec.structs.replace(result, wall_time_s=float("nan")),
+                              "the run's result is out of bounds: Expected `float` >= 0.0 - at `$.wall_time_s`")]:
+        done: Future = Future()
+        done.set_result(handed)
+        lost = result_of(done, runs[0])
+        assert (lost.status, lost.error, lost.key) == ("failed", expected, runs[0].key)
+        assert lost.figures == dict.fromkeys(runs[0].figures)
 
 
 def test_a_point_that_fails_at_run_time_is_recorded_and_the_others_run(tmp_path):
