@@ -86,21 +86,20 @@ def plan_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         reason = getattr(exc, "reason", "SIGINT")
         partial = getattr(exc, "partial_plan", None)
-        if partial is not None and partial["probes"]:
+        if partial is not None and partial.probes:
             md = write_partial_plan(partial, outdir, reason)
-            where = f"what finished ({counted(len(partial['probes']), 'probe')}) is in {md}"
+            where = f"what finished ({counted(len(partial.probes), 'probe')}) is in {md}"
         else:
             where = "no probe had finished; nothing written"
         console.print(f"kvemu plan: interrupted ({reason}); {where}", highlight=False, soft_wrap=True)
         return 143 if reason == "SIGTERM" else 130
     md = write_plan(plan, outdir)
     print(answer_line(plan))
-    for name in ("answer", "largest_failing"):
-        row = plan[name]
+    for label, row in (("smallest passing", plan.answer), ("largest failing", plan.largest_failing)):
         if row is not None:
-            label = "smallest passing" if name == "answer" else "largest failing"
-            print(f"  {label}: {counted(row['workers'], 'worker')}, {row['met_fraction']:.1%} met the SLA, "
-                  f"p99 TTFT {row['p99_ttft_ms']} ms")
-    console.print(f"kvemu: {counted(plan['runs'], 'run')} in {plan['wall_time_s']:.1f} s; plan in {md}",
+            met = "n/a" if row.met_fraction is None else f"{row.met_fraction:.1%}"
+            print(f"  {label}: {counted(row.workers, 'worker')}, {met} met the SLA, "
+                  f"p99 TTFT {row.p99_ttft_ms} ms")
+    console.print(f"kvemu: {counted(plan.runs, 'run')} in {plan.wall_time_s:.1f} s; plan in {md}",
                   highlight=False, soft_wrap=True)
-    return 0 if plan["answer"] is not None else 1
+    return 0 if plan.answer is not None else 1
