@@ -314,7 +314,7 @@ def test_the_pareto_plot_marks_the_points_that_missed_the_objective(tmp_path):
     rows = point_means(SLA_RESULTS)
     usable, front, chosen, _ = _pareto(rows, SLA_RESULTS, sweep.spec.objective)
     missed = _missed(rows, SLA_RESULTS, sweep.spec.objective, usable)
-    assert sorted(rows[k]["point"] for k in missed) == [0, 1]  # 40 %, and 94 % in seed 8: under 95 %
+    assert sorted(rows[k].point for k in missed) == [0, 1]  # 40 %, and 94 % in seed 8: under 95 %
     fig = _draw_pareto(rows, usable, front, chosen, 500.0, tmp_path / "p.png", missed)
     marks = [c for c in fig.axes[0].collections if c.get_label() == "missed the objective"]
     assert len(marks) == 1 and len(marks[0].get_offsets()) == 2
