@@ -28,9 +28,9 @@ import itertools
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
@@ -359,7 +359,11 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
                  base_source=base_source, sweep_dir=str(Path(base_dir).resolve()))
 
 
-def _check_keys(spec: SweepSpec, fail: Any) -> None:
+Fail = Callable[[list[str | int], str], SweepError]
+"""``fail(path, message)``: the error naming the sweep file's key at ``path`` (and its line)."""
+
+
+def _check_keys(spec: SweepSpec, fail: Fail) -> None:
     if not spec.axes:
         raise fail(["axes"], "give at least one axis (key.path: [values])")
     if len(spec.axes) > MAX_AXES:
@@ -376,7 +380,7 @@ def _check_keys(spec: SweepSpec, fail: Any) -> None:
             raise fail([other_section, other], f"overlaps {section}.{key}: a key may be set once")
 
 
-def _check_figures(figures: list[str], fail: Any) -> None:
+def _check_figures(figures: list[str], fail: Fail) -> None:
     known = _summary_keys()
     for i, name in enumerate(figures):
         if figures.index(name) != i:
@@ -402,7 +406,7 @@ def _summary_keys() -> dict[str, str]:
 
         known: dict[str, str] = {}
 
-        def walk(node: Any, prefix: str) -> None:
+        def walk(node: dict[str, object], prefix: str) -> None:
             for key, value in node.items():
                 known[prefix + key] = "section" if isinstance(value, (dict, list)) else "value"
                 if isinstance(value, dict):
@@ -479,7 +483,7 @@ class _Checks:
     def __init__(self) -> None:
         self.seen: set[bytes] = set()
 
-    def _once(self, *parts: Any) -> bool:
+    def _once(self, *parts: object) -> bool:
         key = msgspec.json.encode(parts)
         if key in self.seen:
             return False
