@@ -60,8 +60,8 @@ def sweep_command(args: argparse.Namespace) -> int:
             store = SweepStore(outdir, sweep, runs, force=args.force)
         except (SweepError, OutputError) as exc:
             return error("kvemu sweep", exc)
-    if store.refusals:  # earlier results that do not decode (torn by a kill, or past a bound): their runs run again
-        console.print(f"[yellow]kvemu sweep: {counted(store.refusals, 'earlier result')} not reused (run again): "
+    if store.refusals:  # earlier results that do not decode (torn by a kill, or past a bound) are not reused
+        console.print(f"[yellow]kvemu sweep: {counted(store.refusals, 'earlier result')} refused, not reused: "
                       f"{escape('; '.join(store.refused[:3]))}[/yellow]", highlight=False, soft_wrap=True)
     todo = len(store.todo())
     jobs = args.jobs or os.cpu_count() or 1
