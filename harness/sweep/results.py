@@ -1,8 +1,8 @@
 """A sweep's output directory: the runs already finished (for resume), and sweep.csv / sweep.json.
 
-Every finished run is appended to ``sweep-log.jsonl`` at once (one ``PointResult`` a line, keys sorted), and ``sweep.csv`` and ``sweep.json`` are rewritten from all results at most every
-``REWRITE_INTERVAL_S`` and at the end, each through a temporary file renamed over the old one, so a reader
-never sees half a file. A later sweep of the same name into the same directory reuses every run whose
+Every finished run is appended to ``sweep-log.jsonl`` at once (one ``PointResult`` a line, keys sorted), and
+``sweep.csv`` and ``sweep.json`` are rewritten from all results at most every ``REWRITE_INTERVAL_S`` and at the
+end, each through a temporary file renamed over the old one, so a reader never sees half a file. A later sweep of the same name into the same directory reuses every run whose
 resolved scenario and seed (``PointSpec.key``) finished ``ok`` with all the figures now asked for; failed,
 partial and unfinished runs run again. An earlier result is decoded against ``PointResult``'s bounds (the files
 are untrusted): a line torn by a kill, or one past a bound, is not reused (its run runs again) and is named,
