@@ -38,10 +38,8 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
-
-from harness.sweep.executors import open_executor
-from harness.sweep.spec import PointSpec, parse_sweep, plan_runs, run_point
+from harness.sweep.executors import open_executor, result_of
+from harness.sweep.spec import Figure, PointResult, PointSpec, parse_sweep, plan_runs, run_point
 from bench import verdict
 
 POINTS = 8
@@ -55,13 +53,13 @@ def points(duration_s: float) -> list[PointSpec]:
                                  f"seeds: {POINTS}\n"))
 
 
-def figures(results: list[dict[str, Any]]) -> list[Any]:
+def figures(results: list[PointResult]) -> list[tuple[int, int, str, dict[str, Figure]]]:
     """What must not depend on the executor: each run's status and figures, in run order."""
-    return [(r["point"], r["seed"], r["status"], r["figures"]) for r in sorted(results, key=lambda r: r["seed"])]
+    return [(r.point, r.seed, r.status, r.figures) for r in sorted(results, key=lambda r: r.seed)]
 
 
-def on(executor: Executor, runs: list[PointSpec]) -> list[dict[str, Any]]:
-    return [f.result() for f in [executor.submit(run_point, run) for run in runs]]
+def on(executor: Executor, runs: list[PointSpec]) -> list[PointResult]:
+    return [result_of(f, run) for f, run in [(executor.submit(run_point, run), run) for run in runs]]
 
 
 @contextlib.contextmanager
@@ -107,7 +105,7 @@ def local_dask_cluster(workdir: Path, workers: int = 2, timeout_s: float = 90.0)
                 proc.wait(timeout=20)
 
 
-def dask_figures(runs: list[PointSpec], pool_wall: float) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def dask_figures(runs: list[PointSpec], pool_wall: float) -> tuple[list[PointResult], dict[str, float]]:
     """The runs on a local Dask cluster of ``JOBS`` workers, and its figures."""
     import distributed
 
@@ -150,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"local pool wall ratio vs serial: {ratio:.2f}x", flush=True)
     print(f"local pool target met: {'yes' if ratio <= TARGET_RATIO else 'no'} (<= {TARGET_RATIO}x on {JOBS} "
           f"processes; {os.cpu_count()} CPUs here)", flush=True)
-    if any(r["status"] != "ok" for r in serial):
-        problems.append("a serial run failed: " + "; ".join(str(r["error"]) for r in serial if r["error"]))
+    if any(r.status != "ok" for r in serial):
+        problems.append("a serial run failed: " + "; ".join(str(r.error) for r in serial if r.error))
     if figures(pooled) != figures(serial):
         problems.append("the local pool's figures differ from the serial runs'")
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from harness.run.interrupts import terminate_as_interrupt
 from harness.text import counted
+
+if TYPE_CHECKING:
+    from harness.sweep.plan import Probe
 
 __all__ = ["plan_command"]
 
@@ -67,11 +70,11 @@ def plan_command(args: argparse.Namespace) -> int:
                   f"{args.sla or 'run.sla'}, {args.min_workers}–{args.max_workers} workers, {width} probes a round",
                   highlight=False, soft_wrap=True)
 
-    def on_probe(probe: Any) -> None:
+    def on_probe(probe: Probe) -> None:
         share = probe.met_fraction
         verdict = "error" if share is None else ("passes" if share >= args.goodput else "fails")
         detail = f"{share:.1%} met the SLA" if share is not None else "; ".join(
-            str(r["error"]) for r in probe.runs if r["error"])
+            str(r.error) for r in probe.runs if r.error)
         console.print(f"  {probe.label} worker{'' if probe.label == '1' else 's'}: {detail} → {verdict}",
                       highlight=False, soft_wrap=True)
 
@@ -83,21 +86,20 @@ def plan_command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         reason = getattr(exc, "reason", "SIGINT")
         partial = getattr(exc, "partial_plan", None)
-        if partial is not None and partial["probes"]:
+        if partial is not None and partial.probes:
             md = write_partial_plan(partial, outdir, reason)
-            where = f"what finished ({counted(len(partial['probes']), 'probe')}) is in {md}"
+            where = f"what finished ({counted(len(partial.probes), 'probe')}) is in {md}"
         else:
             where = "no probe had finished; nothing written"
         console.print(f"kvemu plan: interrupted ({reason}); {where}", highlight=False, soft_wrap=True)
         return 143 if reason == "SIGTERM" else 130
     md = write_plan(plan, outdir)
     print(answer_line(plan))
-    for name in ("answer", "largest_failing"):
-        row = plan[name]
+    for label, row in (("smallest passing", plan.answer), ("largest failing", plan.largest_failing)):
         if row is not None:
-            label = "smallest passing" if name == "answer" else "largest failing"
-            print(f"  {label}: {counted(row['workers'], 'worker')}, {row['met_fraction']:.1%} met the SLA, "
-                  f"p99 TTFT {row['p99_ttft_ms']} ms")
-    console.print(f"kvemu: {counted(plan['runs'], 'run')} in {plan['wall_time_s']:.1f} s; plan in {md}",
+            met = "n/a" if row.met_fraction is None else f"{row.met_fraction:.1%}"
+            print(f"  {label}: {counted(row.workers, 'worker')}, {met} met the SLA, "
+                  f"p99 TTFT {row.p99_ttft_ms} ms")
+    console.print(f"kvemu: {counted(plan.runs, 'run')} in {plan.wall_time_s:.1f} s; plan in {md}",
                   highlight=False, soft_wrap=True)
-    return 0 if plan["answer"] is not None else 1
+    return 0 if plan.answer is not None else 1

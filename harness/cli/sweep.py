@@ -7,13 +7,16 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from harness.run.interrupts import held_signals, terminate_as_interrupt
 from harness.text import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from harness.sweep.spec import PointResult
+    from harness.sweep.runner import OnResult
 
 __all__ = ["sweep_command"]
 
@@ -57,6 +60,9 @@ def sweep_command(args: argparse.Namespace) -> int:
             store = SweepStore(outdir, sweep, runs, force=args.force)
         except (SweepError, OutputError) as exc:
             return error("kvemu sweep", exc)
+    if store.refusals:  # earlier results that do not decode (torn by a kill, or past a bound) are not reused
+        console.print(f"[yellow]kvemu sweep: {counted(store.refusals, 'earlier result')} refused, not reused: "
+                      f"{escape('; '.join(store.refused[:3]))}[/yellow]", highlight=False, soft_wrap=True)
     todo = len(store.todo())
     jobs = args.jobs or os.cpu_count() or 1
     processes = min(jobs, todo)
@@ -116,15 +122,15 @@ def _scenario_not_sweep(path: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _sweep_progress(console: Console, total: int, enabled: bool) -> Iterator[Any]:
+def _sweep_progress(console: Console, total: int, enabled: bool) -> Iterator[OnResult]:
     """The ``run_sweep`` callback: a progress bar over runs with an ETA (on a terminal), and each failure printed."""
     from rich.markup import escape
 
-    def report_failure(result: dict[str, Any], printer: Any) -> None:
-        if result["status"] != "ok":
-            axes = ", ".join(f"{k}={v}" for k, v in result["axes"].items())
-            printer.print(f"[red]point {result['point']} ({axes}) seed {result['seed']} {result['status']}[/red]: "
-                          f"{escape(str(result['error']))}", soft_wrap=True, highlight=False)
+    def report_failure(result: PointResult, printer: Console) -> None:
+        if result.status != "ok":
+            axes = ", ".join(f"{k}={v}" for k, v in result.axes.items())
+            printer.print(f"[red]point {result.point} ({axes}) seed {result.seed} {result.status}[/red]: "
+                          f"{escape(str(result.error))}", soft_wrap=True, highlight=False)
 
     if not (enabled and console.is_terminal and total):
         yield lambda result, done, todo: report_failure(result, console)
@@ -137,9 +143,9 @@ def _sweep_progress(console: Console, total: int, enabled: bool) -> Iterator[Any
         task = bar.add_task("sweep", total=total, failed="")
         failed = 0
 
-        def on_result(result: dict[str, Any], done: int, todo: int) -> None:
+        def on_result(result: PointResult, done: int, todo: int) -> None:
             nonlocal failed
-            failed += result["status"] != "ok"
+            failed += result.status != "ok"
             report_failure(result, bar.console)
             bar.update(task, completed=done, failed=f"{failed} failed" if failed else "")
 

@@ -3,7 +3,8 @@
 ``open_executor(address, jobs)`` yields a ``concurrent.futures.Executor``: ``submit(fn, *args)`` returns a
 ``concurrent.futures.Future``, so ``as_completed`` and ``wait`` work the same on all three. ``fn`` and its
 arguments must be picklable and importable where they run (``harness.sweep.spec.run_point`` and a ``PointSpec``
-are). ``abort_executor`` stops one early: pending work is cancelled, running local work killed.
+are; the ``PointResult`` it returns comes back pickled, and ``result_of`` checks it against its bounds).
+``abort_executor`` stops one early: pending work is cancelled, running local work killed.
 
 Dask and Ray are imported only when asked for (``pip install 'kvemu[dask]'`` / ``'kvemu[ray]'``).
 """
@@ -19,10 +20,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from typing import Any
 
+import msgspec
+
 from kvemu.errors import KvemuError
 
-__all__ = ["MAX_JOBS", "ExecutorError", "open_executor", "abort_executor", "executor_kind", "LocalPool", "RayExecutor",
-           "LOCAL_START_METHOD", "LOCAL_PRELOAD"]
+from harness.sweep.spec import PointResult, PointSpec
+
+__all__ = ["MAX_JOBS", "ExecutorError", "open_executor", "abort_executor", "executor_kind", "result_of", "LocalPool",
+           "RayExecutor", "LOCAL_START_METHOD", "LOCAL_PRELOAD"]
 
 LOCAL_START_METHOD = "forkserver"
 """How local workers start: forked from a small server process that imported ``LOCAL_PRELOAD`` once. Not
@@ -89,6 +94,20 @@ def abort_executor(executor: Executor) -> None:
         executor.shutdown(wait=False, cancel_futures=True)
     except TypeError:  # Dask's ClientExecutor takes no cancel_futures: wait=False cancels
         executor.shutdown(wait=False)
+
+
+def result_of(future: Future[PointResult], run: PointSpec) -> PointResult:
+    """The run's result, checked against its bounds; a failed one when the executor lost it (a killed worker, a
+    broken pool) or handed back something else (not a ``PointResult``, or one past a bound: the field named)."""
+    try:
+        result = future.result()
+        if not isinstance(result, PointResult):
+            raise TypeError(f"the executor handed back a {type(result).__name__}, not a PointResult")
+        return result.checked()
+    except msgspec.ValidationError as exc:
+        return PointResult.failed(run, f"the run's result is out of bounds: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the executor's failure is this run's
+        return PointResult.failed(run, f"{type(exc).__name__}: {exc}")
 
 
 # ---------------------------------------------------------------------------------- local

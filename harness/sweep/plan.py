@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, as_completed
+from concurrent.futures import Executor, Future, as_completed
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -26,10 +25,11 @@ from kvemu.errors import InvalidArgument
 
 from harness.scenario import MAX_WORKERS, Scenario, ScenarioError, parse_scenario
 from harness.report.sla import Sla
-from harness.sweep.spec import MAX_RUNS, PointSpec, run_point
+from harness.sweep.executors import result_of
+from harness.sweep.spec import MAX_RUNS, PointResult, PointSpec, run_point
 from harness.text import counted
 
-__all__ = ["MAX_RUNS_A_ROUND", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
+__all__ = ["MAX_RUNS_A_ROUND", "Plan", "PlanRow", "ProbeRow", "PlanSpec", "Probe", "check_plan", "plan_cluster", "parse_sla", "render_plan", "write_partial_plan",
            "write_plan"]
 
 FIGURES = ["num_requests", "completed_requests", "goodput_completed_requests", "goodput_request_throughput_rps",
@@ -56,17 +56,17 @@ class Probe(msgspec.Struct, kw_only=True):
 
     workers: int
     prefill: int | None = None
-    runs: list[dict[str, Any]] = []
+    runs: list[PointResult] = []
 
     @property
     def met_fraction(self) -> float | None:
         """The smallest share of requests meeting the SLA over its seeds (None if a run failed)."""
         shares = []
         for r in self.runs:
-            f = r["figures"]
-            if r["status"] != "ok" or not f.get("num_requests"):
+            met, total = _count(r, "goodput_completed_requests"), _count(r, "num_requests")
+            if r.status != "ok" or not total:
                 return None
-            shares.append((f.get("goodput_completed_requests") or 0) / f["num_requests"])
+            shares.append((met or 0) / total)
         return min(shares) if shares else None
 
     def passes(self, target: float) -> bool:
@@ -75,13 +75,18 @@ class Probe(msgspec.Struct, kw_only=True):
 
     def figure(self, name: str) -> float | None:
         """The mean of a figure over the probe's seeds."""
-        values = [r["figures"].get(name) for r in self.runs]
-        values = [v for v in values if isinstance(v, (int, float))]
+        values = [v for r in self.runs if isinstance(v := r.figures.get(name), (int, float))]
         return sum(values) / len(values) if values else None
 
     @property
     def label(self) -> str:
         return f"{self.workers}" if self.prefill is None else f"{self.workers} ({self.prefill}P:{self.workers - self.prefill}D)"
+
+
+def _count(result: PointResult, name: str) -> float | None:
+    """A numeric figure of ``result`` (None where absent or not a number)."""
+    value = result.figures.get(name)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def parse_sla(text: str) -> Sla:
@@ -180,8 +185,8 @@ def check_plan(spec: PlanSpec, width: int) -> _Shape:
 
 
 def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
-                 on_probe: Callable[[Probe], None] | None = None) -> dict[str, Any]:
-    """Search the smallest passing cluster (see the module doc); returns the plan as plain data (plan.json)."""
+                 on_probe: Callable[[Probe], None] | None = None) -> Plan:
+    """Search the smallest passing cluster (see the module doc); returns the plan (plan.json)."""
     started = time.perf_counter()
     shape = check_plan(spec, width)
     disaggregated, share, lo = shape.disaggregated, shape.share, shape.lo
@@ -196,7 +201,8 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
             sizes = [s for s in sizes if s not in probes]
             if not sizes:
                 break
-            points: dict[Any, Probe] = {}
+            points: dict[Future[PointResult], Probe] = {}
+            points_run: dict[Future[PointResult], PointSpec] = {}
             for workers in sizes:
                 probes[workers] = []
                 for prefill, extra in _sizes(spec, workers, disaggregated, share):
@@ -206,13 +212,14 @@ def plan_cluster(spec: PlanSpec, executor: Executor, *, width: int = 2,
                         point = PointSpec(point=runs, seed=seed, scenario_text=spec.scenario_text, base_dir=spec.base_dir,
                                           overrides=[*spec.overrides, *extra, *sla, "run.mode=virtual"],
                                           figures=FIGURES, source=spec.source)
-                        points[executor.submit(run_point, point)] = probe
+                        future = executor.submit(run_point, point)
+                        points[future], points_run[future] = probe, point
                         runs += 1
             for future in as_completed(points):
                 probe = points[future]
-                probe.runs.append(future.result())
+                probe.runs.append(result_of(future, points_run[future]))
                 if len(probe.runs) == len(spec.seeds):
-                    probe.runs.sort(key=lambda r: r["seed"])  # (they finish in any order)
+                    probe.runs.sort(key=lambda r: r.seed)  # (they finish in any order)
                     if on_probe is not None:
                         on_probe(probe)
             for workers in sizes:
@@ -236,106 +243,142 @@ def _best(probe_list: list[Probe]) -> Probe:
     return max(probe_list, key=lambda p: (p.met_fraction or -1.0, -(p.prefill or 0)))
 
 
+class PlanRow(msgspec.Struct, kw_only=True, frozen=True):
+    """A probed cluster in plan.json: its size, its worst seed's share of requests meeting the SLA, mean figures."""
+
+    workers: int
+    prefill_workers: int | None
+    decode_workers: int | None
+    met_fraction: float | None
+    gpus: float | None
+    goodput_request_throughput_rps: float | None
+    request_throughput_rps: float | None
+    p99_ttft_ms: float | None
+    mean_itl_ms: float | None
+
+    @property
+    def cluster(self) -> str:
+        """``3 workers`` or ``3 workers (1 prefill, 2 decode)``."""
+        if self.prefill_workers is None:
+            return counted(self.workers, "worker")
+        return f"{counted(self.workers, 'worker')} ({self.prefill_workers} prefill, {self.decode_workers} decode)"
+
+
+class ProbeRow(PlanRow, kw_only=True, frozen=True):
+    """A probe in plan.json: its row and its runs (one a seed)."""
+
+    runs: list[PointResult]
+
+
+class Plan(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A plan's answer (plan.json): the smallest passing cluster, the largest failing one, every probe."""
+
+    sla: dict[str, float]
+    goodput_target: float
+    range: tuple[int, int]
+    """``--min-workers``, ``--max-workers``."""
+    seeds: list[int]
+    disaggregated: bool
+    answer: PlanRow | None
+    largest_failing: PlanRow | None
+    non_monotonic: list[tuple[int, int]]
+    """(workers that passed, more workers that failed)."""
+    runs: int
+    wall_time_s: float
+    probes: list[ProbeRow]
+    interrupted: str | None = None
+    """The signal that stopped the search (a partial plan's probes are those that finished)."""
+
+    @property
+    def best_share(self) -> float | None:
+        """The highest share of requests meeting the SLA over the probes."""
+        shares = [p.met_fraction for p in self.probes if p.met_fraction is not None]
+        return max(shares) if shares else None
+
+
 def _result(spec: PlanSpec, probes: dict[int, list[Probe]], passed: int | None, fail: int, runs: int,
-            wall_s: float, disaggregated: bool) -> dict[str, Any]:
+            wall_s: float, disaggregated: bool) -> Plan:
     rows = [_best(probes[w]) for w in sorted(probes)]
     monotonic = [(a.workers, b.workers) for a in rows for b in rows
                  if a.workers < b.workers and a.passes(spec.goodput) and not b.passes(spec.goodput)]
     answer = _best(probes[passed]) if passed is not None else None
     bound = _best(probes[fail]) if fail in probes else None
-    return {
-        "sla": {k: v for k, v in msgspec.structs.asdict(spec.sla).items() if v is not None},
-        "goodput_target": spec.goodput,
-        "range": [spec.min_workers, spec.max_workers],
-        "seeds": spec.seeds,
-        "disaggregated": disaggregated,
-        "answer": None if answer is None else _row(answer),
-        "largest_failing": None if bound is None else _row(bound),
-        "non_monotonic": monotonic,
-        "runs": runs,
-        "wall_time_s": round(wall_s, 3),
-        "probes": [{**_row(p), "runs": p.runs} for w in sorted(probes) for p in probes[w]],
-    }
+    return Plan(sla={k: v for k, v in msgspec.structs.asdict(spec.sla).items() if v is not None},
+                goodput_target=spec.goodput, range=(spec.min_workers, spec.max_workers), seeds=spec.seeds,
+                disaggregated=disaggregated, answer=None if answer is None else _row(answer),
+                largest_failing=None if bound is None else _row(bound), non_monotonic=monotonic, runs=runs,
+                wall_time_s=round(wall_s, 3),
+                probes=[ProbeRow(**msgspec.structs.asdict(_row(p)), runs=p.runs)
+                        for w in sorted(probes) for p in probes[w]])
 
 
-def _row(p: Probe) -> dict[str, Any]:
-    return {"workers": p.workers, "prefill_workers": p.prefill,
-            "decode_workers": None if p.prefill is None else p.workers - p.prefill,
-            "met_fraction": p.met_fraction, "gpus": p.figure("gpus"),
-            "goodput_request_throughput_rps": p.figure("goodput_request_throughput_rps"),
-            "request_throughput_rps": p.figure("request_throughput_rps"),
-            "p99_ttft_ms": p.figure("p99_ttft_ms"), "mean_itl_ms": p.figure("mean_itl_ms")}
+def _row(p: Probe) -> PlanRow:
+    return PlanRow(workers=p.workers, prefill_workers=p.prefill,
+                   decode_workers=None if p.prefill is None else p.workers - p.prefill,
+                   met_fraction=p.met_fraction, gpus=p.figure("gpus"),
+                   goodput_request_throughput_rps=p.figure("goodput_request_throughput_rps"),
+                   request_throughput_rps=p.figure("request_throughput_rps"),
+                   p99_ttft_ms=p.figure("p99_ttft_ms"), mean_itl_ms=p.figure("mean_itl_ms"))
 
 
-def _cluster(row: dict[str, Any]) -> str:
-    if row["prefill_workers"] is None:
-        return counted(row["workers"], "worker")
-    return f"{counted(row['workers'], 'worker')} ({row['prefill_workers']} prefill, {row['decode_workers']} decode)"
-
-
-def answer_line(plan: dict[str, Any]) -> str:
+def answer_line(plan: Plan) -> str:
     """The plan's answer in one sentence."""
-    sla = ", ".join(f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in plan["sla"].items())
-    target = f"{100 * plan['goodput_target']:g} %"
-    if plan["answer"] is None:
-        return (f"no cluster of up to {plan['range'][1]} workers meets {sla} for {target} of requests "
-                f"(best: {_pct(_best_share(plan))}); raise --max-workers or relax the SLA")
-    a = plan["answer"]
-    return f"{_cluster(a)} meet {sla} for {_pct(a['met_fraction'])} of requests (target {target})"
-
-
-def _best_share(plan: dict[str, Any]) -> float | None:
-    shares = [p["met_fraction"] for p in plan["probes"] if p["met_fraction"] is not None]
-    return max(shares) if shares else None
+    sla = ", ".join(f"{k.removesuffix('_ms').upper()} ≤ {v:g} ms" for k, v in plan.sla.items())
+    target = f"{100 * plan.goodput_target:g} %"
+    if plan.answer is None:
+        return (f"no cluster of up to {plan.range[1]} workers meets {sla} for {target} of requests "
+                f"(best: {_pct(plan.best_share)}); raise --max-workers or relax the SLA")
+    a = plan.answer
+    return f"{a.cluster} meet {sla} for {_pct(a.met_fraction)} of requests (target {target})"
 
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f} %"
 
 
-def render_plan(plan: dict[str, Any], plot: str | None = None) -> str:
+def render_plan(plan: Plan, plot: str | None = None) -> str:
     """plan.md: the answer, the runs that bound it, every probe, the plot."""
     from harness.report.markdown import fmt, table
 
     out = ["# kvemu plan", "", f"**{answer_line(plan)}.**", "",
-           f"{plan['runs']} runs in {plan['wall_time_s']:.1f} s (seeds {', '.join(map(str, plan['seeds']))}; "
-           f"workers {plan['range'][0]}–{plan['range'][1]}).", ""]
-    bounds = [("answer (smallest passing)", plan["answer"]), ("largest failing", plan["largest_failing"])]
+           f"{plan.runs} runs in {plan.wall_time_s:.1f} s (seeds {', '.join(map(str, plan.seeds))}; "
+           f"workers {plan.range[0]}–{plan.range[1]}).", ""]
+    bounds = [("answer (smallest passing)", plan.answer), ("largest failing", plan.largest_failing)]
     header = ["", "cluster", "met SLA", "goodput (req/s)", "throughput (req/s)", "p99 TTFT (ms)", "mean ITL (ms)"]
 
-    def cells(row: dict[str, Any]) -> list[str]:
-        return [_cluster(row), _pct(row["met_fraction"]), fmt(row["goodput_request_throughput_rps"]),
-                fmt(row["request_throughput_rps"]), fmt(row["p99_ttft_ms"]), fmt(row["mean_itl_ms"])]
+    def cells(row: PlanRow) -> list[str]:
+        return [row.cluster, _pct(row.met_fraction), fmt(row.goodput_request_throughput_rps),
+                fmt(row.request_throughput_rps), fmt(row.p99_ttft_ms), fmt(row.mean_itl_ms)]
 
     out += ["## The runs that bound it", ""]
     out += table(header, [(name, *cells(row)) for name, row in bounds if row is not None])
     out += ["", "## Every probe", ""]
-    out += table(header, [("passes" if (p["met_fraction"] or 0) >= plan["goodput_target"] else "fails", *cells(p))
-                           for p in plan["probes"]])
-    if plan["non_monotonic"]:
+    out += table(header, [("passes" if (p.met_fraction or 0) >= plan.goodput_target else "fails", *cells(p))
+                           for p in plan.probes])
+    if plan.non_monotonic:
         out += ["", "Not monotonic: " + ", ".join(f"{a} workers passed where {b} failed"
-                                                  for a, b in plan["non_monotonic"]) + "."]
+                                                  for a, b in plan.non_monotonic) + "."]
     if plot:
         out += ["", f"![plan]({plot})"]
     return "\n".join(out) + "\n"
 
 
-def _draw(plan: dict[str, Any], path: Path) -> None:
+def _draw(plan: Plan, path: Path) -> None:
     from harness.report.figures import new_figure, save_png
 
     fig, ax = new_figure("Share of requests meeting the SLA", "workers", "met SLA")
-    rows = sorted((p for p in plan["probes"] if p["met_fraction"] is not None), key=lambda p: p["workers"])
-    ax.plot([p["workers"] for p in rows], [p["met_fraction"] for p in rows], "o", color="tab:blue", label="probe")
-    ax.axhline(plan["goodput_target"], color="tab:red", linestyle="--", label="target")
-    if plan["answer"] is not None:
-        a = plan["answer"]
-        ax.plot([a["workers"]], [a["met_fraction"]], "*", markersize=16, color="tab:green", label="answer")
+    rows = sorted((p for p in plan.probes if p.met_fraction is not None), key=lambda p: p.workers)
+    ax.plot([p.workers for p in rows], [p.met_fraction for p in rows], "o", color="tab:blue", label="probe")
+    ax.axhline(plan.goodput_target, color="tab:red", linestyle="--", label="target")
+    if plan.answer is not None:
+        a = plan.answer
+        ax.plot([a.workers], [a.met_fraction], "*", markersize=16, color="tab:green", label="answer")
     ax.set_ylim(0, 1.02)
     ax.legend(loc="lower right")
     save_png(fig, path)
 
 
-def write_plan(plan: dict[str, Any], outdir: Path) -> Path:
+def write_plan(plan: Plan, outdir: Path) -> Path:
     """plan.json, plan.png and plan.md into ``outdir``; returns plan.md's path."""
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan), indent=2) + b"\n")
@@ -345,10 +388,10 @@ def write_plan(plan: dict[str, Any], outdir: Path) -> Path:
     return md
 
 
-def write_partial_plan(plan: dict[str, Any], outdir: Path, reason: str) -> Path:
+def write_partial_plan(plan: Plan, outdir: Path, reason: str) -> Path:
     """An interrupted plan's finished probes: plan.json (marked ``interrupted``) and plan.md, no plot."""
     outdir.mkdir(parents=True, exist_ok=True)
-    plan = {**plan, "interrupted": reason}
+    plan = msgspec.structs.replace(plan, interrupted=reason)
     (outdir / "plan.json").write_bytes(msgspec.json.format(msgspec.json.encode(plan), indent=2) + b"\n")
     md = outdir / "plan.md"
     md.write_text(f"**Interrupted ({reason}) before the search ended: the probes that finished.**\n\n"

@@ -19,11 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from harness.report.figures import new_figure, legend_right, no_data, save_png, value_scale
 from harness.report.markdown import fmt, pct, table
-from harness.sweep.spec import DEFAULT_GOODPUT, Objective, Sweep
+from harness.sweep.spec import DEFAULT_GOODPUT, Figure, Objective, PointResult, Sweep
 
-__all__ = ["point_means", "pareto_front", "choose_point", "sla_shares", "render_sweep_markdown", "write_sweep_report",
+__all__ = ["PointRow", "point_means", "pareto_front", "choose_point", "sla_shares", "render_sweep_markdown", "write_sweep_report",
            "THROUGHPUT", "TTFT"]
 
 THROUGHPUT = "output_throughput_tok_s_per_gpu"
@@ -32,26 +34,46 @@ _MAX_GROUPS = 8
 _MAX_TABLE_ROWS = 2000
 
 
-def _number(value: Any) -> float | None:
+def _number(value: Figure) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def point_means(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+class PointRow(msgspec.Struct, kw_only=True, frozen=True):
+    """A point in sweep.md: its axes, how many runs (seeds) it has and how many are ok, each figure's mean."""
+
+    point: int
+    axes: dict[str, str]
+    runs: int
+    ok: int
+    figures: dict[str, Figure]
+
+
+def _ttft(row: PointRow) -> float:
+    """The row's p99 TTFT (a usable row has one)."""
+    return _number(row.figures.get(TTFT)) or 0.0
+
+
+def _tput(row: PointRow) -> float:
+    """The row's output throughput per GPU (a usable row has one)."""
+    return _number(row.figures.get(THROUGHPUT)) or 0.0
+
+
+def point_means(results: Sequence[PointResult]) -> list[PointRow]:
     """One row per point (in point order): ``point``, ``axes``, ``runs``, ``ok`` and each figure's mean over its
     ok runs (None where no ok run has it; a non-numeric figure keeps the first ok run's value)."""
-    by_point: dict[int, list[dict[str, Any]]] = {}
+    by_point: dict[int, list[PointResult]] = {}
     for result in results:
-        by_point.setdefault(result["point"], []).append(result)
+        by_point.setdefault(result.point, []).append(result)
     rows = []
     for point in sorted(by_point):
         group = by_point[point]
-        ok = [r for r in group if r["status"] == "ok"]
-        names = list(dict.fromkeys(n for r in group for n in r.get("figures") or {}))
-        means: dict[str, Any] = {}
+        ok = [r for r in group if r.status == "ok"]
+        names = list(dict.fromkeys(n for r in group for n in r.figures))
+        means: dict[str, Figure] = {}
         for name in names:
-            values = [r["figures"].get(name) for r in ok]
+            values = [r.figures.get(name) for r in ok]
             numbers = [v for v in map(_number, values) if v is not None]
             if numbers and len(numbers) == len([v for v in values if v is not None]):
                 mean = math.fsum(numbers) / len(numbers)
@@ -59,8 +81,7 @@ def point_means(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 means[name] = int(mean) if whole else mean
             else:
                 means[name] = next((v for v in values if v is not None), None)
-        rows.append({"point": point, "axes": dict(group[0]["axes"]), "runs": len(group), "ok": len(ok),
-                     "figures": means})
+        rows.append(PointRow(point=point, axes=dict(group[0].axes), runs=len(group), ok=len(ok), figures=means))
     return rows
 
 
@@ -109,21 +130,21 @@ def choose_point(items: Sequence[tuple[float, float]], front: Sequence[int],
     return front[best], why
 
 
-def sla_shares(results: Sequence[dict[str, Any]]) -> dict[int, float]:
+def sla_shares(results: Sequence[PointResult]) -> dict[int, float]:
     """Per point: the smallest share of requests meeting ``run.sla`` over its ok runs (seeds), as ``kvemu plan``
     counts it (``goodput_completed_requests / num_requests``); points without SLA figures are absent."""
     shares: dict[int, float] = {}
     for result in results:
-        figures = result.get("figures") or {}
-        met, total = _number(figures.get("goodput_completed_requests")), _number(figures.get("num_requests"))
-        if result["status"] != "ok" or met is None or not total:
+        met = _number(result.figures.get("goodput_completed_requests"))
+        total = _number(result.figures.get("num_requests"))
+        if result.status != "ok" or met is None or not total:
             continue
         share = met / total
-        shares[result["point"]] = min(shares.get(result["point"], share), share)
+        shares[result.point] = min(shares.get(result.point, share), share)
     return shares
 
 
-def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
+def _pareto(rows: list[PointRow], results: Sequence[PointResult],
             objective: Objective) -> tuple[list[int], list[int], int | None, str]:
     """Rows with both figures, the front among them and the chosen one (all as row indices), and why.
 
@@ -132,8 +153,8 @@ def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
     without one, ``choose_point`` on the front.
     """
     usable = [k for k, r in enumerate(rows)
-              if _number(r["figures"].get(TTFT)) is not None and _number(r["figures"].get(THROUGHPUT)) is not None]
-    items = [(rows[k]["figures"][TTFT], rows[k]["figures"][THROUGHPUT]) for k in usable]
+              if _number(r.figures.get(TTFT)) is not None and _number(r.figures.get(THROUGHPUT)) is not None]
+    items = [(_ttft(rows[k]), _tput(rows[k])) for k in usable]
     front = [usable[i] for i in pareto_front(items)]
     shares = sla_shares(results)
     if not shares:
@@ -146,14 +167,14 @@ def _pareto(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]],
     if bound is not None:
         rule += f" and p99 TTFT <= {fmt(bound)} ms (objective.ttft_ms)"
     eligible = [k for k, (ttft, _) in zip(usable, items)
-                if shares.get(rows[k]["point"], -1.0) >= target and (bound is None or ttft <= bound)]
+                if shares.get(rows[k].point, -1.0) >= target and (bound is None or ttft <= bound)]
     if not eligible:
         return usable, front, None, f"no point has {rule}"
-    best = max(eligible, key=lambda k: (rows[k]["figures"][THROUGHPUT], -rows[k]["figures"][TTFT]))
+    best = max(eligible, key=lambda k: (_tput(rows[k]), -_ttft(rows[k])))
     return usable, front, best, f"the highest throughput per GPU with {rule}"
 
 
-def _missed(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]], objective: Objective,
+def _missed(rows: list[PointRow], results: Sequence[PointResult], objective: Objective,
             usable: list[int]) -> list[int]:
     """The usable rows that miss the objective (a seed under the goodput target with an SLA, or p99 TTFT past
     ``objective.ttft_ms``): none when the sweep states no objective."""
@@ -162,8 +183,8 @@ def _missed(rows: list[dict[str, Any]], results: Sequence[dict[str, Any]], objec
     bound = objective.ttft_ms
     if not shares and bound is None:
         return []
-    return [k for k in usable if (shares and shares.get(rows[k]["point"], -1.0) < target)
-            or (bound is not None and rows[k]["figures"][TTFT] > bound)]
+    return [k for k in usable if (shares and shares.get(rows[k].point, -1.0) < target)
+            or (bound is not None and _ttft(rows[k]) > bound)]
 
 
 # ---------------------------------------------------------------------------------- plots
@@ -183,16 +204,16 @@ def _axis_positions(values: list[str]) -> tuple[list[float], list[str] | None]:
     return [float(i) for i in range(len(values))], values
 
 
-def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[str], series: list[tuple[str, str]],
+def _draw_against_axis(rows: list[PointRow], axis: str, axis_values: list[str], series: list[tuple[str, str]],
                        title: str, ylabel: str, path: Path) -> Any:
     """``series`` (figure key, label) against ``axis``: one colour per combination of the other axes, on a log
     scale when the values span decades; returns the figure (saved to ``path``)."""
     fig, ax = new_figure(title, axis, ylabel, legend=True)
     xs, labels = _axis_positions(axis_values)
     x_of = dict(zip(axis_values, xs))
-    groups: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
+    groups: dict[tuple[tuple[str, str], ...], list[PointRow]] = {}
     for row in rows:
-        others = tuple((k, v) for k, v in row["axes"].items() if k != axis)
+        others = tuple((k, v) for k, v in row.axes.items() if k != axis)
         groups.setdefault(others, []).append(row)
     styles = ("-", "--", ":", "-.")
     drawn = 0
@@ -200,8 +221,8 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
     for g, (others, members) in enumerate(list(groups.items())[:_MAX_GROUPS]):
         color = f"C{g % 10}"
         for s, (key, label) in enumerate(series):
-            pts = sorted((x_of[r["axes"][axis]], v) for r in members
-                         if (v := _number(r["figures"].get(key))) is not None)
+            pts = sorted((x_of[r.axes[axis]], v) for r in members
+                         if (v := _number(r.figures.get(key))) is not None)
             if not pts:
                 continue
             name = ", ".join([label, *(f"{k}={v}" for k, v in others)])
@@ -222,28 +243,27 @@ def _draw_against_axis(rows: list[dict[str, Any]], axis: str, axis_values: list[
     return fig
 
 
-def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
+def _draw_pareto(rows: list[PointRow], usable: list[int], front: list[int], chosen: int | None,
                  bound: float | None, path: Path, missed: list[int] | None = None) -> Any:
     fig, ax = new_figure("Output throughput per GPU vs p99 TTFT (Pareto front)", "p99 TTFT (ms)",
                       "output tokens/s per GPU", legend=True)
     if usable:
-        xs = [rows[k]["figures"][TTFT] for k in usable]
-        ys = [rows[k]["figures"][THROUGHPUT] for k in usable]
+        xs = [_ttft(rows[k]) for k in usable]
+        ys = [_tput(rows[k]) for k in usable]
         ax.scatter(xs, ys, color="C0", alpha=0.6, label="points")
         if missed:
-            ax.scatter([rows[k]["figures"][TTFT] for k in missed], [rows[k]["figures"][THROUGHPUT] for k in missed],
+            ax.scatter([_ttft(rows[k]) for k in missed], [_tput(rows[k]) for k in missed],
                        marker="x", s=80, color="C3", zorder=3, label="missed the objective")
         for k, x, y in zip(usable, xs, ys):
-            ax.annotate(str(rows[k]["point"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
-        fx = [rows[k]["figures"][TTFT] for k in front]
-        fy = [rows[k]["figures"][THROUGHPUT] for k in front]
+            ax.annotate(str(rows[k].point), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+        fx = [_ttft(rows[k]) for k in front]
+        fy = [_tput(rows[k]) for k in front]
         ax.plot(fx, fy, color="C1", marker="o", drawstyle="steps-post", label="Pareto front")
         if bound is not None:
             ax.axvline(bound, color="C3", linestyle="--", label=f"objective p99 TTFT {fmt(bound)} ms")
         if chosen is not None:
-            f = rows[chosen]["figures"]
-            ax.scatter([f[TTFT]], [f[THROUGHPUT]], marker="*", s=300, color="C2", zorder=3,
-                       label=f"chosen: point {rows[chosen]['point']}")
+            ax.scatter([_ttft(rows[chosen])], [_tput(rows[chosen])], marker="*", s=300, color="C2", zorder=3,
+                       label=f"chosen: point {rows[chosen].point}")
         ax.set_xscale(value_scale(xs))
         legend_right(ax)
     else:
@@ -252,20 +272,20 @@ def _draw_pareto(rows: list[dict[str, Any]], usable: list[int], front: list[int]
     return fig
 
 
-def _plots(sweep: Sweep, rows: list[dict[str, Any]], usable: list[int], front: list[int], chosen: int | None,
+def _plots(sweep: Sweep, rows: list[PointRow], usable: list[int], front: list[int], chosen: int | None,
            outdir: Path, missed: list[int] | None = None) -> dict[str, list[str]]:
     """Draw every plot into ``outdir``; ``section -> file names``."""
     import matplotlib.style
 
     bound = sweep.spec.objective.ttft_ms
-    goodput = any(r["figures"].get("goodput_request_throughput_rps") is not None for r in rows)
+    goodput = any(r.figures.get("goodput_request_throughput_rps") is not None for r in rows)
     out: dict[str, list[str]] = {}
     with matplotlib.style.context("default"):
         name = "sweep_pareto.png"
         _draw_pareto(rows, usable, front, chosen, bound, outdir / name, missed)
         out["pareto"] = [name]
         for axis in sweep.axes:
-            values = list(dict.fromkeys(r["axes"][axis] for r in rows))
+            values = list(dict.fromkeys(r.axes[axis] for r in rows))
             names = [f"sweep_ttft_{_slug(axis)}.png", f"sweep_itl_{_slug(axis)}.png",
                      f"sweep_throughput_{_slug(axis)}.png"]
             _draw_against_axis(rows, axis, values, [("median_ttft_ms", "p50"), ("p90_ttft_ms", "p90"),
@@ -286,7 +306,7 @@ def _plots(sweep: Sweep, rows: list[dict[str, Any]], usable: list[int], front: l
 # ---------------------------------------------------------------------------------- markdown
 
 
-def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots: dict[str, list[str]] | None = None,
+def render_sweep_markdown(sweep: Sweep, results: Sequence[PointResult], plots: dict[str, list[str]] | None = None,
                           note: str | None = None) -> str:
     """sweep.md from the sweep and its results (one per run, by point then seed); ``plots`` as ``_plots`` names."""
     spec = sweep.spec
@@ -295,13 +315,13 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     shares = sla_shares(results)
     counts: dict[str, int] = {}
     for r in results:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        counts[r.status] = counts.get(r.status, 0) + 1
     seeds = sweep.seeds_per_point
     out = [f"# kvemu sweep: {sweep.name}", ""]
     if note:
         out += [f"> **{note}**", ""]
     out += [f"- base scenario `{sweep.base_source}`, sweep file `{sweep.source}`",
-            f"- axes ({spec.mode}): " + "; ".join(f"`{k}` = {', '.join(dict.fromkeys(r['axes'][k] for r in rows))}"
+            f"- axes ({spec.mode}): " + "; ".join(f"`{k}` = {', '.join(dict.fromkeys(r.axes[k] for r in rows))}"
                                                   for k in sweep.axes),
             f"- {len(rows)} points × {seeds} seed{'s' if seeds != 1 else ''} = {len(results)} runs: "
             + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
@@ -312,9 +332,9 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
     shown = rows[:_MAX_TABLE_ROWS]
     met = ["met SLA (worst seed)"] if shares else []
     out += table(["point", *sweep.axes, "ok runs", *met, *figures],
-                  [(r["point"], *(r["axes"][a] for a in sweep.axes), f"{r['ok']}/{r['runs']}",
-                    *([pct(shares.get(r["point"]))] if shares else []),
-                    *(fmt(r["figures"].get(f)) for f in figures)) for r in shown])
+                  [(r.point, *(r.axes[a] for a in sweep.axes), f"{r.ok}/{r.runs}",
+                    *([pct(shares.get(r.point))] if shares else []),
+                    *(fmt(r.figures.get(f)) for f in figures)) for r in shown])
     if len(rows) > len(shown):
         out += ["", f"… and {len(rows) - len(shown)} more points (sweep.csv has them all)."]
     out += ["", "## Chosen point", ""]
@@ -324,8 +344,8 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
         out += [f"None: {why}."]
     else:
         c = rows[chosen]
-        f = c["figures"]
-        out += [f"**Point {c['point']}** ({', '.join(f'`{k}={v}`' for k, v in c['axes'].items())}): "
+        f = c.figures
+        out += [f"**Point {c.point}** ({', '.join(f'`{k}={v}`' for k, v in c.axes.items())}): "
                 f"{fmt(f.get(THROUGHPUT))} output tok/s per GPU on {fmt(f.get('gpus'))} GPUs, "
                 f"p99 TTFT {fmt(f.get(TTFT))} ms; {why}."]
     out += ["", "## Pareto front: output throughput per GPU vs p99 TTFT", "",
@@ -333,8 +353,8 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
             "when no other point has both a lower p99 TTFT and a higher throughput per GPU.", ""]
     if front:
         out += table(["point", *sweep.axes, "p99 TTFT (ms)", "output tok/s per GPU", "GPUs", "chosen"],
-                      [(rows[k]["point"], *(rows[k]["axes"][a] for a in sweep.axes), fmt(rows[k]["figures"][TTFT]),
-                        fmt(rows[k]["figures"][THROUGHPUT]), fmt(rows[k]["figures"].get("gpus")),
+                      [(rows[k].point, *(rows[k].axes[a] for a in sweep.axes), fmt(_ttft(rows[k])),
+                        fmt(_tput(rows[k])), fmt(rows[k].figures.get("gpus")),
                         "**yes**" if k == chosen else "") for k in front])
     else:
         out += ["No point has both figures."]
@@ -344,15 +364,15 @@ def render_sweep_markdown(sweep: Sweep, results: Sequence[dict[str, Any]], plots
                 "Lines join points that share the other axes' values; a point is the mean over its ok seeds."]
         for axis in sweep.axes:
             out += ["", f"### {axis}", ""] + [f"![{name.removesuffix('.png')}]({name})" for name in plots.get(axis, [])]
-    failed = [r for r in results if r["status"] in ("failed", "partial")]
+    failed = [r for r in results if r.status in ("failed", "partial")]
     if failed:
         out += ["", "## Failed and partial runs", ""]
         out += table(["point", "seed", "status", "error"],
-                      [(r["point"], r["seed"], r["status"], (r.get("error") or "")[:300]) for r in failed[:200]])
+                      [(r.point, r.seed, r.status, (r.error or "")[:300]) for r in failed[:200]])
     return "\n".join(out) + "\n"
 
 
-def write_sweep_report(sweep: Sweep, results: Sequence[dict[str, Any]], outdir: Path, note: str | None = None) -> Path:
+def write_sweep_report(sweep: Sweep, results: Sequence[PointResult], outdir: Path, note: str | None = None) -> Path:
     """Draw the plots and write sweep.md into ``outdir``; return its path."""
     rows = point_means(results)
     usable, front, chosen, _ = _pareto(rows, results, sweep.spec.objective)

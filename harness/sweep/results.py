@@ -1,11 +1,12 @@
 """A sweep's output directory: the runs already finished (for resume), and sweep.csv / sweep.json.
 
-Every finished run is appended to ``sweep-log.jsonl`` at once (one JSON object a line; a line torn by a kill
-is ignored), and ``sweep.csv`` and ``sweep.json`` are rewritten from all results at most every
-``REWRITE_INTERVAL_S`` and at the end, each through a temporary file renamed over the old one, so a reader
-never sees half a file. A later sweep of the same name into the same directory reuses every run whose
+Every finished run is appended to ``sweep-log.jsonl`` at once (one ``PointResult`` a line, keys sorted), and
+``sweep.csv`` and ``sweep.json`` are rewritten from all results at most every ``REWRITE_INTERVAL_S`` and at the
+end, each through a temporary file renamed over the old one, so a reader never sees half a file. A later sweep of the same name into the same directory reuses every run whose
 resolved scenario and seed (``PointSpec.key``) finished ``ok`` with all the figures now asked for; failed,
-partial and unfinished runs run again.
+partial and unfinished runs run again. An earlier result is decoded against ``PointResult``'s bounds (the files
+are untrusted): a line torn by a kill, or one past a bound, is not reused (its run runs again) and is named,
+with the field at fault, in ``SweepStore.refused``.
 
 sweep.csv holds no wall-clock figure, so the same sweep gives the same bytes on any executor: one row per
 run, by point then seed; columns ``point``, one per axis key, ``seed``, ``status``, the requested figures,
@@ -21,14 +22,16 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Annotated, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 from harness.report.files import OutputError, claim_outdir
-from harness.sweep.spec import PointSpec, Sweep, SweepError
+from harness.sweep.spec import MAX_RUNS, Figure, PointResult, PointSpec, Sweep, SweepError, WallMs, WallSeconds
 
-__all__ = ["SweepStore", "csv_text", "LOG", "CSV", "JSON", "MARKDOWN", "REWRITE_INTERVAL_S", "FORMAT"]
+__all__ = ["SweepStore", "SweepTiming", "csv_text", "LOG", "CSV", "JSON", "MARKDOWN", "REWRITE_INTERVAL_S", "FORMAT",
+           "MAX_REFUSED"]
 
 LOG = "sweep-log.jsonl"
 CSV = "sweep.csv"
@@ -37,6 +40,42 @@ MARKDOWN = "sweep.md"
 FORMAT = "kvemu-sweep/1"
 REWRITE_INTERVAL_S = 1.0
 """sweep.csv and sweep.json are rewritten at most this often while runs finish (the log has every run)."""
+_T = TypeVar("_T")
+MAX_REFUSED = 20
+"""Most refused earlier results ``SweepStore.refused`` describes (it counts the rest)."""
+
+
+class SweepTiming(msgspec.Struct, kw_only=True, frozen=True):
+    """How a sweep went (sweep.json's ``timing``): where it ran, its wall time, runs ran and reused, its stop."""
+
+    executor: str
+    wall_time_s: float
+    runs_ran: int
+    runs_reused: int
+    interrupted: str | None
+
+
+class _Document(msgspec.Struct):
+    """What an earlier sweep.json holds that resume reads: its runs (each decoded on its own)."""
+
+    runs: Annotated[list[msgspec.Raw], Meta(max_length=MAX_RUNS)] = []
+
+
+class _Timing(msgspec.Struct, frozen=True):
+    wall_time_s: WallSeconds | None = None
+    run_wall_time_ms: WallMs | None = None
+
+
+class _StoredRun(PointResult, kw_only=True, frozen=True):
+    """A run as sweep.json holds it: its wall times under ``timing``."""
+
+    timing: _Timing = _Timing()
+
+    def result(self) -> PointResult:
+        """The run as a ``PointResult`` (its wall times lifted from ``timing``)."""
+        fields = {name: getattr(self, name) for name in PointResult.__struct_fields__}
+        return PointResult(**{**fields, "wall_time_s": self.timing.wall_time_s,
+                              "run_wall_time_ms": self.timing.run_wall_time_ms})
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -45,7 +84,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Figure) -> str:
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -55,7 +94,33 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def csv_text(sweep: Sweep, runs: list[PointSpec], results: dict[str, dict[str, Any]]) -> str:
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def _decode(data: bytes | msgspec.Raw, kind: type[_T]) -> _T:
+    """``data`` decoded as ``kind``; ``msgspec.DecodeError`` says why not, naming the field at fault where the
+    JSON is whole (``NaN`` and ``Infinity``, not JSON to msgspec, are read by the stdlib to find their field)."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError as exc:
+        try:
+            msgspec.convert(json.loads(bytes(data)), kind)
+        except (ValueError, RecursionError, msgspec.ValidationError) as loose:  # torn, or the field at fault
+            raise (loose if isinstance(loose, msgspec.ValidationError) else exc) from None
+        raise  # (whatever else msgspec refuses stays refused)
+
+
+def _json(result: PointResult) -> str:
+    """A sweep-log.jsonl line: the result's keys sorted, as the stdlib writes them (the bytes earlier kvemu wrote)."""
+    return json.dumps(msgspec.to_builtins(result), sort_keys=True, allow_nan=False)
+
+
+def csv_text(sweep: Sweep, runs: list[PointSpec], results: dict[str, PointResult]) -> str:
     """sweep.csv: a row per planned run (``pending`` where no result yet), no wall-clock figure."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -63,10 +128,10 @@ def csv_text(sweep: Sweep, runs: list[PointSpec], results: dict[str, dict[str, A
     writer.writerow(["point", *sweep.axes, "seed", "status", *figures, "error"])
     for run in runs:
         result = results.get(run.key)
-        values = result["figures"] if result else {}
+        values = result.figures if result else {}
         writer.writerow([run.point, *(run.axes[a] for a in sweep.axes), run.seed,
-                         result["status"] if result else "pending", *(_cell(values.get(f)) for f in figures),
-                         _cell(result["error"]) if result else ""])
+                         result.status if result else "pending", *(_cell(values.get(f)) for f in figures),
+                         _cell(result.error) if result else ""])
     return out.getvalue()
 
 
@@ -79,18 +144,24 @@ class SweepStore:
         self.outdir = Path(outdir)
         self.sweep = sweep
         self.runs = runs
-        self.results: dict[str, dict[str, Any]] = {}
-        self.meta: dict[str, Any] = {}
+        self.results: dict[str, PointResult] = {}
+        self.timing: SweepTiming | None = None
+        self.refused: list[str] = []
+        """The first ``MAX_REFUSED`` earlier results refused because they do not decode: where (file and line),
+        and why (the field at fault)."""
+        self.refusals = 0
+        """How many earlier results were refused."""
         self._written = 0.0
         self._claim(force)
         wanted = {run.key: run for run in runs}
         for result in self._previous() if not force else []:
-            run = wanted.get(result.get("key", ""))
-            if (run is not None and result.get("status") == "ok"
-                    and set(run.figures) <= set(result.get("figures") or {})):
-                self.results[run.key] = self._relabel(result, run)
+            run = wanted.get(result.key)
+            if run is not None and result.status == "ok" and set(run.figures) <= set(result.figures):
+                self.results[run.key] = result.relabel(run)
         self.reused = len(self.results)
         self._log = (self.outdir / LOG).open("a" if not force else "w", encoding="utf-8")
+        if self._log.tell() and _last_byte(self.outdir / LOG) != b"\n":
+            self._log.write("\n")  # a line torn by a kill ends here: the next result starts a line of its own
         self.write()
 
     def _claim(self, force: bool) -> None:
@@ -114,28 +185,40 @@ class SweepStore:
             raise SweepError(f"{outdir} holds sweep {name!r}, not {self.sweep.name!r}: choose another -o OUTDIR, "
                              "or pass --force to replace its results")
 
-    def _previous(self) -> list[dict[str, Any]]:
-        """Results found in sweep.json, then the log (later lines win)."""
-        found: list[dict[str, Any]] = []
+    def _previous(self) -> list[PointResult]:
+        """Results found in sweep.json, then the log (later lines win); what does not decode is refused."""
+        found: list[PointResult] = []
+        document = _Document()
         try:
-            found += json.loads((self.outdir / JSON).read_text(encoding="utf-8")).get("runs", [])
-        except (OSError, ValueError, AttributeError):
-            pass
+            document = msgspec.json.decode((self.outdir / JSON).read_bytes(), type=_Document)
+        except OSError:
+            pass  # (no earlier sweep.json)
+        except msgspec.DecodeError as exc:
+            self._refuse(JSON, exc)
+        for i, raw in enumerate(document.runs):
+            try:
+                stored = _decode(raw, _StoredRun)
+            except msgspec.DecodeError as exc:
+                self._refuse(f"{JSON} runs[{i}]", exc)
+                continue
+            found.append(stored.result())
         try:
-            lines = (self.outdir / LOG).read_text(encoding="utf-8").splitlines()
+            lines = (self.outdir / LOG).read_bytes().splitlines()
         except OSError:
             lines = []
-        for line in lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
-                found.append(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a kill
-        return [r for r in found if isinstance(r, dict)]
+                found.append(_decode(line, PointResult))
+            except msgspec.DecodeError as exc:  # a line torn by a kill, or one past a bound
+                self._refuse(f"{LOG} line {number}", exc)
+        return found
 
-    @staticmethod
-    def _relabel(result: dict[str, Any], run: PointSpec) -> dict[str, Any]:
-        """An earlier result under this sweep's numbering (the sweep file may have changed since)."""
-        return {**result, "point": run.point, "seed": run.seed, "axes": dict(run.axes)}
+    def _refuse(self, where: str, exc: msgspec.DecodeError) -> None:
+        self.refusals += 1
+        if len(self.refused) < MAX_REFUSED:
+            self.refused.append(f"{where}: {str(exc)[:500]}")
 
     def todo(self) -> list[PointSpec]:
         """The runs still to do, in plan order (each key once: identical runs share one result)."""
@@ -147,45 +230,39 @@ class SweepStore:
                 out.append(run)
         return out
 
-    def record(self, result: dict[str, Any]) -> None:
+    def record(self, result: PointResult) -> None:
         """Keep a finished run's result: in the log now, in sweep.csv/json at the next rewrite."""
-        self.results[result["key"]] = result
-        self._log.write(json.dumps(result, sort_keys=True, allow_nan=False) + "\n")
+        self.results[result.key] = result
+        self._log.write(_json(result) + "\n")
         self._log.flush()
         if time.monotonic() - self._written >= REWRITE_INTERVAL_S:
             self.write()
 
     def counts(self) -> Counter[str]:
         """Runs by status (``ok``, ``partial``, ``failed``, ``pending``)."""
-        return Counter((self.results[r.key]["status"] if r.key in self.results else "pending") for r in self.runs)
+        return Counter((self.results[r.key].status if r.key in self.results else "pending") for r in self.runs)
 
-    def ordered(self) -> list[dict[str, Any]]:
+    def ordered(self) -> list[PointResult]:
         """One result per planned run, by point then seed (``pending`` placeholders for runs not finished)."""
-        out = []
-        for run in self.runs:
-            result = self.results.get(run.key)
-            if result is None:
-                result = {"point": run.point, "seed": run.seed, "axes": dict(run.axes), "key": run.key,
-                          "status": "pending", "error": None, "figures": {}, "wall_time_s": None,
-                          "run_wall_time_ms": None}
-            out.append(self._relabel(result, run))
-        return out
+        return [self.results[run.key].relabel(run) if run.key in self.results else PointResult.pending(run)
+                for run in self.runs]
 
-    def write(self, timing: dict[str, Any] | None = None) -> None:
+    def write(self, timing: SweepTiming | None = None) -> None:
         """Rewrite sweep.csv and sweep.json from every result so far (``timing``: the sweep's, when it ends)."""
         if timing is not None:
-            self.meta["timing"] = timing
+            self.timing = timing
         _atomic_write(self.outdir / CSV, csv_text(self.sweep, self.runs, self.results))
         runs = []
         for result in self.ordered():
-            run = {k: v for k, v in result.items() if k not in ("wall_time_s", "run_wall_time_ms")}
-            run["timing"] = {"wall_time_s": result.get("wall_time_s"),
-                             "run_wall_time_ms": result.get("run_wall_time_ms")}
+            run = {k: v for k, v in msgspec.to_builtins(result).items() if k not in ("wall_time_s", "run_wall_time_ms")}
+            run["timing"] = {"wall_time_s": result.wall_time_s, "run_wall_time_ms": result.run_wall_time_ms}
             runs.append(run)
         document = {"format": FORMAT, "name": self.sweep.name, "source": self.sweep.source,
                     "base": self.sweep.base_source, "spec": msgspec.to_builtins(self.sweep.spec),
                     "axes": self.sweep.axes, "figures": list(self.sweep.spec.figures),
-                    "counts": dict(sorted(self.counts().items())), "runs": runs, **self.meta}
+                    "counts": dict(sorted(self.counts().items())), "runs": runs}
+        if self.timing is not None:
+            document["timing"] = msgspec.to_builtins(self.timing)
         _atomic_write(self.outdir / JSON, json.dumps(document, indent=1, sort_keys=True, allow_nan=False) + "\n")
         self._written = time.monotonic()
 

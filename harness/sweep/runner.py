@@ -11,17 +11,15 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, as_completed
-from typing import Any
-
 from harness.run.interrupts import held_signals
-from harness.sweep.executors import abort_executor
-from harness.sweep.spec import PointSpec, run_point
+from harness.sweep.executors import abort_executor, result_of
+from harness.sweep.spec import PointResult, PointSpec, run_point
 from harness.sweep.report import write_sweep_report
-from harness.sweep.results import SweepStore
+from harness.sweep.results import SweepStore, SweepTiming
 
 __all__ = ["SweepOutcome", "run_sweep", "OnResult"]
 
-OnResult = Callable[[dict[str, Any], int, int], None]
+OnResult = Callable[[PointResult, int, int], None]
 """``on_result(result, runs finished so far, runs to do)``, called in the driver as each run finishes."""
 
 
@@ -43,27 +41,17 @@ class SweepOutcome:
         return self.counts.get("failed", 0) + self.counts.get("partial", 0)
 
 
-def _result_of(future: Future[dict[str, Any]], run: PointSpec) -> dict[str, Any]:
-    """The run's result, or a failed one when the executor lost it (a killed worker, a broken pool)."""
-    try:
-        return future.result()
-    except Exception as exc:  # noqa: BLE001 - the executor's failure is this run's
-        return {"point": run.point, "seed": run.seed, "axes": dict(run.axes), "key": run.key, "status": "failed",
-                "error": f"{type(exc).__name__}: {exc}", "figures": dict.fromkeys(run.figures), "wall_time_s": None,
-                "run_wall_time_ms": None}
-
-
 def run_sweep(store: SweepStore, executor: Executor | None, *, on_result: OnResult | None = None,
               executor_name: str = "", report: bool = True,
-              runner: Callable[[PointSpec], dict[str, Any]] = run_point, stopped: str | None = None) -> SweepOutcome:
+              runner: Callable[[PointSpec], PointResult] = run_point, stopped: str | None = None) -> SweepOutcome:
     """Run ``store``'s unfinished runs on ``executor`` (None only when there is nothing to run, or when
     ``stopped``: the signal that stopped the sweep before it started), recording each result as it arrives, then
     write sweep.csv, sweep.json and (``report``) sweep.md."""
     todo = store.todo()
     started = time.perf_counter()
     interrupted: str | None = stopped
-    futures: dict[Future[dict[str, Any]], PointSpec] = {}
-    done: set[Future[dict[str, Any]]] = set()
+    futures: dict[Future[PointResult], PointSpec] = {}
+    done: set[Future[PointResult]] = set()
     try:
         if todo and stopped is None:
             assert executor is not None, "runs to do need an executor"
@@ -91,8 +79,8 @@ def _write(store: SweepStore, executor_name: str, started: float, ran: int, inte
     """Write the sweep's outputs (sweep.md with ``report``); what it did."""
     wall = time.perf_counter() - started
     counts = dict(sorted(store.counts().items()))
-    store.write({"executor": executor_name, "wall_time_s": round(wall, 6), "runs_ran": ran,
-                 "runs_reused": store.reused, "interrupted": interrupted})
+    store.write(SweepTiming(executor=executor_name, wall_time_s=round(wall, 6), runs_ran=ran,
+                            runs_reused=store.reused, interrupted=interrupted))
     store.close()
     if report:
         note = None
@@ -106,9 +94,9 @@ def _write(store: SweepStore, executor_name: str, started: float, ran: int, inte
     return SweepOutcome(ran, store.reused, counts, interrupted, wall)
 
 
-def _finish(store: SweepStore, future: Future[dict[str, Any]], run: PointSpec, done: set[Future[dict[str, Any]]],
+def _finish(store: SweepStore, future: Future[PointResult], run: PointSpec, done: set[Future[PointResult]],
             on_result: OnResult | None, total: int) -> None:
-    result = _result_of(future, run)
+    result = result_of(future, run)
     store.record(result)
     done.add(future)
     if on_result is not None:

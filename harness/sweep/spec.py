@@ -16,7 +16,7 @@ its line)::
 
 A *run* is one (point, seed). ``plan_runs`` expands a sweep into ``PointSpec``s after validating every one of
 them as ``kvemu validate`` would; ``run_point`` runs one anywhere kvemu imports (a local process, a Dask or a
-Ray worker) and returns a plain dict. Runs are deterministic: the same ``PointSpec`` gives the same figures on
+Ray worker) and returns a ``PointResult``. Runs are deterministic: the same ``PointSpec`` gives the same figures on
 any executor. Wall-clock figures stay apart from them (``wall_time_s``, ``run_wall_time_ms``).
 """
 
@@ -28,16 +28,16 @@ import itertools
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import yaml
 from msgspec import Meta
 
 from kvemu.errors import KvemuError
-from kvemu.limits import I64, MAX_PATH_CHARS, Finite, FilePath, Name
+from kvemu.limits import I64, MAX_PATH_CHARS, MAX_TEXT_CHARS, Finite, FilePath, Name, Text
 
 from harness.scenario import (
     RunOrigin,
@@ -57,6 +57,8 @@ __all__ = [
     "Objective",
     "Sweep",
     "PointSpec",
+    "PointResult",
+    "Status",
     "load_sweep",
     "parse_sweep",
     "plan_runs",
@@ -69,6 +71,9 @@ __all__ = [
     "MAX_RUNS",
     "MAX_SWEEP_BYTES",
     "DEFAULT_GOODPUT",
+    "MAX_RESULT_FIGURES",
+    "MAX_ERROR_CHARS",
+    "MAX_WALL_S",
 ]
 
 MAX_SWEEP_BYTES = 1 << 20
@@ -107,6 +112,33 @@ MAX_OVERRIDES = 1024
 KeyPath = Annotated[str, Meta(max_length=MAX_KEY_PATH_CHARS)]
 Scalar = Annotated[str, Meta(max_length=MAX_PATH_CHARS)] | I64 | Finite | bool | None
 """A ``--set`` value: a string as long as a path, an int64, a finite float, a boolean or null."""
+
+
+MAX_RESULT_FIGURES = MAX_FIGURES + len(REPORT_FIGURES)
+"""Most figures one run records: those a sweep asks for and those sweep.md needs."""
+MAX_ERROR_CHARS = 1 << 16
+"""Longest error text a run records (a longer one is cut, ending in an ellipsis)."""
+MAX_WALL_S = 1e9
+"""Largest wall time (about 31 years) a run's result may state."""
+MAX_AXIS_TEXT_CHARS = 16 * MAX_PATH_CHARS
+"""Longest axis value as YAML text: a ``Scalar`` string with every character escaped and quoted."""
+MAX_KEY_CHARS = 64
+"""Longest ``PointSpec.key`` (``point_key`` gives 24 hex digits; ``kvemu plan``'s runs have none)."""
+MAX_POINT = (1 << 32) - 1
+"""Largest point index (a sweep plans at most ``MAX_RUNS``; ``kvemu plan`` numbers its runs across rounds)."""
+
+Status = Literal["ok", "partial", "failed", "pending"]
+"""A run's outcome: ``ok``; ``partial`` (stopped early, figures cover what finished); ``failed`` (no figures);
+``pending`` (not finished yet: only in a sweep's outputs, never returned by ``run_point``)."""
+Figure = Finite | I64 | bool | Text | None
+"""A figure's value: a summary.json leaf (a finite number, a boolean, a text such as ``kvemu.mode``) or None."""
+WallSeconds = Annotated[float, Meta(ge=0, le=MAX_WALL_S)]
+WallMs = Annotated[float, Meta(ge=0, le=MAX_WALL_S * 1000)]
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters, ending in an ellipsis when cut."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 class SweepError(ScenarioError):
@@ -199,6 +231,49 @@ class PointSpec(msgspec.Struct, kw_only=True, frozen=True):
         return [*self.overrides, f"run.seed={self.seed}"]
 
 
+class PointResult(msgspec.Struct, kw_only=True, frozen=True):
+    """One run's result, as ``run_point`` returns it, every executor carries it back and sweep-log.jsonl holds it.
+
+    Every field is bounded: a result read back from an earlier sweep's files (untrusted: any program may have
+    written them) is decoded against this type, and one past a bound is refused, naming the field. Field order
+    is plan.json's (``kvemu plan`` embeds its runs); sweep-log.jsonl and sweep.json sort the keys.
+    """
+
+    point: Annotated[int, Meta(ge=0, le=MAX_POINT)]
+    seed: I64
+    axes: Annotated[dict[KeyPath, Annotated[str, Meta(max_length=MAX_AXIS_TEXT_CHARS)]], Meta(max_length=MAX_AXES)] = {}
+    """Axis key -> the value's YAML text (as ``PointSpec.axes``)."""
+    key: Annotated[str, Meta(max_length=MAX_KEY_CHARS)] = ""
+    status: Status = "failed"
+    error: Annotated[str, Meta(max_length=MAX_ERROR_CHARS)] | None = None
+    figures: Annotated[dict[Name, Figure], Meta(max_length=MAX_RESULT_FIGURES)] = {}
+    """Figure name -> value, None where the summary has none (every figure the run was asked for)."""
+    wall_time_s: WallSeconds | None = None
+    """This call's wall time (depends on the machine, as ``run_wall_time_ms``)."""
+    run_wall_time_ms: WallMs | None = None
+    """The run's own wall time (summary.json's ``wall_time_ms``)."""
+
+    @classmethod
+    def failed(cls, run: PointSpec, error: str) -> PointResult:
+        """``run`` failed with ``error`` (cut to ``MAX_ERROR_CHARS``): no figures."""
+        return cls(point=run.point, seed=run.seed, axes=dict(run.axes), key=run.key, status="failed",
+                   error=clip(error), figures=dict.fromkeys(run.figures))
+
+    @classmethod
+    def pending(cls, run: PointSpec) -> PointResult:
+        """``run`` has not finished (a placeholder in a sweep's outputs)."""
+        return cls(point=run.point, seed=run.seed, axes=dict(run.axes), key=run.key, status="pending")
+
+    def relabel(self, run: PointSpec) -> PointResult:
+        """This result under ``run``'s numbering (a resumed sweep's file may number its points otherwise)."""
+        return msgspec.structs.replace(self, point=run.point, seed=run.seed, axes=dict(run.axes))
+
+    def checked(self) -> PointResult:
+        """This result if every field is within its bounds (construction does not check them); else
+        ``msgspec.ValidationError`` naming the field."""
+        return msgspec.convert(msgspec.to_builtins(self), PointResult)
+
+
 # ---------------------------------------------------------------------------------- loading
 
 
@@ -284,7 +359,11 @@ def parse_sweep(text: str, *, base_dir: str | Path = ".", source: str = "<sweep>
                  base_source=base_source, sweep_dir=str(Path(base_dir).resolve()))
 
 
-def _check_keys(spec: SweepSpec, fail: Any) -> None:
+Fail = Callable[[list[str | int], str], SweepError]
+"""``fail(path, message)``: the error naming the sweep file's key at ``path`` (and its line)."""
+
+
+def _check_keys(spec: SweepSpec, fail: Fail) -> None:
     if not spec.axes:
         raise fail(["axes"], "give at least one axis (key.path: [values])")
     if len(spec.axes) > MAX_AXES:
@@ -301,7 +380,7 @@ def _check_keys(spec: SweepSpec, fail: Any) -> None:
             raise fail([other_section, other], f"overlaps {section}.{key}: a key may be set once")
 
 
-def _check_figures(figures: list[str], fail: Any) -> None:
+def _check_figures(figures: list[str], fail: Fail) -> None:
     known = _summary_keys()
     for i, name in enumerate(figures):
         if figures.index(name) != i:
@@ -327,7 +406,7 @@ def _summary_keys() -> dict[str, str]:
 
         known: dict[str, str] = {}
 
-        def walk(node: Any, prefix: str) -> None:
+        def walk(node: dict[str, object], prefix: str) -> None:
             for key, value in node.items():
                 known[prefix + key] = "section" if isinstance(value, (dict, list)) else "value"
                 if isinstance(value, dict):
@@ -404,7 +483,7 @@ class _Checks:
     def __init__(self) -> None:
         self.seen: set[bytes] = set()
 
-    def _once(self, *parts: Any) -> bool:
+    def _once(self, *parts: object) -> bool:
         key = msgspec.json.encode(parts)
         if key in self.seen:
             return False
@@ -430,37 +509,38 @@ class _Checks:
 # ---------------------------------------------------------------------------------- running
 
 
-def figure_value(summary: dict[str, Any], name: str, gpus: int | None = None) -> Any:
-    """A figure of a run: a (dotted) summary.json key, or a ``DERIVED_FIGURES`` name; None where absent."""
+def figure_value(summary: dict[str, object], name: str, gpus: int | None = None) -> Figure:
+    """A figure of a run: a (dotted) summary.json key, or a ``DERIVED_FIGURES`` name; None where absent (a text
+    longer than a figure may hold is cut)."""
     if name == "gpus":
         return gpus
     if name == "output_throughput_tok_s_per_gpu":
         throughput = summary.get("output_throughput_tok_s")
-        return float(f"{throughput / gpus:.6g}") if throughput is not None and gpus else None
-    node: Any = summary
+        return float(f"{throughput / gpus:.6g}") if isinstance(throughput, (int, float)) and gpus else None
+    node: object = summary
     for part in name.split("."):
         if not isinstance(node, dict) or part not in node:
             return None
         node = node[part]
-    return None if isinstance(node, (dict, list)) else node
+    if isinstance(node, str):
+        return clip(node, MAX_TEXT_CHARS)
+    return node if isinstance(node, (int, float)) else None  # (a section: None; bool is an int)
 
 
-def run_point(point: PointSpec) -> dict[str, Any]:
-    """Run one point in virtual time and return its result as a plain dict; a failing run does not raise.
+def run_point(point: PointSpec) -> PointResult:
+    """Run one point in virtual time and return its ``PointResult``; a failing run does not raise.
 
-    Keys: ``point``, ``seed``, ``axes``, ``key`` (from the spec); ``status`` (``ok``, ``partial``: the run
-    stopped early, figures cover what finished; ``failed``: no figures), ``error`` (text or None),
-    ``figures`` (name -> value, None where the summary has none), ``wall_time_s`` (this call) and
-    ``run_wall_time_ms`` (the run's own wall time). Only the last two depend on the machine.
+    ``point``, ``seed``, ``axes``, ``key`` come from the spec; ``status`` is ``ok``, ``partial`` (the run stopped
+    early, figures cover what finished) or ``failed`` (no figures), ``error`` the text or None, ``figures``
+    every figure asked for; ``wall_time_s`` (this call) and ``run_wall_time_ms`` (the run's own wall time) are
+    the only fields that depend on the machine.
     """
     from harness.run.pools import pool_sizes
     from harness.report.summary import summarize
     from harness.run.runner import RunAborted, run_scenario
 
     started = time.perf_counter()
-    result: dict[str, Any] = {"point": point.point, "seed": point.seed, "axes": dict(point.axes),
-                              "key": point.key, "status": "failed", "error": None,
-                              "figures": dict.fromkeys(point.figures), "wall_time_s": None, "run_wall_time_ms": None}
+    result = PointResult.failed(point, "")
     try:
         scenario = point.scenario()
         if MODES[scenario.run.mode].shares_the_machine:
@@ -469,14 +549,12 @@ def run_point(point: PointSpec) -> dict[str, Any]:
         summary = outcome.summary if outcome.summary is not None else summarize(outcome.data)
         gpus = sum(p["workers"] * p["dp_size"] for p in pool_sizes(scenario.cluster).values())
         figures = summary.to_builtins()  # (figures are named by their dotted summary.json keys)
-        result["figures"] = {name: figure_value(figures, name, gpus) for name in point.figures}
-        result["run_wall_time_ms"] = summary.wall_time_ms
-        result["status"] = "partial" if outcome.data.partial else "ok"
-        if outcome.data.partial:
-            result["error"] = f"stopped early: {outcome.data.stop_reason}"
+        result = msgspec.structs.replace(
+            result, figures={name: figure_value(figures, name, gpus) for name in point.figures},
+            run_wall_time_ms=summary.wall_time_ms, status="partial" if outcome.data.partial else "ok",
+            error=clip(f"stopped early: {outcome.data.stop_reason}") if outcome.data.partial else None)
     except RunAborted as exc:
-        result["error"] = str(exc)
+        result = PointResult.failed(point, str(exc))
     except Exception as exc:  # noqa: BLE001 - one point's failure is its result, not the sweep's
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    result["wall_time_s"] = round(time.perf_counter() - started, 6)
-    return result
+        result = PointResult.failed(point, f"{type(exc).__name__}: {exc}")
+    return msgspec.structs.replace(result, wall_time_s=round(time.perf_counter() - started, 6))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from harness.cli import main
 from harness.sweep.plan import PlanSpec, _candidates, parse_sla, plan_cluster
+from harness.sweep.spec import PointResult
 from harness.scenario import default_scenario_text
 from harness.report.sla import Sla
 from kvemu.errors import InvalidArgument
@@ -34,8 +35,8 @@ class ModelExecutor(Executor):
         else:
             met = self.share(int(sizes["cluster.prefill.workers"]), int(sizes["cluster.decode.workers"]))
         future: Future = Future()
-        future.set_result({"point": point.point, "seed": point.seed, "axes": {}, "key": "", "status": "ok",
-                           "error": None, "figures": {"num_requests": 1000, "goodput_completed_requests": round(met * 1000)}})
+        future.set_result(PointResult(point=point.point, seed=point.seed, status="ok",
+                                      figures={"num_requests": 1000, "goodput_completed_requests": round(met * 1000)}))
         return future
 
 
@@ -49,24 +50,24 @@ def test_the_search_finds_the_smallest_passing_size_of_any_monotone_model(thresh
     ex = ModelExecutor(lambda n: 0.99 if n >= threshold else 0.5)
     plan = plan_cluster(_spec(min_workers=1, max_workers=hi), ex, width=width)
     if threshold > hi:
-        assert plan["answer"] is None
+        assert plan.answer is None
         assert max(int(p.overrides[0].split("=")[1]) for p in ex.points) == hi  # the largest was tried
     else:
-        assert plan["answer"]["workers"] == threshold and plan["answer"]["met_fraction"] == 0.99
+        assert plan.answer.workers == threshold and plan.answer.met_fraction == 0.99
         if threshold > 1:
-            assert plan["largest_failing"]["workers"] == threshold - 1
-    assert len({p.overrides[0] for p in ex.points}) == plan["runs"] == len(ex.points)  # no size probed twice
+            assert plan.largest_failing.workers == threshold - 1
+    assert len({p.overrides[0] for p in ex.points}) == plan.runs == len(ex.points)  # no size probed twice
     rounds, span = 1, hi  # (k+1)-ary narrowing: far fewer runs than a grid over 1..hi
     while span > 1:
         span = -(-span // (width + 1))
         rounds += 1
-    assert plan["runs"] <= width * rounds + 1
+    assert plan.runs <= width * rounds + 1
 
 
 def test_two_probes_a_round_need_five_runs_for_a_range_of_sixty_four():
     ex = ModelExecutor(lambda n: 1.0 if n >= 23 else 0.0)
     plan = plan_cluster(_spec(max_workers=64), ex, width=2)
-    assert plan["answer"]["workers"] == 23 and plan["runs"] <= 9
+    assert plan.answer.workers == 23 and plan.runs <= 9
     assert [p.overrides[0] for p in ex.points[:2]] == ["cluster.workers=32", "cluster.workers=64"]
 
 
@@ -83,12 +84,12 @@ def test_every_seed_must_pass():
 
     def submit(fn, point):
         future = ModelExecutor.submit(ex, fn, point)
-        future.result()["figures"]["goodput_completed_requests"] = round(seeds_share[point.seed] * 1000)
+        future.result().figures["goodput_completed_requests"] = round(seeds_share[point.seed] * 1000)
         return future
 
     ex.submit = submit
     plan = plan_cluster(_spec(max_workers=4, seeds=[7, 8]), ex, width=1)
-    assert plan["answer"] is None and all(p["met_fraction"] == 0.9 for p in plan["probes"])
+    assert plan.answer is None and all(p.met_fraction == 0.9 for p in plan.probes)
 
 
 def test_a_disaggregated_cluster_is_searched_over_its_total_and_split():
@@ -102,9 +103,9 @@ def test_a_disaggregated_cluster_is_searched_over_its_total_and_split():
 
     ex = ModelExecutor(share)
     plan = plan_cluster(PlanSpec(scenario_text=text, sla=Sla(ttft_ms=500), max_workers=16), ex, width=2)
-    assert plan["disaggregated"]
-    assert (plan["answer"]["workers"], plan["answer"]["prefill_workers"], plan["answer"]["decode_workers"]) == (7, 2, 5)
-    assert plan["largest_failing"]["workers"] == 6
+    assert plan.disaggregated
+    assert (plan.answer.workers, plan.answer.prefill_workers, plan.answer.decode_workers) == (7, 2, 5)
+    assert plan.largest_failing.workers == 6
 
 
 def test_parse_sla_names_what_is_wrong():
@@ -176,7 +177,7 @@ def test_plan_names_its_flags_not_the_scenario_values_they_become(capsys):
 def test_a_huge_width_is_clamped_to_the_sizes_there_are():
     executor = ModelExecutor(lambda w: 1.0)
     plan = plan_cluster(_spec(max_workers=2), executor, width=10**12)  # a range(1, width) would never end
-    assert plan["answer"]["workers"] == 1
+    assert plan.answer.workers == 1
 
 
 @pytest.mark.process_supervision
@@ -239,7 +240,7 @@ def test_an_interrupted_plan_keeps_the_probes_that_finished(tmp_path):
     with pytest.raises(Terminated) as info:
         plan_cluster(_spec(max_workers=8), StopInRoundTwo(lambda w: 1.0), width=1)
     partial = info.value.partial_plan
-    assert [p["workers"] for p in partial["probes"]] == [8] and partial["answer"]["workers"] == 8
+    assert [p.workers for p in partial.probes] == [8] and partial.answer.workers == 8
     md = write_partial_plan(partial, tmp_path / "p", "SIGTERM")
     assert json.loads((tmp_path / "p" / "plan.json").read_text())["interrupted"] == "SIGTERM"
     assert md.read_text().startswith("**Interrupted (SIGTERM) before the search ended")

@@ -149,15 +149,15 @@ def test_a_disaggregated_run_gets_a_panel_per_pool():
 
 
 def test_a_value_axis_spanning_decades_is_logarithmic(tmp_path):
-    from harness.sweep.report import _draw_against_axis
+    from harness.sweep.report import PointRow, _draw_against_axis
 
     assert figures.value_scale([2.0, 50.0, 90.0]) == "log" and figures.value_scale([10.0, 200.0]) == "linear"
-    rows = [{"point": i, "axes": {"cluster.workers": str(w)}, "figures": {"p99_ttft_ms": ttft}}
+    rows = [PointRow(point=i, axes={"cluster.workers": str(w)}, runs=1, ok=1, figures={"p99_ttft_ms": ttft})
             for i, (w, ttft) in enumerate([(1, 14_000.0), (2, 190.0), (4, 118.0)])]
     fig = _draw_against_axis(rows, "cluster.workers", ["1", "2", "4"], [("p99_ttft_ms", "p99")], "TTFT", "ms",
                              tmp_path / "t.png")
     assert fig.axes[0].get_yscale() == "log"
-    rows[0]["figures"]["p99_ttft_ms"] = 300.0
+    rows[0].figures["p99_ttft_ms"] = 300.0
     fig = _draw_against_axis(rows, "cluster.workers", ["1", "2", "4"], [("p99_ttft_ms", "p99")], "TTFT", "ms",
                              tmp_path / "t.png")
     assert fig.axes[0].get_yscale() == "linear"

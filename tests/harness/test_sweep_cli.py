@@ -100,6 +100,12 @@ def test_a_fully_reused_sweep_says_so(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "all 2 runs reused from out; nothing to run" in again.stderr
     assert "pool of 0" not in again.stderr and "pool of 0" not in (tmp_path / "out" / "sweep.json").read_text()
+    with (tmp_path / "out" / "sweep-log.jsonl").open("a") as log:  # (the good lines before them are still reused)
+        log.write('{"point": 0, "seed": 7, "wall_time_s": NaN}\n{"key": "torn')
+    third = kvemu("sweep", "s.yaml", "-o", "out", "--quiet", cwd=tmp_path)
+    assert third.returncode == 0 and "all 2 runs reused" in third.stderr, third.stderr
+    assert ("kvemu sweep: 2 earlier results refused, not reused: sweep-log.jsonl line 3: Expected `float` >= 0.0 - "
+            "at `$.wall_time_s`; sweep-log.jsonl line 4: Input data was truncated") in " ".join(third.stderr.split())
 
 
 def test_a_signal_while_the_executor_starts_writes_sweep_md_and_the_resume_hint(tmp_path, monkeypatch, capsys):

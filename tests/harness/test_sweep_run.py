@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.sweep.spec import load_sweep, parse_sweep, plan_runs, run_point
+import msgspec
+
+from harness.sweep.spec import PointResult, load_sweep, parse_sweep, plan_runs, run_point
 from harness.sweep.results import SweepStore
 from harness.sweep.runner import run_sweep
 
@@ -53,8 +55,8 @@ def rows(outdir: Path) -> list[dict]:
     return list(csv.DictReader(io.StringIO((outdir / "sweep.csv").read_text())))
 
 
-def without_wall(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k not in ("wall_time_s", "run_wall_time_ms")}
+def without_wall(result: PointResult) -> PointResult:
+    return msgspec.structs.replace(result, wall_time_s=None, run_wall_time_ms=None)
 
 
 def test_a_point_gives_the_same_result_every_time():
@@ -62,12 +64,13 @@ def test_a_point_gives_the_same_result_every_time():
     first = run_point(runs[1])
     run_point(runs[2])  # another point in between: nothing carries over from one run to the next
     again = run_point(runs[1])
-    assert first["status"] == "ok" and first["figures"]["completed_requests"] > 0
+    assert isinstance(first, PointResult) and first.checked() == first
+    assert first.status == "ok" and first.figures["completed_requests"] > 0
     assert without_wall(first) == without_wall(again)
-    assert first["wall_time_s"] > 0 and first["run_wall_time_ms"] > 0
-    assert first["figures"]["gpus"] == 2 and first["figures"]["goodput_request_throughput_rps"] is None
-    assert first["figures"]["output_throughput_tok_s_per_gpu"] == pytest.approx(
-        first["figures"]["output_throughput_tok_s"] / 2, rel=1e-5)
+    assert first.wall_time_s > 0 and first.run_wall_time_ms > 0
+    assert first.figures["gpus"] == 2 and first.figures["goodput_request_throughput_rps"] is None
+    assert first.figures["output_throughput_tok_s_per_gpu"] == pytest.approx(
+        first.figures["output_throughput_tok_s"] / 2, rel=1e-5)
 
 
 def test_outputs_csv_json_and_markdown_with_plots(tmp_path):
@@ -144,6 +147,74 @@ def test_failed_runs_are_retried_and_a_torn_log_line_is_ignored(tmp_path):
     executor = InlineExecutor()
     store, outcome = run(sweep, runs, out, executor)
     assert store.reused == 2 and executor.calls == 2 and outcome.counts == {"ok": 4}
+    assert store.refused == ["sweep-log.jsonl line 5: Input data was truncated"]
+    (out / "sweep.json").unlink()  # the log alone: the results written after the torn line start lines of their own
+    executor = InlineExecutor()
+    store, _ = run(sweep, runs, out, executor, report=False)
+    assert store.reused == 4 and executor.calls == 0
+
+
+def test_an_earlier_result_past_a_bound_is_refused_on_resume_naming_the_line_and_field(tmp_path):
+    """sweep-log.jsonl is read back on resume; any program may have written it. A line past a bound was reused
+    (a 10,000-character figure name), or crashed the sweep (a NaN wall time at the sweep.json rewrite, figures
+    of the wrong type at the reuse check); each is now refused, named, and its run runs again."""
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    run(sweep, runs, out, InlineExecutor(), report=False)
+    good = [json.loads(line) for line in (out / "sweep-log.jsonl").read_text().splitlines()]
+    hostile = [{**good[0], "figures": {**good[0]["figures"], "x" * 10_000: 1}},
+               {**good[1], "wall_time_s": float("nan")},
+               {**good[2], "figures": {f"f{i}": None for i in range(10**6)}},
+               {**good[3], "seed": "seven"},
+               {**good[0], "figures": 5}]
+    (out / "sweep-log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in hostile))
+    (out / "sweep.json").unlink()  # (its copy of the runs is good: the log alone is on trial)
+    executor = InlineExecutor()
+    store, outcome = run(sweep, runs, out, executor, report=False)
+    assert store.reused == 0 and executor.calls == 4 and outcome.counts == {"ok": 4}
+    assert store.refusals == 5 and store.refused == [
+        "sweep-log.jsonl line 1: Expected `str` of length <= 128 - at `key` in `$.figures`",
+        "sweep-log.jsonl line 2: Expected `float` >= 0.0 - at `$.wall_time_s`",
+        "sweep-log.jsonl line 3: Expected `object` of length <= 77 - at `$.figures`",
+        "sweep-log.jsonl line 4: Expected `int`, got `str` - at `$.seed`",
+        "sweep-log.jsonl line 5: Expected `object`, got `int` - at `$.figures`"]
+    document = json.loads((out / "sweep.json").read_text())
+    assert all(r["timing"]["wall_time_s"] > 0 and len(r["figures"]) < 20 for r in document["runs"])
+
+
+def test_a_result_read_back_re_encodes_to_the_bytes_written():
+    """sweep-log.jsonl's bytes are the stdlib's sorted keys, as before PointResult: a line decodes and re-encodes
+    to itself (texts, booleans, nulls, ints and floats alike)."""
+    from harness.sweep.results import _decode, _json
+
+    line = ('{"axes": {"cluster.workers": "2"}, "error": null, "figures": {"gpus": 4, "kvemu.mode": "virtual", '
+            '"kvemu.partial": false, "kvemu.stop_reason": null, "p99_ttft_ms": 41.5, "ratio": 1e-07}, '
+            '"key": "0123456789abcdef01234567", "point": 1, "run_wall_time_ms": 12.25, "seed": 7, "status": "ok", '
+            '"wall_time_s": 0.5}')
+    result = _decode(line.encode(), PointResult)
+    assert _json(result) == line and result.figures["kvemu.partial"] is False
+
+
+def test_the_executor_hands_back_a_point_result_checked_against_its_bounds():
+    """Through a real local pool (a process boundary: the result comes back pickled) a run is a PointResult;
+    a dict, or a PointResult past a bound, handed back by an executor is that run's failure, naming the field."""
+    from harness.sweep.executors import open_executor, result_of
+
+    runs = plan_runs(parse_sweep(TINY + "axes: {cluster.workers: [1]}\n"))
+    with open_executor(None, 1) as executor:
+        future = executor.submit(run_point, runs[0])
+        result = result_of(future, runs[0])
+    assert type(future.result()) is PointResult and result == future.result()
+    assert result.status == "ok" and result.figures["gpus"] == 2
+    for handed, expected in [(msgspec.to_builtins(result), "TypeError: the executor handed back a dict, not a "
+                                                           "PointResult"),
+                             (msgspec.structs.replace(result, wall_time_s=float("nan")),
+                              "the run's result is out of bounds: Expected `float` >= 0.0 - at `$.wall_time_s`")]:
+        done: Future = Future()
+        done.set_result(handed)
+        lost = result_of(done, runs[0])
+        assert (lost.status, lost.error, lost.key) == ("failed", expected, runs[0].key)
+        assert lost.figures == dict.fromkeys(runs[0].figures)
 
 
 def test_a_point_that_fails_at_run_time_is_recorded_and_the_others_run(tmp_path):
@@ -186,15 +257,19 @@ def test_reports_write_each_runs_full_report(tmp_path):
     runs = plan_runs(parse_sweep(TINY + "axes: {cluster.workers: [1]}\n"), reports=tmp_path / "points")
     result = run_point(runs[0])
     summary = json.loads((tmp_path / "points" / "0-seed7" / "summary.json").read_text())
-    assert summary["p99_ttft_ms"] == result["figures"]["p99_ttft_ms"]
+    assert summary["p99_ttft_ms"] == result.figures["p99_ttft_ms"]
 
 
-def _result(point: int, seed: int, workers: int, met: int, ttft: float, per_gpu: float) -> dict:
+def _result(point: int, seed: int, workers: int, met: int, ttft: float, per_gpu: float) -> PointResult:
     """A finished run of 100 requests, ``met`` of them within the SLA."""
     figures = {"num_requests": 100, "goodput_completed_requests": met, "p99_ttft_ms": ttft,
                "output_throughput_tok_s_per_gpu": per_gpu, "gpus": 2 * workers}
-    return {"point": point, "seed": seed, "axes": {"cluster.workers": str(workers)}, "key": f"{point}-{seed}",
-            "status": "ok", "error": None, "figures": figures}
+    return PointResult(point=point, seed=seed, axes={"cluster.workers": str(workers)}, key=f"{point}-{seed}",
+                       status="ok", figures=figures)
+
+
+def _without_sla(results: list[PointResult]) -> list[PointResult]:
+    return [msgspec.structs.replace(r, figures={**r.figures, "goodput_completed_requests": None}) for r in results]
 
 
 # Point 0 has the most throughput per GPU but misses the SLA; point 1 meets it at 96 % in one seed only.
@@ -223,7 +298,7 @@ def test_with_an_sla_the_chosen_point_meets_it_at_the_goodput_target_in_every_se
     md = render_sweep_markdown(sweep, SLA_RESULTS)
     assert _chosen(md).startswith("**Point 3**") and "(objective.goodput)" in _chosen(md)
     assert "| met SLA (worst seed) |" in md and "| 1 | 2 | 2/2 | 94.0% |" in md
-    no_sla = [{**r, "figures": {**r["figures"], "goodput_completed_requests": None}} for r in SLA_RESULTS]
+    no_sla = _without_sla(SLA_RESULTS)
     sweep, _ = sweep_of(SLA_SWEEP + "objective: {ttft_ms: 500}\n", tmp_path, "nosla")
     assert _chosen(render_sweep_markdown(sweep, no_sla)).startswith("**Point 0**")  # the TTFT bound only
 
@@ -239,13 +314,12 @@ def test_the_pareto_plot_marks_the_points_that_missed_the_objective(tmp_path):
     rows = point_means(SLA_RESULTS)
     usable, front, chosen, _ = _pareto(rows, SLA_RESULTS, sweep.spec.objective)
     missed = _missed(rows, SLA_RESULTS, sweep.spec.objective, usable)
-    assert sorted(rows[k]["point"] for k in missed) == [0, 1]  # 40 %, and 94 % in seed 8: under 95 %
+    assert sorted(rows[k].point for k in missed) == [0, 1]  # 40 %, and 94 % in seed 8: under 95 %
     fig = _draw_pareto(rows, usable, front, chosen, 500.0, tmp_path / "p.png", missed)
     marks = [c for c in fig.axes[0].collections if c.get_label() == "missed the objective"]
     assert len(marks) == 1 and len(marks[0].get_offsets()) == 2
     sweep, _ = sweep_of(SWEEP, tmp_path, "plain")  # no objective, no SLA: nothing is marked
-    assert _missed(rows, [{**r, "figures": {**r["figures"], "goodput_completed_requests": None}}
-                          for r in SLA_RESULTS], sweep.spec.objective, usable) == []
+    assert _missed(rows, _without_sla(SLA_RESULTS), sweep.spec.objective, usable) == []
 
 
 def test_the_goodput_objective_is_a_share(tmp_path):

@@ -105,7 +105,7 @@ def test_a_sweep_point_report_lists_its_axis_value_and_seed_as_overrides(tmp_pat
                                          "axes:\n  cluster.workers: [1, 2]\n")
     runs = plan_runs(load_sweep(tmp_path / "sweep.yaml"), reports=tmp_path / "points")
     result = run_point(runs[1])
-    assert result["status"] == "ok", result
+    assert result.status == "ok", result
     where = Path(runs[1].report_dir)
     md = (where / "report.md").read_text()
     assert "`kvemu sweep` on the built-in quickstart" in md
