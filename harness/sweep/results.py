@@ -31,7 +31,7 @@ from harness.report.files import OutputError, claim_outdir
 from harness.sweep.spec import MAX_RUNS, Figure, PointResult, PointSpec, Sweep, SweepError, WallMs, WallSeconds
 
 __all__ = ["SweepStore", "SweepTiming", "csv_text", "LOG", "CSV", "JSON", "MARKDOWN", "REWRITE_INTERVAL_S", "FORMAT",
-           "MAX_REFUSED"]
+           "MAX_REFUSED", "MAX_RESULTS_BYTES"]
 
 LOG = "sweep-log.jsonl"
 CSV = "sweep.csv"
@@ -42,6 +42,9 @@ REWRITE_INTERVAL_S = 1.0
 """sweep.csv and sweep.json are rewritten at most this often while runs finish (the log has every run)."""
 _T = TypeVar("_T")
 MAX_REFUSED = 20
+MAX_RESULTS_BYTES = 1 << 30
+"""Largest earlier sweep.json or log read on resume (1 GiB: 10,000 runs of about 100 KiB, each far past a real
+one); a larger file is refused whole and its runs run again."""
 """Most refused earlier results ``SweepStore.refused`` describes (it counts the rest)."""
 
 
@@ -190,7 +193,7 @@ class SweepStore:
         found: list[PointResult] = []
         document = _Document()
         try:
-            document = msgspec.json.decode((self.outdir / JSON).read_bytes(), type=_Document)
+            document = msgspec.json.decode(self._bounded(JSON), type=_Document)
         except OSError:
             pass  # (no earlier sweep.json)
         except msgspec.DecodeError as exc:
@@ -203,8 +206,11 @@ class SweepStore:
                 continue
             found.append(stored.result())
         try:
-            lines = (self.outdir / LOG).read_bytes().splitlines()
+            lines = self._bounded(LOG).splitlines()
         except OSError:
+            lines = []
+        except msgspec.DecodeError as exc:
+            self._refuse(LOG, exc)
             lines = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -214,6 +220,16 @@ class SweepStore:
             except msgspec.DecodeError as exc:  # a line torn by a kill, or one past a bound
                 self._refuse(f"{LOG} line {number}", exc)
         return found
+
+    def _bounded(self, name: str) -> bytes:
+        """An earlier file's bytes; ``msgspec.DecodeError`` (refused, as a line past a bound is) past
+        ``MAX_RESULTS_BYTES``, ``OSError`` when it is missing or unreadable."""
+        path = self.outdir / name
+        with path.open("rb") as f:
+            data = f.read(MAX_RESULTS_BYTES + 1)
+        if len(data) > MAX_RESULTS_BYTES:
+            raise msgspec.DecodeError(f"larger than {MAX_RESULTS_BYTES:,} bytes: not read")
+        return data
 
     def _refuse(self, where: str, exc: msgspec.DecodeError) -> None:
         self.refusals += 1

@@ -34,6 +34,7 @@ PENDING: dict[str, str] = {}
 
 DYNAMIC = {
     ("kvemu.http.protocol", "kind"): "decode_body's own cache: every decode_body(body, T) call site is walked",
+    ("harness.sweep.results", "kind"): "the sweep store's _decode(data, T): every _decode(data, T) call site is walked",
     ("harness.procs.http_loadgen", "page_type"): "TruthPage (walked from harness.procs.fleet)",
     ("harness.yaml_validation", "tp"): "a field type of the Scenario schema, already converted whole (walked from "
                                        "harness.scenario.loading), converted again field by field to list problems",

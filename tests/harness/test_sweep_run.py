@@ -182,6 +182,23 @@ def test_an_earlier_result_past_a_bound_is_refused_on_resume_naming_the_line_and
     assert all(r["timing"]["wall_time_s"] > 0 and len(r["figures"]) < 20 for r in document["runs"])
 
 
+def test_an_earlier_file_past_its_size_bound_is_refused_whole_and_its_runs_run_again(tmp_path, monkeypatch):
+    """sweep.json and the log are read with a size bound (an earlier file may be any size): one past it is not
+    read at all, is named, and every run it held runs again."""
+    import harness.sweep.results as results
+
+    sweep, runs = sweep_of(SWEEP, tmp_path)
+    out = tmp_path / "out"
+    run(sweep, runs, out, InlineExecutor(), report=False)
+    size = min((out / "sweep-log.jsonl").stat().st_size, (out / "sweep.json").stat().st_size)
+    monkeypatch.setattr(results, "MAX_RESULTS_BYTES", size - 1)
+    executor = InlineExecutor()
+    store, outcome = run(sweep, runs, out, executor, report=False)
+    assert store.reused == 0 and executor.calls == 4 and outcome.counts == {"ok": 4}
+    assert store.refused == [f"sweep.json: larger than {size - 1:,} bytes: not read",
+                             f"sweep-log.jsonl: larger than {size - 1:,} bytes: not read"]
+
+
 def test_a_result_read_back_re_encodes_to_the_bytes_written():
     """sweep-log.jsonl's bytes are the stdlib's sorted keys, as before PointResult: a line decodes and re-encodes
     to itself (texts, booleans, nulls, ints and floats alike)."""
