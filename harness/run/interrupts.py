@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,22 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, reason: str = "SIGTERM") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def _say_line(text: str) -> None:
+    """Say ``text`` on stderr as one whole line from a signal handler: one ``write`` to the descriptor, so a
+    handler run in the middle of another (a signal during a signal's line) cannot split or glue lines, nor
+    re-enter stderr's buffer; a stderr without a descriptor (a test's capture) gets the line in one call."""
+    line = text + "\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        sys.stderr.write(line)
+        return
+    with contextlib.suppress(RuntimeError, OSError, ValueError):  # (re-entered while the main thread writes)
+        sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a closed or broken stderr loses the line, never the run
+        os.write(fd, line.encode("utf-8", "replace"))
 
 
 @contextlib.contextmanager
@@ -53,7 +70,7 @@ def held_signals(caught: list[str], say: str | None = None,
         if hurry is not None:
             hurry.set()
         if say is not None:
-            print(f"{caught[-1]}: {say}", file=sys.stderr, flush=True)
+            _say_line(f"{caught[-1]}: {say}")
 
     return _signal_handlers({signal.SIGINT: note, signal.SIGTERM: note})
 
@@ -96,7 +113,7 @@ class RunSignals:
         if len(self.caught) == 1 and self._stop is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._stop)  # (a handler runs between any two bytecodes of the loop's)
         elif self._say is not None:
-            print(f"{self.caught[-1]}: {self._say}", file=sys.stderr, flush=True)
+            _say_line(f"{self.caught[-1]}: {self._say}")
 
     def __enter__(self) -> RunSignals:
         self._installed = _signal_handlers({signal.SIGINT: self._note, signal.SIGTERM: self._note})

@@ -71,3 +71,43 @@ def test_a_signal_before_the_run_is_armed_stops_it_as_it_arms() -> None:
     proc = subprocess.run([sys.executable, "-c", EARLY], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines() == ["1 ['SIGTERM']"], proc.stdout + proc.stderr
+
+
+def test_a_signal_said_during_another_signals_line_leaves_both_lines_whole(monkeypatch) -> None:
+    """The storm above once glued two lines together (``print`` writes the text and its newline apart, and a
+    handler can run between the two): each line now goes out in one write to stderr's descriptor."""
+    import os
+    import signal
+
+    from harness.run import interrupts
+
+    read_end, write_end = os.pipe()
+    writes: list[bytes] = []
+    real_write = os.write
+    signals = interrupts.RunSignals(say="the report is being written")
+    signals.caught.append("SIGINT")  # the run was stopped already: every later signal is said
+
+    def write_then_signal(fd: int, data: bytes) -> int:
+        writes.append(data)
+        if len(writes) == 1:  # a second signal lands while the first line is going out
+            signals._note(signal.SIGTERM, None)
+        return real_write(fd, data)
+
+    class Stderr:
+        def fileno(self) -> int:
+            return write_end
+
+        def flush(self) -> None:
+            pass
+
+        def write(self, text: str) -> int:
+            raise AssertionError("a signal's line went through stderr's buffer")
+
+    monkeypatch.setattr(interrupts.sys, "stderr", Stderr())
+    monkeypatch.setattr(interrupts.os, "write", write_then_signal)
+    signals._note(signal.SIGINT, None)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as said:
+        lines = said.read().decode().splitlines()
+    assert all(w.endswith(b"written\n") and w.count(b"\n") == 1 for w in writes)
+    assert sorted(lines) == ["SIGINT: the report is being written", "SIGTERM: the report is being written"]
