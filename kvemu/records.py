@@ -176,8 +176,13 @@ class RequestRecord(_Record, kw_only=True, gc=False, repr_omit_defaults=True):
     """Why the request failed (``reason`` or ``reason: detail``); None if it did not."""
 
     def add_token_times(self, times: Sequence[int]) -> None:
-        """Append output token times, whatever sequence holds them (compiled callers never see its type)."""
-        self.token_times_ns.extend(times)
+        """Append output token times, whatever sequence holds them (compiled callers never see its type): a list
+        into the router's ``array('q')`` in one resize (``extend`` grows it an item at a time), else ``extend``."""
+        held = self.token_times_ns
+        if type(times) is list and type(held) is array:
+            held.fromlist(times)
+        else:
+            held.extend(times)
 
     def last_token_ns(self) -> int | None:
         """The time of the last output token so far (None before the first)."""

@@ -6,9 +6,10 @@ from array import array
 
 import anyio
 import msgspec
+import pytest
 
 from kvemu import ManualClock, RequestRecord
-from kvemu.records import EngineRecord, sequences_as_lists
+from kvemu.records import EngineRecord, router_record, sequences_as_lists
 from kvemu.hooks import Hooks
 from kvemu.runtime.loop import run_virtual
 from kvemu.messages import ClientRequest
@@ -128,3 +129,17 @@ def test_hooks_carry_the_record_as_it_stands_at_each_step():
     assert at["routed"]["routed"] is not None and at["routed"]["first"] is None
     assert at["first_token"]["first"] is not None and at["first_token"]["done"] is None
     assert at["completed"]["times"] == 5 and at["completed"]["done"] == record.token_times_ns[-1]
+
+
+def test_token_times_go_into_a_router_record_as_sent_whatever_holds_them() -> None:
+    """A list goes into the record's ``array('q')`` in one resize (``fromlist``); any other sequence still does;
+    a time outside 64 bits is refused and leaves the times as they were."""
+    rec = router_record("r", session_id=None, parent_session_id=None, arrival_ns=0, isl=1, max_tokens=9)
+    rec.add_token_times([5, 7])
+    rec.add_token_times((9,))
+    rec.add_token_times(array("q", [11, 13]))
+    rec.add_token_times([])
+    assert type(rec.token_times_ns) is array and list(rec.token_times_ns) == [5, 7, 9, 11, 13]
+    with pytest.raises(OverflowError):
+        rec.add_token_times([15, 2**64])
+    assert list(rec.token_times_ns) == [5, 7, 9, 11, 13] and rec.last_token_ns() == 13
