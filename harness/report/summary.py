@@ -25,11 +25,11 @@ digits; NaN and infinities never appear (they become ``null``).
 from __future__ import annotations
 
 import json
+from array import array
 import math
 import numbers
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -156,8 +156,9 @@ def _pooled_gaps(series: list[list[int]]) -> npt.NDArray[np.int64]:
     series = [s for s in series if len(s) >= 2]
     if not series:
         return np.zeros(0, dtype=np.int64)
-    total = sum(len(s) for s in series)
-    flat = np.fromiter(chain.from_iterable(series), dtype=np.int64, count=total)
+    # an array('q') is read in place (its buffer), any other list of ints converted whole: never one int a token
+    flat = np.concatenate([np.frombuffer(s, dtype=np.int64) if type(s) is array and s.typecode == "q"
+                           else np.asarray(s, dtype=np.int64) for s in series])
     gaps = np.diff(flat)
     ends = np.cumsum([len(s) for s in series])[:-1] - 1  # the gap from one list's end to the next's start
     return np.delete(gaps, ends)

@@ -301,3 +301,21 @@ def test_twelve_thousand_records_are_fast(tmp_path):
     elapsed = time.perf_counter() - start
     assert summary["completed_requests"] == 12_000
     assert elapsed < 6.0, f"report took {elapsed:.2f} s (target < 3 s)"  # 2x slack for loaded CI machines
+
+
+def test_pooled_gaps_read_token_times_in_any_container_alike():
+    """ITL pools every gap within each request, never across two: the same from a router's ``array('q')`` (read in
+    place), an engine's list, or a mix; a list with a value outside 64 bits is refused, not wrapped."""
+    from array import array
+
+    from harness.report.summary import _pooled_gaps
+
+    series = [[5, 15, 35], [100], [], [2**62, 2**62 + 7], [40, 41, 43, 46]]
+    expected = [10, 20, 7, 1, 2, 3]
+    as_arrays = [array("q", s) for s in series]
+    mixed = [array("q", s) if i % 2 else s for i, s in enumerate(series)]
+    for form in (series, as_arrays, mixed):
+        assert _pooled_gaps(form).tolist() == expected
+    assert _pooled_gaps([[1], []]).tolist() == []
+    with pytest.raises(OverflowError):
+        _pooled_gaps([[1, 2**64]])
