@@ -126,9 +126,6 @@ class BuildExt(build_ext):
                 stale.unlink()
             self.extensions = []
             return
-        for ext in [e for e in self.extensions if e.name in self._native_failed]:
-            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
-            self.extensions.remove(ext)
         built = {str(Path(*ext.name.split(".")).with_suffix(".py")) for ext in self.extensions}
         compiled = sorted(built & set(COMPILED))
         native = {e.name: hashlib.sha256((ROOT / NATIVE[e.name]).read_bytes()).hexdigest()
@@ -143,6 +140,10 @@ class BuildExt(build_ext):
         if jobs > 1:
             _parallel_compile(self.compiler, jobs)
         super().build_extensions()
+        for ext in [e for e in self.extensions if e.name in self._native_failed]:
+            # gone before the in-place copy and the outputs list: an older build's file must not be installed
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            self.extensions.remove(ext)
 
     def get_outputs(self) -> list[str]:
         outputs = super().get_outputs()

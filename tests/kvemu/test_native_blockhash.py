@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -183,3 +184,45 @@ def test_a_c_source_edited_after_the_build_is_stale():
     source = _build.native_source(NAME)
     assert source == ROOT / "kvemu" / "_native" / "blockhash.c" and source.is_file()
     assert _build._stale({NAME: "0" * 64}, _build.native_source) == [NAME]
+
+
+_SETUP_WITHOUT_MYPYC = """
+import runpy, sys
+sys.modules["mypyc.build"] = None  # as if mypyc were not installed
+sys.argv = ["setup.py", "build_ext", "--inplace"]
+runpy.run_path("setup.py", run_name="__main__")
+"""
+
+
+def _build_copy(where: Path) -> tuple[str, set[str], dict]:
+    out = subprocess.run([sys.executable, "-c", _SETUP_WITHOUT_MYPYC], cwd=where, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    files = {p.name for p in (where / "kvemu").iterdir()}
+    return out.stderr, files, json.loads((where / "kvemu" / "_mypyc_manifest.json").read_text())
+
+
+def test_setup_builds_it_without_mypyc_and_leaves_it_out_when_it_fails_to_compile(tmp_path):
+    """Built with no mypyc; then, its source broken, the rebuild says so in one line, installs no older copy of
+    it and records none, and the install goes on."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    (tmp_path / "kvemu" / "_native").mkdir(parents=True)
+    (tmp_path / "kvemu" / "__init__.py").write_text("")
+    source = tmp_path / "kvemu" / "_native" / "blockhash.c"
+    shutil.copy2(ROOT / "kvemu" / "_native" / "blockhash.c", source)
+    _, files, manifest = _build_copy(tmp_path)
+    assert any(f.startswith("_blockhash.") for f in files) and list(manifest["native"]) == [NAME]
+    source.write_text(source.read_text() + "\nint broken(\n")
+    later = source.stat().st_mtime + 10  # newer than the first build's output, which distutils would reuse
+    os.utime(source, (later, later))
+    for fresh in (False, True):  # beside the first build's output, then with no build directory at all
+        if fresh:
+            shutil.rmtree(tmp_path / "build")
+        stderr, files, manifest = _build_copy(tmp_path)
+        assert not any(f.startswith("_blockhash.") for f in files), files
+        assert manifest["native"] == {}
+        assert stderr.count(f"kvemu: {NAME} not built, its pure-Python reference runs") == 1, stderr
+        assert "compilation failed" not in stderr, stderr  # the rest of the install went on
