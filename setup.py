@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -46,6 +46,9 @@ COMPILED = [
     "workers/vllm/engine.py",
     "workers/vllm/fast_forward.py",
 ]
+
+NATIVE = {"kvemu._blockhash": "kvemu/_native/blockhash.c"}
+"""Native module -> its C source (kvemu._build.native_source knows the same layout)."""
 
 
 def _warn(reason: str) -> None:
@@ -94,7 +97,19 @@ def _parallel_compile(compiler, jobs: int) -> None:
 class BuildExt(build_ext):
     """build_ext that falls back to pure Python on any failure and writes the source-hash manifest."""
 
+    def build_extension(self, ext) -> None:
+        if ext.name not in NATIVE:
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001 - a native module that does not compile: its Python reference runs
+            print(f"kvemu: {ext.name} not built, its pure-Python reference runs ({type(exc).__name__}: "
+                  f"{str(exc).splitlines()[0] if str(exc) else ''})", file=sys.stderr, flush=True)
+            self._native_failed.add(ext.name)
+
     def run(self) -> None:
+        self._native_failed: set[str] = set()
         in_tree = self.inplace or getattr(self, "editable_mode", False)
         if in_tree:
             for stale in _stale_outputs():  # a failed rebuild must not leave old code shadowing the sources
@@ -113,7 +128,9 @@ class BuildExt(build_ext):
             return
         built = {str(Path(*ext.name.split(".")).with_suffix(".py")) for ext in self.extensions}
         compiled = sorted(built & set(COMPILED))
-        manifest = json.dumps({"modules": _source_hashes(compiled)}, indent=1, sort_keys=True) + "\n"
+        native = {e.name: hashlib.sha256((ROOT / NATIVE[e.name]).read_bytes()).hexdigest()
+                  for e in self.extensions if e.name in NATIVE}
+        manifest = json.dumps({"modules": _source_hashes(compiled), "native": native}, indent=1, sort_keys=True) + "\n"
         for base in {Path(self.build_lib), *([ROOT] if in_tree else [])}:
             (base / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
             (base / MANIFEST).write_text(manifest)
@@ -123,6 +140,10 @@ class BuildExt(build_ext):
         if jobs > 1:
             _parallel_compile(self.compiler, jobs)
         super().build_extensions()
+        for ext in [e for e in self.extensions if e.name in self._native_failed]:
+            # gone before the in-place copy and the outputs list: an older build's file must not be installed
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            self.extensions.remove(ext)
 
     def get_outputs(self) -> list[str]:
         outputs = super().get_outputs()
@@ -151,11 +172,6 @@ def _compiled_ext_modules() -> list:
     if os.environ.get("KVEMU_NO_COMPILE") == "1":
         _warn("KVEMU_NO_COMPILE=1")
         return []
-    try:
-        from mypyc.build import mypycify
-    except ImportError:
-        _warn("mypyc is not installed")
-        return []
     from setuptools._distutils.ccompiler import new_compiler
     from setuptools._distutils.sysconfig import customize_compiler
 
@@ -166,6 +182,15 @@ def _compiled_ext_modules() -> list:
 
     if which(cc[0]) is None:
         _warn(f"no C compiler ({cc[0]} not found)")
+        return []
+    return _mypyc_ext_modules() + [Extension(name, [source]) for name, source in NATIVE.items()]
+
+
+def _mypyc_ext_modules() -> list:
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        _warn("mypyc is not installed")
         return []
     cwd = os.getcwd()
     os.chdir(ROOT)  # mypy reads pyproject.toml's [tool.mypy] and resolves the paths from here

@@ -5,6 +5,10 @@ compiled build wrote (``kvemu/_mypyc_manifest.json``: each compiled module's sou
 ``PurePythonFinder`` on ``sys.meta_path``, so every compiled module is imported from its ``.py`` instead, when
 ``KVEMU_PURE_PYTHON=1`` or when a source changed since the build (a stale extension must never run old code
 silently; that case warns once). Never compiled itself.
+
+It also decides, once, whether the native C extensions the build recorded under ``"native"`` (today
+``kvemu._blockhash``, the rolling sequence hash) are used: not under ``KVEMU_PURE_PYTHON=1``, not when their C
+source changed since the build; their callers ask ``use_native(name)`` and otherwise run the Python reference.
 """
 
 from __future__ import annotations
@@ -16,22 +20,24 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["COMPILED_MODULES", "PurePythonFinder", "build_name", "is_compiled", "STALE"]
+__all__ = ["COMPILED_MODULES", "NATIVE_MODULES", "PurePythonFinder", "build_name", "is_compiled", "STALE",
+           "use_native"]
 
 _MANIFEST = Path(__file__).with_name("_mypyc_manifest.json")
 _ROOT = Path(__file__).resolve().parent.parent
 
 
-def _read_manifest() -> dict[str, str]:
-    """Module name -> source sha256 at build time; empty when no compiled build is installed."""
+def _read_manifest(key: str = "modules") -> dict[str, str]:
+    """Module name -> source sha256 at build time (``"modules"``: mypyc-compiled, source ``<module>.py``;
+    ``"native"``: C extensions, source ``kvemu/_native/<leaf>.c``); empty when that part was not built."""
     try:
-        return dict(json.loads(_MANIFEST.read_text())["modules"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return {str(k): str(v) for k, v in json.loads(_MANIFEST.read_text())[key].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
@@ -39,12 +45,18 @@ def _source(name: str) -> Path:
     return _ROOT.joinpath(*name.split(".")).with_suffix(".py")
 
 
-def _stale(modules: dict[str, str]) -> list[str]:
+def native_source(name: str) -> Path:
+    """The C source of native module ``name`` (``kvemu._blockhash`` -> ``kvemu/_native/blockhash.c``)."""
+    package, _, leaf = name.rpartition(".")
+    return _ROOT.joinpath(*package.split("."), "_native", leaf.lstrip("_") + ".c")
+
+
+def _stale(modules: dict[str, str], source: Callable[[str], Path] = _source) -> list[str]:
     """The compiled modules whose source no longer matches the one they were compiled from."""
     out = []
     for name, digest in modules.items():
         try:
-            current = hashlib.sha256(_source(name).read_bytes()).hexdigest()
+            current = hashlib.sha256(source(name).read_bytes()).hexdigest()
         except OSError:
             continue  # an install without the sources: nothing to compare, nothing to fall back to
         if current != digest:
@@ -89,6 +101,20 @@ if COMPILED_MODULES:
                 RuntimeWarning, stacklevel=2)
     if _forced or STALE:
         sys.meta_path.insert(0, PurePythonFinder(COMPILED_MODULES))
+
+
+_NATIVE_HASHES = _read_manifest("native")
+_NATIVE_STALE = () if _forced else tuple(_stale(_NATIVE_HASHES, native_source))
+if _NATIVE_STALE:
+    warnings.warn(f"kvemu: native module(s) {', '.join(_NATIVE_STALE)} are older than their C sources; running "
+                  "their pure-Python reference. Rebuild: pip install -e .", RuntimeWarning, stacklevel=2)
+NATIVE_MODULES: tuple[str, ...] = () if _forced else tuple(sorted(set(_NATIVE_HASHES) - set(_NATIVE_STALE)))
+"""The native C modules this process uses (built, fresh, and KVEMU_PURE_PYTHON not set)."""
+
+
+def use_native(name: str) -> bool:
+    """Whether native module ``name`` may be imported in place of its pure-Python reference."""
+    return name in NATIVE_MODULES
 
 
 def is_compiled(module: ModuleType) -> bool:

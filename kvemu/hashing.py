@@ -7,13 +7,16 @@ chains them so that equal values mean equal prefixes.
 
 from __future__ import annotations
 
+import importlib
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Final, cast
 
 import xxhash
 
+from kvemu import _build
 from kvemu.errors import InvalidArgument
 from kvemu.hashing_protocol import SelfHashingTokens  # runtime_checkable: not compilable, kept apart
 
@@ -24,6 +27,7 @@ __all__ = [
     "local_block_hashes",
     "sequence_hashes",
     "extend_sequence_hashes",
+    "extend_sequence_hashes_py",
     "mm_hash_from_identifier",
     "to_u64",
     "SelfHashingTokens",
@@ -130,12 +134,52 @@ def sequence_hashes(local_hashes: Sequence[int]) -> list[int]:
     return extend_sequence_hashes(None, local_hashes)
 
 
-def extend_sequence_hashes(parent: int | None, local_hashes: Sequence[int]) -> list[int]:
-    """Sequence hashes of ``local_hashes`` continuing a chain whose last sequence hash is ``parent``."""
+def _check_u64(value: object, what: str) -> None:
+    """TypeError (not an int) or OverflowError (outside [0, 2**64)), the types the native function raises."""
+    if not isinstance(value, int):
+        raise TypeError(f"{what} must be an int in [0, 2**64), got {type(value).__name__}")
+    if not 0 <= value <= U64_MASK:
+        raise OverflowError(f"{what} must be in [0, 2**64) (an unsigned 64-bit hash)")
+
+
+def extend_sequence_hashes_py(parent: int | None, local_hashes: Sequence[int]) -> list[int]:
+    """Sequence hashes of ``local_hashes`` continuing a chain whose last sequence hash is ``parent``.
+
+    The reference (and the fallback) for the native ``kvemu._blockhash``; every value must be a u64, and the
+    first one that is not raises, as there. The checks cost nothing on valid input: struct.pack checks all
+    but the first local hash, which is checked at the end.
+    """
+    if parent is not None:
+        _check_u64(parent, "parent")
     out: list[int] = []
     append = out.append
     prev = parent
-    for h in local_hashes:
-        prev = h if prev is None else _xxh3(_pack_pair(prev, h), BASE_SEED)
-        append(prev)
+    try:
+        for h in local_hashes:
+            prev = h if prev is None else _xxh3(_pack_pair(prev, h), BASE_SEED)
+            append(prev)
+    except (struct.error, TypeError):  # TypeError: the compiled build unboxes each item as an int
+        for i, item in enumerate(cast("Sequence[object]", local_hashes)):
+            _check_u64(item, f"local_hashes[{i}]")
+        raise
+    if parent is None and out:
+        _check_u64(out[0], "local_hashes[0]")
     return out
+
+
+def _native_extend() -> Callable[[int | None, Sequence[int]], list[int]] | None:
+    """The native function when kvemu._build says this install may use it (built, fresh, not forced pure)."""
+    if not _build.use_native("kvemu._blockhash"):
+        return None
+    try:
+        module = importlib.import_module("kvemu._blockhash")
+    except ImportError:
+        return None
+    native: Callable[[int | None, Sequence[int]], list[int]] = module.extend_sequence_hashes
+    return native
+
+
+extend_sequence_hashes: Final[Callable[[int | None, Sequence[int]], list[int]]] = (
+    _native_extend() or extend_sequence_hashes_py)
+"""Sequence hashes of ``local_hashes`` continuing a chain whose last sequence hash is ``parent``: the native
+``kvemu._blockhash`` when built, else ``extend_sequence_hashes_py`` (the reference; bit-exact, same errors)."""
