@@ -276,10 +276,14 @@ class Cluster:
         if self.on_change is not None:
             self.on_change()
 
-    def _claim(self, worker_id: int) -> WorkerActor:
+    def _claim(self, worker_id: int, graceful: bool) -> WorkerActor:
         actor = self.workers.get(worker_id)
         if actor is None:
             raise ValueError(f"worker {worker_id} is not running")
+        if not graceful and self.wiring.heartbeat_interval_s is None:  # (its router would never notice)
+            raise ValueError(f"worker {worker_id} cannot be killed: nothing watches this cluster's heartbeats (a "
+                             "scenario whose chaos or autoscaler kills workers, or that sets cluster."
+                             "heartbeat_interval_s or router.heartbeat_timeout_s, has them)")
         if worker_id in self.leaving:
             raise ValueError(f"worker {worker_id} is already being removed")
         self.leaving.add(worker_id)
@@ -288,11 +292,11 @@ class Cluster:
 
     async def remove_worker(self, worker_id: int, *, graceful: bool = True) -> None:
         """Stop a worker: gracefully (drain, deregister) or abruptly (the router notices the silence)."""
-        await self._remove(self._claim(worker_id), worker_id, graceful)
+        await self._remove(self._claim(worker_id, graceful), worker_id, graceful)
 
     def retire(self, worker_id: int, *, graceful: bool = True) -> None:
         """Start removing a worker (as ``remove_worker``) and return at once; it counts as leaving from now."""
-        self._tg.start_soon(self._remove, self._claim(worker_id), worker_id, graceful)
+        self._tg.start_soon(self._remove, self._claim(worker_id, graceful), worker_id, graceful)
 
     async def _remove(self, actor: WorkerActor, worker_id: int, graceful: bool) -> None:
         if graceful:

@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
 from kvemu.clock import NS_PER_MS
-from kvemu.runtime.router import RouterSettings
 from kvemu.runtime.kv_bus import MemoryKvBus
-from kvemu.runtime.router import Router
+from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork, RouterEnd, WorkerEnd, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor.actor import KvPublisher, WorkerActor

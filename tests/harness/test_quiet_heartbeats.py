@@ -10,13 +10,18 @@ from collections import Counter
 from pathlib import Path
 from typing import get_args
 
+import anyio
 import pytest
 
 import harness.run.wiring
+from kvemu import ManualClock
+from kvemu.hooks import Hooks
+from kvemu.runtime.loop import run_virtual
 from kvemu.runtime.router import Router
 from workers.actor.actor import WorkerActor
 
 from harness.chaos import SILENCING
+from harness.run.cluster import cluster
 from harness.run.runner import run_scenario
 from harness.run.wiring import MemoryWiring, ZmqWiring, liveness_observable
 from harness.scenario import ChaosAction, parse_scenario
@@ -120,3 +125,22 @@ def test_heartbeat_knobs_of_its_own_keep_a_run_watched(knob: str) -> None:
 def test_every_chaos_action_says_whether_it_silences_a_worker() -> None:
     """A new chaos action must decide whether it makes heartbeats observable (or runs with it lose them)."""
     assert set(SILENCING) == set(get_args(ChaosAction))
+
+
+def test_a_cluster_that_watches_no_heartbeats_refuses_to_kill_a_worker() -> None:
+    """Its router would never notice the silence: the kill is refused (the worker keeps serving), not lost."""
+    scenario = parse_scenario("name: q\ncluster: {workers: 2}\nworkload: {kind: synthetic, rate_rps: 1.0, turns: 1}\n")
+    clock = ManualClock()
+
+    async def main() -> tuple[str, list[int]]:
+        async with cluster(scenario, clock, Hooks()) as c:
+            with pytest.raises(ValueError, match="nothing watches this cluster's heartbeats") as refused:
+                await c.remove_worker(0, graceful=False)
+            await c.remove_worker(1)  # drained and deregistered: no heartbeat needed
+            with anyio.fail_after(5):  # (virtual time: its Deregister is on the way)
+                while 1 in c.router.workers:
+                    await anyio.sleep(0.01)
+            return str(refused.value), sorted(c.router.workers)
+
+    why, left = run_virtual(main, clock)
+    assert "worker 0 cannot be killed" in why and left == [0]
