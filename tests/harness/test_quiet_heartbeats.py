@@ -29,11 +29,12 @@ from tests.harness.test_pinned_reports import summary_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAOS = (ROOT / "examples" / "compose-chaos.yaml").read_text().replace("mode: live", "mode: virtual")
-QUIET_CHAOS = CHAOS.replace("  - {at_s: 5.0, action: restart_router}\n", """\
+QUIET_CHAOS = CHAOS.replace("  policy: kv\n", "  policy: kv\n  network_latency_ms: 20\n").replace(
+    "  - {at_s: 5.0, action: restart_router}\n", """\
   - {at_s: 5.0, action: add_worker}
   - {at_s: 6.0, action: remove_worker, worker: 0, graceful: true}
 """)
-"""compose-chaos with every fault that silences no worker (and no router restart)."""
+"""compose-chaos with every fault that silences no worker (and no router restart), on a network that lags."""
 REPLICAS = (ROOT / "examples" / "replicas-chaos.yaml").read_text()
 QUIET_REPLICAS = REPLICAS.replace("  - {at_s: 20, action: restart_router, replica: 2}\n", "").replace(
     "  - {at_s: 30, action: remove_worker, worker: 1, graceful: false}\n", "").replace("duration_s: 60", "duration_s: 30")
