@@ -28,7 +28,7 @@ from harness.scenario import ChaosAction, ChaosEvent
 
 __all__ = ["Control", "ControlReply", "WorkerExited", "SyncPeers", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS",
            "SUPERVISOR_CHAOS", "Outcome", "ChaosHost", "RouterlessHost", "apply_chaos", "worker_chaos", "ChaosMark", "timeline",
-           "chaos_problems"]
+           "chaos_problems", "SILENCING"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
 """The environment variable holding the shared control token; a router without one refuses every control."""
@@ -159,6 +159,24 @@ _APPLY: dict[ChaosAction, Callable[[ChaosHost, ChaosEvent], Awaitable[Outcome]]]
                                         else _to_worker(host, ev)),
 }
 """Per chaos action, the host capability that applies it (one row per action of ``ChaosEvent``)."""
+
+
+def _never(ev: ChaosEvent) -> bool:
+    return False
+
+
+SILENCING: dict[ChaosAction, Callable[[ChaosEvent], bool]] = {
+    "remove_worker": lambda ev: not ev.graceful,  # killed: only its silence tells the router (the watchdog)
+    "restart_router": lambda ev: True,  # the new router knows an idle worker only from its next heartbeat
+    "add_worker": _never,  # it registers, as the first workers do
+    "kill_rank": _never,  # the worker says so (``RankDown``) and lives on
+    "drop_kv_events": _never,  # KV events: the index's concern, not the worker link's
+    "delay_kv_events": _never,
+    "slow_worker": _never,  # longer passes: its actor still runs on time and beats when silent
+}
+"""Per chaos action, whether an event makes a worker's heartbeats observable in an in-process run: it silences a
+worker the router must notice, or makes a router that must hear from idle workers (one row per action of
+``ChaosEvent``; ``harness.run.wiring.liveness_observable`` reads it)."""
 
 
 async def apply_chaos(host: ChaosHost, ev: ChaosEvent) -> Outcome:

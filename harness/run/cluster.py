@@ -122,7 +122,8 @@ class Cluster:
                              kv_replay=bus.replay if bus else None,
                              on_worker_removed=bus.forget if bus and n == 1 else None,
                              zmq_kv_events=bus is None and pool != DECODE, guarded=self.wiring.guarded,
-                             reaper=self.wiring.affinity_reaper)
+                             reaper=self.wiring.affinity_reaper,
+                             watchdog=self.wiring.heartbeat_interval_s is not None)
         subscriber = router.kv.subscriber
         if self._taps and pool != DECODE:
             feed = FeedTap(router.kv_intake if bus is not None else into_stream)
@@ -240,7 +241,7 @@ class Cluster:
         pubs = self.kv_publishers[wid] = self.wiring.publishers(pool, wid, dp_size)
         kv_endpoints, kv_replay_endpoints = self.wiring.endpoints(wid)
         actor = WorkerActor(mock, end, self.clock, pubs, mode=self.wiring.mode,
-                            heartbeat_interval_s=spec.heartbeat_interval_s, kv_endpoints=kv_endpoints,
+                            heartbeat_interval_s=self.wiring.heartbeat_interval_s, kv_endpoints=kv_endpoints,
                             kv_replay_endpoints=kv_replay_endpoints, worker_type=worker_type)
         for pub in self.kv_publishers[wid]:
             pub.lag_ns = self.kv_lag_ns
@@ -269,16 +270,20 @@ class Cluster:
 
     def _replica_ends(self, ends: list[WorkerEnd]) -> ReplicaEnds:
         """A worker's one link over every replica's end (it keeps each replica hearing from it)."""
-        return ReplicaEnds(ends, self.clock.now_ns, round(self.scenario.cluster.heartbeat_interval_s * NS_PER_S))
+        return ReplicaEnds(ends, self.clock.now_ns, round((self.wiring.heartbeat_interval_s or 0) * NS_PER_S))
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
 
-    def _claim(self, worker_id: int) -> WorkerActor:
+    def _claim(self, worker_id: int, graceful: bool) -> WorkerActor:
         actor = self.workers.get(worker_id)
         if actor is None:
             raise ValueError(f"worker {worker_id} is not running")
+        if not graceful and self.wiring.heartbeat_interval_s is None:  # (its router would never notice)
+            raise ValueError(f"worker {worker_id} cannot be killed: nothing watches this cluster's heartbeats (a "
+                             "scenario whose chaos or autoscaler kills workers, or that sets cluster."
+                             "heartbeat_interval_s or router.heartbeat_timeout_s, has them)")
         if worker_id in self.leaving:
             raise ValueError(f"worker {worker_id} is already being removed")
         self.leaving.add(worker_id)
@@ -287,11 +292,11 @@ class Cluster:
 
     async def remove_worker(self, worker_id: int, *, graceful: bool = True) -> None:
         """Stop a worker: gracefully (drain, deregister) or abruptly (the router notices the silence)."""
-        await self._remove(self._claim(worker_id), worker_id, graceful)
+        await self._remove(self._claim(worker_id, graceful), worker_id, graceful)
 
     def retire(self, worker_id: int, *, graceful: bool = True) -> None:
         """Start removing a worker (as ``remove_worker``) and return at once; it counts as leaving from now."""
-        self._tg.start_soon(self._remove, self._claim(worker_id), worker_id, graceful)
+        self._tg.start_soon(self._remove, self._claim(worker_id, graceful), worker_id, graceful)
 
     async def _remove(self, actor: WorkerActor, worker_id: int, graceful: bool) -> None:
         if graceful:

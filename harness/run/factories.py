@@ -71,10 +71,11 @@ prefill pool weighs prompt tokens only; the decode pool weighs its active blocks
 def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, end: RouterEnd, hooks: Hooks,
                  kv_replay: Callable[[int, int], Replay | None] | None = None, zmq_kv_events: bool = False,
                  on_worker_removed: Callable[[int], None] | None = None, pool: str | None = None,
-                 engine: EngineSettings | None = None, guarded: bool = True, reaper: bool = True) -> Router:
+                 engine: EngineSettings | None = None, guarded: bool = True, reaper: bool = True,
+                 watchdog: bool = True) -> Router:
     """A router actor configured from its scenario section (one pool's, for a disaggregated cluster).
-    ``guarded``, ``reaper``: as the composer's wiring says (``Router``'s live bounds, the affinity table's reaper;
-    default: a router among processes, on wall time)."""
+    ``guarded``, ``reaper``, ``watchdog``: as the composer's wiring says (``Router``'s live bounds and heartbeat
+    watch, the affinity table's reaper; default: a router among processes, on wall time)."""
     config = spec.config()
     if pool is not None:
         config = msgspec.structs.replace(config, **POOL_CONFIG[pool])
@@ -86,7 +87,7 @@ def build_router(spec: RouterSpec, *, block_size: int, clock: Clock, seed: int, 
     return Router(core=core, end=end, clock=clock, hooks=hooks, settings=spec.settings(), affinity=affinity,
                   queue=core.policy_queue(),
                   kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed, pool=pool,
-                  engine=engine, guarded=guarded)
+                  engine=engine, guarded=guarded, watchdog=watchdog)
 
 
 def replica_seed(seed: int, replica: int) -> int:
@@ -105,12 +106,12 @@ def replica_front(scenario: Scenario) -> ReplicaFront:
 def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: RouterEnd, hooks: Hooks, replica: int = 0,
                 kv_replay: Callable[[int, int], Replay | None] | None = None, zmq_kv_events: bool = False,
                 on_worker_removed: Callable[[int], None] | None = None, guarded: bool = True,
-                reaper: bool = True) -> Router:
+                reaper: bool = True, watchdog: bool = True) -> Router:
     """The router of one pool of the scenario's cluster (``aggregated``, ``prefill`` or ``decode``): its engine's
     block size and its pool's settings; a disaggregated cluster's pool routers get hooks of their own (their
     ``DisaggRouter`` passes their events on to ``hooks``). ``replica``: which router replica (its seed).
-    ``kv_replay``, ``zmq_kv_events``, ``on_worker_removed``: how it gets KV events; ``guarded``, ``reaper``: what
-    its wiring says (``build_router``)."""
+    ``kv_replay``, ``zmq_kv_events``, ``on_worker_removed``: how it gets KV events; ``guarded``, ``reaper``,
+    ``watchdog``: what its wiring says (``build_router``)."""
     spec, rspec = scenario.cluster, scenario.router
     seed = replica_seed(rspec.seed if rspec.seed is not None else scenario.run.seed, replica)
     router = build_router(msgspec.structs.replace(rspec, seed=seed), block_size=spec.pools()[pool][2].block_size,
@@ -118,7 +119,7 @@ def pool_router(scenario: Scenario, pool: str, *, clock: Clock, end: RouterEnd, 
                           pool=None if pool == AGGREGATED else pool,
                           engine=engine_config(spec, pool).settings(),  # a worker of other settings is refused
                           kv_replay=kv_replay, zmq_kv_events=zmq_kv_events, on_worker_removed=on_worker_removed,
-                          guarded=guarded, reaper=reaper)
+                          guarded=guarded, reaper=reaper, watchdog=watchdog)
     fit, need = router.kv.streams_left(), pool_ranks(scenario, pool)
     if fit is not None and fit < need:  # only a cluster that does not fit hears of the open-file limit
         log.warning("the open-file limit allows KV streams for %d ranks, but this cluster's %s pool can reach %d: "

@@ -1,7 +1,11 @@
 """How an in-process cluster's routers and workers are connected, chosen once where the cluster is composed:
 in memory on virtual time (``MemoryWiring``: a network per router, a KV bus per pool) or over ZeroMQ sockets on
 127.0.0.1 on wall time (``ZmqWiring``: the workers' KV events in vLLM's wire format). ``wiring_for`` is the one
-place that asks which; the cluster only calls what the chosen wiring offers."""
+place that asks which; the cluster only calls what the chosen wiring offers.
+
+The wiring also decides whether workers heartbeat and routers watch for them (``heartbeat_interval_s``): always
+on wall time; on virtual time only where something can observe a worker's silence (``liveness_observable``), as
+a heartbeat that nothing can miss only costs ticks."""
 
 from __future__ import annotations
 
@@ -10,14 +14,15 @@ from typing import Literal, Protocol
 
 from kvemu.clock import NS_PER_MS
 from kvemu.runtime.kv_bus import MemoryKvBus
-from kvemu.runtime.router import Router
+from kvemu.runtime.router import Router, RouterSettings
 from kvemu.runtime.transport import MemoryNetwork, RouterEnd, WorkerEnd, ZmqRouterEnd, ZmqWorkerEnd
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor.actor import KvPublisher, WorkerActor
 
-from harness.scenario import Scenario
+from harness.chaos import SILENCING
+from harness.scenario import ClusterSpec, Scenario
 
-__all__ = ["MemoryWiring", "Wiring", "ZmqWiring", "wiring_for"]
+__all__ = ["MemoryWiring", "Wiring", "ZmqWiring", "liveness_observable", "wiring_for"]
 
 
 class Wiring(Protocol):
@@ -31,6 +36,9 @@ class Wiring(Protocol):
     engines on its own time."""
     affinity_reaper: bool
     """Whether affinity tables expire bindings on a timer (``SessionAffinity(reaper=...)``): time passes by itself."""
+    heartbeat_interval_s: float | None
+    """How often an otherwise silent worker says it is alive (``WorkerActor(heartbeat_interval_s=...)``), and
+    whether routers watch for it (``Router(watchdog=...)``); None: workers never beat and no router watches."""
 
     def router_ends(self, pool: str, count: int) -> list[RouterEnd]:
         """``count`` router ends for ``pool`` (one per replica)."""
@@ -77,6 +85,8 @@ class MemoryWiring:
     affinity_reaper = False
 
     def __init__(self, scenario: Scenario) -> None:
+        watched = self.guarded or liveness_observable(scenario)  # (a guarded router admits at a worker's next word)
+        self.heartbeat_interval_s: float | None = scenario.cluster.heartbeat_interval_s if watched else None
         self._latency_ns = round(scenario.router.network_latency_ms * NS_PER_MS)
         self._spec = scenario.cluster
         self.nets: dict[str, list[MemoryNetwork]] = {}
@@ -124,6 +134,7 @@ class ZmqWiring:
     affinity_reaper = True
 
     def __init__(self, scenario: Scenario) -> None:
+        self.heartbeat_interval_s: float | None = scenario.cluster.heartbeat_interval_s  # live peers: always
         self._spec = scenario.cluster
         self._publishers: dict[int, list[KvEventPublisher]] = {}
 
@@ -165,6 +176,23 @@ class ZmqWiring:
         for wid in list(self._publishers):
             for pub in self._publishers.pop(wid):
                 pub.close(drain_timeout_s=0)
+
+
+def liveness_observable(scenario: Scenario) -> bool:
+    """Whether a virtual run of ``scenario`` can observe its workers' heartbeats. In memory every worker is the
+    host's own actor on the host's clock, so a heartbeat or the router's watchdog can matter only when the run makes
+    a worker silent or has a router that must hear from idle workers: a chaos event that does
+    (``harness.chaos.SILENCING``), an autoscaler that kills the workers it removes, or heartbeat knobs set away from
+    their defaults (a scenario about liveness, or one whose timeout fences idle workers). Anywhere else, workers
+    that beat and a watchdog that watches change nothing the run reports."""
+    return (any(SILENCING[ev.action](ev) for ev in scenario.chaos)
+            or (scenario.autoscaler is not None and not scenario.autoscaler.graceful)
+            or scenario.cluster.heartbeat_interval_s != _DEFAULT_INTERVAL_S
+            or scenario.router.heartbeat_timeout_s != _DEFAULT_TIMEOUT_S)
+
+
+_DEFAULT_INTERVAL_S = ClusterSpec().heartbeat_interval_s
+_DEFAULT_TIMEOUT_S = RouterSettings().heartbeat_timeout_s
 
 
 def wiring_for(scenario: Scenario) -> Wiring:

@@ -163,10 +163,13 @@ class Router:
         pool: str | None = None,
         engine: EngineSettings | None = None,
         guarded: bool = True,
+        watchdog: bool = True,
     ) -> None:
         """``guarded`` (default True, a router facing processes it does not own): hold peers to the live bounds
         (a pending stage, probation, the first-token timeout). The host that owns its workers and their time (the
-        virtual driver's wiring) passes False: they are its own engines, and its times are no wall-clock facts."""
+        virtual driver's wiring) passes False: they are its own engines, and its times are no wall-clock facts.
+        ``watchdog`` (default True): remove workers silent for ``heartbeat_timeout_s``; a host whose workers cannot
+        fall silent, and so send no heartbeats, passes False."""
         self.core = core
         self.end = end
         self.clock = clock
@@ -191,6 +194,8 @@ class Router:
         self._asked: set[bytes] = set()  # unknown peers already asked to register again
         self.guarded = guarded
         """Whether peers are held to the live-mode bounds (a pending stage, probation, the first-token timeout)."""
+        self.watchdog = watchdog
+        """Whether silent workers are removed (their heartbeats watched)."""
         self.pending: dict[bytes, _WorkerState] = {}
         """Live mode: registrations accepted whose worker has not spoken since, by peer (not routed to)."""
         self.started_ns = clock.now_ns()
@@ -274,7 +279,8 @@ class Router:
     async def serve(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Receive worker messages and watch heartbeats until cancelled."""
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._watchdog)
+            if self.watchdog:
+                tg.start_soon(self._watchdog)
             tg.start_soon(self._timers.run)
             tg.start_soon(self.kv.run)
             task_status.started()

@@ -85,7 +85,7 @@ class WorkerActor:
         publishers: Sequence[KvPublisher],
         *,
         mode: RunMode,
-        heartbeat_interval_s: float = 1.0,
+        heartbeat_interval_s: float | None = 1.0,
         kv_endpoints: Sequence[str] = (),
         kv_replay_endpoints: Sequence[str] = (),
         worker_type: str = "aggregated",
@@ -98,6 +98,8 @@ class WorkerActor:
         self.clock = clock
         self.publishers = list(publishers)
         self.heartbeat_interval_s = heartbeat_interval_s
+        """How long the worker may be silent before it heartbeats; None: never (its host decided nothing can
+        observe its silence: an in-process virtual run with no fault that makes one)."""
         self.worker_type = worker_type
         cfg = worker.config
         self._transfer = KvTransfer(source_worker_id=worker.worker_id, bandwidth_gbps=cfg.kv_transfer_bandwidth,
@@ -313,7 +315,8 @@ class WorkerActor:
                        "no answer from the router; check its address (and KVEMU_SECRET)")
                 raise WorkerRejected(f"worker {self.worker_id}: not registered within {self.register_timeout_s} s: {why}")
             task_status.started()
-            tg.start_soon(self._beats.run)
+            if self.heartbeat_interval_s is not None:
+                tg.start_soon(self._beats.run)
             self.driver.start(tg)
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
@@ -473,7 +476,7 @@ class WorkerActor:
         Wakes one ``heartbeat_interval_s`` after the last message sent, so a healthy worker is never silent for
         longer than that (checking on fixed ticks instead let it be silent for almost two intervals, and a router
         whose ``heartbeat_timeout_s`` was under two intervals dropped idle workers); returns that instant."""
-        if self.stopped:
+        if self.stopped or self.heartbeat_interval_s is None:
             return None
         now = self.clock.now_ns()
         interval = round(self.heartbeat_interval_s * NS_PER_S)
