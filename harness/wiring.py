@@ -3,13 +3,14 @@
 import warnings
 
 from harness.run.wiring import (
-    MemoryWiring, Wiring, ZmqWiring, wiring_for,
+    MemoryWiring, Wiring, ZmqWiring, liveness_observable, wiring_for,
 )
 
 __all__ = [
     "MemoryWiring",
     "Wiring",
     "ZmqWiring",
+    "liveness_observable",
     "wiring_for",
 ]
 
