@@ -178,11 +178,11 @@ class RequestRecord(_Record, kw_only=True, gc=False, repr_omit_defaults=True):
     def add_token_times(self, times: Sequence[int]) -> None:
         """Append output token times, whatever sequence holds them (compiled callers never see its type): a list
         into the router's ``array('q')`` in one resize (``extend`` grows it an item at a time), else ``extend``."""
-        held = self.token_times_ns
+        held: object = self.token_times_ns  # (declared as the list it decodes to; a router's is an array)
         if type(times) is list and type(held) is array:
             held.fromlist(times)
         else:
-            held.extend(times)
+            self.token_times_ns.extend(times)
 
     def last_token_ns(self) -> int | None:
         """The time of the last output token so far (None before the first)."""
