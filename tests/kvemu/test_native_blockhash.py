@@ -3,13 +3,11 @@
 Bit-exact on every chain, the same exception type (and message) on every hostile input, and chosen by
 ``kvemu.hashing`` only when ``KVEMU_PURE_PYTHON`` is unset. Skipped when the extension is not built (a
 ``KVEMU_NO_COMPILE=1`` install); a failure instead under ``KVEMU_REQUIRE_COMPILED=1``. ``.ci/sanitize`` runs this
-file against a sanitizer build named by ``KVEMU_NATIVE_BLOCKHASH`` (the ``.so`` path) with
-``KVEMU_BLOCKHASH_EXAMPLES`` raised for a bounded fuzz.
+file's tests not marked ``installed_build`` against a sanitizer build (``tests.native``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -27,10 +25,9 @@ from hypothesis import strategies as st
 
 from kvemu import _build
 from kvemu.hashing import BASE_SEED, U64_MASK, extend_sequence_hashes_py
+from tests.native import EXAMPLES, load_native, under_sanitizer
 
 ROOT = Path(__file__).resolve().parents[2]
-REQUIRE_ENV = "KVEMU_REQUIRE_COMPILED"
-EXAMPLES = int(os.environ.get("KVEMU_BLOCKHASH_EXAMPLES", "300"))
 NAME = "kvemu._blockhash"
 
 # tests/kvemu/test_hashing.py's spec vectors: the local hashes of range(64) in blocks of 16, and their chain
@@ -38,28 +35,9 @@ PLAIN = [15310707395893867146, 15292316782987903195, 5532946206955930018, 149287
 SEQ_PLAIN = [15310707395893867146, 13769157705258532664, 11879827756109914528, 3888788807566526800]
 
 
-def _load_native() -> ModuleType:
-    """The extension under test: the file ``KVEMU_NATIVE_BLOCKHASH`` names (a sanitizer build), else the built
-    ``kvemu._blockhash``; skip (or fail under KVEMU_REQUIRE_COMPILED=1) when there is none."""
-    path = os.environ.get("KVEMU_NATIVE_BLOCKHASH")
-    try:
-        if path:
-            spec = importlib.util.spec_from_file_location(NAME, path)
-            assert spec is not None and spec.loader is not None, path
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        return importlib.import_module(NAME)
-    except ImportError as exc:
-        reason = f"{NAME} is not built ({exc}): a KVEMU_NO_COMPILE=1 or compiler-less install"
-    if os.environ.get(REQUIRE_ENV, "") not in ("", "0"):
-        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def native() -> ModuleType:
-    return _load_native()
+    return load_native(NAME)
 
 
 def _outcome(fn, parent, local) -> tuple[str, object]:
@@ -167,18 +145,21 @@ def _selected(pure: bool) -> dict[str, bool]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.installed_build
 def test_pure_python_switch_selects_the_reference(native):
     assert _selected(pure=True) == {"native": False, "loaded": False}
 
 
+@pytest.mark.installed_build
 def test_the_built_extension_is_selected_without_the_switch(native):
-    if os.environ.get("KVEMU_NATIVE_BLOCKHASH"):
+    if under_sanitizer(NAME):
         pytest.skip("a sanitizer build outside the package is under test")
     if NAME not in _build._read_manifest("native"):
         pytest.fail(f"{NAME} imports but the build manifest does not record it")
     assert _selected(pure=False) == {"native": True, "loaded": True}
 
 
+@pytest.mark.installed_build
 def test_a_c_source_edited_after_the_build_is_stale():
     """The same guard as for the mypyc modules: an old extension never runs silently over a changed source."""
     source = _build.native_source(NAME)
@@ -203,6 +184,7 @@ def _build_copy(where: Path) -> tuple[str, set[str], dict]:
     return out.stderr, files, json.loads((where / "kvemu" / "_mypyc_manifest.json").read_text())
 
 
+@pytest.mark.installed_build
 def test_setup_builds_it_without_mypyc_and_leaves_it_out_when_it_fails_to_compile(tmp_path):
     """Built with no mypyc; then, its source broken, the rebuild says so in one line, installs no older copy of
     it and records none, and the install goes on."""
@@ -212,10 +194,12 @@ def test_setup_builds_it_without_mypyc_and_leaves_it_out_when_it_fails_to_compil
         shutil.copy2(ROOT / name, tmp_path / name)
     (tmp_path / "kvemu" / "_native").mkdir(parents=True)
     (tmp_path / "kvemu" / "__init__.py").write_text("")
+    for c_file in (ROOT / "kvemu" / "_native").glob("*.c"):
+        shutil.copy2(c_file, tmp_path / "kvemu" / "_native" / c_file.name)
     source = tmp_path / "kvemu" / "_native" / "blockhash.c"
-    shutil.copy2(ROOT / "kvemu" / "_native" / "blockhash.c", source)
+    others = {"kvemu._" + c.stem for c in (ROOT / "kvemu" / "_native").glob("*.c")} - {NAME}
     _, files, manifest = _build_copy(tmp_path)
-    assert any(f.startswith("_blockhash.") for f in files) and list(manifest["native"]) == [NAME]
+    assert any(f.startswith("_blockhash.") for f in files) and NAME in manifest["native"]
     source.write_text(source.read_text() + "\nint broken(\n")
     later = source.stat().st_mtime + 10  # newer than the first build's output, which distutils would reuse
     os.utime(source, (later, later))
@@ -224,6 +208,6 @@ def test_setup_builds_it_without_mypyc_and_leaves_it_out_when_it_fails_to_compil
             shutil.rmtree(tmp_path / "build")
         stderr, files, manifest = _build_copy(tmp_path)
         assert not any(f.startswith("_blockhash.") for f in files), files
-        assert manifest["native"] == {}
+        assert set(manifest["native"]) == others  # the other native modules still built
         assert stderr.count(f"kvemu: {NAME} not built, its pure-Python reference runs") == 1, stderr
         assert "compilation failed" not in stderr, stderr  # the rest of the install went on
