@@ -260,6 +260,7 @@ class DisaggRouter:
             self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.details, r.record)
             return
         if not self.hooks.wants(kind):
+            self.hooks.tally(kind)
             return
         self.hooks.note(kind, ev.time_ns, rid, ev.worker_id, ev.dp_rank, ev.details, ev.record, pool)
 

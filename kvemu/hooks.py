@@ -16,7 +16,8 @@ queue's depth (``QueueDepth``). ``HookEvent.data``, the same as a dict, is depre
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from types import NoneType, UnionType
 from typing import NamedTuple
@@ -236,6 +237,11 @@ class Hooks:
     def __init__(self) -> None:
         self._by_kind: dict[HookKind, list[Observer]] = {}
         self._all: list[Observer] = []
+        self.counts: Counter[str] = Counter()
+        """How many events of each kind were noted here, observed or not (a report's ``hook_counts``): counting
+        needs no event built."""
+        self._relay: Counter[str] | None = None
+        self._relay_kinds: frozenset[str] = frozenset()
 
     def subscribe(self, observer: Observer, *kinds: HookKind | str) -> None:
         """Call ``observer`` for these kinds (all kinds when none are given); a kind may be given by its string
@@ -248,19 +254,34 @@ class Hooks:
         for k in kinds:
             self._by_kind.setdefault(HookKind(k), []).append(observer)
 
+    def count_into(self, counts: Counter[str], kinds: Iterable[HookKind]) -> None:
+        """Also count the events of ``kinds`` noted here in ``counts`` (another hub's ``counts``, to which this
+        hub relays those kinds' events: a second router replica's)."""
+        self._relay = counts
+        self._relay_kinds = frozenset(kinds)
+
     def wants(self, kind: HookKind) -> bool:
-        """Whether anyone listens to ``kind`` (lets emitters skip building details)."""
+        """Whether anyone listens to ``kind`` (lets emitters skip building details; they ``tally`` it instead)."""
         return bool(self._all) or kind in self._by_kind
+
+    def tally(self, kind: HookKind) -> None:
+        """Count an event of ``kind`` that nobody listens to, without building it."""
+        self.counts[kind] += 1
+        if self._relay is not None and kind in self._relay_kinds:
+            self._relay[kind] += 1
 
     def note(self, kind: HookKind, time_ns: int, request_id: str | None = None, worker_id: int | None = None,
              dp_rank: int | None = None, details: HookDetails | None = None,
              record: RequestRecord | None = None, pool: str | None = None) -> None:
-        """Emit a ``HookEvent`` of ``kind`` if anyone listens (the event is built only then)."""
+        """Count an event of ``kind`` and emit it as a ``HookEvent`` if anyone listens (built only then)."""
+        self.counts[kind] += 1
+        if self._relay is not None and kind in self._relay_kinds:
+            self._relay[kind] += 1
         if self._all or kind in self._by_kind:
             self.emit(HookEvent(kind, time_ns, request_id, worker_id, dp_rank, details, record, pool))
 
     def emit(self, event: HookEvent) -> None:
-        """Deliver ``event`` to its observers."""
+        """Deliver ``event`` to its observers (not counted: ``note`` counts, where the event is made)."""
         for observer in self._by_kind.get(event.kind, ()):
             observer(event)
         for observer in self._all:

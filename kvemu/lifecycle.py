@@ -674,6 +674,8 @@ class Lifecycle:
             hooks.note(HookKind.ROUTED, now, f.request_id, wid, rank, Routed(
                 f.attempt, selection.reason, selection.cost, selection.overlap_blocks, record.best_overlap_blocks,
                 [(k[0], k[1], c, overlaps.get(k, 0)) for k, c in zip(ev.ranks, ev.costs)]), record=record)
+        else:
+            hooks.tally(HookKind.ROUTED)
         f.key = (wid, rank)
         self._enter(f, DISPATCHED)
         self._by_worker.setdefault(wid, {})[f.request_id] = None
@@ -830,6 +832,8 @@ class Lifecycle:
         if self.hooks.wants(HookKind.TOKENS):
             self.hooks.note(HookKind.TOKENS, self.clock.now_ns(), f.request_id, *f.key,  # type: ignore[misc]
                             details=TokenTimes(times), record=record)
+        else:
+            self.hooks.tally(HookKind.TOKENS)
 
     def _finished(self, f: Flight, msg: Finished) -> None:
         if msg.times_ns:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 import msgspec
 
-from kvemu.hooks import Duplicate, HookEvent, Hooks, KvRange, KvReplay, KvRestart, Ranks, Reason
+from kvemu.hooks import Duplicate, HookEvent, HookKind, Hooks, KvRange, KvReplay, KvRestart, Ranks, Reason
 from kvemu.limits import I64, Count, Name, Rank, Text, TimeNs, WorkerId
 from kvemu.records import RequestRecord
 
@@ -69,21 +69,26 @@ class KvEventRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         return row
 
 
+RECORDED_KINDS = (HookKind.REQUEST_ARRIVED, HookKind.FAILED,
+                  *(k for k in HookKind if k.startswith(("worker_", "kv_"))))
+"""The kinds whose events the recorder reads (it counts every kind through the hub)."""
+
+
 class Recorder:
     """A hook observer keeping ``RequestRecord``s, counters by kind, failures by reason and worker events."""
 
     def __init__(self, hooks: Hooks) -> None:
         self.records: dict[str, RequestRecord] = {}
         """Each request's record by id, from its arrival (complete once it ended); a reused id keeps the first."""
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = hooks.counts
+        """Events by kind: the hub's own counts (it counts every kind without building the events nobody reads)."""
         self.failures: Counter[str] = Counter()
         self.worker_events: list[WorkerEvent] = []
         self.kv_events: list[KvEventRow] = []
-        hooks.subscribe(self._on_event)
+        hooks.subscribe(self._on_event, *RECORDED_KINDS)
 
     def _on_event(self, ev: HookEvent) -> None:
         kind = ev.kind
-        self.counters[kind] += 1
         rid = ev.request_id
         if rid is None:
             if kind.startswith("worker_"):

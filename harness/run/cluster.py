@@ -316,8 +316,10 @@ events is its own: ``kvemu.replicas`` in the summary)."""
 
 
 def _request_hooks(hooks: Hooks) -> Hooks:
-    """Hooks that pass a replica's request events on to ``hooks`` (the kinds ``hooks`` wants) and keep the rest."""
+    """Hooks that pass a replica's request events on to ``hooks`` (counted there; delivered where ``hooks`` has
+    observers for their kind) and keep the rest."""
     own = Hooks()
+    own.count_into(hooks.counts, REQUEST_KINDS)
 
     def forward(ev: HookEvent) -> None:
         hooks.emit(ev)

@@ -39,19 +39,27 @@ chaos:
 
 @contextmanager
 def _every_event() -> Iterator[list[HookEvent]]:
-    """Every event any ``Hooks`` emits meanwhile (pools' own hubs included)."""
+    """Every event any ``Hooks`` emits meanwhile (pools' own hubs included), each hub made meanwhile having an
+    observer of every kind (a hub builds an event only for a listener)."""
     seen: list[HookEvent] = []
     emit = Hooks.emit
+    init = Hooks.__init__
 
     def keep(self: Hooks, event: HookEvent) -> None:
         seen.append(event)
         emit(self, event)
 
+    def listened(self: Hooks) -> None:
+        init(self)
+        self.subscribe(lambda ev: None)
+
     Hooks.emit = keep  # type: ignore[method-assign]
+    Hooks.__init__ = listened  # type: ignore[method-assign]
     try:
         yield seen
     finally:
         Hooks.emit = emit  # type: ignore[method-assign]
+        Hooks.__init__ = init  # type: ignore[method-assign]
 
 
 @functools.cache

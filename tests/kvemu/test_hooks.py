@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 import shutil
 import subprocess
 import sys
@@ -55,3 +56,38 @@ def test_mypy_refuses_an_unknown_kind_at_an_emit_site(tmp_path: Path) -> None:
     assert out.returncode == 1, out.stdout + out.stderr
     assert 'emitter.py:4: error: Argument 1 to "note" of "Hooks" has incompatible type' in out.stdout, out.stdout
     assert "emitter.py:3" not in out.stdout
+
+
+def test_the_hub_counts_every_kind_and_builds_events_only_for_listeners() -> None:
+    hooks = Hooks()
+    heard: list[HookEvent] = []
+    hooks.subscribe(heard.append, "completed")
+    relayed: Counter[str] = Counter()
+    hooks.count_into(relayed, [HookKind.ROUTED])
+    hooks.note(HookKind.COMPLETED, 1, "a")
+    hooks.note(HookKind.ROUTED, 2, "a")  # nobody listens: counted, not built
+    hooks.tally(HookKind.ROUTED)
+    hooks.tally(HookKind.TOKENS)
+    assert [e.kind for e in heard] == ["completed"]
+    assert hooks.counts == {"completed": 1, "routed": 2, "tokens": 1}
+    assert relayed == {"routed": 2}  # only the relayed kinds
+
+
+def test_a_run_nobody_observes_routing_in_builds_no_routed_details_yet_counts_every_decision(monkeypatch) -> None:
+    """The recorder reads arrivals, failures, worker and KV events; the routing payload (every rank's cost) is
+    built only for an observer of ``routed``, while ``hook_counts`` still counts each decision."""
+    import kvemu.lifecycle
+    from harness.run.runner import run_scenario
+    from harness.scenario import parse_scenario
+
+    built: list[object] = []
+    real = kvemu.lifecycle.Routed
+    monkeypatch.setattr(kvemu.lifecycle, "Routed", lambda *a: built.append(a) or real(*a))
+    text = "name: q\nworkload: {kind: synthetic, rate_rps: 20}\nrun: {mode: virtual, duration_s: 1, seed: 3}\n"
+    quiet = dict(run_scenario(parse_scenario(text), None).recorder.counters)
+    routed = quiet["routed"]
+    assert not built and routed >= 10 and quiet["request_arrived"] == routed
+    heard: list[HookEvent] = []
+    observed = dict(run_scenario(parse_scenario(text), None, observers=[heard.append]).recorder.counters)
+    assert len(built) == routed == sum(e.kind == "routed" for e in heard)
+    assert observed == quiet
