@@ -146,3 +146,22 @@ def test_both_builds_give_byte_identical_reports(tmp_path, args):
     assert (compiled_build, pure_build) == ("compiled", "pure")
     assert compiled == pure
     assert (tmp_path / "compiled" / "requests.jsonl").read_bytes() == (tmp_path / "pure" / "requests.jsonl").read_bytes()
+
+
+def test_a_machine_without_a_c_compiler_installs_pure_python_and_says_so_in_one_line(tmp_path):
+    """No compiler: no mypyc module and no native one is built, nothing is recorded (every process then runs the
+    pure-Python reference), and the build says why in one line instead of failing."""
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "kvemu" / "_native", tmp_path / "kvemu" / "_native")
+    (tmp_path / "kvemu" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "KVEMU_NO_COMPILE"}
+    env["CC"] = str(tmp_path / "no-such-cc")
+    out = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("kvemu:")]
+    assert said == [f"kvemu: installing pure Python, not the compiled build (no C compiler ({env['CC']} not "
+                    "found))"], out.stderr
+    built = [p.name for p in tmp_path.rglob("*") if p.suffix in (".so", ".pyd") or p.name == "_mypyc_manifest.json"]
+    assert built == []
