@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["tune_gc"]
+__all__ = ["tune_gc", "tuned_gc"]
 
 
 def tune_gc(gen0_threshold: int = 50_000) -> None:
@@ -17,3 +19,15 @@ def tune_gc(gen0_threshold: int = 50_000) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(gen0_threshold, 20, 100)
+
+
+@contextmanager
+def tuned_gc(gen0_threshold: int) -> Iterator[None]:
+    """``tune_gc`` for the block's length (one run of a process that goes on: a sweep, a test session); the
+    thresholds before it are put back after."""
+    before = gc.get_threshold()
+    tune_gc(gen0_threshold)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)

@@ -29,11 +29,11 @@ from harness.run.pools import affinity_stats, engine_group_usage, kv_stats, pool
 from harness.report.files import prepare_outdir, save_report
 from harness.report.run_data import ReplicaRun, RunData, Sample
 from harness.report.summary_types import Summary
-from harness.run.mode import RunMode, run_mode
+from harness.run.mode import MODES, RunMode, run_mode
 from harness.scenario import ChaosEvent, RunOrigin, Scenario, ScenarioError
 from harness.workload.sessions import Played, drain_deadline_s, play_workload
 from harness.workload.forms import Sessions
-from harness.tuning import tune_gc
+from harness.tuning import tuned_gc
 from harness.workload.build import build_sessions, count_requests
 
 __all__ = ["run_scenario", "RunOutcome", "RunAborted", "NothingRan", "Terminated", "Progress", "drain_deadline_s", "count_requests"]
@@ -101,10 +101,10 @@ def run_scenario(scenario: Scenario, outdir: Path | None = None, *, progress: Pr
     try:
         if scenario.autoscaler is not None:  # a policy that does not import raises ScenarioError: nothing ran
             shell = state.autoscaler = AutoscalerShell(scenario, hooks, recorder)
-        tune_gc()
-        mode = run_mode(scenario.run.mode)
-        main = _main(scenario, sessions, mode, hooks, recorder, state, progress, count_requests(sessions))
-        mode.run(lambda: main)
+        with tuned_gc(MODES[scenario.run.mode].young_gc_threshold):
+            mode = run_mode(scenario.run.mode)
+            main = _main(scenario, sessions, mode, hooks, recorder, state, progress, count_requests(sessions))
+            mode.run(lambda: main)
     except ScenarioError:
         raise
     except KeyboardInterrupt as exc:
