@@ -30,7 +30,7 @@ from kvemu.router_events import (
     wire_event_count,
 )
 from kvemu.wire.codec import WireDecodeError, decode_batch
-from kvemu.wire.convert import BlockSizeMismatch, convert_event, is_chain
+from kvemu.wire.convert import BlockSizeMismatch, convert_event
 from kvemu.kv_events import KvEvent, KVEventBatch
 
 __all__ = ["WorkerEventStats", "EventStream", "Replay", "Payload", "StreamObserver"]
@@ -338,8 +338,10 @@ class EventStream:
                         f"the router uses block_size {self.block_size}; its {len(data.block_hashes)} blocks were "
                         "not indexed (configure both the same)", worker_id=self.worker_id, dp_rank=batch.dp_rank))
                     continue
-                if self.eagle or not is_chain(data.block_hashes, data.parent_hash):
+                if self.eagle:
                     continue
+                # (no is_chain here: a router-model batch is made in this process by kvemu's own engine, whose
+                # pool holds one block per hash; the index still refuses a store that repeats a hash, whole)
             yield data, tier, self.event_id
 
     def _mismatch(self, exc: BlockSizeMismatch) -> None:

@@ -196,3 +196,24 @@ def test_once_a_newer_live_batch_arrived_an_older_one_is_a_restart_even_if_repla
     s.receive(3, _payload(3))
     s.receive(1, _payload(1))  # the overlap is over: going backwards now means the engine restarted
     assert s.stats.restarts == 1 and s.replaying
+
+
+def test_an_in_process_batch_repeating_a_hash_is_refused_whole_by_the_index_and_counted() -> None:
+    """The stream does not check a router-model batch's chain again (kvemu's engine made it); the index does, and
+    refuses it whole: nothing is indexed, one apply error is counted, and the stream goes on."""
+    from kvemu.index import PrefixIndex
+    from kvemu.router_events import BlocksStored, EventBatch, apply_event
+
+    index = PrefixIndex()
+
+    def sink(event) -> None:
+        apply_event(index, event)
+
+    stats = WorkerEventStats()
+    stream = EventStream(1, 0, sink=sink, block_size=4, stats=stats, replay_on_connect=False)
+    stream.receive(0, EventBatch(ts_ns=0, dp_rank=0, block_size=4,
+                                 events=[BlocksStored(block_hashes=[7, 8, 7], local_hashes=[1, 2, 3])]))
+    stream.receive(1, EventBatch(ts_ns=0, dp_rank=0, block_size=4,
+                                 events=[BlocksStored(block_hashes=[7, 8], local_hashes=[1, 2])]))
+    assert stats.apply_errors == 1 and stats.blocks_stored == 2
+    assert index.find_matches([1, 2, 3]) == {(1, 0): 2}
