@@ -28,7 +28,7 @@ from harness.scenario import ChaosAction, ChaosEvent
 
 __all__ = ["Control", "ControlReply", "WorkerExited", "SyncPeers", "CONTROL_TOKEN_ENV", "ROUTER_CHAOS",
            "SUPERVISOR_CHAOS", "Outcome", "ChaosHost", "RouterlessHost", "apply_chaos", "worker_chaos", "ChaosMark", "timeline",
-           "chaos_problems", "SILENCING"]
+           "chaos_problems", "REPLAYING", "SILENCING"]
 
 CONTROL_TOKEN_ENV = "KVEMU_CONTROL_TOKEN"
 """The environment variable holding the shared control token; a router without one refuses every control."""
@@ -177,6 +177,18 @@ SILENCING: dict[ChaosAction, Callable[[ChaosEvent], bool]] = {
 """Per chaos action, whether an event makes a worker's heartbeats observable in an in-process run: it silences a
 worker the router must notice, or makes a router that must hear from idle workers (one row per action of
 ``ChaosEvent``; ``harness.run.wiring.liveness_observable`` reads it)."""
+
+REPLAYING: dict[ChaosAction, Callable[[ChaosEvent], bool]] = {
+    "drop_kv_events": lambda ev: True,  # the router sees the gap and asks for the batches it missed
+    "delay_kv_events": lambda ev: True,  # a lag that changes can reorder batches: a gap, then a replay
+    "restart_router": lambda ev: True,  # the new router rebuilds its index from every rank's buffer
+    "add_worker": _never,  # a new id: its buffer is empty when its streams open
+    "remove_worker": _never,
+    "kill_rank": _never,  # the rank's publisher goes on numbering; nothing asks it to replay
+    "slow_worker": _never,
+}
+"""Per chaos action, whether an event can make a router of an in-process run read a rank's KV replay buffer (one row
+per action of ``ChaosEvent``; ``harness.run.wiring.replay_observable`` reads it)."""
 
 
 async def apply_chaos(host: ChaosHost, ev: ChaosEvent) -> Outcome:

@@ -5,7 +5,9 @@ place that asks which; the cluster only calls what the chosen wiring offers.
 
 The wiring also decides whether workers heartbeat and routers watch for them (``heartbeat_interval_s``): always
 on wall time; on virtual time only where something can observe a worker's silence (``liveness_observable``), as
-a heartbeat that nothing can miss only costs ticks."""
+a heartbeat that nothing can miss only costs ticks. Likewise each rank's KV replay buffer keeps vLLM's 10,000 batches
+on wall time, and on virtual time only where a router can ask for a replay (``replay_observable``); elsewhere it
+keeps one, as a buffer nobody reads only holds memory (half the one-hour trace's peak)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ from kvemu.runtime.transport import MemoryNetwork, RouterEnd, WorkerEnd, ZmqRout
 from kvemu.wire.publisher import KvEventPublisher
 from workers.actor.actor import KvPublisher, WorkerActor
 
-from harness.chaos import SILENCING
+from harness.chaos import REPLAYING, SILENCING
 from harness.scenario import ClusterSpec, Scenario
 
-__all__ = ["MemoryWiring", "Wiring", "ZmqWiring", "liveness_observable", "wiring_for"]
+__all__ = ["MemoryWiring", "Wiring", "ZmqWiring", "liveness_observable", "replay_observable", "wiring_for"]
 
 
 class Wiring(Protocol):
@@ -87,6 +89,8 @@ class MemoryWiring:
     def __init__(self, scenario: Scenario) -> None:
         watched = self.guarded or liveness_observable(scenario)  # (a guarded router admits at a worker's next word)
         self.heartbeat_interval_s: float | None = scenario.cluster.heartbeat_interval_s if watched else None
+        self.kv_buffer_steps = KV_BUFFER_STEPS if replay_observable(scenario) else 1
+        """Batches each rank's in-memory KV publisher keeps for replay."""
         self._latency_ns = round(scenario.router.network_latency_ms * NS_PER_MS)
         self._spec = scenario.cluster
         self.nets: dict[str, list[MemoryNetwork]] = {}
@@ -96,7 +100,7 @@ class MemoryWiring:
         nets = self.nets[pool] = [MemoryNetwork(latency_ns=self._latency_ns, wire_check=self._spec.kv_wire_check)
                                   for _ in range(count)]
         self.buses[pool] = MemoryKvBus(vllm_version=self._spec.kv_events_version, wire_check=self._spec.kv_wire_check,
-                                       hash_form=self._spec.kv_events_hash_form)
+                                       hash_form=self._spec.kv_events_hash_form, buffer_steps=self.kv_buffer_steps)
         return [net.router_end() for net in nets]
 
     def bus(self, pool: str) -> MemoryKvBus | None:
@@ -190,6 +194,18 @@ def liveness_observable(scenario: Scenario) -> bool:
             or scenario.cluster.heartbeat_interval_s != _DEFAULT_INTERVAL_S
             or scenario.router.heartbeat_timeout_s != _DEFAULT_TIMEOUT_S)
 
+
+def replay_observable(scenario: Scenario) -> bool:
+    """Whether a router of a virtual run of ``scenario`` can read a rank's KV replay buffer. In memory batches
+    arrive in order and a lone router opens a rank's streams before the rank has work to publish, so only a chaos
+    event that loses or reorders batches or restarts a router (``harness.chaos.REPLAYING``), or router replicas
+    (one may register a worker after another sent it work), make a router ask for a replay; anywhere else a
+    buffer of one batch reports the same bytes as vLLM's 10,000."""
+    return scenario.router.replicas > 1 or any(REPLAYING[ev.action](ev) for ev in scenario.chaos)
+
+
+KV_BUFFER_STEPS = 10_000
+"""vLLM's replay buffer (``buffer_steps``): batches a rank keeps wherever a replay can be asked for."""
 
 _DEFAULT_INTERVAL_S = ClusterSpec().heartbeat_interval_s
 _DEFAULT_TIMEOUT_S = RouterSettings().heartbeat_timeout_s
