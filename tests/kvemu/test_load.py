@@ -146,7 +146,7 @@ class LoadMachine(RuleBasedStateMachine):
         for rank, blocks, _ in self.live.values():
             for b in blocks:
                 masks[b] = masks.get(b, 0) | ranks[rank]
-        assert self.t._holders == masks
+        assert self.t._holder_masks() == masks
 
     @rule(rank=st.sampled_from([(1, 0), (1, 1), (2, 0)]))
     def projections_match_model(self, rank):
@@ -188,4 +188,4 @@ def test_bulk_and_per_block_bookkeeping_agree_with_repeats_and_sharing():
     assert t.rank((1, 0)).block_refs == {}
     assert t.active_prefixes([8, 9]) == {(2, 0): 2}
     t.free("b")
-    assert t._holders == {}
+    assert t._holder_masks() == {}
