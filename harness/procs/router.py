@@ -159,7 +159,7 @@ class _RouterProcess:
         self.bad_messages = 0
         """Client messages refused while decoding (``Stats.bad_client_messages``)."""
         self._scopes: dict[str, anyio.CancelScope] = {}
-        hooks.subscribe(self._stream_tokens, "tokens")  # (the recorder listens to every kind: events are built anyway)
+        hooks.subscribe(self._stream_tokens, "tokens")
         hooks.subscribe(lambda ev: self.control.on_worker_added(self.routers, ev.worker_id), "worker_added")
 
     def _new_router(self, pool: str) -> Router:
