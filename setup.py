@@ -47,7 +47,7 @@ COMPILED = [
     "workers/vllm/fast_forward.py",
 ]
 
-NATIVE = {"kvemu._blockhash": "kvemu/_native/blockhash.c"}
+NATIVE = {"kvemu._blockhash": "kvemu/_native/blockhash.c", "kvemu._blockpool": "kvemu/_native/blockpool.c"}
 """Native module -> its C source (kvemu._build.native_source knows the same layout)."""
 
 
