@@ -15,6 +15,18 @@ One dict holds every cached full block: ``cached[hash] > 0`` is an active block'
 ``cached[hash] = -tick < 0`` marks an inactive block released at ``tick`` (a counter bumped per released
 block), so a lookup, a release or a reactivation is one dict operation.
 
+Native tables: with ``eviction="lru"`` (the default) and plain 64-bit keys, the compiled build keeps ``cached``
+and the LRU queue in ``kvemu._blockpool.Table`` (``kvemu/_native/blockpool.c``: an open-addressing u64 -> i64
+table and the queue, with one bulk method per request operation); the decisions, ``free``, ``version`` and the log
+stay here, and this module's pure-Python tables are the reference and the fallback (``lineage``, hybrid KV group
+keys, ``KVEMU_PURE_PYTHON=1``, no build). ``cached`` is then a snapshot (a new dict, in no promised order) for
+checks and tests; nothing outside this module may write it.
+
+Keys: ints in ``[0, groups << 64)`` (``groups`` > 1: hybrid KV group keys, ``workers.vllm.hybrid``). A block that
+is stored (``promote``, ``promote_one``) is checked first: TypeError for a non-int, OverflowError outside the
+range, IndexError for a position outside ``hashes``, nothing changed; a lookup of any other value finds nothing
+(``take_hits`` / ``release``: KeyError).
+
 Eviction: sequences always hold a prefix of their chain and release it tail first (as vLLM's free
 queue does), so a parent is always released after its children and plain LRU already evicts leaves
 before their parents. ``lineage`` additionally checks the leaf property explicitly; with this release
@@ -24,11 +36,14 @@ order both policies choose the same victims.
 from __future__ import annotations
 
 import heapq
+import importlib
 from collections import deque
 from collections.abc import Sequence
 from itertools import islice
-from typing import Protocol
+from types import ModuleType
+from typing import Final, Protocol
 
+from kvemu import _build
 from kvemu.errors import InvalidArgument
 from workers.config import EvictionPolicyName
 
@@ -60,6 +75,61 @@ class TokenSource(Protocol):
         ...
 
 
+class _Table(Protocol):
+    """``kvemu._blockpool.Table`` (its stub: ``kvemu/_blockpool.pyi``): the native cached blocks and LRU queue."""
+
+    @property
+    def n_inactive(self) -> int: ...
+
+    def match(self, hashes: Sequence[int], limit: int, /) -> tuple[int, int]: ...
+
+    def take(self, hashes: Sequence[int], n: int, /) -> None: ...
+
+    def release(self, held: Sequence[int], n_full: int, /) -> None: ...
+
+    def evict(self, n: int, /) -> list[int]: ...
+
+    def promote(self, span: Sequence[int], /) -> list[int] | None: ...
+
+    def promote_one(self, h: int, /) -> bool: ...
+
+    def get(self, h: int, /) -> int | None: ...
+
+    def items(self) -> list[tuple[int, int]]: ...
+
+    def order(self) -> list[int]: ...
+
+    def clear(self) -> None: ...
+
+    def check(self) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, h: object, /) -> bool: ...
+
+
+def _native_module() -> ModuleType | None:
+    """``kvemu._blockpool`` when kvemu._build says this install may use it (built, fresh, not forced pure)."""
+    if not _build.use_native("kvemu._blockpool"):
+        return None
+    try:
+        return importlib.import_module("kvemu._blockpool")
+    except ImportError:
+        return None
+
+
+_NATIVE: Final[ModuleType | None] = _native_module()
+
+
+def _check_keys(keys: Sequence[int], end: int) -> None:
+    """Every block hash to store is an int in ``[0, end)`` (the native table's checks, same exception types)."""
+    for i, h in enumerate(keys):
+        if not isinstance(h, int):
+            raise TypeError(f"block hash [{i}] must be an int in [0, 2**64), got {type(h).__name__}")
+        if h < 0 or h >= end:
+            raise OverflowError(f"block hash [{i}] must be in [0, {end:#x})")
+
+
 class BlockPool:
     """Fixed pool of KV blocks with prefix reuse; evicts the least recently released (``lineage``: leaf) block.
 
@@ -71,7 +141,7 @@ class BlockPool:
         "block_size",
         "eviction",
         "free",
-        "cached",
+        "_cached",
         "num_inactive",
         "log",
         "version",
@@ -82,21 +152,39 @@ class BlockPool:
         "_parent",
         "_children",
         "_leaves",
+        "_key_end",
+        "_t",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicyName = "lru") -> None:
+    def __init__(self, num_blocks: int, block_size: int, eviction: EvictionPolicyName = "lru", *,
+                 groups: int = 1, native: ModuleType | bool | None = None) -> None:
+        """``groups``: keys are ints in ``[0, groups << 64)`` (hybrid KV group keys). ``native``: None, the native
+        tables when this install may use them (``eviction="lru"``, ``groups == 1``); False, the pure-Python ones; a
+        module (tests), its ``Table``."""
         if num_blocks < 1:
             raise InvalidArgument(f"num_gpu_blocks must be >= 1, got {num_blocks!r}", field="num_gpu_blocks")
         if block_size < 1:
             raise InvalidArgument(f"block_size must be >= 1, got {block_size!r}", field="block_size")
         if eviction not in ("lru", "lineage"):
             raise InvalidArgument(f"eviction_policy must be 'lru' or 'lineage', got {eviction!r}", field="eviction_policy")
+        if groups < 1:
+            raise InvalidArgument(f"groups must be >= 1, got {groups!r}", field="groups")
+        module: ModuleType | None = None
+        if isinstance(native, ModuleType):
+            if eviction != "lru" or groups != 1:
+                raise InvalidArgument("the native block tables need eviction='lru' and 64-bit keys (groups=1)",
+                                      field="eviction_policy")
+            module = native
+        elif native is None and eviction == "lru" and groups == 1:
+            module = _NATIVE
+        self._t: _Table | None = module.Table() if module is not None else None
+        """The native tables (``kvemu._blockpool.Table``), or None: the pure-Python ones below."""
+        self._key_end = groups << 64
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.eviction = eviction
         self.free = num_blocks
-        self.cached: dict[int, int] = {}
-        """Sequence hash -> reference count (active, > 0) or minus the release tick (inactive, < 0)."""
+        self._cached: dict[int, int] = {}
         self.num_inactive = 0
         self.log: list[tuple] = []
         self.version = 0
@@ -114,6 +202,20 @@ class BlockPool:
         self._leaves: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def cached(self) -> dict[int, int]:
+        """Sequence hash -> reference count (active, > 0) or minus the release tick (inactive, < 0). The pure
+        tables' own dict; with the native tables a snapshot (a copy, in no promised order)."""
+        t = self._t
+        if t is None:
+            return self._cached
+        return dict(t.items())
+
+    @property
+    def native(self) -> bool:
+        """Whether this pool's tables are the native ones (``kvemu._blockpool``)."""
+        return self._t is not None
 
     @property
     def num_active_blocks(self) -> int:
@@ -137,15 +239,25 @@ class BlockPool:
 
     def is_cached(self, block_hash: int) -> bool:
         """Whether a full block with this sequence hash is in the pool (active or inactive)."""
-        return block_hash in self.cached
+        t = self._t
+        if t is not None:
+            return block_hash in t
+        return block_hash in self._cached
 
     def cached_hashes(self) -> set[int]:
         """Sequence hashes of every cached full block (for checks; not used to decide anything)."""
         return set(self.cached)
 
+    def _num_cached(self) -> int:
+        t = self._t
+        return len(t) if t is not None else len(self._cached)
+
     def match_prefix(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
         """Length of the cached prefix of ``hashes[:limit]`` and how many of those blocks are inactive."""
-        get = self.cached.get
+        t = self._t
+        if t is not None:
+            return t.match(hashes, limit)
+        get = self._cached.get
         n = 0
         n_inactive = 0
         for h in islice(hashes, limit):
@@ -162,7 +274,14 @@ class BlockPool:
     def take_hits(self, hashes: Sequence[int], n: int) -> None:
         """Reference the first ``n`` blocks of ``hashes`` (all cached), reactivating inactive ones."""
         self.version += 1
-        cached = self.cached
+        t = self._t
+        if t is not None:
+            try:
+                t.take(hashes, n)
+            finally:
+                self.num_inactive = t.n_inactive
+            return
+        cached = self._cached
         for h in islice(hashes, n):
             v = cached[h]  # KeyError here means the caller skipped match_prefix
             if v > 0:
@@ -172,7 +291,7 @@ class BlockPool:
 
     def _reactivate(self, h: int, v: int) -> None:
         """An inactive block (marked ``v = -tick``) is referenced again: it leaves the LRU queue."""
-        self.cached[h] = 1
+        self._cached[h] = 1
         self.num_inactive -= 1
         if self.eviction == "lru":
             self._order[-v - self._order_base] = None
@@ -193,7 +312,13 @@ class BlockPool:
         self._evict(n)
 
     def _evict(self, n: int) -> None:
-        cached = self.cached
+        t = self._t
+        if t is not None:
+            removed = t.evict(n)
+            self.num_inactive = t.n_inactive
+            self.log.append((REMOVED, removed))
+            return
+        cached = self._cached
         get = cached.get
         self.num_inactive -= n
         if self.eviction == "lru":
@@ -245,10 +370,16 @@ class BlockPool:
         """
         if lo >= hi:
             return 0
-        self.version += 1
-        cached = self.cached
-        lineage = self.eviction == "lineage"
+        if lo < 0 or hi > len(hashes):
+            raise IndexError(f"promote: blocks {lo}..{hi - 1} outside the {len(hashes)} hashes")
         span = hashes[lo:hi]
+        t = self._t
+        if t is not None:
+            return self._promote_native(t, hashes, lo, hi, span, source)
+        _check_keys(span, self._key_end)
+        self.version += 1
+        cached = self._cached
+        lineage = self.eviction == "lineage"
         if not lineage and cached.keys().isdisjoint(span):
             cached.update(dict.fromkeys(span, 1))
             self.log.append((STORED, span, hashes[lo - 1] if lo else None, source, lo))
@@ -283,13 +414,50 @@ class BlockPool:
         self.free += released
         return released
 
+    def _promote_native(self, t: _Table, hashes: Sequence[int], lo: int, hi: int, span: Sequence[int],
+                        source: TokenSource) -> int:
+        """``promote`` on the native tables: they store the blocks and say which were cached; the STORED entries
+        (runs split at the cached blocks) are built here, as the pure path builds them."""
+        hits = t.promote(span)
+        self.version += 1
+        log = self.log
+        if hits is None:
+            log.append((STORED, span, hashes[lo - 1] if lo else None, source, lo))
+            return 0
+        self.num_inactive = t.n_inactive
+        run_start = lo
+        for j in hits:
+            i = lo + j
+            if i > run_start:
+                log.append((STORED, hashes[run_start:i], hashes[run_start - 1] if run_start else None, source,
+                            run_start))
+            run_start = i + 1
+        if run_start < hi:
+            log.append((STORED, hashes[run_start:hi], hashes[run_start - 1] if run_start else None, source, run_start))
+        released = len(hits)
+        self.free += released
+        return released
+
     def promote_one(self, hashes: Sequence[int], i: int, source: TokenSource) -> int:
         """``promote(hashes, i, i + 1, source)``, with a short path for the usual new block."""
+        if i < 0 or i >= len(hashes):
+            raise IndexError(f"promote_one: block {i} outside the {len(hashes)} hashes")
         h = hashes[i]
-        if h in self.cached or self.eviction == "lineage":
+        t = self._t
+        if t is not None:
+            new = t.promote_one(h)
+            self.version += 1
+            if new:
+                self.log.append((STORED, [h], hashes[i - 1] if i else None, source, i))
+                return 0
+            self.num_inactive = t.n_inactive
+            self.free += 1
+            return 1
+        if h in self._cached or self.eviction == "lineage":
             return self.promote(hashes, i, i + 1, source)
+        _check_keys([h], self._key_end)
         self.version += 1
-        self.cached[h] = 1
+        self._cached[h] = 1
         self.log.append((STORED, [h], hashes[i - 1] if i else None, source, i))
         return 0
 
@@ -302,9 +470,16 @@ class BlockPool:
         self.free += n_partial
         if n_full <= 0:
             return
-        cached = self.cached
-        tick = self._tick
         held = hashes[n_full - 1 :: -1]  # tail first
+        t = self._t
+        if t is not None:
+            try:
+                t.release(held, n_full)
+            finally:
+                self.num_inactive = t.n_inactive
+            return
+        cached = self._cached
+        tick = self._tick
         if self.eviction == "lru" and sum(map(cached.__getitem__, held)) == n_full:
             # nobody else holds any of them: all go inactive, marked with consecutive ticks
             cached.update(zip(held, range(-tick - 1, -tick - 1 - n_full, -1)))
@@ -335,7 +510,10 @@ class BlockPool:
             return False
         self.version += 1
         self.free = self.num_blocks
-        self.cached.clear()
+        t = self._t
+        if t is not None:
+            t.clear()
+        self._cached.clear()
         self.num_inactive = 0
         self._parent.clear()
         self._children.clear()
@@ -349,6 +527,12 @@ class BlockPool:
     def check(self) -> None:
         """Assert the pool's internal invariants (tests and debugging)."""
         assert self.free >= 0, self.free
+        t = self._t
+        if t is not None:
+            t.check()
+            assert self.num_inactive == t.n_inactive, (self.num_inactive, t.n_inactive)
+            assert self.num_active_blocks >= len(t) - self.num_inactive
+            return
         assert self.num_inactive == sum(1 for v in self.cached.values() if v < 0)
         assert 0 not in self.cached.values()
         assert self.num_active_blocks >= len(self.cached) - self.num_inactive
@@ -367,7 +551,7 @@ class BlockPool:
                     assert self._order[-v - self._order_base] == h, "LRU queue lost a block"
 
     def __repr__(self) -> str:
-        n_active = len(self.cached) - self.num_inactive
+        n_active = self._num_cached() - self.num_inactive
         return (
             f"BlockPool(blocks={self.num_blocks}, free={self.free}, active={n_active}, "
             f"inactive={self.num_inactive}, partial={self.num_active_blocks - n_active})"

@@ -84,7 +84,7 @@ def _seq(n_blocks: int, bs: int = 4) -> SeqState:
 
 def _pool_with(seq: SeqState, cached: dict[int, list[int]]) -> BlockPool:
     """A pool caching, for each group, the given block positions of ``seq`` (inactive)."""
-    pool = BlockPool(1000, 4)
+    pool = BlockPool(1000, 4, groups=max(cached, default=0) + 1, native=False)  # (it writes the pure tables' dict)
     for g, positions in cached.items():
         for i in positions:
             pool.cached[seq.hashes[i] + (g << 64)] = -1

@@ -94,10 +94,12 @@ class VllmEngineCore(RankCore):
         super().__init__(config if config is not None else EngineConfig(), dp_rank, timing, worker_id)
         cfg = self.config
         bs = cfg.resolved_block_size
-        self.pool = BlockPool(cfg.pool_blocks, bs, cfg.eviction_policy)
+        groups = cfg.kv_cache_groups
+        # hybrid KV groups read the pool's dict themselves (workers.vllm.hybrid) and key past 64 bits: the pure tables
+        self.pool = BlockPool(cfg.pool_blocks, bs, cfg.eviction_policy, groups=len(groups) or 1,
+                              native=False if groups else None)
         self.scheduler = Scheduler(cfg, self.pool)
         self.scheduler.spec = self.spec
-        groups = cfg.kv_cache_groups
         self.hybrid: HybridKV | None = None
         """Hybrid KV cache groups (``kv_groups``; ``workers.vllm.hybrid``); None: the plain one-group engine."""
         self._groups_meta: list[tuple[str, int | None]] | None = None
@@ -500,7 +502,7 @@ class VllmEngineCore(RankCore):
             for h in keys:
                 refs[h] = refs.get(h, 0) + 1
         assert refs == pool.active, "active block refcounts must equal the running sequences' holdings"
-        assert pool.free + partial + len(pool.cached) == pool.num_blocks, pool
+        assert pool.free + partial + len(pool.cached_hashes()) == pool.num_blocks, pool
 
     def __repr__(self) -> str:
         return (

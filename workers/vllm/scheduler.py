@@ -510,7 +510,7 @@ class Scheduler:
         assert host is not None
         hi = seq.prompt_len // self.block_size
         hashes = seq.ensure_hashes(hi)
-        lo = hits + 1 if hits == limit < hi and hashes[hits] in pool.cached else hits
+        lo = hits + 1 if hits == limit < hi and pool.is_cached(hashes[hits]) else hits
         n, wait = host.lookup(hashes, lo, hi) if lo < hi else (0, 0)
         host.touch_prompt(hashes, hi)
         if not n and not wait:
