@@ -3,7 +3,7 @@
 import warnings
 
 from harness.run.wiring import (
-    MemoryWiring, Wiring, ZmqWiring, liveness_observable, wiring_for,
+    MemoryWiring, Wiring, ZmqWiring, liveness_observable, replay_observable, wiring_for,
 )
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "Wiring",
     "ZmqWiring",
     "liveness_observable",
+    "replay_observable",
     "wiring_for",
 ]
 
