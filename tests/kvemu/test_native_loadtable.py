@@ -172,7 +172,7 @@ class TwinMachine(RuleBasedStateMachine):
 
 
 TestTwinMachine = TwinMachine.TestCase
-# (bounded: .ci/sanitize gives each module 150 s under ASan, at EXAMPLES=2000)
+# (bounded: .ci/sanitize gives each module 150 s under ASan, at EXAMPLES=1000)
 TestTwinMachine.settings = settings(max_examples=max(EXAMPLES // 15, 25), stateful_step_count=40, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 
