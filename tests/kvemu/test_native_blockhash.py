@@ -23,9 +23,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvemu import _build
 from kvemu.hashing import BASE_SEED, U64_MASK, extend_sequence_hashes_py
-from tests.native import EXAMPLES, load_native, under_sanitizer
+from tests.native import EXAMPLES, assert_built_and_selected, assert_stale_when_edited, load_native, selected
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "kvemu._blockhash"
@@ -127,44 +126,25 @@ def test_a_long_chain_and_a_bad_value_at_its_end(native):
     assert _outcome(extend_sequence_hashes_py, 3, local)[0] == "OverflowError"
 
 
-_SELECTED = """
-import json, sys
+_PROBE = """
 import kvemu.hashing as h
-print(json.dumps({"native": h.extend_sequence_hashes is not h.extend_sequence_hashes_py,
-                  "loaded": "kvemu._blockhash" in sys.modules}))
+SELECTED = {"native": h.extend_sequence_hashes is not h.extend_sequence_hashes_py}
 """
-
-
-def _selected(pure: bool) -> dict[str, bool]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVEMU_PURE_PYTHON", "KVEMU_NATIVE_BLOCKHASH")}
-    if pure:
-        env["KVEMU_PURE_PYTHON"] = "1"
-    out = subprocess.run([sys.executable, "-c", _SELECTED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 @pytest.mark.installed_build
 def test_pure_python_switch_selects_the_reference(native):
-    assert _selected(pure=True) == {"native": False, "loaded": False}
+    assert selected(NAME, _PROBE, pure=True) == {"native": False, "loaded": False}
 
 
 @pytest.mark.installed_build
 def test_the_built_extension_is_selected_without_the_switch(native):
-    if under_sanitizer(NAME):
-        pytest.skip("a sanitizer build outside the package is under test")
-    if NAME not in _build._read_manifest("native"):
-        pytest.fail(f"{NAME} imports but the build manifest does not record it")
-    assert _selected(pure=False) == {"native": True, "loaded": True}
+    assert_built_and_selected(NAME, _PROBE)
 
 
 @pytest.mark.installed_build
 def test_a_c_source_edited_after_the_build_is_stale():
-    """The same guard as for the mypyc modules: an old extension never runs silently over a changed source."""
-    source = _build.native_source(NAME)
-    assert source == ROOT / "kvemu" / "_native" / "blockhash.c" and source.is_file()
-    assert _build._stale({NAME: "0" * 64}, _build.native_source) == [NAME]
+    assert_stale_when_edited(NAME)
 
 
 _SETUP_WITHOUT_MYPYC = """

@@ -11,11 +11,7 @@ tests not marked ``installed_build`` against a sanitizer build (``tests.native``
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -25,9 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvemu import _build
 from workers.blocks import BlockPool
-from tests.native import EXAMPLES, load_native, under_sanitizer
+from tests.native import EXAMPLES, assert_built_and_selected, assert_stale_when_edited, load_native, selected
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "kvemu._blockpool"
@@ -347,39 +342,22 @@ def test_native_selection_rules(native):
         BlockPool(4, 4, groups=3, native=native)
 
 
-_SELECTED = """
-import json, sys
+_PROBE = """
 from workers.blocks import BlockPool
-print(json.dumps({"native": BlockPool(4, 4).native, "loaded": "kvemu._blockpool" in sys.modules}))
+SELECTED = {"native": BlockPool(4, 4).native}
 """
-
-
-def _selected(pure: bool) -> dict[str, bool]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVEMU_PURE_PYTHON", "KVEMU_NATIVE_BLOCKPOOL")}
-    if pure:
-        env["KVEMU_PURE_PYTHON"] = "1"
-    out = subprocess.run([sys.executable, "-c", _SELECTED], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 @pytest.mark.installed_build
 def test_pure_python_switch_selects_the_reference(native):
-    assert _selected(pure=True) == {"native": False, "loaded": False}
+    assert selected(NAME, _PROBE, pure=True) == {"native": False, "loaded": False}
 
 
 @pytest.mark.installed_build
 def test_the_built_extension_is_selected_without_the_switch(native):
-    if under_sanitizer(NAME):
-        pytest.skip("a sanitizer build outside the package is under test")
-    if NAME not in _build._read_manifest("native"):
-        pytest.fail(f"{NAME} imports but the build manifest does not record it")
-    assert _selected(pure=False) == {"native": True, "loaded": True}
+    assert_built_and_selected(NAME, _PROBE)
 
 
 @pytest.mark.installed_build
 def test_a_c_source_edited_after_the_build_is_stale():
-    source = _build.native_source(NAME)
-    assert source == ROOT / "kvemu" / "_native" / "blockpool.c" and source.is_file()
-    assert _build._stale({NAME: "0" * 64}, _build.native_source) == [NAME]
+    assert_stale_when_edited(NAME)
