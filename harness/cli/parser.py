@@ -123,6 +123,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argpar
     run.add_argument("--mode", choices=("virtual", "live"), help="override run.mode")
     run.add_argument("--seed", type=int, help="override run.seed")
     run.add_argument("--quiet", action="store_true", help="no progress bar, and no summary table at the end")
+    run.add_argument("--plots", choices=("auto", "wait", "background"), default="auto",
+                     help="wait for the report's plots before ending, or leave them drawing in the background "
+                          "(each appears whole when drawn); auto (default): background when stderr is a terminal")
     _add_max_memory(run)
     return run
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,7 +55,7 @@ def run_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from harness.report.plots import background_renderer
+    from harness.report.plots import PLOTS, background_renderer
     from harness.report.files import OutputError, claim_outdir
     from harness.run.progress import for_scenario
     from harness.run.runner import NothingRan, RunAborted, run_scenario
@@ -79,7 +79,8 @@ def run_command(args: argparse.Namespace) -> int:
                           f"{scenario.run.seed}) on {cluster_shape(scenario)}", soft_wrap=True, highlight=False)
             # the plots' child process imports matplotlib while the scenario runs
             meter = for_scenario(scenario) if not args.quiet and console.is_terminal else None
-            with _progress_bar(console, meter) as progress, background_renderer():
+            background = plots_in_background(getattr(args, "plots", "auto"), console.is_terminal)
+            with _progress_bar(console, meter) as progress, background_renderer(wait=not background):
                 outcome = run_scenario(scenario, outdir, progress=progress,
                                        generated=meter.generated if meter is not None else None,
                                        origin=run_origin(args))
@@ -104,6 +105,9 @@ def run_command(args: argparse.Namespace) -> int:
              "no report could be written (its summary is above)")
     console.print(f"kvemu: {summary.completed_requests}/{summary.num_requests} requests completed"
                   f"{partial}; {where}", soft_wrap=True, highlight=False)
+    if background and outcome.report_dir is not None and _plots_pending(outcome.report_dir, PLOTS):
+        console.print("kvemu: the plots are being drawn in the background; each appears when done (within "
+                      "seconds)", soft_wrap=True, highlight=False)
     if not args.quiet:
         from harness.report.first_screen import first_screen
 
@@ -112,6 +116,17 @@ def run_command(args: argparse.Namespace) -> int:
     if not outcome.data.partial:
         return 0
     return 143 if outcome.data.stop_reason == "SIGTERM" else 130
+
+
+def plots_in_background(choice: str, interactive: bool) -> bool:
+    """``--plots``: whether the command ends before its plots are drawn. ``auto`` does so for a person at a
+    terminal only: a script reading the report's directory next finds every file there."""
+    return choice == "background" or (choice == "auto" and interactive)
+
+
+def _plots_pending(report_dir: Path, plots: Sequence[str]) -> bool:
+    """Whether a plot the report names is not written yet (left to the background renderer)."""
+    return any(not (report_dir / name).exists() for name in plots)
 
 
 def validate_command(args: argparse.Namespace) -> int:

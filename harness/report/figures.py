@@ -5,6 +5,7 @@ every text first and costs as much as the drawing). matplotlib is imported when 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,18 @@ def new_figure(title: str, xlabel: str, ylabel: str, legend: bool = False) -> tu
 
 
 def save_png(fig: Any, path: Path) -> None:
+    """Write the PNG under a temporary name, then rename it: a reader (the plots may be drawn after ``kvemu run``
+    has ended) never sees half a file."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    FigureCanvasAgg(fig).print_png(path, metadata={"Software": None},
-                                   pil_kwargs={"compress_level": _PNG_COMPRESS_LEVEL})
+    path = Path(path)
+    part = path.with_name(f".{path.name}.part")
+    try:
+        FigureCanvasAgg(fig).print_png(part, metadata={"Software": None},
+                                       pil_kwargs={"compress_level": _PNG_COMPRESS_LEVEL})
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def no_data(ax: Any) -> None:

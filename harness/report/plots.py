@@ -15,26 +15,28 @@ from typing import TYPE_CHECKING
 
 from harness.report.plot_data import plot_job
 from harness.report.plot_drawing import PLOTS, plot_names, render
-from harness.report.plot_renderer import background_renderer, submit_to_renderer
+from harness.report.plot_renderer import PLOTS_ERROR, background_renderer, submit_to_renderer
 
 if TYPE_CHECKING:
     from harness.report.run_data import RunData
 
-__all__ = ["PLOTS", "write_plots", "start_plots", "background_renderer"]
+__all__ = ["PLOTS", "PLOTS_ERROR", "write_plots", "start_plots", "background_renderer"]
 
 
 def start_plots(data: RunData, outdir: Path) -> Callable[[], list[str]]:
     """Start writing the plots of ``data`` into ``outdir``; call the result to finish (returns their names).
 
-    With an active ``background_renderer()`` the plots are drawn by its process meanwhile; otherwise (or if
-    that process fails) the returned function draws them.
+    With an active ``background_renderer()`` the plots are drawn by its process meanwhile (and, opened with
+    ``wait=False``, on after this function's result has returned); otherwise (or if that process fails) the
+    returned function draws them.
     """
     job = plot_job(data, Path(outdir))
-    waited = submit_to_renderer(job)
-    if waited is not None:
+    handed_over = submit_to_renderer(job)
+    if handed_over is not None:
         def finish() -> list[str]:
-            if not waited():
-                return render(job)  # the renderer failed: draw here, so a real error shows
+            if not handed_over():  # the renderer failed: draw here, so a real error shows
+                (Path(outdir) / PLOTS_ERROR).unlink(missing_ok=True)
+                return render(job)
             return plot_names(job)
         return finish
     return lambda: render(job)

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -390,3 +391,28 @@ def test_a_file_given_to_the_wrong_command_says_which_command_it_is_for(tmp_path
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and expected in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def test_plots_wait_unless_a_person_is_at_the_terminal_or_background_is_asked():
+    from harness.cli.run import plots_in_background
+
+    assert [plots_in_background(c, False) for c in ("auto", "wait", "background")] == [False, False, True]
+    assert [plots_in_background(c, True) for c in ("auto", "wait", "background")] == [True, False, True]
+
+
+def test_plots_left_drawing_in_the_background_are_the_files_a_waiting_run_writes(tmp_path):
+    from harness.report.plots import PLOTS, PLOTS_ERROR
+
+    waited = kvemu("run", *TINY, "-o", "w", "--quiet", "--plots", "wait", cwd=tmp_path)
+    left = kvemu("run", *TINY, "-o", "b", "--quiet", "--plots", "background", cwd=tmp_path)
+    assert waited.returncode == left.returncode == 0, left.stderr
+    assert all((tmp_path / "w" / name).exists() for name in PLOTS)  # there when the command ends
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / "b" / name).exists() for name in PLOTS):
+        assert time.monotonic() < deadline and not (tmp_path / "b" / PLOTS_ERROR).exists()
+        time.sleep(0.05)
+    for name in ("requests.jsonl", *PLOTS):  # (summary.json and report.md say how long each run took)
+        assert (tmp_path / "w" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

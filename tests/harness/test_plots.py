@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from harness.report import figures, plot_data, plot_drawing, plot_renderer
-from harness.report.plots import PLOTS, background_renderer, write_plots
+from harness.report.plots import PLOTS, PLOTS_ERROR, background_renderer, write_plots
 from harness.report.files import write_report
 from tests.harness.test_report import PNG_SIGNATURE, sample_run
 
@@ -66,6 +68,95 @@ def test_a_renderer_takes_one_job_then_plots_are_drawn_in_process(tmp_path, monk
         write_plots(sample_run(), tmp_path / "second")
     for name in PLOTS:
         assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gated_renderer(gate: Path, prelude: str = "") -> list[str]:
+    """A renderer that reads its job, then waits for ``gate`` to exist before drawing it (after ``prelude``)."""
+    code = (f"import io, os, sys, time; sys.path.insert(0, {str(ROOT)!r}); data = sys.stdin.buffer.read()\n"
+            f"while not os.path.exists({str(gate)!r}): time.sleep(0.01)\n"
+            f"sys.stdin = io.TextIOWrapper(io.BytesIO(data))\n"
+            f"import harness.report.plot_renderer as r\n{prelude}\nr._serve()")
+    return [sys.executable, "-P", "-c", code]
+
+
+def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    """Until ``path`` exists (a process this test does not wait for writes it), at most ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+_FAIL = "r.render = lambda *a: (_ for _ in ()).throw(RuntimeError('no fonts'))"
+
+
+def test_a_renderer_left_drawing_ends_the_report_at_once_and_draws_the_same_files(tmp_path, monkeypatch):
+    _two_cpus(monkeypatch)
+    write_report(sample_run(), tmp_path / "here")
+    gate = tmp_path / "gate"
+    monkeypatch.setattr(plot_renderer, "_renderer_command", lambda: _gated_renderer(gate))
+    with background_renderer(wait=False):
+        renderer = plot_renderer._RENDERER
+        write_report(sample_run(), tmp_path / "there")  # returns while the renderer cannot draw yet
+    assert renderer.proc.poll() is None  # left drawing, not killed
+    there = tmp_path / "there"
+    assert not any((there / name).exists() for name in PLOTS)
+    assert all(f"]({name})" in (there / "report.md").read_text() for name in PLOTS)  # the report names them
+    gate.touch()
+    assert renderer.proc.wait(60) == 0
+    assert sorted(p.name for p in there.iterdir()) == sorted(FILES)  # no temporary file left behind
+    for name in FILES:
+        assert (tmp_path / "here" / name).read_bytes() == (there / name).read_bytes(), name
+    assert not (there / PLOTS_ERROR).exists()
+
+
+def test_a_renderer_left_drawing_that_fails_says_why_in_the_report_directory(tmp_path, monkeypatch):
+    _two_cpus(monkeypatch)
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setattr(plot_renderer, "_renderer_command", lambda: _gated_renderer(gate, _FAIL))
+    with background_renderer(wait=False):
+        assert write_plots(sample_run(), tmp_path) == list(PLOTS)
+    _wait_for(tmp_path / PLOTS_ERROR)
+    assert "RuntimeError: no fonts" in (tmp_path / PLOTS_ERROR).read_text()
+    assert not any((tmp_path / name).exists() for name in PLOTS)
+
+
+def test_a_renderer_that_fails_while_waited_for_is_replaced_by_drawing_in_process(tmp_path, monkeypatch):
+    _two_cpus(monkeypatch)
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setattr(plot_renderer, "_renderer_command", lambda: _gated_renderer(gate, _FAIL))
+    with background_renderer():
+        assert write_plots(sample_run(), tmp_path) == list(PLOTS)
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
+    assert not (tmp_path / PLOTS_ERROR).exists()  # the child's complaint went with its failure
+
+
+def test_a_plot_is_never_seen_half_written(tmp_path, monkeypatch):
+    """Each PNG is written under a temporary name and renamed; a failed write leaves neither."""
+    from matplotlib.figure import Figure
+
+    fig = Figure()
+    fig.add_subplot().plot([1, 2])
+    figures.save_png(fig, tmp_path / "a.png")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.png"]
+    assert (tmp_path / "a.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    def broken(self, path, **kwargs):
+        Path(path).write_bytes(PNG_SIGNATURE)  # half a file, then the disk fills up
+        raise OSError(28, "No space left on device")
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    monkeypatch.setattr(FigureCanvasAgg, "print_png", broken)
+    with pytest.raises(OSError):
+        figures.save_png(fig, tmp_path / "b.png")
+    assert [p.name for p in tmp_path.iterdir()] == ["a.png"]
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 4500])
