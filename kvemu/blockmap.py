@@ -13,13 +13,15 @@ from __future__ import annotations
 import importlib
 from collections import deque
 from collections.abc import Iterable
-from typing import Any, Final, Protocol
+from types import ModuleType
+from typing import Final, Protocol, TypeVar
 
 from kvemu import _build
 
 __all__ = ["HashMap", "SegMap", "HashMapLike", "SegMapLike", "all_u64_py", "NATIVE_MAPS"]
 
 _U64_LIMIT = 1 << 64
+V = TypeVar("V")
 
 
 class HashMapLike(Protocol):
@@ -40,19 +42,19 @@ class HashMapLike(Protocol):
     def clear(self) -> None: ...
 
 
-class SegMapLike(Protocol):
+class SegMapLike(Protocol[V]):
     """What the index uses of a u64 -> object map (``SegMap`` or the native ``kvemu._blockmap.SegMap``)."""
 
     def __len__(self) -> int: ...
     def __contains__(self, key: object) -> bool: ...
-    def __getitem__(self, key: int) -> Any: ...
-    def get(self, key: int, default: None = None, /) -> Any: ...
-    def get_many(self, keys: list[int], /) -> list[Any]: ...
+    def __getitem__(self, key: int) -> V: ...
+    def get(self, key: int, default: None = None, /) -> V | None: ...
+    def get_many(self, keys: list[int], /) -> list[V]: ...
     def delete_many(self, keys: list[int], /) -> None: ...
     def discard_many(self, keys: list[int], /) -> None: ...
-    def set_many(self, keys: list[int], value: Any, /) -> None: ...
+    def set_many(self, keys: list[int], value: V, /) -> None: ...
     def keys(self) -> Iterable[int]: ...
-    def items(self) -> Iterable[tuple[int, Any]]: ...
+    def items(self) -> Iterable[tuple[int, V]]: ...
 
 
 class HashMap(dict[int, int]):
@@ -79,12 +81,12 @@ class HashMap(dict[int, int]):
         self.update(zip(keys, values))
 
 
-class SegMap(dict[int, Any]):
+class SegMap(dict[int, V]):
     """u64 -> object (a block's sequence hash -> the segment holding it); the reference."""
 
     __slots__ = ()
 
-    def get_many(self, keys: list[int], /) -> list[Any]:
+    def get_many(self, keys: list[int], /) -> list[V]:
         """Each key's value; KeyError at the first absent key."""
         return list(map(self.__getitem__, keys))
 
@@ -98,17 +100,17 @@ class SegMap(dict[int, Any]):
         for key in keys:
             pop(key, None)
 
-    def set_many(self, keys: list[int], value: Any, /) -> None:
+    def set_many(self, keys: list[int], value: V, /) -> None:
         """``self[key] = value`` for every key of the list."""
         self.update(dict.fromkeys(keys, value))
 
 
-def all_u64_py(items: list[Any]) -> bool:
+def all_u64_py(items: list[object]) -> bool:
     """Whether every item is an exact int in [0, 2**64): what the native maps may be handed."""
     return all(type(x) is int and 0 <= x < _U64_LIMIT for x in items)
 
 
-def _native() -> Any:
+def _native() -> ModuleType | None:
     if not _build.use_native("kvemu._blockmap"):
         return None
     try:
@@ -117,5 +119,5 @@ def _native() -> Any:
         return None
 
 
-NATIVE_MAPS: Final[Any] = _native()
+NATIVE_MAPS: Final[ModuleType | None] = _native()
 """The ``kvemu._blockmap`` module when this install may use it (built, fresh, not forced pure), else None."""

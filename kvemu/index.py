@@ -12,7 +12,8 @@ past unknown hashes and cascades to the rank's descendants of the removed block;
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from types import ModuleType
+from typing import NamedTuple, cast
 
 from kvemu.blockmap import NATIVE_MAPS, HashMap, HashMapLike, SegMap, SegMapLike
 from kvemu.errors import BlockNotFound, InvalidArgument, InvalidBlockSequence, ParentBlockNotFound
@@ -69,8 +70,8 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._root = _Seg([], [], [], set(), None)
-        self._maps: Any = NATIVE_MAPS  # kvemu._blockmap when its tables hold the per-block maps (else dicts)
-        self._blocks: SegMapLike = SegMap() if self._maps is None else self._maps.SegMap()  # sequence hash -> segment
+        self._maps: ModuleType | None = NATIVE_MAPS  # kvemu._blockmap when its tables hold the per-block maps (else dicts)
+        self._blocks: SegMapLike[_Seg] = SegMap() if self._maps is None else self._maps.SegMap()  # sequence hash -> segment
         self._slot_of: dict[WorkerKey, int] = {}
         self._keys: list[WorkerKey | None] = []  # slot -> key
         self._lookup: list[HashMapLike | None] = []  # slot -> {external hash -> sequence hash}
@@ -261,9 +262,10 @@ class PrefixIndex:
             lk = self._lookup[slot]
             seqs = lk.get_many(exts)  # type: ignore[union-attr]
             if seqs and None not in seqs:
-                segs = self._blocks.get_many(seqs)  # type: ignore[arg-type]
+                held = cast("list[int]", seqs)
+                segs = self._blocks.get_many(held)
                 if segs.count(segs[0]) == len(segs):  # the usual eviction: blocks of one run, cut once
-                    self._cut_first(slot, segs[0], set(seqs))  # type: ignore[arg-type]
+                    self._cut_first(slot, segs[0], set(held))
                     return
             missing = []
             hit: dict[int, tuple[_Seg, set[int]]] = {}  # id(segment) -> (segment, its removed blocks)
@@ -353,7 +355,7 @@ class PrefixIndex:
     def _new_hash_map(self) -> HashMapLike:
         return HashMap() if self._maps is None else self._maps.HashMap()
 
-    def _use_maps(self, maps: Any) -> None:
+    def _use_maps(self, maps: ModuleType | None) -> None:
         """Hold the per-block maps in ``maps``' tables (a ``kvemu._blockmap`` module) or in dicts (``None``);
         an empty index only (tests pick a build this way)."""
         if self._slot_of or len(self._blocks):
@@ -364,7 +366,7 @@ class PrefixIndex:
     def _to_dicts(self) -> None:
         """Move the per-block maps to the pure-Python dicts for good (a hash the native tables cannot hold)."""
         self._maps = None
-        blocks = SegMap()
+        blocks: SegMap[_Seg] = SegMap()
         blocks.update(self._blocks.items())
         self._blocks = blocks
         for slot, lk in enumerate(self._lookup):

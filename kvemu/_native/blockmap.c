@@ -771,7 +771,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvemu._blockmap",
     PyDoc_STR("Native per-block maps of kvemu.index.PrefixIndex (reference: kvemu.blockmap's dicts)."), -1,
-    module_methods,
+    module_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__blockmap(void) {
