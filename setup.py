@@ -51,6 +51,7 @@ NATIVE = {
     "kvemu._blockhash": "kvemu/_native/blockhash.c",
     "kvemu._loadtable": "kvemu/_native/loadtable.c",
     "kvemu._blockpool": "kvemu/_native/blockpool.c",
+    "kvemu._blockmap": "kvemu/_native/blockmap.c",
 }
 """Native module -> its C source (kvemu._build.native_source knows the same layout)."""
 

@@ -8,7 +8,8 @@ silently; that case warns once). Never compiled itself.
 
 It also decides, once, whether the native C extensions the build recorded under ``"native"`` (today
 ``kvemu._blockhash``, the rolling sequence hash; ``kvemu._loadtable``, ``kvemu.load.LoadTracker``'s block table;
-``kvemu._blockpool``, ``workers.blocks.BlockPool``'s tables)
+``kvemu._blockpool``, ``workers.blocks.BlockPool``'s tables; ``kvemu._blockmap``, ``kvemu.index.PrefixIndex``'s
+per-block maps)
 are used: not under ``KVEMU_PURE_PYTHON=1``, not when their C source changed since the build; their callers ask
 ``use_native(name)`` and otherwise run the Python reference.
 """

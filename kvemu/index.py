@@ -11,10 +11,11 @@ past unknown hashes and cascades to the rank's descendants of the removed block;
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from types import ModuleType
+from typing import NamedTuple, cast
 
+from kvemu.blockmap import NATIVE_MAPS, HashMap, HashMapLike, SegMap, SegMapLike
 from kvemu.errors import BlockNotFound, InvalidArgument, InvalidBlockSequence, ParentBlockNotFound
 from kvemu.hashing import extend_sequence_hashes
 
@@ -69,10 +70,11 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._root = _Seg([], [], [], set(), None)
-        self._blocks: dict[int, _Seg] = {}  # sequence hash -> segment holding the block
+        self._maps: ModuleType | None = NATIVE_MAPS  # kvemu._blockmap when its tables hold the per-block maps (else dicts)
+        self._blocks: SegMapLike[_Seg] = SegMap() if self._maps is None else self._maps.SegMap()  # sequence hash -> segment
         self._slot_of: dict[WorkerKey, int] = {}
         self._keys: list[WorkerKey | None] = []  # slot -> key
-        self._lookup: list[dict[int, int] | None] = []  # slot -> {external hash -> sequence hash}
+        self._lookup: list[HashMapLike | None] = []  # slot -> {external hash -> sequence hash}
         self._xext: list[dict[int, int] | None] = []  # slot -> {sequence hash -> ext} where ext != canonical
         self._free: list[int] = []
         self._size = 0
@@ -158,6 +160,8 @@ class PrefixIndex:
     def holds(self, worker_id: int, block_hash: int, dp_rank: int = 0) -> bool:
         """Whether the rank holds the block with this external hash."""
         slot = self._slot_of.get((worker_id, dp_rank))
+        if self._maps is not None and not self._maps.all_u64([block_hash]):
+            self._to_dicts()
         return slot is not None and block_hash in self._lookup[slot]  # type: ignore[operator]
 
     def dump(self) -> list[StoredChain]:
@@ -211,6 +215,9 @@ class PrefixIndex:
                 f"store for worker {worker_id} rank {dp_rank}: {n} block_hashes but {len(local_hashes)} local_hashes",
                 field="local_hashes", worker_id=worker_id, dp_rank=dp_rank,
             )
+        maps = self._maps
+        if maps is not None and not (maps.all_u64(block_hashes) and (parent_hash is None or maps.all_u64([parent_hash]))):
+            self._to_dicts()
         key = (worker_id, dp_rank)
         slot = self._slot_of.get(key)
         lk = self._lookup[slot] if slot is not None else None
@@ -233,7 +240,7 @@ class PrefixIndex:
                 f"worker {worker_id} rank {dp_rank}: store repeats a block hash (blocks {list(block_hashes)[:8]}..., parent {parent_hash})",
                 worker_id=worker_id, dp_rank=dp_rank, block_hash=repeated,
             )
-        if lk and not lk.keys().isdisjoint(block_hashes):
+        if lk and not lk.isdisjoint(block_hashes):
             self._check_restore(slot, seg, off, local_hashes, block_hashes)  # type: ignore[arg-type]
         if slot is None:
             slot = self._new_slot(key)
@@ -249,13 +256,16 @@ class PrefixIndex:
         if slot is None:
             missing = list(block_hashes)
         else:
-            lk = self._lookup[slot]
             exts = block_hashes if type(block_hashes) is list else list(block_hashes)
-            seqs = list(map(lk.get, exts))  # type: ignore[union-attr]
+            if self._maps is not None and not self._maps.all_u64(exts):
+                self._to_dicts()
+            lk = self._lookup[slot]
+            seqs = lk.get_many(exts)  # type: ignore[union-attr]
             if seqs and None not in seqs:
-                segs = list(map(self._blocks.__getitem__, seqs))
+                held = cast("list[int]", seqs)
+                segs = self._blocks.get_many(held)
                 if segs.count(segs[0]) == len(segs):  # the usual eviction: blocks of one run, cut once
-                    self._cut_first(slot, segs[0], set(seqs))
+                    self._cut_first(slot, segs[0], set(held))
                     return
             missing = []
             hit: dict[int, tuple[_Seg, set[int]]] = {}  # id(segment) -> (segment, its removed blocks)
@@ -290,7 +300,7 @@ class PrefixIndex:
         if not lk:
             return
         blocks = self._blocks
-        segs = {id(s): s for s in map(blocks.__getitem__, lk.values())}
+        segs = {id(s): s for s in blocks.get_many(list(lk.values()))}
         ordered = sorted(segs.values(), key=lambda s: s.seqs[0])
         for seg in ordered:
             seg.workers.discard(slot)
@@ -333,14 +343,37 @@ class PrefixIndex:
         if self._free:
             slot = self._free.pop()
             self._keys[slot] = key
-            self._lookup[slot] = {}
+            self._lookup[slot] = self._new_hash_map()
         else:
             slot = len(self._keys)
             self._keys.append(key)
-            self._lookup.append({})
+            self._lookup.append(self._new_hash_map())
             self._xext.append(None)
         self._slot_of[key] = slot
         return slot
+
+    def _new_hash_map(self) -> HashMapLike:
+        return HashMap() if self._maps is None else self._maps.HashMap()
+
+    def _use_maps(self, maps: ModuleType | None) -> None:
+        """Hold the per-block maps in ``maps``' tables (a ``kvemu._blockmap`` module) or in dicts (``None``);
+        an empty index only (tests pick a build this way)."""
+        if self._slot_of or len(self._blocks):
+            raise ValueError("the per-block maps of a non-empty index cannot be swapped")
+        self._maps = maps
+        self._blocks = SegMap() if maps is None else maps.SegMap()
+
+    def _to_dicts(self) -> None:
+        """Move the per-block maps to the pure-Python dicts for good (a hash the native tables cannot hold)."""
+        self._maps = None
+        blocks: SegMap[_Seg] = SegMap()
+        blocks.update(self._blocks.items())
+        self._blocks = blocks
+        for slot, lk in enumerate(self._lookup):
+            if lk is not None:
+                moved = HashMap()
+                moved.update(lk.items())
+                self._lookup[slot] = moved
 
     def _ext_of(self, slot: int, seg: _Seg, i: int) -> int:
         xext = self._xext[slot]
@@ -437,7 +470,7 @@ class PrefixIndex:
         part = exts[i : i + m]
         if not self._xext[slot] and part == seg.exts[start : start + m]:
             if joined:
-                self._lookup[slot].update(zip(part, seg.seqs[start : start + m]))  # type: ignore[union-attr]
+                self._lookup[slot].update_pairs(part, seg.seqs[start : start + m])  # type: ignore[union-attr]
                 self._size += m
             return  # a re-store under the canonical hashes is already mapped
         for j in range(m):
@@ -459,8 +492,8 @@ class PrefixIndex:
         else:
             target = _Seg(list(locs), seqs, exts, {slot}, seg)
             seg.children[locs[0]] = target
-        self._blocks.update(dict.fromkeys(seqs, target))
-        self._lookup[slot].update(zip(exts, seqs))  # type: ignore[union-attr]
+        self._blocks.set_many(seqs, target)
+        self._lookup[slot].update_pairs(exts, seqs)  # type: ignore[union-attr]
         self._size += len(seqs)
 
     def _split(self, seg: _Seg, k: int) -> _Seg:
@@ -471,7 +504,7 @@ class PrefixIndex:
             c.parent = tail
         del seg.locs[k:], seg.seqs[k:], seg.exts[k:]
         seg.children = {tail.locs[0]: tail}
-        self._blocks.update(dict.fromkeys(tail.seqs, tail))
+        self._blocks.set_many(tail.seqs, tail)
         return tail
 
     def _try_merge(self, seg: _Seg) -> None:
@@ -489,7 +522,7 @@ class PrefixIndex:
                 child.locs[:0] = seg.locs
                 child.seqs[:0] = seg.seqs
                 child.exts[:0] = seg.exts
-                self._blocks.update(dict.fromkeys(seg.seqs, child))
+                self._blocks.set_many(seg.seqs, child)
                 parent = seg.parent
                 parent.children[child.locs[0]] = child  # type: ignore[union-attr]  # (seg's key: its first block)
                 child.parent = parent
@@ -500,7 +533,7 @@ class PrefixIndex:
             seg.locs.extend(child.locs)
             seg.seqs.extend(child.seqs)
             seg.exts.extend(child.exts)
-            self._blocks.update(dict.fromkeys(child.seqs, seg))
+            self._blocks.set_many(child.seqs, seg)
             seg.children = child.children
             for c in seg.children.values():
                 c.parent = seg
@@ -544,7 +577,7 @@ class PrefixIndex:
         xext = self._xext[slot]
         if not xext:  # every hash is the canonical one, and maps to exactly this block
             exts = seg.exts if not start else seg.exts[start:]
-            deque(map(lk.__delitem__, exts), maxlen=0)  # type: ignore[union-attr]
+            lk.delete_many(exts)  # type: ignore[union-attr]
             self._size -= len(exts)
             return
         for i in range(start, len(seg.seqs)):
@@ -561,13 +594,13 @@ class PrefixIndex:
         while stack:
             child = stack.pop()
             self._unmap(slot, child, 0)
-            deque(map(blocks.__delitem__, child.seqs), maxlen=0)
+            blocks.delete_many(child.seqs)
             stack.extend(child.children.values())
             child.parent = None
         self._unmap(slot, seg, off)
         seg.children = {}
         if off:
-            deque(map(blocks.__delitem__, seg.seqs[off:]), maxlen=0)
+            blocks.delete_many(seg.seqs[off:])
             del seg.locs[off:], seg.seqs[off:], seg.exts[off:]
             return
         parent = seg.parent
@@ -605,8 +638,7 @@ class PrefixIndex:
         stack = [top]
         while stack:
             seg = stack.pop()
-            for seq in seg.seqs:
-                blocks.pop(seq, None)
+            blocks.discard_many(seg.seqs)
             stack.extend(seg.children.values())
             seg.parent = None
             seg.children = {}
