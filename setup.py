@@ -54,6 +54,16 @@ NATIVE = {
     "kvemu._blockmap": "kvemu/_native/blockmap.c",
 }
 """Native module -> its C source (kvemu._build.native_source knows the same layout)."""
+HEADERS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kvemu" / "_native").glob("*.h"))
+"""What every native module may include (``kvemu/_native/*.h``): a dependency of each."""
+
+
+def _native_digest(source: str) -> str:
+    """sha256 of a C source followed by every header (by name): ``kvemu._build.native_digest``'s rule."""
+    digest = hashlib.sha256((ROOT / source).read_bytes())
+    for header in HEADERS:
+        digest.update((ROOT / header).read_bytes())
+    return digest.hexdigest()
 
 
 def _warn(reason: str) -> None:
@@ -133,8 +143,7 @@ class BuildExt(build_ext):
             return
         built = {str(Path(*ext.name.split(".")).with_suffix(".py")) for ext in self.extensions}
         compiled = sorted(built & set(COMPILED))
-        native = {e.name: hashlib.sha256((ROOT / NATIVE[e.name]).read_bytes()).hexdigest()
-                  for e in self.extensions if e.name in NATIVE}
+        native = {e.name: _native_digest(NATIVE[e.name]) for e in self.extensions if e.name in NATIVE}
         manifest = json.dumps({"modules": _source_hashes(compiled), "native": native}, indent=1, sort_keys=True) + "\n"
         for base in {Path(self.build_lib), *([ROOT] if in_tree else [])}:
             (base / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +197,7 @@ def _compiled_ext_modules() -> list:
     if which(cc[0]) is None:
         _warn(f"no C compiler ({cc[0]} not found)")
         return []
-    return _mypyc_ext_modules() + [Extension(name, [source]) for name, source in NATIVE.items()]
+    return _mypyc_ext_modules() + [Extension(name, [source], depends=HEADERS) for name, source in NATIVE.items()]
 
 
 def _mypyc_ext_modules() -> list:

@@ -37,7 +37,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 def _read_manifest(key: str = "modules") -> dict[str, str]:
     """Module name -> source sha256 at build time (``"modules"``: mypyc-compiled, source ``<module>.py``;
-    ``"native"``: C extensions, source ``kvemu/_native/<leaf>.c``); empty when that part was not built."""
+    ``"native"``: C extensions, ``native_digest``); empty when that part was not built."""
     try:
         return {str(k): str(v) for k, v in json.loads(_MANIFEST.read_text())[key].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -54,15 +54,30 @@ def native_source(name: str) -> Path:
     return _ROOT.joinpath(*package.split("."), "_native", leaf.lstrip("_") + ".c")
 
 
-def _stale(modules: dict[str, str], source: Callable[[str], Path] = _source) -> list[str]:
+def _source_digest(name: str) -> str:
+    """sha256 of compiled module ``name``'s ``.py`` source, as the build recorded it."""
+    return hashlib.sha256(_source(name).read_bytes()).hexdigest()
+
+
+def native_digest(name: str) -> str:
+    """sha256 of native module ``name``'s C source followed by every header beside it (``kvemu/_native/*.h``, by
+    name), as setup.py records it: an edited shared header makes every native module stale."""
+    source = native_source(name)
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()
+
+
+def _stale(modules: dict[str, str], digest: Callable[[str], str] = _source_digest) -> list[str]:
     """The compiled modules whose source no longer matches the one they were compiled from."""
     out = []
-    for name, digest in modules.items():
+    for name, recorded in modules.items():
         try:
-            current = hashlib.sha256(source(name).read_bytes()).hexdigest()
+            current = digest(name)
         except OSError:
             continue  # an install without the sources: nothing to compare, nothing to fall back to
-        if current != digest:
+        if current != recorded:
             out.append(name)
     return out
 
@@ -107,7 +122,7 @@ if COMPILED_MODULES:
 
 
 _NATIVE_HASHES = _read_manifest("native")
-_NATIVE_STALE = () if _forced else tuple(_stale(_NATIVE_HASHES, native_source))
+_NATIVE_STALE = () if _forced else tuple(_stale(_NATIVE_HASHES, native_digest))
 if _NATIVE_STALE:
     warnings.warn(f"kvemu: native module(s) {', '.join(_NATIVE_STALE)} are older than their C sources; running "
                   "their pure-Python reference. Rebuild: pip install -e .", RuntimeWarning, stacklevel=2)

@@ -87,4 +87,5 @@ def assert_stale_when_edited(name: str) -> None:
 
     source = _build.native_source(name)
     assert source == ROOT / "kvemu" / "_native" / (name.rpartition(".")[2].lstrip("_") + ".c") and source.is_file()
-    assert _build._stale({name: "0" * 64}, _build.native_source) == [name]
+    assert _build._stale({name: "0" * 64}, _build.native_digest) == [name]
+    assert _build._stale({name: _build.native_digest(name)}, _build.native_digest) == []

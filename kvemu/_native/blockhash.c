@@ -8,6 +8,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "u64.h"
+
 #define SEQ_SEED 1337u
 #define PRIME_MX1 0x165667919E3779F9ULL
 
@@ -72,19 +74,16 @@ static int as_u64(PyObject *obj, const char *what, Py_ssize_t index, uint64_t *o
                          Py_TYPE(obj)->tp_name);
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return -1;
-        PyErr_Clear();
+    int rc = kvemu_u64_of(obj, out);
+    if (rc > 0)
+        return 0;
+    if (rc == 0) {
         if (index < 0)
             PyErr_Format(PyExc_OverflowError, "%s must be in [0, 2**64) (an unsigned 64-bit hash)", what);
         else
             PyErr_Format(PyExc_OverflowError, "%s[%zd] must be in [0, 2**64) (an unsigned 64-bit hash)", what, index);
-        return -1;
     }
-    *out = (uint64_t)v;
-    return 0;
+    return -1;
 }
 
 PyDoc_STRVAR(extend_doc,

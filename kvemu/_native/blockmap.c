@@ -13,6 +13,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "u64.h"
+
 #define CTRL_EMPTY 0
 #define CTRL_FULL 1
 #define CTRL_DEAD 2
@@ -126,57 +128,9 @@ static inline void erase(Table *t, size_t i) {
 
 /* ------------------------------------------------------------------ argument conversion */
 
-/* 1 and *out set: ``obj`` is an int in [0, 2**64); 0: it is not (never a key); -1: an error other than
- * a range or type mismatch. Runs no Python code. */
-static int key_of(PyObject *obj, uint64_t *out) {
-    if (!PyLong_Check(obj))
-        return 0;
-#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
-    /* CPython 3.11's layout: |ob_size| digits of 30 bits, least significant first, its sign the int's; no
-     * leading zero digit. Read directly: PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray, which
-     * was a third of the index's instructions. */
-    const digit *d = ((PyLongObject *)obj)->ob_digit;
-    switch (Py_SIZE(obj)) {
-    case 0:
-        *out = 0;
-        return 1;
-    case 1:
-        *out = d[0];
-        return 1;
-    case 2:
-        *out = (uint64_t)d[0] | (uint64_t)d[1] << 30;
-        return 1;
-    case 3:
-        if (d[2] >> 4)
-            return 0;
-        *out = (uint64_t)d[0] | (uint64_t)d[1] << 30 | (uint64_t)d[2] << 60;
-        return 1;
-    default:
-        return 0; /* negative, or at least 2**90 */
-    }
-#else
-    int sign = _PyLong_Sign(obj);
-    if (sign <= 0) {
-        *out = 0;
-        return sign == 0;
-    }
-    size_t bits = _PyLong_NumBits(obj);
-    if (bits == (size_t)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
-    if (bits > 64)
-        return 0;
-    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(obj);
-    return 1;
-#endif
-}
-
 /* A key to store: TypeError unless an int, OverflowError unless in [0, 2**64). */
 static int store_key(PyObject *obj, uint64_t *out) {
-    int rc = key_of(obj, out);
+    int rc = kvemu_u64_of(obj, out);
     if (rc > 0)
         return 0;
     if (rc == 0) {
@@ -190,7 +144,7 @@ static int store_key(PyObject *obj, uint64_t *out) {
 
 /* A u64 value to store (HashMap): the same checks, naming the value. */
 static int store_value(PyObject *obj, uint64_t *out) {
-    int rc = key_of(obj, out);
+    int rc = kvemu_u64_of(obj, out);
     if (rc > 0)
         return 0;
     if (rc == 0) {
@@ -316,7 +270,7 @@ static Py_ssize_t map_length(Map *self) {
 
 static int map_contains(Map *self, PyObject *key) {
     uint64_t k;
-    int rc = key_of(key, &k);
+    int rc = kvemu_u64_of(key, &k);
     if (rc <= 0)
         return rc;
     return find(&self->t, k) >= 0;
@@ -324,7 +278,7 @@ static int map_contains(Map *self, PyObject *key) {
 
 static PyObject *map_subscript(Map *self, PyObject *key) {
     uint64_t k;
-    int rc = key_of(key, &k);
+    int rc = kvemu_u64_of(key, &k);
     if (rc < 0)
         return NULL;
     Py_ssize_t i = rc ? find(&self->t, k) : -1;
@@ -339,7 +293,7 @@ static PyObject *map_subscript(Map *self, PyObject *key) {
 static int map_ass_subscript(Map *self, PyObject *key, PyObject *value) {
     uint64_t k;
     if (value == NULL) {
-        int rc = key_of(key, &k);
+        int rc = kvemu_u64_of(key, &k);
         if (rc < 0)
             return -1;
         Py_ssize_t i = rc ? find(&self->t, k) : -1;
@@ -387,7 +341,7 @@ static PyObject *map_get(Map *self, PyObject *const *args, Py_ssize_t nargs) {
     if (check_nargs("get", nargs, 1, 2) < 0)
         return NULL;
     uint64_t k;
-    int rc = key_of(args[0], &k);
+    int rc = kvemu_u64_of(args[0], &k);
     if (rc < 0)
         return NULL;
     Py_ssize_t i = rc ? find(&self->t, k) : -1;
@@ -412,7 +366,7 @@ static PyObject *map_get_many(Map *self, PyObject *keys) {
     for (Py_ssize_t j = 0; j < n && j < PyList_GET_SIZE(keys); j++) {
         PyObject *key = PyList_GET_ITEM(keys, j);
         uint64_t k;
-        int rc = key_of(key, &k);
+        int rc = kvemu_u64_of(key, &k);
         if (rc < 0) {
             Py_DECREF(out);
             return NULL;
@@ -459,7 +413,7 @@ static PyObject *map_delete_many(Map *self, PyObject *keys) {
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *key = PyList_GET_ITEM(keys, j);
         uint64_t k;
-        int rc = key_of(key, &k);
+        int rc = kvemu_u64_of(key, &k);
         if (rc < 0) {
             err = 1;
             break;
@@ -505,7 +459,7 @@ static PyObject *map_discard_many(Map *self, PyObject *keys) {
     int err = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         uint64_t k;
-        int rc = key_of(PyList_GET_ITEM(keys, j), &k);
+        int rc = kvemu_u64_of(PyList_GET_ITEM(keys, j), &k);
         if (rc < 0) {
             err = 1;
             break;
@@ -532,7 +486,7 @@ static PyObject *map_isdisjoint(Map *self, PyObject *keys) {
         return NULL;
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(keys); j++) {
         uint64_t k;
-        int rc = key_of(PyList_GET_ITEM(keys, j), &k);
+        int rc = kvemu_u64_of(PyList_GET_ITEM(keys, j), &k);
         if (rc < 0)
             return NULL;
         if (rc && find(&self->t, k) >= 0)
@@ -754,7 +708,7 @@ static PyObject *all_u64(PyObject *module, PyObject *items) {
         uint64_t k;
         if (!PyLong_CheckExact(o))
             Py_RETURN_FALSE;
-        int rc = key_of(o, &k);
+        int rc = kvemu_u64_of(o, &k);
         if (rc < 0)
             return NULL;
         if (!rc)

@@ -14,6 +14,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+
+#include "u64.h"
 #include <string.h>
 
 typedef struct {
@@ -196,17 +198,7 @@ static void reactivate(Table *t, Py_ssize_t s) {
 
 /* 1: ``obj`` is an int in [0, 2**64) (stored in *out); 0: any other object (no error); -1: error set. */
 static int lookup_key(PyObject *obj, uint64_t *out) {
-    if (!PyLong_Check(obj))
-        return 0;
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
-    *out = (uint64_t)v;
-    return 1;
+    return kvemu_u64_of(obj, out);
 }
 
 /* A key to insert: TypeError for a non-int, OverflowError outside [0, 2**64) (the reference's types). */
@@ -216,16 +208,12 @@ static int new_key(PyObject *obj, Py_ssize_t index, uint64_t *out) {
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return -1;
-        PyErr_Clear();
+    int rc = kvemu_u64_of(obj, out);
+    if (rc > 0)
+        return 0;
+    if (rc == 0)
         PyErr_Format(PyExc_OverflowError, "block hash [%zd] must be in [0, 2**64)", index);
-        return -1;
-    }
-    *out = (uint64_t)v;
-    return 0;
+    return -1;
 }
 
 /* A count argument: an int (TypeError otherwise), in Py_ssize_t (OverflowError), >= 0 (ValueError, as islice). */

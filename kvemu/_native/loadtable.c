@@ -13,6 +13,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "u64.h"
+
 #define EMPTY ((Py_ssize_t)-1)
 #define DUMMY ((Py_ssize_t)-2)
 #define MAX_RANKS 64
@@ -168,17 +170,13 @@ static int as_u64(PyObject *obj, Py_ssize_t index, uint64_t *out) {
         if (num == NULL)
             return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(num);
+    int rc = kvemu_u64_of(num, out);
     Py_DECREF(num);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
-            return -1;
-        PyErr_Clear();
+    if (rc > 0)
+        return 0;
+    if (rc == 0)
         PyErr_Format(PyExc_OverflowError, "block hash [%zd] must be in [0, 2**64) (an unsigned 64-bit hash)", index);
-        return -1;
-    }
-    *out = (uint64_t)v;
-    return 0;
+    return -1;
 }
 
 /* Every value of the iterable ``obj`` as a u64, into a new PyMem buffer (*n values); NULL with an exception

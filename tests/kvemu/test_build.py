@@ -165,3 +165,18 @@ def test_a_machine_without_a_c_compiler_installs_pure_python_and_says_so_in_one_
                     "found))"], out.stderr
     built = [p.name for p in tmp_path.rglob("*") if p.suffix in (".so", ".pyd") or p.name == "_mypyc_manifest.json"]
     assert built == []
+
+
+def test_an_edited_shared_header_makes_every_native_module_stale(tmp_path, monkeypatch):
+    """A header every native module includes (``kvemu/_native/*.h``) is part of each one's recorded digest (setup.py
+    records it by the same rule: a fresh build's modules are selected, ``tests.native.assert_built_and_selected``): an
+    extension built from the old header never runs over a new one."""
+    native = tmp_path / "_native"
+    shutil.copytree(ROOT / "kvemu" / "_native", native)
+    monkeypatch.setattr(_build, "native_source", lambda name: native / (name.rpartition(".")[2].lstrip("_") + ".c"))
+    names = ["kvemu._blockhash", "kvemu._blockmap", "kvemu._blockpool", "kvemu._loadtable"]
+    recorded = {name: _build.native_digest(name) for name in names}
+    assert _build._stale(recorded, _build.native_digest) == []
+    header = native / "u64.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    assert _build._stale(recorded, _build.native_digest) == names

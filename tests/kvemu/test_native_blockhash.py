@@ -92,6 +92,17 @@ def test_hostile_input_meets_the_same_outcome(native, parent, local):
                                                                               local)
 
 
+DIGIT_EDGES = [0, 1, True, False, (1 << 30) - 1, 1 << 30, (1 << 60) - 1, 1 << 60, 1 << 63, (1 << 64) - 1,
+               1 << 64, (1 << 64) + 1, (1 << 89) - 1, 1 << 89, (1 << 90) - 1, 1 << 90, -1, -(1 << 30), -(1 << 64)]
+"""Ints either side of every 30-bit digit boundary ``kvemu/_native/u64.h`` reads an int's digits at, and of 2**64."""
+
+
+@pytest.mark.parametrize("value", DIGIT_EDGES, ids=[str(v) for v in DIGIT_EDGES])
+def test_the_shared_u64_reader_agrees_with_the_reference_at_every_digit_boundary(native, value):
+    assert _outcome(native.extend_sequence_hashes, value, [value]) == _outcome(extend_sequence_hashes_py, value,
+                                                                               [value])
+
+
 def test_hostile_types_are_type_and_overflow_errors(native):
     with pytest.raises(TypeError, match=r"local_hashes\[1\] must be an int"):
         native.extend_sequence_hashes(None, [1, None])
@@ -172,10 +183,8 @@ def test_setup_builds_it_without_mypyc_and_leaves_it_out_when_it_fails_to_compil
         pytest.skip("no C compiler")
     for name in ("setup.py", "pyproject.toml"):
         shutil.copy2(ROOT / name, tmp_path / name)
-    (tmp_path / "kvemu" / "_native").mkdir(parents=True)
+    shutil.copytree(ROOT / "kvemu" / "_native", tmp_path / "kvemu" / "_native")  # the sources and their headers
     (tmp_path / "kvemu" / "__init__.py").write_text("")
-    for c_file in (ROOT / "kvemu" / "_native").glob("*.c"):
-        shutil.copy2(c_file, tmp_path / "kvemu" / "_native" / c_file.name)
     source = tmp_path / "kvemu" / "_native" / "blockhash.c"
     others = {"kvemu._" + c.stem for c in (ROOT / "kvemu" / "_native").glob("*.c")} - {NAME}
     _, files, manifest = _build_copy(tmp_path)
