@@ -105,8 +105,12 @@ class _Renderer:
         job could not be handed over whole."""
         assert self._sender is not None
         self._sender.join(_RENDER_TIMEOUT_S)  # the child reads its job while it imports matplotlib
-        self._released = self._sent and self.proc.poll() is None
-        return self._released
+        if not self._sent:
+            return False
+        if self.proc.poll() is not None:  # done already: whether it drew them is its result
+            return self.result()
+        self._released = True
+        return True
 
     def close(self) -> None:
         """Kill the child (and its fork) if it is still running (no job, or interrupted) and reap it; a released

@@ -137,6 +137,21 @@ def test_a_renderer_that_fails_while_waited_for_is_replaced_by_drawing_in_proces
     assert not (tmp_path / PLOTS_ERROR).exists()  # the child's complaint went with its failure
 
 
+def test_a_renderer_done_before_it_is_left_drawing_is_not_drawn_again(tmp_path, monkeypatch):
+    """Released after it already finished: its result stands, and the plots are not drawn a second time here."""
+    from harness.report import plots
+
+    _two_cpus(monkeypatch)
+    with background_renderer(wait=False):
+        renderer = plot_renderer._RENDERER
+        job = plot_data.plot_job(sample_run(), tmp_path)
+        handed_over = plot_renderer.submit_to_renderer(job)
+        assert renderer.proc.wait(60) == 0  # it drew every plot and ended
+        monkeypatch.setattr(plots, "render", lambda *a: pytest.fail("drawn again in process"))
+        assert handed_over() is True
+    assert all((tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE for name in PLOTS)
+
+
 def test_a_plot_is_never_seen_half_written(tmp_path, monkeypatch):
     """Each PNG is written under a temporary name and renamed; a failed write leaves neither."""
     from matplotlib.figure import Figure
