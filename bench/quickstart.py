@@ -54,10 +54,10 @@ def _one_run(outdir: Path, plots: str) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="two rounds of each (CI)")
+    parser.add_argument("--quick", action="store_true", help="one round of each (CI)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each mode (default 5)")
     args = parser.parse_args(argv)
-    rounds = 2 if args.quick else max(1, args.rounds)
+    rounds = 1 if args.quick else max(1, args.rounds)
     with tempfile.TemporaryDirectory(prefix="kvemu-bench-quickstart-") as tmp:
         _one_run(Path(tmp) / "warm-up", "wait")  # writes the bytecode cache
         background: list[tuple[float, float]] = []
