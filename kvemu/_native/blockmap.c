@@ -128,30 +128,17 @@ static inline void erase(Table *t, size_t i) {
 
 /* ------------------------------------------------------------------ argument conversion */
 
-/* A key to store: TypeError unless an int, OverflowError unless in [0, 2**64). */
-static int store_key(PyObject *obj, uint64_t *out) {
+/* A u64 to store, named ``what`` ("block hash": a key; "value": a HashMap value): TypeError unless an int,
+ * OverflowError unless in [0, 2**64). */
+static int store_u64(PyObject *obj, const char *what, uint64_t *out) {
     int rc = kvemu_u64_of(obj, out);
     if (rc > 0)
         return 0;
     if (rc == 0) {
         if (PyLong_Check(obj))
-            PyErr_Format(PyExc_OverflowError, "block hash %R must be in [0, 2**64) (an unsigned 64-bit hash)", obj);
+            PyErr_Format(PyExc_OverflowError, "%s %R must be in [0, 2**64) (an unsigned 64-bit hash)", what, obj);
         else
-            PyErr_Format(PyExc_TypeError, "block hash must be an int, got %.100s", Py_TYPE(obj)->tp_name);
-    }
-    return -1;
-}
-
-/* A u64 value to store (HashMap): the same checks, naming the value. */
-static int store_value(PyObject *obj, uint64_t *out) {
-    int rc = kvemu_u64_of(obj, out);
-    if (rc > 0)
-        return 0;
-    if (rc == 0) {
-        if (PyLong_Check(obj))
-            PyErr_Format(PyExc_OverflowError, "value %R must be in [0, 2**64) (an unsigned 64-bit hash)", obj);
-        else
-            PyErr_Format(PyExc_TypeError, "value must be an int, got %.100s", Py_TYPE(obj)->tp_name);
+            PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", what, Py_TYPE(obj)->tp_name);
     }
     return -1;
 }
@@ -188,7 +175,7 @@ static uint64_t *key_buffer(PyObject *list, Py_ssize_t *n) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < len; i++) {
-        if (store_key(PyList_GET_ITEM(list, i), &buf[i]) < 0) {
+        if (store_u64(PyList_GET_ITEM(list, i), "block hash", &buf[i]) < 0) {
             PyMem_Free(buf);
             return NULL;
         }
@@ -308,11 +295,11 @@ static int map_ass_subscript(Map *self, PyObject *key, PyObject *value) {
         return 0;
     }
     uint64_t v;
-    if (store_key(key, &k) < 0)
+    if (store_u64(key, "block hash", &k) < 0)
         return -1;
     if (self->objects) {
         v = (uint64_t)(uintptr_t)value;
-    } else if (store_value(value, &v) < 0) {
+    } else if (store_u64(value, "value", &v) < 0) {
         return -1;
     }
     Py_ssize_t i = find(&self->t, k);
@@ -395,11 +382,13 @@ static PyObject *map_get_many(Map *self, PyObject *keys) {
 PyDoc_STRVAR(delete_many_doc, "delete_many(keys, /)\n--\n\n"
 "Delete every key in order; KeyError at the first absent one (the keys before it are deleted).");
 
-static PyObject *map_delete_many(Map *self, PyObject *keys) {
+/* Delete the keys of the list in order; ``strict``: KeyError at the first absent one (the keys before it are
+ * deleted), else absent keys are skipped. A SegMap's references are released once the table is consistent. */
+static PyObject *remove_keys(Map *self, PyObject *keys, int strict) {
     if (check_list(keys, "keys") < 0)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    PyObject **drop = NULL; /* references released once the table is consistent */
+    PyObject **drop = NULL;
     Py_ssize_t ndrop = 0;
     if (self->objects && n) {
         drop = PyMem_New(PyObject *, n);
@@ -420,6 +409,8 @@ static PyObject *map_delete_many(Map *self, PyObject *keys) {
         }
         Py_ssize_t i = rc ? find(&self->t, k) : -1;
         if (i < 0) {
+            if (!strict)
+                continue;
             missing = key;
             Py_INCREF(missing);
             break;
@@ -441,42 +432,14 @@ static PyObject *map_delete_many(Map *self, PyObject *keys) {
     Py_RETURN_NONE;
 }
 
+static PyObject *map_delete_many(Map *self, PyObject *keys) {
+    return remove_keys(self, keys, 1);
+}
+
 PyDoc_STRVAR(discard_many_doc, "discard_many(keys, /)\n--\n\nDelete every key present; absent keys are skipped.");
 
 static PyObject *map_discard_many(Map *self, PyObject *keys) {
-    if (check_list(keys, "keys") < 0)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(keys);
-    PyObject **drop = NULL;
-    Py_ssize_t ndrop = 0;
-    if (self->objects && n) {
-        drop = PyMem_New(PyObject *, n);
-        if (drop == NULL) {
-            PyErr_NoMemory();
-            return NULL;
-        }
-    }
-    int err = 0;
-    for (Py_ssize_t j = 0; j < n; j++) {
-        uint64_t k;
-        int rc = kvemu_u64_of(PyList_GET_ITEM(keys, j), &k);
-        if (rc < 0) {
-            err = 1;
-            break;
-        }
-        Py_ssize_t i = rc ? find(&self->t, k) : -1;
-        if (i < 0)
-            continue;
-        if (self->objects)
-            drop[ndrop++] = (PyObject *)(uintptr_t)self->t.ent[i].val;
-        erase(&self->t, (size_t)i);
-    }
-    for (Py_ssize_t j = 0; j < ndrop; j++)
-        Py_DECREF(drop[j]);
-    PyMem_Free(drop);
-    if (err)
-        return NULL;
-    Py_RETURN_NONE;
+    return remove_keys(self, keys, 0);
 }
 
 PyDoc_STRVAR(isdisjoint_doc, "isdisjoint(keys, /)\n--\n\nWhether no key of the list is present.");
@@ -514,8 +477,8 @@ static PyObject *hashmap_update_pairs(Map *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     for (Py_ssize_t j = 0; j < n; j++) {
-        if (store_key(PyList_GET_ITEM(args[0], j), &buf[2 * j]) < 0 ||
-            store_value(PyList_GET_ITEM(args[1], j), &buf[2 * j + 1]) < 0) {
+        if (store_u64(PyList_GET_ITEM(args[0], j), "block hash", &buf[2 * j]) < 0 ||
+            store_u64(PyList_GET_ITEM(args[1], j), "value", &buf[2 * j + 1]) < 0) {
             PyMem_Free(buf);
             return NULL;
         }
