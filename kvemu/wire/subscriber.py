@@ -265,7 +265,8 @@ class KvEventSubscriber:
         limits.limit_inbound(sub, limits.MAX_KV_BATCH_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         security.connect_securely(sub, self._secret)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                         | zmq.EVENT_CONNECT_RETRIED)
         sub.connect(spec.endpoint)
         return sub, monitor
 
@@ -302,6 +303,9 @@ class KvEventSubscriber:
             if self.replay_on_connect:
                 stream.events.sync()
             return
+        if event["event"] == zmq.EVENT_CONNECT_RETRIED:  # refused: the publisher went away (a restart)
+            stream.dropped = False
+            return
         self._reconnect(stream)
 
     def _reconnect(self, stream: _Stream) -> None:
@@ -323,9 +327,9 @@ class KvEventSubscriber:
         """Stop consuming every stream of ``worker_id`` (its counters stay for the report)."""
         for key in sorted(k for k in self._by_key if k[0] == worker_id):
             stream = self._by_key.pop(key)
-            if self._unconnected.pop(key, None) is not None or stream.sub is None:
-                continue  # never connected
-            self._unwatch(stream)
+            self._unconnected.pop(key, None)
+            if stream.sub is not None:  # else never connected, or reconnecting (a replay may still be under way)
+                self._unwatch(stream)
             if stream.dealer is not None:
                 if self._replaying.pop(stream.dealer, None) is not None:
                     self._poller.unregister(stream.dealer)
@@ -415,7 +419,8 @@ class KvEventSubscriber:
         stream.replay_frames = 0
         self._replaying[stream.dealer] = stream
         self._poller.register(stream.dealer, zmq.POLLIN)
-        self._poller.unregister(stream.sub)
+        if stream.sub is not None:  # else it is reconnecting, and its new socket waits for the replay (_watch)
+            self._poller.unregister(stream.sub)
         return None
 
     def _on_replay(self, stream: _Stream) -> None:
@@ -463,5 +468,6 @@ class KvEventSubscriber:
         if not keep_dealer:  # timed out, or stopped reading: whatever is still coming is stale
             dealer.close(linger=0)
             stream.dealer = None
-        self._poller.register(stream.sub, zmq.POLLIN)
+        if stream.sub is not None:  # else it is reconnecting: _watch registers its new socket
+            self._poller.register(stream.sub, zmq.POLLIN)
         stream.events.replay_end()  # may ask for another replay at once

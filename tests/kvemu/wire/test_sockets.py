@@ -482,6 +482,100 @@ def test_restarted_publisher_resets_the_rank(net):
     assert core.index.tree_size(4, 1) == 2
 
 
+class HeldReplay:
+    """A replay endpoint that answers only when the test says so (the connect replays: at once, with nothing)."""
+
+    def __init__(self, net: Net) -> None:
+        self.sock = net.socket(zmq.ROUTER)
+        self.sock.bind(HOST)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.held: list[bytes] = []  # the identities of the requests not answered
+
+    def answer_all_and_probe(self, pub: KvEventPublisher) -> Callable[[], None]:
+        def tick() -> None:
+            self.answer_all()
+            probe(pub)
+        return tick
+
+    def answer_all(self) -> None:
+        while self.sock.poll(0):
+            ident, _, _start = self.sock.recv_multipart()
+            self.sock.send_multipart([ident, b"", SEQ_END, b""])
+
+    def hold_one(self) -> bool:
+        if not self.held and self.sock.poll(0):
+            self.held.append(self.sock.recv_multipart()[0])
+        return bool(self.held)
+
+    def end_held(self) -> None:
+        self.sock.send_multipart([self.held.pop(), b"", SEQ_END, b""])
+
+
+def a_replay_under_way_when_the_publisher_goes_away(net: Net, answer: bool):
+    """Worker 3 rank 0 far into its sequence, a gap's replay held, then its publisher closed; returns once the
+    disconnect (and, with ``answer``, the replay's end marker) waits for one poll of the subscriber."""
+    core = new_core((3, 1))
+    sub = net.subscriber(core.apply_event, replay_timeout_s=30)
+    old = net.publisher(replay=False)
+    replay = HeldReplay(net)
+    sub.add(StreamSpec(3, 0, old.endpoint, replay.endpoint))
+    wait_until(lambda: sub.expected_seq(3, 0) == old.next_seq and old.next_seq > 0, [sub],
+               tick=replay.answer_all_and_probe(old), what="the subscriber to join")
+    for _ in range(80):  # far past what a restarted publisher reaches: its restart shows as seq going back
+        probe(old)
+    wait_until(lambda: sub.expected_seq(3, 0) == old.next_seq, [sub], tick=replay.answer_all,
+               what="the subscriber to catch up")
+    before = counters(sub, 3)
+    old.drop_next = 1  # a gap: the subscriber asks the held endpoint and waits for its answer
+    old.publish(batch())
+    old.publish(batch())
+    wait_until(replay.hold_one, [sub], what="the replay request")
+    stream = sub._by_key[(3, 0)]
+    live_port = port_of(old.endpoint)
+    old.close(drain_timeout_s=0)
+    pending = zmq.Poller()
+    pending.register(stream.monitor, zmq.POLLIN)
+    if answer:
+        replay.end_held()
+        pending.register(stream.dealer, zmq.POLLIN)
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(dict(pending.poll(10))) < 1 + answer:
+        assert time.monotonic() < deadline, "the disconnect (and the replay's answer) did not arrive"
+    return core, sub, replay, stream, live_port, before
+
+
+def test_a_publisher_that_goes_away_while_its_replay_is_answered_is_reconnected_and_followed(net, caplog):
+    """The live connection drops and the replay's answer arrives in the same poll: the stream reconnects, the
+    replay ends, and the stream is followed afterwards (once, the ended replay re-armed a socket not yet open).
+    A publisher that went away and came back is not called a broken frame."""
+    core, sub, replay, _, live_port, before = a_replay_under_way_when_the_publisher_goes_away(net, answer=True)
+    sub.poll(0)
+    sub.poll(0)
+    wait_port_free(live_port)
+    new = net.publisher(replay=False, endpoint=f"tcp://127.0.0.1:{live_port}")
+    wait_until(lambda: sub.expected_seq(3, 0) == new.next_seq, [sub],
+               tick=replay.answer_all_and_probe(new), what="the restarted publisher")
+    tokens = prompt(21, 2)
+    for ev in chain_events(tokens):
+        new.publish(batch(ev))
+    wait_until(lambda: depth(core, tokens) == {(3, 0): 2}, [sub], what="the restarted publisher's blocks")
+    d = delta(before, counters(sub, 3))
+    assert d["disconnects"] == 1 and d["replays"] == 1 and d["restarts"] == 1
+    assert not [r for r in caplog.records if "stayed up" in r.getMessage()]
+
+
+def test_removing_a_worker_whose_stream_reconnects_during_a_replay_closes_the_replay(net):
+    _, sub, replay, stream, _, _ = a_replay_under_way_when_the_publisher_goes_away(net, answer=False)
+    dealer = stream.dealer
+    sub.poll(0)  # the disconnect: the stream waits to reconnect, its replay still under way
+    assert stream.sub is None and dealer in sub._replaying
+    sub.remove_worker(3)
+    assert dealer.closed and not sub._replaying
+    replay.end_held()  # an answer for a removed stream is never read
+    sub.poll(50)
+    assert sub.expected_seq(3, 0) is None
+
+
 # --------------------------------------------------------------------------- bad input
 
 
