@@ -155,21 +155,36 @@ RERUN_ENV = "KVEMU_CI_COMPILED_RERUN"
 """Set by ``.ci/fresh-clone``: the compiled build's run of the suite, after the pure-Python one."""
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On ``.ci/run``'s compiled re-run, the tests that drive third-party routers over HTTP, those that supervise
-    kvemu's processes (signals, kills, process chaos, a supervisor's run of several), every other end-to-end test
-    of processes (``tests/end_to_end``), the examples' validation in a bare clone and those that run a sweep on
-    Dask or Ray are skipped: they exercise kvemu's HTTP servers, processes, scenario files and sweep executors,
-    which the compiled build does not change (its router and engines run in process in the rest of the suite),
-    and the first step has run them (this keeps ``.ci/run`` inside its time budget)."""
-    if os.environ.get(RERUN_ENV) != "1":
-        return
+PROCESS_GROUP = "processes"
+"""The xdist group of the tests that run kvemu's (or a third party's) processes: under ``--dist loadgroup`` one
+worker runs them one at a time, beside the in-process tests on the other core (``.ci/run``'s first step)."""
+
+
+def _runs_processes(item: pytest.Item) -> str | None:
+    """What ``item`` exercises if it drives processes (HTTP routers, supervision, sweep executors, end-to-end
+    tests, the examples' validation in a bare clone), else ``None``."""
+    parts = Path(str(item.fspath)).parts
     once = {"end_to_end": "end-to-end process tests", "test_examples_fresh_clone.py": "the examples' validation"}
+    for marker, ran in (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
+                        ("sweep_executors", "sweeps on Dask and Ray"),
+                        *((name, what) for name, what in once.items() if name in parts)):
+        if marker in item.keywords or marker in parts:
+            return ran
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The process tests form one xdist group (``PROCESS_GROUP``): two of them at once on two cores would starve
+    each other's processes.
+
+    On ``.ci/run``'s compiled re-run they are skipped: they exercise kvemu's HTTP servers, processes, scenario
+    files and sweep executors, which the compiled build does not change (its router and engines run in process in
+    the rest of the suite), and the first step has run them (this keeps ``.ci/run`` inside its time budget)."""
+    rerun = os.environ.get(RERUN_ENV) == "1"
     for item in items:
-        parts = Path(str(item.fspath)).parts
-        for marker, ran in (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
-                            ("sweep_executors", "sweeps on Dask and Ray"),
-                            *((name, what) for name, what in once.items() if name in parts)):
-            if marker in item.keywords or marker in parts:
-                item.add_marker(pytest.mark.skip(reason=f"{RERUN_ENV}=1: {ran} ran on .ci/run's first step"))
-                break
+        ran = _runs_processes(item)
+        if ran is None:
+            continue
+        item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
+        if rerun:
+            item.add_marker(pytest.mark.skip(reason=f"{RERUN_ENV}=1: {ran} ran on .ci/run's first step"))
