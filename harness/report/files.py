@@ -105,31 +105,41 @@ def save_report(data: RunData, outdir: Path) -> tuple[Summary, Path | None]:
     """``write_report``, and where the report went: ``outdir``; or, when that cannot be written (removed, made
     read-only or replaced by a file while the run went), a new directory under the system's temporary directory,
     named on stderr in one line; or None when that fails too, and the summary is printed on stderr instead."""
-    summary = summarize(data)
+    made: list[Summary] = []  # summarized once, while the first attempt's plots are drawn
+
+    def summary_now() -> Summary:
+        if not made:
+            made.append(summarize(data))
+        return made[0]
+
     outdir = Path(outdir)
     try:
-        _write_files(data, summary, outdir)
-        return summary, outdir
+        _write_files(data, summary_now, outdir)
+        return summary_now(), outdir
     except OSError as exc:
         why = _why_unwritable(exc)
     try:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "-", data.scenario_name)[:60] or "run"
         fallback = Path(tempfile.mkdtemp(prefix=f"kvemu-report-{name}-"))
-        _write_files(data, summary, fallback)
+        _write_files(data, summary_now, fallback)
     except OSError as exc:
         print(f"kvemu: cannot write the report in {outdir} ({why}) nor in a temporary directory "
               f"({_why_unwritable(exc)}); its summary follows", file=sys.stderr, flush=True)
+        summary = summary_now()
         print(dumps_summary(summary), file=sys.stderr, end="", flush=True)
         return summary, None
     print(f"kvemu: cannot write the report in {outdir} ({why}); wrote it to {fallback} instead", file=sys.stderr,
           flush=True)
-    return summary, fallback
+    return summary_now(), fallback
 
 
-def _write_files(data: RunData, summary: Summary, outdir: Path) -> None:
+def _write_files(data: RunData, summary_now: Callable[[], Summary], outdir: Path) -> None:
+    """The report's files in ``outdir``; the plots are handed to the renderer first, so that it draws them while
+    this process summarizes (``summary_now``) and writes requests.jsonl."""
     outdir.mkdir(parents=True, exist_ok=True)
     finish_plots = start_plots(data, outdir)  # drawn meanwhile by a background renderer, if there is one
     try:
+        summary = summary_now()
         (outdir / "summary.json").write_text(dumps_summary(summary))
         write_requests(data.records, outdir / "requests.jsonl", data.sla, data.phases,
                        data.replicas.replica_of if data.replicas is not None else None)

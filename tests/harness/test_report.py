@@ -7,6 +7,8 @@ import statistics
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness.report.compare import compare, main as compare_main
 from kvemu import RequestRecord
@@ -319,3 +321,59 @@ def test_pooled_gaps_read_token_times_in_any_container_alike():
     assert _pooled_gaps([[1], []]).tolist() == []
     with pytest.raises(OverflowError):
         _pooled_gaps([[1, 2**64]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=-1e15, max_value=1e15, allow_nan=False), max_size=300), st.booleans())
+def test_stats_are_numpys_mean_and_std_of_the_sorted_values_bit_for_bit(values, as_array):
+    """``_stats`` spells numpy's mean and std out (to reuse the sorted array as their scratch): the same bits as
+    ``ndarray.mean`` and ``.std``, and a caller's array is left as it was unless given up with ``in_place``."""
+    import numpy as np
+
+    from harness.report.summary import _stats
+
+    given_values = np.array(values, dtype=np.float64) if as_array else list(values)
+    got = _stats(given_values, 1.0)
+    if not values:
+        assert set(got.values()) == {None}
+        return
+    s = np.sort(np.array(values, dtype=np.float64))
+    assert got["mean"] == float(s.mean()) and got["std"] == float(s.std())
+    assert (got["min"], got["max"], got["median"]) == (s[0], s[-1], percentile(s, 50))
+    if as_array:
+        assert given_values.tolist() == [float(v) for v in values]  # untouched
+        assert _stats(given_values, 1.0, in_place=True) == got
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 2**31 - 1), st.integers(0, 1000)),
+                max_size=60))
+def test_per_rank_sample_figures_equal_the_exact_python_ones(rows):
+    """The samples' per-rank mean and max, grouped by numpy, equal Python's exact ones (``math.fsum``); counts
+    past numpy's exact range take the Python path."""
+    from harness.report.summary import _sample_series, _sample_series_exact
+
+    samples = [Sample(time_ns=i, worker_id=w, dp_rank=r, active_requests=a, kv_blocks=b)
+               for i, (w, r, a, b) in enumerate(rows)]
+    assert _sample_series(samples) == _sample_series_exact(samples)
+    huge = [*samples, Sample(time_ns=0, worker_id=0, dp_rank=0, active_requests=2**62, kv_blocks=2**62)]
+    assert _sample_series(huge) == _sample_series_exact(huge)
+
+
+def test_the_plots_are_handed_over_before_the_summary_is_made_and_it_is_made_once(tmp_path, monkeypatch):
+    """The renderer draws while this process summarizes; a report that falls back to a temporary directory
+    summarizes once all the same."""
+    import harness.report.files as files
+
+    calls: list[str] = []
+    real_start, real_summarize = files.start_plots, files.summarize
+    monkeypatch.setattr(files, "start_plots", lambda *a: calls.append("plots") or real_start(*a))
+    monkeypatch.setattr(files, "summarize", lambda data: calls.append("summary") or real_summarize(data))
+    files.save_report(sample_run(), tmp_path / "ok")
+    assert calls == ["plots", "summary"]
+    calls.clear()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(files.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "fallback"))
+    summary, where = files.save_report(sample_run(), tmp_path / "file" / "report")
+    assert where == tmp_path / "fallback" and calls == ["plots", "summary"]
+    assert json.loads((where / "summary.json").read_text()) == summary.to_builtins()
