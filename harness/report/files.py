@@ -42,14 +42,22 @@ def write_requests(records: Iterable[RequestRecord], path: Path, sla: Sla | None
         columns.append((b',"phase":', lambda r: phases.get(r.request_id, "profile")))
     if replica_of is not None:
         columns.append((b',"router_replica":', lambda r: replica_of.get(r.request_id)))
-    if not columns:
-        path.write_bytes(records_jsonl(ordered, encoder))
-    else:  # (the record's object, its closing brace replaced by the extra columns)
-        encode = encoder.encode
-        path.write_bytes(b"".join(flat_json(r, encoder)[:-1]
-                                  + b"".join(key + encode(column(r)) for key, column in columns)
-                                  + b"}\n" for r in ordered))
+    encode = encoder.encode
+    with path.open("wb") as f:
+        for i in range(0, len(ordered), RECORDS_PER_WRITE):
+            part = ordered[i:i + RECORDS_PER_WRITE]
+            if not columns:
+                f.write(records_jsonl(part, encoder))
+            else:  # (the record's object, its closing brace replaced by the extra columns)
+                f.write(b"".join(flat_json(r, encoder)[:-1]
+                                 + b"".join(key + encode(column(r)) for key, column in columns)
+                                 + b"}\n" for r in part))
     return len(ordered)
+
+
+RECORDS_PER_WRITE = 64
+"""requests.jsonl is encoded and written this many records at a time: the hour's 65 MB in one piece cost three
+passes over fresh memory (encode, flatten, write), 0.75 s against 0.26 s in pieces."""
 
 
 class OutputError(KvemuError, OSError):

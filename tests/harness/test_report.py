@@ -377,3 +377,26 @@ def test_the_plots_are_handed_over_before_the_summary_is_made_and_it_is_made_onc
     summary, where = files.save_report(sample_run(), tmp_path / "file" / "report")
     assert where == tmp_path / "fallback" and calls == ["plots", "summary"]
     assert json.loads((where / "summary.json").read_text()) == summary.to_builtins()
+
+
+@pytest.mark.parametrize("with_columns", [False, True])
+def test_requests_jsonl_written_in_pieces_equals_the_records_in_one_piece(tmp_path, with_columns):
+    """requests.jsonl is written ``RECORDS_PER_WRITE`` records at a time; the file is the records' flat JSON lines,
+    in order, whatever the count against that piece size (with and without extra columns)."""
+    import msgspec
+
+    from harness.report import files
+    from kvemu.records import flat_json, records_jsonl, sequences_as_lists
+
+    n = 2 * files.RECORDS_PER_WRITE + 3
+    records = [rec(f"r{i:03d}", i, 16 + i, 1, i % 2, [i + 1, i + 2.5], engine=i) for i in range(n)]
+    encoder = msgspec.json.Encoder(enc_hook=sequences_as_lists)
+    phases = {r.request_id: "warmup" for r in records[::3]} if with_columns else None
+    assert files.write_requests(reversed(records), tmp_path / "r.jsonl", phases=phases) == n
+    if with_columns:
+        expected = b"".join(flat_json(r, encoder)[:-1] + b',"phase":'
+                            + encoder.encode(phases.get(r.request_id, "profile")) + b"}\n" for r in records)
+    else:
+        expected = records_jsonl(records, encoder)
+    assert (tmp_path / "r.jsonl").read_bytes() == expected
+    assert [json.loads(line)["request_id"] for line in expected.splitlines()] == [r.request_id for r in records]
