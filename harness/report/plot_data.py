@@ -5,7 +5,8 @@ numpy is imported when reducing only."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from kvemu.records import RequestRecord
 
     from harness.report.plot_drawing import Array
-    from harness.report.run_data import RunData
+    from harness.report.run_data import RunData, Sample
 
 __all__ = ["NS_PER_MS", "NS_PER_S", "plot_job", "regret_bucket_s", "regret_curves", "series_form"]
 
@@ -95,21 +96,45 @@ def _heatmap(series: dict[tuple[int, int], Points]) -> tuple[Array, Array]:
     return edges, grid
 
 
-def _rank_panels(data: RunData, field: str) -> list[RankPanel]:
-    """Per pool (in ``data.pools`` order): its ranks' sample series of ``field`` (times in s, by time), drawn as
-    lines or, past ``_MAX_LINES`` ranks, a heatmap with the pool's mean and max per rank; its rank capacity."""
+RankSeries = dict[tuple[str, int, int], tuple["Array", "Array", "Array"]]
+"""Per (pool, worker, rank), in that order: its samples' times (s), active requests and KV blocks, by time."""
+
+
+def _rank_series(samples: Sequence[Sample]) -> RankSeries:
+    """The samples as ``RankSeries``: read column by column in C and grouped by numpy (the hour's 56,672 samples
+    took 0.23 s in a Python loop, once per plotted field)."""
     import numpy as np
 
-    by_rank: dict[tuple[str, int, int], tuple[list[int], list[int]]] = {}
-    for smp in sorted(data.samples, key=lambda x: (x.worker_id, x.dp_rank, x.time_ns)):
-        ts, vs = by_rank.setdefault((smp.pool, smp.worker_id, smp.dp_rank), ([], []))
-        ts.append(smp.time_ns)
-        vs.append(getattr(smp, field))
+    n = len(samples)
+    if n == 0:
+        return {}
+
+    def column(name: str) -> Array:
+        return np.fromiter(map(attrgetter(name), samples), dtype=np.int64, count=n)
+
+    pools = sorted({smp.pool for smp in samples})
+    code = {pool: i for i, pool in enumerate(pools)}
+    pool = np.fromiter((code[p] for p in map(attrgetter("pool"), samples)), dtype=np.int64, count=n)
+    worker, rank, time_ns = column("worker_id"), column("dp_rank"), column("time_ns")
+    order = np.lexsort((time_ns, rank, worker, pool))  # stable: equal times keep the samples' order
+    pool, worker, rank = pool[order], worker[order], rank[order]
+    times_s = time_ns[order] / NS_PER_S
+    active, blocks = column("active_requests")[order], column("kv_blocks")[order]
+    new_rank = (pool[1:] != pool[:-1]) | (worker[1:] != worker[:-1]) | (rank[1:] != rank[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], new_rank))).tolist()
+    return {(pools[int(pool[i])], int(worker[i]), int(rank[i])): (times_s[i:j], active[i:j], blocks[i:j])
+            for i, j in zip(starts, [*starts[1:], n])}
+
+
+def _rank_panels(data: RunData, series: RankSeries, field: str) -> list[RankPanel]:
+    """Per pool (in ``data.pools`` order): its ranks' sample series of ``field`` (``active_requests`` or
+    ``kv_blocks``; times in s, by time), drawn as lines or, past ``_MAX_LINES`` ranks, a heatmap with the pool's mean
+    and max per rank; its rank capacity."""
+    which = 1 if field == "active_requests" else 2
     order = {pool: i for i, pool in enumerate(data.pools)}
     panels = []
-    for pool in sorted({p for p, _, _ in by_rank}, key=lambda p: (order.get(p, len(order)), p)):
-        full = {(w, r): (np.array(ts, dtype=np.int64) / NS_PER_S, np.array(vs, dtype=np.int64))
-                for (p, w, r), (ts, vs) in sorted(by_rank.items()) if p == pool}
+    for pool in sorted({p for p, _, _ in series}, key=lambda p: (order.get(p, len(order)), p)):
+        full = {(w, r): (cols[0], cols[which]) for (p, w, r), cols in series.items() if p == pool}
         form = series_form(len(full))
         capacity = data.pools.get(pool, {}).get("kv_blocks") if field == "kv_blocks" else None
         if form == "lines":
@@ -215,12 +240,13 @@ def plot_job(data: RunData, outdir: Path) -> PlotJob:
     """Everything the plots show, as compact arrays (picklable, to hand to a renderer process)."""
     done = sorted((r for r in data.records if r.done), key=lambda r: (r.arrival_ns, r.request_id))
     ttft = [f - r.arrival_ns for r in done if (f := _first_token(r)) is not None]
+    series = _rank_series(data.samples)
     return PlotJob(
         outdir=str(Path(outdir).absolute()),
         ttft=_cdf_points(ttft, len(ttft)),
         e2e=_cdf_points((r.completion_ns - r.arrival_ns for r in done), len(done)),  # type: ignore[operator]
-        active=_rank_panels(data, "active_requests"),
-        blocks=_rank_panels(data, "kv_blocks"),
+        active=_rank_panels(data, series, "active_requests"),
+        blocks=_rank_panels(data, series, "kv_blocks"),
         reuse=_reuse_curves(done),
         autoscale=_autoscale_marks(data),
         regret=regret_curves(data),
