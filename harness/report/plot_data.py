@@ -101,8 +101,8 @@ RankSeries = dict[tuple[str, int, int], tuple["Array", "Array", "Array"]]
 
 
 def _rank_series(samples: Sequence[Sample]) -> RankSeries:
-    """The samples as ``RankSeries``: read column by column in C and grouped by numpy (the hour's 56,672 samples
-    took 0.23 s in a Python loop, once per plotted field)."""
+    """The samples as ``RankSeries``: read column by column in C and grouped by numpy, once for both panels (the
+    hour's 56,672 samples took 0.23 s under cProfile in a Python loop run once per panel, 0.06 s so)."""
     import numpy as np
 
     n = len(samples)

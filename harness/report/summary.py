@@ -403,7 +403,7 @@ def _sample_series(samples: Sequence[Sample]) -> tuple[dict[tuple[int, int], Sam
         return active_of, blocks_of
     if n > 1 << 22 or int(active.max()) >= _EXACT_SUM or int(blocks.max()) >= _EXACT_SUM:  # (never in practice)
         return _sample_series_exact(samples)
-    order = np.lexsort((rank, worker))  # stable: each rank's samples in time order
+    order = np.lexsort((rank, worker))  # (the order within a rank does not matter: a sum and a max)
     w, r = worker[order], rank[order]
     starts = np.flatnonzero(np.concatenate(([True], (w[1:] != w[:-1]) | (r[1:] != r[:-1]))))
     ends = [*starts[1:].tolist(), n]
