@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.report.plot_drawing import AutoscaleMarks, PlotJob, Points, RankPanel, RegretCurves, ReuseCurves
+from harness.report.summary import regret_blocks
 
 if TYPE_CHECKING:
     from kvemu.records import RequestRecord
@@ -201,8 +202,6 @@ def regret_curves(data: RunData) -> RegretCurves | None:
     decisions, for the cluster and, with router replicas, each replica; the chaos timeline's events as marks.
     Times in s since the first arrival; a bucket without blocks is NaN. None: no routing truth in the run."""
     import numpy as np
-
-    from harness.report.summary import regret_blocks
 
     judged = [(r, blk) for r in data.records if (blk := regret_blocks(r, data.block_size)) is not None]
     if not judged:
