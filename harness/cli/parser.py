@@ -256,10 +256,24 @@ def _build_name() -> str:
     return "compiled" if kvemu.compiled else "pure"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the version is looked up only when asked (``importlib.metadata`` costs ~20 ms, and every
+    ``kvemu`` command built this parser)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS,
+                 help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"kvemu {_version()} ({_build_name()} build)")  # (stdout, as argparse's own version action)
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvemu`` argument parser: every subcommand and option, each with its help."""
     parser = argparse.ArgumentParser(prog="kvemu", description="Emulator of KV-cache-aware LLM serving clusters.")
-    parser.add_argument("--version", action="version", version=f"kvemu {_version()} ({_build_name()} build)",
+    parser.add_argument("--version", action=_VersionAction,
                         help="print the version and the build (compiled or pure Python)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="what to do (none: this help)")
     run_parser = _add_run(sub)

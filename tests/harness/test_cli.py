@@ -334,6 +334,13 @@ def test_version_prints_the_installed_package_version_and_build():
     assert proc.stdout.strip() == f"kvemu {version('kvemu')} ({'compiled' if package.compiled else 'pure'} build)"
 
 
+def test_building_the_parser_leaves_the_version_unread_until_asked():
+    """Every command builds the parser; only ``--version`` reads the package's metadata (~20 ms of imports)."""
+    code = "import sys; from harness.cli import build_parser; build_parser(); print('importlib.metadata' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_every_option_and_argument_of_every_command_has_help():
     import argparse
 
