@@ -160,17 +160,20 @@ PROCESS_GROUP = "processes"
 worker runs them one at a time, beside the in-process tests on the other core (``.ci/run``'s first step)."""
 
 
+PROCESS_MARKERS = (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
+                   ("sweep_executors", "sweeps on Dask and Ray"))
+PROCESS_PATHS = (("end_to_end", "end-to-end process tests"), ("test_examples_fresh_clone.py", "the examples' validation"))
+"""What drives processes, by marker (or a path part of that name) and by path part, with what it exercises."""
+
+
 def _runs_processes(item: pytest.Item) -> str | None:
     """What ``item`` exercises if it drives processes (HTTP routers, supervision, sweep executors, end-to-end
     tests, the examples' validation in a bare clone), else ``None``."""
     parts = Path(str(item.fspath)).parts
-    once = {"end_to_end": "end-to-end process tests", "test_examples_fresh_clone.py": "the examples' validation"}
-    for marker, ran in (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
-                        ("sweep_executors", "sweeps on Dask and Ray"),
-                        *((name, what) for name, what in once.items() if name in parts)):
+    for marker, ran in PROCESS_MARKERS:
         if marker in item.keywords or marker in parts:
             return ran
-    return None
+    return next((ran for name, ran in PROCESS_PATHS if name in parts), None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,19 +5,18 @@ numpy is imported when reducing only."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from operator import attrgetter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.report.plot_drawing import AutoscaleMarks, PlotJob, Points, RankPanel, RegretCurves, ReuseCurves
-from harness.report.summary import regret_blocks
+from harness.report.summary import RankSeries, rank_series, regret_blocks
 
 if TYPE_CHECKING:
     from kvemu.records import RequestRecord
 
     from harness.report.plot_drawing import Array
-    from harness.report.run_data import RunData, Sample
+    from harness.report.run_data import RunData
 
 __all__ = ["NS_PER_MS", "NS_PER_S", "plot_job", "regret_bucket_s", "regret_curves", "series_form"]
 
@@ -95,36 +94,6 @@ def _heatmap(series: dict[tuple[int, int], Points]) -> tuple[Array, Array]:
         idx = np.clip(np.searchsorted(edges, xs, side="right") - 1, 0, columns - 1)
         np.fmax.at(grid[row], idx, values)  # and the column's own samples (fmax: over NaN too)
     return edges, grid
-
-
-RankSeries = dict[tuple[str, int, int], tuple["Array", "Array", "Array"]]
-"""Per (pool, worker, rank), in that order: its samples' times (s), active requests and KV blocks, by time."""
-
-
-def _rank_series(samples: Sequence[Sample]) -> RankSeries:
-    """The samples as ``RankSeries``: read column by column in C and grouped by numpy, once for both panels (the
-    hour's 56,672 samples took 0.23 s under cProfile in a Python loop run once per panel, 0.06 s so)."""
-    import numpy as np
-
-    n = len(samples)
-    if n == 0:
-        return {}
-
-    def column(name: str) -> Array:
-        return np.fromiter(map(attrgetter(name), samples), dtype=np.int64, count=n)
-
-    pools = sorted({smp.pool for smp in samples})
-    code = {pool: i for i, pool in enumerate(pools)}
-    pool = np.fromiter((code[p] for p in map(attrgetter("pool"), samples)), dtype=np.int64, count=n)
-    worker, rank, time_ns = column("worker_id"), column("dp_rank"), column("time_ns")
-    order = np.lexsort((time_ns, rank, worker, pool))  # stable: equal times keep the samples' order
-    pool, worker, rank = pool[order], worker[order], rank[order]
-    times_s = time_ns[order] / NS_PER_S
-    active, blocks = column("active_requests")[order], column("kv_blocks")[order]
-    new_rank = (pool[1:] != pool[:-1]) | (worker[1:] != worker[:-1]) | (rank[1:] != rank[:-1])
-    starts = np.flatnonzero(np.concatenate(([True], new_rank))).tolist()
-    return {(pools[int(pool[i])], int(worker[i]), int(rank[i])): (times_s[i:j], active[i:j], blocks[i:j])
-            for i, j in zip(starts, [*starts[1:], n])}
 
 
 def _rank_panels(data: RunData, series: RankSeries, field: str) -> list[RankPanel]:
@@ -239,7 +208,7 @@ def plot_job(data: RunData, outdir: Path) -> PlotJob:
     """Everything the plots show, as compact arrays (picklable, to hand to a renderer process)."""
     done = sorted((r for r in data.records if r.done), key=lambda r: (r.arrival_ns, r.request_id))
     ttft = [f - r.arrival_ns for r in done if (f := _first_token(r)) is not None]
-    series = _rank_series(data.samples)
+    series = rank_series(data.samples)
     return PlotJob(
         outdir=str(Path(outdir).absolute()),
         ttft=_cdf_points(ttft, len(ttft)),

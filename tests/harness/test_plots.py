@@ -13,6 +13,7 @@ from harness.report import figures, plot_data, plot_drawing, plot_renderer
 from harness.report.plots import PLOTS, PLOTS_ERROR, background_renderer, write_plots
 from harness.report.files import write_report
 from harness.report.run_data import Sample
+from harness.report.summary import rank_series
 from tests.harness.test_report import PNG_SIGNATURE, sample_run
 
 FILES = ("summary.json", "requests.jsonl", "report.md", *PLOTS)
@@ -204,7 +205,7 @@ def _ranks_run(workers: int, dp: int = 2, capacity: int = 1000):
 def _figure(data, field="kv_blocks"):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = plot_drawing.series_figure(plot_data._rank_panels(data, plot_data._rank_series(data.samples), field), "title", "KV blocks")
+    fig = plot_drawing.series_figure(plot_data._rank_panels(data, rank_series(data.samples), field), "title", "KV blocks")
     FigureCanvasAgg(fig).draw()
     return fig
 
@@ -252,7 +253,7 @@ def test_a_disaggregated_run_gets_a_panel_per_pool():
                for t in range(10) for w in range(14)]
     data = RunData(samples=samples, pools={"prefill": {"workers": 2, "dp_size": 1, "kv_blocks": 100},
                                            "decode": {"workers": 12, "dp_size": 1, "kv_blocks": 200}})
-    panels = plot_data._rank_panels(data, plot_data._rank_series(data.samples), "kv_blocks")
+    panels = plot_data._rank_panels(data, rank_series(data.samples), "kv_blocks")
     assert [(p.pool, p.form, p.capacity) for p in panels] == [("prefill", "lines", 100),
                                                                        ("decode", "heatmap", 200)]
 
@@ -276,17 +277,15 @@ def test_a_value_axis_spanning_decades_is_logarithmic(tmp_path):
 @given(st.lists(st.tuples(st.sampled_from(["decode", "prefill", "aggregated"]), st.integers(0, 3), st.integers(0, 1),
                           st.integers(0, 5), st.integers(0, 50), st.integers(0, 500)), max_size=60))
 def test_rank_series_groups_the_samples_by_pool_and_rank_in_time_order(rows):
-    """``_rank_series`` (numpy) equals the plain grouping: per (pool, worker, rank), in key order, the samples by
+    """``rank_series`` (numpy) equals the plain grouping: per (pool, worker, rank), in key order, the samples by
     time, samples at one time in the order they came."""
-    from harness.report.plot_data import _rank_series
-
     samples = [Sample(time_ns=t, worker_id=w, dp_rank=r, active_requests=a, kv_blocks=b, pool=p)
                for p, w, r, t, a, b in rows]
     expected: dict[tuple[str, int, int], list[tuple[int, int, int]]] = {}
     for smp in sorted(samples, key=lambda x: (x.worker_id, x.dp_rank, x.time_ns)):
         expected.setdefault((smp.pool, smp.worker_id, smp.dp_rank), []).append(
             (smp.time_ns, smp.active_requests, smp.kv_blocks))
-    got = _rank_series(samples)
+    got = rank_series(samples)
     assert list(got) == sorted(expected)
     for key, (times_s, active, blocks) in got.items():
         assert [(round(t * 1e9), a, b) for t, a, b in zip(times_s.tolist(), active.tolist(), blocks.tolist())] \
