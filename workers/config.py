@@ -22,8 +22,8 @@ from kvemu.messages import MAX_KNOB_CHARS, EngineSettings
 from kvemu.validation import check_struct
 from kvemu.transfer import Bandwidth, BytesPerToken
 
-__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "SglangConfig",
-           "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
+__all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "VllmConfig",
+           "VllmSemantics", "SglangConfig", "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
            "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS", "KvGroupSpec", "KvCacheGroup",
            "KV_GROUP_KINDS", "MAX_ENGINE_COUNT", "SPEC_KIND"]
 
@@ -62,6 +62,25 @@ class TrtllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     capacity_scheduler_policy: Literal["guaranteed_no_evict"] = "guaranteed_no_evict"
     """Admit a request only once its whole KV (prompt + max output) is reserved; never preempt."""
+
+
+VllmSemantics = Literal["dynamo", "vllm-0.34"]
+
+
+class VllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM flavour knobs: whose scheduling decisions it reproduces (docs/vllm-oracle.md lists what differs)."""
+
+    semantics: VllmSemantics = "dynamo"
+    """``dynamo``: Dynamo 1.6.1's mocker, the contract of kvemu's fidelity figures. ``vllm-0.34``: vLLM 0.34.0's
+    own scheduler, step for step as ``tests/oracle`` checks it against that release (its null block, its
+    preemption victims, its order of running requests)."""
+    async_scheduling: bool = False
+    """With ``semantics`` vllm-0.34: vLLM's asynchronous scheduling (its default on a GPU), where each pass is
+    scheduled while the previous one runs: a request's last token is seen, and its blocks freed, one pass later,
+    and a block its newest token fills is cached one pass later."""
+    scheduling_policy: Literal["priority", "fcfs"] = "priority"
+    """``priority``: the waiting queue orders by request priority, then arrival (Dynamo's mocker always does).
+    ``fcfs``: priorities are ignored, as vLLM does unless started with ``--scheduling-policy priority``."""
 
 
 class SglangConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -258,6 +277,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """How long a pass takes: ``{type: polynomial}`` (the reference's default) or ``{type: interpolated, path}``."""
     trtllm: TrtllmConfig = TrtllmConfig()
     """TRT-LLM flavour knobs (used when ``backend`` is trtllm)."""
+    vllm: VllmConfig = VllmConfig()
+    """vLLM flavour knobs (used when ``backend`` is vllm)."""
     sglang: SglangConfig = SglangConfig()
     """SGLang flavour knobs (used when ``backend`` is sglang)."""
     kv_cache_bytes_per_token: Annotated[int, Meta(ge=1, le=1 << 40)] | None = None
@@ -281,6 +302,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             msgspec.structs.force_setattr(self, "block_size", DEFAULT_BLOCK_SIZE[self.backend])
         if self.backend == "sglang":
             self._check_sglang()
+        if self.vllm != VllmConfig():
+            self._check_vllm_semantics()
         if self.speculative is not None:
             self._check_speculative()
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -353,11 +376,34 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         """Blocks of the engine's one block pool. Plain engine: ``num_gpu_blocks``. With ``kv_groups`` the memory
         is that of ``num_gpu_blocks`` full-attention blocks over all the model's layers, and a block is one page
         in each layer of a group (vLLM: ``num_blocks = memory // (page x group_size)``, shared by every group):
-        ``num_gpu_blocks x total layers // group_size``."""
+        ``num_gpu_blocks x total layers // group_size``. Under ``vllm.semantics`` vllm-0.34, one block fewer: vLLM
+        keeps block 0 as a null block nobody holds."""
         specs = self.kv_groups
         if not specs:
-            return self.num_gpu_blocks
+            return self.num_gpu_blocks - 1 if self.vllm.semantics != "dynamo" else self.num_gpu_blocks
         return max(1, self.num_gpu_blocks * sum(g.layers for g in specs) // self.kv_group_size)
+
+    def _check_vllm_semantics(self) -> None:
+        """vLLM's own semantics come without FIFO victims, a host tier, hybrid groups or drafts (not checked yet)."""
+        semantics = self.vllm.semantics
+        if self.vllm.async_scheduling and semantics == "dynamo":
+            raise InvalidArgument("vllm.async_scheduling needs vllm.semantics vllm-0.34 (Dynamo's mocker schedules "
+                                  "synchronously)", field="vllm.async_scheduling")
+        if semantics == "dynamo":
+            return
+        if self.backend != "vllm":
+            raise InvalidArgument(f"vllm.semantics {semantics!r} needs backend vllm, got {self.backend!r}",
+                                  field="vllm.semantics")
+        if self.preemption_mode != "lifo":
+            raise InvalidArgument(f"vllm.semantics {semantics!r}: vLLM preempts the latest admitted request (or, "
+                                  f"by priority, the lowest); preemption_mode must be lifo", field="preemption_mode")
+        for name in ("native_host_offload", "speculative", "kv_groups"):
+            if getattr(self, name) is not None:
+                raise InvalidArgument(f"vllm.semantics {semantics!r} is checked against vLLM without {name}; "
+                                      f"leave {name} out or use semantics dynamo", field=name)
+        if self.num_gpu_blocks < 2:
+            raise InvalidArgument("vllm.semantics: vLLM keeps one block as its null block; num_gpu_blocks must be "
+                                  ">= 2", field="num_gpu_blocks")
 
     def _check_sglang(self) -> None:
         if not self.enable_chunked_prefill:

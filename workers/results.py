@@ -24,6 +24,8 @@ class StepResult:
         "preempted",
         "events",
         "pulled",
+        "scheduled",
+        "admitted_hits",
     )
 
     def __init__(self, start_ns: int, end_ns: int) -> None:
@@ -40,6 +42,10 @@ class StepResult:
         self.events: PassEvents | None = None
         self.pulled: list[tuple[str, int, int]] = []
         """Decode legs whose KV arrived at ``start_ns``: (request id, reserved at, activated at)."""
+        self.scheduled: list[tuple[str, int]] = []
+        """vLLM flavour: (request id, tokens) of every request the pass runs, in the order it scheduled them."""
+        self.admitted_hits: list[tuple[str, int]] = []
+        """vLLM flavour: (request id, prompt tokens found in the prefix cache) of each request admitted."""
 
     @property
     def duration_ns(self) -> int:

@@ -126,6 +126,8 @@ class VllmEngineCore(RankCore):
         self.fast = FastForward(self.scheduler, self.pool, self.timer, self.spec, self.hybrid, rank=self.dp_rank,
                                 record_times=self._record_times, groups_meta=self._groups_meta)
         """Decode runs and look-ahead (``workers.vllm.fast_forward``)."""
+        if self.scheduler.lag:  # (its decode runs free a finished request at once)
+            self.fast.enabled = False
 
     # ----------------------------------------------------------------- queries
 
@@ -192,6 +194,7 @@ class VllmEngineCore(RankCore):
         """
         seq = self._seqs.pop(request_id, None)
         if seq is None:
+            self.scheduler.drop_finishing(request_id)
             return None
         seq.record.failure = reason
         fl = self._inflight
@@ -278,8 +281,11 @@ class VllmEngineCore(RankCore):
 
     def _step_result(self, p: _Pass) -> StepResult:
         res = StepResult(p.start, p.end)  # (later than the step's time when it waits for host stores)
-        res.prefill_tokens = p.sched.prefill_tokens
-        res.decodes = p.sched.decodes
+        sched = p.sched
+        res.prefill_tokens = sched.prefill_tokens
+        res.decodes = sched.decodes
+        res.scheduled = [(seq.rid, n) for seq, n in sched.entries.items()]
+        res.admitted_hits = [(seq.rid, seq.computed) for seq in sched.admitted]  # (before the pass computes)
         return res
 
     def _cache_version(self) -> int:
@@ -344,6 +350,15 @@ class VllmEngineCore(RankCore):
         sched = p.sched
         pool = self.pool
         bs = self._block_size
+        if not sched.entries and not sched.preempted:  # async: nothing ran, the last pass's tokens were read
+            self._free_at = end
+            events = PassEvents(end, self.dp_rank, pool.log, bs, self._groups_meta) if pool.log else None
+            pool.log = []
+            if out is not None and events is not None:
+                out.events.append(events)
+            if res is not None:
+                res.events = events
+            return
         sampled: list[SeqState] = []
         for seq, n in sched.entries.items():
             seq.computed += n  # the blocks it filled were cached when the pass was scheduled
@@ -370,6 +385,9 @@ class VllmEngineCore(RankCore):
             if seq.req.kv_hold:  # a prefill leg: its KV waits for a decode rank
                 self.scheduler.hold(seq)
                 self._held[seq.rid] = seq
+            elif self.scheduler.lag:  # async: freed once the next pass is decided
+                seq.status = FINISHED
+                self.scheduler.finishing.append(seq)
             else:
                 self.scheduler.complete(seq)
             seq.record.completion_ns = end
@@ -384,6 +402,8 @@ class VllmEngineCore(RankCore):
             self._releasing = []
         if self.host is not None:
             self.host.submit(end)
+        if self.scheduler.lag:
+            self.scheduler.tokens_sampled(sampled)
         events = None
         if pool.log:
             events = PassEvents(end, self.dp_rank, pool.log, bs, self._groups_meta)

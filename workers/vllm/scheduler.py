@@ -62,7 +62,8 @@ __all__ = ["Scheduler", "Schedule"]
 class Schedule:
     """The decisions of one pass: tokens per request (in scheduling order), admissions, preemptions."""
 
-    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved", "fence_ns")
+    __slots__ = ("entries", "admitted", "preempted", "prefill_tokens", "decodes", "activated", "reserved", "fence_ns",
+                 "read")
 
     def __init__(self) -> None:
         self.entries: dict[SeqState, int] = {}
@@ -76,9 +77,15 @@ class Schedule:
         """Decode legs that reserved their prompt's blocks at this pass's start."""
         self.fence_ns = 0
         """Host offload: when the last host store of a preempted request's blocks ends (the pass waits for it)."""
+        self.read = False
+        """Async: the last pass's tokens were read as this one was decided (blocks cached, finished ones freed)."""
 
     def __bool__(self) -> bool:
-        return bool(self.entries or self.preempted)
+        return bool(self.entries or self.preempted or self.read)
+
+
+def _victim_key(seq: SeqState) -> tuple[int, int, int]:
+    return seq.req.priority, seq.record.arrival_ns, seq.order
 
 
 class Scheduler:
@@ -104,6 +111,12 @@ class Scheduler:
         "loading",
         "spec",
         "hybrid",
+        "exact",
+        "by_priority",
+        "lag",
+        "finishing",
+        "in_flight",
+        "_in_flight",
     )
 
     def __init__(self, config: EngineConfig, pool: BlockPool) -> None:
@@ -114,6 +127,19 @@ class Scheduler:
         self.prefix_caching = config.enable_prefix_caching
         self.chunked_prefill = config.enable_chunked_prefill
         self.lifo = config.preemption_mode == "lifo"
+        self.exact = config.backend == "vllm" and config.vllm.semantics != "dynamo"
+        """vLLM's own scheduler (``vllm.semantics``): one pass over the running requests in their order, its victims."""
+        self.by_priority = config.vllm.scheduling_policy == "priority"
+        self.lag = self.exact and config.vllm.async_scheduling
+        """vLLM's asynchronous scheduling: each pass is decided before the last one's tokens are known."""
+        self.finishing: list[SeqState] = []
+        """Async: requests whose last token the last pass made; they keep their slot and blocks (and are not
+        scheduled) until the next pass is decided, as vLLM frees them when it reads that token."""
+        self.in_flight: list[SeqState] = []
+        """Async: the requests that received a token in the last pass, in its order (the token is not known yet
+        when this pass is decided; when it is read, their blocks up to it are cached)."""
+        self._in_flight: set[SeqState] = set()
+        """Whether the waiting queue orders by request priority (else by arrival only: vLLM's fcfs)."""
         self.reserve = config.backend == "trtllm"
         """TRT-LLM: admission reserves each request's whole KV; no preemption; full-prompt prefix reuse."""
         self.future: list[tuple[int, int, SeqState]] = []
@@ -139,6 +165,10 @@ class Scheduler:
         """Requests out of the queue until their host blocks are loaded (or a store they wait for ends): heap of
         (ready, order, blocks loaded, seq)."""
 
+    def priority(self, seq: SeqState) -> int:
+        """``seq``'s place in the waiting queue's first key: its request's priority, or 0 under vLLM's fcfs."""
+        return seq.req.priority if self.by_priority else 0
+
     def add(self, seq: SeqState) -> None:
         """Queue an accepted request; it becomes schedulable at its arrival time."""
         heapq.heappush(self.future, (seq.record.arrival_ns, seq.order, seq))
@@ -163,14 +193,14 @@ class Scheduler:
             if seq.req.kv_transfer is not None:
                 self.incoming.append(seq)
             else:
-                heapq.heappush(self.waiting, (seq.req.priority, arrival, order, seq))
+                heapq.heappush(self.waiting, (self.priority(seq), arrival, order, seq))
         loads = self.loads
         if not loads or loads[0][0] > now_ns:
             return
         done = []
         while loads and loads[0][0] <= now_ns:
             _, order, blocks, seq = heapq.heappop(loads)
-            done.append((seq.req.priority, seq.record.arrival_ns, order, blocks, seq))
+            done.append((self.priority(seq), seq.record.arrival_ns, order, blocks, seq))
         done.sort(key=lambda d: d[:3])  # in queue order (a request's order is its host's submission order)
         for _, _, order, blocks, seq in done:
             if blocks:
@@ -179,7 +209,7 @@ class Scheduler:
                 first, _, full = seq.host_load  # type: ignore[misc]  # set by _load with the blocks
                 self.pool.promote(seq.hashes, first, full, seq)
                 seq.n_full = full
-            heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, order, seq))
+            heapq.heappush(self.waiting, (self.priority(seq), seq.record.arrival_ns, order, seq))
 
     def schedule(self, now_ns: int) -> Schedule:
         """Decide the pass starting at ``now_ns``; blocks are allocated (and evicted) as decided."""
@@ -195,12 +225,14 @@ class Scheduler:
         caching = self.prefix_caching
         spec = self.spec
         hybrid = self.hybrid
-        for decoding in (True, False):
+        exact = self.exact
+        for decoding in (False,) if exact else (True, False):  # vLLM: one pass, in running order
             for seq in list(running):
-                if seq.status != RUNNING or seq.prefilling == decoding:
+                if seq.status != RUNNING or (seq.prefilling == decoding and not exact):
                     continue
                 if budget <= 0:
                     break
+                decodes = not seq.prefilling if exact else decoding
                 n = seq.prompt_len + seq.n_out - seq.computed
                 if n > budget:
                     n = budget
@@ -209,7 +241,7 @@ class Scheduler:
                     if not n:
                         continue
                 spent = n
-                if spec is not None and decoding and seq.n_out:  # it verifies drafts: 1 + accepted tokens
+                if spec is not None and decodes and seq.n_out:  # it verifies drafts: 1 + accepted tokens
                     n = spec.next()
                     if n > seq.max_tokens - seq.n_out:
                         n = seq.max_tokens - seq.n_out
@@ -222,22 +254,61 @@ class Scheduler:
                         break
                     budget += self._preempt_until(seq, need, sched)
                     if seq.status != RUNNING:
+                        if exact and not self.by_priority:
+                            break  # vLLM (fcfs): a request that had to preempt itself ends the pass over running
                         continue
                 if need > 0:
                     pool.allocate(need)
                 if grow > 0:  # (block positions: the same as need but with hybrid groups)
                     seq.n_alloc += grow
                 if caching:
-                    self._cache_filled(seq, seq.computed + n)
+                    upto = seq.computed + n
+                    if self.lag and seq in self._in_flight and upto > seq.prompt_len + seq.n_out - 1:
+                        upto = seq.prompt_len + seq.n_out - 1  # (vLLM caches known tokens only)
+                    self._cache_filled(seq, upto)
                 entries[seq] = n
                 budget -= spent  # (a decode takes one token of the budget, drafts or not, as in Dynamo's mocker)
-                if decoding:
+                if decodes:
                     sched.decodes += 1
                 else:
                     sched.prefill_tokens += n
         if not sched.preempted:
             self._admit(now_ns, budget, sched)
+        if self.lag and (self.in_flight or self.finishing):
+            self._read_tokens()
+            sched.read = True
         return sched
+
+    def tokens_sampled(self, sampled: list[SeqState]) -> None:
+        """Async: the pass that just ended gave these requests a token (read when the next pass is decided)."""
+        self.in_flight = sampled
+        self._in_flight = set(sampled)
+
+    def drop_finishing(self, rid: str) -> bool:
+        """Async: a request whose last token is not read yet is dropped (aborted) now, as vLLM frees it then:
+        its slot and blocks go at once, nothing more of it is cached. Returns whether there was one."""
+        for seq in self.finishing:
+            if seq.rid == rid:
+                self.finishing.remove(seq)
+                self.running.remove(seq)
+                self.free(seq)
+                return True
+        return False
+
+    def _read_tokens(self) -> None:
+        """Async: once the next pass is decided, the last pass's tokens are read: the blocks they complete are
+        cached (requests still running, or finishing), and the finished requests freed, as vLLM's update does."""
+        if self.prefix_caching:
+            finishing = self.finishing
+            for seq in self.in_flight:
+                if seq.status == RUNNING or (seq.status == FINISHED and seq in finishing):  # (not aborted ones)
+                    self._cache_filled(seq, seq.computed)
+        self.in_flight = []
+        self._in_flight = set()
+        for seq in self.finishing:
+            self.running.remove(seq)
+            self.free(seq)
+        self.finishing = []
 
     def _reserved_blocks(self) -> int:
         """TRT-LLM: blocks the running requests and the decode legs in transit may still need to complete."""
@@ -354,12 +425,20 @@ class Scheduler:
         running = self.running
         freed = 0
         while need > pool.available:
-            victim = running[-1] if self.lifo else running[0]
+            if self.exact and self.by_priority:  # vLLM: the lowest priority, the latest arrival among equals
+                victim = max(running, key=_victim_key)
+            else:
+                victim = running[-1] if self.lifo else running[0]
             was_prefilling = victim.prefilling
             host = self.host
             if host is not None and host.pending:  # its blocks are still being stored: the pass waits for that
                 sched.fence_ns = max(sched.fence_ns, host.fence_ns(victim.hashes[:victim.n_full]))
-            self.preempt(victim)
+            if victim.status == FINISHED:  # async: its last token is in flight; it is not queued again
+                self.finishing.remove(victim)
+                self.running.remove(victim)
+                self.free(victim)
+            else:
+                self.preempt(victim)
             sched.preempted.append(victim)
             n = sched.entries.pop(victim, None)
             if n is not None:
@@ -380,7 +459,7 @@ class Scheduler:
         seq.prefilling = True
         seq.status = WAITING
         seq.record.engine.preemptions += 1
-        heapq.heappush(self.waiting, (seq.req.priority, seq.record.arrival_ns, seq.order, seq))
+        heapq.heappush(self.waiting, (self.priority(seq), seq.record.arrival_ns, seq.order, seq))
 
     def _admit(self, now_ns: int, budget: int, sched: Schedule) -> None:
         waiting = self.waiting

@@ -1,0 +1,107 @@
+"""kvemu's vLLM engine core driven step by step with an oracle workload: the same records ``vllm_driver.py`` writes.
+
+A step is one ``schedule()`` of the oracle: requests whose ``arrive_step`` is ``k`` are added (and those whose
+``abort_step`` is ``k`` aborted) just before step ``k``, which then runs one forward pass at the end of the last
+one (virtual time only orders things here; the oracle compares decisions, never durations). A step with nothing
+to schedule is an empty record, as the oracle's idle ``schedule()`` is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from workers.config import EngineConfig, VllmConfig, VllmSemantics
+from workers.request import Request
+from workers.vllm.engine import VllmEngineCore
+
+Record = dict[str, Any]
+
+
+def engine_config(config: dict[str, Any], semantics: VllmSemantics = "vllm-0.34") -> EngineConfig:
+    """The kvemu engine an oracle workload's vLLM configuration maps to, under ``semantics``.
+
+    vLLM keeps block 0 of its pool as a null block nobody holds: under vllm-0.34 semantics kvemu does too; under
+    Dynamo's (whose pool has no null block) the pool is given one block fewer, so both have as many to use."""
+    fcfs = config.get("policy", "fcfs") == "fcfs"
+    return EngineConfig(
+        backend="vllm",
+        num_gpu_blocks=config["num_gpu_blocks"] - (semantics == "dynamo"),
+        block_size=config["block_size"],
+        max_num_seqs=config["max_num_seqs"],
+        max_num_batched_tokens=config["max_num_batched_tokens"],
+        enable_prefix_caching=config["enable_prefix_caching"],
+        enable_chunked_prefill=config["enable_chunked_prefill"],
+        preemption_mode="lifo",
+        record_token_times=False,
+        vllm=VllmConfig(semantics=semantics, scheduling_policy="fcfs" if fcfs else "priority",
+                        async_scheduling=bool(config.get("async_scheduling")) and semantics != "dynamo"),
+    )
+
+
+def _events(res_events: Any, block_size: int) -> list[list[Any]]:
+    if res_events is None:
+        return []
+    out: list[list[Any]] = []
+    for ev in res_events.batch().events:
+        if isinstance(ev, BlockStored):
+            out.append(["stored", list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids), ev.block_size])
+        elif isinstance(ev, BlockRemoved):
+            out.append(["removed", list(ev.block_hashes)])
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(["cleared"])
+    return out
+
+
+def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34") -> list[Record]:
+    """Every step's record of kvemu's vLLM flavour, under ``semantics``, on ``workload`` (the oracle's input)."""
+    config = workload["config"]
+    cfg = engine_config(config, semantics)
+    eng = VllmEngineCore(cfg)
+    by_arrival: dict[int, list[dict[str, Any]]] = {}
+    by_abort: dict[int, list[str]] = {}
+    for r in workload["requests"]:
+        by_arrival.setdefault(r["arrive_step"], []).append(r)
+        if r.get("abort_step") is not None:
+            by_abort.setdefault(r["abort_step"], []).append(r["id"])
+    last_arrival = max(by_arrival, default=-1)
+    records: list[Record] = []
+    now = 0
+    lagging: list[list[str]] = []  # async: a last token is read, and its request reported, one step later
+    for k in range(workload.get("max_steps", 100_000)):
+        finished: list[list[str]] = []
+        for r in by_arrival.get(k, ()):
+            eng.add_request(Request(request_id=r["id"], token_ids=r["prompt"], max_tokens=len(r["output"]),
+                                    arrival_ns=now, priority=r.get("priority", 0),
+                                    output_token_ids=r["output"]))
+        for rid in by_abort.get(k, ()):
+            unread = [rid, "length"] in lagging  # async: its last token is not read yet, so the abort wins
+            if eng.abort(rid) is not None or unread:
+                finished.append([rid, "abort"])
+            if unread:
+                lagging.remove([rid, "length"])
+        finished += lagging
+        lagging = []
+        done = eng.num_unfinished == 0 and k > last_arrival and not eng.scheduler.finishing
+        if done and not finished:
+            break
+        start = eng.next_pass_start_ns()
+        rec: Record = {"step": k, "scheduled": [], "admitted": [], "preempted": [], "finished": finished,
+                       "events": []}
+        if start is not None and not done:
+            res = eng.step(max(start, now))
+            now = res.end_ns
+            rec["scheduled"] = [[rid, n] for rid, n in res.scheduled]
+            rec["admitted"] = [[rid, hit] for rid, hit in res.admitted_hits]
+            rec["preempted"] = list(res.preempted)
+            ends = [[r.request_id, "length"] for r in res.completed]
+            if cfg.vllm.async_scheduling:
+                lagging = ends
+            else:
+                rec["finished"] += ends
+            rec["events"] = _events(res.events, cfg.resolved_block_size)
+        rec["free_blocks"] = eng.pool.available
+        rec["num_waiting"] = eng.num_waiting
+        rec["num_running"] = eng.num_running
+        records.append(rec)
+    return records
