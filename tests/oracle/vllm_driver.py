@@ -225,9 +225,7 @@ def _expect(what: str, got: Any, want: Any) -> None:
         raise WorkloadError(f"vLLM resolved {what} = {got!r}, but the workload asks for {want!r}")
 
 
-def build_scheduler(cfg: dict[str, Any], model_dir: str) -> Any:
-    """A Scheduler or AsyncScheduler built as EngineCore builds it, every setting checked after resolution."""
-    import torch
+def _vllm_config(cfg: dict[str, Any], model_dir: str) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -236,12 +234,6 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str) -> Any:
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
 
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=cfg["max_model_len"],
                                dtype="float32", seed=0)
@@ -262,7 +254,23 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str) -> Any:
         device_config=DeviceConfig(device="cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     )
+    return vllm_config
 
+
+def build_scheduler(cfg: dict[str, Any], model_dir: str) -> Any:
+    """A Scheduler or AsyncScheduler built as EngineCore builds it, every setting checked after resolution."""
+    import torch
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    try:
+        vllm_config = _vllm_config(cfg, model_dir)
+    except ValueError as exc:  # pydantic's ValidationError too: vLLM refuses the combination
+        raise WorkloadError(f"vLLM 0.34 refuses this config: {exc}") from exc
     # What EngineCore._initialize_kv_caches settles from the workers' reports: one full-attention group.
     num_blocks = cfg["num_gpu_blocks"]
     spec = FullAttentionSpec(block_size=cfg["block_size"], num_kv_heads=4, head_size=16, dtype=torch.float32)
@@ -471,6 +479,14 @@ def main(argv: list[str]) -> int:
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    try:
+        return _main(batch, out)
+    except WorkloadError as exc:
+        print(f"vllm_driver: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(batch: bool, out: Any) -> int:
     raw = json.load(sys.stdin)
     workloads = raw if batch else [raw]
     if batch and not isinstance(raw, list):
