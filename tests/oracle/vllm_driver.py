@@ -32,7 +32,8 @@ Optional config keys (vLLM 0.34's defaults when absent, still checked): ``schedu
 ``watermark`` (0.0).
 
 Steps. Step ``k`` is the ``k``-th turn of EngineCore's busy loop (``run_busy_loop``): first the client's inputs
-(requests with ``arrive_step == k`` are added with ``scheduler.add_request``, in input order; requests with
+(requests with ``arrive_step == k`` are added with ``scheduler.add_request``, in input order, with
+``arrival_time`` 1.0, 2.0, ... in the order of adding: the tie-break of the priority policy; requests with
 ``abort_step == k`` are aborted with ``scheduler.finish_requests(ids, FINISHED_ABORTED)``, as
 ``EngineCore.abort_requests`` does), then one call of the engine's step function, if the engine has work
 (``scheduler.has_requests()``, or a batch in flight for async). A turn without work records ``"idle": true``
@@ -359,6 +360,10 @@ class Run:
         order = sorted(range(len(workload["requests"])),
                        key=lambda i: (workload["requests"][i].get("arrive_step", 0), i))
         self.arrivals = deque(workload["requests"][i] for i in order)
+        self.aborts: dict[int, list[str]] = {}
+        for req in workload["requests"]:
+            if req.get("abort_step") is not None:
+                self.aborts.setdefault(req["abort_step"], []).append(req["id"])
         self.num_added = 0
         self.preempted_log: list[str] = []
         original_preempt = self.scheduler._preempt_request
@@ -450,7 +455,7 @@ class Run:
             finished: list[list[str]] = []
             while self.arrivals and self.arrivals[0].get("arrive_step", 0) <= step:
                 self.scheduler.add_request(self.make_request(self.arrivals.popleft()))
-            aborts = [rid for rid, spec in self.specs.items() if spec.get("abort_step") == step]
+            aborts = self.aborts.get(step)
             if aborts:
                 for request in self.scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED):
                     finished.append([request.request_id, "abort"])
