@@ -12,6 +12,9 @@ distribution is named like nvidia/triton/cuda, that every pinned version is the 
 scheduler modules import, and that ``vllm_driver.py`` runs a one-request workload to its end. Only when all of
 that passed does it write the stamp (the sha256 of requirements.txt), which is what the test fixture looks at.
 
+A fresh build took 106 s here (87 s of pip install with the wheels in pip's cache, then ~20 s of checks) and
+makes a 1.76 GB venv.
+
 The venv's python must be CPython 3.11 on x86-64 Linux (the wheel of torch 2.13.0+cpu that pip takes from this
 machine's disk): the builder creates it from the interpreter running it, which must be 3.11.
 """
@@ -172,7 +175,8 @@ def check(venv: Path) -> list[str]:
         if have is None or have.split("+", 1)[0] != version:
             wrong.append(f"{name}: pinned {version}, installed {have}")
     if wrong:
-        raise OracleEnvError("installed versions differ from requirements.txt: " + "; ".join(wrong))
+        more = f"; and {len(wrong) - 12} more" if len(wrong) > 12 else ""
+        raise OracleEnvError("installed versions differ from requirements.txt: " + "; ".join(wrong[:12]) + more)
     passed.append("every pinned version is installed")
     if "import_error" in found:
         raise OracleEnvError(f"vLLM's scheduler path does not import: {found['import_error']}")
