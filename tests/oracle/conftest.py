@@ -1,0 +1,123 @@
+"""The oracle's plumbing for tests: the oracle venv's python, and a runner of vLLM's scheduler on a workload.
+
+Tests marked ``oracle`` run vLLM 0.34.0's real scheduler in the oracle venv (``tests/oracle/env.py``) through
+``vllm_driver.py``. They get the venv's python from the ``oracle_python`` fixture, never by looking for it
+themselves. Without ``KVEMU_REQUIRE_ORACLE`` a missing (or stale) oracle venv skips them with the reason and the
+command that builds it (``python -m tests.oracle.env``); with ``KVEMU_REQUIRE_ORACLE=1`` it is a failure, and so
+is *any* skip of an ``oracle`` test, so that a run cannot pass with the differential tests silently switched off
+(the same net as ``KVEMU_REQUIRE_REFERENCE`` for the ``reference`` tests, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from collections.abc import Generator
+from typing import Any, NoReturn
+
+import pytest
+
+from tests.oracle.env import DRIVER, ENV_VAR, stamp_status
+
+REQUIRE_ENV = "KVEMU_REQUIRE_ORACLE"
+RUN_TIMEOUT = 600.0  # seconds for one driver process (imports ~10 s, then thousands of steps per second)
+
+
+def oracle_required() -> bool:
+    """Whether ``KVEMU_REQUIRE_ORACLE`` asks for the oracle tests to run (1/true/yes/on)."""
+    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def oracle_unavailable(reason: str) -> NoReturn:
+    """Skip the calling test, or fail it when the oracle is required; ``reason`` says what is missing."""
+    if oracle_required():
+        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(f"{reason} (set {REQUIRE_ENV}=1 to make this a failure)")
+
+
+@pytest.fixture(scope="session")
+def oracle_python() -> Path:
+    """The oracle venv's python (skips, or fails under ``KVEMU_REQUIRE_ORACLE=1``, when it is not built)."""
+    python, reason = stamp_status()
+    if python is None:
+        if os.environ.get(ENV_VAR):
+            reason += f" [{ENV_VAR}={os.environ[ENV_VAR]} is honoured by the builder too]"
+        oracle_unavailable(reason)
+    return python
+
+
+def _driver_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "VIRTUAL_ENV"):  # the oracle is its own world
+        env.pop(name, None)
+    return env
+
+
+def _run_driver(oracle_python: Path, payload: Any, args: list[str], timeout: float) -> list[dict[str, Any]]:
+    cmd = [str(oracle_python), str(DRIVER), *args]
+    try:
+        proc = subprocess.run(cmd, input=json.dumps(payload), capture_output=True, text=True, timeout=timeout,
+                              env=_driver_env(), check=False)
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        pytest.fail(f"the oracle driver did not finish in {timeout} s; its stderr ended with:\n{stderr[-4000:]}",
+                    pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"the oracle driver exited {proc.returncode}; its stderr ended with:\n{proc.stderr[-4000:]}",
+                    pytrace=False)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def run_oracle(oracle_python: Path, workload: dict[str, Any], timeout: float = RUN_TIMEOUT) -> list[dict[str, Any]]:
+    """Run vLLM 0.34.0's scheduler on ``workload`` (the driver's input format); one record per step."""
+    return _run_driver(oracle_python, workload, [], timeout)
+
+
+def run_oracle_batch(oracle_python: Path, workloads: list[dict[str, Any]],
+                     timeout: float = RUN_TIMEOUT) -> list[list[dict[str, Any]]]:
+    """Run several workloads in one driver process (one start-up of vLLM's imports); their records, in order."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in workloads]
+    for record in _run_driver(oracle_python, workloads, ["--batch"], timeout):
+        runs[record.pop("workload")].append(record)
+    return runs
+
+
+# ------------------------------------------------------------------ the safety net under the variable
+
+
+def _skip_reason(longrepr: object) -> str:
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, lineno, "Skipped: reason")
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                               call: pytest.CallInfo) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Under ``KVEMU_REQUIRE_ORACLE=1``, a skipped ``oracle`` test is reported as failed."""
+    report: pytest.TestReport = yield
+    if (report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("oracle") is not None
+            and oracle_required()):
+        report.outcome = "failed"
+        report.longrepr = (f"{REQUIRE_ENV}=1: the oracle test {item.nodeid} was skipped, which counts as a "
+                           f"failure: {_skip_reason(report.longrepr)}")
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+        collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    """Under the variable, a test module with ``oracle`` tests may not skip itself while being collected."""
+    report: pytest.CollectReport = yield
+    if report.skipped and isinstance(collector, pytest.Module) and oracle_required():
+        try:
+            source = collector.path.read_text(encoding="utf-8")
+        except OSError:
+            source = ""
+        if "mark.oracle" in source:
+            report.outcome = "failed"
+            report.longrepr = (f"{REQUIRE_ENV}=1: the module {collector.nodeid}, which has oracle tests, "
+                               f"skipped itself while being collected: {_skip_reason(report.longrepr)}")
+    return report
