@@ -12,13 +12,13 @@ from typing import Any
 import msgspec
 import yaml
 
-from workers.config import InterpolatedTimingSpec
+from workers.config import EngineConfig, InterpolatedTimingSpec
 
 from harness.scenario import BUILT_IN, RunOrigin, Scenario, TraceWorkload, read_text_file, resolve
 from harness.text import counted
 
 __all__ = ["SCENARIO_FILE", "scenario_document", "scenario_yaml", "what_ran_lines", "timing_source",
-           "read_scenario_document", "scenario_differences"]
+           "read_scenario_document", "scenario_differences", "decisions_as"]
 
 SCENARIO_FILE = "scenario.yaml"
 """The resolved scenario's file in a report's directory."""
@@ -134,13 +134,21 @@ def what_ran_lines(scenario: Scenario, origin: RunOrigin | None) -> list[str]:
     stops = [f"after {run.duration_s:g} s of arrivals" if run.duration_s is not None else "",
              f"after {counted(run.max_requests, 'request')}" if run.max_requests is not None else ""]
     out.append(f"- run: {run.mode} time, seed {run.seed}" + "".join(f", stops {s}" for s in stops if s))
-    out += ["", "Engines:", "", "| pool | workers | dp_size | backend | block_size | num_gpu_blocks | speedup "
-            "(all, decode) | pass timing |", "|---|---|---|---|---|---|---|---|"]
+    out += ["", "Engines:", "", "| pool | workers | dp_size | backend | decisions as | block_size | num_gpu_blocks | "
+            "speedup (all, decode) | pass timing |", "|---|---|---|---|---|---|---|---|---|"]
     for pool, (workers, dp_size, engine) in scenario.cluster.pools().items():
-        out.append(f"| {pool} | {workers} | {dp_size} | {engine.backend} | {engine.block_size} | "
-                   f"{engine.num_gpu_blocks:,} | {engine.speedup_ratio:g}, {engine.decode_speedup_ratio:g} | "
-                   f"{_cell(timing_source(engine))} |")
+        out.append(f"| {pool} | {workers} | {dp_size} | {engine.backend} | {decisions_as(engine)} | "
+                   f"{engine.block_size} | {engine.num_gpu_blocks:,} | "
+                   f"{engine.speedup_ratio:g}, {engine.decode_speedup_ratio:g} | {_cell(timing_source(engine))} |")
     return out
+
+
+def decisions_as(engine: EngineConfig) -> str:
+    """Whose scheduling decisions an engine reproduces, and which version (``engine.vllm.semantics``)."""
+    vllm = engine.vllm
+    if engine.backend == "vllm" and vllm.semantics == "vllm-0.34":
+        return f"vLLM 0.34.0 ({'async' if vllm.async_scheduling else 'sync'}, {vllm.scheduling_policy})"
+    return "Dynamo 1.6.1's mocker"
 
 
 def read_scenario_document(outdir: Path) -> dict[str, Any] | None:

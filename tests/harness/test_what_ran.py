@@ -68,7 +68,7 @@ def test_a_run_writes_what_ran_and_its_scenario_yaml_runs_again_to_the_same_requ
     assert "`router.policy=round_robin`, `run.seed=5`" in what_ran
     assert "- workload: synthetic: arrival poisson, rate_rps 2.0, isl {kind normal, mean 256.0, " in what_ran
     assert "turns 4" in what_ran and "- router: policy `round_robin`" in what_ran
-    assert f"| aggregated | 2 | 2 | vllm | 64 | 512 | 1, 1 | {POLYNOMIAL} |" in what_ran
+    assert f"| aggregated | 2 | 2 | vllm | Dynamo 1.6.1's mocker | 64 | 512 | 1, 1 | {POLYNOMIAL} |" in what_ran
     again = kvemu("run", "a/scenario.yaml", "-o", "b", "--quiet", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "b" / "requests.jsonl").read_bytes() == (tmp_path / "a" / "requests.jsonl").read_bytes()
@@ -123,9 +123,20 @@ def test_an_interpolated_profile_and_speedups_are_named_as_the_timing_source(tmp
     from harness.report.what_ran import what_ran_lines
 
     lines = what_ran_lines(scenario, None)
-    assert f"| prefill | 1 | 1 | vllm | 64 | 16,384 | 4, 1 | the profile `{profile}`: measured points, " \
-           "interpolated as Dynamo's mocker does (docs/profiles.md); every pass 4× faster |" in lines
-    assert f"| decode | 2 | 2 | vllm | 64 | 16,384 | 1, 1 | {POLYNOMIAL} |" in lines
+    assert f"| prefill | 1 | 1 | vllm | Dynamo 1.6.1's mocker | 64 | 16,384 | 4, 1 | the profile `{profile}`: " \
+           "measured points, interpolated as Dynamo's mocker does (docs/profiles.md); every pass 4× faster |" in lines
+    assert f"| decode | 2 | 2 | vllm | Dynamo 1.6.1's mocker | 64 | 16,384 | 1, 1 | {POLYNOMIAL} |" in lines
+
+
+@pytest.mark.parametrize("vllm, named", [
+    ("{semantics: vllm-0.34}", "vLLM 0.34.0 (sync, priority)"),
+    ("{semantics: vllm-0.34, async_scheduling: true, scheduling_policy: fcfs}", "vLLM 0.34.0 (async, fcfs)"),
+])
+def test_the_engines_table_names_whose_decisions_ran(vllm, named):
+    from harness.report.what_ran import what_ran_lines
+
+    lines = what_ran_lines(parse_scenario(f"cluster: {{workers: 1, engine: {{vllm: {vllm}}}}}\n"), None)
+    assert f"| aggregated | 1 | 1 | vllm | {named} | 64 | 16,384 | 1, 1 | {POLYNOMIAL} |" in lines
 
 
 LIVE = """name: live-small

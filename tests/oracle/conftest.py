@@ -48,18 +48,21 @@ def oracle_python() -> Path:
     return python
 
 
-def _driver_env() -> dict[str, str]:
+def _driver_env(hash_seed: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "VIRTUAL_ENV"):  # the oracle is its own world
         env.pop(name, None)
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = str(hash_seed)
     return env
 
 
-def _run_driver(oracle_python: Path, payload: Any, args: list[str], timeout: float) -> list[dict[str, Any]]:
+def _run_driver(oracle_python: Path, payload: Any, args: list[str], timeout: float,
+                hash_seed: int | None = None) -> list[dict[str, Any]]:
     cmd = [str(oracle_python), str(DRIVER), *args]
     try:
         proc = subprocess.run(cmd, input=json.dumps(payload), capture_output=True, text=True, timeout=timeout,
-                              env=_driver_env(), check=False)
+                              env=_driver_env(hash_seed), check=False)
     except subprocess.TimeoutExpired as exc:
         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
         pytest.fail(f"the oracle driver did not finish in {timeout} s; its stderr ended with:\n{stderr[-4000:]}",
@@ -70,9 +73,11 @@ def _run_driver(oracle_python: Path, payload: Any, args: list[str], timeout: flo
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
-def run_oracle(oracle_python: Path, workload: dict[str, Any], timeout: float = RUN_TIMEOUT) -> list[dict[str, Any]]:
-    """Run vLLM 0.34.0's scheduler on ``workload`` (the driver's input format); one record per step."""
-    return _run_driver(oracle_python, workload, [], timeout)
+def run_oracle(oracle_python: Path, workload: dict[str, Any], timeout: float = RUN_TIMEOUT,
+               hash_seed: int | None = None) -> list[dict[str, Any]]:
+    """Run vLLM 0.34.0's scheduler on ``workload`` (the driver's input format); one record per step.
+    ``hash_seed``: the driver's ``PYTHONHASHSEED`` (else random, as for any process)."""
+    return _run_driver(oracle_python, workload, [], timeout, hash_seed)
 
 
 def run_oracle_batch(oracle_python: Path, workloads: list[dict[str, Any]],
@@ -82,6 +87,48 @@ def run_oracle_batch(oracle_python: Path, workloads: list[dict[str, Any]],
     for record in _run_driver(oracle_python, workloads, ["--batch"], timeout):
         runs[record.pop("workload")].append(record)
     return runs
+
+
+class OracleServer:
+    """One driver process in ``--serve`` mode: a workload in, its records out (hypothesis draws many)."""
+
+    def __init__(self, oracle_python: Path) -> None:
+        self._proc = subprocess.Popen([str(oracle_python), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_driver_env())
+
+    def run(self, workload: dict[str, Any]) -> list[dict[str, Any]]:
+        """The oracle's records for ``workload`` (a refused workload fails the test with vLLM's reason)."""
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(workload, separators=(",", ":")) + "\n")
+        proc.stdin.flush()
+        records: list[dict[str, Any]] = []
+        for line in proc.stdout:
+            record = json.loads(line)
+            if record.get("end"):
+                if "error" in record:
+                    pytest.fail(f"the oracle refused the workload: {record['error']}", pytrace=False)
+                return records
+            records.append(record)
+        pytest.fail(f"the oracle driver exited ({proc.wait(timeout=RUN_TIMEOUT)}) in the middle of a workload",
+                    pytrace=False)
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+@pytest.fixture(scope="session")
+def oracle_server(oracle_python: Path) -> Generator[OracleServer, None, None]:
+    """vLLM's scheduler behind one long-lived driver process (``--serve``)."""
+    server = OracleServer(oracle_python)
+    yield server
+    server.close()
 
 
 # ------------------------------------------------------------------ the safety net under the variable

@@ -162,7 +162,7 @@ def test_single_request(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -> N
         (True, [], [], [], [], 63, 0, 0),
         (False, [], [], [], [], 63, 0, 0),  # drains the last (empty) batch
     ]
-    assert events(runs["single", True]) == {1: [stored(seq, 0, 2)]}  # published by the update of batch 0
+    assert events(runs["single", True]) == {0: [stored(seq, 0, 2)]}  # logged by schedule 0 (published in turn 1)
 
 
 def test_output_block_is_stored_when_computed(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -> None:
@@ -189,7 +189,7 @@ def test_output_block_is_stored_when_computed(runs: dict[tuple[str, bool], list[
         (True, [], [], [], [], 63, 0, 0),
         (False, [], [], [], [], 63, 0, 0),
     ]
-    assert events(runs["output_block", True]) == {1: [stored(seq, 0, 1)], 3: [stored(seq, 1, 1)]}
+    assert events(runs["output_block", True]) == {0: [stored(seq, 0, 1)], 3: [stored(seq, 1, 1)]}
 
 
 def test_shared_prefix_hit(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -> None:
@@ -205,7 +205,7 @@ def test_shared_prefix_hit(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -
     assert [row[4] for row in table(runs["shared_prefix", True])] == [
         [], [], [], [["a", "length"]], [["b", "length"]], [], []]
     assert events(runs["shared_prefix", False]) == {0: [stored(seq_a, 0, 2)]}
-    assert events(runs["shared_prefix", True]) == {1: [stored(seq_a, 0, 2)]}
+    assert events(runs["shared_prefix", True]) == {0: [stored(seq_a, 0, 2)]}
 
 
 def test_preemption_and_return(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -> None:
@@ -249,7 +249,7 @@ def test_preemption_and_return(runs: dict[tuple[str, bool], list[dict[str, Any]]
         (False, [], [], [], [], 5, 0, 0),
     ]
     assert events(runs["preemption", True]) == {
-        1: [stored(seq_a, 0, 2), stored(seq_b, 0, 2)],
+        0: [stored(seq_a, 0, 2), stored(seq_b, 0, 2)],
         17: [removed(seq_b, 1), stored(seq_a, 2, 1)],
         21: [removed(seq_a, 2), stored(seq_b, 1, 1)],
     }
@@ -289,7 +289,7 @@ def test_abort(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -> None:
         (True, [], [], [], [["r0", "abort"]], 63, 0, 0),
         (False, [], [], [], [], 63, 0, 0),
     ]
-    assert events(runs["abort", True]) == {1: [stored(seq, 0, 1)]}
+    assert events(runs["abort", True]) == {0: [stored(seq, 0, 1)]}
 
 
 def test_chunked_prefill_small_budget(runs: dict[tuple[str, bool], list[dict[str, Any]]]) -> None:
@@ -311,8 +311,8 @@ def test_chunked_prefill_small_budget(runs: dict[tuple[str, bool], list[dict[str
         (True, [["a", 8], ["b", 8]], [["b", 0]], [], [], 59, 0, 2),
         (True, [["a", 1], ["b", 1]], [], [], [], 59, 0, 2),
     ]
-    # batch 0 had no output (a chunk): its update at step 1 publishes both blocks' events at once
-    assert events(runs["chunked", True]) == {1: [stored(seq_a, 0, 1), stored(seq_a, 1, 1)]}
+    # each chunk's block is logged by the schedule() that allocated it, as in sync
+    assert events(runs["chunked", True]) == {0: [stored(seq_a, 0, 1)], 1: [stored(seq_a, 1, 1)]}
 
 
 @pytest.mark.parametrize("mode", [False, True], ids=["sync", "async"])

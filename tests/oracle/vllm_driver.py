@@ -3,7 +3,8 @@
 Run by the ORACLE VENV's python (``python -m tests.oracle.env --path``), never by kvemu's: it imports only vllm,
 torch and the standard library. It reads one workload as JSON on stdin and writes one JSON object per line on
 stdout, one per step (see below). ``--batch`` reads a JSON list of workloads instead and tags each line with
-``"workload": i`` (one process start, ~10 s of imports, for many small workloads).
+``"workload": i`` (one process start, ~10 s of imports, for many small workloads); ``--serve`` answers one
+workload per stdin line with its records and an ``{"end": true}`` line, until stdin ends (for hypothesis).
 
 What runs: ``vllm.v1.core.sched.scheduler.Scheduler`` (or ``AsyncScheduler``) with its own KVCacheManager and
 BlockPool, built the way ``vllm.v1.engine.core.EngineCore.__init__`` builds them, but with no model executor: the
@@ -34,8 +35,9 @@ Optional config keys (vLLM 0.34's defaults when absent, still checked): ``schedu
 Steps. Step ``k`` is the ``k``-th turn of EngineCore's busy loop (``run_busy_loop``): first the client's inputs
 (requests with ``arrive_step == k`` are added with ``scheduler.add_request``, in input order, with
 ``arrival_time`` 1.0, 2.0, ... in the order of adding: the tie-break of the priority policy; requests with
-``abort_step == k`` are aborted with ``scheduler.finish_requests(ids, FINISHED_ABORTED)``, as
-``EngineCore.abort_requests`` does), then one call of the engine's step function, if the engine has work
+``abort_step == k`` are aborted one by one, in input order, with ``scheduler.finish_requests(id,
+FINISHED_ABORTED)``, as separate client disconnects reach ``EngineCore.abort_requests``; several ids in one call
+would be freed in a set's order, which changes with the hash seed), then one call of the engine's step function, if the engine has work
 (``scheduler.has_requests()``, or a batch in flight for async). A turn without work records ``"idle": true``
 and schedules nothing. The run ends when no request is left in the scheduler or to arrive (and, async, no
 batch is in flight), or after ``max_steps`` turns.
@@ -48,11 +50,12 @@ batch is in flight), or after ``max_steps`` turns.
   fewer than 2 batches and something was executed or is left to schedule, the turn ends there; otherwise it
   pops the OLDEST batch and runs ``update_from_output()`` on it. So in the steady state, record ``k`` holds
   ``schedule()`` number ``k`` (decided while batch ``k-1`` is still in flight, with output placeholders) and
-  the update of batch ``k-1``: its ``finished`` and its token effects belong to the previous batch, and its
-  ``events`` are those published by that update (every event queued since the last update, which includes
-  those of this turn's ``schedule()``: BlockStored at allocation, BlockRemoved at eviction). The first turn
-  updates nothing, so its events appear one turn later. ``"schedule_called": false`` marks a turn that only
-  drained a batch (the scheduler had no requests left).
+  the update of batch ``k-1``: its ``finished`` and its token effects belong to the previous batch. Its
+  ``events`` are those this turn's ``schedule()`` logged (BlockStored at allocation, BlockRemoved at eviction)
+  and then those of the update (blocks its newly read tokens complete): vLLM publishes both at the update, so
+  a consumer sees a turn's schedule-time events one turn later, but the record keeps each with the batch whose
+  decision made it. ``"schedule_called": false`` marks a turn that only drained a batch (the scheduler had no
+  requests left).
 
 Output, one line per step::
 
@@ -417,6 +420,13 @@ class Run:
     def schedule(self, record: dict[str, Any]) -> Any:
         self.preempted_log.clear()
         scheduler_output = self.scheduler.schedule()
+        # the events this schedule() logged are recorded with its step, not with the later update that publishes
+        # them (async: the next turn's), so each step's events are its own batch's, in sync and async alike
+        logged = self.scheduler.kv_cache_manager.take_events()
+        if logged:
+            from vllm.distributed.kv_events import KVEventBatch
+
+            self.scheduler.kv_event_publisher.publish(KVEventBatch(ts=0.0, events=logged))
         record["schedule_called"] = True
         record["scheduled"] = [[rid, n] for rid, n in scheduler_output.num_scheduled_tokens.items()]
         record["admitted"] = [[new.req_id, new.num_computed_tokens]
@@ -455,9 +465,10 @@ class Run:
             finished: list[list[str]] = []
             while self.arrivals and self.arrivals[0].get("arrive_step", 0) <= step:
                 self.scheduler.add_request(self.make_request(self.arrivals.popleft()))
-            aborts = self.aborts.get(step)
-            if aborts:
-                for request in self.scheduler.finish_requests(aborts, RequestStatus.FINISHED_ABORTED):
+            # one abort at a time, in input order, as separate client disconnects arrive: finish_requests given
+            # several ids frees them in the order of a set of strings, which changes with the hash seed
+            for rid in self.aborts.get(step, ()):
+                for request in self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
                     finished.append([request.request_id, "abort"])
             record: dict[str, Any] = {"step": step, "idle": True, "schedule_called": False, "scheduled": [],
                                       "admitted": [], "preempted": []}
@@ -476,8 +487,9 @@ class Run:
 
 def main(argv: list[str]) -> int:
     batch = argv[1:] == ["--batch"]
-    if argv[1:] and not batch:
-        print("usage: vllm_driver.py [--batch] < workload.json", file=sys.stderr)
+    serve = argv[1:] == ["--serve"]
+    if argv[1:] and not (batch or serve):
+        print("usage: vllm_driver.py [--batch | --serve] < workload.json", file=sys.stderr)
         return 2
     _setup_environment()
     # vLLM logs to stdout: keep the real stdout for the records, send everything else to stderr.
@@ -485,7 +497,7 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     try:
-        return _main(batch, out)
+        return _serve(out) if serve else _main(batch, out)
     except WorkloadError as exc:
         print(f"vllm_driver: {exc}", file=sys.stderr)
         return 2
@@ -510,6 +522,34 @@ def _main(batch: bool, out: Any) -> int:
                 if batch:
                     record = {"workload": index, **record}
                 out.write(json.dumps(record, separators=(",", ":")) + "\n")
+            out.flush()
+    out.close()
+    return 0
+
+
+def _serve(out: Any) -> int:
+    """``--serve``: one workload per line on stdin, answered by its records and then ``{"end": true}`` (or
+    ``{"end": true, "error": reason}`` for a workload vLLM would refuse), until stdin ends: one start-up of vLLM's
+    imports for as many workloads as a test draws."""
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(f"this driver pins vLLM {VLLM_VERSION}; the interpreter has {vllm.__version__}")
+    with tempfile.TemporaryDirectory(prefix="kvemu-oracle-model-") as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(TINY_LLAMA, f)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                records = Run(_check_workload(json.loads(line)), model_dir).run()
+            except WorkloadError as exc:
+                out.write(json.dumps({"end": True, "error": str(exc)}) + "\n")
+                out.flush()
+                continue
+            for record in records:
+                out.write(json.dumps(record, separators=(",", ":")) + "\n")
+            out.write('{"end":true}\n')
             out.flush()
     out.close()
     return 0

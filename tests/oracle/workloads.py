@@ -62,3 +62,44 @@ def generate(seed: int, *, pressure: bool | None = None, priority: bool | None =
         "long_prefill_token_threshold": 0,
     }
     return {"config": config, "requests": requests, "max_steps": 20_000}
+
+
+def from_mooncake(path: str, first: int, count: int, *, seed: int = 0, trace_block_size: int = 32,
+                  max_prompt: int = 480, max_output: int = 32, blocks: int = 96) -> dict[str, Any]:
+    """``count`` rows of a Mooncake-format trace from row ``first``, shrunk to an oracle-sized pool.
+
+    Each hash id stands for ``trace_block_size`` copies of one token (the trace format's own synthesis, with the
+    id folded below the vocabulary), so rows that share hash ids share prefixes; lengths shrink by the ratio of
+    block sizes (512 -> ``trace_block_size``), prompts are capped at ``max_prompt`` and outputs at ``max_output``
+    tokens, and ``blocks`` of 16 tokens hold a few of them at once (KV pressure); arrivals keep the rows' order and
+    spacing, one step per 100 ms."""
+    import json
+
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i >= first + count:
+                break
+            if i >= first:
+                rows.append(json.loads(line))
+    rng = random.Random(seed)
+    scale = trace_block_size / 512
+    t0 = rows[0].get("timestamp", 0) if rows else 0
+    requests = []
+    for i, row in enumerate(rows):
+        tokens = [1 + h % (VOCAB - 1) for h in row["hash_ids"] for _ in range(trace_block_size)]
+        n_in = max(1, min(len(tokens), max_prompt, round(row["input_length"] * scale)))
+        n_out = max(1, min(max_output, round(row["output_length"] * scale)))
+        requests.append({
+            "id": f"m{first + i}",
+            "prompt": tokens[:n_in],
+            "output": [rng.randrange(1, VOCAB) for _ in range(n_out)],
+            "arrive_step": int((row.get("timestamp", t0) - t0) // 100),
+            "priority": 0,
+            "abort_step": None,
+        })
+    config = {"block_size": 16, "num_gpu_blocks": blocks, "max_num_seqs": 16, "max_num_batched_tokens": 256,
+              "enable_chunked_prefill": True, "enable_prefix_caching": True, "policy": "fcfs",
+              "async_scheduling": False, "max_model_len": max_prompt + max_output,
+              "long_prefill_token_threshold": 0}
+    return {"config": config, "requests": requests, "max_steps": 20_000}
