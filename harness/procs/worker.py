@@ -48,7 +48,8 @@ def build_worker(scenario: Scenario, worker_id: int, pool: str, dp_size: int, kv
     try:
         for r in range(dp_size):
             pubs.append(KvEventPublisher(kv_events, replay_endpoint=kv_replay, dp_rank=r, bind=True,
-                                         vllm_version=spec.kv_events_version, hash_form=spec.kv_events_hash_form))
+                                         vllm_version=spec.kv_events_version, hash_form=spec.kv_events_hash_form,
+                                         block_hashes=spec.kv_events_block_hashes))
     except BaseException:
         for p in pubs:
             p.close(drain_timeout_s=0)

@@ -100,7 +100,8 @@ class MemoryWiring:
         nets = self.nets[pool] = [MemoryNetwork(latency_ns=self._latency_ns, wire_check=self._spec.kv_wire_check)
                                   for _ in range(count)]
         self.buses[pool] = MemoryKvBus(vllm_version=self._spec.kv_events_version, wire_check=self._spec.kv_wire_check,
-                                       hash_form=self._spec.kv_events_hash_form, buffer_steps=self.kv_buffer_steps)
+                                       hash_form=self._spec.kv_events_hash_form, buffer_steps=self.kv_buffer_steps,
+                                       block_hashes=self._spec.kv_events_block_hashes)
         return [net.router_end() for net in nets]
 
     def bus(self, pool: str) -> MemoryKvBus | None:
@@ -158,7 +159,8 @@ class ZmqWiring:
     def publishers(self, pool: str, worker_id: int, dp_size: int) -> list[KvPublisher]:
         pubs = self._publishers[worker_id] = [
             KvEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", dp_rank=r, bind=True,
-                             vllm_version=self._spec.kv_events_version, hash_form=self._spec.kv_events_hash_form)
+                             vllm_version=self._spec.kv_events_version, hash_form=self._spec.kv_events_hash_form,
+                             block_hashes=self._spec.kv_events_block_hashes)
             for r in range(dp_size)]
         return list(pubs)
 

@@ -153,6 +153,10 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
     """How the workers' KV events carry block hashes: ``int`` (vLLM's default, the low 64 bits of the digest as a
     msgpack uint64) or ``bytes`` (its ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``: a 32-byte digest ending in the
     same 64 bits; vLLM >= 0.11 only). Routing is the same either way."""
+    kv_events_block_hashes: Literal["kvemu", "vllm-0.34"] = "kvemu"
+    """Whose block hashes the workers' KV events carry: kvemu's own (fast), or those vLLM 0.34 computes (SHA-256
+    over its pickled blocks, ``docs/vllm-semantics.md``), so a worker's events for a prompt equal a real vLLM's.
+    Routing is the same either way; with ``vllm-0.34`` in-memory runs carry events as wire bytes (slower)."""
     heartbeat_interval_s: PositiveSeconds = 1.0
     kv_wire_check: bool = False
     """Virtual mode: carry every actor message and KV-event batch as the bytes live mode sends
@@ -202,6 +206,9 @@ class ClusterSpec(_Section, kw_only=True, forbid_unknown_fields=True, frozen=Tru
         except InvalidArgument as exc:
             raise InvalidArgument(f"kv_events_hash_form {self.kv_events_hash_form!r} with kv_events_version "
                                   f"{self.kv_events_version!r}: {exc}", field="kv_events_hash_form") from None
+        if self.kv_events_block_hashes != "kvemu" and self.kv_events_hash_form != "int":
+            raise InvalidArgument("kv_events_block_hashes vllm-0.34 publishes vLLM's int form (its default); "
+                                  "kv_events_hash_form must be int", field="kv_events_hash_form")
         self._check_kv_groups_wire()
 
     def _check_kv_groups_wire(self) -> None:

@@ -22,6 +22,7 @@ from kvemu.wire.codec import STORED_FIELDS, profile_for
 from kvemu.kv_events import KVEventBatch
 from kvemu.wire.publisher import PublisherStats
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
+from kvemu.wire.vllm_hashes import vllm_hashes
 from kvemu.wire.stream import Payload
 
 __all__ = ["MemoryKvBus", "MemoryKvPublisher", "FeedTap", "into_stream"]
@@ -34,11 +35,13 @@ class MemoryKvPublisher(LoggedPublisher[Payload]):
     """One rank's publisher on a ``MemoryKvBus`` (same interface as ``KvEventPublisher.publish``)."""
 
     def __init__(self, bus: MemoryKvBus, worker_id: int, dp_rank: int, vllm_version: str, buffer_steps: int,
-                 hash_form: str = "int") -> None:
+                 hash_form: str = "int", block_hashes: str = "kvemu") -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.profile = profile_for(vllm_version, hash_form)
+        self._vllm_hashes = vllm_hashes(block_hashes)
+        """vLLM's block hashes in its events (then carried as wire bytes: the router reads them as it would a vLLM's)."""
         self._kinds = "kv_cache_spec_kind" in STORED_FIELDS[:self.profile.stored_fields]
         """Its events name each KV cache group's kind (vLLM >= 0.22)."""
         self._log: ReplayLog[Payload] = ReplayLog(buffer_steps)
@@ -50,7 +53,9 @@ class MemoryKvPublisher(LoggedPublisher[Payload]):
         payload: Payload
         # (hybrid KV groups on a vLLM version whose events do not name the group's kind: as the bytes say, so the
         # router sees only what that version tells it, as with wire_check)
-        if type(batch) is not KVEventBatch and not self.bus.wire_check and not (
+        if self._vllm_hashes is not None:
+            payload = wire_payload(self._vllm_hashes.batch(batch), self.dp_rank, self.profile)
+        elif type(batch) is not KVEventBatch and not self.bus.wire_check and not (
                 getattr(batch, "groups", None) is not None and not self._kinds):
             payload = batch.router_batch()
         else:
@@ -117,7 +122,7 @@ class MemoryKvBus:
     """Connects the in-memory publishers of all workers to the router's intake (one per router replica)."""
 
     def __init__(self, *, lag_ns: int = 0, vllm_version: str = "0.33", buffer_steps: int = 10_000,
-                 wire_check: bool = False, hash_form: str = "int") -> None:
+                 wire_check: bool = False, hash_form: str = "int", block_hashes: str = "kvemu") -> None:
         if lag_ns < 0:
             raise InvalidArgument(f"KV-event lag must be >= 0 ns, got {lag_ns}", field="lag_ns")
         profile_for(vllm_version, hash_form)  # refuse a form the version cannot send now, not at the first publisher
@@ -127,6 +132,9 @@ class MemoryKvBus:
         self.vllm_version = vllm_version
         self.hash_form = hash_form
         """Block hashes in wire-check bytes: ``int`` or ``bytes`` (digests, vLLM >= 0.11)."""
+        vllm_hashes(block_hashes)  # refuse an unknown name now
+        self.block_hashes = block_hashes
+        """Whose block hashes the events carry: ``kvemu`` or ``vllm-0.34`` (``kvemu.wire.vllm_hashes``)."""
         self.buffer_steps = buffer_steps
         self._intakes: dict[int, Deliver] = {}
         self._deliver_to: list[Deliver] = []  # the intakes in replica order
@@ -157,7 +165,7 @@ class MemoryKvBus:
         pub = self._publishers.get(key)
         if pub is None:
             pub = self._publishers[key] = MemoryKvPublisher(self, worker_id, dp_rank, self.vllm_version,
-                                                            self.buffer_steps, self.hash_form)
+                                                            self.buffer_steps, self.hash_form, self.block_hashes)
         return pub
 
     def replay(self, worker_id: int, dp_rank: int) -> Callable[[int], Iterator[tuple[int, Payload]]]:

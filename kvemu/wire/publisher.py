@@ -28,6 +28,7 @@ from kvemu.wire.codec import VllmProfile, profile_for
 from kvemu.wire.endpoints import SEQ_END, offset_endpoint, should_bind
 from kvemu.kv_events import KVEventBatch
 from kvemu.wire.replay_log import LoggedPublisher, ReplayLog, wire_payload
+from kvemu.wire.vllm_hashes import vllm_hashes
 
 __all__ = ["KvEventPublisher", "PublisherStats", "MAX_REPLAY_PEERS", "REPLAY_HWM"]
 
@@ -58,7 +59,8 @@ class PublisherStats:
 
 class KvEventPublisher(LoggedPublisher[bytes]):
     """Publishes ``KVEventBatch``es of one DP rank in the wire format of a chosen vLLM version, block hashes
-    as integers or (``hash_form="bytes"``, vLLM >= 0.11) as digest bytes."""
+    as integers or (``hash_form="bytes"``, vLLM >= 0.11) as digest bytes; kvemu's hashes, or (``block_hashes=
+    "vllm-0.34"``) those vLLM computes for the same blocks (``kvemu.wire.vllm_hashes``)."""
 
     def __init__(
         self,
@@ -69,6 +71,7 @@ class KvEventPublisher(LoggedPublisher[bytes]):
         topic: str = "",
         vllm_version: str = "0.33",
         hash_form: str = "int",
+        block_hashes: str = "kvemu",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         bind: bool | None = None,
@@ -89,6 +92,7 @@ class KvEventPublisher(LoggedPublisher[bytes]):
         # identity -> (next sequence number to send, or -1 when only the end marker is left; when it last moved)
         self._answers: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.profile: VllmProfile = profile_for(vllm_version, hash_form)  # before any socket: it may refuse
+        self._vllm_hashes = vllm_hashes(block_hashes)
         self.dp_rank = dp_rank
         self.topic = topic.encode()
         self.stats = PublisherStats()
@@ -131,6 +135,8 @@ class KvEventPublisher(LoggedPublisher[bytes]):
         """Send a batch (stamping this rank if it has none); False if only the replay buffer got it."""
         if self._closed:
             raise InvalidArgument("publish on a closed KvEventPublisher")
+        if self._vllm_hashes is not None:
+            batch = self._vllm_hashes.batch(batch)
         return self.publish_payload(wire_payload(batch, self.dp_rank, self.profile))
 
     def publish_payload(self, payload: bytes) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvemu.wire.vllm_hashes import VllmHashes
 from workers.config import EngineConfig, VllmConfig, VllmSemantics
 from workers.request import Request
 from workers.vllm.engine import VllmEngineCore
@@ -39,11 +40,12 @@ def engine_config(config: dict[str, Any], semantics: VllmSemantics = "vllm-0.34"
     )
 
 
-def _events(res_events: Any, block_size: int) -> list[list[Any]]:
+def _events(res_events: Any, vllm_hashes: VllmHashes | None) -> list[list[Any]]:
     if res_events is None:
         return []
     out: list[list[Any]] = []
-    for ev in res_events.batch().events:
+    events = res_events.batch().events
+    for ev in vllm_hashes.events(events) if vllm_hashes is not None else events:
         if isinstance(ev, BlockStored):
             out.append(["stored", list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids), ev.block_size])
         elif isinstance(ev, BlockRemoved):
@@ -53,8 +55,10 @@ def _events(res_events: Any, block_size: int) -> list[list[Any]]:
     return out
 
 
-def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34") -> list[Record]:
-    """Every step's record of kvemu's vLLM flavour, under ``semantics``, on ``workload`` (the oracle's input)."""
+def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34", hashes: str = "kvemu") -> list[Record]:
+    """Every step's record of kvemu's vLLM flavour, under ``semantics``, on ``workload`` (the oracle's input); its
+    events carry kvemu's block hashes, or (``hashes="vllm-0.34"``) vLLM's, as a worker publishes them."""
+    vllm_hashes = VllmHashes() if hashes == "vllm-0.34" else None
     config = workload["config"]
     cfg = engine_config(config, semantics)
     eng = VllmEngineCore(cfg)
@@ -99,7 +103,7 @@ def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34") 
                 lagging = ends
             else:
                 rec["finished"] += ends
-            rec["events"] = _events(res.events, cfg.resolved_block_size)
+            rec["events"] = _events(res.events, vllm_hashes)
         rec["free_blocks"] = eng.pool.available
         rec["num_waiting"] = eng.num_waiting
         rec["num_running"] = eng.num_running

@@ -4,7 +4,8 @@ Every step compares which requests run and with how many tokens (in scheduling o
 prefix hits, preemptions and their victims (in order), finished requests, the KV events (blocks stored and
 evicted, in order, named by content) and the free blocks, for the sync and the async scheduler; timing stays
 kvemu's own. The default semantics (Dynamo's mocker) is held to its documented differences from vLLM
-(docs/vllm-semantics.md): each shows on the step the page names, and on nothing else.
+(docs/vllm-semantics.md): each shows on the step the page names, and on nothing else. With vLLM's block hashes
+(``kvemu.wire.vllm_hashes``) kvemu's events equal the oracle's byte for byte.
 """
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ def test_mooncake_slices_agree_step_by_step(oracle_python, mooncake_trace, async
     workloads = [_with(from_mooncake(str(mooncake_trace), 60 * i, 60, seed=i), async_scheduling=async_scheduling)
                  for i in range(8)]
     assert _agree(oracle_python, workloads, "trace slice") >= 2_000
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_kv_events_with_vllms_hashes_equal_the_oracles_byte_for_byte(oracle_python, async_scheduling):
+    """With ``kv_events_block_hashes: vllm-0.34`` a worker's events are vLLM's own: hashes, parents, tokens."""
+    workloads = [_with(generate(seed), async_scheduling=async_scheduling) for seed in range(500, 580)]
+    events = 0
+    for i, (workload, theirs) in enumerate(zip(workloads, run_oracle_batch(oracle_python, workloads))):
+        ours = run_kvemu(workload, "vllm-0.34", hashes="vllm-0.34")
+        assert [r["events"] for r in ours] == [r["events"] for r in theirs][:len(ours)], f"workload #{i}"
+        events += sum(len(r["events"]) for r in ours)
+    assert events >= 2_000
 
 
 def test_the_oracle_decides_alike_whatever_the_hash_seed(oracle_python):
