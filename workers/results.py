@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvemu.records import EngineRecord
 from kvemu.kv_events import KVEventBatch
 from workers.pass_events import PassEvents
@@ -24,8 +26,7 @@ class StepResult:
         "preempted",
         "events",
         "pulled",
-        "scheduled",
-        "admitted_hits",
+        "_sched",
     )
 
     def __init__(self, start_ns: int, end_ns: int) -> None:
@@ -42,10 +43,19 @@ class StepResult:
         self.events: PassEvents | None = None
         self.pulled: list[tuple[str, int, int]] = []
         """Decode legs whose KV arrived at ``start_ns``: (request id, reserved at, activated at)."""
-        self.scheduled: list[tuple[str, int]] = []
-        """vLLM flavour: (request id, tokens) of every request the pass runs, in the order it scheduled them."""
-        self.admitted_hits: list[tuple[str, int]] = []
+        self._sched: Any = None  # the vLLM flavour's Schedule of the pass (read only by the two properties below)
+
+    @property
+    def scheduled(self) -> list[tuple[str, int]]:
+        """vLLM flavour: (request id, tokens) of every request the pass ran, in the order it scheduled them."""
+        sched = self._sched
+        return [] if sched is None else [(seq.rid, n) for seq, n in sched.entries.items()]
+
+    @property
+    def admitted_hits(self) -> list[tuple[str, int]]:
         """vLLM flavour: (request id, prompt tokens found in the prefix cache) of each request admitted."""
+        sched = self._sched
+        return [] if sched is None else [(seq.rid, seq.record.engine.reused_tokens) for seq in sched.admitted]
 
     @property
     def duration_ns(self) -> int:

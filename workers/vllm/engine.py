@@ -284,8 +284,7 @@ class VllmEngineCore(RankCore):
         sched = p.sched
         res.prefill_tokens = sched.prefill_tokens
         res.decodes = sched.decodes
-        res.scheduled = [(seq.rid, n) for seq, n in sched.entries.items()]
-        res.admitted_hits = [(seq.rid, seq.computed) for seq in sched.admitted]  # (before the pass computes)
+        res._sched = sched
         return res
 
     def _cache_version(self) -> int:
