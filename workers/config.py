@@ -23,7 +23,8 @@ from kvemu.validation import check_struct
 from kvemu.transfer import Bandwidth, BytesPerToken
 
 __all__ = ["EngineConfig", "EvictionPolicyName", "PreemptionMode", "Backend", "TrtllmConfig", "VllmConfig",
-           "VllmSemantics", "SglangConfig", "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec", "TimingSpec", "HostOffloadConfig",
+           "VllmSemantics", "SglangConfig", "DEFAULT_BLOCK_SIZE", "PolynomialTimingSpec", "InterpolatedTimingSpec",
+           "TimingSpec", "HostOffloadConfig",
            "SpeculativeConfig", "DEFAULT_ACCEPTANCE_RATES", "MAX_SPECULATIVE_TOKENS", "KvGroupSpec", "KvCacheGroup",
            "KV_GROUP_KINDS", "MAX_ENGINE_COUNT", "SPEC_KIND"]
 
@@ -68,7 +69,7 @@ VllmSemantics = Literal["dynamo", "vllm-0.34"]
 
 
 class VllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """vLLM flavour knobs: whose scheduling decisions it reproduces (docs/vllm-oracle.md lists what differs)."""
+    """vLLM flavour knobs: whose scheduling decisions it reproduces (docs/vllm-semantics.md lists what differs)."""
 
     semantics: VllmSemantics = "dynamo"
     """``dynamo``: Dynamo 1.6.1's mocker, the contract of kvemu's fidelity figures. ``vllm-0.34``: vLLM 0.34.0's

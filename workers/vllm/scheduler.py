@@ -130,6 +130,7 @@ class Scheduler:
         self.exact = config.backend == "vllm" and config.vllm.semantics != "dynamo"
         """vLLM's own scheduler (``vllm.semantics``): one pass over the running requests in their order, its victims."""
         self.by_priority = config.vllm.scheduling_policy == "priority"
+        """Whether the waiting queue orders by request priority (else by arrival only: vLLM's fcfs)."""
         self.lag = self.exact and config.vllm.async_scheduling
         """vLLM's asynchronous scheduling: each pass is decided before the last one's tokens are known."""
         self.finishing: list[SeqState] = []
@@ -139,7 +140,6 @@ class Scheduler:
         """Async: the requests that received a token in the last pass, in its order (the token is not known yet
         when this pass is decided; when it is read, their blocks up to it are cached)."""
         self._in_flight: set[SeqState] = set()
-        """Whether the waiting queue orders by request priority (else by arrival only: vLLM's fcfs)."""
         self.reserve = config.backend == "trtllm"
         """TRT-LLM: admission reserves each request's whole KV; no preemption; full-prompt prefix reuse."""
         self.future: list[tuple[int, int, SeqState]] = []

@@ -86,3 +86,30 @@ def test_routing_is_the_same_with_vllms_hashes(tmp_path):
     assert (ours / "requests.jsonl").read_bytes() == (theirs / "requests.jsonl").read_bytes()
     stats = json.loads((theirs / "summary.json").read_text())["kvemu"]["kv_events"]["per_worker"]
     assert sum(w["blocks_stored"] for w in stats) > 0 and not any(w["apply_errors"] for w in stats)
+
+
+@pytest.mark.parametrize("bus", ["zmq", "memory"])
+def test_a_publisher_sends_vllms_hashes_on_the_wire(bus, monkeypatch):
+    """Both publishers (live ZeroMQ, in-memory) encode the events with vLLM's hashes, in the version's wire form."""
+    from kvemu.runtime.kv_bus import MemoryKvBus
+    from kvemu.wire.codec import decode_batch
+    from kvemu.wire.publisher import KvEventPublisher
+
+    sent: list[bytes] = []
+    tokens = list(range(1, 33))
+    batch = KVEventBatch(ts=0.0, events=[stored([5, 6], None, tokens), BlockRemoved(block_hashes=[6])])
+    if bus == "zmq":
+        pub = KvEventPublisher("tcp://127.0.0.1:*", bind=True, block_hashes="vllm-0.34")
+        monkeypatch.setattr(pub, "publish_payload", lambda payload: sent.append(payload) or True)
+        try:
+            pub.publish(batch)
+        finally:
+            pub.close(drain_timeout_s=0)
+    else:
+        memory = MemoryKvBus(block_hashes="vllm-0.34")
+        memory.connect(lambda worker_id, dp_rank, seq, payload: sent.append(payload))
+        memory.publisher(0, 0).publish(batch)
+    got = decode_batch(sent[0])
+    digests = [external_hash(d) for d in block_digests(None, tokens, 16)]
+    assert got.events[0].block_hashes == digests and got.events[0].parent_block_hash is None
+    assert got.events[1].block_hashes == [digests[1]]
