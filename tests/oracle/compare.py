@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 Record = dict[str, Any]
-FIELDS = ("scheduled", "admitted", "preempted", "finished", "events", "free_blocks")
+FIELDS = ("scheduled", "admitted", "preempted", "finished", "events", "free_blocks", "num_waiting", "num_running")
 
 
 class Blocks:
