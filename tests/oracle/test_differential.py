@@ -2,8 +2,8 @@
 
 Every step compares which requests run and with how many tokens (in scheduling order), admissions and their
 prefix hits, preemptions and their victims (in order), finished requests, the KV events (blocks stored and
-evicted, in order, named by content), the free blocks and the waiting and running counts, for the sync and the async scheduler; timing stays
-kvemu's own. The default semantics (Dynamo's mocker) is held to its documented differences from vLLM
+evicted, in order, named by content), the free blocks and the waiting and running counts, for the sync and the
+async scheduler; timing stays kvemu's own. The default semantics (Dynamo's mocker) is held to its documented differences from vLLM
 (docs/vllm-semantics.md): each shows on the step the page names, and on nothing else. With vLLM's block hashes
 (``kvemu.wire.vllm_hashes``) kvemu's events equal the oracle's byte for byte.
 """
