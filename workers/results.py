@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvemu.records import EngineRecord
 from kvemu.kv_events import KVEventBatch
 from workers.pass_events import PassEvents
+from workers.sequence import SeqState
 
 __all__ = ["StepResult", "AdvanceResult"]
 
@@ -26,7 +25,8 @@ class StepResult:
         "preempted",
         "events",
         "pulled",
-        "_sched",
+        "_entries",
+        "_admitted",
     )
 
     def __init__(self, start_ns: int, end_ns: int) -> None:
@@ -43,19 +43,18 @@ class StepResult:
         self.events: PassEvents | None = None
         self.pulled: list[tuple[str, int, int]] = []
         """Decode legs whose KV arrived at ``start_ns``: (request id, reserved at, activated at)."""
-        self._sched: Any = None  # the vLLM flavour's Schedule of the pass (read only by the two properties below)
+        self._entries: dict[SeqState, int] = {}  # the vLLM flavour's decisions, read only by the two properties
+        self._admitted: list[SeqState] = []
 
     @property
     def scheduled(self) -> list[tuple[str, int]]:
         """vLLM flavour: (request id, tokens) of every request the pass ran, in the order it scheduled them."""
-        sched = self._sched
-        return [] if sched is None else [(seq.rid, n) for seq, n in sched.entries.items()]
+        return [(seq.rid, n) for seq, n in self._entries.items()]
 
     @property
     def admitted_hits(self) -> list[tuple[str, int]]:
         """vLLM flavour: (request id, prompt tokens found in the prefix cache) of each request admitted."""
-        sched = self._sched
-        return [] if sched is None else [(seq.rid, seq.record.engine.reused_tokens) for seq in sched.admitted]
+        return [(seq.rid, seq.record.engine.reused_tokens or 0) for seq in self._admitted]
 
     @property
     def duration_ns(self) -> int:

@@ -23,7 +23,7 @@ from kvemu.wire.codec import profile_for
 from pathlib import Path
 
 from workers.config import (EngineConfig, HostOffloadConfig, InterpolatedTimingSpec, KvGroupSpec, SglangConfig,
-                            SpeculativeConfig)
+                            SpeculativeConfig, VllmConfig)
 
 from harness.run.cluster import cluster
 from harness.procs import worker as worker_proc
@@ -88,6 +88,7 @@ ENGINE_VALUES = {
     "kv_transfer_bytes_per_token": 131072,
     "kv_transfer_timing_mode": "destination_missing",
     "timing_model": InterpolatedTimingSpec(path=str(Path(__file__).parents[1] / "data" / "tiny-profile.csv")),
+    "vllm": VllmConfig(semantics="vllm-0.34", async_scheduling=True, scheduling_policy="fcfs"),
     "sglang": SglangConfig(schedule_policy="lpm", max_prefill_tokens=4096, chunked_prefill_size=2048,
                            clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
     "kv_cache_bytes_per_token": 4096,
@@ -155,6 +156,9 @@ def test_engine_knob_is_set_from_yaml_and_reaches_every_rank(name):
             assert getattr(core.config, name) == value
             if name == "speculative":  # each rank draws from its own stream
                 assert core.spec is not None and core.spec.rates == [0.5, 0.25]
+            if name == "vllm":  # vLLM's own semantics, asynchronous, arrival order only
+                sch = core.scheduler
+                assert sch.exact and sch.lag and not sch.by_priority and core.pool.available == 16384 - 1
 
 
 def _set(data: dict, path: str, value):
@@ -198,6 +202,31 @@ def test_kv_events_hash_form_reaches_the_worker_process_publishers():
                 pub.close(drain_timeout_s=0)
 
     assert anyio.run(main) == [profile_for("0.24", "bytes")] * 2
+
+
+@pytest.mark.parametrize("mode", ["virtual", "live"])
+def test_kv_events_block_hashes_reach_every_publisher(mode):
+    """``cluster.kv_events_block_hashes: vllm-0.34``: every rank's publisher (in-memory, ZeroMQ, a worker process's)
+    rewrites its events with vLLM's hashes."""
+    scenario = parse_scenario("cluster: {workers: 2, dp_size: 2, kv_events_block_hashes: vllm-0.34}\n"
+                              f"run: {{mode: {mode}}}\n")
+    clock = ManualClock() if mode == "virtual" else WallClock()
+
+    async def main():
+        async with cluster(scenario, clock, Hooks()) as c:
+            return [pub._vllm_hashes is not None for pubs in c.kv_publishers.values() for pub in pubs]
+
+    assert (run_virtual(main, clock) if mode == "virtual" else run_live(main)) == [True] * 4
+
+    async def process():
+        _, pubs = worker_proc.build_worker(scenario, 1, "aggregated", 2, "tcp://127.0.0.1:0", None, NoRouterEnd())
+        try:
+            return [pub._vllm_hashes is not None for pub in pubs]
+        finally:
+            for pub in pubs:
+                pub.close(drain_timeout_s=0)
+
+    assert anyio.run(process) == [True] * 2
 
 
 def test_approximate_index_knobs_reach_the_approximate_index():

@@ -284,7 +284,8 @@ class VllmEngineCore(RankCore):
         sched = p.sched
         res.prefill_tokens = sched.prefill_tokens
         res.decodes = sched.decodes
-        res._sched = sched
+        res._entries = sched.entries
+        res._admitted = sched.admitted
         return res
 
     def _cache_version(self) -> int:
