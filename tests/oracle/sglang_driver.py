@@ -1,0 +1,523 @@
+"""Drive SGLang 0.5.23's real Scheduler on CPU, step by step, as an oracle for kvemu's SGLang flavour.
+
+Run by the SGLang ORACLE VENV's python (``python -m tests.oracle.env --sglang --path``), never by kvemu's: it
+imports only sglang, torch, the standard library and its sibling ``sglang_stubs.py``. It reads one workload as
+JSON on stdin and writes one JSON object per line on stdout, one per step; ``--batch`` reads a JSON list of
+workloads and tags each line with ``"workload": i``; ``--serve`` answers one workload per stdin line with its
+records and an ``{"end": true}`` line (``{"end": true, "error": reason}`` for a refused workload), until stdin
+ends. The input is vllm_driver.py's, so one workload can go to both oracles.
+
+What runs: ``sglang.srt.managers.scheduler.Scheduler``, built by its own ``__init__`` (with the ``ServerArgs``
+and ``PortArgs`` that ``run_scheduler_process`` would get, and ``runtime_context.publish`` done first, as there),
+with its own ``SchedulePolicy``/``PrefillAdder``, ``ScheduleBatch``, ``TokenToKVPoolAllocator`` and tree cache
+(``UnifiedRadixCache``, SGLang's default, with its Rust core; ``ChunkCache`` when prefix caching is off). The
+model is faked (``sglang_stubs.py``): no weights, empty logits, and ``sample`` returns the workload's output
+tokens. A model config is a tiny Llama ``config.json`` in a temporary folder. Every scheduling setting is set
+from the workload and read back from what the Scheduler resolved; a mismatch is an error. Environment variables
+named ``SGLANG_*`` are removed, so SGLang's own defaults (new-token ratio, retraction steps, ...) hold.
+
+The loop is ``Scheduler.event_loop_normal`` (SGLang's non-overlap loop; its default ``event_loop_overlap``,
+which processes each batch's result one step later, is not covered: ``async_scheduling: true`` is refused).
+Step ``k``: the requests with ``arrive_step == k`` enter through ``process_input_requests`` (in input order),
+then those with ``abort_step == k`` are aborted one by one (an ``AbortReq`` each; SGLang matches abort ids by
+prefix, so the driver gives SGLang ids that are not prefixes of each other), then
+``get_next_batch_to_run``; a batch is run (``run_batch``, the fake model) and its result processed
+(``process_batch_result``); no batch calls ``on_idle`` and records ``"idle": true``. After each step the
+scheduler's own KV-event publisher (``SchedulerKvEventsPublisher.publish_kv_events``, which drains the tree's
+events into a ``KVEventBatch``) publishes to an in-memory recorder that replaces its ZeroMQ socket. The run ends
+when nothing is left to arrive and the scheduler holds no request, or after ``max_steps``.
+
+The fake model: every request of a batch samples one token, ``output[i]`` with ``i`` the number of tokens it has
+generated so far; SGLang itself drops the sample of a request whose prefill is not complete (a chunk).
+
+Input::
+
+    {"config": {"block_size": 1, "num_gpu_blocks": 256, "max_num_seqs": 8, "max_num_batched_tokens": 64,
+                "enable_chunked_prefill": true, "enable_prefix_caching": true, "policy": "lpm",
+                "async_scheduling": false, "max_model_len": 4096, "long_prefill_token_threshold": 0},
+     "requests": [{"id": "r0", "prompt": [1, 2, 3], "output": [7, 8], "arrive_step": 0, "priority": 0,
+                   "abort_step": null}],
+     "max_steps": 100000}
+
+Mapping: ``block_size`` is SGLang's ``page_size`` (1 is what the tests use; larger pages are passed through,
+checked, and not otherwise exercised); the KV pool holds ``num_gpu_blocks * block_size`` tokens
+(``max_total_tokens``, read back as ``max_total_num_tokens``); ``max_num_seqs`` is ``max_running_requests``;
+``max_num_batched_tokens`` is ``max_prefill_tokens`` (the token budget of one prefill batch) and, with
+``enable_chunked_prefill``, also ``chunked_prefill_size`` (else chunking is off: -1); ``policy`` is
+``schedule_policy``: ``fcfs``, ``lpm`` or ``lof`` (``random``, ``dfs-weight`` and priority scheduling are
+refused); ``enable_prefix_caching: false`` is ``disable_radix_cache``; ``max_model_len`` is ``context_length``;
+``long_prefill_token_threshold`` must be 0 and ``priority`` 0 (no such settings are used).
+Optional SGLang keys: ``chunked_prefill_size`` and ``max_prefill_tokens`` (override the mapping),
+``schedule_conservativeness`` (1.0), ``enable_mixed_chunk`` (false). vllm_driver's optional keys are accepted only
+at vLLM's defaults (``scheduler_reserve_full_isl`` true, ``watermark`` 0), which have no SGLang counterpart.
+
+Output, one line per step::
+
+    {"step": k, "idle": false, "schedule_called": true, "mode": "extend" | "decode" | "mixed" | null,
+     "scheduled": [[rid, tokens], ...],       # the batch's requests in its order: extend_lens, or 1 to decode
+     "admitted": [[rid, hit_tokens], ...],    # requests taken from the waiting queue: their prefix hit
+     "preempted": [rid, ...],                 # retracted by retract_decode, in its order (back to waiting)
+     "finished": [[rid, "length" | "abort" | "stop"], ...],
+     "events": [["stored", [hashes], parent_or_null, [token ids], block_size] | ["removed", [hashes]]
+                | ["cleared"]],
+     "free_tokens": int, "free_blocks": int,  # the allocator's available_size(), and that over block_size
+     "evictable_tokens": int,                 # unlocked tokens in the tree (SGLang evicts them on demand)
+     "num_waiting": int, "num_running": int}  # the waiting queue; every other unfinished request it holds
+
+Block hashes are SGLang's own (the tree publishes 64-bit ints); ``PYTHONHASHSEED`` does not change them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from array import array
+from typing import Any
+
+SGLANG_VERSION = "0.5.23"
+VOCAB_SIZE = 1 << 20
+POLICIES = ("fcfs", "lpm", "lof")
+
+REQUIRED_CONFIG = {
+    "block_size": int, "num_gpu_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+    "enable_chunked_prefill": bool, "enable_prefix_caching": bool, "policy": str, "async_scheduling": bool,
+    "max_model_len": int, "long_prefill_token_threshold": int,
+}
+OPTIONAL_CONFIG: dict[str, tuple[type | tuple[type, ...], Any]] = {
+    "chunked_prefill_size": (int, None),
+    "max_prefill_tokens": (int, None),
+    "schedule_conservativeness": ((int, float), 1.0),
+    "enable_mixed_chunk": (bool, False),
+    "scheduler_reserve_full_isl": (bool, True),  # vLLM's: accepted at its default only
+    "watermark": ((int, float), 0.0),  # vLLM's: accepted at its default only
+}
+REQUEST_KEYS = {"id", "prompt", "output", "arrive_step", "priority", "abort_step"}
+FINISH_REASONS = {"FINISH_LENGTH": "length", "FINISH_ABORT": "abort", "FINISH_MATCHED_TOKEN": "stop",
+                  "FINISH_MATCHED_STR": "stop"}
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 1 << 20, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "rope_theta": 10000.0,
+}
+
+
+class WorkloadError(ValueError):
+    """The workload is malformed or asks for what this driver does not cover, or SGLang resolved a setting
+    other than the one asked for."""
+
+
+def _setup_environment() -> None:
+    for name in [name for name in os.environ if name.startswith("SGLANG_")]:
+        del os.environ[name]
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+# ------------------------------------------------------------------ the workload
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_workload(workload: Any) -> dict[str, Any]:
+    if not isinstance(workload, dict):
+        raise WorkloadError("a workload is a JSON object")
+    unknown = set(workload) - {"config", "requests", "max_steps"}
+    if unknown:
+        raise WorkloadError(f"unknown workload keys: {sorted(unknown)}")
+    config = workload.get("config")
+    if not isinstance(config, dict):
+        raise WorkloadError("workload['config'] must be an object")
+    unknown = set(config) - set(REQUIRED_CONFIG) - set(OPTIONAL_CONFIG)
+    if unknown:
+        raise WorkloadError(f"unknown config keys: {sorted(unknown)}")
+    cfg: dict[str, Any] = {}
+    for key, kind in REQUIRED_CONFIG.items():
+        if key not in config:
+            raise WorkloadError(f"config[{key!r}] is required (every scheduling setting is explicit)")
+        value = config[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise WorkloadError(f"config[{key!r}] must be {kind.__name__}, got {value!r}")
+        cfg[key] = value
+    for key, (kinds, default) in OPTIONAL_CONFIG.items():
+        value = config.get(key, default)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) is not (kinds is bool)):
+            raise WorkloadError(f"config[{key!r}] has the wrong type: {value!r}")
+        cfg[key] = value
+    if cfg["policy"] not in POLICIES:
+        raise WorkloadError(f"config['policy'] must be one of {POLICIES}, got {cfg['policy']!r}")
+    if cfg["async_scheduling"]:
+        raise WorkloadError("async_scheduling (SGLang's overlap loop) is not covered by this driver")
+    if cfg["long_prefill_token_threshold"] != 0:
+        raise WorkloadError("SGLang has no long_prefill_token_threshold: it must be 0")
+    if cfg["scheduler_reserve_full_isl"] is not True or float(cfg["watermark"]) != 0.0:
+        raise WorkloadError("scheduler_reserve_full_isl and watermark are vLLM settings: only their defaults")
+    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        if cfg[key] < 1:
+            raise WorkloadError(f"config[{key!r}] must be >= 1")
+    if cfg["chunked_prefill_size"] is None:
+        cfg["chunked_prefill_size"] = cfg["max_num_batched_tokens"] if cfg["enable_chunked_prefill"] else -1
+    if cfg["max_prefill_tokens"] is None:
+        cfg["max_prefill_tokens"] = cfg["max_num_batched_tokens"]
+    cfg["schedule_conservativeness"] = float(cfg["schedule_conservativeness"])
+    requests = workload.get("requests")
+    if not isinstance(requests, list):
+        raise WorkloadError("workload['requests'] must be a list")
+    seen: set[str] = set()
+    for req in requests:
+        if not isinstance(req, dict) or set(req) - REQUEST_KEYS or not {"id", "prompt", "output"} <= set(req):
+            raise WorkloadError(f"a request has keys {sorted(REQUEST_KEYS)} (id, prompt, output required): {req!r}")
+        rid = req["id"]
+        if not isinstance(rid, str) or rid in seen:
+            raise WorkloadError(f"request ids are distinct strings: {rid!r}")
+        seen.add(rid)
+        for key in ("prompt", "output"):
+            tokens = req[key]
+            if not isinstance(tokens, list) or not tokens or not all(
+                    _is_int(t) and 0 <= t < VOCAB_SIZE for t in tokens):
+                raise WorkloadError(f"request {rid}: {key} must be a non-empty list of token ids in "
+                                    f"[0, {VOCAB_SIZE})")
+        if len(req["prompt"]) >= cfg["max_model_len"]:
+            raise WorkloadError(f"request {rid}: its prompt does not fit max_model_len")
+        arrive = req.get("arrive_step", 0)
+        if not _is_int(arrive) or arrive < 0:
+            raise WorkloadError(f"request {rid}: arrive_step must be an int >= 0")
+        if req.get("priority", 0) != 0:
+            raise WorkloadError(f"request {rid}: priorities are not covered (priority scheduling is off)")
+        abort = req.get("abort_step")
+        if abort is not None and (not _is_int(abort) or abort < arrive):
+            raise WorkloadError(f"request {rid}: abort_step must be null or an int >= arrive_step")
+    max_steps = workload.get("max_steps", 100_000)
+    if not _is_int(max_steps) or max_steps < 1:
+        raise WorkloadError("max_steps must be a positive int")
+    return {"config": cfg, "requests": requests, "max_steps": max_steps}
+
+
+# ------------------------------------------------------------------ SGLang's objects
+
+
+class EventRecorder:
+    """Stands in for the ZeroMQ publisher inside SGLang's ``SchedulerKvEventsPublisher``: keeps the batches."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+    def take(self) -> list[list[Any]]:
+        from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        out: list[list[Any]] = []
+        for batch in self.batches:
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    out.append(["stored", list(event.block_hashes), event.parent_block_hash,
+                                list(event.token_ids), event.block_size])
+                elif isinstance(event, BlockRemoved):
+                    out.append(["removed", list(event.block_hashes)])
+                elif isinstance(event, AllBlocksCleared):
+                    out.append(["cleared"])
+                else:
+                    raise RuntimeError(f"unexpected KV event {event!r}")
+        self.batches.clear()
+        return out
+
+
+RETRACTED: list[str] = []  # SGLang rids, in the order retract_decode returned them (observation only)
+
+
+def _observe_retractions() -> None:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    original = ScheduleBatch.retract_decode
+    if getattr(original, "_kvemu_observed", False):
+        return
+
+    def retract_decode(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        RETRACTED.extend(req.rid for req in result[0])
+        return result
+
+    retract_decode._kvemu_observed = True  # type: ignore[attr-defined]
+    ScheduleBatch.retract_decode = retract_decode
+
+
+def _expect(what: str, got: Any, want: Any) -> None:
+    if got != want:
+        raise WorkloadError(f"SGLang resolved {what} = {got!r}, but the workload asks for {want!r}")
+
+
+def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any:
+    """SGLang's Scheduler as ``run_scheduler_process`` builds it (one rank, no overlap), every setting checked."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import SpawnRanks, get_schedule, publish, spawn_world_rank
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    server_args = ServerArgs(
+        model_path=model_dir, skip_tokenizer_init=True, device="cpu", load_format="dummy", dtype="float32",
+        context_length=cfg["max_model_len"], random_seed=0,
+        page_size=cfg["block_size"], max_total_tokens=cfg["num_gpu_blocks"] * cfg["block_size"],
+        max_running_requests=cfg["max_num_seqs"], chunked_prefill_size=cfg["chunked_prefill_size"],
+        max_prefill_tokens=cfg["max_prefill_tokens"], schedule_policy=cfg["policy"],
+        schedule_conservativeness=cfg["schedule_conservativeness"], enable_mixed_chunk=cfg["enable_mixed_chunk"],
+        disable_radix_cache=not cfg["enable_prefix_caching"], radix_eviction_policy="lru",
+        enable_priority_scheduling=False, disable_overlap_schedule=True, disable_cuda_graph=True,
+        attention_backend="torch_native", sampling_backend="pytorch",
+        kv_events_config=json.dumps({"publisher": "zmq", "endpoint": f"ipc://{events_dir}/kv-events"}),
+    )
+    port_args = PortArgs.init_new(server_args)
+    publish(server_args, role="scheduler",
+            ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0), dp_rank=None,
+                             gpu_id=0))
+    scheduler = Scheduler(server_args, port_args)
+
+    events = scheduler.kv_events_publisher
+    _expect("kv_events_publisher.enable_kv_cache_events", events.enable_kv_cache_events, True)
+    events.kv_event_publisher.shutdown()
+    events.kv_event_publisher = EventRecorder()
+
+    schedule = get_schedule()
+    tree = "UnifiedRadixCache" if cfg["enable_prefix_caching"] else "ChunkCache"
+    _expect("the tree cache", type(scheduler.tree_cache).__name__, tree)
+    _expect("max_total_num_tokens", scheduler.max_total_num_tokens, cfg["num_gpu_blocks"] * cfg["block_size"])
+    _expect("page_size", scheduler.page_size, cfg["block_size"])
+    _expect("max_running_requests", scheduler.max_running_requests, cfg["max_num_seqs"])
+    _expect("max_prefill_tokens", scheduler.max_prefill_tokens, cfg["max_prefill_tokens"])
+    chunk = cfg["chunked_prefill_size"] if cfg["chunked_prefill_size"] > 0 else None
+    _expect("chunked_prefill_size", scheduler.chunked_prefill_size, chunk)
+    _expect("is_mixed_chunk", scheduler.is_mixed_chunk, bool(chunk and cfg["enable_mixed_chunk"]))
+    _expect("policy", scheduler.policy.policy.value, cfg["policy"])
+    _expect("schedule_conservativeness", schedule.schedule_conservativeness, cfg["schedule_conservativeness"])
+    _expect("enable_priority_scheduling", scheduler.enable_priority_scheduling, False)
+    _expect("enable_overlap", scheduler.enable_overlap, False)
+    _expect("context_len", scheduler.model_config.context_len, cfg["max_model_len"])
+    _expect("the free tokens of a new pool", scheduler.token_to_kv_pool_allocator.available_size(),
+            cfg["num_gpu_blocks"] * cfg["block_size"])
+    ratio = scheduler.new_token_ratio_tracker
+    _expect("init_new_token_ratio", ratio.init, min(0.7 * cfg["schedule_conservativeness"], 1.0))
+    _expect("min_new_token_ratio", ratio.min, min(ratio.init * 0.14, 1.0))
+    return scheduler
+
+
+# ------------------------------------------------------------------ the run
+
+
+class Run:
+    """One workload through ``event_loop_normal``'s turns, with the fake model."""
+
+    def __init__(self, workload: dict[str, Any], model_dir: str, events_dir: str) -> None:
+        from sglang.srt import server_args as _server_args  # noqa: F401  (imported before the Scheduler)
+
+        self.cfg = workload["config"]
+        self.max_steps = workload["max_steps"]
+        self.scheduler = build_scheduler(self.cfg, model_dir, events_dir)
+        self.requests = workload["requests"]
+        # SGLang aborts every rid that STARTS WITH the aborted one: give it ids that are not prefixes of each other
+        self.inner = {req["id"]: f"kvemu-{index}." for index, req in enumerate(self.requests)}
+        self.outer = {inner: rid for rid, inner in self.inner.items()}
+        self.specs = {self.inner[req["id"]]: req for req in self.requests}
+        self.reported: set[str] = set()
+
+    def _tokenized(self, spec: dict[str, Any]) -> Any:
+        from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        params = SamplingParams(max_new_tokens=len(spec["output"]), ignore_eos=True, temperature=0.0)
+        params.normalize(None)
+        params.verify(VOCAB_SIZE)
+        return TokenizedGenerateReqInput(
+            rid=self.inner[spec["id"]], input_text=None, input_ids=array("q", spec["prompt"]), input_embeds=None,
+            mm_inputs=None, token_type_ids=None, sampling_params=params, return_logprob=False,
+            logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False)
+
+    def _plan_samples(self, batch: Any) -> None:
+        from tests_oracle_stubs import NEXT_TOKENS  # type: ignore[import-not-found]
+
+        NEXT_TOKENS.clear()
+        for req in batch.reqs:
+            output = self.specs[req.rid]["output"]
+            index = len(req.output_ids)
+            if index >= len(output):
+                raise RuntimeError(f"request {self.outer[req.rid]} samples generated token #{index}, past its "
+                                   f"output list of {len(output)}")
+            NEXT_TOKENS.append(output[index])
+
+    def _held(self) -> set[str]:
+        """The rids the scheduler holds: waiting, running, in chunked prefill, or in the last (extend) batch,
+        which ``event_loop_normal`` merges into the running batch at the next turn."""
+        s = self.scheduler
+        held = [*s.waiting_queue, *s.running_batch.reqs]
+        if s.chunked_req is not None:
+            held.append(s.chunked_req)
+        if s.last_batch is not None:
+            held.extend(s.last_batch.reqs)
+        return {req.rid for req in held if not req.finished()}
+
+    def run(self) -> list[dict[str, Any]]:
+        s = self.scheduler
+        arrivals: dict[int, list[dict[str, Any]]] = {}
+        aborts: dict[int, list[str]] = {}
+        for req in self.requests:
+            arrivals.setdefault(req.get("arrive_step", 0), []).append(req)
+            if req.get("abort_step") is not None:
+                aborts.setdefault(req["abort_step"], []).append(req["id"])
+        last_event = max([*arrivals, *aborts], default=-1)
+        known: dict[str, Any] = {}  # SGLang rid -> its Req, once it is in the scheduler
+        records: list[dict[str, Any]] = []
+        for step in range(self.max_steps):
+            if step > last_event and not self._held():
+                break
+            finished: list[list[str]] = []
+            if step in arrivals:
+                s.process_input_requests([self._tokenized(spec) for spec in arrivals[step]])
+                for req in s.waiting_queue:
+                    known.setdefault(req.rid, req)
+                for spec in arrivals[step]:
+                    if self.inner[spec["id"]] not in known:
+                        raise RuntimeError(f"SGLang did not queue request {spec['id']}")
+            for rid in aborts.get(step, ()):
+                from sglang.srt.managers.io_struct import AbortReq
+
+                s.process_input_requests([AbortReq(rid=self.inner[rid])])
+            held = self._held()
+            for inner in known:  # aborted while waiting: SGLang dropped it from its queue
+                if step in aborts and inner not in self.reported and inner not in held:
+                    self.reported.add(inner)
+                    finished.append([self.outer[inner], "abort"])
+            waiting = {req.rid for req in s.waiting_queue}
+            retracted_before = len(RETRACTED)
+            record: dict[str, Any] = {"step": step, "idle": True, "schedule_called": True, "mode": None,
+                                      "scheduled": [], "admitted": [], "preempted": []}
+            batch = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
+            if hasattr(batch, "batch_to_run"):  # 0.5.23 returns a plan: the batch and the new running batch
+                s.running_batch = batch.running_batch
+                batch = batch.batch_to_run
+            record["preempted"] = [self.outer[rid] for rid in RETRACTED[retracted_before:]]
+            if batch is not None:
+                record["idle"] = False
+                mode = batch.forward_mode
+                record["mode"] = "mixed" if mode.is_mixed() else "extend" if mode.is_extend() else "decode"
+                for index, req in enumerate(batch.reqs):
+                    if mode.is_extend():
+                        record["scheduled"].append([self.outer[req.rid], int(batch.extend_lens[index])])
+                        if req.rid in waiting:
+                            record["admitted"].append([self.outer[req.rid], int(batch.prefix_lens[index])])
+                    else:
+                        record["scheduled"].append([self.outer[req.rid], 1])
+                self._plan_samples(batch)
+                result = s.run_batch(batch)
+                s.process_batch_result(batch, result)
+            else:
+                s._sched_idled = True
+                s.on_idle()
+            s.last_batch = batch
+            for inner, req in known.items():
+                if inner not in self.reported and req.finished():
+                    self.reported.add(inner)
+                    reason = FINISH_REASONS.get(type(req.finished_reason).__name__)
+                    if reason is None:
+                        raise RuntimeError(f"unexpected finish reason {req.finished_reason!r}")
+                    finished.append([self.outer[inner], reason])
+            s.kv_events_publisher.publish_kv_events()
+            record["finished"] = finished
+            record["events"] = s.kv_events_publisher.kv_event_publisher.take()
+            free = s.token_to_kv_pool_allocator.available_size()
+            record["free_tokens"] = free
+            record["free_blocks"] = free // self.cfg["block_size"]
+            record["evictable_tokens"] = s.tree_cache.evictable_size()
+            record["num_waiting"] = len(s.waiting_queue)
+            record["num_running"] = len(self._held()) - record["num_waiting"]
+            records.append(record)
+        return records
+
+
+# ------------------------------------------------------------------ the process
+
+
+def _start(model_dir: str) -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tests_oracle_stubs", os.path.join(here, "sglang_stubs.py"))
+    assert spec is not None and spec.loader is not None
+    stubs = importlib.util.module_from_spec(spec)
+    sys.modules["tests_oracle_stubs"] = stubs
+    spec.loader.exec_module(stubs)
+    stubs.install_import_stubs()
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        raise RuntimeError(f"this driver pins SGLang {SGLANG_VERSION}; the interpreter has {sglang.__version__}")
+    stubs.install_model_free_runner()
+    _observe_retractions()
+    with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(TINY_LLAMA, f)
+
+
+def main(argv: list[str]) -> int:
+    batch = argv[1:] == ["--batch"]
+    serve = argv[1:] == ["--serve"]
+    if argv[1:] and not (batch or serve):
+        print("usage: sglang_driver.py [--batch | --serve] < workload.json", file=sys.stderr)
+        return 2
+    _setup_environment()
+    # SGLang logs to stdout: keep the real stdout for the records, send everything else to stderr.
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        return _serve(out) if serve else _main(batch, out)
+    except WorkloadError as exc:
+        print(f"sglang_driver: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(batch: bool, out: Any) -> int:
+    raw = json.load(sys.stdin)
+    if batch and not isinstance(raw, list):
+        raise WorkloadError("--batch reads a JSON list of workloads")
+    checked = [_check_workload(w) for w in (raw if batch else [raw])]
+    with tempfile.TemporaryDirectory(prefix="kvemu-sglang-oracle-") as work:
+        _start(work)
+        for index, workload in enumerate(checked):
+            for record in Run(workload, work, work).run():
+                if batch:
+                    record = {"workload": index, **record}
+                out.write(json.dumps(record, separators=(",", ":")) + "\n")
+            out.flush()
+    out.close()
+    return 0
+
+
+def _serve(out: Any) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvemu-sglang-oracle-") as work:
+        _start(work)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                records = Run(_check_workload(json.loads(line)), work, work).run()
+            except WorkloadError as exc:
+                out.write(json.dumps({"end": True, "error": str(exc)}) + "\n")
+                out.flush()
+                continue
+            for record in records:
+                out.write(json.dumps(record, separators=(",", ":")) + "\n")
+            out.write('{"end":true}\n')
+            out.flush()
+    out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
