@@ -5,7 +5,9 @@ imports only sglang, torch, the standard library and its sibling ``sglang_stubs.
 JSON on stdin and writes one JSON object per line on stdout, one per step; ``--batch`` reads a JSON list of
 workloads and tags each line with ``"workload": i``; ``--serve`` answers one workload per stdin line with its
 records and an ``{"end": true}`` line (``{"end": true, "error": reason}`` for a refused workload), until stdin
-ends. The input is vllm_driver.py's, so one workload can go to both oracles.
+ends. The input is vllm_driver.py's, so one workload can go to both oracles. The process imports SGLang once
+(~15 s) and runs each workload in a child forked from it (SGLang builds its process-wide parallel runtime once,
+in the first ``Scheduler``), ~1-2 s of ``Scheduler.__init__`` each.
 
 What runs: ``sglang.srt.managers.scheduler.Scheduler``, built by its own ``__init__`` (with the ``ServerArgs``
 and ``PortArgs`` that ``run_scheduler_process`` would get, and ``runtime_context.publish`` done first, as there),
@@ -48,7 +50,10 @@ checked, and not otherwise exercised); the KV pool holds ``num_gpu_blocks * bloc
 refused); ``enable_prefix_caching: false`` is ``disable_radix_cache``; ``max_model_len`` is ``context_length``;
 ``long_prefill_token_threshold`` must be 0 and ``priority`` 0 (no such settings are used).
 Optional SGLang keys: ``chunked_prefill_size`` and ``max_prefill_tokens`` (override the mapping),
-``schedule_conservativeness`` (1.0), ``enable_mixed_chunk`` (false). vllm_driver's optional keys are accepted only
+``schedule_conservativeness`` (1.0), ``enable_mixed_chunk`` (false), ``ignore_eos`` (true: every request
+generates its whole output list, as in vllm_driver; false: an output token equal to the model's EOS id, 2, ends
+the request with "stop", and admission then reserves only ``new_token_ratio`` of each running request's
+remaining tokens instead of all of them, which is what lets decode run out of KV and retract). vllm_driver's optional keys are accepted only
 at vLLM's defaults (``scheduler_reserve_full_isl`` true, ``watermark`` 0), which have no SGLang counterpart.
 
 Output, one line per step::
@@ -90,6 +95,7 @@ OPTIONAL_CONFIG: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "max_prefill_tokens": (int, None),
     "schedule_conservativeness": ((int, float), 1.0),
     "enable_mixed_chunk": (bool, False),
+    "ignore_eos": (bool, True),
     "scheduler_reserve_full_isl": (bool, True),  # vLLM's: accepted at its default only
     "watermark": ((int, float), 0.0),  # vLLM's: accepted at its default only
 }
@@ -260,7 +266,7 @@ def _expect(what: str, got: Any, want: Any) -> None:
 def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any:
     """SGLang's Scheduler as ``run_scheduler_process`` builds it (one rank, no overlap), every setting checked."""
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.runtime_context import SpawnRanks, get_schedule, publish, spawn_world_rank
+    from sglang.srt.runtime_context import SpawnRanks, get_memory, get_schedule, publish, spawn_world_rank
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     server_args = ServerArgs(
@@ -271,7 +277,8 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any
         max_prefill_tokens=cfg["max_prefill_tokens"], schedule_policy=cfg["policy"],
         schedule_conservativeness=cfg["schedule_conservativeness"], enable_mixed_chunk=cfg["enable_mixed_chunk"],
         disable_radix_cache=not cfg["enable_prefix_caching"], radix_eviction_policy="lru",
-        enable_priority_scheduling=False, disable_overlap_schedule=True, disable_cuda_graph=True,
+        enable_priority_scheduling=False, retraction_policy="length", prefill_max_requests=None,
+        prefill_decode_interval=0, disable_overlap_schedule=True, disable_cuda_graph=True,
         attention_backend="torch_native", sampling_backend="pytorch",
         kv_events_config=json.dumps({"publisher": "zmq", "endpoint": f"ipc://{events_dir}/kv-events"}),
     )
@@ -299,6 +306,10 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any
     _expect("policy", scheduler.policy.policy.value, cfg["policy"])
     _expect("schedule_conservativeness", schedule.schedule_conservativeness, cfg["schedule_conservativeness"])
     _expect("enable_priority_scheduling", scheduler.enable_priority_scheduling, False)
+    _expect("retraction_policy", schedule.retraction_policy, "length")
+    _expect("prefill_max_requests", schedule.prefill_max_requests, None)
+    _expect("prefill_decode_interval", scheduler.prefill_decode_interval, 0)
+    _expect("radix_eviction_policy", get_memory().radix_eviction_policy, "lru")
     _expect("enable_overlap", scheduler.enable_overlap, False)
     _expect("context_len", scheduler.model_config.context_len, cfg["max_model_len"])
     _expect("the free tokens of a new pool", scheduler.token_to_kv_pool_allocator.available_size(),
@@ -316,8 +327,6 @@ class Run:
     """One workload through ``event_loop_normal``'s turns, with the fake model."""
 
     def __init__(self, workload: dict[str, Any], model_dir: str, events_dir: str) -> None:
-        from sglang.srt import server_args as _server_args  # noqa: F401  (imported before the Scheduler)
-
         self.cfg = workload["config"]
         self.max_steps = workload["max_steps"]
         self.scheduler = build_scheduler(self.cfg, model_dir, events_dir)
@@ -332,7 +341,8 @@ class Run:
         from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        params = SamplingParams(max_new_tokens=len(spec["output"]), ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_new_tokens=len(spec["output"]), ignore_eos=self.cfg["ignore_eos"],
+                                temperature=0.0)
         params.normalize(None)
         params.verify(VOCAB_SIZE)
         return TokenizedGenerateReqInput(
@@ -482,6 +492,45 @@ def main(argv: list[str]) -> int:
         return 2
 
 
+def run_isolated(workload: dict[str, Any], work: str, index: int) -> list[dict[str, Any]]:
+    """One workload's records, from a child forked after the imports: SGLang builds its parallel runtime once per
+    process (a second ``Scheduler`` raises "init_parallel_runtime() ran twice"), so each workload gets a fresh
+    process that shares the ~15 s of imports. A ``WorkloadError`` in the child is raised again here."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run, send the outcome as one JSON document, leave without cleanup
+        os.close(read_end)
+        code = 0
+        try:
+            events_dir = os.path.join(work, f"events-{index}")
+            os.mkdir(events_dir)
+            outcome: dict[str, Any] = {"records": Run(workload, work, events_dir).run()}
+        except WorkloadError as exc:
+            outcome = {"refused": str(exc)}
+        except BaseException:  # noqa: BLE001  (reported to the parent, which fails)
+            import traceback
+
+            outcome = {"crashed": traceback.format_exc()}
+            code = 1
+        with os.fdopen(write_end, "w", encoding="utf-8") as pipe:
+            json.dump(outcome, pipe)
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, encoding="utf-8") as pipe:
+        raw = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        outcome = json.loads(raw)
+    except ValueError:
+        raise RuntimeError(f"the workload's process died (wait status {status}) without an answer") from None
+    if "refused" in outcome:
+        raise WorkloadError(outcome["refused"])
+    if "crashed" in outcome:
+        raise RuntimeError(f"the workload's process failed:\n{outcome['crashed']}")
+    return outcome["records"]
+
+
 def _main(batch: bool, out: Any) -> int:
     raw = json.load(sys.stdin)
     if batch and not isinstance(raw, list):
@@ -490,7 +539,7 @@ def _main(batch: bool, out: Any) -> int:
     with tempfile.TemporaryDirectory(prefix="kvemu-sglang-oracle-") as work:
         _start(work)
         for index, workload in enumerate(checked):
-            for record in Run(workload, work, work).run():
+            for record in run_isolated(workload, work, index):
                 if batch:
                     record = {"workload": index, **record}
                 out.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -502,11 +551,11 @@ def _main(batch: bool, out: Any) -> int:
 def _serve(out: Any) -> int:
     with tempfile.TemporaryDirectory(prefix="kvemu-sglang-oracle-") as work:
         _start(work)
-        for line in sys.stdin:
+        for index, line in enumerate(sys.stdin):
             if not line.strip():
                 continue
             try:
-                records = Run(_check_workload(json.loads(line)), work, work).run()
+                records = run_isolated(_check_workload(json.loads(line)), work, index)
             except WorkloadError as exc:
                 out.write(json.dumps({"end": True, "error": str(exc)}) + "\n")
                 out.flush()
