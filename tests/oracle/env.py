@@ -89,13 +89,7 @@ SGLANG = Oracle(
 SGLANG_BUILD_NOTE = "see /work/notes/sglang-oracle-branch.md"
 
 # The vLLM oracle's names, as the rest of tests/oracle imports them.
-REQUIREMENTS = VLLM.requirements
-DRIVER = VLLM.driver
-ENV_VAR = VLLM.env_var
-DEFAULT_VENV = VLLM.default_venv
-BUILD_COMMAND = VLLM.build_command
-VLLM_VERSION = VLLM.version
-SCHEDULER_MODULES = VLLM.modules
+DRIVER, ENV_VAR, BUILD_COMMAND, VLLM_VERSION = VLLM.driver, VLLM.env_var, VLLM.build_command, VLLM.version
 STAMP_NAME = "kvemu-oracle.stamp"
 
 

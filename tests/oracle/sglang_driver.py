@@ -1,8 +1,8 @@
 """Drive SGLang 0.5.23's real Scheduler on CPU, step by step, as an oracle for kvemu's SGLang flavour.
 
 Run by the SGLang ORACLE VENV's python (``python -m tests.oracle.env --sglang --path``), never by kvemu's: it
-imports only sglang, torch, the standard library and its sibling ``sglang_stubs.py``. It reads one workload as
-JSON on stdin and writes one JSON object per line on stdout, one per step; ``--batch`` reads a JSON list of
+imports only sglang, torch, the standard library and its siblings ``sglang_stubs.py`` and ``driver_common.py``.
+It reads one workload as JSON on stdin and writes one JSON object per line on stdout, one per step; ``--batch`` reads a JSON list of
 workloads and tags each line with ``"workload": i``; ``--serve`` answers one workload per stdin line with its
 records and an ``{"end": true}`` line (``{"end": true, "error": reason}`` for a refused workload), until stdin
 ends. The input is vllm_driver.py's, so one workload can go to both oracles. The process imports SGLang once
@@ -77,12 +77,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from array import array
 from typing import Any
 
+import sglang_stubs  # the sibling modules: run as a script, this folder is first on sys.path
+from driver_common import VOCAB_SIZE, EventRecorder, WorkloadError, check_workload, driver_main, expect
+
 SGLANG_VERSION = "0.5.23"
-VOCAB_SIZE = 1 << 20
 POLICIES = ("fcfs", "lpm", "lof")
 
 REQUIRED_CONFIG = {
@@ -99,7 +100,6 @@ OPTIONAL_CONFIG: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "scheduler_reserve_full_isl": (bool, True),  # vLLM's: accepted at its default only
     "watermark": ((int, float), 0.0),  # vLLM's: accepted at its default only
 }
-REQUEST_KEYS = {"id", "prompt", "output", "arrive_step", "priority", "abort_step"}
 FINISH_REASONS = {"FINISH_LENGTH": "length", "FINISH_ABORT": "abort", "FINISH_MATCHED_TOKEN": "stop",
                   "FINISH_MATCHED_STR": "stop"}
 
@@ -109,11 +109,6 @@ TINY_LLAMA = {
     "max_position_embeddings": 1 << 20, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "rope_theta": 10000.0,
 }
-
-
-class WorkloadError(ValueError):
-    """The workload is malformed or asks for what this driver does not cover, or SGLang resolved a setting
-    other than the one asked for."""
 
 
 def _setup_environment() -> None:
@@ -127,35 +122,9 @@ def _setup_environment() -> None:
 # ------------------------------------------------------------------ the workload
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_workload(workload: Any) -> dict[str, Any]:
-    if not isinstance(workload, dict):
-        raise WorkloadError("a workload is a JSON object")
-    unknown = set(workload) - {"config", "requests", "max_steps"}
-    if unknown:
-        raise WorkloadError(f"unknown workload keys: {sorted(unknown)}")
-    config = workload.get("config")
-    if not isinstance(config, dict):
-        raise WorkloadError("workload['config'] must be an object")
-    unknown = set(config) - set(REQUIRED_CONFIG) - set(OPTIONAL_CONFIG)
-    if unknown:
-        raise WorkloadError(f"unknown config keys: {sorted(unknown)}")
-    cfg: dict[str, Any] = {}
-    for key, kind in REQUIRED_CONFIG.items():
-        if key not in config:
-            raise WorkloadError(f"config[{key!r}] is required (every scheduling setting is explicit)")
-        value = config[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise WorkloadError(f"config[{key!r}] must be {kind.__name__}, got {value!r}")
-        cfg[key] = value
-    for key, (kinds, default) in OPTIONAL_CONFIG.items():
-        value = config.get(key, default)
-        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) is not (kinds is bool)):
-            raise WorkloadError(f"config[{key!r}] has the wrong type: {value!r}")
-        cfg[key] = value
+    checked = check_workload(workload, REQUIRED_CONFIG, OPTIONAL_CONFIG)
+    cfg = checked["config"]
     if cfg["policy"] not in POLICIES:
         raise WorkloadError(f"config['policy'] must be one of {POLICIES}, got {cfg['policy']!r}")
     if cfg["async_scheduling"]:
@@ -164,79 +133,18 @@ def _check_workload(workload: Any) -> dict[str, Any]:
         raise WorkloadError("SGLang has no long_prefill_token_threshold: it must be 0")
     if cfg["scheduler_reserve_full_isl"] is not True or float(cfg["watermark"]) != 0.0:
         raise WorkloadError("scheduler_reserve_full_isl and watermark are vLLM settings: only their defaults")
-    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-        if cfg[key] < 1:
-            raise WorkloadError(f"config[{key!r}] must be >= 1")
     if cfg["chunked_prefill_size"] is None:
         cfg["chunked_prefill_size"] = cfg["max_num_batched_tokens"] if cfg["enable_chunked_prefill"] else -1
     if cfg["max_prefill_tokens"] is None:
         cfg["max_prefill_tokens"] = cfg["max_num_batched_tokens"]
     cfg["schedule_conservativeness"] = float(cfg["schedule_conservativeness"])
-    requests = workload.get("requests")
-    if not isinstance(requests, list):
-        raise WorkloadError("workload['requests'] must be a list")
-    seen: set[str] = set()
-    for req in requests:
-        if not isinstance(req, dict) or set(req) - REQUEST_KEYS or not {"id", "prompt", "output"} <= set(req):
-            raise WorkloadError(f"a request has keys {sorted(REQUEST_KEYS)} (id, prompt, output required): {req!r}")
-        rid = req["id"]
-        if not isinstance(rid, str) or rid in seen:
-            raise WorkloadError(f"request ids are distinct strings: {rid!r}")
-        seen.add(rid)
-        for key in ("prompt", "output"):
-            tokens = req[key]
-            if not isinstance(tokens, list) or not tokens or not all(
-                    _is_int(t) and 0 <= t < VOCAB_SIZE for t in tokens):
-                raise WorkloadError(f"request {rid}: {key} must be a non-empty list of token ids in "
-                                    f"[0, {VOCAB_SIZE})")
-        if len(req["prompt"]) >= cfg["max_model_len"]:
-            raise WorkloadError(f"request {rid}: its prompt does not fit max_model_len")
-        arrive = req.get("arrive_step", 0)
-        if not _is_int(arrive) or arrive < 0:
-            raise WorkloadError(f"request {rid}: arrive_step must be an int >= 0")
+    for req in checked["requests"]:
         if req.get("priority", 0) != 0:
-            raise WorkloadError(f"request {rid}: priorities are not covered (priority scheduling is off)")
-        abort = req.get("abort_step")
-        if abort is not None and (not _is_int(abort) or abort < arrive):
-            raise WorkloadError(f"request {rid}: abort_step must be null or an int >= arrive_step")
-    max_steps = workload.get("max_steps", 100_000)
-    if not _is_int(max_steps) or max_steps < 1:
-        raise WorkloadError("max_steps must be a positive int")
-    return {"config": cfg, "requests": requests, "max_steps": max_steps}
+            raise WorkloadError(f"request {req['id']}: priorities are not covered (priority scheduling is off)")
+    return checked
 
 
 # ------------------------------------------------------------------ SGLang's objects
-
-
-class EventRecorder:
-    """Stands in for the ZeroMQ publisher inside SGLang's ``SchedulerKvEventsPublisher``: keeps the batches."""
-
-    def __init__(self) -> None:
-        self.batches: list[Any] = []
-
-    def publish(self, batch: Any) -> None:
-        self.batches.append(batch)
-
-    def shutdown(self) -> None:
-        pass
-
-    def take(self) -> list[list[Any]]:
-        from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        out: list[list[Any]] = []
-        for batch in self.batches:
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    out.append(["stored", list(event.block_hashes), event.parent_block_hash,
-                                list(event.token_ids), event.block_size])
-                elif isinstance(event, BlockRemoved):
-                    out.append(["removed", list(event.block_hashes)])
-                elif isinstance(event, AllBlocksCleared):
-                    out.append(["cleared"])
-                else:
-                    raise RuntimeError(f"unexpected KV event {event!r}")
-        self.batches.clear()
-        return out
 
 
 RETRACTED: list[str] = []  # SGLang rids, in the order retract_decode returned them (observation only)
@@ -259,8 +167,7 @@ def _observe_retractions() -> None:
 
 
 def _expect(what: str, got: Any, want: Any) -> None:
-    if got != want:
-        raise WorkloadError(f"SGLang resolved {what} = {got!r}, but the workload asks for {want!r}")
+    expect("SGLang", what, got, want)
 
 
 def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any:
@@ -291,7 +198,9 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any
     events = scheduler.kv_events_publisher
     _expect("kv_events_publisher.enable_kv_cache_events", events.enable_kv_cache_events, True)
     events.kv_event_publisher.shutdown()
-    events.kv_event_publisher = EventRecorder()
+    from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    events.kv_event_publisher = EventRecorder((BlockStored, BlockRemoved, AllBlocksCleared))
 
     schedule = get_schedule()
     tree = "UnifiedRadixCache" if cfg["enable_prefix_caching"] else "ChunkCache"
@@ -351,8 +260,7 @@ class Run:
             logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False)
 
     def _plan_samples(self, batch: Any) -> None:
-        from tests_oracle_stubs import NEXT_TOKENS  # type: ignore[import-not-found]
-
+        NEXT_TOKENS = sglang_stubs.NEXT_TOKENS
         NEXT_TOKENS.clear()
         for req in batch.reqs:
             output = self.specs[req.rid]["output"]
@@ -455,41 +363,15 @@ class Run:
 
 
 def _start(model_dir: str) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tests_oracle_stubs", os.path.join(here, "sglang_stubs.py"))
-    assert spec is not None and spec.loader is not None
-    stubs = importlib.util.module_from_spec(spec)
-    sys.modules["tests_oracle_stubs"] = stubs
-    spec.loader.exec_module(stubs)
-    stubs.install_import_stubs()
+    sglang_stubs.install_import_stubs()
     import sglang
 
     if sglang.__version__ != SGLANG_VERSION:
         raise RuntimeError(f"this driver pins SGLang {SGLANG_VERSION}; the interpreter has {sglang.__version__}")
-    stubs.install_model_free_runner()
+    sglang_stubs.install_model_free_runner()
     _observe_retractions()
     with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(TINY_LLAMA, f)
-
-
-def main(argv: list[str]) -> int:
-    batch = argv[1:] == ["--batch"]
-    serve = argv[1:] == ["--serve"]
-    if argv[1:] and not (batch or serve):
-        print("usage: sglang_driver.py [--batch | --serve] < workload.json", file=sys.stderr)
-        return 2
-    _setup_environment()
-    # SGLang logs to stdout: keep the real stdout for the records, send everything else to stderr.
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    try:
-        return _serve(out) if serve else _main(batch, out)
-    except WorkloadError as exc:
-        print(f"sglang_driver: {exc}", file=sys.stderr)
-        return 2
 
 
 def run_isolated(workload: dict[str, Any], work: str, index: int) -> list[dict[str, Any]]:
@@ -531,41 +413,9 @@ def run_isolated(workload: dict[str, Any], work: str, index: int) -> list[dict[s
     return outcome["records"]
 
 
-def _main(batch: bool, out: Any) -> int:
-    raw = json.load(sys.stdin)
-    if batch and not isinstance(raw, list):
-        raise WorkloadError("--batch reads a JSON list of workloads")
-    checked = [_check_workload(w) for w in (raw if batch else [raw])]
-    with tempfile.TemporaryDirectory(prefix="kvemu-sglang-oracle-") as work:
-        _start(work)
-        for index, workload in enumerate(checked):
-            for record in run_isolated(workload, work, index):
-                if batch:
-                    record = {"workload": index, **record}
-                out.write(json.dumps(record, separators=(",", ":")) + "\n")
-            out.flush()
-    out.close()
-    return 0
-
-
-def _serve(out: Any) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvemu-sglang-oracle-") as work:
-        _start(work)
-        for index, line in enumerate(sys.stdin):
-            if not line.strip():
-                continue
-            try:
-                records = run_isolated(_check_workload(json.loads(line)), work, index)
-            except WorkloadError as exc:
-                out.write(json.dumps({"end": True, "error": str(exc)}) + "\n")
-                out.flush()
-                continue
-            for record in records:
-                out.write(json.dumps(record, separators=(",", ":")) + "\n")
-            out.write('{"end":true}\n')
-            out.flush()
-    out.close()
-    return 0
+def main(argv: list[str]) -> int:
+    _setup_environment()
+    return driver_main(argv, "sglang_driver", _check_workload, _start, run_isolated)
 
 
 if __name__ == "__main__":
