@@ -12,7 +12,8 @@ in the first ``Scheduler``), ~1-2 s of ``Scheduler.__init__`` each.
 What runs: ``sglang.srt.managers.scheduler.Scheduler``, built by its own ``__init__`` (with the ``ServerArgs``
 and ``PortArgs`` that ``run_scheduler_process`` would get, and ``runtime_context.publish`` done first, as there),
 with its own ``SchedulePolicy``/``PrefillAdder``, ``ScheduleBatch``, ``TokenToKVPoolAllocator`` and tree cache
-(``UnifiedRadixCache``, SGLang's default, with its Rust core; ``ChunkCache`` when prefix caching is off). The
+(``UnifiedRadixCache``, SGLang's default, with its Rust core; with its ``disable`` flag when prefix caching is
+off). The
 model is faked (``sglang_stubs.py``): no weights, empty logits, and ``sample`` returns the workload's output
 tokens. A model config is a tiny Llama ``config.json`` in a temporary folder. Every scheduling setting is set
 from the workload and read back from what the Scheduler resolved; a mismatch is an error. Environment variables
@@ -127,6 +128,8 @@ def _check_workload(workload: Any) -> dict[str, Any]:
     cfg = checked["config"]
     if cfg["policy"] not in POLICIES:
         raise WorkloadError(f"config['policy'] must be one of {POLICIES}, got {cfg['policy']!r}")
+    if not cfg["enable_prefix_caching"] and cfg["policy"] != "fcfs":
+        raise WorkloadError("without prefix caching SGLang schedules fcfs whatever the policy: ask for fcfs")
     if cfg["async_scheduling"]:
         raise WorkloadError("async_scheduling (SGLang's overlap loop) is not covered by this driver")
     if cfg["long_prefill_token_threshold"] != 0:
@@ -203,8 +206,9 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str, events_dir: str) -> Any
     events.kv_event_publisher = EventRecorder((BlockStored, BlockRemoved, AllBlocksCleared))
 
     schedule = get_schedule()
-    tree = "UnifiedRadixCache" if cfg["enable_prefix_caching"] else "ChunkCache"
-    _expect("the tree cache", type(scheduler.tree_cache).__name__, tree)
+    # prefix caching off is the same tree class with its ``disable`` flag set (it matches nothing, stores nothing)
+    _expect("the tree cache", type(scheduler.tree_cache).__name__, "UnifiedRadixCache")
+    _expect("tree_cache.disable", scheduler.tree_cache.disable, not cfg["enable_prefix_caching"])
     _expect("max_total_num_tokens", scheduler.max_total_num_tokens, cfg["num_gpu_blocks"] * cfg["block_size"])
     _expect("page_size", scheduler.page_size, cfg["block_size"])
     _expect("max_running_requests", scheduler.max_running_requests, cfg["max_num_seqs"])

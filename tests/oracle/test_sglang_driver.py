@@ -67,6 +67,10 @@ WORKLOADS: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {
     # Two prompts sharing 32 tokens; the second arrives while the first is running.
     "shared_prefix": (config(), [request("a", PREFIX + tokens(1, 8), [300, 301, 302]),
                                  request("b", PREFIX + tokens(2001, 8), [400, 401], arrive=1)]),
+    # The same without prefix caching (the tree is built with its disable flag): no hit, no events.
+    "no_cache": (config(enable_prefix_caching=False),
+                 [request("a", PREFIX + tokens(1, 8), [300, 301, 302]),
+                  request("b", PREFIX + tokens(2001, 8), [400, 401], arrive=1)]),
     # A budget of 16 tokens: a 40-token prompt goes 16 + 16 + 8; the 8-token prompt behind it takes the 8 left.
     "chunked": (config(max_num_batched_tokens=16), [request("a", tokens(1, 40), [800, 801]),
                                                     request("b", tokens(5001, 8), [900, 901])]),
@@ -139,6 +143,17 @@ def test_shared_prefix_is_a_hit_while_the_first_request_runs(runs: dict[str, lis
     assert event_b[3] == tokens(2001, 8) and event_b[2] == prompt_a[1][31]  # hangs off PREFIX's last page
     # a: prefill 300, decode 301, 302 (steps 2, 3); b: prefill 400, decode 401 (step 2)
     assert column(records, "finished") == [[], [], [["b", "length"]], [["a", "length"]]]
+
+
+def test_without_prefix_caching_nothing_is_shared_or_kept(runs: dict[str, list[dict[str, Any]]]) -> None:
+    records = runs["no_cache"]
+    assert column(records, "scheduled")[:2] == [[["a", 40]], [["b", 40]]]
+    assert column(records, "admitted")[:2] == [[["a", 0]], [["b", 0]]]
+    assert column(records, "finished") == [[], [], [["b", "length"]], [["a", "length"]]]
+    # a finished request frees every slot it held: b 40 + 1 decode slot at step 2, a 40 + 2 at step 3
+    assert column(records, "free_tokens") == [216, 176, 174 + 41, 214 + 42]
+    assert column(records, "events") == [[], [], [], []]
+    assert column(records, "evictable_tokens") == [0, 0, 0, 0]
 
 
 def test_chunked_prefill_fills_a_small_budget(runs: dict[str, list[dict[str, Any]]]) -> None:
