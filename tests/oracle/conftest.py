@@ -1,8 +1,9 @@
-"""The oracle's plumbing for tests: the oracle venv's python, and a runner of vLLM's scheduler on a workload.
+"""The oracle's plumbing for tests: the oracle venvs' pythons, and runners of the engines' schedulers.
 
 Tests marked ``oracle`` run vLLM 0.34.0's real scheduler in the oracle venv (``tests/oracle/env.py``) through
-``vllm_driver.py``. They get the venv's python from the ``oracle_python`` fixture, never by looking for it
-themselves. Without ``KVEMU_REQUIRE_ORACLE`` a missing (or stale) oracle venv skips them with the reason and the
+``vllm_driver.py``, or SGLang 0.5.23's in the SGLang oracle venv (``python -m tests.oracle.env --sglang``)
+through ``sglang_driver.py``. They get the venv's python from the ``oracle_python`` or ``sglang_oracle_python``
+fixture, never by looking for it themselves. ``KVEMU_REQUIRE_ORACLE`` (below) covers both oracles alike. Without ``KVEMU_REQUIRE_ORACLE`` a missing (or stale) oracle venv skips them with the reason and the
 command that builds it (``python -m tests.oracle.env``); with ``KVEMU_REQUIRE_ORACLE=1`` it is a failure, and so
 is *any* skip of an ``oracle`` test, so that a run cannot pass with the differential tests silently switched off
 (the same net as ``KVEMU_REQUIRE_REFERENCE`` for the ``reference`` tests, tests/conftest.py).
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from tests.oracle.env import DRIVER, ENV_VAR, stamp_status
+from tests.oracle.env import DRIVER, SGLANG, VLLM, Oracle, stamp_status
 
 REQUIRE_ENV = "KVEMU_REQUIRE_ORACLE"
 RUN_TIMEOUT = 600.0  # seconds for one driver process (imports ~10 s, then thousands of steps per second)
@@ -40,10 +41,20 @@ def oracle_unavailable(reason: str) -> NoReturn:
 @pytest.fixture(scope="session")
 def oracle_python() -> Path:
     """The oracle venv's python (skips, or fails under ``KVEMU_REQUIRE_ORACLE=1``, when it is not built)."""
-    python, reason = stamp_status()
+    return _oracle_python(VLLM)
+
+
+@pytest.fixture(scope="session")
+def sglang_oracle_python() -> Path:
+    """The SGLang oracle venv's python (skips, or fails under ``KVEMU_REQUIRE_ORACLE=1``, when it is not built)."""
+    return _oracle_python(SGLANG)
+
+
+def _oracle_python(oracle: Oracle) -> Path:
+    python, reason = stamp_status(oracle=oracle)
     if python is None:
-        if os.environ.get(ENV_VAR):
-            reason += f" [{ENV_VAR}={os.environ[ENV_VAR]} is honoured by the builder too]"
+        if os.environ.get(oracle.env_var):
+            reason += f" [{oracle.env_var}={os.environ[oracle.env_var]} is honoured by the builder too]"
         oracle_unavailable(reason)
     return python
 
@@ -58,8 +69,8 @@ def _driver_env(hash_seed: int | None = None) -> dict[str, str]:
 
 
 def _run_driver(oracle_python: Path, payload: Any, args: list[str], timeout: float,
-                hash_seed: int | None = None) -> list[dict[str, Any]]:
-    cmd = [str(oracle_python), str(DRIVER), *args]
+                hash_seed: int | None = None, driver: Path = DRIVER) -> list[dict[str, Any]]:
+    cmd = [str(oracle_python), str(driver), *args]
     try:
         proc = subprocess.run(cmd, input=json.dumps(payload), capture_output=True, text=True, timeout=timeout,
                               env=_driver_env(hash_seed), check=False)
@@ -80,20 +91,33 @@ def run_oracle(oracle_python: Path, workload: dict[str, Any], timeout: float = R
     return _run_driver(oracle_python, workload, [], timeout, hash_seed)
 
 
-def run_oracle_batch(oracle_python: Path, workloads: list[dict[str, Any]],
-                     timeout: float = RUN_TIMEOUT) -> list[list[dict[str, Any]]]:
+def run_oracle_batch(oracle_python: Path, workloads: list[dict[str, Any]], timeout: float = RUN_TIMEOUT,
+                     hash_seed: int | None = None, driver: Path = DRIVER) -> list[list[dict[str, Any]]]:
     """Run several workloads in one driver process (one start-up of vLLM's imports); their records, in order."""
     runs: list[list[dict[str, Any]]] = [[] for _ in workloads]
-    for record in _run_driver(oracle_python, workloads, ["--batch"], timeout):
+    for record in _run_driver(oracle_python, workloads, ["--batch"], timeout, hash_seed, driver):
         runs[record.pop("workload")].append(record)
     return runs
+
+
+def run_sglang_oracle(sglang_oracle_python: Path, workload: dict[str, Any], timeout: float = RUN_TIMEOUT,
+                      hash_seed: int | None = None) -> list[dict[str, Any]]:
+    """Run SGLang 0.5.23's scheduler on ``workload`` (vllm_driver's input format); one record per step."""
+    return _run_driver(sglang_oracle_python, workload, [], timeout, hash_seed, SGLANG.driver)
+
+
+def run_sglang_oracle_batch(sglang_oracle_python: Path, workloads: list[dict[str, Any]],
+                            timeout: float = RUN_TIMEOUT, hash_seed: int | None = None) -> list[list[dict[str, Any]]]:
+    """Several workloads through SGLang's scheduler in one driver process (~20 s of imports, then a fresh
+    Scheduler per workload); their records, in order."""
+    return run_oracle_batch(sglang_oracle_python, workloads, timeout, hash_seed, SGLANG.driver)
 
 
 class OracleServer:
     """One driver process in ``--serve`` mode: a workload in, its records out (hypothesis draws many)."""
 
-    def __init__(self, oracle_python: Path) -> None:
-        self._proc = subprocess.Popen([str(oracle_python), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+    def __init__(self, oracle_python: Path, driver: Path = DRIVER) -> None:
+        self._proc = subprocess.Popen([str(oracle_python), str(driver), "--serve"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_driver_env())
 
     def run(self, workload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -127,6 +151,14 @@ class OracleServer:
 def oracle_server(oracle_python: Path) -> Generator[OracleServer, None, None]:
     """vLLM's scheduler behind one long-lived driver process (``--serve``)."""
     server = OracleServer(oracle_python)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_oracle_server(sglang_oracle_python: Path) -> Generator[OracleServer, None, None]:
+    """SGLang's scheduler behind one long-lived driver process (``--serve``)."""
+    server = OracleServer(sglang_oracle_python, SGLANG.driver)
     yield server
     server.close()
 

@@ -55,3 +55,40 @@ def test_driver_refuses_a_malformed_workload(workload: dict, message: str) -> No
     proc = subprocess.run([sys.executable, str(env.DRIVER)], input=json.dumps(workload), capture_output=True,
                           text=True, timeout=60, check=False)
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""
+
+
+def test_the_sglang_pins_are_exact_and_cpu_only() -> None:
+    pins = env.pinned_requirements(env.SGLANG)
+    assert pins["torch"] == env.TORCH_VERSION and pins["sglang"] == env.SGLANG.version
+    assert not [name for name in pins if env.FORBIDDEN.search(name)]
+    assert pins["transformers"] == "5.19.0" and pins["apache-tvm-ffi"] == "0.1.11"  # SGLang 0.5.23's own pins
+
+
+def test_the_sglang_venv_has_its_own_place_and_stamp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(env.SGLANG.env_var, raising=False)
+    assert env.venv_dir(env.SGLANG) == Path.home() / ".cache" / "kvemu" / "oracle-sglang-0.5.23"
+    monkeypatch.setenv(env.SGLANG.env_var, str(tmp_path / "s"))
+    assert env.venv_dir(env.SGLANG) == tmp_path / "s" and env.venv_dir() != tmp_path / "s"
+    python, reason = env.stamp_status(tmp_path / "absent", env.SGLANG)
+    assert python is None and env.SGLANG.build_command in reason
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    (venv / env.STAMP_NAME).write_text(json.dumps({"requirements_sha256": env.requirements_digest()}))
+    python, reason = env.stamp_status(venv, env.SGLANG)  # a vLLM stamp does not do for SGLang
+    assert python is None and "another tests/oracle/sglang_requirements.txt" in reason
+    (venv / env.STAMP_NAME).write_text(json.dumps({"requirements_sha256": env.requirements_digest(env.SGLANG)}))
+    assert env.stamp_status(venv, env.SGLANG) == (venv / "bin" / "python", "")
+
+
+@pytest.mark.parametrize(("workload", "message"), [
+    ({"config": {"block_size": 1}, "requests": []}, "config['num_gpu_blocks'] is required"),
+    ({"config": {**env.SMOKE_CONFIG, "block_size": 1, "async_scheduling": True}, "requests": []},
+     "overlap loop"),
+    ({"config": {**env.SMOKE_CONFIG, "block_size": 1, "policy": "priority"}, "requests": []}, "policy"),
+])
+def test_sglang_driver_refuses_what_it_does_not_cover(workload: dict, message: str) -> None:
+    # checked before SGLang is imported: kvemu's own python runs the driver this far
+    proc = subprocess.run([sys.executable, str(env.SGLANG.driver)], input=json.dumps(workload),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""

@@ -1,7 +1,7 @@
 """Drive vLLM 0.34.0's real scheduler on CPU, step by step, as an oracle for kvemu's vLLM flavour.
 
 Run by the ORACLE VENV's python (``python -m tests.oracle.env --path``), never by kvemu's: it imports only vllm,
-torch and the standard library. It reads one workload as JSON on stdin and writes one JSON object per line on
+torch, the standard library and its sibling ``driver_common.py``. It reads one workload as JSON on stdin and writes one JSON object per line on
 stdout, one per step (see below). ``--batch`` reads a JSON list of workloads instead and tags each line with
 ``"workload": i`` (one process start, ~10 s of imports, for many small workloads); ``--serve`` answers one
 workload per stdin line with its records and an ``{"end": true}`` line, until stdin ends (for hypothesis).
@@ -80,12 +80,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from collections import deque
 from typing import Any
 
+from driver_common import VOCAB_SIZE, EventRecorder, WorkloadError, check_workload, driver_main, expect
+
 VLLM_VERSION = "0.34.0"
-VOCAB_SIZE = 1 << 20
 
 REQUIRED_CONFIG = {
     "block_size": int, "num_gpu_blocks": int, "max_num_seqs": int, "max_num_batched_tokens": int,
@@ -96,7 +96,6 @@ OPTIONAL_CONFIG: dict[str, tuple[type | tuple[type, ...], Any]] = {
     "scheduler_reserve_full_isl": (bool, True),
     "watermark": ((int, float), 0.0),
 }
-REQUEST_KEYS = {"id", "prompt", "output", "arrive_step", "priority", "abort_step"}
 
 # A tiny Llama: the scheduler path reads the architecture, max_position_embeddings and the attention shape;
 # nothing loads weights.
@@ -106,10 +105,6 @@ TINY_LLAMA = {
     "max_position_embeddings": 1 << 20, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": 2,
 }
-
-
-class WorkloadError(ValueError):
-    """The workload is malformed, or vLLM resolved a setting other than the one asked for."""
 
 
 def _setup_environment() -> None:
@@ -126,107 +121,27 @@ def _setup_environment() -> None:
 
 
 def _check_workload(workload: Any) -> dict[str, Any]:
-    if not isinstance(workload, dict):
-        raise WorkloadError("a workload is a JSON object")
-    unknown = set(workload) - {"config", "requests", "max_steps"}
-    if unknown:
-        raise WorkloadError(f"unknown workload keys: {sorted(unknown)}")
-    config = workload.get("config")
-    if not isinstance(config, dict):
-        raise WorkloadError("workload['config'] must be an object")
-    unknown = set(config) - set(REQUIRED_CONFIG) - set(OPTIONAL_CONFIG)
-    if unknown:
-        raise WorkloadError(f"unknown config keys: {sorted(unknown)}")
-    resolved: dict[str, Any] = {}
-    for key, kind in REQUIRED_CONFIG.items():
-        if key not in config:
-            raise WorkloadError(f"config[{key!r}] is required (every scheduling setting is explicit)")
-        value = config[key]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise WorkloadError(f"config[{key!r}] must be {kind.__name__}, got {value!r}")
-        resolved[key] = value
-    for key, (kinds, default) in OPTIONAL_CONFIG.items():
-        value = config.get(key, default)
-        if not isinstance(value, kinds) or isinstance(value, bool) is not (kinds is bool):
-            raise WorkloadError(f"config[{key!r}] has the wrong type: {value!r}")
-        resolved[key] = value
+    checked = check_workload(workload, REQUIRED_CONFIG, OPTIONAL_CONFIG)
+    resolved = checked["config"]
     if resolved["policy"] not in ("fcfs", "priority"):
         raise WorkloadError(f"config['policy'] must be 'fcfs' or 'priority', got {resolved['policy']!r}")
-    for key in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-        if resolved[key] < 1:
-            raise WorkloadError(f"config[{key!r}] must be >= 1")
     if resolved["num_gpu_blocks"] < 2:
         raise WorkloadError("config['num_gpu_blocks'] must be >= 2 (block 0 is vLLM's null block)")
-    requests = workload.get("requests")
-    if not isinstance(requests, list):
-        raise WorkloadError("workload['requests'] must be a list")
-    seen: set[str] = set()
-    for req in requests:
-        if not isinstance(req, dict) or set(req) - REQUEST_KEYS or not {"id", "prompt", "output"} <= set(req):
-            raise WorkloadError(f"a request has keys {sorted(REQUEST_KEYS)} (id, prompt, output required): {req!r}")
-        rid = req["id"]
-        if not isinstance(rid, str) or rid in seen:
-            raise WorkloadError(f"request ids are distinct strings: {rid!r}")
-        seen.add(rid)
-        for key in ("prompt", "output"):
-            tokens = req[key]
-            if not isinstance(tokens, list) or not tokens or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB_SIZE for t in tokens):
-                raise WorkloadError(f"request {rid}: {key} must be a non-empty list of token ids in "
-                                    f"[0, {VOCAB_SIZE})")
-        if len(req["prompt"]) >= resolved["max_model_len"]:
-            raise WorkloadError(f"request {rid}: its prompt does not fit max_model_len")
-        for key in ("arrive_step", "priority"):
-            value = req.get(key, 0)
-            if not isinstance(value, int) or isinstance(value, bool) or (key == "arrive_step" and value < 0):
-                raise WorkloadError(f"request {rid}: {key} must be an int (arrive_step >= 0)")
-        abort = req.get("abort_step")
-        if abort is not None and (not isinstance(abort, int) or isinstance(abort, bool)
-                                  or abort < req.get("arrive_step", 0)):
-            raise WorkloadError(f"request {rid}: abort_step must be null or an int >= arrive_step")
-    max_steps = workload.get("max_steps", 100_000)
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
-        raise WorkloadError("max_steps must be a positive int")
-    return {"config": resolved, "requests": requests, "max_steps": max_steps}
+    return checked
 
 
 # ------------------------------------------------------------------ vLLM's objects
 
 
-class EventRecorder:
+def event_recorder() -> EventRecorder:
     """Stands in for vLLM's KV event publisher (``EventPublisher``): keeps the published batches in memory."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-    def __init__(self) -> None:
-        self.batches: list[Any] = []
-
-    def publish(self, events: Any) -> None:
-        self.batches.append(events)
-
-    def shutdown(self) -> None:
-        pass
-
-    def take(self) -> list[list[Any]]:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-        out: list[list[Any]] = []
-        for batch in self.batches:
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    out.append(["stored", list(event.block_hashes), event.parent_block_hash,
-                                list(event.token_ids), event.block_size])
-                elif isinstance(event, BlockRemoved):
-                    out.append(["removed", list(event.block_hashes)])
-                elif isinstance(event, AllBlocksCleared):
-                    out.append(["cleared"])
-                else:
-                    raise RuntimeError(f"unexpected KV event {event!r}")
-        self.batches.clear()
-        return out
+    return EventRecorder((BlockStored, BlockRemoved, AllBlocksCleared))
 
 
 def _expect(what: str, got: Any, want: Any) -> None:
-    if got != want:
-        raise WorkloadError(f"vLLM resolved {what} = {got!r}, but the workload asks for {want!r}")
+    expect("vLLM", what, got, want)
 
 
 def _vllm_config(cfg: dict[str, Any], model_dir: str) -> Any:
@@ -301,7 +216,7 @@ def build_scheduler(cfg: dict[str, Any], model_dir: str) -> Any:
         hasher = kv_cache_utils.get_request_block_hasher(hash_block_size, hash_fn,
                                                          vllm_config.num_hash_lookahead_tokens)
     scheduler.kv_event_publisher.shutdown()
-    scheduler.kv_event_publisher = EventRecorder()
+    scheduler.kv_event_publisher = event_recorder()
 
     # The resolved settings, read back: with no GPU vLLM applies no deployment defaults, and none may creep in.
     sc = vllm_config.scheduler_config
@@ -485,74 +400,19 @@ class Run:
         return records
 
 
+def _start(model_dir: str) -> None:
+    import vllm
+
+    if vllm.__version__ != VLLM_VERSION:
+        raise RuntimeError(f"this driver pins vLLM {VLLM_VERSION}; the interpreter has {vllm.__version__}")
+    with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(TINY_LLAMA, f)
+
+
 def main(argv: list[str]) -> int:
-    batch = argv[1:] == ["--batch"]
-    serve = argv[1:] == ["--serve"]
-    if argv[1:] and not (batch or serve):
-        print("usage: vllm_driver.py [--batch | --serve] < workload.json", file=sys.stderr)
-        return 2
     _setup_environment()
-    # vLLM logs to stdout: keep the real stdout for the records, send everything else to stderr.
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    try:
-        return _serve(out) if serve else _main(batch, out)
-    except WorkloadError as exc:
-        print(f"vllm_driver: {exc}", file=sys.stderr)
-        return 2
-
-
-def _main(batch: bool, out: Any) -> int:
-    raw = json.load(sys.stdin)
-    workloads = raw if batch else [raw]
-    if batch and not isinstance(raw, list):
-        raise WorkloadError("--batch reads a JSON list of workloads")
-    checked = [_check_workload(w) for w in workloads]
-
-    import vllm
-
-    if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(f"this driver pins vLLM {VLLM_VERSION}; the interpreter has {vllm.__version__}")
-    with tempfile.TemporaryDirectory(prefix="kvemu-oracle-model-") as model_dir:
-        with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(TINY_LLAMA, f)
-        for index, workload in enumerate(checked):
-            for record in Run(workload, model_dir).run():
-                if batch:
-                    record = {"workload": index, **record}
-                out.write(json.dumps(record, separators=(",", ":")) + "\n")
-            out.flush()
-    out.close()
-    return 0
-
-
-def _serve(out: Any) -> int:
-    """``--serve``: one workload per line on stdin, answered by its records and then ``{"end": true}`` (or
-    ``{"end": true, "error": reason}`` for a workload vLLM would refuse), until stdin ends: one start-up of vLLM's
-    imports for as many workloads as a test draws."""
-    import vllm
-
-    if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(f"this driver pins vLLM {VLLM_VERSION}; the interpreter has {vllm.__version__}")
-    with tempfile.TemporaryDirectory(prefix="kvemu-oracle-model-") as model_dir:
-        with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(TINY_LLAMA, f)
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                records = Run(_check_workload(json.loads(line)), model_dir).run()
-            except WorkloadError as exc:
-                out.write(json.dumps({"end": True, "error": str(exc)}) + "\n")
-                out.flush()
-                continue
-            for record in records:
-                out.write(json.dumps(record, separators=(",", ":")) + "\n")
-            out.write('{"end":true}\n')
-            out.flush()
-    out.close()
-    return 0
+    return driver_main(argv, "vllm_driver", _check_workload, _start,
+                       lambda workload, model_dir, _index: Run(workload, model_dir).run())
 
 
 if __name__ == "__main__":
