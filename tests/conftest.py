@@ -43,7 +43,7 @@ INSTALL_HINT = (
 
 def reference_required() -> bool:
     """Whether ``KVEMU_REQUIRE_REFERENCE`` asks for the reference tests to run (1/true/yes/on)."""
-    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return required(REQUIRE_ENV)
 
 
 def reference_unavailable(reason: str) -> NoReturn:
@@ -111,7 +111,16 @@ def dynamo_core() -> ModuleType:
     return import_reference("dynamo._core")
 
 
-# ------------------------------------------------------------------ the safety net under the variable
+# ------------------------------------------------------------------ the safety net under the variables
+
+REQUIRED_MARKERS = (("reference", REQUIRE_ENV), ("oracle", "KVEMU_REQUIRE_ORACLE"))
+"""Each marker whose tests may not skip while its variable is set: the reference binding's differential tests,
+and the engines' oracles' (tests/oracle/conftest.py)."""
+
+
+def required(variable: str) -> bool:
+    """Whether the environment ``variable`` asks for its tests to run (1/true/yes/on)."""
+    return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _skip_reason(longrepr: object) -> str:
@@ -122,32 +131,38 @@ def _skip_reason(longrepr: object) -> str:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
-    """Under ``KVEMU_REQUIRE_REFERENCE=1``, a skipped ``reference`` test is reported as failed."""
+    """Under a marker's variable (``REQUIRED_MARKERS``), a skipped test of that marker is reported as failed."""
     report: pytest.TestReport = yield
-    if (report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("reference") is not None
-            and reference_required()):
-        report.outcome = "failed"
-        report.longrepr = (f"{REQUIRE_ENV}=1: the reference test {item.nodeid} was skipped, which counts as a "
-                           f"failure: {_skip_reason(report.longrepr)}")
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return report
+    for marker, variable in REQUIRED_MARKERS:
+        if item.get_closest_marker(marker) is not None and required(variable):
+            report.outcome = "failed"
+            report.longrepr = (f"{variable}=1: the {marker} test {item.nodeid} was skipped, which counts as a "
+                               f"failure: {_skip_reason(report.longrepr)}")
+            break
     return report
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
-    """Under the variable, a test module with ``reference`` tests may not skip itself while being collected.
+    """Under a marker's variable, a test module with tests of that marker may not skip itself while being collected.
 
     (A module-level ``pytest.importorskip`` would otherwise hide all its tests before any mark is seen.)
     """
     report: pytest.CollectReport = yield
-    if report.skipped and isinstance(collector, pytest.Module) and reference_required():
-        try:
-            source = collector.path.read_text(encoding="utf-8")
-        except OSError:
-            source = ""
-        if "mark.reference" in source:
+    if not report.skipped or not isinstance(collector, pytest.Module):
+        return report
+    try:
+        source = collector.path.read_text(encoding="utf-8")
+    except OSError:
+        source = ""
+    for marker, variable in REQUIRED_MARKERS:
+        if f"mark.{marker}" in source and required(variable):
             report.outcome = "failed"
-            report.longrepr = (f"{REQUIRE_ENV}=1: the module {collector.nodeid}, which has reference tests, "
+            report.longrepr = (f"{variable}=1: the module {collector.nodeid}, which has {marker} tests, "
                                f"skipped itself while being collected: {_skip_reason(report.longrepr)}")
+            break
     return report
 
 

@@ -3,10 +3,11 @@
 Tests marked ``oracle`` run vLLM 0.34.0's real scheduler in the oracle venv (``tests/oracle/env.py``) through
 ``vllm_driver.py``, or SGLang 0.5.23's in the SGLang oracle venv (``python -m tests.oracle.env --sglang``)
 through ``sglang_driver.py``. They get the venv's python from the ``oracle_python`` or ``sglang_oracle_python``
-fixture, never by looking for it themselves. ``KVEMU_REQUIRE_ORACLE`` (below) covers both oracles alike. Without ``KVEMU_REQUIRE_ORACLE`` a missing (or stale) oracle venv skips them with the reason and the
-command that builds it (``python -m tests.oracle.env``); with ``KVEMU_REQUIRE_ORACLE=1`` it is a failure, and so
+fixture, never by looking for it themselves. ``KVEMU_REQUIRE_ORACLE`` covers both oracles alike. Without it a
+missing (or stale) oracle venv skips them with the reason and the command that builds it
+(``python -m tests.oracle.env [--sglang]``); with ``KVEMU_REQUIRE_ORACLE=1`` it is a failure, and so
 is *any* skip of an ``oracle`` test, so that a run cannot pass with the differential tests silently switched off
-(the same net as ``KVEMU_REQUIRE_REFERENCE`` for the ``reference`` tests, tests/conftest.py).
+(tests/conftest.py's net, which holds ``KVEMU_REQUIRE_REFERENCE`` for the ``reference`` tests too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, NoReturn
 
 import pytest
 
+from tests.conftest import required
 from tests.oracle.env import DRIVER, SGLANG, VLLM, Oracle, stamp_status
 
 REQUIRE_ENV = "KVEMU_REQUIRE_ORACLE"
@@ -28,7 +30,7 @@ RUN_TIMEOUT = 600.0  # seconds for one driver process (imports ~10 s, then thous
 
 def oracle_required() -> bool:
     """Whether ``KVEMU_REQUIRE_ORACLE`` asks for the oracle tests to run (1/true/yes/on)."""
-    return os.environ.get(REQUIRE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return required(REQUIRE_ENV)
 
 
 def oracle_unavailable(reason: str) -> NoReturn:
@@ -161,42 +163,3 @@ def sglang_oracle_server(sglang_oracle_python: Path) -> Generator[OracleServer, 
     server = OracleServer(sglang_oracle_python, SGLANG.driver)
     yield server
     server.close()
-
-
-# ------------------------------------------------------------------ the safety net under the variable
-
-
-def _skip_reason(longrepr: object) -> str:
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, lineno, "Skipped: reason")
-        return str(longrepr[2]).removeprefix("Skipped: ")
-    return str(longrepr)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item,
-                               call: pytest.CallInfo) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """Under ``KVEMU_REQUIRE_ORACLE=1``, a skipped ``oracle`` test is reported as failed."""
-    report: pytest.TestReport = yield
-    if (report.skipped and not hasattr(report, "wasxfail") and item.get_closest_marker("oracle") is not None
-            and oracle_required()):
-        report.outcome = "failed"
-        report.longrepr = (f"{REQUIRE_ENV}=1: the oracle test {item.nodeid} was skipped, which counts as a "
-                           f"failure: {_skip_reason(report.longrepr)}")
-    return report
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(
-        collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
-    """Under the variable, a test module with ``oracle`` tests may not skip itself while being collected."""
-    report: pytest.CollectReport = yield
-    if report.skipped and isinstance(collector, pytest.Module) and oracle_required():
-        try:
-            source = collector.path.read_text(encoding="utf-8")
-        except OSError:
-            source = ""
-        if "mark.oracle" in source:
-            report.outcome = "failed"
-            report.longrepr = (f"{REQUIRE_ENV}=1: the module {collector.nodeid}, which has oracle tests, "
-                               f"skipped itself while being collected: {_skip_reason(report.longrepr)}")
-    return report

@@ -7,16 +7,17 @@ test's outcome from a JUnit XML report. Not an ``oracle`` test itself: it needs 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from tests import pytest_outcomes
+from tests.pytest_outcomes import Outcomes
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = "python -m tests.oracle.env"
 
 SYNTHETIC_CONFTEST = '''
-from tests.oracle.conftest import oracle_python, pytest_make_collect_report, pytest_runtest_makereport  # noqa
+from tests.conftest import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+from tests.oracle.conftest import oracle_python  # noqa: F401
 '''
 
 SYNTHETIC_TESTS = '''
@@ -50,26 +51,14 @@ def test_never_collected():
 '''
 
 
-def run_pytest(tmp_path: Path, args: list[str], *, require: bool, cwd: Path) -> tuple[int, dict, str]:
+def run_pytest(tmp_path: Path, args: list[str], *, require: bool, cwd: Path) -> tuple[int, Outcomes, str]:
     """(exit code, {test name: (outcome, message)}, output) of pytest run with no oracle venv."""
-    report = tmp_path / f"report-{require}.xml"
     env = {k: v for k, v in os.environ.items() if k not in ("KVEMU_REQUIRE_ORACLE", "PYTEST_ADDOPTS")}
     env["KVEMU_ORACLE_VENV"] = str(tmp_path / "no-oracle-here")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     if require:
         env["KVEMU_REQUIRE_ORACLE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
-                           f"--junitxml={report}", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    outcomes: dict[str, tuple[str, str]] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome, message = child.tag, f"{child.get('message', '')}\n{child.text or ''}"
-                break
-        outcomes[case.get("name", "")] = (outcome, message)
-    return proc.returncode, outcomes, proc.stdout + proc.stderr
+    return pytest_outcomes.run_pytest(args, env=env, cwd=cwd, report=tmp_path / f"report-{require}.xml")
 
 
 def test_missing_oracle_skips_with_the_build_command(tmp_path: Path) -> None:

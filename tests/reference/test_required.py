@@ -7,10 +7,10 @@ outcome of every test from a JUnit XML report. Not a ``reference`` test itself: 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from tests import pytest_outcomes
+from tests.pytest_outcomes import Outcomes
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFTEST = Path(__file__).parents[1] / "conftest.py"
@@ -82,32 +82,17 @@ def test_never_collected():
 '''
 
 
-def run_pytest(tmp_path: Path, shim: str, args: list[str], *, require: bool, cwd: Path) -> tuple[int, dict, str]:
+def run_pytest(tmp_path: Path, shim: str, args: list[str], *, require: bool, cwd: Path) -> tuple[int, Outcomes, str]:
     """Run pytest with ``shim`` loaded as a plugin; (exit code, {test name: (outcome, message)}, output)."""
     plugins = tmp_path / "plugins"
     plugins.mkdir(exist_ok=True)
     (plugins / "kvemu_test_shim.py").write_text(shim)
-    report = tmp_path / f"report-{require}.xml"
     env = {k: v for k, v in os.environ.items() if k not in ("KVEMU_REQUIRE_REFERENCE", "PYTEST_ADDOPTS")}
     env["PYTHONPATH"] = os.pathsep.join([str(plugins), *filter(None, [env.get("PYTHONPATH")])])
     if require:
         env["KVEMU_REQUIRE_REFERENCE"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "kvemu_test_shim", "-p", "no:cacheprovider", "-q", "-rA",
-         f"--junitxml={report}", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-    )
-    outcomes: dict[str, tuple[str, str]] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome, message = child.tag, f"{child.get('message', '')}\n{child.text or ''}"
-                if child.tag == "skipped" and child.get("type") == "pytest.xfail":
-                    outcome = "xfailed"
-                break
-        outcomes[case.get("name", "")] = (outcome, message)
-    return proc.returncode, outcomes, proc.stdout + proc.stderr
+    return pytest_outcomes.run_pytest(["-p", "kvemu_test_shim", *args], env=env, cwd=cwd,
+                                      report=tmp_path / f"report-{require}.xml")
 
 
 REAL_TESTS = [
