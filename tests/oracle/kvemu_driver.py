@@ -1,4 +1,5 @@
-"""kvemu's vLLM engine core driven step by step with an oracle workload: the same records ``vllm_driver.py`` writes.
+"""kvemu's engine cores driven step by step with an oracle workload: the records ``vllm_driver.py`` writes (the vLLM
+flavour, ``run_kvemu``) and those ``sglang_driver.py`` writes (the SGLang flavour, ``run_kvemu_sglang``).
 
 A step is one ``schedule()`` of the oracle: requests whose ``arrive_step`` is ``k`` are added (and those whose
 ``abort_step`` is ``k`` aborted) just before step ``k``, which then runs one forward pass at the end of the last
@@ -12,8 +13,10 @@ from typing import Any
 
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvemu.wire.vllm_hashes import VllmHashes
-from workers.config import EngineConfig, VllmConfig, VllmSemantics
+from workers.config import EngineConfig, SglangConfig, VllmConfig, VllmSemantics
 from workers.request import Request
+from workers.results import StepResult
+from workers.sglang.engine import SglangEngineCore
 from workers.vllm.engine import VllmEngineCore
 
 Record = dict[str, Any]
@@ -55,6 +58,17 @@ def _events(res_events: Any, vllm_hashes: VllmHashes | None) -> list[list[Any]]:
     return out
 
 
+def _by_step(workload: dict[str, Any]) -> tuple[dict[int, list[dict[str, Any]]], dict[int, list[str]], int]:
+    """The workload's requests by the step they arrive at, its aborts by step, and the last arrival's step."""
+    by_arrival: dict[int, list[dict[str, Any]]] = {}
+    by_abort: dict[int, list[str]] = {}
+    for r in workload["requests"]:
+        by_arrival.setdefault(r["arrive_step"], []).append(r)
+        if r.get("abort_step") is not None:
+            by_abort.setdefault(r["abort_step"], []).append(r["id"])
+    return by_arrival, by_abort, max(by_arrival, default=-1)
+
+
 def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34", hashes: str = "kvemu") -> list[Record]:
     """Every step's record of kvemu's vLLM flavour, under ``semantics``, on ``workload`` (the oracle's input); its
     events carry kvemu's block hashes, or (``hashes="vllm-0.34"``) vLLM's, as a worker publishes them."""
@@ -62,13 +76,7 @@ def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34", 
     config = workload["config"]
     cfg = engine_config(config, semantics)
     eng = VllmEngineCore(cfg)
-    by_arrival: dict[int, list[dict[str, Any]]] = {}
-    by_abort: dict[int, list[str]] = {}
-    for r in workload["requests"]:
-        by_arrival.setdefault(r["arrive_step"], []).append(r)
-        if r.get("abort_step") is not None:
-            by_abort.setdefault(r["abort_step"], []).append(r["id"])
-    last_arrival = max(by_arrival, default=-1)
+    by_arrival, by_abort, last_arrival = _by_step(workload)
     records: list[Record] = []
     now = 0
     lagging: list[list[str]] = []  # async: a last token is read, and its request reported, one step later
@@ -107,5 +115,90 @@ def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34", 
         rec["free_blocks"] = eng.pool.available
         rec["num_waiting"] = eng.num_waiting
         rec["num_running"] = eng.num_running
+        records.append(rec)
+    return records
+
+
+# ------------------------------------------------------------------ the SGLang flavour, as sglang_driver.py records it
+
+
+def sglang_engine_config(config: dict[str, Any]) -> EngineConfig:
+    """The kvemu SGLang-flavour engine an oracle workload's configuration maps to (sglang_driver.py's mapping:
+    ``block_size`` is the page, the pool holds ``num_gpu_blocks`` pages, ``max_num_batched_tokens`` is the prefill
+    budget and, with chunked prefill, the chunk size)."""
+    budget = config["max_num_batched_tokens"]
+    pool = config["num_gpu_blocks"] * config["block_size"]
+    return EngineConfig(
+        backend="sglang",
+        num_gpu_blocks=config["num_gpu_blocks"],
+        block_size=config["block_size"],
+        max_num_seqs=config["max_num_seqs"],
+        max_num_batched_tokens=max(budget, pool),
+        enable_prefix_caching=config["enable_prefix_caching"],
+        record_token_times=False,
+        sglang=SglangConfig(schedule_policy="lpm" if config.get("policy") == "lpm" else "fifo",
+                            max_prefill_tokens=budget,
+                            chunked_prefill_size=budget if config["enable_chunked_prefill"] else pool),
+    )
+
+
+class _Recorded(SglangEngineCore):
+    """The SGLang-flavour core, keeping each planned pass for the records (its chunks, batch and retractions)."""
+
+    last: Any = None
+
+    def _step_result(self, p: Any) -> StepResult:
+        self.last = p
+        return super()._step_result(p)
+
+
+def run_kvemu_sglang(workload: dict[str, Any]) -> list[Record]:
+    """Every step's record of kvemu's SGLang flavour on ``workload``, in sglang_driver.py's shape: ``mode``,
+    ``scheduled`` (extend lengths, or 1 to decode), ``admitted`` (requests taken from the waiting queue, with
+    their prefix hit; a request's later chunks are not admissions, as SGLang holds it as its chunked request),
+    ``preempted`` (retracted), ``finished``, ``free_tokens`` (free and evictable: kvemu's pool does not tell
+    them apart the way SGLang's allocator does), ``num_waiting`` and ``num_running`` (a half-prefilled request
+    runs, as SGLang's chunked request does)."""
+    config = workload["config"]
+    eng = _Recorded(sglang_engine_config(config))
+    page = config["block_size"]
+    by_arrival, by_abort, last_arrival = _by_step(workload)
+    records: list[Record] = []
+    chunking: set[str] = set()
+    now = 0
+    for k in range(workload.get("max_steps", 100_000)):
+        finished: list[list[str]] = []
+        for r in by_arrival.get(k, ()):
+            eng.add_request(Request(request_id=r["id"], token_ids=r["prompt"], max_tokens=len(r["output"]),
+                                    arrival_ns=now, output_token_ids=r["output"]))
+        for rid in by_abort.get(k, ()):
+            if eng.abort(rid) is not None:
+                finished.append([rid, "abort"])
+                chunking.discard(rid)
+        if eng.num_unfinished == 0 and k > last_arrival:
+            break
+        rec: Record = {"step": k, "mode": None, "scheduled": [], "admitted": [], "preempted": [],
+                       "finished": finished}
+        start = eng.next_pass_start_ns()
+        if start is not None:
+            eng.last = None
+            res = eng.step(max(start, now))
+            now = res.end_ns
+            p = eng.last
+            if p is not None and p.chunks:
+                rec["mode"] = "extend"
+                rec["scheduled"] = [[c.seq.rid, c.end - c.prefix] for c in p.chunks]
+                rec["admitted"] = [[c.seq.rid, c.prefix] for c in p.chunks if c.seq.rid not in chunking]
+                chunking = {c.seq.rid for c in p.chunks if not c.final}
+            elif p is not None and p.decode:
+                rec["mode"] = "decode"
+                rec["scheduled"] = [[s.rid, 1] for s in p.decode]
+            rec["preempted"] = list(res.preempted)
+            rec["finished"] += [[r.request_id, "length"] for r in res.completed]
+        cache = eng.cache
+        rec["free_tokens"] = (cache.capacity - cache.owned - cache.locked) * page
+        fresh = sum(1 for s in eng.waiting if not s.computed) + len(eng.future)
+        rec["num_waiting"] = fresh
+        rec["num_running"] = eng.num_unfinished - fresh
         records.append(rec)
     return records

@@ -64,6 +64,47 @@ def generate(seed: int, *, pressure: bool | None = None, priority: bool | None =
     return {"config": config, "requests": requests, "max_steps": 20_000}
 
 
+def generate_sglang(seed: int, *, pressure: bool | None = None, aborts: bool = True,
+                    n_requests: int | None = None) -> dict[str, Any]:
+    """One SGLang oracle workload drawn from ``seed``: 1-token pages, fcfs or lpm, chunked prefill or not, prefix
+    caching mostly on, some aborts (unless ``aborts`` is false); ``pressure`` makes the pool small enough that
+    admission meets its KV check and decode runs out of pages (retraction).
+
+    ``ignore_eos`` is off, as kvemu models SGLang (admission reserves a share of each running request's remaining
+    output, not all of it); no output token is SGLang's EOS id (2), so every request still runs to its length."""
+    rng = random.Random(seed)
+    pressure = rng.random() < 0.4 if pressure is None else pressure
+    n = n_requests or rng.randint(4, 40)
+    pool = rng.randint(160, 480) if pressure else rng.randint(2000, 6000)
+    chunked = rng.random() < 0.8
+    budget = rng.choice([32, 64, 96, 128, 256, 512])
+    if not chunked:
+        budget = pool  # as vLLM requires without chunking (the budget's boundary is a difference of its own)
+    caching = rng.random() < 0.9
+    cap = pool // 2  # every request fits the pool alone, with room to spare
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(8, 96))] for _ in range(rng.randint(1, 4))]
+    requests = []
+    step = 0
+    for i in range(n):
+        step += rng.choice([0, 0, 0, 1, 1, 2, 3, 5, 8])
+        prefix = rng.choice(prefixes) if rng.random() < 0.7 else []
+        tail = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 48))]
+        prompt = (prefix + tail)[: max(1, cap - 2)]
+        out_len = rng.randint(1, max(1, min(48, cap - len(prompt))))
+        requests.append({
+            "id": f"r{i}", "prompt": prompt, "output": [rng.randrange(3, VOCAB) for _ in range(out_len)],
+            "arrive_step": step, "priority": 0,
+            "abort_step": step + rng.randint(0, 12) if rng.random() < 0.1 and aborts else None,
+        })
+    config = {
+        "block_size": 1, "num_gpu_blocks": pool, "max_num_seqs": rng.randint(2, 16), "max_num_batched_tokens": budget,
+        "enable_chunked_prefill": chunked, "enable_prefix_caching": caching,
+        "policy": "lpm" if caching and rng.random() < 0.5 else "fcfs", "async_scheduling": False,
+        "max_model_len": pool, "long_prefill_token_threshold": 0, "ignore_eos": False,
+    }
+    return {"config": config, "requests": requests, "max_steps": 20_000}
+
+
 def from_mooncake(path: str, first: int, count: int, *, seed: int = 0, trace_block_size: int = 32,
                   max_prompt: int = 480, max_output: int = 32, blocks: int = 96) -> dict[str, Any]:
     """``count`` rows of a Mooncake-format trace from row ``first``, shrunk to an oracle-sized pool.
