@@ -178,7 +178,7 @@ worker runs them one at a time, beside the in-process tests on the other core (`
 PROCESS_MARKERS = (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
                    ("sweep_executors", "sweeps on Dask and Ray"))
 PROCESS_PATHS = (("end_to_end", "end-to-end process tests"), ("test_examples_fresh_clone.py", "the examples' validation"),
-                 ("oracle", "the vLLM oracle's scheduler processes"))
+                 ("oracle", "the engine oracles' scheduler processes"))
 """What drives processes, by marker (or a path part of that name) and by path part, with what it exercises."""
 
 
