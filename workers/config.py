@@ -66,6 +66,7 @@ class TrtllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 VllmSemantics = Literal["dynamo", "vllm-0.34"]
+SglangSemantics = Literal["dynamo", "sglang-0.5.23"]
 
 
 class VllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,8 +86,14 @@ class VllmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class SglangConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """SGLang flavour knobs: the reference mocker's five, plus its engine-level ``prefill_decode_interval``."""
+    """SGLang flavour knobs: whose decisions it reproduces, the reference mocker's five, plus its engine-level
+    ``prefill_decode_interval``."""
 
+    semantics: SglangSemantics = "dynamo"
+    """``dynamo``: Dynamo 1.6.1's mocker, the contract of kvemu's fidelity figures. ``sglang-0.5.23``: SGLang
+    0.5.23's own scheduler (its non-overlap loop), step for step as ``tests/oracle`` checks it against that release
+    (its admission budget, its first token's KV slot, its retraction victims and their return, its aborts);
+    docs/vllm-semantics.md lists what differs."""
     schedule_policy: Literal["fifo", "lpm"] = "fifo"
     """Waiting order: arrival (retracted and half-prefilled requests first), or longest cached prefix first."""
     max_prefill_tokens: Count = 16384
@@ -407,9 +414,21 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                                   ">= 2", field="num_gpu_blocks")
 
     def _check_sglang(self) -> None:
-        if not self.enable_chunked_prefill:
-            raise InvalidArgument("enable_chunked_prefill: false is not supported for backend sglang (SGLang always "
-                                  "chunks long prompts); remove it", field="enable_chunked_prefill")
+        exact = self.sglang.semantics != "dynamo"
+        if not self.enable_chunked_prefill and not exact:
+            raise InvalidArgument("enable_chunked_prefill: false (SGLang's chunked_prefill_size -1) needs "
+                                  "sglang.semantics sglang-0.5.23 (Dynamo's mocker always chunks); remove it",
+                                  field="enable_chunked_prefill")
+        if exact:
+            for name in ("speculative", "kv_groups", "native_host_offload"):
+                if getattr(self, name) is not None:
+                    raise InvalidArgument(f"sglang.semantics {self.sglang.semantics!r} is checked against SGLang without "
+                                          f"{name}; leave {name} out or use semantics dynamo", field=name)
+            if self.resolved_block_size != 1 or self.sglang.prefill_decode_interval:
+                raise InvalidArgument(f"sglang.semantics {self.sglang.semantics!r} is checked with 1-token pages and no "
+                                      "prefill_decode_interval; set block_size 1 and leave prefill_decode_interval out",
+                                      field="block_size" if self.resolved_block_size != 1 else
+                                      "sglang.prefill_decode_interval")
         if self.sglang.chunked_prefill_size % self.resolved_block_size:
             raise InvalidArgument(
                 f"sglang.chunked_prefill_size ({self.sglang.chunked_prefill_size}) must be a multiple of block_size "

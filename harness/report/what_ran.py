@@ -144,10 +144,13 @@ def what_ran_lines(scenario: Scenario, origin: RunOrigin | None) -> list[str]:
 
 
 def decisions_as(engine: EngineConfig) -> str:
-    """Whose scheduling decisions an engine reproduces, and which version (``engine.vllm.semantics``)."""
+    """Whose scheduling decisions an engine reproduces, and which version (``engine.vllm.semantics``,
+    ``engine.sglang.semantics``)."""
     vllm = engine.vllm
     if engine.backend == "vllm" and vllm.semantics == "vllm-0.34":
         return f"vLLM 0.34.0 ({'async' if vllm.async_scheduling else 'sync'}, {vllm.scheduling_policy})"
+    if engine.backend == "sglang" and engine.sglang.semantics == "sglang-0.5.23":
+        return f"SGLang 0.5.23 (non-overlap loop, {engine.sglang.schedule_policy})"
     return "Dynamo 1.6.1's mocker"
 
 

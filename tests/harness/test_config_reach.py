@@ -89,7 +89,7 @@ ENGINE_VALUES = {
     "kv_transfer_timing_mode": "destination_missing",
     "timing_model": InterpolatedTimingSpec(path=str(Path(__file__).parents[1] / "data" / "tiny-profile.csv")),
     "vllm": VllmConfig(semantics="vllm-0.34", async_scheduling=True, scheduling_policy="fcfs"),
-    "sglang": SglangConfig(schedule_policy="lpm", max_prefill_tokens=4096, chunked_prefill_size=2048,
+    "sglang": SglangConfig(semantics="sglang-0.5.23", schedule_policy="lpm", max_prefill_tokens=4096, chunked_prefill_size=2048,
                            clip_max_new_tokens=512, schedule_conservativeness=0.5, prefill_decode_interval=2),
     "kv_cache_bytes_per_token": 4096,
     "native_host_offload": HostOffloadConfig(num_host_blocks=64),

@@ -139,6 +139,18 @@ def test_the_engines_table_names_whose_decisions_ran(vllm, named):
     assert f"| aggregated | 1 | 1 | vllm | {named} | 64 | 16,384 | 1, 1 | {POLYNOMIAL} |" in lines
 
 
+@pytest.mark.parametrize("sglang, named", [
+    ("{}", "Dynamo 1.6.1's mocker"),
+    ("{semantics: sglang-0.5.23, schedule_policy: lpm}", "SGLang 0.5.23 (non-overlap loop, lpm)"),
+])
+def test_the_engines_table_names_whose_sglang_decisions_ran(sglang, named):
+    from harness.report.what_ran import what_ran_lines
+
+    scenario = parse_scenario(f"cluster: {{workers: 1, engine: {{backend: sglang, sglang: {sglang}}}}}\n")
+    rows = [line for line in what_ran_lines(scenario, None) if line.startswith("| aggregated |")]
+    assert len(rows) == 1 and f"| sglang | {named} |" in rows[0]
+
+
 LIVE = """name: live-small
 cluster: {workers: 2, dp_size: 1, engine: {speedup_ratio: 20, decode_speedup_ratio: 20, block_size: 16,
           num_gpu_blocks: 2048}}

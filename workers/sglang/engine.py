@@ -29,6 +29,13 @@ core does what SGLang itself does: it refuses prompts longer than the pool less 
 clips each request's output to what fits, and lets a lone request that needs pages take them from
 half-prefilled ones (which start over). So every request ends.
 
+With ``sglang.semantics: sglang-0.5.23`` it decides as SGLang 0.5.23's own scheduler does instead (the
+``_exact`` methods; docs/vllm-semantics.md lists every difference, and tests/oracle checks each step against
+SGLang itself): whole-prompt admission budgets that stop admitting until a running request leaves, the first
+token's slot taken when it is fed back, chunks cached when the next pass is planned, aborted running requests
+that run one more decode pass, its retraction victims, evictions and new-token estimate, and its radix cache's
+recency (``RadixCache.sglang_lru``).
+
 ``step``/``advance_to``/``next_event_ns`` follow ``VllmEngineCore``'s contract (a pass is planned at its
 start and everything it produces is stamped with its end). Disaggregated legs are not emulated here.
 """
@@ -59,6 +66,9 @@ _MIN_RATIO_FACTOR = 0.14
 _DECAY_PASSES = 600
 _LPM_MAX_WAITING = 128  # beyond this many waiting requests LPM falls back to arrival order, as SGLang does
 _LOOKAHEAD_PASSES = 4096  # how far next_event_ns looks through a decode run (further: it answers again then)
+_IN_BATCH_CHECK = 32  # sglang-0.5.23: IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD and ..._DEPRIORITIZE_THRESHOLD
+_RETRACT_DECODE_STEPS = 20  # sglang-0.5.23: SGLANG_RETRACT_DECODE_STEPS
+_TOUCH_INTERVAL = 32  # sglang-0.5.23: WAITING_PREFIX_REFRESH_INTERVAL
 
 
 def _pages(computed: int, tokens: int, page: int) -> int:
@@ -131,8 +141,13 @@ class SglangEngineCore(RankCore):
         self._sg = sg
         self._page = cfg.resolved_block_size
         self.cache = RadixCache(cfg.num_gpu_blocks)
+        self.cache.sglang_lru = sg.semantics != "dynamo"
         self._caching = cfg.enable_prefix_caching
+        self._exact = sg.semantics != "dynamo"
+        """SGLang 0.5.23's own decisions (``sglang.semantics``) instead of Dynamo's mocker's."""
         self._init_ratio = _INIT_RATIO * sg.schedule_conservativeness
+        if self._exact:
+            self._init_ratio = min(self._init_ratio, 1.0)
         self._min_ratio = self._init_ratio * _MIN_RATIO_FACTOR
         self._decay = (self._init_ratio - self._min_ratio) / _DECAY_PASSES
         self.ratio = self._init_ratio
@@ -142,6 +157,11 @@ class SglangEngineCore(RankCore):
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self._decodes_owed = 0  # decode passes still due before the next extend pass (prefill_decode_interval)
+        self._full = False  # sglang-0.5.23: SGLang's batch_is_full, no admission until a running request leaves
+        self._doomed: list[_Seq] = []  # sglang-0.5.23: aborted while running, they leave after their next decode pass
+        self._stash: list[tuple[_Seq, int]] = []  # sglang-0.5.23: chunks computed, cached when the next pass is planned
+        self._fresh_batch = False  # sglang-0.5.23: the pass planned found no running request
+        self._touches = 0  # sglang-0.5.23: times it ordered a waiting queue without LPM (every 32nd refreshes it)
         self._version = 0
         self.defer_kv_events = False
         """Whether ``next_event_ns`` may pass over decode passes whose only visible effect is KV events (the
@@ -214,6 +234,9 @@ class SglangEngineCore(RankCore):
         fl = self._inflight
         if fl is not None and (seq in fl.decode or any(c.seq is seq for c in fl.chunks)):
             self._aborting.append(seq)
+            return seq.record
+        if self._exact and seq.status == RUNNING and seq in self.running:
+            self._doomed.append(seq)  # SGLang marks it: it runs its next decode pass, then leaves, cached
             return seq.record
         self._drop(seq)
         return seq.record
@@ -300,7 +323,7 @@ class SglangEngineCore(RankCore):
         if s is None:
             return None
         running = self.running
-        if not running or self.waiting or (self.future and self.future[0][0] <= s):
+        if not running or self.waiting or (self.future and self.future[0][0] <= s) or self._exact:
             return s + 1
         if any(q.owed for q in running):  # its first decode pass takes a page more for one of them: plan it
             return s + 1
@@ -392,9 +415,19 @@ class SglangEngineCore(RankCore):
             self.waiting.append(seq)
 
     def _plan(self, start: int) -> _Pass:
+        if self._exact:
+            if start > self._free_at and not self.running and not self.waiting:
+                self.ratio = self._init_ratio  # SGLang resets its estimate whenever it idles
+            for seq, upto in self._stash:
+                if seq.status != FINISHED:  # (an aborted one has let its chunk go)
+                    self._cache_prefix(seq, upto)
+            self._stash = []
         self._arrivals(start)
         p = _Pass(start)
-        if self.waiting and not (self._decodes_owed and self.running):
+        if self._exact:
+            if self.waiting:
+                self._admit_exact(p)
+        elif self.waiting and not (self._decodes_owed and self.running):
             self._admit(p)
         if p.chunks:
             b = len(p.chunks)
@@ -402,7 +435,10 @@ class SglangEngineCore(RankCore):
             prefix = sum(c.prefix for c in p.chunks)
             p.end = start + self.timer.pass_ns(b * (isl // b - prefix // b), 0, 0)
         elif self.running:
-            self._plan_decode(p)
+            if self._exact:
+                self._plan_decode_exact(p)
+            else:
+                self._plan_decode(p)
         return p
 
     def _order_waiting(self) -> None:
@@ -413,10 +449,33 @@ class SglangEngineCore(RankCore):
             return
         page = self._page
         cache = self.cache
-        keyed = [(not s.computed, -cache.peek(s.ensure_hashes((s.num_tokens - 1) // page), (s.num_tokens - 1) // page)[0],
-                  i, s) for i, s in enumerate(waiting)]
+        last = 0 if self._exact else 1  # (SGLang orders by the whole prompt's match; Dynamo's mocker, all but its last token)
+        keyed: list[tuple[bool, float, int, _Seq]] = [
+            (not s.computed, -cache.peek(s.ensure_hashes((s.num_tokens - last) // page), (s.num_tokens - last) // page)[0],
+             i, s) for i, s in enumerate(waiting)]
+        if self._exact:
+            keyed = self._in_batch_prefix_last(keyed)
         keyed.sort()
         self.waiting = deque(s for *_, s in keyed)
+
+    @staticmethod
+    def _in_batch_prefix_last(keyed: list[tuple[bool, float, int, _Seq]]) -> list[tuple[bool, float, int, _Seq]]:
+        """sglang-0.5.23's in-batch prefix caching: a waiting prompt that finds at most 32 tokens cached but shares
+        at least 32 with a prompt ahead of it in the queue goes last, so that one of them caches the prefix first."""
+        seen: set[int] = set()
+        out = []
+        for first, neg_hit, i, s in keyed:
+            if not s.computed and -neg_hit <= _IN_BATCH_CHECK:
+                hashes = s.ensure_hashes(s.num_tokens)
+                shared = 0
+                while shared < len(hashes) and hashes[shared] in seen:
+                    shared += 1
+                if shared >= _IN_BATCH_CHECK:
+                    out.append((first, float("inf"), i, s))
+                    continue
+                seen.update(hashes)
+            out.append((first, neg_hit, i, s))
+        return out
 
     def _admit(self, p: _Pass) -> None:
         """Take prompt chunks from the head of the queue into an extend pass while budgets and KV allow."""
@@ -575,6 +634,190 @@ class SglangEngineCore(RankCore):
         self._take(taken)
         p.end = p.start + self.timer.pass_ns(0, len(p.decode), ctx)
 
+    # ------------------------------------------------------------- sglang-0.5.23 semantics
+
+    def _admit_exact(self, p: _Pass) -> None:
+        """SGLang 0.5.23's ``PrefillAdder`` (1-token pages): the chunked request continues first, then the queue in
+        policy order while each candidate's whole remaining prompt, its clipped output and a page fit what the pool
+        has free and evictable less the running requests' estimated outputs and what this pass already took.
+
+        A candidate that does not fit sets ``batch_is_full``: nobody is admitted until a running request leaves.
+        Without chunked prefill a further prompt must be shorter than what is left of ``max_prefill_tokens``."""
+        sg = self._sg
+        cache = self.cache
+        running = self.running
+        if not running:
+            self._full = False
+        self._fresh_batch = not running
+        waiting = self.waiting
+        chunked = waiting[0] if waiting and waiting[0].computed else None
+        if chunked is None and self._full:
+            return
+        slots = self.config.max_num_seqs - len(running)
+        if slots <= 0 and chunked is None:
+            self._full = True
+            return
+        if self._caching:
+            self._touch_waiting(waiting)
+        self._order_waiting()  # (it builds a new queue)
+        waiting = self.waiting
+        clip = sg.clip_max_new_tokens
+        chunking = self.config.enable_chunked_prefill
+        offset = sum(min(s.out_limit - s.n_out, clip) for s in running) * self.ratio
+        current = 0
+        room = cache.free + cache.evictable  # (allocations come after the decisions: the offsets stand for them)
+        rem_input = sg.max_prefill_tokens
+        rem_chunk = sg.chunked_prefill_size
+        chosen: list[_Chunk] = []
+        if chunked is not None:
+            left = chunked.num_tokens - chunked.computed
+            fit = min(rem_chunk, int(room - offset))
+            n = min(left, fit if fit > 0 else rem_chunk)
+            final = n == left
+            reserve = min(chunked.out_limit, clip) if final else 0
+            offset += n + 1 + reserve
+            current += n + 1
+            rem_input -= n
+            rem_chunk -= n
+            waiting.popleft()
+            chosen.append(_Chunk(chunked, chunked.computed, chunked.computed + n, final))
+        while waiting:
+            if rem_input <= 0 or (chunking and rem_chunk <= 0):
+                break
+            if len(chosen) >= slots:
+                self._full = True
+            if self._full:
+                break
+            seq = waiting[0]
+            length = seq.num_tokens
+            hit = unheld = 0
+            if self._caching and length > 1:
+                hit, unheld = cache.peek(seq.ensure_hashes(length - 1), length - 1)
+            extend = length - hit
+            out = min(max(seq.out_limit - seq.n_out, 0), clip)
+            if not extend + out + 1 < room - unheld - offset or (not chunking and chosen and extend >= rem_input):
+                if hit:
+                    cache.match(seq.ensure_hashes(hit), hit)  # (SGLang looked its prefix up again before refusing)
+                if not chunking and chosen and extend >= rem_input and extend + out + 1 < room - unheld - offset:
+                    break
+                self._full = bool(chosen) or bool(running)
+                break
+            n, final = extend, True
+            reserve = min(seq.out_limit, clip)  # (its whole output: SGLang charges a returning request's again)
+            if chunking and extend > rem_chunk:
+                n, final, reserve = rem_chunk, False, 0
+            waiting.popleft()
+            if hit:
+                self._match(seq, hit)
+            room -= unheld
+            offset += n + 1 + reserve
+            current += n + 1
+            rem_input -= n
+            rem_chunk -= n
+            chosen.append(_Chunk(seq, hit, hit + n, final))
+            if not (room - offset > 0 and room - current > 0):  # no capacity left: SGLang's NO_TOKEN
+                self._full = True
+                break
+        for c in chosen:
+            seq = c.seq
+            fresh = not seq.computed
+            need = c.end - max(seq.computed, seq.cached_pages)  # (a fresh request's hit is locked, not taken)
+            self._take(need)
+            seq.owned += need
+            seq.computed = c.end
+            seq.status = RUNNING
+            if fresh:
+                facts = seq.record.engine
+                if facts.admitted_ns is None:
+                    facts.admitted_ns = p.start
+                    facts.cached_tokens = c.prefix
+                if facts.reused_tokens is None or c.prefix > facts.reused_tokens:
+                    facts.reused_tokens = c.prefix
+            if c.final:
+                running.append(seq)
+        p.chunks = chosen
+        if chosen:
+            self._version += 1
+
+    def _touch_waiting(self, waiting: deque[_Seq]) -> None:
+        """sglang-0.5.23 looks waiting prompts up before ordering them, which refreshes their cached paths: with
+        LPM every one, in queue order; otherwise every 32nd time, the first 128 from the back (the head last)."""
+        cache = self.cache
+        queue = [s for s in waiting if not s.computed]
+        if not queue:
+            return
+        if self._sg.schedule_policy == "lpm" and len(waiting) <= _LPM_MAX_WAITING:
+            touched = queue
+        else:
+            touched = list(reversed(queue[:_LPM_MAX_WAITING])) if self._touches % _TOUCH_INTERVAL == 0 else []
+            self._touches += 1
+        for seq in touched:
+            cache.match(seq.ensure_hashes(seq.num_tokens), seq.num_tokens)
+
+    def _plan_decode_exact(self, p: _Pass) -> None:
+        """SGLang 0.5.23's decode step (1-token pages): each running request feeds its last token, which takes a
+        slot; short of slots it retracts the request with the fewest generated tokens (then the longest prompt,
+        then the last in batch order) until the rest fit, keeping one; the rest run in that order of preference.
+
+        A retracted request drops its output's KV (its prompt stays cached, unlocked) and rejoins the queue's end;
+        the new-token estimate becomes what the rest have generated plus 20 tokens each, over their output limits."""
+        cache = self.cache
+        running = self.running
+        if not self._room_for(len(running)):
+            order = sorted(range(len(running)), key=lambda i: (running[i].n_out, -running[i].prompt_len), reverse=True)
+            victims: list[_Seq] = []
+            first = True
+            while first or not self._room_for(len(order)):
+                if len(order) == 1:
+                    break
+                first = False
+                victim = running[order.pop()]
+                self._let_go(victim, cache=False)
+                victims.append(victim)
+                self._room_for(len(order) * _RETRACT_DECODE_STEPS)  # room for the rest's next steps, evicting
+            kept = [running[i] for i in order]
+            if cache.free + cache.evictable < len(kept):  # pragma: no cover - outputs are clipped to the pool
+                raise AssertionError(f"SGLang rank {self.dp_rank}: a lone request cannot grow ({cache!r})")
+            running[:] = kept
+            for victim in victims:
+                victim.status = WAITING
+                victim.prefilling = True
+                victim.record.engine.preemptions += 1
+                if victim in self._doomed:  # (aborted already: it leaves instead of waiting)
+                    self._doomed.remove(victim)
+                    victim.status = FINISHED
+                    continue
+                self.waiting.append(victim)
+            p.retracted = victims
+            done = sum(s.n_out for s in kept)
+            limit = sum(s.out_limit for s in kept)
+            self.ratio = min(1.0, (done + 20 * len(kept)) / (limit + 1))
+            self._full = False
+        else:
+            self.ratio = max(self._min_ratio, self.ratio - self._decay)
+        if not running:
+            return
+        p.decode = list(running)
+        for seq in self._doomed:
+            if seq in p.decode:
+                self._aborting.append(seq)
+        self._doomed = [s for s in self._doomed if s not in p.decode]
+        self._take(len(running))
+        ctx = 0
+        for s in running:
+            s.owned += 1
+            ctx += s.num_tokens
+            s.computed += 1
+        p.end = p.start + self.timer.pass_ns(0, len(running), ctx)
+
+    def _room_for(self, tokens: int) -> bool:
+        """sglang-0.5.23: evict least recently used leaves until ``tokens`` slots are free (or nothing is left to
+        evict); whether they are."""
+        cache = self.cache
+        if cache.free < tokens:
+            cache.evict(tokens - cache.free)
+        return cache.free >= tokens
+
     def _retract(self, seq: _Seq) -> None:
         self.running.remove(seq)
         self._let_go(seq, cache=True)
@@ -595,7 +838,10 @@ class SglangEngineCore(RankCore):
         requeue: list[_Seq] = []
         for c in p.chunks:
             seq = c.seq
-            self._cache_prefix(seq, c.end // page)
+            if self._exact and not c.final:
+                self._stash.append((seq, c.end // page))  # SGLang caches a chunk when it plans the next pass
+            else:
+                self._cache_prefix(seq, c.end // page)
             if not c.final:
                 if seq not in aborted:
                     seq.status = WAITING
@@ -612,7 +858,8 @@ class SglangEngineCore(RankCore):
             self.waiting.appendleft(seq)
         if p.decode:
             self._decodes_owed = max(0, self._decodes_owed - 1)
-            self.ratio = max(self._min_ratio, self.ratio - self._decay)
+            if not self._exact:  # (sglang-0.5.23 decays it when it plans a decode pass without retracting)
+                self.ratio = max(self._min_ratio, self.ratio - self._decay)
         elif p.chunks:
             self._decodes_owed = self._sg.prefill_decode_interval
         for seq in completed:  # in batch order, the aborted among them too: the order their pages age in
@@ -626,11 +873,22 @@ class SglangEngineCore(RankCore):
         if aborted:
             self._aborting = []
             for seq in aborted:
-                if seq.status != FINISHED:  # the rest let go after the pass, as if aborted right after it
+                if seq.status == FINISHED:
+                    continue
+                if self._exact and seq in self.running:  # SGLang finishes it with the pass: its tokens cached
+                    self.running.remove(seq)
+                    self._let_go(seq, cache=True)
+                    seq.status = FINISHED
+                else:  # the rest let go after the pass, as if aborted right after it
                     self._drop(seq)
             first = [s for s in first if s not in aborted]
             sampled = [s for s in sampled if s not in aborted]
             completed = [s for s in completed if s not in aborted]
+        if self._exact and (completed or aborted or any(not c.final for c in p.chunks)
+                            or (self._fresh_batch and any(c.final for c in p.chunks))):
+            # a request left the batch (SGLang filters it out, or holds a chunk apart), or this pass's batch becomes
+            # the running batch (SGLang's flag stays with the empty one it replaces)
+            self._full = False
         log = self.cache.log  # its evictions at its start, the pages it cached at its end
         self.cache.log = []
         events = PassEvents(end, self.dp_rank, log, page) if log else None

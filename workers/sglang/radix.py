@@ -6,7 +6,9 @@ matching tokens at page granularity. Nodes hold runs of pages; a node is split w
 locks it ends. Every page is either free or in the tree; the engine owns the pages it has not inserted.
 
 Eviction follows the reference mocker: the least recently used unlocked leaf loses pages from its tail,
-exactly as many as are needed (not whole nodes). Recency is an access counter, so ties cannot happen.
+exactly as many as are needed (not whole nodes). Recency is an access counter, so ties cannot happen. With
+``sglang_lru`` (``sglang.semantics: sglang-0.5.23``) it follows SGLang 0.5.23 instead: whole leaves go, least
+recently used first, and a lookup that cuts a node refreshes the part below the cut too.
 Stores and removals are logged as ``workers.blocks`` log entries for KV events.
 """
 
@@ -66,6 +68,9 @@ class RadixCache:
         """Pages held by requests outside the tree."""
         self.log: list[tuple] = []
         self._clock = 0
+        self.sglang_lru = False
+        """SGLang 0.5.23's recency and eviction (``sglang.semantics``): whole least recently used leaves go, not just
+        the pages needed, and a node cut by a lookup is refreshed below the cut too."""
         self._heap: list[tuple[int, int, RadixNode]] = []  # (stamp, id, node): eviction candidates, lazily checked
         self._ids = 0
 
@@ -101,7 +106,11 @@ class RadixCache:
                 break
             n = _common(hashes, pos, child.hashes, limit - pos)
             if n < len(child.hashes):
+                lower = child
                 child = self._split(child, n)
+                if self.sglang_lru:  # SGLang refreshes the part it cut off too
+                    lower.stamp = stamp
+                    self._touched(lower)
             node = child
             node.stamp = stamp
             pos += n
@@ -193,7 +202,7 @@ class RadixCache:
             if node.lock or node.children or node.stamp != stamp or not node.hashes or node.parent is None:
                 heapq.heappop(heap)  # stale: locked, grown, touched since, or gone
                 continue
-            take = min(pages - done, len(node.hashes))
+            take = len(node.hashes) if self.sglang_lru else min(pages - done, len(node.hashes))
             hs = node.hashes
             key = hs[0]
             cut = len(hs) - take
