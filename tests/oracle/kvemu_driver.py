@@ -13,7 +13,7 @@ from typing import Any
 
 from kvemu.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvemu.wire.vllm_hashes import VllmHashes
-from workers.config import EngineConfig, SglangConfig, VllmConfig, VllmSemantics
+from workers.config import EngineConfig, SglangConfig, SglangSemantics, VllmConfig, VllmSemantics
 from workers.request import Request
 from workers.results import StepResult
 from workers.sglang.engine import SglangEngineCore
@@ -122,12 +122,14 @@ def run_kvemu(workload: dict[str, Any], semantics: VllmSemantics = "vllm-0.34", 
 # ------------------------------------------------------------------ the SGLang flavour, as sglang_driver.py records it
 
 
-def sglang_engine_config(config: dict[str, Any]) -> EngineConfig:
-    """The kvemu SGLang-flavour engine an oracle workload's configuration maps to (sglang_driver.py's mapping:
-    ``block_size`` is the page, the pool holds ``num_gpu_blocks`` pages, ``max_num_batched_tokens`` is the prefill
-    budget and, with chunked prefill, the chunk size)."""
+def sglang_engine_config(config: dict[str, Any], semantics: SglangSemantics = "dynamo") -> EngineConfig:
+    """The kvemu SGLang-flavour engine an oracle workload's configuration maps to under ``semantics``
+    (sglang_driver.py's mapping: ``block_size`` is the page, the pool holds ``num_gpu_blocks`` pages,
+    ``max_num_batched_tokens`` is the prefill budget and, with chunked prefill, the chunk size; without it,
+    Dynamo's mocker, which always chunks, gets a chunk as large as the pool)."""
     budget = config["max_num_batched_tokens"]
     pool = config["num_gpu_blocks"] * config["block_size"]
+    exact = semantics != "dynamo"
     return EngineConfig(
         backend="sglang",
         num_gpu_blocks=config["num_gpu_blocks"],
@@ -135,10 +137,12 @@ def sglang_engine_config(config: dict[str, Any]) -> EngineConfig:
         max_num_seqs=config["max_num_seqs"],
         max_num_batched_tokens=max(budget, pool),
         enable_prefix_caching=config["enable_prefix_caching"],
+        enable_chunked_prefill=config["enable_chunked_prefill"] or not exact,
         record_token_times=False,
-        sglang=SglangConfig(schedule_policy="lpm" if config.get("policy") == "lpm" else "fifo",
+        sglang=SglangConfig(semantics=semantics, schedule_policy="lpm" if config.get("policy") == "lpm" else "fifo",
                             max_prefill_tokens=budget,
-                            chunked_prefill_size=budget if config["enable_chunked_prefill"] else pool),
+                            chunked_prefill_size=budget if config["enable_chunked_prefill"] else pool,
+                            schedule_conservativeness=config.get("schedule_conservativeness", 1.0)),
     )
 
 
@@ -152,19 +156,21 @@ class _Recorded(SglangEngineCore):
         return super()._step_result(p)
 
 
-def run_kvemu_sglang(workload: dict[str, Any]) -> list[Record]:
+def run_kvemu_sglang(workload: dict[str, Any], semantics: SglangSemantics = "dynamo") -> list[Record]:
     """Every step's record of kvemu's SGLang flavour on ``workload``, in sglang_driver.py's shape: ``mode``,
     ``scheduled`` (extend lengths, or 1 to decode), ``admitted`` (requests taken from the waiting queue, with
     their prefix hit; a request's later chunks are not admissions, as SGLang holds it as its chunked request),
     ``preempted`` (retracted), ``finished``, ``free_tokens`` (free and evictable: kvemu's pool does not tell
     them apart the way SGLang's allocator does), ``num_waiting`` and ``num_running`` (a half-prefilled request
-    runs, as SGLang's chunked request does)."""
+    runs, as SGLang's chunked request does, and so does an aborted one that has not left yet). An idle step takes
+    a nanosecond (SGLang's scheduler idles through it). ``semantics``: whose decisions kvemu's flavour takes."""
     config = workload["config"]
-    eng = _Recorded(sglang_engine_config(config))
+    eng = _Recorded(sglang_engine_config(config, semantics))
     page = config["block_size"]
     by_arrival, by_abort, last_arrival = _by_step(workload)
     records: list[Record] = []
     chunking: set[str] = set()
+    leaving: list[str] = []  # aborted while running, reported when they leave (as SGLang reports them)
     now = 0
     for k in range(workload.get("max_steps", 100_000)):
         finished: list[list[str]] = []
@@ -173,14 +179,19 @@ def run_kvemu_sglang(workload: dict[str, Any]) -> list[Record]:
                                     arrival_ns=now, output_token_ids=r["output"]))
         for rid in by_abort.get(k, ()):
             if eng.abort(rid) is not None:
-                finished.append([rid, "abort"])
                 chunking.discard(rid)
-        if eng.num_unfinished == 0 and k > last_arrival:
+                if any(s.rid == rid for s in eng.running):  # (sglang-0.5.23: it leaves after its next decode pass)
+                    leaving.append(rid)
+                else:
+                    finished.append([rid, "abort"])
+        if eng.num_unfinished == 0 and k > last_arrival and not leaving:
             break
         rec: Record = {"step": k, "mode": None, "scheduled": [], "admitted": [], "preempted": [],
-                       "finished": finished}
+                       "finished": finished, "events": []}
         start = eng.next_pass_start_ns()
-        if start is not None:
+        if start is None:
+            now += 1
+        else:
             eng.last = None
             res = eng.step(max(start, now))
             now = res.end_ns
@@ -195,10 +206,13 @@ def run_kvemu_sglang(workload: dict[str, Any]) -> list[Record]:
                 rec["scheduled"] = [[s.rid, 1] for s in p.decode]
             rec["preempted"] = list(res.preempted)
             rec["finished"] += [[r.request_id, "length"] for r in res.completed]
+            rec["events"] = _events(res.events, None)
+            left = [rid for rid in leaving if all(s.rid != rid for s in eng.running)]
+            rec["finished"] += [[rid, "abort"] for rid in left]
+            leaving = [rid for rid in leaving if rid not in left]
         cache = eng.cache
         rec["free_tokens"] = (cache.capacity - cache.owned - cache.locked) * page
-        fresh = sum(1 for s in eng.waiting if not s.computed) + len(eng.future)
-        rec["num_waiting"] = fresh
-        rec["num_running"] = eng.num_unfinished - fresh
+        rec["num_waiting"] = sum(1 for s in eng.waiting if not s.computed) + len(eng.future)
+        rec["num_running"] = len(eng.running) + sum(1 for s in eng.waiting if s.computed)
         records.append(rec)
     return records

@@ -1,9 +1,12 @@
 """kvemu's SGLang flavour against SGLang 0.5.23's own scheduler and radix cache, step by step.
 
-The SGLang flavour re-implements Dynamo's mocker (``workers/sglang/engine.py``), not SGLang itself, and kvemu has no
-SGLang-exact setting (docs/vllm-semantics.md, "SGLang"). So this suite holds two things:
+By default the SGLang flavour re-implements Dynamo's mocker (``workers/sglang/engine.py``), not SGLang itself;
+``sglang.semantics: sglang-0.5.23`` makes it decide as SGLang 0.5.23 does (docs/vllm-semantics.md, "SGLang").
 
-* **Where the two are meant to agree, they do**: generated workloads (fcfs and lpm, chunked prefill or not, prefix
+* **Under the SGLang semantics every step agrees**: generated workloads with KV pressure (evictions,
+  retractions), aborts, chunked prefill or none, fcfs or lpm, and every workload below, compared on every field
+  including the pool's free and evictable slots.
+* **Under Dynamo's semantics, where the two are meant to agree, they do**: generated workloads (fcfs and lpm, chunked prefill or not, prefix
   caching on or off, shared prefixes) on a pool that never binds and without aborts give the same steps:
   extend or decode, which requests run with how many tokens in batch order, admissions with their prefix hits,
   retractions (none), finishes, and the waiting and running counts.
@@ -24,18 +27,25 @@ import pytest
 
 from tests.oracle.conftest import run_sglang_oracle_batch
 from tests.oracle.kvemu_driver import run_kvemu_sglang
-from tests.oracle.workloads import generate_sglang
+from tests.oracle.workloads import generate_retracting, generate_sglang
 
 pytestmark = pytest.mark.oracle
 
 COMPARED = ("mode", "scheduled", "admitted", "preempted", "finished", "num_waiting", "num_running")
 AGREEING_SEEDS = range(3000, 3030)
+EXACT_SEEDS = range(4000, 4022)
+RETRACTING_SEEDS = range(5000, 5040)
 MIN_STEPS = 3000
+EXACT_MIN_STEPS = 10_000
 
 
-def observed(record: dict[str, Any]) -> dict[str, Any]:
-    """The compared fields of one step (finishes as a sorted list: both report a step's ends as a set)."""
-    return {key: sorted(record[key]) if key == "finished" else record[key] for key in COMPARED}
+def observed(record: dict[str, Any], free: bool = False) -> dict[str, Any]:
+    """The compared fields of one step (finishes as a sorted list: both report a step's ends as a set); with
+    ``free``, the slots free or evictable too (the oracle's two counts, kvemu's one)."""
+    seen = {key: sorted(record[key]) if key == "finished" else record[key] for key in COMPARED}
+    if free:
+        seen["free"] = record["free_tokens"] + record.get("evictable_tokens", 0)
+    return seen
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -74,32 +84,54 @@ EVIDENCE = {
 }
 
 
-@pytest.fixture(scope="module")
-def agreeing(sglang_oracle_python: Path) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    workloads = [generate_sglang(seed, pressure=False, aborts=False) for seed in AGREEING_SEEDS]
-    return list(zip(workloads, run_sglang_oracle_batch(sglang_oracle_python, workloads)))
+Runs = list[tuple[dict[str, Any], list[dict[str, Any]]]]
 
 
 @pytest.fixture(scope="module")
-def evidence(sglang_oracle_python: Path) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
-    names = list(EVIDENCE)
-    oracle = run_sglang_oracle_batch(sglang_oracle_python, [EVIDENCE[name] for name in names])
-    return {name: (records, run_kvemu_sglang(EVIDENCE[name])) for name, records in zip(names, oracle)}
+def oracle(sglang_oracle_python: Path) -> dict[str, Runs]:
+    """Every workload of the module through SGLang in one driver process (its imports take ~15 s), by group."""
+    groups = {
+        "agreeing": [generate_sglang(seed, pressure=False, aborts=False) for seed in AGREEING_SEEDS],
+        "exact": ([generate_sglang(seed, n_requests=40) for seed in EXACT_SEEDS]
+                  + [generate_retracting(seed) for seed in RETRACTING_SEEDS]),
+        "evidence": list(EVIDENCE.values()),
+    }
+    workloads = [wl for group in groups.values() for wl in group]
+    records = iter(run_sglang_oracle_batch(sglang_oracle_python, workloads))
+    return {name: [(wl, next(records)) for wl in group] for name, group in groups.items()}
 
 
-def test_agrees_step_by_step_where_the_pool_never_binds(
-        agreeing: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
+@pytest.fixture(scope="module")
+def evidence(oracle: dict[str, Runs]) -> dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    return {name: (records, run_kvemu_sglang(wl)) for name, (wl, records) in zip(EVIDENCE, oracle["evidence"])}
+
+
+def test_the_sglang_semantics_agree_with_sglang_on_every_step(oracle: dict[str, Runs]) -> None:
+    steps = retractions = aborts = 0
+    for wl, records in oracle["exact"] + oracle["evidence"]:
+        kvemu = run_kvemu_sglang(wl, "sglang-0.5.23")
+        assert len(kvemu) == len(records), wl["config"]
+        for theirs, ours in zip(records, kvemu):
+            assert observed(ours, free=True) == observed(theirs, free=True), (wl["config"], theirs["step"])
+        steps += len(records)
+        retractions += sum(len(r["preempted"]) for r in records)
+        aborts += sum(1 for r in records for _, why in r["finished"] if why == "abort")
+    assert steps >= EXACT_MIN_STEPS
+    assert retractions > 20 and aborts > 20, (retractions, aborts)  # the draw reaches both
+
+
+def test_agrees_step_by_step_where_the_pool_never_binds(oracle: dict[str, Runs]) -> None:
     steps = hits = chunks = 0
-    for wl, oracle in agreeing:
+    for wl, records in oracle["agreeing"]:
         kvemu = run_kvemu_sglang(wl)
-        assert len(kvemu) == len(oracle), wl["config"]
-        for theirs, ours in zip(oracle, kvemu):
+        assert len(kvemu) == len(records), wl["config"]
+        for theirs, ours in zip(records, kvemu):
             assert observed(ours) == observed(theirs), (wl["config"], theirs["step"])
-        steps += len(oracle)
-        hits += sum(1 for r in oracle for _, hit in r["admitted"] if hit)
-        chunks += sum(1 for r in oracle if r["mode"] == "extend" and len(r["admitted"]) < len(r["scheduled"]))
+        steps += len(records)
+        hits += sum(1 for r in records for _, hit in r["admitted"] if hit)
+        chunks += sum(1 for r in records if r["mode"] == "extend" and len(r["admitted"]) < len(r["scheduled"]))
     assert steps >= MIN_STEPS
-    configs = [wl["config"] for wl, _ in agreeing]  # the draw covers each setting the comparison stands for
+    configs = [wl["config"] for wl, _ in oracle["agreeing"]]  # the draw covers each setting the comparison stands for
     assert {c["policy"] for c in configs} == {"fcfs", "lpm"}
     assert {c["enable_chunked_prefill"] for c in configs} == {True, False}
     assert {c["enable_prefix_caching"] for c in configs} == {True, False}

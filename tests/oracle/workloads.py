@@ -105,6 +105,39 @@ def generate_sglang(seed: int, *, pressure: bool | None = None, aborts: bool = T
     return {"config": config, "requests": requests, "max_steps": 20_000}
 
 
+def generate_retracting(seed: int) -> dict[str, Any]:
+    """An SGLang workload drawn from ``seed`` that runs decode out of pages: short prompts with shared prefixes,
+    long outputs arriving close together on a small pool (SGLang reserves only ``new_token_ratio`` of a running
+    request's remaining output, so they are admitted together and retracted once they outgrow the pool)."""
+    rng = random.Random(seed)
+    pool = rng.randint(96, 320)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 16))] for _ in range(2)]
+    requests = []
+    step = 0
+    for i in range(rng.randint(4, 24)):
+        step += rng.choice([0, 0, 1, 1, 2, 4])
+        prompt = (rng.choice(prefixes) if rng.random() < 0.5 else []) + [rng.randrange(3, VOCAB)
+                                                                          for _ in range(rng.randint(1, 12))]
+        requests.append({
+            "id": f"r{i}", "prompt": prompt,
+            "output": [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, pool // 16) if rng.random() < 0.5
+                                                                else rng.randint(pool // 4, pool // 2 - 16))],
+            "arrive_step": step, "priority": 0,
+            "abort_step": step + rng.randint(0, 40) if rng.random() < 0.1 else None,
+        })
+    chunked = rng.random() < 0.8
+    config = {
+        "block_size": 1, "num_gpu_blocks": pool, "max_num_seqs": rng.randint(3, 16),
+        "max_num_batched_tokens": rng.choice([16, 32, 64]) if chunked else pool, "enable_chunked_prefill": chunked,
+        "enable_prefix_caching": rng.random() < 0.9, "policy": "fcfs", "async_scheduling": False,
+        "max_model_len": pool, "long_prefill_token_threshold": 0, "ignore_eos": False,
+    }
+    if config["enable_prefix_caching"] and rng.random() < 0.5:
+        config["policy"] = "lpm"
+    config["schedule_conservativeness"] = rng.choice([1.0, 0.5, 0.3])  # below 1: bolder admissions, more retractions
+    return {"config": config, "requests": requests, "max_steps": 20_000}
+
+
 def from_mooncake(path: str, first: int, count: int, *, seed: int = 0, trace_block_size: int = 32,
                   max_prompt: int = 480, max_output: int = 32, blocks: int = 96) -> dict[str, Any]:
     """``count`` rows of a Mooncake-format trace from row ``first``, shrunk to an oracle-sized pool.
