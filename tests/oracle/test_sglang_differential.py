@@ -39,6 +39,26 @@ MIN_STEPS = 3000
 EXACT_MIN_STEPS = 10_000
 
 
+def stored_tokens(records: list[dict[str, Any]]) -> list[list[tuple[int, ...]]]:
+    """Each step's newly cached token positions, each named by its tokens from the root (the two sides hash
+    differently and group a step's pages into events differently, so only content is comparable)."""
+    path: dict[Any, tuple[int, ...]] = {}
+    steps = []
+    for record in records:
+        stored = []
+        for event in record["events"]:
+            if event[0] == "cleared":
+                path.clear()
+            elif event[0] == "stored":
+                _, hashes, parent, tokens, _ = event
+                here = path[parent] if parent is not None else ()
+                for h, token in zip(hashes, tokens):
+                    here = path[h] = here + (token,)
+                    stored.append(here)
+        steps.append(sorted(stored))
+    return steps
+
+
 def observed(record: dict[str, Any], free: bool = False) -> dict[str, Any]:
     """The compared fields of one step (finishes as a sorted list: both report a step's ends as a set); with
     ``free``, the slots free or evictable too (the oracle's two counts, kvemu's one)."""
@@ -113,6 +133,7 @@ def test_the_sglang_semantics_agree_with_sglang_on_every_step(oracle: dict[str, 
         assert len(kvemu) == len(records), wl["config"]
         for theirs, ours in zip(records, kvemu):
             assert observed(ours, free=True) == observed(theirs, free=True), (wl["config"], theirs["step"])
+        assert stored_tokens(kvemu) == stored_tokens(records), wl["config"]  # what each step caches, token by token
         steps += len(records)
         retractions += sum(len(r["preempted"]) for r in records)
         aborts += sum(1 for r in records for _, why in r["finished"] if why == "abort")

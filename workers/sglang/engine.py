@@ -862,7 +862,11 @@ class SglangEngineCore(RankCore):
                 self.ratio = max(self._min_ratio, self.ratio - self._decay)
         elif p.chunks:
             self._decodes_owed = self._sg.prefill_decode_interval
-        for seq in completed:  # in batch order, the aborted among them too: the order their pages age in
+        leaving = completed
+        if self._exact and aborted:  # SGLang finishes the aborted running ones with the rest, in batch order
+            gone = set(completed) | {s for s in aborted if s in self.running}
+            leaving = [s for s in (p.decode or sampled) if s in gone]
+        for seq in leaving:  # in batch order, the aborted among them too: the order their pages age in
             self.running.remove(seq)
             self._let_go(seq, cache=True)
             seq.status = FINISHED
