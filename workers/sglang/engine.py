@@ -865,7 +865,7 @@ class SglangEngineCore(RankCore):
         leaving = completed
         if self._exact and aborted:  # SGLang finishes the aborted running ones with the rest, in batch order
             gone = set(completed) | {s for s in aborted if s in self.running}
-            leaving = [s for s in (p.decode or sampled) if s in gone]
+            leaving = [s for s in p.decode or cast("list[_Seq]", sampled) if s in gone]
         for seq in leaving:  # in batch order, the aborted among them too: the order their pages age in
             self.running.remove(seq)
             self._let_go(seq, cache=True)
