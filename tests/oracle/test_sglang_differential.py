@@ -4,12 +4,12 @@ By default the SGLang flavour re-implements Dynamo's mocker (``workers/sglang/en
 ``sglang.semantics: sglang-0.5.23`` makes it decide as SGLang 0.5.23 does (docs/vllm-semantics.md, "SGLang").
 
 * **Under the SGLang semantics every step agrees**: generated workloads with KV pressure (evictions,
-  retractions), aborts, chunked prefill or none, fcfs or lpm, and every workload below, compared on every field
-  including the pool's free and evictable slots.
-* **Under Dynamo's semantics, where the two are meant to agree, they do**: generated workloads (fcfs and lpm, chunked prefill or not, prefix
-  caching on or off, shared prefixes) on a pool that never binds and without aborts give the same steps:
-  extend or decode, which requests run with how many tokens in batch order, admissions with their prefix hits,
-  retractions (none), finishes, and the waiting and running counts.
+  retractions), aborts, chunked prefill or none, fcfs or lpm, and every workload below, compared on every field,
+  the pool's free and evictable slots and the tokens each step caches included.
+* **Under Dynamo's semantics, where the two are meant to agree, they do**: generated workloads (fcfs and lpm,
+  chunked prefill or not, prefix caching on or off, shared prefixes) on a pool that never binds and without
+  aborts give the same steps: extend or decode, which requests run with how many tokens in batch order,
+  admissions with their prefix hits, retractions (none), finishes, and the waiting and running counts.
 * **Where they differ, each difference is pinned by the step that shows it** (so a change on either side is seen):
   the first output token's KV slot, admission under KV pressure, the prefill budget's boundary, an abort of a
   running request, and retraction. Each is Dynamo's mocker's behaviour, which the flavour keeps (its replay
