@@ -695,12 +695,12 @@ class SglangEngineCore(RankCore):
                 hit, unheld = cache.peek(seq.ensure_hashes(length - 1), length - 1)
             extend = length - hit
             out = min(max(seq.out_limit - seq.n_out, 0), clip)
-            if not extend + out + 1 < room - unheld - offset or (not chunking and chosen and extend >= rem_input):
+            fits = extend + out + 1 < room - unheld - offset
+            if not fits or (not chunking and chosen and extend >= rem_input):
                 if hit:
                     cache.match(seq.ensure_hashes(hit), hit)  # (SGLang looked its prefix up again before refusing)
-                if not chunking and chosen and extend >= rem_input and extend + out + 1 < room - unheld - offset:
-                    break
-                self._full = bool(chosen) or bool(running)
+                if not fits:  # (a prompt past the prefill budget only waits for the next pass)
+                    self._full = bool(chosen) or bool(running)
                 break
             n, final = extend, True
             reserve = min(seq.out_limit, clip)  # (its whole output: SGLang charges a returning request's again)
