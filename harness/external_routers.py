@@ -210,11 +210,14 @@ READY_PATHS = {"vllm-router": ("/health", "/v1/models"), "sglang-router": ("/rea
 """What answers 200 once a router can route (sglang-router's ``/health`` does before any worker registered)."""
 
 
-def router_command(spec: RouterSpec, fleet: FleetInfo, port: int, metrics_port: int) -> list[str]:
-    """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet``, its Prometheus
-    endpoint on 127.0.0.1:``metrics_port`` (both routers default to 0.0.0.0:29000: runs side by side would
-    collide). Not ``kvemu``: kvemu's own router is started by ``kvemu serve``."""
+def router_command(spec: RouterSpec, fleet: FleetInfo, port: int, metrics_port: int | None) -> list[str]:
+    """The command line that starts ``spec`` on 127.0.0.1:``port`` in front of ``fleet``, a known router's
+    Prometheus endpoint on 127.0.0.1:``metrics_port`` (both routers default to 0.0.0.0:29000: runs side by side
+    would collide; a ``cmd:`` router is given none). Not ``kvemu``: kvemu's own router is started by
+    ``kvemu serve``."""
     if spec.kind in KNOWN_ROUTERS:
+        if metrics_port is None:
+            raise RouterSpecError(f"router {spec.kind!r} needs a port for its Prometheus endpoint")
         launch = ["launch"] if spec.kind == "sglang-router" else []
         return [_executable(spec.kind), *launch, "--host", "127.0.0.1", "--port", str(port), "--prometheus-host",
                 "127.0.0.1", "--prometheus-port", str(metrics_port), *fleet_flags(spec.kind, fleet, spec.policy)]

@@ -10,6 +10,7 @@ passes run that many times faster and the report's latencies are scaled back.
 
 from __future__ import annotations
 
+import http.client
 import socket
 import subprocess
 import sys
@@ -22,13 +23,13 @@ from typing import Any
 from kvemu.errors import KvemuError
 
 from harness.run.factories import engine_config
-from harness.external_routers import READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, flag_caveats, \
-    router_command, router_folder, unique_labels
+from harness.external_routers import KNOWN_ROUTERS, READY_PATHS, READY_TIMEOUT_S, RouterSpec, RouterSpecError, \
+    flag_caveats, router_command, router_folder, unique_labels
 from harness.run.interrupts import held_signals
 from harness.run.pools import AGGREGATED
 from harness.procs.fleet import FleetInfo, FleetWorker
 from harness.procs.http_loadgen import PromptForm, http_loadgen_report
-from harness.procs.up import Children, NotStarted
+from harness.procs.up import Children, NotStarted, read_whole
 from harness.report.routers import router_row, write_router_report
 from harness.report.summary_types import Summary
 from harness.run.runner import NothingRan
@@ -73,7 +74,7 @@ def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - a 127.0.0.1 URL this process made
             return bool(resp.status == 200)
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
@@ -90,11 +91,11 @@ def _wait_ready(base: str, proc: subprocess.Popen, paths: tuple[str, ...], timeo
 
 
 def _save(url: str, path: Path) -> None:
-    """A router's Prometheus page, as it was at the end of its run (nothing when it does not answer)."""
+    """A router's Prometheus page, as it was at the end of its run (nothing when it does not answer with a whole
+    HTTP page)."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - a 127.0.0.1 URL this process made
-            path.write_bytes(resp.read(64 << 20))
-    except OSError:
+        path.write_bytes(read_whole(url, 64 << 20, 5))
+    except (OSError, http.client.HTTPException):
         pass
 
 
@@ -157,7 +158,8 @@ def _bench_one(kids: Children, spec: RouterSpec, label: str, scenario: Scenario,
             fleet, url = _kvemu_fleet(started, scenario), started["http"]
         else:
             fleet = _fleet_info(kids.start("fleet", ["fleet", *config], timeout_s=120))
-            port, metrics_port = _free_port(), _free_port()
+            port = _free_port()
+            metrics_port = _free_port() if spec.kind in KNOWN_ROUTERS else None  # a cmd: router is given none
             cmd = router_command(spec, fleet, port, metrics_port)
             (where / "router-command.txt").write_text(" ".join(cmd) + "\n")
             for caveat in (caveats := flag_caveats(spec.kind, fleet, spec.policy)):

@@ -10,6 +10,7 @@ to the fleet, counted from the first request any worker receives (the load's sta
 
 from __future__ import annotations
 
+import http.client
 import json
 import secrets
 import signal
@@ -310,5 +311,5 @@ def _first_arrival(url: str) -> int | None:
     try:
         with urllib.request.urlopen(f"{url}/kvemu/requests?after=999999999999&limit=1", timeout=2) as resp:  # noqa: S310
             return msgspec.json.decode(resp.read(1 << 20), type=TruthPage).first_arrival_ns
-    except (OSError, msgspec.DecodeError):
+    except (OSError, http.client.HTTPException, msgspec.DecodeError):
         return None

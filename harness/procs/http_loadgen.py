@@ -17,6 +17,7 @@ so inter-token latencies read as the engine's passes, not as zeros.
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 from array import array
@@ -209,7 +210,7 @@ def fetch_truth(fleet: FleetInfo, timeout_s: float = 10.0) -> tuple[list[Request
                 records.extend(page.records)
             for load in _pages(f"{url}/kvemu/load", LoadPage, timeout_s, problems):
                 samples.extend(load.samples)
-        except (OSError, msgspec.DecodeError) as exc:
+        except (OSError, http.client.HTTPException, msgspec.DecodeError) as exc:
             problems.append(f"{url}: {exc}")
     return records, samples, problems
 

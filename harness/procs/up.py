@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.request
+from http.client import HTTPException, IncompleteRead
 from pathlib import Path
 from typing import IO, Any
 
@@ -299,12 +300,21 @@ def _let_report(loadgen: subprocess.Popen[str], outdir: Path, since: float, what
         print(f"kvemu up: {what} in {outdir}", file=sys.stderr)
 
 
+def read_whole(url: str, limit: int, timeout_s: float) -> bytes:
+    """The body at ``url`` (a 127.0.0.1 URL this process made), whole and at most ``limit`` bytes; ``OSError`` or
+    ``HTTPException`` when it is not (no answer, not HTTP, cut short, longer): another process may hold the port."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - see above
+        body = resp.read(limit)
+        if resp.length:  # what its Content-Length says is still unread
+            raise IncompleteRead(body, resp.length)
+    return bytes(body)
+
+
 def _save_metrics(http: str, outdir: Path) -> None:
     """The front door's final Prometheus snapshot beside the report (``metrics.prom``)."""
     try:
-        with urllib.request.urlopen(f"{http}/metrics", timeout=5) as resp:  # noqa: S310 - our own 127.0.0.1 URL
-            text = resp.read(64 << 20)
-    except OSError as exc:
+        text = read_whole(f"{http}/metrics", 64 << 20, 5)
+    except (OSError, HTTPException) as exc:
         print(f"kvemu up: could not read the front door's metrics: {exc}", file=sys.stderr)
         return
     try:

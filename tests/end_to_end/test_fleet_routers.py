@@ -202,6 +202,7 @@ def test_bench_router_runs_kvemus_own_router_and_any_router_given_as_a_command(t
     assert sum(r["engine_cached_tokens"] for r in kvemu) > 0 and {r["dp_rank"] for r in kvemu} == {0, 1}
     for folder in ("cmd-my_router.py", "cmd-my_router.py-2"):  # each its own report: neither overwrote the other
         assert len(_requests(tmp_path / "bench" / folder)) == rows[1]["completed"]
+        assert not (tmp_path / "bench" / folder / "router-metrics.prom").exists()  # it was given no metrics port
 
 
 @pytest.mark.process_supervision

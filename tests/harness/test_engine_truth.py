@@ -11,6 +11,8 @@ from kvemu.records import EngineFacts, EngineRecord
 
 from harness.procs.engine_truth import EngineTruth, TruthPage
 
+from tests.raw_peer import NOT_HTTP, raw_peer
+
 
 def _rec(i: int, **kw) -> EngineRecord:
     return EngineRecord(request_id=f"r{i}", arrival_ns=i, isl=100, dp_rank=1, engine=EngineFacts(cached_tokens=64),
@@ -121,3 +123,19 @@ def test_a_page_of_a_million_records_costs_the_page_not_its_position():
         want = list(range(max(after, 250_000), min(max(after, 250_000) + 10, 1_250_000)))
         assert (items, nxt, dropped) == (want, want[-1] + 1, 250_000)
         assert _CountingList.touched == len(want)  # the page's entries, nothing walked to reach them
+
+
+@pytest.mark.parametrize("answer", NOT_HTTP)
+def test_a_worker_answering_something_other_than_http_is_a_problem_named_not_a_crash(answer):
+    """Reading a fleet's truth after its run: a worker whose port answers garbage (or a body cut short) is one
+    line in the problems, and the other workers' records are still read."""
+    from harness.procs.fleet import FleetInfo, FleetWorker, _first_arrival
+    from harness.procs.http_loadgen import fetch_truth
+
+    with raw_peer(answer) as url:
+        fleet = FleetInfo(model="m", kv_events_version="0.33", workers=[
+            FleetWorker(worker_id=0, pool="aggregated", url=url, dp_size=1, block_size=16, kv_events=[],
+                        kv_replay=[])])
+        records, samples, problems = fetch_truth(fleet, timeout_s=5)
+        assert _first_arrival(url) is None
+    assert records == [] and samples == [] and len(problems) == 1 and problems[0].startswith(url)

@@ -9,6 +9,8 @@ from harness.external_routers import RouterSpec, RouterSpecError, fill_command, 
     router_folder, unique_labels
 from harness.procs.fleet import FleetInfo, FleetWorker
 
+from tests.raw_peer import NOT_HTTP, raw_peer
+
 
 def _worker(wid: int, pool: str = "aggregated", dp: int = 2) -> FleetWorker:
     return FleetWorker(worker_id=wid, pool=pool, url=f"http://127.0.0.1:{9000 + wid}", dp_size=dp, block_size=64,
@@ -175,3 +177,27 @@ def test_the_routers_report_names_each_pool_and_every_caveat(tmp_path):
     text = (tmp_path / "routers.md").read_text()
     assert "4 prefill workers x 1 rank + 12 decode workers x 2 ranks" in text
     assert "- vllm-router:kv_aware: reads 16-token blocks" in text
+
+
+def test_only_a_known_router_is_given_a_metrics_port():
+    """vllm-router and sglang-router serve Prometheus where bench-router says; a ``cmd:`` router is told no such
+    port, so bench-router must not read one (whoever holds it by then is a stranger)."""
+    from harness.external_routers import router_command
+
+    cmd = router_command(parse_router("vllm-router:round_robin"), AGG, 8000, 8001)
+    assert cmd[cmd.index("--prometheus-port") + 1] == "8001"
+    with pytest.raises(RouterSpecError, match="Prometheus"):
+        router_command(parse_router("vllm-router:round_robin"), AGG, 8000, None)
+    assert router_command(parse_router("cmd:proxy {port}"), AGG, 8000, None) == ["proxy", "8000"]
+
+
+@pytest.mark.parametrize("answer", NOT_HTTP)
+def test_a_metrics_port_answering_something_other_than_http_saves_nothing_and_raises_nothing(tmp_path, answer):
+    """The Prometheus page is read at the end of a router's run from a port another process may hold by then (a
+    ZeroMQ socket answers with its greeting): the row stands, and no page is written."""
+    from harness.router_bench import _answers, _save
+
+    with raw_peer(answer) as url:
+        _save(f"{url}/metrics", tmp_path / "router-metrics.prom")
+        assert _answers(f"{url}/health") == answer.startswith(b"HTTP/1.1 200")  # a status alone says ready
+    assert not (tmp_path / "router-metrics.prom").exists()
