@@ -192,9 +192,10 @@ def _runs_processes(item: pytest.Item) -> str | None:
     return next((ran for name, ran in PROCESS_PATHS if name in parts), None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks as it finds them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The process tests form one xdist group (``PROCESS_GROUP``): two of them at once on two cores would starve
-    each other's processes.
+    each other's processes (``tests/test_xdist_groups.py`` checks that the group holds).
 
     On ``.ci/run``'s compiled re-run they are skipped: they exercise kvemu's HTTP servers, processes, scenario
     files and sweep executors, which the compiled build does not change (its router and engines run in process in
