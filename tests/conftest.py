@@ -174,6 +174,11 @@ PROCESS_GROUP = "processes"
 """The xdist group of the tests that run kvemu's (or a third party's) processes: under ``--dist loadgroup`` one
 worker runs them one at a time, beside the in-process tests on the other core (``.ci/run``'s first step)."""
 
+ORACLE_GROUP = "oracles"
+"""The engine oracles' tests: each drives one CPU-bound scheduler process, and a module's batch of workloads is run
+once for all its tests, so they too stay on one worker; a group of their own, so that they run beside the process
+tests (on the other core) rather than after them."""
+
 
 PROCESS_MARKERS = (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
                    ("sweep_executors", "sweeps on Dask and Ray"))
@@ -195,7 +200,8 @@ def _runs_processes(item: pytest.Item) -> str | None:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks as it finds them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The process tests form one xdist group (``PROCESS_GROUP``): two of them at once on two cores would starve
-    each other's processes (``tests/test_xdist_groups.py`` checks that the group holds).
+    each other's processes; the oracles' tests another (``ORACLE_GROUP``). ``tests/test_xdist_groups.py`` checks
+    that both hold.
 
     On ``.ci/run``'s compiled re-run they are skipped: they exercise kvemu's HTTP servers, processes, scenario
     files and sweep executors, which the compiled build does not change (its router and engines run in process in
@@ -205,6 +211,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ran = _runs_processes(item)
         if ran is None:
             continue
-        item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP))
+        oracle = "oracle" in Path(str(item.fspath)).parts
+        item.add_marker(pytest.mark.xdist_group(ORACLE_GROUP if oracle else PROCESS_GROUP))
         if rerun:
             item.add_marker(pytest.mark.skip(reason=f"{RERUN_ENV}=1: {ran} ran on .ci/run's first step"))

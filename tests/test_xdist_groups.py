@@ -1,7 +1,8 @@
-"""The process tests run one at a time on one pytest-xdist worker (``tests/conftest.py``'s ``PROCESS_GROUP``), as
-``.ci/run`` asks with ``--dist loadgroup``: checked in a small pytest session of its own, because the grouping fails
-silently (pytest 9.2 with pytest-xdist 3.8, or a group mark added after xdist read the marks) and then process
-tests starve each other on two cores and a module's expensive fixture is built once per worker."""
+"""The process tests run one at a time on one pytest-xdist worker (``tests/conftest.py``'s ``PROCESS_GROUP``), and
+the oracles' tests on one worker (``ORACLE_GROUP``), as ``.ci/run`` asks with ``--dist loadgroup``. Checked in a
+small pytest session of its own, because the grouping fails silently (pytest 9.2 with pytest-xdist 3.8, or a group
+mark added after xdist read the marks), and then process tests starve each other on two cores and a module's
+expensive fixture is built once per worker."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def test_the_process_tests_run_on_one_worker_under_loadgroup(tmp_path: Path) -> 
     marked = "import pytest\n\n" + "\n".join(
         f"@pytest.mark.process_supervision\ndef test_marked_{i}():\n    _ran('process')\n" for i in range(4))
     (tmp_path / "test_marked.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"), tests=marked))
+    (tmp_path / "oracle").mkdir()
+    for module in range(2):
+        tests = "\n".join(f"def test_{module}_{i}():\n    _ran('oracle')\n" for i in range(3))
+        (tmp_path / "oracle" / f"test_oracle_{module}.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"),
+                                                                                     tests=tests))
     plain = "\n".join(f"def test_plain_{i}():\n    _ran('plain')\n" for i in range(40))
     (tmp_path / "test_plain.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"), tests=plain))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -44,6 +50,7 @@ def test_the_process_tests_run_on_one_worker_under_loadgroup(tmp_path: Path) -> 
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     ran = [line.split() for line in (tmp_path / "ran.txt").read_text().splitlines()]
-    assert len(ran) == 56
+    assert len(ran) == 62
     assert len({worker for kind, worker in ran if kind == "process"}) == 1, ran
+    assert len({worker for kind, worker in ran if kind == "oracle"}) == 1, ran
     assert len({worker for kind, worker in ran}) == 2, ran  # the other tests ran beside them
