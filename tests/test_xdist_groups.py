@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import RERUN_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _CONFTEST = "from tests.conftest import pytest_collection_modifyitems  # noqa: F401 - the hook under test\n"
@@ -45,6 +47,7 @@ def test_the_process_tests_run_on_one_worker_under_loadgroup(tmp_path: Path) -> 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop(RERUN_ENV, None)  # (the compiled re-run skips process tests; this session runs them all)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
                            "loadgroup", str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
