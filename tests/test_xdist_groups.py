@@ -29,21 +29,19 @@ def _ran(name):
 
 
 def test_the_process_tests_run_on_one_worker_under_loadgroup(tmp_path: Path) -> None:
+    def module(path: Path, kind: str, n: int, mark: str = "") -> None:
+        """A test module of ``n`` tests that note their ``kind`` and their worker."""
+        tests = "\n".join(f"{mark}def test_{i}():\n    _ran({kind!r})\n" for i in range(n))
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"), tests=f"import pytest\n\n{tests}"))
+
     (tmp_path / "conftest.py").write_text(_CONFTEST)
-    (tmp_path / "end_to_end").mkdir()
-    for module in range(3):  # grouped by their path (end_to_end) and by their marker
-        tests = "\n".join(f"def test_{module}_{i}():\n    _ran('process')\n" for i in range(4))
-        (tmp_path / "end_to_end" / f"test_e2e_{module}.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"), tests=tests))
-    marked = "import pytest\n\n" + "\n".join(
-        f"@pytest.mark.process_supervision\ndef test_marked_{i}():\n    _ran('process')\n" for i in range(4))
-    (tmp_path / "test_marked.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"), tests=marked))
-    (tmp_path / "oracle").mkdir()
-    for module in range(2):
-        tests = "\n".join(f"def test_{module}_{i}():\n    _ran('oracle')\n" for i in range(3))
-        (tmp_path / "oracle" / f"test_oracle_{module}.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"),
-                                                                                     tests=tests))
-    plain = "\n".join(f"def test_plain_{i}():\n    _ran('plain')\n" for i in range(40))
-    (tmp_path / "test_plain.py").write_text(_GROUPED.format(ran=str(tmp_path / "ran.txt"), tests=plain))
+    for i in range(3):  # grouped by their path (end_to_end) and by their marker
+        module(tmp_path / "end_to_end" / f"test_e2e_{i}.py", "process", 4)
+    module(tmp_path / "test_marked.py", "process", 4, "@pytest.mark.process_supervision\n")
+    for i in range(2):
+        module(tmp_path / "oracle" / f"test_oracle_{i}.py", "oracle", 3)
+    module(tmp_path / "test_plain.py", "plain", 40)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PYTEST_ADDOPTS", None)
     env.pop("PYTEST_XDIST_WORKER", None)
