@@ -14,6 +14,7 @@ requests sharing a 512-token prefix decode as fast as two disjoint ones.)
 
 from __future__ import annotations
 
+import math
 from array import array
 from itertools import accumulate
 from collections.abc import Iterable
@@ -78,9 +79,27 @@ class PolynomialTiming:
 
 
 def _decode_ns(actives: Iterable[int], total_kv_tokens: int, scale: float) -> list[int]:
-    t = total_kv_tokens
-    return [round((v if (v := -25.74 * (p := (a / t if a < t else 1.0)) * p + 54.01 * p + 5.74) > 1.0 else 1.0)
-                  * scale) for a in actives]
+    t = float(total_kv_tokens)
+    exact = total_kv_tokens < 1 << 53  # then int / int divides the two floats, as _decode_one does
+    return [_decode_one(a, total_kv_tokens, t, exact, scale) for a in actives]
+
+
+def _decode_one(a: int, total_kv_tokens: int, t: float, exact: bool, scale: float) -> int:
+    """One scaled decode duration: ``round(PolynomialTiming().decode_ms(a, total_kv_tokens) * scale)``."""
+    p = 1.0
+    if a < total_kv_tokens:
+        p = float(a) / t if exact else a / total_kv_tokens
+    ms = -25.74 * p * p + 54.01 * p + 5.74
+    return _round_half_even((ms if ms > 1.0 else 1.0) * scale)
+
+
+def _round_half_even(x: float) -> int:
+    """``round(x)``, ties to even, worked out in floats (compiled, it makes no call into Python's ``round``)."""
+    f = math.floor(x)
+    diff = x - f  # exact: the fraction of x (and 0 once x is too large to have one)
+    if diff > 0.5 or (diff == 0.5 and f & 1):
+        return f + 1
+    return f
 
 
 _CHUNK = 4096

@@ -215,3 +215,26 @@ def test_prefix_sums_of_the_kept_run_time_any_stretch_of_passes(calls, slow_at, 
                 assert t.decode_series_ns(first, step, count) == passes
     finally:
         timing._RUN_MAX = kept
+
+
+@given(x=st.one_of(st.floats(-1e18, 1e18), st.integers(-10**9, 10**9).map(lambda n: n / 2),
+                   st.integers(0, 1 << 60).map(float)))
+def test_round_half_even_is_pythons_round(x):
+    """The tabulated durations round without calling ``round``: same integer, ties to even, at every magnitude."""
+    assert timing._round_half_even(x) == round(x)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_round_half_even_refuses_what_round_refuses(bad):
+    with pytest.raises((OverflowError, ValueError)) as theirs:
+        round(bad)
+    with pytest.raises(theirs.type):
+        timing._round_half_even(bad)
+
+
+@given(lo=st.integers(0, 3000), n=st.integers(0, 300), total=st.sampled_from([7, 512, 1000, (1 << 53) + 1]),
+       scale=st.sampled_from([1_000_000 / 1.7, 1_000_000.0, 1_000_000 / 0.3]))
+def test_a_tabulated_chunk_is_the_polynomial_rounded(lo, n, total, scale):
+    model = PolynomialTiming()
+    want = [round(model.decode_ms(a, total) * scale) for a in range(lo, lo + n)]
+    assert timing._decode_ns(range(lo, lo + n), total, scale) == want
