@@ -182,19 +182,21 @@ tests (on the other core) rather than after them."""
 
 PROCESS_MARKERS = (("third_party_routers", "third-party routers"), ("process_supervision", "process supervision"),
                    ("sweep_executors", "sweeps on Dask and Ray"))
-PROCESS_PATHS = (("end_to_end", "end-to-end process tests"), ("test_examples_fresh_clone.py", "the examples' validation"),
-                 ("oracle", "the engine oracles' scheduler processes"))
-"""What drives processes, by marker (or a path part of that name) and by path part, with what it exercises."""
+PROCESS_PATHS = (("end_to_end", "end-to-end process tests", PROCESS_GROUP),
+                 ("test_examples_fresh_clone.py", "the examples' validation", PROCESS_GROUP),
+                 ("oracle", "the engine oracles' scheduler processes", ORACLE_GROUP))
+"""What drives processes, by marker (or a path part of that name) and by path part, with what it exercises and the
+xdist group it runs in (markers: ``PROCESS_GROUP``)."""
 
 
-def _runs_processes(item: pytest.Item) -> str | None:
+def _runs_processes(item: pytest.Item) -> tuple[str, str] | None:
     """What ``item`` exercises if it drives processes (HTTP routers, supervision, sweep executors, end-to-end
-    tests, the examples' validation in a bare clone), else ``None``."""
+    tests, the examples' validation in a bare clone, the engine oracles) and its xdist group, else ``None``."""
     parts = Path(str(item.fspath)).parts
     for marker, ran in PROCESS_MARKERS:
         if marker in item.keywords or marker in parts:
-            return ran
-    return next((ran for name, ran in PROCESS_PATHS if name in parts), None)
+            return ran, PROCESS_GROUP
+    return next(((ran, group) for name, ran, group in PROCESS_PATHS if name in parts), None)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks as it finds them
@@ -208,10 +210,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the rest of the suite), and the first step has run them (this keeps ``.ci/run`` inside its time budget)."""
     rerun = os.environ.get(RERUN_ENV) == "1"
     for item in items:
-        ran = _runs_processes(item)
-        if ran is None:
+        found = _runs_processes(item)
+        if found is None:
             continue
-        oracle = "oracle" in Path(str(item.fspath)).parts
-        item.add_marker(pytest.mark.xdist_group(ORACLE_GROUP if oracle else PROCESS_GROUP))
+        ran, group = found
+        item.add_marker(pytest.mark.xdist_group(group))
         if rerun:
             item.add_marker(pytest.mark.skip(reason=f"{RERUN_ENV}=1: {ran} ran on .ci/run's first step"))
