@@ -131,10 +131,13 @@ class _Inbox:
     and the inbox takes no more messages.
     """
 
-    __slots__ = ("handler", "backlog", "closed", "error", "_wake")
+    __slots__ = ("handler", "backlog", "closed", "error", "loop", "_wake")
 
     def __init__(self) -> None:
         self.handler: Callable[..., None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop ``serve`` runs on, while it runs: senders schedule deliveries on it without asking for the
+        running loop (``asyncio.get_running_loop`` makes a ``getpid`` system call per message)."""
         self.backlog: list[tuple] = []
         self.closed = False
         self.error: BaseException | None = None
@@ -158,6 +161,7 @@ class _Inbox:
         if self.closed:
             return
         self.handler = handler
+        self.loop = asyncio.get_running_loop()
         self._wake = wake = anyio.Event()
         backlog, self.backlog = self.backlog, []
         for args in backlog:
@@ -165,7 +169,7 @@ class _Inbox:
         try:
             await wake.wait()
         finally:
-            self.handler = None
+            self.handler = self.loop = None
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -194,7 +198,7 @@ class _Link:
             if msg is None:
                 return
             args = (*head, msg)
-        loop = asyncio.get_running_loop()
+        loop = inbox.loop or asyncio.get_running_loop()
         if self.delay_s:
             loop.call_later(self.delay_s, inbox.deliver, *args)
         else:

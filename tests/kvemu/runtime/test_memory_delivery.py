@@ -58,6 +58,38 @@ def test_a_handler_that_raises_ends_its_serve_with_that_error():
     assert info.group_contains(RuntimeError, match="registration refused")
 
 
+def test_a_network_outlives_its_loop_messages_sent_between_runs_wait_for_the_next_serve():
+    """A receiver that served on one loop and stopped takes what comes later on its next serve, on a new loop
+    (deliveries are scheduled on the serving loop, and on the sender's while nobody serves)."""
+    clock = ManualClock()
+    net = MemoryNetwork(latency_ns=1_000)
+    router, worker = net.router_end(), net.worker_end(3)
+    got: list[tuple[int, int]] = []
+
+    def serve_for(before: range, during: range, after: range) -> None:
+        async def main() -> None:
+            for i in before:  # nobody serves yet (the last serve ran on a loop that is closed now)
+                worker.send_nowait(Heartbeat(worker_id=i))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(router.serve, lambda peer, msg: got.append((clock.now_ns(), msg.worker_id)))
+                await anyio.sleep(0)
+                for i in during:
+                    worker.send_nowait(Heartbeat(worker_id=i))
+                await anyio.sleep(0.001)
+                tg.cancel_scope.cancel()
+            for i in after:  # nobody serves now: kept for the next serve
+                worker.send_nowait(Heartbeat(worker_id=i))
+            await anyio.sleep(0.001)
+
+        run_virtual(main, clock)
+
+    serve_for(range(0), range(0, 2), range(2, 4))
+    assert [w for _, w in got] == [0, 1]
+    serve_for(range(4, 5), range(5, 6), range(0))  # a second loop: the backlog first, then the rest in order
+    assert [w for _, w in got] == [0, 1, 2, 3, 4, 5]
+    assert got[2][0] == got[3][0] < got[4][0] == got[5][0]  # the backlog at once, the rest after the latency
+
+
 def test_a_closed_end_stops_serving_and_drops_what_comes_later():
     clock = ManualClock()
     net = MemoryNetwork()
