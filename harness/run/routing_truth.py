@@ -65,12 +65,11 @@ class RoutingTruth:
         self._core = core
         self._judge = RegretJudge()
 
-    def _held(self, key: RankKey, hashes: list[int]) -> int:
-        core = self._core(*key)
-        return core.cached_prefix_blocks(hashes) if core is not None else 0
-
     def __call__(self, hashes: list[int], ranks: tuple[RankKey, ...], chosen: RankKey,
                  session: str | None) -> tuple[int, int, str | None]:
-        have = {key: self._held(key, hashes) for key in ranks}
-        mine = have[chosen] if chosen in have else self._held(chosen, hashes)
-        return self._judge(have, ranks, chosen, mine, session)
+        rank_core = self._core
+        have: dict[RankKey, int] = {}
+        for key in (*ranks, chosen) if chosen not in ranks else ranks:
+            core = rank_core(*key)
+            have[key] = core.cached_prefix_blocks(hashes) if core is not None else 0
+        return self._judge(have, ranks, chosen, have[chosen], session)

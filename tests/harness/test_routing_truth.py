@@ -54,3 +54,28 @@ def test_sessions_remembered_are_bounded():
         truth(H, ((0, 0),), (0, 0), f"s{i}")
     last = truth._judge._last  # (the judge remembers them)
     assert len(last) == MAX_SESSIONS and "s0" not in last and f"s{MAX_SESSIONS + 4}" in last
+
+
+def test_the_cluster_gives_the_probe_each_running_ranks_engine_and_none_for_a_gone_one():
+    """``Cluster.core``, what the probe reads: the engine of a running rank, None for a gone worker or a dead
+    rank, and the worker's own refusal for a rank it does not have."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from harness.run.cluster import Cluster
+    from harness.scenario import default_scenario_text, parse_scenario
+    from kvemu.clock import ManualClock
+    from kvemu.errors import InvalidArgument
+    from kvemu.hooks import Hooks
+    from workers.config import EngineConfig
+    from workers.mock_worker import MockWorker
+
+    cluster = Cluster(parse_scenario(default_scenario_text()), ManualClock(), Hooks())
+    worker = MockWorker(EngineConfig(dp_size=2, num_gpu_blocks=64, block_size=16), worker_id=5, dp_start_rank=2)
+    cluster.workers[5] = SimpleNamespace(worker=worker, dead_ranks={3})  # type: ignore[assignment]
+    assert cluster.core(5, 2) is worker.cores[0]
+    assert cluster.core(5, 3) is None and cluster.core(6, 2) is None
+    for rank in (1, 4):
+        with pytest.raises(InvalidArgument, match=f"dp_rank {rank} does not exist on worker 5"):
+            cluster.core(5, rank)
