@@ -18,7 +18,7 @@ from typing import Final, Protocol, TypeVar
 
 from kvemu import _build
 
-__all__ = ["HashMap", "SegMap", "HashMapLike", "SegMapLike", "all_u64_py", "NATIVE_MAPS"]
+__all__ = ["HashMap", "SegMap", "HashMapLike", "SegMapLike", "all_u64_py", "distinct_u64_py", "NATIVE_MAPS"]
 
 _U64_LIMIT = 1 << 64
 V = TypeVar("V")
@@ -108,6 +108,14 @@ class SegMap(dict[int, V]):
 def all_u64_py(items: list[object]) -> bool:
     """Whether every item is an exact int in [0, 2**64): what the native maps may be handed."""
     return all(type(x) is int and 0 <= x < _U64_LIMIT for x in items)
+
+
+def distinct_u64_py(items: list[object], extra: object = None) -> bool | None:
+    """None when an item, or ``extra`` (unless None), is not an exact int in [0, 2**64); else whether the items are
+    pairwise distinct and ``extra`` is none of them (a store's chain and its parent)."""
+    if not all_u64_py(items) or (extra is not None and not all_u64_py([extra])):
+        return None
+    return len(set(items)) == len(items) and extra not in items
 
 
 def _native() -> ModuleType | None:

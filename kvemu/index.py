@@ -216,8 +216,11 @@ class PrefixIndex:
                 field="local_hashes", worker_id=worker_id, dp_rank=dp_rank,
             )
         maps = self._maps
-        if maps is not None and not (maps.all_u64(block_hashes) and (parent_hash is None or maps.all_u64([parent_hash]))):
-            self._to_dicts()
+        distinct: bool | None = None  # (the native maps tell it with the hashes' check, in one pass)
+        if maps is not None:
+            distinct = maps.distinct_u64(block_hashes, parent_hash)
+            if distinct is None:  # a hash the native maps cannot hold: the dicts from now on
+                self._to_dicts()
         key = (worker_id, dp_rank)
         slot = self._slot_of.get(key)
         lk = self._lookup[slot] if slot is not None else None
@@ -233,7 +236,9 @@ class PrefixIndex:
             off = _offset(seg.seqs, pseq)
         if n == 0:
             return
-        if len(set(block_hashes)) != n or (parent_hash is not None and parent_hash in block_hashes):
+        if distinct is None:
+            distinct = len(set(block_hashes)) == n and (parent_hash is None or parent_hash not in block_hashes)
+        if not distinct:
             repeated = parent_hash if parent_hash in block_hashes else next(
                 h for i, h in enumerate(block_hashes) if h in block_hashes[:i])
             raise InvalidBlockSequence(

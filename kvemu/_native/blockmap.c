@@ -680,8 +680,71 @@ static PyObject *all_u64(PyObject *module, PyObject *items) {
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(distinct_u64_doc, "distinct_u64(items, extra, /)\n--\n\n"
+"None when an item of the list, or extra (unless extra is None), is not an exact int in [0, 2**64); else whether "
+"the items are pairwise distinct and extra is none of them (a store's chain and its parent).");
+
+#define DISTINCT_SMALL 16 /* up to this many values: compared pairwise, no table */
+
+/* Whether vals[0..n) are pairwise distinct: 1 yes, 0 no, -1 out of memory (set). Beyond a few values, through a
+ * scratch table of the maps' own kind. */
+static int all_distinct(const uint64_t *vals, Py_ssize_t n) {
+    if (n <= DISTINCT_SMALL) {
+        for (Py_ssize_t i = 1; i < n; i++)
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (vals[i] == vals[j])
+                    return 0;
+        return 1;
+    }
+    Table seen = {NULL, NULL, 0, 64, 0, 0};
+    if (reserve(&seen, n) < 0)
+        return -1;
+    int distinct = 1;
+    for (Py_ssize_t i = 0; i < n && distinct; i++) {
+        if (find(&seen, vals[i]) >= 0)
+            distinct = 0;
+        else
+            insert(&seen, vals[i], 0);
+    }
+    PyMem_Free(seen.ctrl);
+    PyMem_Free(seen.ent);
+    return distinct;
+}
+
+static PyObject *distinct_u64(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (check_nargs("distinct_u64", nargs, 2, 2) < 0 || check_list(args[0], "items") < 0)
+        return NULL;
+    PyObject *items = args[0];
+    /* Every value into a C buffer first (the extra one last): reading an int runs no Python code, so the list
+     * cannot change under the loop; nothing is allocated through Python's object allocator after it. */
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    Py_ssize_t total = n + (args[1] != Py_None);
+    uint64_t small[DISTINCT_SMALL];
+    uint64_t *vals = total <= DISTINCT_SMALL ? small : PyMem_New(uint64_t, total);
+    if (vals == NULL)
+        return PyErr_NoMemory();
+    PyObject *result = NULL;
+    int rc = 1;
+    for (Py_ssize_t j = 0; j < total && rc > 0; j++) {
+        PyObject *o = j < n ? PyList_GET_ITEM(items, j) : args[1];
+        rc = PyLong_CheckExact(o) ? kvemu_u64_of(o, &vals[j]) : 0;
+    }
+    if (rc == 0) {
+        result = Py_NewRef(Py_None);
+    } else if (rc > 0) {
+        int distinct = all_distinct(vals, total);
+        if (distinct >= 0)
+            result = PyBool_FromLong(distinct);
+    }
+    if (vals != small)
+        PyMem_Free(vals);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"all_u64", (PyCFunction)all_u64, METH_O, all_u64_doc},
+    {"distinct_u64", (PyCFunction)(void (*)(void))distinct_u64, METH_FASTCALL, distinct_u64_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -211,6 +211,30 @@ def test_all_u64_agrees(native):
         assert outcome(native.all_u64, bad)[0] == "TypeError"
 
 
+@settings(max_examples=max(EXAMPLES // 2, 50), deadline=None)
+@given(items=st.one_of(*(st.lists(st.one_of(st.sampled_from(POOL), st.integers(0, 80), st.sampled_from(MAP_HOSTILE + [2.0])),
+                                  min_size=lo, max_size=hi) for lo, hi in ((0, 16), (17, 70)))),
+       extra=st.one_of(st.none(), st.sampled_from(POOL), st.integers(0, 40), st.sampled_from(MAP_HOSTILE + [2.0])))
+def test_distinct_u64_agrees(native, items, extra):
+    """A store's chain check: None for a value the native maps cannot hold, else whether the chain and its parent
+    are pairwise distinct; pairwise up to 16 values, through a table beyond (lists of up to 70)."""
+    assert native.distinct_u64(items, extra) is blockmap.distinct_u64_py(items, extra)
+
+
+def test_distinct_u64_finds_a_repeat_anywhere_in_long_chains(native):
+    chain = [i * 0x9E3779B97F4A7C15 & U64_MASK for i in range(1, 5_000)]
+    assert native.distinct_u64(chain, None) is True and native.distinct_u64(chain, 0) is True
+    for at in (0, 17, 4_998):
+        assert native.distinct_u64(chain + [chain[at]], None) is False
+        assert native.distinct_u64(chain, chain[at]) is False
+    assert native.distinct_u64([], None) is True and native.distinct_u64([], 1 << 64) is None
+    assert native.distinct_u64(chain + [-1], None) is None and native.distinct_u64(chain + [True], None) is None
+    for bad in ((1, 2), None, 5, iter([1])):
+        assert outcome(native.distinct_u64, bad, None)[0] == "TypeError"
+    for args in ((), ([1],), ([1], None, None)):
+        assert outcome(native.distinct_u64, *args)[0] == "TypeError"
+
+
 def test_arguments_are_checked(native):
     nh, ns = native.HashMap(), native.SegMap()
     for call in (lambda: nh.get(), lambda: nh.get(1, 2, 3), lambda: nh.update_pairs([1]), lambda: ns.set_many([1]),
