@@ -27,12 +27,6 @@ DEFAULT_TRACE_BLOCK_SIZE = 512
 U32_MASK = (1 << 32) - 1
 """A token is its hash id's low 32 bits."""
 _U64_LIMIT = 1 << 64
-_TOKEN_BLOCK_MEMO = 1 << 16
-"""Local hashes kept per block size (a trace's prompts share most of their hash ids; cleared when full)."""
-_TOKEN_BLOCK_SIZES = 8
-"""Block sizes kept at once (all are dropped when another comes)."""
-_TOKEN_BLOCK_HASHES: dict[int, dict[int, int]] = {}
-"""Per block size: a trace token's local block hash (``block_size`` copies of it, seed 1337)."""
 
 
 def _is_int(value: object) -> bool:
@@ -146,20 +140,11 @@ class HashIdTokens(TokenSequence):
             return local_block_hashes(self.to_list(), block_size)
         per = tbs // block_size
         n_blocks = self._len // block_size
-        full, rest = divmod(n_blocks, per)
-        ids = self.hash_ids
-        memo = _TOKEN_BLOCK_HASHES.get(block_size)
-        if memo is None or len(memo) >= _TOKEN_BLOCK_MEMO:
-            if memo is None and len(_TOKEN_BLOCK_HASHES) >= _TOKEN_BLOCK_SIZES:
-                _TOKEN_BLOCK_HASHES.clear()
-            memo = _TOKEN_BLOCK_HASHES[block_size] = {}
         out: list[int] = []
-        for b in range(full + (rest > 0)):
-            token = ids[b]
-            h = memo.get(token)
-            if h is None:
-                h = memo[token] = xxhash.xxh3_64_intdigest(struct.pack("<I", token) * block_size, BASE_SEED)
-            out += [h] * (per if b < full else rest)
+        ids = self.hash_ids
+        for b in range(-(-n_blocks // per)):
+            h = xxhash.xxh3_64_intdigest(struct.pack("<I", ids[b]) * block_size, BASE_SEED)
+            out += [h] * min(per, n_blocks - b * per)
         return out
 
     def __repr__(self) -> str:

@@ -58,24 +58,6 @@ def test_lazy_tokens_equal_the_expansion_and_hash_identically(ids, length, tbs, 
     assert lazy.local_block_hashes(bs) == local_block_hashes(full, bs)
 
 
-def test_the_shared_memo_of_token_block_hashes_stays_bounded_and_right(monkeypatch):
-    """Prompts share their token blocks' local hashes through one memo per block size: bounded in entries and in
-    block sizes, and every prompt hashes as its expansion does, memo full, cleared or not."""
-    from workers import hash_id_prompt
-
-    monkeypatch.setattr(hash_id_prompt, "_TOKEN_BLOCK_HASHES", {})
-    monkeypatch.setattr(hash_id_prompt, "_TOKEN_BLOCK_MEMO", 5)
-    monkeypatch.setattr(hash_id_prompt, "_TOKEN_BLOCK_SIZES", 2)
-    memo = hash_id_prompt._TOKEN_BLOCK_HASHES
-    for first in range(0, 40, 3):
-        for bs in (2, 4, 1, 4):
-            ids = list(range(first, first + 4))
-            lazy = HashIdTokens(ids, 30, 8)
-            assert lazy.local_block_hashes(bs) == local_block_hashes(expand_hash_ids(ids, 30, 8), bs)
-            assert len(memo) <= 2 and all(len(m) <= 5 + 4 for m in memo.values())
-    assert memo[4] == {t: local_block_hashes([t] * 4, 4)[0] for t in memo[4]}
-
-
 def test_a_trace_prompt_is_hashed_once_for_router_and_engine():
     """The router's load tracking and the engine's cache use the same memoized sequence hashes."""
     from kvemu import RoutingCore
