@@ -717,7 +717,7 @@ static PyObject *distinct_u64(PyObject *module, PyObject *const *args, Py_ssize_
         return NULL;
     PyObject *items = args[0];
     /* Every value into a C buffer first (the extra one last): reading an int runs no Python code, so the list
-     * cannot change under the loop; nothing is allocated through Python's object allocator after it. */
+     * cannot change under the loop, and the check then works on the copies alone. */
     Py_ssize_t n = PyList_GET_SIZE(items);
     Py_ssize_t total = n + (args[1] != Py_None);
     uint64_t small[DISTINCT_SMALL];
