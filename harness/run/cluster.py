@@ -200,10 +200,7 @@ class Cluster:
         actor = self.workers.get(worker_id)
         if actor is None or dp_rank in actor.dead_ranks:
             return None
-        worker = actor.worker
-        cores = worker.cores
-        i = dp_rank - worker.dp_start_rank
-        return cores[i] if 0 <= i < len(cores) else worker.core(dp_rank)  # (an unknown rank: the worker says so)
+        return actor.worker.core(dp_rank)
 
     async def _start_router(self, router: Router, replica: int = 0) -> None:
         self.wiring.before_select(router, self.sync_workers)
