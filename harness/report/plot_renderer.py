@@ -259,7 +259,12 @@ def _draw_job(job: PlotJob) -> None:
 
 
 def _say_why(job: PlotJob, exc: BaseException) -> None:
-    """``PLOTS_ERROR`` in the report's directory: what failed, for a reader the parent can no longer tell."""
+    """``PLOTS_ERROR`` in the report's directory: what failed, for a reader the parent can no longer tell; written
+    under a temporary name, then renamed, as the plots are (a reader never sees it empty or half written)."""
+    path = Path(job.outdir) / PLOTS_ERROR
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")  # (both renderer processes may fail)
     with contextlib.suppress(OSError):
-        (Path(job.outdir) / PLOTS_ERROR).write_text(
-            f"kvemu: the plots could not be drawn: {type(exc).__name__}: {exc}\n")
+        part.write_text(f"kvemu: the plots could not be drawn: {type(exc).__name__}: {exc}\n")
+        os.replace(part, path)
+    with contextlib.suppress(OSError):
+        part.unlink(missing_ok=True)
